@@ -1,0 +1,72 @@
+"""attn-core: the attention-backend contract, KV-cache types, registry and reference backend.
+
+`import attn_core` is light: torch is imported only when a torch-backed name is first used, so listing
+backends costs no torch import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (loaded on first access)
+_EXPORTS = {
+    # torch-free
+    "AttnError": "attn_core.errors",
+    "InvalidArgumentError": "attn_core.errors",
+    "UnsupportedFeatureError": "attn_core.errors",
+    "KVCacheError": "attn_core.errors",
+    "RegistryError": "attn_core.errors",
+    "UnknownBackendError": "attn_core.errors",
+    "BackendNotInstalledError": "attn_core.errors",
+    "BackendUnavailableError": "attn_core.errors",
+    "IncompatibleBackendError": "attn_core.errors",
+    "NoBackendError": "attn_core.errors",
+    "ApiVersionMismatchError": "attn_core.errors",
+    "DuplicateBackendError": "attn_core.errors",
+    "BackendLoadError": "attn_core.errors",
+    "ForwardMode": "attn_core.forward_mode",
+    "Capabilities": "attn_core.capabilities",
+    "CudaGraphLevel": "attn_core.capabilities",
+    "Feature": "attn_core.capabilities",
+    "Requirements": "attn_core.capabilities",
+    "BackendSpec": "attn_core.spec",
+    "API_VERSION": "attn_core.spec",
+    "list_backends": "attn_core.registry",
+    "get_backend_class": "attn_core.registry",
+    "create_backend": "attn_core.registry",
+    "select_backend": "attn_core.registry",
+    "explain": "attn_core.registry",
+    "register_backend": "attn_core.registry",
+    # torch-backed
+    "AttentionBackend": "attn_core.backend",
+    "BackendContext": "attn_core.context",
+    "AttentionLayer": "attn_core.layer",
+    "ForwardBatch": "attn_core.batch",
+    "SpecInfo": "attn_core.batch",
+    "RequestShape": "attn_core.batch_builder",
+    "build_forward_batch": "attn_core.batch_builder",
+    "release_forward_batch": "attn_core.batch_builder",
+    "ReqToTokenPool": "attn_core.memory",
+    "TokenAllocator": "attn_core.memory",
+    "PagedTokenAllocator": "attn_core.memory",
+    "MHATokenToKVPool": "attn_core.memory",
+    "MLATokenToKVPool": "attn_core.memory",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'attn_core' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,206 @@
+"""`AttentionBackend`: the contract every backend implements.
+
+Life of a step: the engine calls `init_forward_metadata(batch)` once, then every layer calls
+`forward(q, k, v, layer, batch)`. With CUDA graphs: `init_cuda_graph_state` once, then per captured
+batch size `init_forward_metadata_capture_cuda_graph` before capture, and per replay
+`init_forward_metadata_replay_cuda_graph` (which writes into the buffers the graph reads).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import ClassVar, Optional, Union
+
+import torch
+
+from attn_core.batch import ForwardBatch, SpecInfo
+from attn_core.capabilities import Capabilities, Feature
+from attn_core.context import BackendContext, _dtype_name
+from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.forward_mode import ForwardMode
+from attn_core.layer import AttentionLayer
+
+Output = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+
+#: forward() keyword extras every backend understands (when it declares the matching feature):
+#: sinks: float32 `[num_q_heads]` per-head sink logits; return_lse: also return the natural-log LSE.
+CORE_EXTRAS = frozenset({"sinks", "return_lse"})
+
+
+class AttentionBackend(abc.ABC):
+    """Base class of attention backends. Subclasses set `name` and `capabilities` and implement
+    `init_forward_metadata`, `forward_decode` and `forward_extend` (and the CUDA-graph methods when
+    `capabilities.cuda_graph` is above NEVER).
+
+    `forward_decode` / `forward_extend` receive q as `[T, Hq, D]`, k/v as `[T, Hkv, D]` (or None),
+    inputs already validated, and must return `[T, Hq*Dv]` (plus LSE `[T, Hq]` float32 when
+    `return_lse`). They must not synchronize with the host.
+    """
+
+    name: ClassVar[str] = ""
+    capabilities: ClassVar[Capabilities]
+    #: backend-specific forward() extras accepted on top of CORE_EXTRAS
+    extra_forward_args: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, ctx: BackendContext, **options):
+        if options:
+            raise InvalidArgumentError("options", f"no unknown options for backend {self.name!r}", sorted(options))
+        self.ctx = ctx
+        self.device = ctx.device
+        self.forward_metadata = None
+        self._checked_layers: set[int] = set()
+
+    # ---- per-step metadata -------------------------------------------------------------------
+    @abc.abstractmethod
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Build everything the layers of this step need (once per step, shared by all layers)."""
+
+    # ---- CUDA graphs ---------------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Allocate the persistent buffers graphs will read (sized for `max_bs` requests and
+        `max_num_tokens` tokens)."""
+        raise UnsupportedFeatureError(self.name, "CUDA graphs")
+
+    def init_forward_metadata_capture_cuda_graph(
+        self,
+        bs: int,
+        num_tokens: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        encoder_lens: Optional[torch.Tensor],
+        forward_mode: ForwardMode,
+        spec_info: Optional[SpecInfo],
+    ) -> None:
+        """Point the metadata at the graph buffers for batch size `bs` before capturing."""
+        raise UnsupportedFeatureError(self.name, "CUDA graphs")
+
+    def init_forward_metadata_replay_cuda_graph(
+        self,
+        bs: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_sum: int,
+        encoder_lens: Optional[torch.Tensor],
+        forward_mode: ForwardMode,
+        spec_info: Optional[SpecInfo],
+        seq_lens_cpu: Optional[torch.Tensor],
+    ) -> None:
+        """Refresh the graph buffers of batch size `bs` (inputs padded to `bs` rows with the fill value)."""
+        raise UnsupportedFeatureError(self.name, "CUDA graphs")
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """seq_len written into padding rows of a graph batch."""
+        return 1
+
+    def support_triton(self) -> bool:
+        """Whether this backend's kernels may be traced by Triton-based compilers."""
+        return False
+
+    # ---- the per-layer call -------------------------------------------------------------------
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        **extras,
+    ) -> Output:
+        """Validate, then dispatch on the mode: no-token modes return an empty output, DECODE goes to
+        `forward_decode`, every other mode to `forward_extend`."""
+        mode = forward_batch.forward_mode
+        out_cols = layer.num_q_heads * layer.v_head_dim
+        if mode.is_no_tokens():
+            o = q.new_empty((0, out_cols))
+            if extras.get("return_lse"):
+                return o, torch.empty((0, layer.num_q_heads), dtype=torch.float32, device=q.device)
+            return o
+        q, k, v = self._validate(q, k, v, layer, forward_batch, save_kv_cache, extras)
+        if mode.is_decode():
+            return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **extras)
+        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **extras)
+
+    @abc.abstractmethod
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras) -> Output:
+        """DECODE: one query per request."""
+
+    @abc.abstractmethod
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras) -> Output:
+        """EXTEND, MIXED, TARGET_VERIFY, DRAFT_EXTEND (and SPLIT_PREFILL where declared)."""
+
+    # ---- validation (host-side metadata only, no device sync) ----------------------------------
+    def require(self, feature: Feature, what: Optional[str] = None) -> None:
+        if feature not in self.capabilities.features:
+            raise UnsupportedFeatureError(self.name, what or feature.value)
+
+    def _check_layer(self, layer: AttentionLayer) -> None:
+        if id(layer) in self._checked_layers:
+            return
+        ctx = self.ctx
+        if layer.logit_cap > 0:
+            self.require(Feature.LOGIT_CAP, f"logit_cap={layer.logit_cap} (layer {layer.layer_id})")
+        if layer.sliding_window_size is not None:
+            self.require(Feature.SLIDING_WINDOW, f"sliding_window_size={layer.sliding_window_size} (layer {layer.layer_id})")
+        if layer.is_cross_attention:
+            self.require(Feature.CROSS_ATTENTION, f"cross attention (layer {layer.layer_id})")
+        if layer.num_kv_heads != ctx.num_kv_heads or layer.num_q_heads != ctx.num_q_heads:
+            raise InvalidArgumentError(
+                "layer heads", f"q/kv heads {ctx.num_q_heads}/{ctx.num_kv_heads} as in the context", (layer.num_q_heads, layer.num_kv_heads)
+            )
+        if layer.head_dim != ctx.head_dim or layer.v_head_dim != ctx.v_head_dim:
+            raise InvalidArgumentError(
+                "layer head_dim/v_head_dim", f"{ctx.head_dim}/{ctx.v_head_dim} as in the context", (layer.head_dim, layer.v_head_dim)
+            )
+        self._checked_layers.add(id(layer))
+
+    def _validate(self, q, k, v, layer, batch: ForwardBatch, save_kv_cache: bool, extras):
+        mode = batch.forward_mode
+        caps = self.capabilities
+        if mode not in caps.forward_modes:
+            raise UnsupportedFeatureError(self.name, f"forward mode {mode.name}")
+        unknown = set(extras) - CORE_EXTRAS - self.extra_forward_args
+        if unknown:
+            raise InvalidArgumentError("extras", f"keyword arguments among {sorted(CORE_EXTRAS | self.extra_forward_args)}", sorted(unknown))
+        self._check_layer(layer)
+        if extras.get("return_lse"):
+            self.require(Feature.LSE_OUTPUT, "return_lse")
+        sinks = extras.get("sinks")
+        if sinks is not None:
+            self.require(Feature.SINKS, "attention sinks")
+            if tuple(sinks.shape) != (layer.num_q_heads,):
+                raise InvalidArgumentError("sinks", f"shape ({layer.num_q_heads},)", tuple(sinks.shape))
+        if mode.is_target_verify() and batch.spec_info is not None and batch.spec_info.custom_mask is not None:
+            self.require(Feature.CUSTOM_MASK, "custom masks (TARGET_VERIFY)")
+        if self.forward_metadata is None:
+            raise InvalidArgumentError("forward_metadata", "init_forward_metadata(batch) called before forward", None)
+
+        T = batch.num_tokens
+        hq, d, hkv = layer.num_q_heads, layer.head_dim, layer.num_kv_heads
+        q = _heads_view("q", q, T, hq, d)
+        if q.device != self.device:
+            raise InvalidArgumentError("q", f"a tensor on {self.device}", q.device)
+        if _dtype_name(q.dtype) not in caps.q_dtypes:
+            raise InvalidArgumentError("q", f"dtype in {sorted(caps.q_dtypes)}", q.dtype)
+        if layer.is_cross_attention:
+            rows = 0 if batch.encoder_out_cache_loc is None else batch.encoder_out_cache_loc.shape[0]
+        else:
+            rows = T
+        if k is not None:
+            k = _heads_view("k", k, rows, hkv, d)
+            if v is not None and not self.ctx.is_mla:
+                v = _heads_view("v", v, rows, hkv, layer.v_head_dim)
+            elif v is None and not self.ctx.is_mla:
+                raise InvalidArgumentError("v", "a tensor when k is given", None)
+        elif save_kv_cache and not layer.is_cross_attention:
+            raise InvalidArgumentError("k", "the new tokens' keys when save_kv_cache=True", None)
+        return q, k, v
+
+
+def _heads_view(name: str, x: torch.Tensor, rows: int, heads: int, dim: int) -> torch.Tensor:
+    if x.dim() == 2 and x.shape == (rows, heads * dim):
+        return x.reshape(rows, heads, dim)
+    if x.dim() == 3 and tuple(x.shape) == (rows, heads, dim):
+        return x
+    raise InvalidArgumentError(name, f"shape ({rows}, {heads}, {dim}) or ({rows}, {heads * dim})", tuple(x.shape))
+

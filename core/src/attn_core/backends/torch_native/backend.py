@@ -1,0 +1,258 @@
+"""Reference attention in plain torch: correct first, vectorized over the batch.
+
+Per step, the metadata holds padded tables: for each request its query rows `[bs, Lq]`, its key slots
+`[bs, W]` and the base visibility mask `[bs, Lq, W]` (valid ∧ (causal or custom mask)). A layer gathers
+K/V of those slots, masks (plus its sliding window), and runs a softmax in float32, chunked over the
+query axis so the score tensor stays under `max_score_bytes`. In CUDA-graph mode the widths are fixed
+(W = max_context_len) and replay rewrites the tables in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+
+from attn_core.backend import AttentionBackend
+from attn_core.backends.torch_native.spec import CAPABILITIES
+from attn_core.batch import ForwardBatch, SpecInfo
+from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.forward_mode import ForwardMode
+
+
+@dataclass
+class _KeyTable:
+    slots: torch.Tensor  # [bs, W] int64 KV slots (0 where padded)
+    allowed: torch.Tensor  # [bs, Lq, W] bool, before the sliding window
+
+
+@dataclass
+class _Metadata:
+    num_tokens: int
+    q_rows: torch.Tensor  # [bs, Lq] int64 row of q per (request, query); num_tokens where padded
+    q_pos: torch.Tensor  # [bs, Lq] int64 position of that query among the request's decoder keys
+    self_keys: _KeyTable
+    cross_keys: Optional[_KeyTable] = None
+
+
+def _copy_into(dst, src) -> None:
+    """In-place refresh of graph metadata (same shapes)."""
+    for f in fields(dst):
+        a, b = getattr(dst, f.name), getattr(src, f.name)
+        if isinstance(a, torch.Tensor):
+            a.copy_(b)
+        elif f.name != "num_tokens" and a is not None:
+            _copy_into(a, b)
+
+
+def _build_metadata(
+    *,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    q_lens: torch.Tensor,
+    q_start: torch.Tensor,
+    num_tokens: int,
+    width: int,
+    q_width: int,
+    encoder_lens: Optional[torch.Tensor],
+    encoder_width: int,
+    spec_info: Optional[SpecInfo],
+    use_custom_mask: bool,
+) -> _Metadata:
+    dev = req_to_token.device
+    max_col = req_to_token.shape[1] - 1
+    rows = req_pool_indices.to(torch.int64)[:, None]
+    seq = seq_lens.to(torch.int64)
+    qi = torch.arange(q_width, device=dev)
+    q_valid = qi[None, :] < q_lens.to(torch.int64)[:, None]
+    q_rows = torch.where(q_valid, q_start.to(torch.int64)[:, None] + qi, num_tokens)
+    q_pos = (seq - q_lens.to(torch.int64))[:, None] + qi
+
+    kj = torch.arange(width, device=dev)
+    kv_valid = kj[None, :] < seq[:, None]
+    enc = torch.zeros_like(seq) if encoder_lens is None else encoder_lens.to(torch.int64)
+    cols = (enc[:, None] + kj).clamp(max=max_col)
+    slots = torch.where(kv_valid, req_to_token[rows, cols].to(torch.int64), 0)
+    allowed = kv_valid[:, None, :] & q_valid[:, :, None]
+    if use_custom_mask:
+        mask, indptr = spec_info.custom_mask, spec_info.mask_indptr.to(torch.int64)
+        flat = indptr[: seq.shape[0], None, None] + qi[None, :, None] * seq[:, None, None] + kj[None, None, :]
+        allowed = allowed & mask[flat.clamp(0, max(mask.numel() - 1, 0))]
+    else:
+        allowed = allowed & (kj[None, None, :] <= q_pos[:, :, None])
+    meta = _Metadata(num_tokens=num_tokens, q_rows=q_rows, q_pos=q_pos, self_keys=_KeyTable(slots, allowed))
+
+    if encoder_lens is not None:
+        ej = torch.arange(encoder_width, device=dev)
+        e_valid = ej[None, :] < enc[:, None]
+        e_slots = torch.where(e_valid, req_to_token[rows, ej.clamp(max=max_col)[None, :]].to(torch.int64), 0)
+        meta.cross_keys = _KeyTable(e_slots, e_valid[:, None, :] & q_valid[:, :, None])
+    return meta
+
+
+class TorchNativeBackend(AttentionBackend):
+    """The reference backend. Option `max_score_bytes` bounds the float32 score tensor of one chunk."""
+
+    name = "torch_native"
+    capabilities = CAPABILITIES
+
+    def __init__(self, ctx, *, max_score_bytes: int = 256 << 20):
+        super().__init__(ctx)
+        if max_score_bytes < 1:
+            raise InvalidArgumentError("max_score_bytes", ">= 1", max_score_bytes)
+        self.max_score_bytes = max_score_bytes
+        self._graph_metadata: Optional[dict[tuple[int, ForwardMode], _Metadata]] = None
+
+    # ---- metadata --------------------------------------------------------------------------
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        b = forward_batch
+        if b.forward_mode.is_no_tokens():
+            self.forward_metadata = None
+            return
+        if b.forward_mode.is_decode():
+            q_lens = torch.ones_like(b.seq_lens)
+            q_start = torch.arange(b.batch_size, device=b.device, dtype=torch.int32)
+            q_width = 1
+        else:
+            q_lens, q_start = b.extend_seq_lens, b.extend_start_loc
+            q_width = max(int(b.extend_seq_lens_cpu.max()), 1)
+        self.forward_metadata = _build_metadata(
+            req_to_token=self._req_to_token(b),
+            req_pool_indices=b.req_pool_indices,
+            seq_lens=b.seq_lens,
+            q_lens=q_lens,
+            q_start=q_start,
+            num_tokens=b.num_tokens,
+            width=max(b.max_seq_len, 1),
+            q_width=q_width,
+            encoder_lens=b.encoder_lens,
+            encoder_width=max(int(b.encoder_lens_cpu.max()), 1) if b.encoder_lens_cpu is not None else 0,
+            spec_info=b.spec_info,
+            use_custom_mask=_has_custom_mask(b.forward_mode, b.spec_info),
+        )
+
+    def _req_to_token(self, batch: Optional[ForwardBatch] = None) -> torch.Tensor:
+        pool = (batch.req_to_token_pool if batch is not None else None) or self.ctx.req_to_token_pool
+        if pool is None:
+            raise InvalidArgumentError("req_to_token_pool", "a pool on the batch or the context", None)
+        return pool.req_to_token
+
+    # ---- CUDA graphs -------------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self._graph_metadata = {}
+
+    def _graph_build(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, mode, spec_info):
+        if self._graph_metadata is None:
+            raise InvalidArgumentError("init_cuda_graph_state", "called before capture/replay", None)
+        if not (mode.is_decode() or mode.is_target_verify()):
+            raise UnsupportedFeatureError(self.name, f"CUDA graphs for {mode.name}")
+        per_req = num_tokens // bs
+        dev = seq_lens.device
+        width = self.ctx.max_context_len
+        return _build_metadata(
+            req_to_token=self._req_to_token(),
+            req_pool_indices=req_pool_indices[:bs],
+            seq_lens=seq_lens[:bs],
+            q_lens=torch.full((bs,), per_req, dtype=torch.int32, device=dev),
+            q_start=torch.arange(0, num_tokens, per_req, dtype=torch.int32, device=dev),
+            num_tokens=num_tokens,
+            width=width,
+            q_width=per_req,
+            encoder_lens=None if encoder_lens is None else encoder_lens[:bs],
+            encoder_width=width,
+            spec_info=spec_info,
+            use_custom_mask=_has_custom_mask(mode, spec_info),
+        )
+
+    def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info):
+        meta = self._graph_build(bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info)
+        self._graph_metadata[(bs, forward_mode)] = meta
+        self.forward_metadata = meta
+
+    def init_forward_metadata_replay_cuda_graph(
+        self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens, forward_mode, spec_info, seq_lens_cpu
+    ):
+        meta = self._graph_metadata.get((bs, forward_mode)) if self._graph_metadata is not None else None
+        if meta is None:
+            raise InvalidArgumentError("bs", f"a batch size captured for {forward_mode.name}", bs)
+        fresh = self._graph_build(bs, meta.num_tokens, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info)
+        _copy_into(meta, fresh)
+        self.forward_metadata = meta
+
+    # ---- attention ---------------------------------------------------------------------------
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, **extras)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, **extras)
+
+    def _forward(self, q, k, v, layer, batch, save_kv_cache, sinks=None, return_lse=False):
+        pool = batch.token_to_kv_pool or self.ctx.token_to_kv_pool
+        if save_kv_cache and k is not None:
+            loc = batch.encoder_out_cache_loc if layer.is_cross_attention else batch.out_cache_loc
+            pool.set_kv_buffer(layer, loc, k, v, layer.k_scale, layer.v_scale)
+        meta: _Metadata = self.forward_metadata
+        keys = meta.cross_keys if layer.is_cross_attention else meta.self_keys
+        if keys is None:
+            raise InvalidArgumentError("forward_batch.encoder_lens", "encoder lengths for a cross-attention layer", None)
+        allowed = keys.allowed
+        if layer.sliding_window_size is not None and not layer.is_cross_attention:
+            kj = torch.arange(allowed.shape[-1], device=allowed.device)
+            allowed = allowed & (kj[None, None, :] > meta.q_pos[:, :, None] - layer.sliding_window_size)
+        k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        return _attention(q, k_buf, v_buf, keys.slots, allowed, meta, layer, sinks, return_lse, self.max_score_bytes)
+
+
+def _has_custom_mask(mode: ForwardMode, spec_info: Optional[SpecInfo]) -> bool:
+    return mode.is_target_verify() and spec_info is not None and spec_info.custom_mask is not None
+
+
+def _attention(q, k_buf, v_buf, slots, allowed, meta: _Metadata, layer, sinks, return_lse, max_score_bytes):
+    T, hq, d = q.shape
+    hkv = k_buf.shape[1]
+    group = hq // hkv
+    dv = layer.v_head_dim
+    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    bs, q_width = meta.q_rows.shape
+    width = slots.shape[1]
+
+    keys = k_buf[slots].to(cd)  # [bs, W, Hkv, D]
+    # padding reads the dummy slot, whose contents are garbage: zero those values so 0 * garbage is 0
+    vals = v_buf[slots].to(cd).masked_fill(~allowed.any(dim=1)[:, :, None, None], 0.0)
+    if layer.k_scale is not None:
+        keys = keys * layer.k_scale
+    if layer.v_scale is not None:
+        vals = vals * layer.v_scale
+    q_pad = torch.cat([q.to(cd), q.new_zeros((1, hq, d), dtype=cd)])
+    qb = q_pad[meta.q_rows].view(bs, q_width, hkv, group, d)
+    sink = None if sinks is None else sinks.to(cd).view(1, hkv, group, 1)
+
+    out = torch.zeros((T + 1, hkv, group, dv), dtype=cd, device=q.device)
+    lse = torch.zeros((T + 1, hkv, group), dtype=torch.float32, device=q.device)
+    chunk = max(1, max_score_bytes // max(1, bs * hq * width * 4))
+    for c0 in range(0, q_width, chunk):
+        c1 = min(q_width, c0 + chunk)
+        s = torch.einsum("bqkgd,bwkd->bkgqw", qb[:, c0:c1], keys) * layer.scaling
+        if layer.logit_cap > 0:
+            s = layer.logit_cap * torch.tanh(s / layer.logit_cap)
+        s = s.masked_fill(~allowed[:, None, None, c0:c1, :], float("-inf"))
+        m = s.amax(dim=-1)
+        if sink is not None:
+            m = torch.maximum(m, sink.expand_as(m))
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        e = torch.exp(s - m[..., None])
+        denom = e.sum(dim=-1)
+        if sink is not None:
+            denom = denom + torch.exp(sink - m)
+        o = torch.einsum("bkgqw,bwkd->bqkgd", e, vals)
+        inv = torch.where(denom > 0, 1.0 / denom, torch.zeros_like(denom)).permute(0, 3, 1, 2)
+        rows = meta.q_rows[:, c0:c1].reshape(-1)
+        out.index_copy_(0, rows, (o * inv[..., None]).reshape(-1, hkv, group, dv))
+        chunk_lse = (torch.log(denom) + m).permute(0, 3, 1, 2).reshape(-1, hkv, group)
+        lse.index_copy_(0, rows, chunk_lse.to(torch.float32))
+    o = out[:T].reshape(T, hq * dv).to(q.dtype)
+    if return_lse:
+        return o, lse[:T].reshape(T, hq)
+    return o

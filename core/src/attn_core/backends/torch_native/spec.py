@@ -1,0 +1,38 @@
+"""Registry entry of the reference backend (import-light: no torch)."""
+
+from attn_core.capabilities import ARCH_MHA, ARCH_MLA, Capabilities, CudaGraphLevel, Feature
+from attn_core.forward_mode import ForwardMode
+from attn_core.probes import module_missing
+from attn_core.spec import BackendSpec
+
+CAPABILITIES = Capabilities(
+    devices=frozenset({"cpu", "cuda"}),
+    q_dtypes=frozenset({"float32", "bfloat16", "float16"}),
+    kv_dtypes=frozenset({"float32", "bfloat16", "float16"}),
+    archs=frozenset({ARCH_MHA, ARCH_MLA}),
+    head_dims=None,
+    page_sizes=None,
+    forward_modes=frozenset(ForwardMode) - {ForwardMode.SPLIT_PREFILL},
+    features=frozenset(
+        {
+            Feature.SLIDING_WINDOW,
+            Feature.LOGIT_CAP,
+            Feature.SINKS,
+            Feature.CUSTOM_MASK,
+            Feature.CROSS_ATTENTION,
+            Feature.LSE_OUTPUT,
+            Feature.SPEC_TOPK_GT1,
+        }
+    ),
+    cuda_graph=CudaGraphLevel.UNIFORM_BATCH,
+)
+
+SPEC = BackendSpec(
+    name="torch_native",
+    summary="Reference attention in plain torch (CPU and CUDA); the embedded default and the oracle",
+    capabilities=CAPABILITIES,
+    distribution="attn-core",
+    backend_class="attn_core.backends.torch_native.backend:TorchNativeBackend",
+    priority=0,
+    probe_fn=lambda: module_missing("torch", "pip install torch"),
+)

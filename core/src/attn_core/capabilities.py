@@ -1,0 +1,148 @@
+"""What a backend can do (`Capabilities`) and what a model asks for (`Requirements`).
+
+Both are plain data, torch-free, so the registry can match them without importing any kernel.
+Dtypes are named by their torch attribute name ("bfloat16", "float16", "float32", "float8_e4m3fn").
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional
+
+from attn_core.forward_mode import ForwardMode
+
+
+class Feature(str, enum.Enum):
+    """Optional behaviours a backend may declare."""
+
+    SLIDING_WINDOW = "sliding_window"
+    LOGIT_CAP = "logit_cap"
+    SINKS = "sinks"
+    CUSTOM_MASK = "custom_mask"
+    CROSS_ATTENTION = "cross_attention"
+    LSE_OUTPUT = "lse_output"
+    SPEC_TOPK_GT1 = "spec_topk>1"
+    DETERMINISTIC = "deterministic"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class CudaGraphLevel(enum.IntEnum):
+    """How much of a step a backend can run inside a captured CUDA graph (higher includes lower)."""
+
+    NEVER = 0
+    UNIFORM_SINGLE_TOKEN_DECODE = 1  # DECODE batches
+    UNIFORM_BATCH = 2  # DECODE and TARGET_VERIFY (same token count per request)
+    ALWAYS = 3  # any batch, extend included
+
+    def covers(self, mode: ForwardMode) -> bool:
+        """Whether a graph of this level may run a step of `mode`."""
+        if mode.is_no_tokens():
+            return self >= CudaGraphLevel.UNIFORM_SINGLE_TOKEN_DECODE
+        if mode.is_decode():
+            return self >= CudaGraphLevel.UNIFORM_SINGLE_TOKEN_DECODE
+        if mode.is_target_verify():
+            return self >= CudaGraphLevel.UNIFORM_BATCH
+        return self >= CudaGraphLevel.ALWAYS
+
+
+ALL_MODES = frozenset(ForwardMode)
+ARCH_MHA = "mha"
+ARCH_MLA = "mla"
+
+
+@dataclass(frozen=True)
+class Requirements:
+    """What one model on one device needs from a backend. Built by `BackendContext.requirements()`
+    or by hand (the `explain` command does) without torch."""
+
+    device_type: str = "cpu"
+    compute_capability: Optional[tuple[int, int]] = None
+    cpu_flags: Optional[frozenset[str]] = None
+    q_dtype: str = "bfloat16"
+    kv_dtype: str = "bfloat16"
+    head_dim: int = 128
+    page_size: int = 1
+    arch: str = ARCH_MHA
+    features: frozenset[Feature] = frozenset()
+    forward_modes: frozenset[ForwardMode] = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE})
+    cuda_graph: CudaGraphLevel = CudaGraphLevel.NEVER
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """Class-level data describing a backend. `None` in head_dims / page_sizes means any value."""
+
+    devices: frozenset[str]
+    q_dtypes: frozenset[str]
+    kv_dtypes: frozenset[str]
+    archs: frozenset[str] = frozenset({ARCH_MHA})
+    head_dims: Optional[frozenset[int]] = None
+    page_sizes: Optional[frozenset[int]] = None
+    forward_modes: frozenset[ForwardMode] = ALL_MODES - {ForwardMode.SPLIT_PREFILL}
+    features: frozenset[Feature] = frozenset()
+    cuda_graph: CudaGraphLevel = CudaGraphLevel.NEVER
+    min_compute_capability: Optional[tuple[int, int]] = None
+    max_compute_capability: Optional[tuple[int, int]] = None
+    cpu_isa: frozenset[str] = field(default_factory=frozenset)
+
+    def supports(self, feature: Feature) -> bool:
+        return feature in self.features
+
+    def mismatches(self, req: Requirements) -> list[str]:
+        """Every reason this backend cannot serve `req` (empty when it can)."""
+        out: list[str] = []
+        if req.device_type not in self.devices:
+            out.append(f"device {req.device_type!r} not in {sorted(self.devices)}")
+        if req.device_type == "cuda" and req.compute_capability is not None:
+            cc = tuple(req.compute_capability)
+            if self.min_compute_capability and cc < tuple(self.min_compute_capability):
+                out.append(f"needs compute capability >= {_cc(self.min_compute_capability)}, found {_cc(cc)}")
+            if self.max_compute_capability and cc > tuple(self.max_compute_capability):
+                out.append(f"needs compute capability <= {_cc(self.max_compute_capability)}, found {_cc(cc)}")
+        if req.device_type == "cpu" and self.cpu_isa and req.cpu_flags is not None:
+            missing = sorted(self.cpu_isa - req.cpu_flags)
+            if missing:
+                out.append(f"needs CPU features {missing}")
+        if req.q_dtype not in self.q_dtypes:
+            out.append(f"q dtype {req.q_dtype} not in {sorted(self.q_dtypes)}")
+        if req.kv_dtype not in self.kv_dtypes:
+            out.append(f"KV dtype {req.kv_dtype} not in {sorted(self.kv_dtypes)}")
+        if self.head_dims is not None and req.head_dim not in self.head_dims:
+            out.append(f"head_dim {req.head_dim} not in {sorted(self.head_dims)}")
+        if self.page_sizes is not None and req.page_size not in self.page_sizes:
+            out.append(f"page_size {req.page_size} not in {sorted(self.page_sizes)}")
+        if req.arch not in self.archs:
+            out.append(f"attention arch {req.arch!r} not in {sorted(self.archs)}")
+        missing_modes = sorted(m.name for m in req.forward_modes - self.forward_modes)
+        if missing_modes:
+            out.append(f"forward modes {missing_modes} not supported")
+        missing_features = sorted(f.value for f in req.features - self.features)
+        if missing_features:
+            out.append(f"features {missing_features} not supported")
+        if req.cuda_graph > self.cuda_graph:
+            out.append(f"CUDA graphs at level {req.cuda_graph.name} not supported (max {self.cuda_graph.name})")
+        return out
+
+    def summary(self) -> str:
+        """One line for listings."""
+        parts = [
+            "/".join(sorted(self.devices)),
+            "/".join(sorted(self.archs)),
+            "/".join(_short_dtype(d) for d in sorted(self.q_dtypes)),
+            "pages " + ("any" if self.page_sizes is None else ",".join(map(str, sorted(self.page_sizes)))),
+            "graphs " + self.cuda_graph.name.lower(),
+        ]
+        if self.features:
+            parts.append(",".join(sorted(f.value for f in self.features)))
+        return "; ".join(parts)
+
+
+def _cc(cc: tuple[int, int]) -> str:
+    return f"{cc[0]}.{cc[1]}"
+
+
+def _short_dtype(name: str) -> str:
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}.get(name, name)

@@ -1,0 +1,127 @@
+"""Typed errors. Everything attn raises on purpose derives from `AttnError`.
+
+Kept free of torch so the registry can raise them during discovery.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Iterable, Sequence
+
+
+class AttnError(Exception):
+    """Base class of every error attn raises on purpose."""
+
+
+class InvalidArgumentError(AttnError, ValueError):
+    """An argument has the wrong shape, dtype, device or value.
+
+    The message names the argument, what was expected and what was found.
+    """
+
+    def __init__(self, argument: str, expected: str, found: object):
+        self.argument = argument
+        self.expected = expected
+        self.found = found
+        super().__init__(f"{argument}: expected {expected}, found {found}")
+
+
+class UnsupportedFeatureError(AttnError, NotImplementedError):
+    """A backend was asked for something its `Capabilities` do not declare."""
+
+    def __init__(self, backend: str, what: str):
+        self.backend = backend
+        self.what = what
+        super().__init__(f"backend {backend!r} does not support {what}")
+
+
+class KVCacheError(AttnError, ValueError):
+    """Misuse of a KV-cache pool or allocator (double free, reserved or out-of-range slot)."""
+
+
+class RegistryError(AttnError):
+    """Base class of the registry's errors."""
+
+
+class UnknownBackendError(RegistryError, KeyError):
+    """No backend of that name is installed or known."""
+
+    def __init__(self, name: str, known: Iterable[str]):
+        self.name = name
+        self.known = sorted(set(known))
+        close = difflib.get_close_matches(name, self.known, n=1)
+        self.suggestion = close[0] if close else None
+        hint = f"; did you mean {self.suggestion!r}?" if self.suggestion else ""
+        super().__init__(f"unknown attention backend {name!r} (known: {', '.join(self.known)}){hint}")
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.args[0]
+
+
+class BackendNotInstalledError(RegistryError):
+    """A known backend whose distribution is not installed."""
+
+    def __init__(self, name: str, distribution: str):
+        self.name = name
+        self.distribution = distribution
+        self.pip_command = f"pip install {distribution}"
+        super().__init__(f"attention backend {name!r} is not installed: {self.pip_command}")
+
+
+class BackendUnavailableError(RegistryError):
+    """The backend is installed but cannot run on this machine."""
+
+    def __init__(self, name: str, reason: str):
+        self.name = name
+        self.reason = reason
+        super().__init__(f"attention backend {name!r} cannot run here: {reason}")
+
+
+class IncompatibleBackendError(RegistryError):
+    """The backend runs here but cannot serve the request; lists every failing capability."""
+
+    def __init__(self, name: str, reasons: Sequence[str]):
+        self.name = name
+        self.reasons = list(reasons)
+        super().__init__(f"attention backend {name!r} cannot serve this request: " + "; ".join(self.reasons))
+
+
+class NoBackendError(RegistryError):
+    """`select_backend` found no backend that can serve the request."""
+
+    def __init__(self, report: Sequence[tuple[str, Sequence[str]]]):
+        self.report = [(name, list(reasons)) for name, reasons in report]
+        lines = [f"  {name}: {'; '.join(reasons)}" for name, reasons in self.report]
+        super().__init__("no attention backend can serve this request:\n" + "\n".join(lines))
+
+
+class ApiVersionMismatchError(RegistryError):
+    """A plugin was written for another major version of the backend API."""
+
+    def __init__(self, name: str, plugin_version: str, core_version: str):
+        self.name = name
+        self.plugin_version = plugin_version
+        self.core_version = core_version
+        super().__init__(
+            f"attention backend {name!r} targets backend API {plugin_version}, "
+            f"attn-core provides {core_version} (major versions must match)"
+        )
+
+
+class DuplicateBackendError(RegistryError):
+    """Two installed distributions claim the same backend name."""
+
+    def __init__(self, name: str, claimants: Sequence[str]):
+        self.name = name
+        self.claimants = list(claimants)
+        super().__init__(f"attention backend name {name!r} is claimed by several distributions: {', '.join(claimants)}")
+
+
+class BackendLoadError(RegistryError):
+    """A plugin's spec or class failed to import."""
+
+    def __init__(self, name: str, where: str, cause: BaseException):
+        self.name = name
+        self.where = where
+        self.cause = cause
+        super().__init__(f"attention backend {name!r} failed to load from {where}: {type(cause).__name__}: {cause}")

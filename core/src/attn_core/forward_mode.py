@@ -1,0 +1,88 @@
+"""What kind of step a batch is. Torch-free so capabilities can name modes."""
+
+from __future__ import annotations
+
+import enum
+
+
+class ForwardMode(enum.IntEnum):
+    """The kind of forward step.
+
+    EXTEND: new tokens (prefill, chunked prefill, prefix hits) attend to the cached prefix and causally to
+    each other. DECODE: one new token per request. MIXED: an extend batch that also carries decode
+    requests (extend length 1). IDLE: this rank has no tokens (data-parallel padding). TARGET_VERIFY: the
+    draft tokens of each request are scored under a per-request custom (tree) mask. DRAFT_EXTEND: the
+    draft model extends over the accepted tokens. DUMMY_FIRST: a placeholder batch with no tokens that
+    starts an overlapped pipeline. SPLIT_PREFILL: a prefill run in layer slices.
+    """
+
+    EXTEND = enum.auto()
+    DECODE = enum.auto()
+    MIXED = enum.auto()
+    IDLE = enum.auto()
+    TARGET_VERIFY = enum.auto()
+    DRAFT_EXTEND = enum.auto()
+    DUMMY_FIRST = enum.auto()
+    SPLIT_PREFILL = enum.auto()
+
+    def is_extend(self) -> bool:
+        """Every mode whose new tokens go through the extend (multi-token) path."""
+        return self in _EXTEND_LIKE
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+    def is_mixed(self) -> bool:
+        return self == ForwardMode.MIXED
+
+    def is_idle(self) -> bool:
+        return self == ForwardMode.IDLE
+
+    def is_decode_or_idle(self) -> bool:
+        return self in (ForwardMode.DECODE, ForwardMode.IDLE)
+
+    def is_target_verify(self) -> bool:
+        return self == ForwardMode.TARGET_VERIFY
+
+    def is_draft_extend(self) -> bool:
+        return self == ForwardMode.DRAFT_EXTEND
+
+    def is_dummy_first(self) -> bool:
+        return self == ForwardMode.DUMMY_FIRST
+
+    def is_split_prefill(self) -> bool:
+        return self == ForwardMode.SPLIT_PREFILL
+
+    def is_extend_or_draft_extend_or_mixed(self) -> bool:
+        return self in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND, ForwardMode.MIXED)
+
+    def is_no_tokens(self) -> bool:
+        """Modes that carry no tokens: the backend returns an empty output."""
+        return self in (ForwardMode.IDLE, ForwardMode.DUMMY_FIRST)
+
+    def is_cuda_graph(self) -> bool:
+        """Modes an engine may run inside a captured CUDA graph."""
+        return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE)
+
+    @classmethod
+    def parse(cls, value: "str | int | ForwardMode") -> "ForwardMode":
+        """Accept a member, its name (any case) or its value."""
+        if isinstance(value, ForwardMode):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls[value.upper()]
+            except KeyError:
+                raise ValueError(f"unknown forward mode {value!r}; expected one of {[m.name for m in cls]}") from None
+        return cls(value)
+
+
+_EXTEND_LIKE = frozenset(
+    {
+        ForwardMode.EXTEND,
+        ForwardMode.MIXED,
+        ForwardMode.TARGET_VERIFY,
+        ForwardMode.DRAFT_EXTEND,
+        ForwardMode.SPLIT_PREFILL,
+    }
+)

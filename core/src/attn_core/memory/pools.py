@@ -1,0 +1,239 @@
+"""Request→slot table and per-layer KV pools.
+
+Layouts (DESIGN §3):
+- `ReqToTokenPool.req_to_token`: int32 `[max_reqs, max_context_len]`, row r, column i = the KV slot of
+  token i of the request in row r.
+- `MHATokenToKVPool`: per layer K `[num_slots, Hkv, D]` and V `[num_slots, Hkv, Dv]`.
+- `MLATokenToKVPool`: per layer one latent buffer `[num_slots, 1, kv_lora_rank + qk_rope_head_dim]`;
+  the "value" is its first kv_lora_rank channels (a view).
+num_slots = size + page_size: page 0 (slot 0 onwards) is the reserved padding dummy.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from attn_core.errors import InvalidArgumentError, KVCacheError
+
+Device = Union[str, torch.device]
+
+
+def _layer_id(layer) -> int:
+    return layer if isinstance(layer, int) else layer.layer_id
+
+
+class ReqToTokenPool:
+    """Rows of the request→slot table; one row per running request."""
+
+    def __init__(self, size: int, max_context_len: int, device: Device = "cpu"):
+        if size < 1:
+            raise InvalidArgumentError("size", "at least 1 request row", size)
+        if max_context_len < 1:
+            raise InvalidArgumentError("max_context_len", "at least 1", max_context_len)
+        self.size = size
+        self.max_context_len = max_context_len
+        self.device = torch.device(device)
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=self.device)
+        self.clear()
+
+    def clear(self) -> None:
+        self._free = list(range(self.size - 1, -1, -1))
+        self._is_free = [True] * self.size
+
+    def available_size(self) -> int:
+        return len(self._free)
+
+    def alloc(self, need_size: int) -> Optional[list[int]]:
+        """`need_size` free rows, or None (nothing changes) when there are not enough."""
+        if need_size < 0:
+            raise InvalidArgumentError("need_size", "a non-negative count", need_size)
+        if need_size > len(self._free):
+            return None
+        rows = [self._free.pop() for _ in range(need_size)]
+        for r in rows:
+            self._is_free[r] = False
+        return rows
+
+    def free(self, rows: Union[int, list[int], torch.Tensor]) -> None:
+        if isinstance(rows, torch.Tensor):
+            rows = rows.reshape(-1).tolist()
+        elif isinstance(rows, int):
+            rows = [rows]
+        bad = [r for r in rows if not 0 <= r < self.size]
+        if bad:
+            raise KVCacheError(f"free: request rows out of range [0, {self.size}): {bad[:8]}")
+        if len(set(rows)) != len(rows) or any(self._is_free[r] for r in rows):
+            raise KVCacheError(f"free: request row(s) already free (double free): {rows[:8]}")
+        for r in rows:
+            self._is_free[r] = True
+        self._free.extend(reversed(rows))
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """Set the slots of tokens start .. start+len(slots)-1 of the request in `row`."""
+        end = start + slots.numel()
+        if end > self.max_context_len:
+            raise InvalidArgumentError("slots", f"at most max_context_len={self.max_context_len} tokens per request", end)
+        self.req_to_token[row, start:end] = slots.to(self.req_to_token)
+
+
+class _KVPoolBase:
+    """Shared plumbing of the KV pools: sizes, dtype, store dtype for fp8."""
+
+    def __init__(self, size: int, page_size: int, dtype: torch.dtype, layer_num: int, device: Device):
+        if size < 1 or size % page_size:
+            raise InvalidArgumentError("size", f"a positive multiple of page_size={page_size}", size)
+        if layer_num < 1:
+            raise InvalidArgumentError("layer_num", "at least 1 layer", layer_num)
+        self.size = size
+        self.page_size = page_size
+        self.dtype = dtype
+        # index_put does not support float8 everywhere: keep fp8 caches as raw bytes.
+        self.store_dtype = torch.uint8 if dtype.itemsize == 1 and dtype.is_floating_point else dtype
+        self.layer_num = layer_num
+        self.device = torch.device(device)
+        self.num_slots = size + page_size
+
+    def _check_layer(self, layer_id: int) -> int:
+        if not 0 <= layer_id < self.layer_num:
+            raise InvalidArgumentError("layer_id", f"0 <= layer_id < {self.layer_num}", layer_id)
+        return layer_id
+
+    def _view(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf if self.store_dtype == self.dtype else buf.view(self.dtype)
+
+    def _store(self, x: torch.Tensor, scale: Optional[float]) -> torch.Tensor:
+        if scale is not None and scale != 1.0:
+            x = x / scale
+        x = x.to(self.dtype)
+        return x if self.store_dtype == self.dtype else x.view(self.store_dtype)
+
+    def _check_rows(self, name: str, x: torch.Tensor, loc: torch.Tensor, tail: tuple[int, ...]) -> torch.Tensor:
+        if loc.dim() != 1:
+            raise InvalidArgumentError("loc", "a 1-D tensor of slot ids", tuple(loc.shape))
+        if x.dim() == 2 and x.shape[1] == _prod(tail):
+            x = x.reshape(x.shape[0], *tail)
+        if tuple(x.shape) != (loc.shape[0], *tail):
+            raise InvalidArgumentError(name, f"shape {(loc.shape[0], *tail)}", tuple(x.shape))
+        return x
+
+
+def _prod(t: tuple[int, ...]) -> int:
+    out = 1
+    for v in t:
+        out *= v
+    return out
+
+
+class MHATokenToKVPool(_KVPoolBase):
+    """Per-layer K and V buffers for multi-head / grouped-query attention."""
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        head_num: int,
+        head_dim: int,
+        layer_num: int,
+        device: Device = "cpu",
+        v_head_dim: Optional[int] = None,
+    ):
+        super().__init__(size, page_size, dtype, layer_num, device)
+        self.head_num = head_num
+        self.head_dim = head_dim
+        self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        n = self.num_slots
+        self.k_buffer = [torch.zeros((n, head_num, head_dim), dtype=self.store_dtype, device=self.device) for _ in range(layer_num)]
+        self.v_buffer = [
+            torch.zeros((n, head_num, self.v_head_dim), dtype=self.store_dtype, device=self.device) for _ in range(layer_num)
+        ]
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self._view(self.k_buffer[self._check_layer(layer_id)])
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self._view(self.v_buffer[self._check_layer(layer_id)])
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
+
+    def set_kv_buffer(
+        self,
+        layer,
+        loc: torch.Tensor,
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor,
+        k_scale: Optional[float] = None,
+        v_scale: Optional[float] = None,
+    ) -> None:
+        """Write K/V of `loc.numel()` tokens (`[T, Hkv, D]` or `[T, Hkv*D]`) to slots `loc`."""
+        lid = self._check_layer(_layer_id(layer))
+        cache_k = self._check_rows("cache_k", cache_k, loc, (self.head_num, self.head_dim))
+        cache_v = self._check_rows("cache_v", cache_v, loc, (self.head_num, self.v_head_dim))
+        self.k_buffer[lid][loc] = self._store(cache_k, k_scale)
+        self.v_buffer[lid][loc] = self._store(cache_v, v_scale)
+
+
+class MLATokenToKVPool(_KVPoolBase):
+    """Per-layer latent buffer for multi-head latent attention (one KV "head")."""
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        layer_num: int,
+        device: Device = "cpu",
+    ):
+        super().__init__(size, page_size, dtype, layer_num, device)
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.head_num = 1
+        self.head_dim = kv_lora_rank + qk_rope_head_dim
+        self.v_head_dim = kv_lora_rank
+        self.kv_buffer = [
+            torch.zeros((self.num_slots, 1, self.head_dim), dtype=self.store_dtype, device=self.device) for _ in range(layer_num)
+        ]
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self._view(self.kv_buffer[self._check_layer(layer_id)])
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.get_key_buffer(layer_id)[..., : self.kv_lora_rank]
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
+
+    def set_kv_buffer(
+        self,
+        layer,
+        loc: torch.Tensor,
+        cache_k: torch.Tensor,
+        cache_v: Optional[torch.Tensor] = None,
+        k_scale: Optional[float] = None,
+        v_scale: Optional[float] = None,
+    ) -> None:
+        """Write latent rows `[T, 1, kv_lora_rank + qk_rope_head_dim]` to slots `loc` (cache_v is ignored:
+        the value is part of the latent)."""
+        lid = self._check_layer(_layer_id(layer))
+        cache_k = self._check_rows("cache_k", cache_k, loc, (1, self.head_dim))
+        self.kv_buffer[lid][loc] = self._store(cache_k, k_scale)
+
+    def set_mla_kv_buffer(self, layer, loc: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor) -> None:
+        """Write the latent from its two parts `[T, 1, kv_lora_rank]` and `[T, 1, qk_rope_head_dim]`."""
+        self.set_kv_buffer(layer, loc, torch.cat([k_nope.reshape(-1, 1, self.kv_lora_rank), k_rope.reshape(-1, 1, self.qk_rope_head_dim)], dim=-1))
+
+
+KVPool = Union[MHATokenToKVPool, MLATokenToKVPool]
+
+
+def check_pool_matches(pool: KVPool, allocator) -> None:
+    """An allocator must hand out slots that exist in the pool, in pages of the same size."""
+    if allocator.page_size != pool.page_size:
+        raise KVCacheError(f"allocator page_size {allocator.page_size} != KV pool page_size {pool.page_size}")
+    if allocator.size > pool.size:
+        raise KVCacheError(f"allocator size {allocator.size} exceeds KV pool size {pool.size}")

@@ -1,0 +1,73 @@
+"""Building blocks for a spec's `probe()`: each returns None when the check passes, else the reason.
+
+Import-light: torch is imported only inside the checks that need it, when a probe runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Callable, Optional
+
+Check = Callable[[], Optional[str]]
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """CPU feature flags of this machine from /proc/cpuinfo (empty where that file does not exist)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def module_missing(module: str, install_hint: str) -> Optional[str]:
+    """Reason when `module` cannot be imported, e.g. "triton not installed (pip install attn-triton)"."""
+    if importlib.util.find_spec(module) is None:
+        return f"{module} not installed ({install_hint})"
+    return None
+
+
+def needs_cuda() -> Optional[str]:
+    if module_missing("torch", "pip install torch"):
+        return "needs torch"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "needs CUDA (no CUDA device visible to torch)"
+    return None
+
+
+def needs_compute_capability(minimum: tuple[int, int], maximum: Optional[tuple[int, int]] = None) -> Check:
+    """A check that the current CUDA device's compute capability is within [minimum, maximum]."""
+
+    def check() -> Optional[str]:
+        reason = needs_cuda()
+        if reason:
+            return reason
+        import torch
+
+        cc = torch.cuda.get_device_capability()
+        found = f"{cc[0]}.{cc[1]}"
+        if maximum is not None and minimum[0] == maximum[0] and not minimum <= cc <= maximum:
+            return f"needs compute capability {minimum[0]}.x, found {found}"
+        if cc < minimum:
+            return f"needs compute capability >= {minimum[0]}.{minimum[1]}, found {found}"
+        if maximum is not None and cc > maximum:
+            return f"needs compute capability <= {maximum[0]}.{maximum[1]}, found {found}"
+        return None
+
+    return check
+
+
+def first_reason(*checks: Check) -> Optional[str]:
+    """Run checks in order; the first reason wins."""
+    for check in checks:
+        reason = check()
+        if reason:
+            return reason
+    return None

@@ -1,0 +1,395 @@
+"""Run one attention case against a backend and check it against the float64 reference.
+
+A case builds real pools and a batch with `build_forward_batch`, poisons every KV slot with NaN, writes
+random K/V into the slots the requests have cached (keeping dense host copies), builds metadata once,
+runs several layers, and checks for each layer: the output (and LSE) against `reference_attention`,
+the new K/V written to exactly `out_cache_loc`, and every other slot untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+
+from attn_core.batch import ForwardBatch
+from attn_core.batch_builder import RequestShape, build_forward_batch
+from attn_core.capabilities import ARCH_MHA, ARCH_MLA, Feature
+from attn_core.context import BackendContext
+from attn_core.forward_mode import ForwardMode
+from attn_core.layer import AttentionLayer
+from attn_core.memory import MHATokenToKVPool, MLATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
+from attn_core.testing.reference import reference_attention, relative_error, tolerance
+
+BackendFactory = Callable[[BackendContext], object]
+
+
+@dataclass(frozen=True)
+class AttnCase:
+    """One conformance case. `requests` are (prefix_len, extend_len[, encoder_len])."""
+
+    mode: ForwardMode
+    requests: tuple[RequestShape, ...]
+    num_q_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    v_head_dim: Optional[int] = None
+    dtype: str = "float32"
+    kv_dtype: Optional[str] = None
+    page_size: int = 1
+    arch: str = ARCH_MHA
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    sliding_window: Optional[int] = None
+    logit_cap: float = 0.0
+    sinks: bool = False
+    cross_attention: bool = False
+    return_lse: bool = False
+    num_layers: int = 2
+    device: str = "cpu"
+    seed: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "mode", ForwardMode.parse(self.mode))
+        object.__setattr__(self, "requests", tuple(r if isinstance(r, RequestShape) else RequestShape(*r) for r in self.requests))
+
+    def describe(self) -> str:
+        parts = [
+            self.mode.name,
+            f"reqs={[(r.prefix_len, r.extend_len) + ((r.encoder_len,) if r.encoder_len else ()) for r in self.requests]}",
+            f"heads={self.num_q_heads}/{self.num_kv_heads}",
+            f"d={self.head_dim}",
+            self.dtype,
+            f"page={self.page_size}",
+        ]
+        if self.arch == ARCH_MLA:
+            parts.append(f"mla={self.kv_lora_rank}+{self.qk_rope_head_dim}")
+        for name in ("sliding_window", "logit_cap", "sinks", "cross_attention", "return_lse"):
+            if getattr(self, name):
+                parts.append(f"{name}={getattr(self, name)}")
+        return " ".join(parts)
+
+    def features(self) -> frozenset[Feature]:
+        f = set()
+        if self.sliding_window is not None:
+            f.add(Feature.SLIDING_WINDOW)
+        if self.logit_cap:
+            f.add(Feature.LOGIT_CAP)
+        if self.sinks:
+            f.add(Feature.SINKS)
+        if self.cross_attention:
+            f.add(Feature.CROSS_ATTENTION)
+        if self.return_lse:
+            f.add(Feature.LSE_OUTPUT)
+        if self.mode.is_target_verify():
+            f.add(Feature.CUSTOM_MASK)
+        return frozenset(f)
+
+
+@dataclass
+class CaseEnv:
+    """Pools, context and batch of a case, plus the dense host copies of every cached K/V."""
+
+    case: AttnCase
+    ctx: BackendContext
+    req_to_token_pool: ReqToTokenPool
+    allocator: PagedTokenAllocator
+    kv_pool: Union[MHATokenToKVPool, MLATokenToKVPool]
+    batch: ForwardBatch
+    cached_k: list[list[torch.Tensor]] = field(default_factory=list)  # [layer][request] [L, Hkv, D]
+    cached_v: list[list[torch.Tensor]] = field(default_factory=list)
+    cached_enc_k: list[list[torch.Tensor]] = field(default_factory=list)
+    cached_enc_v: list[list[torch.Tensor]] = field(default_factory=list)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def make_env(case: AttnCase) -> CaseEnv:
+    """Build pools, context and batch for `case` and fill every cached slot with random K/V."""
+    gen = torch.Generator().manual_seed(case.seed)
+    dev = torch.device(case.device)
+    dtype, kv_dtype = _dtype(case.dtype), _dtype(case.kv_dtype or case.dtype)
+    ps = case.page_size
+    rows = [r.encoder_len + r.prefix_len + r.extend_len for r in case.requests]
+    pages = sum(-(-n // ps) for n in rows) + 2
+    max_ctx = max(rows + [1]) + ps
+    mla = case.arch == ARCH_MLA
+    head_dim = case.kv_lora_rank + case.qk_rope_head_dim if mla else case.head_dim
+    if mla:
+        kv_pool = MLATokenToKVPool(pages * ps, ps, kv_dtype, case.kv_lora_rank, case.qk_rope_head_dim, case.num_layers, dev)
+    else:
+        kv_pool = MHATokenToKVPool(pages * ps, ps, kv_dtype, case.num_kv_heads, head_dim, case.num_layers, dev, case.v_head_dim)
+    req_pool = ReqToTokenPool(max(len(case.requests), 1), max_ctx, dev)
+    allocator = PagedTokenAllocator(pages * ps, ps, dev)
+    ctx = BackendContext(
+        device=dev,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        num_q_heads=case.num_q_heads,
+        num_kv_heads=1 if mla else case.num_kv_heads,
+        head_dim=head_dim,
+        v_head_dim=case.kv_lora_rank if mla else case.v_head_dim,
+        page_size=ps,
+        max_batch_size=max(len(case.requests), 1),
+        max_context_len=max_ctx,
+        req_to_token_pool=req_pool,
+        token_to_kv_pool=kv_pool,
+        sliding_window_size=case.sliding_window,
+        attention_arch=case.arch,
+        kv_lora_rank=case.kv_lora_rank,
+        qk_rope_head_dim=case.qk_rope_head_dim,
+        is_encoder_decoder=case.cross_attention,
+        features=case.features() - {Feature.SLIDING_WINDOW, Feature.CROSS_ATTENTION},
+        forward_modes=frozenset({case.mode}),
+    )
+    batch = build_forward_batch(
+        case.mode, case.requests, req_to_token_pool=req_pool, allocator=allocator, token_to_kv_pool=kv_pool, generator=gen
+    )
+    env = CaseEnv(case, ctx, req_pool, allocator, kv_pool, batch)
+    _fill_cache(env, gen)
+    return env
+
+
+def _rand(shape, dtype, gen, device) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen, dtype=torch.float32).to(dtype).to(device)
+
+
+def _kv_shapes(env: CaseEnv) -> tuple[tuple[int, int], tuple[int, int]]:
+    pool = env.kv_pool
+    return (pool.head_num, pool.head_dim), (pool.head_num, pool.v_head_dim)
+
+
+def _fill_cache(env: CaseEnv, gen: torch.Generator) -> None:
+    """NaN everywhere, then random K/V in every cached (prefix / encoder) slot."""
+    pool, case = env.kv_pool, env.case
+    (hk, dk), (hv, dv) = _kv_shapes(env)
+    r2t = env.req_to_token_pool.req_to_token
+    for layer in range(case.num_layers):
+        k_buf, v_buf = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
+        k_buf.fill_(float("nan"))
+        v_buf.fill_(float("nan"))
+        ks, vs, eks, evs = [], [], [], []
+        for row, r in zip(env.batch.req_pool_indices.tolist(), case.requests):
+            enc_slots = r2t[row, : r.encoder_len].long()
+            pre_slots = r2t[row, r.encoder_len : r.encoder_len + r.prefix_len].long()
+            k = _rand((r.prefix_len, hk, dk), pool.dtype, gen, pool.device)
+            k_buf[pre_slots] = k
+            v = k[..., :dv] if case.arch == ARCH_MLA else _rand((r.prefix_len, hv, dv), pool.dtype, gen, pool.device)
+            if case.arch != ARCH_MLA:
+                v_buf[pre_slots] = v
+            ks.append(k)
+            vs.append(v)
+            ek = _rand((r.encoder_len, hk, dk), pool.dtype, gen, pool.device)
+            ev = ek[..., :dv] if case.arch == ARCH_MLA else _rand((r.encoder_len, hv, dv), pool.dtype, gen, pool.device)
+            if r.prefix_len > 0:  # encoder K/V of running requests are cached; new requests bring theirs
+                k_buf[enc_slots] = ek
+                if case.arch != ARCH_MLA:
+                    v_buf[enc_slots] = ev
+            eks.append(ek)
+            evs.append(ev)
+        env.cached_k.append(ks)
+        env.cached_v.append(vs)
+        env.cached_enc_k.append(eks)
+        env.cached_enc_v.append(evs)
+
+
+@dataclass
+class LayerResult:
+    layer_id: int
+    out_error: float
+    lse_error: Optional[float]
+    kv_ok: bool
+    kv_message: str
+
+
+@dataclass
+class CaseResult:
+    case: AttnCase
+    layers: list[LayerResult]
+
+    @property
+    def ok(self) -> bool:
+        tol = tolerance(_dtype(self.case.dtype))
+        return all(
+            lr.kv_ok and lr.out_error <= tol and (lr.lse_error is None or lr.lse_error <= max(tol, 1e-4)) for lr in self.layers
+        )
+
+    def message(self) -> str:
+        tol = tolerance(_dtype(self.case.dtype))
+        lines = [f"case: {self.case.describe()} (tolerance {tol:g})"]
+        for lr in self.layers:
+            lse = "" if lr.lse_error is None else f", lse rel err {lr.lse_error:.3g}"
+            lines.append(f"  layer {lr.layer_id}: out rel err {lr.out_error:.3g}{lse}; kv: {lr.kv_message}")
+        return "\n".join(lines)
+
+
+def make_layer(case: AttnCase, layer_id: int) -> AttentionLayer:
+    mla = case.arch == ARCH_MLA
+    head_dim = case.kv_lora_rank + case.qk_rope_head_dim if mla else case.head_dim
+    return AttentionLayer(
+        layer_id=layer_id,
+        num_q_heads=case.num_q_heads,
+        num_kv_heads=1 if mla else case.num_kv_heads,
+        head_dim=head_dim,
+        v_head_dim=case.kv_lora_rank if mla else case.v_head_dim,
+        scaling=(head_dim**-0.5) * 1.3,
+        logit_cap=case.logit_cap,
+        sliding_window_size=case.sliding_window,
+        is_cross_attention=case.cross_attention,
+    )
+
+
+def layer_inputs(env: CaseEnv, layer_id: int, gen: torch.Generator) -> dict:
+    """Random q (and new K/V) of one layer, in the case's dtypes and device."""
+    case, pool = env.case, env.kv_pool
+    (hk, dk), (hv, dv) = _kv_shapes(env)
+    T = env.batch.num_tokens
+    dtype = _dtype(case.dtype)
+    q = _rand((T, case.num_q_heads, dk), dtype, gen, pool.device)
+    if case.cross_attention:
+        news = [i for i, r in enumerate(case.requests) if r.prefix_len == 0 and r.encoder_len]
+        k = torch.cat([env.cached_enc_k[layer_id][i] for i in news]) if news else None
+        v = torch.cat([env.cached_enc_v[layer_id][i] for i in news]) if news else None
+        if k is not None:
+            k, v = k.to(dtype), v.to(dtype)
+    else:
+        k = _rand((T, hk, dk), dtype, gen, pool.device)
+        v = None if case.arch == ARCH_MLA else _rand((T, hv, dv), dtype, gen, pool.device)
+    sinks = torch.randn(case.num_q_heads, generator=gen).to(pool.device) if case.sinks else None
+    return {"q": q, "k": k, "v": v, "sinks": sinks}
+
+
+def reference_for_layer(env: CaseEnv, layer: AttentionLayer, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense float64 reference of every new token: output `[T, Hq, Dv]`, LSE `[T, Hq]`."""
+    case, batch = env.case, env.batch
+    lid = layer.layer_id
+    outs, lses = [], []
+    start = 0
+    kv_dtype = env.kv_pool.dtype
+    masks = _verify_masks(batch)
+    for i, r in enumerate(case.requests):
+        n = r.extend_len
+        q = inputs["q"][start : start + n]
+        positions = torch.arange(r.prefix_len, r.prefix_len + n)
+        if case.cross_attention:
+            k, v = env.cached_enc_k[lid][i], env.cached_enc_v[lid][i]
+            o, lse = reference_attention(q, k, v, q_positions=positions, scale=layer.scaling, causal=False, logit_cap=layer.logit_cap, sinks=inputs["sinks"])
+        else:
+            new_k = inputs["k"][start : start + n].to(kv_dtype)
+            k = torch.cat([env.cached_k[lid][i], new_k])
+            if case.arch == ARCH_MLA:
+                v = k[..., : case.kv_lora_rank]
+            else:
+                v = torch.cat([env.cached_v[lid][i], inputs["v"][start : start + n].to(kv_dtype)])
+            o, lse = reference_attention(
+                q,
+                k,
+                v,
+                q_positions=positions,
+                scale=layer.scaling,
+                window=layer.sliding_window_size,
+                logit_cap=layer.logit_cap,
+                sinks=inputs["sinks"],
+                mask=None if masks is None else masks[i],
+            )
+        outs.append(o)
+        lses.append(lse)
+        start += n
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _verify_masks(batch: ForwardBatch) -> Optional[list[torch.Tensor]]:
+    spec = batch.spec_info
+    if not batch.forward_mode.is_target_verify() or spec is None or spec.custom_mask is None:
+        return None
+    mask, indptr = spec.custom_mask.cpu(), spec.mask_indptr.cpu().tolist()
+    n = spec.num_draft_tokens
+    return [mask[indptr[i] : indptr[i + 1]].view(n, -1) for i in range(batch.batch_size)]
+
+
+def _check_kv(env: CaseEnv, layer: AttentionLayer, before: list[torch.Tensor], inputs: dict) -> tuple[bool, str]:
+    """New K/V at the step's slots, every other slot bit-identical to before."""
+    pool = env.kv_pool
+    batch = env.batch
+    if layer.is_cross_attention:
+        loc, k, v = batch.encoder_out_cache_loc, inputs["k"], inputs["v"]
+    else:
+        loc, k, v = batch.out_cache_loc, inputs["k"], inputs["v"]
+    after = [pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)]
+    expected_new = [] if k is None else [k, k[..., : pool.v_head_dim] if v is None else v]
+    for name, b, a, new in zip(("K", "V"), before, after, expected_new or [None, None]):
+        mask = torch.ones(a.shape[0], dtype=torch.bool, device=a.device)
+        if new is not None and loc is not None and loc.numel():
+            mask[loc] = False
+            got = a[loc].double()
+            want = new.reshape(got.shape).to(pool.dtype).double()
+            if not torch.equal(got, want):
+                bad = (got != want).reshape(got.shape[0], -1).any(-1).nonzero().flatten()[:5].tolist()
+                return False, f"{name} of new tokens not written to their slots (first bad rows {bad})"
+        if not torch.equal(torch.nan_to_num(a[mask].double(), nan=12345.0), torch.nan_to_num(b[mask].double(), nan=12345.0)):
+            changed = (torch.nan_to_num(a, nan=12345.0) != torch.nan_to_num(b, nan=12345.0)).reshape(a.shape[0], -1).any(-1)
+            changed &= mask
+            return False, f"{name} written outside out_cache_loc (slots {changed.nonzero().flatten()[:8].tolist()})"
+    return True, "ok"
+
+
+def run_case(factory: BackendFactory, case: AttnCase) -> CaseResult:
+    """Run `case` on the backend made by `factory(ctx)`; metadata once, then every layer."""
+    env = make_env(case)
+    backend = factory(env.ctx)
+    env.batch.attn_backend = backend
+    backend.init_forward_metadata(env.batch)
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    results = []
+    for lid in range(case.num_layers):
+        layer = make_layer(case, lid)
+        inputs = layer_inputs(env, lid, gen)
+        before = [env.kv_pool.get_key_buffer(lid).clone(), env.kv_pool.get_value_buffer(lid).clone()]
+        extras = {}
+        if inputs["sinks"] is not None:
+            extras["sinks"] = inputs["sinks"]
+        if case.return_lse:
+            extras["return_lse"] = True
+        res = layer(inputs["q"], inputs["k"], inputs["v"], env.batch, **extras)
+        out, lse = res if case.return_lse else (res, None)
+        ref_o, ref_lse = reference_for_layer(env, layer, inputs)
+        out_err = relative_error(out.reshape(ref_o.shape), ref_o) if out.shape[0] == ref_o.shape[0] else float("inf")
+        lse_err = None
+        if case.return_lse:
+            lse_err = _lse_error(lse, ref_lse)
+        kv_ok, kv_msg = _check_kv(env, layer, before, inputs)
+        results.append(LayerResult(lid, out_err, lse_err, kv_ok, kv_msg))
+    return CaseResult(case, results)
+
+
+def _lse_error(lse: torch.Tensor, ref: torch.Tensor) -> float:
+    """Absolute error of the LSE (it is a log: absolute error is relative error of the denominator)."""
+    lse, ref = lse.double().cpu().reshape(ref.shape), ref.double()
+    finite = torch.isfinite(ref)
+    if not torch.equal(torch.isfinite(lse), finite) or not torch.equal(lse[~finite], ref[~finite]):
+        return float("inf")
+    return float((lse[finite] - ref[finite]).abs().max()) if finite.any() else 0.0
+
+
+def assert_case(factory: BackendFactory, case: AttnCase) -> CaseResult:
+    """`run_case`, raising AssertionError with a description of the case when it fails."""
+    result = run_case(factory, case)
+    if not result.ok:
+        raise AssertionError("attention mismatch\n" + result.message())
+    return result
+
+
+__all__: Sequence[str] = [
+    "AttnCase",
+    "CaseEnv",
+    "CaseResult",
+    "assert_case",
+    "layer_inputs",
+    "make_env",
+    "make_layer",
+    "reference_for_layer",
+    "run_case",
+]
