@@ -161,7 +161,9 @@ class AttentionBackend(abc.ABC):
             raise UnsupportedFeatureError(self.name, f"forward mode {mode.name}")
         unknown = set(extras) - CORE_EXTRAS - self.extra_forward_args
         if unknown:
-            raise InvalidArgumentError("extras", f"keyword arguments among {sorted(CORE_EXTRAS | self.extra_forward_args)}", sorted(unknown))
+            raise InvalidArgumentError(
+                "extras", f"keyword arguments among {sorted(CORE_EXTRAS | self.extra_forward_args)}", sorted(unknown)
+            )
         self._check_layer(layer)
         if extras.get("return_lse"):
             self.require(Feature.LSE_OUTPUT, "return_lse")
@@ -203,4 +205,3 @@ def _heads_view(name: str, x: torch.Tensor, rows: int, heads: int, dim: int) -> 
     if x.dim() == 3 and tuple(x.shape) == (rows, heads, dim):
         return x
     raise InvalidArgumentError(name, f"shape ({rows}, {heads}, {dim}) or ({rows}, {heads * dim})", tuple(x.shape))
-

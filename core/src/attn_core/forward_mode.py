@@ -65,7 +65,7 @@ class ForwardMode(enum.IntEnum):
         return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE)
 
     @classmethod
-    def parse(cls, value: "str | int | ForwardMode") -> "ForwardMode":
+    def parse(cls, value: str | int | ForwardMode) -> ForwardMode:
         """Accept a member, its name (any case) or its value."""
         if isinstance(value, ForwardMode):
             return value

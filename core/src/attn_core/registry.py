@@ -339,4 +339,3 @@ def register_backend(spec: BackendSpec) -> None:
 
 def refresh() -> None:
     _default.refresh()
-

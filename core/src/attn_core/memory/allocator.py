@@ -88,9 +88,7 @@ class PagedTokenAllocator:
         for p, s, loc in zip(prefix, seq, last):
             if p < 0 or s < p:
                 raise InvalidArgumentError("seq_lens", f"seq_len >= prefix_len >= 0 (prefix {p})", s)
-            if p % ps and not (
-                ps <= loc < (self.num_pages + 1) * ps and loc % ps == (p - 1) % ps and not self._is_free[loc // ps]
-            ):
+            if p % ps and not (ps <= loc < (self.num_pages + 1) * ps and loc % ps == (p - 1) % ps and not self._is_free[loc // ps]):
                 raise InvalidArgumentError("last_loc", f"the allocated slot of token {p - 1} (offset {(p - 1) % ps} in its page)", loc)
             new_pages_needed += -(-s // ps) - -(-p // ps)
         pages = self._take_pages(new_pages_needed)

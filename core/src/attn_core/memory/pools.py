@@ -146,9 +146,7 @@ class MHATokenToKVPool(_KVPoolBase):
         self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
         n = self.num_slots
         self.k_buffer = [torch.zeros((n, head_num, head_dim), dtype=self.store_dtype, device=self.device) for _ in range(layer_num)]
-        self.v_buffer = [
-            torch.zeros((n, head_num, self.v_head_dim), dtype=self.store_dtype, device=self.device) for _ in range(layer_num)
-        ]
+        self.v_buffer = [torch.zeros((n, head_num, self.v_head_dim), dtype=self.store_dtype, device=self.device) for _ in range(layer_num)]
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self._view(self.k_buffer[self._check_layer(layer_id)])
@@ -225,7 +223,9 @@ class MLATokenToKVPool(_KVPoolBase):
 
     def set_mla_kv_buffer(self, layer, loc: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor) -> None:
         """Write the latent from its two parts `[T, 1, kv_lora_rank]` and `[T, 1, qk_rope_head_dim]`."""
-        self.set_kv_buffer(layer, loc, torch.cat([k_nope.reshape(-1, 1, self.kv_lora_rank), k_rope.reshape(-1, 1, self.qk_rope_head_dim)], dim=-1))
+        self.set_kv_buffer(
+            layer, loc, torch.cat([k_nope.reshape(-1, 1, self.kv_lora_rank), k_rope.reshape(-1, 1, self.qk_rope_head_dim)], dim=-1)
+        )
 
 
 KVPool = Union[MHATokenToKVPool, MLATokenToKVPool]

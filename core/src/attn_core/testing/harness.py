@@ -213,9 +213,7 @@ class CaseResult:
     @property
     def ok(self) -> bool:
         tol = tolerance(_dtype(self.case.dtype))
-        return all(
-            lr.kv_ok and lr.out_error <= tol and (lr.lse_error is None or lr.lse_error <= max(tol, 1e-4)) for lr in self.layers
-        )
+        return all(lr.kv_ok and lr.out_error <= tol and (lr.lse_error is None or lr.lse_error <= max(tol, 1e-4)) for lr in self.layers)
 
     def message(self) -> str:
         tol = tolerance(_dtype(self.case.dtype))
@@ -276,7 +274,9 @@ def reference_for_layer(env: CaseEnv, layer: AttentionLayer, inputs: dict) -> tu
         positions = torch.arange(r.prefix_len, r.prefix_len + n)
         if case.cross_attention:
             k, v = env.cached_enc_k[lid][i], env.cached_enc_v[lid][i]
-            o, lse = reference_attention(q, k, v, q_positions=positions, scale=layer.scaling, causal=False, logit_cap=layer.logit_cap, sinks=inputs["sinks"])
+            o, lse = reference_attention(
+                q, k, v, q_positions=positions, scale=layer.scaling, causal=False, logit_cap=layer.logit_cap, sinks=inputs["sinks"]
+            )
         else:
             new_k = inputs["k"][start : start + n].to(kv_dtype)
             k = torch.cat([env.cached_k[lid][i], new_k])
