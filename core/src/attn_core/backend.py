@@ -35,6 +35,9 @@ class AttentionBackend(abc.ABC):
     `forward_decode` / `forward_extend` receive q as `[T, Hq, D]`, k/v as `[T, Hkv, D]` (or None),
     inputs already validated, and must return `[T, Hq*Dv]` (plus LSE `[T, Hq]` float32 when
     `return_lse`). They must not synchronize with the host.
+
+    Options: a subclass takes its own as keyword-only arguments and passes `**options` on to
+    `AttentionBackend.__init__`, which rejects unknown ones with a typed error.
     """
 
     name: ClassVar[str] = ""

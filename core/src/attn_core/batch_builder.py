@@ -94,6 +94,8 @@ def build_forward_batch(
         if r.encoder_len + r.prefix_len + r.extend_len > max_len:
             raise InvalidArgumentError(f"requests[{i}]", f"encoder + prefix + extend <= max_context_len={max_len}", r)
 
+    masks = _verify_masks(reqs, custom_masks, generator) if mode.is_target_verify() else None
+
     rows = req_to_token_pool.alloc(bs)
     if rows is None:
         raise KVCacheError(f"out of request rows: need {bs}, {req_to_token_pool.available_size()} free")
@@ -156,12 +158,20 @@ def build_forward_batch(
         batch.encoder_lens_cpu = torch.tensor([r.encoder_len for r in reqs], dtype=torch.int32)
         batch.encoder_lens = batch.encoder_lens_cpu.to(device)
         batch.encoder_out_cache_loc = (torch.cat(enc_out) if enc_out else torch.empty(0, dtype=torch.int64)).to(device)
-    if mode.is_target_verify():
-        batch.spec_info = _verify_spec_info(reqs, custom_masks, generator, device)
+    if masks is not None:
+        sizes = torch.tensor([m.numel() for m in masks], dtype=torch.int64)
+        indptr = torch.zeros(bs + 1, dtype=torch.int64)
+        indptr[1:] = sizes.cumsum(0)
+        batch.spec_info = SpecInfo(
+            num_draft_tokens=reqs[0].extend_len,
+            custom_mask=torch.cat([m.reshape(-1) for m in masks]).to(device),
+            mask_indptr=indptr.to(device),
+        )
     return batch
 
 
-def _verify_spec_info(reqs, custom_masks, generator, device) -> SpecInfo:
+def _verify_masks(reqs, custom_masks, generator) -> list[torch.Tensor]:
+    """The given verify masks, checked, or random tree masks."""
     num_draft = reqs[0].extend_len
     if custom_masks is None:
         custom_masks = [random_tree_mask(r.prefix_len, num_draft, generator) for r in reqs]
@@ -171,14 +181,7 @@ def _verify_spec_info(reqs, custom_masks, generator, device) -> SpecInfo:
         want = (num_draft, r.prefix_len + num_draft)
         if tuple(m.shape) != want or m.dtype != torch.bool:
             raise InvalidArgumentError(f"custom_masks[{i}]", f"bool of shape {want}", (tuple(m.shape), m.dtype))
-    sizes = torch.tensor([m.numel() for m in custom_masks], dtype=torch.int64)
-    indptr = torch.zeros(len(reqs) + 1, dtype=torch.int64)
-    indptr[1:] = sizes.cumsum(0)
-    return SpecInfo(
-        num_draft_tokens=num_draft,
-        custom_mask=torch.cat([m.reshape(-1) for m in custom_masks]).to(device),
-        mask_indptr=indptr.to(device),
-    )
+    return [m.cpu() for m in custom_masks]
 
 
 def release_forward_batch(batch: ForwardBatch, allocator) -> None:

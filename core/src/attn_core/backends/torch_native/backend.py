@@ -98,8 +98,8 @@ class TorchNativeBackend(AttentionBackend):
     name = "torch_native"
     capabilities = CAPABILITIES
 
-    def __init__(self, ctx, *, max_score_bytes: int = 256 << 20):
-        super().__init__(ctx)
+    def __init__(self, ctx, *, max_score_bytes: int = 256 << 20, **options):
+        super().__init__(ctx, **options)
         if max_score_bytes < 1:
             raise InvalidArgumentError("max_score_bytes", ">= 1", max_score_bytes)
         self.max_score_bytes = max_score_bytes

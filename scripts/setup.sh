@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Create .venv with the CPU build of torch 2.13.0 (a file already on disk; never a CUDA build), the
+# pinned Triton for the CPU interpreter, and every attn distribution installed editable.
+# flashinfer-python is deliberately NOT installed: it is CUDA-only and ~300 MB (its plugin is installed
+# with --no-deps; its GPU tests skip here).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+VPIP=".venv/bin/python -m pip"
+$VPIP install -q --upgrade pip
+# torch first, alone, so nothing later can resolve it to a CUDA build
+$VPIP install -q torch==2.13.0
+$VPIP install -q "triton==3.9.0" "numpy>=2" "pluggy>=1.3" "pytest>=8" "hypothesis>=6.100" "ruff>=0.6" "build" "ninja" "setuptools>=68" "wheel"
+$VPIP install -q -e core
+for p in plugins/*/; do
+  [ -f "$p/pyproject.toml" ] || continue
+  case "$p" in
+    plugins/flashinfer_backend/) $VPIP install -q --no-deps -e "$p" ;;
+    *) $VPIP install -q -e "$p" ;;
+  esac
+done
+.venv/bin/python -c "import torch; assert not torch.version.cuda, 'a CUDA torch was installed'; print('torch', torch.__version__)"
