@@ -4,6 +4,9 @@ A case builds real pools and a batch with `build_forward_batch`, poisons every K
 random K/V into the slots the requests have cached (keeping dense host copies), builds metadata once,
 runs several layers, and checks for each layer: the output (and LSE) against `reference_attention`,
 the new K/V written to exactly `out_cache_loc`, and every other slot untouched.
+
+A case with `steps` splits its requests into several batches built on the same pools and runs them one
+after the other on one backend object (metadata rebuilt per step), as an engine does.
 """
 
 from __future__ import annotations
@@ -49,10 +52,21 @@ class AttnCase:
     num_layers: int = 2
     device: str = "cpu"
     seed: int = 0
+    #: TARGET_VERIFY only: give the batch random tree masks (False: no mask, drafts attend causally)
+    custom_mask: bool = True
+    #: request indices of each step (empty: one step with every request)
+    steps: tuple[tuple[int, ...], ...] = ()
+    #: CUDA-graph level the context announces (`CudaGraphLevel` value)
+    cuda_graph_level: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "mode", ForwardMode.parse(self.mode))
         object.__setattr__(self, "requests", tuple(r if isinstance(r, RequestShape) else RequestShape(*r) for r in self.requests))
+        object.__setattr__(self, "steps", tuple(tuple(int(i) for i in s) for s in self.steps))
+
+    def step_requests(self) -> list[tuple[int, ...]]:
+        """Request indices of each step."""
+        return list(self.steps) if self.steps else [tuple(range(len(self.requests)))]
 
     def describe(self) -> str:
         parts = [
@@ -65,9 +79,15 @@ class AttnCase:
         ]
         if self.arch == ARCH_MLA:
             parts.append(f"mla={self.kv_lora_rank}+{self.qk_rope_head_dim}")
+        if self.kv_dtype and self.kv_dtype != self.dtype:
+            parts.append(f"kv={self.kv_dtype}")
         for name in ("sliding_window", "logit_cap", "sinks", "cross_attention", "return_lse"):
             if getattr(self, name):
                 parts.append(f"{name}={getattr(self, name)}")
+        if self.mode.is_target_verify() and not self.custom_mask:
+            parts.append("no custom mask")
+        if self.steps:
+            parts.append(f"steps={[list(s) for s in self.steps]}")
         return " ".join(parts)
 
     def features(self) -> frozenset[Feature]:
@@ -82,7 +102,7 @@ class AttnCase:
             f.add(Feature.CROSS_ATTENTION)
         if self.return_lse:
             f.add(Feature.LSE_OUTPUT)
-        if self.mode.is_target_verify():
+        if self.mode.is_target_verify() and self.custom_mask:
             f.add(Feature.CUSTOM_MASK)
         return frozenset(f)
 
@@ -96,7 +116,8 @@ class CaseEnv:
     req_to_token_pool: ReqToTokenPool
     allocator: PagedTokenAllocator
     kv_pool: Union[MHATokenToKVPool, MLATokenToKVPool]
-    batch: ForwardBatch
+    batch: ForwardBatch  # the first step's batch
+    batches: list[ForwardBatch] = field(default_factory=list)  # one per step
     cached_k: list[list[torch.Tensor]] = field(default_factory=list)  # [layer][request] [L, Hkv, D]
     cached_v: list[list[torch.Tensor]] = field(default_factory=list)
     cached_enc_k: list[list[torch.Tensor]] = field(default_factory=list)
@@ -144,11 +165,18 @@ def make_env(case: AttnCase) -> CaseEnv:
         is_encoder_decoder=case.cross_attention,
         features=case.features() - {Feature.SLIDING_WINDOW, Feature.CROSS_ATTENTION},
         forward_modes=frozenset({case.mode}),
+        cuda_graph=case.cuda_graph_level,
     )
-    batch = build_forward_batch(
-        case.mode, case.requests, req_to_token_pool=req_pool, allocator=allocator, token_to_kv_pool=kv_pool, generator=gen
-    )
-    env = CaseEnv(case, ctx, req_pool, allocator, kv_pool, batch)
+    batches = []
+    for idx in case.step_requests():
+        reqs = [case.requests[i] for i in idx]
+        batch = build_forward_batch(
+            case.mode, reqs, req_to_token_pool=req_pool, allocator=allocator, token_to_kv_pool=kv_pool, generator=gen
+        )
+        if batch.spec_info is not None and not case.custom_mask:
+            batch.spec_info.custom_mask = batch.spec_info.mask_indptr = None
+        batches.append(batch)
+    env = CaseEnv(case, ctx, req_pool, allocator, kv_pool, batches[0], batches)
     _fill_cache(env, gen)
     return env
 
@@ -171,8 +199,12 @@ def _fill_cache(env: CaseEnv, gen: torch.Generator) -> None:
         k_buf, v_buf = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
         k_buf.fill_(float("nan"))
         v_buf.fill_(float("nan"))
-        ks, vs, eks, evs = [], [], [], []
-        for row, r in zip(env.batch.req_pool_indices.tolist(), case.requests):
+        n = len(case.requests)
+        ks, vs, eks, evs = [None] * n, [None] * n, [None] * n, [None] * n
+        rows = [row for b in env.batches for row in b.req_pool_indices.tolist()]
+        order = [i for idx in case.step_requests() for i in idx]
+        for row, i in zip(rows, order):
+            r = case.requests[i]
             enc_slots = r2t[row, : r.encoder_len].long()
             pre_slots = r2t[row, r.encoder_len : r.encoder_len + r.prefix_len].long()
             k = _rand((r.prefix_len, hk, dk), pool.dtype, gen, pool.device)
@@ -180,16 +212,14 @@ def _fill_cache(env: CaseEnv, gen: torch.Generator) -> None:
             v = k[..., :dv] if case.arch == ARCH_MLA else _rand((r.prefix_len, hv, dv), pool.dtype, gen, pool.device)
             if case.arch != ARCH_MLA:
                 v_buf[pre_slots] = v
-            ks.append(k)
-            vs.append(v)
+            ks[i], vs[i] = k, v
             ek = _rand((r.encoder_len, hk, dk), pool.dtype, gen, pool.device)
             ev = ek[..., :dv] if case.arch == ARCH_MLA else _rand((r.encoder_len, hv, dv), pool.dtype, gen, pool.device)
             if r.prefix_len > 0:  # encoder K/V of running requests are cached; new requests bring theirs
                 k_buf[enc_slots] = ek
                 if case.arch != ARCH_MLA:
                     v_buf[enc_slots] = ev
-            eks.append(ek)
-            evs.append(ev)
+            eks[i], evs[i] = ek, ev
         env.cached_k.append(ks)
         env.cached_v.append(vs)
         env.cached_enc_k.append(eks)
@@ -203,6 +233,7 @@ class LayerResult:
     lse_error: Optional[float]
     kv_ok: bool
     kv_message: str
+    step: int = 0
 
 
 @dataclass
@@ -219,8 +250,9 @@ class CaseResult:
         tol = tolerance(_dtype(self.case.dtype))
         lines = [f"case: {self.case.describe()} (tolerance {tol:g})"]
         for lr in self.layers:
-            lse = "" if lr.lse_error is None else f", lse rel err {lr.lse_error:.3g}"
-            lines.append(f"  layer {lr.layer_id}: out rel err {lr.out_error:.3g}{lse}; kv: {lr.kv_message}")
+            lse = "" if lr.lse_error is None else f", lse abs err {lr.lse_error:.3g}"
+            step = f"step {lr.step} " if self.case.steps else ""
+            lines.append(f"  {step}layer {lr.layer_id}: out rel err {lr.out_error:.3g}{lse}; kv: {lr.kv_message}")
         return "\n".join(lines)
 
 
@@ -240,15 +272,20 @@ def make_layer(case: AttnCase, layer_id: int) -> AttentionLayer:
     )
 
 
-def layer_inputs(env: CaseEnv, layer_id: int, gen: torch.Generator) -> dict:
-    """Random q (and new K/V) of one layer, in the case's dtypes and device."""
+def layer_inputs(
+    env: CaseEnv, layer_id: int, gen: torch.Generator, batch: Optional[ForwardBatch] = None, requests: Optional[Sequence[int]] = None
+) -> dict:
+    """Random q (and new K/V) of one layer for `batch` (default: the first step), whose requests are
+    `requests` (indices into the case's requests; default: the first step's), in the case's dtypes and device."""
     case, pool = env.case, env.kv_pool
+    batch = env.batch if batch is None else batch
+    requests = case.step_requests()[0] if requests is None else requests
     (hk, dk), (hv, dv) = _kv_shapes(env)
-    T = env.batch.num_tokens
+    T = batch.num_tokens
     dtype = _dtype(case.dtype)
     q = _rand((T, case.num_q_heads, dk), dtype, gen, pool.device)
     if case.cross_attention:
-        news = [i for i, r in enumerate(case.requests) if r.prefix_len == 0 and r.encoder_len]
+        news = [i for i in requests if case.requests[i].prefix_len == 0 and case.requests[i].encoder_len]
         k = torch.cat([env.cached_enc_k[layer_id][i] for i in news]) if news else None
         v = torch.cat([env.cached_enc_v[layer_id][i] for i in news]) if news else None
         if k is not None:
@@ -260,15 +297,22 @@ def layer_inputs(env: CaseEnv, layer_id: int, gen: torch.Generator) -> dict:
     return {"q": q, "k": k, "v": v, "sinks": sinks}
 
 
-def reference_for_layer(env: CaseEnv, layer: AttentionLayer, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense float64 reference of every new token: output `[T, Hq, Dv]`, LSE `[T, Hq]`."""
-    case, batch = env.case, env.batch
+def reference_for_layer(
+    env: CaseEnv, layer: AttentionLayer, inputs: dict, batch: Optional[ForwardBatch] = None, requests: Optional[Sequence[int]] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense float64 reference of every new token of `batch` (default: the first step; its requests are
+    `requests`, indices into the case's requests): output `[T, Hq, Dv]`, LSE `[T, Hq]`."""
+    case = env.case
+    batch = env.batch if batch is None else batch
+    requests = case.step_requests()[0] if requests is None else requests
     lid = layer.layer_id
-    outs, lses = [], []
+    outs = [torch.zeros(0, layer.num_q_heads, layer.v_head_dim, dtype=torch.float64)]
+    lses = [torch.zeros(0, layer.num_q_heads, dtype=torch.float64)]
     start = 0
     kv_dtype = env.kv_pool.dtype
     masks = _verify_masks(batch)
-    for i, r in enumerate(case.requests):
+    for j, i in enumerate(requests):
+        r = case.requests[i]
         n = r.extend_len
         q = inputs["q"][start : start + n]
         positions = torch.arange(r.prefix_len, r.prefix_len + n)
@@ -293,7 +337,7 @@ def reference_for_layer(env: CaseEnv, layer: AttentionLayer, inputs: dict) -> tu
                 window=layer.sliding_window_size,
                 logit_cap=layer.logit_cap,
                 sinks=inputs["sinks"],
-                mask=None if masks is None else masks[i],
+                mask=None if masks is None else masks[j],
             )
         outs.append(o)
         lses.append(lse)
@@ -310,10 +354,18 @@ def _verify_masks(batch: ForwardBatch) -> Optional[list[torch.Tensor]]:
     return [mask[indptr[i] : indptr[i + 1]].view(n, -1) for i in range(batch.batch_size)]
 
 
-def _check_kv(env: CaseEnv, layer: AttentionLayer, before: list[torch.Tensor], inputs: dict) -> tuple[bool, str]:
-    """New K/V at the step's slots, every other slot bit-identical to before."""
+def check_kv_writes(
+    env: CaseEnv,
+    layer: AttentionLayer,
+    before: list[torch.Tensor],
+    inputs: dict,
+    batch: Optional[ForwardBatch] = None,
+    ignore_slots: Sequence[int] = (),
+) -> tuple[bool, str]:
+    """New K/V at the step's slots, every other slot (but `ignore_slots`) bit-identical to `before`
+    (the layer's [K, V] buffers before the step)."""
     pool = env.kv_pool
-    batch = env.batch
+    batch = env.batch if batch is None else batch
     if layer.is_cross_attention:
         loc, k, v = batch.encoder_out_cache_loc, inputs["k"], inputs["v"]
     else:
@@ -322,6 +374,7 @@ def _check_kv(env: CaseEnv, layer: AttentionLayer, before: list[torch.Tensor], i
     expected_new = [] if k is None else [k, k[..., : pool.v_head_dim] if v is None else v]
     for name, b, a, new in zip(("K", "V"), before, after, expected_new or [None, None]):
         mask = torch.ones(a.shape[0], dtype=torch.bool, device=a.device)
+        mask[list(ignore_slots)] = False
         if new is not None and loc is not None and loc.numel():
             mask[loc] = False
             got = a[loc].double()
@@ -336,32 +389,43 @@ def _check_kv(env: CaseEnv, layer: AttentionLayer, before: list[torch.Tensor], i
     return True, "ok"
 
 
+def forward_extras(case: AttnCase, inputs: dict) -> dict:
+    """The forward() keyword extras a case passes (sinks, return_lse)."""
+    extras = {}
+    if inputs["sinks"] is not None:
+        extras["sinks"] = inputs["sinks"]
+    if case.return_lse:
+        extras["return_lse"] = True
+    return extras
+
+
+def compare_layer(
+    env: CaseEnv, layer: AttentionLayer, inputs: dict, result, batch: ForwardBatch, requests: Sequence[int]
+) -> tuple[float, Optional[float]]:
+    """Relative output error and absolute LSE error (None without return_lse) of one layer's result."""
+    out, lse = result if env.case.return_lse else (result, None)
+    ref_o, ref_lse = reference_for_layer(env, layer, inputs, batch, requests)
+    out_err = relative_error(out.reshape(ref_o.shape), ref_o) if out.shape[0] == ref_o.shape[0] else float("inf")
+    return out_err, (_lse_error(lse, ref_lse) if env.case.return_lse else None)
+
+
 def run_case(factory: BackendFactory, case: AttnCase) -> CaseResult:
-    """Run `case` on the backend made by `factory(ctx)`; metadata once, then every layer."""
+    """Run `case` on the backend made by `factory(ctx)`: per step, metadata once, then every layer."""
     env = make_env(case)
     backend = factory(env.ctx)
-    env.batch.attn_backend = backend
-    backend.init_forward_metadata(env.batch)
     gen = torch.Generator().manual_seed(case.seed + 1)
     results = []
-    for lid in range(case.num_layers):
-        layer = make_layer(case, lid)
-        inputs = layer_inputs(env, lid, gen)
-        before = [env.kv_pool.get_key_buffer(lid).clone(), env.kv_pool.get_value_buffer(lid).clone()]
-        extras = {}
-        if inputs["sinks"] is not None:
-            extras["sinks"] = inputs["sinks"]
-        if case.return_lse:
-            extras["return_lse"] = True
-        res = layer(inputs["q"], inputs["k"], inputs["v"], env.batch, **extras)
-        out, lse = res if case.return_lse else (res, None)
-        ref_o, ref_lse = reference_for_layer(env, layer, inputs)
-        out_err = relative_error(out.reshape(ref_o.shape), ref_o) if out.shape[0] == ref_o.shape[0] else float("inf")
-        lse_err = None
-        if case.return_lse:
-            lse_err = _lse_error(lse, ref_lse)
-        kv_ok, kv_msg = _check_kv(env, layer, before, inputs)
-        results.append(LayerResult(lid, out_err, lse_err, kv_ok, kv_msg))
+    for step, (batch, requests) in enumerate(zip(env.batches, case.step_requests())):
+        batch.attn_backend = backend
+        backend.init_forward_metadata(batch)
+        for lid in range(case.num_layers):
+            layer = make_layer(case, lid)
+            inputs = layer_inputs(env, lid, gen, batch, requests)
+            before = [env.kv_pool.get_key_buffer(lid).clone(), env.kv_pool.get_value_buffer(lid).clone()]
+            res = layer(inputs["q"], inputs["k"], inputs["v"], batch, **forward_extras(case, inputs))
+            out_err, lse_err = compare_layer(env, layer, inputs, res, batch, requests)
+            kv_ok, kv_msg = check_kv_writes(env, layer, before, inputs, batch)
+            results.append(LayerResult(lid, out_err, lse_err, kv_ok, kv_msg, step))
     return CaseResult(case, results)
 
 
@@ -387,6 +451,9 @@ __all__: Sequence[str] = [
     "CaseEnv",
     "CaseResult",
     "assert_case",
+    "check_kv_writes",
+    "compare_layer",
+    "forward_extras",
     "layer_inputs",
     "make_env",
     "make_layer",

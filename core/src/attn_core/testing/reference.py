@@ -1,7 +1,8 @@
 """The oracle: dense attention of one request in float64, written plainly from DESIGN §3.
 
 Independent of every backend (no pools, no metadata, no batching): the caller hands in the request's
-dense keys and values.
+dense keys and values. The arithmetic runs in float64 on the tensors' own device (so GPU-sized checks
+stay fast), in query chunks that bound the score tensor, and the results come back on the CPU.
 """
 
 from __future__ import annotations
@@ -9,6 +10,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+#: Largest float64 score block (elements) one chunk of queries may build: 32M elements = 256 MiB.
+_MAX_SCORE_ELEMENTS = 1 << 25
 
 
 def reference_attention(
@@ -29,44 +33,51 @@ def reference_attention(
     q `[Lq, Hq, D]`, k `[Lk, Hkv, D]`, v `[Lk, Hkv, Dv]`; key j sits at position j, query i at
     `q_positions[i]`. Visibility: `mask[i, j]` when given, else j <= q_positions[i] when causal, else
     every key; a window W further keeps keys with j >= q_positions[i] - W + 1. Returns the output
-    `[Lq, Hq, Dv]` and natural-log LSE `[Lq, Hq]` (the sink joins the denominator), both float64.
-    A query that sees no key (and has no sink) gets output 0 and LSE -inf.
+    `[Lq, Hq, Dv]` and natural-log LSE `[Lq, Hq]` (the sink joins the denominator), both float64 on
+    the CPU. A query that sees no key (and has no sink) gets output 0 and LSE -inf.
     """
-    q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
+    dev = q.device
+    q, k, v = q.to(dev, torch.float64), k.to(dev, torch.float64), v.to(dev, torch.float64)
     lq, hq, _ = q.shape
-    lk, hkv, _ = k.shape
+    lk, hkv, dv = v.shape[0], v.shape[1], v.shape[2]
     group = hq // hkv
-    pos = q_positions.long().cpu()
-    key_pos = torch.arange(lk)
+    # one key/value head per query head: [Hq, Lk, D]
+    kh = k.permute(1, 0, 2).repeat_interleave(group, dim=0)
+    vh = v.permute(1, 0, 2).repeat_interleave(group, dim=0)
+    pos = q_positions.to(dev, torch.int64)
+    key_pos = torch.arange(lk, device=dev)
     if mask is not None:
-        visible = mask.bool().cpu().clone()
+        visible = mask.to(dev, torch.bool).clone()
     elif causal:
         visible = key_pos[None, :] <= pos[:, None]
     else:
-        visible = torch.ones(lq, lk, dtype=torch.bool)
+        visible = torch.ones(lq, lk, dtype=torch.bool, device=dev)
     if window is not None:
         visible &= key_pos[None, :] >= pos[:, None] - window + 1
+    sink = None if sinks is None else sinks.to(dev, torch.float64).reshape(hq, 1)
 
-    out = torch.zeros(lq, hq, v.shape[-1], dtype=torch.float64)
-    lse = torch.full((lq, hq), float("-inf"), dtype=torch.float64)
-    for h in range(hq):
-        kh = h // group
-        scores = (q[:, h, :] @ k[:, kh, :].T) * scale
+    out = torch.zeros(lq, hq, dv, dtype=torch.float64, device=dev)
+    lse = torch.full((lq, hq), float("-inf"), dtype=torch.float64, device=dev)
+    step = max(1, _MAX_SCORE_ELEMENTS // max(1, hq * lk))
+    for i0 in range(0, lq, step):
+        i1 = min(lq, i0 + step)
+        scores = torch.einsum("qhd,hkd->hqk", q[i0:i1], kh) * scale  # [Hq, n, Lk]
         if logit_cap > 0:
             scores = logit_cap * torch.tanh(scores / logit_cap)
-        for i in range(lq):
-            s = scores[i][visible[i]]
-            vals = v[:, kh, :][visible[i]]
-            if sinks is not None:
-                s = torch.cat([s, sinks[h].double().cpu().reshape(1)])
-                vals = torch.cat([vals, torch.zeros(1, vals.shape[-1], dtype=torch.float64)])
-            if s.numel() == 0:
-                continue
-            m = s.max()
-            w = torch.exp(s - m)
-            out[i, h] = (w[:, None] * vals).sum(0) / w.sum()
-            lse[i, h] = m + torch.log(w.sum())
-    return out, lse
+        scores = scores.masked_fill(~visible[None, i0:i1], float("-inf"))
+        m = scores.amax(dim=-1)  # [Hq, n]
+        if sink is not None:
+            m = torch.maximum(m, sink)
+        m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        w = torch.exp(scores - m_safe[..., None])
+        denom = w.sum(dim=-1)
+        if sink is not None:
+            denom = denom + torch.exp(sink - m_safe)
+        o = torch.einsum("hqk,hkd->qhd", w, vh)
+        seen = denom > 0
+        out[i0:i1] = torch.where(seen.T[..., None], o / denom.T.clamp_min(1e-300)[..., None], 0.0)
+        lse[i0:i1] = torch.where(seen, m_safe + torch.log(denom), float("-inf")).T
+    return out.cpu(), lse.cpu()
 
 
 def tolerance(dtype: torch.dtype) -> float:
