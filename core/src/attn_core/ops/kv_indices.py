@@ -10,9 +10,12 @@ req_to_token[3, :2] = [7, 8], req_to_token[0, :3] = [4, 5, 6]:
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Optional
 
 import torch
+
+from attn_core.errors import InvalidArgumentError
 
 
 def exclusive_cumsum(lens: torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:
@@ -33,20 +36,45 @@ def kv_indices_from_req_to_token(
     kv_indptr: torch.Tensor,
     total: int,
     kv_start: Optional[torch.Tensor] = None,
+    page_size: int = 1,
 ) -> torch.Tensor:
     """Concatenate each request's slots `req_to_token[row, start : start + len]` (int32 `[total]`).
 
     `total` = kv_indptr[-1], passed in from the host so no sync happens. `kv_start` (per request,
     default 0) skips leading tokens, e.g. encoder tokens for a decoder self-attention layer.
+
+    With `page_size` > 1, `kv_indptr` counts pages (`page_indptr_from_lens`) and the result holds page
+    ids: entry j of a request is the page of its token start + j * page_size. That token must sit at
+    offset 0 of its page (true when `start` is a multiple of page_size, by the allocator's layout).
     """
     device = req_to_token.device
     tok = torch.arange(total, device=device, dtype=torch.int64)
     owner = torch.searchsorted(kv_indptr[1:].to(torch.int64), tok, right=True)
-    col = tok - kv_indptr.to(torch.int64)[owner]
+    col = (tok - kv_indptr.to(torch.int64)[owner]) * page_size
     if kv_start is not None:
         col = col + kv_start.to(torch.int64)[owner]
     rows = req_pool_indices.to(torch.int64)[owner]
-    return req_to_token[rows, col].to(torch.int32)
+    slots = req_to_token[rows, col]
+    return (slots if page_size == 1 else slots // page_size).to(torch.int32)
+
+
+def num_pages_from_lens(kv_lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """`[n]` pages each request's `kv_lens` tokens occupy (ceil(len / page_size); 0 for no tokens)."""
+    return torch.div(kv_lens + (page_size - 1), page_size, rounding_mode="floor")
+
+
+def page_indptr_from_lens(kv_lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """CSR row pointer `[n+1]` int32 over pages (page_size 1: the same as `kv_indptr_from_lens`)."""
+    return exclusive_cumsum(num_pages_from_lens(kv_lens, page_size), torch.int32)
+
+
+def last_page_len_from_lens(kv_lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """int32 `[n]` tokens in each request's last page: 1..page_size, and 0 for a request with no tokens.
+
+    Worked example (page_size 4): kv_lens [0, 1, 4, 5] -> pages [0, 1, 1, 2], last [0, 1, 4, 1].
+    """
+    pages = num_pages_from_lens(kv_lens, page_size)
+    return (kv_lens - (pages - 1).clamp(min=0) * page_size).to(torch.int32)
 
 
 def page_table_from_req_to_token(
@@ -79,3 +107,35 @@ def positions_from_lens(prefix_lens: torch.Tensor, extend_lens: torch.Tensor, to
 def extend_start_loc_from_lens(extend_lens: torch.Tensor) -> torch.Tensor:
     """int32 `[bs]`: offset of each request's first new token in the flattened token dimension."""
     return exclusive_cumsum(extend_lens, torch.int32)[:-1]
+
+
+def build_kv_indices(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    kv_lens: torch.Tensor,
+    total: int,
+    *,
+    page_size: int = 1,
+    kv_start: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Slot ids (page_size 1) or page ids of each request's `kv_lens` tokens, concatenated: int32 `[total]`.
+
+    Same result as `kv_indices_from_req_to_token` with `page_indptr_from_lens(kv_lens, page_size)`, but
+    from the lengths alone, so the caller builds no indptr on the device. `total` (the sum of pages) comes
+    from the host: no sync. With `out` (int32, at least `total` long, e.g. a CUDA-graph buffer) the ids go
+    to `out[:total]`, which is returned. On CUDA with Triton importable one Triton kernel does the work
+    (`attn_core.ops.kv_indices_triton`); elsewhere the torch path.
+    """
+    if out is None:
+        out = torch.empty(total, dtype=torch.int32, device=req_to_token.device)
+    elif out.dtype != torch.int32 or out.shape[0] < total:
+        raise InvalidArgumentError("out", f"an int32 tensor of at least {total} entries", (out.dtype, tuple(out.shape)))
+    if req_to_token.is_cuda and importlib.util.find_spec("triton") is not None:
+        from attn_core.ops.kv_indices_triton import kv_indices_triton
+
+        kv_indices_triton(req_to_token, req_pool_indices, kv_lens, out, page_size, kv_start)
+        return out[:total]
+    indptr = page_indptr_from_lens(kv_lens, page_size)
+    out[:total] = kv_indices_from_req_to_token(req_to_token, req_pool_indices, indptr, total, kv_start, page_size)
+    return out[:total]
