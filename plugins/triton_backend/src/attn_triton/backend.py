@@ -1,0 +1,379 @@
+"""`TritonAttnBackend`: paged-KV attention with the kernels of `attn_triton.kernels`.
+
+Per step, `init_forward_metadata` builds CSR key indices (and decode split counts) on the device with
+one Triton launch per key set; per layer, DECODE runs the split-KV decode kernel and every other mode
+the extend kernel. CUDA graphs (DECODE, TARGET_VERIFY) read persistent buffers that replay refreshes
+(`graph.py`). With `ctx.deterministic` the decode split layout depends only on each request's own length
+(batch-invariant outputs).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from attn_core.backend import AttentionBackend
+from attn_core.batch import ForwardBatch, SpecInfo
+from attn_core.context import BackendContext, _dtype_name
+from attn_core.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedFeatureError
+from attn_core.forward_mode import ForwardMode
+from attn_core.layer import AttentionLayer
+
+from attn_triton.config import SplitPolicy, decode_config, extend_config
+from attn_triton.graph import GraphState
+from attn_triton.kernels.decode import DecodeConfig, decode_attention, head_blocks
+from attn_triton.kernels.extend import ExtendConfig, extend_attention
+from attn_triton.metadata import DecodeMetadata, ExtendMetadata, KVIndex, Splits, fill_kv, new_kv
+from attn_triton.spec import CAPABILITIES, interpreter_enabled
+
+MAX_MHA_HEAD_DIM = 256
+MAX_MLA_RANK = 512
+MAX_MLA_ROPE = 64
+
+
+class TritonAttnBackend(AttentionBackend):
+    """Triton attention over the paged pools of attn-core (MHA/GQA/MQA and absorbed MLA).
+
+    Options (tests and tuning): `split_policy` (decode splits), `decode_config` / `extend_config`
+    (tile sizes; defaults from `attn_triton.config`).
+    """
+
+    name = "triton"
+    capabilities = CAPABILITIES
+
+    def __init__(
+        self,
+        ctx: BackendContext,
+        *,
+        split_policy: Optional[SplitPolicy] = None,
+        decode_config: Optional[DecodeConfig] = None,
+        extend_config: Optional[ExtendConfig] = None,
+    ):
+        super().__init__(ctx)
+        _check_device(ctx.device)
+        _check_context(ctx)
+        self.is_mla = ctx.is_mla
+        self.d_rope = ctx.qk_rope_head_dim if ctx.is_mla else 0
+        self.split_policy = split_policy or SplitPolicy()
+        self.decode_cfg = decode_config or _default_decode(ctx)
+        self.extend_cfg = extend_config or _default_extend(ctx)
+        self.heads_per_kv_block = head_blocks(ctx.num_q_heads // ctx.num_kv_heads, self.decode_cfg)
+        if ctx.device.type == "cuda":
+            self.num_sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
+        else:
+            self.num_sms = 4
+        self.graph: Optional[GraphState] = None
+
+    # ---- metadata ----------------------------------------------------------------------------
+    def decode_splits(self, bs: int) -> Splits:
+        """Split parameters of a DECODE batch of `bs` requests (graph-safe: depends on bs only)."""
+        det = self.ctx.deterministic
+        p = self.split_policy
+        ms = p.max_splits(bs, self.ctx.num_kv_heads * self.heads_per_kv_block, self.num_sms, det)
+        return Splits(ms, p.min_len(det))
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        b = forward_batch
+        if b.forward_mode.is_no_tokens():
+            self.forward_metadata = None
+            return
+        r2t = self._req_to_token(b)
+        _check_batch(b, r2t, self.device)
+        if b.forward_mode.is_decode():
+            self.forward_metadata = self._decode_metadata(b, r2t)
+        else:
+            self.forward_metadata = self._extend_metadata(b, r2t)
+
+    def _decode_metadata(self, b: ForwardBatch, r2t: torch.Tensor) -> DecodeMetadata:
+        bs, dev = b.batch_size, self.device
+        splits = self.decode_splits(bs)
+        kv = new_kv(bs, b.seq_lens_sum, dev, with_splits=True)
+        fill_kv(kv, r2t, b.req_pool_indices, b.seq_lens, kv_start=b.encoder_lens, splits=splits)
+        cross = None
+        if b.encoder_lens is not None:
+            cross = new_kv(bs, int(b.encoder_lens_cpu.sum()), dev, with_splits=True)
+            fill_kv(cross, r2t, b.req_pool_indices, b.encoder_lens, splits=splits)
+        hq, dv = self.ctx.num_q_heads, self.ctx.v_head_dim
+        part_o = torch.empty((bs, hq, splits.max_splits, dv), dtype=torch.float32, device=dev)
+        part_lse = torch.empty((bs, hq, splits.max_splits), dtype=torch.float32, device=dev)
+        return DecodeMetadata(kv, cross, splits.max_splits, part_o, part_lse)
+
+    def _extend_metadata(self, b: ForwardBatch, r2t: torch.Tensor) -> ExtendMetadata:
+        bs, dev = b.batch_size, self.device
+        mask = _custom_mask(b)
+        qo_indptr = torch.empty(bs + 1, dtype=torch.int32, device=dev)
+        mask_indptr = torch.empty(bs + 1, dtype=torch.int64, device=dev) if mask is not None else None
+        kv = new_kv(bs, b.seq_lens_sum, dev, with_splits=False)
+        fill_kv(
+            kv,
+            r2t,
+            b.req_pool_indices,
+            b.seq_lens,
+            kv_start=b.encoder_lens,
+            q_lens=b.extend_seq_lens,
+            qo_indptr=qo_indptr,
+            mask_indptr=mask_indptr,
+        )
+        cross = None
+        if b.encoder_lens is not None:
+            cross = new_kv(bs, int(b.encoder_lens_cpu.sum()), dev, with_splits=False)
+            fill_kv(cross, r2t, b.req_pool_indices, b.encoder_lens)
+        max_q = int(b.extend_seq_lens_cpu.max()) if bs else 0
+        return ExtendMetadata(qo_indptr, max_q, kv, cross, mask, mask_indptr)
+
+    def _req_to_token(self, b: Optional[ForwardBatch] = None) -> torch.Tensor:
+        pool = (b.req_to_token_pool if b is not None else None) or self.ctx.req_to_token_pool
+        if pool is None:
+            raise InvalidArgumentError("req_to_token_pool", "a pool on the batch or the context", None)
+        return pool.req_to_token
+
+    # ---- CUDA graphs -------------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        if max_bs < 1 or max_num_tokens < max_bs:
+            raise InvalidArgumentError("max_bs/max_num_tokens", "max_bs >= 1 and max_num_tokens >= max_bs", (max_bs, max_num_tokens))
+        self.graph = GraphState(self, max_bs, max_num_tokens)
+
+    def _graph_state(self) -> GraphState:
+        if self.graph is None:
+            raise InvalidArgumentError("init_cuda_graph_state", "called before capture/replay", None)
+        return self.graph
+
+    def init_forward_metadata_capture_cuda_graph(
+        self,
+        bs: int,
+        num_tokens: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        encoder_lens: Optional[torch.Tensor],
+        forward_mode: ForwardMode,
+        spec_info: Optional[SpecInfo],
+    ) -> None:
+        self.forward_metadata = self._graph_state().capture(
+            bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info
+        )
+
+    def init_forward_metadata_replay_cuda_graph(
+        self,
+        bs: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_sum: int,
+        encoder_lens: Optional[torch.Tensor],
+        forward_mode: ForwardMode,
+        spec_info: Optional[SpecInfo],
+        seq_lens_cpu: Optional[torch.Tensor],
+    ) -> None:
+        self.forward_metadata = self._graph_state().replay(bs, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """Padding rows of a graph batch attend one key (their row's first slot): every kernel stays in
+        bounds and no split is empty."""
+        return 1
+
+    def support_triton(self) -> bool:
+        return True
+
+    # ---- attention ---------------------------------------------------------------------------
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, return_lse=False):
+        meta = self._metadata(DecodeMetadata)
+        keys = self._keys(meta, layer)
+        k_buf, v_buf = self._save_and_buffers(q, k, v, layer, forward_batch, save_kv_cache, sinks)
+        T, hq, dv = q.shape[0], layer.num_q_heads, layer.v_head_dim
+        o = q.new_empty((T, hq, dv))
+        lse = torch.empty((T, hq), dtype=torch.float32, device=q.device) if return_lse else None
+        decode_attention(
+            _last_dim_contiguous(q),
+            k_buf,
+            v_buf,
+            o,
+            keys.indptr,
+            keys.indices,
+            keys.num_splits,
+            meta.max_splits,
+            meta.part_o,
+            meta.part_lse,
+            sm_scale=layer.scaling,
+            config=self.decode_cfg,
+            logit_cap=layer.logit_cap,
+            window=None if layer.is_cross_attention else layer.sliding_window_size,
+            sinks=_sinks(sinks),
+            lse_out=lse,
+            k_scale=_scale(layer.k_scale),
+            v_scale=_scale(layer.v_scale),
+            d_rope=self.d_rope,
+            share_kv=self.is_mla,
+        )
+        o = o.view(T, hq * dv)
+        return (o, lse) if return_lse else o
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, return_lse=False):
+        meta = self._metadata(ExtendMetadata)
+        keys = self._keys(meta, layer)
+        k_buf, v_buf = self._save_and_buffers(q, k, v, layer, forward_batch, save_kv_cache, sinks)
+        T, hq, dv = q.shape[0], layer.num_q_heads, layer.v_head_dim
+        o = q.new_empty((T, hq, dv))
+        lse = torch.empty((T, hq), dtype=torch.float32, device=q.device) if return_lse else None
+        cross = layer.is_cross_attention
+        extend_attention(
+            _last_dim_contiguous(q),
+            k_buf,
+            v_buf,
+            o,
+            meta.qo_indptr,
+            keys.indptr,
+            keys.indices,
+            meta.max_q_len,
+            sm_scale=layer.scaling,
+            config=self.extend_cfg,
+            causal=not cross,
+            custom_mask=None if cross else meta.custom_mask,
+            mask_indptr=None if cross else meta.mask_indptr,
+            logit_cap=layer.logit_cap,
+            window=None if cross else layer.sliding_window_size,
+            sinks=_sinks(sinks),
+            lse_out=lse,
+            k_scale=_scale(layer.k_scale),
+            v_scale=_scale(layer.v_scale),
+            d_rope=self.d_rope,
+            share_kv=self.is_mla,
+        )
+        o = o.view(T, hq * dv)
+        return (o, lse) if return_lse else o
+
+    # ---- helpers (host-side checks only; no device sync) -----------------------------------
+    def _metadata(self, kind: type):
+        meta = self.forward_metadata
+        if not isinstance(meta, kind):
+            want = "DECODE" if kind is DecodeMetadata else "an extend-like mode"
+            raise InvalidArgumentError(
+                "forward_metadata", f"metadata built for {want} (call init_forward_metadata on this batch)", type(meta).__name__
+            )
+        return meta
+
+    @staticmethod
+    def _keys(meta, layer: AttentionLayer) -> KVIndex:
+        if layer.is_cross_attention:
+            if meta.cross is None:
+                raise InvalidArgumentError("forward_batch.encoder_lens", "encoder lengths for a cross-attention layer", None)
+            return meta.cross
+        return meta.kv
+
+    def _save_and_buffers(self, q, k, v, layer, b: ForwardBatch, save_kv_cache: bool, sinks):
+        pool = b.token_to_kv_pool or self.ctx.token_to_kv_pool
+        if pool is None:
+            raise InvalidArgumentError("token_to_kv_pool", "a KV pool on the batch or the context", None)
+        if sinks is not None and (sinks.device != q.device):
+            raise InvalidArgumentError("sinks", f"a tensor on {q.device}", sinks.device)
+        if save_kv_cache and k is not None:
+            loc = b.encoder_out_cache_loc if layer.is_cross_attention else b.out_cache_loc
+            for name, x in (("k", k), ("v", v)):
+                if x is not None and x.device != q.device:
+                    raise InvalidArgumentError(name, f"a tensor on {q.device}", x.device)
+            pool.set_kv_buffer(layer, loc, k, v, layer.k_scale, layer.v_scale)
+        return pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+
+
+def _default_decode(ctx: BackendContext) -> DecodeConfig:
+    return decode_config(ctx.head_dim, ctx.v_head_dim, ctx.dtype, ctx.device, ctx.is_mla)
+
+
+def _default_extend(ctx: BackendContext) -> ExtendConfig:
+    return extend_config(ctx.head_dim, ctx.v_head_dim, ctx.dtype, ctx.device, ctx.is_mla)
+
+
+def _check_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise BackendUnavailableError("triton", "needs a CUDA or ROCm GPU (torch sees none)")
+        return
+    if device.type == "cpu":
+        if not interpreter_enabled():
+            raise BackendUnavailableError(
+                "triton", "CPU tensors need the Triton interpreter (set TRITON_INTERPRET=1 before importing triton)"
+            )
+        return
+    raise InvalidArgumentError("ctx.device", "a cuda device (or cpu under TRITON_INTERPRET=1)", device)
+
+
+def _check_context(ctx: BackendContext) -> None:
+    caps = CAPABILITIES
+    for name, dt, allowed in (("dtype", ctx.dtype, caps.q_dtypes), ("kv_dtype", ctx.kv_dtype, caps.kv_dtypes)):
+        if _dtype_name(dt) not in allowed:
+            raise UnsupportedFeatureError("triton", f"{name} {_dtype_name(dt)} (supported: {sorted(allowed)})")
+    if ctx.is_mla:
+        if ctx.kv_lora_rank > MAX_MLA_RANK or ctx.qk_rope_head_dim > MAX_MLA_ROPE:
+            raise UnsupportedFeatureError(
+                "triton", f"MLA kv_lora_rank {ctx.kv_lora_rank} + rope {ctx.qk_rope_head_dim} (max {MAX_MLA_RANK} + {MAX_MLA_ROPE})"
+            )
+    elif ctx.head_dim > MAX_MHA_HEAD_DIM or ctx.v_head_dim > MAX_MHA_HEAD_DIM or ctx.head_dim % 8 or ctx.v_head_dim % 8:
+        raise UnsupportedFeatureError("triton", f"head_dim {ctx.head_dim} / v_head_dim {ctx.v_head_dim} (multiples of 8 up to 256)")
+    pool = ctx.token_to_kv_pool
+    if pool is not None:
+        if _dtype_name(pool.dtype) != _dtype_name(ctx.kv_dtype):
+            raise InvalidArgumentError("token_to_kv_pool.dtype", f"the context's kv_dtype {ctx.kv_dtype}", pool.dtype)
+        want = (1, ctx.head_dim) if ctx.is_mla else (ctx.num_kv_heads, ctx.head_dim)
+        if (pool.head_num, pool.head_dim) != want:
+            raise InvalidArgumentError("token_to_kv_pool", f"(heads, head_dim) = {want} as in the context", (pool.head_num, pool.head_dim))
+        if ctx.is_mla != hasattr(pool, "kv_lora_rank"):
+            raise InvalidArgumentError(
+                "token_to_kv_pool", "an MLATokenToKVPool for MLA, an MHATokenToKVPool otherwise", type(pool).__name__
+            )
+
+
+def _check_batch(b: ForwardBatch, r2t: torch.Tensor, device: torch.device) -> None:
+    bs = b.batch_size
+    if b.req_pool_indices.shape != (bs,) or b.seq_lens.shape != (bs,):
+        raise InvalidArgumentError(
+            "req_pool_indices/seq_lens", f"shape ({bs},) (batch_size)", (tuple(b.req_pool_indices.shape), tuple(b.seq_lens.shape))
+        )
+    for name in ("req_pool_indices", "seq_lens"):
+        t = getattr(b, name)
+        if t.device != device:
+            raise InvalidArgumentError(name, f"a tensor on {device}", t.device)
+    if b.seq_lens.dtype != torch.int32:
+        raise InvalidArgumentError("seq_lens", "int32", b.seq_lens.dtype)
+    if b.req_pool_indices.dtype not in (torch.int32, torch.int64):
+        raise InvalidArgumentError("req_pool_indices", "int32 or int64", b.req_pool_indices.dtype)
+    lens = b.seq_lens_cpu
+    if b.encoder_lens is not None:
+        if b.encoder_lens_cpu is None or b.encoder_lens.dtype != torch.int32:
+            raise InvalidArgumentError("encoder_lens", "int32 on the device with encoder_lens_cpu on the host", b.encoder_lens.dtype)
+        lens = lens + b.encoder_lens_cpu
+    longest = int(lens.max()) if bs else 0
+    if longest > r2t.shape[1]:
+        raise InvalidArgumentError("seq_lens", f"encoder + decoder lengths <= req_to_token width {r2t.shape[1]}", longest)
+    if b.forward_mode.is_extend():
+        if b.extend_seq_lens is None or b.extend_seq_lens_cpu is None:
+            raise InvalidArgumentError("extend_seq_lens", f"extend lengths (device and _cpu) for {b.forward_mode.name}", None)
+        if b.extend_seq_lens.dtype != torch.int32 or b.extend_seq_lens.shape != (bs,):
+            raise InvalidArgumentError(
+                "extend_seq_lens", f"int32 of shape ({bs},)", (b.extend_seq_lens.dtype, tuple(b.extend_seq_lens.shape))
+            )
+
+
+def _custom_mask(b: ForwardBatch) -> Optional[torch.Tensor]:
+    """The verify mask as uint8 (checked against the sizes the layout implies), or None."""
+    spec = b.spec_info
+    if not b.forward_mode.is_target_verify() or spec is None or spec.custom_mask is None:
+        return None
+    mask = spec.custom_mask
+    if mask.dtype != torch.bool or mask.dim() != 1 or mask.device != b.seq_lens.device:
+        raise InvalidArgumentError(
+            "spec_info.custom_mask", "a flat bool tensor on the batch's device", (mask.dtype, tuple(mask.shape), mask.device)
+        )
+    want = int((b.extend_seq_lens_cpu.to(torch.int64) * b.seq_lens_cpu.to(torch.int64)).sum())
+    if mask.numel() != want:
+        raise InvalidArgumentError("spec_info.custom_mask", f"{want} entries (sum of q_len * seq_len)", mask.numel())
+    return mask.view(torch.uint8)
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _sinks(sinks: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if sinks is None else sinks.to(torch.float32).contiguous()
+
+
+def _scale(s: Optional[float]) -> float:
+    return 1.0 if s is None else float(s)

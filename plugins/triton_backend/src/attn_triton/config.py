@@ -1,0 +1,63 @@
+"""Kernel tile choices and the decode split policy, picked per head dim and device (no autotuning).
+
+Hand-picked for Hopper (H100/H200) on the DESIGN §7 shapes; tiny tiles under the interpreter keep
+CPU tests fast. Deterministic mode takes the same tiles (they depend on the model, never the batch)
+and a fixed split policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attn_triton.kernels.decode import DecodeConfig
+from attn_triton.kernels.extend import ExtendConfig
+
+
+@dataclass(frozen=True)
+class SplitPolicy:
+    """Decode splits: request r gets clamp(ceil(len_r / min_split_len), 1, max_splits) splits.
+
+    `max_splits` is chosen per batch size from the device's multiprocessor count so that
+    bs * kv_head_blocks * max_splits programs fill about `waves` waves; deterministic mode fixes it.
+    """
+
+    min_split_len: int = 256
+    waves: float = 2.0
+    cap: int = 32
+    deterministic_max_splits: int = 16
+    deterministic_min_split_len: int = 512
+
+    def max_splits(self, bs: int, programs_per_request: int, num_sms: int, deterministic: bool) -> int:
+        if deterministic:
+            return self.deterministic_max_splits
+        want = int(num_sms * self.waves) // max(1, bs * programs_per_request)
+        return max(1, min(self.cap, want))
+
+    def min_len(self, deterministic: bool) -> int:
+        return self.deterministic_min_split_len if deterministic else self.min_split_len
+
+
+def decode_config(head_dim: int, v_head_dim: int, dtype: torch.dtype, device: torch.device, mla: bool) -> DecodeConfig:
+    if device.type != "cuda":
+        return DecodeConfig(block_n=16, block_h=16, num_warps=1, num_stages=1)
+    if mla:
+        return DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=2)
+    if max(head_dim, v_head_dim) > 128:
+        return DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=2)
+    if dtype == torch.float32:
+        return DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=2)
+    return DecodeConfig(block_n=64, block_h=16, num_warps=4, num_stages=3)
+
+
+def extend_config(head_dim: int, v_head_dim: int, dtype: torch.dtype, device: torch.device, mla: bool) -> ExtendConfig:
+    if device.type != "cuda":
+        return ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+    if mla:
+        return ExtendConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
+    if max(head_dim, v_head_dim) > 128:
+        return ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    if dtype == torch.float32:
+        return ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)

@@ -1,0 +1,127 @@
+"""CUDA-graph state of the Triton backend: persistent buffers that captured kernels read and that
+replay refreshes in place (DECODE and TARGET_VERIFY).
+
+Per captured (bs, mode) the metadata is a set of views of the buffers; replay reruns the index kernel
+into those views (and copies the verify mask), so the graph's pointers and grid stay valid. Decode
+split counts are recomputed on the device at every replay; only `max_splits` (the grid) is fixed per bs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Union
+
+import torch
+from attn_core.batch import SpecInfo
+from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.forward_mode import ForwardMode
+
+from attn_triton.metadata import DecodeMetadata, ExtendMetadata, KVIndex, fill_kv
+
+if TYPE_CHECKING:
+    from attn_triton.backend import TritonAttnBackend
+
+Metadata = Union[DecodeMetadata, ExtendMetadata]
+
+
+class GraphState:
+    """Buffers for batches of up to `max_bs` requests and `max_num_tokens` tokens."""
+
+    def __init__(self, backend: TritonAttnBackend, max_bs: int, max_num_tokens: int):
+        ctx = backend.ctx
+        dev = backend.device
+        self.backend = backend
+        self.max_bs = max_bs
+        self.max_num_tokens = max_num_tokens
+        width = ctx.max_context_len
+
+        def i32(n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.int32, device=dev)
+
+        self.kv = KVIndex(i32(max_bs + 1), i32(max_bs * width), i32(max_bs))
+        self.cross = KVIndex(i32(max_bs + 1), i32(max_bs * width), i32(max_bs)) if ctx.is_encoder_decoder else None
+        self.qo_indptr = i32(max_bs + 1)
+        self.q_lens = i32(max_bs)
+        self.mask_indptr = torch.zeros(max_bs + 1, dtype=torch.int64, device=dev)
+        self.mask: Optional[torch.Tensor] = None  # allocated at the first TARGET_VERIFY capture
+        most = max(bs * backend.decode_splits(bs).max_splits for bs in range(1, max_bs + 1))
+        self.part_o = torch.empty(most * ctx.num_q_heads * ctx.v_head_dim, dtype=torch.float32, device=dev)
+        self.part_lse = torch.empty(most * ctx.num_q_heads, dtype=torch.float32, device=dev)
+        self.captured: dict[tuple[int, ForwardMode], Metadata] = {}
+
+    def _views(self, kv: KVIndex, bs: int, with_splits: bool) -> KVIndex:
+        return KVIndex(kv.indptr[: bs + 1], kv.indices, kv.num_splits[:bs] if with_splits else None)
+
+    def capture(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, mode: ForwardMode, spec_info: Optional[SpecInfo]):
+        if not 1 <= bs <= self.max_bs or not bs <= num_tokens <= self.max_num_tokens:
+            raise InvalidArgumentError(
+                "bs/num_tokens", f"1 <= bs <= {self.max_bs}, bs <= num_tokens <= {self.max_num_tokens}", (bs, num_tokens)
+            )
+        if encoder_lens is not None and self.cross is None:
+            raise InvalidArgumentError("encoder_lens", "None (the context is not encoder-decoder)", "a tensor")
+        ctx = self.backend.ctx
+        has_cross = encoder_lens is not None
+        if mode.is_decode():
+            if num_tokens != bs:
+                raise InvalidArgumentError("num_tokens", f"{bs} (one token per request) for DECODE", num_tokens)
+            ms = self.backend.decode_splits(bs).max_splits
+            hq, dv = ctx.num_q_heads, ctx.v_head_dim
+            meta: Metadata = DecodeMetadata(
+                self._views(self.kv, bs, True),
+                self._views(self.cross, bs, True) if has_cross else None,
+                ms,
+                self.part_o[: bs * hq * ms * dv].view(bs, hq, ms, dv),
+                self.part_lse[: bs * hq * ms].view(bs, hq, ms),
+            )
+        elif mode.is_target_verify():
+            if num_tokens % bs:
+                raise InvalidArgumentError("num_tokens", f"a multiple of bs={bs} for TARGET_VERIFY", num_tokens)
+            per_req = num_tokens // bs
+            use_mask = spec_info is not None and spec_info.custom_mask is not None
+            if use_mask and self.mask is None:
+                self.mask = torch.zeros(self.max_num_tokens * ctx.max_context_len, dtype=torch.uint8, device=self.backend.device)
+            self.q_lens[:bs].fill_(per_req)
+            meta = ExtendMetadata(
+                self.qo_indptr[: bs + 1],
+                per_req,
+                self._views(self.kv, bs, False),
+                self._views(self.cross, bs, False) if has_cross else None,
+                self.mask if use_mask else None,
+                self.mask_indptr[: bs + 1] if use_mask else None,
+            )
+        else:
+            raise UnsupportedFeatureError("triton", f"CUDA graphs for {mode.name} (DECODE and TARGET_VERIFY only)")
+        self.captured[(bs, mode)] = meta
+        self._refresh(meta, bs, req_pool_indices, seq_lens, encoder_lens, spec_info)
+        return meta
+
+    def replay(self, bs, req_pool_indices, seq_lens, encoder_lens, mode: ForwardMode, spec_info: Optional[SpecInfo]):
+        meta = self.captured.get((bs, mode))
+        if meta is None:
+            raise InvalidArgumentError("bs", f"a batch size captured for {mode.name}", bs)
+        self._refresh(meta, bs, req_pool_indices, seq_lens, encoder_lens, spec_info)
+        return meta
+
+    def _refresh(self, meta: Metadata, bs, req_pool_indices, seq_lens, encoder_lens, spec_info) -> None:
+        """Rewrite the captured views for the batch of this replay (inputs padded to `bs` rows)."""
+        b = self.backend
+        r2t = b._req_to_token()
+        rpi, lens = req_pool_indices[:bs], _int32(seq_lens[:bs])
+        enc = None if encoder_lens is None else _int32(encoder_lens[:bs])
+        if isinstance(meta, DecodeMetadata):
+            splits = b.decode_splits(bs)
+            fill_kv(meta.kv, r2t, rpi, lens, kv_start=enc, splits=splits)
+            if meta.cross is not None:
+                fill_kv(meta.cross, r2t, rpi, enc, splits=splits)
+            return
+        fill_kv(meta.kv, r2t, rpi, lens, kv_start=enc, q_lens=self.q_lens[:bs], qo_indptr=meta.qo_indptr, mask_indptr=meta.mask_indptr)
+        if meta.cross is not None:
+            fill_kv(meta.cross, r2t, rpi, enc)
+        if meta.custom_mask is not None:
+            mask = spec_info.custom_mask if spec_info is not None else None
+            if mask is None or mask.dtype != torch.bool or mask.numel() > meta.custom_mask.numel():
+                raise InvalidArgumentError("spec_info.custom_mask", f"a bool mask of at most {meta.custom_mask.numel()} entries", mask)
+            meta.custom_mask[: mask.numel()].copy_(mask.view(torch.uint8))
+
+
+def _int32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.int32 else x.to(torch.int32)

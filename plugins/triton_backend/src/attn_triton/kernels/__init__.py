@@ -1,0 +1,1 @@
+"""Triton kernels of the backend (importing these modules imports torch and triton)."""

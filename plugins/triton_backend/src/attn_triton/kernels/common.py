@@ -1,0 +1,66 @@
+"""Pieces shared by the decode and extend kernels: score transform, online-softmax step, finalize.
+
+All softmax arithmetic runs in the base-2 domain (`exp2`/`log2`, logits pre-multiplied by log2(e));
+LSEs leave the kernels in natural log. Host-side scale factors come from `score_scales`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def score_scales(sm_scale: float, logit_cap: float, k_scale: float = 1.0) -> tuple[float, float]:
+    """(qk_scale, cap_scale) for `scale_scores`: without a cap, logits2 = qk·sm_scale·k_scale·log2e;
+    with a cap c, logits2 = c·tanh(qk·sm_scale·k_scale / c)·log2e."""
+    s = sm_scale * k_scale
+    if logit_cap > 0:
+        return s / logit_cap, logit_cap * LOG2E
+    return s * LOG2E, 0.0
+
+
+@triton.jit
+def scale_scores(qk, qk_scale, cap_scale, LOGIT_CAP: tl.constexpr):
+    """Raw q·k to base-2 logits (see `score_scales`); tanh written with exp so the interpreter runs it."""
+    if LOGIT_CAP:
+        x = qk * qk_scale
+        t = 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+        return t * cap_scale
+    else:
+        return qk * qk_scale
+
+
+@triton.jit
+def softmax_step(m_i, l_i, acc, s):
+    """One online-softmax step over logits `s` [M, N] (-inf where masked).
+
+    Returns the new running max, denominator, rescaled accumulator and the probabilities `p` [M, N];
+    rows that have seen only -inf keep max -inf and contribute nothing (no NaN)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_new = l_i * alpha + tl.sum(p, 1)
+    return m_new, l_new, acc * alpha[:, None], p
+
+
+@triton.jit
+def add_sink(m_i, l_i, acc, sink2):
+    """Join a base-2 sink logit per row to the denominator (it adds nothing to the output)."""
+    m_new = tl.maximum(m_i, sink2)
+    alpha = tl.exp2(m_i - m_new)
+    return m_new, l_i * alpha + tl.exp2(sink2 - m_new), acc * alpha[:, None]
+
+
+@triton.jit
+def finalize(m_i, l_i, acc):
+    """Normalized output and base-2 LSE; rows that saw no key get 0 and -inf."""
+    ok = l_i > 0.0
+    inv = tl.where(ok, 1.0 / tl.where(ok, l_i, 1.0), 0.0)
+    lse2 = tl.where(ok, m_i + tl.log2(tl.where(ok, l_i, 1.0)), float("-inf"))
+    return acc * inv[:, None], lse2

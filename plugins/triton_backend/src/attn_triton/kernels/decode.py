@@ -1,0 +1,302 @@
+"""Split-KV decode ("flash decoding") over a paged KV pool addressed by CSR kv_indptr / kv_indices.
+
+Stage 1 (grid `[bs, kv_heads * head_blocks, max_splits]`): program (r, hb, s) takes request r's keys
+in split s of `num_splits[r]` (a per-request count chosen on the device, so nothing here syncs with the
+host), and attends with the block of q heads that share one KV head (GQA/MQA: every K/V tile is read
+once for the whole group). It writes the split's normalized partial output and base-2 LSE.
+Stage 2 (grid `[bs, num_q_heads]`) merges the splits by their LSEs, adds the sink, applies v_scale,
+and writes the output (and the natural-log LSE).
+
+Splits of request r cover [lo, kv_len) in equal BLOCK_N-aligned chunks, where lo = kv_len - window for
+sliding-window layers; the split layout depends only on the request's own length and `num_splits[r]`,
+and stage 2 sums splits in a fixed order, which makes deterministic mode batch-invariant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from attn_triton.kernels.common import LN2, LOG2E, finalize, scale_scores, score_scales, softmax_step
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tile sizes of stage 1: BLOCK_N keys per step, at most BLOCK_H q heads per program."""
+
+    block_n: int = 64
+    block_h: int = 16
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q,
+    K,
+    V,
+    KV_INDPTR,
+    KV_INDICES,
+    NUM_SPLITS,
+    PART_O,
+    PART_LSE,
+    qk_scale,
+    cap_scale,
+    window,
+    num_q_heads,
+    stride_qb,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,
+    HEAD_BLOCKS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DPE: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    SHARE_KV: tl.constexpr,
+    LOGIT_CAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    r = tl.program_id(0)
+    hb = tl.program_id(1)
+    s = tl.program_id(2)
+    n_split = tl.load(NUM_SPLITS + r)
+    if s >= n_split:
+        return
+    kv_head = hb // HEAD_BLOCKS
+    in_group = (hb % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + in_group
+    h_ok = (in_group < GROUP) & (heads < num_q_heads)
+
+    kv_beg = tl.load(KV_INDPTR + r)
+    kv_len = tl.load(KV_INDPTR + r + 1) - kv_beg
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(kv_len - window, 0)
+    per = tl.cdiv(tl.cdiv(kv_len - lo, n_split), BLOCK_N) * BLOCK_N
+    s_lo = lo + s * per
+    s_hi = tl.minimum(s_lo + per, kv_len)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_n = tl.arange(0, BLOCK_N)
+    q_row = Q + r.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+    q = tl.load(q_row + offs_d[None, :], mask=h_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    if BLOCK_DPE > 0:
+        offs_dpe = tl.arange(0, BLOCK_DPE)
+        q_pe = tl.load(q_row + D + offs_dpe[None, :], mask=h_ok[:, None] & (offs_dpe[None, :] < DPE), other=0.0)
+    k_head = K + kv_head * stride_kh
+    v_head = V + kv_head * stride_vh
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    for start in range(s_lo, s_hi, BLOCK_N):
+        n = start + offs_n
+        n_ok = n < s_hi
+        slot = tl.load(KV_INDICES + kv_beg + n, mask=n_ok, other=0).to(tl.int64)
+        k = tl.load(k_head + slot[:, None] * stride_ks + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
+        if BLOCK_DPE > 0:
+            k_pe = tl.load(
+                k_head + slot[:, None] * stride_ks + D + offs_dpe[None, :], mask=n_ok[:, None] & (offs_dpe[None, :] < DPE), other=0.0
+            )
+            qk += tl.dot(q_pe, tl.trans(k_pe.to(q.dtype)), input_precision=DOT_PREC)
+        sc = scale_scores(qk, qk_scale, cap_scale, LOGIT_CAP)
+        sc = tl.where(n_ok[None, :], sc, float("-inf"))
+        m_i, l_i, acc, p = softmax_step(m_i, l_i, acc, sc)
+        if SHARE_KV:
+            v = k
+        else:
+            v = tl.load(v_head + slot[:, None] * stride_vs + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        acc += tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
+
+    out, lse2 = finalize(m_i, l_i, acc)
+    po = PART_O + r.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + s * stride_ps + offs_dv[None, :]
+    tl.store(po, out, mask=h_ok[:, None] & (offs_dv[None, :] < DV))
+    tl.store(PART_LSE + r.to(tl.int64) * stride_lb + heads * stride_lh + s, lse2, mask=h_ok)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    PART_O,
+    PART_LSE,
+    NUM_SPLITS,
+    SINKS,
+    OUT,
+    LSE,
+    v_scale,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    stride_eb,
+    SPLITS_BLOCK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    n_split = tl.load(NUM_SPLITS + r)
+    offs_s = tl.arange(0, SPLITS_BLOCK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    s_ok = offs_s < n_split
+    lse = tl.load(PART_LSE + r.to(tl.int64) * stride_lb + h * stride_lh + offs_s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    if HAS_SINK:
+        sink2 = tl.load(SINKS + h) * LOG2E
+        m = tl.maximum(m, sink2)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_use)
+    denom = tl.sum(w, 0)
+    if HAS_SINK:
+        denom += tl.exp2(sink2 - m_use)
+    po = PART_O + r.to(tl.int64) * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_dv[None, :]
+    parts = tl.load(po, mask=s_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    acc = tl.sum(w[:, None] * parts, 0)
+    ok = denom > 0.0
+    inv = tl.where(ok, v_scale / tl.where(ok, denom, 1.0), 0.0)
+    tl.store(OUT + r.to(tl.int64) * stride_ob + h * stride_oh + offs_dv, (acc * inv).to(OUT.dtype.element_ty), mask=offs_dv < DV)
+    if STORE_LSE:
+        lse_out = tl.where(ok, (m_use + tl.log2(tl.where(ok, denom, 1.0))) * LN2, float("-inf"))
+        tl.store(LSE + r.to(tl.int64) * stride_eb + h, lse_out)
+
+
+def _pow2(x: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(max(int(x), 1)))
+
+
+def head_blocks(group: int, config: DecodeConfig) -> int:
+    """Programs per KV head along the head axis (a group wider than BLOCK_H is cut into blocks)."""
+    return triton.cdiv(group, min(config.block_h, _pow2(group)))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    o: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    num_splits: torch.Tensor,
+    max_splits: int,
+    part_o: torch.Tensor,
+    part_lse: torch.Tensor,
+    *,
+    sm_scale: float,
+    config: DecodeConfig,
+    logit_cap: float = 0.0,
+    window: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
+    lse_out: Optional[torch.Tensor] = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    d_rope: int = 0,
+    share_kv: bool = False,
+) -> None:
+    """Decode attention of one query per request into `o` (and `lse_out`).
+
+    q `[bs, Hq, D]`; k_buf `[slots, Hkv, D]`; v_buf `[slots, Hkv, Dv]` (ignored with `share_kv`, where V
+    is the first Dv channels of K: absorbed MLA); o `[bs, Hq, Dv]`; kv_indptr `[bs+1]` int32,
+    kv_indices int32 slots; num_splits `[bs]` int32 in 1..max_splits; part_o `[bs, Hq, max_splits, Dv]`
+    and part_lse `[bs, Hq, max_splits]` float32 scratch; lse_out `[bs, Hq]` float32 natural log.
+    The last `d_rope` channels of q/k form a second dot product (MLA's rope part).
+    """
+    bs, hq, d_total = q.shape
+    if bs == 0:
+        return
+    hkv = k_buf.shape[1]
+    group = hq // hkv
+    d = d_total - d_rope
+    dv = o.shape[2]
+    block_h = min(config.block_h, _pow2(group))
+    hblocks = triton.cdiv(group, block_h)
+    qk_scale, cap_scale = score_scales(sm_scale, logit_cap, k_scale)
+    v = k_buf if share_kv else v_buf
+    fp32 = q.dtype == torch.float32
+    _decode_split_kernel[(bs, hkv * hblocks, max_splits)](
+        q,
+        k_buf,
+        v,
+        kv_indptr,
+        kv_indices,
+        num_splits,
+        part_o,
+        part_lse,
+        qk_scale,
+        cap_scale,
+        int(window or 0),
+        hq,
+        q.stride(0),
+        q.stride(1),
+        k_buf.stride(0),
+        k_buf.stride(1),
+        v.stride(0),
+        v.stride(1),
+        part_o.stride(0),
+        part_o.stride(1),
+        part_o.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        GROUP=group,
+        HEAD_BLOCKS=hblocks,
+        BLOCK_H=block_h,
+        BLOCK_N=config.block_n,
+        D=d,
+        BLOCK_D=_pow2(d),
+        DPE=d_rope,
+        BLOCK_DPE=_pow2(d_rope) if d_rope else 0,
+        DV=dv,
+        BLOCK_DV=_pow2(d) if share_kv else _pow2(dv),
+        SHARE_KV=share_kv,
+        LOGIT_CAP=logit_cap > 0,
+        HAS_WINDOW=window is not None,
+        DOT_PREC="ieee" if fp32 else "tf32",
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    _decode_merge_kernel[(bs, hq)](
+        part_o,
+        part_lse,
+        num_splits,
+        sinks if sinks is not None else part_lse,
+        o,
+        lse_out if lse_out is not None else part_lse,
+        float(v_scale),
+        part_o.stride(0),
+        part_o.stride(1),
+        part_o.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        o.stride(0),
+        o.stride(1),
+        lse_out.stride(0) if lse_out is not None else 0,
+        SPLITS_BLOCK=triton.next_power_of_2(max_splits),
+        DV=dv,
+        BLOCK_DV=triton.next_power_of_2(dv),
+        HAS_SINK=sinks is not None,
+        STORE_LSE=lse_out is not None,
+        num_warps=4 if dv >= 256 else 2,
+    )

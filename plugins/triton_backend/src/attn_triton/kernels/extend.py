@@ -1,0 +1,323 @@
+"""Extend attention: each request's new tokens attend to its keys in the paged pool.
+
+Covers EXTEND / MIXED / DRAFT_EXTEND (causal: the new token at position p sees keys 0..p, the new
+tokens' own K/V having been written to the pool first), TARGET_VERIFY with a per-request custom (tree)
+mask, and cross attention (non-causal over the encoder keys). Sliding window, logit cap, sinks and
+LSE output are compile-time switches.
+
+Grid `[num_q_heads, m_blocks, bs]`; program (h, mb, r) owns BLOCK_M new tokens of request r for q head h
+(m blocks run from the last, the longest under a causal mask, to the first). Keys every row of the block
+sees run in an unmasked loop; the rest (the causal diagonal, the window edge, custom masks, the tail)
+in a masked loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from attn_triton.kernels.common import LN2, LOG2E, add_sink, finalize, scale_scores, score_scales, softmax_step
+
+
+@dataclass(frozen=True)
+class ExtendConfig:
+    """Tile sizes: BLOCK_M queries x BLOCK_N keys per step."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@triton.jit
+def _extend_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pe,
+    start,
+    kv_len,
+    q_pos,
+    q_idx,
+    m_ok,
+    k_head,
+    v_head,
+    KV_INDICES,
+    kv_beg,
+    stride_ks,
+    stride_vs,
+    MASK,
+    mask_beg,
+    qk_scale,
+    cap_scale,
+    window,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DPE: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    SHARE_KV: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_MASK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    LOGIT_CAP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Attend one BLOCK_N tile of keys starting at `start`; MASKED applies bounds and visibility."""
+    n = start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    if MASKED:
+        n_ok = n < kv_len
+        slot = tl.load(KV_INDICES + kv_beg + n, mask=n_ok, other=0).to(tl.int64)
+        k = tl.load(k_head + slot[:, None] * stride_ks + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    else:
+        slot = tl.load(KV_INDICES + kv_beg + n).to(tl.int64)
+        k = tl.load(k_head + slot[:, None] * stride_ks + offs_d[None, :], mask=offs_d[None, :] < D, other=0.0)
+    qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
+    if BLOCK_DPE > 0:
+        offs_dpe = tl.arange(0, BLOCK_DPE)
+        pe_ptr = k_head + slot[:, None] * stride_ks + D + offs_dpe[None, :]
+        if MASKED:
+            k_pe = tl.load(pe_ptr, mask=n_ok[:, None] & (offs_dpe[None, :] < DPE), other=0.0)
+        else:
+            k_pe = tl.load(pe_ptr, mask=offs_dpe[None, :] < DPE, other=0.0)
+        qk += tl.dot(q_pe, tl.trans(k_pe.to(q.dtype)), input_precision=DOT_PREC)
+    sc = scale_scores(qk, qk_scale, cap_scale, LOGIT_CAP)
+    if MASKED:
+        ok = n_ok[None, :] & m_ok[:, None]
+        if CAUSAL:
+            ok = ok & (n[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            ok = ok & (n[None, :] > q_pos[:, None] - window)
+        if USE_MASK:
+            bits = tl.load(MASK + mask_beg + q_idx[:, None].to(tl.int64) * kv_len + n[None, :], mask=ok, other=0)
+            ok = ok & (bits != 0)
+        sc = tl.where(ok, sc, float("-inf"))
+    m_i, l_i, acc, p = softmax_step(m_i, l_i, acc, sc)
+    if SHARE_KV:
+        v = k
+    else:
+        if MASKED:
+            v = tl.load(v_head + slot[:, None] * stride_vs + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        else:
+            v = tl.load(v_head + slot[:, None] * stride_vs + offs_dv[None, :], mask=offs_dv[None, :] < DV, other=0.0)
+    acc += tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _extend_kernel(
+    Q,
+    K,
+    V,
+    OUT,
+    LSE,
+    QO_INDPTR,
+    KV_INDPTR,
+    KV_INDICES,
+    MASK,
+    MASK_INDPTR,
+    SINKS,
+    qk_scale,
+    cap_scale,
+    v_scale,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DPE: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    SHARE_KV: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_MASK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    LOGIT_CAP: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    h = tl.program_id(0)
+    mb = tl.num_programs(1) - 1 - tl.program_id(1)
+    r = tl.program_id(2)
+    q_beg = tl.load(QO_INDPTR + r)
+    q_len = tl.load(QO_INDPTR + r + 1) - q_beg
+    if mb * BLOCK_M >= q_len:
+        return
+    kv_beg = tl.load(KV_INDPTR + r)
+    kv_len = tl.load(KV_INDPTR + r + 1) - kv_beg
+    q_off = kv_len - q_len  # position of the first new token among the request's keys
+    kv_head = h // GROUP
+
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < q_len
+    q_pos = q_off + offs_m
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_rows = Q + (q_beg + offs_m).to(tl.int64)[:, None] * stride_qt + h * stride_qh
+    q = tl.load(q_rows + offs_d[None, :], mask=m_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    q_pe = q
+    if BLOCK_DPE > 0:
+        offs_dpe = tl.arange(0, BLOCK_DPE)
+        q_pe = tl.load(q_rows + D + offs_dpe[None, :], mask=m_ok[:, None] & (offs_dpe[None, :] < DPE), other=0.0)
+    mask_beg = 0
+    if USE_MASK:
+        mask_beg = tl.load(MASK_INDPTR + r)
+    k_head = K + kv_head * stride_kh
+    v_head = V + kv_head * stride_vh
+
+    # key ranges: [lo, full_end) seen by every row without masks, [full_end, hi) masked
+    if CAUSAL:
+        hi = tl.minimum(kv_len, q_off + (mb + 1) * BLOCK_M)
+        full_end = q_off + mb * BLOCK_M
+    else:
+        hi = kv_len
+        full_end = kv_len
+    lo = tl.full([], 0, tl.int32)
+    if HAS_WINDOW:
+        lo = tl.maximum(q_off + mb * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+        full_end = lo
+    if USE_MASK:
+        full_end = lo
+    full_end = tl.maximum(full_end // BLOCK_N * BLOCK_N, lo)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    for start in range(lo, full_end, BLOCK_N):
+        acc, m_i, l_i = _extend_tile(
+            acc, m_i, l_i, q, q_pe, start, kv_len, q_pos, offs_m, m_ok, k_head, v_head, KV_INDICES, kv_beg, stride_ks, stride_vs,
+            MASK, mask_beg, qk_scale, cap_scale, window,
+            BLOCK_N, D, BLOCK_D, DPE, BLOCK_DPE, DV, BLOCK_DV, SHARE_KV, False, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC,
+        )  # fmt: skip
+    for start in range(full_end, hi, BLOCK_N):
+        acc, m_i, l_i = _extend_tile(
+            acc, m_i, l_i, q, q_pe, start, kv_len, q_pos, offs_m, m_ok, k_head, v_head, KV_INDICES, kv_beg, stride_ks, stride_vs,
+            MASK, mask_beg, qk_scale, cap_scale, window,
+            BLOCK_N, D, BLOCK_D, DPE, BLOCK_DPE, DV, BLOCK_DV, SHARE_KV, True, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC,
+        )  # fmt: skip
+
+    if HAS_SINK:
+        sink2 = tl.load(SINKS + h) * LOG2E
+        m_i, l_i, acc = add_sink(m_i, l_i, acc, tl.zeros([BLOCK_M], dtype=tl.float32) + sink2)
+    out, lse2 = finalize(m_i, l_i, acc)
+    o_rows = OUT + (q_beg + offs_m).to(tl.int64)[:, None] * stride_ot + h * stride_oh
+    tl.store(o_rows + offs_dv[None, :], (out * v_scale).to(OUT.dtype.element_ty), mask=m_ok[:, None] & (offs_dv[None, :] < DV))
+    if STORE_LSE:
+        tl.store(LSE + (q_beg + offs_m).to(tl.int64) * stride_lt + h, lse2 * LN2, mask=m_ok)
+
+
+def _pow2(x: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(max(int(x), 1)))
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    o: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    max_q_len: int,
+    *,
+    sm_scale: float,
+    config: ExtendConfig,
+    causal: bool = True,
+    custom_mask: Optional[torch.Tensor] = None,
+    mask_indptr: Optional[torch.Tensor] = None,
+    logit_cap: float = 0.0,
+    window: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
+    lse_out: Optional[torch.Tensor] = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    d_rope: int = 0,
+    share_kv: bool = False,
+) -> None:
+    """Attention of every request's new tokens into `o` (and `lse_out`).
+
+    q `[T, Hq, D]` (request r's rows qo_indptr[r] .. qo_indptr[r+1]-1); k_buf `[slots, Hkv, D]`, v_buf
+    `[slots, Hkv, Dv]` (ignored with `share_kv`: V = first Dv channels of K, absorbed MLA); o `[T, Hq, Dv]`;
+    kv_indptr / kv_indices: CSR int32 of each request's keys, the new tokens last (self attention).
+    Causal: the new token i of request r sits at position kv_len - q_len + i. `custom_mask` (uint8, per
+    request a row-major `[q_len, kv_len]` block starting at mask_indptr[r]) replaces the causal mask.
+    lse_out `[T, Hq]` float32 natural log. `max_q_len` (host int) sizes the grid.
+    """
+    T, hq, d_total = q.shape
+    bs = qo_indptr.shape[0] - 1
+    if T == 0 or bs == 0 or max_q_len == 0:
+        return
+    hkv = k_buf.shape[1]
+    d = d_total - d_rope
+    dv = o.shape[2]
+    qk_scale, cap_scale = score_scales(sm_scale, logit_cap, k_scale)
+    v = k_buf if share_kv else v_buf
+    use_mask = custom_mask is not None
+    grid = (hq, triton.cdiv(max_q_len, config.block_m), bs)
+    _extend_kernel[grid](
+        q,
+        k_buf,
+        v,
+        o,
+        lse_out if lse_out is not None else o,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        custom_mask if use_mask else kv_indices,
+        mask_indptr if use_mask else kv_indptr,
+        sinks if sinks is not None else o,
+        qk_scale,
+        cap_scale,
+        float(v_scale),
+        int(window or 0),
+        q.stride(0),
+        q.stride(1),
+        k_buf.stride(0),
+        k_buf.stride(1),
+        v.stride(0),
+        v.stride(1),
+        o.stride(0),
+        o.stride(1),
+        lse_out.stride(0) if lse_out is not None else 0,
+        GROUP=hq // hkv,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        D=d,
+        BLOCK_D=_pow2(d),
+        DPE=d_rope,
+        BLOCK_DPE=_pow2(d_rope) if d_rope else 0,
+        DV=dv,
+        BLOCK_DV=_pow2(d) if share_kv else _pow2(dv),
+        SHARE_KV=share_kv,
+        CAUSAL=causal and not use_mask,
+        USE_MASK=use_mask,
+        HAS_WINDOW=window is not None,
+        LOGIT_CAP=logit_cap > 0,
+        HAS_SINK=sinks is not None,
+        STORE_LSE=lse_out is not None,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )

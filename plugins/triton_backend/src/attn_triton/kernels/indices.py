@@ -1,0 +1,137 @@
+"""One Triton kernel that turns `req_to_token` rows into the per-step index metadata.
+
+For request r (row `req_pool_indices[r]`, keys at columns kv_start[r] .. kv_start[r] + kv_lens[r] - 1)
+it writes, in a single launch and without any host sync:
+- kv_indptr `[bs+1]` int32 (exclusive prefix sum of kv_lens) and kv_indices (the slots, concatenated);
+- optionally qo_indptr `[bs+1]` int32 (prefix sum of q_lens) and mask_indptr `[bs+1]` int64 (prefix sum
+  of q_lens * kv_lens: offsets of per-request row-major `[q_len, kv_len]` custom masks);
+- optionally num_splits `[bs]` int32 = clamp(ceil(kv_lens / min_split_len), 1, max_splits), the decode
+  split count, a function of the request's own length only.
+
+Grid `[bs, P]`: each program sums the lengths before its request (a masked block load, O(bs)) and
+copies every P-th CHUNK of its row, so any P is correct; P only spreads the copy.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 512
+
+
+@triton.jit
+def _build_indices_kernel(
+    REQ_TO_TOKEN,
+    stride_row,
+    REQ_POOL_INDICES,
+    KV_LENS,
+    KV_START,
+    KV_INDPTR,
+    KV_INDICES,
+    Q_LENS,
+    QO_INDPTR,
+    MASK_INDPTR,
+    NUM_SPLITS,
+    max_splits,
+    min_split_len,
+    BS_BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    HAS_START: tl.constexpr,
+    HAS_Q: tl.constexpr,
+    HAS_MASK_INDPTR: tl.constexpr,
+    HAS_SPLITS: tl.constexpr,
+):
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    num_c = tl.num_programs(1)
+    offs = tl.arange(0, BS_BLOCK)
+    before = offs < r
+    lens = tl.load(KV_LENS + offs, mask=before, other=0)
+    beg = tl.sum(lens, 0)
+    length = tl.load(KV_LENS + r)
+    if c == 0:
+        if r == 0:
+            tl.store(KV_INDPTR, beg * 0)
+        tl.store(KV_INDPTR + r + 1, beg + length)
+        if HAS_Q:
+            q_lens = tl.load(Q_LENS + offs, mask=before, other=0)
+            q_len = tl.load(Q_LENS + r)
+            q_beg = tl.sum(q_lens, 0)
+            if r == 0:
+                tl.store(QO_INDPTR, q_beg * 0)
+            tl.store(QO_INDPTR + r + 1, q_beg + q_len)
+            if HAS_MASK_INDPTR:
+                m_beg = tl.sum(q_lens.to(tl.int64) * lens.to(tl.int64), 0)
+                if r == 0:
+                    tl.store(MASK_INDPTR, m_beg * 0)
+                tl.store(MASK_INDPTR + r + 1, m_beg + q_len.to(tl.int64) * length.to(tl.int64))
+        if HAS_SPLITS:
+            n = tl.minimum(tl.maximum(tl.cdiv(length, min_split_len), 1), max_splits)
+            tl.store(NUM_SPLITS + r, n)
+    row = tl.load(REQ_POOL_INDICES + r).to(tl.int64)
+    src = REQ_TO_TOKEN + row * stride_row
+    if HAS_START:
+        src += tl.load(KV_START + r)
+    dst = KV_INDICES + beg
+    for i in range(c * CHUNK, length, num_c * CHUNK):
+        o = i + tl.arange(0, CHUNK)
+        ok = o < length
+        tl.store(dst + o, tl.load(src + o, mask=ok), mask=ok)
+
+
+def copy_programs(bs: int) -> int:
+    """Programs per request along the copy axis: enough to fill a GPU at small batch sizes."""
+    return max(1, min(32, 512 // max(bs, 1)))
+
+
+def build_indices(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    kv_lens: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    *,
+    kv_start: Optional[torch.Tensor] = None,
+    q_lens: Optional[torch.Tensor] = None,
+    qo_indptr: Optional[torch.Tensor] = None,
+    mask_indptr: Optional[torch.Tensor] = None,
+    num_splits: Optional[torch.Tensor] = None,
+    max_splits: int = 1,
+    min_split_len: int = 1,
+) -> None:
+    """Fill the index tensors of `bs = req_pool_indices.shape[0]` requests in place (see module doc).
+
+    req_to_token `[rows, max_context_len]` int32; req_pool_indices `[bs]` int32/int64; kv_lens, kv_start,
+    q_lens `[bs]` int32; kv_indices must hold sum(kv_lens) entries.
+    """
+    bs = req_pool_indices.shape[0]
+    if bs == 0:
+        kv_indptr.zero_()
+        return
+    dummy = kv_indptr
+    _build_indices_kernel[(bs, copy_programs(bs))](
+        req_to_token,
+        req_to_token.stride(0),
+        req_pool_indices,
+        kv_lens,
+        kv_start if kv_start is not None else dummy,
+        kv_indptr,
+        kv_indices,
+        q_lens if q_lens is not None else dummy,
+        qo_indptr if qo_indptr is not None else dummy,
+        mask_indptr if mask_indptr is not None else dummy,
+        num_splits if num_splits is not None else dummy,
+        max_splits,
+        min_split_len,
+        BS_BLOCK=triton.next_power_of_2(bs),
+        CHUNK=CHUNK,
+        HAS_START=kv_start is not None,
+        HAS_Q=q_lens is not None,
+        HAS_MASK_INDPTR=mask_indptr is not None,
+        HAS_SPLITS=num_splits is not None,
+        num_warps=4,
+    )

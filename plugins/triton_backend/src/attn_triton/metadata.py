@@ -1,0 +1,98 @@
+"""Per-step metadata of the Triton backend and the functions that fill it.
+
+Every index tensor is produced on the device by `kernels.indices.build_indices` (one launch per key
+set); the host reads only the batch's `*_cpu` fields and `seq_lens_sum` to size allocations and grids.
+The same fill functions serve eager steps (fresh tensors) and CUDA-graph replays (views of persistent
+buffers, see `graph.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from attn_triton.kernels.indices import build_indices
+
+
+@dataclass
+class KVIndex:
+    """CSR over each request's keys: indptr `[bs+1]` int32, indices int32 slots, and (decode only)
+    the per-request split count `[bs]` int32."""
+
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    num_splits: Optional[torch.Tensor] = None
+
+
+@dataclass
+class DecodeMetadata:
+    """DECODE step: keys of self attention (and of cross attention), split scratch shared by layers.
+
+    part_o `[bs, Hq, max_splits, Dv]` and part_lse `[bs, Hq, max_splits]` float32 hold stage-1 results."""
+
+    kv: KVIndex
+    cross: Optional[KVIndex]
+    max_splits: int
+    part_o: torch.Tensor
+    part_lse: torch.Tensor
+
+
+@dataclass
+class ExtendMetadata:
+    """Extend-like step: q rows per request (qo_indptr `[bs+1]` int32, `max_q_len` host int), keys, and
+    for TARGET_VERIFY the custom mask (uint8 view of the bool mask) with its int64 offsets."""
+
+    qo_indptr: torch.Tensor
+    max_q_len: int
+    kv: KVIndex
+    cross: Optional[KVIndex]
+    custom_mask: Optional[torch.Tensor] = None
+    mask_indptr: Optional[torch.Tensor] = None
+
+
+@dataclass(frozen=True)
+class Splits:
+    """Decode split parameters handed to the index kernel."""
+
+    max_splits: int
+    min_split_len: int
+
+
+def fill_kv(
+    kv: KVIndex,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    kv_lens: torch.Tensor,
+    *,
+    kv_start: Optional[torch.Tensor] = None,
+    splits: Optional[Splits] = None,
+    q_lens: Optional[torch.Tensor] = None,
+    qo_indptr: Optional[torch.Tensor] = None,
+    mask_indptr: Optional[torch.Tensor] = None,
+) -> None:
+    """Write `kv` (and the optional q / mask offsets) for the batch in one kernel launch."""
+    build_indices(
+        req_to_token,
+        req_pool_indices,
+        kv_lens,
+        kv.indptr,
+        kv.indices,
+        kv_start=kv_start,
+        q_lens=q_lens,
+        qo_indptr=qo_indptr,
+        mask_indptr=mask_indptr,
+        num_splits=kv.num_splits,
+        max_splits=splits.max_splits if splits else 1,
+        min_split_len=splits.min_split_len if splits else 1,
+    )
+
+
+def new_kv(bs: int, total: int, device: torch.device, with_splits: bool) -> KVIndex:
+    """Fresh (uninitialized) index tensors for `bs` requests and `total` keys."""
+    return KVIndex(
+        indptr=torch.empty(bs + 1, dtype=torch.int32, device=device),
+        indices=torch.empty(max(total, 1), dtype=torch.int32, device=device),
+        num_splits=torch.empty(bs, dtype=torch.int32, device=device) if with_splits else None,
+    )

@@ -1,0 +1,76 @@
+"""Registry entry of the Triton backend. Import-light: no torch, no triton at import time.
+
+On CPU tensors the backend runs only under the Triton interpreter (`TRITON_INTERPRET=1`), which is how
+CI tests it; otherwise it needs a CUDA or ROCm GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from attn_core.capabilities import ARCH_MHA, ARCH_MLA, Capabilities, CudaGraphLevel, Feature
+from attn_core.forward_mode import ForwardMode
+from attn_core.probes import module_missing
+from attn_core.spec import BackendSpec
+
+#: MHA head dims (any multiple of 8 up to 256, masked to the next power of two in the kernels) plus
+#: absorbed-MLA latents (kv_lora_rank + qk_rope_head_dim, e.g. 512 + 64).
+HEAD_DIMS = frozenset(range(8, 257, 8)) | frozenset({576})
+
+CAPABILITIES = Capabilities(
+    devices=frozenset({"cuda", "cpu"}),
+    q_dtypes=frozenset({"bfloat16", "float16", "float32"}),
+    kv_dtypes=frozenset({"bfloat16", "float16", "float32"}),
+    archs=frozenset({ARCH_MHA, ARCH_MLA}),
+    head_dims=HEAD_DIMS,
+    page_sizes=None,
+    forward_modes=frozenset(ForwardMode) - {ForwardMode.SPLIT_PREFILL},
+    features=frozenset(
+        {
+            Feature.SLIDING_WINDOW,
+            Feature.LOGIT_CAP,
+            Feature.SINKS,
+            Feature.CUSTOM_MASK,
+            Feature.CROSS_ATTENTION,
+            Feature.LSE_OUTPUT,
+            Feature.SPEC_TOPK_GT1,
+            Feature.DETERMINISTIC,
+        }
+    ),
+    cuda_graph=CudaGraphLevel.UNIFORM_BATCH,
+)
+
+
+def interpreter_enabled() -> bool:
+    """Whether Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def probe() -> Optional[str]:
+    """None when the backend can run here, else why not."""
+    reason = module_missing("triton", "pip install attn-triton") or module_missing("torch", "pip install torch")
+    if reason:
+        return reason
+    if interpreter_enabled():
+        return None
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    build = f"ROCm {torch.version.hip}" if torch.version.hip else (f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only")
+    return (
+        f"needs a CUDA or ROCm GPU (torch {torch.__version__}, {build} build, sees no GPU); "
+        "CPU tensors run only under the Triton interpreter (set TRITON_INTERPRET=1)"
+    )
+
+
+SPEC = BackendSpec(
+    name="triton",
+    summary="Paged-KV decode/extend attention in Triton: split-KV decode, MLA, spec verify, CUDA graphs",
+    capabilities=CAPABILITIES,
+    distribution="attn-triton",
+    backend_class="attn_triton.backend:TritonAttnBackend",
+    priority=10,
+    probe_fn=probe,
+)
