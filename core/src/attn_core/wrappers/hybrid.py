@@ -1,0 +1,166 @@
+"""`HybridAttnBackend`: one backend for decode, another for everything else.
+
+Typical use: a kernel library that is fastest (or graph-capturable) for decode paired with another
+for prefill. Both backends read and write the same KV cache, so they must agree on its layout;
+construction refuses pairs that do not.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from attn_core.backend import AttentionBackend, Output
+from attn_core.batch import ForwardBatch, SpecInfo
+from attn_core.capabilities import Capabilities, CudaGraphLevel, Feature
+from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.forward_mode import ForwardMode
+from attn_core.wrappers.compose import check_same_kv_layout, intersect_capabilities
+
+_CHOICES = ("prefill", "decode")
+
+
+class HybridAttnBackend(AttentionBackend):
+    """Routes each step by its forward mode: DECODE and the no-token modes (IDLE, DUMMY_FIRST) go to
+    `decode`, TARGET_VERIFY and
+    DRAFT_EXTEND to the backend named by `target_verify` / `draft_extend` ("prefill" or "decode",
+    default "prefill"), every other mode to `prefill`.
+
+    CUDA graphs: a mode may run in a graph when the backend it routes to can run it in one (see
+    `capabilities.cuda_graph`); graph state, capture and replay go to that backend and the padding
+    fill value is the decode backend's. Raises `InvalidArgumentError` at construction when the two
+    backends disagree on the KV layout (page size, KV dtype, heads, arch, pools) or, when both run
+    inside graphs, on the fill value.
+
+    `capabilities` is an instance attribute derived from the two: a mode is supported when its
+    backend supports it; layer features (window, logit cap, sinks, ...) need both; the custom mask
+    comes from the backend that runs TARGET_VERIFY. Per-layer validation is the routed backend's own.
+    """
+
+    name = "hybrid"
+
+    def __init__(
+        self, prefill: AttentionBackend, decode: AttentionBackend, *, target_verify: str = "prefill", draft_extend: str = "prefill"
+    ):
+        for arg, value in (("target_verify", target_verify), ("draft_extend", draft_extend)):
+            if value not in _CHOICES:
+                raise InvalidArgumentError(arg, f"one of {_CHOICES}", value)
+        check_same_kv_layout([("prefill", prefill), ("decode", decode)])
+        super().__init__(decode.ctx)
+        self.prefill = prefill
+        self.decode = decode
+        self._by_choice = {"prefill": prefill, "decode": decode}
+        self._routes = {ForwardMode.TARGET_VERIFY: target_verify, ForwardMode.DRAFT_EXTEND: draft_extend}
+        self.capabilities = self._derive_capabilities()
+        self._graph_backends = self._graph_backends_of(self.capabilities.cuda_graph)
+        fills = {id(b): b.get_cuda_graph_seq_len_fill_value() for b in self._graph_backends}
+        if len(set(fills.values())) > 1:
+            raise InvalidArgumentError(
+                "prefill",
+                f"the CUDA-graph seq_len fill value {decode.get_cuda_graph_seq_len_fill_value()} of decode (both run inside graphs)",
+                prefill.get_cuda_graph_seq_len_fill_value(),
+            )
+
+    # ---- routing -------------------------------------------------------------------------------
+    def backend_for(self, mode: ForwardMode) -> AttentionBackend:
+        """The backend that runs steps of `mode`."""
+        if mode.is_decode() or mode.is_no_tokens():
+            return self.decode
+        return self._by_choice[self._routes.get(mode, "prefill")]
+
+    def _derive_capabilities(self) -> Capabilities:
+        both = intersect_capabilities([self.prefill.capabilities, self.decode.capabilities])
+        modes = frozenset(m for m in ForwardMode if m in self.backend_for(m).capabilities.forward_modes)
+        features = set(both.features) - {Feature.CUSTOM_MASK}
+        if Feature.CUSTOM_MASK in self.backend_for(ForwardMode.TARGET_VERIFY).capabilities.features:
+            features.add(Feature.CUSTOM_MASK)
+        level = CudaGraphLevel.NEVER
+        for candidate in sorted(CudaGraphLevel, reverse=True):
+            if all(self.backend_for(m).capabilities.cuda_graph.covers(m) for m in ForwardMode if candidate.covers(m)):
+                level = candidate
+                break
+        return Capabilities(
+            devices=both.devices,
+            q_dtypes=both.q_dtypes,
+            kv_dtypes=both.kv_dtypes,
+            archs=both.archs,
+            head_dims=both.head_dims,
+            page_sizes=both.page_sizes,
+            forward_modes=modes,
+            features=frozenset(features),
+            cuda_graph=level,
+            min_compute_capability=both.min_compute_capability,
+            max_compute_capability=both.max_compute_capability,
+            cpu_isa=both.cpu_isa,
+        )
+
+    def _graph_backends_of(self, level: CudaGraphLevel) -> list[AttentionBackend]:
+        out: list[AttentionBackend] = []
+        for m in ForwardMode:
+            b = self.backend_for(m)
+            if level.covers(m) and all(b is not o for o in out):
+                out.append(b)
+        return out
+
+    def _graph_backend(self, mode: ForwardMode) -> AttentionBackend:
+        if not self.capabilities.cuda_graph.covers(mode):
+            raise UnsupportedFeatureError(self.name, f"CUDA graphs for {mode.name} (level {self.capabilities.cuda_graph.name})")
+        return self.backend_for(mode)
+
+    # ---- metadata ------------------------------------------------------------------------------
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        self.backend_for(forward_batch.forward_mode).init_forward_metadata(forward_batch)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        if not self._graph_backends:
+            raise UnsupportedFeatureError(self.name, "CUDA graphs")
+        for b in self._graph_backends:
+            b.init_cuda_graph_state(max_bs, max_num_tokens)
+
+    def init_forward_metadata_capture_cuda_graph(
+        self,
+        bs: int,
+        num_tokens: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        encoder_lens: Optional[torch.Tensor],
+        forward_mode: ForwardMode,
+        spec_info: Optional[SpecInfo],
+    ) -> None:
+        self._graph_backend(forward_mode).init_forward_metadata_capture_cuda_graph(
+            bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info
+        )
+
+    def init_forward_metadata_replay_cuda_graph(
+        self,
+        bs: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_sum: int,
+        encoder_lens: Optional[torch.Tensor],
+        forward_mode: ForwardMode,
+        spec_info: Optional[SpecInfo],
+        seq_lens_cpu: Optional[torch.Tensor],
+    ) -> None:
+        self._graph_backend(forward_mode).init_forward_metadata_replay_cuda_graph(
+            bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens, forward_mode, spec_info, seq_lens_cpu
+        )
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return self.decode.get_cuda_graph_seq_len_fill_value()
+
+    def support_triton(self) -> bool:
+        return self.prefill.support_triton() and self.decode.support_triton()
+
+    # ---- attention: the routed backend validates and runs ----------------------------------------
+    def forward(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool = True, **extras) -> Output:
+        backend = self.backend_for(forward_batch.forward_mode)
+        return backend.forward(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **extras)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras) -> Output:
+        return self.decode.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **extras)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras) -> Output:
+        backend = self.backend_for(forward_batch.forward_mode)
+        return backend.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **extras)
