@@ -1,0 +1,33 @@
+"""Shared test helpers: skip markers and backend factories (small decode splits so tiny shapes
+exercise the split-merge path)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+
+from attn_triton.config import SplitPolicy
+from attn_triton.spec import interpreter_enabled
+
+#: CPU tests run the kernels through the Triton interpreter
+requires_interpreter = pytest.mark.skipif(not interpreter_enabled(), reason="CPU tests need TRITON_INTERPRET=1")
+
+#: splits of at least 8 keys, up to 8 per request: tiny CPU batches get several splits
+SMALL_SPLITS = SplitPolicy(min_split_len=8, waves=64.0, cap=8, deterministic_max_splits=4, deterministic_min_split_len=8)
+
+
+def factory(**options):
+    """Backend factory for the harness: `factory(split_policy=...)(ctx)` builds a TritonAttnBackend."""
+    from attn_triton.backend import TritonAttnBackend
+
+    return partial(TritonAttnBackend, **options)
+
+
+def small_split_factory():
+    return factory(split_policy=SMALL_SPLITS)
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
