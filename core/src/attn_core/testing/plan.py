@@ -1,0 +1,369 @@
+"""The conformance plan: which checks a backend gets, derived from its declared `Capabilities`.
+
+Every declared forward mode, page size, dtype, head dim and feature gets numerical cases against the
+float64 reference (with K/V writes checked slot by slot); every undeclared feature or mode gets a
+refusal check; bad inputs, the capture path, empty batches and the spec's import lightness get their
+own checks. Check ids are stable strings like ``page_size-16-DECODE`` so skip lists can name them.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Optional
+
+from attn_core.capabilities import ARCH_MHA, ARCH_MLA, CudaGraphLevel, Feature
+from attn_core.forward_mode import ForwardMode
+from attn_core.testing.compose import Draw, compose_requests
+from attn_core.testing.graphs import graph_case_check
+from attn_core.testing.harness import AttnCase, run_case
+from attn_core.testing.lightness import spec_import_check, spec_matches_class_check
+from attn_core.testing.negative import bad_input_checks, no_token_check, refusal_check, refused_or_correct_check
+from attn_core.testing.outcome import Check, KitFailure
+from attn_core.testing.profile import KitProfile
+from attn_core.testing.target import KitTarget
+
+TOKEN_MODES = (
+    ForwardMode.EXTEND,
+    ForwardMode.DECODE,
+    ForwardMode.MIXED,
+    ForwardMode.TARGET_VERIFY,
+    ForwardMode.DRAFT_EXTEND,
+    ForwardMode.SPLIT_PREFILL,
+)
+_DTYPE_ORDER = ("float32", "float16", "bfloat16")
+DEFAULT_PAGE_SIZES = (1, 16, 64)
+LOGIT_CAP = 1.5
+
+
+def _prefer(declared, order) -> list[str]:
+    return [d for d in order if d in declared] + sorted(set(declared) - set(order))
+
+
+def mla_split(head_dim: int) -> tuple[int, int]:
+    """(kv_lora_rank, qk_rope_head_dim) of an MLA case with latent width `head_dim` (576 -> 512 + 64)."""
+    rope = 64 if head_dim >= 192 else max(1, head_dim // 5)
+    return head_dim - rope, rope
+
+
+@dataclass(frozen=True)
+class Base:
+    """The defaults every case starts from, chosen among what the backend declares."""
+
+    dtype: str
+    kv_dtype: str
+    head_dim: int
+    page_size: int
+    arch: str
+    modes: tuple[ForwardMode, ...]  # declared modes that carry tokens, canonical order
+    variant_modes: tuple[ForwardMode, ...]  # modes each variant (page size, dtype, ...) runs in
+
+
+def choose_base(target: KitTarget, profile: KitProfile) -> Base:
+    caps = target.capabilities
+    dtype = _prefer(caps.q_dtypes, _DTYPE_ORDER)[0]
+    kv_dtype = dtype if dtype in caps.kv_dtypes else _prefer(caps.kv_dtypes, _DTYPE_ORDER)[0]
+    arch = ARCH_MHA if ARCH_MHA in caps.archs else ARCH_MLA
+    want = profile.head_dim if arch == ARCH_MHA else profile.mla_head_dim
+    if caps.head_dims is None or want in caps.head_dims:
+        head_dim = want
+    elif arch == ARCH_MLA and 576 in caps.head_dims:
+        head_dim = 576
+    else:
+        head_dim = min(caps.head_dims)
+    page = 1 if caps.page_sizes is None or 1 in caps.page_sizes else min(caps.page_sizes)
+    modes = tuple(m for m in TOKEN_MODES if m in caps.forward_modes)
+    variants = tuple(m for m in (ForwardMode.DECODE, ForwardMode.EXTEND) if m in modes) or modes[:1]
+    return Base(dtype, kv_dtype, head_dim, page, arch, modes, variants)
+
+
+class PlanBuilder:
+    """Builds the list of checks for one target and profile."""
+
+    def __init__(self, target: KitTarget, profile: KitProfile, seed: int = 0):
+        self.target = target
+        self.caps = target.capabilities
+        self.p = profile
+        self.seed = seed
+        self.base = choose_base(target, profile)
+        self.checks: list[Check] = []
+        self._variant_turn = 0
+
+    # ---- cases -----------------------------------------------------------------------------
+    def case(self, mode, requests, **kw) -> AttnCase:
+        """An AttnCase at the base settings, `kw` overriding (head_dim/arch handled for MLA)."""
+        b, p = self.base, self.p
+        arch = kw.pop("arch", b.arch)
+        head_dim = kw.pop("head_dim", b.head_dim if arch == b.arch else p.mla_head_dim)
+        fields = dict(
+            num_q_heads=p.num_q_heads,
+            num_kv_heads=p.num_kv_heads,
+            head_dim=head_dim,
+            dtype=b.dtype,
+            kv_dtype=b.kv_dtype,
+            page_size=b.page_size,
+            device=p.device,
+            seed=self.seed + len(self.checks),
+            num_layers=p.num_layers,
+            custom_mask=self.caps.supports(Feature.CUSTOM_MASK),
+        )
+        if arch == ARCH_MLA:
+            lora, rope = mla_split(head_dim)
+            fields.update(arch=ARCH_MLA, kv_lora_rank=lora, qk_rope_head_dim=rope, num_kv_heads=1)
+        fields.update(kw)
+        return AttnCase(mode, tuple(requests), **fields)
+
+    def fixed_requests(self, mode: ForwardMode) -> list[tuple[int, ...]]:
+        """A hand-picked composition per mode: prefill, prefix hit, one-token and empty rows."""
+        P, E, D = self.p.max_prefix, self.p.max_extend, self.p.max_draft
+        return {
+            ForwardMode.EXTEND: [(0, E), (P, E // 2 + 1), (P // 2 + 1, 1), (P // 3 + 2, 0)],
+            ForwardMode.DECODE: [(P, 1), (0, 1), (1, 1), (P // 2 + 3, 1)],
+            ForwardMode.MIXED: [(P, 1), (0, E), (P // 2, E // 2 + 2), (3, 1)],
+            ForwardMode.TARGET_VERIFY: [(P, D), (P // 2 + 1, D), (1, D)],
+            ForwardMode.DRAFT_EXTEND: [(P, 2), (P // 2 + 1, 3), (1, 1)],
+            ForwardMode.SPLIT_PREFILL: [(0, E), (P, E // 2 + 1)],
+        }[mode]
+
+    def variant_modes(self) -> tuple[ForwardMode, ...]:
+        """Modes a variant runs in: all variant modes, or (quick) one of them in turn."""
+        modes = self.base.variant_modes
+        if not self.p.quick or len(modes) < 2:
+            return modes
+        self._variant_turn += 1
+        return (modes[self._variant_turn % len(modes)],)
+
+    # ---- adding checks -----------------------------------------------------------------------
+    def add(self, cid: str, run, description: str = "") -> None:
+        self.checks.append(Check(cid, run, description))
+
+    def numeric(self, cid: str, case: AttnCase, deterministic: bool = False) -> None:
+        target = self.target
+
+        def run() -> str:
+            result = run_case(target.factory, case)
+            if not result.ok:
+                raise KitFailure(result.message())
+            if deterministic:
+                again = run_case(target.factory, case)
+                if [(lr.out_error, lr.lse_error) for lr in again.layers] != [(lr.out_error, lr.lse_error) for lr in result.layers]:
+                    raise KitFailure(f"two runs of the same inputs differ (declared deterministic)\n{result.message()}\n{again.message()}")
+            worst = max((lr.out_error for lr in result.layers), default=0.0)
+            return f"max rel err {worst:.2g}"
+
+        self.add(cid, run, case.describe())
+
+    # ---- the plan ----------------------------------------------------------------------------
+    def build(self) -> list[Check]:
+        self.add_spec_checks()
+        self.add_mode_checks()
+        self.add_random_checks()
+        self.add_variant_checks()
+        self.add_feature_checks()
+        self.add_graph_checks()
+        self.add_negative_checks()
+        return self.checks
+
+    def add_spec_checks(self) -> None:
+        self.add("spec-import_light", spec_import_check(self.target))
+        self.add("spec-matches_class", spec_matches_class_check(self.target))
+
+    def add_mode_checks(self) -> None:
+        for mode in self.base.modes:
+            self.numeric(f"mode-{mode.name}", self.case(mode, self.fixed_requests(mode)))
+        for mode in (ForwardMode.IDLE, ForwardMode.DUMMY_FIRST):
+            if mode in self.caps.forward_modes:
+                case = self.case(mode, ())
+                self.add(f"empty-{mode.name}", no_token_check(self.target, case), case.describe())
+
+    def random_case(self, mode: ForwardMode, draw: Draw, seed: int) -> AttnCase:
+        """A random composition of `mode` at the base settings, page size drawn among the tested ones."""
+        pages = self.page_sizes()
+        page = pages[draw(0, len(pages) - 1)]
+        return self.case(mode, compose_requests(draw, mode, self.p), page_size=page, seed=seed)
+
+    def add_random_checks(self) -> None:
+        for mode in self.base.modes:
+            for i in range(self.p.random_cases):
+                rng = random.Random(f"{self.seed}-{mode.name}-{i}")
+                self.numeric(f"random-{mode.name}-{i}", self.random_case(mode, rng.randint, self.seed + 1000 * i))
+
+    def page_sizes(self) -> list[int]:
+        return sorted(self.caps.page_sizes) if self.caps.page_sizes is not None else list(DEFAULT_PAGE_SIZES)
+
+    def page_requests(self, mode: ForwardMode, ps: int) -> list[tuple[int, int]]:
+        """Requests whose prefixes and new tokens cross page boundaries."""
+        if mode.is_decode():
+            return [(2 * ps + 2, 1), (ps, 1), (ps - 1, 1)]
+        return [(2 * ps + 3, min(self.p.max_extend, ps) + 1), (ps - 1, ps + 2), (0, 2 * ps + 1)]
+
+    def long_requests(self, mode: ForwardMode) -> list[tuple[int, int]]:
+        L, E = self.p.long_len, self.p.max_extend
+        if mode.is_decode():
+            return [(L - 1, 1), (1, 1)]
+        return [(0, L), (L - E, E)]
+
+    def add_variant_checks(self) -> None:
+        caps, b = self.caps, self.base
+        for mode in self.variant_modes():
+            self.numeric(f"long-{mode.name}", self.case(mode, self.long_requests(mode)))
+        for ps in self.page_sizes():
+            for mode in self.variant_modes():
+                self.numeric(f"page_size-{ps}-{mode.name}", self.case(mode, self.page_requests(mode, ps), page_size=ps))
+        for dtype in _prefer(caps.q_dtypes, _DTYPE_ORDER):
+            kv = dtype if dtype in caps.kv_dtypes else b.kv_dtype
+            for mode in self.variant_modes():
+                self.numeric(f"dtype-{dtype}-{mode.name}", self.case(mode, self.fixed_requests(mode), dtype=dtype, kv_dtype=kv))
+        for kv in sorted(set(caps.kv_dtypes) - set(caps.q_dtypes)):
+            for mode in self.variant_modes():
+                self.numeric(f"kv_dtype-{kv}-{mode.name}", self.case(mode, self.fixed_requests(mode), kv_dtype=kv))
+        dims = sorted(caps.head_dims) if caps.head_dims is not None else list(self.p.head_dims)
+        for d in dims:
+            if d == b.head_dim:
+                continue
+            for mode in self.variant_modes():
+                self.numeric(f"head_dim-{d}-{mode.name}", self.case(mode, self.fixed_requests(mode), head_dim=d))
+        if b.arch == ARCH_MHA:
+            for hq, hkv in self.p.gqa:
+                for mode in self.variant_modes():
+                    case = self.case(mode, self.fixed_requests(mode), num_q_heads=hq, num_kv_heads=hkv)
+                    self.numeric(f"gqa-{hq}x{hkv}-{mode.name}", case)
+        if ARCH_MLA in caps.archs and b.arch != ARCH_MLA:
+            for mode in self.variant_modes():
+                self.numeric(f"mla-{mode.name}", self.case(mode, self.fixed_requests(mode), arch=ARCH_MLA))
+        for mode in self.variant_modes():
+            reqs = self.fixed_requests(mode) + [(self.p.max_prefix // 2, 1 if mode.is_decode() else 2), (5, 1)]
+            self.numeric(f"steps-{mode.name}", self.case(mode, reqs, steps=((0, 2, 4), (1, 3, 5))))
+
+    def add_feature_checks(self) -> None:
+        caps, target = self.caps, self.target
+        declared = caps.features
+        p = self.p
+        if Feature.SLIDING_WINDOW in declared:
+            for w in p.windows:
+                for mode in self.variant_modes():
+                    self.numeric(f"sliding_window-{w}-{mode.name}", self.case(mode, self.fixed_requests(mode), sliding_window=w))
+        if Feature.LOGIT_CAP in declared:
+            for mode in self.variant_modes():
+                self.numeric(f"logit_cap-{mode.name}", self.case(mode, self.fixed_requests(mode), logit_cap=LOGIT_CAP))
+        if Feature.SINKS in declared:
+            for mode in self.variant_modes():
+                self.numeric(f"sinks-{mode.name}", self.case(mode, self.fixed_requests(mode), sinks=True))
+        if Feature.LSE_OUTPUT in declared:
+            for mode in self.variant_modes():
+                self.numeric(f"lse-{mode.name}", self.case(mode, self.fixed_requests(mode), return_lse=True))
+        if Feature.CROSS_ATTENTION in declared:
+            for mode in self.variant_modes():
+                reqs = self.encoder_requests(mode)
+                self.numeric(f"cross_attention-{mode.name}", self.case(mode, reqs, cross_attention=True))
+                self.numeric(f"encoder_self-{mode.name}", self.case(mode, reqs))
+        if Feature.DETERMINISTIC in declared:
+            for mode in self.variant_modes():
+                self.numeric(f"deterministic-{mode.name}", self.case(mode, self.fixed_requests(mode)), deterministic=True)
+        combined = self.combined_mode()
+        if combined is not None:
+            kw = {}
+            if Feature.SLIDING_WINDOW in declared:
+                kw["sliding_window"] = p.windows[-1]
+            if Feature.LOGIT_CAP in declared:
+                kw["logit_cap"] = LOGIT_CAP
+            if Feature.SINKS in declared:
+                kw["sinks"] = True
+            if Feature.LSE_OUTPUT in declared:
+                kw["return_lse"] = True
+            if kw:
+                reqs = self.fixed_requests(combined)
+                self.numeric(f"combined-{combined.name}", self.case(combined, reqs, page_size=self.page_sizes()[-1], **kw))
+        # undeclared features must be refused
+        refusals = {
+            Feature.SLIDING_WINDOW: dict(sliding_window=3),
+            Feature.LOGIT_CAP: dict(logit_cap=LOGIT_CAP),
+            Feature.SINKS: dict(sinks=True),
+            Feature.LSE_OUTPUT: dict(return_lse=True),
+        }
+        mode = self.base.variant_modes[0] if self.base.variant_modes else None
+        if mode is None:
+            return
+        for feature, kw in refusals.items():
+            if feature not in declared:
+                case = self.case(mode, self.fixed_requests(mode), **kw)
+                self.add(f"refuse-{feature.value}", refusal_check(target, case, feature.value), case.describe())
+        if Feature.CROSS_ATTENTION not in declared:
+            case = self.case(mode, self.encoder_requests(mode), cross_attention=True)
+            self.add("refuse-cross_attention", refusal_check(target, case, "cross attention"), case.describe())
+        if Feature.CUSTOM_MASK not in declared and ForwardMode.TARGET_VERIFY in self.base.modes:
+            case = self.case(ForwardMode.TARGET_VERIFY, self.fixed_requests(ForwardMode.TARGET_VERIFY), custom_mask=True)
+            self.add("refuse-custom_mask", refusal_check(target, case, "custom mask"), case.describe())
+
+    def combined_mode(self) -> Optional[ForwardMode]:
+        for mode in (ForwardMode.MIXED, ForwardMode.EXTEND, ForwardMode.DECODE):
+            if mode in self.base.modes:
+                return mode
+        return None
+
+    def encoder_requests(self, mode: ForwardMode) -> list[tuple[int, int, int]]:
+        """Encoder-decoder requests: new ones (their encoder K/V arrive with the step) and running ones."""
+        P, E = self.p.max_prefix, self.p.max_extend
+        if mode.is_decode():
+            return [(P // 2 + 1, 1, 3), (2, 1, 7), (P, 1, 1)]
+        return [(0, E, 5), (P // 2 + 1, E // 2 + 1, 3), (2, 1, 7)]
+
+    def add_graph_checks(self) -> None:
+        level = self.caps.cuda_graph
+        P, L = self.p.max_prefix, self.p.long_len
+        window = self.p.windows[-1] if Feature.SLIDING_WINDOW in self.caps.features else None
+        steps = ((0, 1, 2), (3,), (4, 5))
+        if level >= CudaGraphLevel.UNIFORM_SINGLE_TOKEN_DECODE and ForwardMode.DECODE in self.base.modes:
+            reqs = [(P, 1), (1, 1), (P // 2 + 3, 1), (0, 1), (L - 1, 1), (5, 1)]
+            case = self.case(ForwardMode.DECODE, reqs, steps=steps, sliding_window=window, cuda_graph_level=int(level))
+            self.add("graph-DECODE", graph_case_check(self.target, case), case.describe())
+        if level >= CudaGraphLevel.UNIFORM_BATCH and ForwardMode.TARGET_VERIFY in self.base.modes:
+            D = self.p.max_draft
+            reqs = [(P, D), (3, D), (P // 2, D), (1, D), (L - D, D), (6, D)]
+            case = self.case(ForwardMode.TARGET_VERIFY, reqs, steps=steps, cuda_graph_level=int(level))
+            self.add("graph-TARGET_VERIFY", graph_case_check(self.target, case), case.describe())
+
+    def add_negative_checks(self) -> None:
+        caps, b, target = self.caps, self.base, self.target
+        if b.variant_modes:
+            mode = b.variant_modes[-1]
+            case = self.case(mode, self.fixed_requests(mode))
+            for name, run in bad_input_checks(target, case).items():
+                self.add(f"bad_input-{name}", run, case.describe())
+        for mode in TOKEN_MODES:
+            if mode not in caps.forward_modes:
+                case = self.case(mode, self.fixed_requests(mode), custom_mask=caps.supports(Feature.CUSTOM_MASK))
+                self.add(f"refuse-mode-{mode.name}", refusal_check(target, case, f"forward mode {mode.name}"), case.describe())
+        if not b.variant_modes:
+            return
+        mode = b.variant_modes[0]
+        reqs = self.fixed_requests(mode)
+        for dtype in _DTYPE_ORDER:
+            if dtype not in caps.q_dtypes:
+                case = self.case(mode, reqs, dtype=dtype, kv_dtype=dtype)
+                self.add(f"refuse-dtype-{dtype}", refused_or_correct_check(target, case, f"q dtype {dtype}"), case.describe())
+        if caps.page_sizes is not None:
+            ps = next(p for p in (1, 16, 64, 3, 5) if p not in caps.page_sizes)
+            case = self.case(mode, self.page_requests(mode, ps), page_size=ps)
+            self.add(f"refuse-page_size-{ps}", refused_or_correct_check(target, case, f"page size {ps}"), case.describe())
+        if caps.head_dims is not None:
+            d = next(d for d in (64, 128, 256, 96, 48, 40) if d not in caps.head_dims)
+            case = self.case(mode, reqs, head_dim=d)
+            self.add(f"refuse-head_dim-{d}", refused_or_correct_check(target, case, f"head_dim {d}"), case.describe())
+        for arch in (ARCH_MHA, ARCH_MLA):
+            if arch not in caps.archs:
+                case = self.case(mode, reqs, arch=arch, head_dim=self.p.head_dim if arch == ARCH_MHA else self.p.mla_head_dim)
+                self.add(f"refuse-arch-{arch}", refused_or_correct_check(target, case, f"attention arch {arch}"), case.describe())
+
+
+def build_checks(target: KitTarget, profile: KitProfile, seed: int = 0) -> list[Check]:
+    """Every check the kit runs for `target` under `profile`."""
+    return PlanBuilder(target, profile, seed).build()
+
+
+def random_case(target: KitTarget, profile: KitProfile, mode: ForwardMode, draw: Draw, seed: int = 0) -> AttnCase:
+    """One random case of `mode` whose composition comes from `draw` (the hypothesis test's source)."""
+    return PlanBuilder(target, profile, seed).random_case(ForwardMode.parse(mode), draw, seed)
+
+
+__all__ = ["Base", "PlanBuilder", "build_checks", "choose_base", "mla_split", "random_case"]

@@ -1,0 +1,78 @@
+"""How big the conformance kit's cases are: one `KitProfile` per (device, quick).
+
+CPU profiles keep every case tiny (a Triton backend runs them under the interpreter); CUDA profiles use
+realistic head counts and context lengths. `--quick` trims the number of cases, not their meaning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KitProfile:
+    """Sizes and counts of one kit run. Lengths are in tokens."""
+
+    name: str
+    device: str
+    quick: bool
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mla_head_dim: int  # kv_lora_rank + qk_rope_head_dim of MLA cases when any head_dim is allowed
+    max_batch: int  # requests per random batch
+    max_prefix: int  # cached tokens of an ordinary request
+    max_extend: int  # new tokens of an ordinary extend request
+    long_len: int  # length of the occasional long request
+    max_draft: int  # draft tokens per TARGET_VERIFY request
+    random_cases: int  # seeded random compositions per forward mode
+    hypothesis_examples: int  # examples per mode of the pytest hypothesis test
+    head_dims: tuple[int, ...]  # tried when the backend accepts any head_dim
+    gqa: tuple[tuple[int, int], ...]  # (q heads, kv heads) tried
+    windows: tuple[int, ...]  # sliding windows tried
+    num_layers: int = 2  # layers per case: metadata is built once and reused by all
+
+
+_PROFILES = {
+    ("cpu", True): KitProfile("cpu-quick", "cpu", True, 4, 2, 32, 40, 4, 20, 7, 80, 3, 1, 5, (32, 64, 128), ((4, 4), (8, 1)), (1, 5)),
+    ("cpu", False): KitProfile(
+        "cpu", "cpu", False, 4, 2, 64, 40, 6, 64, 24, 300, 5, 4, 25, (32, 64, 96, 128, 256), ((4, 4), (8, 1), (8, 2), (10, 2)), (1, 3, 16)
+    ),
+    ("cuda", True): KitProfile(
+        "cuda-quick", "cuda", True, 16, 4, 128, 576, 8, 512, 64, 2048, 8, 1, 5, (64, 128, 256), ((16, 16), (32, 4)), (1, 128)
+    ),
+    ("cuda", False): KitProfile(
+        "cuda",
+        "cuda",
+        False,
+        32,
+        8,
+        128,
+        576,
+        16,
+        2048,
+        256,
+        8192,
+        8,
+        4,
+        25,
+        (64, 96, 128, 256),
+        ((32, 32), (32, 8), (64, 8), (40, 8), (16, 1)),
+        (1, 128, 1024),
+    ),
+}
+
+
+def profile_for(device: str, quick: bool) -> KitProfile:
+    """The profile of a kit run on `device` ("cpu" or "cuda", an index like "cuda:1" allowed)."""
+    kind = device.split(":", 1)[0]
+    if kind not in ("cpu", "cuda"):
+        kind = "cuda"  # other accelerators get the realistic sizes
+    base = _PROFILES[(kind, bool(quick))]
+    return base if device == base.device else _replace_device(base, device)
+
+
+def _replace_device(p: KitProfile, device: str) -> KitProfile:
+    from dataclasses import replace
+
+    return replace(p, device=device)

@@ -1,0 +1,56 @@
+"""The backend under test: resolved once from a registry name, a `BackendSpec` or a backend class."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Union
+
+from attn_core.capabilities import Capabilities
+from attn_core.errors import BackendLoadError
+from attn_core.spec import BackendSpec
+
+
+@dataclass
+class KitTarget:
+    """What the kit needs of a backend: its class, declared capabilities, constructor options and,
+    when it came through an entry point, the "module:attr" of its spec (for the import-light check)."""
+
+    name: str
+    backend_class: type
+    capabilities: Capabilities
+    options: Mapping[str, Any] = field(default_factory=dict)
+    spec: Optional[BackendSpec] = None
+    spec_source: Optional[str] = None
+
+    def factory(self, ctx):
+        """A new backend object for `ctx`."""
+        return self.backend_class(ctx, **self.options)
+
+    def probe(self) -> Optional[str]:
+        """Why the backend cannot run here, or None."""
+        return self.spec.probe() if self.spec is not None else None
+
+
+def resolve_target(backend: Union[str, BackendSpec, type], options: Optional[Mapping[str, Any]] = None, registry=None) -> KitTarget:
+    """Resolve `backend` (a registry name, a spec or an `AttentionBackend` subclass). Raises the
+    registry's typed errors (unknown, not installed, load failure, API mismatch, duplicate)."""
+    from attn_core.backend import AttentionBackend
+
+    options = dict(options or {})
+    if isinstance(backend, str):
+        if registry is None:
+            from attn_core.registry import default_registry
+
+            registry = default_registry()
+        entry = registry.resolve(backend)
+        cls = registry.get_backend_class(entry.name)
+        source = entry.source if ":" in entry.source else None
+        return KitTarget(entry.name, cls, entry.spec.capabilities, options, entry.spec, source)
+    if isinstance(backend, BackendSpec):
+        cls = backend.load()
+        if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
+            raise BackendLoadError(backend.name, backend.backend_class, TypeError("not an AttentionBackend subclass"))
+        return KitTarget(backend.name, cls, backend.capabilities, options, backend, None)
+    if isinstance(backend, type) and issubclass(backend, AttentionBackend):
+        return KitTarget(backend.name or backend.__name__, backend, backend.capabilities, options)
+    raise TypeError(f"expected a backend name, a BackendSpec or an AttentionBackend subclass, got {backend!r}")
