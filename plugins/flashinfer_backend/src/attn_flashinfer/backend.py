@@ -1,0 +1,402 @@
+"""`FlashInferBackend`: attn-core's backend contract over FlashInfer's paged-KV wrappers.
+
+Per step, `init_forward_metadata` builds the step's key lists once (`indices.PagedKV`: host indptr and
+last-page lengths, device page ids from one kernel) and plans one set of wrappers per distinct layer
+setting (`plans.LayerKey`: window, logit cap, scale, cross); every layer with that setting runs on it.
+A setting first met in `forward` is planned then and remembered, so later steps plan it up front.
+
+Which wrappers a setting gets (see `plans.py`):
+- DECODE: the decode wrapper over each request's keys (its encoder tokens for cross attention);
+- TARGET_VERIFY: the paged prefill wrapper over the whole sequence under the tree mask (causal without one);
+- EXTEND / MIXED / DRAFT_EXTEND: without any cached prefix in the batch, the ragged wrapper (causal over
+  the new tokens); with one, ragged (new tokens) + paged (prefix, no mask) merged by LSE; sliding-window
+  layers with a prefix use the paged wrapper over the whole sequence (causal) instead, since FlashInfer
+  places a window relative to the end of the keys it is given; cross attention: paged over the
+  encoder tokens, no mask.
+
+CUDA graphs (DECODE and TARGET_VERIFY): `init_cuda_graph_state` allocates the index buffers; capture
+builds graph-mode wrappers per (batch size, mode) over slices of them; replay rewrites the buffers and
+re-plans (decode: FlashInfer's `fast_decode_plan`, which only redoes the work split).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from attn_core.backend import AttentionBackend
+from attn_core.batch import ForwardBatch, SpecInfo
+from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.forward_mode import ForwardMode
+
+from attn_flashinfer import plans
+from attn_flashinfer.indices import PagedKV, build_paged_kv, qo_indptr_host, self_attention_page_size
+from attn_flashinfer.plans import Dims, GraphBuffers, LayerKey, Plan
+from attn_flashinfer.spec import CAPABILITIES
+
+#: FlashInfer's recommended float workspace (split-KV partial results), shared by every wrapper.
+DEFAULT_WORKSPACE_BYTES = 128 << 20
+
+
+@dataclass
+class StepInputs:
+    """What a step's plans are built from, eager or from CUDA-graph arguments. Device tensors have
+    `bs` rows; `*_host` are the same numbers on the host (no device sync needed)."""
+
+    mode: ForwardMode
+    bs: int
+    num_tokens: int
+    req_to_token: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_host: torch.Tensor
+    q_lens_host: Optional[torch.Tensor] = None  # queries per request (None for DECODE: one each)
+    prefix_lens: Optional[torch.Tensor] = None
+    prefix_lens_host: Optional[torch.Tensor] = None
+    encoder_lens: Optional[torch.Tensor] = None
+    encoder_lens_host: Optional[torch.Tensor] = None
+    custom_mask: Optional[torch.Tensor] = None  # TARGET_VERIFY: flattened bool, request after request
+
+
+@dataclass
+class Step:
+    """One step's metadata: its inputs, key lists built on demand, and one `Plan` per `LayerKey`."""
+
+    inputs: StepInputs
+    qo_indptr: Optional[torch.Tensor]  # host int32 [bs+1] (None for DECODE)
+    has_prefix: bool
+    kv: dict[str, PagedKV] = field(default_factory=dict)  # "seq" / "prefix" / "cross"
+    plans: dict[LayerKey, Plan] = field(default_factory=dict)
+    graph: Optional[_GraphState] = None
+
+
+@dataclass
+class _GraphState:
+    """A captured (batch size, mode): its buffer slices and its graph-mode wrappers by (key, role)."""
+
+    buffers: dict[str, GraphBuffers]  # "seq" / "cross"
+    wrappers: dict[tuple[LayerKey, str], object] = field(default_factory=dict)
+    planned_once: set[tuple[LayerKey, str]] = field(default_factory=set)
+
+
+class FlashInferBackend(AttentionBackend):
+    """FlashInfer (FA2 kernels) on CUDA, compute capability 8.0 or newer. Option `workspace_bytes`
+    sizes the shared float workspace."""
+
+    name = "flashinfer"
+    capabilities = CAPABILITIES
+
+    def __init__(self, ctx, *, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES):
+        super().__init__(ctx)
+        _check_context(ctx, self.name)
+        if workspace_bytes < (1 << 20):
+            raise InvalidArgumentError("workspace_bytes", ">= 1 MiB", workspace_bytes)
+        self.dims = Dims(ctx.num_q_heads, ctx.num_kv_heads, ctx.head_dim, ctx.dtype, ctx.kv_dtype)
+        self.page_size = ctx.page_size
+        self.self_page_size = self_attention_page_size(ctx.page_size, ctx.is_encoder_decoder)
+        self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=ctx.device)
+        self.known_keys: dict[LayerKey, None] = {}  # insertion-ordered set
+        self._eager_wrappers: dict[tuple[LayerKey, str], object] = {}
+        self._graph_buffers: Optional[dict[str, GraphBuffers]] = None
+        self._graphs: dict[tuple[int, ForwardMode], tuple[Step, _GraphState]] = {}
+
+    # ---- per-step metadata -------------------------------------------------------------------
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        b = forward_batch
+        if b.forward_mode.is_no_tokens():
+            self.forward_metadata = None
+            return
+        if b.forward_mode not in self.capabilities.forward_modes:
+            raise UnsupportedFeatureError(self.name, f"forward mode {b.forward_mode.name}")
+        pool = b.req_to_token_pool or self.ctx.req_to_token_pool
+        if pool is None:
+            raise InvalidArgumentError("forward_batch.req_to_token_pool", "a pool on the batch or the context", None)
+        self.forward_metadata = self._new_step(_eager_inputs(b, pool.req_to_token), graph=None, keys=self.known_keys)
+
+    def _new_step(self, inputs: StepInputs, graph: Optional[_GraphState], keys) -> Step:
+        """A step over `inputs`, with a plan for each of `keys` that the batch can use."""
+        has_prefix = inputs.prefix_lens_host is not None and bool((inputs.prefix_lens_host > 0).any())
+        qo = None if inputs.q_lens_host is None else qo_indptr_host(inputs.q_lens_host)
+        step = Step(inputs, qo, has_prefix, graph=graph)
+        for key in keys:
+            if not key.cross or inputs.encoder_lens is not None:
+                step.plans[key] = self._make_plan(step, key)
+        return step
+
+    def _paged_kv(self, step: Step, which: str) -> PagedKV:
+        """The step's key list `which`, built once: "seq" (every key of the request, the new ones
+        included), "prefix" (cached keys of an extend) or "cross" (encoder tokens)."""
+        kv = step.kv.get(which)
+        if kv is not None:
+            return kv
+        x = step.inputs
+        r2t = x.req_to_token
+        graph = step.graph.buffers.get(which) if step.graph is not None else None
+        out = None if graph is None else graph.kv_indices
+        if which == "cross":
+            if x.encoder_lens is None:
+                raise InvalidArgumentError("forward_batch.encoder_lens", "encoder lengths for a cross-attention layer", None)
+            kv = build_paged_kv(r2t, x.req_pool_indices, x.encoder_lens, x.encoder_lens_host, self.page_size, out=out)
+        else:
+            lens, lens_host = (x.seq_lens, x.seq_lens_host) if which == "seq" else (x.prefix_lens, x.prefix_lens_host)
+            kv = build_paged_kv(r2t, x.req_pool_indices, lens, lens_host, self.self_page_size, kv_start=x.encoder_lens, out=out)
+        if graph is not None:
+            graph.kv_indptr.copy_(kv.indptr, non_blocking=True)
+            graph.last_page_len.copy_(kv.last_page_len, non_blocking=True)
+        step.kv[which] = kv
+        return kv
+
+    def _wrapper(self, step: Step, key: LayerKey, role: str):
+        """The wrapper of (key, role): eager ones are reused across steps, graph-mode ones belong to
+        their captured (batch size, mode)."""
+        g = step.graph
+        pool = self._eager_wrappers if g is None else g.wrappers
+        w = pool.get((key, role))
+        if w is None:
+            buffers = None if g is None else g.buffers["cross" if key.cross else "seq"]
+            if role == "decode":
+                w = plans.new_decode_wrapper(self.workspace, buffers)
+            elif role == "ragged":
+                w = plans.new_ragged_wrapper(self.workspace)
+            else:
+                w = plans.new_paged_wrapper(self.workspace, buffers)
+            pool[(key, role)] = w
+        return w
+
+    def _make_plan(self, step: Step, key: LayerKey) -> Plan:
+        x, dims = step.inputs, self.dims
+        mode = x.mode
+        if mode.is_decode():
+            kv = self._paged_kv(step, "cross" if key.cross else "seq")
+            w = self._wrapper(step, key, "decode")
+            fast = step.graph is not None and (key, "decode") in step.graph.planned_once
+            plans.plan_decode(w, kv, key, dims, fast=fast)
+            if step.graph is not None:
+                step.graph.planned_once.add((key, "decode"))
+            return Plan(page_size=kv.page_size, decode=w)
+        if key.cross:
+            kv = self._paged_kv(step, "cross")
+            w = self._wrapper(step, key, "paged")
+            plans.plan_paged(w, step.qo_indptr, kv, key, dims, causal=False)
+            return Plan(page_size=kv.page_size, paged=w)
+        if mode.is_target_verify():
+            kv = self._paged_kv(step, "seq")
+            w = self._wrapper(step, key, "paged")
+            plans.plan_paged(w, step.qo_indptr, kv, key, dims, causal=x.custom_mask is None, custom_mask=x.custom_mask)
+            return Plan(page_size=kv.page_size, paged=w)
+        if step.has_prefix and key.window_left >= 0:
+            kv = self._paged_kv(step, "seq")
+            w = self._wrapper(step, key, "paged")
+            plans.plan_paged(w, step.qo_indptr, kv, key, dims, causal=True)
+            return Plan(page_size=kv.page_size, paged=w)
+        ragged = self._wrapper(step, key, "ragged")
+        plans.plan_ragged(ragged, step.qo_indptr, key, dims)
+        if not step.has_prefix:
+            return Plan(ragged=ragged)
+        kv = self._paged_kv(step, "prefix")
+        paged = self._wrapper(step, key, "paged")
+        plans.plan_paged(paged, step.qo_indptr, kv, key, dims, causal=False)
+        return Plan(page_size=kv.page_size, ragged=ragged, paged=paged)
+
+    def _plan_of(self, step: Step, layer) -> Plan:
+        key = LayerKey.of(layer)
+        plan = step.plans.get(key)
+        if plan is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise InvalidArgumentError(
+                    "layer", "layer settings met before CUDA-graph capture (run the captured batch once eagerly first)", key
+                )
+            plan = step.plans[key] = self._make_plan(step, key)
+            self.known_keys[key] = None
+        return plan
+
+    # ---- CUDA graphs -------------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        if max_bs < 1 or max_num_tokens < max_bs:
+            raise InvalidArgumentError("max_bs/max_num_tokens", "max_num_tokens >= max_bs >= 1", (max_bs, max_num_tokens))
+        dev, ctx = self.device, self.ctx
+
+        def index_buffers(page_size: int) -> dict:
+            pages = max_bs * -(-ctx.max_context_len // page_size)
+            return dict(
+                kv_indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),
+                kv_indices=torch.zeros(pages, dtype=torch.int32, device=dev),
+                last_page_len=torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            )
+
+        mask_bytes = -(-max_num_tokens * ctx.max_context_len // 8) + max_bs
+        self._graph_buffers = {
+            "seq": GraphBuffers(
+                **index_buffers(self.self_page_size),
+                qo_indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),
+                custom_mask=torch.zeros(mask_bytes, dtype=torch.uint8, device=dev),
+                mask_indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),
+            )
+        }
+        if ctx.is_encoder_decoder:
+            self._graph_buffers["cross"] = GraphBuffers(**index_buffers(self.page_size), qo_indptr=self._graph_buffers["seq"].qo_indptr)
+        self._graphs = {}
+
+    def _graph_inputs(self, *args) -> StepInputs:
+        pool = self.ctx.req_to_token_pool
+        if pool is None:
+            raise InvalidArgumentError("ctx.req_to_token_pool", "the request-to-token pool (CUDA graphs read the context's)", None)
+        return _graph_inputs(pool.req_to_token, *args)
+
+    def _graph_slices(self, bs: int, with_mask: bool) -> dict[str, GraphBuffers]:
+        out = {}
+        for name, b in self._graph_buffers.items():
+            out[name] = GraphBuffers(
+                kv_indptr=b.kv_indptr[: bs + 1],
+                kv_indices=b.kv_indices,
+                last_page_len=b.last_page_len[:bs],
+                qo_indptr=b.qo_indptr[: bs + 1],
+                custom_mask=b.custom_mask if with_mask and name == "seq" else None,
+                mask_indptr=b.mask_indptr[: bs + 1] if with_mask and name == "seq" else None,
+            )
+        return out
+
+    def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info):
+        if self._graph_buffers is None:
+            raise InvalidArgumentError("init_cuda_graph_state", "called before capture", None)
+        mode = ForwardMode.parse(forward_mode)
+        if not (mode.is_decode() or mode.is_target_verify()):
+            raise UnsupportedFeatureError(self.name, f"CUDA graphs for {mode.name}")
+        if bs < 1 or bs + 1 > self._graph_buffers["seq"].kv_indptr.shape[0] or num_tokens % bs:
+            raise InvalidArgumentError("bs/num_tokens", "1 <= bs <= max_bs and num_tokens a multiple of bs", (bs, num_tokens))
+        seq_host = seq_lens[:bs].cpu()  # capture only: a sync is fine here
+        enc_host = None if encoder_lens is None else encoder_lens[:bs].cpu()
+        inputs = self._graph_inputs(mode, bs, num_tokens, req_pool_indices, seq_lens, seq_host, encoder_lens, enc_host, spec_info)
+        graph = _GraphState(self._graph_slices(bs, with_mask=inputs.custom_mask is not None))
+        step = self._new_step(inputs, graph, keys=self.known_keys)
+        self._graphs[(bs, mode)] = (step, graph)
+        self.forward_metadata = step
+
+    def init_forward_metadata_replay_cuda_graph(
+        self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens, forward_mode, spec_info, seq_lens_cpu
+    ):
+        mode = ForwardMode.parse(forward_mode)
+        captured = self._graphs.get((bs, mode))
+        if captured is None:
+            raise InvalidArgumentError("bs", f"a batch size captured for {mode.name}", bs)
+        old, graph = captured
+        seq_host = seq_lens_cpu[:bs] if seq_lens_cpu is not None else seq_lens[:bs].cpu()
+        # FlashInfer plans on the host: encoder lengths must come back (encoder-decoder graphs only)
+        enc_host = None if encoder_lens is None else encoder_lens[:bs].cpu()
+        inputs = self._graph_inputs(
+            mode, bs, old.inputs.num_tokens, req_pool_indices, seq_lens, seq_host, encoder_lens, enc_host, spec_info
+        )
+        if (inputs.custom_mask is None) != (old.inputs.custom_mask is None):
+            raise InvalidArgumentError(
+                "spec_info.custom_mask", "a mask exactly when the graph was captured with one", inputs.custom_mask is not None
+            )
+        step = self._new_step(inputs, graph, keys=list(old.plans))  # the keys the graph holds kernels of
+        self._graphs[(bs, mode)] = (step, graph)
+        self.forward_metadata = step
+
+    # ---- attention ---------------------------------------------------------------------------
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, **extras)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, **extras)
+
+    def _forward(self, q, k, v, layer, batch, save_kv_cache, return_lse=False):
+        if layer.k_scale not in (None, 1.0) or layer.v_scale not in (None, 1.0):
+            raise UnsupportedFeatureError(self.name, f"k_scale/v_scale (layer {layer.layer_id}): quantized KV caches")
+        step: Step = self.forward_metadata
+        plan = self._plan_of(step, layer)
+        if plan.ragged is not None and k is None:
+            raise InvalidArgumentError(
+                "k", f"the new tokens' keys and values for {batch.forward_mode.name} (the ragged pass reads them)", None
+            )
+        pool = batch.token_to_kv_pool or self.ctx.token_to_kv_pool
+        if save_kv_cache and k is not None:
+            loc = batch.encoder_out_cache_loc if layer.is_cross_attention else batch.out_cache_loc
+            pool.set_kv_buffer(layer, loc, k, v)
+        k_cache, v_cache = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        o, lse = plans.run(plan, q, k, v, k_cache, v_cache, return_lse)
+        o = o.view(o.shape[0], -1)
+        return (o, lse) if return_lse else o
+
+
+def _check_context(ctx, name: str) -> None:
+    """Typed errors for contexts FlashInfer's kernels here cannot serve."""
+    caps = CAPABILITIES
+    if ctx.device.type != "cuda":
+        raise InvalidArgumentError("ctx.device", "a CUDA device", ctx.device)
+    if ctx.is_mla:
+        raise UnsupportedFeatureError(name, "MLA (this backend runs MHA/GQA/MQA)")
+    if ctx.v_head_dim != ctx.head_dim:
+        raise UnsupportedFeatureError(name, f"v_head_dim {ctx.v_head_dim} != head_dim {ctx.head_dim}")
+    if ctx.head_dim not in caps.head_dims:
+        raise InvalidArgumentError("ctx.head_dim", f"one of {sorted(caps.head_dims)}", ctx.head_dim)
+    for what, dtype in (("ctx.dtype", ctx.dtype), ("ctx.kv_dtype", ctx.kv_dtype)):
+        if str(dtype).removeprefix("torch.") not in caps.q_dtypes:
+            raise InvalidArgumentError(what, f"one of {sorted(caps.q_dtypes)}", dtype)
+    if ctx.kv_dtype != ctx.dtype:
+        raise UnsupportedFeatureError(name, f"KV cache dtype {ctx.kv_dtype} different from q dtype {ctx.dtype}")
+
+
+def _eager_inputs(b: ForwardBatch, r2t: torch.Tensor) -> StepInputs:
+    mode, bs = b.forward_mode, b.batch_size
+    extend = not mode.is_decode()
+    if extend and (b.extend_seq_lens_cpu is None or b.extend_prefix_lens_cpu is None):
+        raise InvalidArgumentError("forward_batch.extend_seq_lens_cpu", f"extend lengths for {mode.name}", None)
+    custom_mask = None
+    if mode.is_target_verify() and b.spec_info is not None and b.spec_info.custom_mask is not None:
+        custom_mask = _verify_mask(b.spec_info, b.extend_seq_lens_cpu, b.seq_lens_cpu, pad=False)
+    return StepInputs(
+        mode=mode,
+        bs=bs,
+        num_tokens=b.num_tokens,
+        req_to_token=r2t,
+        req_pool_indices=b.req_pool_indices,
+        seq_lens=b.seq_lens,
+        seq_lens_host=b.seq_lens_cpu,
+        q_lens_host=b.extend_seq_lens_cpu if extend else None,
+        prefix_lens=b.extend_prefix_lens if extend else None,
+        prefix_lens_host=b.extend_prefix_lens_cpu if extend else None,
+        encoder_lens=b.encoder_lens,
+        encoder_lens_host=b.encoder_lens_cpu,
+        custom_mask=custom_mask,
+    )
+
+
+def _graph_inputs(r2t, mode, bs, num_tokens, req_pool_indices, seq_lens, seq_host, encoder_lens, enc_host, spec_info) -> StepInputs:
+    per_req = num_tokens // bs
+    if mode.is_decode() and per_req != 1:
+        raise InvalidArgumentError("num_tokens", f"bs ({bs}) for DECODE", num_tokens)
+    q_lens = None if mode.is_decode() else torch.full((bs,), per_req, dtype=torch.int32)
+    custom_mask = None
+    if mode.is_target_verify() and spec_info is not None and spec_info.custom_mask is not None:
+        custom_mask = _verify_mask(spec_info, q_lens, seq_host, pad=True)
+    return StepInputs(
+        mode=mode,
+        bs=bs,
+        num_tokens=num_tokens,
+        req_to_token=r2t,
+        req_pool_indices=req_pool_indices[:bs],
+        seq_lens=seq_lens[:bs],
+        seq_lens_host=seq_host.to(torch.int32),
+        q_lens_host=q_lens,
+        encoder_lens=None if encoder_lens is None else encoder_lens[:bs],
+        encoder_lens_host=enc_host,
+        custom_mask=custom_mask,
+    )
+
+
+def _verify_mask(spec: SpecInfo, q_lens_host: torch.Tensor, seq_lens_host: torch.Tensor, pad: bool) -> torch.Tensor:
+    """The step's tree mask as FlashInfer reads it: per request a row-major bool `[q_len, seq_len]`,
+    concatenated (SpecInfo's layout, so `mask_indptr` is implied). In a CUDA-graph batch the padding rows
+    have no mask of their own: `pad` appends all-visible entries for them."""
+    need = int((q_lens_host.to(torch.int64) * seq_lens_host.to(torch.int64)).sum())
+    mask = spec.custom_mask.reshape(-1)
+    if mask.dtype != torch.bool:
+        raise InvalidArgumentError("spec_info.custom_mask", "a bool tensor", mask.dtype)
+    if mask.numel() == need:
+        return mask
+    if pad and mask.numel() < need:
+        return torch.cat([mask, torch.ones(need - mask.numel(), dtype=torch.bool, device=mask.device)])
+    raise InvalidArgumentError("spec_info.custom_mask", f"{need} entries (sum of q_len * seq_len over requests)", mask.numel())

@@ -1,0 +1,203 @@
+"""Every call into FlashInfer's wrappers: construction (eager or CUDA-graph mode), plan and run.
+
+FlashInfer fixes the sliding window, the logit cap and the softmax scale at plan time, so a plan
+belongs to one `LayerKey`; all layers with the same key share it. A `Plan` is the set of wrappers one
+key needs in one step, already planned:
+
+- decode: the paged decode wrapper (tensor-core path, good for GQA) over each request's keys;
+- ragged: the ragged prefill wrapper over the new tokens (causal), optionally with
+- paged: the paged prefill wrapper over cached keys (the prefix, the whole sequence, or the encoder
+  tokens); when both ragged and paged are set the two partial results are merged by their LSEs.
+
+FlashInfer's LSE is log base 2 (`log2 sum 2^(s*log2 e)`); `run` converts it to natural log at the edge.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
+from flashinfer.cascade import merge_state_in_place
+from flashinfer.decode import fast_decode_plan
+
+from attn_flashinfer.indices import PagedKV
+
+LN2 = math.log(2.0)
+#: FlashInfer's FA2 kernels: one JIT build serves decode (tensor cores), paged and ragged prefill.
+KERNEL_BACKEND = "fa2"
+
+
+@dataclass(frozen=True)
+class LayerKey:
+    """Layer settings FlashInfer fixes at plan time. window_left = W - 1 for a window of W keys
+    (-1: full attention); logit_cap 0 = off; cross: attends to the encoder tokens."""
+
+    window_left: int
+    logit_cap: float
+    scaling: float
+    cross: bool
+
+    @classmethod
+    def of(cls, layer) -> LayerKey:
+        cross = bool(layer.is_cross_attention)
+        window = layer.sliding_window_size
+        return cls(-1 if window is None or cross else window - 1, float(layer.logit_cap), float(layer.scaling), cross)
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Per-rank head counts, head dim and dtypes every plan repeats."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class GraphBuffers:
+    """Fixed device buffers a CUDA-graph wrapper reads (sliced to the captured batch size)."""
+
+    kv_indptr: torch.Tensor  # int32 [bs+1]
+    kv_indices: torch.Tensor  # int32 [max pages]
+    last_page_len: torch.Tensor  # int32 [bs]
+    qo_indptr: Optional[torch.Tensor] = None  # int32 [bs+1] (prefill wrappers)
+    custom_mask: Optional[torch.Tensor] = None  # uint8 packed mask (verify with a tree mask)
+    mask_indptr: Optional[torch.Tensor] = None  # int32 [bs+1]
+
+
+@dataclass
+class Plan:
+    """The planned wrappers of one LayerKey in one step (see the module docstring)."""
+
+    page_size: int = 1  # page granularity of the paged / decode wrapper's key list
+    decode: Optional[BatchDecodeWithPagedKVCacheWrapper] = None
+    ragged: Optional[BatchPrefillWithRaggedKVCacheWrapper] = None
+    paged: Optional[BatchPrefillWithPagedKVCacheWrapper] = None
+
+
+def new_decode_wrapper(workspace: torch.Tensor, graph: Optional[GraphBuffers] = None) -> BatchDecodeWithPagedKVCacheWrapper:
+    if graph is None:
+        return BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True, backend=KERNEL_BACKEND)
+    return BatchDecodeWithPagedKVCacheWrapper(
+        workspace,
+        "NHD",
+        use_cuda_graph=True,
+        use_tensor_cores=True,
+        paged_kv_indptr_buffer=graph.kv_indptr,
+        paged_kv_indices_buffer=graph.kv_indices,
+        paged_kv_last_page_len_buffer=graph.last_page_len,
+        backend=KERNEL_BACKEND,
+    )
+
+
+def new_paged_wrapper(workspace: torch.Tensor, graph: Optional[GraphBuffers] = None) -> BatchPrefillWithPagedKVCacheWrapper:
+    if graph is None:
+        return BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=KERNEL_BACKEND)
+    return BatchPrefillWithPagedKVCacheWrapper(
+        workspace,
+        "NHD",
+        use_cuda_graph=True,
+        qo_indptr_buf=graph.qo_indptr,
+        paged_kv_indptr_buf=graph.kv_indptr,
+        paged_kv_indices_buf=graph.kv_indices,
+        paged_kv_last_page_len_buf=graph.last_page_len,
+        custom_mask_buf=graph.custom_mask,
+        mask_indptr_buf=graph.mask_indptr,
+        backend=KERNEL_BACKEND,
+    )
+
+
+def new_ragged_wrapper(workspace: torch.Tensor) -> BatchPrefillWithRaggedKVCacheWrapper:
+    return BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=KERNEL_BACKEND)
+
+
+def _common(key: LayerKey, dims: Dims) -> dict:
+    return dict(
+        window_left=key.window_left,
+        logits_soft_cap=key.logit_cap if key.logit_cap > 0 else None,
+        sm_scale=key.scaling,
+        q_data_type=dims.q_dtype,
+        kv_data_type=dims.kv_dtype,
+    )
+
+
+def plan_decode(w: BatchDecodeWithPagedKVCacheWrapper, kv: PagedKV, key: LayerKey, dims: Dims, fast: bool = False) -> None:
+    """Plan decode over `kv`. `fast` (CUDA-graph replay, after a first full plan): FlashInfer's
+    `fast_decode_plan`, which only recomputes the work split; the caller has already written indptr,
+    indices and last-page lengths into the graph buffers."""
+    args = (kv.indptr, kv.indices, kv.last_page_len, dims.num_q_heads, dims.num_kv_heads, dims.head_dim, kv.page_size)
+    if fast:
+        fast_decode_plan(w, *args, non_blocking=True, global_override_indptr_cpu=kv.indptr, **_common(key, dims))
+    else:
+        w.plan(*args, non_blocking=True, seq_lens=kv.kv_lens, **_common(key, dims))
+
+
+def plan_paged(
+    w: BatchPrefillWithPagedKVCacheWrapper,
+    qo_indptr: torch.Tensor,
+    kv: PagedKV,
+    key: LayerKey,
+    dims: Dims,
+    causal: bool,
+    custom_mask: Optional[torch.Tensor] = None,
+) -> None:
+    """Plan the paged prefill pass: queries (qo_indptr, host) over the keys of `kv`; causal aligns each
+    request's queries with its last keys; `custom_mask` (flattened bool `[q_len, kv_len]` per request,
+    concatenated) replaces the causal mask."""
+    w.plan(
+        qo_indptr,
+        kv.indptr,
+        kv.indices,
+        kv.last_page_len,
+        dims.num_q_heads,
+        dims.num_kv_heads,
+        dims.head_dim,
+        kv.page_size,
+        custom_mask=custom_mask,
+        causal=causal,
+        non_blocking=True,
+        seq_lens=kv.kv_lens,
+        **_common(key, dims),
+    )
+
+
+def plan_ragged(w: BatchPrefillWithRaggedKVCacheWrapper, qo_indptr: torch.Tensor, key: LayerKey, dims: Dims) -> None:
+    """Plan the ragged pass: each request's new tokens attend causally to the new tokens themselves."""
+    w.plan(qo_indptr, qo_indptr, dims.num_q_heads, dims.num_kv_heads, dims.head_dim, causal=True, non_blocking=True, **_common(key, dims))
+
+
+def run(
+    plan: Plan,
+    q: torch.Tensor,
+    k: Optional[torch.Tensor],
+    v: Optional[torch.Tensor],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    return_lse: bool,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Attention of q `[T, Hq, D]` under `plan`: output `[T, Hq, D]` and, with return_lse, the
+    natural-log LSE `[T, Hq]` float32. k/v: the new tokens `[T, Hkv, D]` (ragged pass only);
+    k_cache/v_cache: one layer's pool `[num_slots, Hkv, D]`, viewed as pages without a copy."""
+    if plan.decode is not None or plan.paged is not None:
+        ps = plan.page_size
+        pages = (k_cache.view(-1, ps, *k_cache.shape[1:]), v_cache.view(-1, ps, *v_cache.shape[1:]))
+    if plan.decode is not None:
+        o, lse = _split(plan.decode.run(q, pages, return_lse=return_lse), return_lse)
+    elif plan.ragged is not None and plan.paged is not None:
+        o, lse = plan.ragged.run(q, k, v, return_lse=True)
+        o_prefix, lse_prefix = plan.paged.run(q, pages, return_lse=True)
+        merge_state_in_place(o, lse, o_prefix, lse_prefix)
+    elif plan.ragged is not None:
+        o, lse = _split(plan.ragged.run(q, k, v, return_lse=return_lse), return_lse)
+    else:
+        o, lse = _split(plan.paged.run(q, pages, return_lse=return_lse), return_lse)
+    return o, (lse * LN2 if return_lse else None)
+
+
+def _split(res, return_lse: bool):
+    return res if return_lse else (res, None)

@@ -1,0 +1,60 @@
+"""Registry entry of the FlashInfer backend. Import-light: no torch, no flashinfer at import time."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Optional
+
+from attn_core.capabilities import ARCH_MHA, Capabilities, CudaGraphLevel, Feature
+from attn_core.forward_mode import ForwardMode
+from attn_core.probes import first_reason, needs_compute_capability
+from attn_core.spec import BackendSpec
+
+#: FlashInfer's FA2 kernels need Ampere or newer.
+MIN_COMPUTE_CAPABILITY = (8, 0)
+
+CAPABILITIES = Capabilities(
+    devices=frozenset({"cuda"}),
+    q_dtypes=frozenset({"bfloat16", "float16"}),
+    kv_dtypes=frozenset({"bfloat16", "float16"}),
+    archs=frozenset({ARCH_MHA}),
+    head_dims=frozenset({64, 128, 256}),
+    page_sizes=None,
+    forward_modes=frozenset(ForwardMode) - {ForwardMode.SPLIT_PREFILL},
+    features=frozenset(
+        {
+            Feature.SLIDING_WINDOW,
+            Feature.LOGIT_CAP,
+            Feature.CUSTOM_MASK,
+            Feature.CROSS_ATTENTION,
+            Feature.LSE_OUTPUT,
+            Feature.SPEC_TOPK_GT1,
+        }
+    ),
+    cuda_graph=CudaGraphLevel.UNIFORM_BATCH,
+    min_compute_capability=MIN_COMPUTE_CAPABILITY,
+)
+
+
+def flashinfer_missing() -> Optional[str]:
+    """Reason when the `flashinfer` package (distribution flashinfer-python) cannot be imported."""
+    if importlib.util.find_spec("flashinfer") is None:
+        return "flashinfer-python not installed (pip install attn-flashinfer)"
+    return None
+
+
+def probe() -> Optional[str]:
+    """None when the backend can run here, else why not: FlashInfer missing, no CUDA, or a GPU older
+    than compute capability 8.0."""
+    return first_reason(flashinfer_missing, needs_compute_capability(MIN_COMPUTE_CAPABILITY))
+
+
+SPEC = BackendSpec(
+    name="flashinfer",
+    summary="FlashInfer paged decode/prefill wrappers: GQA tensor-core decode, ragged+paged extend, tree verify, CUDA graphs",
+    capabilities=CAPABILITIES,
+    distribution="attn-flashinfer",
+    backend_class="attn_flashinfer.backend:FlashInferBackend",
+    priority=20,
+    probe_fn=probe,
+)
