@@ -48,8 +48,9 @@ class TritonAttnBackend(AttentionBackend):
         split_policy: Optional[SplitPolicy] = None,
         decode_config: Optional[DecodeConfig] = None,
         extend_config: Optional[ExtendConfig] = None,
+        **options,
     ):
-        super().__init__(ctx)
+        super().__init__(ctx, **options)
         _check_device(ctx.device)
         _check_context(ctx)
         self.is_mla = ctx.is_mla

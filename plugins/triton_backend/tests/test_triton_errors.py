@@ -1,0 +1,159 @@
+"""Bad input: a typed error before any kernel launch, and the KV pool untouched."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from attn_core.context import BackendContext
+from attn_core.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedFeatureError
+from attn_core.forward_mode import ForwardMode
+from attn_core.memory import MHATokenToKVPool
+from attn_core.testing.harness import AttnCase, layer_inputs, make_env, make_layer
+from triton_helpers import requires_interpreter
+
+pytestmark = requires_interpreter
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Replace the kernel entry points of the backend with functions that fail the test."""
+    import attn_triton.backend as be
+
+    def boom(*a, **k):
+        raise AssertionError("a kernel was launched")
+
+    for name in ("decode_attention", "extend_attention"):
+        monkeypatch.setattr(be, name, boom)
+
+
+def _setup(mode="EXTEND", requests=((3, 4), (0, 2)), **kw):
+    from attn_triton.backend import TritonAttnBackend
+
+    case = AttnCase(mode, requests, **kw)
+    env = make_env(case)
+    backend = TritonAttnBackend(env.ctx)
+    env.batch.attn_backend = backend
+    layer = make_layer(case, 0)
+    inputs = layer_inputs(env, 0, torch.Generator().manual_seed(0))
+    return env, backend, layer, inputs
+
+
+def _pool_snapshot(env):
+    return [t.clone() for t in (env.kv_pool.get_key_buffer(0), env.kv_pool.get_value_buffer(0))]
+
+
+def _same(a, b):
+    return all(torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0)) for x, y in zip(a, b))
+
+
+def test_cpu_without_interpreter_is_unavailable(monkeypatch):
+    from attn_triton.backend import TritonAttnBackend
+
+    env = make_env(AttnCase("DECODE", [(3, 1)]))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(BackendUnavailableError, match="TRITON_INTERPRET=1"):
+        TritonAttnBackend(env.ctx)
+
+
+@pytest.mark.parametrize(
+    "change,error,match",
+    [
+        (dict(head_dim=512), UnsupportedFeatureError, "head_dim 512"),
+        (dict(head_dim=36), UnsupportedFeatureError, "head_dim 36"),
+        (dict(dtype=torch.float64), UnsupportedFeatureError, "float64"),
+        (dict(num_kv_heads=1, num_q_heads=4), InvalidArgumentError, "token_to_kv_pool"),
+    ],
+)
+def test_bad_context(change, error, match):
+    from attn_triton.backend import TritonAttnBackend
+
+    ctx = BackendContext(
+        device="cpu", dtype=torch.float32, num_q_heads=4, num_kv_heads=2, head_dim=32,
+        token_to_kv_pool=MHATokenToKVPool(16, 1, torch.float32, 2, 32, 1),
+    )  # fmt: skip
+    with pytest.raises(error, match=match):
+        TritonAttnBackend(dataclasses.replace(ctx, **change))
+
+
+def test_unknown_option_is_typed():
+    from attn_triton.backend import TritonAttnBackend
+
+    env = make_env(AttnCase("DECODE", [(3, 1)]))
+    with pytest.raises(InvalidArgumentError, match="options"):
+        TritonAttnBackend(env.ctx, block_size=3)
+
+
+def test_forward_before_metadata(no_launch):
+    env, backend, layer, x = _setup()
+    before = _pool_snapshot(env)
+    with pytest.raises(InvalidArgumentError, match="init_forward_metadata"):
+        backend.forward(x["q"], x["k"], x["v"], layer, env.batch)
+    assert _same(before, _pool_snapshot(env))
+
+
+@pytest.mark.parametrize("bad", ["q_shape", "v_shape", "sinks_shape", "q_dtype"])
+def test_bad_forward_inputs(no_launch, bad):
+    env, backend, layer, x = _setup()
+    backend.init_forward_metadata(env.batch)
+    q, k, v, extras = x["q"], x["k"], x["v"], {}
+    if bad == "q_shape":
+        q = q[:, :, :16]
+    elif bad == "v_shape":
+        v = v[:-1]
+    elif bad == "sinks_shape":
+        extras["sinks"] = torch.zeros(3)
+    else:
+        q = q.double()
+    before = _pool_snapshot(env)
+    with pytest.raises(InvalidArgumentError):
+        backend.forward(q, k, v, layer, env.batch, **extras)
+    assert _same(before, _pool_snapshot(env))
+
+
+def test_metadata_of_another_mode(no_launch):
+    env, backend, layer, x = _setup()
+    backend.init_forward_metadata(env.batch)
+    decode = dataclasses.replace(env.batch, forward_mode=ForwardMode.DECODE)
+    before = _pool_snapshot(env)
+    with pytest.raises(InvalidArgumentError, match="DECODE"):
+        backend.forward(x["q"][:2], x["k"][:2], x["v"][:2], layer, decode)
+    assert _same(before, _pool_snapshot(env))
+
+
+def test_cross_layer_without_encoder(no_launch):
+    env, backend, _, x = _setup()
+    backend.init_forward_metadata(env.batch)
+    cross = make_layer(dataclasses.replace(env.case, cross_attention=True), 0)
+    with pytest.raises(InvalidArgumentError, match="encoder"):
+        backend.forward(x["q"], None, None, cross, env.batch, save_kv_cache=False)
+
+
+@pytest.mark.parametrize("bad", ["seq_lens_dtype", "too_long", "no_extend_lens", "mask_size", "mask_dtype", "rows"])
+def test_bad_batch_metadata(bad):
+    mode = "TARGET_VERIFY" if bad.startswith("mask") else "EXTEND"
+    env, backend, _, _ = _setup(mode, ((3, 2), (5, 2)))
+    b = env.batch
+    if bad == "seq_lens_dtype":
+        b.seq_lens = b.seq_lens.long()
+    elif bad == "too_long":
+        b.seq_lens_cpu = b.seq_lens_cpu + 10_000
+    elif bad == "no_extend_lens":
+        b.extend_seq_lens = None
+    elif bad == "mask_size":
+        b.spec_info.custom_mask = b.spec_info.custom_mask[:-1]
+    elif bad == "mask_dtype":
+        b.spec_info.custom_mask = b.spec_info.custom_mask.to(torch.uint8)
+    else:
+        b.req_pool_indices = b.req_pool_indices[:1]
+    with pytest.raises(InvalidArgumentError):
+        backend.init_forward_metadata(b)
+
+
+def test_idle_returns_empty():
+    env, backend, layer, x = _setup()
+    idle = dataclasses.replace(env.batch, forward_mode=ForwardMode.IDLE, batch_size=0)
+    backend.init_forward_metadata(idle)
+    o, lse = backend.forward(x["q"][:0], None, None, layer, idle, save_kv_cache=False, return_lse=True)
+    assert o.shape == (0, 4 * 32) and lse.shape == (0, 4)

@@ -1,0 +1,137 @@
+"""Kernel-level tests: decode with every split count 1..N, extend at block-unaligned lengths, and the
+index builder against attn-core's torch index builders. Pools are poisoned with NaN outside the slots a
+request owns, slots are in random order, and every result is compared with the float64 oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attn_core.ops.kv_indices import kv_indices_from_req_to_token, kv_indptr_from_lens
+from attn_core.testing.reference import reference_attention, relative_error, tolerance
+from triton_helpers import requires_interpreter
+
+pytestmark = requires_interpreter
+
+
+def _paged_setup(lens, hkv, d, dv, dtype, gen, page_size=1):
+    """Random K/V for requests of `lens` tokens in a NaN-poisoned pool, pages in random order."""
+    pages = [-(-n // page_size) for n in lens]
+    num_pages = sum(pages) + 3
+    perm = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
+    k_buf = torch.full((num_pages * page_size, hkv, d), float("nan"), dtype=dtype)
+    v_buf = torch.full((num_pages * page_size, hkv, dv), float("nan"), dtype=dtype)
+    slots, ks, vs = [], [], []
+    for n, p in zip(lens, pages):
+        mine, perm = perm[:p], perm[p:]
+        s = (torch.tensor(mine, dtype=torch.int64)[:, None] * page_size + torch.arange(page_size)).reshape(-1)[:n]
+        k = torch.randn(n, hkv, d, generator=gen).to(dtype)
+        v = torch.randn(n, hkv, dv, generator=gen).to(dtype)
+        k_buf[s], v_buf[s] = k, v
+        slots.append(s)
+        ks.append(k)
+        vs.append(v)
+    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    indptr[1:] = torch.tensor(lens).cumsum(0)
+    indices = torch.cat(slots).to(torch.int32) if slots else torch.zeros(1, dtype=torch.int32)
+    return k_buf, v_buf, indptr, indices, ks, vs
+
+
+@pytest.mark.parametrize("splits", list(range(1, 9)))
+@pytest.mark.parametrize("variant", ["plain", "window_cap_sinks"])
+def test_decode_every_split_count(splits, variant):
+    from attn_triton.kernels.decode import DecodeConfig, decode_attention
+
+    gen = torch.Generator().manual_seed(splits)
+    lens = [1, 17, 50, 33, 64]  # one-token, off-block and exact-block lengths (BLOCK_N 16)
+    hq, hkv, d = 6, 2, 32
+    dtype = torch.float32
+    k_buf, v_buf, indptr, indices, ks, vs = _paged_setup(lens, hkv, d, d, dtype, gen, page_size=16)
+    bs = len(lens)
+    q = torch.randn(bs, hq, d, generator=gen)
+    window = 20 if variant != "plain" else None
+    cap = 3.0 if variant != "plain" else 0.0
+    sinks = torch.randn(hq, generator=gen) if variant != "plain" else None
+    o = torch.full((bs, hq, d), float("nan"))
+    lse = torch.full((bs, hq), float("nan"))
+    part_o = torch.full((bs, hq, 8, d), float("nan"))
+    part_lse = torch.full((bs, hq, 8), float("nan"))
+    num_splits = torch.full((bs,), splits, dtype=torch.int32)
+    cfg = DecodeConfig(block_n=16, block_h=16, num_warps=1, num_stages=1)
+    decode_attention(
+        q, k_buf, v_buf, o, indptr, indices, num_splits, 8, part_o, part_lse,
+        sm_scale=0.2, config=cfg, logit_cap=cap, window=window, sinks=sinks, lse_out=lse,
+    )  # fmt: skip
+    for r, n in enumerate(lens):
+        ref_o, ref_lse = reference_attention(
+            q[r : r + 1], ks[r], vs[r], q_positions=torch.tensor([n - 1]), scale=0.2, window=window, logit_cap=cap, sinks=sinks
+        )
+        assert relative_error(o[r : r + 1], ref_o) <= tolerance(dtype), (r, n)
+        assert relative_error(lse[r : r + 1], ref_lse) <= 1e-5, (r, n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_extend_unaligned_lengths(dtype, page_size):
+    """q lengths and prefixes around BLOCK_M/BLOCK_N (16) and page boundaries, zero prefixes included."""
+    from attn_triton.kernels.extend import ExtendConfig, extend_attention
+
+    gen = torch.Generator().manual_seed(page_size)
+    shapes = [(0, 1), (0, 17), (15, 16), (33, 31), (64, 3), (1, 0)]  # (prefix, q_len)
+    lens = [p + e for p, e in shapes]
+    hq, hkv, d = 4, 1, 32
+    k_buf, v_buf, indptr, indices, ks, vs = _paged_setup(lens, hkv, d, d, dtype, gen, page_size)
+    q_lens = [e for _, e in shapes]
+    qo = torch.zeros(len(shapes) + 1, dtype=torch.int32)
+    qo[1:] = torch.tensor(q_lens).cumsum(0)
+    T = int(qo[-1])
+    q = torch.randn(T, hq, d, generator=gen).to(dtype)
+    o = torch.full((T, hq, d), float("nan"), dtype=dtype)
+    cfg = ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+    extend_attention(q, k_buf, v_buf, o, qo, indptr, indices, max(q_lens), sm_scale=0.3, config=cfg)
+    for r, (p, e) in enumerate(shapes):
+        if e == 0:
+            continue
+        rows = slice(int(qo[r]), int(qo[r + 1]))
+        ref_o, _ = reference_attention(q[rows], ks[r], vs[r], q_positions=torch.arange(p, p + e), scale=0.3)
+        assert relative_error(o[rows], ref_o) <= tolerance(dtype), (p, e)
+
+
+@pytest.mark.parametrize("bs", [1, 3, 40])
+def test_index_builder_matches_torch_reference(bs):
+    from attn_triton.kernels.indices import build_indices
+
+    gen = torch.Generator().manual_seed(bs)
+    rows, width = 64, 1200
+    r2t = torch.randint(1, 10_000, (rows, width), generator=gen, dtype=torch.int32)
+    rpi = torch.randperm(rows, generator=gen)[:bs].to(torch.int64)
+    start = torch.randint(0, 10, (bs,), generator=gen, dtype=torch.int32)
+    lens = torch.randint(0, 1100, (bs,), generator=gen, dtype=torch.int32)
+    lens[0] = 1
+    q_lens = torch.minimum(lens, torch.randint(0, 9, (bs,), generator=gen, dtype=torch.int32))
+    total = int(lens.sum())
+    indptr = torch.full((bs + 1,), -1, dtype=torch.int32)
+    indices = torch.full((total,), -1, dtype=torch.int32)
+    qo = torch.full((bs + 1,), -1, dtype=torch.int32)
+    mask_indptr = torch.full((bs + 1,), -1, dtype=torch.int64)
+    splits = torch.full((bs,), -1, dtype=torch.int32)
+    build_indices(
+        r2t, rpi, lens, indptr, indices, kv_start=start, q_lens=q_lens, qo_indptr=qo, mask_indptr=mask_indptr,
+        num_splits=splits, max_splits=5, min_split_len=100,
+    )  # fmt: skip
+    want_indptr = kv_indptr_from_lens(lens)
+    assert torch.equal(indptr, want_indptr)
+    assert torch.equal(indices, kv_indices_from_req_to_token(r2t, rpi, want_indptr, total, kv_start=start))
+    assert torch.equal(qo, kv_indptr_from_lens(q_lens))
+    want_mask = torch.zeros(bs + 1, dtype=torch.int64)
+    want_mask[1:] = (q_lens.long() * lens.long()).cumsum(0)
+    assert torch.equal(mask_indptr, want_mask)
+    assert torch.equal(splits, ((lens + 99) // 100).clamp(1, 5).to(torch.int32))
+
+
+def test_index_builder_empty_batch():
+    from attn_triton.kernels.indices import build_indices
+
+    indptr = torch.full((1,), 7, dtype=torch.int32)
+    empty = torch.zeros(0, dtype=torch.int64)
+    build_indices(torch.zeros(1, 4, dtype=torch.int32), empty, empty.int(), indptr, torch.zeros(1, dtype=torch.int32))
+    assert indptr.tolist() == [0]

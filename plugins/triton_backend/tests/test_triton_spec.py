@@ -1,0 +1,75 @@
+"""The registry entry: import-light spec, probe messages, entry point, declared capabilities."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from attn_core.capabilities import Feature
+from attn_core.forward_mode import ForwardMode
+
+
+def test_spec_import_is_light():
+    code = (
+        "import sys; import attn_triton.spec as s; "
+        "bad = sorted(m for m in ('torch', 'triton', 'numpy') if m in sys.modules); "
+        "assert not bad, bad; assert s.SPEC.name == 'triton'; print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_entry_point_resolves_to_the_spec():
+    from attn_core.registry import Registry
+
+    entry = Registry().entries()["triton"]
+    assert entry.spec.distribution == "attn-triton"
+    assert entry.spec.backend_class == "attn_triton.backend:TritonAttnBackend"
+
+
+def test_probe_without_triton(monkeypatch):
+    import attn_triton.spec as spec
+
+    monkeypatch.setattr(spec, "module_missing", lambda m, hint: f"{m} not installed ({hint})" if m == "triton" else None)
+    assert spec.probe() == "triton not installed (pip install attn-triton)"
+
+
+def test_probe_without_gpu(monkeypatch):
+    import attn_triton.spec as spec
+    import torch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    reason = spec.probe()
+    assert reason.startswith("needs a CUDA or ROCm GPU (torch ")
+    assert "TRITON_INTERPRET=1" in reason
+
+
+def test_probe_with_interpreter(monkeypatch):
+    import attn_triton.spec as spec
+    import torch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert spec.probe() is None
+
+
+def test_declared_capabilities():
+    from attn_triton.backend import TritonAttnBackend
+    from attn_triton.spec import CAPABILITIES, SPEC
+
+    assert SPEC.load() is TritonAttnBackend
+    assert TritonAttnBackend.capabilities is CAPABILITIES
+    assert CAPABILITIES.devices == {"cuda", "cpu"}
+    assert {Feature.DETERMINISTIC, Feature.CUSTOM_MASK, Feature.LSE_OUTPUT} <= CAPABILITIES.features
+    assert ForwardMode.SPLIT_PREFILL not in CAPABILITIES.forward_modes
+    assert {64, 128, 256, 576} <= CAPABILITIES.head_dims
+
+
+@pytest.mark.parametrize("value,on", [("1", True), ("true", True), ("0", False), ("", False)])
+def test_interpreter_flag(monkeypatch, value, on):
+    from attn_triton.spec import interpreter_enabled
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert interpreter_enabled() is on
