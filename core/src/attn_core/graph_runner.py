@@ -1,0 +1,227 @@
+"""`CudaGraphRunner`: capture attention "layers" once per batch size, then run real batches by padding
+them to the next captured size and replaying.
+
+What an engine's graph runner does, cut down to attention: static input buffers (request rows,
+seq_lens, out_cache_loc, positions, the verify mask, and the per-token tensors the layers read),
+one graph per (mode, batch size), padding rows that read and write only the reserved dummy
+(req_pool_indices 0, out_cache_loc slot 0, seq_len = the backend's fill value), and the backend's
+`init_forward_metadata_replay_cuda_graph` before every replay. On a CPU (or with
+`use_cuda_graph=False`) the same capture / replay metadata calls run and the layers run eagerly on
+the static buffers instead of a graph replay, so the logic is testable anywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+
+from attn_core.batch import ForwardBatch, SpecInfo
+from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.forward_mode import ForwardMode
+
+LayerOutput = Union[torch.Tensor, tuple[torch.Tensor, ...]]
+#: run_layers(forward_batch, inputs) -> per-token output(s) `[num_tokens, ...]`; inputs maps each name of
+#: `input_shapes` to a `[num_tokens, *shape]` tensor.
+RunLayers = Callable[[ForwardBatch, dict[str, torch.Tensor]], LayerOutput]
+
+
+class CudaGraphRunner:
+    """Graphs of `run_layers` over `backend` for each size in `batch_sizes`.
+
+    Captures DECODE, and TARGET_VERIFY too when the backend's graph level covers it and
+    `num_draft_tokens` (default: the context's speculative_num_draft_tokens) is > 0. `input_shapes`
+    names the per-token inputs of `run_layers`: name -> (shape after the token dim, dtype).
+    Outputs of `run` are views into static buffers, valid until the next `run`.
+    """
+
+    def __init__(
+        self,
+        backend,
+        batch_sizes: Sequence[int],
+        run_layers: RunLayers,
+        input_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+        *,
+        num_draft_tokens: Optional[int] = None,
+        use_cuda_graph: Optional[bool] = None,
+    ):
+        sizes = sorted(set(int(b) for b in batch_sizes))
+        if not sizes or sizes[0] < 1:
+            raise InvalidArgumentError("batch_sizes", "a non-empty list of positive batch sizes", list(batch_sizes))
+        level = backend.capabilities.cuda_graph
+        if not level.covers(ForwardMode.DECODE):
+            raise UnsupportedFeatureError(backend.name, "CUDA graphs")
+        ctx = backend.ctx
+        nd = ctx.speculative_num_draft_tokens if num_draft_tokens is None else num_draft_tokens
+        self.modes = [ForwardMode.DECODE] + ([ForwardMode.TARGET_VERIFY] if nd > 0 and level.covers(ForwardMode.TARGET_VERIFY) else [])
+        self.backend = backend
+        self.ctx = ctx
+        self.batch_sizes = sizes
+        self.run_layers = run_layers
+        self.num_draft_tokens = nd
+        self.use_cuda_graph = ctx.device.type == "cuda" if use_cuda_graph is None else use_cuda_graph
+        if self.use_cuda_graph and ctx.device.type != "cuda":
+            raise InvalidArgumentError("use_cuda_graph", "False on a device without CUDA graphs", ctx.device)
+        self.fill = backend.get_cuda_graph_seq_len_fill_value()
+        max_bs = sizes[-1]
+        self.max_tokens = max_bs * max(nd, 1)
+        dev = ctx.device
+        self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.full((max_bs,), self.fill, dtype=torch.int32, device=dev)
+        self.out_cache_loc = torch.zeros(self.max_tokens, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(self.max_tokens, dtype=torch.int64, device=dev)
+        self.inputs = {
+            name: torch.zeros((self.max_tokens, *shape), dtype=dtype, device=dev) for name, (shape, dtype) in input_shapes.items()
+        }
+        self.spec_info: Optional[SpecInfo] = None
+        if ForwardMode.TARGET_VERIFY in self.modes:
+            self.spec_info = SpecInfo(
+                num_draft_tokens=nd,
+                custom_mask=torch.ones(max_bs * nd * ctx.max_context_len, dtype=torch.bool, device=dev),
+                mask_indptr=torch.zeros(max_bs + 1, dtype=torch.int64, device=dev),
+            )
+        self._graphs: dict[tuple[ForwardMode, int], tuple[Optional[torch.cuda.CUDAGraph], Optional[LayerOutput]]] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.use_cuda_graph else None
+        self._capture_all()
+
+    # ---- static batch ------------------------------------------------------------------------------
+    def _tokens_per_request(self, mode: ForwardMode) -> int:
+        return self.num_draft_tokens if mode.is_target_verify() else 1
+
+    def _write_padding(self, mode: ForwardMode, start: int, bs: int, mask_start: int) -> None:
+        """Rows start..bs-1 become padding: request row 0, fill-value length, dummy slot 0; verify rows
+        get an all-visible mask of their fill-length keys after `mask_start`."""
+        per = self._tokens_per_request(mode)
+        self.req_pool_indices[start:bs] = 0
+        self.seq_lens[start:bs] = self.fill
+        self.out_cache_loc[start * per : bs * per] = 0
+        self.positions[start * per : bs * per] = 0
+        for buf in self.inputs.values():
+            buf[start * per : bs * per] = 0
+        if mode.is_target_verify():
+            size = per * self.fill
+            end = mask_start + (bs - start) * size
+            if end > self.spec_info.custom_mask.numel():
+                raise InvalidArgumentError("spec_info.custom_mask", f"at most {self.spec_info.custom_mask.numel()} mask entries", end)
+            self.spec_info.custom_mask[mask_start:end] = True
+            self.spec_info.mask_indptr[start + 1 : bs + 1] = mask_start + size * torch.arange(1, bs - start + 1, device=self.ctx.device)
+
+    def _static_batch(self, mode: ForwardMode, bs: int, seq_lens_cpu: torch.Tensor) -> ForwardBatch:
+        per = self._tokens_per_request(mode)
+        batch = ForwardBatch(
+            forward_mode=mode,
+            batch_size=bs,
+            req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs],
+            seq_lens_cpu=seq_lens_cpu,
+            seq_lens_sum=int(seq_lens_cpu.sum()),
+            out_cache_loc=self.out_cache_loc[: bs * per],
+            positions=self.positions[: bs * per],
+            req_to_token_pool=self.ctx.req_to_token_pool,
+            token_to_kv_pool=self.ctx.token_to_kv_pool,
+            attn_backend=self.backend,
+        )
+        if mode.is_target_verify():
+            ext_cpu = torch.full((bs,), per, dtype=torch.int32)
+            batch.extend_seq_lens_cpu = ext_cpu
+            batch.extend_seq_lens = ext_cpu.to(self.ctx.device)
+            batch.extend_prefix_lens_cpu = (seq_lens_cpu - per).clamp(min=0)
+            batch.extend_prefix_lens = (self.seq_lens[:bs] - per).clamp(min=0)
+            batch.extend_start_loc = torch.arange(0, bs * per, per, dtype=torch.int32, device=self.ctx.device)
+            batch.extend_num_tokens = bs * per
+            batch.spec_info = self.spec_info
+        return batch
+
+    def _views(self, tokens: int) -> dict[str, torch.Tensor]:
+        return {name: buf[:tokens] for name, buf in self.inputs.items()}
+
+    # ---- capture -------------------------------------------------------------------------------------
+    def _capture_all(self) -> None:
+        self.backend.init_cuda_graph_state(self.batch_sizes[-1], self.max_tokens)
+        for mode in self.modes:
+            for bs in self.batch_sizes:
+                self._capture(mode, bs)
+
+    def _capture(self, mode: ForwardMode, bs: int) -> None:
+        self._write_padding(mode, 0, bs, 0)
+        seq_cpu = torch.full((bs,), self.fill, dtype=torch.int32)
+        tokens = bs * self._tokens_per_request(mode)
+        self.backend.init_forward_metadata_capture_cuda_graph(
+            bs, tokens, self.req_pool_indices[:bs], self.seq_lens[:bs], None, mode, self.spec_info if mode.is_target_verify() else None
+        )
+        if not self.use_cuda_graph:
+            self._graphs[(mode, bs)] = (None, None)
+            return
+        batch, views = self._static_batch(mode, bs, seq_cpu), self._views(tokens)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up outside the graph (lazy allocations, autotuning)
+            self.run_layers(batch, views)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.run_layers(batch, views)
+        self._graphs[(mode, bs)] = (graph, out)
+
+    # ---- replay --------------------------------------------------------------------------------------
+    def captured_size(self, mode: ForwardMode, bs: int) -> Optional[int]:
+        """The smallest captured batch size >= bs for `mode`, or None."""
+        if mode not in self.modes:
+            return None
+        return next((s for s in self.batch_sizes if s >= bs), None)
+
+    def run(self, forward_batch: ForwardBatch, inputs: dict[str, torch.Tensor]) -> LayerOutput:
+        """Run `forward_batch` (DECODE or TARGET_VERIFY, its pools the context's) through the graph of
+        the next captured size; returns the real rows of the layers' output(s)."""
+        b = forward_batch
+        mode, bs = b.forward_mode, b.batch_size
+        gbs = self.captured_size(mode, bs) if bs > 0 else None
+        if gbs is None:
+            raise InvalidArgumentError(
+                "forward_batch", f"a batch of 1..{self.batch_sizes[-1]} requests in a captured mode {self.modes}", (mode.name, bs)
+            )
+        for pool in ("req_to_token_pool", "token_to_kv_pool"):
+            if getattr(b, pool) is not None and getattr(b, pool) is not getattr(self.ctx, pool):
+                raise InvalidArgumentError(f"forward_batch.{pool}", "the backend context's pool (graphs read it)", "another pool")
+        per = self._tokens_per_request(mode)
+        tokens = bs * per
+        if set(inputs) != set(self.inputs):
+            raise InvalidArgumentError("inputs", f"tensors named {sorted(self.inputs)}", sorted(inputs))
+        self.req_pool_indices[:bs] = b.req_pool_indices
+        self.seq_lens[:bs] = b.seq_lens
+        self.out_cache_loc[:tokens] = b.out_cache_loc
+        self.positions[:tokens] = b.positions
+        for name, buf in self.inputs.items():
+            buf[:tokens] = inputs[name]
+        mask_end = 0
+        if mode.is_target_verify():
+            spec = b.spec_info
+            if spec is None or spec.custom_mask is None or spec.num_draft_tokens != per or b.extend_num_tokens != tokens:
+                raise InvalidArgumentError("forward_batch.spec_info", f"a custom mask and {per} draft tokens per request", spec)
+            mask_end = per * b.seq_lens_sum
+            if spec.custom_mask.numel() != mask_end or mask_end > self.spec_info.custom_mask.numel():
+                raise InvalidArgumentError(
+                    "spec_info.custom_mask", f"{mask_end} entries (<= {self.spec_info.custom_mask.numel()})", spec.custom_mask.numel()
+                )
+            self.spec_info.custom_mask[:mask_end] = spec.custom_mask
+            self.spec_info.mask_indptr[: bs + 1] = spec.mask_indptr
+        self._write_padding(mode, bs, gbs, mask_end)
+        seq_cpu = torch.cat([b.seq_lens_cpu, torch.full((gbs - bs,), self.fill, dtype=b.seq_lens_cpu.dtype)])
+        self.backend.init_forward_metadata_replay_cuda_graph(
+            gbs,
+            self.req_pool_indices[:gbs],
+            self.seq_lens[:gbs],
+            int(seq_cpu.sum()),
+            None,
+            mode,
+            self.spec_info if mode.is_target_verify() else None,
+            seq_cpu,
+        )
+        graph, out = self._graphs[(mode, gbs)]
+        if graph is not None:
+            graph.replay()
+        else:
+            out = self.run_layers(self._static_batch(mode, gbs, seq_cpu), self._views(gbs * per))
+        if isinstance(out, tuple):
+            return tuple(o[:tokens] for o in out)
+        return out[:tokens]
