@@ -12,6 +12,7 @@ from attn_core.backends.torch_native.backend import TorchNativeBackend
 from attn_core.batch_builder import RequestShape
 from attn_core.errors import InvalidArgumentError
 from attn_core.forward_mode import ForwardMode
+from attn_core.graph_runner import CudaGraphRunner
 from attn_core.memory import MHATokenToKVPool
 from attn_core.testing.harness import AttnCase, layer_inputs, make_env, make_layer, reference_for_layer
 from attn_core.testing.reference import relative_error, tolerance
@@ -203,3 +204,56 @@ def test_unsplittable_batch_leaves_no_children():
     tbo = _tbo(env.ctx)
     tbo.init_forward_metadata(env.batch)
     assert tbo.child_batches is None
+
+
+def _graph_check(case: AttnCase, sizes, device_graphs=None, rtol=1e-5):
+    """Through CudaGraphRunner: the TBO backend's capture/replay split the graph arguments, the layers
+    run child A then child B on the split static batch; the real rows equal the eager whole batch."""
+    env = make_env(case)
+    layers = [make_layer(case, i) for i in range(case.num_layers)]
+    gen = torch.Generator().manual_seed(3)
+    per_layer = [layer_inputs(env, i, gen) for i in range(case.num_layers)]
+    inputs = {n: torch.stack([x[n] for x in per_layer], dim=1) for n in ("q", "k", "v")}
+    pool = env.kv_pool
+    kv0 = [(pool.get_key_buffer(i).clone(), pool.get_value_buffer(i).clone()) for i in range(case.num_layers)]
+    eager = TorchNativeBackend(env.ctx)
+    env.batch.attn_backend = eager
+    eager.init_forward_metadata(env.batch)
+    want = torch.stack([layer(x["q"], x["k"], x["v"], env.batch) for layer, x in zip(layers, per_layer)], dim=1)
+    for i, (k, v) in enumerate(kv0):
+        pool.get_key_buffer(i).copy_(k)
+        pool.get_value_buffer(i).copy_(v)
+    tbo = _tbo(env.ctx)
+
+    def run_layers(batch, x):
+        a, b = split_batch(batch)
+        a.attn_backend, b.attn_backend = tbo.children
+        t = a.num_tokens
+        outs = []
+        for i, layer in enumerate(layers):
+            parts = [
+                layer(x["q"][rows, i], x["k"][rows, i], x["v"][rows, i], child) for child, rows in ((a, slice(0, t)), (b, slice(t, None)))
+            ]
+            outs.append(torch.cat(parts))
+        return torch.stack(outs, dim=1)
+
+    nd = case.requests[0].extend_len if case.mode.is_target_verify() else None
+    shapes = {n: (tuple(t.shape[1:]), t.dtype) for n, t in inputs.items()}
+    runner = CudaGraphRunner(tbo, sizes, run_layers, shapes, num_draft_tokens=nd, use_cuda_graph=device_graphs)
+    got = runner.run(env.batch, inputs)
+    torch.testing.assert_close(got, want, rtol=rtol, atol=rtol)
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY])
+def test_graph_capture_replay_split_equals_whole(mode):
+    d = 1 if mode is ForwardMode.DECODE else 3
+    _graph_check(AttnCase(mode, ((7, d), (0, d), (12, d)), page_size=4, sinks=False), [2, 4])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY])
+def test_graph_capture_replay_split_equals_whole_on_gpu(mode):
+    d = 1 if mode is ForwardMode.DECODE else 3
+    case = AttnCase(mode, ((700, d), (0, d), (120, d), (33, d), (5, d)), page_size=16, head_dim=64, device="cuda")
+    _graph_check(case, [2, 4, 8])
