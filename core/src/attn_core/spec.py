@@ -27,7 +27,9 @@ class BackendSpec:
 
     `backend_class` is "module:Class"; `probe` returns None when the backend can run on this machine,
     else the reason ("needs CUDA", "triton not installed (pip install attn-triton)"); it may import
-    torch but should be quick. `priority` orders `select_backend`'s default choice (higher first).
+    torch but should be quick. `info_fn` (optional, same rules) describes what an available backend
+    found here, e.g. the CPU ISA and kernel path; `attn-core list` shows it next to "available".
+    `priority` orders `select_backend`'s default choice (higher first).
     """
 
     name: str
@@ -39,6 +41,7 @@ class BackendSpec:
     aliases: tuple[str, ...] = ()
     priority: int = 0
     probe_fn: Optional[Callable[[], Optional[str]]] = field(default=None, compare=False)
+    info_fn: Optional[Callable[[], Optional[str]]] = field(default=None, compare=False)
 
     def load(self) -> type:
         """Import and return the backend class."""
@@ -50,6 +53,10 @@ class BackendSpec:
 
     def probe(self) -> Optional[str]:
         return self.probe_fn() if self.probe_fn is not None else None
+
+    def info(self) -> Optional[str]:
+        """What the backend found on this machine (None when it says nothing)."""
+        return self.info_fn() if self.info_fn is not None else None
 
     @property
     def api_major(self) -> str:
