@@ -26,37 +26,18 @@ from typing import Optional
 
 import torch
 from attn_core.backend import AttentionBackend
-from attn_core.batch import ForwardBatch, SpecInfo
+from attn_core.batch import ForwardBatch
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 
 from attn_flashinfer import plans
 from attn_flashinfer.indices import PagedKV, build_paged_kv, qo_indptr_host, self_attention_page_size
-from attn_flashinfer.plans import Dims, GraphBuffers, LayerKey, Plan
+from attn_flashinfer.plans import Plan
 from attn_flashinfer.spec import CAPABILITIES
+from attn_flashinfer.steps import Dims, GraphBuffers, LayerKey, StepInputs, check_context, eager_inputs, graph_inputs
 
 #: FlashInfer's recommended float workspace (split-KV partial results), shared by every wrapper.
 DEFAULT_WORKSPACE_BYTES = 128 << 20
-
-
-@dataclass
-class StepInputs:
-    """What a step's plans are built from, eager or from CUDA-graph arguments. Device tensors have
-    `bs` rows; `*_host` are the same numbers on the host (no device sync needed)."""
-
-    mode: ForwardMode
-    bs: int
-    num_tokens: int
-    req_to_token: torch.Tensor
-    req_pool_indices: torch.Tensor
-    seq_lens: torch.Tensor
-    seq_lens_host: torch.Tensor
-    q_lens_host: Optional[torch.Tensor] = None  # queries per request (None for DECODE: one each)
-    prefix_lens: Optional[torch.Tensor] = None
-    prefix_lens_host: Optional[torch.Tensor] = None
-    encoder_lens: Optional[torch.Tensor] = None
-    encoder_lens_host: Optional[torch.Tensor] = None
-    custom_mask: Optional[torch.Tensor] = None  # TARGET_VERIFY: flattened bool, request after request
 
 
 @dataclass
@@ -87,9 +68,9 @@ class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     capabilities = CAPABILITIES
 
-    def __init__(self, ctx, *, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES):
-        super().__init__(ctx)
-        _check_context(ctx, self.name)
+    def __init__(self, ctx, *, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, **options):
+        super().__init__(ctx, **options)  # unknown options: a typed error
+        check_context(ctx, self.name)
         if workspace_bytes < (1 << 20):
             raise InvalidArgumentError("workspace_bytes", ">= 1 MiB", workspace_bytes)
         self.dims = Dims(ctx.num_q_heads, ctx.num_kv_heads, ctx.head_dim, ctx.dtype, ctx.kv_dtype)
@@ -112,7 +93,7 @@ class FlashInferBackend(AttentionBackend):
         pool = b.req_to_token_pool or self.ctx.req_to_token_pool
         if pool is None:
             raise InvalidArgumentError("forward_batch.req_to_token_pool", "a pool on the batch or the context", None)
-        self.forward_metadata = self._new_step(_eager_inputs(b, pool.req_to_token), graph=None, keys=self.known_keys)
+        self.forward_metadata = self._new_step(eager_inputs(b, pool.req_to_token), graph=None, keys=self.known_keys)
 
     def _new_step(self, inputs: StepInputs, graph: Optional[_GraphState], keys) -> Step:
         """A step over `inputs`, with a plan for each of `keys` that the batch can use."""
@@ -203,7 +184,7 @@ class FlashInferBackend(AttentionBackend):
         key = LayerKey.of(layer)
         plan = step.plans.get(key)
         if plan is None:
-            if torch.cuda.is_current_stream_capturing():
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise InvalidArgumentError(
                     "layer", "layer settings met before CUDA-graph capture (run the captured batch once eagerly first)", key
                 )
@@ -242,7 +223,7 @@ class FlashInferBackend(AttentionBackend):
         pool = self.ctx.req_to_token_pool
         if pool is None:
             raise InvalidArgumentError("ctx.req_to_token_pool", "the request-to-token pool (CUDA graphs read the context's)", None)
-        return _graph_inputs(pool.req_to_token, *args)
+        return graph_inputs(pool.req_to_token, *args)
 
     def _graph_slices(self, bs: int, with_mask: bool) -> dict[str, GraphBuffers]:
         out = {}
@@ -319,84 +300,3 @@ class FlashInferBackend(AttentionBackend):
         o, lse = plans.run(plan, q, k, v, k_cache, v_cache, return_lse)
         o = o.view(o.shape[0], -1)
         return (o, lse) if return_lse else o
-
-
-def _check_context(ctx, name: str) -> None:
-    """Typed errors for contexts FlashInfer's kernels here cannot serve."""
-    caps = CAPABILITIES
-    if ctx.device.type != "cuda":
-        raise InvalidArgumentError("ctx.device", "a CUDA device", ctx.device)
-    if ctx.is_mla:
-        raise UnsupportedFeatureError(name, "MLA (this backend runs MHA/GQA/MQA)")
-    if ctx.v_head_dim != ctx.head_dim:
-        raise UnsupportedFeatureError(name, f"v_head_dim {ctx.v_head_dim} != head_dim {ctx.head_dim}")
-    if ctx.head_dim not in caps.head_dims:
-        raise InvalidArgumentError("ctx.head_dim", f"one of {sorted(caps.head_dims)}", ctx.head_dim)
-    for what, dtype in (("ctx.dtype", ctx.dtype), ("ctx.kv_dtype", ctx.kv_dtype)):
-        if str(dtype).removeprefix("torch.") not in caps.q_dtypes:
-            raise InvalidArgumentError(what, f"one of {sorted(caps.q_dtypes)}", dtype)
-    if ctx.kv_dtype != ctx.dtype:
-        raise UnsupportedFeatureError(name, f"KV cache dtype {ctx.kv_dtype} different from q dtype {ctx.dtype}")
-
-
-def _eager_inputs(b: ForwardBatch, r2t: torch.Tensor) -> StepInputs:
-    mode, bs = b.forward_mode, b.batch_size
-    extend = not mode.is_decode()
-    if extend and (b.extend_seq_lens_cpu is None or b.extend_prefix_lens_cpu is None):
-        raise InvalidArgumentError("forward_batch.extend_seq_lens_cpu", f"extend lengths for {mode.name}", None)
-    custom_mask = None
-    if mode.is_target_verify() and b.spec_info is not None and b.spec_info.custom_mask is not None:
-        custom_mask = _verify_mask(b.spec_info, b.extend_seq_lens_cpu, b.seq_lens_cpu, pad=False)
-    return StepInputs(
-        mode=mode,
-        bs=bs,
-        num_tokens=b.num_tokens,
-        req_to_token=r2t,
-        req_pool_indices=b.req_pool_indices,
-        seq_lens=b.seq_lens,
-        seq_lens_host=b.seq_lens_cpu,
-        q_lens_host=b.extend_seq_lens_cpu if extend else None,
-        prefix_lens=b.extend_prefix_lens if extend else None,
-        prefix_lens_host=b.extend_prefix_lens_cpu if extend else None,
-        encoder_lens=b.encoder_lens,
-        encoder_lens_host=b.encoder_lens_cpu,
-        custom_mask=custom_mask,
-    )
-
-
-def _graph_inputs(r2t, mode, bs, num_tokens, req_pool_indices, seq_lens, seq_host, encoder_lens, enc_host, spec_info) -> StepInputs:
-    per_req = num_tokens // bs
-    if mode.is_decode() and per_req != 1:
-        raise InvalidArgumentError("num_tokens", f"bs ({bs}) for DECODE", num_tokens)
-    q_lens = None if mode.is_decode() else torch.full((bs,), per_req, dtype=torch.int32)
-    custom_mask = None
-    if mode.is_target_verify() and spec_info is not None and spec_info.custom_mask is not None:
-        custom_mask = _verify_mask(spec_info, q_lens, seq_host, pad=True)
-    return StepInputs(
-        mode=mode,
-        bs=bs,
-        num_tokens=num_tokens,
-        req_to_token=r2t,
-        req_pool_indices=req_pool_indices[:bs],
-        seq_lens=seq_lens[:bs],
-        seq_lens_host=seq_host.to(torch.int32),
-        q_lens_host=q_lens,
-        encoder_lens=None if encoder_lens is None else encoder_lens[:bs],
-        encoder_lens_host=enc_host,
-        custom_mask=custom_mask,
-    )
-
-
-def _verify_mask(spec: SpecInfo, q_lens_host: torch.Tensor, seq_lens_host: torch.Tensor, pad: bool) -> torch.Tensor:
-    """The step's tree mask as FlashInfer reads it: per request a row-major bool `[q_len, seq_len]`,
-    concatenated (SpecInfo's layout, so `mask_indptr` is implied). In a CUDA-graph batch the padding rows
-    have no mask of their own: `pad` appends all-visible entries for them."""
-    need = int((q_lens_host.to(torch.int64) * seq_lens_host.to(torch.int64)).sum())
-    mask = spec.custom_mask.reshape(-1)
-    if mask.dtype != torch.bool:
-        raise InvalidArgumentError("spec_info.custom_mask", "a bool tensor", mask.dtype)
-    if mask.numel() == need:
-        return mask
-    if pad and mask.numel() < need:
-        return torch.cat([mask, torch.ones(need - mask.numel(), dtype=torch.bool, device=mask.device)])
-    raise InvalidArgumentError("spec_info.custom_mask", f"{need} entries (sum of q_len * seq_len over requests)", mask.numel())

@@ -24,50 +24,11 @@ from flashinfer.cascade import merge_state_in_place
 from flashinfer.decode import fast_decode_plan
 
 from attn_flashinfer.indices import PagedKV
+from attn_flashinfer.steps import Dims, GraphBuffers, LayerKey
 
 LN2 = math.log(2.0)
 #: FlashInfer's FA2 kernels: one JIT build serves decode (tensor cores), paged and ragged prefill.
 KERNEL_BACKEND = "fa2"
-
-
-@dataclass(frozen=True)
-class LayerKey:
-    """Layer settings FlashInfer fixes at plan time. window_left = W - 1 for a window of W keys
-    (-1: full attention); logit_cap 0 = off; cross: attends to the encoder tokens."""
-
-    window_left: int
-    logit_cap: float
-    scaling: float
-    cross: bool
-
-    @classmethod
-    def of(cls, layer) -> LayerKey:
-        cross = bool(layer.is_cross_attention)
-        window = layer.sliding_window_size
-        return cls(-1 if window is None or cross else window - 1, float(layer.logit_cap), float(layer.scaling), cross)
-
-
-@dataclass(frozen=True)
-class Dims:
-    """Per-rank head counts, head dim and dtypes every plan repeats."""
-
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    q_dtype: torch.dtype
-    kv_dtype: torch.dtype
-
-
-@dataclass(frozen=True)
-class GraphBuffers:
-    """Fixed device buffers a CUDA-graph wrapper reads (sliced to the captured batch size)."""
-
-    kv_indptr: torch.Tensor  # int32 [bs+1]
-    kv_indices: torch.Tensor  # int32 [max pages]
-    last_page_len: torch.Tensor  # int32 [bs]
-    qo_indptr: Optional[torch.Tensor] = None  # int32 [bs+1] (prefill wrappers)
-    custom_mask: Optional[torch.Tensor] = None  # uint8 packed mask (verify with a tree mask)
-    mask_indptr: Optional[torch.Tensor] = None  # int32 [bs+1]
 
 
 @dataclass

@@ -13,12 +13,14 @@ from attn_core.spec import BackendSpec
 #: FlashInfer's FA2 kernels need Ampere or newer.
 MIN_COMPUTE_CAPABILITY = (8, 0)
 
+#: Declared = verified on a GPU against the float64 reference (docs/gpu-runs.md). FlashInfer itself also
+#: runs float16 and head dims 64/256; each is another JIT build, to be declared once a GPU run covers it.
 CAPABILITIES = Capabilities(
     devices=frozenset({"cuda"}),
-    q_dtypes=frozenset({"bfloat16", "float16"}),
-    kv_dtypes=frozenset({"bfloat16", "float16"}),
+    q_dtypes=frozenset({"bfloat16"}),
+    kv_dtypes=frozenset({"bfloat16"}),
     archs=frozenset({ARCH_MHA}),
-    head_dims=frozenset({64, 128, 256}),
+    head_dims=frozenset({128}),
     page_sizes=None,
     forward_modes=frozenset(ForwardMode) - {ForwardMode.SPLIT_PREFILL},
     features=frozenset(

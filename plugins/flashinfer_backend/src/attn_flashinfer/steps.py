@@ -1,0 +1,157 @@
+"""Step inputs and the checks around them, free of FlashInfer (so they run and are tested on CPU).
+
+`StepInputs` is what a step's plans are built from, whether it comes from an eager `ForwardBatch` or from
+the arguments of a CUDA-graph capture/replay; `LayerKey` names the layer settings that need a plan of
+their own; `check_context` refuses contexts this backend cannot serve, before any allocation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from attn_core.batch import ForwardBatch, SpecInfo
+from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.forward_mode import ForwardMode
+
+from attn_flashinfer.spec import CAPABILITIES
+
+
+@dataclass(frozen=True)
+class LayerKey:
+    """Layer settings FlashInfer fixes at plan time. window_left = W - 1 for a window of W keys
+    (-1: full attention); logit_cap 0 = off; cross: attends to the encoder tokens."""
+
+    window_left: int
+    logit_cap: float
+    scaling: float
+    cross: bool
+
+    @classmethod
+    def of(cls, layer) -> LayerKey:
+        cross = bool(layer.is_cross_attention)
+        window = layer.sliding_window_size
+        return cls(-1 if window is None or cross else window - 1, float(layer.logit_cap), float(layer.scaling), cross)
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Per-rank head counts, head dim and dtypes every plan repeats."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class GraphBuffers:
+    """Fixed device buffers a CUDA-graph wrapper reads (sliced to the captured batch size)."""
+
+    kv_indptr: torch.Tensor  # int32 [bs+1]
+    kv_indices: torch.Tensor  # int32 [max pages]
+    last_page_len: torch.Tensor  # int32 [bs]
+    qo_indptr: Optional[torch.Tensor] = None  # int32 [bs+1] (prefill wrappers)
+    custom_mask: Optional[torch.Tensor] = None  # uint8 packed mask (verify with a tree mask)
+    mask_indptr: Optional[torch.Tensor] = None  # int32 [bs+1]
+
+
+@dataclass
+class StepInputs:
+    """What a step's plans are built from, eager or from CUDA-graph arguments. Device tensors have
+    `bs` rows; `*_host` are the same numbers on the host (no device sync needed)."""
+
+    mode: ForwardMode
+    bs: int
+    num_tokens: int
+    req_to_token: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_host: torch.Tensor
+    q_lens_host: Optional[torch.Tensor] = None  # queries per request (None for DECODE: one each)
+    prefix_lens: Optional[torch.Tensor] = None
+    prefix_lens_host: Optional[torch.Tensor] = None
+    encoder_lens: Optional[torch.Tensor] = None
+    encoder_lens_host: Optional[torch.Tensor] = None
+    custom_mask: Optional[torch.Tensor] = None  # TARGET_VERIFY: flattened bool, request after request
+
+
+def check_context(ctx, name: str) -> None:
+    """Typed errors for contexts FlashInfer's kernels here cannot serve."""
+    caps = CAPABILITIES
+    if ctx.device.type != "cuda":
+        raise InvalidArgumentError("ctx.device", "a CUDA device", ctx.device)
+    if ctx.is_mla:
+        raise UnsupportedFeatureError(name, "MLA (this backend runs MHA/GQA/MQA)")
+    if ctx.v_head_dim != ctx.head_dim:
+        raise UnsupportedFeatureError(name, f"v_head_dim {ctx.v_head_dim} != head_dim {ctx.head_dim}")
+    if ctx.head_dim not in caps.head_dims:
+        raise InvalidArgumentError("ctx.head_dim", f"one of {sorted(caps.head_dims)}", ctx.head_dim)
+    for what, dtype, allowed in (("ctx.dtype", ctx.dtype, caps.q_dtypes), ("ctx.kv_dtype", ctx.kv_dtype, caps.kv_dtypes)):
+        if str(dtype).removeprefix("torch.") not in allowed:
+            raise InvalidArgumentError(what, f"one of {sorted(allowed)}", dtype)
+
+
+def eager_inputs(b: ForwardBatch, r2t: torch.Tensor) -> StepInputs:
+    mode, bs = b.forward_mode, b.batch_size
+    extend = not mode.is_decode()
+    if extend and (b.extend_seq_lens_cpu is None or b.extend_prefix_lens_cpu is None):
+        raise InvalidArgumentError("forward_batch.extend_seq_lens_cpu", f"extend lengths for {mode.name}", None)
+    custom_mask = None
+    if mode.is_target_verify() and b.spec_info is not None and b.spec_info.custom_mask is not None:
+        custom_mask = verify_mask(b.spec_info, b.extend_seq_lens_cpu, b.seq_lens_cpu, pad=False)
+    return StepInputs(
+        mode=mode,
+        bs=bs,
+        num_tokens=b.num_tokens,
+        req_to_token=r2t,
+        req_pool_indices=b.req_pool_indices,
+        seq_lens=b.seq_lens,
+        seq_lens_host=b.seq_lens_cpu,
+        q_lens_host=b.extend_seq_lens_cpu if extend else None,
+        prefix_lens=b.extend_prefix_lens if extend else None,
+        prefix_lens_host=b.extend_prefix_lens_cpu if extend else None,
+        encoder_lens=b.encoder_lens,
+        encoder_lens_host=b.encoder_lens_cpu,
+        custom_mask=custom_mask,
+    )
+
+
+def graph_inputs(r2t, mode, bs, num_tokens, req_pool_indices, seq_lens, seq_host, encoder_lens, enc_host, spec_info) -> StepInputs:
+    per_req = num_tokens // bs
+    if mode.is_decode() and per_req != 1:
+        raise InvalidArgumentError("num_tokens", f"bs ({bs}) for DECODE", num_tokens)
+    q_lens = None if mode.is_decode() else torch.full((bs,), per_req, dtype=torch.int32)
+    custom_mask = None
+    if mode.is_target_verify() and spec_info is not None and spec_info.custom_mask is not None:
+        custom_mask = verify_mask(spec_info, q_lens, seq_host, pad=True)
+    return StepInputs(
+        mode=mode,
+        bs=bs,
+        num_tokens=num_tokens,
+        req_to_token=r2t,
+        req_pool_indices=req_pool_indices[:bs],
+        seq_lens=seq_lens[:bs],
+        seq_lens_host=seq_host.to(torch.int32),
+        q_lens_host=q_lens,
+        encoder_lens=None if encoder_lens is None else encoder_lens[:bs],
+        encoder_lens_host=enc_host,
+        custom_mask=custom_mask,
+    )
+
+
+def verify_mask(spec: SpecInfo, q_lens_host: torch.Tensor, seq_lens_host: torch.Tensor, pad: bool) -> torch.Tensor:
+    """The step's tree mask as FlashInfer reads it: per request a row-major bool `[q_len, seq_len]`,
+    concatenated (SpecInfo's layout, so `mask_indptr` is implied). In a CUDA-graph batch the padding rows
+    have no mask of their own: `pad` appends all-visible entries for them."""
+    need = int((q_lens_host.to(torch.int64) * seq_lens_host.to(torch.int64)).sum())
+    mask = spec.custom_mask.reshape(-1)
+    if mask.dtype != torch.bool:
+        raise InvalidArgumentError("spec_info.custom_mask", "a bool tensor", mask.dtype)
+    if mask.numel() == need:
+        return mask
+    if pad and mask.numel() < need:
+        return torch.cat([mask, torch.ones(need - mask.numel(), dtype=torch.bool, device=mask.device)])
+    raise InvalidArgumentError("spec_info.custom_mask", f"{need} entries (sum of q_len * seq_len over requests)", mask.numel())

@@ -1,0 +1,74 @@
+"""Index building for FlashInfer's paged wrappers (plain torch, on CPU): page ids, indptr and last-page
+lengths checked against the pool's layout for batches built by the real allocator."""
+
+import random
+
+import pytest
+import torch
+from attn_core.batch_builder import build_forward_batch
+from attn_core.memory import PagedTokenAllocator, ReqToTokenPool
+from attn_flashinfer.indices import build_paged_kv, paged_kv_host, qo_indptr_host, self_attention_page_size
+
+
+def test_worked_example_of_the_module_docstring():
+    r2t = torch.zeros(4, 8, dtype=torch.int32)
+    r2t[3, :5] = torch.tensor([20, 21, 22, 23, 8])
+    r2t[0, :2] = torch.tensor([12, 13])
+    rows, lens = torch.tensor([3, 0]), torch.tensor([5, 2], dtype=torch.int32)
+    kv = build_paged_kv(r2t, rows, lens, lens, 4)
+    assert kv.indptr.tolist() == [0, 2, 3]
+    assert kv.indices.tolist() == [5, 2, 3]
+    assert kv.last_page_len.tolist() == [1, 2]
+    assert kv.num_pages == 3 and kv.page_size == 4
+
+
+def test_host_side_of_empty_and_full_pages():
+    lens, indptr, last = paged_kv_host(torch.tensor([0, 16, 17, 1]), 16)
+    assert lens.dtype == indptr.dtype == last.dtype == torch.int32
+    assert indptr.tolist() == [0, 0, 1, 3, 4]
+    assert last.tolist() == [0, 16, 1, 1]
+
+
+def _keys_of(kv, r):
+    """Slots FlashInfer reads for request r: page p, offsets 0 .. (page_size or last_page_len) - 1."""
+    ps = kv.page_size
+    pages = kv.indices[int(kv.indptr[r]) : int(kv.indptr[r + 1])].tolist()
+    n = int(kv.kv_lens[r])
+    return [pages[i // ps] * ps + i % ps for i in range(n)]
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("seed", range(4))
+def test_paged_keys_are_exactly_the_requests_slots(page_size, seed):
+    rng = random.Random(seed * 31 + page_size)
+    reqs = [(rng.randint(0, 60), rng.randint(1, 20), rng.choice([0, 0, rng.randint(1, 40)])) for _ in range(rng.randint(1, 6))]
+    max_len = max(p + e + n for p, e, n in reqs) + page_size
+    pool = ReqToTokenPool(len(reqs) + 2, max_len)
+    alloc = PagedTokenAllocator(page_size * (sum(-(-(p + e + n) // page_size) for p, e, n in reqs) + 4), page_size)
+    b = build_forward_batch("EXTEND", reqs, req_to_token_pool=pool, allocator=alloc)
+    r2t, rows = pool.req_to_token, b.req_pool_indices
+    enc = b.encoder_lens if b.encoder_lens is not None else None
+    self_ps = self_attention_page_size(page_size, enc is not None)
+    sets = {
+        "seq": (b.seq_lens, b.seq_lens_cpu, enc, self_ps, lambda p, e, n: (n, n + p + e)),
+        "prefix": (b.extend_prefix_lens, b.extend_prefix_lens_cpu, enc, self_ps, lambda p, e, n: (n, n + p)),
+    }
+    if enc is not None:
+        sets["cross"] = (b.encoder_lens, b.encoder_lens_cpu, None, page_size, lambda p, e, n: (0, n))
+    for name, (lens, lens_host, start, ps, cols) in sets.items():
+        kv = build_paged_kv(r2t, rows, lens, lens_host, ps, kv_start=start)
+        assert kv.indices.dtype == torch.int32, name
+        assert kv.last_page_len.tolist() == [n - (-(-n // ps) - 1) * ps if n else 0 for n in kv.kv_lens.tolist()]
+        for r, ((p, e, n), row) in enumerate(zip(reqs, rows.tolist())):
+            c0, c1 = cols(p, e, n)
+            assert _keys_of(kv, r) == r2t[row, c0:c1].tolist(), (name, r)
+
+
+def test_encoder_decoder_self_attention_is_indexed_per_token():
+    assert self_attention_page_size(16, True) == 1
+    assert self_attention_page_size(16, False) == 16
+
+
+def test_qo_indptr():
+    got = qo_indptr_host(torch.tensor([3, 0, 5]))
+    assert got.dtype == torch.int32 and got.tolist() == [0, 3, 3, 8]

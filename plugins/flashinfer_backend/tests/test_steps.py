@@ -1,0 +1,93 @@
+"""Step inputs, layer keys and context checks (FlashInfer-free parts of the backend, on CPU)."""
+
+import pytest
+import torch
+from attn_core.batch import SpecInfo
+from attn_core.batch_builder import build_forward_batch
+from attn_core.context import BackendContext
+from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.forward_mode import ForwardMode
+from attn_core.layer import AttentionLayer
+from attn_core.memory import PagedTokenAllocator, ReqToTokenPool
+from attn_flashinfer.steps import LayerKey, check_context, eager_inputs, graph_inputs, verify_mask
+
+
+def test_layer_key_window_cap_scale_and_cross():
+    full = LayerKey.of(AttentionLayer(0, 8, 2, 128))
+    assert full == LayerKey(-1, 0.0, 128**-0.5, False)
+    win = LayerKey.of(AttentionLayer(1, 8, 2, 128, sliding_window_size=64, logit_cap=30.0, scaling=0.1))
+    assert win == LayerKey(63, 30.0, 0.1, False)
+    assert LayerKey.of(AttentionLayer(2, 8, 2, 128, sliding_window_size=1)).window_left == 0
+    cross = LayerKey.of(AttentionLayer(3, 8, 2, 128, sliding_window_size=64, is_cross_attention=True))
+    assert cross.cross and cross.window_left == -1  # a window never applies to encoder keys
+    assert LayerKey.of(AttentionLayer(4, 8, 2, 128)) == full  # same settings: one plan
+
+
+def _ctx(**kw):
+    base = dict(device="cuda", dtype=torch.bfloat16, num_q_heads=8, num_kv_heads=2, head_dim=128)
+    base.update(kw)
+    return BackendContext(**base)
+
+
+def test_context_checks_are_typed():
+    check_context(_ctx(), "flashinfer")
+    with pytest.raises(InvalidArgumentError, match="ctx.device"):
+        check_context(_ctx(device="cpu"), "flashinfer")
+    with pytest.raises(UnsupportedFeatureError, match="MLA"):
+        check_context(_ctx(attention_arch="mla", num_kv_heads=1, head_dim=576, kv_lora_rank=512, qk_rope_head_dim=64), "flashinfer")
+    with pytest.raises(UnsupportedFeatureError, match="v_head_dim"):
+        check_context(_ctx(v_head_dim=64), "flashinfer")
+    with pytest.raises(InvalidArgumentError, match="head_dim"):
+        check_context(_ctx(head_dim=96), "flashinfer")
+    with pytest.raises(InvalidArgumentError, match="ctx.dtype"):
+        check_context(_ctx(dtype=torch.float32), "flashinfer")
+    with pytest.raises(InvalidArgumentError, match="ctx.kv_dtype"):
+        check_context(_ctx(kv_dtype=torch.float16), "flashinfer")
+
+
+def _batch(mode, reqs, page_size=1):
+    pool = ReqToTokenPool(len(reqs) + 1, 64)
+    alloc = PagedTokenAllocator(512, page_size)
+    return build_forward_batch(mode, reqs, req_to_token_pool=pool, allocator=alloc, generator=torch.Generator().manual_seed(0)), pool
+
+
+def test_eager_inputs_of_decode_extend_and_verify():
+    b, pool = _batch("DECODE", [(5, 1), (0, 1)])
+    x = eager_inputs(b, pool.req_to_token)
+    assert x.q_lens_host is None and x.prefix_lens is None and x.num_tokens == 2
+    assert x.seq_lens_host.tolist() == [6, 1]
+    b, pool = _batch("EXTEND", [(5, 3), (0, 4)])
+    x = eager_inputs(b, pool.req_to_token)
+    assert x.q_lens_host.tolist() == [3, 4] and x.prefix_lens_host.tolist() == [5, 0] and x.custom_mask is None
+    b, pool = _batch("TARGET_VERIFY", [(5, 3), (2, 3)])
+    x = eager_inputs(b, pool.req_to_token)
+    assert torch.equal(x.custom_mask, b.spec_info.custom_mask) and x.custom_mask.numel() == 3 * 8 + 3 * 5
+    b.extend_seq_lens_cpu = None
+    with pytest.raises(InvalidArgumentError, match="extend"):
+        eager_inputs(b, pool.req_to_token)
+
+
+def test_verify_mask_checks_length_and_pads_graph_rows():
+    q = torch.tensor([2, 2])
+    seq = torch.tensor([3, 4])
+    spec = SpecInfo(num_draft_tokens=2, custom_mask=torch.rand(14) > 0.5)
+    assert torch.equal(verify_mask(spec, q, seq, pad=False), spec.custom_mask)
+    short = SpecInfo(num_draft_tokens=2, custom_mask=spec.custom_mask[:6])
+    with pytest.raises(InvalidArgumentError, match="custom_mask"):
+        verify_mask(short, q, seq, pad=False)
+    padded = verify_mask(short, q, seq, pad=True)
+    assert padded.numel() == 14 and torch.equal(padded[:6], short.custom_mask) and bool(padded[6:].all())
+    with pytest.raises(InvalidArgumentError, match="bool"):
+        verify_mask(SpecInfo(2, torch.ones(14, dtype=torch.uint8)), q, seq, pad=False)
+
+
+def test_graph_inputs_slice_to_the_batch_size():
+    r2t = torch.zeros(4, 8, dtype=torch.int32)
+    rows, seq = torch.arange(4), torch.tensor([3, 4, 1, 1], dtype=torch.int32)
+    x = graph_inputs(r2t, ForwardMode.DECODE, 2, 2, rows, seq, seq[:2], None, None, None)
+    assert x.bs == 2 and x.req_pool_indices.shape[0] == 2 and x.q_lens_host is None
+    with pytest.raises(InvalidArgumentError, match="num_tokens"):
+        graph_inputs(r2t, ForwardMode.DECODE, 2, 4, rows, seq, seq[:2], None, None, None)
+    spec = SpecInfo(num_draft_tokens=2, custom_mask=torch.ones(6, dtype=torch.bool))
+    x = graph_inputs(r2t, ForwardMode.TARGET_VERIFY, 2, 4, rows, seq, seq[:2], None, None, spec)
+    assert x.q_lens_host.tolist() == [2, 2] and x.custom_mask.numel() == 14
