@@ -1,0 +1,173 @@
+"""`CpuAmxBackend`: paged decode / extend attention on CPU, reading K/V in place from the pool.
+
+Per step `init_forward_metadata` keeps the batch's host tables (request rows, lengths, q offsets, the
+verify mask) and checks every visible slot once. Per layer `forward` writes the new K/V into the pool
+and calls one C++ kernel that plans work items (request x KV head x token block, KV-split when there
+are too few items for the threads), runs them on torch's thread pool and merges the splits by LSE.
+
+Extra memory of one call (independent of the cached context length):
+    threads x scratch(D, Dv)  +  partial rows  <=  threads x ~200 KiB  +  max_splits x T x Hq x (Dv + 1) x 4 B
+plus the output `[T, Hq, Dv]` (and LSE) the call returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from attn_core.backend import AttentionBackend
+from attn_core.batch import ForwardBatch
+from attn_core.context import _dtype_name
+from attn_core.errors import BackendUnavailableError, InvalidArgumentError, KVCacheError, UnsupportedFeatureError
+from attn_core.memory import MHATokenToKVPool
+
+from attn_cpu_amx import isa as cpu_isa
+from attn_cpu_amx.build import load_kernels
+from attn_cpu_amx.spec import CAPABILITIES, MAX_HEAD_DIM
+
+
+@dataclass
+class _Metadata:
+    """Host tables of one step (all CPU, contiguous)."""
+
+    req_rows: torch.Tensor  # [bs] int64 rows of req_to_token
+    seq_lens: torch.Tensor  # [bs] int32 keys per request (new tokens included)
+    q_lens: torch.Tensor  # [bs] int32 new tokens per request
+    q_starts: torch.Tensor  # [bs] int32 first q row of each request
+    req_to_token: torch.Tensor
+    num_tokens: int
+    mask: Optional[torch.Tensor] = None  # flattened bool verify mask
+    mask_indptr: Optional[torch.Tensor] = None  # [bs + 1] int64
+
+
+class CpuAmxBackend(AttentionBackend):
+    """CPU attention on AMX / AVX-512 / portable kernels.
+
+    Options: `isa` ("auto", "amx", "avx512", "portable"; default $ATTN_CPU_AMX_ISA or auto),
+    `max_splits` (KV splits per work item, bounds the partial-output memory), `min_split_keys` (keys
+    per split at least).
+    """
+
+    name = "cpu_amx"
+    capabilities = CAPABILITIES
+
+    def __init__(self, ctx, *, isa: Optional[str] = None, max_splits: int = 16, min_split_keys: int = 256):
+        super().__init__(ctx)
+        if ctx.device.type != "cpu":
+            raise InvalidArgumentError("ctx.device", "a CPU device", ctx.device)
+        if ctx.is_mla:
+            raise UnsupportedFeatureError(self.name, "MLA attention")
+        q_dtype, kv_dtype = _dtype_name(ctx.dtype), _dtype_name(ctx.kv_dtype)
+        if q_dtype not in CAPABILITIES.q_dtypes:
+            raise InvalidArgumentError("ctx.dtype", f"one of {sorted(CAPABILITIES.q_dtypes)}", q_dtype)
+        if kv_dtype not in CAPABILITIES.kv_dtypes:
+            raise InvalidArgumentError("ctx.kv_dtype", f"one of {sorted(CAPABILITIES.kv_dtypes)}", kv_dtype)
+        for name in ("head_dim", "v_head_dim"):
+            value = getattr(ctx, name)
+            if value % 16 or value > MAX_HEAD_DIM:
+                raise InvalidArgumentError(f"ctx.{name}", f"a multiple of 16 up to {MAX_HEAD_DIM}", value)
+        if CAPABILITIES.page_sizes is not None and ctx.page_size not in CAPABILITIES.page_sizes:
+            raise InvalidArgumentError("ctx.page_size", f"one of {sorted(CAPABILITIES.page_sizes)}", ctx.page_size)
+        if not isinstance(max_splits, int) or max_splits < 1:
+            raise InvalidArgumentError("max_splits", "an int >= 1", max_splits)
+        if not isinstance(min_split_keys, int) or min_split_keys < 1:
+            raise InvalidArgumentError("min_split_keys", "an int >= 1", min_split_keys)
+        path, reason = cpu_isa.choose_path(cpu_isa.requested_path(isa))
+        if path is None:
+            raise BackendUnavailableError(self.name, reason)
+        self.path = path
+        #: the kernels this backend's calls run (amx -> avx512 for float32 or head dims not multiple of 32)
+        self.kernel_path = cpu_isa.kernel_path(path, q_dtype, kv_dtype, ctx.head_dim, ctx.v_head_dim)
+        self._path_id = cpu_isa.PATH_IDS[self.kernel_path]
+        self.max_splits = max_splits
+        self.min_split_keys = min_split_keys
+        self._ops = load_kernels()
+
+    # ---- metadata --------------------------------------------------------------------------
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        b = forward_batch
+        if b.forward_mode.is_no_tokens():
+            self.forward_metadata = None
+            return
+        r2t_pool = b.req_to_token_pool or self.ctx.req_to_token_pool
+        kv_pool = b.token_to_kv_pool or self.ctx.token_to_kv_pool
+        if r2t_pool is None or kv_pool is None:
+            raise InvalidArgumentError("req_to_token_pool / token_to_kv_pool", "pools on the batch or the context", None)
+        if not isinstance(kv_pool, MHATokenToKVPool):
+            raise InvalidArgumentError("token_to_kv_pool", "an MHATokenToKVPool", type(kv_pool).__name__)
+        if kv_pool.dtype != self.ctx.kv_dtype:
+            raise InvalidArgumentError("token_to_kv_pool.dtype", f"the context's KV dtype {self.ctx.kv_dtype}", kv_pool.dtype)
+        if b.encoder_lens_cpu is not None and bool(b.encoder_lens_cpu.any()):
+            raise UnsupportedFeatureError(self.name, "encoder-decoder batches (cross attention)")
+        bs = b.batch_size
+        seq_lens = b.seq_lens_cpu.to(torch.int32).contiguous()
+        if b.forward_mode.is_decode():
+            q_lens = torch.ones(bs, dtype=torch.int32)
+            q_starts = torch.arange(bs, dtype=torch.int32)
+        else:
+            q_lens = b.extend_seq_lens_cpu.to(torch.int32).contiguous()
+            q_starts = (torch.cumsum(q_lens, 0, dtype=torch.int32) - q_lens).contiguous()
+        req_rows = b.req_pool_indices.to("cpu", torch.int64).contiguous()
+        r2t = r2t_pool.req_to_token
+        if bool((q_lens > seq_lens).any()) or int(q_lens.sum()) != b.num_tokens:
+            raise InvalidArgumentError(
+                "forward_batch lengths", "extend lengths <= seq_lens summing to the token count", (q_lens.tolist(), seq_lens.tolist())
+            )
+        bad = self._ops.check_slots(r2t, req_rows, seq_lens, kv_pool.num_slots)
+        if bad:
+            raise KVCacheError(f"req_to_token: {bad}")
+        meta = _Metadata(req_rows, seq_lens, q_lens, q_starts, r2t, b.num_tokens)
+        spec = b.spec_info
+        if b.forward_mode.is_target_verify() and spec is not None and spec.custom_mask is not None:
+            meta.mask = spec.custom_mask.to("cpu", torch.bool).contiguous()
+            meta.mask_indptr = spec.mask_indptr.to("cpu", torch.int64).contiguous()
+            need = meta.mask_indptr[:bs] + q_lens.to(torch.int64) * seq_lens.to(torch.int64)
+            if meta.mask_indptr.numel() < bs or bool((need > meta.mask.numel()).any()):
+                raise InvalidArgumentError("spec_info.custom_mask", "one [q_len, seq_len] mask per request", meta.mask.numel())
+        self.forward_metadata = meta
+
+    # ---- attention ---------------------------------------------------------------------------
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, **extras)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, **extras)
+
+    def _forward(self, q, k, v, layer, batch, save_kv_cache, sinks=None, return_lse=False):
+        meta: _Metadata = self.forward_metadata
+        pool = batch.token_to_kv_pool or self.ctx.token_to_kv_pool
+        if meta.num_tokens != q.shape[0]:
+            raise InvalidArgumentError("forward_batch", "the batch init_forward_metadata saw", q.shape[0])
+        if sinks is not None and (sinks.device.type != "cpu" or not sinks.dtype.is_floating_point):
+            raise InvalidArgumentError("sinks", "a floating-point CPU tensor", (sinks.device, sinks.dtype))
+        if save_kv_cache and k is not None:
+            pool.set_kv_buffer(layer, batch.out_cache_loc, k, v, layer.k_scale, layer.v_scale)
+        T, hq = q.shape[0], layer.num_q_heads
+        out = torch.empty((T, hq, layer.v_head_dim), dtype=q.dtype)
+        lse = torch.empty((T, hq), dtype=torch.float32) if return_lse else None
+        if T:
+            self._ops.attention(
+                q.contiguous(),
+                pool.get_key_buffer(layer.layer_id),
+                pool.get_value_buffer(layer.layer_id),
+                out,
+                lse,
+                meta.req_to_token,
+                meta.req_rows,
+                meta.seq_lens,
+                meta.q_lens,
+                meta.q_starts,
+                meta.mask,
+                meta.mask_indptr,
+                None if sinks is None else sinks.to(torch.float32).contiguous(),
+                layer.scaling * (layer.k_scale or 1.0),
+                layer.v_scale or 1.0,
+                layer.logit_cap,
+                layer.sliding_window_size or 0,
+                self._path_id,
+                self.max_splits,
+                self.min_split_keys,
+            )
+        o = out.view(T, hq * layer.v_head_dim)
+        return (o, lse) if return_lse else o

@@ -1,0 +1,255 @@
+// AVX-512 path: float32 math on 512-bit FMAs (AVX-512 F/BW/VL/DQ). bf16 K/V are widened per block.
+//
+// Per block of BK keys: K is staged as kb [D/16, BK, 16] floats (16-dim chunks of every key side by
+// side, so every load has an immediate offset), then scores go to st [BK, MP] (key-major):
+//  - few rows (M <= 8, decode): dot products of 2 rows x 8 keys at a time, lanes summed by hsum16;
+//  - more rows: q is held transposed (qt [D, MP]) and each key's element is broadcast against 16 rows.
+// The online softmax runs on st; then o[m] = o[m] * alpha[m] + sum_j P[j, m] V[j] with V rows read in
+// place (float32) or widened into vf (bf16).
+#include <cmath>
+#include <cstring>
+
+#include "common.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
+
+namespace attn_cpu {
+namespace {
+
+#include "loop.h"
+#include "avx512_math.h"
+
+alignas(64) const float kZeroRow[kMaxHeadDim] = {};
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) { return load_bf16x16(p); }
+inline float load1(const float* p) { return *p; }
+inline float load1(const uint16_t* p) { return bf16_to_float(*p); }
+
+template <int NV>
+inline void qk_rows_t(const float* qt, int MP, const float* kb, int BK, int D, float* st, int ulo, int uhi) {
+  constexpr int KB = NV == 1 ? 16 : NV == 2 ? 8 : 4;
+  for (int j0 = (ulo / KB) * KB; j0 < uhi; j0 += KB) {
+    __m512 acc[KB][NV];
+    for (int kk = 0; kk < KB; ++kk)
+      for (int v = 0; v < NV; ++v) acc[kk][v] = _mm512_setzero_ps();
+    for (int c = 0; c < D; c += 16) {
+      const float* kc = kb + static_cast<int64_t>(c) * BK + j0 * 16;
+#pragma GCC unroll 16
+      for (int dd = 0; dd < 16; ++dd) {
+        __m512 q[NV];
+        for (int v = 0; v < NV; ++v) q[v] = _mm512_loadu_ps(qt + (c + dd) * MP + 16 * v);
+        for (int kk = 0; kk < KB; ++kk) {
+          const __m512 kv = _mm512_set1_ps(kc[kk * 16 + dd]);
+          for (int v = 0; v < NV; ++v) acc[kk][v] = _mm512_fmadd_ps(q[v], kv, acc[kk][v]);
+        }
+      }
+    }
+    for (int kk = 0; kk < KB; ++kk)
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(st + (j0 + kk) * MP + 16 * v, acc[kk][v]);
+  }
+}
+
+// Scores of rows m0, m0+1 (q rows of D floats, the second may be the first again) for 8 keys j0.. .
+inline void qk_dot_2x8(const float* q0, const float* q1, const float* kb, int BK, int D, int j0, float* out16) {
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int c = 0; c < D; c += 16) {
+    const __m512 a = _mm512_loadu_ps(q0 + c);
+    const __m512 b = _mm512_loadu_ps(q1 + c);
+    const float* kc = kb + static_cast<int64_t>(c) * BK + j0 * 16;
+#pragma GCC unroll 8
+    for (int kk = 0; kk < 8; ++kk) {
+      const __m512 kv = _mm512_loadu_ps(kc + kk * 16);
+      acc[kk] = _mm512_fmadd_ps(a, kv, acc[kk]);
+      acc[8 + kk] = _mm512_fmadd_ps(b, kv, acc[8 + kk]);
+    }
+  }
+  _mm512_storeu_ps(out16, hsum16(acc));
+}
+
+template <int NZ>
+inline void pv_tile(float* o, int DV, const float* alpha, const float* pt, int MP, const float* const* vrow, int dc, int ulo, int uhi) {
+  __m512 acc[4][NZ];
+  for (int r = 0; r < 4; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+    for (int z = 0; z < NZ; ++z) acc[r][z] = _mm512_mul_ps(_mm512_loadu_ps(o + r * DV + 16 * z), a);
+  }
+  for (int j = ulo; j < uhi; ++j) {
+    const float* vp = vrow[j] + dc;
+    __m512 v[NZ];
+    for (int z = 0; z < NZ; ++z) v[z] = _mm512_loadu_ps(vp + 16 * z);
+    const float* pp = pt + j * MP;
+    for (int r = 0; r < 4; ++r) {
+      const __m512 pr = _mm512_set1_ps(pp[r]);
+      for (int z = 0; z < NZ; ++z) acc[r][z] = _mm512_fmadd_ps(v[z], pr, acc[r][z]);
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int z = 0; z < NZ; ++z) _mm512_storeu_ps(o + r * DV + 16 * z, acc[r][z]);
+}
+
+template <typename TQ, typename TKV>
+struct Avx512Ops {
+  static constexpr int BK = 32;
+  static constexpr int MMAX = 32;
+  static constexpr int kDotRows = 8;  // items with at most this many rows use the dot-product form
+
+  struct Ext {
+    float* q;  // [M, D] (dot form) or [D, MP] (transposed form), scaled
+    float* st;
+    float* kb;
+    float* vf;
+    const float** vrow;
+  };
+  static size_t extra_bytes(const Params& p) {
+    return align64(static_cast<size_t>(kMaxRows) * p.d * 4) + align64(BK * kMaxRows * 4) + align64(static_cast<size_t>(BK) * p.d * 4) +
+           align64(static_cast<size_t>(BK) * p.dv * 4) + align64(BK * sizeof(void*));
+  }
+  static Ext ext(const Params& p, Work& w) {
+    Ext e;
+    char* s = w.extra;
+    e.q = reinterpret_cast<float*>(s);
+    s += align64(static_cast<size_t>(kMaxRows) * p.d * 4);
+    e.st = reinterpret_cast<float*>(s);
+    s += align64(BK * kMaxRows * 4);
+    e.kb = reinterpret_cast<float*>(s);
+    s += align64(static_cast<size_t>(BK) * p.d * 4);
+    e.vf = reinterpret_cast<float*>(s);
+    s += align64(static_cast<size_t>(BK) * p.dv * 4);
+    e.vrow = reinterpret_cast<const float**>(s);
+    return e;
+  }
+
+  static void thread_begin() {}
+  static void thread_end() {}
+
+  static void load_q(const Params& p, Work& w, int M) {
+    const Ext e = ext(p, w);
+    const float mult = p.scale * (p.cap > 0.f ? 1.f : kLog2e);
+    const __m512 vm = _mm512_set1_ps(mult);
+    const int D = p.d;
+    if (M <= kDotRows) {
+      for (int m = 0; m < M; ++m) {
+        const TQ* src = static_cast<const TQ*>(w.qrows[m]);
+        for (int c = 0; c < D; c += 16) _mm512_storeu_ps(e.q + m * D + c, _mm512_mul_ps(load16(src + c), vm));
+      }
+      return;
+    }
+    const int MP = w.mp;
+    for (int i = 0; i < D * MP; i += 16) _mm512_storeu_ps(e.q + i, _mm512_setzero_ps());
+    for (int m = 0; m < M; ++m) {
+      const TQ* src = static_cast<const TQ*>(w.qrows[m]);
+      for (int i = 0; i < D; ++i) e.q[i * MP + m] = load1(src + i) * mult;
+    }
+  }
+
+  static void block(const Params& p, Work& w, int M, int ulo, int uhi, bool full) {
+    const Ext e = ext(p, w);
+    const int MP = w.mp, D = p.d, DV = p.dv;
+    const TKV* kbase = static_cast<const TKV*>(p.k) + static_cast<int64_t>(w.h) * D;
+    const TKV* vbase = static_cast<const TKV*>(p.v) + static_cast<int64_t>(w.h) * DV;
+    // stage K as kb [D/16, BK, 16] (zeros outside [ulo, uhi) in the 16-key groups touched) and V rows
+    const int g0 = ulo & ~15, g1 = (uhi + 15) & ~15;
+    for (int j = g0; j < g1; ++j) {
+      float* dst = e.kb + j * 16;
+      if (j < ulo || j >= uhi) {
+        for (int c = 0; c < D; c += 16) _mm512_storeu_ps(dst + static_cast<int64_t>(c) * BK, _mm512_setzero_ps());
+        continue;
+      }
+      const TKV* kr = kbase + static_cast<int64_t>(w.slots[j]) * p.k_slot_stride;
+      for (int c = 0; c < D; c += 16) _mm512_storeu_ps(dst + static_cast<int64_t>(c) * BK, load16(kr + c));
+    }
+    for (int j = ulo; j < uhi; ++j) {
+      const TKV* vr = vbase + static_cast<int64_t>(w.slots[j]) * p.v_slot_stride;
+      if constexpr (sizeof(TKV) == 4) {
+        e.vrow[j] = reinterpret_cast<const float*>(vr);
+      } else {
+        float* dst = e.vf + static_cast<int64_t>(j) * DV;
+        for (int c = 0; c < DV; c += 16) _mm512_storeu_ps(dst + c, load16(vr + c));
+        e.vrow[j] = dst;
+      }
+    }
+    // scores
+    if (M <= kDotRows) {
+      alignas(64) float tmp[16];
+      for (int m = 0; m < M; m += 2) {
+        const int m1 = m + 1 < M ? m + 1 : m;
+        const float* q0 = e.q + m * D;
+        const float* q1 = e.q + m1 * D;
+        for (int j0 = g0; j0 < g1; j0 += 8) {
+          qk_dot_2x8(q0, q1, e.kb, BK, D, j0, tmp);
+          for (int kk = 0; kk < 8; ++kk) {
+            e.st[(j0 + kk) * MP + m] = tmp[kk];
+            e.st[(j0 + kk) * MP + m1] = tmp[8 + kk];
+          }
+        }
+      }
+    } else if (MP == 16) {
+      qk_rows_t<1>(e.q, MP, e.kb, BK, D, e.st, ulo, uhi);
+    } else if (MP == 32) {
+      qk_rows_t<2>(e.q, MP, e.kb, BK, D, e.st, ulo, uhi);
+    } else if (MP == 48) {
+      qk_rows_t<3>(e.q, MP, e.kb, BK, D, e.st, ulo, uhi);
+    } else {
+      qk_rows_t<4>(e.q, MP, e.kb, BK, D, e.st, ulo, uhi);
+    }
+    softmax_block(e.st, w, M, BK, ulo, uhi, full, 1.f, p.cap, false);
+    // o = o * alpha + P V, 4 rows x 64 channels at a time
+    const int MR = (M + 3) & ~3;
+    for (int m0 = 0; m0 < MR; m0 += 4) {
+      float* o = w.o + static_cast<int64_t>(m0) * DV;
+      for (int dc = 0; dc < DV; dc += 64) {
+        const int nz = (DV - dc) >= 64 ? 4 : (DV - dc) / 16;
+        const float* pt = e.st + m0;
+        if (nz == 4) pv_tile<4>(o + dc, DV, w.alpha + m0, pt, MP, e.vrow, dc, ulo, uhi);
+        else if (nz == 3) pv_tile<3>(o + dc, DV, w.alpha + m0, pt, MP, e.vrow, dc, ulo, uhi);
+        else if (nz == 2) pv_tile<2>(o + dc, DV, w.alpha + m0, pt, MP, e.vrow, dc, ulo, uhi);
+        else pv_tile<1>(o + dc, DV, w.alpha + m0, pt, MP, e.vrow, dc, ulo, uhi);
+      }
+    }
+  }
+};
+
+template <typename TQ, typename TKV>
+void run_typed(const Params& p, const Item* items, int64_t n, std::atomic<int64_t>* next, char* scratch) {
+  run_items<Avx512Ops<TQ, TKV>>(p, items, n, next, scratch);
+}
+
+void run_avx512(const Params& p, const Item* items, int64_t n, std::atomic<int64_t>* next, char* scratch) {
+  if (p.q_dtype == DType::F32) {
+    if (p.kv_dtype == DType::F32) return run_typed<float, float>(p, items, n, next, scratch);
+    return run_typed<float, uint16_t>(p, items, n, next, scratch);
+  }
+  if (p.kv_dtype == DType::F32) return run_typed<uint16_t, float>(p, items, n, next, scratch);
+  return run_typed<uint16_t, uint16_t>(p, items, n, next, scratch);
+}
+
+size_t avx512_scratch(const Params& p) { return scratch_bytes<Avx512Ops<float, float>>(p); }
+
+}  // namespace
+}  // namespace attn_cpu
+
+#pragma GCC pop_options
+
+namespace attn_cpu {
+bool avx512_kernels(PathKernels* out) {
+  out->block_keys = Avx512Ops<float, float>::BK;
+  out->max_rows = Avx512Ops<float, float>::MMAX;
+  out->scratch_bytes = &avx512_scratch;
+  out->run = &run_avx512;
+  return true;
+}
+}  // namespace attn_cpu
+
+#else  // not x86-64: the path does not exist in this build
+
+namespace attn_cpu {
+bool avx512_kernels(PathKernels*) { return false; }
+}  // namespace attn_cpu
+
+#endif

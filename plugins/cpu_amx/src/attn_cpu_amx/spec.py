@@ -1,0 +1,72 @@
+"""Registry entry of attn-cpu-amx (import-light: no torch, no kernels; reads /proc/cpuinfo only)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from attn_core.capabilities import ARCH_MHA, Capabilities, CudaGraphLevel, Feature
+from attn_core.forward_mode import ForwardMode
+from attn_core.probes import first_reason, module_missing
+from attn_core.spec import BackendSpec
+
+MAX_HEAD_DIM = 256
+
+CAPABILITIES = Capabilities(
+    devices=frozenset({"cpu"}),
+    q_dtypes=frozenset({"bfloat16", "float32"}),
+    kv_dtypes=frozenset({"bfloat16", "float32"}),
+    archs=frozenset({ARCH_MHA}),
+    head_dims=frozenset(range(16, MAX_HEAD_DIM + 1, 16)),
+    page_sizes=frozenset({1, 2, 4, 8, 16, 32, 64, 128}),
+    forward_modes=frozenset(
+        {
+            ForwardMode.EXTEND,
+            ForwardMode.DECODE,
+            ForwardMode.MIXED,
+            ForwardMode.IDLE,
+            ForwardMode.TARGET_VERIFY,
+            ForwardMode.DRAFT_EXTEND,
+            ForwardMode.DUMMY_FIRST,
+        }
+    ),
+    features=frozenset({Feature.SLIDING_WINDOW, Feature.LOGIT_CAP, Feature.SINKS, Feature.CUSTOM_MASK, Feature.LSE_OUTPUT}),
+    cuda_graph=CudaGraphLevel.NEVER,
+)
+
+
+def _build_tools() -> Optional[str]:
+    from attn_cpu_amx import build
+
+    return None if build.is_built() else build.missing_tools()
+
+
+def _isa() -> Optional[str]:
+    from attn_cpu_amx import isa
+
+    return isa.choose_path(isa.requested_path())[1]
+
+
+def probe() -> Optional[str]:
+    """None when the backend can run here: torch importable, the kernels built or buildable (a C++
+    compiler and ninja), and the requested ISA path (if forced) runnable on this CPU."""
+    return first_reason(lambda: module_missing("torch", "pip install torch"), _build_tools, _isa)
+
+
+def info() -> str:
+    """CPU model, the AMX / AVX-512 flags found and the kernel path chosen."""
+    from attn_cpu_amx import isa
+
+    return isa.describe()
+
+
+SPEC = BackendSpec(
+    name="cpu_amx",
+    summary="Paged CPU attention: AMX tiles for bf16 where present, AVX-512 or portable C++ otherwise",
+    capabilities=CAPABILITIES,
+    distribution="attn-cpu-amx",
+    backend_class="attn_cpu_amx.backend:CpuAmxBackend",
+    aliases=("intel_amx",),
+    priority=20,
+    probe_fn=probe,
+    info_fn=info,
+)
