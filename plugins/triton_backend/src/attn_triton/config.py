@@ -43,7 +43,7 @@ def decode_config(head_dim: int, v_head_dim: int, dtype: torch.dtype, device: to
     if device.type != "cuda":
         return DecodeConfig(block_n=16, block_h=16, num_warps=1, num_stages=1)
     if mla:
-        return DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=2)
+        return DecodeConfig(block_n=16 if dtype == torch.float32 else 32, block_h=16, num_warps=4, num_stages=2)
     if max(head_dim, v_head_dim) > 128:
         return DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=2)
     if dtype == torch.float32:
@@ -55,7 +55,8 @@ def extend_config(head_dim: int, v_head_dim: int, dtype: torch.dtype, device: to
     if device.type != "cuda":
         return ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
     if mla:
-        return ExtendConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
+        small = dtype == torch.float32
+        return ExtendConfig(block_m=16 if small else 32, block_n=16 if small else 32, num_warps=4, num_stages=1)
     if max(head_dim, v_head_dim) > 128:
         return ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     if dtype == torch.float32:

@@ -1,0 +1,493 @@
+"""attn-triton against FlashInfer and torch_native on the DESIGN §7 shapes (run on a GPU machine).
+
+GQA 32 q / 8 kv heads, head_dim 128, bf16, page size 16 with pages in random order. For every row the
+script (1) checks each implementation once against the float64 reference on a subsample (first and last
+request; the last 64 queries of extend requests), (2) times each one: FlashInfer and attn-triton inside
+CUDA graphs (one captured graph of several calls, replayed; device events; median), torch_native eagerly,
+(3) prints a table of times and attn-triton / FlashInfer ratios and writes everything to JSON. Small
+decode rows rotate among several independent KV sets so that L2 cannot hold the working set.
+It also measures the host time of attn-triton's `init_forward_metadata` (no host-device sync allowed:
+checked with torch's sync debug mode) and of FlashInfer's plan at batch 1, 64 and 256.
+
+  python benchmarks/triton_vs_peers.py [--out FILE] [--only decode,extend,meta] [--no-torch-native]
+      [--decode-configs "64,16,4,3;32,16,4,4"] [--extend-configs "128,64,8,3;128,128,8,3"] [--waves 1,2,4]
+
+FlashInfer is used through its own API (BatchDecodeWithPagedKVCacheWrapper with tensor cores,
+BatchPrefillWithPagedKVCacheWrapper, causal), planned once per batch outside the timed region.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+import torch
+from attn_core.batch import ForwardBatch
+from attn_core.context import BackendContext
+from attn_core.forward_mode import ForwardMode
+from attn_core.layer import AttentionLayer
+from attn_core.memory import MHATokenToKVPool, ReqToTokenPool
+from attn_core.testing.reference import reference_attention, relative_error
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+DECODE_ROWS = [
+    ("decode bs1 ctx8192", 1, 8192),
+    ("decode bs64 ctx4096", 64, 4096),
+    ("decode bs256 ctx1024", 256, 1024),
+    ("decode bs16 ctx32768", 16, 32768),
+]
+EXTEND_ROWS = [
+    ("extend bs8 q512 prefix3584", 8, 512, 3584),
+    ("prefill bs2 q4096", 2, 4096, 0),
+    ("extend bs32 q128 prefix2048", 32, 128, 2048),
+]
+DECODE_TARGET = {"decode bs1 ctx8192": 1.3}  # max attn-triton / FlashInfer time; others 1.05
+EXTEND_AIM, EXTEND_FLOOR = 0.8, 0.6  # min attn-triton / FlashInfer TFLOP/s
+
+
+@dataclass
+class Workload:
+    """One batch over its own paged pool: kv_lens keys per request, the last q_lens of them new."""
+
+    kv_lens: list[int]
+    q_lens: list[int]
+    pool: MHATokenToKVPool
+    rows: ReqToTokenPool
+    batch: ForwardBatch
+    q: torch.Tensor
+    page_indptr: torch.Tensor
+    page_indices: torch.Tensor
+    last_page_len: torch.Tensor
+    qo_indptr: torch.Tensor
+
+    @property
+    def decode(self) -> bool:
+        return self.batch.forward_mode.is_decode()
+
+    def pages(self) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.pool.get_key_buffer(0), self.pool.get_value_buffer(0)
+        return k.view(-1, PAGE, HKV, D), v.view(-1, PAGE, HKV, D)
+
+
+def make_workload(kv_lens: list[int], q_lens: list[int], decode: bool, gen: torch.Generator) -> Workload:
+    dev = torch.device("cuda")
+    bs = len(kv_lens)
+    n_pages = [-(-n // PAGE) for n in kv_lens]
+    total_pages = sum(n_pages)
+    pool = MHATokenToKVPool(total_pages * PAGE, PAGE, DTYPE, HKV, D, 1, dev)
+    pool.get_key_buffer(0).normal_(generator=gen)
+    pool.get_value_buffer(0).normal_(generator=gen)
+    width = -(-max(kv_lens) // PAGE) * PAGE
+    rows = ReqToTokenPool(bs, width, dev)
+    perm = torch.randperm(total_pages, device=dev, generator=gen).to(torch.int32) + 1  # page 0 is the dummy
+    offs = torch.arange(PAGE, device=dev, dtype=torch.int32)
+    start = 0
+    for r, (n, p) in enumerate(zip(kv_lens, n_pages)):
+        mine = perm[start : start + p]
+        rows.req_to_token[r, :n] = (mine[:, None] * PAGE + offs).reshape(-1)[:n]
+        start += p
+    page_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=dev)
+    page_indptr[1:] = torch.tensor(n_pages, device=dev).cumsum(0)
+    last = torch.tensor([n - (p - 1) * PAGE for n, p in zip(kv_lens, n_pages)], dtype=torch.int32, device=dev)
+    qo_cpu = torch.zeros(bs + 1, dtype=torch.int32)
+    qo_cpu[1:] = torch.tensor(q_lens).cumsum(0)
+    T = int(qo_cpu[-1])
+    seq_cpu = torch.tensor(kv_lens, dtype=torch.int32)
+    q_lens_cpu = torch.tensor(q_lens, dtype=torch.int32)
+    batch = ForwardBatch(
+        forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
+        batch_size=bs,
+        req_pool_indices=torch.arange(bs, dtype=torch.int64, device=dev),
+        seq_lens=seq_cpu.to(dev),
+        seq_lens_cpu=seq_cpu,
+        seq_lens_sum=int(seq_cpu.sum()),
+        out_cache_loc=torch.zeros(T, dtype=torch.int64, device=dev),
+        positions=torch.zeros(T, dtype=torch.int64, device=dev),
+        req_to_token_pool=rows,
+        token_to_kv_pool=pool,
+    )
+    if not decode:
+        batch.extend_prefix_lens = (seq_cpu - q_lens_cpu).to(dev)
+        batch.extend_prefix_lens_cpu = seq_cpu - q_lens_cpu
+        batch.extend_seq_lens = q_lens_cpu.to(dev)
+        batch.extend_seq_lens_cpu = q_lens_cpu
+        batch.extend_start_loc = qo_cpu[:-1].to(dev)
+        batch.extend_num_tokens = T
+    q = torch.randn(T, HQ, D, device=dev, dtype=torch.float32, generator=gen).to(DTYPE)
+    return Workload(kv_lens, q_lens, pool, rows, batch, q, page_indptr, perm, last, qo_cpu.to(dev))
+
+
+def make_context(w: Workload) -> BackendContext:
+    return BackendContext(
+        device="cuda",
+        dtype=DTYPE,
+        num_q_heads=HQ,
+        num_kv_heads=HKV,
+        head_dim=D,
+        page_size=PAGE,
+        max_batch_size=len(w.kv_lens),
+        max_context_len=w.rows.max_context_len,
+        req_to_token_pool=w.rows,
+        token_to_kv_pool=w.pool,
+    )
+
+
+LAYER = AttentionLayer(0, HQ, HKV, D)
+
+
+# ---- implementations: each returns a zero-argument callable that computes the whole batch ----------
+def triton_impl(w: Workload, decode_cfg=None, extend_cfg=None, policy=None) -> Callable[[], torch.Tensor]:
+    from attn_triton.backend import TritonAttnBackend
+
+    backend = TritonAttnBackend(make_context(w), decode_config=decode_cfg, extend_config=extend_cfg, split_policy=policy)
+    backend.init_forward_metadata(w.batch)
+    w.batch.attn_backend = backend
+    return lambda: backend.forward(w.q, None, None, LAYER, w.batch, save_kv_cache=False)
+
+
+def torch_native_impl(w: Workload) -> Callable[[], torch.Tensor]:
+    from attn_core.backends.torch_native.backend import TorchNativeBackend
+
+    backend = TorchNativeBackend(make_context(w))
+    backend.init_forward_metadata(w.batch)
+    return lambda: backend.forward(w.q, None, None, LAYER, w.batch, save_kv_cache=False)
+
+
+def flashinfer_impl(w: Workload) -> Callable[[], torch.Tensor]:
+    import flashinfer
+
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    common = dict(q_data_type=DTYPE, kv_data_type=DTYPE, sm_scale=LAYER.scaling)
+    if w.decode:
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+        wrapper.plan(w.page_indptr, w.page_indices, w.last_page_len, HQ, HKV, D, PAGE, **common)
+    else:
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+        wrapper.plan(w.qo_indptr, w.page_indptr, w.page_indices, w.last_page_len, HQ, HKV, D, PAGE, causal=True, **common)
+    pages = w.pages()
+    return lambda: wrapper.run(w.q, pages)
+
+
+# ---- checking and timing ---------------------------------------------------------------------------
+def check(w: Workload, out: torch.Tensor) -> float:
+    """Max relative error over the first and last request (last 64 queries of each) vs float64."""
+    out = out.reshape(-1, HQ, D)
+    worst = 0.0
+    k_buf, v_buf = w.pool.get_key_buffer(0), w.pool.get_value_buffer(0)
+    for r in sorted({0, len(w.kv_lens) - 1}):
+        n, ql = w.kv_lens[r], w.q_lens[r]
+        slots = w.rows.req_to_token[r, :n].long()
+        take = min(ql, 64)
+        q0 = int(w.qo_indptr[r]) + ql - take
+        pos = torch.arange(n - take, n)
+        ref, _ = reference_attention(w.q[q0 : q0 + take], k_buf[slots], v_buf[slots], q_positions=pos, scale=LAYER.scaling)
+        worst = max(worst, relative_error(out[q0 : q0 + take], ref))
+    return worst
+
+
+def time_graph(fns: list[Callable], calls: int, reps: int) -> float:
+    """Median µs per call: `calls` rounds over `fns` captured in one CUDA graph, replayed `reps` times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            for f in fns:
+                f()
+    graph.replay()
+    torch.cuda.synchronize()
+    return _median_events(graph.replay, reps) / (calls * len(fns))
+
+
+def time_eager(fns: list[Callable], calls: int, reps: int) -> float:
+    def run():
+        for _ in range(calls):
+            for f in fns:
+                f()
+
+    run()
+    torch.cuda.synchronize()
+    return _median_events(run, reps) / (calls * len(fns))
+
+
+def _median_events(run: Callable, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0)
+    return statistics.median(times)
+
+
+@dataclass
+class RowResult:
+    name: str
+    kind: str
+    work: float  # bytes (decode) or FLOPs (extend)
+    times_us: dict[str, float] = field(default_factory=dict)
+    errors: dict[str, float] = field(default_factory=dict)
+    timing: dict[str, str] = field(default_factory=dict)
+    sweep: list[dict] = field(default_factory=list)
+
+    def rate(self, impl: str) -> Optional[float]:
+        t = self.times_us.get(impl)
+        if not t:
+            return None
+        return self.work / (t * 1e-6) / 1e12  # TB/s or TFLOP/s
+
+    def ratio(self) -> Optional[float]:
+        t, f = self.times_us.get("attn-triton"), self.times_us.get("flashinfer")
+        return t / f if t and f else None
+
+
+def row_workloads(kind: str, spec: tuple, gen: torch.Generator, l2_bytes: int) -> list[Workload]:
+    if kind == "decode":
+        _, bs, ctx = spec
+        kv, q = [ctx] * bs, [1] * bs
+        per_set = bs * ctx * HKV * D * 2 * 2
+        sets = min(8, max(1, math.ceil(3 * l2_bytes / per_set)))
+    else:
+        _, bs, ql, prefix = spec
+        kv, q = [prefix + ql] * bs, [ql] * bs
+        sets = 1
+    return [make_workload(kv, q, kind == "decode", gen) for _ in range(sets)]
+
+
+def work_of(kind: str, w: Workload) -> float:
+    if kind == "decode":
+        return float(sum(w.kv_lens) * HKV * D * 2 * 2)
+    pairs = sum(q * (n - q) + q * (q + 1) / 2 for n, q in zip(w.kv_lens, w.q_lens))
+    return 4.0 * HQ * D * pairs
+
+
+def parse_configs(text: Optional[str], cls):
+    if not text:
+        return [None]
+    out = []
+    for item in text.split(";"):
+        a, b, warps, stages = (int(x) for x in item.split(","))
+        out.append(cls(a, b, warps, stages))
+    return out
+
+
+def run_row(kind: str, spec: tuple, args, gen: torch.Generator, l2: int) -> RowResult:
+    from attn_triton.config import SplitPolicy
+    from attn_triton.kernels.decode import DecodeConfig
+    from attn_triton.kernels.extend import ExtendConfig
+
+    loads = row_workloads(kind, spec, gen, l2)
+    res = RowResult(spec[0], kind, work_of(kind, loads[0]))
+    calls = 20 if kind == "decode" else 3
+    # attn-triton, with an optional sweep over tile configs and split waves
+    variants = []
+    if kind == "decode":
+        for cfg in parse_configs(args.decode_configs, DecodeConfig):
+            for waves in args.waves or [None]:
+                variants.append((cfg, None, None if waves is None else SplitPolicy(waves=waves, min_split_len=args.min_split_len)))
+    else:
+        variants = [(None, cfg, None) for cfg in parse_configs(args.extend_configs, ExtendConfig)]
+    best = None
+    for dcfg, ecfg, policy in variants:
+        try:
+            fns = [triton_impl(w, dcfg, ecfg, policy) for w in loads]
+            err = check(loads[0], fns[0]())
+            t = time_graph(fns, calls, args.reps)
+        except Exception as exc:  # a config that does not compile (shared memory) is reported, not fatal
+            res.sweep.append({"decode": _cfg(dcfg), "extend": _cfg(ecfg), "policy": _cfg(policy), "error": repr(exc)[:300]})
+            continue
+        res.sweep.append({"decode": _cfg(dcfg), "extend": _cfg(ecfg), "policy": _cfg(policy), "us": t, "err": err})
+        if best is None or t < best[0]:
+            best = (t, err)
+    if best is not None:
+        res.times_us["attn-triton"], res.errors["attn-triton"] = best
+        res.timing["attn-triton"] = "cuda graph"
+    if not args.no_flashinfer:
+        try:
+            fns = [flashinfer_impl(w) for w in loads]
+            res.errors["flashinfer"] = check(loads[0], fns[0]())
+            try:
+                res.times_us["flashinfer"] = time_graph(fns, calls, args.reps)
+                res.timing["flashinfer"] = "cuda graph"
+            except Exception as exc:
+                print(f"  flashinfer graph capture failed ({exc!r:.120}); timing eagerly", flush=True)
+                res.times_us["flashinfer"] = time_eager(fns, calls, args.reps)
+                res.timing["flashinfer"] = "eager"
+        except Exception as exc:
+            print(f"  flashinfer failed: {exc!r:.300}", flush=True)
+    if not args.no_torch_native:
+        try:
+            fn = torch_native_impl(loads[0])
+            res.errors["torch_native"] = check(loads[0], fn())
+            res.times_us["torch_native"] = time_eager([fn], 1, 3)
+            res.timing["torch_native"] = "eager"
+            del fn
+        except Exception as exc:
+            print(f"  torch_native failed: {exc!r:.200}", flush=True)
+        torch.cuda.empty_cache()
+    return res
+
+
+def _cfg(c) -> Optional[dict]:
+    return None if c is None else asdict(c)
+
+
+def metadata_host_times(batch_sizes=(1, 64, 256), ctx_len: int = 4096, n: int = 300) -> list[dict]:
+    """Host µs of init_forward_metadata (DECODE) and of FlashInfer's decode plan; the former under
+    torch's sync debug mode set to "error", so any host-device sync raises."""
+    from attn_triton.backend import TritonAttnBackend
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    out = []
+    for bs in batch_sizes:
+        w = make_workload([ctx_len] * bs, [1] * bs, True, gen)
+        backend = TritonAttnBackend(make_context(w))
+        for _ in range(20):
+            backend.init_forward_metadata(w.batch)
+        torch.cuda.synchronize()
+        samples = []
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(n):
+                t0 = time.perf_counter_ns()
+                backend.init_forward_metadata(w.batch)
+                samples.append((time.perf_counter_ns() - t0) / 1000.0)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        row = {
+            "bs": bs,
+            "attn_triton_us_median": statistics.median(samples),
+            "attn_triton_us_p90": sorted(samples)[int(0.9 * n)],
+            "sync": "none",
+        }
+        try:
+            import flashinfer
+
+            ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+            args = (w.page_indptr, w.page_indices, w.last_page_len, HQ, HKV, D, PAGE)
+            fi = []
+            for i in range(60):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter_ns()
+                wrapper.plan(*args, q_data_type=DTYPE, kv_data_type=DTYPE)
+                if i >= 10:
+                    fi.append((time.perf_counter_ns() - t0) / 1000.0)
+            row["flashinfer_plan_us_median"] = statistics.median(fi)
+        except Exception as exc:
+            row["flashinfer_plan_error"] = repr(exc)[:200]
+        out.append(row)
+        print(f"  metadata bs={bs}: {row}", flush=True)
+    return out
+
+
+def print_table(rows: list[RowResult]) -> str:
+    cols = ["attn-triton µs", "FlashInfer µs", "torch_native µs", "triton/FI time", "attn-triton rate", "FlashInfer rate", "target", "ok"]
+    head = f"| {'row':28s} | " + " | ".join(cols) + " |"
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        unit = "TB/s" if r.kind == "decode" else "TFLOP/s"
+        ratio = r.ratio()
+        if r.kind == "decode":
+            limit = DECODE_TARGET.get(r.name, 1.05)
+            target = f"≤ {limit:.2f}× time"
+            ok = "yes" if ratio is not None and ratio <= limit else "no"
+        else:
+            target = f"≥ {EXTEND_AIM}× rate (floor {EXTEND_FLOOR})"
+            speed = None if ratio is None else 1.0 / ratio
+            ok = "-" if speed is None else ("yes" if speed >= EXTEND_AIM else ("floor" if speed >= EXTEND_FLOOR else "no"))
+
+        def fmt(x, spec=".1f"):
+            return "-" if x is None else format(x, spec)
+
+        lines.append(
+            f"| {r.name:28s} | {fmt(r.times_us.get('attn-triton'))} | {fmt(r.times_us.get('flashinfer'))} | "
+            f"{fmt(r.times_us.get('torch_native'))} | {fmt(ratio, '.3f')} | {fmt(r.rate('attn-triton'), '.2f')} {unit} | "
+            f"{fmt(r.rate('flashinfer'), '.2f')} {unit} | {target} | {ok} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "triton_vs_peers.json"))
+    p.add_argument("--only", default="decode,extend,meta")
+    p.add_argument("--no-torch-native", action="store_true")
+    p.add_argument("--no-flashinfer", action="store_true")
+    p.add_argument("--decode-configs", default=None, help='"block_n,block_h,warps,stages;..."')
+    p.add_argument("--extend-configs", default=None, help='"block_m,block_n,warps,stages;..."')
+    p.add_argument("--waves", default=None, help="comma list of split-policy waves to sweep")
+    p.add_argument("--min-split-len", type=int, default=256)
+    p.add_argument("--reps", type=int, default=30)
+    args = p.parse_args(argv)
+    args.waves = [float(x) for x in args.waves.split(",")] if args.waves else None
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    only = set(args.only.split(","))
+    props = torch.cuda.get_device_properties(0)
+    l2 = getattr(props, "L2_cache_size", 50 << 20)
+    info = {
+        "device": props.name,
+        "sms": props.multi_processor_count,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "torch": torch.__version__,
+        "shapes": f"GQA {HQ}q/{HKV}kv, head_dim {D}, {DTYPE}, page size {PAGE}, random page order",
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+        import flashinfer
+
+        info["flashinfer"] = flashinfer.__version__
+    except Exception as exc:
+        info["flashinfer"] = f"unavailable: {exc!r:.100}"
+    print(json.dumps(info), flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows: list[RowResult] = []
+    specs = ([("decode", s) for s in DECODE_ROWS] if "decode" in only else []) + (
+        [("extend", s) for s in EXTEND_ROWS] if "extend" in only else []
+    )
+    for kind, spec in specs:
+        t0 = time.time()
+        r = run_row(kind, spec, args, gen, l2)
+        rows.append(r)
+        print(f"{r.name}: {r.times_us} errors {r.errors} ({time.time() - t0:.0f}s)", flush=True)
+        for s in r.sweep:
+            print("   sweep", s, flush=True)
+        torch.cuda.empty_cache()
+    meta = metadata_host_times() if "meta" in only else []
+    table = print_table(rows)
+    bad = {r.name: e for r in rows for e in r.errors.values() if e > 2e-2}
+    print(table)
+    if meta:
+        print("| batch | init_forward_metadata host µs (median / p90) | FlashInfer plan host µs | host-device sync |")
+        print("|---|---|---|---|")
+        for m in meta:
+            fi = m.get("flashinfer_plan_us_median")
+            fi = "-" if fi is None else f"{fi:.1f}"
+            print(f"| {m['bs']} | {m['attn_triton_us_median']:.1f} / {m['attn_triton_us_p90']:.1f} | {fi} | none |")
+    if bad:
+        print(f"ACCURACY FAILURES (rel err > 2e-2): {bad}")
+    with open(args.out, "w") as f:
+        json.dump({"info": info, "rows": [asdict(r) for r in rows], "metadata": meta, "table": table}, f, indent=1)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""GPU suite (`pytest -m gpu`): the interpreter checks at realistic sizes on CUDA, bf16 included,
+real CUDA-graph capture/replay against eager, and batch invariance in deterministic mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attn_core.testing.harness import AttnCase, assert_case
+from triton_determinism_checks import target_rows
+from triton_graph_checks import check_graph_matches_eager
+from triton_helpers import factory
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+GQA = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, device="cuda", num_layers=1)
+MLA = dict(arch="mla", kv_lora_rank=512, qk_rope_head_dim=64, num_q_heads=16, device="cuda", num_layers=1)
+
+CASES = [
+    AttnCase("DECODE", [(4095, 1), (0, 1), (1000, 1), (8191, 1)], dtype="bfloat16", page_size=16, **GQA),
+    AttnCase("DECODE", [(300, 1), (2047, 1)], dtype="float16", page_size=64, **GQA),
+    AttnCase("DECODE", [(3000, 1), (17, 1)], dtype="float32", page_size=1, return_lse=True, **GQA),
+    AttnCase("DECODE", [(5000, 1), (60, 1)], dtype="bfloat16", sliding_window=1024, logit_cap=30.0, sinks=True, return_lse=True, **GQA),
+    AttnCase("EXTEND", [(0, 1000), (1500, 513), (64, 1), (700, 0)], dtype="bfloat16", page_size=16, **GQA),
+    AttnCase("EXTEND", [(2000, 300), (0, 129)], dtype="float32", return_lse=True, **GQA),
+    AttnCase("EXTEND", [(900, 700)], dtype="float16", sliding_window=256, logit_cap=20.0, sinks=True, page_size=64, **GQA),
+    AttnCase("MIXED", [(1200, 1), (300, 400), (0, 77)], dtype="bfloat16", page_size=16, return_lse=True, **GQA),
+    AttnCase("TARGET_VERIFY", [(1500, 8), (40, 8), (3000, 8)], dtype="bfloat16", page_size=16, return_lse=True, **GQA),
+    AttnCase("TARGET_VERIFY", [(800, 6), (1, 6)], dtype="float32", **GQA),
+    AttnCase("DRAFT_EXTEND", [(1000, 4), (200, 3)], dtype="bfloat16", **GQA),
+    AttnCase("EXTEND", [(0, 30, 1500), (20, 10, 700)], dtype="bfloat16", cross_attention=True, return_lse=True, **GQA),
+    AttnCase("DECODE", [(10, 1, 1500), (40, 1, 700)], dtype="bfloat16", cross_attention=True, **GQA),
+    # head dims 64 / 256, MHA and MQA layouts
+    AttnCase("DECODE", [(2000, 1), (33, 1)], dtype="bfloat16", num_q_heads=16, num_kv_heads=16, head_dim=64, device="cuda", num_layers=1),
+    AttnCase("EXTEND", [(500, 300)], dtype="bfloat16", num_q_heads=8, num_kv_heads=1, head_dim=256, device="cuda", num_layers=1),
+    AttnCase("DECODE", [(1500, 1), (9, 1)], dtype="float16", num_q_heads=8, num_kv_heads=1, head_dim=256, device="cuda", num_layers=1),
+    # absorbed MLA, kv_lora_rank 512 + rope 64
+    AttnCase("DECODE", [(2000, 1), (100, 1), (1, 1)], dtype="bfloat16", page_size=64, return_lse=True, **MLA),
+    AttnCase("EXTEND", [(600, 200), (0, 90)], dtype="bfloat16", **MLA),
+    AttnCase("TARGET_VERIFY", [(700, 4), (30, 4)], dtype="float32", **MLA),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.describe() for c in CASES])
+def test_case_on_cuda(case):
+    assert_case(factory(), case)
+
+
+def _cuda_graph_run(fn, replay):
+    """Capture `fn` with the capture-time (dummy) metadata, then refresh it (replay) and replay the graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
+GRAPH_CASES = [
+    AttnCase("DECODE", [(4000, 1), (10, 1), (700, 1)], dtype="bfloat16", page_size=16, return_lse=True, **GQA),
+    AttnCase("DECODE", [(1000, 1), (3, 1)], dtype="bfloat16", sinks=True, sliding_window=128, **GQA),
+    AttnCase("DECODE", [(1500, 1), (20, 1)], dtype="bfloat16", **MLA),
+    AttnCase("TARGET_VERIFY", [(1500, 8), (40, 8)], dtype="bfloat16", page_size=16, return_lse=True, **GQA),
+]
+
+
+@pytest.mark.parametrize("case", GRAPH_CASES, ids=[c.describe() for c in GRAPH_CASES])
+@pytest.mark.parametrize("pad", [0, 3])
+def test_cuda_graph_replay_equals_eager(case, pad):
+    check_graph_matches_eager(factory(), case, pad=pad, run_graph=_cuda_graph_run)
+
+
+DET_DECODE = [([(6000, 1)], 0), ([(100, 1), (6000, 1), (30000, 1)], 1), ([(5, 1)] * 40 + [(6000, 1)], 40)]
+DET_EXTEND = [([(3000, 700)], 0), ([(0, 2000), (3000, 700)], 1), ([(3000, 700), (10, 1), (5000, 60)], 0)]
+
+
+@pytest.mark.parametrize("mode,batches", [("DECODE", DET_DECODE), ("EXTEND", DET_EXTEND)])
+def test_deterministic_batch_invariance_on_cuda(mode, batches):
+    f = factory()
+    kw = dict(deterministic=True, device="cuda", dtype="bfloat16", page_size=16, num_q_heads=32, num_kv_heads=8, head_dim=128, num_layers=1)
+    outs = [target_rows(f, mode, reqs, t, **kw) for reqs, t in batches]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
