@@ -1,12 +1,20 @@
-"""The `attn-core` command line. Each subcommand lives in one function `cmd_<name>`."""
+"""The `attn-core` command line. Each subcommand lives in one function `cmd_<name>`; the work is done by
+`attn_core.registry`, `attn_core.testing` (check) and `attn_core.bench` (bench)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Optional, Sequence
 
 from attn_core import registry
+from attn_core.capabilities import ARCH_MHA, ARCH_MLA, CudaGraphLevel, Feature, Requirements
+from attn_core.errors import AttnError
+from attn_core.forward_mode import ForwardMode
+
+#: exit status when the command could not do its job (unknown backend, not installed, cannot run here)
+EXIT_CANNOT_RUN = 2
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -17,6 +25,9 @@ def cmd_list(args: argparse.Namespace) -> int:
         if entry.ok:
             reason = entry.probe() if args.probe else None
             status = "available" if not reason else f"unavailable: {reason}"
+            info = entry.spec.info() if args.probe and not reason else None
+            if info:
+                status = f"available ({info})"
             caps = entry.spec.capabilities.summary()
         else:
             status, caps = f"failed: {entry.error}", "-"
@@ -29,11 +40,161 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    """Run the conformance kit on one backend: every declared capability against the float64
+    reference, K/V writes slot by slot, the CUDA-graph path, bad inputs, refusals, spec lightness."""
+    from attn_core.testing.kit import make_plan, run_plan
+
+    try:
+        plan = make_plan(
+            args.name,
+            device=args.device,
+            quick=args.quick,
+            seed=args.seed,
+            options=dict(args.option),
+            skip={pattern: "skipped with --skip" for pattern in args.skip},
+        )
+    except AttnError as exc:
+        print(f"attn-core check: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    target = plan.target
+    if plan.unavailable:
+        print(f"attn-core check: backend {target.name!r} cannot run here: {plan.unavailable}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    if args.list:
+        for check in plan.checks:
+            print(f"{check.id}  {check.description}".rstrip())
+        return 0
+    print(f"checking {target.name} on {plan.profile.device} ({plan.profile.name} profile, {len(plan.checks)} checks)")
+
+    def show(outcome) -> None:
+        if outcome.status == "passed" and args.quiet:
+            return
+        tag = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP"}[outcome.status]
+        first, *rest = (outcome.message or "").splitlines() or [""]
+        if outcome.status == "failed":
+            print(f"{tag}  {outcome.check_id}  ({outcome.seconds:.2f}s)")
+            for line in [first, *rest]:
+                print(f"      {line}")
+        else:
+            print(f"{tag}  {outcome.check_id}  ({outcome.seconds:.2f}s)  {first}")
+        sys.stdout.flush()
+
+    outcomes = run_plan(plan, select=args.k, on_outcome=show)
+    counts = {s: sum(o.status == s for o in outcomes) for s in ("passed", "failed", "skipped")}
+    seconds = sum(o.seconds for o in outcomes)
+    print(f"check: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped in {seconds:.1f}s")
+    if not outcomes:
+        print(f"attn-core check: no check matches {args.k}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    return 1 if counts["failed"] else 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Time backends on the standard decode / extend / mixed shapes (DESIGN §7, scaled down on CPU),
+    each checked against the float64 reference first."""
+    from attn_core.bench.cli import run_bench_command
+
+    return run_bench_command(args)
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    """For a request, every discovered backend with "usable" or every reason it is not."""
+    req = requirements_from_args(args)
+    print("request: " + _describe_request(req))
+    rows = [("NAME", "DISTRIBUTION", "USABLE")]
+    usable = 0
+    for report in registry.explain(req):
+        if report.usable:
+            usable += 1
+            rows.append((report.name, report.distribution, "usable"))
+            continue
+        first, *rest = report.reasons or ("not usable",)
+        rows.append((report.name, report.distribution, f"no: {first}"))
+        rows += [("", "", f"    {r}") for r in rest]
+    _print_table(rows)
+    return 0 if usable else 1
+
+
+def add_explain_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="cpu, cuda (or another device type); auto: cuda when torch sees one, else cpu")
+    p.add_argument("--compute-capability", metavar="MAJOR.MINOR", help="CUDA compute capability (default: the visible GPU's)")
+    p.add_argument("--dtype", default="bfloat16", help="q dtype (default bfloat16)")
+    p.add_argument("--kv-dtype", help="KV-cache dtype (default: --dtype)")
+    p.add_argument("--head-dim", type=int, default=128, help="head dim (default 128; 576 with --mla)")
+    p.add_argument("--page-size", type=int, default=1, help="KV page size in tokens (default 1)")
+    p.add_argument("--mla", action="store_true", help="multi-head latent attention (DeepSeek-style)")
+    p.add_argument("--mode", action="append", default=[], help="forward mode needed (repeatable; default EXTEND and DECODE)")
+    p.add_argument("--feature", action="append", default=[], choices=[f.value for f in Feature], help="feature needed (repeatable)")
+    p.add_argument("--cuda-graph", default="never", choices=[lvl.name.lower() for lvl in CudaGraphLevel], help="CUDA-graph level needed")
+
+
+def _detect_device(device: str, cc: Optional[str]) -> tuple[str, Optional[tuple[int, int]]]:
+    if cc is not None:
+        major, _, minor = cc.partition(".")
+        parsed = (int(major), int(minor or 0))
+    else:
+        parsed = None
+    if device != "auto" and not (device == "cuda" and parsed is None):
+        return device, parsed
+    try:
+        import torch
+    except ImportError:
+        return ("cpu" if device == "auto" else device), parsed
+    if torch.cuda.is_available():
+        return "cuda", parsed or tuple(torch.cuda.get_device_capability())
+    return ("cpu" if device == "auto" else device), parsed
+
+
+def requirements_from_args(args: argparse.Namespace) -> Requirements:
+    device, cc = _detect_device(args.device, args.compute_capability)
+    cpu_flags = None
+    if device == "cpu":
+        from attn_core.probes import cpu_flags as read_cpu_flags
+
+        cpu_flags = read_cpu_flags()
+    head_dim = 576 if args.mla and args.head_dim == 128 else args.head_dim
+    modes = frozenset(ForwardMode.parse(m) for m in args.mode) if args.mode else frozenset({ForwardMode.EXTEND, ForwardMode.DECODE})
+    return Requirements(
+        device_type=device,
+        compute_capability=cc,
+        cpu_flags=cpu_flags,
+        q_dtype=args.dtype,
+        kv_dtype=args.kv_dtype or args.dtype,
+        head_dim=head_dim,
+        page_size=args.page_size,
+        arch=ARCH_MLA if args.mla else ARCH_MHA,
+        features=frozenset(Feature(f) for f in args.feature),
+        forward_modes=modes,
+        cuda_graph=CudaGraphLevel[args.cuda_graph.upper()],
+    )
+
+
+def _describe_request(req) -> str:
+    cc = f" (compute capability {req.compute_capability[0]}.{req.compute_capability[1]})" if req.compute_capability else ""
+    return (
+        f"device={req.device_type}{cc}, q={req.q_dtype}, kv={req.kv_dtype}, head_dim={req.head_dim}, page_size={req.page_size}, "
+        f"arch={req.arch}, modes={','.join(sorted(m.name for m in req.forward_modes))}, "
+        f"features={','.join(sorted(f.value for f in req.features)) or '-'}, cuda graphs={req.cuda_graph.name}"
+    )
+
+
 def _print_table(rows: Sequence[Sequence[str]]) -> None:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]) - 1)]
     for r in rows:
         head = "  ".join(str(c).ljust(w) for c, w in zip(r, widths))
         print(f"{head}  {r[-1]}".rstrip())
+
+
+def _option(text: str) -> tuple[str, object]:
+    """KEY=VALUE with VALUE read as JSON when it parses (numbers, true/false), else as a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +210,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-probe", dest="probe", action="store_false", help="do not probe availability (no torch import)")
     p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("check", help="run the conformance kit on a backend", description=cmd_check.__doc__)
+    p.add_argument("name", help="backend name (see `attn-core list`)")
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when declared and visible, else cpu)")
+    p.add_argument("--quick", action="store_true", help="fewer cases (CI of slow backends, e.g. under the Triton interpreter)")
+    p.add_argument("-k", action="append", default=[], metavar="SUBSTR", help="run only checks whose id contains SUBSTR (repeatable)")
+    p.add_argument("--skip", action="append", default=[], metavar="GLOB", help="skip checks whose id matches GLOB (repeatable)")
+    p.add_argument("--option", action="append", default=[], type=_option, metavar="KEY=VALUE", help="backend constructor option")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random cases (default 0)")
+    p.add_argument("--list", action="store_true", help="list the checks and exit")
+    p.add_argument("-q", "--quiet", action="store_true", help="print failures and skips only")
+    p.set_defaults(func=cmd_check)
+
+    from attn_core.bench.cli import add_bench_arguments
+
+    p = sub.add_parser("bench", help="benchmark backends on the standard shapes", description=cmd_bench.__doc__)
+    add_bench_arguments(p)
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("explain", help="which backends can serve a request, and why not", description=cmd_explain.__doc__)
+    add_explain_arguments(p)
+    p.set_defaults(func=cmd_explain)
     return parser
 
 

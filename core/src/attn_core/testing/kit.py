@@ -78,9 +78,7 @@ def make_plan(
     return KitPlan(target, profile, checks, reason, dict(skip or {}))
 
 
-def run_plan(
-    plan: KitPlan, select: Sequence[str] = (), on_outcome: Optional[Callable[[Outcome], None]] = None
-) -> list[Outcome]:
+def run_plan(plan: KitPlan, select: Sequence[str] = (), on_outcome: Optional[Callable[[Outcome], None]] = None) -> list[Outcome]:
     """Run the plan's checks (only those whose id contains one of `select`, when given)."""
     outcomes = []
     for check in plan.checks:

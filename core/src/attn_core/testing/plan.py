@@ -46,6 +46,24 @@ def mla_split(head_dim: int) -> tuple[int, int]:
     return head_dim - rope, rope
 
 
+def numeric_check(target: KitTarget, case: AttnCase, deterministic: bool = False):
+    """A check running `case` against the reference (K/V writes included). `deterministic`: run it
+    twice; the same inputs must give the same errors (bit-identical outputs give identical errors)."""
+
+    def run() -> str:
+        result = run_case(target.factory, case)
+        if not result.ok:
+            raise KitFailure(result.message())
+        if deterministic:
+            again = run_case(target.factory, case)
+            if [(lr.out_error, lr.lse_error) for lr in again.layers] != [(lr.out_error, lr.lse_error) for lr in result.layers]:
+                raise KitFailure(f"two runs of the same inputs differ (declared deterministic)\n{result.message()}\n{again.message()}")
+        worst = max((lr.out_error for lr in result.layers), default=0.0)
+        return f"max rel err {worst:.2g}"
+
+    return run
+
+
 @dataclass(frozen=True)
 class Base:
     """The defaults every case starts from, chosen among what the backend declares."""
@@ -138,20 +156,7 @@ class PlanBuilder:
         self.checks.append(Check(cid, run, description))
 
     def numeric(self, cid: str, case: AttnCase, deterministic: bool = False) -> None:
-        target = self.target
-
-        def run() -> str:
-            result = run_case(target.factory, case)
-            if not result.ok:
-                raise KitFailure(result.message())
-            if deterministic:
-                again = run_case(target.factory, case)
-                if [(lr.out_error, lr.lse_error) for lr in again.layers] != [(lr.out_error, lr.lse_error) for lr in result.layers]:
-                    raise KitFailure(f"two runs of the same inputs differ (declared deterministic)\n{result.message()}\n{again.message()}")
-            worst = max((lr.out_error for lr in result.layers), default=0.0)
-            return f"max rel err {worst:.2g}"
-
-        self.add(cid, run, case.describe())
+        self.add(cid, numeric_check(self.target, case, deterministic), case.describe())
 
     # ---- the plan ----------------------------------------------------------------------------
     def build(self) -> list[Check]:
@@ -366,4 +371,4 @@ def random_case(target: KitTarget, profile: KitProfile, mode: ForwardMode, draw:
     return PlanBuilder(target, profile, seed).random_case(ForwardMode.parse(mode), draw, seed)
 
 
-__all__ = ["Base", "PlanBuilder", "build_checks", "choose_base", "mla_split", "random_case"]
+__all__ = ["Base", "PlanBuilder", "build_checks", "choose_base", "mla_split", "numeric_check", "random_case"]
