@@ -54,6 +54,11 @@ _EXPORTS = {
     "PagedTokenAllocator": "attn_core.memory",
     "MHATokenToKVPool": "attn_core.memory",
     "MLATokenToKVPool": "attn_core.memory",
+    "merge_state": "attn_core.ops.merge_state",
+    "HybridAttnBackend": "attn_core.wrappers.hybrid",
+    "TboAttnBackend": "attn_core.wrappers.tbo",
+    "MultiStepDraftBackend": "attn_core.wrappers.multi_step_draft",
+    "CudaGraphRunner": "attn_core.graph_runner",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

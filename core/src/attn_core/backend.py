@@ -99,6 +99,16 @@ class AttentionBackend(abc.ABC):
         """Whether this backend's kernels may be traced by Triton-based compilers."""
         return False
 
+    def needs_page_aligned_draft_kv(self) -> bool:
+        """Hook for `attn_core.wrappers.MultiStepDraftBackend` (only asked when page_size > 1 and
+        topk > 1): whether this backend reads a request's keys page by page (a page table built from
+        `req_to_token`), so that in the wrapper's draft request table the row of each draft branch must
+        keep token i at page offset i % page_size. True, the default, is right for every backend: the
+        wrapper then copies each request's last partial page of cached K/V into the first page of every
+        branch. A backend that gathers keys slot by slot (CSR kv_indices, no page arithmetic) may return
+        False and save that copy; its branch rows then point at the request's own last page."""
+        return True
+
     # ---- the per-layer call -------------------------------------------------------------------
     def forward(
         self,
