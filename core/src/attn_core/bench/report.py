@@ -90,10 +90,10 @@ def write_json(path: str, doc: dict) -> None:
 class Progress:
     """A one-line progress bar on a TTY stderr (plain lines elsewhere), shown once a run passes `after_s`."""
 
-    def __init__(self, stream: TextIO = sys.stderr, after_s: float = 1.0, width: int = 24):
-        self.stream, self.after_s, self.width = stream, after_s, width
+    def __init__(self, stream: Optional[TextIO] = None, after_s: float = 1.0, width: int = 24):
+        self.stream, self.after_s, self.width = stream or sys.stderr, after_s, width
         self.t0 = time.perf_counter()
-        self.tty = hasattr(stream, "isatty") and stream.isatty()
+        self.tty = self.stream.isatty()
         self.shown = False
 
     def __call__(self, done: int, total: int, label: str) -> None:
