@@ -109,12 +109,19 @@ def plan_paged(
 ) -> None:
     """Plan the paged prefill pass: queries (qo_indptr, host) over the keys of `kv`; causal aligns each
     request's queries with its last keys; `custom_mask` (flattened bool `[q_len, kv_len]` per request,
-    concatenated) replaces the causal mask."""
+    concatenated) replaces the causal mask.
+
+    With a mask, FlashInfer packs it on the device with offsets it derives from qo_indptr, indptr and
+    last-page lengths, so those go to the mask's device (it reads them back: its mask path syncs)."""
+    indptr, last = kv.indptr, kv.last_page_len
+    if custom_mask is not None:
+        dev = custom_mask.device
+        qo_indptr, indptr, last = (t.to(dev, non_blocking=True) for t in (qo_indptr, indptr, last))
     w.plan(
         qo_indptr,
-        kv.indptr,
+        indptr,
         kv.indices,
-        kv.last_page_len,
+        last,
         dims.num_q_heads,
         dims.num_kv_heads,
         dims.head_dim,

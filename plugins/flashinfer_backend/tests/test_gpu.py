@@ -1,0 +1,250 @@
+"""The FlashInfer backend on a CUDA GPU against the float64 reference: attn-core's conformance kit (every
+declared capability, CUDA-graph capture/replay, bad inputs, refusals), random batches at page sizes 1 and
+16 at realistic head counts, and graph replay at page size 16. Every test skips cleanly without CUDA or
+without flashinfer-python.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from attn_core.capabilities import CudaGraphLevel
+from attn_core.forward_mode import ForwardMode
+from attn_core.testing.compose import compose_requests
+from attn_core.testing.graphs import graph_case_check
+from attn_core.testing.harness import AttnCase, assert_case
+from attn_core.testing.profile import profile_for
+from attn_flashinfer.spec import SPEC
+
+pytestmark = pytest.mark.gpu
+REASON = SPEC.probe()
+requires_gpu = pytest.mark.skipif(REASON is not None, reason=f"flashinfer backend cannot run here: {REASON}")
+
+
+def _kit_checks():
+    if REASON is not None:
+        return [pytest.param(None, id="kit", marks=pytest.mark.skip(reason=f"flashinfer backend cannot run here: {REASON}"))]
+    from attn_core.testing.kit import make_plan
+
+    plan = make_plan("flashinfer", device="cuda", quick=True)
+    return [pytest.param(c, id=c.id) for c in plan.checks]
+
+
+@pytest.mark.parametrize("check", _kit_checks())
+def test_conformance_kit(check):
+    from attn_core.testing.outcome import execute
+
+    outcome = execute(check)
+    if outcome.status == "skipped":
+        pytest.skip(outcome.message)
+    assert outcome.status == "passed", outcome.message
+
+
+def _factory():
+    from attn_flashinfer.backend import FlashInferBackend
+
+    return FlashInferBackend
+
+
+RANDOM_MODES = (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
+
+
+@requires_gpu
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("mode", RANDOM_MODES, ids=[m.name for m in RANDOM_MODES])
+def test_random_batches(mode, page_size, seed):
+    """Random compositions (prefills, prefix hits, one-token rows, long requests) with GQA 32/8, bf16;
+    seed 1 asks for the LSE, seed 2 adds a sliding window and a logit cap."""
+    rng = random.Random(f"fi-{mode.name}-{page_size}-{seed}")
+    reqs = compose_requests(rng.randint, mode, profile_for("cuda", True))
+    extra = {1: dict(return_lse=True), 2: dict(sliding_window=rng.randint(1, 300), logit_cap=20.0)}.get(seed, {})
+    case = AttnCase(
+        mode, reqs, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=page_size, device="cuda", seed=seed, **extra
+    )
+    assert_case(_factory(), case)
+
+
+def _graph_case(mode, reqs, **kw):
+    return AttnCase(
+        mode,
+        reqs,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype="bfloat16",
+        device="cuda",
+        steps=((0, 1, 2), (3,), (4, 5)),
+        cuda_graph_level=int(CudaGraphLevel.UNIFORM_BATCH),
+        **kw,
+    )
+
+
+GRAPH_CASES = {
+    "decode-page16-window": _graph_case(
+        "DECODE", [(700, 1), (1, 1), (33, 1), (0, 1), (2000, 1), (15, 1)], page_size=16, sliding_window=100
+    ),
+    "decode-page1-logit_cap": _graph_case("DECODE", [(70, 1), (1, 1), (333, 1), (0, 1), (900, 1), (16, 1)], logit_cap=5.0),
+    "verify-page16-mask": _graph_case("TARGET_VERIFY", [(500, 4), (3, 4), (64, 4), (1, 4), (1500, 4), (17, 4)], page_size=16),
+    "verify-page16-causal": _graph_case(
+        "TARGET_VERIFY", [(50, 3), (3, 3), (64, 3), (1, 3), (150, 3), (17, 3)], page_size=16, custom_mask=False
+    ),
+}
+
+
+@requires_gpu
+@pytest.mark.parametrize("name", list(GRAPH_CASES))
+def test_graph_replay_equals_eager_and_reference(name):
+    from attn_core.testing.target import resolve_target
+
+    check = graph_case_check(resolve_target(SPEC), GRAPH_CASES[name])
+    check()
+
+
+# ---- attn-core's generic multi-step draft wrapper over this backend ---------------------------------
+DRAFT_HEADS, DRAFT_LAYERS = (16, 4), 2
+
+
+def _draft_env(lens, page_size, topk, num_steps, seed):
+    """Pools on the GPU with random cached K/V (NaN in every other slot), the draft slots, a context."""
+    from attn_core.batch_builder import build_forward_batch
+    from attn_core.context import BackendContext
+    from attn_core.memory import MHATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
+    from attn_core.wrappers.multi_step_draft import allocate_draft_slots
+
+    hq, hkv = DRAFT_HEADS
+    gen = torch.Generator().manual_seed(seed)
+    ps = page_size
+    pages = sum(-(-n // ps) + 1 for n in lens) + len(lens) * topk * (-(-(ps + num_steps) // ps)) + 2
+    r2t = ReqToTokenPool(len(lens) + 1, max(lens) + 4, "cuda")
+    alloc = PagedTokenAllocator(pages * ps, ps, "cuda")
+    kv = MHATokenToKVPool(pages * ps, ps, torch.bfloat16, hkv, 128, DRAFT_LAYERS, "cuda")
+    batch = build_forward_batch("EXTEND", [(n, 0) for n in lens], req_to_token_pool=r2t, allocator=alloc, token_to_kv_pool=kv)
+    rows = batch.req_pool_indices.tolist()
+    cached = []
+    for layer in range(DRAFT_LAYERS):
+        kb, vb = kv.get_key_buffer(layer), kv.get_value_buffer(layer)
+        kb.fill_(float("nan"))
+        vb.fill_(float("nan"))
+        per_req = []
+        for row, n in zip(rows, lens):
+            slots = r2t.req_to_token[row, :n].long()
+            k, v = (torch.randn(n, hkv, 128, generator=gen).to(torch.bfloat16).cuda() for _ in range(2))
+            kb[slots], vb[slots] = k, v
+            per_req.append((k, v))
+        cached.append(per_req)
+    loc = allocate_draft_slots(alloc, r2t, rows, lens, topk, num_steps)
+    ctx = BackendContext(
+        device="cuda",
+        dtype=torch.bfloat16,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=128,
+        page_size=ps,
+        max_batch_size=8,
+        max_context_len=max(lens) + 4,
+        req_to_token_pool=r2t,
+        token_to_kv_pool=kv,
+        speculative_num_steps=num_steps,
+        speculative_topk=topk,
+    )
+    return ctx, rows, cached, loc
+
+
+def _draft_inputs(n_rows, num_steps, seed):
+    hq, hkv = DRAFT_HEADS
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(h):
+        return torch.randn(n_rows, h, 128, generator=g).to(torch.bfloat16).cuda()
+
+    return [[(rnd(hq), rnd(hkv), rnd(hkv)) for _ in range(DRAFT_LAYERS)] for _ in range(num_steps)]
+
+
+def _draft_layers():
+    from attn_core.layer import AttentionLayer
+
+    hq, hkv = DRAFT_HEADS
+    return [AttentionLayer(i, hq, hkv, 128, scaling=128**-0.5 * 1.2) for i in range(DRAFT_LAYERS)]
+
+
+def _run_draft_steps(batches, inputs, pad_rows=None):
+    outs = []
+    for s, batch in enumerate(batches):
+        per_layer = []
+        for layer, (q, k, v) in zip(_draft_layers(), inputs[s]):
+            if pad_rows is not None:
+                q, k, v = (torch.cat([x, x.new_zeros((pad_rows - x.shape[0], *x.shape[1:]))]) for x in (q, k, v))
+            per_layer.append(layer(q, k, v, batch))
+        outs.append(per_layer)
+    return outs
+
+
+@requires_gpu
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("topk", [1, 4])
+def test_multi_step_draft_eager_and_graph(topk, page_size):
+    """Every draft step of every branch against the float64 reference (eager), then the same round
+    through CUDA graphs captured for a larger batch (padded) against the eager outputs."""
+    msd = pytest.importorskip("attn_core.wrappers.multi_step_draft", reason="attn-core's multi-step draft wrapper not installed")
+    from attn_core.testing.reference import reference_attention, relative_error, tolerance
+    from attn_flashinfer.backend import FlashInferBackend
+
+    lens, S = [500, 16, 131, 7, 64, 33], 3
+    ctx, rows, cached, loc = _draft_env(lens, page_size, topk, S, seed=topk * 100 + page_size)
+    pool = ctx.token_to_kv_pool
+    kv0 = [(pool.get_key_buffer(i).clone(), pool.get_value_buffer(i).clone()) for i in range(DRAFT_LAYERS)]
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    rows_t = torch.tensor(rows, device="cuda")
+    n = len(lens) * topk
+    inputs = _draft_inputs(n, S, seed=5)
+
+    def factory(step_ctx, step):
+        return FlashInferBackend(step_ctx)
+
+    eager = msd.MultiStepDraftBackend(factory, topk, S, ctx)
+    want = _run_draft_steps(eager.init_forward_metadata(rows_t, lens_t.cuda(), loc, lens_t), inputs)
+    tol = tolerance(torch.bfloat16)
+    for s in range(S):
+        for li, layer in enumerate(_draft_layers()):
+            got = want[s][li].reshape(n, -1, 128)
+            for b, L in enumerate(lens):
+                for j in range(topk):
+                    r = b * topk + j
+                    keys = torch.cat([cached[li][b][0], torch.stack([inputs[t][li][1][r] for t in range(s + 1)])])
+                    vals = torch.cat([cached[li][b][1], torch.stack([inputs[t][li][2][r] for t in range(s + 1)])])
+                    ref, _ = reference_attention(
+                        inputs[s][li][0][r : r + 1], keys, vals, q_positions=torch.tensor([L + s]), scale=layer.scaling
+                    )
+                    err = relative_error(got[r : r + 1], ref)
+                    assert err <= tol, f"step {s} layer {li} request {b} branch {j}: rel err {err:.3g}"
+
+    for i, (k, v) in enumerate(kv0):  # the graph round starts from the same pool
+        pool.get_key_buffer(i).copy_(k)
+        pool.get_value_buffer(i).copy_(v)
+    capture_bs = 8
+    graphed = msd.MultiStepDraftBackend(factory, topk, S, ctx)
+    graphed.init_cuda_graph_state(capture_bs)
+    static = _draft_inputs(capture_bs * topk, S, seed=0)
+    batches = graphed.init_forward_metadata_capture_cuda_graph(capture_bs)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _run_draft_steps(batches, static)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_static = _run_draft_steps(batches, static)
+    graphed.init_forward_metadata_replay_cuda_graph(capture_bs, rows_t, lens_t.cuda(), loc, lens_t)
+    for s in range(S):
+        for li in range(DRAFT_LAYERS):
+            for buf, x in zip(static[s][li], inputs[s][li]):
+                buf.zero_()
+                buf[:n] = x
+    graph.replay()
+    for s in range(S):
+        for li in range(DRAFT_LAYERS):
+            err = relative_error(out_static[s][li][:n], want[s][li].double())
+            assert err <= tol, f"graph replay step {s} layer {li}: rel err {err:.3g} vs eager"
