@@ -42,7 +42,7 @@ class Env:
     loc: torch.Tensor  # [bs, topk, num_steps]
 
 
-def _env(lens, page_size, topk, num_steps, dtype=torch.float32, device="cpu", seed=0, skip_row0=True) -> Env:
+def _env(lens, page_size, topk, num_steps, dtype=torch.float32, device="cpu", seed=0, skip_row0=True, max_batch_size=None) -> Env:
     """Requests with `lens` cached tokens (random K/V, every other slot NaN) and their draft slots."""
     dev = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
@@ -80,7 +80,7 @@ def _env(lens, page_size, topk, num_steps, dtype=torch.float32, device="cpu", se
         num_kv_heads=HKV,
         head_dim=D,
         page_size=ps,
-        max_batch_size=bs + 1,
+        max_batch_size=max_batch_size or bs + 1,
         max_context_len=max_ctx,
         req_to_token_pool=r2t_pool,
         token_to_kv_pool=kv,
@@ -208,7 +208,7 @@ def test_attention_per_step_equals_reference(topk, page_size, dtype):
 
 def _graph_vs_eager(lens, page_size, topk, S, capture_bs, device="cpu", use_graph=False, cls=TorchNativeBackend, rtol=1e-5):
     # row 0 (which padding rows read) is a real request: stray copies from it would show in the pool
-    env = _env(lens, page_size, topk, S, device=device, seed=3, skip_row0=False)
+    env = _env(lens, page_size, topk, S, device=device, seed=3, skip_row0=False, max_batch_size=capture_bs)
     kv0 = [(env.kv.get_key_buffer(i).clone(), env.kv.get_value_buffer(i).clone()) for i in range(LAYERS)]
     inputs = _step_inputs(len(lens) * topk, S, torch.float32, device, seed=11)
     want = _run_steps(_eager(env, _wrapper(env, topk, S, cls)), inputs)
@@ -274,13 +274,18 @@ def test_bad_input_is_refused():
     with pytest.raises(InvalidArgumentError, match="out_cache_loc"):
         w.init_forward_metadata(rows, lens, env.loc[:, :, :1], lens)
     shifted = env.loc.clone()
-    shifted[1, 2, 0] += 1  # off its page offset
+    shifted[1, 2, 1] += 1  # off its page offset (onto a free slot of its page)
     with pytest.raises(InvalidArgumentError, match="page offset"):
         w.init_forward_metadata(rows, lens, shifted, lens)
-    shared = env.loc.clone()
-    shared[0, 1] = shared[0, 0]  # two branches on one page
+    twice = env.loc.clone()
+    twice[0, 1] = twice[0, 0]  # two branches writing the same slots
+    with pytest.raises(InvalidArgumentError, match="distinct"):
+        w.init_forward_metadata(rows, lens, twice, lens)
+    on_request_page = env.loc.clone()
+    last = int(env.r2t_pool.req_to_token[env.rows[0], env.lens[0] - 1])
+    on_request_page[0, 1] = torch.tensor([last + 1, last + 2])  # branch 1 would overwrite nothing but share the page
     with pytest.raises(InvalidArgumentError, match="first page"):
-        w.init_forward_metadata(rows, lens, shared, lens)
+        w.init_forward_metadata(rows, lens, on_request_page, lens)
     with pytest.raises(InvalidArgumentError, match="init_cuda_graph_state"):
         w.init_forward_metadata_capture_cuda_graph(2)
     w.init_cuda_graph_state(2)

@@ -210,6 +210,8 @@ class MultiStepDraftBackend:
         bad = (loc_cpu < ps).nonzero()
         if bad.numel():
             raise InvalidArgumentError("out_cache_loc", f"allocated slots (>= {ps}, not the dummy page)", f"slot {loc_cpu[tuple(bad[0])]}")
+        if loc_cpu.unique().numel() != loc_cpu.numel():
+            raise InvalidArgumentError("out_cache_loc", "distinct slots for every (request, branch, step)", "a slot used twice")
         if ps == 1 or not (self.topk == 1 or self.page_aligned):
             return
         L = seq_lens_cpu.to(torch.int64)
