@@ -44,7 +44,8 @@ def _merge_state_kernel(
     wa = tl.exp(la - m)
     wb = tl.exp(lb - m)
     total = wa + wb
-    inv = tl.where(total > 0, 1.0 / tl.where(total > 0, total, 1.0), 0.0)
+    safe_total = tl.where(total > 0, total, 1.0)  # both sides empty: no division by or log of 0
+    inv = tl.where(total > 0, 1.0 / safe_total, 0.0)
     d = tl.arange(0, BLOCK_D)
     dmask = d < head_dim
     xa = tl.load(o_a + t * stride_a_t + h * stride_a_h + d, mask=dmask, other=0.0).to(tl.float32)
@@ -52,7 +53,7 @@ def _merge_state_kernel(
     # where(), not a product: an empty side (weight 0) may hold garbage and 0 * NaN is NaN
     merged = tl.where(wa > 0, xa * (wa * inv), 0.0) + tl.where(wb > 0, xb * (wb * inv), 0.0)
     tl.store(out + t * stride_o_t + h * stride_o_h + d, merged.to(out.dtype.element_ty), mask=dmask)
-    tl.store(out_lse + t * num_heads + h, m + tl.log(total))
+    tl.store(out_lse + t * num_heads + h, tl.where(total > 0, m + tl.log(safe_total), float("-inf")))
 
 
 def merge_state_triton(
