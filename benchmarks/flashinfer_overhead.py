@@ -184,7 +184,36 @@ def bench(name: str, mode: str, reqs, iters: int, rounds: int) -> dict:
 
         replay_meta()
         res["graph_replay_metadata_host_us"] = statistics.median(host_time_us(replay_meta, 20 * rounds))
+    backend.init_forward_metadata(batch)
+    res["breakdown_host_us"] = breakdown(backend, batch, backend.forward_metadata, backend.forward_metadata.plans[key])
     return res
+
+
+def breakdown(backend, batch, step, plan) -> dict:
+    """Host µs of each piece of one step's metadata (GPU idle before each call), to see where it goes."""
+    from attn_core.ops import kv_indices as kvi
+    from attn_flashinfer.indices import paged_kv_host
+
+    which = "seq" if plan.decode is not None else "prefix"
+    kv = step.kv[which]
+    lens_dev = batch.seq_lens if which == "seq" else batch.extend_prefix_lens
+    lens_cpu = batch.seq_lens_cpu if which == "seq" else batch.extend_prefix_lens_cpu
+    r2t, rpi, total = batch.req_to_token_pool.req_to_token, batch.req_pool_indices, kv.num_pages
+
+    def torch_ids():
+        indptr = kvi.page_indptr_from_lens(lens_dev, PAGE)
+        return kvi.kv_indices_from_req_to_token(r2t, rpi, indptr, total, page_size=PAGE)
+
+    pieces = {
+        "host layout, numpy (used)": lambda: paged_kv_host(lens_cpu, PAGE),
+        "host layout, torch (attn_core)": lambda: (kvi.page_indptr_from_lens(lens_cpu, PAGE), kvi.last_page_len_from_lens(lens_cpu, PAGE)),
+        "device page ids, Triton (used)": lambda: kvi.build_kv_indices(r2t, rpi, lens_dev, total, page_size=PAGE),
+        "device page ids, torch ops": torch_ids,
+        "init_forward_metadata (all)": lambda: backend.init_forward_metadata(batch),
+    }
+    for fn in pieces.values():
+        fn()
+    return {name: statistics.median(host_time_us(fn, 30)) for name, fn in pieces.items()}
 
 
 SHAPES = {
@@ -221,6 +250,8 @@ def main() -> None:
         )
         if "graph_replay_metadata_host_us" in r:
             print(f"{'':30} graph replay metadata (buffers + fast_decode_plan): {r['graph_replay_metadata_host_us']:.1f} µs host")
+        for piece, us in r["breakdown_host_us"].items():
+            print(f"{'':30} {piece:34} {us:8.1f} µs host")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"info": info, "results": results}, f, indent=2)

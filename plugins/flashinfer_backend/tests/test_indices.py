@@ -7,6 +7,7 @@ import pytest
 import torch
 from attn_core.batch_builder import build_forward_batch
 from attn_core.memory import PagedTokenAllocator, ReqToTokenPool
+from attn_core.ops.kv_indices import last_page_len_from_lens, page_indptr_from_lens
 from attn_flashinfer.indices import build_paged_kv, paged_kv_host, qo_indptr_host, self_attention_page_size
 
 
@@ -27,6 +28,17 @@ def test_host_side_of_empty_and_full_pages():
     assert lens.dtype == indptr.dtype == last.dtype == torch.int32
     assert indptr.tolist() == [0, 0, 1, 3, 4]
     assert last.tolist() == [0, 16, 1, 1]
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 16, 64])
+def test_host_layout_matches_attn_core_builders(page_size):
+    rng = random.Random(page_size)
+    lens = torch.tensor([0, 1, page_size, page_size + 1] + [rng.randint(0, 5000) for _ in range(60)], dtype=torch.int32)
+    got_lens, indptr, last = paged_kv_host(lens, page_size)
+    assert torch.equal(got_lens, lens)
+    assert torch.equal(indptr, page_indptr_from_lens(lens, page_size))
+    assert torch.equal(last, last_page_len_from_lens(lens, page_size))
+    assert indptr.dtype == last.dtype == torch.int32
 
 
 def _keys_of(kv, r):

@@ -19,8 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
-from attn_core.ops.kv_indices import build_kv_indices, exclusive_cumsum, last_page_len_from_lens, page_indptr_from_lens
+from attn_core.ops.kv_indices import build_kv_indices, exclusive_cumsum
 
 
 @dataclass
@@ -40,9 +41,20 @@ class PagedKV:
 
 
 def paged_kv_host(kv_lens_host: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Host side of a `PagedKV`: (kv_lens int32, indptr int32 `[bs+1]`, last_page_len int32 `[bs]`)."""
-    kv_lens = kv_lens_host.to(torch.int32)
-    return kv_lens, page_indptr_from_lens(kv_lens, page_size), last_page_len_from_lens(kv_lens, page_size)
+    """Host side of a `PagedKV`: (kv_lens int32, indptr int32 `[bs+1]`, last_page_len int32 `[bs]`).
+
+    The numbers of attn_core's `page_indptr_from_lens` / `last_page_len_from_lens` (tests check they
+    agree), computed with numpy: per step this runs on the host before FlashInfer's plan, and numpy's
+    small-array ops cost a fraction of torch's dispatch."""
+    lens = kv_lens_host.to(torch.int32).numpy()
+    if page_size == 1:
+        pages, last = lens, (lens > 0).astype(np.int32)
+    else:
+        pages = (lens + (page_size - 1)) // page_size
+        last = lens - np.maximum(pages - 1, 0) * page_size
+    indptr = np.zeros(lens.shape[0] + 1, dtype=np.int32)
+    np.cumsum(pages, out=indptr[1:])
+    return torch.from_numpy(lens), torch.from_numpy(indptr), torch.from_numpy(last)
 
 
 def build_paged_kv(
