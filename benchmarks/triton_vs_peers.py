@@ -346,53 +346,98 @@ def _cfg(c) -> Optional[dict]:
     return None if c is None else asdict(c)
 
 
-def metadata_host_times(batch_sizes=(1, 64, 256), ctx_len: int = 4096, n: int = 300) -> list[dict]:
-    """Host µs of init_forward_metadata (DECODE) and of FlashInfer's decode plan; the former under
-    torch's sync debug mode set to "error", so any host-device sync raises."""
-    from attn_triton.backend import TritonAttnBackend
+def _host_us(fn: Callable, n: int) -> list[float]:
+    samples = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        fn()
+        samples.append((time.perf_counter_ns() - t0) / 1000.0)
+    return samples
 
+
+def metadata_host_times(batch_sizes=(1, 64, 256), ctx_len: int = 4096, n: int = 300) -> list[dict]:
+    """Host µs of init_forward_metadata (DECODE; median and p90 of `n` calls) and of FlashInfer's
+    decode plan. A second pass runs the calls under torch's sync debug mode "error", so any
+    host-device sync raises. Also the parts: one index-kernel launch and one torch.empty."""
     gen = torch.Generator(device="cuda").manual_seed(7)
     out = []
     for bs in batch_sizes:
-        w = make_workload([ctx_len] * bs, [1] * bs, True, gen)
-        backend = TritonAttnBackend(make_context(w))
-        for _ in range(20):
-            backend.init_forward_metadata(w.batch)
-        torch.cuda.synchronize()
-        samples = []
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            for _ in range(n):
-                t0 = time.perf_counter_ns()
-                backend.init_forward_metadata(w.batch)
-                samples.append((time.perf_counter_ns() - t0) / 1000.0)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        row = {
-            "bs": bs,
-            "attn_triton_us_median": statistics.median(samples),
-            "attn_triton_us_p90": sorted(samples)[int(0.9 * n)],
-            "sync": "none",
-        }
-        try:
-            import flashinfer
-
-            ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
-            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
-            args = (w.page_indptr, w.page_indices, w.last_page_len, HQ, HKV, D, PAGE)
-            fi = []
-            for i in range(60):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter_ns()
-                wrapper.plan(*args, q_data_type=DTYPE, kv_data_type=DTYPE)
-                if i >= 10:
-                    fi.append((time.perf_counter_ns() - t0) / 1000.0)
-            row["flashinfer_plan_us_median"] = statistics.median(fi)
-        except Exception as exc:
-            row["flashinfer_plan_error"] = repr(exc)[:200]
+        row = _metadata_row(bs, ctx_len, n, gen)
         out.append(row)
         print(f"  metadata bs={bs}: {row}", flush=True)
     return out
+
+
+def _metadata_row(bs: int, ctx_len: int, n: int, gen: torch.Generator) -> dict:
+    from attn_triton.backend import TritonAttnBackend
+    from attn_triton.kernels.indices import build_indices
+
+    w = make_workload([ctx_len] * bs, [1] * bs, True, gen)
+    backend = TritonAttnBackend(make_context(w))
+    for _ in range(20):
+        backend.init_forward_metadata(w.batch)
+    torch.cuda.synchronize()
+    samples = _host_us(lambda: backend.init_forward_metadata(w.batch), n)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _host_us(lambda: backend.init_forward_metadata(w.batch), 20)
+        sync = "none (sync debug mode 'error')"
+    except RuntimeError as exc:
+        sync = f"SYNC: {exc!r:.100}"
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    meta = backend.forward_metadata
+    kv = meta.kv
+    splits = backend.decode_splits(bs)
+    launch = _host_us(
+        lambda: build_indices(
+            w.rows.req_to_token, w.batch.req_pool_indices, w.batch.seq_lens, kv.indptr, kv.indices,
+            num_splits=kv.num_splits, max_splits=splits.max_splits, min_split_len=splits.min_split_len,
+        ),
+        n,
+    )  # fmt: skip
+    from attn_triton.kernels.indices import _LAUNCH
+
+    _LAUNCH.enabled = False
+    plain = _host_us(lambda: backend.init_forward_metadata(w.batch), n)
+    plain_launch = _host_us(
+        lambda: build_indices(
+            w.rows.req_to_token, w.batch.req_pool_indices, w.batch.seq_lens, kv.indptr, kv.indices,
+            num_splits=kv.num_splits, max_splits=splits.max_splits, min_split_len=splits.min_split_len,
+        ),
+        n,
+    )  # fmt: skip
+    _LAUNCH.enabled = True
+    empty = _host_us(lambda: torch.empty(bs * ctx_len, dtype=torch.int32, device="cuda"), n)
+    torch.cuda.synchronize()
+    row = {
+        "bs": bs,
+        "attn_triton_us_median": statistics.median(samples),
+        "attn_triton_us_p90": sorted(samples)[int(0.9 * n)],
+        "index_kernel_launch_us_median": statistics.median(launch),
+        "without_cached_launch_us_median": statistics.median(plain),
+        "index_kernel_plain_launch_us_median": statistics.median(plain_launch),
+        "torch_empty_us_median": statistics.median(empty),
+        "sync": sync,
+    }
+    try:
+        import flashinfer
+
+        ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+        args = (w.page_indptr, w.page_indices, w.last_page_len, HQ, HKV, D, PAGE)
+        fi = []
+        for i in range(60):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter_ns()
+            wrapper.plan(*args, q_data_type=DTYPE, kv_data_type=DTYPE)
+            if i >= 10:
+                fi.append((time.perf_counter_ns() - t0) / 1000.0)
+        row["flashinfer_plan_us_median"] = statistics.median(fi)
+    except Exception as exc:
+        row["flashinfer_plan_error"] = repr(exc)[:200]
+    return row
 
 
 def print_table(rows: list[RowResult]) -> str:
@@ -481,7 +526,7 @@ def main(argv=None) -> int:
         for m in meta:
             fi = m.get("flashinfer_plan_us_median")
             fi = "-" if fi is None else f"{fi:.1f}"
-            print(f"| {m['bs']} | {m['attn_triton_us_median']:.1f} / {m['attn_triton_us_p90']:.1f} | {fi} | none |")
+            print(f"| {m['bs']} | {m['attn_triton_us_median']:.1f} / {m['attn_triton_us_p90']:.1f} | {fi} | {m['sync']} |")
     if bad:
         print(f"ACCURACY FAILURES (rel err > 2e-2): {bad}")
     with open(args.out, "w") as f:

@@ -23,7 +23,7 @@ from attn_triton.config import SplitPolicy, decode_config, extend_config
 from attn_triton.graph import GraphState
 from attn_triton.kernels.decode import DecodeConfig, decode_attention, head_blocks
 from attn_triton.kernels.extend import ExtendConfig, extend_attention
-from attn_triton.metadata import DecodeMetadata, ExtendMetadata, KVIndex, Splits, fill_kv, new_kv
+from attn_triton.metadata import DecodeMetadata, ExtendMetadata, KVIndex, Splits, SplitScratch, fill_kv, new_kv
 from attn_triton.spec import CAPABILITIES, interpreter_enabled
 
 MAX_MHA_HEAD_DIM = 256
@@ -64,14 +64,19 @@ class TritonAttnBackend(AttentionBackend):
         else:
             self.num_sms = 4
         self.graph: Optional[GraphState] = None
+        self._splits: dict[int, Splits] = {}
+        self._scratch = SplitScratch(ctx.num_q_heads, ctx.v_head_dim, ctx.device)
 
     # ---- metadata ----------------------------------------------------------------------------
     def decode_splits(self, bs: int) -> Splits:
         """Split parameters of a DECODE batch of `bs` requests (graph-safe: depends on bs only)."""
-        det = self.ctx.deterministic
-        p = self.split_policy
-        ms = p.max_splits(bs, self.ctx.num_kv_heads * self.heads_per_kv_block, self.num_sms, det)
-        return Splits(ms, p.min_len(det))
+        splits = self._splits.get(bs)
+        if splits is None:
+            det = self.ctx.deterministic
+            p = self.split_policy
+            ms = p.max_splits(bs, self.ctx.num_kv_heads * self.heads_per_kv_block, self.num_sms, det)
+            splits = self._splits[bs] = Splits(ms, p.min_len(det))
+        return splits
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         b = forward_batch
@@ -94,10 +99,10 @@ class TritonAttnBackend(AttentionBackend):
         if b.encoder_lens is not None:
             cross = new_kv(bs, int(b.encoder_lens_cpu.sum()), dev, with_splits=True)
             fill_kv(cross, r2t, b.req_pool_indices, b.encoder_lens, splits=splits)
-        hq, dv = self.ctx.num_q_heads, self.ctx.v_head_dim
-        part_o = torch.empty((bs, hq, splits.max_splits, dv), dtype=torch.float32, device=dev)
-        part_lse = torch.empty((bs, hq, splits.max_splits), dtype=torch.float32, device=dev)
-        return DecodeMetadata(kv, cross, splits.max_splits, part_o, part_lse)
+        if self._scratch.capacity == 0:
+            top = max(bs, self.ctx.max_batch_size)
+            self._scratch.reserve(max(n * self.decode_splits(n).max_splits for n in range(1, top + 1)))
+        return DecodeMetadata(kv, cross, splits.max_splits, *self._scratch.views(bs, splits.max_splits))
 
     def _extend_metadata(self, b: ForwardBatch, r2t: torch.Tensor) -> ExtendMetadata:
         bs, dev = b.batch_size, self.device

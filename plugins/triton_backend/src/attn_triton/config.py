@@ -48,7 +48,8 @@ def decode_config(head_dim: int, v_head_dim: int, dtype: torch.dtype, device: to
         return DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=2)
     if dtype == torch.float32:
         return DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=2)
-    return DecodeConfig(block_n=64, block_h=16, num_warps=4, num_stages=3)
+    # H200 sweep (docs/perf.md): 128-key tiles, 8 warps, 3 stages won on every DESIGN §7 decode row
+    return DecodeConfig(block_n=128, block_h=16, num_warps=8, num_stages=3)
 
 
 def extend_config(head_dim: int, v_head_dim: int, dtype: torch.dtype, device: torch.device, mla: bool) -> ExtendConfig:
@@ -61,4 +62,5 @@ def extend_config(head_dim: int, v_head_dim: int, dtype: torch.dtype, device: to
         return ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     if dtype == torch.float32:
         return ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
-    return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    # H200 sweep (docs/perf.md): 128x64 tiles with 4 warps, 3 stages were fastest on the extend rows
+    return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)

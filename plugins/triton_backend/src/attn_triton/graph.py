@@ -15,7 +15,7 @@ from attn_core.batch import SpecInfo
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 
-from attn_triton.metadata import DecodeMetadata, ExtendMetadata, KVIndex, fill_kv
+from attn_triton.metadata import DecodeMetadata, ExtendMetadata, KVIndex, SplitScratch, fill_kv
 
 if TYPE_CHECKING:
     from attn_triton.backend import TritonAttnBackend
@@ -43,9 +43,8 @@ class GraphState:
         self.q_lens = i32(max_bs)
         self.mask_indptr = torch.zeros(max_bs + 1, dtype=torch.int64, device=dev)
         self.mask: Optional[torch.Tensor] = None  # allocated at the first TARGET_VERIFY capture
-        most = max(bs * backend.decode_splits(bs).max_splits for bs in range(1, max_bs + 1))
-        self.part_o = torch.empty(most * ctx.num_q_heads * ctx.v_head_dim, dtype=torch.float32, device=dev)
-        self.part_lse = torch.empty(most * ctx.num_q_heads, dtype=torch.float32, device=dev)
+        self.scratch = SplitScratch(ctx.num_q_heads, ctx.v_head_dim, dev)
+        self.scratch.reserve(max(bs * backend.decode_splits(bs).max_splits for bs in range(1, max_bs + 1)))
         self.captured: dict[tuple[int, ForwardMode], Metadata] = {}
 
     def _views(self, kv: KVIndex, bs: int, with_splits: bool) -> KVIndex:
@@ -64,13 +63,11 @@ class GraphState:
             if num_tokens != bs:
                 raise InvalidArgumentError("num_tokens", f"{bs} (one token per request) for DECODE", num_tokens)
             ms = self.backend.decode_splits(bs).max_splits
-            hq, dv = ctx.num_q_heads, ctx.v_head_dim
             meta: Metadata = DecodeMetadata(
                 self._views(self.kv, bs, True),
                 self._views(self.cross, bs, True) if has_cross else None,
                 ms,
-                self.part_o[: bs * hq * ms * dv].view(bs, hq, ms, dv),
-                self.part_lse[: bs * hq * ms].view(bs, hq, ms),
+                *self.scratch.views(bs, ms),
             )
         elif mode.is_target_verify():
             if num_tokens % bs:

@@ -90,9 +90,37 @@ def fill_kv(
 
 
 def new_kv(bs: int, total: int, device: torch.device, with_splits: bool) -> KVIndex:
-    """Fresh (uninitialized) index tensors for `bs` requests and `total` keys."""
+    """Fresh (uninitialized) index tensors for `bs` requests and `total` keys: one allocation, sliced
+    (the step's host time is mostly fixed per-call costs)."""
+    n_splits = bs if with_splits else 0
+    buf = torch.empty(bs + 1 + n_splits + max(total, 1), dtype=torch.int32, device=device)
     return KVIndex(
-        indptr=torch.empty(bs + 1, dtype=torch.int32, device=device),
-        indices=torch.empty(max(total, 1), dtype=torch.int32, device=device),
-        num_splits=torch.empty(bs, dtype=torch.int32, device=device) if with_splits else None,
+        indptr=buf[: bs + 1],
+        indices=buf[bs + 1 + n_splits :],
+        num_splits=buf[bs + 1 : bs + 1 + n_splits] if with_splits else None,
     )
+
+
+class SplitScratch:
+    """Float32 scratch of the decode splits, `[bs, Hq, max_splits, Dv]` outputs and `[bs, Hq, max_splits]`
+    LSEs, kept across steps (layers and steps run in stream order on one backend) and grown on demand."""
+
+    def __init__(self, num_q_heads: int, v_head_dim: int, device: torch.device):
+        self.hq, self.dv, self.device = num_q_heads, v_head_dim, device
+        self.capacity = 0  # (request, split) pairs
+        self.o = self.lse = None
+
+    def reserve(self, pairs: int) -> None:
+        if pairs > self.capacity:
+            self.o = torch.empty(pairs * self.hq * self.dv, dtype=torch.float32, device=self.device)
+            self.lse = torch.empty(pairs * self.hq, dtype=torch.float32, device=self.device)
+            self.capacity = pairs
+
+    def views(self, bs: int, max_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(part_o, part_lse) views for a batch of `bs` requests with up to `max_splits` splits each."""
+        if bs * max_splits > self.capacity:
+            self.reserve(max(bs * max_splits, 2 * self.capacity))
+        hq, dv, ms = self.hq, self.dv, max_splits
+        part_o = torch.as_strided(self.o, (bs, hq, ms, dv), (hq * ms * dv, ms * dv, dv, 1))
+        part_lse = torch.as_strided(self.lse, (bs, hq, ms), (hq * ms, ms, 1))
+        return part_o, part_lse

@@ -10,15 +10,21 @@ import math
 
 import triton
 import triton.language as tl
+from attn_core.errors import InvalidArgumentError
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+#: the same constants for use inside kernels (Triton only reads constexpr globals)
+LOG2E_K = tl.constexpr(LOG2E)
+LN2_K = tl.constexpr(LN2)
 
 
 def score_scales(sm_scale: float, logit_cap: float, k_scale: float = 1.0) -> tuple[float, float]:
-    """(qk_scale, cap_scale) for `scale_scores`: without a cap, logits2 = qk·sm_scale·k_scale·log2e;
-    with a cap c, logits2 = c·tanh(qk·sm_scale·k_scale / c)·log2e."""
+    """(qk_scale, cap_scale): without a cap, logits2 = qk·sm_scale·k_scale·log2e; with a cap c,
+    logits2 = c·tanh(qk·sm_scale·k_scale / c)·log2e (`scale_scores`). The product must be > 0."""
     s = sm_scale * k_scale
+    if not s > 0:
+        raise InvalidArgumentError("layer.scaling * k_scale", "> 0", s)
     if logit_cap > 0:
         return s / logit_cap, logit_cap * LOG2E
     return s * LOG2E, 0.0
@@ -26,25 +32,29 @@ def score_scales(sm_scale: float, logit_cap: float, k_scale: float = 1.0) -> tup
 
 @triton.jit
 def scale_scores(qk, qk_scale, cap_scale, LOGIT_CAP: tl.constexpr):
-    """Raw q·k to base-2 logits (see `score_scales`); tanh written with exp so the interpreter runs it."""
-    if LOGIT_CAP:
-        x = qk * qk_scale
-        t = 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
-        return t * cap_scale
-    else:
-        return qk * qk_scale
+    """Raw q·k under a logit cap to base-2 logits (see `score_scales`); tanh is written with exp so
+    the interpreter runs it. Without a cap the kernels keep raw scores and fold qk_scale into
+    `softmax_step` (one FMA per score)."""
+    x = qk * qk_scale
+    t = 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+    return t * cap_scale
 
 
 @triton.jit
-def softmax_step(m_i, l_i, acc, s):
-    """One online-softmax step over logits `s` [M, N] (-inf where masked).
+def softmax_step(m_i, l_i, acc, s, s_scale, GUARD: tl.constexpr):
+    """One online-softmax step over scores `s` [M, N]: base-2 logits are s * s_scale (s_scale > 0;
+    -inf where masked).
 
-    Returns the new running max, denominator, rescaled accumulator and the probabilities `p` [M, N];
-    rows that have seen only -inf keep max -inf and contribute nothing (no NaN)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    Returns the new running max, denominator, rescaled accumulator and the probabilities `p` [M, N].
+    With GUARD, rows that have seen only -inf keep max -inf and contribute nothing (no NaN); without
+    it every row must hold a finite score (unmasked tiles)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * s_scale)
+    if GUARD:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
     alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
+    p = tl.exp2(s * s_scale - m_use[:, None])
     l_new = l_i * alpha + tl.sum(p, 1)
     return m_new, l_new, acc * alpha[:, None], p
 

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_triton.kernels.common import LN2, LOG2E, finalize, scale_scores, score_scales, softmax_step
+from attn_triton.kernels.common import LN2_K, LOG2E_K, finalize, scale_scores, score_scales, softmax_step
 
 
 @dataclass(frozen=True)
@@ -119,9 +119,14 @@ def _decode_split_kernel(
                 k_head + slot[:, None] * stride_ks + D + offs_dpe[None, :], mask=n_ok[:, None] & (offs_dpe[None, :] < DPE), other=0.0
             )
             qk += tl.dot(q_pe, tl.trans(k_pe.to(q.dtype)), input_precision=DOT_PREC)
-        sc = scale_scores(qk, qk_scale, cap_scale, LOGIT_CAP)
+        if LOGIT_CAP:
+            sc = scale_scores(qk, qk_scale, cap_scale, LOGIT_CAP)
+            s_scale = 1.0
+        else:
+            sc = qk
+            s_scale = qk_scale
         sc = tl.where(n_ok[None, :], sc, float("-inf"))
-        m_i, l_i, acc, p = softmax_step(m_i, l_i, acc, sc)
+        m_i, l_i, acc, p = softmax_step(m_i, l_i, acc, sc, s_scale, True)
         if SHARE_KV:
             v = k
         else:
@@ -166,7 +171,7 @@ def _decode_merge_kernel(
     lse = tl.load(PART_LSE + r.to(tl.int64) * stride_lb + h * stride_lh + offs_s, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 0)
     if HAS_SINK:
-        sink2 = tl.load(SINKS + h) * LOG2E
+        sink2 = tl.load(SINKS + h) * LOG2E_K
         m = tl.maximum(m, sink2)
     m_use = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m_use)
@@ -180,7 +185,7 @@ def _decode_merge_kernel(
     inv = tl.where(ok, v_scale / tl.where(ok, denom, 1.0), 0.0)
     tl.store(OUT + r.to(tl.int64) * stride_ob + h * stride_oh + offs_dv, (acc * inv).to(OUT.dtype.element_ty), mask=offs_dv < DV)
     if STORE_LSE:
-        lse_out = tl.where(ok, (m_use + tl.log2(tl.where(ok, denom, 1.0))) * LN2, float("-inf"))
+        lse_out = tl.where(ok, (m_use + tl.log2(tl.where(ok, denom, 1.0))) * LN2_K, float("-inf"))
         tl.store(LSE + r.to(tl.int64) * stride_eb + h, lse_out)
 
 

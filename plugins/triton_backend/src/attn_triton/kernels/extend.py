@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_triton.kernels.common import LN2, LOG2E, add_sink, finalize, scale_scores, score_scales, softmax_step
+from attn_triton.kernels.common import LN2_K, LOG2E_K, add_sink, finalize, scale_scores, score_scales, softmax_step
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,12 @@ def _extend_tile(
         else:
             k_pe = tl.load(pe_ptr, mask=offs_dpe[None, :] < DPE, other=0.0)
         qk += tl.dot(q_pe, tl.trans(k_pe.to(q.dtype)), input_precision=DOT_PREC)
-    sc = scale_scores(qk, qk_scale, cap_scale, LOGIT_CAP)
+    if LOGIT_CAP:
+        sc = scale_scores(qk, qk_scale, cap_scale, LOGIT_CAP)
+        s_scale = 1.0
+    else:
+        sc = qk
+        s_scale = qk_scale
     if MASKED:
         ok = n_ok[None, :] & m_ok[:, None]
         if CAUSAL:
@@ -102,7 +107,7 @@ def _extend_tile(
             bits = tl.load(MASK + mask_beg + q_idx[:, None].to(tl.int64) * kv_len + n[None, :], mask=ok, other=0)
             ok = ok & (bits != 0)
         sc = tl.where(ok, sc, float("-inf"))
-    m_i, l_i, acc, p = softmax_step(m_i, l_i, acc, sc)
+    m_i, l_i, acc, p = softmax_step(m_i, l_i, acc, sc, s_scale, MASKED)
     if SHARE_KV:
         v = k
     else:
@@ -219,13 +224,13 @@ def _extend_kernel(
         )  # fmt: skip
 
     if HAS_SINK:
-        sink2 = tl.load(SINKS + h) * LOG2E
+        sink2 = tl.load(SINKS + h) * LOG2E_K
         m_i, l_i, acc = add_sink(m_i, l_i, acc, tl.zeros([BLOCK_M], dtype=tl.float32) + sink2)
     out, lse2 = finalize(m_i, l_i, acc)
     o_rows = OUT + (q_beg + offs_m).to(tl.int64)[:, None] * stride_ot + h * stride_oh
     tl.store(o_rows + offs_dv[None, :], (out * v_scale).to(OUT.dtype.element_ty), mask=m_ok[:, None] & (offs_dv[None, :] < DV))
     if STORE_LSE:
-        tl.store(LSE + (q_beg + offs_m).to(tl.int64) * stride_lt + h, lse2 * LN2, mask=m_ok)
+        tl.store(LSE + (q_beg + offs_m).to(tl.int64) * stride_lt + h, lse2 * LN2_K, mask=m_ok)
 
 
 def _pow2(x: int, floor: int = 16) -> int:

@@ -20,10 +20,20 @@ import torch
 import triton
 import triton.language as tl
 
+from attn_triton.kernels.launch import CachedLaunch
+
 CHUNK = 512
 
 
-@triton.jit
+# No value or alignment specialization: one binary per constexpr set serves every batch, which lets
+# `launch.CachedLaunch` skip the per-call specialization work of the JIT launcher.
+@triton.jit(
+    do_not_specialize=["stride_row", "max_splits", "min_split_len"],
+    do_not_specialize_on_alignment=[
+        "REQ_TO_TOKEN", "REQ_POOL_INDICES", "KV_LENS", "KV_START", "KV_INDPTR", "KV_INDICES", "Q_LENS", "QO_INDPTR",
+        "MASK_INDPTR", "NUM_SPLITS",
+    ],
+)  # fmt: skip
 def _build_indices_kernel(
     REQ_TO_TOKEN,
     stride_row,
@@ -113,7 +123,8 @@ def build_indices(
         kv_indptr.zero_()
         return
     dummy = kv_indptr
-    _build_indices_kernel[(bs, copy_programs(bs))](
+    _LAUNCH(
+        (bs, copy_programs(bs)),
         req_to_token,
         req_to_token.stride(0),
         req_pool_indices,
@@ -135,3 +146,6 @@ def build_indices(
         HAS_SPLITS=num_splits is not None,
         num_warps=4,
     )
+
+
+_LAUNCH = CachedLaunch(_build_indices_kernel)

@@ -1,0 +1,45 @@
+"""`CachedLaunch`: launch a Triton kernel that has no value/alignment specialization through its
+compiled handle, skipping the per-call argument binding, specialization and cache-key work of
+`JITFunction.run` (host time matters for the per-step metadata kernel, DESIGN §7).
+
+Safe only for kernels declared with every runtime argument in `do_not_specialize` /
+`do_not_specialize_on_alignment`: then one binary per (device, constexprs, num_warps) serves every
+call. The first call of a key goes through the normal launcher (compiling) and keeps the compiled
+kernel; under the interpreter, or if the compiled handle cannot be called the way this Triton version
+expects, every call uses the normal launcher. `ATTN_TRITON_CACHED_LAUNCH=0` turns the shortcut off.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from attn_triton.spec import interpreter_enabled
+
+
+class CachedLaunch:
+    """`CachedLaunch(kernel)(grid, *args, **constexprs_and_options)`; constexprs must be passed by
+    keyword, in the kernel's signature order, after the runtime arguments; options: num_warps."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.compiled: dict[tuple, Any] = {}
+        self.enabled = os.environ.get("ATTN_TRITON_CACHED_LAUNCH", "1") != "0"
+
+    def __call__(self, grid: tuple[int, ...], *args, **kwargs) -> None:
+        if not self.enabled or interpreter_enabled() or not isinstance(args[0], torch.Tensor) or not args[0].is_cuda:
+            self.kernel[grid](*args, **kwargs)
+            return
+        key = (args[0].device.index, tuple(kwargs.items()))
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            self.compiled[key] = self.kernel[grid](*args, **kwargs)
+            return
+        constexprs = [v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")]
+        try:
+            compiled[grid](*args, *constexprs)
+        except (TypeError, AttributeError):  # launcher ABI of another Triton version: stop using the shortcut
+            self.enabled = False
+            self.kernel[grid](*args, **kwargs)
