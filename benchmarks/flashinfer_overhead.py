@@ -199,6 +199,7 @@ def breakdown(backend, batch, step, plan) -> dict:
     lens_dev = batch.seq_lens if which == "seq" else batch.extend_prefix_lens
     lens_cpu = batch.seq_lens_cpu if which == "seq" else batch.extend_prefix_lens_cpu
     r2t, rpi, total = batch.req_to_token_pool.req_to_token, batch.req_pool_indices, kv.num_pages
+    scratch = torch.empty(total, dtype=torch.int32, device="cuda")
 
     def torch_ids():
         indptr = kvi.page_indptr_from_lens(lens_dev, PAGE)
@@ -207,7 +208,7 @@ def breakdown(backend, batch, step, plan) -> dict:
     pieces = {
         "host layout, numpy (used)": lambda: paged_kv_host(lens_cpu, PAGE),
         "host layout, torch (attn_core)": lambda: (kvi.page_indptr_from_lens(lens_cpu, PAGE), kvi.last_page_len_from_lens(lens_cpu, PAGE)),
-        "device page ids, Triton (used)": lambda: kvi.build_kv_indices(r2t, rpi, lens_dev, total, page_size=PAGE),
+        "device page ids, Triton (used)": lambda: kvi.build_kv_indices(r2t, rpi, lens_dev, total, page_size=PAGE, out=scratch),
         "device page ids, torch ops": torch_ids,
         "init_forward_metadata (all)": lambda: backend.init_forward_metadata(batch),
     }

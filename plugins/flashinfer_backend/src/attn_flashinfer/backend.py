@@ -31,7 +31,7 @@ from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 
 from attn_flashinfer import plans
-from attn_flashinfer.indices import PagedKV, build_paged_kv, qo_indptr_host, self_attention_page_size
+from attn_flashinfer.indices import PagedKV, any_positive, build_paged_kv, qo_indptr_host, self_attention_page_size
 from attn_flashinfer.plans import Plan
 from attn_flashinfer.spec import CAPABILITIES
 from attn_flashinfer.steps import Dims, GraphBuffers, LayerKey, StepInputs, check_context, eager_inputs, graph_inputs
@@ -79,6 +79,7 @@ class FlashInferBackend(AttentionBackend):
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=ctx.device)
         self.known_keys: dict[LayerKey, None] = {}  # insertion-ordered set
         self._eager_wrappers: dict[tuple[LayerKey, str], object] = {}
+        self._scratch: dict[str, torch.Tensor] = {}
         self._graph_buffers: Optional[dict[str, GraphBuffers]] = None
         self._graphs: dict[tuple[int, ForwardMode], tuple[Step, _GraphState]] = {}
 
@@ -97,7 +98,7 @@ class FlashInferBackend(AttentionBackend):
 
     def _new_step(self, inputs: StepInputs, graph: Optional[_GraphState], keys) -> Step:
         """A step over `inputs`, with a plan for each of `keys` that the batch can use."""
-        has_prefix = inputs.prefix_lens_host is not None and bool((inputs.prefix_lens_host > 0).any())
+        has_prefix = inputs.prefix_lens_host is not None and any_positive(inputs.prefix_lens_host)
         qo = None if inputs.q_lens_host is None else qo_indptr_host(inputs.q_lens_host)
         step = Step(inputs, qo, has_prefix, graph=graph)
         for key in keys:
@@ -114,7 +115,7 @@ class FlashInferBackend(AttentionBackend):
         x = step.inputs
         r2t = x.req_to_token
         graph = step.graph.buffers.get(which) if step.graph is not None else None
-        out = None if graph is None else graph.kv_indices
+        out = self._scratch_ids(which) if graph is None else graph.kv_indices
         if which == "cross":
             if x.encoder_lens is None:
                 raise InvalidArgumentError("forward_batch.encoder_lens", "encoder lengths for a cross-attention layer", None)
@@ -127,6 +128,19 @@ class FlashInferBackend(AttentionBackend):
             graph.last_page_len.copy_(kv.last_page_len, non_blocking=True)
         step.kv[which] = kv
         return kv
+
+    def _scratch_ids(self, which: str):
+        """A function giving the eager page-id buffer of key list `which` for n pages: one device buffer
+        per list, reused step after step (the writes are ordered on the stream after the last reads)
+        and grown by doubling, so a step allocates nothing on the device."""
+
+        def take(n: int) -> torch.Tensor:
+            buf = self._scratch.get(which)
+            if buf is None or buf.shape[0] < n:
+                buf = self._scratch[which] = torch.empty(max(1024, 2 * n), dtype=torch.int32, device=self.device)
+            return buf
+
+        return take
 
     def _wrapper(self, step: Step, key: LayerKey, role: str):
         """The wrapper of (key, role): eager ones are reused across steps, graph-mode ones belong to

@@ -17,11 +17,11 @@ req_to_token[3, :5] = [20, 21, 22, 23, 8], req_to_token[0, :2] = [12, 13]:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import numpy as np
 import torch
-from attn_core.ops.kv_indices import build_kv_indices, exclusive_cumsum
+from attn_core.ops.kv_indices import build_kv_indices
 
 
 @dataclass
@@ -64,22 +64,33 @@ def build_paged_kv(
     kv_lens_host: torch.Tensor,
     page_size: int,
     kv_start: Optional[torch.Tensor] = None,
-    out: Optional[torch.Tensor] = None,
+    out: Union[torch.Tensor, Callable[[int], torch.Tensor], None] = None,
 ) -> PagedKV:
     """Keys `req_to_token[row, start : start + kv_len]` of each request as a `PagedKV`.
 
     kv_lens: device int32 `[bs]` (the same numbers as `kv_lens_host`, which the host already has, so
     nothing is copied back); kv_start: device per-request first column (must be a multiple of
-    page_size; None: 0); out: optional int32 device buffer for the page ids (CUDA graphs).
+    page_size; None: 0); out: where the page ids go, an int32 device buffer (CUDA graphs) or a function
+    giving one for a number of pages (a reused scratch buffer); None: a new tensor.
     """
     lens, indptr, last = paged_kv_host(kv_lens_host, page_size)
-    indices = build_kv_indices(req_to_token, req_pool_indices, kv_lens, int(indptr[-1]), page_size=page_size, kv_start=kv_start, out=out)
+    total = int(indptr[-1])
+    if callable(out):
+        out = out(total)
+    indices = build_kv_indices(req_to_token, req_pool_indices, kv_lens, total, page_size=page_size, kv_start=kv_start, out=out)
     return PagedKV(page_size, lens, indptr, last, indices)
 
 
 def qo_indptr_host(q_lens_host: torch.Tensor) -> torch.Tensor:
     """Host int32 `[bs+1]` offsets of each request's queries (and, for the ragged pass, new keys)."""
-    return exclusive_cumsum(q_lens_host.to(torch.int32), torch.int32)
+    indptr = np.zeros(q_lens_host.shape[0] + 1, dtype=np.int32)
+    np.cumsum(q_lens_host.numpy(), out=indptr[1:])
+    return torch.from_numpy(indptr)
+
+
+def any_positive(lens_host: torch.Tensor) -> bool:
+    """Whether some request has a nonzero length (host tensor; e.g. a cached prefix in the batch)."""
+    return bool(lens_host.numpy().any())
 
 
 def self_attention_page_size(page_size: int, has_encoder_tokens: bool) -> int:
