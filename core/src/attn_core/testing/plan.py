@@ -347,18 +347,25 @@ class PlanBuilder:
             if dtype not in caps.q_dtypes:
                 case = self.case(mode, reqs, dtype=dtype, kv_dtype=dtype)
                 self.add(f"refuse-dtype-{dtype}", refused_or_correct_check(target, case, f"q dtype {dtype}"), case.describe())
-        if caps.page_sizes is not None:
-            ps = next(p for p in (1, 16, 64, 3, 5) if p not in caps.page_sizes)
+        ps = _undeclared((1, 16, 64, 3, 5), caps.page_sizes)
+        if ps is not None:
             case = self.case(mode, self.page_requests(mode, ps), page_size=ps)
             self.add(f"refuse-page_size-{ps}", refused_or_correct_check(target, case, f"page size {ps}"), case.describe())
-        if caps.head_dims is not None:
-            d = next(d for d in (64, 128, 256, 96, 48, 40) if d not in caps.head_dims)
+        d = _undeclared((64, 128, 256, 96, 48, 40, 24), caps.head_dims)
+        if d is not None:
             case = self.case(mode, reqs, head_dim=d)
             self.add(f"refuse-head_dim-{d}", refused_or_correct_check(target, case, f"head_dim {d}"), case.describe())
         for arch in (ARCH_MHA, ARCH_MLA):
             if arch not in caps.archs:
                 case = self.case(mode, reqs, arch=arch, head_dim=self.p.head_dim if arch == ARCH_MHA else self.p.mla_head_dim)
                 self.add(f"refuse-arch-{arch}", refused_or_correct_check(target, case, f"attention arch {arch}"), case.describe())
+
+
+def _undeclared(candidates: tuple[int, ...], declared) -> Optional[int]:
+    """The first candidate outside `declared` (None: any value is declared, or all candidates are)."""
+    if declared is None:
+        return None
+    return next((c for c in candidates if c not in declared), None)
 
 
 def build_checks(target: KitTarget, profile: KitProfile, seed: int = 0) -> list[Check]:
