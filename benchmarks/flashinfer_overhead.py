@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -160,7 +161,7 @@ def bench(name: str, mode: str, reqs, iters: int, rounds: int) -> dict:
 
     for fn in (ours_meta, fi_plan):
         fn()
-    h_ours, h_fi = interleaved(ours_meta, fi_plan, rounds, lambda f: host_time_us(f, 20))
+    h_ours, h_fi = interleaved(ours_meta, fi_plan, 40 * rounds, lambda f: host_time_us(f, 1))  # alternate call by call
     res = {
         "name": name,
         "forward_us": t_ours,
@@ -185,11 +186,11 @@ def bench(name: str, mode: str, reqs, iters: int, rounds: int) -> dict:
         replay_meta()
         res["graph_replay_metadata_host_us"] = statistics.median(host_time_us(replay_meta, 20 * rounds))
     backend.init_forward_metadata(batch)
-    res["breakdown_host_us"] = breakdown(backend, batch, backend.forward_metadata, backend.forward_metadata.plans[key])
+    res["breakdown_host_us"] = breakdown(backend, batch, backend.forward_metadata, backend.forward_metadata.plans[key], fi_plan)
     return res
 
 
-def breakdown(backend, batch, step, plan) -> dict:
+def breakdown(backend, batch, step, plan, fi_plan) -> dict:
     """Host µs of each piece of one step's metadata (GPU idle before each call), to see where it goes."""
     from attn_core.ops import kv_indices as kvi
     from attn_flashinfer.indices import paged_kv_host
@@ -210,11 +211,12 @@ def breakdown(backend, batch, step, plan) -> dict:
         "host layout, torch (attn_core)": lambda: (kvi.page_indptr_from_lens(lens_cpu, PAGE), kvi.last_page_len_from_lens(lens_cpu, PAGE)),
         "device page ids, Triton (used)": lambda: kvi.build_kv_indices(r2t, rpi, lens_dev, total, page_size=PAGE, out=scratch),
         "device page ids, torch ops": torch_ids,
+        "FlashInfer plan call(s) alone": fi_plan,
         "init_forward_metadata (all)": lambda: backend.init_forward_metadata(batch),
     }
     for fn in pieces.values():
         fn()
-    return {name: statistics.median(host_time_us(fn, 30)) for name, fn in pieces.items()}
+    return {name: statistics.median(host_time_us(fn, 100)) for name, fn in pieces.items()}
 
 
 SHAPES = {
@@ -224,6 +226,8 @@ SHAPES = {
 
 
 def main() -> None:
+    if hasattr(os, "sched_setaffinity"):  # one core: fewer migrations in the host timings
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[-1]})
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=5)

@@ -10,6 +10,7 @@ req_to_token[3, :2] = [7, 8], req_to_token[0, :3] = [4, 5, 6]:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import Optional
 
@@ -109,6 +110,16 @@ def extend_start_loc_from_lens(extend_lens: torch.Tensor) -> torch.Tensor:
     return exclusive_cumsum(extend_lens, torch.int32)[:-1]
 
 
+@functools.lru_cache(maxsize=1)
+def _triton_path():
+    """`kv_indices_triton` when Triton is importable, else None (looked up once: this is per-step code)."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from attn_core.ops.kv_indices_triton import kv_indices_triton
+
+    return kv_indices_triton
+
+
 def build_kv_indices(
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
@@ -131,10 +142,8 @@ def build_kv_indices(
         out = torch.empty(total, dtype=torch.int32, device=req_to_token.device)
     elif out.dtype != torch.int32 or out.shape[0] < total:
         raise InvalidArgumentError("out", f"an int32 tensor of at least {total} entries", (out.dtype, tuple(out.shape)))
-    if req_to_token.is_cuda and importlib.util.find_spec("triton") is not None:
-        from attn_core.ops.kv_indices_triton import kv_indices_triton
-
-        kv_indices_triton(req_to_token, req_pool_indices, kv_lens, out, page_size, kv_start)
+    if req_to_token.is_cuda and _triton_path() is not None:
+        _triton_path()(req_to_token, req_pool_indices, kv_lens, out, page_size, kv_start)
         return out[:total]
     indptr = page_indptr_from_lens(kv_lens, page_size)
     out[:total] = kv_indices_from_req_to_token(req_to_token, req_pool_indices, indptr, total, kv_start, page_size)

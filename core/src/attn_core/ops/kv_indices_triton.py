@@ -18,7 +18,7 @@ import triton.language as tl
 from attn_core.errors import InvalidArgumentError
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_row", "bs"])  # fewer launch-time checks; no recompiles per batch size
 def _kv_indices_kernel(
     req_to_token,
     stride_row,

@@ -44,17 +44,20 @@ def paged_kv_host(kv_lens_host: torch.Tensor, page_size: int) -> tuple[torch.Ten
     """Host side of a `PagedKV`: (kv_lens int32, indptr int32 `[bs+1]`, last_page_len int32 `[bs]`).
 
     The numbers of attn_core's `page_indptr_from_lens` / `last_page_len_from_lens` (tests check they
-    agree), computed with numpy: per step this runs on the host before FlashInfer's plan, and numpy's
-    small-array ops cost a fraction of torch's dispatch."""
-    lens = kv_lens_host.to(torch.int32).numpy()
+    agree), computed with a handful of numpy ops: this runs on the host every step before FlashInfer's
+    plan, where each torch op would cost several times more. last = min((len + P - 1) % P + 1, len)
+    (0 for an empty request, else 1..P)."""
+    lens_t = kv_lens_host if kv_lens_host.dtype == torch.int32 else kv_lens_host.to(torch.int32)
+    lens = lens_t.numpy()
+    indptr = np.empty(lens.shape[0] + 1, dtype=np.int32)
+    indptr[0] = 0
     if page_size == 1:
-        pages, last = lens, (lens > 0).astype(np.int32)
-    else:
-        pages = (lens + (page_size - 1)) // page_size
-        last = lens - np.maximum(pages - 1, 0) * page_size
-    indptr = np.zeros(lens.shape[0] + 1, dtype=np.int32)
-    np.cumsum(pages, out=indptr[1:])
-    return torch.from_numpy(lens), torch.from_numpy(indptr), torch.from_numpy(last)
+        np.cumsum(lens, out=indptr[1:])
+        return lens_t, torch.from_numpy(indptr), torch.from_numpy(np.minimum(lens, 1))
+    up = lens + (page_size - 1)
+    np.cumsum(up // page_size, out=indptr[1:])
+    last = np.minimum(up % page_size + 1, lens)
+    return lens_t, torch.from_numpy(indptr), torch.from_numpy(last)
 
 
 def build_paged_kv(
@@ -74,7 +77,7 @@ def build_paged_kv(
     giving one for a number of pages (a reused scratch buffer); None: a new tensor.
     """
     lens, indptr, last = paged_kv_host(kv_lens_host, page_size)
-    total = int(indptr[-1])
+    total = int(indptr.numpy()[-1])
     if callable(out):
         out = out(total)
     indices = build_kv_indices(req_to_token, req_pool_indices, kv_lens, total, page_size=page_size, kv_start=kv_start, out=out)
