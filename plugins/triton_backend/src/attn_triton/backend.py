@@ -169,7 +169,9 @@ class TritonAttnBackend(AttentionBackend):
         spec_info: Optional[SpecInfo],
         seq_lens_cpu: Optional[torch.Tensor],
     ) -> None:
-        self.forward_metadata = self._graph_state().replay(bs, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info)
+        self.forward_metadata = self._graph_state().replay(
+            bs, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info, seq_lens_cpu
+        )
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """Padding rows of a graph batch attend one key (their row's first slot): every kernel stays in
@@ -178,6 +180,11 @@ class TritonAttnBackend(AttentionBackend):
 
     def support_triton(self) -> bool:
         return True
+
+    def needs_page_aligned_draft_kv(self) -> bool:
+        """Keys are gathered slot by slot through CSR kv_indices (no page arithmetic), so the draft
+        wrapper's branch rows may point at the request's own last page: no K/V copies needed."""
+        return False
 
     # ---- attention ---------------------------------------------------------------------------
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, return_lse=False):

@@ -91,14 +91,14 @@ class GraphState:
         self._refresh(meta, bs, req_pool_indices, seq_lens, encoder_lens, spec_info)
         return meta
 
-    def replay(self, bs, req_pool_indices, seq_lens, encoder_lens, mode: ForwardMode, spec_info: Optional[SpecInfo]):
+    def replay(self, bs, req_pool_indices, seq_lens, encoder_lens, mode: ForwardMode, spec_info: Optional[SpecInfo], seq_lens_cpu=None):
         meta = self.captured.get((bs, mode))
         if meta is None:
             raise InvalidArgumentError("bs", f"a batch size captured for {mode.name}", bs)
-        self._refresh(meta, bs, req_pool_indices, seq_lens, encoder_lens, spec_info)
+        self._refresh(meta, bs, req_pool_indices, seq_lens, encoder_lens, spec_info, seq_lens_cpu)
         return meta
 
-    def _refresh(self, meta: Metadata, bs, req_pool_indices, seq_lens, encoder_lens, spec_info) -> None:
+    def _refresh(self, meta: Metadata, bs, req_pool_indices, seq_lens, encoder_lens, spec_info, seq_lens_cpu=None) -> None:
         """Rewrite the captured views for the batch of this replay (inputs padded to `bs` rows)."""
         b = self.backend
         r2t = b._req_to_token()
@@ -117,7 +117,10 @@ class GraphState:
             mask = spec_info.custom_mask if spec_info is not None else None
             if mask is None or mask.dtype != torch.bool or mask.numel() > meta.custom_mask.numel():
                 raise InvalidArgumentError("spec_info.custom_mask", f"a bool mask of at most {meta.custom_mask.numel()} entries", mask)
-            meta.custom_mask[: mask.numel()].copy_(mask.view(torch.uint8))
+            n = mask.numel()
+            if seq_lens_cpu is not None:  # copy only the entries this batch's layout reaches
+                n = min(n, meta.max_q_len * int(seq_lens_cpu[:bs].sum()))
+            meta.custom_mask[:n].copy_(mask.view(torch.uint8)[:n])
 
 
 def _int32(x: torch.Tensor) -> torch.Tensor:

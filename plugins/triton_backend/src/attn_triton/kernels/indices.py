@@ -93,9 +93,10 @@ def _build_indices_kernel(
         tl.store(dst + o, tl.load(src + o, mask=ok), mask=ok)
 
 
-def copy_programs(bs: int) -> int:
-    """Programs per request along the copy axis: enough to fill a GPU at small batch sizes."""
-    return max(1, min(32, 512 // max(bs, 1)))
+def copy_programs(bs: int, on_gpu: bool) -> int:
+    """Programs per request along the copy axis: enough to fill a GPU at small batch sizes (one under
+    the interpreter, which runs programs one after another)."""
+    return max(1, min(32, 512 // max(bs, 1))) if on_gpu else 1
 
 
 def build_indices(
@@ -124,7 +125,7 @@ def build_indices(
         return
     dummy = kv_indptr
     _LAUNCH(
-        (bs, copy_programs(bs)),
+        (bs, copy_programs(bs, req_to_token.is_cuda)),
         req_to_token,
         req_to_token.stride(0),
         req_pool_indices,

@@ -6,15 +6,14 @@ Safe only for kernels declared with every runtime argument in `do_not_specialize
 `do_not_specialize_on_alignment`: then one binary per (device, constexprs, num_warps) serves every
 call. The first call of a key goes through the normal launcher (compiling) and keeps the compiled
 kernel; under the interpreter, or if the compiled handle cannot be called the way this Triton version
-expects, every call uses the normal launcher. `ATTN_TRITON_CACHED_LAUNCH=0` turns the shortcut off.
+expects, every call uses the normal launcher (the kernel must be idempotent: a failed shortcut call
+is repeated the normal way). `ATTN_TRITON_CACHED_LAUNCH=0` turns the shortcut off.
 """
 
 from __future__ import annotations
 
 import os
 from typing import Any
-
-import torch
 
 from attn_triton.spec import interpreter_enabled
 
@@ -29,7 +28,7 @@ class CachedLaunch:
         self.enabled = os.environ.get("ATTN_TRITON_CACHED_LAUNCH", "1") != "0"
 
     def __call__(self, grid: tuple[int, ...], *args, **kwargs) -> None:
-        if not self.enabled or interpreter_enabled() or not isinstance(args[0], torch.Tensor) or not args[0].is_cuda:
+        if not self.enabled or interpreter_enabled() or not getattr(args[0], "is_cuda", False):
             self.kernel[grid](*args, **kwargs)
             return
         key = (args[0].device.index, tuple(kwargs.items()))
@@ -39,7 +38,7 @@ class CachedLaunch:
             return
         constexprs = [v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")]
         try:
-            compiled[grid](*args, *constexprs)
-        except (TypeError, AttributeError):  # launcher ABI of another Triton version: stop using the shortcut
+            compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, *constexprs)
+        except Exception:  # the launcher rejects the call before launching (another Triton ABI): stop using the shortcut
             self.enabled = False
             self.kernel[grid](*args, **kwargs)
