@@ -362,7 +362,10 @@ def metadata_host_times(batch_sizes=(1, 64, 256), ctx_len: int = 4096, n: int = 
     gen = torch.Generator(device="cuda").manual_seed(7)
     out = []
     for bs in batch_sizes:
-        row = _metadata_row(bs, ctx_len, n, gen)
+        try:
+            row = _metadata_row(bs, ctx_len, n, gen)
+        except Exception as exc:  # report and go on: the timing table above still prints
+            row = {"bs": bs, "error": repr(exc)[:300]}
         out.append(row)
         print(f"  metadata bs={bs}: {row}", flush=True)
     return out
@@ -524,6 +527,9 @@ def main(argv=None) -> int:
         print("| batch | init_forward_metadata host µs (median / p90) | FlashInfer plan host µs | host-device sync |")
         print("|---|---|---|---|")
         for m in meta:
+            if "error" in m:
+                print(f"| {m['bs']} | error: {m['error']} | - | - |")
+                continue
             fi = m.get("flashinfer_plan_us_median")
             fi = "-" if fi is None else f"{fi:.1f}"
             print(f"| {m['bs']} | {m['attn_triton_us_median']:.1f} / {m['attn_triton_us_p90']:.1f} | {fi} | {m['sync']} |")
