@@ -61,6 +61,17 @@ class IgnoresSlidingWindow(TorchNativeBackend):
         return super()._forward(q, k, v, layer, batch, save_kv_cache, **extras)
 
 
+class WindowFromContext(TorchNativeBackend):
+    """Applies the context's window to every layer (wrong for models interleaving windowed and full layers)."""
+
+    name = "broken_window_ctx"
+
+    def _forward(self, q, k, v, layer, batch, save_kv_cache, **extras):
+        layer = copy.copy(layer)
+        layer.sliding_window_size = self.ctx.sliding_window_size
+        return super()._forward(q, k, v, layer, batch, save_kv_cache, **extras)
+
+
 class IgnoresLogitCap(TorchNativeBackend):
     name = "broken_logit_cap"
 
@@ -118,6 +129,13 @@ def test_ignored_sliding_window_fails_window_cases():
     failed = run_kit(IgnoresSlidingWindow, "sliding_window-", "mode-EXTEND")
     assert failed and all(cid.startswith("sliding_window-") for cid in failed)
     assert any("sliding_window=5" in msg for msg in failed.values())
+
+
+def test_window_taken_from_the_context_fails_interleaved_layers():
+    failed = run_kit(WindowFromContext, "sliding_window")
+    assert set(failed) == {"sliding_window_interleaved-DECODE"}
+    assert "window on even layers only" in failed["sliding_window_interleaved-DECODE"]
+    assert "layer 1: out rel err" in failed["sliding_window_interleaved-DECODE"]
 
 
 def test_ignored_logit_cap_fails_logit_cap_cases():

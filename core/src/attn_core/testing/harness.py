@@ -58,6 +58,8 @@ class AttnCase:
     steps: tuple[tuple[int, ...], ...] = ()
     #: CUDA-graph level the context announces (`CudaGraphLevel` value)
     cuda_graph_level: int = 0
+    #: sliding window on even layers only (odd layers attend fully), as interleaved-window models do
+    window_even_layers_only: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "mode", ForwardMode.parse(self.mode))
@@ -84,6 +86,8 @@ class AttnCase:
         for name in ("sliding_window", "logit_cap", "sinks", "cross_attention", "return_lse"):
             if getattr(self, name):
                 parts.append(f"{name}={getattr(self, name)}")
+        if self.window_even_layers_only:
+            parts.append("window on even layers only")
         if self.mode.is_target_verify() and not self.custom_mask:
             parts.append("no custom mask")
         if self.steps:
@@ -267,7 +271,7 @@ def make_layer(case: AttnCase, layer_id: int) -> AttentionLayer:
         v_head_dim=case.kv_lora_rank if mla else case.v_head_dim,
         scaling=(head_dim**-0.5) * 1.3,
         logit_cap=case.logit_cap,
-        sliding_window_size=case.sliding_window,
+        sliding_window_size=None if case.window_even_layers_only and layer_id % 2 else case.sliding_window,
         is_cross_attention=case.cross_attention,
     )
 

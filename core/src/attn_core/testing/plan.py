@@ -248,6 +248,9 @@ class PlanBuilder:
             for w in p.windows:
                 for mode in self.variant_modes():
                     self.numeric(f"sliding_window-{w}-{mode.name}", self.case(mode, self.fixed_requests(mode), sliding_window=w))
+            for mode in self.variant_modes():  # one metadata, windowed and full layers interleaved
+                case = self.case(mode, self.fixed_requests(mode), sliding_window=p.windows[-1], window_even_layers_only=True)
+                self.numeric(f"sliding_window_interleaved-{mode.name}", case)
         if Feature.LOGIT_CAP in declared:
             for mode in self.variant_modes():
                 self.numeric(f"logit_cap-{mode.name}", self.case(mode, self.fixed_requests(mode), logit_cap=LOGIT_CAP))
