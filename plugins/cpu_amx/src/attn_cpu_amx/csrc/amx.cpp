@@ -2,17 +2,17 @@
 // softmax on AVX-512. Needs AMX-TILE, AMX-BF16, AVX512-BF16 and the Linux permission for tile data
 // (requested by the dispatcher before the first call).
 //
-// Every tile is 16 rows x 64 bytes: tmm0-3 accumulators, tmm4 the A operand, tmm5-7 B operands.
+// Every tile is 16 rows x 64 bytes: tmm0-3 accumulators (2x2), tmm4-5 A operands, tmm6-7 B operands.
 // Per block of BK keys and an item of MP rows (MP/16 row tiles):
 //   scores  st^T: C[16 keys, 16 rows] += K[16 keys, 32 dims] x Q^T  (K tiles are loaded straight from
 //           the pool when 16 keys sit in consecutive slots, else gathered; q is packed once per item
 //           as qp [D/2, MP, 2], the VNNI layout of Q^T)
 //   softmax on st [BK, MP] (AVX-512), P transposed into pb [MP, BK] bf16
-//   output  ob[16 rows, 16 ch] = P[16 rows, 32 keys] x V (V packed per block as vp [BK/2, Dv, 2]),
-//           then o = o * alpha + ob.
+//   output  rows whose max moved are rescaled (lazily: only when the max grows by more than 2^8), then
+//           o[16 rows, 16 ch] += P[16 rows, 32 keys] x V on tiles loaded from and stored to o
+//           (V packed per block as vp [BK/2, Dv, 2]).
 #include <cmath>
 #include <cstring>
-#include <type_traits>
 
 #include "common.h"
 
@@ -38,75 +38,55 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-// C[t] += A x B for the B tile of row tile t; B registers rotate over tmm5-7.
-template <int T>
-inline void dp_acc() {
-  if constexpr (T == 0) _tile_dpbf16ps(0, 4, 5);
-  else if constexpr (T == 1) _tile_dpbf16ps(1, 4, 6);
-  else if constexpr (T == 2) _tile_dpbf16ps(2, 4, 7);
-  else _tile_dpbf16ps(3, 4, 5);
-}
-template <int T>
-inline void load_b(const void* p, int stride) {
-  if constexpr (T == 0 || T == 3) _tile_loadd(5, p, stride);
-  else if constexpr (T == 1) _tile_loadd(6, p, stride);
-  else _tile_loadd(7, p, stride);
-}
-template <int T>
-inline void zero_c() {
-  if constexpr (T == 0) _tile_zero(0);
-  else if constexpr (T == 1) _tile_zero(1);
-  else if constexpr (T == 2) _tile_zero(2);
-  else _tile_zero(3);
-}
-template <int T>
-inline void store_c(void* p, int stride) {
-  if constexpr (T == 0) _tile_stored(0, p, stride);
-  else if constexpr (T == 1) _tile_stored(1, p, stride);
-  else if constexpr (T == 2) _tile_stored(2, p, stride);
-  else _tile_stored(3, p, stride);
+// One 2x2 (or smaller) block of tile products: C[i][j] (+)= sum over k chunks of A_i[k] x B_j[k].
+// C[i][j] lives in tmm(2i + j), A_i in tmm(4 + i), B_j in tmm(6 + j), so every operand load targets a
+// register the previous products no longer read. A_i of chunk k is at a[i] + k * a_step (elements), B_j
+// at b[j] + k * b_step; strides are in bytes. LOAD_C: start from C in memory, else from zero.
+template <int NA, int NB, bool LOAD_C>
+inline void tile_block(const uint16_t* const a[2], int a_stride, int64_t a_step, const uint16_t* const b[2], int b_stride, int64_t b_step,
+                       int chunks, float* const c[2][2], int c_stride) {
+  if constexpr (LOAD_C) {
+    _tile_loadd(0, c[0][0], c_stride);
+    if constexpr (NB == 2) _tile_loadd(1, c[0][1], c_stride);
+    if constexpr (NA == 2) _tile_loadd(2, c[1][0], c_stride);
+    if constexpr (NA == 2 && NB == 2) _tile_loadd(3, c[1][1], c_stride);
+  } else {
+    _tile_zero(0);
+    if constexpr (NB == 2) _tile_zero(1);
+    if constexpr (NA == 2) _tile_zero(2);
+    if constexpr (NA == 2 && NB == 2) _tile_zero(3);
+  }
+  for (int k = 0; k < chunks; ++k) {
+    _tile_loadd(4, a[0] + k * a_step, a_stride);
+    _tile_loadd(6, b[0] + k * b_step, b_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NB == 2) {
+      _tile_loadd(7, b[1] + k * b_step, b_stride);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (NA == 2) {
+      _tile_loadd(5, a[1] + k * a_step, a_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NB == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c[0][0], c_stride);
+  if constexpr (NB == 2) _tile_stored(1, c[0][1], c_stride);
+  if constexpr (NA == 2) _tile_stored(2, c[1][0], c_stride);
+  if constexpr (NA == 2 && NB == 2) _tile_stored(3, c[1][1], c_stride);
 }
 
-template <int N, typename F>
-inline void static_for(F&& f) {
-  if constexpr (N > 0) {
-    static_for<N - 1>(f);
-    f(std::integral_constant<int, N - 1>{});
-  }
+template <bool LOAD_C>
+inline void tile_block_any(int na, int nb, const uint16_t* const a[2], int a_stride, int64_t a_step, const uint16_t* const b[2], int b_stride,
+                           int64_t b_step, int chunks, float* const c[2][2], int c_stride) {
+  if (na == 2 && nb == 2) tile_block<2, 2, LOAD_C>(a, a_stride, a_step, b, b_stride, b_step, chunks, c, c_stride);
+  else if (na == 2) tile_block<2, 1, LOAD_C>(a, a_stride, a_step, b, b_stride, b_step, chunks, c, c_stride);
+  else if (nb == 2) tile_block<1, 2, LOAD_C>(a, a_stride, a_step, b, b_stride, b_step, chunks, c, c_stride);
+  else tile_block<1, 1, LOAD_C>(a, a_stride, a_step, b, b_stride, b_step, chunks, c, c_stride);
 }
 
-// st rows of 16 keys: st[key, t*16 + n] = sum_d K[key, d] Q[t*16 + n, d] for NT row tiles.
-template <int NT>
-inline void qk_tile(const uint16_t* a, int a_stride, const uint16_t* qp, int MP, int D, float* st) {
-  static_for<NT>([&](auto t) { zero_c<decltype(t)::value>(); });
-  for (int c = 0; c < D / 32; ++c) {
-    _tile_loadd(4, a + c * 32, a_stride);
-    static_for<NT>([&](auto t) {
-      constexpr int T = decltype(t)::value;
-      load_b<T>(qp + (static_cast<int64_t>(c) * 16 * MP + T * 16) * 2, MP * 4);
-      dp_acc<T>();
-    });
-  }
-  static_for<NT>([&](auto t) { store_c<decltype(t)::value>(st + decltype(t)::value * 16, MP * 4); });
-}
-
-// ob[16 rows of row tile mt, ND x 16 channels from dv0] = P x V over BK keys.
-template <int ND>
-inline void pv_tile(const uint16_t* pb, int BK, int mt, const uint16_t* vp, int DV, int dv0, float* ob) {
-  static_for<ND>([&](auto n) { zero_c<decltype(n)::value>(); });
-  for (int kc = 0; kc < BK / 32; ++kc) {
-    _tile_loadd(4, pb + static_cast<int64_t>(mt) * 16 * BK + kc * 32, BK * 2);
-    static_for<ND>([&](auto n) {
-      constexpr int N = decltype(n)::value;
-      load_b<N>(vp + (static_cast<int64_t>(kc) * 16 * DV + dv0 + N * 16) * 2, DV * 4);
-      dp_acc<N>();
-    });
-  }
-  static_for<ND>([&](auto n) {
-    constexpr int N = decltype(n)::value;
-    store_c<N>(ob + static_cast<int64_t>(mt) * 16 * DV + dv0 + N * 16, DV * 4);
-  });
-}
+// P may grow to 2^8 before a row's max (and its output) is rescaled: bf16 keeps 8 exponent bits.
+constexpr float kLazyRescale = 8.f;
 
 struct AmxOps {
   static constexpr int BK = 64;
@@ -116,14 +96,12 @@ struct AmxOps {
     uint16_t* qp;  // [D/2, MP, 2]
     float* st;     // [BK, MP]
     uint16_t* pb;  // [MP, BK]
-    uint16_t* kg;  // [16, D] gathered keys
+    uint16_t* kg;  // [BK, D] gathered keys
     uint16_t* vp;  // [BK/2, Dv, 2]
-    float* ob;     // [MP, Dv]
   };
   static size_t extra_bytes(const Params& p) {
     return align64(static_cast<size_t>(p.d) * kMaxRows * 2) + align64(BK * kMaxRows * 4) + align64(kMaxRows * BK * 2) +
-           align64(16 * static_cast<size_t>(p.d) * 2) + align64(static_cast<size_t>(BK) * p.dv * 2) +
-           align64(static_cast<size_t>(kMaxRows) * p.dv * 4);
+           align64(static_cast<size_t>(BK) * p.d * 2) + align64(static_cast<size_t>(BK) * p.dv * 2);
   }
   static Ext ext(const Params& p, Work& w) {
     Ext e;
@@ -135,10 +113,8 @@ struct AmxOps {
     e.pb = reinterpret_cast<uint16_t*>(s);
     s += align64(kMaxRows * BK * 2);
     e.kg = reinterpret_cast<uint16_t*>(s);
-    s += align64(16 * static_cast<size_t>(p.d) * 2);
+    s += align64(static_cast<size_t>(BK) * p.d * 2);
     e.vp = reinterpret_cast<uint16_t*>(s);
-    s += align64(static_cast<size_t>(BK) * p.dv * 2);
-    e.ob = reinterpret_cast<float*>(s);
     return e;
   }
 
@@ -179,33 +155,47 @@ struct AmxOps {
     const uint16_t* vbase = static_cast<const uint16_t*>(p.v) + static_cast<int64_t>(w.h) * DV;
     const int32_t* slots = w.slots;
 
-    // scores, 16 keys at a time
-    for (int j0 = 0; j0 < BK; j0 += 16) {
+    // K tiles: straight from the pool when 16 keys sit in consecutive slots, else gathered
+    const uint16_t* ka[BK / 16];
+    int ks[BK / 16];
+    for (int kt = 0; kt < BK / 16; ++kt) {
+      const int j0 = kt * 16;
+      ka[kt] = nullptr;
       if (j0 + 16 <= ulo || j0 >= uhi) continue;
       bool direct = j0 >= ulo && j0 + 16 <= uhi;
       for (int i = 1; direct && i < 16; ++i) direct = slots[j0 + i] == slots[j0] + i;
-      const uint16_t* a;
-      int a_stride;
       if (direct) {
-        a = kbase + static_cast<int64_t>(slots[j0]) * p.k_slot_stride;
-        a_stride = static_cast<int>(p.k_slot_stride * 2);
-      } else {
-        for (int i = 0; i < 16; ++i) {
-          const int j = j0 + i;
-          const uint16_t* src = (j >= ulo && j < uhi) ? kbase + static_cast<int64_t>(slots[j]) * p.k_slot_stride : kZeroBf16;
-          std::memcpy(e.kg + i * D, src, static_cast<size_t>(D) * 2);
-        }
-        a = e.kg;
-        a_stride = D * 2;
+        ka[kt] = kbase + static_cast<int64_t>(slots[j0]) * p.k_slot_stride;
+        ks[kt] = static_cast<int>(p.k_slot_stride * 2);
+        continue;
       }
-      float* st = e.st + j0 * MP;
-      if (NT == 1) qk_tile<1>(a, a_stride, e.qp, MP, D, st);
-      else if (NT == 2) qk_tile<2>(a, a_stride, e.qp, MP, D, st);
-      else if (NT == 3) qk_tile<3>(a, a_stride, e.qp, MP, D, st);
-      else qk_tile<4>(a, a_stride, e.qp, MP, D, st);
+      for (int i = 0; i < 16; ++i) {
+        const int j = j0 + i;
+        const uint16_t* src = (j >= ulo && j < uhi) ? kbase + static_cast<int64_t>(slots[j]) * p.k_slot_stride : kZeroBf16;
+        std::memcpy(e.kg + static_cast<int64_t>(j) * D, src, static_cast<size_t>(D) * 2);
+      }
+      ka[kt] = e.kg + static_cast<int64_t>(j0) * D;
+      ks[kt] = D * 2;
+    }
+    // st^T = K Q^T in 2x2 blocks of (key tile, row tile); pairs of key tiles share a stride when possible
+    for (int kt = 0; kt < BK / 16;) {
+      if (ka[kt] == nullptr) {
+        ++kt;
+        continue;
+      }
+      const int na = (kt + 1 < BK / 16 && ka[kt + 1] != nullptr && ks[kt + 1] == ks[kt]) ? 2 : 1;
+      const uint16_t* a[2] = {ka[kt], na == 2 ? ka[kt + 1] : ka[kt]};
+      for (int t = 0; t < NT; t += 2) {
+        const int nb = t + 1 < NT ? 2 : 1;
+        const uint16_t* b[2] = {e.qp + t * 32, e.qp + (t + nb - 1) * 32};
+        float* c[2][2] = {{e.st + kt * 16 * MP + t * 16, e.st + kt * 16 * MP + (t + nb - 1) * 16},
+                          {e.st + (kt + na - 1) * 16 * MP + t * 16, e.st + (kt + na - 1) * 16 * MP + (t + nb - 1) * 16}};
+        tile_block_any<false>(na, nb, a, ks[kt], 32, b, MP * 4, static_cast<int64_t>(32) * MP, D / 32, c, MP * 4);
+      }
+      kt += na;
     }
 
-    softmax_block(e.st, w, M, BK, ulo, uhi, full, p.scale * (p.cap > 0.f ? 1.f : kLog2e), p.cap, true);
+    softmax_block(e.st, w, M, BK, ulo, uhi, full, p.scale * (p.cap > 0.f ? 1.f : kLog2e), p.cap, true, kLazyRescale);
 
     // P^T [BK, MP] float -> P [MP, BK] bf16
     for (int j0 = 0; j0 < BK; j0 += 16) {
@@ -245,21 +235,24 @@ struct AmxOps {
       }
     }
 
-    // ob = P V, then o = o * alpha + ob
-    for (int t = 0; t < NT; ++t) {
-      for (int dv0 = 0; dv0 < DV; dv0 += 64) {
-        const int nd = (DV - dv0) >= 64 ? 4 : (DV - dv0) / 16;
-        if (nd == 4) pv_tile<4>(e.pb, BK, t, e.vp, DV, dv0, e.ob);
-        else if (nd == 3) pv_tile<3>(e.pb, BK, t, e.vp, DV, dv0, e.ob);
-        else if (nd == 2) pv_tile<2>(e.pb, BK, t, e.vp, DV, dv0, e.ob);
-        else pv_tile<1>(e.pb, BK, t, e.vp, DV, dv0, e.ob);
-      }
-    }
+    // o = o * alpha (rows whose max moved), then o += P V on the tiles
     for (int m = 0; m < M; ++m) {
-      const __m512 a = _mm512_set1_ps(w.alpha[m]);
+      const float a = w.alpha[m];
+      if (a == 1.f) continue;
+      const __m512 va = _mm512_set1_ps(a);
       float* o = w.o + static_cast<int64_t>(m) * DV;
-      const float* b = e.ob + static_cast<int64_t>(m) * DV;
-      for (int c = 0; c < DV; c += 16) _mm512_storeu_ps(o + c, _mm512_fmadd_ps(_mm512_loadu_ps(o + c), a, _mm512_loadu_ps(b + c)));
+      for (int c = 0; c < DV; c += 16) _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(o + c), va));
+    }
+    for (int t = 0; t < NT; t += 2) {
+      const int na = t + 1 < NT ? 2 : 1;
+      const uint16_t* a[2] = {e.pb + t * 16 * BK, e.pb + (t + na - 1) * 16 * BK};
+      for (int n = 0; n < DV / 16; n += 2) {
+        const int nb = n + 1 < DV / 16 ? 2 : 1;
+        const uint16_t* b[2] = {e.vp + n * 32, e.vp + (n + nb - 1) * 32};
+        float* c[2][2] = {{w.o + t * 16 * DV + n * 16, w.o + t * 16 * DV + (n + nb - 1) * 16},
+                          {w.o + (t + na - 1) * 16 * DV + n * 16, w.o + (t + na - 1) * 16 * DV + (n + nb - 1) * 16}};
+        tile_block_any<true>(na, nb, a, BK * 2, 32, b, DV * 4, static_cast<int64_t>(32) * DV, BK / 32, c, DV * 4);
+      }
     }
   }
 };

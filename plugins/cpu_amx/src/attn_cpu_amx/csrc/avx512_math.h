@@ -94,8 +94,10 @@ inline __m512 hsum16(const __m512 a[16]) {
 // Scores are multiplied by `pre`, capped (cap > 0: cap * tanh(s / cap), in log2 units), masked by
 // w.vis unless `full`; st becomes P = 2^(s - mx_new) for keys [ulo, uhi) (and 0 for the other keys of
 // the block when zero_outside); w.alpha gets 2^(mx_old - mx_new), w.l and w.mx are updated. Padding
-// rows (M <= m < MP) always get P = 0.
-inline void softmax_block(float* st, Work& w, int M, int BK, int ulo, int uhi, bool full, float pre, float cap, bool zero_outside) {
+// rows (M <= m < MP) always get P = 0. With lazy > 0 a row keeps its max unless the block's max
+// exceeds it by more than `lazy` (so P <= 2^lazy and alpha is exactly 1 for most blocks).
+inline void softmax_block(float* st, Work& w, int M, int BK, int ulo, int uhi, bool full, float pre, float cap, bool zero_outside,
+                          float lazy = 0.f) {
   const int MP = w.mp, NV = MP / 16;
   const __m512 ninf = _mm512_set1_ps(-INFINITY);
   const __m512 vpre = _mm512_set1_ps(pre);
@@ -116,7 +118,11 @@ inline void softmax_block(float* st, Work& w, int M, int BK, int ulo, int uhi, b
       bmax = _mm512_max_ps(bmax, s);
     }
     const __m512 mold = _mm512_loadu_ps(w.mx + nv * 16);
-    const __m512 mnew = _mm512_max_ps(mold, bmax);
+    __m512 mnew = _mm512_max_ps(mold, bmax);
+    if (lazy > 0.f) {
+      const __mmask16 grow = _mm512_cmp_ps_mask(bmax, _mm512_add_ps(mold, _mm512_set1_ps(lazy)), _CMP_GT_OQ);
+      mnew = _mm512_mask_mov_ps(mold, grow, bmax);
+    }
     const __m512 safe = _mm512_mask_mov_ps(mnew, _mm512_cmp_ps_mask(mnew, ninf, _CMP_EQ_OQ), _mm512_setzero_ps());
     const __mmask16 old_finite = _mm512_cmp_ps_mask(mold, ninf, _CMP_NEQ_UQ);
     const __m512 alpha = _mm512_maskz_mov_ps(old_finite, exp2_ps(_mm512_sub_ps(mold, safe)));

@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #if defined(__linux__) && defined(__x86_64__)
@@ -67,6 +69,25 @@ struct Plan {
 
 int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 
+int64_t item_cost(const Item& it) { return static_cast<int64_t>(it.k1 - it.k0) * (it.nt * it.ng + 16); }
+
+// Threads pull items in list order. Items of one (request, KV head, head group) stay together, largest
+// first, so the threads work on the same K/V at about the same time (it stays in cache); those groups
+// come largest total first, so the small items are left for the end (load balance).
+void order_items(std::vector<Item>& items) {
+  auto group_of = [](const Item& it) { return std::make_tuple(it.req, it.h, it.g0); };
+  std::map<std::tuple<int32_t, int32_t, int32_t>, int64_t> total;
+  for (const Item& it : items) total[group_of(it)] += item_cost(it);
+  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
+    const auto ga = group_of(a), gb = group_of(b);
+    if (ga != gb) {
+      const int64_t ta = total[ga], tb = total[gb];
+      return ta != tb ? ta > tb : ga < gb;
+    }
+    return item_cost(a) > item_cost(b);
+  });
+}
+
 // Items of at most max_rows rows (tokens x q heads of one KV head); KV splits when there are too few
 // items to keep `threads` busy. Split boundaries fall on multiples of the block size.
 Plan make_plan(const Params& p, int bs, const PathKernels& k, int threads, int max_splits, int min_split_keys) {
@@ -123,9 +144,7 @@ Plan make_plan(const Params& p, int bs, const PathKernels& k, int threads, int m
       plan.groups.push_back(g);
     }
   }
-  std::stable_sort(plan.items.begin(), plan.items.end(), [](const Item& a, const Item& b) {
-    return static_cast<int64_t>(a.k1 - a.k0) * (a.nt * a.ng + 16) > static_cast<int64_t>(b.k1 - b.k0) * (b.nt * b.ng + 16);
-  });
+  order_items(plan.items);
   return plan;
 }
 

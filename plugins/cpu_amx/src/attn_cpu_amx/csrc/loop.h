@@ -75,6 +75,22 @@ Work carve(const Params& p, char* s) {
   return w;
 }
 
+// Ask for the K/V rows of keys [k0, k1) (the next block) while this block computes: pages are scattered,
+// so the hardware prefetchers cannot guess these rows.
+inline void prefetch_rows(const Params& p, int h, const int32_t* r2t, int k0, int k1) {
+  const int64_t esize = p.kv_dtype == DType::F32 ? 4 : 2;
+  const int64_t kbytes = p.d * esize, vbytes = p.dv * esize;
+  const char* kb = static_cast<const char*>(p.k) + h * kbytes;
+  const char* vb = static_cast<const char*>(p.v) + h * vbytes;
+  for (int j = k0; j < k1; ++j) {
+    const int64_t slot = r2t[j];
+    const char* kr = kb + slot * p.k_slot_stride * esize;
+    const char* vr = vb + slot * p.v_slot_stride * esize;
+    for (int64_t c = 0; c < kbytes; c += 64) __builtin_prefetch(kr + c, 0, 3);
+    for (int64_t c = 0; c < vbytes; c += 64) __builtin_prefetch(vr + c, 0, 3);
+  }
+}
+
 template <class Ops>
 void run_item(const Params& p, const Item& it, Work& w) {
   constexpr int BK = Ops::BK;
@@ -136,6 +152,7 @@ void run_item(const Params& p, const Item& it, Work& w) {
     }
     if (ulo >= uhi) continue;
     for (int j = 0; j < BK; ++j) w.slots[j] = (j >= ulo && j < uhi) ? r2t[b0 + j] : -1;
+    prefetch_rows(p, w.h, r2t, b0 + BK, imin(b0 + 2 * BK, it.k1));
     if (!full) {
       for (int i = 0; i < BK * NV; ++i) w.vis[i] = 0;
       for (int m = 0; m < M; ++m) {
