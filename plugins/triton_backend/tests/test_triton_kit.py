@@ -10,7 +10,6 @@ and says so with UnsupportedFeatureError).
 from __future__ import annotations
 
 import torch
-
 from attn_core.testing import ConformanceSuite
 
 SKIP = {"head_dim-576-*": "576 is declared for absorbed MLA (kv_lora_rank 512 + rope 64); MHA head dims go up to 256"}

@@ -50,6 +50,13 @@ def test_second_call_uses_the_compiled_handle(gpu_like):
     assert k.log[1] == ("cached", (4, 2, 1), (gpu_like, 8, 1, True))
     run((4, 2), gpu_like, 9, A=2, B=True, num_warps=4)  # another constexpr set compiles again
     assert k.log[2][0] == "jit"
+    run((4, 2), gpu_like, 2**40, A=1, B=True, num_warps=4)  # an int that needs 64 bits: another binary
+    assert k.log[3][0] == "jit"
+    other = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0), dtype="int64")
+    run((4, 2), other, 8, A=1, B=True, num_warps=4)  # another dtype of a tensor argument: another binary
+    assert k.log[4][0] == "jit"
+    run((4, 2), other, 8, A=1, B=True, num_warps=4)
+    assert k.log[5][0] == "cached"
 
 
 def test_rejected_handle_falls_back_for_good(gpu_like):

@@ -193,9 +193,14 @@ def _pow2(x: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(max(int(x), 1)))
 
 
+def head_block(group: int, config: DecodeConfig) -> int:
+    """q heads per program: the whole GQA group, padded to 16 for the dot, up to config.block_h."""
+    return min(config.block_h, _pow2(group))
+
+
 def head_blocks(group: int, config: DecodeConfig) -> int:
     """Programs per KV head along the head axis (a group wider than BLOCK_H is cut into blocks)."""
-    return triton.cdiv(group, min(config.block_h, _pow2(group)))
+    return triton.cdiv(group, head_block(group, config))
 
 
 def decode_attention(
@@ -236,8 +241,8 @@ def decode_attention(
     group = hq // hkv
     d = d_total - d_rope
     dv = o.shape[2]
-    block_h = min(config.block_h, _pow2(group))
-    hblocks = triton.cdiv(group, block_h)
+    block_h = head_block(group, config)
+    hblocks = head_blocks(group, config)
     qk_scale, cap_scale = score_scales(sm_scale, logit_cap, k_scale)
     v = k_buf if share_kv else v_buf
     fp32 = q.dtype == torch.float32

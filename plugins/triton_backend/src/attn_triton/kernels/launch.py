@@ -31,7 +31,9 @@ class CachedLaunch:
         if not self.enabled or interpreter_enabled() or not getattr(args[0], "is_cuda", False):
             self.kernel[grid](*args, **kwargs)
             return
-        key = (args[0].device.index, tuple(kwargs.items()))
+        # what still selects a binary without value specialization: argument types (a tensor's dtype,
+        # an int's width), constexprs and options
+        key = (args[0].device.index, tuple(_arg_type(a) for a in args), tuple(kwargs.items()))
         compiled = self.compiled.get(key)
         if compiled is None:
             self.compiled[key] = self.kernel[grid](*args, **kwargs)
@@ -42,3 +44,12 @@ class CachedLaunch:
         except Exception:  # the launcher rejects the call before launching (another Triton ABI): stop using the shortcut
             self.enabled = False
             self.kernel[grid](*args, **kwargs)
+
+
+def _arg_type(a) -> object:
+    dtype = getattr(a, "dtype", None)
+    if dtype is not None:
+        return dtype
+    if isinstance(a, int) and not isinstance(a, bool):
+        return "i32" if -(2**31) <= a < 2**31 else "i64"
+    return type(a)
