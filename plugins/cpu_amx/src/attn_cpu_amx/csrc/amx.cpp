@@ -3,14 +3,12 @@
 // (requested by the dispatcher before the first call).
 //
 // Every tile is 16 rows x 64 bytes: tmm0-3 accumulators (2x2), tmm4-5 A operands, tmm6-7 B operands.
-// Per block of BK keys and an item of MP rows (MP/16 row tiles):
-//   scores  st^T: C[16 keys, 16 rows] += K[16 keys, 32 dims] x Q^T  (K tiles are loaded straight from
-//           the pool when 16 keys sit in consecutive slots, else gathered; q is packed once per item
-//           as qp [D/2, MP, 2], the VNNI layout of Q^T)
-//   softmax on st [BK, MP] (AVX-512), P transposed into pb [MP, BK] bf16
-//   output  rows whose max moved are rescaled (lazily: only when the max grows by more than 2^8), then
-//           o[16 rows, 16 ch] += P[16 rows, 32 keys] x V on tiles loaded from and stored to o
-//           (V packed per block as vp [BK/2, Dv, 2]).
+// Per block of BK keys, staged once for all row groups of the item:
+//   K^T in VNNI pairs kt [D/2, BK, 2] (16x16 transposes of 32-bit dim pairs), V in VNNI pairs
+//   vp [BK/2, Dv, 2] (16-bit interleave of key pairs).
+// Per group of up to MG rows (q rows packed once per item as qa [rows, D]):
+//   s [MG, BK] = Q K^T on tiles; row-wise softmax into P (bf16) with a lazy max; rows whose max moved
+//   are rescaled; o += P V on tiles loaded from and stored to o.
 #include <cmath>
 #include <cstring>
 
@@ -88,33 +86,86 @@ inline void tile_block_any(int na, int nb, const uint16_t* const a[2], int a_str
 // P may grow to 2^8 before a row's max (and its output) is rescaled: bf16 keeps 8 exponent bits.
 constexpr float kLazyRescale = 8.f;
 
+// Row-wise online softmax of a group's scores s [MP, BK] into P (bf16, pb [MP, BK]): scale by `pre`,
+// cap, mask (rows' key ranges and custom-mask bytes unless `full`), lazy max update, w.l / w.mx /
+// w.alpha of rows r0 .. r0+M-1. Padding rows get P = 0.
+template <int BK>
+inline void softmax_rows(const float* s, uint16_t* pb, Work& w, int r0, int M, int MP, bool full, float pre, float cap) {
+  constexpr int NV = BK / 16;
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  const __m512 vpre = _mm512_set1_ps(pre);
+  const bool use_cap = cap > 0.f;
+  const __m512 inv_cap = _mm512_set1_ps(use_cap ? 1.f / cap : 0.f);
+  const __m512 cap_l2e = _mm512_set1_ps(cap * kLog2e);
+  for (int m = 0; m < M; ++m) {
+    const int r = r0 + m;
+    int rlo, rhi;
+    row_range(w, r, BK, &rlo, &rhi);
+    const uint8_t* mr = w.mrows[r] != nullptr ? w.mrows[r] + w.b0 : nullptr;
+    __m512 x[NV];
+    __mmask16 km[NV];
+    __m512 bmax = ninf;
+    for (int v = 0; v < NV; ++v) {
+      x[v] = _mm512_mul_ps(_mm512_loadu_ps(s + m * BK + 16 * v), vpre);
+      if (use_cap) x[v] = _mm512_mul_ps(cap_l2e, tanh_ps(_mm512_mul_ps(x[v], inv_cap)));
+      km[v] = full ? static_cast<__mmask16>(0xFFFF) : lane_range(rlo - 16 * v, rhi - 16 * v);
+      if (mr != nullptr && km[v]) {
+        const __m128i bytes = _mm_maskz_loadu_epi8(km[v], mr + 16 * v);
+        km[v] &= _mm_test_epi8_mask(bytes, bytes);
+      }
+      if (!full) x[v] = _mm512_mask_mov_ps(ninf, km[v], x[v]);
+      bmax = _mm512_max_ps(bmax, x[v]);
+    }
+    const float rmax = _mm512_reduce_max_ps(bmax);
+    const float mold = w.mx[r];
+    float mnew = mold;
+    if (rmax > mold + kLazyRescale || mold == -INFINITY) mnew = rmax > mold ? rmax : mold;
+    const float safe = mnew == -INFINITY ? 0.f : mnew;
+    const float alpha = mold == -INFINITY ? 0.f : (mnew == mold ? 1.f : std::exp2(mold - safe));
+    const __m512 vs = _mm512_set1_ps(safe);
+    __m512 sum = _mm512_setzero_ps();
+    for (int v = 0; v < NV; ++v) {
+      __m512 pv = exp2_ps(_mm512_sub_ps(x[v], vs));
+      if (!full) pv = _mm512_maskz_mov_ps(km[v], pv);
+      sum = _mm512_add_ps(sum, pv);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + m * BK + 16 * v), (__m256i)_mm512_cvtneps_pbh(pv));
+    }
+    w.l[r] = w.l[r] * alpha + _mm512_reduce_add_ps(sum);
+    w.mx[r] = mnew;
+    w.alpha[r] = alpha;
+  }
+  for (int m = M; m < MP; ++m)
+    for (int v = 0; v < NV; ++v) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + m * BK + 16 * v), _mm256_setzero_si256());
+}
+
 struct AmxOps {
   static constexpr int BK = 64;
-  static constexpr int MMAX = 64;
+  static constexpr int MG = 64;
+  static constexpr bool kVis = false;
 
   struct Ext {
-    uint16_t* qp;  // [D/2, MP, 2]
-    float* st;     // [BK, MP]
-    uint16_t* pb;  // [MP, BK]
-    uint16_t* kg;  // [BK, D] gathered keys
-    uint16_t* vp;  // [BK/2, Dv, 2]
+    uint16_t* qa;  // [kMaxRows, D] q rows (zero rows after the item's)
+    uint16_t* kt;  // [D/2, BK, 2] K^T in VNNI pairs: kt[i, j, e] = K[j, 2i + e]
+    uint16_t* vp;  // [BK/2, Dv, 2] V in VNNI pairs: vp[i, c, e] = V[2i + e, c]
+    float* s;      // [MG, BK] scores of a group
+    uint16_t* pb;  // [MG, BK] P of a group
   };
   static size_t extra_bytes(const Params& p) {
-    return align64(static_cast<size_t>(p.d) * kMaxRows * 2) + align64(BK * kMaxRows * 4) + align64(kMaxRows * BK * 2) +
-           align64(static_cast<size_t>(BK) * p.d * 2) + align64(static_cast<size_t>(BK) * p.dv * 2);
+    return align64(static_cast<size_t>(kMaxRows) * p.d * 2) + align64(static_cast<size_t>(BK) * p.d * 2) +
+           align64(static_cast<size_t>(BK) * p.dv * 2) + align64(MG * BK * 4) + align64(MG * BK * 2);
   }
   static Ext ext(const Params& p, Work& w) {
     Ext e;
     char* s = w.extra;
-    e.qp = reinterpret_cast<uint16_t*>(s);
-    s += align64(static_cast<size_t>(p.d) * kMaxRows * 2);
-    e.st = reinterpret_cast<float*>(s);
-    s += align64(BK * kMaxRows * 4);
-    e.pb = reinterpret_cast<uint16_t*>(s);
-    s += align64(kMaxRows * BK * 2);
-    e.kg = reinterpret_cast<uint16_t*>(s);
+    e.qa = reinterpret_cast<uint16_t*>(s);
+    s += align64(static_cast<size_t>(kMaxRows) * p.d * 2);
+    e.kt = reinterpret_cast<uint16_t*>(s);
     s += align64(static_cast<size_t>(BK) * p.d * 2);
     e.vp = reinterpret_cast<uint16_t*>(s);
+    s += align64(static_cast<size_t>(BK) * p.dv * 2);
+    e.s = reinterpret_cast<float*>(s);
+    s += align64(MG * BK * 4);
+    e.pb = reinterpret_cast<uint16_t*>(s);
     return e;
   }
 
@@ -130,89 +181,34 @@ struct AmxOps {
   }
   static void thread_end() { _tile_release(); }
 
-  static void load_q(const Params& p, Work& w, int M) {
+  static void load_q(const Params& p, Work& w) {
     const Ext e = ext(p, w);
-    const int MP = w.mp, half = p.d / 2;
-    uint32_t* qp = reinterpret_cast<uint32_t*>(e.qp);
-    for (int m = 0; m < MP; ++m) {
-      if (m >= M) {
-        for (int i = 0; i < half; ++i) qp[i * MP + m] = 0;
-        continue;
-      }
-      const char* src = static_cast<const char*>(w.qrows[m]);
-      for (int i = 0; i < half; ++i) {
-        uint32_t pair;
-        std::memcpy(&pair, src + 4 * i, 4);
-        qp[i * MP + m] = pair;
-      }
-    }
+    const int D = p.d, R = w.rows, RP = (R + 15) & ~15;
+    for (int m = 0; m < R; ++m) std::memcpy(e.qa + static_cast<int64_t>(m) * D, w.qrows[m], static_cast<size_t>(D) * 2);
+    for (int m = R; m < RP; ++m) std::memset(e.qa + static_cast<int64_t>(m) * D, 0, static_cast<size_t>(D) * 2);
   }
 
-  static void block(const Params& p, Work& w, int M, int ulo, int uhi, bool full) {
+  // K^T and V of the block in VNNI pairs (zeros for keys outside [ulo, uhi)).
+  static void stage(const Params& p, Work& w, int ulo, int uhi) {
     const Ext e = ext(p, w);
-    const int MP = w.mp, NT = MP / 16, D = p.d, DV = p.dv;
+    const int D = p.d, DV = p.dv;
     const uint16_t* kbase = static_cast<const uint16_t*>(p.k) + static_cast<int64_t>(w.h) * D;
     const uint16_t* vbase = static_cast<const uint16_t*>(p.v) + static_cast<int64_t>(w.h) * DV;
     const int32_t* slots = w.slots;
-
-    // K tiles: straight from the pool when 16 keys sit in consecutive slots, else gathered
-    const uint16_t* ka[BK / 16];
-    int ks[BK / 16];
-    for (int kt = 0; kt < BK / 16; ++kt) {
-      const int j0 = kt * 16;
-      ka[kt] = nullptr;
-      if (j0 + 16 <= ulo || j0 >= uhi) continue;
-      bool direct = j0 >= ulo && j0 + 16 <= uhi;
-      for (int i = 1; direct && i < 16; ++i) direct = slots[j0 + i] == slots[j0] + i;
-      if (direct) {
-        ka[kt] = kbase + static_cast<int64_t>(slots[j0]) * p.k_slot_stride;
-        ks[kt] = static_cast<int>(p.k_slot_stride * 2);
-        continue;
-      }
+    // 16 keys x 16 dim pairs at a time: a 16x16 transpose of 32-bit pairs
+    for (int j0 = 0; j0 < BK; j0 += 16) {
+      const uint16_t* rows[16];
       for (int i = 0; i < 16; ++i) {
         const int j = j0 + i;
-        const uint16_t* src = (j >= ulo && j < uhi) ? kbase + static_cast<int64_t>(slots[j]) * p.k_slot_stride : kZeroBf16;
-        std::memcpy(e.kg + static_cast<int64_t>(j) * D, src, static_cast<size_t>(D) * 2);
+        rows[i] = (j >= ulo && j < uhi) ? kbase + static_cast<int64_t>(slots[j]) * p.k_slot_stride : kZeroBf16;
       }
-      ka[kt] = e.kg + static_cast<int64_t>(j0) * D;
-      ks[kt] = D * 2;
-    }
-    // st^T = K Q^T in 2x2 blocks of (key tile, row tile); pairs of key tiles share a stride when possible
-    for (int kt = 0; kt < BK / 16;) {
-      if (ka[kt] == nullptr) {
-        ++kt;
-        continue;
-      }
-      const int na = (kt + 1 < BK / 16 && ka[kt + 1] != nullptr && ks[kt + 1] == ks[kt]) ? 2 : 1;
-      const uint16_t* a[2] = {ka[kt], na == 2 ? ka[kt + 1] : ka[kt]};
-      for (int t = 0; t < NT; t += 2) {
-        const int nb = t + 1 < NT ? 2 : 1;
-        const uint16_t* b[2] = {e.qp + t * 32, e.qp + (t + nb - 1) * 32};
-        float* c[2][2] = {{e.st + kt * 16 * MP + t * 16, e.st + kt * 16 * MP + (t + nb - 1) * 16},
-                          {e.st + (kt + na - 1) * 16 * MP + t * 16, e.st + (kt + na - 1) * 16 * MP + (t + nb - 1) * 16}};
-        tile_block_any<false>(na, nb, a, ks[kt], 32, b, MP * 4, static_cast<int64_t>(32) * MP, D / 32, c, MP * 4);
-      }
-      kt += na;
-    }
-
-    softmax_block(e.st, w, M, BK, ulo, uhi, full, p.scale * (p.cap > 0.f ? 1.f : kLog2e), p.cap, true, kLazyRescale);
-
-    // P^T [BK, MP] float -> P [MP, BK] bf16
-    for (int j0 = 0; j0 < BK; j0 += 16) {
-      for (int t = 0; t < NT; ++t) {
-        uint16_t* dst = e.pb + t * 16 * BK + j0;
-        if (j0 + 16 <= ulo || j0 >= uhi) {
-          for (int r = 0; r < 16; ++r) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * BK), _mm256_setzero_si256());
-          continue;
-        }
+      for (int c = 0; c < D; c += 32) {
         __m512 r16[16];
-        for (int r = 0; r < 16; ++r) r16[r] = _mm512_loadu_ps(e.st + (j0 + r) * MP + t * 16);
+        for (int i = 0; i < 16; ++i) r16[i] = _mm512_castsi512_ps(_mm512_loadu_si512(rows[i] + c));
         transpose16(r16);
-        for (int r = 0; r < 16; ++r) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * BK), (__m256i)_mm512_cvtneps_pbh(r16[r]));
+        for (int i = 0; i < 16; ++i) _mm512_storeu_si512(e.kt + (static_cast<int64_t>(c / 2 + i) * BK + j0) * 2, _mm512_castps_si512(r16[i]));
       }
     }
-
-    // V in VNNI pairs: vp[r, c, 0..1] = V[2r, c], V[2r+1, c]
     const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34,
                                             2, 33, 1, 32, 0);
     const __m512i hi_idx = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24, 55, 23, 54, 22, 53, 21, 52, 20, 51,
@@ -234,23 +230,43 @@ struct AmxOps {
         _mm512_storeu_si512(dst + 2 * c + 32, _mm512_permutex2var_epi16(a, hi_idx, b));
       }
     }
+  }
 
-    // o = o * alpha (rows whose max moved), then o += P V on the tiles
+  static void group(const Params& p, Work& w, int r0, int M, int ulo, int uhi, bool full) {
+    (void)ulo;
+    (void)uhi;
+    const Ext e = ext(p, w);
+    const int D = p.d, DV = p.dv;
+    const int MP = (M + 15) & ~15, NT = MP / 16;
+    // s = Q K^T: C (row tile, key tile), A = q rows, B = K^T pairs
+    for (int t = 0; t < NT; t += 2) {
+      const int na = t + 1 < NT ? 2 : 1;
+      const uint16_t* a[2] = {e.qa + static_cast<int64_t>(r0 + t * 16) * D, e.qa + static_cast<int64_t>(r0 + (t + na - 1) * 16) * D};
+      for (int kt = 0; kt < BK / 16; kt += 2) {
+        const uint16_t* b[2] = {e.kt + kt * 32, e.kt + (kt + 1) * 32};
+        float* c[2][2] = {{e.s + t * 16 * BK + kt * 16, e.s + t * 16 * BK + (kt + 1) * 16},
+                          {e.s + (t + na - 1) * 16 * BK + kt * 16, e.s + (t + na - 1) * 16 * BK + (kt + 1) * 16}};
+        tile_block_any<false>(na, 2, a, D * 2, 32, b, BK * 4, static_cast<int64_t>(32) * BK, D / 32, c, BK * 4);
+      }
+    }
+    softmax_rows<BK>(e.s, e.pb, w, r0, M, MP, full, p.scale * (p.cap > 0.f ? 1.f : kLog2e), p.cap);
+    // o = o * alpha (rows whose max moved), then o += P V on tiles loaded from and stored to o
     for (int m = 0; m < M; ++m) {
-      const float a = w.alpha[m];
-      if (a == 1.f) continue;
-      const __m512 va = _mm512_set1_ps(a);
-      float* o = w.o + static_cast<int64_t>(m) * DV;
+      const float al = w.alpha[r0 + m];
+      if (al == 1.f) continue;
+      const __m512 va = _mm512_set1_ps(al);
+      float* o = w.o + static_cast<int64_t>(r0 + m) * DV;
       for (int c = 0; c < DV; c += 16) _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(o + c), va));
     }
+    float* og = w.o + static_cast<int64_t>(r0) * DV;
     for (int t = 0; t < NT; t += 2) {
       const int na = t + 1 < NT ? 2 : 1;
       const uint16_t* a[2] = {e.pb + t * 16 * BK, e.pb + (t + na - 1) * 16 * BK};
       for (int n = 0; n < DV / 16; n += 2) {
         const int nb = n + 1 < DV / 16 ? 2 : 1;
         const uint16_t* b[2] = {e.vp + n * 32, e.vp + (n + nb - 1) * 32};
-        float* c[2][2] = {{w.o + t * 16 * DV + n * 16, w.o + t * 16 * DV + (n + nb - 1) * 16},
-                          {w.o + (t + na - 1) * 16 * DV + n * 16, w.o + (t + na - 1) * 16 * DV + (n + nb - 1) * 16}};
+        float* c[2][2] = {{og + t * 16 * DV + n * 16, og + t * 16 * DV + (n + nb - 1) * 16},
+                          {og + (t + na - 1) * 16 * DV + n * 16, og + (t + na - 1) * 16 * DV + (n + nb - 1) * 16}};
         tile_block_any<true>(na, nb, a, BK * 2, 32, b, DV * 4, static_cast<int64_t>(32) * DV, BK / 32, c, DV * 4);
       }
     }
@@ -271,7 +287,7 @@ size_t amx_scratch(const Params& p) { return scratch_bytes<AmxOps>(p); }
 namespace attn_cpu {
 bool amx_kernels(PathKernels* out) {
   out->block_keys = AmxOps::BK;
-  out->max_rows = AmxOps::MMAX;
+  out->group_rows = AmxOps::MG;
   out->scratch_bytes = &amx_scratch;
   out->run = &run_amx;
   return true;

@@ -30,8 +30,9 @@ inline __m512 load16(const uint16_t* p) { return load_bf16x16(p); }
 inline float load1(const float* p) { return *p; }
 inline float load1(const uint16_t* p) { return bf16_to_float(*p); }
 
+// st[j, 0 .. 16*NV) = sum_d qt[d, .] kb[d, j] for keys [ulo, uhi) (qt rows of qstride floats).
 template <int NV>
-inline void qk_rows_t(const float* qt, int MP, const float* kb, int BK, int D, float* st, int ulo, int uhi) {
+inline void qk_rows_t(const float* qt, int qstride, const float* kb, int BK, int D, float* st, int MP, int ulo, int uhi) {
   constexpr int KB = NV == 1 ? 16 : NV == 2 ? 8 : 4;
   for (int j0 = (ulo / KB) * KB; j0 < uhi; j0 += KB) {
     __m512 acc[KB][NV];
@@ -42,7 +43,7 @@ inline void qk_rows_t(const float* qt, int MP, const float* kb, int BK, int D, f
 #pragma GCC unroll 16
       for (int dd = 0; dd < 16; ++dd) {
         __m512 q[NV];
-        for (int v = 0; v < NV; ++v) q[v] = _mm512_loadu_ps(qt + (c + dd) * MP + 16 * v);
+        for (int v = 0; v < NV; ++v) q[v] = _mm512_loadu_ps(qt + (c + dd) * qstride + 16 * v);
         for (int kk = 0; kk < KB; ++kk) {
           const __m512 kv = _mm512_set1_ps(kc[kk * 16 + dd]);
           for (int v = 0; v < NV; ++v) acc[kk][v] = _mm512_fmadd_ps(q[v], kv, acc[kk][v]);
@@ -72,12 +73,13 @@ inline void qk_dot_2x8(const float* q0, const float* q1, const float* kb, int BK
   _mm512_storeu_ps(out16, hsum16(acc));
 }
 
+// o[r, dc ..] = o[r, dc ..] * alpha[r] + sum_j pt[j, r] V[j, dc ..] for rows r < nr (<= 4), 16*NZ channels.
 template <int NZ>
-inline void pv_tile(float* o, int DV, const float* alpha, const float* pt, int MP, const float* const* vrow, int dc, int ulo, int uhi) {
+inline void pv_tile(float* o, int DV, int nr, const float* alpha, const float* pt, int MP, const float* const* vrow, int dc, int ulo, int uhi) {
   __m512 acc[4][NZ];
   for (int r = 0; r < 4; ++r) {
-    const __m512 a = _mm512_set1_ps(alpha[r]);
-    for (int z = 0; z < NZ; ++z) acc[r][z] = _mm512_mul_ps(_mm512_loadu_ps(o + r * DV + 16 * z), a);
+    const __m512 a = _mm512_set1_ps(r < nr ? alpha[r] : 0.f);
+    for (int z = 0; z < NZ; ++z) acc[r][z] = r < nr ? _mm512_mul_ps(_mm512_loadu_ps(o + r * DV + 16 * z), a) : _mm512_setzero_ps();
   }
   for (int j = ulo; j < uhi; ++j) {
     const float* vp = vrow[j] + dc;
@@ -89,25 +91,26 @@ inline void pv_tile(float* o, int DV, const float* alpha, const float* pt, int M
       for (int z = 0; z < NZ; ++z) acc[r][z] = _mm512_fmadd_ps(v[z], pr, acc[r][z]);
     }
   }
-  for (int r = 0; r < 4; ++r)
+  for (int r = 0; r < nr; ++r)
     for (int z = 0; z < NZ; ++z) _mm512_storeu_ps(o + r * DV + 16 * z, acc[r][z]);
 }
 
 template <typename TQ, typename TKV>
 struct Avx512Ops {
   static constexpr int BK = 32;
-  static constexpr int MMAX = 32;
-  static constexpr int kDotRows = 8;  // items with at most this many rows use the dot-product form
+  static constexpr int MG = 32;
+  static constexpr bool kVis = true;
+  static constexpr int kDotRows = 8;  // items with at most this many rows (decode) use the dot-product form
 
   struct Ext {
-    float* q;  // [M, D] (dot form) or [D, MP] (transposed form), scaled
-    float* st;
-    float* kb;
-    float* vf;
-    const float** vrow;
+    float* q;  // dot form: [R, D]; else per group g: [D, MG] at q + g * D * MG (scaled, zero-padded)
+    float* st;  // [BK, MG]
+    float* kb;  // [D/16, BK, 16]
+    float* vf;  // [BK, Dv] widened bf16 V
+    const float** vrow;  // [BK]
   };
   static size_t extra_bytes(const Params& p) {
-    return align64(static_cast<size_t>(kMaxRows) * p.d * 4) + align64(BK * kMaxRows * 4) + align64(static_cast<size_t>(BK) * p.d * 4) +
+    return align64(static_cast<size_t>(kMaxRows) * p.d * 4) + align64(BK * MG * 4) + align64(static_cast<size_t>(BK) * p.d * 4) +
            align64(static_cast<size_t>(BK) * p.dv * 4) + align64(BK * sizeof(void*));
   }
   static Ext ext(const Params& p, Work& w) {
@@ -116,7 +119,7 @@ struct Avx512Ops {
     e.q = reinterpret_cast<float*>(s);
     s += align64(static_cast<size_t>(kMaxRows) * p.d * 4);
     e.st = reinterpret_cast<float*>(s);
-    s += align64(BK * kMaxRows * 4);
+    s += align64(BK * MG * 4);
     e.kb = reinterpret_cast<float*>(s);
     s += align64(static_cast<size_t>(BK) * p.d * 4);
     e.vf = reinterpret_cast<float*>(s);
@@ -128,34 +131,36 @@ struct Avx512Ops {
   static void thread_begin() {}
   static void thread_end() {}
 
-  static void load_q(const Params& p, Work& w, int M) {
+  static void load_q(const Params& p, Work& w) {
     const Ext e = ext(p, w);
     const float mult = p.scale * (p.cap > 0.f ? 1.f : kLog2e);
     const __m512 vm = _mm512_set1_ps(mult);
-    const int D = p.d;
-    if (M <= kDotRows) {
-      for (int m = 0; m < M; ++m) {
+    const int D = p.d, R = w.rows;
+    if (R <= kDotRows) {
+      for (int m = 0; m < R; ++m) {
         const TQ* src = static_cast<const TQ*>(w.qrows[m]);
         for (int c = 0; c < D; c += 16) _mm512_storeu_ps(e.q + m * D + c, _mm512_mul_ps(load16(src + c), vm));
       }
       return;
     }
-    const int MP = w.mp;
-    for (int i = 0; i < D * MP; i += 16) _mm512_storeu_ps(e.q + i, _mm512_setzero_ps());
-    for (int m = 0; m < M; ++m) {
-      const TQ* src = static_cast<const TQ*>(w.qrows[m]);
-      for (int i = 0; i < D; ++i) e.q[i * MP + m] = load1(src + i) * mult;
+    for (int r0 = 0; r0 < R; r0 += MG) {
+      float* qt = e.q + static_cast<int64_t>(r0) * D;  // group r0 / MG, [D, MG]
+      for (int i = 0; i < D * MG; i += 16) _mm512_storeu_ps(qt + i, _mm512_setzero_ps());
+      for (int m = 0; m < MG && r0 + m < R; ++m) {
+        const TQ* src = static_cast<const TQ*>(w.qrows[r0 + m]);
+        for (int i = 0; i < D; ++i) qt[i * MG + m] = load1(src + i) * mult;
+      }
     }
   }
 
-  static void block(const Params& p, Work& w, int M, int ulo, int uhi, bool full) {
+  // K as kb [D/16, BK, 16] (zeros outside [ulo, uhi) in the 16-key groups touched), V rows in place
+  // (float32) or widened into vf (bf16).
+  static void stage(const Params& p, Work& w, int ulo, int uhi) {
     const Ext e = ext(p, w);
-    const int MP = w.mp, D = p.d, DV = p.dv;
+    const int D = p.d, DV = p.dv;
     const TKV* kbase = static_cast<const TKV*>(p.k) + static_cast<int64_t>(w.h) * D;
     const TKV* vbase = static_cast<const TKV*>(p.v) + static_cast<int64_t>(w.h) * DV;
-    // stage K as kb [D/16, BK, 16] (zeros outside [ulo, uhi) in the 16-key groups touched) and V rows
-    const int g0 = ulo & ~15, g1 = (uhi + 15) & ~15;
-    for (int j = g0; j < g1; ++j) {
+    for (int j = ulo & ~15; j < ((uhi + 15) & ~15); ++j) {
       float* dst = e.kb + j * 16;
       if (j < ulo || j >= uhi) {
         for (int c = 0; c < D; c += 16) _mm512_storeu_ps(dst + static_cast<int64_t>(c) * BK, _mm512_setzero_ps());
@@ -174,14 +179,19 @@ struct Avx512Ops {
         e.vrow[j] = dst;
       }
     }
-    // scores
-    if (M <= kDotRows) {
+  }
+
+  static void group(const Params& p, Work& w, int r0, int M, int ulo, int uhi, bool full) {
+    const Ext e = ext(p, w);
+    const int D = p.d, DV = p.dv;
+    const int MP = (M + 15) & ~15;
+    if (w.rows <= kDotRows) {
       alignas(64) float tmp[16];
       for (int m = 0; m < M; m += 2) {
         const int m1 = m + 1 < M ? m + 1 : m;
         const float* q0 = e.q + m * D;
         const float* q1 = e.q + m1 * D;
-        for (int j0 = g0; j0 < g1; j0 += 8) {
+        for (int j0 = ulo & ~7; j0 < uhi; j0 += 8) {
           qk_dot_2x8(q0, q1, e.kb, BK, D, j0, tmp);
           for (int kk = 0; kk < 8; ++kk) {
             e.st[(j0 + kk) * MP + m] = tmp[kk];
@@ -189,27 +199,24 @@ struct Avx512Ops {
           }
         }
       }
-    } else if (MP == 16) {
-      qk_rows_t<1>(e.q, MP, e.kb, BK, D, e.st, ulo, uhi);
-    } else if (MP == 32) {
-      qk_rows_t<2>(e.q, MP, e.kb, BK, D, e.st, ulo, uhi);
-    } else if (MP == 48) {
-      qk_rows_t<3>(e.q, MP, e.kb, BK, D, e.st, ulo, uhi);
     } else {
-      qk_rows_t<4>(e.q, MP, e.kb, BK, D, e.st, ulo, uhi);
+      const float* qt = e.q + static_cast<int64_t>(r0) * D;
+      if (MP == 16) qk_rows_t<1>(qt, MG, e.kb, BK, D, e.st, MP, ulo, uhi);
+      else qk_rows_t<2>(qt, MG, e.kb, BK, D, e.st, MP, ulo, uhi);
     }
-    softmax_block(e.st, w, M, BK, ulo, uhi, full, 1.f, p.cap, false);
+    softmax_cols(e.st, w, r0, M, MP, MG / 16, ulo, uhi, full, 1.f, p.cap, 0.f);
     // o = o * alpha + P V, 4 rows x 64 channels at a time
-    const int MR = (M + 3) & ~3;
-    for (int m0 = 0; m0 < MR; m0 += 4) {
-      float* o = w.o + static_cast<int64_t>(m0) * DV;
+    for (int m0 = 0; m0 < M; m0 += 4) {
+      float* o = w.o + static_cast<int64_t>(r0 + m0) * DV;
+      const int nr = imin(4, M - m0);
       for (int dc = 0; dc < DV; dc += 64) {
         const int nz = (DV - dc) >= 64 ? 4 : (DV - dc) / 16;
         const float* pt = e.st + m0;
-        if (nz == 4) pv_tile<4>(o + dc, DV, w.alpha + m0, pt, MP, e.vrow, dc, ulo, uhi);
-        else if (nz == 3) pv_tile<3>(o + dc, DV, w.alpha + m0, pt, MP, e.vrow, dc, ulo, uhi);
-        else if (nz == 2) pv_tile<2>(o + dc, DV, w.alpha + m0, pt, MP, e.vrow, dc, ulo, uhi);
-        else pv_tile<1>(o + dc, DV, w.alpha + m0, pt, MP, e.vrow, dc, ulo, uhi);
+        const float* al = w.alpha + r0 + m0;
+        if (nz == 4) pv_tile<4>(o + dc, DV, nr, al, pt, MP, e.vrow, dc, ulo, uhi);
+        else if (nz == 3) pv_tile<3>(o + dc, DV, nr, al, pt, MP, e.vrow, dc, ulo, uhi);
+        else if (nz == 2) pv_tile<2>(o + dc, DV, nr, al, pt, MP, e.vrow, dc, ulo, uhi);
+        else pv_tile<1>(o + dc, DV, nr, al, pt, MP, e.vrow, dc, ulo, uhi);
       }
     }
   }
@@ -239,7 +246,7 @@ size_t avx512_scratch(const Params& p) { return scratch_bytes<Avx512Ops<float, f
 namespace attn_cpu {
 bool avx512_kernels(PathKernels* out) {
   out->block_keys = Avx512Ops<float, float>::BK;
-  out->max_rows = Avx512Ops<float, float>::MMAX;
+  out->group_rows = Avx512Ops<float, float>::MG;
   out->scratch_bytes = &avx512_scratch;
   out->run = &run_avx512;
   return true;

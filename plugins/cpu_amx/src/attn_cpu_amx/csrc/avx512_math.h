@@ -90,15 +90,24 @@ inline __m512 hsum16(const __m512 a[16]) {
   return _mm512_permutexvar_ps(idx, w);
 }
 
-// Online-softmax update of one block of scores st [BK, MP] (key-major, rows vectorized).
-// Scores are multiplied by `pre`, capped (cap > 0: cap * tanh(s / cap), in log2 units), masked by
-// w.vis unless `full`; st becomes P = 2^(s - mx_new) for keys [ulo, uhi) (and 0 for the other keys of
-// the block when zero_outside); w.alpha gets 2^(mx_old - mx_new), w.l and w.mx are updated. Padding
-// rows (M <= m < MP) always get P = 0. With lazy > 0 a row keeps its max unless the block's max
-// exceeds it by more than `lazy` (so P <= 2^lazy and alpha is exactly 1 for most blocks).
-inline void softmax_block(float* st, Work& w, int M, int BK, int ulo, int uhi, bool full, float pre, float cap, bool zero_outside,
-                          float lazy = 0.f) {
-  const int MP = w.mp, NV = MP / 16;
+// New running max of a row: the block max, but with lazy > 0 only when it exceeds the old max by more
+// than `lazy` (P then stays <= 2^lazy and alpha is exactly 1 for most blocks).
+inline __m512 next_max(__m512 mold, __m512 bmax, float lazy) {
+  if (lazy > 0.f) {
+    const __mmask16 grow = _mm512_cmp_ps_mask(bmax, _mm512_add_ps(mold, _mm512_set1_ps(lazy)), _CMP_GT_OQ);
+    return _mm512_mask_mov_ps(mold, grow, bmax);
+  }
+  return _mm512_max_ps(mold, bmax);
+}
+
+// Online-softmax update of a row group's scores st [BK, MP] (key-major, rows vectorized; group row m is
+// item row r0 + m). Scores are multiplied by `pre`, capped (cap > 0: cap * tanh(s / cap), in log2
+// units), masked by w.vis unless `full`; st becomes P = 2^(s - mx_new) for keys [ulo, uhi);
+// w.alpha gets 2^(mx_old - mx_new), w.l and w.mx are updated. Padding rows (m >= M) get P = 0.
+// w.vis rows are vis_stride words apart (MG / 16 of the path).
+inline void softmax_cols(float* st, Work& w, int r0, int M, int MP, int vis_stride, int ulo, int uhi, bool full, float pre, float cap,
+                         float lazy) {
+  const int NV = MP / 16;
   const __m512 ninf = _mm512_set1_ps(-INFINITY);
   const __m512 vpre = _mm512_set1_ps(pre);
   const bool use_cap = cap > 0.f;
@@ -113,33 +122,37 @@ inline void softmax_block(float* st, Work& w, int M, int BK, int ulo, int uhi, b
       float* sp = st + j * MP + nv * 16;
       __m512 s = _mm512_mul_ps(_mm512_loadu_ps(sp), vpre);
       if (use_cap) s = _mm512_mul_ps(cap_l2e, tanh_ps(_mm512_mul_ps(s, inv_cap)));
-      if (masked) s = _mm512_mask_mov_ps(ninf, (full ? rows : w.vis[j * NV + nv]), s);
+      if (masked) s = _mm512_mask_mov_ps(ninf, (full ? rows : static_cast<__mmask16>(w.vis[j * vis_stride + nv] & rows)), s);
       _mm512_storeu_ps(sp, s);
       bmax = _mm512_max_ps(bmax, s);
     }
-    const __m512 mold = _mm512_loadu_ps(w.mx + nv * 16);
-    __m512 mnew = _mm512_max_ps(mold, bmax);
-    if (lazy > 0.f) {
-      const __mmask16 grow = _mm512_cmp_ps_mask(bmax, _mm512_add_ps(mold, _mm512_set1_ps(lazy)), _CMP_GT_OQ);
-      mnew = _mm512_mask_mov_ps(mold, grow, bmax);
-    }
+    float* mxp = w.mx + r0 + nv * 16;
+    float* lp = w.l + r0 + nv * 16;
+    float* ap = w.alpha + r0 + nv * 16;
+    const __m512 mold = _mm512_maskz_loadu_ps(rows, mxp);
+    const __m512 mnew = next_max(_mm512_mask_mov_ps(ninf, rows, mold), bmax, lazy);
     const __m512 safe = _mm512_mask_mov_ps(mnew, _mm512_cmp_ps_mask(mnew, ninf, _CMP_EQ_OQ), _mm512_setzero_ps());
-    const __mmask16 old_finite = _mm512_cmp_ps_mask(mold, ninf, _CMP_NEQ_UQ);
+    const __mmask16 old_finite = _mm512_cmp_ps_mask(mold, ninf, _CMP_NEQ_UQ) & rows;
     const __m512 alpha = _mm512_maskz_mov_ps(old_finite, exp2_ps(_mm512_sub_ps(mold, safe)));
     __m512 sum = _mm512_setzero_ps();
     for (int j = ulo; j < uhi; ++j) {
       float* sp = st + j * MP + nv * 16;
       __m512 pj = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(sp), safe));
-      if (masked) pj = _mm512_maskz_mov_ps((full ? rows : w.vis[j * NV + nv]), pj);
+      if (masked) pj = _mm512_maskz_mov_ps((full ? rows : static_cast<__mmask16>(w.vis[j * vis_stride + nv] & rows)), pj);
       _mm512_storeu_ps(sp, pj);
       sum = _mm512_add_ps(sum, pj);
     }
-    if (zero_outside) {
-      for (int j = 0; j < ulo; ++j) _mm512_storeu_ps(st + j * MP + nv * 16, _mm512_setzero_ps());
-      for (int j = uhi; j < BK; ++j) _mm512_storeu_ps(st + j * MP + nv * 16, _mm512_setzero_ps());
-    }
-    _mm512_storeu_ps(w.l + nv * 16, _mm512_fmadd_ps(_mm512_loadu_ps(w.l + nv * 16), alpha, sum));
-    _mm512_storeu_ps(w.mx + nv * 16, mnew);
-    _mm512_storeu_ps(w.alpha + nv * 16, alpha);
+    _mm512_mask_storeu_ps(lp, rows, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(rows, lp), alpha, sum));
+    _mm512_mask_storeu_ps(mxp, rows, mnew);
+    _mm512_mask_storeu_ps(ap, rows, alpha);
   }
+}
+
+// Lanes lo .. hi-1 of 16 (clamped).
+inline __mmask16 lane_range(int lo, int hi) {
+  lo = lo < 0 ? 0 : (lo > 16 ? 16 : lo);
+  hi = hi < 0 ? 0 : (hi > 16 ? 16 : hi);
+  if (lo >= hi) return 0;
+  const uint32_t upto = hi == 16 ? 0xFFFFu : ((1u << hi) - 1u);
+  return static_cast<__mmask16>(upto & ~((1u << lo) - 1u));
 }

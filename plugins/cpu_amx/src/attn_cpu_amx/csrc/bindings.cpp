@@ -88,14 +88,13 @@ void order_items(std::vector<Item>& items) {
   });
 }
 
-// Items of at most max_rows rows (tokens x q heads of one KV head); KV splits when there are too few
-// items to keep `threads` busy. Split boundaries fall on multiples of the block size.
-Plan make_plan(const Params& p, int bs, const PathKernels& k, int threads, int max_splits, int min_split_keys) {
-  const int G = p.group, MR = k.max_rows, BK = k.block_keys;
-  const int ng = std::min(G, MR);
-  const int bq = G >= MR ? 1 : MR / G;
+// Base items: rows_cap rows at most (tokens x q heads of one KV head).
+std::vector<Item> base_items(const Params& p, int bs, int rows_cap, int64_t* total_keys) {
+  const int G = p.group;
+  const int ng = std::min(G, rows_cap);
+  const int bq = G >= rows_cap ? 1 : rows_cap / G;
   std::vector<Item> base;
-  int64_t total_keys = 0;
+  *total_keys = 0;
   for (int r = 0; r < bs; ++r) {
     const int qlen = p.q_lens[r], seq = p.seq_lens[r], prefix = seq - qlen;
     for (int t0 = 0; t0 < qlen; t0 += bq) {
@@ -108,12 +107,27 @@ Plan make_plan(const Params& p, int bs, const PathKernels& k, int threads, int m
       for (int h = 0; h < p.hkv; ++h)
         for (int g0 = 0; g0 < G; g0 += ng) {
           base.push_back(Item{r, h, t0, nt, g0, std::min(ng, G - g0), klo, khi, -1});
-          total_keys += khi - klo;
+          *total_keys += khi - klo;
         }
     }
   }
-  Plan plan;
+  return base;
+}
+
+// Items of up to kMaxRows rows, smaller (down to one row group) while there are fewer than 2 per
+// thread; then KV splits when there are still fewer than 4 per thread. Split boundaries fall on
+// multiples of the block size.
+Plan make_plan(const Params& p, int bs, const PathKernels& k, int threads, int max_splits, int min_split_keys) {
+  const int BK = k.block_keys;
   const int64_t target = 4 * static_cast<int64_t>(threads);
+  int rows_cap = kMaxRows;
+  int64_t total_keys = 0;
+  std::vector<Item> base = base_items(p, bs, rows_cap, &total_keys);
+  while (static_cast<int64_t>(base.size()) < target / 2 && rows_cap > k.group_rows) {
+    rows_cap /= 2;
+    base = base_items(p, bs, rows_cap, &total_keys);
+  }
+  Plan plan;
   if (static_cast<int64_t>(base.size()) >= target || max_splits <= 1) {
     plan.items = std::move(base);
   } else {

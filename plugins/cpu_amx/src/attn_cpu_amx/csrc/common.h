@@ -58,13 +58,13 @@ struct Item {
 
 // Limits shared by every path.
 constexpr int kMaxHeadDim = 256;
-constexpr int kMaxRows = 64;  // rows (tokens x heads) per item
+constexpr int kMaxRows = 256;  // rows (tokens x q heads) per item
 
 // What one path exports. `run` is called once per thread; it pulls item indices from `next` until
 // they run out. `scratch` is this thread's slice (scratch_bytes of it, 64-byte aligned).
 struct PathKernels {
   int block_keys;  // keys per block (a multiple of 16)
-  int max_rows;    // rows per item (a multiple of 16, <= kMaxRows)
+  int group_rows;  // rows a block is computed for at a time (a multiple of 16, <= kMaxRows)
   size_t (*scratch_bytes)(const Params& p);
   void (*run)(const Params& p, const Item* items, int64_t n_items, std::atomic<int64_t>* next, char* scratch);
 };

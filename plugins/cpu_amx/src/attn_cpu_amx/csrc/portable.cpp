@@ -16,65 +16,70 @@ inline float load_elem(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]
 template <typename TQ, typename TKV>
 struct PortableOps {
   static constexpr int BK = 32;
-  static constexpr int MMAX = 32;
+  static constexpr int MG = 32;
+  static constexpr bool kVis = true;
 
-  // q rows as float32 [MMAX, D] (scaled), then the block's scores [BK, MMAX]
-  static size_t extra_bytes(const Params& p) { return align64(static_cast<size_t>(kMaxRows) * p.d * 4) + align64(BK * kMaxRows * 4); }
+  // q rows as float32 [kMaxRows, D] (scaled), then a group's scores [BK, MG]
+  static size_t extra_bytes(const Params& p) { return align64(static_cast<size_t>(kMaxRows) * p.d * 4) + align64(BK * MG * 4); }
   static float* qf(const Params& p, Work& w) { return reinterpret_cast<float*>(w.extra); }
   static float* st(const Params& p, Work& w) { return reinterpret_cast<float*>(w.extra + align64(static_cast<size_t>(kMaxRows) * p.d * 4)); }
 
   static void thread_begin() {}
   static void thread_end() {}
 
-  static void load_q(const Params& p, Work& w, int M) {
+  static void load_q(const Params& p, Work& w) {
     const float mult = p.scale * (p.cap > 0.f ? 1.f : kLog2e);
     float* q = qf(p, w);
-    for (int m = 0; m < M; ++m) {
+    for (int m = 0; m < w.rows; ++m) {
       const TQ* src = static_cast<const TQ*>(w.qrows[m]);
       for (int i = 0; i < p.d; ++i) q[m * p.d + i] = load_elem(src, i) * mult;
     }
   }
 
-  static void block(const Params& p, Work& w, int M, int ulo, int uhi, bool full) {
-    const int MP = w.mp, NV = MP / 16, D = p.d, DV = p.dv;
+  static void stage(const Params&, Work&, int, int) {}
+
+  static void group(const Params& p, Work& w, int r0, int M, int ulo, int uhi, bool full) {
+    constexpr int NV = MG / 16;
+    const int D = p.d, DV = p.dv;
     const TKV* kbase = static_cast<const TKV*>(p.k) + static_cast<int64_t>(w.h) * D;
     const TKV* vbase = static_cast<const TKV*>(p.v) + static_cast<int64_t>(w.h) * DV;
-    const float* q = qf(p, w);
+    const float* q = qf(p, w) + static_cast<int64_t>(r0) * D;
     float* s = st(p, w);
     for (int j = ulo; j < uhi; ++j) {
       const TKV* kr = kbase + static_cast<int64_t>(w.slots[j]) * p.k_slot_stride;
       for (int m = 0; m < M; ++m) {
         float acc = 0.f;
         for (int i = 0; i < D; ++i) acc += q[m * D + i] * load_elem(kr, i);
-        s[j * MP + m] = acc;
+        s[j * MG + m] = acc;
       }
     }
     const float cap_l2e = p.cap * kLog2e;
     for (int m = 0; m < M; ++m) {
+      const int r = r0 + m;
       float bmax = -INFINITY;
       for (int j = ulo; j < uhi; ++j) {
-        float x = s[j * MP + m];
+        float x = s[j * MG + m];
         if (p.cap > 0.f) x = cap_l2e * std::tanh(x / p.cap);
         if (!full && !(w.vis[j * NV + (m >> 4)] & (1u << (m & 15)))) x = -INFINITY;
-        s[j * MP + m] = x;
+        s[j * MG + m] = x;
         bmax = std::fmax(bmax, x);
       }
-      const float mnew = std::fmax(w.mx[m], bmax);
+      const float mnew = std::fmax(w.mx[r], bmax);
       const float safe = mnew == -INFINITY ? 0.f : mnew;
-      const float alpha = w.mx[m] == -INFINITY ? 0.f : std::exp2(w.mx[m] - safe);
+      const float alpha = w.mx[r] == -INFINITY ? 0.f : std::exp2(w.mx[r] - safe);
       float sum = 0.f;
-      float* o = w.o + static_cast<int64_t>(m) * DV;
+      float* o = w.o + static_cast<int64_t>(r) * DV;
       for (int i = 0; i < DV; ++i) o[i] *= alpha;
       for (int j = ulo; j < uhi; ++j) {
-        const float x = s[j * MP + m];
+        const float x = s[j * MG + m];
         if (x == -INFINITY) continue;
         const float pj = std::exp2(x - safe);
         sum += pj;
         const TKV* vr = vbase + static_cast<int64_t>(w.slots[j]) * p.v_slot_stride;
         for (int i = 0; i < DV; ++i) o[i] += pj * load_elem(vr, i);
       }
-      w.l[m] = w.l[m] * alpha + sum;
-      w.mx[m] = mnew;
+      w.l[r] = w.l[r] * alpha + sum;
+      w.mx[r] = mnew;
     }
   }
 };
@@ -99,7 +104,7 @@ size_t portable_scratch(const Params& p) { return scratch_bytes<PortableOps<floa
 
 bool portable_kernels(PathKernels* out) {
   out->block_keys = PortableOps<float, float>::BK;
-  out->max_rows = PortableOps<float, float>::MMAX;
+  out->group_rows = PortableOps<float, float>::MG;
   out->scratch_bytes = &portable_scratch;
   out->run = &run_portable;
   return true;
