@@ -99,9 +99,6 @@ class TritonAttnBackend(AttentionBackend):
         if b.encoder_lens is not None:
             cross = new_kv(bs, int(b.encoder_lens_cpu.sum()), dev, with_splits=True)
             fill_kv(cross, r2t, b.req_pool_indices, b.encoder_lens, splits=splits)
-        if self._scratch.capacity == 0:
-            top = max(bs, self.ctx.max_batch_size)
-            self._scratch.reserve(max(n * self.decode_splits(n).max_splits for n in range(1, top + 1)))
         return DecodeMetadata(kv, cross, splits.max_splits, *self._scratch.views(bs, splits.max_splits))
 
     def _extend_metadata(self, b: ForwardBatch, r2t: torch.Tensor) -> ExtendMetadata:
