@@ -86,52 +86,83 @@ inline void tile_block_any(int na, int nb, const uint16_t* const a[2], int a_str
 // P may grow to 2^8 before a row's max (and its output) is rescaled: bf16 keeps 8 exponent bits.
 constexpr float kLazyRescale = 8.f;
 
+// 2^y for y <= kLazyRescale (no overflow check), relative error ~1e-7 (degree-6 Taylor of 2^f on
+// |f| <= 1/2). Below -126 the result is ~0; callers mask exact zeros.
+inline __m512 exp2_small(__m512 y) {
+  y = _mm512_max_ps(_mm512_set1_ps(-126.f), y);
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 r = _mm512_set1_ps(0.00015403530393381606f);
+  r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(0.0013333558146428441f));
+  r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(0.009618129107628477f));
+  r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(0.055504108664821576f));
+  r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(0.2402265069591007f));
+  r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(0.6931471805599453f));
+  r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(r, n);
+}
+
 // Row-wise online softmax of a group's scores s [MP, BK] into P (bf16, pb [MP, BK]): scale by `pre`,
-// cap, mask (rows' key ranges and custom-mask bytes unless `full`), lazy max update, w.l / w.mx /
-// w.alpha of rows r0 .. r0+M-1. Padding rows get P = 0.
+// cap, mask (rows' key ranges and custom-mask bytes unless `full`). A row keeps its max mx while the
+// block's scores stay below mx + kLazyRescale (one vector compare, no reduction); only when they do
+// not (or on the row's first block) is the block max taken and alpha = 2^(mx_old - mx_new) set.
+// Row sums accumulate lane-wise in lsum [rows, 16] (reduced by `finish`). Padding rows get P = 0.
 template <int BK>
-inline void softmax_rows(const float* s, uint16_t* pb, Work& w, int r0, int M, int MP, bool full, float pre, float cap) {
+inline void softmax_rows(const float* s, uint16_t* pb, float* lsum, Work& w, int r0, int M, int MP, bool full, float pre, float cap) {
   constexpr int NV = BK / 16;
   const __m512 ninf = _mm512_set1_ps(-INFINITY);
   const __m512 vpre = _mm512_set1_ps(pre);
+  const __m512 vlazy = _mm512_set1_ps(kLazyRescale);
   const bool use_cap = cap > 0.f;
   const __m512 inv_cap = _mm512_set1_ps(use_cap ? 1.f / cap : 0.f);
   const __m512 cap_l2e = _mm512_set1_ps(cap * kLog2e);
   for (int m = 0; m < M; ++m) {
     const int r = r0 + m;
-    int rlo, rhi;
-    row_range(w, r, BK, &rlo, &rhi);
-    const uint8_t* mr = w.mrows[r] != nullptr ? w.mrows[r] + w.b0 : nullptr;
     __m512 x[NV];
     __mmask16 km[NV];
-    __m512 bmax = ninf;
+    if (full) {
+      for (int v = 0; v < NV; ++v) km[v] = 0xFFFF;
+    } else {
+      int rlo, rhi;
+      row_range(w, r, BK, &rlo, &rhi);
+      const uint8_t* mr = w.mrows[r] != nullptr ? w.mrows[r] + w.b0 : nullptr;
+      for (int v = 0; v < NV; ++v) {
+        km[v] = lane_range(rlo - 16 * v, rhi - 16 * v);
+        if (mr != nullptr && km[v]) {
+          const __m128i bytes = _mm_maskz_loadu_epi8(km[v], mr + 16 * v);
+          km[v] &= _mm_test_epi8_mask(bytes, bytes);
+        }
+      }
+    }
     for (int v = 0; v < NV; ++v) {
       x[v] = _mm512_mul_ps(_mm512_loadu_ps(s + m * BK + 16 * v), vpre);
       if (use_cap) x[v] = _mm512_mul_ps(cap_l2e, tanh_ps(_mm512_mul_ps(x[v], inv_cap)));
-      km[v] = full ? static_cast<__mmask16>(0xFFFF) : lane_range(rlo - 16 * v, rhi - 16 * v);
-      if (mr != nullptr && km[v]) {
-        const __m128i bytes = _mm_maskz_loadu_epi8(km[v], mr + 16 * v);
-        km[v] &= _mm_test_epi8_mask(bytes, bytes);
-      }
       if (!full) x[v] = _mm512_mask_mov_ps(ninf, km[v], x[v]);
-      bmax = _mm512_max_ps(bmax, x[v]);
     }
-    const float rmax = _mm512_reduce_max_ps(bmax);
     const float mold = w.mx[r];
-    float mnew = mold;
-    if (rmax > mold + kLazyRescale || mold == -INFINITY) mnew = rmax > mold ? rmax : mold;
-    const float safe = mnew == -INFINITY ? 0.f : mnew;
-    const float alpha = mold == -INFINITY ? 0.f : (mnew == mold ? 1.f : std::exp2(mold - safe));
-    const __m512 vs = _mm512_set1_ps(safe);
+    __m512 vm = _mm512_set1_ps(mold);
+    __mmask16 grow = 0;
+    for (int v = 0; v < NV; ++v) grow |= _mm512_cmp_ps_mask(_mm512_sub_ps(x[v], vm), vlazy, _CMP_GT_OQ);
+    float alpha = 1.f;
+    if (grow || mold == -INFINITY) {
+      __m512 bmax = ninf;
+      for (int v = 0; v < NV; ++v) bmax = _mm512_max_ps(bmax, x[v]);
+      const float rmax = _mm512_reduce_max_ps(bmax);
+      const float mnew = rmax > mold ? rmax : mold;
+      alpha = mold == -INFINITY ? 0.f : std::exp2(mold - mnew);
+      w.mx[r] = mnew;
+      vm = _mm512_set1_ps(mnew == -INFINITY ? 0.f : mnew);
+    }
     __m512 sum = _mm512_setzero_ps();
     for (int v = 0; v < NV; ++v) {
-      __m512 pv = exp2_ps(_mm512_sub_ps(x[v], vs));
+      __m512 pv = exp2_small(_mm512_sub_ps(x[v], vm));
       if (!full) pv = _mm512_maskz_mov_ps(km[v], pv);
       sum = _mm512_add_ps(sum, pv);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + m * BK + 16 * v), (__m256i)_mm512_cvtneps_pbh(pv));
     }
-    w.l[r] = w.l[r] * alpha + _mm512_reduce_add_ps(sum);
-    w.mx[r] = mnew;
+    float* ls = lsum + static_cast<int64_t>(r) * 16;
+    const __m512 old = _mm512_loadu_ps(ls);
+    _mm512_storeu_ps(ls, alpha == 1.f ? _mm512_add_ps(old, sum) : _mm512_fmadd_ps(old, _mm512_set1_ps(alpha), sum));
     w.alpha[r] = alpha;
   }
   for (int m = M; m < MP; ++m)
@@ -149,10 +180,11 @@ struct AmxOps {
     uint16_t* vp;  // [BK/2, Dv, 2] V in VNNI pairs: vp[i, c, e] = V[2i + e, c]
     float* s;      // [MG, BK] scores of a group
     uint16_t* pb;  // [MG, BK] P of a group
+    float* lsum;   // [kMaxRows, 16] lane-wise row sums
   };
   static size_t extra_bytes(const Params& p) {
     return align64(static_cast<size_t>(kMaxRows) * p.d * 2) + align64(static_cast<size_t>(BK) * p.d * 2) +
-           align64(static_cast<size_t>(BK) * p.dv * 2) + align64(MG * BK * 4) + align64(MG * BK * 2);
+           align64(static_cast<size_t>(BK) * p.dv * 2) + align64(MG * BK * 4) + align64(MG * BK * 2) + align64(kMaxRows * 16 * 4);
   }
   static Ext ext(const Params& p, Work& w) {
     Ext e;
@@ -166,6 +198,8 @@ struct AmxOps {
     e.s = reinterpret_cast<float*>(s);
     s += align64(MG * BK * 4);
     e.pb = reinterpret_cast<uint16_t*>(s);
+    s += align64(MG * BK * 2);
+    e.lsum = reinterpret_cast<float*>(s);
     return e;
   }
 
@@ -186,6 +220,13 @@ struct AmxOps {
     const int D = p.d, R = w.rows, RP = (R + 15) & ~15;
     for (int m = 0; m < R; ++m) std::memcpy(e.qa + static_cast<int64_t>(m) * D, w.qrows[m], static_cast<size_t>(D) * 2);
     for (int m = R; m < RP; ++m) std::memset(e.qa + static_cast<int64_t>(m) * D, 0, static_cast<size_t>(D) * 2);
+    std::memset(e.lsum, 0, static_cast<size_t>(R) * 16 * 4);
+  }
+
+  // Row sums: w.l = the lanes of lsum.
+  static void finish(const Params& p, Work& w) {
+    const Ext e = ext(p, w);
+    for (int m = 0; m < w.rows; ++m) w.l[m] = _mm512_reduce_add_ps(_mm512_loadu_ps(e.lsum + m * 16));
   }
 
   // K^T and V of the block in VNNI pairs (zeros for keys outside [ulo, uhi)).
@@ -249,7 +290,7 @@ struct AmxOps {
         tile_block_any<false>(na, 2, a, D * 2, 32, b, BK * 4, static_cast<int64_t>(32) * BK, D / 32, c, BK * 4);
       }
     }
-    softmax_rows<BK>(e.s, e.pb, w, r0, M, MP, full, p.scale * (p.cap > 0.f ? 1.f : kLog2e), p.cap);
+    softmax_rows<BK>(e.s, e.pb, e.lsum, w, r0, M, MP, full, p.scale * (p.cap > 0.f ? 1.f : kLog2e), p.cap);
     // o = o * alpha (rows whose max moved), then o += P V on tiles loaded from and stored to o
     for (int m = 0; m < M; ++m) {
       const float al = w.alpha[r0 + m];

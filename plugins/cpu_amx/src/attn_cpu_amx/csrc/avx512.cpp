@@ -130,6 +130,7 @@ struct Avx512Ops {
 
   static void thread_begin() {}
   static void thread_end() {}
+  static void finish(const Params&, Work&) {}
 
   static void load_q(const Params& p, Work& w) {
     const Ext e = ext(p, w);

@@ -8,6 +8,7 @@
 //   static size_t extra_bytes(const Params&);            the path's own scratch
 //   static void thread_begin(); static void thread_end();
 //   static void load_q(const Params&, Work&)             stage the item's q rows (w.qrows[0 .. w.rows))
+//   static void finish(const Params&, Work&)             make w.l final after the last block
 //   static void stage(const Params&, Work&, int ulo, int uhi)
 //       stage K/V of keys [ulo, uhi) of the block (w.slots[j] >= 0 there) for every row group
 //   static void group(const Params&, Work&, int r0, int M, int ulo, int uhi, bool full)
@@ -185,6 +186,7 @@ void run_item(const Params& p, const Item& it, Work& w) {
     }
   }
 
+  Ops::finish(p, w);
   for (int m = 0; m < R; ++m) {
     const float l = w.l[m];
     const float lse2 = l > 0.f ? w.mx[m] + std::log2(l) : -INFINITY;

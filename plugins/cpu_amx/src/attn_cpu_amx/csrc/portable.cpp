@@ -26,6 +26,7 @@ struct PortableOps {
 
   static void thread_begin() {}
   static void thread_end() {}
+  static void finish(const Params&, Work&) {}
 
   static void load_q(const Params& p, Work& w) {
     const float mult = p.scale * (p.cap > 0.f ? 1.f : kLog2e);
