@@ -23,14 +23,15 @@ import statistics
 import time
 
 import torch
+from flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
+from flashinfer.cascade import merge_state_in_place
+
 from attn_core.batch_builder import build_forward_batch
 from attn_core.context import BackendContext
 from attn_core.layer import AttentionLayer
 from attn_core.memory import MHATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
 from attn_flashinfer.backend import FlashInferBackend
 from attn_flashinfer.steps import LayerKey
-from flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
-from flashinfer.cascade import merge_state_in_place
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 DTYPE = torch.bfloat16

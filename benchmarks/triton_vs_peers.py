@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
 import torch
+
 from attn_core.batch import ForwardBatch
 from attn_core.context import BackendContext
 from attn_core.forward_mode import ForwardMode

@@ -109,9 +109,7 @@ def test_random_alloc_free_invariants(spec):
             rid = ids[pick % len(ids)]
             cur = owned[rid]
             last = cur[-1] if cur else 0
-            got = (
-                a.alloc_decode([len(cur) + 1], [last]) if kind == "decode" else a.alloc_extend([len(cur)], [len(cur) + n], [last])
-            )
+            got = a.alloc_decode([len(cur) + 1], [last]) if kind == "decode" else a.alloc_extend([len(cur)], [len(cur) + n], [last])
             if got is not None:
                 cur.extend(got.tolist())
         elif kind == "free" and ids:

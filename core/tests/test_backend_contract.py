@@ -51,9 +51,7 @@ def test_bad_shapes_and_dtypes_raise_before_compute(env):
     wrong = AttentionLayer(0, num_q_heads=8, num_kv_heads=2, head_dim=16)
     with pytest.raises(InvalidArgumentError, match="layer heads"):
         _call(env, layer=wrong)
-    assert torch.equal(
-        torch.nan_to_num(env.kv_pool.get_key_buffer(0), nan=7.0), torch.nan_to_num(pool_before, nan=7.0)
-    )  # nothing written
+    assert torch.equal(torch.nan_to_num(env.kv_pool.get_key_buffer(0), nan=7.0), torch.nan_to_num(pool_before, nan=7.0))  # nothing written
 
 
 def test_forward_without_metadata_is_refused(env):

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+
 from attn_core.backends.torch_native.backend import TorchNativeBackend
 from attn_core.backends.torch_native.spec import CAPABILITIES
 from attn_core.capabilities import CudaGraphLevel, Feature

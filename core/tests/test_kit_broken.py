@@ -10,6 +10,7 @@ import copy
 import dataclasses
 
 import torch
+
 from attn_core.backends.torch_native.backend import TorchNativeBackend
 from attn_core.backends.torch_native.spec import CAPABILITIES
 from attn_core.capabilities import Feature
@@ -140,8 +141,9 @@ def test_window_taken_from_the_context_fails_interleaved_layers():
 
 def test_ignored_logit_cap_fails_logit_cap_cases():
     failed = run_kit(IgnoresLogitCap, "logit_cap-", "combined-", "mode-DECODE")
-    assert set(failed) == {"logit_cap-DECODE", "combined-MIXED"}
-    assert "logit_cap=1.5" in failed["logit_cap-DECODE"]
+    logit = [n for n in failed if n.startswith("logit_cap-")]  # the plan rotates the mode of each variant
+    assert len(logit) == 1 and set(failed) == {logit[0], "combined-MIXED"}, failed
+    assert "logit_cap=1.5" in failed[logit[0]]
 
 
 def test_stale_graph_replay_fails_graph_checks():

@@ -6,9 +6,10 @@ import random
 import subprocess
 import sys
 
-import attn_core.ops.kv_indices as kvi
 import pytest
 import torch
+
+import attn_core.ops.kv_indices as kvi
 from attn_core.errors import InvalidArgumentError
 
 

@@ -9,9 +9,10 @@ import os
 import subprocess
 import sys
 
-import attn_core.ops.merge_state as ms
 import pytest
 import torch
+
+import attn_core.ops.merge_state as ms
 from attn_core.errors import InvalidArgumentError
 from attn_core.testing.reference import reference_attention, relative_error, tolerance
 

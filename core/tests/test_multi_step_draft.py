@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
+
 from attn_core.backends.torch_native.backend import TorchNativeBackend
 from attn_core.backends.torch_native.spec import CAPABILITIES
 from attn_core.batch_builder import build_forward_batch

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+
 from attn_core.backends.torch_native.backend import TorchNativeBackend
 from attn_core.batch_builder import RequestShape
 from attn_core.errors import InvalidArgumentError

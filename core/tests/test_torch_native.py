@@ -121,7 +121,13 @@ def test_graph_capture_replay_metadata_equals_eager(mode):
     padded = type(b)(**{**b.__dict__, "batch_size": cap_bs, "out_cache_loc": _pad(b.out_cache_loc, cap_bs * d, 0)})
     if mode.is_target_verify():
         padded.extend_num_tokens = cap_bs * d
-    got = layer(_pad(inputs["q"], cap_bs * d, 0.0), _pad(inputs["k"], cap_bs * d, 0.0), _pad(inputs["v"], cap_bs * d, 0.0), padded, sinks=inputs["sinks"])
+    got = layer(
+        _pad(inputs["q"], cap_bs * d, 0.0),
+        _pad(inputs["k"], cap_bs * d, 0.0),
+        _pad(inputs["v"], cap_bs * d, 0.0),
+        padded,
+        sinks=inputs["sinks"],
+    )
     torch.testing.assert_close(got[: 3 * d], want, rtol=1e-5, atol=1e-6)  # widths differ: not bitwise
 
 

@@ -16,7 +16,7 @@ import torch
 from attn_core.batch import ForwardBatch, SpecInfo
 from attn_core.capabilities import Capabilities, Feature
 from attn_core.context import BackendContext, _dtype_name
-from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.errors import IncompatibleBackendError, InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 from attn_core.layer import AttentionLayer
 
@@ -36,6 +36,9 @@ class AttentionBackend(abc.ABC):
     inputs already validated, and must return `[T, Hq*Dv]` (plus LSE `[T, Hq]` float32 when
     `return_lse`). They must not synchronize with the host.
 
+    Construction refuses a context whose device, dtypes, head dim, page size or arch the class's
+    `capabilities` do not declare (`IncompatibleBackendError`, every reason listed).
+
     Options: a subclass takes its own as keyword-only arguments and passes `**options` on to
     `AttentionBackend.__init__`, which rejects unknown ones with a typed error.
     """
@@ -48,6 +51,11 @@ class AttentionBackend(abc.ABC):
     def __init__(self, ctx: BackendContext, **options):
         if options:
             raise InvalidArgumentError("options", f"no unknown options for backend {self.name!r}", sorted(options))
+        caps = getattr(type(self), "capabilities", None)  # wrappers derive theirs from checked children
+        if caps is not None:
+            reasons = caps.mismatches(ctx.requirements(), layout_only=True)
+            if reasons:
+                raise IncompatibleBackendError(self.name or type(self).__name__, reasons)
         self.ctx = ctx
         self.device = ctx.device
         self.forward_metadata = None

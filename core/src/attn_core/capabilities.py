@@ -73,7 +73,9 @@ class Requirements:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """Class-level data describing a backend. `None` in head_dims / page_sizes means any value."""
+    """Class-level data describing a backend. `None` in head_dims / mla_head_dims / page_sizes means
+    any value. `head_dims` applies to MHA (q/k head_dim); `mla_head_dims` to MLA's latent width
+    (kv_lora_rank + qk_rope_head_dim)."""
 
     devices: frozenset[str]
     q_dtypes: frozenset[str]
@@ -81,6 +83,7 @@ class Capabilities:
     archs: frozenset[str] = frozenset({ARCH_MHA})
     head_dims: Optional[frozenset[int]] = None
     page_sizes: Optional[frozenset[int]] = None
+    mla_head_dims: Optional[frozenset[int]] = None
     forward_modes: frozenset[ForwardMode] = ALL_MODES - {ForwardMode.SPLIT_PREFILL}
     features: frozenset[Feature] = frozenset()
     cuda_graph: CudaGraphLevel = CudaGraphLevel.NEVER
@@ -91,8 +94,9 @@ class Capabilities:
     def supports(self, feature: Feature) -> bool:
         return feature in self.features
 
-    def mismatches(self, req: Requirements) -> list[str]:
-        """Every reason this backend cannot serve `req` (empty when it can)."""
+    def mismatches(self, req: Requirements, layout_only: bool = False) -> list[str]:
+        """Every reason this backend cannot serve `req` (empty when it can). `layout_only` checks only
+        what a context fixes (device, dtypes, head dim, page size, arch), not modes, features or graphs."""
         out: list[str] = []
         if req.device_type not in self.devices:
             out.append(f"device {req.device_type!r} not in {sorted(self.devices)}")
@@ -110,12 +114,15 @@ class Capabilities:
             out.append(f"q dtype {req.q_dtype} not in {sorted(self.q_dtypes)}")
         if req.kv_dtype not in self.kv_dtypes:
             out.append(f"KV dtype {req.kv_dtype} not in {sorted(self.kv_dtypes)}")
-        if self.head_dims is not None and req.head_dim not in self.head_dims:
-            out.append(f"head_dim {req.head_dim} not in {sorted(self.head_dims)}")
+        dims = self.mla_head_dims if req.arch == ARCH_MLA else self.head_dims
+        if dims is not None and req.head_dim not in dims:
+            out.append(f"{req.arch} head_dim {req.head_dim} not in {_ranges(dims)}")
         if self.page_sizes is not None and req.page_size not in self.page_sizes:
             out.append(f"page_size {req.page_size} not in {sorted(self.page_sizes)}")
         if req.arch not in self.archs:
             out.append(f"attention arch {req.arch!r} not in {sorted(self.archs)}")
+        if layout_only:
+            return out
         missing_modes = sorted(m.name for m in req.forward_modes - self.forward_modes)
         if missing_modes:
             out.append(f"forward modes {missing_modes} not supported")
@@ -138,6 +145,14 @@ class Capabilities:
         if self.features:
             parts.append(",".join(sorted(f.value for f in self.features)))
         return "; ".join(parts)
+
+
+def _ranges(values: frozenset[int]) -> str:
+    """Compact listing of a set of ints: "8..256 step 8" for arithmetic runs, else the sorted list."""
+    v = sorted(values)
+    if len(v) > 4 and len({b - a for a, b in zip(v, v[1:])}) == 1:
+        return f"{v[0]}..{v[-1]} step {v[1] - v[0]}"
+    return str(v)
 
 
 def _cc(cc: tuple[int, int]) -> str:

@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+
 from attn_core.capabilities import CudaGraphLevel
 from attn_core.forward_mode import ForwardMode
 from attn_core.testing.compose import compose_requests

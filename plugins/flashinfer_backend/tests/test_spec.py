@@ -4,9 +4,10 @@ import importlib.util
 import subprocess
 import sys
 
-import attn_flashinfer.spec as spec
 import pytest
 import torch
+
+import attn_flashinfer.spec as spec
 from attn_core import registry
 from attn_core.capabilities import CudaGraphLevel, Feature
 from attn_core.errors import BackendUnavailableError

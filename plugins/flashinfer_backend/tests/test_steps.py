@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from attn_core.batch import SpecInfo
 from attn_core.batch_builder import build_forward_batch
 from attn_core.context import BackendContext

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attn_triton.config import SplitPolicy
 from triton_determinism_checks import DECODE_BATCHES, EXTEND_BATCHES, target_rows
 from triton_helpers import factory, requires_interpreter
+
+from attn_triton.config import SplitPolicy
 
 pytestmark = requires_interpreter
 

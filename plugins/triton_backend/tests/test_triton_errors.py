@@ -6,12 +6,13 @@ import dataclasses
 
 import pytest
 import torch
+from triton_helpers import requires_interpreter
+
 from attn_core.context import BackendContext
-from attn_core.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedFeatureError
+from attn_core.errors import BackendUnavailableError, IncompatibleBackendError, InvalidArgumentError
 from attn_core.forward_mode import ForwardMode
 from attn_core.memory import MHATokenToKVPool
 from attn_core.testing.harness import AttnCase, layer_inputs, make_env, make_layer
-from triton_helpers import requires_interpreter
 
 pytestmark = requires_interpreter
 
@@ -60,9 +61,9 @@ def test_cpu_without_interpreter_is_unavailable(monkeypatch):
 @pytest.mark.parametrize(
     "change,error,match",
     [
-        (dict(head_dim=512), UnsupportedFeatureError, "head_dim 512"),
-        (dict(head_dim=36), UnsupportedFeatureError, "head_dim 36"),
-        (dict(dtype=torch.float64), UnsupportedFeatureError, "float64"),
+        (dict(head_dim=512), IncompatibleBackendError, "mha head_dim 512 not in 8..256 step 8"),
+        (dict(head_dim=36), IncompatibleBackendError, "mha head_dim 36"),
+        (dict(dtype=torch.float64), IncompatibleBackendError, "q dtype float64"),
         (dict(num_kv_heads=1, num_q_heads=4), InvalidArgumentError, "token_to_kv_pool"),
     ],
 )

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attn_core.testing.harness import AttnCase, assert_case
 from triton_determinism_checks import target_rows
 from triton_graph_checks import check_graph_matches_eager
 from triton_helpers import factory
+
+from attn_core.testing.harness import AttnCase, assert_case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton_graph_checks import check_graph_matches_eager
+from triton_helpers import requires_interpreter, small_split_factory
+
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 from attn_core.testing.harness import AttnCase, make_env
-from triton_graph_checks import check_graph_matches_eager
-from triton_helpers import requires_interpreter, small_split_factory
 
 pytestmark = requires_interpreter
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton_helpers import requires_interpreter
+
 from attn_core.ops.kv_indices import kv_indices_from_req_to_token, kv_indptr_from_lens
 from attn_core.testing.reference import reference_attention, relative_error, tolerance
-from triton_helpers import requires_interpreter
 
 pytestmark = requires_interpreter
 

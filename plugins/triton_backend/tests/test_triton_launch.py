@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import attn_triton.kernels.launch as launch
 import pytest
+
+import attn_triton.kernels.launch as launch
 
 
 class FakeCompiled:

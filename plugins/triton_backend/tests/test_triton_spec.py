@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+
 from attn_core.capabilities import Feature
 from attn_core.forward_mode import ForwardMode
 
@@ -36,8 +37,9 @@ def test_probe_without_triton(monkeypatch):
 
 
 def test_probe_without_gpu(monkeypatch):
-    import attn_triton.spec as spec
     import torch
+
+    import attn_triton.spec as spec
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -47,8 +49,9 @@ def test_probe_without_gpu(monkeypatch):
 
 
 def test_probe_with_interpreter(monkeypatch):
-    import attn_triton.spec as spec
     import torch
+
+    import attn_triton.spec as spec
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -64,7 +67,7 @@ def test_declared_capabilities():
     assert CAPABILITIES.devices == {"cuda", "cpu"}
     assert {Feature.DETERMINISTIC, Feature.CUSTOM_MASK, Feature.LSE_OUTPUT} <= CAPABILITIES.features
     assert ForwardMode.SPLIT_PREFILL not in CAPABILITIES.forward_modes
-    assert {64, 128, 256, 576} <= CAPABILITIES.head_dims
+    assert {64, 128, 256} <= CAPABILITIES.head_dims and 576 in CAPABILITIES.mla_head_dims
 
 
 @pytest.mark.parametrize("value,on", [("1", True), ("true", True), ("0", False), ("", False)])

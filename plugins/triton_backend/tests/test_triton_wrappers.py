@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton_helpers import factory as factory_with
+from triton_helpers import requires_interpreter, small_split_factory
+
 from attn_core.batch_builder import build_forward_batch
 from attn_core.context import BackendContext
 from attn_core.forward_mode import ForwardMode
@@ -17,8 +20,6 @@ from attn_core.testing.harness import AttnCase, layer_inputs, make_env, make_lay
 from attn_core.testing.reference import reference_attention, relative_error, tolerance
 from attn_core.wrappers.multi_step_draft import MultiStepDraftBackend, allocate_draft_slots
 from attn_core.wrappers.tbo_split import TboSplit, split_forward_batch
-from triton_helpers import factory as factory_with
-from triton_helpers import requires_interpreter, small_split_factory
 
 pytestmark = requires_interpreter
 

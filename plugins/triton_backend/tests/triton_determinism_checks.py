@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+
 from attn_core.testing.harness import AttnCase, layer_inputs, make_env, make_layer
 
 

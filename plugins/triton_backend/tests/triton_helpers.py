@@ -7,6 +7,7 @@ from functools import partial
 
 import pytest
 import torch
+
 from attn_triton.config import SplitPolicy
 from attn_triton.spec import interpreter_enabled
 

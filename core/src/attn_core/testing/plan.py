@@ -64,6 +64,15 @@ def numeric_check(target: KitTarget, case: AttnCase, deterministic: bool = False
     return run
 
 
+def pick_head_dim(caps, arch: str, profile: KitProfile) -> int:
+    """The profile's head dim for `arch` when declared, else the declared one nearest to it."""
+    want = profile.head_dim if arch == ARCH_MHA else profile.mla_head_dim
+    declared = caps.head_dims if arch == ARCH_MHA else caps.mla_head_dims
+    if declared is None or want in declared:
+        return want
+    return min(declared, key=lambda d: (abs(d - want), d))
+
+
 @dataclass(frozen=True)
 class Base:
     """The defaults every case starts from, chosen among what the backend declares."""
@@ -82,13 +91,7 @@ def choose_base(target: KitTarget, profile: KitProfile) -> Base:
     dtype = _prefer(caps.q_dtypes, _DTYPE_ORDER)[0]
     kv_dtype = dtype if dtype in caps.kv_dtypes else _prefer(caps.kv_dtypes, _DTYPE_ORDER)[0]
     arch = ARCH_MHA if ARCH_MHA in caps.archs else ARCH_MLA
-    want = profile.head_dim if arch == ARCH_MHA else profile.mla_head_dim
-    if caps.head_dims is None or want in caps.head_dims:
-        head_dim = want
-    elif arch == ARCH_MLA and 576 in caps.head_dims:
-        head_dim = 576
-    else:
-        head_dim = min(caps.head_dims)
+    head_dim = pick_head_dim(caps, arch, profile)
     page = 1 if caps.page_sizes is None or 1 in caps.page_sizes else min(caps.page_sizes)
     modes = tuple(m for m in TOKEN_MODES if m in caps.forward_modes)
     variants = tuple(m for m in (ForwardMode.DECODE, ForwardMode.EXTEND) if m in modes) or modes[:1]
@@ -112,7 +115,7 @@ class PlanBuilder:
         """An AttnCase at the base settings, `kw` overriding (head_dim/arch handled for MLA)."""
         b, p = self.base, self.p
         arch = kw.pop("arch", b.arch)
-        head_dim = kw.pop("head_dim", b.head_dim if arch == b.arch else p.mla_head_dim)
+        head_dim = kw.pop("head_dim", b.head_dim if arch == b.arch else pick_head_dim(self.caps, arch, p))
         fields = dict(
             num_q_heads=p.num_q_heads,
             num_kv_heads=p.num_kv_heads,
@@ -222,7 +225,8 @@ class PlanBuilder:
         for kv in sorted(set(caps.kv_dtypes) - set(caps.q_dtypes)):
             for mode in self.variant_modes():
                 self.numeric(f"kv_dtype-{kv}-{mode.name}", self.case(mode, self.fixed_requests(mode), kv_dtype=kv))
-        dims = sorted(caps.head_dims) if caps.head_dims is not None else list(self.p.head_dims)
+        declared = caps.head_dims if b.arch == ARCH_MHA else caps.mla_head_dims
+        dims = sorted(declared) if declared is not None else list(self.p.head_dims if b.arch == ARCH_MHA else ())
         for d in dims:
             if d == b.head_dim:
                 continue
@@ -354,7 +358,7 @@ class PlanBuilder:
         if ps is not None:
             case = self.case(mode, self.page_requests(mode, ps), page_size=ps)
             self.add(f"refuse-page_size-{ps}", refused_or_correct_check(target, case, f"page size {ps}"), case.describe())
-        d = _undeclared((64, 128, 256, 96, 48, 40, 24), caps.head_dims)
+        d = _undeclared((64, 128, 256, 96, 48, 40, 24), caps.head_dims) if b.arch == ARCH_MHA else None
         if d is not None:
             case = self.case(mode, reqs, head_dim=d)
             self.add(f"refuse-head_dim-{d}", refused_or_correct_check(target, case, f"head_dim {d}"), case.describe())

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+
 from attn_core.backend import AttentionBackend
 from attn_core.batch import ForwardBatch
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
-
 from attn_flashinfer import plans
 from attn_flashinfer.indices import PagedKV, any_positive, build_paged_kv, qo_indptr_host, self_attention_page_size
 from attn_flashinfer.plans import Plan

@@ -21,6 +21,7 @@ from typing import Callable, Optional, Union
 
 import numpy as np
 import torch
+
 from attn_core.ops.kv_indices import build_kv_indices
 
 

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
 from attn_core.batch import ForwardBatch, SpecInfo
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
-
 from attn_flashinfer.spec import CAPABILITIES
 
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
 from attn_core.backend import AttentionBackend
 from attn_core.batch import ForwardBatch, SpecInfo
 from attn_core.context import BackendContext, _dtype_name
 from attn_core.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 from attn_core.layer import AttentionLayer
-
 from attn_triton.config import SplitPolicy, decode_config, extend_config
 from attn_triton.graph import GraphState
 from attn_triton.kernels.decode import DecodeConfig, decode_attention, head_blocks
@@ -306,10 +306,7 @@ def _check_device(device: torch.device) -> None:
 
 
 def _check_context(ctx: BackendContext) -> None:
-    caps = CAPABILITIES
-    for name, dt, allowed in (("dtype", ctx.dtype, caps.q_dtypes), ("kv_dtype", ctx.kv_dtype, caps.kv_dtypes)):
-        if _dtype_name(dt) not in allowed:
-            raise UnsupportedFeatureError("triton", f"{name} {_dtype_name(dt)} (supported: {sorted(allowed)})")
+    """What the declared capabilities cannot say (checked by the base class): the MLA parts, v_head_dim."""
     if ctx.is_mla:
         if ctx.kv_lora_rank > MAX_MLA_RANK or ctx.qk_rope_head_dim > MAX_MLA_ROPE:
             raise UnsupportedFeatureError(

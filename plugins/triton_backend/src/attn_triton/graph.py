@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional, Union
 
 import torch
+
 from attn_core.batch import SpecInfo
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
-
 from attn_triton.metadata import DecodeMetadata, ExtendMetadata, KVIndex, SplitScratch, fill_kv
 
 if TYPE_CHECKING:

@@ -14,9 +14,11 @@ from attn_core.forward_mode import ForwardMode
 from attn_core.probes import module_missing
 from attn_core.spec import BackendSpec
 
-#: MHA head dims (any multiple of 8 up to 256, masked to the next power of two in the kernels) plus
-#: absorbed-MLA latents (kv_lora_rank + qk_rope_head_dim, e.g. 512 + 64).
-HEAD_DIMS = frozenset(range(8, 257, 8)) | frozenset({576})
+#: MHA head dims: any multiple of 8 up to 256 (masked to the next power of two in the kernels).
+HEAD_DIMS = frozenset(range(8, 257, 8))
+#: Absorbed-MLA latent widths kv_lora_rank + qk_rope_head_dim (multiples of 4 up to 512 + 64); the
+#: backend also checks the two parts (rank <= 512, rope <= 64).
+MLA_HEAD_DIMS = frozenset(range(8, 577, 4))
 
 CAPABILITIES = Capabilities(
     devices=frozenset({"cuda", "cpu"}),
@@ -24,6 +26,7 @@ CAPABILITIES = Capabilities(
     kv_dtypes=frozenset({"bfloat16", "float16", "float32"}),
     archs=frozenset({ARCH_MHA, ARCH_MLA}),
     head_dims=HEAD_DIMS,
+    mla_head_dims=MLA_HEAD_DIMS,
     page_sizes=None,
     forward_modes=frozenset(ForwardMode) - {ForwardMode.SPLIT_PREFILL},
     features=frozenset(

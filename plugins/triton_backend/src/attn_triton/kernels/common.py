@@ -10,6 +10,7 @@ import math
 
 import triton
 import triton.language as tl
+
 from attn_core.errors import InvalidArgumentError
 
 LOG2E = math.log2(math.e)
