@@ -26,6 +26,12 @@ LayerOutput = Union[torch.Tensor, tuple[torch.Tensor, ...]]
 RunLayers = Callable[[ForwardBatch, dict[str, torch.Tensor]], LayerOutput]
 
 
+def padding_seq_len(fill: int, tokens_per_request: int) -> int:
+    """seq_len of a padding row in a graph batch: the backend's fill value of cached keys plus the row's
+    own new tokens (1 in DECODE, the draft tokens in TARGET_VERIFY), so its prefix is never negative."""
+    return fill + tokens_per_request - 1
+
+
 class CudaGraphRunner:
     """Graphs of `run_layers` over `backend` for each size in `batch_sizes`.
 
@@ -88,18 +94,21 @@ class CudaGraphRunner:
     def _tokens_per_request(self, mode: ForwardMode) -> int:
         return self.num_draft_tokens if mode.is_target_verify() else 1
 
+    def _padding_len(self, mode: ForwardMode) -> int:
+        return padding_seq_len(self.fill, self._tokens_per_request(mode))
+
     def _write_padding(self, mode: ForwardMode, start: int, bs: int, mask_start: int) -> None:
-        """Rows start..bs-1 become padding: request row 0, fill-value length, dummy slot 0; verify rows
-        get an all-visible mask of their fill-length keys after `mask_start`."""
+        """Rows start..bs-1 become padding: request row 0, `padding_seq_len` keys, dummy slot 0; verify
+        rows get an all-visible mask of their keys after `mask_start`."""
         per = self._tokens_per_request(mode)
         self.req_pool_indices[start:bs] = 0
-        self.seq_lens[start:bs] = self.fill
+        self.seq_lens[start:bs] = self._padding_len(mode)
         self.out_cache_loc[start * per : bs * per] = 0
         self.positions[start * per : bs * per] = 0
         for buf in self.inputs.values():
             buf[start * per : bs * per] = 0
         if mode.is_target_verify():
-            size = per * self.fill
+            size = per * self._padding_len(mode)
             end = mask_start + (bs - start) * size
             if end > self.spec_info.custom_mask.numel():
                 raise InvalidArgumentError("spec_info.custom_mask", f"at most {self.spec_info.custom_mask.numel()} mask entries", end)
@@ -144,7 +153,7 @@ class CudaGraphRunner:
 
     def _capture(self, mode: ForwardMode, bs: int) -> None:
         self._write_padding(mode, 0, bs, 0)
-        seq_cpu = torch.full((bs,), self.fill, dtype=torch.int32)
+        seq_cpu = torch.full((bs,), self._padding_len(mode), dtype=torch.int32)
         tokens = bs * self._tokens_per_request(mode)
         self.backend.init_forward_metadata_capture_cuda_graph(
             bs, tokens, self.req_pool_indices[:bs], self.seq_lens[:bs], None, mode, self.spec_info if mode.is_target_verify() else None
@@ -206,7 +215,7 @@ class CudaGraphRunner:
             self.spec_info.custom_mask[:mask_end] = spec.custom_mask
             self.spec_info.mask_indptr[: bs + 1] = spec.mask_indptr
         self._write_padding(mode, bs, gbs, mask_end)
-        seq_cpu = torch.cat([b.seq_lens_cpu, torch.full((gbs - bs,), self.fill, dtype=b.seq_lens_cpu.dtype)])
+        seq_cpu = torch.cat([b.seq_lens_cpu, torch.full((gbs - bs,), self._padding_len(mode), dtype=b.seq_lens_cpu.dtype)])
         self.backend.init_forward_metadata_replay_cuda_graph(
             gbs,
             self.req_pool_indices[:gbs],

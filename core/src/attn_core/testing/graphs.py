@@ -18,6 +18,7 @@ import torch
 
 from attn_core.batch import ForwardBatch, SpecInfo
 from attn_core.forward_mode import ForwardMode
+from attn_core.graph_runner import padding_seq_len
 from attn_core.testing.harness import AttnCase, CaseEnv, check_kv_writes, compare_layer, layer_inputs, make_env, make_layer
 from attn_core.testing.outcome import KitFailure
 from attn_core.testing.reference import relative_error, tolerance
@@ -54,7 +55,7 @@ class _Static:
         t = self.t
         n = bs_pad * t
         bs = real.batch_size if real is not None else 0
-        seq_cpu = torch.full((bs_pad,), fill + t - 1, dtype=torch.int32)
+        seq_cpu = torch.full((bs_pad,), padding_seq_len(fill, t), dtype=torch.int32)
         rows = torch.zeros(bs_pad, dtype=torch.int64)
         loc = torch.zeros(n, dtype=torch.int64)
         if real is not None:
