@@ -32,6 +32,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
 from attn_core.backends.torch_native.backend import TorchNativeBackend
 from attn_core.batch_builder import build_forward_batch
 from attn_core.context import BackendContext
@@ -160,7 +161,8 @@ def main() -> None:
         "rows": [],
     }
     print(f"CPU {report['cpu']['model']}, flags {' '.join(report['cpu']['flags'])}, {report['threads']} threads, torch {torch.__version__}")
-    header = f"{'row':28} {'dtype':9} {'path':7} {'cpu_amx ms':>11} {'native ms':>10} {'gath+sdpa ms':>12} {'x native':>9} {'x sdpa':>7}  rel err amx/sdpa"
+    header = f"{'row':28} {'dtype':9} {'path':7} {'cpu_amx ms':>11} {'native ms':>10} {'gath+sdpa ms':>12} {'x native':>9} {'x sdpa':>7}"
+    header += "  rel err amx/sdpa"
     print(header)
     for key in args.rows.split(","):
         title, mode, requests = ROWS[key]

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
 from attn_core.backend import AttentionBackend
 from attn_core.batch import ForwardBatch
 from attn_core.context import _dtype_name
 from attn_core.errors import BackendUnavailableError, InvalidArgumentError, KVCacheError, UnsupportedFeatureError
 from attn_core.memory import MHATokenToKVPool
-
 from attn_cpu_amx import isa as cpu_isa
 from attn_cpu_amx.build import load_kernels
 from attn_cpu_amx.spec import CAPABILITIES, MAX_HEAD_DIM
@@ -52,8 +52,8 @@ class CpuAmxBackend(AttentionBackend):
     name = "cpu_amx"
     capabilities = CAPABILITIES
 
-    def __init__(self, ctx, *, isa: Optional[str] = None, max_splits: int = 16, min_split_keys: int = 256):
-        super().__init__(ctx)
+    def __init__(self, ctx, *, isa: Optional[str] = None, max_splits: int = 16, min_split_keys: int = 256, **options):
+        super().__init__(ctx, **options)  # unknown options: InvalidArgumentError
         if ctx.device.type != "cpu":
             raise InvalidArgumentError("ctx.device", "a CPU device", ctx.device)
         if ctx.is_mla:
@@ -82,6 +82,8 @@ class CpuAmxBackend(AttentionBackend):
         self._path_id = cpu_isa.PATH_IDS[self.kernel_path]
         self.max_splits = max_splits
         self.min_split_keys = min_split_keys
+        #: (work items, KV-split groups, widest item in rows) of the last forward call (diagnostics)
+        self.last_plan: tuple[int, int, int] = (0, 0, 0)
         self._ops = load_kernels()
 
     # ---- metadata --------------------------------------------------------------------------
@@ -147,7 +149,7 @@ class CpuAmxBackend(AttentionBackend):
         out = torch.empty((T, hq, layer.v_head_dim), dtype=q.dtype)
         lse = torch.empty((T, hq), dtype=torch.float32) if return_lse else None
         if T:
-            self._ops.attention(
+            self.last_plan = self._ops.attention(
                 q.contiguous(),
                 pool.get_key_buffer(layer.layer_id),
                 pool.get_value_buffer(layer.layer_id),

@@ -204,8 +204,9 @@ void check_cpu_int(const at::Tensor& t, const char* name, at::ScalarType type, i
                     ": expected a contiguous CPU ", type, " tensor of ", n, " elements");
 }
 
-// out [T, Hq, Dv] (q's dtype) and lse [T, Hq] float32 (optional) are written in place.
-void attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& out, const c10::optional<at::Tensor>& lse,
+// out [T, Hq, Dv] (q's dtype) and lse [T, Hq] float32 (optional) are written in place. Returns the plan's
+// shape: (work items, split groups, largest item rows).
+std::tuple<int64_t, int64_t, int64_t> attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& out, const c10::optional<at::Tensor>& lse,
                const at::Tensor& req_to_token, const at::Tensor& req_rows, const at::Tensor& seq_lens, const at::Tensor& q_lens,
                const at::Tensor& q_starts, const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& mask_indptr,
                const c10::optional<at::Tensor>& sinks, double scale, double v_scale, double cap, int64_t window, int64_t path,
@@ -292,7 +293,10 @@ void attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v
   const int threads = std::max(1, at::get_num_threads());
   Plan plan = make_plan(p, static_cast<int>(bs), kern, threads, static_cast<int>(max_splits), static_cast<int>(min_split_keys));
   const int64_t n_items = static_cast<int64_t>(plan.items.size());
-  if (n_items == 0) return;
+  int64_t widest = 0;
+  for (const Item& it : plan.items) widest = std::max<int64_t>(widest, it.nt * it.ng);
+  const auto shape = std::make_tuple(n_items, static_cast<int64_t>(plan.groups.size()), widest);
+  if (n_items == 0) return shape;
   const size_t per_thread = (kern.scratch_bytes(p) + 63) & ~static_cast<size_t>(63);
   const int workers = static_cast<int>(std::min<int64_t>(threads, n_items));
   // all scratch comes from torch's allocator (so memory profilers see it)
@@ -309,6 +313,7 @@ void attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v
     for (int64_t w = begin; w < end; ++w) kern.run(p, plan.items.data(), n_items, &next, base + per_thread * w);
   });
   if (!plan.groups.empty()) merge_splits(p, plan);
+  return shape;
 }
 
 // First bad slot of any visible key, as a message; empty when every slot is in [0, num_slots).
@@ -336,7 +341,7 @@ std::string check_slots(const at::Tensor& req_to_token, const at::Tensor& req_ro
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "attn-cpu-amx kernels: paged decode/extend attention on CPU (portable, AVX-512, AMX paths)";
-  m.def("attention", &attn_cpu::attention, "paged attention of a batch (writes out and lse in place)");
+  m.def("attention", &attn_cpu::attention, "paged attention of a batch (writes out and lse in place); returns (items, split groups, widest item rows)");
   m.def("check_slots", &attn_cpu::check_slots, "first out-of-range slot of a batch, or an empty string");
   m.def("path_compiled", &attn_cpu::path_compiled, "whether this build has the kernels of a path (0 portable, 1 avx512, 2 amx)");
   m.def("amx_permission", &attn_cpu::amx_permission, "ask Linux for AMX tile state; true when granted");
