@@ -373,8 +373,8 @@ def metadata_host_times(batch_sizes=(1, 64, 256), ctx_len: int = 4096, n: int = 
 
 
 def _metadata_row(bs: int, ctx_len: int, n: int, gen: torch.Generator) -> dict:
+    import attn_core.ops.kv_indices_triton as kvt
     from attn_triton.backend import TritonAttnBackend
-    from attn_triton.kernels.indices import build_indices
 
     w = make_workload([ctx_len] * bs, [1] * bs, True, gen)
     backend = TritonAttnBackend(make_context(w))
@@ -395,24 +395,22 @@ def _metadata_row(bs: int, ctx_len: int, n: int, gen: torch.Generator) -> dict:
     kv = meta.kv
     splits = backend.decode_splits(bs)
     launch = _host_us(
-        lambda: build_indices(
-            w.rows.req_to_token, w.batch.req_pool_indices, w.batch.seq_lens, kv.indptr, kv.indices,
+        lambda: kvt.kv_indices_triton(
+            w.rows.req_to_token, w.batch.req_pool_indices, w.batch.seq_lens, kv.indices, kv_indptr=kv.indptr,
             num_splits=kv.num_splits, max_splits=splits.max_splits, min_split_len=splits.min_split_len,
         ),
         n,
     )  # fmt: skip
-    from attn_triton.kernels.indices import _LAUNCH
-
-    _LAUNCH.enabled = False
+    kvt._LAUNCH.enabled = False
     plain = _host_us(lambda: backend.init_forward_metadata(w.batch), n)
     plain_launch = _host_us(
-        lambda: build_indices(
-            w.rows.req_to_token, w.batch.req_pool_indices, w.batch.seq_lens, kv.indptr, kv.indices,
+        lambda: kvt.kv_indices_triton(
+            w.rows.req_to_token, w.batch.req_pool_indices, w.batch.seq_lens, kv.indices, kv_indptr=kv.indptr,
             num_splits=kv.num_splits, max_splits=splits.max_splits, min_split_len=splits.min_split_len,
         ),
         n,
     )  # fmt: skip
-    _LAUNCH.enabled = True
+    kvt._LAUNCH.enabled = True
     empty = _host_us(lambda: torch.empty(bs * ctx_len, dtype=torch.int32, device="cuda"), n)
     torch.cuda.synchronize()
     row = {

@@ -1,7 +1,6 @@
 """Paged index builders (page counts, last-page lengths, page indptr, page ids) vs plain Python loops,
-for the torch path, the Triton kernel under the interpreter, and the kernel on a GPU."""
+for the torch path and `build_kv_indices` on a GPU (the Triton kernel itself: test_kv_indices_triton.py)."""
 
-import os
 import random
 import subprocess
 import sys
@@ -102,35 +101,6 @@ def test_build_kv_indices_rejects_a_short_or_mistyped_out():
     with pytest.raises(InvalidArgumentError, match="out"):
         kvi.build_kv_indices(r2t, rows, lens, 5, out=torch.empty(5, dtype=torch.int64))
     assert kvi.build_kv_indices(r2t, rows, lens, 5).tolist() == [10, 11, 12, 0, 1]
-
-
-_INTERPRETED = """
-import random, sys
-import torch
-sys.path.insert(0, {here!r})
-import test_kv_indices_paged as t
-from attn_core.ops.kv_indices import num_pages_from_lens
-from attn_core.ops.kv_indices_triton import kv_indices_triton
-for page_size in (1, 16):
-    for seed in range(6):
-        r2t, rows, lens, starts = t._case(50 + seed, page_size, seed % 2 == 1)
-        total = int(num_pages_from_lens(lens, page_size).sum())
-        out = torch.full((total + 3,), -7, dtype=torch.int32)
-        kv_indices_triton(r2t, rows, lens, out, page_size, starts if seed % 2 else None)
-        assert out[:total].tolist() == t._expected_ids(r2t, rows, lens, starts, page_size), (page_size, seed)
-        assert out[total:].tolist() == [-7] * 3
-print("ok")
-"""
-
-
-def test_triton_kernel_interpreted():
-    """The kernel under the Triton interpreter, in a fresh process (TRITON_INTERPRET must be set before
-    triton is first imported, for the kernel's calls into triton.language's own jit functions)."""
-    pytest.importorskip("triton")
-    code = _INTERPRETED.format(here=os.path.dirname(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]
 
 
 def test_kv_indices_module_imports_no_triton():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from typing import Callable, Optional
 
 Check = Callable[[], Optional[str]]
@@ -30,6 +31,11 @@ def module_missing(module: str, install_hint: str) -> Optional[str]:
     if importlib.util.find_spec(module) is None:
         return f"{module} not installed ({install_hint})"
     return None
+
+
+def triton_interpreter_enabled() -> bool:
+    """Whether Triton runs kernels through its CPU interpreter (`TRITON_INTERPRET=1`)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def needs_cuda() -> Optional[str]:

@@ -16,7 +16,7 @@ import triton, torch
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from attn_triton.config import decode_config, extend_config
-from attn_triton.kernels import decode as de, extend as ex, indices as ix
+from attn_triton.kernels import decode as de, extend as ex
 
 def types_for(fn, dt):
     t = {}
@@ -50,8 +50,6 @@ for dt, tdt, d, dv, dpe, mla in (("bf16", torch.bfloat16, 128, 128, 0, False), (
     c = decode_config(d + dpe, dv, tdt, dev, mla)
     build(de._decode_split_kernel, dt, dict(GROUP=4, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=c.block_n, **common), c.num_warps, c.num_stages)
     build(de._decode_merge_kernel, dt, dict(SPLITS_BLOCK=32, DV=dv, BLOCK_DV=p2(dv), HAS_SINK=True, STORE_LSE=True), 2, 1)
-flags = dict(HAS_START=True, HAS_Q=True, HAS_MASK_INDPTR=True, HAS_SPLITS=True)
-build(ix._build_indices_kernel, "i32", dict(BS_BLOCK=256, CHUNK=512, **flags), 4, 1)
 print("compiled")
 """
 

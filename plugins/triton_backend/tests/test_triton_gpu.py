@@ -86,26 +86,3 @@ def test_deterministic_batch_invariance_on_cuda(mode, batches):
     kw = dict(deterministic=True, device="cuda", dtype="bfloat16", page_size=16, num_q_heads=32, num_kv_heads=8, head_dim=128, num_layers=1)
     outs = [target_rows(f, mode, reqs, t, **kw) for reqs, t in batches]
     assert all(torch.equal(outs[0], o) for o in outs[1:])
-
-
-def test_index_builder_cached_launch_on_cuda():
-    """The index kernel's cached launch (after the first call of a constexpr set) matches attn-core's
-    torch builders for batches of other sizes, alignments and lengths."""
-    from attn_core.ops.kv_indices import kv_indices_from_req_to_token, kv_indptr_from_lens
-    from attn_triton.kernels.indices import _LAUNCH, build_indices
-
-    gen = torch.Generator().manual_seed(3)
-    r2t = torch.randint(1, 1 << 20, (300, 5000), generator=gen, dtype=torch.int32).cuda()
-    for bs in (1, 7, 64, 64, 255, 256, 3):
-        rpi = torch.randperm(300, generator=gen)[:bs].cuda()
-        lens = torch.randint(1, 4990, (bs,), generator=gen, dtype=torch.int32).cuda()
-        start = torch.randint(0, 10, (bs,), generator=gen, dtype=torch.int32).cuda()
-        total = int(lens.sum())
-        buf = torch.full((2 * bs + 1 + total,), -1, dtype=torch.int32, device="cuda")
-        indptr, splits, indices = buf[: bs + 1], buf[bs + 1 : 2 * bs + 1], buf[2 * bs + 1 :]
-        build_indices(r2t, rpi, lens, indptr, indices, kv_start=start, num_splits=splits, max_splits=7, min_split_len=300)
-        want = kv_indptr_from_lens(lens)
-        assert torch.equal(indptr, want)
-        assert torch.equal(indices, kv_indices_from_req_to_token(r2t, rpi, want, total, kv_start=start))
-        assert torch.equal(splits, ((lens + 299) // 300).clamp(1, 7).to(torch.int32))
-    assert _LAUNCH.compiled and _LAUNCH.enabled, "the cached launch path was never taken (or fell back)"

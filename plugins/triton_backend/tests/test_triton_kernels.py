@@ -1,6 +1,6 @@
-"""Kernel-level tests: decode with every split count 1..N, extend at block-unaligned lengths, and the
-index builder against attn-core's torch index builders. Pools are poisoned with NaN outside the slots a
-request owns, slots are in random order, and every result is compared with the float64 oracle."""
+"""Kernel-level tests: decode with every split count 1..N and extend at block-unaligned lengths. Pools
+are poisoned with NaN outside the slots a request owns, slots are in random order, and every result is
+compared with the float64 oracle. (The index kernel is attn-core's: core/tests/test_kv_indices_triton.py.)"""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import pytest
 import torch
 from triton_helpers import requires_interpreter
 
-from attn_core.ops.kv_indices import kv_indices_from_req_to_token, kv_indptr_from_lens
 from attn_core.testing.reference import reference_attention, relative_error, tolerance
 
 pytestmark = requires_interpreter
@@ -95,44 +94,3 @@ def test_extend_unaligned_lengths(dtype, page_size):
         rows = slice(int(qo[r]), int(qo[r + 1]))
         ref_o, _ = reference_attention(q[rows], ks[r], vs[r], q_positions=torch.arange(p, p + e), scale=0.3)
         assert relative_error(o[rows], ref_o) <= tolerance(dtype), (p, e)
-
-
-@pytest.mark.parametrize("bs", [1, 3, 40])
-def test_index_builder_matches_torch_reference(bs):
-    from attn_triton.kernels.indices import build_indices
-
-    gen = torch.Generator().manual_seed(bs)
-    rows, width = 64, 1200
-    r2t = torch.randint(1, 10_000, (rows, width), generator=gen, dtype=torch.int32)
-    rpi = torch.randperm(rows, generator=gen)[:bs].to(torch.int64)
-    start = torch.randint(0, 10, (bs,), generator=gen, dtype=torch.int32)
-    lens = torch.randint(0, 1100, (bs,), generator=gen, dtype=torch.int32)
-    lens[0] = 1
-    q_lens = torch.minimum(lens, torch.randint(0, 9, (bs,), generator=gen, dtype=torch.int32))
-    total = int(lens.sum())
-    indptr = torch.full((bs + 1,), -1, dtype=torch.int32)
-    indices = torch.full((total,), -1, dtype=torch.int32)
-    qo = torch.full((bs + 1,), -1, dtype=torch.int32)
-    mask_indptr = torch.full((bs + 1,), -1, dtype=torch.int64)
-    splits = torch.full((bs,), -1, dtype=torch.int32)
-    build_indices(
-        r2t, rpi, lens, indptr, indices, kv_start=start, q_lens=q_lens, qo_indptr=qo, mask_indptr=mask_indptr,
-        num_splits=splits, max_splits=5, min_split_len=100,
-    )  # fmt: skip
-    want_indptr = kv_indptr_from_lens(lens)
-    assert torch.equal(indptr, want_indptr)
-    assert torch.equal(indices, kv_indices_from_req_to_token(r2t, rpi, want_indptr, total, kv_start=start))
-    assert torch.equal(qo, kv_indptr_from_lens(q_lens))
-    want_mask = torch.zeros(bs + 1, dtype=torch.int64)
-    want_mask[1:] = (q_lens.long() * lens.long()).cumsum(0)
-    assert torch.equal(mask_indptr, want_mask)
-    assert torch.equal(splits, ((lens + 99) // 100).clamp(1, 5).to(torch.int32))
-
-
-def test_index_builder_empty_batch():
-    from attn_triton.kernels.indices import build_indices
-
-    indptr = torch.full((1,), 7, dtype=torch.int32)
-    empty = torch.zeros(0, dtype=torch.int64)
-    build_indices(torch.zeros(1, 4, dtype=torch.int32), empty, empty.int(), indptr, torch.zeros(1, dtype=torch.int32))
-    assert indptr.tolist() == [0]

@@ -5,8 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
-
 from attn_core.capabilities import Feature
 from attn_core.forward_mode import ForwardMode
 
@@ -68,11 +66,3 @@ def test_declared_capabilities():
     assert {Feature.DETERMINISTIC, Feature.CUSTOM_MASK, Feature.LSE_OUTPUT} <= CAPABILITIES.features
     assert ForwardMode.SPLIT_PREFILL not in CAPABILITIES.forward_modes
     assert {64, 128, 256} <= CAPABILITIES.head_dims and 576 in CAPABILITIES.mla_head_dims
-
-
-@pytest.mark.parametrize("value,on", [("1", True), ("true", True), ("0", False), ("", False)])
-def test_interpreter_flag(monkeypatch, value, on):
-    from attn_triton.spec import interpreter_enabled
-
-    monkeypatch.setenv("TRITON_INTERPRET", value)
-    assert interpreter_enabled() is on

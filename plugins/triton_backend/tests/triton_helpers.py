@@ -8,11 +8,11 @@ from functools import partial
 import pytest
 import torch
 
+from attn_core.probes import triton_interpreter_enabled
 from attn_triton.config import SplitPolicy
-from attn_triton.spec import interpreter_enabled
 
 #: CPU tests run the kernels through the Triton interpreter
-requires_interpreter = pytest.mark.skipif(not interpreter_enabled(), reason="CPU tests need TRITON_INTERPRET=1")
+requires_interpreter = pytest.mark.skipif(not triton_interpreter_enabled(), reason="CPU tests need TRITON_INTERPRET=1")
 
 #: splits of at least 8 keys, up to 8 per request: tiny CPU batches get several splits
 SMALL_SPLITS = SplitPolicy(min_split_len=8, waves=64.0, cap=8, deterministic_max_splits=4, deterministic_min_split_len=8)

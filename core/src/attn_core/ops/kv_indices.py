@@ -143,7 +143,7 @@ def build_kv_indices(
     elif out.dtype != torch.int32 or out.shape[0] < total:
         raise InvalidArgumentError("out", f"an int32 tensor of at least {total} entries", (out.dtype, tuple(out.shape)))
     if req_to_token.is_cuda and _triton_path() is not None:
-        _triton_path()(req_to_token, req_pool_indices, kv_lens, out, page_size, kv_start)
+        _triton_path()(req_to_token, req_pool_indices, kv_lens, out, page_size=page_size, kv_start=kv_start)
         return out[:total]
     indptr = page_indptr_from_lens(kv_lens, page_size)
     out[:total] = kv_indices_from_req_to_token(req_to_token, req_pool_indices, indptr, total, kv_start, page_size)

@@ -19,12 +19,13 @@ from attn_core.context import BackendContext, _dtype_name
 from attn_core.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 from attn_core.layer import AttentionLayer
+from attn_core.probes import triton_interpreter_enabled
 from attn_triton.config import SplitPolicy, decode_config, extend_config
 from attn_triton.graph import GraphState
 from attn_triton.kernels.decode import DecodeConfig, decode_attention, head_blocks
 from attn_triton.kernels.extend import ExtendConfig, extend_attention
 from attn_triton.metadata import DecodeMetadata, ExtendMetadata, KVIndex, Splits, SplitScratch, fill_kv, new_kv
-from attn_triton.spec import CAPABILITIES, interpreter_enabled
+from attn_triton.spec import CAPABILITIES
 
 MAX_MHA_HEAD_DIM = 256
 MAX_MLA_RANK = 512
@@ -297,7 +298,7 @@ def _check_device(device: torch.device) -> None:
             raise BackendUnavailableError("triton", "needs a CUDA or ROCm GPU (torch sees none)")
         return
     if device.type == "cpu":
-        if not interpreter_enabled():
+        if not triton_interpreter_enabled():
             raise BackendUnavailableError(
                 "triton", "CPU tensors need the Triton interpreter (set TRITON_INTERPRET=1 before importing triton)"
             )

@@ -1,6 +1,6 @@
 """Per-step metadata of the Triton backend and the functions that fill it.
 
-Every index tensor is produced on the device by `kernels.indices.build_indices` (one launch per key
+Every index tensor is produced on the device by attn-core's `kv_indices_triton` (one launch per key
 set); the host reads only the batch's `*_cpu` fields and `seq_lens_sum` to size allocations and grids.
 The same fill functions serve eager steps (fresh tensors) and CUDA-graph replays (views of persistent
 buffers, see `graph.py`).
@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from attn_triton.kernels.indices import build_indices
+from attn_core.ops.kv_indices_triton import kv_indices_triton
 
 
 @dataclass
@@ -73,12 +73,12 @@ def fill_kv(
     mask_indptr: Optional[torch.Tensor] = None,
 ) -> None:
     """Write `kv` (and the optional q / mask offsets) for the batch in one kernel launch."""
-    build_indices(
+    kv_indices_triton(
         req_to_token,
         req_pool_indices,
         kv_lens,
-        kv.indptr,
         kv.indices,
+        kv_indptr=kv.indptr,
         kv_start=kv_start,
         q_lens=q_lens,
         qo_indptr=qo_indptr,

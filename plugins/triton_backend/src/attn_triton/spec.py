@@ -6,12 +6,11 @@ CI tests it; otherwise it needs a CUDA or ROCm GPU.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 from attn_core.capabilities import ARCH_MHA, ARCH_MLA, Capabilities, CudaGraphLevel, Feature
 from attn_core.forward_mode import ForwardMode
-from attn_core.probes import module_missing
+from attn_core.probes import module_missing, triton_interpreter_enabled
 from attn_core.spec import BackendSpec
 
 #: MHA head dims: any multiple of 8 up to 256 (masked to the next power of two in the kernels).
@@ -45,17 +44,12 @@ CAPABILITIES = Capabilities(
 )
 
 
-def interpreter_enabled() -> bool:
-    """Whether Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
-
-
 def probe() -> Optional[str]:
     """None when the backend can run here, else why not."""
     reason = module_missing("triton", "pip install attn-triton") or module_missing("torch", "pip install torch")
     if reason:
         return reason
-    if interpreter_enabled():
+    if triton_interpreter_enabled():
         return None
     import torch
 

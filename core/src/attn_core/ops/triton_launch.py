@@ -1,13 +1,15 @@
 """`CachedLaunch`: launch a Triton kernel that has no value/alignment specialization through its
 compiled handle, skipping the per-call argument binding, specialization and cache-key work of
-`JITFunction.run` (host time matters for the per-step metadata kernel, DESIGN §7).
+`JITFunction.run` (host time matters for per-step metadata kernels, DESIGN §7).
 
 Safe only for kernels declared with every runtime argument in `do_not_specialize` /
-`do_not_specialize_on_alignment`: then one binary per (device, constexprs, num_warps) serves every
-call. The first call of a key goes through the normal launcher (compiling) and keeps the compiled
-kernel; under the interpreter, or if the compiled handle cannot be called the way this Triton version
-expects, every call uses the normal launcher (the kernel must be idempotent: a failed shortcut call
-is repeated the normal way). `ATTN_TRITON_CACHED_LAUNCH=0` turns the shortcut off.
+`do_not_specialize_on_alignment`: then one binary per (device, argument types, constexprs, num_warps)
+serves every call. The first call of a key goes through the normal launcher (compiling) and keeps the
+compiled kernel; under the interpreter, or if the compiled handle cannot be called the way this Triton
+version expects, every call uses the normal launcher (the kernel must be idempotent: a failed shortcut
+call is repeated the normal way). `ATTN_TRITON_CACHED_LAUNCH=0` turns the shortcut off.
+
+Imports no Triton itself: the kernel handed in brings it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from attn_triton.spec import interpreter_enabled
+from attn_core.probes import triton_interpreter_enabled
 
 
 class CachedLaunch:
@@ -28,7 +30,7 @@ class CachedLaunch:
         self.enabled = os.environ.get("ATTN_TRITON_CACHED_LAUNCH", "1") != "0"
 
     def __call__(self, grid: tuple[int, ...], *args, **kwargs) -> None:
-        if not self.enabled or interpreter_enabled() or not getattr(args[0], "is_cuda", False):
+        if not self.enabled or triton_interpreter_enabled() or not getattr(args[0], "is_cuda", False):
             self.kernel[grid](*args, **kwargs)
             return
         # what still selects a binary without value specialization: argument types (a tensor's dtype,

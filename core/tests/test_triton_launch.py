@@ -1,14 +1,17 @@
 """`CachedLaunch` logic with a stand-in kernel: first call compiles through the normal launcher, later
 calls go to the compiled handle with a 3-D grid and the constexprs appended in signature order, and a
-handle that rejects the call turns the shortcut off without losing the launch."""
+handle that rejects the call turns the shortcut off without losing the launch. No Triton needed."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 
-import attn_triton.kernels.launch as launch
+import attn_core.ops.triton_launch as launch
+from attn_core.probes import triton_interpreter_enabled
 
 
 class FakeCompiled:
@@ -38,7 +41,7 @@ class FakeKernel:
 
 @pytest.fixture
 def gpu_like(monkeypatch):
-    monkeypatch.setattr(launch, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(launch, "triton_interpreter_enabled", lambda: False)
     return SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))
 
 
@@ -80,3 +83,23 @@ def test_cpu_tensors_and_switch_use_the_normal_launcher(gpu_like, monkeypatch):
     off((1,), gpu_like, A=1)
     off((1,), gpu_like, A=1)
     assert [e[0] for e in k.log] == ["jit"] * 4
+
+
+def test_interpreter_runs_use_the_normal_launcher(gpu_like, monkeypatch):
+    monkeypatch.setattr(launch, "triton_interpreter_enabled", lambda: True)
+    k = FakeKernel()
+    run = launch.CachedLaunch(k)
+    run((1,), gpu_like, A=1)
+    run((1,), gpu_like, A=1)
+    assert [e[0] for e in k.log] == ["jit"] * 2 and not run.compiled
+
+
+@pytest.mark.parametrize("value,on", [("1", True), ("true", True), (" ON ", True), ("0", False), ("", False)])
+def test_interpreter_flag(monkeypatch, value, on):
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert triton_interpreter_enabled() is on
+
+
+def test_launcher_module_imports_no_triton_or_torch():
+    code = "import sys, attn_core.ops.triton_launch; assert not {'triton', 'torch'} & set(sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True)
