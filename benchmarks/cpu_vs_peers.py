@@ -205,8 +205,8 @@ def main() -> None:
                     "cpu_amx_metadata_us": round(meta_us, 1),
                 }
             )
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
+            with open(args.out, "w") as f:  # after every row: a run cut short keeps what it measured
+                json.dump(report, f, indent=2)
     print(f"wrote {args.out}")
 
 
