@@ -9,6 +9,7 @@ batch size `init_forward_metadata_capture_cuda_graph` before capture, and per re
 from __future__ import annotations
 
 import abc
+import weakref
 from typing import ClassVar, Optional, Union
 
 import torch
@@ -59,7 +60,8 @@ class AttentionBackend(abc.ABC):
         self.ctx = ctx
         self.device = ctx.device
         self.forward_metadata = None
-        self._checked_layers: set[int] = set()
+        # layers already checked against the capabilities (weak: an id() could be reused by a new layer)
+        self._checked_layers: weakref.WeakSet = weakref.WeakSet()
 
     # ---- per-step metadata -------------------------------------------------------------------
     @abc.abstractmethod
@@ -156,7 +158,7 @@ class AttentionBackend(abc.ABC):
             raise UnsupportedFeatureError(self.name, what or feature.value)
 
     def _check_layer(self, layer: AttentionLayer) -> None:
-        if id(layer) in self._checked_layers:
+        if layer in self._checked_layers:
             return
         ctx = self.ctx
         if layer.logit_cap > 0:
@@ -173,7 +175,7 @@ class AttentionBackend(abc.ABC):
             raise InvalidArgumentError(
                 "layer head_dim/v_head_dim", f"{ctx.head_dim}/{ctx.v_head_dim} as in the context", (layer.head_dim, layer.v_head_dim)
             )
-        self._checked_layers.add(id(layer))
+        self._checked_layers.add(layer)
 
     def _validate(self, q, k, v, layer, batch: ForwardBatch, save_kv_cache: bool, extras):
         mode = batch.forward_mode
