@@ -61,6 +61,14 @@ class _GraphState:
     planned_once: set[tuple[LayerKey, str]] = field(default_factory=set)
 
 
+def _write_indices(step: Step) -> None:
+    """Launch the page-id builds an eager step deferred until its plans were made: FlashInfer's plan
+    copies host tensors from pageable memory, which would wait for a kernel launched before it (the
+    plans keep references to the id buffers and read them only when the layers run)."""
+    for kv in step.kv.values():
+        kv.write_indices()
+
+
 class FlashInferBackend(AttentionBackend):
     """FlashInfer (FA2 kernels) on CUDA, compute capability 8.0 or newer. Option `workspace_bytes`
     sizes the shared float workspace."""
@@ -104,6 +112,7 @@ class FlashInferBackend(AttentionBackend):
         for key in keys:
             if not key.cross or inputs.encoder_lens is not None:
                 step.plans[key] = self._make_plan(step, key)
+        _write_indices(step)
         return step
 
     def _paged_kv(self, step: Step, which: str) -> PagedKV:
@@ -119,10 +128,12 @@ class FlashInferBackend(AttentionBackend):
         if which == "cross":
             if x.encoder_lens is None:
                 raise InvalidArgumentError("forward_batch.encoder_lens", "encoder lengths for a cross-attention layer", None)
-            kv = build_paged_kv(r2t, x.req_pool_indices, x.encoder_lens, x.encoder_lens_host, self.page_size, out=out)
+            kv = build_paged_kv(r2t, x.req_pool_indices, x.encoder_lens, x.encoder_lens_host, self.page_size, out=out, defer=graph is None)
         else:
             lens, lens_host = (x.seq_lens, x.seq_lens_host) if which == "seq" else (x.prefix_lens, x.prefix_lens_host)
-            kv = build_paged_kv(r2t, x.req_pool_indices, lens, lens_host, self.self_page_size, kv_start=x.encoder_lens, out=out)
+            kv = build_paged_kv(
+                r2t, x.req_pool_indices, lens, lens_host, self.self_page_size, kv_start=x.encoder_lens, out=out, defer=graph is None
+            )
         if graph is not None:
             graph.kv_indptr.copy_(kv.indptr, non_blocking=True)
             graph.last_page_len.copy_(kv.last_page_len, non_blocking=True)
@@ -203,6 +214,7 @@ class FlashInferBackend(AttentionBackend):
                     "layer", "layer settings met before CUDA-graph capture (run the captured batch once eagerly first)", key
                 )
             plan = step.plans[key] = self._make_plan(step, key)
+            _write_indices(step)
             self.known_keys[key] = None
         return plan
 

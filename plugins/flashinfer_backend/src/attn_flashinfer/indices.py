@@ -35,6 +35,13 @@ class PagedKV:
     indptr: torch.Tensor  # host int32 [bs+1] page offsets
     last_page_len: torch.Tensor  # host int32 [bs]
     indices: torch.Tensor  # device int32 [indptr[-1]] page ids
+    fill: Optional[Callable[[], None]] = None  # writes `indices` when their launch was deferred
+
+    def write_indices(self) -> None:
+        """Launch a deferred page-id build (no-op when already written)."""
+        if self.fill is not None:
+            self.fill()
+            self.fill = None
 
     @property
     def num_pages(self) -> int:
@@ -69,20 +76,31 @@ def build_paged_kv(
     page_size: int,
     kv_start: Optional[torch.Tensor] = None,
     out: Union[torch.Tensor, Callable[[int], torch.Tensor], None] = None,
+    defer: bool = False,
 ) -> PagedKV:
     """Keys `req_to_token[row, start : start + kv_len]` of each request as a `PagedKV`.
 
     kv_lens: device int32 `[bs]` (the same numbers as `kv_lens_host`, which the host already has, so
     nothing is copied back); kv_start: device per-request first column (must be a multiple of
     page_size; None: 0); out: where the page ids go, an int32 device buffer (CUDA graphs) or a function
-    giving one for a number of pages (a reused scratch buffer); None: a new tensor.
+    giving one for a number of pages (a reused scratch buffer); None: a new tensor. `defer`: leave the
+    page ids unwritten until `write_indices()` (an eager step launches them after FlashInfer's plans,
+    whose copies of host tensors would otherwise wait for this kernel).
     """
     lens, indptr, last = paged_kv_host(kv_lens_host, page_size)
     total = int(indptr.numpy()[-1])
     if callable(out):
         out = out(total)
-    indices = build_kv_indices(req_to_token, req_pool_indices, kv_lens, total, page_size=page_size, kv_start=kv_start, out=out)
-    return PagedKV(page_size, lens, indptr, last, indices)
+    if out is None:
+        out = torch.empty(total, dtype=torch.int32, device=req_to_token.device)
+
+    def fill() -> None:
+        build_kv_indices(req_to_token, req_pool_indices, kv_lens, total, page_size=page_size, kv_start=kv_start, out=out)
+
+    kv = PagedKV(page_size, lens, indptr, last, out[:total], fill)
+    if not defer:
+        kv.write_indices()
+    return kv
 
 
 def qo_indptr_host(q_lens_host: torch.Tensor) -> torch.Tensor:
