@@ -6,8 +6,8 @@ and calls one C++ kernel that plans work items (request x KV head x token block,
 are too few items for the threads), runs them on torch's thread pool and merges the splits by LSE.
 
 Extra memory of one call (independent of the cached context length):
-    threads x scratch(D, Dv)  +  partial rows  <=  threads x ~200 KiB  +  max_splits x T x Hq x (Dv + 1) x 4 B
-plus the output `[T, Hq, Dv]` (and LSE) the call returns.
+    threads x scratch (fixed by the head dims, under 1 MiB per thread at head_dim 128)
+    + max_splits x T x Hq x (Dv + 1) x 4 B of split partials + the output `[T, Hq, Dv]` (and LSE).
 """
 
 from __future__ import annotations

@@ -26,6 +26,40 @@ namespace {
 #include "loop.h"
 #include "avx512_math.h"
 
+// In-place transpose of 16 rows of 16 floats.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i + 0] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  // u[4i + c] lane L holds column 4L + c of rows 4i .. 4i+3
+  for (int c = 0; c < 4; ++c) {
+    const __m512 x0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88);
+    const __m512 x1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD);
+    const __m512 y0 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512 y1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
+    r[c] = _mm512_shuffle_f32x4(x0, y0, 0x88);
+    r[8 + c] = _mm512_shuffle_f32x4(x0, y0, 0xDD);
+    r[4 + c] = _mm512_shuffle_f32x4(x1, y1, 0x88);
+    r[12 + c] = _mm512_shuffle_f32x4(x1, y1, 0xDD);
+  }
+}
+
+// Lanes lo .. hi-1 of 16 (clamped).
+inline __mmask16 lane_range(int lo, int hi) {
+  lo = lo < 0 ? 0 : (lo > 16 ? 16 : lo);
+  hi = hi < 0 ? 0 : (hi > 16 ? 16 : hi);
+  if (lo >= hi) return 0;
+  const uint32_t upto = hi == 16 ? 0xFFFFu : ((1u << hi) - 1u);
+  return static_cast<__mmask16>(upto & ~((1u << lo) - 1u));
+}
 alignas(64) const uint16_t kZeroBf16[kMaxHeadDim] = {};
 
 struct alignas(64) TileConfig {

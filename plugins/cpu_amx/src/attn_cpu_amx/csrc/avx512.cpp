@@ -23,6 +23,75 @@ namespace {
 #include "loop.h"
 #include "avx512_math.h"
 
+// 16 bf16 -> 16 float32
+inline __m512 load_bf16x16(const uint16_t* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+// Horizontal sums of 16 vectors: element j of the result is the sum of the lanes of a[j].
+inline __m512 hsum16(const __m512 a[16]) {
+  __m512 s[8], t[4];
+  for (int i = 0; i < 8; ++i)
+    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88), _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
+  // t[i] 128-bit lane L holds 4 partial sums of a[4i + L]
+  const __m512 u0 = _mm512_add_ps(_mm512_unpacklo_ps(t[0], t[1]), _mm512_unpackhi_ps(t[0], t[1]));
+  const __m512 u1 = _mm512_add_ps(_mm512_unpacklo_ps(t[2], t[3]), _mm512_unpackhi_ps(t[2], t[3]));
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(u0, u1, 0x44), _mm512_shuffle_ps(u0, u1, 0xEE));
+  // element 4L + e of w is the sum of a[4e + L]; put a[j]'s sum at element j
+  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(idx, w);
+}
+
+// Online-softmax update of a row group's scores st [BK, MP] (key-major, rows vectorized; group row m is
+// item row r0 + m). Scores are multiplied by `pre`, capped (cap > 0: cap * tanh(s / cap), in log2
+// units), masked by w.vis unless `full`; st becomes P = 2^(s - mx_new) for keys [ulo, uhi);
+// w.alpha gets 2^(mx_old - mx_new), w.l and w.mx are updated. Padding rows (m >= M) get P = 0.
+// w.vis rows are vis_stride words apart (MG / 16 of the path).
+inline void softmax_cols(float* st, Work& w, int r0, int M, int MP, int vis_stride, int ulo, int uhi, bool full, float pre, float cap) {
+  const int NV = MP / 16;
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  const __m512 vpre = _mm512_set1_ps(pre);
+  const bool use_cap = cap > 0.f;
+  const __m512 inv_cap = _mm512_set1_ps(use_cap ? 1.f / cap : 0.f);
+  const __m512 cap_l2e = _mm512_set1_ps(cap * kLog2e);
+  for (int nv = 0; nv < NV; ++nv) {
+    const int valid = M - nv * 16;
+    const __mmask16 rows = valid >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1u);
+    const bool masked = !full || rows != 0xFFFF;
+    __m512 bmax = ninf;
+    for (int j = ulo; j < uhi; ++j) {
+      float* sp = st + j * MP + nv * 16;
+      __m512 s = _mm512_mul_ps(_mm512_loadu_ps(sp), vpre);
+      if (use_cap) s = _mm512_mul_ps(cap_l2e, tanh_ps(_mm512_mul_ps(s, inv_cap)));
+      if (masked) s = _mm512_mask_mov_ps(ninf, (full ? rows : static_cast<__mmask16>(w.vis[j * vis_stride + nv] & rows)), s);
+      _mm512_storeu_ps(sp, s);
+      bmax = _mm512_max_ps(bmax, s);
+    }
+    float* mxp = w.mx + r0 + nv * 16;
+    float* lp = w.l + r0 + nv * 16;
+    float* ap = w.alpha + r0 + nv * 16;
+    const __m512 mold = _mm512_maskz_loadu_ps(rows, mxp);
+    const __m512 mnew = _mm512_max_ps(_mm512_mask_mov_ps(ninf, rows, mold), bmax);
+    const __m512 safe = _mm512_mask_mov_ps(mnew, _mm512_cmp_ps_mask(mnew, ninf, _CMP_EQ_OQ), _mm512_setzero_ps());
+    const __mmask16 old_finite = _mm512_cmp_ps_mask(mold, ninf, _CMP_NEQ_UQ) & rows;
+    const __m512 alpha = _mm512_maskz_mov_ps(old_finite, exp2_ps(_mm512_sub_ps(mold, safe)));
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = ulo; j < uhi; ++j) {
+      float* sp = st + j * MP + nv * 16;
+      __m512 pj = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(sp), safe));
+      if (masked) pj = _mm512_maskz_mov_ps((full ? rows : static_cast<__mmask16>(w.vis[j * vis_stride + nv] & rows)), pj);
+      _mm512_storeu_ps(sp, pj);
+      sum = _mm512_add_ps(sum, pj);
+    }
+    _mm512_mask_storeu_ps(lp, rows, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(rows, lp), alpha, sum));
+    _mm512_mask_storeu_ps(mxp, rows, mnew);
+    _mm512_mask_storeu_ps(ap, rows, alpha);
+  }
+}
+
 alignas(64) const float kZeroRow[kMaxHeadDim] = {};
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -205,7 +274,7 @@ struct Avx512Ops {
       if (MP == 16) qk_rows_t<1>(qt, MG, e.kb, BK, D, e.st, MP, ulo, uhi);
       else qk_rows_t<2>(qt, MG, e.kb, BK, D, e.st, MP, ulo, uhi);
     }
-    softmax_cols(e.st, w, r0, M, MP, MG / 16, ulo, uhi, full, 1.f, p.cap, 0.f);
+    softmax_cols(e.st, w, r0, M, MP, MG / 16, ulo, uhi, full, 1.f, p.cap);
     // o = o * alpha + P V, 4 rows x 64 channels at a time
     for (int m0 = 0; m0 < M; m0 += 4) {
       float* o = w.o + static_cast<int64_t>(r0 + m0) * DV;

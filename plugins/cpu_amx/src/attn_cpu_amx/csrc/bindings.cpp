@@ -50,11 +50,6 @@ bool amx_permission() {
 #endif
 }
 
-bool path_compiled(int64_t path) {
-  PathKernels k;
-  return kernels_for(path, &k);
-}
-
 // A split item's partial rows are merged per (request, head group, token block).
 struct SplitGroup {
   Item geometry;  // req, h, t0, nt, g0, ng of the unsplit item
@@ -343,6 +338,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "attn-cpu-amx kernels: paged decode/extend attention on CPU (portable, AVX-512, AMX paths)";
   m.def("attention", &attn_cpu::attention, "paged attention of a batch (writes out and lse in place); returns (items, split groups, widest item rows)");
   m.def("check_slots", &attn_cpu::check_slots, "first out-of-range slot of a batch, or an empty string");
-  m.def("path_compiled", &attn_cpu::path_compiled, "whether this build has the kernels of a path (0 portable, 1 avx512, 2 amx)");
-  m.def("amx_permission", &attn_cpu::amx_permission, "ask Linux for AMX tile state; true when granted");
 }
