@@ -7,7 +7,9 @@ are too few items for the threads), runs them on torch's thread pool and merges 
 
 Extra memory of one call (independent of the cached context length):
     threads x scratch (fixed by the head dims, under 1 MiB per thread at head_dim 128)
-    + max_splits x T x Hq x (Dv + 1) x 4 B of split partials + the output `[T, Hq, Dv]` (and LSE).
+    + split partials: min(max_splits x T x Hq, 8 x threads x 256) rows of (Dv + 1) x 4 B (splits are
+      made only when there are fewer than 4 work items per thread)
+    + the output `[T, Hq, Dv]` (and LSE).
 """
 
 from __future__ import annotations
