@@ -70,11 +70,12 @@ def check_all_outputs(fn, r2t, rows, lens, starts, page_size: int, seed: int) ->
     q_lens = torch.minimum(lens, torch.randint(0, 9, (bs,), generator=gen, dtype=torch.int32).to(lens.device))
     total = int(kvi.num_pages_from_lens(lens, page_size).sum())
     start = starts if seed % 2 else None
-    indptr = torch.full((bs + 1,), -1, dtype=torch.int32)
-    indices = torch.full((total + 3,), -7, dtype=torch.int32)
-    qo = torch.full((bs + 1,), -1, dtype=torch.int32)
-    mask = torch.full((bs + 1,), -1, dtype=torch.int64)
-    splits = torch.full((bs,), -1, dtype=torch.int32)
+    dev = r2t.device
+    indptr = torch.full((bs + 1,), -1, dtype=torch.int32, device=dev)
+    indices = torch.full((total + 3,), -7, dtype=torch.int32, device=dev)
+    qo = torch.full((bs + 1,), -1, dtype=torch.int32, device=dev)
+    mask = torch.full((bs + 1,), -1, dtype=torch.int64, device=dev)
+    splits = torch.full((bs,), -1, dtype=torch.int32, device=dev)
     fn(
         r2t, rows, lens, indices, kv_indptr=indptr, page_size=page_size, kv_start=start, q_lens=q_lens, qo_indptr=qo,
         mask_indptr=mask, num_splits=splits, max_splits=5, min_split_len=7,
@@ -92,7 +93,7 @@ def check_all_outputs(fn, r2t, rows, lens, starts, page_size: int, seed: int) ->
 def check_ids_only(fn, r2t, rows, lens, starts, page_size: int) -> None:
     """The ids alone (no indptr buffer: `build_kv_indices`' use) vs a plain loop over req_to_token."""
     total = int(kvi.num_pages_from_lens(lens, page_size).sum())
-    out = torch.full((total + 2,), -7, dtype=torch.int32)
+    out = torch.full((total + 2,), -7, dtype=torch.int32, device=r2t.device)
     fn(r2t, rows, lens, out, page_size=page_size, kv_start=starts)
     assert out[:total].tolist() == _expected_ids(r2t, rows, lens, starts, page_size), page_size
     assert out[total:].tolist() == [-7] * 2
