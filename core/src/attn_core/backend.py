@@ -152,6 +152,30 @@ class AttentionBackend(abc.ABC):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras) -> Output:
         """EXTEND, MIXED, TARGET_VERIFY, DRAFT_EXTEND (and SPLIT_PREFILL where declared)."""
 
+    # ---- the pools (shared by every backend) --------------------------------------------------
+    def req_to_token(self, forward_batch: Optional[ForwardBatch] = None) -> torch.Tensor:
+        """The request→slot table: the batch's pool, else the context's (graph capture/replay pass no batch)."""
+        pool = (forward_batch.req_to_token_pool if forward_batch is not None else None) or self.ctx.req_to_token_pool
+        if pool is None:
+            raise InvalidArgumentError("req_to_token_pool", "a pool on the batch or the context", None)
+        return pool.req_to_token
+
+    def kv_pool(self, forward_batch: ForwardBatch):
+        """The step's KV pool: the batch's, else the context's."""
+        pool = forward_batch.token_to_kv_pool or self.ctx.token_to_kv_pool
+        if pool is None:
+            raise InvalidArgumentError("token_to_kv_pool", "a KV pool on the batch or the context", None)
+        return pool
+
+    def save_kv(self, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer: AttentionLayer, forward_batch: ForwardBatch):
+        """Write the step's new K/V (when given) to their slots: `out_cache_loc`, or `encoder_out_cache_loc`
+        for a cross-attention layer; fp8 pools quantize with the layer's k_scale / v_scale. Returns the pool."""
+        pool = self.kv_pool(forward_batch)
+        if k is not None:
+            loc = forward_batch.encoder_out_cache_loc if layer.is_cross_attention else forward_batch.out_cache_loc
+            pool.set_kv_buffer(layer, loc, k, v, layer.k_scale, layer.v_scale)
+        return pool
+
     # ---- validation (host-side metadata only, no device sync) ----------------------------------
     def require(self, feature: Feature, what: Optional[str] = None) -> None:
         if feature not in self.capabilities.features:
@@ -211,6 +235,9 @@ class AttentionBackend(abc.ABC):
             rows = 0 if batch.encoder_out_cache_loc is None else batch.encoder_out_cache_loc.shape[0]
         else:
             rows = T
+        for name, x in (("k", k), ("v", v)):
+            if x is not None and x.device != self.device:
+                raise InvalidArgumentError(name, f"a tensor on {self.device}", x.device)
         if k is not None:
             k = _heads_view("k", k, rows, hkv, d)
             if v is not None and not self.ctx.is_mla:

@@ -94,10 +94,8 @@ class CpuAmxBackend(AttentionBackend):
         if b.forward_mode.is_no_tokens():
             self.forward_metadata = None
             return
-        r2t_pool = b.req_to_token_pool or self.ctx.req_to_token_pool
-        kv_pool = b.token_to_kv_pool or self.ctx.token_to_kv_pool
-        if r2t_pool is None or kv_pool is None:
-            raise InvalidArgumentError("req_to_token_pool / token_to_kv_pool", "pools on the batch or the context", None)
+        r2t = self.req_to_token(b)
+        kv_pool = self.kv_pool(b)
         if not isinstance(kv_pool, MHATokenToKVPool):
             raise InvalidArgumentError("token_to_kv_pool", "an MHATokenToKVPool", type(kv_pool).__name__)
         if kv_pool.dtype != self.ctx.kv_dtype:
@@ -113,7 +111,6 @@ class CpuAmxBackend(AttentionBackend):
             q_lens = b.extend_seq_lens_cpu.to(torch.int32).contiguous()
             q_starts = (torch.cumsum(q_lens, 0, dtype=torch.int32) - q_lens).contiguous()
         req_rows = b.req_pool_indices.to("cpu", torch.int64).contiguous()
-        r2t = r2t_pool.req_to_token
         if bool((q_lens > seq_lens).any()) or int(q_lens.sum()) != b.num_tokens:
             raise InvalidArgumentError(
                 "forward_batch lengths", "extend lengths <= seq_lens summing to the token count", (q_lens.tolist(), seq_lens.tolist())
@@ -140,13 +137,11 @@ class CpuAmxBackend(AttentionBackend):
 
     def _forward(self, q, k, v, layer, batch, save_kv_cache, sinks=None, return_lse=False):
         meta: _Metadata = self.forward_metadata
-        pool = batch.token_to_kv_pool or self.ctx.token_to_kv_pool
         if meta.num_tokens != q.shape[0]:
             raise InvalidArgumentError("forward_batch", "the batch init_forward_metadata saw", q.shape[0])
         if sinks is not None and (sinks.device.type != "cpu" or not sinks.dtype.is_floating_point):
             raise InvalidArgumentError("sinks", "a floating-point CPU tensor", (sinks.device, sinks.dtype))
-        if save_kv_cache and k is not None:
-            pool.set_kv_buffer(layer, batch.out_cache_loc, k, v, layer.k_scale, layer.v_scale)
+        pool = self.save_kv(k, v, layer, batch) if save_kv_cache else self.kv_pool(batch)
         T, hq = q.shape[0], layer.num_q_heads
         out = torch.empty((T, hq, layer.v_head_dim), dtype=q.dtype)
         lse = torch.empty((T, hq), dtype=torch.float32) if return_lse else None

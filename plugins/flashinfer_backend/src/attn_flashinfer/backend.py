@@ -99,10 +99,7 @@ class FlashInferBackend(AttentionBackend):
             return
         if b.forward_mode not in self.capabilities.forward_modes:
             raise UnsupportedFeatureError(self.name, f"forward mode {b.forward_mode.name}")
-        pool = b.req_to_token_pool or self.ctx.req_to_token_pool
-        if pool is None:
-            raise InvalidArgumentError("forward_batch.req_to_token_pool", "a pool on the batch or the context", None)
-        self.forward_metadata = self._new_step(eager_inputs(b, pool.req_to_token), graph=None, keys=self.known_keys)
+        self.forward_metadata = self._new_step(eager_inputs(b, self.req_to_token(b)), graph=None, keys=self.known_keys)
 
     def _new_step(self, inputs: StepInputs, graph: Optional[_GraphState], keys) -> Step:
         """A step over `inputs`, with a plan for each of `keys` that the batch can use."""
@@ -318,10 +315,7 @@ class FlashInferBackend(AttentionBackend):
             raise InvalidArgumentError(
                 "k", f"the new tokens' keys and values for {batch.forward_mode.name} (the ragged pass reads them)", None
             )
-        pool = batch.token_to_kv_pool or self.ctx.token_to_kv_pool
-        if save_kv_cache and k is not None:
-            loc = batch.encoder_out_cache_loc if layer.is_cross_attention else batch.out_cache_loc
-            pool.set_kv_buffer(layer, loc, k, v)
+        pool = self.save_kv(k, v, layer, batch) if save_kv_cache else self.kv_pool(batch)
         k_cache, v_cache = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         o, lse = plans.run(plan, q, k, v, k_cache, v_cache, return_lse)
         o = o.view(o.shape[0], -1)

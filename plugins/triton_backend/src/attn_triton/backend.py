@@ -84,7 +84,7 @@ class TritonAttnBackend(AttentionBackend):
         if b.forward_mode.is_no_tokens():
             self.forward_metadata = None
             return
-        r2t = self._req_to_token(b)
+        r2t = self.req_to_token(b)
         _check_batch(b, r2t, self.device)
         if b.forward_mode.is_decode():
             self.forward_metadata = self._decode_metadata(b, r2t)
@@ -124,12 +124,6 @@ class TritonAttnBackend(AttentionBackend):
             fill_kv(cross, r2t, b.req_pool_indices, b.encoder_lens)
         max_q = int(b.extend_seq_lens_cpu.max()) if bs else 0
         return ExtendMetadata(qo_indptr, max_q, kv, cross, mask, mask_indptr)
-
-    def _req_to_token(self, b: Optional[ForwardBatch] = None) -> torch.Tensor:
-        pool = (b.req_to_token_pool if b is not None else None) or self.ctx.req_to_token_pool
-        if pool is None:
-            raise InvalidArgumentError("req_to_token_pool", "a pool on the batch or the context", None)
-        return pool.req_to_token
 
     # ---- CUDA graphs -------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -270,17 +264,9 @@ class TritonAttnBackend(AttentionBackend):
         return meta.kv
 
     def _save_and_buffers(self, q, k, v, layer, b: ForwardBatch, save_kv_cache: bool, sinks):
-        pool = b.token_to_kv_pool or self.ctx.token_to_kv_pool
-        if pool is None:
-            raise InvalidArgumentError("token_to_kv_pool", "a KV pool on the batch or the context", None)
         if sinks is not None and (sinks.device != q.device):
             raise InvalidArgumentError("sinks", f"a tensor on {q.device}", sinks.device)
-        if save_kv_cache and k is not None:
-            loc = b.encoder_out_cache_loc if layer.is_cross_attention else b.out_cache_loc
-            for name, x in (("k", k), ("v", v)):
-                if x is not None and x.device != q.device:
-                    raise InvalidArgumentError(name, f"a tensor on {q.device}", x.device)
-            pool.set_kv_buffer(layer, loc, k, v, layer.k_scale, layer.v_scale)
+        pool = self.save_kv(k, v, layer, b) if save_kv_cache else self.kv_pool(b)
         return pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
 
 

@@ -101,7 +101,7 @@ class GraphState:
     def _refresh(self, meta: Metadata, bs, req_pool_indices, seq_lens, encoder_lens, spec_info, seq_lens_cpu=None) -> None:
         """Rewrite the captured views for the batch of this replay (inputs padded to `bs` rows)."""
         b = self.backend
-        r2t = b._req_to_token()
+        r2t = b.req_to_token()
         rpi, lens = req_pool_indices[:bs], _int32(seq_lens[:bs])
         enc = None if encoder_lens is None else _int32(encoder_lens[:bs])
         if isinstance(meta, DecodeMetadata):

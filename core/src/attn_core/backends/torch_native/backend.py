@@ -119,7 +119,7 @@ class TorchNativeBackend(AttentionBackend):
             q_lens, q_start = b.extend_seq_lens, b.extend_start_loc
             q_width = max(int(b.extend_seq_lens_cpu.max()), 1)
         self.forward_metadata = _build_metadata(
-            req_to_token=self._req_to_token(b),
+            req_to_token=self.req_to_token(b),
             req_pool_indices=b.req_pool_indices,
             seq_lens=b.seq_lens,
             q_lens=q_lens,
@@ -132,12 +132,6 @@ class TorchNativeBackend(AttentionBackend):
             spec_info=b.spec_info,
             use_custom_mask=_has_custom_mask(b.forward_mode, b.spec_info),
         )
-
-    def _req_to_token(self, batch: Optional[ForwardBatch] = None) -> torch.Tensor:
-        pool = (batch.req_to_token_pool if batch is not None else None) or self.ctx.req_to_token_pool
-        if pool is None:
-            raise InvalidArgumentError("req_to_token_pool", "a pool on the batch or the context", None)
-        return pool.req_to_token
 
     # ---- CUDA graphs -------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -152,7 +146,7 @@ class TorchNativeBackend(AttentionBackend):
         dev = seq_lens.device
         width = self.ctx.max_context_len
         return _build_metadata(
-            req_to_token=self._req_to_token(),
+            req_to_token=self.req_to_token(),
             req_pool_indices=req_pool_indices[:bs],
             seq_lens=seq_lens[:bs],
             q_lens=torch.full((bs,), per_req, dtype=torch.int32, device=dev),
@@ -189,10 +183,7 @@ class TorchNativeBackend(AttentionBackend):
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache, **extras)
 
     def _forward(self, q, k, v, layer, batch, save_kv_cache, sinks=None, return_lse=False):
-        pool = batch.token_to_kv_pool or self.ctx.token_to_kv_pool
-        if save_kv_cache and k is not None:
-            loc = batch.encoder_out_cache_loc if layer.is_cross_attention else batch.out_cache_loc
-            pool.set_kv_buffer(layer, loc, k, v, layer.k_scale, layer.v_scale)
+        pool = self.save_kv(k, v, layer, batch) if save_kv_cache else self.kv_pool(batch)
         meta: _Metadata = self.forward_metadata
         keys = meta.cross_keys if layer.is_cross_attention else meta.self_keys
         if keys is None:
