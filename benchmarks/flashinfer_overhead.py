@@ -5,8 +5,9 @@ Two numbers per shape (GQA 32 q / 8 kv heads, head_dim 128, bf16, page size 16):
   wrappers directly on the very plans the backend made (decode: the decode wrapper's run; extend with a
   prefix: ragged run + paged run + FlashInfer's merge_state_in_place). Our forward runs with
   save_kv_cache=False, as FlashInfer's run stores nothing; the time with the K/V store is reported too.
-- host time of one step's `init_forward_metadata` (index building + plans) against FlashInfer's own plan
-  calls on the same, prebuilt, inputs; for decode also the CUDA-graph replay metadata (fast_decode_plan).
+- host time of one step's `init_forward_metadata` (index building + plans; from the second step on the
+  backend re-plans its wrappers lean, see attn_flashinfer/replan.py) against FlashInfer's own plan calls
+  on the same, prebuilt, inputs; for decode also the CUDA-graph replay metadata (fast_decode_plan).
 
     python benchmarks/flashinfer_overhead.py --json out.json
 
@@ -194,10 +195,11 @@ def bench(name: str, mode: str, reqs, iters: int, rounds: int) -> dict:
 def breakdown(backend, batch, step, plan, fi_plan) -> dict:
     """Host µs of each piece of one step's metadata (GPU idle before each call), to see where it goes."""
     from attn_core.ops import kv_indices as kvi
-    from attn_flashinfer.indices import paged_kv_host
+    from attn_flashinfer import replan
+    from attn_flashinfer.indices import build_paged_kv, query_layout
 
     which = "seq" if plan.decode is not None else "prefix"
-    kv = step.kv[which]
+    kv, qo, key, dims = step.kv[which], step.qo, next(iter(step.plans)), backend.dims
     lens_dev = batch.seq_lens if which == "seq" else batch.extend_prefix_lens
     lens_cpu = batch.seq_lens_cpu if which == "seq" else batch.extend_prefix_lens_cpu
     r2t, rpi, total = batch.req_to_token_pool.req_to_token, batch.req_pool_indices, kv.num_pages
@@ -207,14 +209,30 @@ def breakdown(backend, batch, step, plan, fi_plan) -> dict:
         indptr = kvi.page_indptr_from_lens(lens_dev, PAGE)
         return kvi.kv_indices_from_req_to_token(r2t, rpi, indptr, total, page_size=PAGE)
 
+    def lean():
+        if plan.decode is not None:
+            replan.decode(plan.decode, qo, kv, key, dims)
+        else:
+            replan.ragged(plan.ragged, qo, key, dims)
+            replan.paged(plan.paged, qo, kv, key, dims, causal=False)
+
+    def layout():
+        return build_paged_kv(r2t, rpi, lens_dev, lens_cpu, PAGE, out=scratch, defer=True, to_device=True)
+
+    def torch_layout():
+        return kvi.page_indptr_from_lens(lens_cpu, PAGE), kvi.last_page_len_from_lens(lens_cpu, PAGE)
+
     pieces = {
-        "host layout, numpy (used)": lambda: paged_kv_host(lens_cpu, PAGE),
-        "host layout, torch (attn_core)": lambda: (kvi.page_indptr_from_lens(lens_cpu, PAGE), kvi.last_page_len_from_lens(lens_cpu, PAGE)),
+        "host layout + one device copy (used)": layout,
+        "host layout, torch ops (attn_core)": torch_layout,
         "device page ids, Triton (used)": lambda: kvi.build_kv_indices(r2t, rpi, lens_dev, total, page_size=PAGE, out=scratch),
         "device page ids, torch ops": torch_ids,
+        "lean re-plan(s) (used)": lean,
         "FlashInfer plan call(s) alone": fi_plan,
         "init_forward_metadata (all)": lambda: backend.init_forward_metadata(batch),
     }
+    if plan.decode is None:
+        pieces["query layout + device copy (used)"] = lambda: query_layout(batch.extend_seq_lens_cpu, torch.device("cuda"))
     for fn in pieces.values():
         fn()
     return {name: statistics.median(host_time_us(fn, 100)) for name, fn in pieces.items()}

@@ -2,13 +2,15 @@
 # Every GPU check of the project in one command, for a machine with a CUDA GPU and torch + triton
 # installed (the lent H100/H200 machine: no network; FlashInfer comes from wheels carried in .whl/ and
 # its prebuilt kernels from .fi-cache/aot.tar.xz when present). Logs go to $OUT (default ./gpu-out).
-#   bash scripts/gpu_checks.sh [tests|bench|all]      (BENCH_ONLY=meta limits the Triton benchmark's rows)
+#   bash scripts/gpu_checks.sh [tests] [bench] [triton-bench] [fi-bench]   (default: all; bench = both benchmarks;
+#   BENCH_ONLY=meta limits the Triton benchmark's rows)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-what=${1:-all}
+what=" ${*:-tests bench} "
+want() { [[ "$what" == *" $1 "* || "$what" == *" all "* ]]; }
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -23,15 +25,17 @@ fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 rc=0
-if [ "$what" = tests ] || [ "$what" = all ]; then
+if want tests; then
   python3 -m pytest -q -p no:cacheprovider -m gpu core/tests plugins/triton_backend/tests plugins/flashinfer_backend/tests tests \
     2>&1 | tee "$OUT/pytest_gpu.log" || rc=1
   for b in torch_native triton; do
     python3 -m attn_core.cli check "$b" --device cuda --quick 2>&1 | tee "$OUT/check_$b.log" || rc=1
   done
 fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
+if want bench || want triton-bench; then
   python3 benchmarks/triton_vs_peers.py --reps 20 --no-torch-native --only "${BENCH_ONLY:-decode,extend,meta}" --out "$OUT/triton_vs_peers.json" 2>&1 | tee "$OUT/triton_vs_peers.log" || rc=1
+fi
+if want bench || want fi-bench; then
   python3 benchmarks/flashinfer_overhead.py --rounds 8 --json "$OUT/flashinfer_overhead.json" 2>&1 | tee "$OUT/flashinfer_overhead.log" || rc=1
 fi
 exit $rc

@@ -58,13 +58,18 @@ RANDOM_MODES = (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, Forwa
 @pytest.mark.parametrize("mode", RANDOM_MODES, ids=[m.name for m in RANDOM_MODES])
 def test_random_batches(mode, page_size, seed):
     """Random compositions (prefills, prefix hits, one-token rows, long requests) with GQA 32/8, bf16;
-    seed 1 asks for the LSE, seed 2 adds a sliding window and a logit cap."""
+    seed 1 asks for the LSE, seed 2 adds a sliding window and a logit cap. The requests run as two
+    steps on one backend, so the second step's wrappers are re-planned lean (replan.py)."""
     rng = random.Random(f"fi-{mode.name}-{page_size}-{seed}")
     reqs = compose_requests(rng.randint, mode, profile_for("cuda", True))
     extra = {1: dict(return_lse=True), 2: dict(sliding_window=rng.randint(1, 300), logit_cap=20.0)}.get(seed, {})
+    cuts = [c for c in range(1, len(reqs)) if any(e for _, e in reqs[:c]) and any(e for _, e in reqs[c:])]
+    cut = rng.choice(cuts) if cuts else 0  # each step keeps some new tokens
+    steps = ((*range(cut),), (*range(cut, len(reqs)),)) if cut else ()
     case = AttnCase(
-        mode, reqs, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=page_size, device="cuda", seed=seed, **extra
-    )
+        mode, reqs, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=page_size, device="cuda", seed=seed,
+        steps=steps, **extra,
+    )  # fmt: skip
     assert_case(_factory(), case)
 
 
@@ -249,3 +254,79 @@ def test_multi_step_draft_eager_and_graph(topk, page_size):
         for li in range(DRAFT_LAYERS):
             err = relative_error(out_static[s][li][:n], want[s][li].double())
             assert err <= tol, f"graph replay step {s} layer {li}: rel err {err:.3g} vs eager"
+
+
+# ---- lean re-plans (replan.py) against FlashInfer's own plan ------------------------------------
+LEAN_MODES = (ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND)
+
+
+def _wrappers_of(step):
+    for key, plan in step.plans.items():
+        for role in ("decode", "ragged", "paged"):
+            w = getattr(plan, role)
+            if w is not None:
+                yield (key, role), w
+
+
+def _index_arrays(w) -> list:
+    names = ("_qo_indptr_buf", "_paged_kv_indptr_buf", "_paged_kv_indices_buf", "_paged_kv_last_page_len_buf", "_kv_indptr_buf")
+    return [getattr(w, n).cpu() for n in names if getattr(w, n, None) is not None]
+
+
+@requires_gpu
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_lean_replans_match_flashinfers_own_plan(page_size, monkeypatch):
+    """One backend runs a random sequence of steps of every mode with two layer settings, so from the
+    second step on its wrappers are re-planned lean (verify steps with a tree mask go through the public
+    plan, and the next unmasked plan of that wrapper is lean again). At every step each wrapper holds
+    the plan info and index arrays that FlashInfer's own plan gives a fresh backend for the same batch,
+    and both backends' outputs are bitwise equal."""
+    from attn_core.batch_builder import build_forward_batch, release_forward_batch
+    from attn_core.context import BackendContext
+    from attn_core.layer import AttentionLayer
+    from attn_core.memory import MHATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
+    from attn_flashinfer import replan
+    from attn_flashinfer.backend import FlashInferBackend
+
+    lean_calls = []
+    schedule = replan._schedule
+    monkeypatch.setattr(replan, "_schedule", lambda w, *a: (lean_calls.append(w), schedule(w, *a)))
+    hq, hkv, d = 32, 8, 128
+    rng = random.Random(page_size)
+    max_len, rows = 4200, 20  # the cuda-quick profile: up to 17 requests of up to 4096 tokens
+    r2t = ReqToTokenPool(rows, max_len, "cuda")
+    alloc = PagedTokenAllocator(page_size * (rows * -(-max_len // page_size) + 2), page_size, "cuda")
+    kv = MHATokenToKVPool(alloc.size, page_size, torch.bfloat16, hkv, d, 2, "cuda")
+    for i in range(2):
+        kv.get_key_buffer(i).normal_()
+        kv.get_value_buffer(i).normal_()
+    ctx = BackendContext(
+        device="cuda", dtype=torch.bfloat16, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page_size,
+        max_batch_size=rows, max_context_len=max_len, req_to_token_pool=r2t, token_to_kv_pool=kv,
+    )  # fmt: skip
+    layers = [AttentionLayer(0, hq, hkv, d), AttentionLayer(1, hq, hkv, d, sliding_window_size=200, logit_cap=30.0)]
+    lean = FlashInferBackend(ctx)
+    modes = [ForwardMode.EXTEND] + [rng.choice(LEAN_MODES) for _ in range(9)] + [ForwardMode.TARGET_VERIFY, ForwardMode.EXTEND]
+    for s, mode in enumerate(modes):
+        reqs = compose_requests(rng.randint, mode, profile_for("cuda", True))
+        batch = build_forward_batch(mode, reqs, req_to_token_pool=r2t, allocator=alloc, token_to_kv_pool=kv)
+        public = FlashInferBackend(ctx)
+        T = batch.num_tokens
+        for layer in layers:
+            q = torch.randn(T, hq * d, dtype=torch.bfloat16, device="cuda")
+            k, v = (torch.randn(T, hkv, d, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+            outs = []
+            for be in (lean, public):
+                if layer.layer_id == 0:
+                    be.init_forward_metadata(batch)
+                batch.attn_backend = be
+                outs.append(layer(q, k, v, batch, save_kv_cache=False))
+            assert torch.equal(outs[0], outs[1]), f"step {s} ({mode.name}) layer {layer.layer_id}: lean and public plans differ"
+        got, want = dict(_wrappers_of(lean.forward_metadata)), dict(_wrappers_of(public.forward_metadata))
+        assert got.keys() == want.keys(), f"step {s}"
+        for name, w in got.items():
+            assert list(w._plan_info) == list(want[name]._plan_info), f"step {s} ({mode.name}) {name}: plan info"
+            for a, b in zip(_index_arrays(w), _index_arrays(want[name]), strict=True):
+                assert torch.equal(a, b), f"step {s} ({mode.name}) {name}: index arrays"
+        release_forward_batch(batch, alloc)
+    assert len(lean_calls) > 10  # the sequence did re-plan lean (the public backend never does)

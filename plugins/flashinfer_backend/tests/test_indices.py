@@ -9,7 +9,7 @@ import torch
 from attn_core.batch_builder import build_forward_batch
 from attn_core.memory import PagedTokenAllocator, ReqToTokenPool
 from attn_core.ops.kv_indices import last_page_len_from_lens, page_indptr_from_lens
-from attn_flashinfer.indices import build_paged_kv, paged_kv_host, qo_indptr_host, self_attention_page_size
+from attn_flashinfer.indices import build_paged_kv, paged_kv_host, query_layout, self_attention_page_size
 
 
 def test_worked_example_of_the_module_docstring():
@@ -25,21 +25,29 @@ def test_worked_example_of_the_module_docstring():
 
 
 def test_host_side_of_empty_and_full_pages():
-    lens, indptr, last = paged_kv_host(torch.tensor([0, 16, 17, 1]), 16)
-    assert lens.dtype == indptr.dtype == last.dtype == torch.int32
-    assert indptr.tolist() == [0, 0, 1, 3, 4]
-    assert last.tolist() == [0, 16, 1, 1]
+    kv = paged_kv_host(torch.tensor([0, 16, 17, 1]), 16)
+    assert kv.kv_lens.dtype == kv.indptr.dtype == kv.last_page_len.dtype == torch.int32
+    assert kv.indptr.tolist() == [0, 0, 1, 3, 4]
+    assert kv.last_page_len.tolist() == [0, 16, 1, 1]
+    assert kv.packed.tolist() == [0, 0, 1, 3, 4, 0, 16, 1, 1]  # one buffer: one copy to the device
+    assert kv.max_len == 17 and kv.num_pages == 4 and kv.indices is None
+
+
+def test_host_side_of_an_empty_batch():
+    kv = paged_kv_host(torch.zeros(0, dtype=torch.int32), 16)
+    assert kv.indptr.tolist() == [0] and kv.last_page_len.tolist() == [] and kv.max_len == 0 and kv.num_pages == 0
 
 
 @pytest.mark.parametrize("page_size", [1, 2, 16, 64])
 def test_host_layout_matches_attn_core_builders(page_size):
     rng = random.Random(page_size)
     lens = torch.tensor([0, 1, page_size, page_size + 1] + [rng.randint(0, 5000) for _ in range(60)], dtype=torch.int32)
-    got_lens, indptr, last = paged_kv_host(lens, page_size)
-    assert torch.equal(got_lens, lens)
-    assert torch.equal(indptr, page_indptr_from_lens(lens, page_size))
-    assert torch.equal(last, last_page_len_from_lens(lens, page_size))
-    assert indptr.dtype == last.dtype == torch.int32
+    kv = paged_kv_host(lens, page_size)
+    assert torch.equal(kv.kv_lens, lens)
+    assert torch.equal(kv.indptr, page_indptr_from_lens(lens, page_size))
+    assert torch.equal(kv.last_page_len, last_page_len_from_lens(lens, page_size))
+    assert kv.indptr.dtype == kv.last_page_len.dtype == torch.int32
+    assert kv.max_len == int(lens.max()) and kv.num_pages == int(kv.indptr[-1])
 
 
 def _keys_of(kv, r):
@@ -69,8 +77,9 @@ def test_paged_keys_are_exactly_the_requests_slots(page_size, seed):
     if enc is not None:
         sets["cross"] = (b.encoder_lens, b.encoder_lens_cpu, None, page_size, lambda p, e, n: (0, n))
     for name, (lens, lens_host, start, ps, cols) in sets.items():
-        kv = build_paged_kv(r2t, rows, lens, lens_host, ps, kv_start=start)
+        kv = build_paged_kv(r2t, rows, lens, lens_host, ps, kv_start=start, to_device=True)
         assert kv.indices.dtype == torch.int32, name
+        assert torch.equal(kv.indptr_dev, kv.indptr) and torch.equal(kv.last_page_len_dev, kv.last_page_len)
         assert kv.last_page_len.tolist() == [n - (-(-n // ps) - 1) * ps if n else 0 for n in kv.kv_lens.tolist()]
         for r, ((p, e, n), row) in enumerate(zip(reqs, rows.tolist())):
             c0, c1 = cols(p, e, n)
@@ -82,6 +91,10 @@ def test_encoder_decoder_self_attention_is_indexed_per_token():
     assert self_attention_page_size(16, False) == 16
 
 
-def test_qo_indptr():
-    got = qo_indptr_host(torch.tensor([3, 0, 5]))
-    assert got.dtype == torch.int32 and got.tolist() == [0, 3, 3, 8]
+def test_query_layout():
+    qo = query_layout(torch.tensor([3, 0, 5]), torch.device("cpu"))
+    assert qo.indptr.dtype == qo.lens.dtype == torch.int32
+    assert qo.indptr.tolist() == [0, 3, 3, 8] and qo.lens.tolist() == [3, 0, 5]
+    assert qo.max_len == 5 and qo.num_tokens == 8
+    assert torch.equal(qo.indptr_dev, qo.indptr)
+    assert query_layout(torch.tensor([1, 1], dtype=torch.int32), None).indptr_dev is None

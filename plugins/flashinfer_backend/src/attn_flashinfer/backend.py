@@ -1,8 +1,10 @@
 """`FlashInferBackend`: attn-core's backend contract over FlashInfer's paged-KV wrappers.
 
 Per step, `init_forward_metadata` builds the step's key lists once (`indices.PagedKV`: host indptr and
-last-page lengths, device page ids from one kernel) and plans one set of wrappers per distinct layer
-setting (`plans.LayerKey`: window, logit cap, scale, cross); every layer with that setting runs on it.
+last-page lengths with one device copy of both, device page ids from one kernel) and plans one set of
+wrappers per distinct layer setting (`plans.LayerKey`: window, logit cap, scale, cross); every layer with
+that setting runs on it. A wrapper's first plan is FlashInfer's own; later eager steps re-plan it through
+`replan.py`, which skips the host work of FlashInfer's `plan` that does not change between steps.
 A setting first met in `forward` is planned then and remembered, so later steps plan it up front.
 
 Which wrappers a setting gets (see `plans.py`):
@@ -31,8 +33,8 @@ from attn_core.batch import ForwardBatch
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 from attn_flashinfer import plans
-from attn_flashinfer.indices import PagedKV, any_positive, build_paged_kv, qo_indptr_host, self_attention_page_size
-from attn_flashinfer.plans import Plan
+from attn_flashinfer.indices import PagedKV, QueryLayout, any_positive, build_paged_kv, query_layout, self_attention_page_size
+from attn_flashinfer.plans import How, Plan
 from attn_flashinfer.spec import CAPABILITIES
 from attn_flashinfer.steps import Dims, GraphBuffers, LayerKey, StepInputs, check_context, eager_inputs, graph_inputs
 
@@ -45,7 +47,7 @@ class Step:
     """One step's metadata: its inputs, key lists built on demand, and one `Plan` per `LayerKey`."""
 
     inputs: StepInputs
-    qo_indptr: Optional[torch.Tensor]  # host int32 [bs+1] (None for DECODE)
+    qo: QueryLayout  # each request's queries (DECODE: one each)
     has_prefix: bool
     kv: dict[str, PagedKV] = field(default_factory=dict)  # "seq" / "prefix" / "cross"
     plans: dict[LayerKey, Plan] = field(default_factory=dict)
@@ -87,6 +89,8 @@ class FlashInferBackend(AttentionBackend):
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=ctx.device)
         self.known_keys: dict[LayerKey, None] = {}  # insertion-ordered set
         self._eager_wrappers: dict[tuple[LayerKey, str], object] = {}
+        self._planned_eager: set[tuple[LayerKey, str]] = set()  # eager wrappers past their first (public) plan
+        self._decode_queries: dict[int, QueryLayout] = {}  # by batch size
         self._scratch: dict[str, torch.Tensor] = {}
         self._graph_buffers: Optional[dict[str, GraphBuffers]] = None
         self._graphs: dict[tuple[int, ForwardMode], tuple[Step, _GraphState]] = {}
@@ -104,13 +108,23 @@ class FlashInferBackend(AttentionBackend):
     def _new_step(self, inputs: StepInputs, graph: Optional[_GraphState], keys) -> Step:
         """A step over `inputs`, with a plan for each of `keys` that the batch can use."""
         has_prefix = inputs.prefix_lens_host is not None and any_positive(inputs.prefix_lens_host)
-        qo = None if inputs.q_lens_host is None else qo_indptr_host(inputs.q_lens_host)
+        if inputs.q_lens_host is None:
+            qo = self._decode_query_layout(inputs.bs)
+        else:  # graph wrappers copy the offsets into their own buffers: no device copy of ours
+            qo = query_layout(inputs.q_lens_host, self.device if graph is None else None)
         step = Step(inputs, qo, has_prefix, graph=graph)
         for key in keys:
             if not key.cross or inputs.encoder_lens is not None:
                 step.plans[key] = self._make_plan(step, key)
         _write_indices(step)
         return step
+
+    def _decode_query_layout(self, bs: int) -> QueryLayout:
+        """One query per request (0..bs), built and copied to the device once per batch size."""
+        qo = self._decode_queries.get(bs)
+        if qo is None:
+            qo = self._decode_queries[bs] = query_layout(torch.ones(bs, dtype=torch.int32), self.device)
+        return qo
 
     def _paged_kv(self, step: Step, which: str) -> PagedKV:
         """The step's key list `which`, built once: "seq" (every key of the request, the new ones
@@ -119,18 +133,20 @@ class FlashInferBackend(AttentionBackend):
         if kv is not None:
             return kv
         x = step.inputs
-        r2t = x.req_to_token
         graph = step.graph.buffers.get(which) if step.graph is not None else None
-        out = self._scratch_ids(which) if graph is None else graph.kv_indices
         if which == "cross":
             if x.encoder_lens is None:
                 raise InvalidArgumentError("forward_batch.encoder_lens", "encoder lengths for a cross-attention layer", None)
-            kv = build_paged_kv(r2t, x.req_pool_indices, x.encoder_lens, x.encoder_lens_host, self.page_size, out=out, defer=graph is None)
+            lens, lens_host, page_size, start = x.encoder_lens, x.encoder_lens_host, self.page_size, None
+        elif which == "seq":
+            lens, lens_host, page_size, start = x.seq_lens, x.seq_lens_host, self.self_page_size, x.encoder_lens
         else:
-            lens, lens_host = (x.seq_lens, x.seq_lens_host) if which == "seq" else (x.prefix_lens, x.prefix_lens_host)
-            kv = build_paged_kv(
-                r2t, x.req_pool_indices, lens, lens_host, self.self_page_size, kv_start=x.encoder_lens, out=out, defer=graph is None
-            )
+            lens, lens_host, page_size, start = x.prefix_lens, x.prefix_lens_host, self.self_page_size, x.encoder_lens
+        eager = graph is None
+        out = self._scratch_ids(which) if eager else graph.kv_indices
+        kv = build_paged_kv(
+            x.req_to_token, x.req_pool_indices, lens, lens_host, page_size, kv_start=start, out=out, defer=eager, to_device=eager
+        )
         if graph is not None:
             graph.kv_indptr.copy_(kv.indptr, non_blocking=True)
             graph.last_page_len.copy_(kv.last_page_len, non_blocking=True)
@@ -168,39 +184,43 @@ class FlashInferBackend(AttentionBackend):
         return w
 
     def _make_plan(self, step: Step, key: LayerKey) -> Plan:
-        x, dims = step.inputs, self.dims
-        mode = x.mode
-        if mode.is_decode():
+        x = step.inputs
+        if x.mode.is_decode():
             kv = self._paged_kv(step, "cross" if key.cross else "seq")
-            w = self._wrapper(step, key, "decode")
-            fast = step.graph is not None and (key, "decode") in step.graph.planned_once
-            plans.plan_decode(w, kv, key, dims, fast=fast)
-            if step.graph is not None:
-                step.graph.planned_once.add((key, "decode"))
-            return Plan(page_size=kv.page_size, decode=w)
+            return Plan(page_size=kv.page_size, decode=self._planned(step, key, "decode", kv))
         if key.cross:
             kv = self._paged_kv(step, "cross")
-            w = self._wrapper(step, key, "paged")
-            plans.plan_paged(w, step.qo_indptr, kv, key, dims, causal=False)
-            return Plan(page_size=kv.page_size, paged=w)
-        if mode.is_target_verify():
+            return Plan(page_size=kv.page_size, paged=self._planned(step, key, "paged", kv, causal=False))
+        if x.mode.is_target_verify():
             kv = self._paged_kv(step, "seq")
-            w = self._wrapper(step, key, "paged")
-            plans.plan_paged(w, step.qo_indptr, kv, key, dims, causal=x.custom_mask is None, custom_mask=x.custom_mask)
-            return Plan(page_size=kv.page_size, paged=w)
+            paged = self._planned(step, key, "paged", kv, causal=x.custom_mask is None, mask=x.custom_mask)
+            return Plan(page_size=kv.page_size, paged=paged)
         if step.has_prefix and key.window_left >= 0:
             kv = self._paged_kv(step, "seq")
-            w = self._wrapper(step, key, "paged")
-            plans.plan_paged(w, step.qo_indptr, kv, key, dims, causal=True)
-            return Plan(page_size=kv.page_size, paged=w)
-        ragged = self._wrapper(step, key, "ragged")
-        plans.plan_ragged(ragged, step.qo_indptr, key, dims)
+            return Plan(page_size=kv.page_size, paged=self._planned(step, key, "paged", kv, causal=True))
+        ragged = self._planned(step, key, "ragged")
         if not step.has_prefix:
             return Plan(ragged=ragged)
         kv = self._paged_kv(step, "prefix")
-        paged = self._wrapper(step, key, "paged")
-        plans.plan_paged(paged, step.qo_indptr, kv, key, dims, causal=False)
-        return Plan(page_size=kv.page_size, ragged=ragged, paged=paged)
+        return Plan(page_size=kv.page_size, ragged=ragged, paged=self._planned(step, key, "paged", kv, causal=False))
+
+    def _planned(self, step: Step, key: LayerKey, role: str, kv: Optional[PagedKV] = None, causal: bool = True, mask=None):
+        """The wrapper of (key, role), planned for this step the cheapest way FlashInfer allows (`How`)."""
+        w = self._wrapper(step, key, role)
+        g = step.graph
+        done = self._planned_eager if g is None else g.planned_once
+        if g is None:
+            how = How.LEAN if mask is None and (key, role) in done else How.PUBLIC
+        else:
+            how = How.FAST if role == "decode" and (key, role) in done else How.PUBLIC
+        if role == "decode":
+            plans.plan_decode(w, step.qo, kv, key, self.dims, how)
+        elif role == "ragged":
+            plans.plan_ragged(w, step.qo, key, self.dims, how)
+        else:
+            plans.plan_paged(w, step.qo, kv, key, self.dims, causal, how, custom_mask=mask)
+        done.add((key, role))
+        return w
 
     def _plan_of(self, step: Step, layer) -> Plan:
         key = LayerKey.of(layer)

@@ -28,13 +28,20 @@ from attn_core.ops.kv_indices import build_kv_indices
 @dataclass
 class PagedKV:
     """Keys of each request of a step, paged. Host tensors feed FlashInfer's plan (no device sync);
-    `indices` lives on the device (possibly a prefix of a CUDA-graph buffer)."""
+    `indices` lives on the device (possibly a prefix of a CUDA-graph buffer). `indptr` and
+    `last_page_len` are views of `packed`, so an eager step copies both to the device at once
+    (`indptr_dev`, `last_page_len_dev`: the wrappers read them when the layers run)."""
 
     page_size: int
     kv_lens: torch.Tensor  # host int32 [bs] keys per request
+    packed: torch.Tensor  # host int32 [2*bs+1]: indptr, then last_page_len
     indptr: torch.Tensor  # host int32 [bs+1] page offsets
     last_page_len: torch.Tensor  # host int32 [bs]
-    indices: torch.Tensor  # device int32 [indptr[-1]] page ids
+    max_len: int  # max(kv_lens), 0 for an empty batch
+    num_pages: int  # indptr[-1]
+    indices: Optional[torch.Tensor] = None  # device int32 [num_pages] page ids
+    indptr_dev: Optional[torch.Tensor] = None
+    last_page_len_dev: Optional[torch.Tensor] = None
     fill: Optional[Callable[[], None]] = None  # writes `indices` when their launch was deferred
 
     def write_indices(self) -> None:
@@ -43,13 +50,10 @@ class PagedKV:
             self.fill()
             self.fill = None
 
-    @property
-    def num_pages(self) -> int:
-        return int(self.indptr[-1])
 
-
-def paged_kv_host(kv_lens_host: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Host side of a `PagedKV`: (kv_lens int32, indptr int32 `[bs+1]`, last_page_len int32 `[bs]`).
+def paged_kv_host(kv_lens_host: torch.Tensor, page_size: int) -> PagedKV:
+    """Host side of a `PagedKV` (no page ids yet): kv_lens int32, indptr int32 `[bs+1]` and
+    last_page_len int32 `[bs]` (views of one buffer), the longest request and the page count.
 
     The numbers of attn_core's `page_indptr_from_lens` / `last_page_len_from_lens` (tests check they
     agree), computed with a handful of numpy ops: this runs on the host every step before FlashInfer's
@@ -57,15 +61,20 @@ def paged_kv_host(kv_lens_host: torch.Tensor, page_size: int) -> tuple[torch.Ten
     (0 for an empty request, else 1..P)."""
     lens_t = kv_lens_host if kv_lens_host.dtype == torch.int32 else kv_lens_host.to(torch.int32)
     lens = lens_t.numpy()
-    indptr = np.empty(lens.shape[0] + 1, dtype=np.int32)
+    bs = lens.shape[0]
+    packed = np.empty(2 * bs + 1, dtype=np.int32)
+    indptr, last = packed[: bs + 1], packed[bs + 1 :]
     indptr[0] = 0
     if page_size == 1:
         np.cumsum(lens, out=indptr[1:])
-        return lens_t, torch.from_numpy(indptr), torch.from_numpy(np.minimum(lens, 1))
-    up = lens + (page_size - 1)
-    np.cumsum(up // page_size, out=indptr[1:])
-    last = np.minimum(up % page_size + 1, lens)
-    return lens_t, torch.from_numpy(indptr), torch.from_numpy(last)
+        np.minimum(lens, 1, out=last)
+    else:
+        up = lens + (page_size - 1)
+        np.cumsum(up // page_size, out=indptr[1:])
+        np.minimum(up % page_size + 1, lens, out=last)
+    host = torch.from_numpy(packed)
+    max_len = int(lens.max()) if bs else 0
+    return PagedKV(page_size, lens_t, host, host[: bs + 1], host[bs + 1 :], max_len, int(indptr[-1]))
 
 
 def build_paged_kv(
@@ -77,6 +86,7 @@ def build_paged_kv(
     kv_start: Optional[torch.Tensor] = None,
     out: Union[torch.Tensor, Callable[[int], torch.Tensor], None] = None,
     defer: bool = False,
+    to_device: bool = False,
 ) -> PagedKV:
     """Keys `req_to_token[row, start : start + kv_len]` of each request as a `PagedKV`.
 
@@ -84,30 +94,53 @@ def build_paged_kv(
     nothing is copied back); kv_start: device per-request first column (must be a multiple of
     page_size; None: 0); out: where the page ids go, an int32 device buffer (CUDA graphs) or a function
     giving one for a number of pages (a reused scratch buffer); None: a new tensor. `defer`: leave the
-    page ids unwritten until `write_indices()` (an eager step launches them after FlashInfer's plans,
-    whose copies of host tensors would otherwise wait for this kernel).
+    page ids unwritten until `write_indices()` (an eager step launches them after FlashInfer's plans).
+    `to_device`: also copy indptr and last_page_len to the device, in one copy.
     """
-    lens, indptr, last = paged_kv_host(kv_lens_host, page_size)
-    total = int(indptr.numpy()[-1])
+    kv = paged_kv_host(kv_lens_host, page_size)
+    total = kv.num_pages
     if callable(out):
         out = out(total)
     if out is None:
         out = torch.empty(total, dtype=torch.int32, device=req_to_token.device)
+    kv.indices = out[:total]
+    if to_device:
+        dev = kv.packed.to(req_to_token.device, non_blocking=True)
+        n = kv.indptr.shape[0]
+        kv.indptr_dev, kv.last_page_len_dev = dev[:n], dev[n:]
 
     def fill() -> None:
         build_kv_indices(req_to_token, req_pool_indices, kv_lens, total, page_size=page_size, kv_start=kv_start, out=out)
 
-    kv = PagedKV(page_size, lens, indptr, last, out[:total], fill)
+    kv.fill = fill
     if not defer:
         kv.write_indices()
     return kv
 
 
-def qo_indptr_host(q_lens_host: torch.Tensor) -> torch.Tensor:
-    """Host int32 `[bs+1]` offsets of each request's queries (and, for the ragged pass, new keys)."""
-    indptr = np.zeros(q_lens_host.shape[0] + 1, dtype=np.int32)
-    np.cumsum(q_lens_host.numpy(), out=indptr[1:])
-    return torch.from_numpy(indptr)
+@dataclass
+class QueryLayout:
+    """Where each request's queries (and, for the ragged pass, its new keys) sit in the step's tokens."""
+
+    indptr: torch.Tensor  # host int32 [bs+1]
+    lens: torch.Tensor  # host int32 [bs]
+    max_len: int
+    indptr_dev: Optional[torch.Tensor]  # the same offsets on the device (eager wrappers read them at run time)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.indptr[-1])
+
+
+def query_layout(q_lens_host: torch.Tensor, device: Optional[torch.device]) -> QueryLayout:
+    """The `QueryLayout` of queries per request `q_lens_host` (host; one copy to `device`, if any)."""
+    lens_t = q_lens_host if q_lens_host.dtype == torch.int32 else q_lens_host.to(torch.int32)
+    lens = lens_t.numpy()
+    indptr = np.zeros(lens.shape[0] + 1, dtype=np.int32)
+    np.cumsum(lens, out=indptr[1:])
+    host = torch.from_numpy(indptr)
+    dev = None if device is None else host.to(device, non_blocking=True)
+    return QueryLayout(host, lens_t, int(lens.max()) if lens.shape[0] else 0, dev)
 
 
 def any_positive(lens_host: torch.Tensor) -> bool:

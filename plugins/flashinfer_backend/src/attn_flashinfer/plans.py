@@ -9,11 +9,16 @@ key needs in one step, already planned:
 - paged: the paged prefill wrapper over cached keys (the prefix, the whole sequence, or the encoder
   tokens); when both ragged and paged are set the two partial results are merged by their LSEs.
 
+How a wrapper is planned (`How`): FlashInfer's public `plan` the first time, for masked plans and in
+CUDA-graph capture; `replan.py`'s lean re-plan for an eager wrapper's later steps; FlashInfer's
+`fast_decode_plan` for CUDA-graph decode replay.
+
 FlashInfer's LSE is log base 2 (`log2 sum 2^(s*log2 e)`); `run` converts it to natural log at the edge.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -23,12 +28,19 @@ from flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPaged
 from flashinfer.cascade import merge_state_in_place
 from flashinfer.decode import fast_decode_plan
 
-from attn_flashinfer.indices import PagedKV
+from attn_flashinfer import replan
+from attn_flashinfer.indices import PagedKV, QueryLayout
 from attn_flashinfer.steps import Dims, GraphBuffers, LayerKey
 
 LN2 = math.log(2.0)
 #: FlashInfer's FA2 kernels: one JIT build serves decode (tensor cores), paged and ragged prefill.
 KERNEL_BACKEND = "fa2"
+
+
+class How(enum.Enum):
+    PUBLIC = "public"  # FlashInfer's plan
+    LEAN = "lean"  # replan.py: an eager wrapper already planned once, no custom mask
+    FAST = "fast"  # fast_decode_plan: CUDA-graph decode replay (the graph buffers already written)
 
 
 @dataclass
@@ -87,12 +99,13 @@ def _common(key: LayerKey, dims: Dims) -> dict:
     )
 
 
-def plan_decode(w: BatchDecodeWithPagedKVCacheWrapper, kv: PagedKV, key: LayerKey, dims: Dims, fast: bool = False) -> None:
-    """Plan decode over `kv`. `fast` (CUDA-graph replay, after a first full plan): FlashInfer's
-    `fast_decode_plan`, which only recomputes the work split; the caller has already written indptr,
-    indices and last-page lengths into the graph buffers."""
+def plan_decode(w: BatchDecodeWithPagedKVCacheWrapper, qo: QueryLayout, kv: PagedKV, key: LayerKey, dims: Dims, how: How) -> None:
+    """Plan decode over `kv` (`qo`: one query per request)."""
+    if how is How.LEAN:
+        replan.decode(w, qo, kv, key, dims)
+        return
     args = (kv.indptr, kv.indices, kv.last_page_len, dims.num_q_heads, dims.num_kv_heads, dims.head_dim, kv.page_size)
-    if fast:
+    if how is How.FAST:
         fast_decode_plan(w, *args, non_blocking=True, global_override_indptr_cpu=kv.indptr, **_common(key, dims))
     else:
         w.plan(*args, non_blocking=True, seq_lens=kv.kv_lens, **_common(key, dims))
@@ -100,20 +113,24 @@ def plan_decode(w: BatchDecodeWithPagedKVCacheWrapper, kv: PagedKV, key: LayerKe
 
 def plan_paged(
     w: BatchPrefillWithPagedKVCacheWrapper,
-    qo_indptr: torch.Tensor,
+    qo: QueryLayout,
     kv: PagedKV,
     key: LayerKey,
     dims: Dims,
     causal: bool,
+    how: How,
     custom_mask: Optional[torch.Tensor] = None,
 ) -> None:
-    """Plan the paged prefill pass: queries (qo_indptr, host) over the keys of `kv`; causal aligns each
-    request's queries with its last keys; `custom_mask` (flattened bool `[q_len, kv_len]` per request,
-    concatenated) replaces the causal mask.
+    """Plan the paged prefill pass: queries `qo` over the keys of `kv`; causal aligns each request's
+    queries with its last keys; `custom_mask` (flattened bool `[q_len, kv_len]` per request,
+    concatenated; public plans only) replaces the causal mask.
 
     With a mask, FlashInfer packs it on the device with offsets it derives from qo_indptr, indptr and
     last-page lengths, so those go to the mask's device (it reads them back: its mask path syncs)."""
-    indptr, last = kv.indptr, kv.last_page_len
+    if how is How.LEAN:
+        replan.paged(w, qo, kv, key, dims, causal)
+        return
+    qo_indptr, indptr, last = qo.indptr, kv.indptr, kv.last_page_len
     if custom_mask is not None:
         dev = custom_mask.device
         qo_indptr, indptr, last = (t.to(dev, non_blocking=True) for t in (qo_indptr, indptr, last))
@@ -134,9 +151,12 @@ def plan_paged(
     )
 
 
-def plan_ragged(w: BatchPrefillWithRaggedKVCacheWrapper, qo_indptr: torch.Tensor, key: LayerKey, dims: Dims) -> None:
+def plan_ragged(w: BatchPrefillWithRaggedKVCacheWrapper, qo: QueryLayout, key: LayerKey, dims: Dims, how: How) -> None:
     """Plan the ragged pass: each request's new tokens attend causally to the new tokens themselves."""
-    w.plan(qo_indptr, qo_indptr, dims.num_q_heads, dims.num_kv_heads, dims.head_dim, causal=True, non_blocking=True, **_common(key, dims))
+    if how is How.LEAN:
+        replan.ragged(w, qo, key, dims)
+        return
+    w.plan(qo.indptr, qo.indptr, dims.num_q_heads, dims.num_kv_heads, dims.head_dim, causal=True, non_blocking=True, **_common(key, dims))
 
 
 def run(

@@ -1,0 +1,83 @@
+"""Re-planning a FlashInfer wrapper for a new batch at a fraction of its `plan`'s host time.
+
+FlashInfer 0.6's `plan` spends most of its host time around its scheduler rather than in it: a
+Python-level `max` over a host tensor (about a microsecond per request), one pageable host-to-device
+copy per index array, argument canonicalisation. Every wrapper of this backend serves one layer setting
+(`LayerKey`) with fixed head counts, head dim and dtypes, so once its public `plan` has run (which picks
+and, if needed, JIT-builds the kernel module), only the batch changes from step to step. The functions
+here then do what `plan` does for a new batch and nothing more: point the wrapper at the step's index
+arrays (already on the device, copied once per key list, shared by every layer setting), record batch
+size and maxima, and call the compiled scheduler `_cached_module.plan` with the arguments `plan` passes
+for FA2 kernels.
+
+This reads FlashInfer's wrapper internals (flashinfer-python 0.6.x, FA2 kernels, eager wrappers: the
+versions attn-flashinfer declares). Masked plans, CUDA-graph wrappers and the first plan of every wrapper
+go through the public API; the GPU tests check that a lean re-plan leaves a wrapper with the plan info
+and index buffers a public plan of the same batch gives.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attn_flashinfer.indices import PagedKV, QueryLayout
+from attn_flashinfer.steps import Dims, LayerKey
+
+
+def _schedule(w, qo: QueryLayout, kv_indptr: torch.Tensor, kv_lens: torch.Tensor, page_size: int, causal: bool, key: LayerKey, dims: Dims):
+    """The FA2 scheduler's work split for this batch (its argument list in flashinfer 0.6's `plan`)."""
+    bs = kv_lens.shape[0]
+    w._plan_info = w._cached_module.plan(
+        w._float_workspace_buffer,
+        w._int_workspace_buffer,
+        w._pin_memory_int_workspace_buffer,
+        qo.indptr,
+        kv_indptr,
+        kv_lens,
+        qo.num_tokens,  # total query rows (not a CUDA-graph wrapper: no fixed maximum)
+        bs,
+        dims.num_q_heads,
+        dims.num_kv_heads,
+        page_size,
+        False,  # CUDA-graph mode
+        dims.head_dim,
+        dims.head_dim,
+        causal,
+        key.window_left,
+        -1,  # fixed_split_size: let the scheduler choose
+        False,  # disable_split_kv
+        0,  # num_colocated_ctas
+    )
+    w._batch_size = bs
+
+
+def decode(w, qo: QueryLayout, kv: PagedKV, key: LayerKey, dims: Dims) -> None:
+    """Re-plan a tensor-core decode wrapper (one query per request, `qo` = 0..bs) over `kv`."""
+    w._qo_indptr_buf = qo.indptr_dev
+    w._paged_kv_indptr_buf = kv.indptr_dev
+    w._paged_kv_indices_buf = kv.indices
+    w._paged_kv_last_page_len_buf = kv.last_page_len_dev
+    w._max_kv_len = kv.max_len
+    _schedule(w, qo, kv.indptr, kv.kv_lens, kv.page_size, False, key, dims)
+
+
+def paged(w, qo: QueryLayout, kv: PagedKV, key: LayerKey, dims: Dims, causal: bool) -> None:
+    """Re-plan a paged prefill wrapper, no custom mask: queries `qo` over the keys of `kv`."""
+    w._qo_indptr_buf = qo.indptr_dev
+    w._paged_kv_indptr_buf = kv.indptr_dev
+    w._paged_kv_indices_buf = kv.indices
+    w._paged_kv_last_page_len_buf = kv.last_page_len_dev
+    w._custom_mask_buf = None
+    w._mask_indptr_buf = None
+    w._max_q_len = qo.max_len
+    w._max_kv_len = kv.max_len
+    w._seq_lens_kv = w._seq_lens_q = kv.kv_lens
+    w._causal = causal
+    _schedule(w, qo, kv.indptr, kv.kv_lens, kv.page_size, causal, key, dims)
+
+
+def ragged(w, qo: QueryLayout, key: LayerKey, dims: Dims) -> None:
+    """Re-plan a ragged prefill wrapper: each request's new tokens, causal over themselves."""
+    w._qo_indptr_buf = w._kv_indptr_buf = w._o_indptr_buf = w._v_indptr_buf = qo.indptr_dev
+    w._causal = True
+    _schedule(w, qo, qo.indptr, qo.lens, 1, True, key, dims)
