@@ -150,7 +150,7 @@ def bench(name: str, mode: str, reqs, iters: int, rounds: int) -> dict:
         def fi_plan():
             w.plan(kv.indptr, kv.indices, kv.last_page_len, HQ, HKV, D, PAGE, seq_lens=kv.kv_lens, **common)
     else:
-        kv, qo = step.kv["prefix"], step.qo_indptr
+        kv, qo = step.kv["prefix"], step.qo.indptr
         wr = BatchPrefillWithRaggedKVCacheWrapper(backend.workspace, "NHD", backend="fa2")
         wp = BatchPrefillWithPagedKVCacheWrapper(backend.workspace, "NHD", backend="fa2")
 
