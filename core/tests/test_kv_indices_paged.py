@@ -93,6 +93,30 @@ def test_build_kv_indices_torch_path_writes_only_its_prefix_of_out(page_size):
     assert fresh.tolist() == got.tolist()
 
 
+def _check_build_with_every_output(device: str, page_size: int, seed: int) -> None:
+    """build_kv_indices with indptr / last-page lengths / query offsets, into poisoned buffers, vs loops."""
+    r2t, rows, lens, starts = (x.to(device) for x in _case(seed, page_size, seed % 2 == 1))
+    bs = lens.shape[0]
+    q = torch.randint(0, 9, (bs,), generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
+    pages = [-(-n // page_size) for n in lens.tolist()]
+    total = sum(pages)
+    indptr, last, qo = (torch.full((n,), -1, dtype=torch.int32, device=device) for n in (bs + 1, bs, bs + 1))
+    got = kvi.build_kv_indices(
+        r2t, rows, lens, total, page_size=page_size, kv_start=starts, indptr_out=indptr, last_page_len_out=last,
+        q_lens=q.to(device), qo_indptr_out=qo,
+    )  # fmt: skip
+    assert got.tolist() == _expected_ids(r2t.cpu(), rows.cpu(), lens.cpu(), starts.cpu(), page_size)
+    assert indptr.tolist() == [sum(pages[:i]) for i in range(bs + 1)]
+    assert last.tolist() == [n - (p - 1) * page_size if p else 0 for n, p in zip(lens.tolist(), pages)]
+    assert qo.tolist() == [sum(q.tolist()[:i]) for i in range(bs + 1)]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_build_kv_indices_torch_path_every_output(page_size):
+    for seed in range(6):
+        _check_build_with_every_output("cpu", page_size, 40 + seed)
+
+
 def test_build_kv_indices_rejects_a_short_or_mistyped_out():
     r2t = torch.arange(20, dtype=torch.int32).view(2, 10)
     rows, lens = torch.tensor([1, 0]), torch.tensor([3, 2], dtype=torch.int32)
@@ -100,6 +124,8 @@ def test_build_kv_indices_rejects_a_short_or_mistyped_out():
         kvi.build_kv_indices(r2t, rows, lens, 5, out=torch.empty(4, dtype=torch.int32))
     with pytest.raises(InvalidArgumentError, match="out"):
         kvi.build_kv_indices(r2t, rows, lens, 5, out=torch.empty(5, dtype=torch.int64))
+    with pytest.raises(InvalidArgumentError, match="qo_indptr_out"):
+        kvi.build_kv_indices(r2t, rows, lens, 5, q_lens=lens)
     assert kvi.build_kv_indices(r2t, rows, lens, 5).tolist() == [10, 11, 12, 0, 1]
 
 
@@ -118,3 +144,4 @@ def test_triton_path_on_gpu(page_size):
         total = int(kvi.num_pages_from_lens(lens, page_size).sum())
         got = kvi.build_kv_indices(r2t.cuda(), rows.cuda(), lens.cuda(), total, page_size=page_size, kv_start=starts.cuda())
         assert got.cpu().tolist() == _expected_ids(r2t, rows, lens, starts, page_size)
+        _check_build_with_every_output("cuda", page_size, 320 + seed)

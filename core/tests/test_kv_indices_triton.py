@@ -72,19 +72,21 @@ def check_all_outputs(fn, r2t, rows, lens, starts, page_size: int, seed: int) ->
     start = starts if seed % 2 else None
     dev = r2t.device
     indptr = torch.full((bs + 1,), -1, dtype=torch.int32, device=dev)
+    last = torch.full((bs,), -1, dtype=torch.int32, device=dev)
     indices = torch.full((total + 3,), -7, dtype=torch.int32, device=dev)
     qo = torch.full((bs + 1,), -1, dtype=torch.int32, device=dev)
     mask = torch.full((bs + 1,), -1, dtype=torch.int64, device=dev)
     splits = torch.full((bs,), -1, dtype=torch.int32, device=dev)
     fn(
-        r2t, rows, lens, indices, kv_indptr=indptr, page_size=page_size, kv_start=start, q_lens=q_lens, qo_indptr=qo,
-        mask_indptr=mask, num_splits=splits, max_splits=5, min_split_len=7,
+        r2t, rows, lens, indices, kv_indptr=indptr, last_page_len=last, page_size=page_size, kv_start=start, q_lens=q_lens,
+        qo_indptr=qo, mask_indptr=mask, num_splits=splits, max_splits=5, min_split_len=7,
     )  # fmt: skip
     want_indptr = kvi.page_indptr_from_lens(lens, page_size)
     assert torch.equal(indptr, want_indptr), (page_size, seed)
     want = kvi.kv_indices_from_req_to_token(r2t, rows, want_indptr, total, start, page_size)
     assert torch.equal(indices[:total], want), (page_size, seed)
     assert indices[total:].tolist() == [-7] * 3
+    assert torch.equal(last, kvi.last_page_len_from_lens(lens, page_size))
     assert torch.equal(qo, kvi.kv_indptr_from_lens(q_lens))
     assert torch.equal(mask, kvi.exclusive_cumsum(q_lens.long() * lens.long(), torch.int64))
     assert splits.tolist() == [min(max(-(-n // 7), 1), 5) for n in lens.tolist()]
@@ -115,7 +117,7 @@ from triton.compiler import ASTSource
 from attn_core.ops.kv_indices_triton import _build_indices_kernel as fn
 
 for page_size in (1, 16):
-    consts = dict(BS_BLOCK=256, CHUNK=512, PAGE_SIZE=page_size, HAS_START=True, HAS_INDPTR=True, HAS_Q=True,
+    consts = dict(BS_BLOCK=256, CHUNK=512, PAGE_SIZE=page_size, HAS_START=True, HAS_INDPTR=True, HAS_LAST=True, HAS_Q=True,
                   HAS_MASK_INDPTR=True, HAS_SPLITS=True)
     sig = {n: "constexpr" if n in consts else ("*i64" if n == "MASK_INDPTR" else "*i32") if n.isupper() else "i32"
            for n in fn.arg_names}

@@ -29,7 +29,6 @@ def test_host_side_of_empty_and_full_pages():
     assert kv.kv_lens.dtype == kv.indptr.dtype == kv.last_page_len.dtype == torch.int32
     assert kv.indptr.tolist() == [0, 0, 1, 3, 4]
     assert kv.last_page_len.tolist() == [0, 16, 1, 1]
-    assert kv.packed.tolist() == [0, 0, 1, 3, 4, 0, 16, 1, 1]  # one buffer: one copy to the device
     assert kv.max_len == 17 and kv.num_pages == 4 and kv.indices is None
 
 
@@ -77,13 +76,43 @@ def test_paged_keys_are_exactly_the_requests_slots(page_size, seed):
     if enc is not None:
         sets["cross"] = (b.encoder_lens, b.encoder_lens_cpu, None, page_size, lambda p, e, n: (0, n))
     for name, (lens, lens_host, start, ps, cols) in sets.items():
-        kv = build_paged_kv(r2t, rows, lens, lens_host, ps, kv_start=start, to_device=True)
-        assert kv.indices.dtype == torch.int32, name
-        assert torch.equal(kv.indptr_dev, kv.indptr) and torch.equal(kv.last_page_len_dev, kv.last_page_len)
+        kv = build_paged_kv(r2t, rows, lens, lens_host, ps, kv_start=start)
+        assert kv.indices.dtype == torch.int32 and kv.indptr_dev is None, name
         assert kv.last_page_len.tolist() == [n - (-(-n // ps) - 1) * ps if n else 0 for n in kv.kv_lens.tolist()]
         for r, ((p, e, n), row) in enumerate(zip(reqs, rows.tolist())):
             c0, c1 = cols(p, e, n)
             assert _keys_of(kv, r) == r2t[row, c0:c1].tolist(), (name, r)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_device_layout_and_query_offsets_come_from_one_deferred_launch(page_size):
+    """With a device layout, indptr / last-page lengths (and the step's query offsets, when handed to
+    the launch) land in poisoned buffers only when the deferred writes run, equal to the host numbers."""
+    rng = random.Random(page_size)
+    for _ in range(5):
+        bs = rng.randint(1, 7)
+        lens = torch.tensor([rng.choice([0, 1, page_size, rng.randint(0, 90)]) for _ in range(bs)], dtype=torch.int32)
+        q = torch.tensor([rng.randint(0, 9) for _ in range(bs)], dtype=torch.int32)
+        r2t = torch.arange(bs * 100, dtype=torch.int32).view(bs, 100) + 1000
+        buf = torch.full((300,), -5, dtype=torch.int32)
+        kv = build_paged_kv(r2t, torch.arange(bs), lens, lens, page_size, out=buf, defer=True, device_layout=True)
+        qo = query_layout(q, torch.full((bs + 1,), -5, dtype=torch.int32), q)
+        assert qo.pending and (kv.indptr_dev == -5).all() and (kv.indices == -5).all() and (qo.indptr_dev == -5).all()
+        assert kv.indices.data_ptr() % 16 == 0  # the page ids start 16-byte aligned after the layout
+        kv.write_device(qo.lens_dev, qo.indptr_dev)
+        assert torch.equal(kv.indptr_dev, kv.indptr) and torch.equal(kv.last_page_len_dev, kv.last_page_len)
+        assert torch.equal(qo.indptr_dev, qo.indptr)
+        assert kv.indices.tolist() == [
+            int(r2t[r, j * page_size]) // page_size for r in range(bs) for j in range(-(-int(lens[r]) // page_size))
+        ]
+        kv.write_device()  # a second call launches nothing
+        assert kv.launch is None
+
+
+def test_a_pending_query_layout_is_copied_when_no_launch_took_it():
+    qo = query_layout(torch.tensor([2, 5]), torch.full((3,), -1, dtype=torch.int32), torch.tensor([2, 5], dtype=torch.int32))
+    qo.write_device()
+    assert qo.indptr_dev.tolist() == [0, 2, 7] and not qo.pending
 
 
 def test_encoder_decoder_self_attention_is_indexed_per_token():
@@ -92,9 +121,8 @@ def test_encoder_decoder_self_attention_is_indexed_per_token():
 
 
 def test_query_layout():
-    qo = query_layout(torch.tensor([3, 0, 5]), torch.device("cpu"))
+    qo = query_layout(torch.tensor([3, 0, 5]))
     assert qo.indptr.dtype == qo.lens.dtype == torch.int32
     assert qo.indptr.tolist() == [0, 3, 3, 8] and qo.lens.tolist() == [3, 0, 5]
     assert qo.max_len == 5 and qo.num_tokens == 8
-    assert torch.equal(qo.indptr_dev, qo.indptr)
-    assert query_layout(torch.tensor([1, 1], dtype=torch.int32), None).indptr_dev is None
+    assert qo.indptr_dev is None and not qo.pending

@@ -41,8 +41,9 @@ def _batch(seed: int, page_size: int):
     q_lens = [rng.randint(0, 20) for _ in range(bs)]
     r2t = torch.arange(bs * 320, dtype=torch.int32).view(bs, 320)
     lens = torch.tensor(kv_lens, dtype=torch.int32)
-    kv = build_paged_kv(r2t, torch.arange(bs), lens, lens, page_size, to_device=True)
-    qo = query_layout(torch.tensor(q_lens, dtype=torch.int32), torch.device("cpu"))
+    kv = build_paged_kv(r2t, torch.arange(bs), lens, lens, page_size, device_layout=True)
+    q = torch.tensor(q_lens, dtype=torch.int32)
+    qo = query_layout(q, torch.empty(bs + 1, dtype=torch.int32), q)
     return kv_lens, q_lens, kv, qo
 
 
@@ -72,7 +73,7 @@ def test_paged_replan_passes_the_batch_and_points_at_the_step_arrays():
 def test_decode_replan_has_one_query_per_request():
     kv_lens, _, kv, _ = _batch(3, 16)
     bs = len(kv_lens)
-    qo = query_layout(torch.ones(bs, dtype=torch.int32), torch.device("cpu"))
+    qo = query_layout(torch.ones(bs, dtype=torch.int32), torch.empty(bs + 1, dtype=torch.int32))
     w = _Wrapper()
     replan.decode(w, qo, kv, KEY, DIMS)
     (args,) = w._cached_module.calls

@@ -129,22 +129,39 @@ def build_kv_indices(
     page_size: int = 1,
     kv_start: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
+    indptr_out: Optional[torch.Tensor] = None,
+    last_page_len_out: Optional[torch.Tensor] = None,
+    q_lens: Optional[torch.Tensor] = None,
+    qo_indptr_out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Slot ids (page_size 1) or page ids of each request's `kv_lens` tokens, concatenated: int32 `[total]`.
 
     Same result as `kv_indices_from_req_to_token` with `page_indptr_from_lens(kv_lens, page_size)`, but
     from the lengths alone, so the caller builds no indptr on the device. `total` (the sum of pages) comes
     from the host: no sync. With `out` (int32, at least `total` long, e.g. a CUDA-graph buffer) the ids go
-    to `out[:total]`, which is returned. On CUDA with Triton importable one Triton kernel does the work
-    (`attn_core.ops.kv_indices_triton`); elsewhere the torch path.
+    to `out[:total]`, which is returned. In the same launch, optionally: `indptr_out` `[bs+1]` (page
+    offsets, `page_indptr_from_lens`), `last_page_len_out` `[bs]` (`last_page_len_from_lens`) and, from
+    `q_lens`, `qo_indptr_out` `[bs+1]` (all int32). On CUDA with Triton importable one Triton kernel does
+    the work (`attn_core.ops.kv_indices_triton`); elsewhere the torch path.
     """
     if out is None:
         out = torch.empty(total, dtype=torch.int32, device=req_to_token.device)
     elif out.dtype != torch.int32 or out.shape[0] < total:
         raise InvalidArgumentError("out", f"an int32 tensor of at least {total} entries", (out.dtype, tuple(out.shape)))
+    if (q_lens is None) != (qo_indptr_out is None):
+        raise InvalidArgumentError("qo_indptr_out", "given exactly when q_lens is", qo_indptr_out is not None)
     if req_to_token.is_cuda and _triton_path() is not None:
-        _triton_path()(req_to_token, req_pool_indices, kv_lens, out, page_size=page_size, kv_start=kv_start)
+        _triton_path()(
+            req_to_token, req_pool_indices, kv_lens, out, kv_indptr=indptr_out, last_page_len=last_page_len_out,
+            page_size=page_size, kv_start=kv_start, q_lens=q_lens, qo_indptr=qo_indptr_out,
+        )  # fmt: skip
         return out[:total]
     indptr = page_indptr_from_lens(kv_lens, page_size)
     out[:total] = kv_indices_from_req_to_token(req_to_token, req_pool_indices, indptr, total, kv_start, page_size)
+    if indptr_out is not None:
+        indptr_out.copy_(indptr)
+    if last_page_len_out is not None:
+        last_page_len_out.copy_(last_page_len_from_lens(kv_lens, page_size))
+    if q_lens is not None:
+        qo_indptr_out.copy_(kv_indptr_from_lens(q_lens))
     return out[:total]

@@ -7,6 +7,7 @@ it writes, in a single launch and without any host sync:
   per page, `req_to_token[row, start + j * page_size] // page_size` (start must be a multiple of
   page_size, as the paged allocator lays rows out); concatenated over the requests;
 - optionally kv_indptr `[bs+1]` int32: exclusive prefix sum of the per-request counts (tokens, or pages);
+- optionally last_page_len `[bs]` int32: keys in each request's last page (0 for a request without keys);
 - optionally qo_indptr `[bs+1]` int32 (prefix sum of q_lens) and mask_indptr `[bs+1]` int64 (prefix sum
   of q_lens * kv_lens, in tokens: offsets of per-request row-major `[q_len, kv_len]` custom masks);
 - optionally num_splits `[bs]` int32 = clamp(ceil(kv_lens / min_split_len), 1, max_splits), the decode
@@ -36,8 +37,8 @@ CHUNK = 512
 @triton.jit(
     do_not_specialize=["stride_row", "max_splits", "min_split_len"],
     do_not_specialize_on_alignment=[
-        "REQ_TO_TOKEN", "REQ_POOL_INDICES", "KV_LENS", "KV_START", "KV_INDPTR", "KV_INDICES", "Q_LENS", "QO_INDPTR",
-        "MASK_INDPTR", "NUM_SPLITS",
+        "REQ_TO_TOKEN", "REQ_POOL_INDICES", "KV_LENS", "KV_START", "KV_INDPTR", "KV_INDICES", "LAST_PAGE_LEN", "Q_LENS",
+        "QO_INDPTR", "MASK_INDPTR", "NUM_SPLITS",
     ],
 )  # fmt: skip
 def _build_indices_kernel(
@@ -48,6 +49,7 @@ def _build_indices_kernel(
     KV_START,
     KV_INDPTR,
     KV_INDICES,
+    LAST_PAGE_LEN,
     Q_LENS,
     QO_INDPTR,
     MASK_INDPTR,
@@ -59,6 +61,7 @@ def _build_indices_kernel(
     PAGE_SIZE: tl.constexpr,
     HAS_START: tl.constexpr,
     HAS_INDPTR: tl.constexpr,
+    HAS_LAST: tl.constexpr,
     HAS_Q: tl.constexpr,
     HAS_MASK_INDPTR: tl.constexpr,
     HAS_SPLITS: tl.constexpr,
@@ -81,6 +84,8 @@ def _build_indices_kernel(
             if r == 0:
                 tl.store(KV_INDPTR, beg * 0)
             tl.store(KV_INDPTR + r + 1, beg + count)
+        if HAS_LAST:
+            tl.store(LAST_PAGE_LEN + r, length - tl.maximum(count - 1, 0) * PAGE_SIZE)
         if HAS_Q:
             q_lens = tl.load(Q_LENS + offs, mask=before, other=0)
             q_len = tl.load(Q_LENS + r)
@@ -123,6 +128,7 @@ def kv_indices_triton(
     kv_indices: torch.Tensor,
     *,
     kv_indptr: Optional[torch.Tensor] = None,
+    last_page_len: Optional[torch.Tensor] = None,
     page_size: int = 1,
     kv_start: Optional[torch.Tensor] = None,
     q_lens: Optional[torch.Tensor] = None,
@@ -136,7 +142,8 @@ def kv_indices_triton(
 
     req_to_token `[rows, max_context_len]` int32 with contiguous rows; req_pool_indices `[bs]`
     int32/int64; kv_lens, kv_start, q_lens `[bs]` int32 (kv_lens in tokens); kv_indices int32 holding at
-    least the sum of the counts (tokens, or pages with page_size > 1); qo_indptr is written only
+    least the sum of the counts (tokens, or pages with page_size > 1); last_page_len `[bs]` int32
+    (with page_size 1: 1, or 0 for an empty request); qo_indptr is written only
     together with q_lens, mask_indptr only together with both. An empty batch writes kv_indptr = [0].
     """
     bs = req_pool_indices.shape[0]
@@ -156,6 +163,7 @@ def kv_indices_triton(
         kv_start if kv_start is not None else dummy,
         kv_indptr if kv_indptr is not None else dummy,
         kv_indices,
+        last_page_len if last_page_len is not None else dummy,
         q_lens if q_lens is not None else dummy,
         qo_indptr if qo_indptr is not None else dummy,
         mask_indptr if mask_indptr is not None else dummy,
@@ -167,6 +175,7 @@ def kv_indices_triton(
         PAGE_SIZE=page_size,
         HAS_START=kv_start is not None,
         HAS_INDPTR=kv_indptr is not None,
+        HAS_LAST=last_page_len is not None,
         HAS_Q=q_lens is not None,
         HAS_MASK_INDPTR=mask_indptr is not None,
         HAS_SPLITS=num_splits is not None,

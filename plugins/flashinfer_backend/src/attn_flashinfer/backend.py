@@ -1,7 +1,7 @@
 """`FlashInferBackend`: attn-core's backend contract over FlashInfer's paged-KV wrappers.
 
 Per step, `init_forward_metadata` builds the step's key lists once (`indices.PagedKV`: host indptr and
-last-page lengths with one device copy of both, device page ids from one kernel) and plans one set of
+last-page lengths, and the same plus the page ids on the device from one kernel launch) and plans one set of
 wrappers per distinct layer setting (`plans.LayerKey`: window, logit cap, scale, cross); every layer with
 that setting runs on it. A wrapper's first plan is FlashInfer's own; later eager steps re-plan it through
 `replan.py`, which skips the host work of FlashInfer's `plan` that does not change between steps.
@@ -63,12 +63,18 @@ class _GraphState:
     planned_once: set[tuple[LayerKey, str]] = field(default_factory=set)
 
 
-def _write_indices(step: Step) -> None:
-    """Launch the page-id builds an eager step deferred until its plans were made: FlashInfer's plan
-    copies host tensors from pageable memory, which would wait for a kernel launched before it (the
-    plans keep references to the id buffers and read them only when the layers run)."""
+def _write_device(step: Step) -> None:
+    """Launch the device writes an eager step deferred until its plans were made (plans only keep
+    references to the device arrays; the layers read them): one index launch per key list, the first
+    also writing the query offsets, which are copied instead when the step has no key list."""
+    qo = step.qo
     for kv in step.kv.values():
-        kv.write_indices()
+        if qo.pending and kv.launch is not None:
+            kv.write_device(qo.lens_dev, qo.indptr_dev)
+            qo.pending = False
+        else:
+            kv.write_device()
+    qo.write_device()
 
 
 class FlashInferBackend(AttentionBackend):
@@ -91,7 +97,7 @@ class FlashInferBackend(AttentionBackend):
         self._eager_wrappers: dict[tuple[LayerKey, str], object] = {}
         self._planned_eager: set[tuple[LayerKey, str]] = set()  # eager wrappers past their first (public) plan
         self._decode_queries: dict[int, QueryLayout] = {}  # by batch size
-        self._scratch: dict[str, torch.Tensor] = {}
+        self._scratch_bufs: dict[str, torch.Tensor] = {}
         self._graph_buffers: Optional[dict[str, GraphBuffers]] = None
         self._graphs: dict[tuple[int, ForwardMode], tuple[Step, _GraphState]] = {}
 
@@ -110,20 +116,24 @@ class FlashInferBackend(AttentionBackend):
         has_prefix = inputs.prefix_lens_host is not None and any_positive(inputs.prefix_lens_host)
         if inputs.q_lens_host is None:
             qo = self._decode_query_layout(inputs.bs)
-        else:  # graph wrappers copy the offsets into their own buffers: no device copy of ours
-            qo = query_layout(inputs.q_lens_host, self.device if graph is None else None)
+        elif graph is None:
+            qo = query_layout(inputs.q_lens_host, self._scratch("qo", inputs.bs + 1)[: inputs.bs + 1], inputs.q_lens)
+        else:  # graph wrappers copy the offsets into their own buffers
+            qo = query_layout(inputs.q_lens_host)
         step = Step(inputs, qo, has_prefix, graph=graph)
         for key in keys:
             if not key.cross or inputs.encoder_lens is not None:
                 step.plans[key] = self._make_plan(step, key)
-        _write_indices(step)
+        _write_device(step)
         return step
 
     def _decode_query_layout(self, bs: int) -> QueryLayout:
         """One query per request (0..bs), built and copied to the device once per batch size."""
         qo = self._decode_queries.get(bs)
         if qo is None:
-            qo = self._decode_queries[bs] = query_layout(torch.ones(bs, dtype=torch.int32), self.device)
+            out = torch.empty(bs + 1, dtype=torch.int32, device=self.device)
+            qo = self._decode_queries[bs] = query_layout(torch.ones(bs, dtype=torch.int32), out)
+            qo.write_device()
         return qo
 
     def _paged_kv(self, step: Step, which: str) -> PagedKV:
@@ -143,9 +153,9 @@ class FlashInferBackend(AttentionBackend):
         else:
             lens, lens_host, page_size, start = x.prefix_lens, x.prefix_lens_host, self.self_page_size, x.encoder_lens
         eager = graph is None
-        out = self._scratch_ids(which) if eager else graph.kv_indices
+        out = (lambda n: self._scratch(which, n)) if eager else graph.kv_indices
         kv = build_paged_kv(
-            x.req_to_token, x.req_pool_indices, lens, lens_host, page_size, kv_start=start, out=out, defer=eager, to_device=eager
+            x.req_to_token, x.req_pool_indices, lens, lens_host, page_size, kv_start=start, out=out, defer=eager, device_layout=eager
         )
         if graph is not None:
             graph.kv_indptr.copy_(kv.indptr, non_blocking=True)
@@ -153,18 +163,14 @@ class FlashInferBackend(AttentionBackend):
         step.kv[which] = kv
         return kv
 
-    def _scratch_ids(self, which: str):
-        """A function giving the eager page-id buffer of key list `which` for n pages: one device buffer
-        per list, reused step after step (the writes are ordered on the stream after the last reads)
-        and grown by doubling, so a step allocates nothing on the device."""
-
-        def take(n: int) -> torch.Tensor:
-            buf = self._scratch.get(which)
-            if buf is None or buf.shape[0] < n:
-                buf = self._scratch[which] = torch.empty(max(1024, 2 * n), dtype=torch.int32, device=self.device)
-            return buf
-
-        return take
+    def _scratch(self, which: str, n: int) -> torch.Tensor:
+        """An eager int32 device buffer of at least n entries for `which` (a key list's layout and page
+        ids, or "qo"): one per name, reused step after step (the writes are ordered on the stream after
+        the last reads) and grown by doubling, so a step allocates nothing on the device."""
+        buf = self._scratch_bufs.get(which)
+        if buf is None or buf.shape[0] < n:
+            buf = self._scratch_bufs[which] = torch.empty(max(1024, 2 * n), dtype=torch.int32, device=self.device)
+        return buf
 
     def _wrapper(self, step: Step, key: LayerKey, role: str):
         """The wrapper of (key, role): eager ones are reused across steps, graph-mode ones belong to
@@ -231,7 +237,7 @@ class FlashInferBackend(AttentionBackend):
                     "layer", "layer settings met before CUDA-graph capture (run the captured batch once eagerly first)", key
                 )
             plan = step.plans[key] = self._make_plan(step, key)
-            _write_indices(step)
+            _write_device(step)
             self.known_keys[key] = None
         return plan
 

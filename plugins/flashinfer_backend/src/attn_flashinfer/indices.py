@@ -25,16 +25,20 @@ import torch
 from attn_core.ops.kv_indices import build_kv_indices
 
 
+def _layout_entries(bs: int) -> int:
+    """int32 entries a device layout takes before the page ids: indptr and last_page_len, 16-byte aligned."""
+    return -(-(2 * bs + 1) // 4) * 4
+
+
 @dataclass
 class PagedKV:
     """Keys of each request of a step, paged. Host tensors feed FlashInfer's plan (no device sync);
-    `indices` lives on the device (possibly a prefix of a CUDA-graph buffer). `indptr` and
-    `last_page_len` are views of `packed`, so an eager step copies both to the device at once
-    (`indptr_dev`, `last_page_len_dev`: the wrappers read them when the layers run)."""
+    `indices` lives on the device (possibly a prefix of a CUDA-graph buffer). With a device layout
+    (eager steps), `indptr_dev` / `last_page_len_dev` hold the same numbers as the host ones, written by
+    the same kernel launch as the page ids (the re-planned wrappers read them when the layers run)."""
 
     page_size: int
     kv_lens: torch.Tensor  # host int32 [bs] keys per request
-    packed: torch.Tensor  # host int32 [2*bs+1]: indptr, then last_page_len
     indptr: torch.Tensor  # host int32 [bs+1] page offsets
     last_page_len: torch.Tensor  # host int32 [bs]
     max_len: int  # max(kv_lens), 0 for an empty batch
@@ -42,18 +46,19 @@ class PagedKV:
     indices: Optional[torch.Tensor] = None  # device int32 [num_pages] page ids
     indptr_dev: Optional[torch.Tensor] = None
     last_page_len_dev: Optional[torch.Tensor] = None
-    fill: Optional[Callable[[], None]] = None  # writes `indices` when their launch was deferred
+    launch: Optional[Callable[..., None]] = None  # the device writes, while deferred
 
-    def write_indices(self) -> None:
-        """Launch a deferred page-id build (no-op when already written)."""
-        if self.fill is not None:
-            self.fill()
-            self.fill = None
+    def write_device(self, q_lens: Optional[torch.Tensor] = None, qo_indptr_out: Optional[torch.Tensor] = None) -> None:
+        """Launch the deferred device writes (no-op once done); with `q_lens` (device) the same launch
+        also writes the step's query offsets into `qo_indptr_out`."""
+        if self.launch is not None:
+            self.launch(q_lens, qo_indptr_out)
+            self.launch = None
 
 
 def paged_kv_host(kv_lens_host: torch.Tensor, page_size: int) -> PagedKV:
-    """Host side of a `PagedKV` (no page ids yet): kv_lens int32, indptr int32 `[bs+1]` and
-    last_page_len int32 `[bs]` (views of one buffer), the longest request and the page count.
+    """Host side of a `PagedKV` (no device arrays yet): kv_lens int32, indptr int32 `[bs+1]`,
+    last_page_len int32 `[bs]`, the longest request and the page count.
 
     The numbers of attn_core's `page_indptr_from_lens` / `last_page_len_from_lens` (tests check they
     agree), computed with a handful of numpy ops: this runs on the host every step before FlashInfer's
@@ -62,19 +67,18 @@ def paged_kv_host(kv_lens_host: torch.Tensor, page_size: int) -> PagedKV:
     lens_t = kv_lens_host if kv_lens_host.dtype == torch.int32 else kv_lens_host.to(torch.int32)
     lens = lens_t.numpy()
     bs = lens.shape[0]
-    packed = np.empty(2 * bs + 1, dtype=np.int32)
+    packed = np.empty(2 * bs + 1, dtype=np.int32)  # one allocation for both arrays
     indptr, last = packed[: bs + 1], packed[bs + 1 :]
     indptr[0] = 0
     if page_size == 1:
-        np.cumsum(lens, out=indptr[1:])
+        lens.cumsum(out=indptr[1:])
         np.minimum(lens, 1, out=last)
     else:
         up = lens + (page_size - 1)
-        np.cumsum(up // page_size, out=indptr[1:])
+        (up // page_size).cumsum(out=indptr[1:])
         np.minimum(up % page_size + 1, lens, out=last)
-    host = torch.from_numpy(packed)
     max_len = int(lens.max()) if bs else 0
-    return PagedKV(page_size, lens_t, host, host[: bs + 1], host[bs + 1 :], max_len, int(indptr[-1]))
+    return PagedKV(page_size, lens_t, torch.from_numpy(indptr), torch.from_numpy(last), max_len, int(indptr[bs]))
 
 
 def build_paged_kv(
@@ -86,61 +90,76 @@ def build_paged_kv(
     kv_start: Optional[torch.Tensor] = None,
     out: Union[torch.Tensor, Callable[[int], torch.Tensor], None] = None,
     defer: bool = False,
-    to_device: bool = False,
+    device_layout: bool = False,
 ) -> PagedKV:
     """Keys `req_to_token[row, start : start + kv_len]` of each request as a `PagedKV`.
 
     kv_lens: device int32 `[bs]` (the same numbers as `kv_lens_host`, which the host already has, so
     nothing is copied back); kv_start: device per-request first column (must be a multiple of
-    page_size; None: 0); out: where the page ids go, an int32 device buffer (CUDA graphs) or a function
-    giving one for a number of pages (a reused scratch buffer); None: a new tensor. `defer`: leave the
-    page ids unwritten until `write_indices()` (an eager step launches them after FlashInfer's plans).
-    `to_device`: also copy indptr and last_page_len to the device, in one copy.
+    page_size; None: 0); out: the int32 device buffer the page ids go to (CUDA graphs), or a function
+    giving one of at least n entries (a reused scratch buffer); None: a new tensor. `device_layout`:
+    also write indptr and last_page_len to the device (from `out`'s first entries), in the same launch.
+    `defer`: leave the device writes to `write_device()` (an eager step launches them after its plans,
+    which may add the step's query offsets to the launch).
     """
     kv = paged_kv_host(kv_lens_host, page_size)
-    total = kv.num_pages
+    bs, total = kv.kv_lens.shape[0], kv.num_pages
+    head = _layout_entries(bs) if device_layout else 0
     if callable(out):
-        out = out(total)
+        out = out(head + total)
     if out is None:
-        out = torch.empty(total, dtype=torch.int32, device=req_to_token.device)
+        out = torch.empty(head + total, dtype=torch.int32, device=req_to_token.device)
+    if device_layout:
+        kv.indptr_dev, kv.last_page_len_dev = out[: bs + 1], out[bs + 1 : 2 * bs + 1]
+        out = out[head:]
     kv.indices = out[:total]
-    if to_device:
-        dev = kv.packed.to(req_to_token.device, non_blocking=True)
-        n = kv.indptr.shape[0]
-        kv.indptr_dev, kv.last_page_len_dev = dev[:n], dev[n:]
 
-    def fill() -> None:
-        build_kv_indices(req_to_token, req_pool_indices, kv_lens, total, page_size=page_size, kv_start=kv_start, out=out)
+    def launch(q_lens: Optional[torch.Tensor], qo_indptr_out: Optional[torch.Tensor]) -> None:
+        build_kv_indices(
+            req_to_token, req_pool_indices, kv_lens, total, page_size=page_size, kv_start=kv_start, out=out,
+            indptr_out=kv.indptr_dev, last_page_len_out=kv.last_page_len_dev, q_lens=q_lens, qo_indptr_out=qo_indptr_out,
+        )  # fmt: skip
 
-    kv.fill = fill
+    kv.launch = launch
     if not defer:
-        kv.write_indices()
+        kv.write_device()
     return kv
 
 
 @dataclass
 class QueryLayout:
-    """Where each request's queries (and, for the ragged pass, its new keys) sit in the step's tokens."""
+    """Where each request's queries (and, for the ragged pass, its new keys) sit in the step's tokens.
+    `indptr_dev`: the offsets on the device for eager wrappers (None for graph wrappers, which copy
+    them into their own buffers); while `pending`, the step still has to write it (see `query_layout`)."""
 
     indptr: torch.Tensor  # host int32 [bs+1]
     lens: torch.Tensor  # host int32 [bs]
     max_len: int
-    indptr_dev: Optional[torch.Tensor]  # the same offsets on the device (eager wrappers read them at run time)
+    indptr_dev: Optional[torch.Tensor] = None
+    lens_dev: Optional[torch.Tensor] = None  # device int32 [bs], the source of a pending indptr_dev
+    pending: bool = False
 
     @property
     def num_tokens(self) -> int:
         return int(self.indptr[-1])
 
+    def write_device(self) -> None:
+        """Write a still-pending `indptr_dev` by a copy (when no index launch of the step took it)."""
+        if self.pending:
+            self.indptr_dev.copy_(self.indptr, non_blocking=True)
+            self.pending = False
 
-def query_layout(q_lens_host: torch.Tensor, device: Optional[torch.device]) -> QueryLayout:
-    """The `QueryLayout` of queries per request `q_lens_host` (host; one copy to `device`, if any)."""
+
+def query_layout(q_lens_host: torch.Tensor, out: Optional[torch.Tensor] = None, q_lens: Optional[torch.Tensor] = None) -> QueryLayout:
+    """The `QueryLayout` of `q_lens_host` queries per request. `out` (device int32 `[bs+1]`): where the
+    offsets go on the device, left pending: an index launch of the step writes them from `q_lens` (the
+    same lengths on the device), or `write_device` copies them."""
     lens_t = q_lens_host if q_lens_host.dtype == torch.int32 else q_lens_host.to(torch.int32)
     lens = lens_t.numpy()
     indptr = np.zeros(lens.shape[0] + 1, dtype=np.int32)
-    np.cumsum(lens, out=indptr[1:])
-    host = torch.from_numpy(indptr)
-    dev = None if device is None else host.to(device, non_blocking=True)
-    return QueryLayout(host, lens_t, int(lens.max()) if lens.shape[0] else 0, dev)
+    lens.cumsum(out=indptr[1:])
+    max_len = int(lens.max()) if lens.shape[0] else 0
+    return QueryLayout(torch.from_numpy(indptr), lens_t, max_len, out, q_lens, out is not None)
 
 
 def any_positive(lens_host: torch.Tensor) -> bool:

@@ -71,6 +71,7 @@ class StepInputs:
     seq_lens: torch.Tensor
     seq_lens_host: torch.Tensor
     q_lens_host: Optional[torch.Tensor] = None  # queries per request (None for DECODE: one each)
+    q_lens: Optional[torch.Tensor] = None  # the same on the device (eager extend steps)
     prefix_lens: Optional[torch.Tensor] = None
     prefix_lens_host: Optional[torch.Tensor] = None
     encoder_lens: Optional[torch.Tensor] = None
@@ -111,6 +112,7 @@ def eager_inputs(b: ForwardBatch, r2t: torch.Tensor) -> StepInputs:
         seq_lens=b.seq_lens,
         seq_lens_host=b.seq_lens_cpu,
         q_lens_host=b.extend_seq_lens_cpu if extend else None,
+        q_lens=b.extend_seq_lens if extend else None,
         prefix_lens=b.extend_prefix_lens if extend else None,
         prefix_lens_host=b.extend_prefix_lens_cpu if extend else None,
         encoder_lens=b.encoder_lens,
