@@ -210,6 +210,11 @@ def breakdown(backend, batch, step, plan, fi_plan) -> dict:
         indptr = kvi.page_indptr_from_lens(lens_dev, PAGE)
         return kvi.kv_indices_from_req_to_token(r2t, rpi, indptr, total, page_size=PAGE)
 
+    def public_plans():
+        backend.lean_replan = False
+        backend.init_forward_metadata(batch)
+        backend.lean_replan = True
+
     def lean():
         if plan.decode is not None:
             replan.decode(plan.decode, qo, kv, key, dims)
@@ -235,6 +240,7 @@ def breakdown(backend, batch, step, plan, fi_plan) -> dict:
         "lean re-plan(s) (used)": lean,
         "FlashInfer plan call(s) alone": fi_plan,
         "init_forward_metadata (all)": lambda: backend.init_forward_metadata(batch),
+        "init_forward_metadata, lean_replan=False": public_plans,
     }
     if plan.decode is None:
         pieces["query layout, host (used)"] = lambda: query_layout(batch.extend_seq_lens_cpu, qo_dev, batch.extend_seq_lens)

@@ -90,3 +90,8 @@ def test_ragged_replan_keys_are_the_new_tokens():
     assert args[3].tolist() == args[4].tolist() == [0, *accumulate(q_lens)] and args[5].tolist() == q_lens
     _common_tail(args, 1, True)
     assert w._qo_indptr_buf is w._kv_indptr_buf is qo.indptr_dev and w._causal
+
+
+def test_lean_replans_default_to_the_verified_flashinfer_versions():
+    assert replan.verified("0.6.6")
+    assert not replan.verified("0.6.7") and not replan.verified("0.7.0")

@@ -26,13 +26,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import flashinfer
 import torch
 
 from attn_core.backend import AttentionBackend
 from attn_core.batch import ForwardBatch
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
-from attn_flashinfer import plans
+from attn_flashinfer import plans, replan
 from attn_flashinfer.indices import PagedKV, QueryLayout, any_positive, build_paged_kv, query_layout, self_attention_page_size
 from attn_flashinfer.plans import How, Plan
 from attn_flashinfer.spec import CAPABILITIES
@@ -78,13 +79,14 @@ def _write_device(step: Step) -> None:
 
 
 class FlashInferBackend(AttentionBackend):
-    """FlashInfer (FA2 kernels) on CUDA, compute capability 8.0 or newer. Option `workspace_bytes`
-    sizes the shared float workspace."""
+    """FlashInfer (FA2 kernels) on CUDA, compute capability 8.0 or newer. Options: `workspace_bytes`
+    sizes the shared float workspace; `lean_replan` (None: on for the FlashInfer versions `replan.py`
+    was verified with) re-plans eager wrappers without FlashInfer's public `plan` after their first."""
 
     name = "flashinfer"
     capabilities = CAPABILITIES
 
-    def __init__(self, ctx, *, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, **options):
+    def __init__(self, ctx, *, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, lean_replan: Optional[bool] = None, **options):
         super().__init__(ctx, **options)  # unknown options: a typed error
         check_context(ctx, self.name)
         if workspace_bytes < (1 << 20):
@@ -93,6 +95,7 @@ class FlashInferBackend(AttentionBackend):
         self.page_size = ctx.page_size
         self.self_page_size = self_attention_page_size(ctx.page_size, ctx.is_encoder_decoder)
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=ctx.device)
+        self.lean_replan = replan.verified(flashinfer.__version__) if lean_replan is None else bool(lean_replan)
         self.known_keys: dict[LayerKey, None] = {}  # insertion-ordered set
         self._eager_wrappers: dict[tuple[LayerKey, str], object] = {}
         self._planned_eager: set[tuple[LayerKey, str]] = set()  # eager wrappers past their first (public) plan
@@ -216,7 +219,7 @@ class FlashInferBackend(AttentionBackend):
         g = step.graph
         done = self._planned_eager if g is None else g.planned_once
         if g is None:
-            how = How.LEAN if mask is None and (key, role) in done else How.PUBLIC
+            how = How.LEAN if self.lean_replan and mask is None and (key, role) in done else How.PUBLIC
         else:
             how = How.FAST if role == "decode" and (key, role) in done else How.PUBLIC
         if role == "decode":

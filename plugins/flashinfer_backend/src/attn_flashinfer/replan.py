@@ -10,10 +10,11 @@ arrays (already on the device, copied once per key list, shared by every layer s
 size and maxima, and call the compiled scheduler `_cached_module.plan` with the arguments `plan` passes
 for FA2 kernels.
 
-This reads FlashInfer's wrapper internals (flashinfer-python 0.6.x, FA2 kernels, eager wrappers: the
-versions attn-flashinfer declares). Masked plans, CUDA-graph wrappers and the first plan of every wrapper
+This reads FlashInfer's wrapper internals (FA2 kernels, eager wrappers), so the backend uses it only
+with the FlashInfer versions in `VERIFIED_VERSIONS` (others get public plans, unless the backend's
+`lean_replan=True` option insists). Masked plans, CUDA-graph wrappers and the first plan of every wrapper
 go through the public API; the GPU tests check that a lean re-plan leaves a wrapper with the plan info
-and index buffers a public plan of the same batch gives.
+and index buffers a public plan of the same batch gives, and the same outputs.
 """
 
 from __future__ import annotations
@@ -22,6 +23,14 @@ import torch
 
 from attn_flashinfer.indices import PagedKV, QueryLayout
 from attn_flashinfer.steps import Dims, LayerKey
+
+#: flashinfer-python versions whose wrapper internals this module was checked against on a GPU
+VERIFIED_VERSIONS = frozenset({"0.6.6"})
+
+
+def verified(flashinfer_version: str) -> bool:
+    """Whether lean re-plans are on by default with this FlashInfer version."""
+    return flashinfer_version in VERIFIED_VERSIONS
 
 
 def _schedule(w, qo: QueryLayout, kv_indptr: torch.Tensor, kv_lens: torch.Tensor, page_size: int, causal: bool, key: LayerKey, dims: Dims):
