@@ -16,8 +16,9 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e core -e plugins/triton_backend -e plugins/flashinfer_backend || exit 1
-if [ -f .fi-cache/aot.tar.xz ] && python3 -c "import flashinfer" 2>/dev/null; then
-  tar -C /tmp -xJf .fi-cache/aot.tar.xz && python3 plugins/flashinfer_backend/tools/jit_cache.py install /tmp/aot || exit 1
+if ls .fi-cache/aot*.tar.xz >/dev/null 2>&1 && python3 -c "import flashinfer" 2>/dev/null; then  # each holds aot/<module>/
+  for t in .fi-cache/aot*.tar.xz; do tar -C /tmp -xJf "$t" || exit 1; done
+  python3 plugins/flashinfer_backend/tools/jit_cache.py install /tmp/aot || exit 1
 fi
 if [ -f .fi-cache/triton_bench_fi.tgz ]; then  # FlashInfer's JIT cache for the peer kernels of the benchmarks
   mkdir -p /tmp/fiws && tar -C /tmp/fiws -xzf .fi-cache/triton_bench_fi.tgz && export FLASHINFER_WORKSPACE_BASE=/tmp/fiws

@@ -73,6 +73,24 @@ def test_random_batches(mode, page_size, seed):
     assert_case(_factory(), case)
 
 
+OTHER_LAYOUTS = {  # dtype, head dim, layer settings beyond the bf16 / head_dim 128 of the cases above
+    "fp16-128": dict(dtype="float16", head_dim=128),
+    "bf16-64": dict(dtype="bfloat16", head_dim=64),
+    "bf16-256-window-cap": dict(dtype="bfloat16", head_dim=256, sliding_window=97, logit_cap=20.0),
+}
+
+
+@requires_gpu
+@pytest.mark.parametrize("mode", (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY), ids=lambda m: m.name)
+@pytest.mark.parametrize("layout", list(OTHER_LAYOUTS))
+def test_random_batches_other_dtypes_and_head_dims(layout, mode):
+    """fp16 and head dims 64 / 256 on random compositions at page size 16, GQA 16/4, LSE returned."""
+    rng = random.Random(f"fi-{layout}-{mode.name}")
+    reqs = compose_requests(rng.randint, mode, profile_for("cuda", True))
+    case = AttnCase(mode, reqs, num_q_heads=16, num_kv_heads=4, page_size=16, device="cuda", return_lse=True, **OTHER_LAYOUTS[layout])
+    assert_case(_factory(), case)
+
+
 def _graph_case(mode, reqs, **kw):
     return AttnCase(
         mode,

@@ -43,7 +43,12 @@ def test_context_checks_are_typed():
     with pytest.raises(InvalidArgumentError, match="ctx.dtype"):
         check_context(_ctx(dtype=torch.float32), "flashinfer")
     with pytest.raises(InvalidArgumentError, match="ctx.kv_dtype"):
+        check_context(_ctx(kv_dtype=torch.float32), "flashinfer")
+    with pytest.raises(UnsupportedFeatureError, match="one dtype for both"):
         check_context(_ctx(kv_dtype=torch.float16), "flashinfer")
+    for dtype in (torch.bfloat16, torch.float16):
+        for head_dim in (64, 128, 256):
+            check_context(_ctx(dtype=dtype, head_dim=head_dim), "flashinfer")
 
 
 def _batch(mode, reqs, page_size=1):

@@ -21,12 +21,18 @@ import sys
 import time
 from pathlib import Path
 
-#: one FA2 build each (bf16, head_dim 128): the layer settings FlashInfer compiles separately
+#: one FA2 build each (dtype x head dim x sliding window on/off x logit cap on/off): every combination
+#: the GPU tests run (bf16 / head_dim 128 with each layer setting; fp16, head dims 64 and 256 plain, and
+#: head_dim 256 with window and cap)
 VARIANTS = {
     "plain": {},
     "window": {"sliding_window": 64},
     "logit_cap": {"logit_cap": 20.0},
     "window_logit_cap": {"sliding_window": 64, "logit_cap": 20.0},
+    "fp16": {"dtype": "float16"},
+    "head_dim_64": {"head_dim": 64},
+    "head_dim_256": {"head_dim": 256},
+    "head_dim_256_window_logit_cap": {"head_dim": 256, "sliding_window": 64, "logit_cap": 20.0},
 }
 
 _CHILD = """
@@ -34,7 +40,7 @@ import sys, json
 from attn_core.testing.harness import AttnCase, run_case
 from attn_flashinfer.backend import FlashInferBackend
 kw = json.loads(sys.argv[1])
-common = dict(num_q_heads=8, num_kv_heads=2, head_dim=128, dtype="bfloat16", device="cuda", page_size=16, **kw)
+common = {**dict(num_q_heads=8, num_kv_heads=2, head_dim=128, dtype="bfloat16", device="cuda", page_size=16), **kw}
 cases = [
     AttnCase("MIXED", [(40, 1), (0, 9), (23, 5)], return_lse=True, **common),  # ragged + paged + LSE merge
     AttnCase("TARGET_VERIFY", [(30, 4), (7, 4)], **common),  # paged with a tree mask (mask packing)

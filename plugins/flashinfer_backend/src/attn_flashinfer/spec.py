@@ -13,14 +13,14 @@ from attn_core.spec import BackendSpec
 #: FlashInfer's FA2 kernels need Ampere or newer.
 MIN_COMPUTE_CAPABILITY = (8, 0)
 
-#: Declared = verified on a GPU against the float64 reference (docs/gpu-runs.md). FlashInfer itself also
-#: runs float16 and head dims 64/256; each is another JIT build, to be declared once a GPU run covers it.
+#: Declared = verified on a GPU against the float64 reference (docs/gpu-runs.md). K/V in the query's
+#: dtype (`steps.check_context` refuses a mix); fp8 KV caches are not supported.
 CAPABILITIES = Capabilities(
     devices=frozenset({"cuda"}),
-    q_dtypes=frozenset({"bfloat16"}),
-    kv_dtypes=frozenset({"bfloat16"}),
+    q_dtypes=frozenset({"bfloat16", "float16"}),
+    kv_dtypes=frozenset({"bfloat16", "float16"}),
     archs=frozenset({ARCH_MHA}),
-    head_dims=frozenset({128}),
+    head_dims=frozenset({64, 128, 256}),
     page_sizes=None,
     forward_modes=frozenset(ForwardMode) - {ForwardMode.SPLIT_PREFILL},
     features=frozenset(

@@ -93,6 +93,8 @@ def check_context(ctx, name: str) -> None:
     for what, dtype, allowed in (("ctx.dtype", ctx.dtype, caps.q_dtypes), ("ctx.kv_dtype", ctx.kv_dtype, caps.kv_dtypes)):
         if str(dtype).removeprefix("torch.") not in allowed:
             raise InvalidArgumentError(what, f"one of {sorted(allowed)}", dtype)
+    if ctx.kv_dtype != ctx.dtype:
+        raise UnsupportedFeatureError(name, f"K/V dtype {ctx.kv_dtype} with queries in {ctx.dtype} (one dtype for both)")
 
 
 def eager_inputs(b: ForwardBatch, r2t: torch.Tensor) -> StepInputs:
