@@ -7,7 +7,8 @@ Two numbers per shape (GQA 32 q / 8 kv heads, head_dim 128, bf16, page size 16):
   save_kv_cache=False, as FlashInfer's run stores nothing; the time with the K/V store is reported too.
 - host time of one step's `init_forward_metadata` (index building + plans; from the second step on the
   backend re-plans its wrappers lean, see attn_flashinfer/replan.py) against FlashInfer's own plan calls
-  on the same, prebuilt, inputs; for decode also the CUDA-graph replay metadata (fast_decode_plan).
+  on the same, prebuilt, inputs; for decode also the CUDA-graph replay metadata (index launch into the
+  graph's buffers + lean re-plan, and with lean_replan=False FlashInfer's own plan).
 
     python benchmarks/flashinfer_overhead.py --json out.json
 
@@ -174,7 +175,7 @@ def bench(name: str, mode: str, reqs, iters: int, rounds: int) -> dict:
         "flashinfer_plan_host_us": h_fi,
         "metadata_over_plan": h_ours / h_fi,
     }
-    if plan.decode is not None:  # CUDA-graph replay metadata: buffers rewritten + fast_decode_plan
+    if plan.decode is not None:  # CUDA-graph replay metadata: index launch into the graph's buffers + re-plan
         bs = batch.batch_size
         backend.init_cuda_graph_state(bs, bs)
         args = (batch.req_pool_indices, batch.seq_lens, None, batch.forward_mode, None)
@@ -187,6 +188,9 @@ def bench(name: str, mode: str, reqs, iters: int, rounds: int) -> dict:
 
         replay_meta()
         res["graph_replay_metadata_host_us"] = statistics.median(host_time_us(replay_meta, 20 * rounds))
+        backend.lean_replan = False
+        res["graph_replay_metadata_public_plan_host_us"] = statistics.median(host_time_us(replay_meta, 20 * rounds))
+        backend.lean_replan = True
     backend.init_forward_metadata(batch)
     res["breakdown_host_us"] = breakdown(backend, batch, backend.forward_metadata, backend.forward_metadata.plans[key], fi_plan)
     return res
@@ -203,8 +207,7 @@ def breakdown(backend, batch, step, plan, fi_plan) -> dict:
     lens_dev = batch.seq_lens if which == "seq" else batch.extend_prefix_lens
     lens_cpu = batch.seq_lens_cpu if which == "seq" else batch.extend_prefix_lens_cpu
     r2t, rpi, total, bs = batch.req_to_token_pool.req_to_token, batch.req_pool_indices, kv.num_pages, batch.batch_size
-    scratch = torch.empty(total + 2 * bs + 8, dtype=torch.int32, device="cuda")
-    indptr, last, qo_dev = scratch[: bs + 1], scratch[bs + 1 : 2 * bs + 1], torch.empty(bs + 1, dtype=torch.int32, device="cuda")
+    scratch, indptr, last, qo_dev = (torch.empty(n, dtype=torch.int32, device="cuda") for n in (total, bs + 1, bs, bs + 1))
 
     def torch_ids():
         indptr = kvi.page_indptr_from_lens(lens_dev, PAGE)
@@ -223,7 +226,7 @@ def breakdown(backend, batch, step, plan, fi_plan) -> dict:
             replan.paged(plan.paged, qo, kv, key, dims, causal=False)
 
     def layout():  # host side only: the device writes are deferred to the launch below
-        return build_paged_kv(r2t, rpi, lens_dev, lens_cpu, PAGE, out=scratch, defer=True, device_layout=True)
+        return build_paged_kv(r2t, rpi, lens_dev, lens_cpu, PAGE, out=lambda b, n: (scratch, indptr, last), defer=True)
 
     def ids():
         q = dict(q_lens=batch.extend_seq_lens, qo_indptr_out=qo_dev) if plan.decode is None else {}
@@ -284,7 +287,10 @@ def main() -> None:
             f"{r['metadata_over_plan']:6.3f}"
         )
         if "graph_replay_metadata_host_us" in r:
-            print(f"{'':30} graph replay metadata (buffers + fast_decode_plan): {r['graph_replay_metadata_host_us']:.1f} µs host")
+            print(
+                f"{'':30} graph replay metadata: {r['graph_replay_metadata_host_us']:.1f} µs host "
+                f"({r['graph_replay_metadata_public_plan_host_us']:.1f} with lean_replan=False)"
+            )
         for piece, us in r["breakdown_host_us"].items():
             print(f"{'':30} {piece:58} {us:8.1f} µs host")
     if args.json:

@@ -85,26 +85,29 @@ def test_paged_keys_are_exactly_the_requests_slots(page_size, seed):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_device_layout_and_query_offsets_come_from_one_deferred_launch(page_size):
-    """With a device layout, indptr / last-page lengths (and the step's query offsets, when handed to
-    the launch) land in poisoned buffers only when the deferred writes run, equal to the host numbers."""
+def test_device_arrays_and_query_offsets_come_from_one_deferred_launch(page_size):
+    """With device buffers for them, indptr / last-page lengths (and the step's query offsets, when
+    handed to the launch) land in poisoned buffers only when the deferred writes run, equal to the host
+    numbers; the page ids fill only their prefix of a longer buffer."""
     rng = random.Random(page_size)
     for _ in range(5):
         bs = rng.randint(1, 7)
         lens = torch.tensor([rng.choice([0, 1, page_size, rng.randint(0, 90)]) for _ in range(bs)], dtype=torch.int32)
         q = torch.tensor([rng.randint(0, 9) for _ in range(bs)], dtype=torch.int32)
         r2t = torch.arange(bs * 100, dtype=torch.int32).view(bs, 100) + 1000
-        buf = torch.full((300,), -5, dtype=torch.int32)
-        kv = build_paged_kv(r2t, torch.arange(bs), lens, lens, page_size, out=buf, defer=True, device_layout=True)
+        ids, indptr, last = (torch.full((n,), -5, dtype=torch.int32) for n in (300, bs + 1, bs))
+        bufs = (ids, indptr, last)
+        kv = build_paged_kv(r2t, torch.arange(bs), lens, lens, page_size, out=lambda b, n, bufs=bufs: bufs, defer=True)
         qo = query_layout(q, torch.full((bs + 1,), -5, dtype=torch.int32), q)
-        assert qo.pending and (kv.indptr_dev == -5).all() and (kv.indices == -5).all() and (qo.indptr_dev == -5).all()
-        assert kv.indices.data_ptr() % 16 == 0  # the page ids start 16-byte aligned after the layout
+        assert qo.pending and (indptr == -5).all() and (ids == -5).all() and (qo.indptr_dev == -5).all()
+        assert kv.indptr_dev is indptr and kv.last_page_len_dev is last
         kv.write_device(qo.lens_dev, qo.indptr_dev)
         assert torch.equal(kv.indptr_dev, kv.indptr) and torch.equal(kv.last_page_len_dev, kv.last_page_len)
         assert torch.equal(qo.indptr_dev, qo.indptr)
         assert kv.indices.tolist() == [
             int(r2t[r, j * page_size]) // page_size for r in range(bs) for j in range(-(-int(lens[r]) // page_size))
         ]
+        assert (ids[kv.num_pages :] == -5).all()
         kv.write_device()  # a second call launches nothing
         assert kv.launch is None
 

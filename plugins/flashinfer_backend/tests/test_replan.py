@@ -25,7 +25,8 @@ class _Scheduler:
 
 
 class _Wrapper:
-    def __init__(self):
+    def __init__(self, graph: bool = False):
+        self.is_cuda_graph_enabled = graph
         self._cached_module = _Scheduler()
         self._float_workspace_buffer = torch.zeros(8, dtype=torch.uint8)
         self._int_workspace_buffer = torch.zeros(8, dtype=torch.uint8)
@@ -41,14 +42,15 @@ def _batch(seed: int, page_size: int):
     q_lens = [rng.randint(0, 20) for _ in range(bs)]
     r2t = torch.arange(bs * 320, dtype=torch.int32).view(bs, 320)
     lens = torch.tensor(kv_lens, dtype=torch.int32)
-    kv = build_paged_kv(r2t, torch.arange(bs), lens, lens, page_size, device_layout=True)
+    ids, indptr, last = torch.empty(2000, dtype=torch.int32), torch.empty(bs + 1, dtype=torch.int32), torch.empty(bs, dtype=torch.int32)
+    kv = build_paged_kv(r2t, torch.arange(bs), lens, lens, page_size, out=lambda b, n: (ids, indptr, last))
     q = torch.tensor(q_lens, dtype=torch.int32)
     qo = query_layout(q, torch.empty(bs + 1, dtype=torch.int32), q)
     return kv_lens, q_lens, kv, qo
 
 
-def _common_tail(args, page_size, causal):
-    assert args[8:] == (DIMS.num_q_heads, DIMS.num_kv_heads, page_size, False, 128, 128, causal, 99, -1, False, 0)
+def _common_tail(args, page_size, causal, graph=False):
+    assert args[8:] == (DIMS.num_q_heads, DIMS.num_kv_heads, page_size, graph, 128, 128, causal, 99, -1, False, 0)
 
 
 def test_paged_replan_passes_the_batch_and_points_at_the_step_arrays():
@@ -80,6 +82,19 @@ def test_decode_replan_has_one_query_per_request():
     assert args[3].tolist() == list(range(bs + 1)) and args[5].tolist() == kv_lens and args[6:8] == (bs, bs)
     _common_tail(args, 16, False)
     assert w._qo_indptr_buf is qo.indptr_dev and w._paged_kv_indices_buf is kv.indices and w._max_kv_len == max(kv_lens)
+
+
+def test_graph_decode_replan_keeps_the_graph_buffers():
+    kv_lens, _, kv, _ = _batch(4, 16)
+    bs = len(kv_lens)
+    qo = query_layout(torch.ones(bs, dtype=torch.int32), torch.empty(bs + 1, dtype=torch.int32))
+    w = _Wrapper(graph=True)
+    fixed = w._paged_kv_indptr_buf = torch.zeros(bs + 1, dtype=torch.int32)
+    replan.decode(w, qo, kv, KEY, DIMS)
+    (args,) = w._cached_module.calls
+    assert args[5].tolist() == kv_lens and args[6:8] == (bs, bs)
+    _common_tail(args, 16, False, graph=True)
+    assert w._paged_kv_indptr_buf is fixed and not hasattr(w, "_qo_indptr_buf") and w._plan_info == [1]
 
 
 def test_ragged_replan_keys_are_the_new_tokens():

@@ -18,12 +18,14 @@ Which wrappers a setting gets (see `plans.py`):
 
 CUDA graphs (DECODE and TARGET_VERIFY): `init_cuda_graph_state` allocates the index buffers; capture
 builds graph-mode wrappers per (batch size, mode) over slices of them; replay rewrites the buffers and
-re-plans (decode: FlashInfer's `fast_decode_plan`, which only redoes the work split).
+re-plans (decode: the lean re-plan, which only redoes the work split; the index launch has rewritten
+the buffers).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Optional
 
 import flashinfer
@@ -155,16 +157,23 @@ class FlashInferBackend(AttentionBackend):
             lens, lens_host, page_size, start = x.seq_lens, x.seq_lens_host, self.self_page_size, x.encoder_lens
         else:
             lens, lens_host, page_size, start = x.prefix_lens, x.prefix_lens_host, self.self_page_size, x.encoder_lens
-        eager = graph is None
-        out = (lambda n: self._scratch(which, n)) if eager else graph.kv_indices
-        kv = build_paged_kv(
-            x.req_to_token, x.req_pool_indices, lens, lens_host, page_size, kv_start=start, out=out, defer=eager, device_layout=eager
-        )
-        if graph is not None:
-            graph.kv_indptr.copy_(kv.indptr, non_blocking=True)
-            graph.last_page_len.copy_(kv.last_page_len, non_blocking=True)
+        if graph is None:
+            out = partial(self._scratch_layout, which)
+        else:
+
+            def out(bs: int, pages: int):  # the captured graph's own buffers, which its wrappers read
+                return graph.kv_indices, graph.kv_indptr, graph.last_page_len
+
+        kv = build_paged_kv(x.req_to_token, x.req_pool_indices, lens, lens_host, page_size, kv_start=start, out=out, defer=graph is None)
         step.kv[which] = kv
         return kv
+
+    def _scratch_layout(self, which: str, bs: int, pages: int):
+        """Eager device buffers of key list `which` (page ids, indptr, last-page lengths), carved from
+        one scratch buffer; the page ids start 16-byte aligned."""
+        head = -(-(2 * bs + 1) // 4) * 4
+        buf = self._scratch(which, head + pages)
+        return buf[head:], buf[: bs + 1], buf[bs + 1 : 2 * bs + 1]
 
     def _scratch(self, which: str, n: int) -> torch.Tensor:
         """An eager int32 device buffer of at least n entries for `which` (a key list's layout and page
@@ -221,7 +230,7 @@ class FlashInferBackend(AttentionBackend):
         if g is None:
             how = How.LEAN if self.lean_replan and mask is None and (key, role) in done else How.PUBLIC
         else:
-            how = How.FAST if role == "decode" and (key, role) in done else How.PUBLIC
+            how = How.LEAN if self.lean_replan and role == "decode" and (key, role) in done else How.PUBLIC
         if role == "decode":
             plans.plan_decode(w, step.qo, kv, key, self.dims, how)
         elif role == "ragged":

@@ -17,25 +17,23 @@ req_to_token[3, :5] = [20, 21, 22, 23, 8], req_to_token[0, :2] = [12, 13]:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
 from attn_core.ops.kv_indices import build_kv_indices
 
-
-def _layout_entries(bs: int) -> int:
-    """int32 entries a device layout takes before the page ids: indptr and last_page_len, 16-byte aligned."""
-    return -(-(2 * bs + 1) // 4) * 4
+#: (batch size, page count) -> device int32 buffers for (page ids, indptr or None, last_page_len or None)
+DeviceOut = Callable[[int, int], tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]]
 
 
 @dataclass
 class PagedKV:
     """Keys of each request of a step, paged. Host tensors feed FlashInfer's plan (no device sync);
-    `indices` lives on the device (possibly a prefix of a CUDA-graph buffer). With a device layout
-    (eager steps), `indptr_dev` / `last_page_len_dev` hold the same numbers as the host ones, written by
-    the same kernel launch as the page ids (the re-planned wrappers read them when the layers run)."""
+    `indices` lives on the device (possibly a prefix of a CUDA-graph buffer). With device buffers for
+    them, `indptr_dev` / `last_page_len_dev` hold the same numbers as the host ones, written by the same
+    kernel launch as the page ids (re-planned and CUDA-graph wrappers read them when the layers run)."""
 
     page_size: int
     kv_lens: torch.Tensor  # host int32 [bs] keys per request
@@ -88,35 +86,29 @@ def build_paged_kv(
     kv_lens_host: torch.Tensor,
     page_size: int,
     kv_start: Optional[torch.Tensor] = None,
-    out: Union[torch.Tensor, Callable[[int], torch.Tensor], None] = None,
+    out: Optional[DeviceOut] = None,
     defer: bool = False,
-    device_layout: bool = False,
 ) -> PagedKV:
     """Keys `req_to_token[row, start : start + kv_len]` of each request as a `PagedKV`.
 
     kv_lens: device int32 `[bs]` (the same numbers as `kv_lens_host`, which the host already has, so
     nothing is copied back); kv_start: device per-request first column (must be a multiple of
-    page_size; None: 0); out: the int32 device buffer the page ids go to (CUDA graphs), or a function
-    giving one of at least n entries (a reused scratch buffer); None: a new tensor. `device_layout`:
-    also write indptr and last_page_len to the device (from `out`'s first entries), in the same launch.
-    `defer`: leave the device writes to `write_device()` (an eager step launches them after its plans,
-    which may add the step's query offsets to the launch).
+    page_size; None: 0); out: the device buffers to write (a reused scratch buffer, CUDA-graph buffers);
+    None: a new page-id tensor and no device indptr / last_page_len. `defer`: leave the device writes
+    to `write_device()` (an eager step launches them after its plans, which may add the step's query
+    offsets to the launch).
     """
     kv = paged_kv_host(kv_lens_host, page_size)
-    bs, total = kv.kv_lens.shape[0], kv.num_pages
-    head = _layout_entries(bs) if device_layout else 0
-    if callable(out):
-        out = out(head + total)
+    total = kv.num_pages
     if out is None:
-        out = torch.empty(head + total, dtype=torch.int32, device=req_to_token.device)
-    if device_layout:
-        kv.indptr_dev, kv.last_page_len_dev = out[: bs + 1], out[bs + 1 : 2 * bs + 1]
-        out = out[head:]
-    kv.indices = out[:total]
+        ids = torch.empty(total, dtype=torch.int32, device=req_to_token.device)
+    else:
+        ids, kv.indptr_dev, kv.last_page_len_dev = out(kv.kv_lens.shape[0], total)
+    kv.indices = ids[:total]
 
     def launch(q_lens: Optional[torch.Tensor], qo_indptr_out: Optional[torch.Tensor]) -> None:
         build_kv_indices(
-            req_to_token, req_pool_indices, kv_lens, total, page_size=page_size, kv_start=kv_start, out=out,
+            req_to_token, req_pool_indices, kv_lens, total, page_size=page_size, kv_start=kv_start, out=ids,
             indptr_out=kv.indptr_dev, last_page_len_out=kv.last_page_len_dev, q_lens=q_lens, qo_indptr_out=qo_indptr_out,
         )  # fmt: skip
 

@@ -9,9 +9,9 @@ key needs in one step, already planned:
 - paged: the paged prefill wrapper over cached keys (the prefix, the whole sequence, or the encoder
   tokens); when both ragged and paged are set the two partial results are merged by their LSEs.
 
-How a wrapper is planned (`How`): FlashInfer's public `plan` the first time, for masked plans and in
-CUDA-graph capture; `replan.py`'s lean re-plan for an eager wrapper's later steps; FlashInfer's
-`fast_decode_plan` for CUDA-graph decode replay.
+How a wrapper is planned (`How`): FlashInfer's public `plan` the first time, for masked plans, for
+CUDA-graph prefill wrappers and with `lean_replan=False`; otherwise `replan.py`'s lean re-plan (eager
+wrappers after their first plan, and CUDA-graph decode replay).
 
 FlashInfer's LSE is log base 2 (`log2 sum 2^(s*log2 e)`); `run` converts it to natural log at the edge.
 """
@@ -26,7 +26,6 @@ from typing import Optional
 import torch
 from flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
 from flashinfer.cascade import merge_state_in_place
-from flashinfer.decode import fast_decode_plan
 
 from attn_flashinfer import replan
 from attn_flashinfer.indices import PagedKV, QueryLayout
@@ -39,8 +38,7 @@ KERNEL_BACKEND = "fa2"
 
 class How(enum.Enum):
     PUBLIC = "public"  # FlashInfer's plan
-    LEAN = "lean"  # replan.py: an eager wrapper already planned once, no custom mask
-    FAST = "fast"  # fast_decode_plan: CUDA-graph decode replay (the graph buffers already written)
+    LEAN = "lean"  # replan.py: a wrapper already planned once, no custom mask
 
 
 @dataclass
@@ -100,15 +98,13 @@ def _common(key: LayerKey, dims: Dims) -> dict:
 
 
 def plan_decode(w: BatchDecodeWithPagedKVCacheWrapper, qo: QueryLayout, kv: PagedKV, key: LayerKey, dims: Dims, how: How) -> None:
-    """Plan decode over `kv` (`qo`: one query per request)."""
+    """Plan decode over `kv` (`qo`: one query per request). A CUDA-graph wrapper reads its own
+    buffers, which hold `kv`'s device arrays already."""
     if how is How.LEAN:
         replan.decode(w, qo, kv, key, dims)
         return
     args = (kv.indptr, kv.indices, kv.last_page_len, dims.num_q_heads, dims.num_kv_heads, dims.head_dim, kv.page_size)
-    if how is How.FAST:
-        fast_decode_plan(w, *args, non_blocking=True, global_override_indptr_cpu=kv.indptr, **_common(key, dims))
-    else:
-        w.plan(*args, non_blocking=True, seq_lens=kv.kv_lens, **_common(key, dims))
+    w.plan(*args, non_blocking=True, seq_lens=kv.kv_lens, **_common(key, dims))
 
 
 def plan_paged(

@@ -8,12 +8,14 @@ and, if needed, JIT-builds the kernel module), only the batch changes from step 
 here then do what `plan` does for a new batch and nothing more: point the wrapper at the step's index
 arrays (already on the device, copied once per key list, shared by every layer setting), record batch
 size and maxima, and call the compiled scheduler `_cached_module.plan` with the arguments `plan` passes
-for FA2 kernels.
+for FA2 kernels. A CUDA-graph decode wrapper reads fixed buffers that the step's index launch has
+already rewritten, so its re-plan is the scheduler call alone (what FlashInfer's `fast_decode_plan`
+does, without its torch ops on the host).
 
 This reads FlashInfer's wrapper internals (FA2 kernels, eager wrappers), so the backend uses it only
 with the FlashInfer versions in `VERIFIED_VERSIONS` (others get public plans, unless the backend's
-`lean_replan=True` option insists). Masked plans, CUDA-graph wrappers and the first plan of every wrapper
-go through the public API; the GPU tests check that a lean re-plan leaves a wrapper with the plan info
+`lean_replan=True` option insists). Masked plans, CUDA-graph prefill wrappers and the first plan of every
+wrapper go through the public API; the GPU tests check that a lean re-plan leaves a wrapper with the plan info
 and index buffers a public plan of the same batch gives, and the same outputs.
 """
 
@@ -34,7 +36,8 @@ def verified(flashinfer_version: str) -> bool:
 
 
 def _schedule(w, qo: QueryLayout, kv_indptr: torch.Tensor, kv_lens: torch.Tensor, page_size: int, causal: bool, key: LayerKey, dims: Dims):
-    """The FA2 scheduler's work split for this batch (its argument list in flashinfer 0.6's `plan`)."""
+    """The FA2 scheduler's work split for this batch (its argument list in flashinfer 0.6's `plan`;
+    a CUDA-graph wrapper plans for its fixed batch size)."""
     bs = kv_lens.shape[0]
     w._plan_info = w._cached_module.plan(
         w._float_workspace_buffer,
@@ -43,12 +46,12 @@ def _schedule(w, qo: QueryLayout, kv_indptr: torch.Tensor, kv_lens: torch.Tensor
         qo.indptr,
         kv_indptr,
         kv_lens,
-        qo.num_tokens,  # total query rows (not a CUDA-graph wrapper: no fixed maximum)
+        qo.num_tokens,  # total query rows (one per request for the decode wrappers, graph ones included)
         bs,
         dims.num_q_heads,
         dims.num_kv_heads,
         page_size,
-        False,  # CUDA-graph mode
+        w.is_cuda_graph_enabled,
         dims.head_dim,
         dims.head_dim,
         causal,
@@ -61,17 +64,19 @@ def _schedule(w, qo: QueryLayout, kv_indptr: torch.Tensor, kv_lens: torch.Tensor
 
 
 def decode(w, qo: QueryLayout, kv: PagedKV, key: LayerKey, dims: Dims) -> None:
-    """Re-plan a tensor-core decode wrapper (one query per request, `qo` = 0..bs) over `kv`."""
-    w._qo_indptr_buf = qo.indptr_dev
-    w._paged_kv_indptr_buf = kv.indptr_dev
-    w._paged_kv_indices_buf = kv.indices
-    w._paged_kv_last_page_len_buf = kv.last_page_len_dev
+    """Re-plan a tensor-core decode wrapper (one query per request, `qo` = 0..bs) over `kv`; a
+    CUDA-graph wrapper keeps its buffers."""
+    if not w.is_cuda_graph_enabled:
+        w._qo_indptr_buf = qo.indptr_dev
+        w._paged_kv_indptr_buf = kv.indptr_dev
+        w._paged_kv_indices_buf = kv.indices
+        w._paged_kv_last_page_len_buf = kv.last_page_len_dev
     w._max_kv_len = kv.max_len
     _schedule(w, qo, kv.indptr, kv.kv_lens, kv.page_size, False, key, dims)
 
 
 def paged(w, qo: QueryLayout, kv: PagedKV, key: LayerKey, dims: Dims, causal: bool) -> None:
-    """Re-plan a paged prefill wrapper, no custom mask: queries `qo` over the keys of `kv`."""
+    """Re-plan an eager paged prefill wrapper, no custom mask: queries `qo` over the keys of `kv`."""
     w._qo_indptr_buf = qo.indptr_dev
     w._paged_kv_indptr_buf = kv.indptr_dev
     w._paged_kv_indices_buf = kv.indices
@@ -86,7 +91,7 @@ def paged(w, qo: QueryLayout, kv: PagedKV, key: LayerKey, dims: Dims, causal: bo
 
 
 def ragged(w, qo: QueryLayout, key: LayerKey, dims: Dims) -> None:
-    """Re-plan a ragged prefill wrapper: each request's new tokens, causal over themselves."""
+    """Re-plan an eager ragged prefill wrapper: each request's new tokens, causal over themselves."""
     w._qo_indptr_buf = w._kv_indptr_buf = w._o_indptr_buf = w._v_indptr_buf = qo.indptr_dev
     w._causal = True
     _schedule(w, qo, qo.indptr, qo.lens, 1, True, key, dims)
