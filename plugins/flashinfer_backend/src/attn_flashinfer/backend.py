@@ -72,7 +72,7 @@ def _write_device(step: Step) -> None:
     also writing the query offsets, which are copied instead when the step has no key list."""
     qo = step.qo
     for kv in step.kv.values():
-        if qo.pending and kv.launch is not None:
+        if qo.pending and qo.lens_dev is not None and kv.launch is not None:
             kv.write_device(qo.lens_dev, qo.indptr_dev)
             qo.pending = False
         else:
