@@ -91,6 +91,22 @@ def test_random_batches_other_dtypes_and_head_dims(layout, mode):
     assert_case(_factory(), case)
 
 
+@requires_gpu
+@pytest.mark.parametrize("cross", [True, False], ids=["cross_attention", "encoder_self"])
+@pytest.mark.parametrize("mode", (ForwardMode.EXTEND, ForwardMode.DECODE), ids=lambda m: m.name)
+def test_encoder_decoder_batches_in_two_steps(mode, cross):
+    """Encoder-decoder requests as two steps on one backend, so the second step re-plans lean: cross
+    attention over the encoder tokens (paged at the pool's page size) and decoder self attention
+    (indexed per token, behind the encoder tokens)."""
+    rng = random.Random(f"fi-enc-{mode.name}-{cross}")
+    reqs = [(rng.randint(0, 300), 1 if mode.is_decode() else rng.randint(1, 40), rng.randint(1, 200)) for _ in range(6)]
+    case = AttnCase(
+        mode, reqs, num_q_heads=16, num_kv_heads=4, head_dim=128, dtype="bfloat16", page_size=16, device="cuda",
+        cross_attention=cross, steps=((0, 1, 2), (3, 4, 5)),
+    )  # fmt: skip
+    assert_case(_factory(), case)
+
+
 def _graph_case(mode, reqs, **kw):
     return AttnCase(
         mode,
