@@ -95,7 +95,6 @@ class FlashInferBackend(AttentionBackend):
             raise InvalidArgumentError("workspace_bytes", ">= 1 MiB", workspace_bytes)
         self.dims = Dims(ctx.num_q_heads, ctx.num_kv_heads, ctx.head_dim, ctx.dtype, ctx.kv_dtype)
         self.page_size = ctx.page_size
-        self.self_page_size = self_attention_page_size(ctx.page_size, ctx.is_encoder_decoder)
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=ctx.device)
         self.lean_replan = replan.verified(flashinfer.__version__) if lean_replan is None else bool(lean_replan)
         self.known_keys: dict[LayerKey, None] = {}  # insertion-ordered set
@@ -153,10 +152,9 @@ class FlashInferBackend(AttentionBackend):
             if x.encoder_lens is None:
                 raise InvalidArgumentError("forward_batch.encoder_lens", "encoder lengths for a cross-attention layer", None)
             lens, lens_host, page_size, start = x.encoder_lens, x.encoder_lens_host, self.page_size, None
-        elif which == "seq":
-            lens, lens_host, page_size, start = x.seq_lens, x.seq_lens_host, self.self_page_size, x.encoder_lens
-        else:
-            lens, lens_host, page_size, start = x.prefix_lens, x.prefix_lens_host, self.self_page_size, x.encoder_lens
+        else:  # the batch's encoder tokens (if any) come first in each row: then per-token keys
+            page_size, start = self_attention_page_size(self.page_size, x.encoder_lens is not None), x.encoder_lens
+            lens, lens_host = (x.seq_lens, x.seq_lens_host) if which == "seq" else (x.prefix_lens, x.prefix_lens_host)
         if graph is None:
             out = partial(self._scratch_layout, which)
         else:
@@ -270,7 +268,7 @@ class FlashInferBackend(AttentionBackend):
         mask_bytes = -(-max_num_tokens * ctx.max_context_len // 8) + max_bs
         self._graph_buffers = {
             "seq": GraphBuffers(
-                **index_buffers(self.self_page_size),
+                **index_buffers(self_attention_page_size(self.page_size, ctx.is_encoder_decoder)),
                 qo_indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),
                 custom_mask=torch.zeros(mask_bytes, dtype=torch.uint8, device=dev),
                 mask_indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),
@@ -280,10 +278,13 @@ class FlashInferBackend(AttentionBackend):
             self._graph_buffers["cross"] = GraphBuffers(**index_buffers(self.page_size), qo_indptr=self._graph_buffers["seq"].qo_indptr)
         self._graphs = {}
 
-    def _graph_inputs(self, *args) -> StepInputs:
+    def _graph_inputs(self, mode, bs, num_tokens, req_pool_indices, seq_lens, seq_host, encoder_lens, enc_host, spec_info) -> StepInputs:
         pool = self.ctx.req_to_token_pool
         if pool is None:
             raise InvalidArgumentError("ctx.req_to_token_pool", "the request-to-token pool (CUDA graphs read the context's)", None)
+        if encoder_lens is not None and not self.ctx.is_encoder_decoder:  # the graph buffers are sized per page
+            raise InvalidArgumentError("encoder_lens", "None in CUDA graphs unless ctx.is_encoder_decoder", "encoder lengths")
+        args = (mode, bs, num_tokens, req_pool_indices, seq_lens, seq_host, encoder_lens, enc_host, spec_info)
         return graph_inputs(pool.req_to_token, *args)
 
     def _graph_slices(self, bs: int, with_mask: bool) -> dict[str, GraphBuffers]:
