@@ -42,7 +42,7 @@ class FakeKernel:
 @pytest.fixture
 def gpu_like(monkeypatch):
     monkeypatch.setattr(launch, "triton_interpreter_enabled", lambda: False)
-    return SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))
+    return SimpleNamespace(is_cuda=True, get_device=lambda: 0)
 
 
 def test_second_call_uses_the_compiled_handle(gpu_like):
@@ -56,7 +56,7 @@ def test_second_call_uses_the_compiled_handle(gpu_like):
     assert k.log[2][0] == "jit"
     run((4, 2), gpu_like, 2**40, A=1, B=True, num_warps=4)  # an int that needs 64 bits: another binary
     assert k.log[3][0] == "jit"
-    other = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0), dtype="int64")
+    other = SimpleNamespace(is_cuda=True, get_device=lambda: 0, dtype="int64")
     run((4, 2), other, 8, A=1, B=True, num_warps=4)  # another dtype of a tensor argument: another binary
     assert k.log[4][0] == "jit"
     run((4, 2), other, 8, A=1, B=True, num_warps=4)

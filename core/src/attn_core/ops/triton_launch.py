@@ -35,7 +35,7 @@ class CachedLaunch:
             return
         # what still selects a binary without value specialization: argument types (a tensor's dtype,
         # an int's width), constexprs and options
-        key = (args[0].device.index, tuple(_arg_type(a) for a in args), tuple(kwargs.items()))
+        key = (args[0].get_device(), *[getattr(a, "dtype", None) or _arg_type(a) for a in args], *kwargs.items())
         compiled = self.compiled.get(key)
         if compiled is None:
             self.compiled[key] = self.kernel[grid](*args, **kwargs)

@@ -102,6 +102,7 @@ class FlashInferBackend(AttentionBackend):
         self._planned_eager: set[tuple[LayerKey, str]] = set()  # eager wrappers past their first (public) plan
         self._decode_queries: dict[int, QueryLayout] = {}  # by batch size
         self._scratch_bufs: dict[str, torch.Tensor] = {}
+        self._scratch_views: dict[tuple[str, int], tuple] = {}  # (which, bs) -> (buffer, its three views)
         self._graph_buffers: Optional[dict[str, GraphBuffers]] = None
         self._graphs: dict[tuple[int, ForwardMode], tuple[Step, _GraphState]] = {}
 
@@ -168,10 +169,14 @@ class FlashInferBackend(AttentionBackend):
 
     def _scratch_layout(self, which: str, bs: int, pages: int):
         """Eager device buffers of key list `which` (page ids, indptr, last-page lengths), carved from
-        one scratch buffer; the page ids start 16-byte aligned."""
+        one scratch buffer; the page ids start 16-byte aligned. The views are kept per batch size while
+        the buffer lasts (slicing a device tensor costs microseconds of host time per step)."""
         head = -(-(2 * bs + 1) // 4) * 4
         buf = self._scratch(which, head + pages)
-        return buf[head:], buf[: bs + 1], buf[bs + 1 : 2 * bs + 1]
+        views = self._scratch_views.get((which, bs))
+        if views is None or views[0] is not buf:
+            views = self._scratch_views[(which, bs)] = (buf, buf[head:], buf[: bs + 1], buf[bs + 1 : 2 * bs + 1])
+        return views[1:]
 
     def _scratch(self, which: str, n: int) -> torch.Tensor:
         """An eager int32 device buffer of at least n entries for `which` (a key list's layout and page

@@ -127,13 +127,10 @@ class QueryLayout:
     indptr: torch.Tensor  # host int32 [bs+1]
     lens: torch.Tensor  # host int32 [bs]
     max_len: int
+    num_tokens: int  # indptr[-1]
     indptr_dev: Optional[torch.Tensor] = None
     lens_dev: Optional[torch.Tensor] = None  # device int32 [bs], the source of a pending indptr_dev
     pending: bool = False
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.indptr[-1])
 
     def write_device(self) -> None:
         """Write a still-pending `indptr_dev` by a copy (when no index launch of the step took it)."""
@@ -151,7 +148,7 @@ def query_layout(q_lens_host: torch.Tensor, out: Optional[torch.Tensor] = None, 
     indptr = np.zeros(lens.shape[0] + 1, dtype=np.int32)
     lens.cumsum(out=indptr[1:])
     max_len = int(lens.max()) if lens.shape[0] else 0
-    return QueryLayout(torch.from_numpy(indptr), lens_t, max_len, out, q_lens, out is not None)
+    return QueryLayout(torch.from_numpy(indptr), lens_t, max_len, int(indptr[-1]), out, q_lens, out is not None)
 
 
 def any_positive(lens_host: torch.Tensor) -> bool:
