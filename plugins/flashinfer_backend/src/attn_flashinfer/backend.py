@@ -37,7 +37,7 @@ from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 from attn_flashinfer import plans, replan
 from attn_flashinfer.indices import PagedKV, QueryLayout, any_positive, build_paged_kv, query_layout, self_attention_page_size
-from attn_flashinfer.plans import How, Plan
+from attn_flashinfer.plans import Plan
 from attn_flashinfer.spec import CAPABILITIES
 from attn_flashinfer.steps import Dims, GraphBuffers, LayerKey, StepInputs, check_context, eager_inputs, graph_inputs
 
@@ -226,20 +226,18 @@ class FlashInferBackend(AttentionBackend):
         return Plan(page_size=kv.page_size, ragged=ragged, paged=self._planned(step, key, "paged", kv, causal=False))
 
     def _planned(self, step: Step, key: LayerKey, role: str, kv: Optional[PagedKV] = None, causal: bool = True, mask=None):
-        """The wrapper of (key, role), planned for this step the cheapest way FlashInfer allows (`How`)."""
+        """The wrapper of (key, role), planned for this step the cheapest way FlashInfer allows: lean
+        (`replan.py`) once it has had a public plan, unless masked or a CUDA-graph prefill wrapper."""
         w = self._wrapper(step, key, role)
         g = step.graph
         done = self._planned_eager if g is None else g.planned_once
-        if g is None:
-            how = How.LEAN if self.lean_replan and mask is None and (key, role) in done else How.PUBLIC
-        else:
-            how = How.LEAN if self.lean_replan and role == "decode" and (key, role) in done else How.PUBLIC
+        lean = self.lean_replan and mask is None and (g is None or role == "decode") and (key, role) in done
         if role == "decode":
-            plans.plan_decode(w, step.qo, kv, key, self.dims, how)
+            plans.plan_decode(w, step.qo, kv, key, self.dims, lean)
         elif role == "ragged":
-            plans.plan_ragged(w, step.qo, key, self.dims, how)
+            plans.plan_ragged(w, step.qo, key, self.dims, lean)
         else:
-            plans.plan_paged(w, step.qo, kv, key, self.dims, causal, how, custom_mask=mask)
+            plans.plan_paged(w, step.qo, kv, key, self.dims, causal, lean, custom_mask=mask)
         done.add((key, role))
         return w
 

@@ -9,7 +9,7 @@ key needs in one step, already planned:
 - paged: the paged prefill wrapper over cached keys (the prefix, the whole sequence, or the encoder
   tokens); when both ragged and paged are set the two partial results are merged by their LSEs.
 
-How a wrapper is planned (`How`): FlashInfer's public `plan` the first time, for masked plans, for
+Which way a wrapper is planned (the `lean` flag): FlashInfer's public `plan` the first time, for masked plans, for
 CUDA-graph prefill wrappers and with `lean_replan=False`; otherwise `replan.py`'s lean re-plan (eager
 wrappers after their first plan, and CUDA-graph decode replay).
 
@@ -18,7 +18,6 @@ FlashInfer's LSE is log base 2 (`log2 sum 2^(s*log2 e)`); `run` converts it to n
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -34,11 +33,6 @@ from attn_flashinfer.steps import Dims, GraphBuffers, LayerKey
 LN2 = math.log(2.0)
 #: FlashInfer's FA2 kernels: one JIT build serves decode (tensor cores), paged and ragged prefill.
 KERNEL_BACKEND = "fa2"
-
-
-class How(enum.Enum):
-    PUBLIC = "public"  # FlashInfer's plan
-    LEAN = "lean"  # replan.py: a wrapper already planned once, no custom mask
 
 
 @dataclass
@@ -97,10 +91,10 @@ def _common(key: LayerKey, dims: Dims) -> dict:
     )
 
 
-def plan_decode(w: BatchDecodeWithPagedKVCacheWrapper, qo: QueryLayout, kv: PagedKV, key: LayerKey, dims: Dims, how: How) -> None:
+def plan_decode(w: BatchDecodeWithPagedKVCacheWrapper, qo: QueryLayout, kv: PagedKV, key: LayerKey, dims: Dims, lean: bool) -> None:
     """Plan decode over `kv` (`qo`: one query per request). A CUDA-graph wrapper reads its own
     buffers, which hold `kv`'s device arrays already."""
-    if how is How.LEAN:
+    if lean:
         replan.decode(w, qo, kv, key, dims)
         return
     args = (kv.indptr, kv.indices, kv.last_page_len, dims.num_q_heads, dims.num_kv_heads, dims.head_dim, kv.page_size)
@@ -114,7 +108,7 @@ def plan_paged(
     key: LayerKey,
     dims: Dims,
     causal: bool,
-    how: How,
+    lean: bool,
     custom_mask: Optional[torch.Tensor] = None,
 ) -> None:
     """Plan the paged prefill pass: queries `qo` over the keys of `kv`; causal aligns each request's
@@ -123,7 +117,7 @@ def plan_paged(
 
     With a mask, FlashInfer packs it on the device with offsets it derives from qo_indptr, indptr and
     last-page lengths, so those go to the mask's device (it reads them back: its mask path syncs)."""
-    if how is How.LEAN:
+    if lean:
         replan.paged(w, qo, kv, key, dims, causal)
         return
     qo_indptr, indptr, last = qo.indptr, kv.indptr, kv.last_page_len
@@ -147,9 +141,9 @@ def plan_paged(
     )
 
 
-def plan_ragged(w: BatchPrefillWithRaggedKVCacheWrapper, qo: QueryLayout, key: LayerKey, dims: Dims, how: How) -> None:
+def plan_ragged(w: BatchPrefillWithRaggedKVCacheWrapper, qo: QueryLayout, key: LayerKey, dims: Dims, lean: bool) -> None:
     """Plan the ragged pass: each request's new tokens attend causally to the new tokens themselves."""
-    if how is How.LEAN:
+    if lean:
         replan.ragged(w, qo, key, dims)
         return
     w.plan(qo.indptr, qo.indptr, dims.num_q_heads, dims.num_kv_heads, dims.head_dim, causal=True, non_blocking=True, **_common(key, dims))

@@ -6,7 +6,7 @@ copy per index array, argument canonicalisation. Every wrapper of this backend s
 (`LayerKey`) with fixed head counts, head dim and dtypes, so once its public `plan` has run (which picks
 and, if needed, JIT-builds the kernel module), only the batch changes from step to step. The functions
 here then do what `plan` does for a new batch and nothing more: point the wrapper at the step's index
-arrays (already on the device, copied once per key list, shared by every layer setting), record batch
+arrays (on the device, written by the step's index launch, shared by every layer setting), record batch
 size and maxima, and call the compiled scheduler `_cached_module.plan` with the arguments `plan` passes
 for FA2 kernels. A CUDA-graph decode wrapper reads fixed buffers that the step's index launch has
 already rewritten, so its re-plan is the scheduler call alone (what FlashInfer's `fast_decode_plan`
