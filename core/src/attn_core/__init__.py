@@ -27,6 +27,7 @@ _EXPORTS = {
     "ApiVersionMismatchError": "attn_core.errors",
     "DuplicateBackendError": "attn_core.errors",
     "BackendLoadError": "attn_core.errors",
+    "DeviceIndexError": "attn_core.errors",
     "ForwardMode": "attn_core.forward_mode",
     "Capabilities": "attn_core.capabilities",
     "CudaGraphLevel": "attn_core.capabilities",

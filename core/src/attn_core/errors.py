@@ -125,3 +125,13 @@ class BackendLoadError(RegistryError):
         self.where = where
         self.cause = cause
         super().__init__(f"attention backend {name!r} failed to load from {where}: {type(cause).__name__}: {cause}")
+
+
+class DeviceIndexError(AttnError, IndexError):
+    """A kernel found an index out of range on the device (a request row past the req_to_token table,
+    a slot outside the KV pool, device lengths needing more key ids than a host-sized buffer holds...).
+
+    The kernels never followed it (they mask such loads and stores) but the step's output is not to be
+    trusted. Raised from a backend's `poll_device_fault()` report (checked by `validation="full"`); the
+    message names the kind of index that was bad and the buffer it was checked against.
+    """

@@ -35,6 +35,7 @@ from attn_core.backend import AttentionBackend
 from attn_core.batch import ForwardBatch
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
+from attn_core.ops.device_faults import DeviceFaultFlags
 from attn_flashinfer import plans, replan
 from attn_flashinfer.indices import PagedKV, QueryLayout, any_positive, build_paged_kv, query_layout, self_attention_page_size
 from attn_flashinfer.plans import Plan
@@ -105,6 +106,13 @@ class FlashInferBackend(AttentionBackend):
         self._scratch_views: dict[tuple[str, int], tuple] = {}  # (which, bs) -> (buffer, its three views)
         self._graph_buffers: Optional[dict[str, GraphBuffers]] = None
         self._graphs: dict[tuple[int, ForwardMode], tuple[Step, _GraphState]] = {}
+        self.device_faults = DeviceFaultFlags(ctx.device)
+
+    def poll_device_fault(self) -> Optional[str]:
+        """What the index kernel refused since the last poll (an out-of-range request row, length,
+        slot, or device lengths past the host-sized page-id buffer: `attn_core.ops.device_faults`), or
+        None; reads and clears the fault buffer (one device sync)."""
+        return self.device_faults.poll()
 
     # ---- per-step metadata -------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -163,7 +171,11 @@ class FlashInferBackend(AttentionBackend):
             def out(bs: int, pages: int):  # the captured graph's own buffers, which its wrappers read
                 return graph.kv_indices, graph.kv_indptr, graph.last_page_len
 
-        kv = build_paged_kv(x.req_to_token, x.req_pool_indices, lens, lens_host, page_size, kv_start=start, out=out, defer=graph is None)
+        pool = self.ctx.token_to_kv_pool
+        kv = build_paged_kv(
+            x.req_to_token, x.req_pool_indices, lens, lens_host, page_size, kv_start=start, out=out, defer=graph is None,
+            num_slots=None if pool is None else pool.num_slots, fault=self.device_faults.buffer,
+        )  # fmt: skip
         step.kv[which] = kv
         return kv
 
