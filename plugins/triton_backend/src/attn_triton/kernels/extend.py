@@ -12,9 +12,11 @@ in a masked loop.
 
 Bounds: qo_indptr is clamped into the step's T tokens (QUERY_ROWS) and kv_indptr into kv_indices
 (KEY_OFFSETS); a slot outside [0, slots of k_buf) is masked out in masked tiles and read as the dummy
-slot 0 in unmasked ones (SLOT); custom-mask entries past the mask are not read (the key stays hidden;
-MASK). Each is recorded in the fault buffer (`attn_core.ops.device_faults`), so no offset or slot
-read from the metadata can make the kernel read or write outside its buffers.
+slot 0 in unmasked ones (SLOT); a request whose custom-mask block does not lie inside the mask reads
+none of it (its keys stay hidden; MASK). Each is recorded in the fault buffer
+(`attn_core.ops.device_faults`), so no offset or slot read from the metadata can make the kernel read
+or write outside its buffers. No fault is stored inside the key loops (a store there could cost the
+loads' software pipelining): slot faults are carried in registers and stored once per program.
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ def _extend_tile(
     stride_vs,
     MASK,
     mask_beg,
-    mask_size,
+    mask_fits,
+    bad_slots,
     qk_scale,
     cap_scale,
     window,
@@ -94,7 +97,8 @@ def _extend_tile(
     LOGIT_CAP: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """Attend one BLOCK_N tile of keys starting at `start`; MASKED applies bounds and visibility."""
+    """Attend one BLOCK_N tile of keys starting at `start`; MASKED applies bounds and visibility.
+    Returns (acc, m_i, l_i, bad_slots | the tile's slots outside [0, num_slots))."""
     n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -102,13 +106,13 @@ def _extend_tile(
         n_ok = n < kv_len
         slot = tl.load(KV_INDICES + kv_beg + n, mask=n_ok, other=0).to(tl.int64)
         slot_ok = (slot >= 0) & (slot < num_slots)
-        tl.store(FAULT + FAULT_SLOT + n * 0, 1, mask=n_ok & ~slot_ok)  # one address: a flag, no reduction
+        bad_slots |= n_ok & ~slot_ok
         n_ok = n_ok & slot_ok
         k = tl.load(k_head + slot[:, None] * stride_ks + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     else:
         slot = tl.load(KV_INDICES + kv_beg + n).to(tl.int64)
         slot_ok = (slot >= 0) & (slot < num_slots)
-        tl.store(FAULT + FAULT_SLOT + n * 0, 1, mask=~slot_ok)
+        bad_slots |= ~slot_ok
         slot = tl.where(slot_ok, slot, 0)
         k = tl.load(k_head + slot[:, None] * stride_ks + offs_d[None, :], mask=offs_d[None, :] < D, other=0.0)
     qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
@@ -134,9 +138,7 @@ def _extend_tile(
             ok = ok & (n[None, :] > q_pos[:, None] - window)
         if USE_MASK:
             at = mask_beg + q_idx[:, None].to(tl.int64) * kv_len + n[None, :]
-            in_mask = (at >= 0) & (at < mask_size)
-            tl.store(FAULT + FAULT_MASK + at * 0, 1, mask=ok & ~in_mask)
-            bits = tl.load(MASK + at, mask=ok & in_mask, other=0)
+            bits = tl.load(MASK + at, mask=ok & mask_fits, other=0)
             ok = ok & (bits != 0)
         sc = tl.where(ok, sc, float("-inf"))
     m_i, l_i, acc, p = softmax_step(m_i, l_i, acc, sc, s_scale, MASKED)
@@ -148,7 +150,7 @@ def _extend_tile(
         else:
             v = tl.load(v_head + slot[:, None] * stride_vs + offs_dv[None, :], mask=offs_dv[None, :] < DV, other=0.0)
     acc += tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
-    return acc, m_i, l_i
+    return acc, m_i, l_i, bad_slots
 
 
 @triton.jit
@@ -225,8 +227,13 @@ def _extend_kernel(
         offs_dpe = tl.arange(0, BLOCK_DPE)
         q_pe = tl.load(q_rows + D + offs_dpe[None, :], mask=m_ok[:, None] & (offs_dpe[None, :] < DPE), other=0.0)
     mask_beg = 0
-    if USE_MASK:
+    mask_fits = q_len >= 0
+    if USE_MASK:  # the request's [q_len, kv_len] block must lie inside the mask, else no entry is read
         mask_beg = tl.load(MASK_INDPTR + r)
+        mask_outside = (mask_beg < 0) | (mask_beg + q_len.to(tl.int64) * kv_len > mask_size)
+        mask_fits = ~mask_outside
+        if (h == 0) & (tl.program_id(1) == 0):
+            tl.store(FAULT + FAULT_MASK, 1, mask=mask_outside)
     k_head = K + kv_head * stride_kh
     v_head = V + kv_head * stride_vh
 
@@ -248,19 +255,21 @@ def _extend_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    bad_slots = tl.arange(0, BLOCK_N) < 0
     for start in range(lo, full_end, BLOCK_N):
-        acc, m_i, l_i = _extend_tile(
+        acc, m_i, l_i, bad_slots = _extend_tile(
             acc, m_i, l_i, q, q_pe, start, kv_len, q_pos, offs_m, m_ok, k_head, v_head, KV_INDICES, kv_beg, num_slots, FAULT,
-            stride_ks, stride_vs, MASK, mask_beg, mask_size, qk_scale, cap_scale, window,
+            stride_ks, stride_vs, MASK, mask_beg, mask_fits, bad_slots, qk_scale, cap_scale, window,
             BLOCK_N, D, BLOCK_D, DPE, BLOCK_DPE, DV, BLOCK_DV, SHARE_KV, False, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC,
         )  # fmt: skip
     for start in range(full_end, hi, BLOCK_N):
-        acc, m_i, l_i = _extend_tile(
+        acc, m_i, l_i, bad_slots = _extend_tile(
             acc, m_i, l_i, q, q_pe, start, kv_len, q_pos, offs_m, m_ok, k_head, v_head, KV_INDICES, kv_beg, num_slots, FAULT,
-            stride_ks, stride_vs, MASK, mask_beg, mask_size, qk_scale, cap_scale, window,
+            stride_ks, stride_vs, MASK, mask_beg, mask_fits, bad_slots, qk_scale, cap_scale, window,
             BLOCK_N, D, BLOCK_D, DPE, BLOCK_DPE, DV, BLOCK_DV, SHARE_KV, True, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC,
         )  # fmt: skip
 
+    tl.store(FAULT + FAULT_SLOT + tl.arange(0, BLOCK_N) * 0, 1, mask=bad_slots)  # one address: a flag, no reduction
     if HAS_SINK:
         sink2 = tl.load(SINKS + h) * LOG2E_K
         m_i, l_i, acc = add_sink(m_i, l_i, acc, tl.zeros([BLOCK_M], dtype=tl.float32) + sink2)
