@@ -12,8 +12,8 @@ in a masked loop.
 
 Bounds: qo_indptr is clamped into the step's T tokens (QUERY_ROWS) and kv_indptr into kv_indices
 (KEY_OFFSETS); a slot outside [0, slots of k_buf) is masked out in masked tiles and read as the dummy
-slot 0 in unmasked ones (SLOT); a request whose custom-mask block does not lie inside the mask reads
-none of it (its keys stay hidden; MASK). Each is recorded in the fault buffer
+slot 0 in unmasked ones (SLOT); custom-mask entries outside the mask are not read (those keys stay
+hidden; a request whose mask block does not fit is recorded as MASK). Each is recorded in the fault buffer
 (`attn_core.ops.device_faults`), so no offset or slot read from the metadata can make the kernel read
 or write outside its buffers. No fault is stored inside the key loops (a store there could cost the
 loads' software pipelining): slot faults are carried in registers and stored once per program.
@@ -77,7 +77,7 @@ def _extend_tile(
     stride_vs,
     MASK,
     mask_beg,
-    mask_fits,
+    mask_size,
     bad_slots,
     qk_scale,
     cap_scale,
@@ -138,7 +138,7 @@ def _extend_tile(
             ok = ok & (n[None, :] > q_pos[:, None] - window)
         if USE_MASK:
             at = mask_beg + q_idx[:, None].to(tl.int64) * kv_len + n[None, :]
-            bits = tl.load(MASK + at, mask=ok & mask_fits, other=0)
+            bits = tl.load(MASK + at, mask=ok & (at >= 0) & (at < mask_size), other=0)
             ok = ok & (bits != 0)
         sc = tl.where(ok, sc, float("-inf"))
     m_i, l_i, acc, p = softmax_step(m_i, l_i, acc, sc, s_scale, MASKED)
@@ -227,11 +227,9 @@ def _extend_kernel(
         offs_dpe = tl.arange(0, BLOCK_DPE)
         q_pe = tl.load(q_rows + D + offs_dpe[None, :], mask=m_ok[:, None] & (offs_dpe[None, :] < DPE), other=0.0)
     mask_beg = 0
-    mask_fits = q_len >= 0
-    if USE_MASK:  # the request's [q_len, kv_len] block must lie inside the mask, else no entry is read
+    if USE_MASK:  # the request's [q_len, kv_len] block must lie inside the mask (entries past it are not read)
         mask_beg = tl.load(MASK_INDPTR + r)
         mask_outside = (mask_beg < 0) | (mask_beg + q_len.to(tl.int64) * kv_len > mask_size)
-        mask_fits = ~mask_outside
         if (h == 0) & (tl.program_id(1) == 0):
             tl.store(FAULT + FAULT_MASK, 1, mask=mask_outside)
     k_head = K + kv_head * stride_kh
@@ -259,13 +257,13 @@ def _extend_kernel(
     for start in range(lo, full_end, BLOCK_N):
         acc, m_i, l_i, bad_slots = _extend_tile(
             acc, m_i, l_i, q, q_pe, start, kv_len, q_pos, offs_m, m_ok, k_head, v_head, KV_INDICES, kv_beg, num_slots, FAULT,
-            stride_ks, stride_vs, MASK, mask_beg, mask_fits, bad_slots, qk_scale, cap_scale, window,
+            stride_ks, stride_vs, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
             BLOCK_N, D, BLOCK_D, DPE, BLOCK_DPE, DV, BLOCK_DV, SHARE_KV, False, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC,
         )  # fmt: skip
     for start in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i, bad_slots = _extend_tile(
             acc, m_i, l_i, q, q_pe, start, kv_len, q_pos, offs_m, m_ok, k_head, v_head, KV_INDICES, kv_beg, num_slots, FAULT,
-            stride_ks, stride_vs, MASK, mask_beg, mask_fits, bad_slots, qk_scale, cap_scale, window,
+            stride_ks, stride_vs, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
             BLOCK_N, D, BLOCK_D, DPE, BLOCK_DPE, DV, BLOCK_DV, SHARE_KV, True, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC,
         )  # fmt: skip
 
