@@ -59,6 +59,9 @@ _EXPORTS = {
     "TboAttnBackend": "attn_core.wrappers.tbo",
     "MultiStepDraftBackend": "attn_core.wrappers.multi_step_draft",
     "CudaGraphRunner": "attn_core.graph_runner",
+    "CudaGraphStep": "attn_core.graph_step",
+    "GraphPadding": "attn_core.graph_step",
+    "graph_padding": "attn_core.graph_step",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
