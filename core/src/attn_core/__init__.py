@@ -52,6 +52,8 @@ _EXPORTS = {
     "ReqToTokenPool": "attn_core.memory",
     "TokenAllocator": "attn_core.memory",
     "PagedTokenAllocator": "attn_core.memory",
+    "KVSlotError": "attn_core.memory",
+    "PageTailError": "attn_core.memory",
     "MHATokenToKVPool": "attn_core.memory",
     "MLATokenToKVPool": "attn_core.memory",
     "merge_state": "attn_core.ops.merge_state",
