@@ -205,7 +205,7 @@ class Registry:
     def register(self, spec: BackendSpec, distribution: Optional[str] = None) -> None:
         """Add a backend in-process (tests, notebooks). Takes effect at the next lookup."""
         with self._lock:
-            self._extra.append((spec, distribution or spec.distribution))
+            self._extra.append((spec, distribution or _dist_name(spec, "unknown")))
             self._entries = None
 
     def refresh(self) -> None:
@@ -244,7 +244,7 @@ class Registry:
                 continue
             for spec in specs:
                 source = f"pluggy hook plugin {plugin}"
-                entry = self._entry(_spec_name(spec, source), _dist_name(spec, plugin), None, source)
+                entry = self._entry(_spec_name(spec, source), _dist_name(spec, f"unknown (hook plugin {plugin})"), None, source)
                 self._accept(entry, spec)
                 found.append(entry)
         found += self._broken_plugins.values()
@@ -430,9 +430,10 @@ def _spec_name(spec: object, source: str) -> str:
     return name if isinstance(name, str) and _is_backend_name(name) and name else f"?{source}"
 
 
-def _dist_name(spec: object, plugin: str) -> str:
+def _dist_name(spec: object, fallback: str) -> str:
+    """The spec's distribution when it is a string (an invalid spec may have anything), else `fallback`."""
     dist = getattr(spec, "distribution", None)
-    return dist if isinstance(dist, str) else f"unknown (hook plugin {plugin})"
+    return dist if isinstance(dist, str) else fallback
 
 
 def _version_of(dist: str) -> Optional[str]:
