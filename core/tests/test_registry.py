@@ -355,6 +355,15 @@ def test_probe_timeout_from_the_environment(monkeypatch):
         assert r.resolve("hangs").probe() == "probe timed out after 0.2 s"
     finally:
         release.set()
+    from attn_core.testing.target import resolve_target
+
+    release2 = threading.Event()
+    try:  # the conformance kit probes the same way
+        target = resolve_target(_spec("hangs", probe_fn=_blocking_probe(release2)))
+        assert target.probe() == "probe timed out after 0.2 s"
+        assert resolve_target(_spec("exits", probe_fn=_exits)).probe() == "probe failed: SystemExit: 3"
+    finally:
+        release2.set()
     for bad in ("nan", "-1", "0", "soon"):
         monkeypatch.setenv("ATTN_CORE_PROBE_TIMEOUT", bad)
         r = reg.Registry(use_entry_points=False)
