@@ -1,0 +1,75 @@
+"""attn_core.chunk_plan: the worked example, random batches against a plain per-token loop, slots, errors."""
+
+import random
+
+import pytest
+import torch
+
+from attn_core.chunk_plan import chunk_slots, plan_prefix_chunks
+from attn_core.errors import InvalidArgumentError
+
+
+def test_worked_example():
+    plan = plan_prefix_chunks([5, 0, 9], 10)
+    assert plan.chunk_len == 3
+    got = [(c.starts.tolist(), c.lens.tolist(), c.cu_seqlens.tolist(), c.positions.tolist(), c.request.tolist()) for c in plan.chunks]
+    assert got == [
+        ([0, 0, 0], [3, 0, 3], [0, 3, 3, 6], [0, 1, 2, 0, 1, 2], [0, 0, 0, 2, 2, 2]),
+        ([3, 3, 3], [2, 0, 3], [0, 2, 2, 5], [3, 4, 3, 4, 5], [0, 0, 2, 2, 2]),
+        ([6, 6, 6], [0, 0, 3], [0, 0, 0, 3], [6, 7, 8], [2, 2, 2]),
+    ]
+    assert [c.max_len for c in plan.chunks] == [3, 3, 3] and [c.num_tokens for c in plan.chunks] == [6, 5, 3]
+
+
+def _loop_plan(prefix_lens, capacity):
+    """The same plan, one token at a time: token t of request b goes to chunk t // (capacity // bs)."""
+    bs = len(prefix_lens)
+    n = capacity // bs
+    chunks = {}
+    for b, p in enumerate(prefix_lens):
+        for t in range(p):
+            chunks.setdefault(t // n, []).append((b, t))
+    out = []
+    for c in range(max(chunks) + 1 if chunks else 0):
+        toks = sorted(chunks.get(c, []))
+        out.append(([b for b, _ in toks], [t for _, t in toks], [sum(1 for b2, _ in toks if b2 == b) for b in range(bs)]))
+    return n, out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_batches_match_a_plain_loop(seed):
+    rng = random.Random(seed)
+    bs = rng.randint(1, 7)
+    lens = [rng.choice([0, rng.randint(1, 5), rng.randint(1, 200)]) for _ in range(bs)]
+    capacity = rng.randint(bs, 300)
+    plan = plan_prefix_chunks(torch.tensor(lens, dtype=torch.int32), capacity)
+    n, want = _loop_plan(lens, capacity)
+    assert plan.chunk_len == n and len(plan.chunks) == len(want)
+    for c, (chunk, (req, pos, per_req)) in enumerate(zip(plan.chunks, want)):
+        assert chunk.index == c
+        assert chunk.request.tolist() == req and chunk.positions.tolist() == pos and chunk.lens.tolist() == per_req
+        assert chunk.starts.tolist() == [c * n] * bs
+        assert chunk.cu_seqlens.tolist() == [sum(per_req[:i]) for i in range(bs + 1)]
+        assert chunk.num_tokens == len(req) <= capacity and chunk.max_len == max(per_req)
+        assert all(t.dtype == torch.int32 for t in (chunk.starts, chunk.lens, chunk.cu_seqlens, chunk.positions, chunk.request))
+
+
+def test_no_prefix_no_chunks_and_empty_batch():
+    assert plan_prefix_chunks([0, 0], 8).chunks == ()
+    assert plan_prefix_chunks([], 8).chunks == ()
+
+
+@pytest.mark.parametrize(("lens", "capacity", "arg"), [([3, -1], 8, "prefix_lens"), ([3, 4, 5], 2, "capacity"), ([3], 0, "capacity")])
+def test_bad_input_is_a_typed_error(lens, capacity, arg):
+    with pytest.raises(InvalidArgumentError, match=arg):
+        plan_prefix_chunks(lens, capacity)
+
+
+def test_chunk_slots_reads_each_token_of_its_row():
+    r2t = torch.arange(10 * 12, dtype=torch.int32).reshape(10, 12) + 1000
+    rows = torch.tensor([4, 9, 2])
+    plan = plan_prefix_chunks([7, 2, 12], 9)
+    for chunk in plan.chunks:
+        want = [1000 + 12 * int(rows[b]) + int(t) for b, t in zip(chunk.request, chunk.positions)]
+        got = chunk_slots(r2t, rows, chunk)
+        assert got.dtype == torch.int64 and got.tolist() == want
