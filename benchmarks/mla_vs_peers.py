@@ -10,8 +10,8 @@ Per row: per-layer forward time (CUDA events over back-to-back calls, save_kv_ca
 run stores nothing), the direct run, attn-triton's forward, and the host time of one step's metadata
 (`init_forward_metadata`: index launch + lean re-plan) against FlashInfer's own `plan` on the same host
 inputs. The prefill row times `PrefillPlan.attend` against the same FlashInfer wrappers run by hand
-(ragged + one ragged per chunk + merge_state_in_place) and against one causal ragged pass over the whole
-sequence (what chunking trades for bounded memory).
+(ragged + one ragged per chunk + attn-core's merge_state) and against one causal ragged pass over the
+whole sequence (what chunking trades for bounded memory).
 
     python benchmarks/mla_vs_peers.py --json out.json
 """
@@ -25,13 +25,13 @@ import time
 
 import torch
 from flashinfer import BatchPrefillWithRaggedKVCacheWrapper
-from flashinfer.cascade import merge_state_in_place
 from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
 from attn_core.batch_builder import build_forward_batch
 from attn_core.context import BackendContext
 from attn_core.layer import AttentionLayer
 from attn_core.memory import MLATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
+from attn_core.ops.merge_state import merge_state
 from attn_core.registry import create_backend
 from attn_flashinfer.mla_backend import FlashInferMLABackend
 
@@ -193,11 +193,11 @@ def bench_prefill(iters: int, rounds: int, bs: int = 4, new: int = 1024, prefix:
     def ours():
         plan.attend(q, k, v, lambda c, s: chunk_kv[c.index])
 
-    def direct():
+    def direct():  # the same kernels by hand (FlashInfer's merge_state_in_place cannot launch at 128 heads)
         o, s = plan.new.run(q, k, v, return_lse=True)
         for w, (kc, vc) in zip(plan.chunks, chunk_kv):
             o2, s2 = w.run(q, kc, vc, return_lse=True)
-            merge_state_in_place(o, s, o2, s2)
+            merge_state(o, s, o2, s2, out=o, out_lse=s)
 
     whole = BatchPrefillWithRaggedKVCacheWrapper(backend.workspace, "NHD", backend="fa2")
     qo = torch.arange(0, T + 1, new, dtype=torch.int32)
