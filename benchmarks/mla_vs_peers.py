@@ -168,7 +168,7 @@ def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int) -> dict:
         backend.init_cuda_graph_state(bs, bs)
         backend.init_forward_metadata_capture_cuda_graph(bs, bs, batch.req_pool_indices, batch.seq_lens, None, batch.forward_mode, None)
 
-        def replay_meta():
+        def replay_meta():  # the engine-facing (SGLang-named) entry point
             backend.init_forward_metadata_replay_cuda_graph(
                 bs, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_sum, None, batch.forward_mode, None, batch.seq_lens_cpu
             )

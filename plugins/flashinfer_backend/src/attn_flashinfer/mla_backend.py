@@ -29,6 +29,7 @@ from attn_core.backend import AttentionBackend
 from attn_core.batch import ForwardBatch
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
+from attn_core.graph_step import CudaGraphStep
 from attn_flashinfer import mla_plans, replan
 from attn_flashinfer.backend import DEFAULT_WORKSPACE_BYTES
 from attn_flashinfer.indices import PagedKV, QueryLayout, build_paged_kv, query_layout
@@ -172,41 +173,40 @@ class FlashInferMLABackend(AttentionBackend):
         )
         self._graphs = {}
 
-    def _graph_step_inputs(self, mode, bs, num_tokens, req_pool_indices, seq_lens, seq_host, spec_info) -> StepInputs:
+    def _graph_step_inputs(self, step: CudaGraphStep, num_tokens: int, seq_host: torch.Tensor) -> StepInputs:
         pool = self.ctx.req_to_token_pool
         if pool is None:
             raise InvalidArgumentError("ctx.req_to_token_pool", "the request-to-token pool (CUDA graphs read the context's)", None)
-        refuse_tree_mask(self.name, mode, spec_info)
-        return graph_inputs(pool.req_to_token, mode, bs, num_tokens, req_pool_indices, seq_lens, seq_host, None, None, spec_info)
+        refuse_tree_mask(self.name, step.forward_mode, step.spec_info)
+        return graph_inputs(pool.req_to_token, step, num_tokens, seq_host, None)
 
-    def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info):
+    def capture_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
         if self._graph_buffers is None:
             raise InvalidArgumentError("init_cuda_graph_state", "called before capture", None)
-        mode = ForwardMode.parse(forward_mode)
+        mode, bs = step.forward_mode, step.bs
         if not (mode.is_decode() or mode.is_target_verify()):
             raise UnsupportedFeatureError(self.name, f"CUDA graphs for {mode.name}")
         b = self._graph_buffers
-        if bs < 1 or bs + 1 > b.qo_indptr.shape[0] or num_tokens % bs:
-            raise InvalidArgumentError("bs/num_tokens", "1 <= bs <= max_bs and num_tokens a multiple of bs", (bs, num_tokens))
-        inputs = self._graph_step_inputs(mode, bs, num_tokens, req_pool_indices, seq_lens, seq_lens[:bs].cpu(), spec_info)
+        if bs + 1 > b.qo_indptr.shape[0]:
+            raise InvalidArgumentError("bs", "<= max_bs of init_cuda_graph_state", bs)
+        inputs = self._graph_step_inputs(step, step.num_tokens, step.seq_lens.cpu())  # capture only: a sync is fine here
         graph = MLAGraph(MLAGraphBuffers(b.qo_indptr[: bs + 1], b.kv_indptr[: bs + 1], b.kv_indices, b.kv_lens[:bs]))
-        step = self._new_step(inputs, graph, self.known_scalings)
-        self._graphs[(bs, mode)] = (step, graph)
-        self.forward_metadata = step
+        state = self._new_step(inputs, graph, self.known_scalings)
+        self._graphs[(bs, mode)] = (state, graph)
+        self.forward_metadata = state
 
-    def init_forward_metadata_replay_cuda_graph(
-        self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens, forward_mode, spec_info, seq_lens_cpu
-    ):
-        mode = ForwardMode.parse(forward_mode)
+    def replay_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
+        mode, bs = step.forward_mode, step.bs
         captured = self._graphs.get((bs, mode))
         if captured is None:
             raise InvalidArgumentError("bs", f"a batch size captured for {mode.name}", bs)
         old, graph = captured
-        seq_host = seq_lens_cpu[:bs] if seq_lens_cpu is not None else seq_lens[:bs].cpu()
-        inputs = self._graph_step_inputs(mode, bs, old.inputs.num_tokens, req_pool_indices, seq_lens, seq_host, spec_info)
-        step = self._new_step(inputs, graph, list(old.wrappers))  # the scalings the graph holds kernels of
-        self._graphs[(bs, mode)] = (step, graph)
-        self.forward_metadata = step
+        if step.num_tokens not in (None, old.inputs.num_tokens):
+            raise InvalidArgumentError("num_tokens", f"{old.inputs.num_tokens} as captured for bs={bs}", step.num_tokens)
+        inputs = self._graph_step_inputs(step, old.inputs.num_tokens, step.host_seq_lens())
+        state = self._new_step(inputs, graph, list(old.wrappers))  # the scalings the graph holds kernels of
+        self._graphs[(bs, mode)] = (state, graph)
+        self.forward_metadata = state
 
     # ---- attention ---------------------------------------------------------------------------
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):
