@@ -73,3 +73,53 @@ def test_chunk_slots_reads_each_token_of_its_row():
         want = [1000 + 12 * int(rows[b]) + int(t) for b, t in zip(chunk.request, chunk.positions)]
         got = chunk_slots(r2t, rows, chunk)
         assert got.dtype == torch.int64 and got.tolist() == want
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_chunked_prefix_attention_equals_attention_over_the_whole_sequence(seed):
+    """attend_with_prefix_chunks with plain passes (the float64 reference per request: causal over the new
+    tokens, no mask over each chunk) against the reference over prefix + new tokens at once."""
+    from attn_core.chunk_plan import attend_with_prefix_chunks
+    from attn_core.testing.reference import reference_attention
+
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    bs, H, D, Dv = rng.randint(1, 4), 3, 8, 5
+    reqs = [(rng.choice([0, rng.randint(1, 40)]), rng.randint(1, 6)) for _ in range(bs)]
+    capacity = rng.randint(bs, 30)
+    prefix_k = [torch.randn(p, H, D, generator=g, dtype=torch.float64) for p, _ in reqs]
+    prefix_v = [torch.randn(p, H, Dv, generator=g, dtype=torch.float64) for p, _ in reqs]
+    T = sum(e for _, e in reqs)
+    q, k = (torch.randn(T, H, D, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(T, H, Dv, generator=g, dtype=torch.float64)
+    starts = [sum(e for _, e in reqs[:b]) for b in range(bs)]
+    scale = 0.3
+
+    def passes(keys_of, causal):
+        o, lse = torch.zeros(T, H, Dv, dtype=torch.float64), torch.full((T, H), float("-inf"), dtype=torch.float64)
+        for b, (_, e) in enumerate(reqs):
+            kb, vb = keys_of(b)
+            if kb.shape[0] == 0:  # no key of this request in the pass: output 0, LSE -inf
+                continue
+            rows = slice(starts[b], starts[b] + e)
+            o[rows], lse[rows] = reference_attention(q[rows], kb, vb, q_positions=torch.arange(e), scale=scale, causal=causal)
+        return o, lse.float()  # merge_state takes float32 LSEs
+
+    def attend_new():
+        return passes(lambda b: (k[starts[b] : starts[b] + reqs[b][1]], v[starts[b] : starts[b] + reqs[b][1]]), causal=True)
+
+    def attend_chunk(chunk):
+        def keys_of(b):
+            s, n = int(chunk.starts[b]), int(chunk.lens[b])
+            return prefix_k[b][s : s + n], prefix_v[b][s : s + n]
+
+        return passes(keys_of, causal=False)
+
+    plan = plan_prefix_chunks([p for p, _ in reqs], capacity)
+    o, lse = attend_with_prefix_chunks(plan.chunks, attend_new, attend_chunk)
+    for b, (p, e) in enumerate(reqs):
+        rows = slice(starts[b], starts[b] + e)
+        keys = torch.cat([prefix_k[b], k[rows]])
+        vals = torch.cat([prefix_v[b], v[rows]])
+        ref, ref_lse = reference_attention(q[rows], keys, vals, q_positions=torch.arange(p, p + e), scale=scale)
+        assert torch.allclose(o[rows], ref, atol=1e-5) and torch.allclose(lse[rows].double(), ref_lse, atol=1e-5)

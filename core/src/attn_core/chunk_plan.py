@@ -10,18 +10,20 @@ Semantics (SGLang's prefix chunks): the batch shares one chunk capacity in token
 the same chunk length `chunk_len = capacity // batch size`; chunk c covers prefix positions
 `[c * chunk_len, (c + 1) * chunk_len)` of every request, clipped to the request's prefix (an empty range
 for a request whose prefix ends earlier); there are `ceil(max prefix / chunk_len)` chunks (none without a
-cached prefix). Everything here is host-side and pure (no device, no sync); `chunk_slots` turns one chunk
-into the pool slots the engine reads the latents from.
+cached prefix). The plan is host-side and pure (no device, no sync); `chunk_slots` turns one chunk
+into the pool slots the engine reads the latents from; `attend_with_prefix_chunks` runs the passes of
+any backend and merges them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Callable, Sequence, Union
 
 import torch
 
 from attn_core.errors import InvalidArgumentError
+from attn_core.ops.merge_state import merge_state
 
 Lengths = Union[Sequence[int], torch.Tensor]
 
@@ -112,4 +114,26 @@ def chunk_slots(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, chun
     return req_to_token[rows, chunk.positions.to(dev, torch.int64, non_blocking=True)].to(torch.int64)
 
 
-__all__ = ["PrefixChunk", "PrefixChunkPlan", "chunk_slots", "plan_prefix_chunks"]
+#: (output [T, H, Dv], natural-log LSE [T, H] float32) of one attention pass
+Partial = tuple[torch.Tensor, torch.Tensor]
+
+
+def attend_with_prefix_chunks(
+    chunks: Sequence[PrefixChunk], attend_new: Callable[[], Partial], attend_chunk: Callable[[PrefixChunk], Partial]
+) -> Partial:
+    """The new tokens' attention over their prefix and themselves, from one pass over the new tokens
+    (`attend_new`: causal over the step's K/V) and one pass per prefix chunk (`attend_chunk(chunk)`: no
+    mask, over that chunk's K/V), merged by LSE (`attn_core.ops.merge_state`, into the first pass's
+    tensors). Any backend supplies the passes with its own kernels; a query with no key in a chunk has
+    LSE -inf there, which the merge ignores. Returns (output `[T, H, Dv]`, natural-log LSE `[T, H]`).
+
+    Example: chunks = plan_prefix_chunks([5, 0, 9], 10).chunks (3 chunks) -> attend_new() once, then
+    attend_chunk(chunks[0]), attend_chunk(chunks[1]), attend_chunk(chunks[2]), each merged in turn."""
+    o, lse = attend_new()
+    for chunk in chunks:
+        o_c, lse_c = attend_chunk(chunk)
+        merge_state(o, lse, o_c, lse_c, out=o, out_lse=lse)
+    return o, lse
+
+
+__all__ = ["Partial", "PrefixChunk", "PrefixChunkPlan", "attend_with_prefix_chunks", "chunk_slots", "plan_prefix_chunks"]

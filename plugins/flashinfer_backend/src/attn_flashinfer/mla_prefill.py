@@ -5,8 +5,9 @@ For a prefill, DeepSeek-style models decompress the latent into per-head K `[..,
 causally to themselves (a ragged pass over the step's K/V), and to their cached prefix, which the
 engine decompresses chunk by chunk to bound memory (attn-core's `plan_prefix_chunks`: a token capacity
 shared by the batch). Each chunk is a ragged pass without mask (a prefix precedes every new token);
-partial results are merged by their LSEs with attn-core's `merge_state` (FlashInfer 0.6.6's
-`merge_state_in_place` fails to launch at 128 heads of 128: "invalid argument", found on an H200).
+partial results are merged by their LSEs by attn-core's `attend_with_prefix_chunks` (its `merge_state`:
+FlashInfer 0.6.6's `merge_state_in_place` fails to launch at 128 heads of 128, "invalid argument",
+found on an H200).
 
 Per step: `PrefillWrappers.plan` (through `FlashInferMLABackend.plan_prefill`) plans one wrapper for the
 new tokens and one per chunk, and finds each chunk's pool slots (`PrefillPlan.chunk_slots`); per layer
@@ -26,9 +27,8 @@ from typing import Callable, Optional
 import torch
 from flashinfer import BatchPrefillWithRaggedKVCacheWrapper
 
-from attn_core.chunk_plan import PrefixChunk, PrefixChunkPlan, chunk_slots, plan_prefix_chunks
+from attn_core.chunk_plan import PrefixChunk, PrefixChunkPlan, attend_with_prefix_chunks, chunk_slots, plan_prefix_chunks
 from attn_core.errors import InvalidArgumentError
-from attn_core.ops.merge_state import merge_state
 from attn_flashinfer.indices import query_layout
 
 #: FlashInfer's FA2 ragged kernels (head_dim_qk 192 / head_dim_vo 128 build like any other pair).
@@ -62,16 +62,21 @@ class PrefillPlan:
             )
         if self.chunks and prefix_kv is None:
             raise InvalidArgumentError("prefix_kv", f"a callable giving the K/V of {len(self.chunks)} prefix chunks", None)
-        o, lse = self.new.run(q, k, v, return_lse=True)
-        lse.mul_(LN2)  # FlashInfer's LSE is base 2; merge_state and callers take natural log
-        for chunk, slots, w in zip(self.chunk_plan.chunks, self.chunk_slots, self.chunks):
+        def attend_new():
+            o, lse = self.new.run(q, k, v, return_lse=True)
+            return o, lse.mul_(LN2)  # FlashInfer's LSE is base 2; merge_state and callers take natural log
+
+        def attend_chunk(chunk: PrefixChunk):
+            w, slots = self.chunks[chunk.index], self.chunk_slots[chunk.index]
             kc, vc = prefix_kv(chunk, slots)
             if kc.shape[0] != chunk.num_tokens or vc.shape[0] != chunk.num_tokens:
                 raise InvalidArgumentError(
                     "prefix_kv", f"K/V of {chunk.num_tokens} tokens for chunk {chunk.index}", (kc.shape[0], vc.shape[0])
                 )
             o_c, lse_c = w.run(q, kc, vc, return_lse=True)
-            merge_state(o, lse, o_c, lse_c.mul_(LN2), out=o, out_lse=lse)
+            return o_c, lse_c.mul_(LN2)
+
+        o, lse = attend_with_prefix_chunks(self.chunk_plan.chunks, attend_new, attend_chunk)
         o = o.reshape(T, H * self.v_head_dim)
         return (o, lse) if return_lse else o
 
