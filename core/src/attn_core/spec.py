@@ -152,5 +152,7 @@ def spec_problems(spec: object) -> list[str]:
         value = getattr(spec, name)
         if value is not None and not callable(value):
             problems.append(f"{name}: expected None or a callable, found {value!r}")
+    if spec.unverified is not None and not isinstance(spec.unverified, str):
+        problems.append(f"unverified: expected None or a str, found {spec.unverified!r}")
     problems += capabilities_problems(spec.capabilities)
     return [p for p in problems if p]
