@@ -20,8 +20,9 @@ if ls .fi-cache/aot*.tar.xz >/dev/null 2>&1 && python3 -c "import flashinfer" 2>
   for t in .fi-cache/aot*.tar.xz; do tar -C /tmp -xJf "$t" || exit 1; done
   python3 plugins/flashinfer_backend/tools/jit_cache.py install /tmp/aot || exit 1
 fi
-if [ -f .fi-cache/triton_bench_fi.tgz ]; then  # FlashInfer's JIT cache for the peer kernels of the benchmarks
-  mkdir -p /tmp/fiws && tar -C /tmp/fiws -xzf .fi-cache/triton_bench_fi.tgz && export FLASHINFER_WORKSPACE_BASE=/tmp/fiws
+if ls .fi-cache/*_fi.tgz >/dev/null 2>&1; then  # FlashInfer JIT caches (.cache/flashinfer/...): benchmark peers, MLA kernels
+  mkdir -p /tmp/fiws && export FLASHINFER_WORKSPACE_BASE=/tmp/fiws
+  for t in .fi-cache/*_fi.tgz; do tar -C /tmp/fiws -xzf "$t" || exit 1; done
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
