@@ -9,9 +9,11 @@ tokens: 3 chunks of 1024 per request), 128 heads, 192 / 128.
 Per row: per-layer forward time (CUDA events over back-to-back calls, save_kv_cache=False as FlashInfer's
 run stores nothing), the direct run, attn-triton's forward, and the host time of one step's metadata
 (`init_forward_metadata`: index launch + lean re-plan) against FlashInfer's own `plan` on the same host
-inputs. The prefill row times `PrefillPlan.attend` against the same FlashInfer wrappers run by hand
-(ragged + one ragged per chunk + attn-core's merge_state) and against one causal ragged pass over the
-whole sequence (what chunking trades for bounded memory).
+inputs, with its two parts alone (host offsets + index launch; the lean re-plan) and one forward
+call's host time next to one direct run's (GPU idle). The prefill row (`--no-prefill` skips it) times
+`PrefillPlan.attend` against the same FlashInfer wrappers run by hand (ragged + one ragged per chunk +
+attn-core's merge_state) and against one causal ragged pass over the whole sequence (what chunking
+trades for bounded memory).
 
     python benchmarks/mla_vs_peers.py --json out.json
 """
@@ -33,6 +35,8 @@ from attn_core.layer import AttentionLayer
 from attn_core.memory import MLATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
 from attn_core.ops.merge_state import merge_state
 from attn_core.registry import create_backend
+from attn_flashinfer import replan
+from attn_flashinfer.indices import build_page_list
 from attn_flashinfer.mla_backend import FlashInferMLABackend
 
 H, LORA, ROPE, PAGE, DTYPE = 128, 512, 64, 64, torch.bfloat16
@@ -149,7 +153,17 @@ def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int) -> dict:
     def ours_meta():
         backend.init_forward_metadata(batch)
 
+    def page_list():  # the metadata's index part alone: host offsets + one index launch
+        build_page_list(ctx.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_cpu, PAGE, scratch)
+
+    def lean_replan():  # the metadata's plan part alone: the MLA scheduler on the step's host arrays
+        replan.mla(w, qo, kv, step.causal, H, LORA)
+
+    scratch = lambda n: backend.scratch.get("seq", n)  # noqa: E731
     h = interleaved({"ours": ours_meta, "fi": fi_plan}, 40 * rounds, lambda f: host_time_us(f, 1))
+    # breakdown, and one forward call's host time (GPU idle): shows whether back-to-back calls are host-bound
+    parts = {"page_list": page_list, "lean_replan": lean_replan, "forward": ours, "run": direct}
+    hb = interleaved(parts, 10 * rounds, lambda f: host_time_us(f, 1))
     row = {
         "name": name,
         "forward_us": t["flashinfer_mla"],
@@ -160,6 +174,10 @@ def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int) -> dict:
         "flashinfer_plan_host_us": h["fi"],
         "metadata_over_plan": h["ours"] / h["fi"],
         "kernel": w._backend,
+        "metadata_page_list_host_us": hb["page_list"],
+        "metadata_lean_replan_host_us": hb["lean_replan"],
+        "forward_host_us": hb["forward"],
+        "flashinfer_run_host_us": hb["run"],
     }
     if triton_error:
         row["triton_error"] = triton_error
@@ -228,17 +246,20 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-prefill", action="store_true", help="skip the DeepSeek prefill row")
     args = ap.parse_args()
     rows = [
         bench_absorbed("decode bs1 x 8192", "DECODE", [(8191, 1)], args.iters, args.rounds),
         bench_absorbed("decode bs64 x 4096", "DECODE", [(4095, 1)] * 64, args.iters, args.rounds),
         bench_absorbed("decode bs128 x 2048", "DECODE", [(2047, 1)] * 128, args.iters, args.rounds),
         bench_absorbed("verify bs64 x 4096 (4 drafts)", "TARGET_VERIFY", [(4092, 4)] * 64, args.iters, args.rounds),
-        bench_prefill(args.iters, args.rounds),
     ]
+    if not args.no_prefill:
+        rows.append(bench_prefill(args.iters, args.rounds))
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     cols = ["forward_us", "flashinfer_run_us", "forward_over_run", "triton_forward_us", "metadata_host_us", "flashinfer_plan_host_us",
-            "metadata_over_plan", "graph_replay_metadata_host_us", "unchunked_ragged_us"]  # fmt: skip
+            "metadata_over_plan", "graph_replay_metadata_host_us", "metadata_page_list_host_us", "metadata_lean_replan_host_us",
+            "forward_host_us", "flashinfer_run_host_us", "unchunked_ragged_us"]  # fmt: skip
     for r in rows:
         vals = ", ".join(f"{c}={r[c]:.3g}" for c in cols if r.get(c) is not None)
         print(f"{r['name']}: {vals}" + (f" [{r['triton_error']}]" if r.get("triton_error") else ""))

@@ -32,7 +32,7 @@ from attn_core.forward_mode import ForwardMode
 from attn_core.graph_step import CudaGraphStep
 from attn_flashinfer import mla_plans, replan
 from attn_flashinfer.backend import DEFAULT_WORKSPACE_BYTES
-from attn_flashinfer.indices import PagedKV, QueryLayout, build_paged_kv, query_layout
+from attn_flashinfer.indices import PageList, QueryLayout, build_page_list, query_layout
 from attn_flashinfer.mla_prefill import PrefillPlan, PrefillWrappers
 from attn_flashinfer.mla_spec import CAPABILITIES
 from attn_flashinfer.mla_steps import MLADims, MLAGraphBuffers, check_capacity, check_mla_context, refuse_tree_mask
@@ -55,7 +55,7 @@ class MLAStep:
 
     inputs: StepInputs
     qo: QueryLayout
-    kv: PagedKV
+    kv: PageList
     causal: bool
     wrappers: dict[float, object] = field(default_factory=dict)
     graph: Optional[MLAGraph] = None
@@ -88,6 +88,11 @@ class FlashInferMLABackend(AttentionBackend):
         self._graph_buffers: Optional[MLAGraphBuffers] = None
         self._graphs: dict[tuple[int, ForwardMode], tuple[MLAStep, MLAGraph]] = {}
         self._prefill = PrefillWrappers(self.workspace)
+        # per-call constants of forward: q's split, the output's trailing shape and its 2-D width
+        self._q_split = (ctx.kv_lora_rank, ctx.qk_rope_head_dim)
+        self._out_heads = (ctx.num_q_heads, ctx.kv_lora_rank)
+        self._out_cols = ctx.num_q_heads * ctx.kv_lora_rank
+        self._latents: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # layer id -> (pool buffer, ckv, kpe)
 
     # ---- per-step metadata -------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -109,22 +114,22 @@ class FlashInferMLABackend(AttentionBackend):
         decode = inputs.q_lens_host is None
         qo = self._decode_query_layout(inputs.bs) if decode else query_layout(inputs.q_lens_host)
         if graph is None:
-
-            def out(bs: int, pages: int):
-                return self.scratch.get("seq", pages), None, None
-
+            out = self._scratch_ids
         else:
             ids = graph.buffers.kv_indices
 
-            def out(bs: int, pages: int):
+            def out(pages: int) -> torch.Tensor:
                 check_capacity("CUDA-graph page ids (seq_lens)", pages, ids.shape[0])
-                return ids, None, None
+                return ids
 
-        kv = build_paged_kv(inputs.req_to_token, inputs.req_pool_indices, inputs.seq_lens, inputs.seq_lens_host, self.page_size, out=out)
+        kv = build_page_list(inputs.req_to_token, inputs.req_pool_indices, inputs.seq_lens, inputs.seq_lens_host, self.page_size, out)
         step = MLAStep(inputs, qo, kv, causal=not decode, graph=graph)
         for scaling in scalings:
             step.wrappers[scaling] = self._planned(step, scaling)
         return step
+
+    def _scratch_ids(self, pages: int) -> torch.Tensor:
+        return self.scratch.get("seq", pages)
 
     def _decode_query_layout(self, bs: int) -> QueryLayout:
         """One query per request (0..bs on the host), built once per batch size."""
@@ -218,12 +223,25 @@ class FlashInferMLABackend(AttentionBackend):
     def _forward(self, q, k, v, layer, batch, save_kv_cache, return_lse=False):
         if layer.k_scale not in (None, 1.0) or layer.v_scale not in (None, 1.0):
             raise UnsupportedFeatureError(self.name, f"k_scale/v_scale (layer {layer.layer_id}): quantized KV caches")
-        step: MLAStep = self.forward_metadata
-        w = self._wrapper_of(step, layer)
+        w = self._wrapper_of(self.forward_metadata, layer)
         pool = self.save_kv(k, v, layer, batch) if save_kv_cache else self.kv_pool(batch)
-        o, lse = mla_plans.run(w, q, pool.get_key_buffer(layer.layer_id), step.kv.page_size, self.dims.kv_lora_rank, return_lse)
-        o = o.view(o.shape[0], -1)
+        ckv, kpe = self._latent_views(pool, layer.layer_id)
+        q_nope, q_pe = q.split_with_sizes(self._q_split, 2)
+        rows = q.shape[0]
+        out = q.new_empty((rows, *self._out_heads))
+        lse = torch.empty((rows, self.dims.num_heads), dtype=torch.float32, device=q.device) if return_lse else None
+        mla_plans.run(w, q_nope, q_pe, ckv, kpe, out, lse)
+        o = out.view(rows, self._out_cols)
         return (o, lse) if return_lse else o
+
+    def _latent_views(self, pool, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's paged ckv / kpe views (`mla_plans.latent_views`), made once per layer and pool
+        buffer (remade when the pool hands out another buffer for the layer)."""
+        buf = pool.get_key_buffer(layer_id)
+        hit = self._latents.get(layer_id)
+        if hit is None or hit[0] is not buf:
+            hit = self._latents[layer_id] = (buf, *mla_plans.latent_views(buf, self.page_size, self.dims.kv_lora_rank))
+        return hit[1], hit[2]
 
     # ---- DeepSeek's prefill path -------------------------------------------------------------
     def plan_prefill(

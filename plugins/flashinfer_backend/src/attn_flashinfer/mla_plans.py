@@ -16,7 +16,7 @@ import torch
 from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
 from attn_flashinfer import replan
-from attn_flashinfer.indices import PagedKV, QueryLayout
+from attn_flashinfer.indices import PageList, QueryLayout
 from attn_flashinfer.mla_steps import MLADims, MLAGraphBuffers
 
 KERNEL_BACKEND = "auto"
@@ -36,7 +36,7 @@ def new_wrapper(workspace: torch.Tensor, graph: Optional[MLAGraphBuffers] = None
     )
 
 
-def plan(w: BatchMLAPagedAttentionWrapper, qo: QueryLayout, kv: PagedKV, causal: bool, dims: MLADims, scaling: float, lean: bool) -> None:
+def plan(w: BatchMLAPagedAttentionWrapper, qo: QueryLayout, kv: PageList, causal: bool, dims: MLADims, scaling: float, lean: bool) -> None:
     """Plan queries `qo` over the keys of `kv` (causal: each request's queries are its last keys).
     `lean`: `replan.mla` (the wrapper has had its public plan with the same scaling and dtypes)."""
     if lean:
@@ -58,23 +58,24 @@ def plan(w: BatchMLAPagedAttentionWrapper, qo: QueryLayout, kv: PagedKV, causal:
     )
 
 
-def run(
-    w: BatchMLAPagedAttentionWrapper, q: torch.Tensor, latent: torch.Tensor, page_size: int, kv_lora_rank: int, return_lse: bool
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Absorbed MLA of q `[T, H, kv_lora_rank + rope]` over one layer's latent pool `[slots, 1,
-    kv_lora_rank + rope]`: output `[T, H, kv_lora_rank]` and, with return_lse, the natural-log LSE
-    `[T, H]` float32."""
+def latent_views(latent: torch.Tensor, page_size: int, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's latent pool `[slots, 1, kv_lora_rank + rope]` as FlashInfer's paged ckv `[pages,
+    page_size, kv_lora_rank]` and kpe `[pages, page_size, rope]` (views, no copy)."""
     pages = latent.view(-1, page_size, latent.shape[-1])
-    out = q.new_empty((q.shape[0], q.shape[1], kv_lora_rank))
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
-    w.run(
-        q[..., :kv_lora_rank],
-        q[..., kv_lora_rank:],
-        pages[..., :kv_lora_rank],
-        pages[..., kv_lora_rank:],
-        out=out,
-        lse=lse,
-        return_lse=return_lse,
-        return_lse_base_on_e=True,
-    )
-    return out, lse
+    ckv, kpe = pages.split_with_sizes((kv_lora_rank, latent.shape[-1] - kv_lora_rank), 2)
+    return ckv, kpe
+
+
+def run(
+    w: BatchMLAPagedAttentionWrapper,
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    ckv: torch.Tensor,
+    kpe: torch.Tensor,
+    out: torch.Tensor,
+    lse: Optional[torch.Tensor],
+) -> None:
+    """Absorbed MLA of q (q_nope `[T, H, kv_lora_rank]`, q_pe `[T, H, rope]`) over one layer's paged
+    latent (`latent_views`) into `out` `[T, H, kv_lora_rank]` and, when `lse` is given, the natural-log
+    LSE `[T, H]` float32."""
+    w.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, return_lse=lse is not None, return_lse_base_on_e=True)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from attn_flashinfer.indices import PagedKV, QueryLayout
+from attn_flashinfer.indices import PagedKV, PageList, QueryLayout
 from attn_flashinfer.steps import Dims, LayerKey
 
 #: flashinfer-python versions whose wrapper internals this module was checked against on a GPU
@@ -97,7 +97,7 @@ def ragged(w, qo: QueryLayout, key: LayerKey, dims: Dims) -> None:
     _schedule(w, qo, qo.indptr, qo.lens, 1, True, key, dims)
 
 
-def mla(w, qo: QueryLayout, kv: PagedKV, causal: bool, num_heads: int, head_dim_ckv: int) -> None:
+def mla(w, qo: QueryLayout, kv: PageList, causal: bool, num_heads: int, head_dim_ckv: int) -> None:
     """Re-plan an MLA paged wrapper (`flashinfer.mla.BatchMLAPagedAttentionWrapper`, FA2 or FA3) for a new
     batch: its kernel reads only the page ids (`kv.indices`: an eager wrapper is pointed at the step's,
     a CUDA-graph wrapper's buffer already holds them) and the work list the compiled scheduler writes
