@@ -88,7 +88,7 @@ class StaleGraphReplay(TorchNativeBackend):
     name = "broken_replay"
 
     def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens, mode, *rest):
-        self.forward_metadata = self._graph_metadata[(bs, mode)]
+        self.bind_graph_metadata(self._graph_metadata[(bs, mode)], mode, bs)
 
 
 class SilentSinks(TorchNativeBackend):

@@ -1,6 +1,6 @@
 """`FlashInferBackend`: attn-core's backend contract over FlashInfer's paged-KV wrappers.
 
-Per step, `init_forward_metadata` builds the step's key lists once (`indices.PagedKV`: host indptr and
+Per step, `build_forward_metadata` builds the step's key lists once (`indices.PagedKV`: host indptr and
 last-page lengths, and the same plus the page ids on the device from one kernel launch) and plans one set of
 wrappers per distinct layer setting (`plans.LayerKey`: window, logit cap, scale, cross); every layer with
 that setting runs on it. A wrapper's first plan is FlashInfer's own; later eager steps re-plan it through
@@ -80,7 +80,7 @@ def _write_device(step: Step) -> None:
     qo.write_device()
 
 
-class FlashInferBackend(AttentionBackend):
+class FlashInferBackend(AttentionBackend[Step]):
     """FlashInfer (FA2 kernels) on CUDA, compute capability 8.0 or newer. Options: `workspace_bytes`
     sizes the shared float workspace; `lean_replan` (None: on for the FlashInfer versions `replan.py`
     was verified with) re-plans eager wrappers without FlashInfer's public `plan` after their first."""
@@ -107,14 +107,8 @@ class FlashInferBackend(AttentionBackend):
         self._graphs: dict[tuple[int, ForwardMode], tuple[Step, _GraphState]] = {}
 
     # ---- per-step metadata -------------------------------------------------------------------
-    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        b = forward_batch
-        if b.forward_mode.is_no_tokens():
-            self.forward_metadata = None
-            return
-        if b.forward_mode not in self.capabilities.forward_modes:
-            raise UnsupportedFeatureError(self.name, f"forward mode {b.forward_mode.name}")
-        self.forward_metadata = self._new_step(eager_inputs(b, self.req_to_token(b)), graph=None, keys=self.known_keys)
+    def build_forward_metadata(self, forward_batch: ForwardBatch) -> Step:
+        return self._new_step(eager_inputs(forward_batch, self.req_to_token(forward_batch)), graph=None, keys=self.known_keys)
 
     def _new_step(self, inputs: StepInputs, graph: Optional[_GraphState], keys) -> Step:
         """A step over `inputs`, with a plan for each of `keys` that the batch can use."""
@@ -317,7 +311,7 @@ class FlashInferBackend(AttentionBackend):
         graph = _GraphState(self._graph_slices(bs, with_mask=inputs.custom_mask is not None))
         step = self._new_step(inputs, graph, keys=self.known_keys)
         self._graphs[(bs, mode)] = (step, graph)
-        self.forward_metadata = step
+        self.bind_graph_metadata(step, mode, bs)
 
     def init_forward_metadata_replay_cuda_graph(
         self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens, forward_mode, spec_info, seq_lens_cpu
@@ -339,7 +333,7 @@ class FlashInferBackend(AttentionBackend):
             )
         step = self._new_step(inputs, graph, keys=list(old.plans))  # the keys the graph holds kernels of
         self._graphs[(bs, mode)] = (step, graph)
-        self.forward_metadata = step
+        self.bind_graph_metadata(step, mode, bs)
 
     # ---- attention ---------------------------------------------------------------------------
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):

@@ -92,7 +92,7 @@ def _build_metadata(
     return meta
 
 
-class TorchNativeBackend(AttentionBackend):
+class TorchNativeBackend(AttentionBackend[_Metadata]):
     """The reference backend. Option `max_score_bytes` bounds the float32 score tensor of one chunk."""
 
     name = "torch_native"
@@ -106,11 +106,8 @@ class TorchNativeBackend(AttentionBackend):
         self._graph_metadata: Optional[dict[tuple[int, ForwardMode], _Metadata]] = None
 
     # ---- metadata --------------------------------------------------------------------------
-    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+    def build_forward_metadata(self, forward_batch: ForwardBatch) -> _Metadata:
         b = forward_batch
-        if b.forward_mode.is_no_tokens():
-            self.forward_metadata = None
-            return
         if b.forward_mode.is_decode():
             q_lens = torch.ones_like(b.seq_lens)
             q_start = torch.arange(b.batch_size, device=b.device, dtype=torch.int32)
@@ -118,7 +115,7 @@ class TorchNativeBackend(AttentionBackend):
         else:
             q_lens, q_start = b.extend_seq_lens, b.extend_start_loc
             q_width = max(int(b.extend_seq_lens_cpu.max()), 1)
-        self.forward_metadata = _build_metadata(
+        return _build_metadata(
             req_to_token=self.req_to_token(b),
             req_pool_indices=b.req_pool_indices,
             seq_lens=b.seq_lens,
@@ -163,7 +160,7 @@ class TorchNativeBackend(AttentionBackend):
     def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info):
         meta = self._graph_build(bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info)
         self._graph_metadata[(bs, forward_mode)] = meta
-        self.forward_metadata = meta
+        self.bind_graph_metadata(meta, forward_mode, bs)
 
     def init_forward_metadata_replay_cuda_graph(
         self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens, forward_mode, spec_info, seq_lens_cpu
@@ -173,7 +170,7 @@ class TorchNativeBackend(AttentionBackend):
             raise InvalidArgumentError("bs", f"a batch size captured for {forward_mode.name}", bs)
         fresh = self._graph_build(bs, meta.num_tokens, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info)
         _copy_into(meta, fresh)
-        self.forward_metadata = meta
+        self.bind_graph_metadata(meta, forward_mode, bs)
 
     # ---- attention ---------------------------------------------------------------------------
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):
