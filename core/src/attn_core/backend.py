@@ -5,9 +5,11 @@ Life of a step: the engine calls `init_forward_metadata(batch)` once, then every
 (`attn_core.validation`, at the context's `validation` level), calls the backend's
 `build_forward_metadata(batch)`, stores the result in `forward_metadata` and remembers the batch;
 `forward` with any other batch raises `StaleMetadataError`. With CUDA graphs: `init_cuda_graph_state`
-once, then per captured batch size `init_forward_metadata_capture_cuda_graph` before capture, and per
-replay `init_forward_metadata_replay_cuda_graph` (which writes into the buffers the graph reads); both
-make their metadata current with `bind_graph_metadata`.
+once, then per captured batch size `capture_cuda_graph_metadata(step)` before capture, and per replay
+`replay_cuda_graph_metadata(step)` (which writes into the buffers the graph reads); `step` is an
+`attn_core.graph_step.CudaGraphStep`, and both make their metadata current with
+`bind_graph_metadata(metadata, step)`. SGLang's positional `init_forward_metadata_capture_cuda_graph` /
+`init_forward_metadata_replay_cuda_graph` stay as the public entry points that build the step.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from attn_core.capabilities import Capabilities, Feature
 from attn_core.context import BackendContext
 from attn_core.errors import DeviceIndexError, IncompatibleBackendError, InvalidArgumentError, StaleMetadataError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
+from attn_core.graph_step import CudaGraphStep
 from attn_core.layer import AttentionLayer
 from attn_core.validation import FULL, check_forward_batch, check_forward_dtypes, check_kv_pool
 
@@ -53,8 +56,9 @@ class GraphBatchKey:
 class AttentionBackend(abc.ABC, Generic[MetadataT]):
     """Base class of attention backends, generic over the backend's per-step metadata class:
     `class MyBackend(AttentionBackend[MyMetadata])`. Subclasses set `name` and `capabilities` and
-    implement `build_forward_metadata`, `forward_decode` and `forward_extend` (and the CUDA-graph
-    methods when `capabilities.cuda_graph` is above NEVER).
+    implement `build_forward_metadata`, `forward_decode` and `forward_extend` (and
+    `init_cuda_graph_state`, `capture_cuda_graph_metadata` and `replay_cuda_graph_metadata` when
+    `capabilities.cuda_graph` is above NEVER).
 
     `forward_decode` / `forward_extend` receive q as `[T, Hq, D]`, k/v as `[T, Hkv, D]` (or None),
     inputs already validated, and must return `[T, Hq*Dv]` (plus LSE `[T, Hq]` float32 when
@@ -130,12 +134,12 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         host copies consistent; device ranges too at validation "full"). Never called for no-token
         modes. Must not synchronize with the device beyond what the batch's host copies allow."""
 
-    def bind_graph_metadata(self, metadata: MetadataT, forward_mode: ForwardMode, bs: int) -> None:
-        """Make `metadata` current for the CUDA-graph batch of `bs` rows in `forward_mode` (called by
-        graph capture and replay): `forward` then accepts any batch of that mode and size, since the
-        runner rebuilds its static batch object per replay."""
+    def bind_graph_metadata(self, metadata: MetadataT, step: CudaGraphStep) -> None:
+        """Make `metadata` current for the CUDA-graph batch `step` (`capture_cuda_graph_metadata` and
+        `replay_cuda_graph_metadata` end with it): `forward` then accepts any batch of `step`'s mode and
+        size, since a graph runner rebuilds its static batch object per replay."""
         self.forward_metadata = metadata
-        self._metadata_for = GraphBatchKey(forward_mode, bs)
+        self._metadata_for = GraphBatchKey(step.forward_mode, step.bs)
 
     def poll_device_fault(self) -> Optional[str]:
         """A description of an out-of-range index a kernel of this backend met since the last poll (and
@@ -159,8 +163,19 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         forward_mode: ForwardMode,
         spec_info: Optional[SpecInfo],
     ) -> None:
-        """Point the metadata at the graph buffers for batch size `bs` before capturing."""
-        raise UnsupportedFeatureError(self.name, "CUDA graphs")
+        """SGLang's capture entry point: the arguments as a `CudaGraphStep`, passed to
+        `capture_cuda_graph_metadata`."""
+        self.capture_cuda_graph_metadata(
+            CudaGraphStep(
+                forward_mode=forward_mode,
+                bs=bs,
+                num_tokens=num_tokens,
+                req_pool_indices=req_pool_indices,
+                seq_lens=seq_lens,
+                encoder_lens=encoder_lens,
+                spec_info=spec_info,
+            )
+        )
 
     def init_forward_metadata_replay_cuda_graph(
         self,
@@ -173,7 +188,30 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         spec_info: Optional[SpecInfo],
         seq_lens_cpu: Optional[torch.Tensor],
     ) -> None:
-        """Refresh the graph buffers of batch size `bs` (inputs padded to `bs` rows with the fill value)."""
+        """SGLang's replay entry point: the arguments as a `CudaGraphStep`, passed to
+        `replay_cuda_graph_metadata`."""
+        self.replay_cuda_graph_metadata(
+            CudaGraphStep(
+                forward_mode=forward_mode,
+                bs=bs,
+                req_pool_indices=req_pool_indices,
+                seq_lens=seq_lens,
+                seq_lens_cpu=seq_lens_cpu,
+                seq_lens_sum=seq_lens_sum,
+                encoder_lens=encoder_lens,
+                spec_info=spec_info,
+            )
+        )
+
+    def capture_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
+        """Point the metadata at the graph buffers for the graph batch `step` (padded to `step.bs`
+        rows, see `attn_core.graph_step`) before capturing; ends with `bind_graph_metadata(metadata, step)`."""
+        raise UnsupportedFeatureError(self.name, "CUDA graphs")
+
+    def replay_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
+        """Refresh, in place, the graph buffers captured for (`step.bs`, `step.forward_mode`) with the
+        batch of this replay (padded the same way); ends with `bind_graph_metadata(metadata, step)`. No
+        reallocation: the captured kernels read these buffers."""
         raise UnsupportedFeatureError(self.name, "CUDA graphs")
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:

@@ -82,7 +82,7 @@ def check_forward_dtypes(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional
 
 # ---- basic: tensor metadata and host copies -------------------------------------------------------
 class _Host:
-    """Host numbers the device check compares against (int64 CPU tensors)."""
+    """Host copies the device check compares against (int32 or int64 CPU tensors)."""
 
     def __init__(self, seq, q_lens, prefix, enc):
         self.seq, self.q_lens, self.prefix, self.enc = seq, q_lens, prefix, enc
@@ -128,7 +128,7 @@ def _host_tensor(name: str, x, bs: int) -> torch.Tensor:
     if x.dtype not in _INDEX_DTYPES or tuple(x.shape) != (bs,) or x.device.type != "cpu":
         found = (x.dtype, tuple(x.shape), x.device)
         raise InvalidBatchError(f"forward_batch.{name}", f"an int32/int64 CPU tensor of shape ({bs},)", found)
-    return x.to(torch.int64)
+    return x
 
 
 def _check_host(b: ForwardBatch, width: int, device: torch.device) -> _Host:
@@ -199,7 +199,7 @@ def _check_host(b: ForwardBatch, width: int, device: torch.device) -> _Host:
 
 def _check_verify_mask(b: ForwardBatch, seq: torch.Tensor, q_lens: torch.Tensor, device: torch.device) -> None:
     mask = b.spec_info.custom_mask
-    want = int((q_lens * seq).sum())
+    want = int((q_lens.to(torch.int64) * seq).sum())
     if mask.dtype != torch.bool or mask.dim() != 1 or mask.device != device:
         found = (mask.dtype, tuple(mask.shape), mask.device)
         raise InvalidBatchError("forward_batch.spec_info.custom_mask", f"a flat bool tensor on {device}", found)
@@ -274,7 +274,7 @@ def _check_device(b: ForwardBatch, r2t: torch.Tensor, num_slots: int, host: _Hos
     if enc_loc is not None:
         _check_slots("encoder_out_cache_loc", take(enc_loc.shape[0]), num_slots)
     if has_mask:
-        _same("spec_info.mask_indptr", take(bs + 1), _exclusive_cumsum(host.q_lens * host.seq))
+        _same("spec_info.mask_indptr", take(bs + 1), _exclusive_cumsum(host.q_lens.to(i64) * host.seq))
     if bad_keys_h:
         expected = f"a slot in [1, {num_slots}) for every key the batch attends to"
         raise InvalidBatchError("forward_batch.req_to_token_pool", expected, f"{bad_keys_h} keys without one")
@@ -284,7 +284,7 @@ def _check_device(b: ForwardBatch, r2t: torch.Tensor, num_slots: int, host: _Hos
 
 
 def _same(name: str, device_copy: torch.Tensor, host_copy: torch.Tensor) -> None:
-    if not torch.equal(device_copy, host_copy):
+    if not torch.equal(device_copy, host_copy.to(torch.int64)):
         raise InvalidBatchError(f"forward_batch.{name}", f"the values of its host copy {host_copy.tolist()}", device_copy.tolist())
 
 
