@@ -17,6 +17,7 @@ from attn_core.forward_mode import ForwardMode
 from attn_core.testing.compose import Draw, compose_requests
 from attn_core.testing.graphs import graph_case_check
 from attn_core.testing.harness import AttnCase, run_case
+from attn_core.testing.hostile import hostile_cases, hostile_check
 from attn_core.testing.lightness import spec_import_check, spec_matches_class_check
 from attn_core.testing.negative import bad_input_checks, no_token_check, refusal_check, refused_or_correct_check
 from attn_core.testing.outcome import Check, KitFailure
@@ -170,6 +171,7 @@ class PlanBuilder:
         self.add_feature_checks()
         self.add_graph_checks()
         self.add_negative_checks()
+        self.add_hostile_checks()
         return self.checks
 
     def add_spec_checks(self) -> None:
@@ -366,6 +368,16 @@ class PlanBuilder:
             if arch not in caps.archs:
                 case = self.case(mode, reqs, arch=arch, head_dim=self.p.head_dim if arch == ARCH_MHA else self.p.mla_head_dim)
                 self.add(f"refuse-arch-{arch}", refused_or_correct_check(target, case, f"attention arch {arch}"), case.describe())
+
+
+    def add_hostile_checks(self) -> None:
+        """The hostile-batch section (`attn_core.testing.hostile`), on the declared modes it needs."""
+        modes = self.base.modes
+        other = next((d for d in _DTYPE_ORDER if d != self.base.dtype), None)
+        verify = ForwardMode.TARGET_VERIFY in modes and self.caps.supports(Feature.CUSTOM_MASK)
+        for hostile in hostile_cases(ForwardMode.DECODE in modes, ForwardMode.EXTEND in modes, verify, other):
+            case = self.case(hostile.mode, self.fixed_requests(hostile.mode))
+            self.add(f"hostile-{hostile.name}", hostile_check(self.target, case, hostile), f"{hostile.what}: {case.describe()}")
 
 
 def _undeclared(candidates: tuple[int, ...], declared) -> Optional[int]:
