@@ -165,3 +165,41 @@ def test_q_in_another_dtype_than_the_context_is_refused_before_any_write():
     with pytest.raises(InvalidArgumentError, match="^q: expected dtype torch.float32"):
         backend.forward(i["q"].to(torch.float16), i["k"], i["v"], make_layer(DECODE, 0), env.batch)
     assert torch.equal(torch.nan_to_num(before, nan=1.0), torch.nan_to_num(env.kv_pool.get_key_buffer(0), nan=1.0))
+
+
+def _relocation(cls):
+    from attn_core.testing.graphs import graph_relocation_check
+    from attn_core.testing.target import resolve_target
+
+    case = AttnCase(ForwardMode.DECODE, ((9, 1), (3, 1), (14, 1), (6, 1)), page_size=4, num_layers=2, cuda_graph_level=2)
+    return graph_relocation_check(resolve_target(cls, None, None), case)
+
+
+def test_graph_relocation_check_passes_torch_native_on_cpu():
+    """The logic of the kit's CUDA-graph relocation section (on CPU the replays run eagerly on the static
+    buffers): rows swapped, pages moved, seq_lens shortened between replays."""
+    assert "no buffer moved" in _relocation(TorchNativeBackend)()
+
+
+class _CaptureTimeReplay(TorchNativeBackend):
+    """Replay keeps the capture-time metadata (the 2026 silent-corruption class)."""
+
+    def replay_cuda_graph_metadata(self, step):
+        self.bind_graph_metadata(self._graph_metadata[(step.bs, step.forward_mode)], step)
+
+
+class _ReallocatingReplay(TorchNativeBackend):
+    """Replay builds fresh metadata tensors instead of refreshing the captured ones in place."""
+
+    def replay_cuda_graph_metadata(self, step):
+        meta = self._graph_build(step, self._graph_metadata[(step.bs, step.forward_mode)].num_tokens)
+        self.bind_graph_metadata(meta, step)
+
+
+def test_graph_relocation_check_catches_stale_and_moved_graph_metadata():
+    from attn_core.testing.outcome import KitFailure
+
+    with pytest.raises(KitFailure, match="vs eager"):
+        _relocation(_CaptureTimeReplay)()
+    with pytest.raises(KitFailure, match="graph metadata buffers moved"):
+        _relocation(_ReallocatingReplay)()

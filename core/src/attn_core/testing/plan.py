@@ -15,7 +15,7 @@ from typing import Optional
 from attn_core.capabilities import ARCH_MHA, ARCH_MLA, CudaGraphLevel, Feature
 from attn_core.forward_mode import ForwardMode
 from attn_core.testing.compose import Draw, compose_requests
-from attn_core.testing.graphs import graph_case_check
+from attn_core.testing.graphs import graph_case_check, graph_relocation_check
 from attn_core.testing.harness import AttnCase, run_case
 from attn_core.testing.hostile import hostile_cases, hostile_check
 from attn_core.testing.lightness import spec_import_check, spec_matches_class_check
@@ -331,6 +331,10 @@ class PlanBuilder:
             reqs = [(P, 1), (1, 1), (P // 2 + 3, 1), (0, 1), (L - 1, 1), (5, 1)]
             case = self.case(ForwardMode.DECODE, reqs, steps=steps, sliding_window=window, cuda_graph_level=int(level))
             self.add("graph-DECODE", graph_case_check(self.target, case), case.describe())
+            if self.p.device.startswith("cuda"):  # hostile-batch section, graph part: a real captured graph
+                reqs = [(P, 1), (3, 1), (P // 2 + 1, 1), (1, 1)]
+                case = self.case(ForwardMode.DECODE, reqs, cuda_graph_level=int(level))
+                self.add("hostile-graph-relocation", graph_relocation_check(self.target, case), case.describe())
         if level >= CudaGraphLevel.UNIFORM_BATCH and ForwardMode.TARGET_VERIFY in self.base.modes:
             D = self.p.max_draft
             reqs = [(P, D), (3, D), (P // 2, D), (1, D), (L - D, D), (6, D)]
