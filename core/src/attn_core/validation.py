@@ -9,7 +9,8 @@ Levels (`BackendContext.validation`):
   work and no host-device sync; a handful of small CPU reductions (measured cost: docs/perf.md).
 - "full": "basic", then the device tensors too: one device-to-host copy of the batch's index tensors
   and of a few counts computed on the device (one sync per step, in `init_forward_metadata`, never in
-  `forward`), and the backend's `poll_device_fault()`. Tests and the conformance kit use it; an engine
+  `forward`), and the backend's `poll_device_fault()`. Its device work gathers the batch's table rows up
+  to the longest request (bs x max(seq_lens) entries, a few bytes each, freed at once). Tests and the conformance kit use it; an engine
   may turn it on to debug a crash or a wrong answer.
 
 Accepted integer widths (one rule for every backend):
@@ -84,8 +85,8 @@ def check_forward_dtypes(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional
 class _Host:
     """Host copies the device check compares against (int32 or int64 CPU tensors)."""
 
-    def __init__(self, seq, q_lens, prefix, enc):
-        self.seq, self.q_lens, self.prefix, self.enc = seq, q_lens, prefix, enc
+    def __init__(self, seq, q_lens, prefix, enc, longest: int = 0):
+        self.seq, self.q_lens, self.prefix, self.enc, self.longest = seq, q_lens, prefix, enc, longest
 
 
 def check_kv_pool(kv_pool, ctx, where: str = "token_to_kv_pool") -> None:
@@ -194,7 +195,7 @@ def _check_host(b: ForwardBatch, width: int, device: torch.device) -> _Host:
             raise InvalidBatchError("forward_batch.extend_seq_lens_cpu", f"lengths summing to extend_num_tokens = {T}", int(q_lens.sum()))
     if mode.is_target_verify() and b.spec_info is not None and b.spec_info.custom_mask is not None:
         _check_verify_mask(b, seq, q_lens, device)
-    return _Host(seq, q_lens, prefix, enc)
+    return _Host(seq, q_lens, prefix, enc, longest)
 
 
 def _check_verify_mask(b: ForwardBatch, seq: torch.Tensor, q_lens: torch.Tensor, device: torch.device) -> None:
@@ -224,13 +225,14 @@ def _check_device(b: ForwardBatch, r2t: torch.Tensor, num_slots: int, host: _Hos
     bs, T, dev = b.batch_size, b.out_cache_loc.shape[0], r2t.device
     if bs == 0:
         return
-    rows, width = r2t.shape
+    rows = r2t.shape[0]
+    width = max(host.longest, 1)  # columns any request attends to (<= the table width, checked)
     i64 = torch.int64
     rpi = b.req_pool_indices.to(i64)
     seq = b.seq_lens.to(i64)
     enc = b.encoder_lens.to(i64) if b.encoder_lens is not None else torch.zeros_like(seq)
     q_lens = torch.ones_like(seq) if b.forward_mode.is_decode() else b.extend_seq_lens.to(i64)
-    table = r2t[rpi.clamp(0, rows - 1)]  # [bs, width]
+    table = r2t[:, :width][rpi.clamp(0, rows - 1)]  # [bs, width]
     # keys each request attends to: columns [0, enc + seq) of its row
     cols = torch.arange(width, device=dev)
     visible = cols[None, :] < (enc + seq)[:, None]

@@ -220,13 +220,22 @@ class PlanBuilder:
         for ps in self.page_sizes():
             for mode in self.variant_modes():
                 self.numeric(f"page_size-{ps}-{mode.name}", self.case(mode, self.page_requests(mode, ps), page_size=ps))
+        mixed = caps.supports(Feature.MIXED_KV_DTYPE)
         for dtype in _prefer(caps.q_dtypes, _DTYPE_ORDER):
             kv = dtype if dtype in caps.kv_dtypes else b.kv_dtype
+            if kv != dtype and not mixed:
+                continue  # construction refuses the pair (checked below)
             for mode in self.variant_modes():
                 self.numeric(f"dtype-{dtype}-{mode.name}", self.case(mode, self.fixed_requests(mode), dtype=dtype, kv_dtype=kv))
-        for kv in sorted(set(caps.kv_dtypes) - set(caps.q_dtypes)):
+        others = sorted(set(caps.kv_dtypes) - {b.dtype})
+        for kv in others if mixed else ():
             for mode in self.variant_modes():
                 self.numeric(f"kv_dtype-{kv}-{mode.name}", self.case(mode, self.fixed_requests(mode), kv_dtype=kv))
+        if others and not mixed:
+            mode = self.variant_modes()[0]
+            case = self.case(mode, self.fixed_requests(mode), kv_dtype=others[0])
+            what = f"KV dtype {others[0]} under q dtype {b.dtype} (no {Feature.MIXED_KV_DTYPE.value})"
+            self.add(f"refuse-kv_dtype-{others[0]}", refused_or_correct_check(self.target, case, what), case.describe())
         declared = caps.head_dims if b.arch == ARCH_MHA else caps.mla_head_dims
         dims = sorted(declared) if declared is not None else list(self.p.head_dims if b.arch == ARCH_MHA else ())
         for d in dims:
