@@ -27,9 +27,9 @@ import attn_core as ac
 
 
 def tiny_llama(seed: int = 0, layers: int = 2, device: str = "cpu") -> LlamaForCausalLM:
-    """A random float32 Llama (seeded; no download): 2 query heads / 1 KV head of dim 64, 256-token vocab."""
+    """A random float32 Llama (seeded; no download): 2 query heads / 1 KV head of dim 128, 256-token vocab."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=2,
+    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=2, head_dim=128,
                       num_key_value_heads=1, max_position_embeddings=1024, initializer_range=0.2, eos_token_id=None)
     return LlamaForCausalLM(cfg).to(device).eval()
 
@@ -196,17 +196,22 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--jobs", type=int, default=16)
     ap.add_argument("--max-new", type=int, default=32)
+    ap.add_argument("--attn-dtype", default="float32", help="KV cache and attention dtype (flashinfer: float16)")
+    ap.add_argument("--graphs", action="store_true", help="decode steps in CUDA graphs (attention share not measured then)")
     args = ap.parse_args()
-    engine = Engine(tiny_llama(device=args.device), args.backend, args.page_size, max_running=8, token_budget=64)
-    jobs = demo_jobs(n=args.jobs, max_new=args.max_new)
+    engine = Engine(tiny_llama(device=args.device), args.backend, args.page_size, max_running=8, token_budget=64,
+                    attn_dtype=getattr(torch, args.attn_dtype), graph_sizes=(1, 2, 4, 8) if args.graphs else ())
+    engine.serve(demo_jobs(n=args.jobs, max_new=args.max_new))  # warm-up: kernel compilation, lazy allocations
+    engine.attn_seconds, jobs = 0.0, demo_jobs(n=args.jobs, max_new=args.max_new)
     t0 = time.perf_counter()
     engine.serve(jobs)
     if args.device != "cpu":
         torch.cuda.synchronize()
     secs = time.perf_counter() - t0
     tokens = sum(len(j.prompt) + len(j.out) for j in jobs)
-    share = 100 * engine.attn_seconds / secs
-    print(f"{args.backend}: {tokens} tokens in {secs:.2f} s = {tokens / secs:.0f} tokens/s; attention {share:.0f}% of the time")
+    share = "n/a" if args.graphs else f"{100 * engine.attn_seconds / secs:.0f}%"
+    print(f"{args.backend} page {args.page_size}{' graphs' if args.graphs else ''}: {tokens} tokens in {secs:.2f} s = "
+          f"{tokens / secs:.0f} tokens/s; attention {share} of the time")
 
 
 if __name__ == "__main__":
