@@ -77,11 +77,11 @@ class Engine:
                                      speculative_num_steps=spec_steps, speculative_topk=1 if spec_steps else 0,
                                      speculative_num_draft_tokens=spec_steps + 1 if spec_steps else 0)
         self.backend = ac.create_backend(backend, self.ctx)
+        self.attn_seconds, self.shared_tokens, self.accepted_drafts = 0.0, 0, 0
         self.layers = [ac.AttentionLayer(i, **heads) for i in range(cfg.num_hidden_layers)]
         self.graphs = ac.CudaGraphRunner(self.backend, graph_sizes, lambda b, x: self.layers_forward(b, x["x"]),
                                          {"x": ((cfg.hidden_size,), model.dtype)}, num_draft_tokens=0) if graph_sizes else None
         self.draft = ac.MultiStepDraftBackend(lambda c, s: ac.create_backend(backend, c), 1, spec_steps, self.ctx) if spec_steps else None
-        self.attn_seconds, self.shared_tokens, self.accepted_drafts = 0.0, 0, 0
 
     def layers_forward(self, batch, x, num_layers=None):
         """Logits `[T, vocab]` of hidden states `x` `[T, hidden]` through the first num_layers layers."""
