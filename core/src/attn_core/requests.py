@@ -156,8 +156,8 @@ class RequestPool:
                 page = s // self.page_size
                 if page not in self._page_refs:
                     self._page_refs[page] = 1
-            if take < n:
-                r.slots = r.slots[: r.kv_len + take] + new[take:]
+            if take < n:  # every spare used: the fresh slots follow them
+                r.slots.extend(new[take:])
             rows += [r.row] * n
             cols += range(r.kv_len, r.kv_len + n)
             r.kv_len += n
