@@ -2,7 +2,8 @@
 # Every GPU check of the project in one command, for a machine with a CUDA GPU and torch + triton
 # installed (the lent H100/H200 machine: no network; FlashInfer comes from wheels carried in .whl/ and
 # its prebuilt kernels from .fi-cache/aot.tar.xz when present). Logs go to $OUT (default ./gpu-out).
-#   bash scripts/gpu_checks.sh [tests] [bench] [triton-bench] [fi-bench] [mla-bench]   (default: all; bench = every benchmark;
+#   bash scripts/gpu_checks.sh [tests] [bench] [triton-bench] [fi-bench] [mla-bench] [engine]   (default: tests bench;
+#   bench = every benchmark;
 #   BENCH_ONLY=meta limits the Triton benchmark's rows)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,6 +33,12 @@ if want tests; then
     2>&1 | tee "$OUT/pytest_gpu.log" || rc=1
   for b in torch_native triton; do
     python3 -m attn_core.cli check "$b" --device cuda --quick 2>&1 | tee "$OUT/check_$b.log" || rc=1
+  done
+fi
+if want engine; then  # the example engine (examples/hf_llama.py) vs transformers' generate, and its tokens/s (needs transformers wheels in .whl/)
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_example_engine.py 2>&1 | tee "$OUT/engine_gpu.log" || rc=1
+  for args in "triton --attn-dtype float32" "triton --attn-dtype float32 --graphs" "flashinfer --attn-dtype float16" "flashinfer --attn-dtype float16 --graphs"; do
+    python3 examples/hf_llama.py --device cuda --backend $args 2>&1 | tee -a "$OUT/engine_tps.log" || rc=1
   done
 fi
 if want bench || want triton-bench; then

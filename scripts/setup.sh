@@ -20,4 +20,8 @@ for p in plugins/*/; do
     *) $VPIP install -q -e "$p" ;;
   esac
 done
+# Test-only (never a dependency of a shipped distribution): transformers for the example engine and its
+# tests (examples/hf_llama.py, tests/test_example_engine.py), constrained to keep the CPU torch above.
+echo "torch==2.13.0" > .venv/torch-pin.txt
+$VPIP install -q "transformers==5.23.0" -c .venv/torch-pin.txt
 .venv/bin/python -c "import torch; assert not torch.version.cuda, 'a CUDA torch was installed'; print('torch', torch.__version__)"

@@ -1,6 +1,6 @@
 """`FlashInferBackend`: attn-core's backend contract over FlashInfer's paged-KV wrappers.
 
-Per step, `init_forward_metadata` builds the step's key lists once (`indices.PagedKV`: host indptr and
+Per step, `build_forward_metadata` builds the step's key lists once (`indices.PagedKV`: host indptr and
 last-page lengths, and the same plus the page ids on the device from one kernel launch) and plans one set of
 wrappers per distinct layer setting (`plans.LayerKey`: window, logit cap, scale, cross); every layer with
 that setting runs on it. A wrapper's first plan is FlashInfer's own; later eager steps re-plan it through
@@ -83,7 +83,7 @@ def _write_device(step: Step) -> None:
     qo.write_device()
 
 
-class FlashInferBackend(AttentionBackend):
+class FlashInferBackend(AttentionBackend[Step]):
     """FlashInfer (FA2 kernels) on CUDA, compute capability 8.0 or newer. Options: `workspace_bytes`
     sizes the shared float workspace; `lean_replan` (None: on for the FlashInfer versions `replan.py`
     was verified with) re-plans eager wrappers without FlashInfer's public `plan` after their first."""
@@ -117,14 +117,8 @@ class FlashInferBackend(AttentionBackend):
         return self.device_faults.poll()
 
     # ---- per-step metadata -------------------------------------------------------------------
-    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        b = forward_batch
-        if b.forward_mode.is_no_tokens():
-            self.forward_metadata = None
-            return
-        if b.forward_mode not in self.capabilities.forward_modes:
-            raise UnsupportedFeatureError(self.name, f"forward mode {b.forward_mode.name}")
-        self.forward_metadata = self._new_step(eager_inputs(b, self.req_to_token(b)), graph=None, keys=self.known_keys)
+    def build_forward_metadata(self, forward_batch: ForwardBatch) -> Step:
+        return self._new_step(eager_inputs(forward_batch, self.req_to_token(forward_batch)), graph=None, keys=self.known_keys)
 
     def _new_step(self, inputs: StepInputs, graph: Optional[_GraphState], keys) -> Step:
         """A step over `inputs`, with a plan for each of `keys` that the batch can use."""
@@ -322,7 +316,7 @@ class FlashInferBackend(AttentionBackend):
         graph = _GraphState(self._graph_slices(bs, with_mask=inputs.custom_mask is not None))
         state = self._new_step(inputs, graph, keys=self.known_keys)
         self._graphs[(bs, mode)] = (state, graph)
-        self.forward_metadata = state
+        self.bind_graph_metadata(state, step)
 
     def replay_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
         mode, bs = step.forward_mode, step.bs
@@ -339,7 +333,7 @@ class FlashInferBackend(AttentionBackend):
             )
         state = self._new_step(inputs, graph, keys=list(old.plans))  # the keys the graph holds kernels of
         self._graphs[(bs, mode)] = (state, graph)
-        self.forward_metadata = state
+        self.bind_graph_metadata(state, step)
 
     # ---- attention ---------------------------------------------------------------------------
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):

@@ -3,18 +3,19 @@ FlashInfer's MLA paged wrapper (FA3 on SM90, FA2 on SM80).
 
 Every mode is one kind of plan: each request's queries over all its keys (the new ones included, which
 `save_kv` has written to the pool first), causal for every mode but DECODE (a request's queries are its
-last keys). Per step, `init_forward_metadata` builds the key list once (`indices.build_paged_kv`: host
-indptr and lengths, page ids from one index launch into a reused `DeviceScratch` buffer) and plans one
-wrapper per layer scaling met so far; a scaling first met in `forward` is planned then and remembered. A
-wrapper's first plan is FlashInfer's own, later ones `replan.mla` (the scheduler call alone).
+last keys). Per step, `build_forward_metadata` (called by the base class's validating
+`init_forward_metadata`) builds the key list once (`indices.build_paged_kv`: host indptr and lengths,
+page ids from one index launch into a reused `DeviceScratch` buffer) and plans one wrapper per layer
+scaling met so far; a scaling first met in `forward` is planned then and remembered. A wrapper's first
+plan is FlashInfer's own, later ones `replan.mla` (the scheduler call alone).
 
 CUDA graphs (DECODE and TARGET_VERIFY): `init_cuda_graph_state` allocates the fixed index buffers;
 capture builds graph-mode wrappers per (batch size, mode); replay rewrites the page ids (one index
 launch) and re-plans lean. Tree masks (speculative topk > 1) are refused: FlashInfer's MLA wrapper takes
 no custom mask.
 
-DeepSeek's prefill path (non-absorbed MHA over the new tokens plus the cached prefix chunk by chunk)
-is `plan_prefill` (see `mla_prefill.py`).
+DeepSeek's prefill path (non-absorbed MHA over the new tokens plus the cached prefix chunk by chunk) is
+`plan_prefill` (see `mla_prefill.py`).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class MLAStep:
     kernel_args: Optional[object] = None  # a subclass's own per-step data (trtllm_mla: its block table)
 
 
-class FlashInferMLABackend(AttentionBackend):
+class FlashInferMLABackend(AttentionBackend[MLAStep]):
     """FlashInfer's MLA kernels on CUDA, compute capability 8.0 or newer. Options: `workspace_bytes`
     sizes the float workspace (split-KV partial results); `lean_replan` (None: on for the FlashInfer
     versions `replan.py` was verified with) re-plans wrappers without FlashInfer's public `plan` after
@@ -95,18 +96,10 @@ class FlashInferMLABackend(AttentionBackend):
         self._latents: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # layer id -> (pool buffer, ckv, kpe)
 
     # ---- per-step metadata -------------------------------------------------------------------
-    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        b = forward_batch
-        if b.forward_mode.is_no_tokens():
-            self.forward_metadata = None
-            return
-        if b.forward_mode not in self.capabilities.forward_modes:
-            raise UnsupportedFeatureError(self.name, f"forward mode {b.forward_mode.name}")
-        refuse_tree_mask(self.name, b.forward_mode, b.spec_info)
-        self.forward_metadata = self.build_forward_metadata(b)
-
     def build_forward_metadata(self, forward_batch: ForwardBatch) -> MLAStep:
-        """The step's key list and planned wrappers (no validation: `init_forward_metadata` did it)."""
+        """The step's key list and planned wrappers (the batch is validated by `init_forward_metadata`;
+        tree masks are refused here, before any plan)."""
+        refuse_tree_mask(self.name, forward_batch.forward_mode, forward_batch.spec_info)
         return self._new_step(eager_inputs(forward_batch, self.req_to_token(forward_batch)), None, self.known_scalings)
 
     def _new_step(self, inputs: StepInputs, graph: Optional[MLAGraph], scalings) -> MLAStep:
@@ -198,7 +191,7 @@ class FlashInferMLABackend(AttentionBackend):
         graph = MLAGraph(MLAGraphBuffers(b.qo_indptr[: bs + 1], b.kv_indptr[: bs + 1], b.kv_indices, b.kv_lens[:bs]))
         state = self._new_step(inputs, graph, self.known_scalings)
         self._graphs[(bs, mode)] = (state, graph)
-        self.forward_metadata = state
+        self.bind_graph_metadata(state, step)
 
     def replay_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
         mode, bs = step.forward_mode, step.bs
@@ -211,7 +204,7 @@ class FlashInferMLABackend(AttentionBackend):
         inputs = self._graph_step_inputs(step, old.inputs.num_tokens, step.host_seq_lens())
         state = self._new_step(inputs, graph, list(old.wrappers))  # the scalings the graph holds kernels of
         self._graphs[(bs, mode)] = (state, graph)
-        self.forward_metadata = state
+        self.bind_graph_metadata(state, step)
 
     # ---- attention ---------------------------------------------------------------------------
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):
