@@ -5,7 +5,7 @@ bad inputs and refusals, against the float64 reference with K/V writes checked s
 
 from __future__ import annotations
 
-from conftest import emulated_backend_class
+from attn_ascend.testing.emulated_torch_npu import emulated_backend_class
 
 from attn_core.testing import ConformanceSuite
 

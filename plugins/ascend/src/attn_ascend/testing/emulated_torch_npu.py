@@ -49,3 +49,14 @@ def installed(release: str = "7.0.0") -> Iterator[types.ModuleType]:
             sys.modules.pop("torch_npu", None)
         else:
             sys.modules["torch_npu"] = previous
+
+
+def emulated_backend_class(device: str = "cpu") -> type:
+    """`AscendBackend` declaring `device` (default the CPU) instead of "npu": the test-only device shim.
+    Everything else - metadata, operator calls, K/V writes - is the real class's code."""
+    import dataclasses
+
+    from attn_ascend.backend import AscendBackend
+
+    caps = dataclasses.replace(AscendBackend.capabilities, devices=frozenset({device}))
+    return type("EmulatedAscend", (AscendBackend,), {"capabilities": caps, "__module__": __name__})
