@@ -4,7 +4,6 @@ installed in `sys.modules` for the whole session, on CPU tensors."""
 from __future__ import annotations
 
 import pytest
-
 from attn_ascend.testing.emulated_torch_npu import installed
 
 

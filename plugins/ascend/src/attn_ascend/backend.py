@@ -21,13 +21,13 @@ from typing import Optional
 
 import torch
 
+from attn_ascend.metadata import AscendMetadata, host_metadata, page_table, pages_for
+from attn_ascend.npu_ops import NpuOps, load_torch_npu
+from attn_ascend.spec import CAPABILITIES
 from attn_core.backend import AttentionBackend
 from attn_core.batch import ForwardBatch, SpecInfo
 from attn_core.errors import IncompatibleBackendError, InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
-from attn_ascend.metadata import AscendMetadata, host_metadata, page_table, pages_for
-from attn_ascend.npu_ops import NpuOps, load_torch_npu
-from attn_ascend.spec import CAPABILITIES
 
 #: side of the compressed causal mask the fused-infer operator takes with sparse_mode 3
 CAUSAL_MASK_SIZE = 2048
@@ -92,7 +92,9 @@ class AscendBackend(AttentionBackend):
         host = seq_lens.cpu() if seq_lens_cpu is None else seq_lens_cpu
         self.forward_metadata = self.replay_graph_metadata(bs, req_pool_indices, host, forward_mode, spec_info)
 
-    def capture_graph_metadata(self, bs: int, req_pool_indices: torch.Tensor, seq_lens_cpu: torch.Tensor, mode: ForwardMode) -> AscendMetadata:
+    def capture_graph_metadata(
+        self, bs: int, req_pool_indices: torch.Tensor, seq_lens_cpu: torch.Tensor, mode: ForwardMode
+    ) -> AscendMetadata:
         """Metadata viewing the persistent block table for a graph of `bs` requests."""
         return self.replay_graph_metadata(bs, req_pool_indices, seq_lens_cpu, mode, None)
 
@@ -173,8 +175,8 @@ class AscendBackend(AttentionBackend):
             )  # fmt: skip
         elif not meta.graph_mode:
             self.ops.paged_attention_mla(
-                q.contiguous(), self._paged_buffer(forward_batch, layer.layer_id), num_heads=hq, scale=layer.scaling, block_table=meta.block_tables,
-                context_lens=meta.seq_lens_cpu, v_dim=dv, out=out,
+                q.contiguous(), self._paged_buffer(forward_batch, layer.layer_id), num_heads=hq, scale=layer.scaling,
+                block_table=meta.block_tables, context_lens=meta.seq_lens_cpu, v_dim=dv, out=out,
             )  # fmt: skip
         else:
             rank = self.ctx.kv_lora_rank

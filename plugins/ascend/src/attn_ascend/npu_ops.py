@@ -48,7 +48,7 @@ class FiaKeywords:
     rope: bool
 
     @classmethod
-    def from_names(cls, names: frozenset[str]) -> "FiaKeywords":
+    def from_names(cls, names: frozenset[str]) -> FiaKeywords:
         if not names:
             return cls("scale", True)
         return cls("scale_value" if "scale_value" in names else "scale", "query_rope" in names)

@@ -72,7 +72,10 @@ def _check_compressed_mask(mask: Optional[torch.Tensor], mode: int) -> None:
     if _checked_masks.get(key) == mask._version:
         return
     want = compressed_causal_mask(mask.device)
-    _need(torch.equal(mask.to(torch.bool), want), f"sparse_mode={mode}: atten_mask is not the compressed causal mask (True above the diagonal)")
+    _need(
+        torch.equal(mask.to(torch.bool), want),
+        f"sparse_mode={mode}: atten_mask is not the compressed causal mask (True above the diagonal)",
+    )
     _checked_masks[key] = mask._version
 
 
@@ -141,7 +144,9 @@ def _gather_pages(cache: torch.Tensor, table_row: torch.Tensor, length: int, blo
     """Rows 0..length-1 of one sequence from a paged cache `[blocks, block_size, ...]`."""
     n = -(-length // block_size)
     pages = table_row[:n].long().cpu()
-    _need(bool(((pages >= 0) & (pages < cache.shape[0])).all()), f"block table entries out of range [0, {cache.shape[0]}): {pages.tolist()}")
+    _need(
+        bool(((pages >= 0) & (pages < cache.shape[0])).all()), f"block table entries out of range [0, {cache.shape[0]}): {pages.tolist()}"
+    )
     return cache[pages.to(cache.device)].reshape(n * block_size, *cache.shape[2:])[:length]
 
 
@@ -203,7 +208,9 @@ def _npu_paged_attention(*, query, key_cache, value_cache, num_kv_heads, num_hea
     _paged(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, block_table, context_lens, out, value_cache.shape[-1])
 
 
-def _npu_paged_attention_mla(*, query, key_cache, num_kv_heads, num_heads, scale_value, block_table, context_lens, mla_vheadsize, out) -> None:
+def _npu_paged_attention_mla(
+    *, query, key_cache, num_kv_heads, num_heads, scale_value, block_table, context_lens, mla_vheadsize, out
+) -> None:
     """MLA decode [ATB-PA, "mla" case]: one cache `[num_blocks, block_size, num_kv_heads, kv_lora_rank +
     rope]` serves as key (all channels) and value (its first `mla_vheadsize` channels); query
     `[num_tokens, num_heads, kv_lora_rank + rope]`, `out` `[num_tokens, num_heads, mla_vheadsize]`."""
@@ -282,7 +289,10 @@ def _fia(query, key, value, *, scale, atten_mask=None, actual_seq_lengths=None, 
         _check_int32("block_table", block_table)
         _need(block_table.dim() == 2 and block_table.shape[0] == batch, f"block_table must be [{batch}, max_blocks]")
         _check_block(block_size, FIA_MAX_BLOCK, "fused infer attention (paged)")
-        _need(key.dim() == 3 and key.shape[1] == block_size, f"paged key must be [blocks, {block_size}, num_kv_heads * D], got {tuple(key.shape)}")
+        _need(
+            key.dim() == 3 and key.shape[1] == block_size,
+            f"paged key must be [blocks, {block_size}, num_kv_heads * D], got {tuple(key.shape)}",
+        )
         _need(actual_seq_lengths_kv is not None, "paged KV needs actual_seq_lengths_kv (per-sequence lengths)")
         kv_lens = _check_host_lengths("actual_seq_lengths_kv", actual_seq_lengths_kv, batch)
         _need(all(-(-n // block_size) <= block_table.shape[1] for n in kv_lens), "a KV length needs more blocks than block_table has")
@@ -301,7 +311,9 @@ def _fia(query, key, value, *, scale, atten_mask=None, actual_seq_lengths=None, 
         k, v, kr = _kv_for(i, key, value, key_rope, input_layout, num_kv, paged, block_table, block_size, kv_lens, dense_bounds)
         mask = None
         if sparse_mode in (0, 1) and atten_mask is not None:
-            mask = atten_mask if atten_mask.dim() == 2 else atten_mask.reshape(-1, *atten_mask.shape[-2:])[i if atten_mask.shape[0] > 1 else 0]
+            mask = (
+                atten_mask if atten_mask.dim() == 2 else atten_mask.reshape(-1, *atten_mask.shape[-2:])[i if atten_mask.shape[0] > 1 else 0]
+            )
         vis = _visible(q.shape[0], k.shape[0], sparse_mode, pre_tokens, next_tokens, mask)
         o, lse = _attend(q, k, v, vis, scale, None if rope_parts is None else rope_parts[i][0], kr)
         dv = o.shape[-1]
@@ -332,7 +344,10 @@ def _assemble(query, layout, num_heads, dv, outs, with_lse):
 def _copy_out(result, out: Sequence[torch.Tensor]) -> None:
     o, lse = result
     _need(len(out) == 2, "out must be [attention_out, softmax_lse]")
-    _need(tuple(out[0].shape) == tuple(o.shape) or out[0].numel() == o.numel(), f"out[0] has shape {tuple(out[0].shape)}, expected {tuple(o.shape)}")
+    _need(
+        tuple(out[0].shape) == tuple(o.shape) or out[0].numel() == o.numel(),
+        f"out[0] has shape {tuple(out[0].shape)}, expected {tuple(o.shape)}",
+    )
     out[0].view(o.shape).copy_(o)
     if lse.numel() and out[1].numel() == lse.numel():
         out[1].view(lse.shape).copy_(lse)
