@@ -1,5 +1,6 @@
 """Every test of attn-ascend runs against the emulated torch_npu (`attn_ascend.testing.emulated_torch_npu`),
-installed in `sys.modules` for the whole session, on CPU tensors."""
+installed in `sys.modules` per test module (removed after each, so suites of other packages that share
+the pytest process never see it), on CPU tensors."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 from attn_ascend.testing.emulated_torch_npu import installed
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def emulated_torch_npu():
     with installed("7.0.0") as mod:
         yield mod

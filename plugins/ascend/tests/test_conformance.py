@@ -13,3 +13,12 @@ from attn_core.testing import ConformanceSuite
 class TestConformance(ConformanceSuite):
     backend = emulated_backend_class()
     device = "cpu"
+
+
+class TestConformanceMLA(ConformanceSuite):
+    """The same kit with MLA (512 + 64) as the base arch: every mode, the graph path (MLA decode in graph
+    mode goes through the fused-infer operator's `.out` variant in BSND) and the random batches."""
+
+    backend = emulated_backend_class(archs={"mla"})
+    device = "cpu"
+    quick = True

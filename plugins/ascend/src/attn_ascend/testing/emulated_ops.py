@@ -251,7 +251,8 @@ def _kv_for(i, key, value, key_rope, layout, num_kv, paged, block_table, block_s
         k = _gather_pages(key, block_table[i], n, block_size)
         v = _gather_pages(value, block_table[i], n, block_size)
         kr = None if key_rope is None else _gather_pages(key_rope, block_table[i], n, block_size)
-        return k.reshape(n, num_kv, -1), v.reshape(n, num_kv, -1), None if kr is None else kr.reshape(n, num_kv, -1)
+        heads = [None if x is None else x.reshape(n, num_kv, x.shape[-1] // num_kv) for x in (k, v, kr)]
+        return heads[0], heads[1], heads[2]
     if layout == "TND":
         a, b = dense_bounds[i]
         return key[a:b], value[a:b], None if key_rope is None else key_rope[a:b]

@@ -10,9 +10,10 @@ backend makes beyond them fails loudly instead of passing.
 from __future__ import annotations
 
 import contextlib
+import importlib.machinery
 import sys
 import types
-from typing import Iterator
+from typing import Iterator, Optional
 
 from attn_ascend.testing import emulated_ops
 
@@ -25,6 +26,7 @@ def emulated_torch_npu(release: str = "7.0.0") -> types.ModuleType:
     scale_keyword, rope = RELEASES[release]
     mod = types.ModuleType("torch_npu")
     mod.__version__ = f"emulated ({release})"
+    mod.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)  # find_spec() works while installed
     mod.npu_fused_infer_attention_score = emulated_ops.make_fused_infer_attention_score(scale_keyword, rope)
     for name in (
         "_npu_reshape_and_cache",
@@ -51,12 +53,15 @@ def installed(release: str = "7.0.0") -> Iterator[types.ModuleType]:
             sys.modules["torch_npu"] = previous
 
 
-def emulated_backend_class(device: str = "cpu") -> type:
+def emulated_backend_class(device: str = "cpu", archs: Optional[frozenset[str]] = None) -> type:
     """`AscendBackend` declaring `device` (default the CPU) instead of "npu": the test-only device shim.
-    Everything else - metadata, operator calls, K/V writes - is the real class's code."""
+    `archs` narrows the declared archs (e.g. {"mla"}, so that the conformance kit runs every mode and
+    the graph path in MLA). Everything else - metadata, operator calls, K/V writes - is the real class's."""
     import dataclasses
 
     from attn_ascend.backend import AscendBackend
 
-    caps = dataclasses.replace(AscendBackend.capabilities, devices=frozenset({device}))
-    return type("EmulatedAscend", (AscendBackend,), {"capabilities": caps, "__module__": __name__})
+    caps = AscendBackend.capabilities
+    caps = dataclasses.replace(caps, devices=frozenset({device}), archs=caps.archs if archs is None else frozenset(archs))
+    name = "EmulatedAscend" + ("" if archs is None else "_" + "_".join(sorted(archs)))
+    return type(name, (AscendBackend,), {"capabilities": caps, "__module__": __name__})
