@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from attn_ascend.testing.emulated_torch_npu import emulated_backend_class
+
 from attn_core.batch import ForwardBatch, SpecInfo
 from attn_core.batch_builder import build_forward_batch
 from attn_core.context import BackendContext
