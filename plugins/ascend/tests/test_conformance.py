@@ -13,6 +13,7 @@ from attn_core.testing import ConformanceSuite
 class TestConformance(ConformanceSuite):
     backend = emulated_backend_class()
     device = "cpu"
+    quick = True
 
 
 class TestConformanceMLA(ConformanceSuite):
