@@ -25,7 +25,7 @@ from attn_ascend.metadata import AscendMetadata, host_metadata, page_table, page
 from attn_ascend.npu_ops import NpuOps, load_torch_npu
 from attn_ascend.spec import CAPABILITIES
 from attn_core.backend import AttentionBackend
-from attn_core.batch import ForwardBatch, SpecInfo
+from attn_core.batch import ForwardBatch
 from attn_core.errors import IncompatibleBackendError, InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 
@@ -83,26 +83,26 @@ class AscendBackend(AttentionBackend):
         self.graph_block_tables = torch.zeros(max_bs, cols, dtype=torch.int32, device=self.device)
 
     def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info):
-        self._graph_tokens[(forward_mode, bs)] = num_tokens // bs
-        self.forward_metadata = self.capture_graph_metadata(bs, req_pool_indices, seq_lens.cpu(), forward_mode)
+        self.forward_metadata = self.capture_graph_metadata(bs, num_tokens, req_pool_indices, seq_lens.cpu(), forward_mode)
 
     def init_forward_metadata_replay_cuda_graph(
         self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens, forward_mode, spec_info, seq_lens_cpu
     ):
         host = seq_lens.cpu() if seq_lens_cpu is None else seq_lens_cpu
-        self.forward_metadata = self.replay_graph_metadata(bs, req_pool_indices, host, forward_mode, spec_info)
+        self.forward_metadata = self.replay_graph_metadata(bs, req_pool_indices, host, forward_mode)
 
     def capture_graph_metadata(
-        self, bs: int, req_pool_indices: torch.Tensor, seq_lens_cpu: torch.Tensor, mode: ForwardMode
+        self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor, seq_lens_cpu: torch.Tensor, mode: ForwardMode
     ) -> AscendMetadata:
-        """Metadata viewing the persistent block table for a graph of `bs` requests."""
-        return self.replay_graph_metadata(bs, req_pool_indices, seq_lens_cpu, mode, None)
+        """Remember the graph's new tokens per request and point the metadata at the persistent block table."""
+        self._graph_tokens[(mode, bs)] = num_tokens // bs
+        return self.replay_graph_metadata(bs, req_pool_indices, seq_lens_cpu, mode)
 
     def replay_graph_metadata(
-        self, bs: int, req_pool_indices: torch.Tensor, seq_lens_cpu: torch.Tensor, mode: ForwardMode, spec_info: Optional[SpecInfo]
+        self, bs: int, req_pool_indices: torch.Tensor, seq_lens_cpu: torch.Tensor, mode: ForwardMode
     ) -> AscendMetadata:
-        """Write the rows' page ids into the persistent block table (zeros past each batch's longest
-        request) and take the lengths as host graph inputs (padding rows: the fill value 0 keys)."""
+        """Write the rows' page ids into the persistent block table (zeros past the batch's longest
+        request) and take the lengths as host graph inputs (padding rows: the fill value, 0 keys)."""
         if self.graph_block_tables is None:
             raise InvalidArgumentError("init_cuda_graph_state", "called before graph capture / replay", None)
         if bs > self.graph_block_tables.shape[0]:

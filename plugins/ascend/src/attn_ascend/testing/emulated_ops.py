@@ -33,6 +33,7 @@ query's dtype. `reference64` in the tests is the independent float64 oracle.
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Optional, Sequence
 
 import torch
@@ -62,21 +63,22 @@ def compressed_causal_mask(device=None) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool, device=device).triu_(1)
 
 
-_checked_masks: dict[int, int] = {}
+#: id -> (weak reference, version) of masks already found to be the compressed causal mask
+_checked_masks: dict[int, tuple[weakref.ref, int]] = {}
 
 
 def _check_compressed_mask(mask: Optional[torch.Tensor], mode: int) -> None:
     _need(mask is not None, f"sparse_mode={mode} needs atten_mask, the compressed 2048x2048 causal mask")
     _need(tuple(mask.shape) == (COMPRESSED_MASK_SIZE,) * 2, f"sparse_mode={mode} takes a 2048x2048 atten_mask, got {tuple(mask.shape)}")
-    key = id(mask)
-    if _checked_masks.get(key) == mask._version:
-        return
+    seen = _checked_masks.get(id(mask))
+    if seen is not None and seen[0]() is mask and seen[1] == mask._version:
+        return  # this very tensor, unchanged since it was checked
     want = compressed_causal_mask(mask.device)
     _need(
         torch.equal(mask.to(torch.bool), want),
         f"sparse_mode={mode}: atten_mask is not the compressed causal mask (True above the diagonal)",
     )
-    _checked_masks[key] = mask._version
+    _checked_masks[id(mask)] = (weakref.ref(mask), mask._version)
 
 
 def _check_block(block_size: int, limit: int, what: str) -> None:
