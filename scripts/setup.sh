@@ -21,3 +21,5 @@ for p in plugins/*/; do
   esac
 done
 .venv/bin/python -c "import torch; assert not torch.version.cuda, 'a CUDA torch was installed'; print('torch', torch.__version__)"
+# attn-ascend's torch-npu is an optional extra (it pins its own torch): never in the CPU environment
+.venv/bin/python -c "import importlib.util as u; assert u.find_spec('torch_npu') is None, 'torch-npu was installed'"
