@@ -14,10 +14,10 @@ from typing import Optional
 import torch
 
 from attn_core.backend import AttentionBackend
-from attn_core.batch import ForwardBatch, SpecInfo
+from attn_core.batch import ForwardBatch
 from attn_core.context import BackendContext, _dtype_name
 from attn_core.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedFeatureError
-from attn_core.forward_mode import ForwardMode
+from attn_core.graph_step import CudaGraphStep
 from attn_core.layer import AttentionLayer
 from attn_core.probes import triton_interpreter_enabled
 from attn_triton.config import SplitPolicy, decode_config, extend_config
@@ -136,34 +136,11 @@ class TritonAttnBackend(AttentionBackend):
             raise InvalidArgumentError("init_cuda_graph_state", "called before capture/replay", None)
         return self.graph
 
-    def init_forward_metadata_capture_cuda_graph(
-        self,
-        bs: int,
-        num_tokens: int,
-        req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        encoder_lens: Optional[torch.Tensor],
-        forward_mode: ForwardMode,
-        spec_info: Optional[SpecInfo],
-    ) -> None:
-        self.forward_metadata = self._graph_state().capture(
-            bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info
-        )
+    def capture_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
+        self.forward_metadata = self._graph_state().capture(step)
 
-    def init_forward_metadata_replay_cuda_graph(
-        self,
-        bs: int,
-        req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        seq_lens_sum: int,
-        encoder_lens: Optional[torch.Tensor],
-        forward_mode: ForwardMode,
-        spec_info: Optional[SpecInfo],
-        seq_lens_cpu: Optional[torch.Tensor],
-    ) -> None:
-        self.forward_metadata = self._graph_state().replay(
-            bs, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info, seq_lens_cpu
-        )
+    def replay_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
+        self.forward_metadata = self._graph_state().replay(step)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """Padding rows of a graph batch attend one key (their row's first slot): every kernel stays in

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
-from attn_core.batch import SpecInfo
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
+from attn_core.graph_step import CudaGraphStep
 from attn_triton.metadata import DecodeMetadata, ExtendMetadata, KVIndex, SplitScratch, fill_kv
 
 if TYPE_CHECKING:
@@ -50,18 +50,19 @@ class GraphState:
     def _views(self, kv: KVIndex, bs: int, with_splits: bool) -> KVIndex:
         return KVIndex(kv.indptr[: bs + 1], kv.indices, kv.num_splits[:bs] if with_splits else None)
 
-    def capture(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, mode: ForwardMode, spec_info: Optional[SpecInfo]):
-        if not 1 <= bs <= self.max_bs or not bs <= num_tokens <= self.max_num_tokens:
+    def capture(self, step: CudaGraphStep) -> Metadata:
+        bs, num_tokens, mode = step.bs, step.num_tokens, step.forward_mode
+        if not (mode.is_decode() or mode.is_target_verify()):
+            raise UnsupportedFeatureError("triton", f"CUDA graphs for {mode.name} (DECODE and TARGET_VERIFY only)")
+        if not bs <= self.max_bs or not num_tokens <= self.max_num_tokens:
             raise InvalidArgumentError(
-                "bs/num_tokens", f"1 <= bs <= {self.max_bs}, bs <= num_tokens <= {self.max_num_tokens}", (bs, num_tokens)
+                "bs/num_tokens", f"bs <= {self.max_bs} and num_tokens <= {self.max_num_tokens} (init_cuda_graph_state)", (bs, num_tokens)
             )
-        if encoder_lens is not None and self.cross is None:
+        if step.encoder_lens is not None and self.cross is None:
             raise InvalidArgumentError("encoder_lens", "None (the context is not encoder-decoder)", "a tensor")
         ctx = self.backend.ctx
-        has_cross = encoder_lens is not None
+        has_cross = step.encoder_lens is not None
         if mode.is_decode():
-            if num_tokens != bs:
-                raise InvalidArgumentError("num_tokens", f"{bs} (one token per request) for DECODE", num_tokens)
             ms = self.backend.decode_splits(bs).max_splits
             meta: Metadata = DecodeMetadata(
                 self._views(self.kv, bs, True),
@@ -69,10 +70,9 @@ class GraphState:
                 ms,
                 *self.scratch.views(bs, ms),
             )
-        elif mode.is_target_verify():
-            if num_tokens % bs:
-                raise InvalidArgumentError("num_tokens", f"a multiple of bs={bs} for TARGET_VERIFY", num_tokens)
-            per_req = num_tokens // bs
+        else:
+            per_req = step.tokens_per_request
+            spec_info = step.spec_info
             use_mask = spec_info is not None and spec_info.custom_mask is not None
             if use_mask and self.mask is None:
                 self.mask = torch.zeros(self.max_num_tokens * ctx.max_context_len, dtype=torch.uint8, device=self.backend.device)
@@ -85,25 +85,24 @@ class GraphState:
                 self.mask if use_mask else None,
                 self.mask_indptr[: bs + 1] if use_mask else None,
             )
-        else:
-            raise UnsupportedFeatureError("triton", f"CUDA graphs for {mode.name} (DECODE and TARGET_VERIFY only)")
         self.captured[(bs, mode)] = meta
-        self._refresh(meta, bs, req_pool_indices, seq_lens, encoder_lens, spec_info)
+        self._refresh(meta, step)
         return meta
 
-    def replay(self, bs, req_pool_indices, seq_lens, encoder_lens, mode: ForwardMode, spec_info: Optional[SpecInfo], seq_lens_cpu=None):
-        meta = self.captured.get((bs, mode))
+    def replay(self, step: CudaGraphStep) -> Metadata:
+        meta = self.captured.get((step.bs, step.forward_mode))
         if meta is None:
-            raise InvalidArgumentError("bs", f"a batch size captured for {mode.name}", bs)
-        self._refresh(meta, bs, req_pool_indices, seq_lens, encoder_lens, spec_info, seq_lens_cpu)
+            raise InvalidArgumentError("bs", f"a batch size captured for {step.forward_mode.name}", step.bs)
+        self._refresh(meta, step)
         return meta
 
-    def _refresh(self, meta: Metadata, bs, req_pool_indices, seq_lens, encoder_lens, spec_info, seq_lens_cpu=None) -> None:
-        """Rewrite the captured views for the batch of this replay (inputs padded to `bs` rows)."""
+    def _refresh(self, meta: Metadata, step: CudaGraphStep) -> None:
+        """Rewrite the captured views for the graph batch of this replay (already padded to its bs)."""
         b = self.backend
+        bs = step.bs
         r2t = b.req_to_token()
-        rpi, lens = req_pool_indices[:bs], _int32(seq_lens[:bs])
-        enc = None if encoder_lens is None else _int32(encoder_lens[:bs])
+        rpi, lens = step.req_pool_indices, _int32(step.seq_lens)
+        enc = None if step.encoder_lens is None else _int32(step.encoder_lens)
         if isinstance(meta, DecodeMetadata):
             splits = b.decode_splits(bs)
             fill_kv(meta.kv, r2t, rpi, lens, kv_start=enc, splits=splits)
@@ -114,12 +113,12 @@ class GraphState:
         if meta.cross is not None:
             fill_kv(meta.cross, r2t, rpi, enc)
         if meta.custom_mask is not None:
-            mask = spec_info.custom_mask if spec_info is not None else None
+            mask = step.spec_info.custom_mask if step.spec_info is not None else None
             if mask is None or mask.dtype != torch.bool or mask.numel() > meta.custom_mask.numel():
                 raise InvalidArgumentError("spec_info.custom_mask", f"a bool mask of at most {meta.custom_mask.numel()} entries", mask)
             n = mask.numel()
-            if seq_lens_cpu is not None:  # copy only the entries this batch's layout reaches
-                n = min(n, meta.max_q_len * int(seq_lens_cpu[:bs].sum()))
+            if step.seq_lens_cpu is not None:  # copy only the entries this batch's layout reaches
+                n = min(n, meta.max_q_len * step.seq_lens_sum)
             meta.custom_mask[:n].copy_(mask.view(torch.uint8)[:n])
 
 
