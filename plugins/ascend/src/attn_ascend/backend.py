@@ -28,6 +28,7 @@ from attn_core.backend import AttentionBackend
 from attn_core.batch import ForwardBatch
 from attn_core.errors import IncompatibleBackendError, InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
+from attn_core.graph_step import CudaGraphStep
 
 #: side of the compressed causal mask the fused-infer operator takes with sparse_mode 3
 CAUSAL_MASK_SIZE = 2048
@@ -82,27 +83,22 @@ class AscendBackend(AttentionBackend):
         cols = pages_for(self.ctx.max_context_len, self.page_size)
         self.graph_block_tables = torch.zeros(max_bs, cols, dtype=torch.int32, device=self.device)
 
-    def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info):
-        self.forward_metadata = self.capture_graph_metadata(bs, num_tokens, req_pool_indices, seq_lens.cpu(), forward_mode)
-
-    def init_forward_metadata_replay_cuda_graph(
-        self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens, forward_mode, spec_info, seq_lens_cpu
-    ):
-        host = seq_lens.cpu() if seq_lens_cpu is None else seq_lens_cpu
-        self.forward_metadata = self.replay_graph_metadata(bs, req_pool_indices, host, forward_mode)
-
-    def capture_graph_metadata(
-        self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor, seq_lens_cpu: torch.Tensor, mode: ForwardMode
-    ) -> AscendMetadata:
+    def capture_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
         """Remember the graph's new tokens per request and point the metadata at the persistent block table."""
-        self._graph_tokens[(mode, bs)] = num_tokens // bs
-        return self.replay_graph_metadata(bs, req_pool_indices, seq_lens_cpu, mode)
+        if step.encoder_lens is not None:
+            raise UnsupportedFeatureError(self.name, "encoder-decoder batches")
+        self._graph_tokens[(step.forward_mode, step.bs)] = step.num_tokens // step.bs
+        self.forward_metadata = self._graph_metadata(step, step.seq_lens.cpu())
 
-    def replay_graph_metadata(
-        self, bs: int, req_pool_indices: torch.Tensor, seq_lens_cpu: torch.Tensor, mode: ForwardMode
-    ) -> AscendMetadata:
+    def replay_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
+        """Refresh the persistent block table and the host lengths for this replay's batch."""
+        host = step.seq_lens.cpu() if step.seq_lens_cpu is None else step.seq_lens_cpu
+        self.forward_metadata = self._graph_metadata(step, host)
+
+    def _graph_metadata(self, step: CudaGraphStep, seq_lens_cpu: torch.Tensor) -> AscendMetadata:
         """Write the rows' page ids into the persistent block table (zeros past the batch's longest
-        request) and take the lengths as host graph inputs (padding rows: the fill value, 0 keys)."""
+        request) and take the lengths as host graph inputs."""
+        bs, mode = step.bs, step.forward_mode
         if self.graph_block_tables is None:
             raise InvalidArgumentError("init_cuda_graph_state", "called before graph capture / replay", None)
         if bs > self.graph_block_tables.shape[0]:
@@ -110,19 +106,20 @@ class AscendBackend(AttentionBackend):
         t = self._graph_tokens.get((mode, bs))
         if t is None:
             raise InvalidArgumentError("bs", f"a batch size captured for {mode.name}", bs)
-        seq = [int(n) for n in seq_lens_cpu[:bs].tolist()]
+        seq = [int(n) for n in seq_lens_cpu.tolist()]
         tables = self.graph_block_tables[:bs]
         max_len = max(seq, default=0)
         cols = pages_for(max_len, self.page_size)
         if cols > tables.shape[1]:
             raise InvalidArgumentError("seq_lens", f"<= max_context_len {self.ctx.max_context_len}", max_len)
-        tables[:, :cols].copy_(page_table(self.req_to_token(), req_pool_indices[:bs], max_len, self.page_size))
+        tables[:, :cols].copy_(page_table(self.req_to_token(), step.req_pool_indices, max_len, self.page_size))
         tables[:, cols:].zero_()
         q_cumsum = [t * (i + 1) for i in range(bs)]
         return AscendMetadata(tables, torch.tensor(seq, dtype=torch.int32), seq, q_cumsum, bs, graph_mode=True)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
-        return 0
+        """1, attn-core's smallest fill (padding rows attend one key; SGLang's Ascend backend pads with 0)."""
+        return 1
 
     # ---- forward -------------------------------------------------------------------------------
     def _metadata(self, batch: ForwardBatch) -> AscendMetadata:
