@@ -227,6 +227,7 @@ def _split_query(query, layout: str, num_heads: int, actual_q):
         _need(query.dim() == 3 and query.shape[1] == num_heads, f"TND query must be [T, {num_heads}, D], got {tuple(query.shape)}")
         _need(actual_q is not None, "input_layout TND needs actual_seq_lengths (cumulative query lengths)")
         ends = [int(v) for v in actual_q]
+        _need(len(ends) > 0, "TND actual_seq_lengths must name at least one sequence")
         _need(all(b >= a for a, b in zip([0] + ends, ends)), f"TND actual_seq_lengths must be cumulative (non-decreasing), got {ends}")
         _need(ends[-1] == query.shape[0], f"TND actual_seq_lengths must end at T={query.shape[0]}, got {ends[-1]}")
         return [(query[a:b], (a, b)) for a, b in zip([0] + ends[:-1], ends)]
