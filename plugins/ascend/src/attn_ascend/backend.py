@@ -158,6 +158,8 @@ class AscendBackend(AttentionBackend):
         self.ops.reshape_and_cache(k.to(key_cache.dtype).contiguous(), v.to(value_cache.dtype).contiguous(), key_cache, value_cache, slots)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):
+        """One query per request: paged attention (MHA), the paged MLA operator, or in graph mode (MLA)
+        the fused-infer `.out` variant in BSND. Returns `[bs, Hq * Dv]`."""
         meta = self._metadata(forward_batch)
         self._check_scales(layer)
         if save_kv_cache and k is not None:
@@ -187,6 +189,9 @@ class AscendBackend(AttentionBackend):
         return out.reshape(q.shape[0], hq * dv)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):
+        """EXTEND / MIXED / TARGET_VERIFY / DRAFT_EXTEND: the fused-infer operator, TND queries over the
+        paged caches, causal from the bottom right (`.out` into a preallocated output for verify and
+        draft extend). Returns `[T, Hq * Dv]`."""
         meta = self._metadata(forward_batch)
         self._check_scales(layer)
         if save_kv_cache and k is not None:
