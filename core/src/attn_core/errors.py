@@ -39,6 +39,22 @@ class KVCacheError(AttnError, ValueError):
     """Misuse of a KV-cache pool or allocator (double free, reserved or out-of-range slot)."""
 
 
+class InvalidBatchError(InvalidArgumentError):
+    """A `ForwardBatch` field is missing, of the wrong dtype, shape or device, out of range, or
+    inconsistent with another field (host copy vs device tensor, lengths vs sums). Raised by
+    `attn_core.validation` before any kernel runs and before any KV write; `argument` names the field
+    (e.g. "forward_batch.seq_lens_cpu")."""
+
+
+class StaleMetadataError(InvalidArgumentError):
+    """`forward` was called with a batch other than the one the backend's current metadata was built for
+    (`init_forward_metadata` not called for this step, or called for another batch since, e.g. by another
+    thread sharing the backend). Checked by identity, so it costs no device work and is graph-safe."""
+
+    def __init__(self, expected: str, found: object):
+        super().__init__("forward_batch", expected, found)
+
+
 class RegistryError(AttnError):
     """Base class of the registry's errors."""
 
@@ -148,3 +164,13 @@ class HookPluginError(RegistryError):
         super().__init__(
             f"attn_core hook plugin {plugin!r} failed in {where}: {type(cause).__name__}: {cause} (its hooks are no longer called)"
         )
+
+
+class DeviceIndexError(AttnError, IndexError):
+    """A kernel found an index out of range on the device (a request row past the req_to_token table,
+    a slot outside the KV pool, device lengths needing more key ids than a host-sized buffer holds...).
+
+    The kernels never followed it (they mask such loads and stores) but the step's output is not to be
+    trusted. Raised from a backend's `poll_device_fault()` report (checked by `validation="full"`); the
+    message names the kind of index that was bad and the buffer it was checked against.
+    """
