@@ -36,7 +36,7 @@ CAUSAL_MASK_SIZE = 2048
 NO_MASK, RIGHT_DOWN_CAUSAL = 0, 3
 
 
-class AscendBackend(AttentionBackend):
+class AscendBackend(AttentionBackend[AscendMetadata]):
     """The `ascend` backend (see the module docstring). Needs torch_npu; tests install an emulation."""
 
     name = "ascend"
@@ -56,9 +56,6 @@ class AscendBackend(AttentionBackend):
         self._graph_tokens: dict[tuple[ForwardMode, int], int] = {}
 
     # ---- per-step metadata -------------------------------------------------------------------
-    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        self.forward_metadata = self.build_forward_metadata(forward_batch)
-
     def build_forward_metadata(self, forward_batch: ForwardBatch) -> AscendMetadata:
         """Block tables from the request rows, host length lists; extend modes drop requests without
         new tokens (the TND layout has no empty sequences)."""
@@ -66,16 +63,13 @@ class AscendBackend(AttentionBackend):
         if b.encoder_lens is not None:
             raise UnsupportedFeatureError(self.name, "encoder-decoder batches")
         seq = [int(n) for n in b.seq_lens_cpu.tolist()]
-        mode = b.forward_mode
-        if mode.is_no_tokens():
-            return AscendMetadata(torch.zeros(0, 0, dtype=torch.int32, device=self.device), torch.zeros(0, dtype=torch.int32), [], [], 0)
-        q = [1] * b.batch_size if mode.is_decode() else [int(n) for n in b.extend_seq_lens_cpu.tolist()]
+        q = [1] * b.batch_size if b.forward_mode.is_decode() else [int(n) for n in b.extend_seq_lens_cpu.tolist()]
         keep, seq_kept, q_cumsum = host_metadata(seq, q)
         rows = b.req_pool_indices
         if len(keep) < len(q):
             rows = rows[torch.tensor(keep, dtype=torch.long).to(rows.device)]
         tables = page_table(self.req_to_token(b), rows, max(seq_kept, default=0), self.page_size)
-        return AscendMetadata(tables, torch.tensor(seq_kept, dtype=torch.int32), seq_kept, q_cumsum, b.batch_size)
+        return AscendMetadata(tables, torch.tensor(seq_kept, dtype=torch.int32), seq_kept, q_cumsum)
 
     # ---- NPU graph mode ------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -88,12 +82,12 @@ class AscendBackend(AttentionBackend):
         if step.encoder_lens is not None:
             raise UnsupportedFeatureError(self.name, "encoder-decoder batches")
         self._graph_tokens[(step.forward_mode, step.bs)] = step.num_tokens // step.bs
-        self.forward_metadata = self._graph_metadata(step, step.seq_lens.cpu())
+        self.bind_graph_metadata(self._graph_metadata(step, step.seq_lens.cpu()), step)
 
     def replay_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
         """Refresh the persistent block table and the host lengths for this replay's batch."""
         host = step.seq_lens.cpu() if step.seq_lens_cpu is None else step.seq_lens_cpu
-        self.forward_metadata = self._graph_metadata(step, host)
+        self.bind_graph_metadata(self._graph_metadata(step, host), step)
 
     def _graph_metadata(self, step: CudaGraphStep, seq_lens_cpu: torch.Tensor) -> AscendMetadata:
         """Write the rows' page ids into the persistent block table (zeros past the batch's longest
@@ -115,19 +109,13 @@ class AscendBackend(AttentionBackend):
         tables[:, :cols].copy_(page_table(self.req_to_token(), step.req_pool_indices, max_len, self.page_size))
         tables[:, cols:].zero_()
         q_cumsum = [t * (i + 1) for i in range(bs)]
-        return AscendMetadata(tables, torch.tensor(seq, dtype=torch.int32), seq, q_cumsum, bs, graph_mode=True)
+        return AscendMetadata(tables, torch.tensor(seq, dtype=torch.int32), seq, q_cumsum, graph_mode=True)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """1, attn-core's smallest fill (padding rows attend one key; SGLang's Ascend backend pads with 0)."""
         return 1
 
     # ---- forward -------------------------------------------------------------------------------
-    def _metadata(self, batch: ForwardBatch) -> AscendMetadata:
-        meta = self.forward_metadata
-        if meta.batch_size != batch.batch_size:
-            raise InvalidArgumentError("forward_metadata", f"metadata built for this batch ({batch.batch_size} requests)", meta.batch_size)
-        return meta
-
     def _check_scales(self, layer) -> None:
         for name in ("k_scale", "v_scale"):
             s = getattr(layer, name)
@@ -155,12 +143,12 @@ class AscendBackend(AttentionBackend):
         if self.ctx.is_mla:
             rank = self.ctx.kv_lora_rank
             k, v = k[..., :rank], k[..., rank:]
-        self.ops.reshape_and_cache(k.to(key_cache.dtype).contiguous(), v.to(value_cache.dtype).contiguous(), key_cache, value_cache, slots)
+        self.ops.reshape_and_cache(k.contiguous(), v.contiguous(), key_cache, value_cache, slots)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):
         """One query per request: paged attention (MHA), the paged MLA operator, or in graph mode (MLA)
         the fused-infer `.out` variant in BSND. Returns `[bs, Hq * Dv]`."""
-        meta = self._metadata(forward_batch)
+        meta = self.forward_metadata
         self._check_scales(layer)
         if save_kv_cache and k is not None:
             self._write_kv(k, v, layer, forward_batch)
@@ -192,7 +180,7 @@ class AscendBackend(AttentionBackend):
         """EXTEND / MIXED / TARGET_VERIFY / DRAFT_EXTEND: the fused-infer operator, TND queries over the
         paged caches, causal from the bottom right (`.out` into a preallocated output for verify and
         draft extend). Returns `[T, Hq * Dv]`."""
-        meta = self._metadata(forward_batch)
+        meta = self.forward_metadata
         self._check_scales(layer)
         if save_kv_cache and k is not None:
             self._write_kv(k, v, layer, forward_batch)

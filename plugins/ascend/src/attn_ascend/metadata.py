@@ -22,16 +22,13 @@ class AscendMetadata:
     seq_lens_cpu: int32 `[rows]` on the host, keys per row (the paged-attention operator's context_lens).
     seq_lens: the same as a list (the fused-infer operator's actual_seq_lengths_kv).
     q_cumsum: cumulative new-token counts per row (the fused-infer operator's TND actual_seq_lengths).
-    tokens_per_request: new tokens of each request in a graph step (1 in DECODE), else 0.
     graph_mode: the metadata points at persistent graph buffers.
-    batch_size: requests of the batch this metadata was built for.
     """
 
     block_tables: torch.Tensor
     seq_lens_cpu: torch.Tensor
     seq_lens: list[int]
     q_cumsum: list[int]
-    batch_size: int
     graph_mode: bool = False
 
 
