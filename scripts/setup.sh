@@ -25,3 +25,5 @@ done
 echo "torch==2.13.0" > .venv/torch-pin.txt
 $VPIP install -q "transformers==5.23.0" -c .venv/torch-pin.txt
 .venv/bin/python -c "import torch; assert not torch.version.cuda, 'a CUDA torch was installed'; print('torch', torch.__version__)"
+# attn-ascend's torch-npu is an optional extra (it pins its own torch): never in the CPU environment
+.venv/bin/python -c "import importlib.util as u; assert u.find_spec('torch_npu') is None, 'torch-npu was installed'"

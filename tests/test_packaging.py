@@ -24,6 +24,7 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
+import zipfile
 from importlib import metadata
 from pathlib import Path
 
@@ -174,6 +175,31 @@ def test_broken_plugins_give_typed_errors_and_torch_native_stays_usable(venv):
     dup = attn(venv, "check", "example", ok=False)
     assert dup.returncode == 2 and "claimed by several distributions" in dup.stderr
     venv["pip"]("uninstall", "-y", "-q", "attn-example-broken", "attn-example-dup", "attn-example-api2")
+
+
+def test_ascend_wheel_keeps_torch_npu_optional_and_lists_its_reason(venv):
+    """attn-ascend as a wheel: torch-npu only behind the `npu` extra (it pins its own torch), installed
+    without it, `attn-core list` shows the backend unavailable with the reason and how far it is verified."""
+    src = venv["src"] / "ascend"
+    shutil.copytree(ROOT / "plugins" / "ascend", src, ignore=shutil.ignore_patterns("*.egg-info", "build", "__pycache__", "tests"))
+    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", venv["wheels"], src)
+    wheel = next(venv["wheels"].glob("attn_ascend-*.whl"))
+    with zipfile.ZipFile(wheel) as zf:
+        meta = zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    requires = [ln.split(":", 1)[1].strip() for ln in meta.splitlines() if ln.startswith("Requires-Dist:")]
+    npu = [r for r in requires if r.lower().startswith(("torch-npu", "torch_npu"))]
+    assert npu and all('extra == "npu"' in r for r in npu), requires
+    venv["pip"]("install", "-q", "--find-links", venv["wheels"], "attn-ascend")
+    try:
+        found = run(venv["py"], "-c", "import importlib.util; print(importlib.util.find_spec('torch_npu'))", env=venv["env"]).stdout
+        assert found.strip() == "None"
+        listing = attn(venv, "list").stdout
+        line = re.search(r"^ascend\s+attn-ascend\s+0\.1\.0\s+unavailable: (.*)$", listing, re.M)
+        assert line, listing
+        assert line.group(1).startswith("needs torch_npu and an Ascend NPU (pip install attn-ascend[npu])")
+        assert "emulation of the documented torch_npu operators" in line.group(1) and "not on NPU hardware" in line.group(1)
+    finally:
+        venv["pip"]("uninstall", "-y", "-q", "attn-ascend")
 
 
 def test_uninstalled_plugin_is_unknown(venv):
