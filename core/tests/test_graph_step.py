@@ -72,6 +72,9 @@ def test_step_trims_to_bs_and_derives_counts():
     "kwargs,argument",
     [
         (dict(bs=0), "bs"),
+        (dict(bs=2.0), "bs"),
+        (dict(bs=True), "bs"),
+        (dict(forward_mode="warp"), "forward_mode"),
         (dict(bs=7), "req_pool_indices"),
         (dict(seq_lens=LENS.view(2, 3)), "seq_lens"),
         (dict(seq_lens=None), "seq_lens"),

@@ -30,6 +30,8 @@ _EXPORTS = {
     "ApiVersionMismatchError": "attn_core.errors",
     "DuplicateBackendError": "attn_core.errors",
     "BackendLoadError": "attn_core.errors",
+    "InvalidSpecError": "attn_core.errors",
+    "HookPluginError": "attn_core.errors",
     "ForwardMode": "attn_core.forward_mode",
     "Capabilities": "attn_core.capabilities",
     "CudaGraphLevel": "attn_core.capabilities",

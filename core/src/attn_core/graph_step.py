@@ -19,6 +19,7 @@ arguments.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -136,10 +137,16 @@ class CudaGraphStep:
     spec_info: Optional[SpecInfo] = None
 
     def __post_init__(self) -> None:
-        mode = ForwardMode.parse(self.forward_mode)
-        bs = self.bs
-        if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
-            raise InvalidArgumentError("bs", "a graph batch size >= 1", bs)
+        try:
+            mode = ForwardMode.parse(self.forward_mode)
+        except ValueError:
+            raise InvalidArgumentError("forward_mode", f"a ForwardMode among {[m.name for m in ForwardMode]}", self.forward_mode) from None
+        try:
+            bs = operator.index(self.bs)
+        except TypeError:
+            bs = None
+        if bs is None or isinstance(self.bs, bool) or bs < 1:
+            raise InvalidArgumentError("bs", "a graph batch size >= 1 (an integer)", self.bs)
         rows = {}
         for name in ("req_pool_indices", "seq_lens", "seq_lens_cpu", "encoder_lens"):
             x = getattr(self, name)
@@ -172,6 +179,7 @@ class CudaGraphStep:
                 raise InvalidArgumentError("seq_lens_sum", f"the sum of seq_lens_cpu[:{bs}] = {host_sum}", seq_sum)
             seq_sum = host_sum
         object.__setattr__(self, "forward_mode", mode)
+        object.__setattr__(self, "bs", bs)
         object.__setattr__(self, "num_tokens", num_tokens)
         object.__setattr__(self, "seq_lens_sum", None if seq_sum is None else int(seq_sum))
         for name, x in rows.items():

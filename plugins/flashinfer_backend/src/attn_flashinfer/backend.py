@@ -36,9 +36,11 @@ from attn_core.batch import ForwardBatch
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 from attn_core.graph_step import CudaGraphStep
+from attn_core.ops.device_faults import DeviceFaultFlags
 from attn_flashinfer import plans, replan
 from attn_flashinfer.indices import PagedKV, QueryLayout, any_positive, build_paged_kv, query_layout, self_attention_page_size
 from attn_flashinfer.plans import Plan
+from attn_flashinfer.scratch import DeviceScratch
 from attn_flashinfer.spec import CAPABILITIES
 from attn_flashinfer.steps import Dims, GraphBuffers, LayerKey, StepInputs, check_context, eager_inputs, graph_inputs
 
@@ -102,10 +104,17 @@ class FlashInferBackend(AttentionBackend[Step]):
         self._eager_wrappers: dict[tuple[LayerKey, str], object] = {}
         self._planned_eager: set[tuple[LayerKey, str]] = set()  # eager wrappers past their first (public) plan
         self._decode_queries: dict[int, QueryLayout] = {}  # by batch size
-        self._scratch_bufs: dict[str, torch.Tensor] = {}
+        self.scratch = DeviceScratch(self.device)
         self._scratch_views: dict[tuple[str, int], tuple] = {}  # (which, bs) -> (buffer, its three views)
         self._graph_buffers: Optional[dict[str, GraphBuffers]] = None
         self._graphs: dict[tuple[int, ForwardMode], tuple[Step, _GraphState]] = {}
+        self.device_faults = DeviceFaultFlags(ctx.device)
+
+    def poll_device_fault(self) -> Optional[str]:
+        """What the index kernel refused since the last poll (an out-of-range request row, length,
+        slot, or device lengths past the host-sized page-id buffer: `attn_core.ops.device_faults`), or
+        None; reads and clears the fault buffer (one device sync)."""
+        return self.device_faults.poll()
 
     # ---- per-step metadata -------------------------------------------------------------------
     def build_forward_metadata(self, forward_batch: ForwardBatch) -> Step:
@@ -117,7 +126,7 @@ class FlashInferBackend(AttentionBackend[Step]):
         if inputs.q_lens_host is None:
             qo = self._decode_query_layout(inputs.bs)
         elif graph is None:
-            qo = query_layout(inputs.q_lens_host, self._scratch("qo", inputs.bs + 1)[: inputs.bs + 1], inputs.q_lens)
+            qo = query_layout(inputs.q_lens_host, self.scratch.get("qo", inputs.bs + 1)[: inputs.bs + 1], inputs.q_lens)
         else:  # graph wrappers copy the offsets into their own buffers
             qo = query_layout(inputs.q_lens_host)
         step = Step(inputs, qo, has_prefix, graph=graph)
@@ -158,29 +167,24 @@ class FlashInferBackend(AttentionBackend[Step]):
             def out(bs: int, pages: int):  # the captured graph's own buffers, which its wrappers read
                 return graph.kv_indices, graph.kv_indptr, graph.last_page_len
 
-        kv = build_paged_kv(x.req_to_token, x.req_pool_indices, lens, lens_host, page_size, kv_start=start, out=out, defer=graph is None)
+        pool = self.ctx.token_to_kv_pool
+        kv = build_paged_kv(
+            x.req_to_token, x.req_pool_indices, lens, lens_host, page_size, kv_start=start, out=out, defer=graph is None,
+            num_slots=None if pool is None else pool.num_slots, fault=self.device_faults.buffer,
+        )  # fmt: skip
         step.kv[which] = kv
         return kv
 
     def _scratch_layout(self, which: str, bs: int, pages: int):
         """Eager device buffers of key list `which` (page ids, indptr, last-page lengths), carved from
-        one scratch buffer; the page ids start 16-byte aligned. The views are kept per batch size while
+        one `DeviceScratch` buffer; the page ids start 16-byte aligned. The views are kept per batch size while
         the buffer lasts (slicing a device tensor costs microseconds of host time per step)."""
         head = -(-(2 * bs + 1) // 4) * 4
-        buf = self._scratch(which, head + pages)
+        buf = self.scratch.get(which, head + pages)
         views = self._scratch_views.get((which, bs))
         if views is None or views[0] is not buf:
             views = self._scratch_views[(which, bs)] = (buf, buf[head:], buf[: bs + 1], buf[bs + 1 : 2 * bs + 1])
         return views[1:]
-
-    def _scratch(self, which: str, n: int) -> torch.Tensor:
-        """An eager int32 device buffer of at least n entries for `which` (a key list's layout and page
-        ids, or "qo"): one per name, reused step after step (the writes are ordered on the stream after
-        the last reads) and grown by doubling, so a step allocates nothing on the device."""
-        buf = self._scratch_bufs.get(which)
-        if buf is None or buf.shape[0] < n:
-            buf = self._scratch_bufs[which] = torch.empty(max(1024, 2 * n), dtype=torch.int32, device=self.device)
-        return buf
 
     def _wrapper(self, step: Step, key: LayerKey, role: str):
         """The wrapper of (key, role): eager ones are reused across steps, graph-mode ones belong to

@@ -3,7 +3,7 @@ replay refreshes in place (DECODE and TARGET_VERIFY).
 
 Per captured (bs, mode) the metadata is a set of views of the buffers; replay reruns the index kernel
 into those views (and copies the verify mask), so the graph's pointers and grid stay valid. Decode
-split counts are recomputed on the device at every replay; only `max_splits` (the grid) is fixed per bs.
+split counts follow each replay's lengths on the device; only `max_splits` (the grid) is fixed per bs.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ class GraphState:
         def i32(n: int) -> torch.Tensor:
             return torch.zeros(n, dtype=torch.int32, device=dev)
 
-        self.kv = KVIndex(i32(max_bs + 1), i32(max_bs * width), i32(max_bs))
-        self.cross = KVIndex(i32(max_bs + 1), i32(max_bs * width), i32(max_bs)) if ctx.is_encoder_decoder else None
+        self.kv = KVIndex(i32(max_bs + 1), i32(max_bs * width))
+        self.cross = KVIndex(i32(max_bs + 1), i32(max_bs * width)) if ctx.is_encoder_decoder else None
         self.qo_indptr = i32(max_bs + 1)
         self.q_lens = i32(max_bs)
         self.mask_indptr = torch.zeros(max_bs + 1, dtype=torch.int64, device=dev)
@@ -47,8 +47,8 @@ class GraphState:
         self.scratch.reserve(max(bs * backend.decode_splits(bs).max_splits for bs in range(1, max_bs + 1)))
         self.captured: dict[tuple[int, ForwardMode], Metadata] = {}
 
-    def _views(self, kv: KVIndex, bs: int, with_splits: bool) -> KVIndex:
-        return KVIndex(kv.indptr[: bs + 1], kv.indices, kv.num_splits[:bs] if with_splits else None)
+    def _views(self, kv: KVIndex, bs: int) -> KVIndex:
+        return KVIndex(kv.indptr[: bs + 1], kv.indices)
 
     def capture(self, step: CudaGraphStep) -> Metadata:
         bs, num_tokens, mode = step.bs, step.num_tokens, step.forward_mode
@@ -63,12 +63,12 @@ class GraphState:
         ctx = self.backend.ctx
         has_cross = step.encoder_lens is not None
         if mode.is_decode():
-            ms = self.backend.decode_splits(bs).max_splits
+            splits = self.backend.decode_splits(bs)
             meta: Metadata = DecodeMetadata(
-                self._views(self.kv, bs, True),
-                self._views(self.cross, bs, True) if has_cross else None,
-                ms,
-                *self.scratch.views(bs, ms),
+                self._views(self.kv, bs),
+                self._views(self.cross, bs) if has_cross else None,
+                splits,
+                *self.scratch.views(bs, splits.max_splits),
             )
         else:
             per_req = step.tokens_per_request
@@ -80,8 +80,8 @@ class GraphState:
             meta = ExtendMetadata(
                 self.qo_indptr[: bs + 1],
                 per_req,
-                self._views(self.kv, bs, False),
-                self._views(self.cross, bs, False) if has_cross else None,
+                self._views(self.kv, bs),
+                self._views(self.cross, bs) if has_cross else None,
                 self.mask if use_mask else None,
                 self.mask_indptr[: bs + 1] if use_mask else None,
             )
@@ -100,18 +100,19 @@ class GraphState:
         """Rewrite the captured views for the graph batch of this replay (already padded to its bs)."""
         b = self.backend
         bs = step.bs
-        r2t = b.req_to_token()
+        r2t, fault = b.req_to_token(), b.device_faults.buffer
         rpi, lens = step.req_pool_indices, _int32(step.seq_lens)
         enc = None if step.encoder_lens is None else _int32(step.encoder_lens)
         if isinstance(meta, DecodeMetadata):
-            splits = b.decode_splits(bs)
-            fill_kv(meta.kv, r2t, rpi, lens, kv_start=enc, splits=splits)
+            fill_kv(meta.kv, r2t, rpi, lens, fault, kv_start=enc)
             if meta.cross is not None:
-                fill_kv(meta.cross, r2t, rpi, enc, splits=splits)
+                fill_kv(meta.cross, r2t, rpi, enc, fault)
             return
-        fill_kv(meta.kv, r2t, rpi, lens, kv_start=enc, q_lens=self.q_lens[:bs], qo_indptr=meta.qo_indptr, mask_indptr=meta.mask_indptr)
+        fill_kv(
+            meta.kv, r2t, rpi, lens, fault, kv_start=enc, q_lens=self.q_lens[:bs], qo_indptr=meta.qo_indptr, mask_indptr=meta.mask_indptr
+        )
         if meta.cross is not None:
-            fill_kv(meta.cross, r2t, rpi, enc)
+            fill_kv(meta.cross, r2t, rpi, enc, fault)
         if meta.custom_mask is not None:
             mask = step.spec_info.custom_mask if step.spec_info is not None else None
             if mask is None or mask.dtype != torch.bool or mask.numel() > meta.custom_mask.numel():
