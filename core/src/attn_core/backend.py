@@ -28,6 +28,7 @@ from attn_core.errors import DeviceIndexError, IncompatibleBackendError, Invalid
 from attn_core.forward_mode import ForwardMode
 from attn_core.graph_step import CudaGraphStep
 from attn_core.layer import AttentionLayer
+from attn_core.memory.pools import KVPool
 from attn_core.validation import FULL, check_forward_batch, check_forward_dtypes, check_kv_pool
 
 Output = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
@@ -262,12 +263,32 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **extras)
 
     @abc.abstractmethod
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras) -> Output:
-        """DECODE: one query per request."""
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        **extras,
+    ) -> Output:
+        """DECODE: one query per request. q `[bs, Hq, D]`, k/v `[bs, Hkv, D]` / `[bs, Hkv, Dv]` (or None),
+        validated; returns `[bs, Hq*Dv]` (and LSE `[bs, Hq]` float32 with return_lse)."""
 
     @abc.abstractmethod
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras) -> Output:
-        """EXTEND, MIXED, TARGET_VERIFY, DRAFT_EXTEND (and SPLIT_PREFILL where declared)."""
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        **extras,
+    ) -> Output:
+        """EXTEND, MIXED, TARGET_VERIFY, DRAFT_EXTEND (and SPLIT_PREFILL where declared): q `[T, Hq, D]`,
+        k/v `[T, Hkv, D]` / `[T, Hkv, Dv]` (or None), validated; returns `[T, Hq*Dv]` (and LSE)."""
 
     # ---- the pools (shared by every backend) --------------------------------------------------
     def req_to_token(self, forward_batch: Optional[ForwardBatch] = None) -> torch.Tensor:
@@ -277,14 +298,14 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
             raise InvalidArgumentError("req_to_token_pool", "a pool on the batch or the context", None)
         return pool.req_to_token
 
-    def kv_pool(self, forward_batch: ForwardBatch):
+    def kv_pool(self, forward_batch: ForwardBatch) -> KVPool:
         """The step's KV pool: the batch's, else the context's."""
         pool = forward_batch.token_to_kv_pool or self.ctx.token_to_kv_pool
         if pool is None:
             raise InvalidArgumentError("token_to_kv_pool", "a KV pool on the batch or the context", None)
         return pool
 
-    def save_kv(self, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer: AttentionLayer, forward_batch: ForwardBatch):
+    def save_kv(self, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer: AttentionLayer, forward_batch: ForwardBatch) -> KVPool:
         """Write the step's new K/V (when given) to their slots: `out_cache_loc`, or `encoder_out_cache_loc`
         for a cross-attention layer; fp8 pools quantize with the layer's k_scale / v_scale. Returns the pool."""
         pool = self.kv_pool(forward_batch)

@@ -74,7 +74,7 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
 
     def __init__(self, ctx, *, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, lean_replan: Optional[bool] = None, **options):
         super().__init__(ctx, **options)  # unknown options, undeclared layouts: typed errors
-        check_mla_context(ctx, self.name, self.capabilities)
+        check_mla_context(ctx, self.name)
         if workspace_bytes < (1 << 20):
             raise InvalidArgumentError("workspace_bytes", ">= 1 MiB", workspace_bytes)
         self.dims = MLADims(ctx.num_q_heads, ctx.kv_lora_rank, ctx.qk_rope_head_dim, ctx.dtype)

@@ -8,7 +8,6 @@ from typing import Optional
 import torch
 
 from attn_core.batch import SpecInfo
-from attn_core.capabilities import Capabilities
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 
@@ -35,25 +34,14 @@ class MLAGraphBuffers:
     kv_lens: torch.Tensor  # int32 [bs]
 
 
-def check_mla_context(ctx, name: str, caps: Capabilities) -> None:
-    """Typed errors for contexts an MLA backend over the latent pool cannot serve (beyond what the base
-    class's capability check says): K/V in another dtype than the queries, encoder-decoder models, a
-    pool that is not an MLA latent pool."""
-    if ctx.device.type != "cuda":
-        raise InvalidArgumentError("ctx.device", "a CUDA device", ctx.device)
-    if not ctx.is_mla:
-        raise UnsupportedFeatureError(name, "MHA/GQA (this backend runs absorbed MLA; use 'flashinfer')")
+def check_mla_context(ctx, name: str) -> None:
+    """Typed errors for what the capabilities cannot say (the base class refuses the rest: device, MHA,
+    page sizes, the q/KV dtype mix, a pool of another layout): absorbed MLA needs v_head_dim ==
+    kv_lora_rank, and there is no cross attention."""
     if ctx.v_head_dim != ctx.kv_lora_rank:
         raise InvalidArgumentError("ctx.v_head_dim", f"kv_lora_rank ({ctx.kv_lora_rank}) for absorbed MLA", ctx.v_head_dim)
-    if ctx.kv_dtype != ctx.dtype:
-        raise UnsupportedFeatureError(name, f"K/V dtype {ctx.kv_dtype} with queries in {ctx.dtype} (one dtype for both)")
     if ctx.is_encoder_decoder:
         raise UnsupportedFeatureError(name, "encoder-decoder models (cross attention)")
-    pool = ctx.token_to_kv_pool
-    if pool is not None and not hasattr(pool, "kv_lora_rank"):
-        raise InvalidArgumentError("ctx.token_to_kv_pool", "an MLATokenToKVPool", type(pool).__name__)
-    if caps.page_sizes is not None and ctx.page_size not in caps.page_sizes:
-        raise InvalidArgumentError("ctx.page_size", f"one of {sorted(caps.page_sizes)}", ctx.page_size)
 
 
 def refuse_tree_mask(name: str, mode: ForwardMode, spec_info: Optional[SpecInfo]) -> None:
