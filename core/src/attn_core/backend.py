@@ -16,7 +16,7 @@ import torch
 
 from attn_core.batch import ForwardBatch, SpecInfo
 from attn_core.capabilities import Capabilities, Feature
-from attn_core.context import BackendContext, _dtype_name
+from attn_core.context import BackendContext, dtype_name
 from attn_core.errors import IncompatibleBackendError, InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 from attn_core.layer import AttentionLayer
@@ -229,7 +229,7 @@ class AttentionBackend(abc.ABC):
         q = _heads_view("q", q, T, hq, d)
         if q.device != self.device:
             raise InvalidArgumentError("q", f"a tensor on {self.device}", q.device)
-        if _dtype_name(q.dtype) not in caps.q_dtypes:
+        if dtype_name(q.dtype) not in caps.q_dtypes:
             raise InvalidArgumentError("q", f"dtype in {sorted(caps.q_dtypes)}", q.dtype)
         if layer.is_cross_attention:
             rows = 0 if batch.encoder_out_cache_loc is None else batch.encoder_out_cache_loc.shape[0]

@@ -108,7 +108,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Time backends on the standard decode / extend / mixed shapes (DESIGN §7, scaled down on CPU),
+    """Time backends on the standard decode / extend / mixed shapes (docs/design.md §8, scaled down on CPU),
     each checked against the float64 reference first."""
     from attn_core.bench.cli import run_bench_command
 

@@ -1,6 +1,6 @@
 """Request→slot table and per-layer KV pools.
 
-Layouts (DESIGN §3):
+Layouts (docs/design.md §3):
 - `ReqToTokenPool.req_to_token`: int32 `[max_reqs, max_context_len]`, row r, column i = the KV slot of
   token i of the request in row r.
 - `MHATokenToKVPool`: per layer K `[num_slots, Hkv, D]` and V `[num_slots, Hkv, Dv]`.

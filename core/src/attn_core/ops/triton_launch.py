@@ -1,6 +1,6 @@
 """`CachedLaunch`: launch a Triton kernel that has no value/alignment specialization through its
 compiled handle, skipping the per-call argument binding, specialization and cache-key work of
-`JITFunction.run` (host time matters for per-step metadata kernels, DESIGN §7).
+`JITFunction.run` (host time matters for per-step metadata kernels, docs/design.md §8).
 
 Safe only for kernels declared with every runtime argument in `do_not_specialize` /
 `do_not_specialize_on_alignment`: then one binary per (device, argument types, constexprs, num_warps)

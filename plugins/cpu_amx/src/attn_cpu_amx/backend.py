@@ -21,7 +21,7 @@ import torch
 
 from attn_core.backend import AttentionBackend
 from attn_core.batch import ForwardBatch
-from attn_core.context import _dtype_name
+from attn_core.context import dtype_name
 from attn_core.errors import BackendUnavailableError, InvalidArgumentError, KVCacheError, UnsupportedFeatureError
 from attn_core.memory import MHATokenToKVPool
 from attn_cpu_amx import isa as cpu_isa
@@ -60,7 +60,7 @@ class CpuAmxBackend(AttentionBackend):
             raise InvalidArgumentError("ctx.device", "a CPU device", ctx.device)
         if ctx.is_mla:
             raise UnsupportedFeatureError(self.name, "MLA attention")
-        q_dtype, kv_dtype = _dtype_name(ctx.dtype), _dtype_name(ctx.kv_dtype)
+        q_dtype, kv_dtype = dtype_name(ctx.dtype), dtype_name(ctx.kv_dtype)
         if q_dtype not in CAPABILITIES.q_dtypes:
             raise InvalidArgumentError("ctx.dtype", f"one of {sorted(CAPABILITIES.q_dtypes)}", q_dtype)
         if kv_dtype not in CAPABILITIES.kv_dtypes:

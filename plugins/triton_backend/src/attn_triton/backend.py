@@ -15,7 +15,7 @@ import torch
 
 from attn_core.backend import AttentionBackend
 from attn_core.batch import ForwardBatch, SpecInfo
-from attn_core.context import BackendContext, _dtype_name
+from attn_core.context import BackendContext, dtype_name
 from attn_core.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 from attn_core.layer import AttentionLayer
@@ -303,7 +303,7 @@ def _check_context(ctx: BackendContext) -> None:
         raise UnsupportedFeatureError("triton", f"head_dim {ctx.head_dim} / v_head_dim {ctx.v_head_dim} (multiples of 8 up to 256)")
     pool = ctx.token_to_kv_pool
     if pool is not None:
-        if _dtype_name(pool.dtype) != _dtype_name(ctx.kv_dtype):
+        if dtype_name(pool.dtype) != dtype_name(ctx.kv_dtype):
             raise InvalidArgumentError("token_to_kv_pool.dtype", f"the context's kv_dtype {ctx.kv_dtype}", pool.dtype)
         want = (1, ctx.head_dim) if ctx.is_mla else (ctx.num_kv_heads, ctx.head_dim)
         if (pool.head_num, pool.head_dim) != want:
