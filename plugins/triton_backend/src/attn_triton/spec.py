@@ -64,6 +64,13 @@ def probe() -> Optional[str]:
     )
 
 
+def info() -> str:
+    """The Triton version and whether attn-core's cached launch of the index kernel is on (and why not)."""
+    from attn_core.ops.triton_launch import cached_launch_status
+
+    return f"cached index launch {cached_launch_status()}"
+
+
 SPEC = BackendSpec(
     name="triton",
     summary="Paged-KV decode/extend attention in Triton: split-KV decode, MLA, spec verify, CUDA graphs",
@@ -72,4 +79,5 @@ SPEC = BackendSpec(
     backend_class="attn_triton.backend:TritonAttnBackend",
     priority=10,
     probe_fn=probe,
+    info_fn=info,
 )
