@@ -18,9 +18,6 @@ from attn_core.errors import InvalidArgumentError, KVCacheError
 
 IntSeq = Union[Sequence[int], torch.Tensor]
 
-SUPPORTED_PAGE_SIZES = (1, 16, 32, 64, 128)
-
-
 def _as_list(x: IntSeq) -> list[int]:
     return x.tolist() if isinstance(x, torch.Tensor) else [int(v) for v in x]
 
