@@ -116,3 +116,20 @@ def test_valid_values_are_normalised():
     assert (args.dtype, args.mode, args.compute_capability, args.device) == ("bfloat16", ["DECODE"], (9, 0), "cuda:1")
     args = build_parser().parse_args(["bench", "--budget", "0.25", "--page-size", "16", "--dtype", "torch.float16"])
     assert (args.budget, args.page_size, args.dtype, args.name) == (0.25, 16, "float16", None)
+
+
+def test_the_light_commands_work_without_torch():
+    """torch made unimportable: --help, list and explain still answer (backends say torch is missing)."""
+    code = (
+        "import sys; sys.modules['torch'] = None\n"  # `import torch` now raises ImportError
+        "from attn_core.cli import main\n"
+        "for argv in (['list'], ['list', '--no-probe'], ['explain', '--device', 'cpu']):\n"
+        "    rc = main(argv); print('RC', rc)\n"
+        "try:\n    main(['--help'])\nexcept SystemExit as exc:\n    print('HELP', exc.code)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout.count("RC ") == 3 and "HELP 0" in proc.stdout
+    assert "RC 0" in proc.stdout  # list answers
+    assert "unavailable: torch not installed (pip install torch)" in proc.stdout, proc.stdout
