@@ -393,11 +393,10 @@ def _metadata_row(bs: int, ctx_len: int, n: int, gen: torch.Generator) -> dict:
         torch.cuda.set_sync_debug_mode("default")
     meta = backend.forward_metadata
     kv = meta.kv
-    splits = backend.decode_splits(bs)
     launch = _host_us(
         lambda: kvt.kv_indices_triton(
             w.rows.req_to_token, w.batch.req_pool_indices, w.batch.seq_lens, kv.indices, kv_indptr=kv.indptr,
-            num_splits=kv.num_splits, max_splits=splits.max_splits, min_split_len=splits.min_split_len,
+            fault=backend.device_faults.buffer,
         ),
         n,
     )  # fmt: skip
@@ -406,7 +405,7 @@ def _metadata_row(bs: int, ctx_len: int, n: int, gen: torch.Generator) -> dict:
     plain_launch = _host_us(
         lambda: kvt.kv_indices_triton(
             w.rows.req_to_token, w.batch.req_pool_indices, w.batch.seq_lens, kv.indices, kv_indptr=kv.indptr,
-            num_splits=kv.num_splits, max_splits=splits.max_splits, min_split_len=splits.min_split_len,
+            fault=backend.device_faults.buffer,
         ),
         n,
     )  # fmt: skip

@@ -114,9 +114,9 @@ class FillThree(TorchNativeBackend):
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 3
 
-    def init_forward_metadata_replay_cuda_graph(self, bs, rpi, seq_lens, seq_lens_sum, enc, mode, spec, seq_lens_cpu):
-        self.replayed = (bs, rpi.clone(), seq_lens.clone(), seq_lens_sum, seq_lens_cpu.clone())
-        super().init_forward_metadata_replay_cuda_graph(bs, rpi, seq_lens, seq_lens_sum, enc, mode, spec, seq_lens_cpu)
+    def replay_cuda_graph_metadata(self, step):
+        self.replayed = (step.bs, step.req_pool_indices.clone(), step.seq_lens.clone(), step.seq_lens_sum, step.seq_lens_cpu.clone())
+        super().replay_cuda_graph_metadata(step)
 
 
 def test_padding_rows_use_fill_value_row_zero_and_dummy_slot():

@@ -38,15 +38,13 @@ class Recording(TorchNativeBackend):
         self.log.append((self.tag, "graph_state", None))
         super().init_cuda_graph_state(max_bs, max_num_tokens)
 
-    def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info):
-        self.log.append((self.tag, "capture", forward_mode))
-        super().init_forward_metadata_capture_cuda_graph(bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info)
+    def capture_cuda_graph_metadata(self, step):
+        self.log.append((self.tag, "capture", step.forward_mode))
+        super().capture_cuda_graph_metadata(step)
 
-    def init_forward_metadata_replay_cuda_graph(self, bs, rpi, seq_lens, seq_lens_sum, encoder_lens, forward_mode, spec_info, seq_lens_cpu):
-        self.log.append((self.tag, "replay", forward_mode))
-        super().init_forward_metadata_replay_cuda_graph(
-            bs, rpi, seq_lens, seq_lens_sum, encoder_lens, forward_mode, spec_info, seq_lens_cpu
-        )
+    def replay_cuda_graph_metadata(self, step):
+        self.log.append((self.tag, "replay", step.forward_mode))
+        super().replay_cuda_graph_metadata(step)
 
 
 def _with_caps(caps, fill=None):

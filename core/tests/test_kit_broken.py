@@ -87,8 +87,8 @@ class StaleGraphReplay(TorchNativeBackend):
 
     name = "broken_replay"
 
-    def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens, mode, *rest):
-        self.forward_metadata = self._graph_metadata[(bs, mode)]
+    def replay_cuda_graph_metadata(self, step):
+        self.forward_metadata = self._graph_metadata[(step.bs, step.forward_mode)]
 
 
 class SilentSinks(TorchNativeBackend):

@@ -76,10 +76,10 @@ def check_all_outputs(fn, r2t, rows, lens, starts, page_size: int, seed: int) ->
     indices = torch.full((total + 3,), -7, dtype=torch.int32, device=dev)
     qo = torch.full((bs + 1,), -1, dtype=torch.int32, device=dev)
     mask = torch.full((bs + 1,), -1, dtype=torch.int64, device=dev)
-    splits = torch.full((bs,), -1, dtype=torch.int32, device=dev)
+    fault = torch.zeros(8, dtype=torch.int32, device=dev)
     fn(
         r2t, rows, lens, indices, kv_indptr=indptr, last_page_len=last, page_size=page_size, kv_start=start, q_lens=q_lens,
-        qo_indptr=qo, mask_indptr=mask, num_splits=splits, max_splits=5, min_split_len=7,
+        qo_indptr=qo, mask_indptr=mask, num_slots=int(r2t.max()) + 1, fault=fault,
     )  # fmt: skip
     want_indptr = kvi.page_indptr_from_lens(lens, page_size)
     assert torch.equal(indptr, want_indptr), (page_size, seed)
@@ -89,7 +89,7 @@ def check_all_outputs(fn, r2t, rows, lens, starts, page_size: int, seed: int) ->
     assert torch.equal(last, kvi.last_page_len_from_lens(lens, page_size))
     assert torch.equal(qo, kvi.kv_indptr_from_lens(q_lens))
     assert torch.equal(mask, kvi.exclusive_cumsum(q_lens.long() * lens.long(), torch.int64))
-    assert splits.tolist() == [min(max(-(-n // 7), 1), 5) for n in lens.tolist()]
+    assert not fault.any(), "valid input recorded a fault"
 
 
 def check_ids_only(fn, r2t, rows, lens, starts, page_size: int) -> None:
@@ -118,7 +118,7 @@ from attn_core.ops.kv_indices_triton import _build_indices_kernel as fn
 
 for page_size in (1, 16):
     consts = dict(BS_BLOCK=256, CHUNK=512, PAGE_SIZE=page_size, HAS_START=True, HAS_INDPTR=True, HAS_LAST=True, HAS_Q=True,
-                  HAS_MASK_INDPTR=True, HAS_SPLITS=True)
+                  HAS_MASK_INDPTR=True, CHECK_SLOTS=True, HAS_FAULT=True)
     sig = {n: "constexpr" if n in consts else ("*i64" if n == "MASK_INDPTR" else "*i32") if n.isupper() else "i32"
            for n in fn.arg_names}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
@@ -160,24 +160,16 @@ def test_cached_launch_on_gpu(page_size):
         lens = torch.randint(1, 4990, (bs,), generator=gen, dtype=torch.int32).cuda()
         start = (torch.randint(0, 10, (bs,), generator=gen, dtype=torch.int32) * page_size).cuda()
         total = int(kvi.num_pages_from_lens(lens, page_size).sum())
-        buf = torch.full((2 * bs + 1 + total,), -1, dtype=torch.int32, device="cuda")
-        indptr, splits, indices = buf[: bs + 1], buf[bs + 1 : 2 * bs + 1], buf[2 * bs + 1 :]
+        buf = torch.full((bs + 1 + total,), -1, dtype=torch.int32, device="cuda")
+        indptr, indices = buf[: bs + 1], buf[bs + 1 :]
+        fault = torch.zeros(8, dtype=torch.int32, device="cuda")
         kvt.kv_indices_triton(
-            r2t,
-            rpi,
-            lens,
-            indices,
-            kv_indptr=indptr,
-            page_size=page_size,
-            kv_start=start,
-            num_splits=splits,
-            max_splits=7,
-            min_split_len=300,
+            r2t, rpi, lens, indices, kv_indptr=indptr, page_size=page_size, kv_start=start, num_slots=1 << 20, fault=fault
         )
         want = kvi.page_indptr_from_lens(lens, page_size)
         assert torch.equal(indptr, want)
         assert torch.equal(indices, kvi.kv_indices_from_req_to_token(r2t, rpi, want, total, kv_start=start, page_size=page_size))
-        assert torch.equal(splits, ((lens + 299) // 300).clamp(1, 7).to(torch.int32))
+        assert not fault.any()
     assert kvt._LAUNCH.compiled and kvt._LAUNCH.enabled, "the cached launch path was never taken (or fell back)"
 
 

@@ -219,10 +219,10 @@ def _graph_vs_eager(lens, page_size, topk, S, capture_bs, device="cpu", use_grap
         env.kv.get_value_buffer(i).copy_(v)
 
     graph_wrapper = _wrapper(env, topk, S, cls)
-    graph_wrapper.init_cuda_graph_state(capture_bs)
+    graph_wrapper.init_draft_graph_state(capture_bs)
     rows = capture_bs * topk
     static = _step_inputs(rows, S, torch.float32, device, seed=0)  # graph input buffers
-    batches = graph_wrapper.init_forward_metadata_capture_cuda_graph(capture_bs)
+    batches = graph_wrapper.capture_draft_graph_metadata(capture_bs)
     if use_graph:
         _run_steps(batches, static)  # warm-up
         graph = torch.cuda.CUDAGraph()
@@ -230,9 +230,7 @@ def _graph_vs_eager(lens, page_size, topk, S, capture_bs, device="cpu", use_grap
             out_static = _run_steps(batches, static)
     dev = env.ctx.device
     lens_t = torch.tensor(lens, dtype=torch.int32)
-    batches = graph_wrapper.init_forward_metadata_replay_cuda_graph(
-        capture_bs, torch.tensor(env.rows, device=dev), lens_t.to(dev), env.loc, lens_t
-    )
+    batches = graph_wrapper.replay_draft_graph_metadata(capture_bs, torch.tensor(env.rows, device=dev), lens_t.to(dev), env.loc, lens_t)
     n = len(lens) * topk
     for s in range(S):
         for li in range(LAYERS):
@@ -287,11 +285,11 @@ def test_bad_input_is_refused():
     on_request_page[0, 1] = torch.tensor([last + 1, last + 2])  # branch 1 would overwrite nothing but share the page
     with pytest.raises(InvalidArgumentError, match="first page"):
         w.init_forward_metadata(rows, lens, on_request_page, lens)
-    with pytest.raises(InvalidArgumentError, match="init_cuda_graph_state"):
-        w.init_forward_metadata_capture_cuda_graph(2)
-    w.init_cuda_graph_state(2)
+    with pytest.raises(InvalidArgumentError, match="init_draft_graph_state"):
+        w.capture_draft_graph_metadata(2)
+    w.init_draft_graph_state(2)
     with pytest.raises(InvalidArgumentError, match="bs"):
-        w.init_forward_metadata_replay_cuda_graph(2, rows, lens, env.loc)  # size 2 never captured
+        w.replay_draft_graph_metadata(2, rows, lens, env.loc)  # size 2 never captured
     with pytest.raises(KVCacheError):
         allocate_draft_slots(env.allocator, env.r2t_pool, env.rows, env.lens, 4, 10_000)
 

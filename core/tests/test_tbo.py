@@ -14,6 +14,7 @@ from attn_core.batch_builder import RequestShape
 from attn_core.errors import InvalidArgumentError
 from attn_core.forward_mode import ForwardMode
 from attn_core.graph_runner import CudaGraphRunner
+from attn_core.graph_step import CudaGraphStep
 from attn_core.memory import MHATokenToKVPool
 from attn_core.testing.harness import AttnCase, layer_inputs, make_env, make_layer, reference_for_layer
 from attn_core.testing.reference import relative_error, tolerance
@@ -190,7 +191,9 @@ def test_bad_input_is_refused():
     b = env.batch
     for bs in (3, 1):
         with pytest.raises(InvalidArgumentError, match="even"):
-            tbo.init_forward_metadata_capture_cuda_graph(bs, bs, b.req_pool_indices, b.seq_lens, None, ForwardMode.DECODE, None)
+            tbo.capture_cuda_graph_metadata(
+                CudaGraphStep(forward_mode=ForwardMode.DECODE, bs=bs, req_pool_indices=b.req_pool_indices, seq_lens=b.seq_lens)
+            )
     with pytest.raises(InvalidArgumentError, match="cut_len"):
         split_forward_batch(b, TboSplit(1, 1, 1))
     pool = MHATokenToKVPool(32, 1, torch.float32, 2, 32, 1)

@@ -8,6 +8,7 @@ import torch
 from attn_core.backends.torch_native.backend import TorchNativeBackend
 from attn_core.batch_builder import RequestShape
 from attn_core.forward_mode import ForwardMode
+from attn_core.graph_step import graph_padding
 from attn_core.testing.harness import AttnCase, assert_case, layer_inputs, make_env, make_layer
 
 MODES = [ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND]
@@ -100,20 +101,21 @@ def test_graph_capture_replay_metadata_equals_eager(mode):
     graph = TorchNativeBackend(env.ctx)
     cap_bs = 5
     graph.init_cuda_graph_state(cap_bs, cap_bs * d)
-    fill = graph.get_cuda_graph_seq_len_fill_value()
+    pad = graph_padding(mode, b.batch_size, [cap_bs], graph.get_cuda_graph_seq_len_fill_value(), d)
     spec = b.spec_info
-    if spec is not None:  # padding rows get an all-visible mask of their (fill-length) keys
-        pad_mask = torch.ones((cap_bs - 3) * d * fill, dtype=torch.bool)
+    if spec is not None:  # padding rows get an all-visible mask of their keys
+        per_row = d * pad.seq_len
         spec = type(spec)(
             num_draft_tokens=d,
-            custom_mask=torch.cat([spec.custom_mask, pad_mask]),
-            mask_indptr=torch.cat([spec.mask_indptr, spec.mask_indptr[-1] + torch.arange(1, cap_bs - 2) * d * fill]),
+            custom_mask=torch.cat([spec.custom_mask, torch.ones(pad.num_padding * per_row, dtype=torch.bool)]),
+            mask_indptr=torch.cat([spec.mask_indptr, spec.mask_indptr[-1] + torch.arange(1, pad.num_padding + 1) * per_row]),
         )
     zeros = torch.zeros(cap_bs, dtype=torch.int64)
+    # the SGLang-named entry points (positional, as engines call them)
     graph.init_forward_metadata_capture_cuda_graph(
-        cap_bs, cap_bs * d, zeros, torch.full((cap_bs,), fill, dtype=torch.int32), None, mode, spec
+        cap_bs, pad.num_tokens, zeros, torch.full((cap_bs,), pad.seq_len, dtype=torch.int32), None, mode, spec
     )
-    seq = _pad(b.seq_lens, cap_bs, fill)
+    seq = _pad(b.seq_lens, cap_bs, pad.seq_len)
     graph.init_forward_metadata_replay_cuda_graph(
         cap_bs, _pad(b.req_pool_indices, cap_bs, 0), seq, int(seq.sum()), None, mode, spec, seq.cpu()
     )

@@ -27,6 +27,9 @@ _EXPORTS = {
     "ApiVersionMismatchError": "attn_core.errors",
     "DuplicateBackendError": "attn_core.errors",
     "BackendLoadError": "attn_core.errors",
+    "InvalidSpecError": "attn_core.errors",
+    "HookPluginError": "attn_core.errors",
+    "DeviceIndexError": "attn_core.errors",
     "ForwardMode": "attn_core.forward_mode",
     "Capabilities": "attn_core.capabilities",
     "CudaGraphLevel": "attn_core.capabilities",
@@ -53,6 +56,8 @@ _EXPORTS = {
     "ReqToTokenPool": "attn_core.memory",
     "TokenAllocator": "attn_core.memory",
     "PagedTokenAllocator": "attn_core.memory",
+    "KVSlotError": "attn_core.memory",
+    "PageTailError": "attn_core.memory",
     "MHATokenToKVPool": "attn_core.memory",
     "MLATokenToKVPool": "attn_core.memory",
     "merge_state": "attn_core.ops.merge_state",
@@ -60,6 +65,9 @@ _EXPORTS = {
     "TboAttnBackend": "attn_core.wrappers.tbo",
     "MultiStepDraftBackend": "attn_core.wrappers.multi_step_draft",
     "CudaGraphRunner": "attn_core.graph_runner",
+    "CudaGraphStep": "attn_core.graph_step",
+    "GraphPadding": "attn_core.graph_step",
+    "graph_padding": "attn_core.graph_step",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -2,8 +2,10 @@
 
 Life of a step: the engine calls `init_forward_metadata(batch)` once, then every layer calls
 `forward(q, k, v, layer, batch)`. With CUDA graphs: `init_cuda_graph_state` once, then per captured
-batch size `init_forward_metadata_capture_cuda_graph` before capture, and per replay
-`init_forward_metadata_replay_cuda_graph` (which writes into the buffers the graph reads).
+batch size `capture_cuda_graph_metadata(step)` before capture, and per replay
+`replay_cuda_graph_metadata(step)` (which writes into the buffers the graph reads); `step` is an
+`attn_core.graph_step.CudaGraphStep`. SGLang's positional `init_forward_metadata_capture_cuda_graph` /
+`init_forward_metadata_replay_cuda_graph` stay as the public entry points that build the step.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from attn_core.capabilities import Capabilities, Feature
 from attn_core.context import BackendContext, dtype_name
 from attn_core.errors import IncompatibleBackendError, InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
+from attn_core.graph_step import CudaGraphStep
 from attn_core.layer import AttentionLayer
 
 Output = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
@@ -30,8 +33,9 @@ CORE_EXTRAS = frozenset({"sinks", "return_lse"})
 
 class AttentionBackend(abc.ABC):
     """Base class of attention backends. Subclasses set `name` and `capabilities` and implement
-    `init_forward_metadata`, `forward_decode` and `forward_extend` (and the CUDA-graph methods when
-    `capabilities.cuda_graph` is above NEVER).
+    `init_forward_metadata`, `forward_decode` and `forward_extend` (and `init_cuda_graph_state`,
+    `capture_cuda_graph_metadata` and `replay_cuda_graph_metadata` when `capabilities.cuda_graph` is
+    above NEVER).
 
     `forward_decode` / `forward_extend` receive q as `[T, Hq, D]`, k/v as `[T, Hkv, D]` (or None),
     inputs already validated, and must return `[T, Hq*Dv]` (plus LSE `[T, Hq]` float32 when
@@ -84,8 +88,19 @@ class AttentionBackend(abc.ABC):
         forward_mode: ForwardMode,
         spec_info: Optional[SpecInfo],
     ) -> None:
-        """Point the metadata at the graph buffers for batch size `bs` before capturing."""
-        raise UnsupportedFeatureError(self.name, "CUDA graphs")
+        """SGLang's capture entry point: the arguments as a `CudaGraphStep`, passed to
+        `capture_cuda_graph_metadata`."""
+        self.capture_cuda_graph_metadata(
+            CudaGraphStep(
+                forward_mode=forward_mode,
+                bs=bs,
+                num_tokens=num_tokens,
+                req_pool_indices=req_pool_indices,
+                seq_lens=seq_lens,
+                encoder_lens=encoder_lens,
+                spec_info=spec_info,
+            )
+        )
 
     def init_forward_metadata_replay_cuda_graph(
         self,
@@ -98,7 +113,30 @@ class AttentionBackend(abc.ABC):
         spec_info: Optional[SpecInfo],
         seq_lens_cpu: Optional[torch.Tensor],
     ) -> None:
-        """Refresh the graph buffers of batch size `bs` (inputs padded to `bs` rows with the fill value)."""
+        """SGLang's replay entry point: the arguments as a `CudaGraphStep`, passed to
+        `replay_cuda_graph_metadata`."""
+        self.replay_cuda_graph_metadata(
+            CudaGraphStep(
+                forward_mode=forward_mode,
+                bs=bs,
+                req_pool_indices=req_pool_indices,
+                seq_lens=seq_lens,
+                seq_lens_cpu=seq_lens_cpu,
+                seq_lens_sum=seq_lens_sum,
+                encoder_lens=encoder_lens,
+                spec_info=spec_info,
+            )
+        )
+
+    def capture_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
+        """Point the metadata at the graph buffers for the graph batch `step` (padded to `step.bs`
+        rows, see `attn_core.graph_step`) before capturing; sets `forward_metadata`."""
+        raise UnsupportedFeatureError(self.name, "CUDA graphs")
+
+    def replay_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
+        """Refresh, in place, the graph buffers captured for (`step.bs`, `step.forward_mode`) with the
+        batch of this replay (padded the same way); sets `forward_metadata`. No reallocation: the
+        captured kernels read these buffers."""
         raise UnsupportedFeatureError(self.name, "CUDA graphs")
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:

@@ -36,20 +36,26 @@ def cmd_list(args: argparse.Namespace) -> int:
     """One row per discovered backend: name, distribution, version, available here or why not,
     key capabilities."""
     rows = [("NAME", "DISTRIBUTION", "VERSION", "STATUS", "CAPABILITIES")]
-    for entry in registry.list_backends():
+    entries = registry.list_backends()
+    for entry in entries if args.probe else ():
+        entry.start_probe()  # all probes run at once: a hanging one costs one time limit in all
+    for entry in entries:
         if entry.ok:
             reason = entry.probe() if args.probe else None
             status = "available" if not reason else f"unavailable: {reason}"
-            info = entry.spec.info() if args.probe and not reason else None
+            info = entry.info() if args.probe and not reason else None
             if info:
                 status = f"available ({info})"
+            if entry.notes:
+                status += f" ({'; '.join(entry.notes)})"
             caps = entry.spec.capabilities.summary()
         else:
             status, caps = f"failed: {entry.error}", "-"
         rows.append((entry.name, entry.distribution, entry.version or "-", status, caps))
     installed = {r[0] for r in rows}
+    aliases = registry.default_registry().aliases()
     for name, dist in registry.KNOWN_BACKENDS.items():
-        if name not in installed and not any(e.ok and name in e.spec.aliases for e in registry.list_backends()):
+        if name not in installed and name not in aliases:
             rows.append((name, dist, "-", f"not installed (pip install {dist})", "-"))
     _print_table(rows)
     return 0

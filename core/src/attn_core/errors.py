@@ -125,3 +125,36 @@ class BackendLoadError(RegistryError):
         self.where = where
         self.cause = cause
         super().__init__(f"attention backend {name!r} failed to load from {where}: {type(cause).__name__}: {cause}")
+
+
+class InvalidSpecError(RegistryError):
+    """A plugin's `BackendSpec` has fields of the wrong type or form; every problem is listed."""
+
+    def __init__(self, name: str, where: str, problems: Sequence[str]):
+        self.name = name
+        self.where = where
+        self.problems = list(problems)
+        super().__init__(f"attention backend {name!r} from {where} has an invalid spec: " + "; ".join(self.problems))
+
+
+class HookPluginError(RegistryError):
+    """A pluggy hook plugin (entry-point group "attn_core") failed to load or raised in a hook. The
+    registry stops calling its hooks and lists it as failed under the name "hook:<plugin>"."""
+
+    def __init__(self, plugin: str, where: str, cause: BaseException):
+        self.plugin = plugin
+        self.where = where
+        self.cause = cause
+        super().__init__(
+            f"attn_core hook plugin {plugin!r} failed in {where}: {type(cause).__name__}: {cause} (its hooks are no longer called)"
+        )
+
+
+class DeviceIndexError(AttnError, IndexError):
+    """A kernel found an index out of range on the device (a request row past the req_to_token table,
+    a slot outside the KV pool, device lengths needing more key ids than a host-sized buffer holds...).
+
+    The kernels never followed it (they mask such loads and stores) but the step's output is not to be
+    trusted. Raised from a backend's `poll_device_fault()` report (checked by `validation="full"`); the
+    message names the kind of index that was bad and the buffer it was checked against.
+    """

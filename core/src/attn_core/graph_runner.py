@@ -4,10 +4,11 @@ them to the next captured size and replaying.
 What an engine's graph runner does, cut down to attention: static input buffers (request rows,
 seq_lens, out_cache_loc, positions, the verify mask, and the per-token tensors the layers read),
 one graph per (mode, batch size), padding rows that read and write only the reserved dummy
-(req_pool_indices 0, out_cache_loc slot 0, seq_len = the backend's fill value), and the backend's
-`init_forward_metadata_replay_cuda_graph` before every replay. On a CPU (or with
+(req_pool_indices 0, out_cache_loc slot 0, seq_len = the backend's fill value + new tokens - 1), and the
+backend's `replay_cuda_graph_metadata` before every replay. On a CPU (or with
 `use_cuda_graph=False`) the same capture / replay metadata calls run and the layers run eagerly on
-the static buffers instead of a graph replay, so the logic is testable anywhere.
+the static buffers instead of a graph replay, so the logic is testable anywhere. Padding follows
+`attn_core.graph_step.graph_padding`.
 """
 
 from __future__ import annotations
@@ -19,17 +20,12 @@ import torch
 from attn_core.batch import ForwardBatch, SpecInfo
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
+from attn_core.graph_step import CudaGraphStep, GraphPadding, graph_padding, graph_tokens_per_request
 
 LayerOutput = Union[torch.Tensor, tuple[torch.Tensor, ...]]
 #: run_layers(forward_batch, inputs) -> per-token output(s) `[num_tokens, ...]`; inputs maps each name of
 #: `input_shapes` to a `[num_tokens, *shape]` tensor.
 RunLayers = Callable[[ForwardBatch, dict[str, torch.Tensor]], LayerOutput]
-
-
-def padding_seq_len(fill: int, tokens_per_request: int) -> int:
-    """seq_len of a padding row in a graph batch: the backend's fill value of cached keys plus the row's
-    own new tokens (1 in DECODE, the draft tokens in TARGET_VERIFY), so its prefix is never negative."""
-    return fill + tokens_per_request - 1
 
 
 class CudaGraphRunner:
@@ -92,28 +88,40 @@ class CudaGraphRunner:
 
     # ---- static batch ------------------------------------------------------------------------------
     def _tokens_per_request(self, mode: ForwardMode) -> int:
-        return self.num_draft_tokens if mode.is_target_verify() else 1
+        return graph_tokens_per_request(mode, self.num_draft_tokens)
 
-    def _padding_len(self, mode: ForwardMode) -> int:
-        return padding_seq_len(self.fill, self._tokens_per_request(mode))
+    def _padding(self, mode: ForwardMode, bs: int, sizes: Sequence[int]) -> GraphPadding:
+        return graph_padding(mode, bs, sizes, self.fill, self.num_draft_tokens)
 
-    def _write_padding(self, mode: ForwardMode, start: int, bs: int, mask_start: int) -> None:
-        """Rows start..bs-1 become padding: request row 0, `padding_seq_len` keys, dummy slot 0; verify
-        rows get an all-visible mask of their keys after `mask_start`."""
-        per = self._tokens_per_request(mode)
+    def _write_padding(self, mode: ForwardMode, pad: GraphPadding, mask_start: int) -> None:
+        """Rows pad.bs..pad.padded_bs-1 become padding: request row 0, `pad.seq_len` keys, dummy slot 0;
+        verify rows get an all-visible mask of their keys after `mask_start`."""
+        start, bs, per = pad.bs, pad.padded_bs, pad.tokens_per_request
         self.req_pool_indices[start:bs] = 0
-        self.seq_lens[start:bs] = self._padding_len(mode)
+        self.seq_lens[start:bs] = pad.seq_len
         self.out_cache_loc[start * per : bs * per] = 0
         self.positions[start * per : bs * per] = 0
         for buf in self.inputs.values():
             buf[start * per : bs * per] = 0
         if mode.is_target_verify():
-            size = per * self._padding_len(mode)
+            size = per * pad.seq_len
             end = mask_start + (bs - start) * size
             if end > self.spec_info.custom_mask.numel():
                 raise InvalidArgumentError("spec_info.custom_mask", f"at most {self.spec_info.custom_mask.numel()} mask entries", end)
             self.spec_info.custom_mask[mask_start:end] = True
             self.spec_info.mask_indptr[start + 1 : bs + 1] = mask_start + size * torch.arange(1, bs - start + 1, device=self.ctx.device)
+
+    def _graph_step(self, mode: ForwardMode, bs: int, seq_lens_cpu: Optional[torch.Tensor]) -> CudaGraphStep:
+        """The static buffers' first `bs` rows as a graph step (no host lengths at capture)."""
+        return CudaGraphStep(
+            forward_mode=mode,
+            bs=bs,
+            num_tokens=bs * self._tokens_per_request(mode),
+            req_pool_indices=self.req_pool_indices,
+            seq_lens=self.seq_lens,
+            seq_lens_cpu=seq_lens_cpu,
+            spec_info=self.spec_info if mode.is_target_verify() else None,
+        )
 
     def _static_batch(self, mode: ForwardMode, bs: int, seq_lens_cpu: torch.Tensor) -> ForwardBatch:
         per = self._tokens_per_request(mode)
@@ -152,12 +160,11 @@ class CudaGraphRunner:
                 self._capture(mode, bs)
 
     def _capture(self, mode: ForwardMode, bs: int) -> None:
-        self._write_padding(mode, 0, bs, 0)
-        seq_cpu = torch.full((bs,), self._padding_len(mode), dtype=torch.int32)
-        tokens = bs * self._tokens_per_request(mode)
-        self.backend.init_forward_metadata_capture_cuda_graph(
-            bs, tokens, self.req_pool_indices[:bs], self.seq_lens[:bs], None, mode, self.spec_info if mode.is_target_verify() else None
-        )
+        pad = self._padding(mode, 0, [bs])
+        self._write_padding(mode, pad, 0)
+        seq_cpu = torch.full((bs,), pad.seq_len, dtype=torch.int32)
+        tokens = pad.num_tokens
+        self.backend.capture_cuda_graph_metadata(self._graph_step(mode, bs, None))
         if not self.use_cuda_graph:
             self._graphs[(mode, bs)] = (None, None)
             return
@@ -175,24 +182,24 @@ class CudaGraphRunner:
     # ---- replay --------------------------------------------------------------------------------------
     def captured_size(self, mode: ForwardMode, bs: int) -> Optional[int]:
         """The smallest captured batch size >= bs for `mode`, or None."""
-        if mode not in self.modes:
+        if mode not in self.modes or not 1 <= bs <= self.batch_sizes[-1]:
             return None
-        return next((s for s in self.batch_sizes if s >= bs), None)
+        return self._padding(mode, bs, self.batch_sizes).padded_bs
 
     def run(self, forward_batch: ForwardBatch, inputs: dict[str, torch.Tensor]) -> LayerOutput:
         """Run `forward_batch` (DECODE or TARGET_VERIFY, its pools the context's) through the graph of
         the next captured size; returns the real rows of the layers' output(s)."""
         b = forward_batch
         mode, bs = b.forward_mode, b.batch_size
-        gbs = self.captured_size(mode, bs) if bs > 0 else None
-        if gbs is None:
+        if self.captured_size(mode, bs) is None:
             raise InvalidArgumentError(
                 "forward_batch", f"a batch of 1..{self.batch_sizes[-1]} requests in a captured mode {self.modes}", (mode.name, bs)
             )
+        pad = self._padding(mode, bs, self.batch_sizes)
+        gbs, per = pad.padded_bs, pad.tokens_per_request
         for pool in ("req_to_token_pool", "token_to_kv_pool"):
             if getattr(b, pool) is not None and getattr(b, pool) is not getattr(self.ctx, pool):
                 raise InvalidArgumentError(f"forward_batch.{pool}", "the backend context's pool (graphs read it)", "another pool")
-        per = self._tokens_per_request(mode)
         tokens = bs * per
         if set(inputs) != set(self.inputs):
             raise InvalidArgumentError("inputs", f"tensors named {sorted(self.inputs)}", sorted(inputs))
@@ -214,18 +221,9 @@ class CudaGraphRunner:
                 )
             self.spec_info.custom_mask[:mask_end] = spec.custom_mask
             self.spec_info.mask_indptr[: bs + 1] = spec.mask_indptr
-        self._write_padding(mode, bs, gbs, mask_end)
-        seq_cpu = torch.cat([b.seq_lens_cpu, torch.full((gbs - bs,), self._padding_len(mode), dtype=b.seq_lens_cpu.dtype)])
-        self.backend.init_forward_metadata_replay_cuda_graph(
-            gbs,
-            self.req_pool_indices[:gbs],
-            self.seq_lens[:gbs],
-            int(seq_cpu.sum()),
-            None,
-            mode,
-            self.spec_info if mode.is_target_verify() else None,
-            seq_cpu,
-        )
+        self._write_padding(mode, pad, mask_end)
+        seq_cpu = torch.cat([b.seq_lens_cpu, torch.full((gbs - bs,), pad.seq_len, dtype=b.seq_lens_cpu.dtype)])
+        self.backend.replay_cuda_graph_metadata(self._graph_step(mode, gbs, seq_cpu))
         graph, out = self._graphs[(mode, gbs)]
         if graph is not None:
             graph.replay()

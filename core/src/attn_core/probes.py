@@ -1,4 +1,5 @@
 """Building blocks for a spec's `probe()`: each returns None when the check passes, else the reason.
+Also `TimedCheck`, which the registry uses to run a spec's probe with a time limit.
 
 Import-light: torch is imported only inside the checks that need it, when a probe runs.
 """
@@ -7,10 +8,92 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import os
+import threading
+import time
 from typing import Callable, Optional
 
+from attn_core.errors import InvalidArgumentError
+
 Check = Callable[[], Optional[str]]
+
+#: Environment variable overriding the registry's time limit for one probe, in seconds.
+PROBE_TIMEOUT_ENV = "ATTN_CORE_PROBE_TIMEOUT"
+#: Default time limit for one probe (seconds): room for a cold `import torch` and CUDA initialisation.
+DEFAULT_PROBE_TIMEOUT_S = 10.0
+
+
+def probe_timeout(seconds: Optional[float] = None) -> float:
+    """The time limit for one probe, in seconds: `seconds` when given, else `$ATTN_CORE_PROBE_TIMEOUT`,
+    else `DEFAULT_PROBE_TIMEOUT_S`. Raises `InvalidArgumentError` unless it is a finite number > 0.
+
+    Example: with `ATTN_CORE_PROBE_TIMEOUT=2.5` in the environment, `probe_timeout()` is 2.5 and
+    `probe_timeout(30)` is 30.0.
+    """
+    argument, value = "probe_timeout", seconds
+    if value is None:
+        argument, value = PROBE_TIMEOUT_ENV, os.environ.get(PROBE_TIMEOUT_ENV)
+        if value is None or not value.strip():
+            return DEFAULT_PROBE_TIMEOUT_S
+    try:
+        limit = float(value)
+    except (TypeError, ValueError):
+        limit = math.nan
+    if isinstance(value, bool) or not (math.isfinite(limit) and limit > 0):
+        raise InvalidArgumentError(argument, "a finite number of seconds > 0", repr(value))
+    return limit
+
+
+class TimedCheck:
+    """One run of a check (a spec's probe or info function) in a daemon thread, so that a check that
+    hangs or raises cannot hang or break its caller.
+
+    `result(limit)` waits until `limit` seconds after `start()` at most and returns what the check
+    returned, or a sentence saying what went wrong: "probe failed: SystemExit: 3" for anything it
+    raised (`BaseException` included: `sys.exit` or a `KeyboardInterrupt` raised by the check itself
+    is contained; a Ctrl-C from the user still reaches the main thread, which is only waiting), or
+    "probe timed out after 10 s" (a later `result` returns the real answer once the thread finishes).
+    The check runs once; an `os._exit` or a crash of the interpreter inside it cannot be contained.
+
+    Example: `TimedCheck(lambda: time.sleep(60), "probe").result(0.1)` returns
+    "probe timed out after 0.1 s" after 0.1 s.
+    """
+
+    def __init__(self, check: Callable[[], object], label: str = "probe"):
+        self._check = check
+        self._label = label
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._started_at: Optional[float] = None
+        self._outcome: Optional[str] = None
+
+    def start(self) -> None:
+        """Start the check in its thread (once; later calls do nothing)."""
+        with self._lock:
+            if self._started_at is not None:
+                return
+            self._started_at = time.monotonic()
+            threading.Thread(target=self._run, name=f"attn-core {self._label}", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            value = self._check()
+            if value is not None and not isinstance(value, str):
+                value = f"{self._label} returned {value!r} (expected None or a reason string)"
+            self._outcome = value or None
+        except BaseException as exc:  # contained on purpose: see the class docstring
+            self._outcome = f"{self._label} failed: {type(exc).__name__}: {exc}"
+        finally:
+            self._done.set()
+
+    def result(self, limit: float) -> Optional[str]:
+        """What the check returned (None or a reason), or why there is no answer within `limit` s."""
+        self.start()
+        remaining = self._started_at + limit - time.monotonic()
+        if not self._done.wait(max(remaining, 0.0)):
+            return f"{self._label} timed out after {limit:g} s"
+        return self._outcome
 
 
 @functools.lru_cache(maxsize=1)

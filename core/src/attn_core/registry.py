@@ -3,7 +3,12 @@
 Backends are found through the entry-point group "attn_core.backends" (each entry names a
 `BackendSpec`) and the pluggy hook `attn_core_register_backends`. Discovery is cached per process,
 deterministic (sorted by name), imports no torch, and one broken plugin never hides the others: it is
-listed with its error.
+listed with its error. What counts as broken, and what each failure reads like, is in
+docs/plugin-authors.md ("When a plugin is broken"): a spec with a field of the wrong type
+(`InvalidSpecError`), a spec that fails to import (`BackendLoadError`), a hook plugin that fails to import
+or raises in a hook (`HookPluginError`, listed as "hook:<plugin>"), an alias that would shadow another
+backend (refused, noted on the entry), a probe that raises or exits ("probe failed: ...") or runs past
+its time limit ("probe timed out after N s"; `probe_timeout` argument or `$ATTN_CORE_PROBE_TIMEOUT`).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import Iterable, Optional, Sequence
 
 import pluggy
 
-from attn_core import hookspecs
+from attn_core import hookspecs, probes
 from attn_core.capabilities import Requirements
 from attn_core.errors import (
     ApiVersionMismatchError,
@@ -24,14 +29,19 @@ from attn_core.errors import (
     BackendNotInstalledError,
     BackendUnavailableError,
     DuplicateBackendError,
+    HookPluginError,
     IncompatibleBackendError,
+    InvalidSpecError,
     NoBackendError,
     UnknownBackendError,
 )
-from attn_core.spec import API_VERSION, BackendSpec
+from attn_core.probes import TimedCheck
+from attn_core.spec import API_VERSION, BackendSpec, spec_problems
 
 ENTRY_POINT_GROUP = "attn_core.backends"
 CORE_DISTRIBUTION = "attn-core"
+#: Prefix of the entry that lists a failed pluggy hook plugin ("hook:<plugin name>").
+HOOK_ENTRY_PREFIX = "hook:"
 
 #: Backends we know of that live in separate distributions: name → pip distribution.
 KNOWN_BACKENDS: dict[str, str] = {
@@ -46,7 +56,8 @@ KNOWN_BACKENDS: dict[str, str] = {
 
 @dataclass
 class BackendEntry:
-    """One discovered backend: its spec, or the error that keeps it from being used."""
+    """One discovered backend: its spec, or the error that keeps it from being used. `notes` says what
+    the registry refused of an otherwise usable spec (an alias that would shadow another backend)."""
 
     name: str
     distribution: str
@@ -54,22 +65,35 @@ class BackendEntry:
     source: str
     spec: Optional[BackendSpec] = None
     error: Optional[AttnError] = None
-    _probe: Optional[tuple[Optional[str]]] = field(default=None, repr=False)
+    notes: tuple[str, ...] = ()
+    probe_timeout: Optional[float] = field(default=None, repr=False)  # None: `probes.probe_timeout()`
+    _checks: dict[str, TimedCheck] = field(default_factory=dict, repr=False)
 
     @property
     def ok(self) -> bool:
         return self.error is None
 
+    def _timed(self, label: str, check) -> TimedCheck:
+        return self._checks.setdefault(label, TimedCheck(check, label))
+
+    def start_probe(self) -> None:
+        """Start the probe in its thread without waiting (`explain` starts every probe first, so a
+        probe that hangs costs one time limit in all, not one per backend)."""
+        if self.error is None:
+            self._timed("probe", self.spec.probe).start()
+
     def probe(self) -> Optional[str]:
-        """Why the backend cannot run here (cached), or None."""
+        """Why the backend cannot run here, or None. The probe runs once, in a daemon thread, for at most
+        the time limit; anything it raises (`SystemExit` included) becomes "probe failed: ..."."""
         if self.error is not None:
             return str(self.error)
-        if self._probe is None:
-            try:
-                self._probe = (self.spec.probe(),)
-            except Exception as exc:  # a faulty probe must not break listing
-                self._probe = (f"probe failed: {type(exc).__name__}: {exc}",)
-        return self._probe[0]
+        return self._timed("probe", self.spec.probe).result(probes.probe_timeout(self.probe_timeout))
+
+    def info(self) -> Optional[str]:
+        """What the backend found on this machine (the spec's `info_fn`), run like `probe`."""
+        if self.error is not None:
+            return None
+        return self._timed("info", self.spec.info).result(probes.probe_timeout(self.probe_timeout))
 
 
 @dataclass(frozen=True)
@@ -93,36 +117,95 @@ def _canon(dist: str) -> str:
     return dist.lower().replace("_", "-")
 
 
+def _contained(exc: BaseException) -> BaseException:
+    """`exc` when a plugin's failure may be reported instead of raised; re-raises a user's Ctrl-C."""
+    if isinstance(exc, KeyboardInterrupt):
+        raise exc
+    return exc
+
+
+def _is_backend_name(name: str) -> bool:
+    """Whether an entries key names a backend (not "name@distribution" or "hook:plugin")."""
+    return "@" not in name and not name.startswith(HOOK_ENTRY_PREFIX)
+
+
 class Registry:
     """Backends known to this process. Use the module-level functions; this class exists so tests can
     build isolated registries."""
 
-    def __init__(self, use_entry_points: bool = True):
+    def __init__(self, use_entry_points: bool = True, probe_timeout: Optional[float] = None):
+        """`probe_timeout`: seconds one probe may run (default `$ATTN_CORE_PROBE_TIMEOUT`, else 10)."""
         self._use_entry_points = use_entry_points
-        self._lock = threading.Lock()
+        self._probe_timeout = None if probe_timeout is None else probes.probe_timeout(probe_timeout)
+        self._lock = threading.RLock()
         self._entries: Optional[dict[str, BackendEntry]] = None
         self._aliases: dict[str, str] = {}
+        self._ambiguous: dict[str, DuplicateBackendError] = {}
         self._extra: list[tuple[BackendSpec, str]] = []
         self._pm: Optional[pluggy.PluginManager] = None
+        self._plugin_dists: dict[str, tuple[str, Optional[str]]] = {}
+        self._broken_plugins: dict[str, BackendEntry] = {}
 
-    # ---- discovery -----------------------------------------------------------------------------
+    # ---- hook plugins --------------------------------------------------------------------------
     @property
     def plugin_manager(self) -> pluggy.PluginManager:
-        if self._pm is None:
-            pm = pluggy.PluginManager(hookspecs.PROJECT)
-            pm.add_hookspecs(hookspecs)
-            if self._use_entry_points:
-                try:
-                    pm.load_setuptools_entrypoints(hookspecs.PROJECT)
-                except Exception:  # a broken hook plugin must not break backend discovery
-                    pass
-            self._pm = pm
-        return self._pm
+        with self._lock:
+            if self._pm is None:
+                pm = pluggy.PluginManager(hookspecs.PROJECT)
+                pm.add_hookspecs(hookspecs)
+                self._pm = pm
+                if self._use_entry_points:
+                    self._load_hook_plugins(pm)
+            return self._pm
+
+    def _load_hook_plugins(self, pm: pluggy.PluginManager) -> None:
+        """Register every plugin of the "attn_core" entry-point group, one at a time: one that fails
+        to import or to register is listed as failed and the others still load."""
+        eps = sorted(metadata.entry_points(group=hookspecs.PROJECT), key=lambda e: (e.name, e.value))
+        for ep in eps:
+            if pm.has_plugin(ep.name) or pm.is_blocked(ep.name):
+                continue
+            self._plugin_dists[ep.name] = _dist_of(ep)
+            try:
+                pm.register(ep.load(), name=ep.name)
+            except BaseException as exc:
+                self._hook_failed(ep.name, f"loading {ep.value}", _contained(exc))
+
+    def _hook_failed(self, plugin: str, where: str, exc: BaseException) -> None:
+        """Stop calling `plugin`'s hooks and list it as a failed entry "hook:<plugin>"."""
+        dist, version = self._plugin_dists.get(plugin, ("unknown", None))
+        entry = BackendEntry(HOOK_ENTRY_PREFIX + plugin, dist, version, "pluggy hook plugin", error=HookPluginError(plugin, where, exc))
+        with self._lock:
+            self._broken_plugins.setdefault(plugin, entry)
+            if self._entries is not None:
+                self._entries.setdefault(entry.name, entry)
+
+    def _call_hook(self, hook_name: str, **kwargs) -> list[tuple[str, object]]:
+        """Call every implementation of `hook_name` in pluggy's order, one at a time, and return their
+        non-None results as (plugin name, result): an implementation that raises (or is a hook wrapper, which attn does not
+        support) marks its plugin broken instead of failing the call or dropping the others."""
+        results = []
+        for impl in reversed(getattr(self.plugin_manager.hook, hook_name).get_hookimpls()):
+            if impl.plugin_name in self._broken_plugins:
+                continue
+            if impl.hookwrapper or impl.wrapper:
+                self._hook_failed(impl.plugin_name, hook_name, TypeError("hook wrappers are not supported"))
+                continue
+            try:
+                result = impl.function(*[kwargs[arg] for arg in impl.argnames])
+            except BaseException as exc:
+                self._hook_failed(impl.plugin_name, hook_name, _contained(exc))
+                continue
+            if result is not None:
+                results.append((impl.plugin_name, result))
+        return results
+
+    # ---- discovery -----------------------------------------------------------------------------
 
     def register(self, spec: BackendSpec, distribution: Optional[str] = None) -> None:
         """Add a backend in-process (tests, notebooks). Takes effect at the next lookup."""
         with self._lock:
-            self._extra.append((spec, distribution or spec.distribution))
+            self._extra.append((spec, distribution or _dist_name(spec, "unknown")))
             self._entries = None
 
     def refresh(self) -> None:
@@ -130,6 +213,8 @@ class Registry:
         with self._lock:
             self._entries = None
             self._pm = None
+            self._plugin_dists = {}
+            self._broken_plugins = {}
 
     def _discover(self) -> dict[str, BackendEntry]:
         found: list[BackendEntry] = []
@@ -141,45 +226,51 @@ class Registry:
                     continue
                 seen_values.add((ep.name, ep.value))
                 dist, version = _dist_of(ep)
-                entry = BackendEntry(ep.name, dist, version, ep.value)
+                entry = self._entry(ep.name, dist, version, ep.value)
                 try:
                     spec = ep.load()
-                except Exception as exc:
-                    entry.error = BackendLoadError(ep.name, ep.value, exc)
+                except BaseException as exc:
+                    entry.error = BackendLoadError(ep.name, ep.value, _contained(exc))
                 else:
                     self._accept(entry, spec)
                 found.append(entry)
         for spec, dist in self._extra:
-            entry = BackendEntry(spec.name, dist, _version_of(dist), "registered")
+            entry = self._entry(_spec_name(spec, "registered"), dist, _version_of(dist), "registered")
             self._accept(entry, spec)
             found.append(entry)
-        try:
-            hooked = self.plugin_manager.hook.attn_core_register_backends()
-        except Exception:
-            hooked = []
-        for specs in hooked:
-            for spec in specs or []:
-                entry = BackendEntry(getattr(spec, "name", "?"), getattr(spec, "distribution", "?"), None, "pluggy hook")
+        for plugin, specs in self._call_hook("attn_core_register_backends"):
+            if not isinstance(specs, (list, tuple)):
+                self._hook_failed(plugin, "attn_core_register_backends", TypeError(f"expected a list of BackendSpec, got {specs!r}"))
+                continue
+            for spec in specs:
+                source = f"pluggy hook plugin {plugin}"
+                entry = self._entry(_spec_name(spec, source), _dist_name(spec, f"unknown (hook plugin {plugin})"), None, source)
                 self._accept(entry, spec)
                 found.append(entry)
+        found += self._broken_plugins.values()
         return self._resolve_duplicates(found)
+
+    def _entry(self, name: str, distribution: str, version: Optional[str], source: str) -> BackendEntry:
+        return BackendEntry(name, distribution, version, source, probe_timeout=self._probe_timeout)
 
     @staticmethod
     def _accept(entry: BackendEntry, spec) -> None:
-        if not isinstance(spec, BackendSpec):
-            entry.error = BackendLoadError(entry.name, entry.source, TypeError(f"expected a BackendSpec, got {type(spec).__name__}"))
-        elif spec.name != entry.name and entry.source != "pluggy hook" and entry.source != "registered":
+        """Attach `spec` to `entry`, or the error that makes the entry unusable."""
+        problems = spec_problems(spec)
+        if problems:
+            entry.error = InvalidSpecError(entry.name, entry.source, problems)
+            return
+        if spec.name != entry.name:
             entry.error = BackendLoadError(entry.name, entry.source, ValueError(f"entry point name != spec name {spec.name!r}"))
         elif spec.api_major != API_VERSION.split(".", 1)[0]:
             entry.error = ApiVersionMismatchError(spec.name, spec.api_version, API_VERSION)
-        entry.spec = spec if isinstance(spec, BackendSpec) else None
+        entry.spec = spec
 
     def _resolve_duplicates(self, found: list[BackendEntry]) -> dict[str, BackendEntry]:
         by_name: dict[str, list[BackendEntry]] = {}
         for e in found:
             by_name.setdefault(e.name, []).append(e)
         entries: dict[str, BackendEntry] = {}
-        aliases: dict[str, str] = {}
         for name in sorted(by_name):
             claim = by_name[name]
             if len(claim) > 1:
@@ -190,11 +281,7 @@ class Registry:
             entries[name] = claim[0]
             for e in claim[1:]:
                 entries[f"{name}@{e.distribution}"] = e
-        for name, e in entries.items():
-            if e.ok and e.spec is not None:
-                for alias in e.spec.aliases:
-                    aliases.setdefault(alias, name)
-        self._aliases = aliases
+        self._aliases, self._ambiguous = _resolve_aliases(entries)
         return entries
 
     def entries(self) -> dict[str, BackendEntry]:
@@ -208,12 +295,14 @@ class Registry:
         """The entry for `name` (or an alias). Raises the entry's own error, or not-installed /
         unknown errors."""
         entries = self.entries()
+        if name in self._ambiguous:
+            raise self._ambiguous[name]
         key = self._aliases.get(name, name)
         entry = entries.get(key)
         if entry is None:
             if name in KNOWN_BACKENDS:
                 raise BackendNotInstalledError(name, KNOWN_BACKENDS[name])
-            raise UnknownBackendError(name, [n for n in entries if "@" not in n] + list(self._aliases) + list(KNOWN_BACKENDS))
+            raise UnknownBackendError(name, [n for n in entries if _is_backend_name(n)] + list(self._aliases) + list(KNOWN_BACKENDS))
         if entry.error is not None:
             raise entry.error
         return entry
@@ -228,9 +317,14 @@ class Registry:
         return cls
 
     def _requirements(self, request) -> Requirements:
+        """`request` as `Requirements`, after the first `attn_core_adjust_requirements` hook that
+        returns one (a hook that raises or returns something else is listed as failed and skipped)."""
         req = request if isinstance(request, Requirements) else request.requirements()
-        adjusted = self.plugin_manager.hook.attn_core_adjust_requirements(requirements=req)
-        return adjusted if adjusted is not None else req
+        for plugin, adjusted in self._call_hook("attn_core_adjust_requirements", requirements=req):
+            if isinstance(adjusted, Requirements):
+                return adjusted
+            self._hook_failed(plugin, "attn_core_adjust_requirements", TypeError(f"expected Requirements or None, got {adjusted!r}"))
+        return req
 
     def check(self, name: str, request) -> BackendEntry:
         """Raise unless backend `name` is installed, runs here and serves `request`."""
@@ -246,7 +340,7 @@ class Registry:
     def create_backend(self, name: str, ctx, **options):
         entry = self.check(name, ctx)
         backend = self.get_backend_class(entry.name)(ctx, **options)
-        self.plugin_manager.hook.attn_core_backend_selected(name=entry.name, requirements=self._requirements(ctx))
+        self._call_hook("attn_core_backend_selected", name=entry.name, requirements=self._requirements(ctx))
         return backend
 
     def explain(self, request) -> list[BackendReport]:
@@ -255,7 +349,9 @@ class Registry:
         req = self._requirements(request)
         rows: list[BackendReport] = []
         entries = self.entries()
-        for name, e in entries.items():
+        for e in entries.values():
+            e.start_probe()
+        for name, e in list(entries.items()):
             if not e.ok:
                 rows.append(BackendReport(name, e.distribution, False, (str(e.error),)))
                 continue
@@ -266,7 +362,7 @@ class Registry:
             reasons += e.spec.capabilities.mismatches(req)
             rows.append(BackendReport(name, e.distribution, not reasons, tuple(reasons)))
         for name, dist in KNOWN_BACKENDS.items():
-            if name not in entries and name not in self._aliases:
+            if name not in entries and name not in self._aliases and name not in self._ambiguous:
                 rows.append(BackendReport(name, dist, False, (f"not installed (pip install {dist})",)))
         return rows
 
@@ -287,10 +383,57 @@ class Registry:
     def list_backends(self) -> list[BackendEntry]:
         return list(self.entries().values())
 
+    def aliases(self) -> dict[str, str]:
+        """Every alias in force: alias → backend name (refused aliases are in the entries' `notes`)."""
+        self.entries()
+        return dict(self._aliases)
+
 
 def _failed(entry: BackendEntry, error: AttnError) -> BackendEntry:
     entry.error = error
     return entry
+
+
+def _resolve_aliases(entries: dict[str, BackendEntry]) -> tuple[dict[str, str], dict[str, DuplicateBackendError]]:
+    """Aliases in force (alias → name) and aliases claimed by several backends. An alias is refused,
+    with a note on its entry, when it is the name of a discovered backend (the name always wins, so no
+    plugin can take over `torch_native`) or of a known backend of another distribution."""
+    claims: dict[str, list[BackendEntry]] = {}
+    for name, e in entries.items():
+        if not (e.ok and _is_backend_name(name)):
+            continue
+        for alias in e.spec.aliases:
+            if alias == name:
+                continue
+            if alias in entries:
+                e.notes += (f"alias {alias!r} refused: it is the name of a discovered backend",)
+            elif alias in KNOWN_BACKENDS and _canon(KNOWN_BACKENDS[alias]) != _canon(e.distribution):
+                e.notes += (f"alias {alias!r} refused: it is reserved for {KNOWN_BACKENDS[alias]}",)
+            else:
+                claims.setdefault(alias, []).append(e)
+    aliases: dict[str, str] = {}
+    ambiguous: dict[str, DuplicateBackendError] = {}
+    for alias, owners in sorted(claims.items()):
+        if len(owners) == 1:
+            aliases[alias] = owners[0].name
+            continue
+        ambiguous[alias] = DuplicateBackendError(alias, [f"{e.distribution} (alias of {e.name})" for e in owners])
+        for e in owners:
+            e.notes += (f"alias {alias!r} refused: also claimed by {', '.join(o.name for o in owners if o is not e)}",)
+    return aliases, ambiguous
+
+
+def _spec_name(spec: object, source: str) -> str:
+    """The entries key of a spec found by a hook or `register`: its name when that is a string, else
+    a placeholder naming where it came from (the spec is then listed as invalid)."""
+    name = getattr(spec, "name", None)
+    return name if isinstance(name, str) and _is_backend_name(name) and name else f"?{source}"
+
+
+def _dist_name(spec: object, fallback: str) -> str:
+    """The spec's distribution when it is a string (an invalid spec may have anything), else `fallback`."""
+    dist = getattr(spec, "distribution", None)
+    return dist if isinstance(dist, str) else fallback
 
 
 def _version_of(dist: str) -> Optional[str]:

@@ -180,3 +180,31 @@ def test_kernel_entry_checks_its_arguments():
             1,
             256,
         )
+
+
+@pytest.mark.parametrize(
+    "field,index,value,argument",
+    [("req_rows", 0, 10**6, "req_rows"), ("req_rows", 1, -1, "req_rows"), ("seq_lens", 0, -3, "seq_lens/q_lens")],
+    ids=["row-10e6", "row-minus-1", "negative-length"],
+)
+def test_kernel_checks_are_typed(field, index, value, argument):
+    """The C++ kernel's own checks (what a caller bypassing init_forward_metadata's would reach) raise
+    an AttnError naming the argument, before the kernel follows the index."""
+    env, backend, layer, inputs = ready()
+    backend.init_forward_metadata(env.batch)
+    getattr(backend.forward_metadata, field)[index] = value
+    before = pool_state(env)
+    with pytest.raises(InvalidArgumentError) as err:
+        backend.forward_extend(inputs["q"], inputs["k"], inputs["v"], layer, env.batch, save_kv_cache=False)
+    assert err.value.argument == argument
+    assert_pool_unchanged(env, before)
+
+
+def test_kernel_check_messages_parse():
+    from attn_cpu_amx.backend import kernel_check_error
+
+    e = kernel_check_error("q: expected contiguous heads")
+    assert (e.argument, e.expected) == ("q", "contiguous heads")
+    e = kernel_check_error("req_rows: expected a contiguous CPU Long tensor of 3 elements, found 2\nException raised from ...")
+    assert (e.argument, e.found) == ("req_rows", "2")
+    assert kernel_check_error("expected CPU tensors").argument == "cpu_amx kernel arguments"

@@ -266,9 +266,9 @@ def test_multi_step_draft_eager_and_graph(topk, page_size):
         pool.get_value_buffer(i).copy_(v)
     capture_bs = 8
     graphed = msd.MultiStepDraftBackend(factory, topk, S, ctx)
-    graphed.init_cuda_graph_state(capture_bs)
+    graphed.init_draft_graph_state(capture_bs)
     static = _draft_inputs(capture_bs * topk, S, seed=0)
-    batches = graphed.init_forward_metadata_capture_cuda_graph(capture_bs)
+    batches = graphed.capture_draft_graph_metadata(capture_bs)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -277,7 +277,7 @@ def test_multi_step_draft_eager_and_graph(topk, page_size):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out_static = _run_draft_steps(batches, static)
-    graphed.init_forward_metadata_replay_cuda_graph(capture_bs, rows_t, lens_t.cuda(), loc, lens_t)
+    graphed.replay_draft_graph_metadata(capture_bs, rows_t, lens_t.cuda(), loc, lens_t)
     for s in range(S):
         for li in range(DRAFT_LAYERS):
             for buf, x in zip(static[s][li], inputs[s][li]):

@@ -8,6 +8,7 @@ from attn_core.batch_builder import build_forward_batch
 from attn_core.context import BackendContext
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
+from attn_core.graph_step import CudaGraphStep
 from attn_core.layer import AttentionLayer
 from attn_core.memory import PagedTokenAllocator, ReqToTokenPool
 from attn_flashinfer.steps import LayerKey, check_context, eager_inputs, graph_inputs, verify_mask
@@ -90,10 +91,10 @@ def test_verify_mask_checks_length_and_pads_graph_rows():
 def test_graph_inputs_slice_to_the_batch_size():
     r2t = torch.zeros(4, 8, dtype=torch.int32)
     rows, seq = torch.arange(4), torch.tensor([3, 4, 1, 1], dtype=torch.int32)
-    x = graph_inputs(r2t, ForwardMode.DECODE, 2, 2, rows, seq, seq[:2], None, None, None)
-    assert x.bs == 2 and x.req_pool_indices.shape[0] == 2 and x.q_lens_host is None
-    with pytest.raises(InvalidArgumentError, match="num_tokens"):
-        graph_inputs(r2t, ForwardMode.DECODE, 2, 4, rows, seq, seq[:2], None, None, None)
+    step = CudaGraphStep(forward_mode=ForwardMode.DECODE, bs=2, req_pool_indices=rows, seq_lens=seq)
+    x = graph_inputs(r2t, step, step.num_tokens, seq[:2], None)
+    assert x.bs == 2 and x.num_tokens == 2 and x.req_pool_indices.shape[0] == 2 and x.q_lens_host is None
     spec = SpecInfo(num_draft_tokens=2, custom_mask=torch.ones(6, dtype=torch.bool))
-    x = graph_inputs(r2t, ForwardMode.TARGET_VERIFY, 2, 4, rows, seq, seq[:2], None, None, spec)
-    assert x.q_lens_host.tolist() == [2, 2] and x.custom_mask.numel() == 14
+    step = CudaGraphStep(forward_mode=ForwardMode.TARGET_VERIFY, bs=2, req_pool_indices=rows, seq_lens=seq, spec_info=spec)
+    x = graph_inputs(r2t, step, step.num_tokens, seq[:2], None)
+    assert x.num_tokens == 4 and x.q_lens_host.tolist() == [2, 2] and x.custom_mask.numel() == 14

@@ -55,12 +55,13 @@ def test_decode_every_split_count(splits, variant):
     lse = torch.full((bs, hq), float("nan"))
     part_o = torch.full((bs, hq, 8, d), float("nan"))
     part_lse = torch.full((bs, hq, 8), float("nan"))
-    num_splits = torch.full((bs,), splits, dtype=torch.int32)
     cfg = DecodeConfig(block_n=16, block_h=16, num_warps=1, num_stages=1)
-    decode_attention(
-        q, k_buf, v_buf, o, indptr, indices, num_splits, 8, part_o, part_lse,
+    fault = torch.zeros(8, dtype=torch.int32)
+    decode_attention(  # min_split_len 1: every request but the one-token one takes `splits` splits
+        q, k_buf, v_buf, o, indptr, indices, splits, 1, part_o, part_lse, fault,
         sm_scale=0.2, config=cfg, logit_cap=cap, window=window, sinks=sinks, lse_out=lse,
     )  # fmt: skip
+    assert not fault.any()
     for r, n in enumerate(lens):
         ref_o, ref_lse = reference_attention(
             q[r : r + 1], ks[r], vs[r], q_positions=torch.tensor([n - 1]), scale=0.2, window=window, logit_cap=cap, sinks=sinks
@@ -87,7 +88,9 @@ def test_extend_unaligned_lengths(dtype, page_size):
     q = torch.randn(T, hq, d, generator=gen).to(dtype)
     o = torch.full((T, hq, d), float("nan"), dtype=dtype)
     cfg = ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
-    extend_attention(q, k_buf, v_buf, o, qo, indptr, indices, max(q_lens), sm_scale=0.3, config=cfg)
+    fault = torch.zeros(8, dtype=torch.int32)
+    extend_attention(q, k_buf, v_buf, o, qo, indptr, indices, max(q_lens), fault, sm_scale=0.3, config=cfg)
+    assert not fault.any()
     for r, (p, e) in enumerate(shapes):
         if e == 0:
             continue

@@ -137,9 +137,9 @@ def test_multi_step_draft_eager_and_graph(topk, page_size):
 
     graph = MultiStepDraftBackend(lambda c, s: factory(c), topk, steps, ctx)
     capture_bs = 6
-    graph.init_cuda_graph_state(capture_bs)
-    graph.init_forward_metadata_capture_cuda_graph(capture_bs)
-    batches = graph.init_forward_metadata_replay_cuda_graph(capture_bs, torch.tensor(rows), lens_t, loc, lens_t)
+    graph.init_draft_graph_state(capture_bs)
+    graph.capture_draft_graph_metadata(capture_bs)
+    batches = graph.replay_draft_graph_metadata(capture_bs, torch.tensor(rows), lens_t, loc, lens_t)
     got = _run_steps(batches, inputs, layers, pad_to=capture_bs * topk)
     for s in range(steps):
         for li in range(LAYERS):

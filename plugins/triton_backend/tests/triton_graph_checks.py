@@ -7,6 +7,7 @@ import dataclasses
 
 import torch
 
+from attn_core.graph_step import CudaGraphStep, GraphPadding, graph_padding
 from attn_core.testing.harness import AttnCase, forward_extras, layer_inputs, make_env, make_layer
 from attn_core.testing.reference import relative_error, tolerance
 
@@ -18,20 +19,33 @@ def _eager(backend_factory, env, batch, layer, inputs):
     return backend.forward(inputs["q"], inputs["k"], inputs["v"], layer, batch, **forward_extras(env.case, inputs))
 
 
-def _padded(batch, pad: int, fill: int):
-    """The batch with `pad` padding requests (row 0, seq_len `fill`, K/V to the dummy slot 0)."""
+def _padded(batch, pad: GraphPadding):
+    """The batch with the padding rows `pad` describes: request row 0, `pad.seq_len` keys, K/V to the
+    dummy slot 0 and, for TARGET_VERIFY with masks, an all-visible mask."""
     dev = batch.seq_lens.device
-    per = batch.num_tokens // batch.batch_size
-    rows = torch.cat([batch.req_pool_indices, torch.zeros(pad, dtype=batch.req_pool_indices.dtype, device=dev)])
-    seq = torch.cat([batch.seq_lens, torch.full((pad,), fill, dtype=torch.int32, device=dev)])
-    loc = torch.cat([batch.out_cache_loc, torch.zeros(pad * per, dtype=batch.out_cache_loc.dtype, device=dev)])
-    out = dataclasses.replace(batch, batch_size=batch.batch_size + pad, req_pool_indices=rows, seq_lens=seq, out_cache_loc=loc)
+    n, per = pad.num_padding, pad.tokens_per_request
+    rows = torch.cat([batch.req_pool_indices, torch.zeros(n, dtype=batch.req_pool_indices.dtype, device=dev)])
+    seq = torch.cat([batch.seq_lens, torch.full((n,), pad.seq_len, dtype=batch.seq_lens.dtype, device=dev)])
+    loc = torch.cat([batch.out_cache_loc, torch.zeros(n * per, dtype=batch.out_cache_loc.dtype, device=dev)])
+    pos = torch.cat([batch.positions, (pad.prefix_len + torch.arange(per, device=dev)).repeat(n).to(batch.positions.dtype)])
+    out = dataclasses.replace(batch, batch_size=pad.padded_bs, req_pool_indices=rows, seq_lens=seq, out_cache_loc=loc, positions=pos)
     out.seq_lens_cpu = seq.cpu()
     out.seq_lens_sum = int(out.seq_lens_cpu.sum())
     if batch.forward_mode.is_extend():
-        out.extend_num_tokens = batch.extend_num_tokens + pad * per
-        out.extend_seq_lens = torch.full((out.batch_size,), per, dtype=torch.int32, device=dev)
-        out.extend_seq_lens_cpu = out.extend_seq_lens.cpu()
+        out.extend_num_tokens = pad.num_tokens
+        out.extend_seq_lens_cpu = torch.full((pad.padded_bs,), per, dtype=torch.int32)
+        out.extend_seq_lens = out.extend_seq_lens_cpu.to(dev)
+        out.extend_prefix_lens_cpu = out.seq_lens_cpu - per
+        out.extend_prefix_lens = out.extend_prefix_lens_cpu.to(dev)
+        out.extend_start_loc = torch.arange(0, pad.num_tokens, per, dtype=torch.int32, device=dev)
+    spec = batch.spec_info
+    if spec is not None and spec.custom_mask is not None:
+        size = per * pad.seq_len
+        out.spec_info = dataclasses.replace(
+            spec,
+            custom_mask=torch.cat([spec.custom_mask, torch.ones(n * size, dtype=torch.bool, device=dev)]),
+            mask_indptr=torch.cat([spec.mask_indptr, spec.mask_indptr[-1] + size * torch.arange(1, n + 1, device=dev)]),
+        )
     return out
 
 
@@ -52,16 +66,24 @@ def check_graph_matches_eager(backend_factory, case: AttnCase, pad: int = 0, run
     want = _eager(backend_factory, env, batch, layer, inputs)
 
     backend = backend_factory(env.ctx)
-    graph_batch = _padded(batch, pad, backend.get_cuda_graph_seq_len_fill_value()) if pad else batch
-    bs, T = graph_batch.batch_size, graph_batch.num_tokens
-    backend.init_cuda_graph_state(bs + 2, T + 2 * (T // bs))
-    mode, spec = batch.forward_mode, batch.spec_info
+    mode, per = batch.forward_mode, batch.num_tokens // batch.batch_size
+    fill = backend.get_cuda_graph_seq_len_fill_value()
+    padding = graph_padding(mode, batch.batch_size, [batch.batch_size + pad], fill, per)
+    graph_batch = _padded(batch, padding) if pad else batch
+    bs, T = padding.padded_bs, padding.num_tokens
+    backend.init_cuda_graph_state(bs + 2, T + 2 * per)
     dev = batch.seq_lens.device
-    dummy_rows = torch.zeros(bs, dtype=torch.int64, device=dev)
-    dummy_lens = torch.full((bs,), backend.get_cuda_graph_seq_len_fill_value(), dtype=torch.int32, device=dev)
-    if mode.is_target_verify():
-        dummy_lens += T // bs
-    backend.init_forward_metadata_capture_cuda_graph(bs, T, dummy_rows, dummy_lens, None, mode, spec)
+    capture = graph_padding(mode, 0, [bs], fill, per)  # captured with padding rows only
+    backend.capture_cuda_graph_metadata(
+        CudaGraphStep(
+            forward_mode=mode,
+            bs=bs,
+            num_tokens=T,
+            req_pool_indices=torch.zeros(bs, dtype=torch.int64, device=dev),
+            seq_lens=torch.full((bs,), capture.seq_len, dtype=torch.int32, device=dev),
+            spec_info=graph_batch.spec_info,
+        )
+    )
     graph_batch.attn_backend = backend
     g_inputs = {name: _pad_rows(inputs[name], T - batch.num_tokens) if name in ("q", "k", "v") else inputs[name] for name in inputs}
     extras = forward_extras(case, inputs)
@@ -70,9 +92,7 @@ def check_graph_matches_eager(backend_factory, case: AttnCase, pad: int = 0, run
         return backend.forward(g_inputs["q"], g_inputs["k"], g_inputs["v"], layer, graph_batch, **extras)
 
     def replay():
-        backend.init_forward_metadata_replay_cuda_graph(
-            bs, graph_batch.req_pool_indices, graph_batch.seq_lens, graph_batch.seq_lens_sum, None, mode, spec, graph_batch.seq_lens_cpu
-        )
+        backend.replay_cuda_graph_metadata(CudaGraphStep.from_batch(graph_batch))
 
     got = (run_graph or (lambda f, r: (r(), f())[1]))(fn, replay)
     got_o, want_o = (got[0], want[0]) if case.return_lse else (got, want)

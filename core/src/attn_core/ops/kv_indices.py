@@ -133,6 +133,8 @@ def build_kv_indices(
     last_page_len_out: Optional[torch.Tensor] = None,
     q_lens: Optional[torch.Tensor] = None,
     qo_indptr_out: Optional[torch.Tensor] = None,
+    num_slots: Optional[int] = None,
+    fault: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Slot ids (page_size 1) or page ids of each request's `kv_lens` tokens, concatenated: int32 `[total]`.
 
@@ -142,7 +144,11 @@ def build_kv_indices(
     to `out[:total]`, which is returned. In the same launch, optionally: `indptr_out` `[bs+1]` (page
     offsets, `page_indptr_from_lens`), `last_page_len_out` `[bs]` (`last_page_len_from_lens`) and, from
     `q_lens`, `qo_indptr_out` `[bs+1]` (all int32). On CUDA with Triton importable one Triton kernel does
-    the work (`attn_core.ops.kv_indices_triton`); elsewhere the torch path.
+    the work (`attn_core.ops.kv_indices_triton`), which bounds-checks on the device what the host cannot
+    (rows, lengths, the host `total` whatever the device `kv_lens` say, and with `num_slots` every slot
+    against the KV pool), writes only inside the buffers and records refusals in `fault` (the int32
+    buffer of `attn_core.ops.device_faults.DeviceFaultFlags`); elsewhere the torch path, where torch's
+    indexing raises on an out-of-range index instead.
     """
     if out is None:
         out = torch.empty(total, dtype=torch.int32, device=req_to_token.device)
@@ -153,7 +159,8 @@ def build_kv_indices(
     if req_to_token.is_cuda and _triton_path() is not None:
         _triton_path()(
             req_to_token, req_pool_indices, kv_lens, out, kv_indptr=indptr_out, last_page_len=last_page_len_out,
-            page_size=page_size, kv_start=kv_start, q_lens=q_lens, qo_indptr=qo_indptr_out,
+            page_size=page_size, kv_start=kv_start, q_lens=q_lens, qo_indptr=qo_indptr_out, num_slots=num_slots, fault=fault,
+            capacity=total,
         )  # fmt: skip
         return out[:total]
     indptr = page_indptr_from_lens(kv_lens, page_size)

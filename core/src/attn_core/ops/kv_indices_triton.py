@@ -9,11 +9,21 @@ it writes, in a single launch and without any host sync:
 - optionally kv_indptr `[bs+1]` int32: exclusive prefix sum of the per-request counts (tokens, or pages);
 - optionally last_page_len `[bs]` int32: keys in each request's last page (0 for a request without keys);
 - optionally qo_indptr `[bs+1]` int32 (prefix sum of q_lens) and mask_indptr `[bs+1]` int64 (prefix sum
-  of q_lens * kv_lens, in tokens: offsets of per-request row-major `[q_len, kv_len]` custom masks);
-- optionally num_splits `[bs]` int32 = clamp(ceil(kv_lens / min_split_len), 1, max_splits), the decode
-  split count, a function of the request's own length only.
+  of q_lens * kv_lens, in tokens: offsets of per-request row-major `[q_len, kv_len]` custom masks).
 
-Grid `[bs, P]`: each program sums the counts before its request (a masked block load, O(bs)) and
+Bounds (the last line of defence: a CUDA-graph replay runs no host check). Every index the kernel
+follows or writes through is checked on the device; what is refused is recorded in the fault buffer
+(`attn_core.ops.device_faults`) and the output stays inside its buffers:
+- a row outside `[0, rows)` gives the request no keys (REQUEST_ROW); a negative kv_start or length
+  counts as 0 (LENGTH); keys past the table's width are cut at the width (TABLE_WIDTH);
+- ids past kv_indices' capacity (device lengths larger than the host sum that sized it) are not
+  written and kv_indptr stops at the capacity (INDEX_CAPACITY);
+- with `num_slots`, a slot outside `[0, num_slots)` is written as the dummy slot 0 (page 0) (SLOT);
+- a negative q_len counts as 0 (LENGTH).
+kv_indptr, last_page_len and mask_indptr describe what was written, so the kernels that follow them
+stay in bounds too. On valid input nothing changes and nothing is recorded.
+
+Grid `[bs, P]`: each program sums the counts before its request (masked block loads, O(bs)) and
 copies every P-th CHUNK of its ids, so any P is correct; P only spreads the copy. Importing this
 module imports Triton; with `TRITON_INTERPRET=1` set before the import the kernel runs on CPU tensors.
 """
@@ -27,35 +37,61 @@ import triton
 import triton.language as tl
 
 from attn_core.errors import InvalidArgumentError
+from attn_core.ops.device_faults import DeviceFaultKind
 from attn_core.ops.triton_launch import CachedLaunch
 
 CHUNK = 512
+
+_ROW = tl.constexpr(int(DeviceFaultKind.REQUEST_ROW))
+_LENGTH = tl.constexpr(int(DeviceFaultKind.LENGTH))
+_WIDTH = tl.constexpr(int(DeviceFaultKind.TABLE_WIDTH))
+_CAPACITY = tl.constexpr(int(DeviceFaultKind.INDEX_CAPACITY))
+_SLOT = tl.constexpr(int(DeviceFaultKind.SLOT))
+
+
+@triton.jit
+def _keys_in_table(row, start, length, num_rows, width):
+    """(row ok, start, length) of a request's keys, cut to the table: rows outside [0, num_rows)
+    have no keys, negative starts and lengths count as 0, keys stop at the table's width."""
+    row_ok = (row >= 0) & (row < num_rows)
+    start = tl.minimum(tl.maximum(start, 0), width)
+    length = tl.minimum(tl.maximum(length, 0), width - start)
+    return row_ok, start, tl.where(row_ok, length, 0)
+
+
+@triton.jit
+def _count(length, PAGE_SIZE: tl.constexpr):
+    if PAGE_SIZE == 1:
+        return length
+    return (length + PAGE_SIZE - 1) // PAGE_SIZE
 
 
 # No value or alignment specialization: one binary per constexpr set serves every batch, which lets
 # `CachedLaunch` skip the per-call specialization work of the JIT launcher.
 @triton.jit(
-    do_not_specialize=["stride_row", "max_splits", "min_split_len"],
+    do_not_specialize=["stride_row", "num_rows", "width", "capacity", "num_slots"],
     do_not_specialize_on_alignment=[
         "REQ_TO_TOKEN", "REQ_POOL_INDICES", "KV_LENS", "KV_START", "KV_INDPTR", "KV_INDICES", "LAST_PAGE_LEN", "Q_LENS",
-        "QO_INDPTR", "MASK_INDPTR", "NUM_SPLITS",
+        "QO_INDPTR", "MASK_INDPTR", "FAULT",
     ],
 )  # fmt: skip
 def _build_indices_kernel(
     REQ_TO_TOKEN,
     stride_row,
+    num_rows,
+    width,
     REQ_POOL_INDICES,
     KV_LENS,
     KV_START,
     KV_INDPTR,
     KV_INDICES,
+    capacity,
     LAST_PAGE_LEN,
     Q_LENS,
     QO_INDPTR,
     MASK_INDPTR,
-    NUM_SPLITS,
-    max_splits,
-    min_split_len,
+    num_slots,
+    FAULT,
     BS_BLOCK: tl.constexpr,
     CHUNK: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -64,31 +100,49 @@ def _build_indices_kernel(
     HAS_LAST: tl.constexpr,
     HAS_Q: tl.constexpr,
     HAS_MASK_INDPTR: tl.constexpr,
-    HAS_SPLITS: tl.constexpr,
+    CHECK_SLOTS: tl.constexpr,
+    HAS_FAULT: tl.constexpr,
 ):
     r = tl.program_id(0)
     c = tl.program_id(1)
     num_c = tl.num_programs(1)
     offs = tl.arange(0, BS_BLOCK)
     before = offs < r
+    rows = tl.load(REQ_POOL_INDICES + offs, mask=before, other=0)
     lens = tl.load(KV_LENS + offs, mask=before, other=0)
-    length = tl.load(KV_LENS + r)
-    if PAGE_SIZE == 1:
-        beg = tl.sum(lens, 0)
-        count = length
+    row = tl.load(REQ_POOL_INDICES + r)
+    length_in = tl.load(KV_LENS + r)
+    if HAS_START:
+        starts = tl.load(KV_START + offs, mask=before, other=0)
+        start_in = tl.load(KV_START + r)
     else:
-        beg = tl.sum((lens + PAGE_SIZE - 1) // PAGE_SIZE, 0)
-        count = (length + PAGE_SIZE - 1) // PAGE_SIZE
+        starts = offs * 0
+        start_in = length_in * 0
+    _, _, lens = _keys_in_table(rows, starts, lens, num_rows, width)
+    row_ok, start, length = _keys_in_table(row, start_in, length_in, num_rows, width)
+    beg_raw = tl.sum(_count(lens, PAGE_SIZE), 0)
+    end_raw = beg_raw + _count(length, PAGE_SIZE)
+    beg = tl.minimum(beg_raw, capacity)
+    count = tl.minimum(end_raw, capacity) - beg
     if c == 0:
+        if HAS_FAULT:
+            tl.store(FAULT + _ROW, 1, mask=(row < 0) | (row >= num_rows))
+            tl.store(FAULT + _LENGTH, 1, mask=(length_in < 0) | (start_in < 0))
+            tl.store(FAULT + _WIDTH, 1, mask=row_ok & (start_in.to(tl.int64) + length_in.to(tl.int64) > width))
+            tl.store(FAULT + _CAPACITY, 1, mask=end_raw > capacity)
         if HAS_INDPTR:
             if r == 0:
                 tl.store(KV_INDPTR, beg * 0)
             tl.store(KV_INDPTR + r + 1, beg + count)
         if HAS_LAST:
-            tl.store(LAST_PAGE_LEN + r, length - tl.maximum(count - 1, 0) * PAGE_SIZE)
+            kept = tl.minimum(length, count * PAGE_SIZE)
+            tl.store(LAST_PAGE_LEN + r, kept - tl.maximum(count - 1, 0) * PAGE_SIZE)
         if HAS_Q:
-            q_lens = tl.load(Q_LENS + offs, mask=before, other=0)
-            q_len = tl.load(Q_LENS + r)
+            q_lens = tl.maximum(tl.load(Q_LENS + offs, mask=before, other=0), 0)
+            q_len_in = tl.load(Q_LENS + r)
+            q_len = tl.maximum(q_len_in, 0)
+            if HAS_FAULT:
+                tl.store(FAULT + _LENGTH, 1, mask=q_len_in < 0)
             q_beg = tl.sum(q_lens, 0)
             if r == 0:
                 tl.store(QO_INDPTR, q_beg * 0)
@@ -98,21 +152,24 @@ def _build_indices_kernel(
                 if r == 0:
                     tl.store(MASK_INDPTR, m_beg * 0)
                 tl.store(MASK_INDPTR + r + 1, m_beg + q_len.to(tl.int64) * length.to(tl.int64))
-        if HAS_SPLITS:
-            n = tl.minimum(tl.maximum(tl.cdiv(length, min_split_len), 1), max_splits)
-            tl.store(NUM_SPLITS + r, n)
-    row = tl.load(REQ_POOL_INDICES + r).to(tl.int64)
-    src = REQ_TO_TOKEN + row * stride_row
-    if HAS_START:
-        src += tl.load(KV_START + r)
+    src = REQ_TO_TOKEN + tl.where(row_ok, row, 0).to(tl.int64) * stride_row + start
     dst = KV_INDICES + beg
     for i in range(c * CHUNK, count, num_c * CHUNK):
         o = i + tl.arange(0, CHUNK)
         ok = o < count
         if PAGE_SIZE == 1:
-            tl.store(dst + o, tl.load(src + o, mask=ok), mask=ok)
+            ids = tl.load(src + o, mask=ok)
         else:
-            tl.store(dst + o, tl.load(src + o * PAGE_SIZE, mask=ok) // PAGE_SIZE, mask=ok)
+            ids = tl.load(src + o * PAGE_SIZE, mask=ok)
+        if CHECK_SLOTS:
+            bad = ok & ((ids < 0) | (ids >= num_slots))
+            ids = tl.where(bad, 0, ids)
+            if HAS_FAULT:
+                tl.store(FAULT + _SLOT, 1, mask=tl.max(bad.to(tl.int32), 0) > 0)
+        if PAGE_SIZE == 1:
+            tl.store(dst + o, ids, mask=ok)
+        else:
+            tl.store(dst + o, ids // PAGE_SIZE, mask=ok)
 
 
 def copy_programs(bs: int, on_gpu: bool) -> int:
@@ -134,17 +191,20 @@ def kv_indices_triton(
     q_lens: Optional[torch.Tensor] = None,
     qo_indptr: Optional[torch.Tensor] = None,
     mask_indptr: Optional[torch.Tensor] = None,
-    num_splits: Optional[torch.Tensor] = None,
-    max_splits: int = 1,
-    min_split_len: int = 1,
+    num_slots: Optional[int] = None,
+    fault: Optional[torch.Tensor] = None,
+    capacity: Optional[int] = None,
 ) -> None:
     """Fill the index tensors of `bs = req_pool_indices.shape[0]` requests in place (see module doc).
 
     req_to_token `[rows, max_context_len]` int32 with contiguous rows; req_pool_indices `[bs]`
-    int32/int64; kv_lens, kv_start, q_lens `[bs]` int32 (kv_lens in tokens); kv_indices int32 holding at
-    least the sum of the counts (tokens, or pages with page_size > 1); last_page_len `[bs]` int32
-    (with page_size 1: 1, or 0 for an empty request); qo_indptr is written only
-    together with q_lens, mask_indptr only together with both. An empty batch writes kv_indptr = [0].
+    int32/int64; kv_lens, kv_start, q_lens `[bs]` int32 (kv_lens in tokens); kv_indices int32, of
+    which the first `capacity` entries (default: all) may be written (ids past them are refused, see the
+    module doc; pass the host's total when a larger scratch buffer holds the ids); last_page_len `[bs]` int32
+    (with page_size 1: 1, or 0 for an empty request); qo_indptr is written only together with q_lens,
+    mask_indptr only together with both. `num_slots`: the KV pool's slot count, to check every slot
+    read from the table against (None: slots are not checked); `fault`: the int32 fault buffer of
+    `attn_core.ops.device_faults` (None: refusals are not recorded). An empty batch writes kv_indptr = [0].
     """
     bs = req_pool_indices.shape[0]
     if bs == 0:
@@ -158,18 +218,20 @@ def kv_indices_triton(
         (bs, copy_programs(bs, req_to_token.is_cuda)),
         req_to_token,
         req_to_token.stride(0),
+        req_to_token.shape[0],
+        req_to_token.shape[1],
         req_pool_indices,
         kv_lens,
         kv_start if kv_start is not None else dummy,
         kv_indptr if kv_indptr is not None else dummy,
         kv_indices,
+        kv_indices.shape[0] if capacity is None else min(capacity, kv_indices.shape[0]),
         last_page_len if last_page_len is not None else dummy,
         q_lens if q_lens is not None else dummy,
         qo_indptr if qo_indptr is not None else dummy,
         mask_indptr if mask_indptr is not None else dummy,
-        num_splits if num_splits is not None else dummy,
-        max_splits,
-        min_split_len,
+        num_slots if num_slots is not None else 0,
+        fault if fault is not None else dummy,
         BS_BLOCK=triton.next_power_of_2(bs),
         CHUNK=CHUNK,
         PAGE_SIZE=page_size,
@@ -178,7 +240,8 @@ def kv_indices_triton(
         HAS_LAST=last_page_len is not None,
         HAS_Q=q_lens is not None,
         HAS_MASK_INDPTR=mask_indptr is not None,
-        HAS_SPLITS=num_splits is not None,
+        CHECK_SLOTS=num_slots is not None,
+        HAS_FAULT=fault is not None,
         num_warps=4,
     )
 

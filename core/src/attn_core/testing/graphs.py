@@ -3,11 +3,11 @@ the eager path gives (and the float64 reference), on CPU tensors too.
 
 On CUDA the layers really run inside a captured `torch.cuda.CUDAGraph`; elsewhere "capture" makes the
 same metadata calls and replay runs the layers eagerly on the padded static batch, so the metadata logic
-is tested in CI. Padding convention (what an engine's graph runner does): a real batch of bs requests,
-t new tokens each (1 for DECODE, the draft count for TARGET_VERIFY), runs in the graph captured for the
-smallest size B >= bs; rows bs..B-1 get req_pool_index 0, seq_len = fill + t - 1 (fill =
-`get_cuda_graph_seq_len_fill_value()`), KV slot 0 (the reserved dummy) for each of their tokens,
-positions seq_len - t + j, zero q/k/v and, for TARGET_VERIFY with masks, an all-True mask.
+is tested in CI. Padding follows `attn_core.graph_step.graph_padding` (what an engine's graph runner
+does): a real batch of bs requests, t new tokens each, runs in the graph captured for the smallest size
+B >= bs; rows bs..B-1 get req_pool_index 0, the padding seq_len, KV slot 0 (the reserved dummy) for each
+of their tokens, positions seq_len - t + j, zero q/k/v and, for TARGET_VERIFY with masks, an all-True
+mask.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from attn_core.batch import ForwardBatch, SpecInfo
 from attn_core.forward_mode import ForwardMode
-from attn_core.graph_runner import padding_seq_len
+from attn_core.graph_step import CudaGraphStep, GraphPadding, graph_padding, graph_tokens_per_request
 from attn_core.testing.harness import AttnCase, CaseEnv, check_kv_writes, compare_layer, layer_inputs, make_env, make_layer
 from attn_core.testing.outcome import KitFailure
 from attn_core.testing.reference import relative_error, tolerance
@@ -49,13 +49,12 @@ class _Static:
                 bufs[name] = None if x is None else torch.zeros((max_bs * t, *x.shape[1:]), dtype=x.dtype, device=dev)
             self.inputs.append(bufs)
 
-    def load(self, env: CaseEnv, mode: ForwardMode, bs_pad: int, fill: int, real: Optional[ForwardBatch]) -> ForwardBatch:
-        """Write `real` (None: nothing but padding) into the buffers, padded to `bs_pad` rows, and return
+    def load(self, env: CaseEnv, mode: ForwardMode, pad: GraphPadding, real: Optional[ForwardBatch]) -> ForwardBatch:
+        """Write `real` (None: nothing but padding) into the buffers, padded as `pad` says, and return
         the padded batch viewing them."""
         t = self.t
-        n = bs_pad * t
-        bs = real.batch_size if real is not None else 0
-        seq_cpu = torch.full((bs_pad,), padding_seq_len(fill, t), dtype=torch.int32)
+        bs, bs_pad, n = pad.bs, pad.padded_bs, pad.num_tokens
+        seq_cpu = torch.full((bs_pad,), pad.seq_len, dtype=torch.int32)
         rows = torch.zeros(bs_pad, dtype=torch.int64)
         loc = torch.zeros(n, dtype=torch.int64)
         if real is not None:
@@ -137,7 +136,7 @@ def graph_case_check(target: KitTarget, case: AttnCase, capture_sizes: Sequence[
     def run() -> str:
         env = make_env(case)
         mode = case.mode
-        t = 1 if mode.is_decode() else case.requests[0].extend_len
+        t = graph_tokens_per_request(mode, case.requests[0].extend_len)
         sizes = sorted(capture_sizes)
         on_cuda = env.ctx.device.type == "cuda"
         backend = target.factory(env.ctx)
@@ -147,19 +146,18 @@ def graph_case_check(target: KitTarget, case: AttnCase, capture_sizes: Sequence[
         layers = [make_layer(case, lid) for lid in range(case.num_layers)]
         captured = {}
         for size in sizes:  # capture every size first, as an engine does at start-up
-            batch = static.load(env, mode, size, fill, None)
+            batch = static.load(env, mode, graph_padding(mode, 0, [size], fill, t), None)
             batch.attn_backend = backend
-            backend.init_forward_metadata_capture_cuda_graph(
-                size, size * t, batch.req_pool_indices, batch.seq_lens, None, mode, batch.spec_info
-            )
+            backend.capture_cuda_graph_metadata(CudaGraphStep.from_batch(batch, with_host_lens=False))
             captured[size] = _capture(layers, static, batch, on_cuda)
         tol = tolerance(getattr(torch, case.dtype))
         gen = torch.Generator().manual_seed(case.seed + 1)
         worst = 0.0
         for step, (real, requests) in enumerate(zip(env.batches, case.step_requests())):
-            size = next((s for s in sizes if s >= real.batch_size), None)
-            if size is None:
+            if real.batch_size > sizes[-1]:
                 raise KitFailure(f"step {step} has {real.batch_size} requests, more than the largest capture {sizes[-1]}")
+            pad = graph_padding(mode, real.batch_size, sizes, fill, t)
+            size = pad.padded_bs
             where = f"step {step} (bs {real.batch_size} padded to {size}, fill {fill})\n  case: {case.describe()}"
             inputs = [layer_inputs(env, lid, gen, real, requests) for lid in range(case.num_layers)]
             pool = env.kv_pool
@@ -172,11 +170,9 @@ def graph_case_check(target: KitTarget, case: AttnCase, capture_sizes: Sequence[
                     if buf is not None:
                         buf.zero_()
                         buf[: i[name].shape[0]].copy_(i[name])
-            padded = static.load(env, mode, size, fill, real)
+            padded = static.load(env, mode, pad, real)
             padded.attn_backend = backend
-            backend.init_forward_metadata_replay_cuda_graph(
-                size, padded.req_pool_indices, padded.seq_lens, padded.seq_lens_sum, None, mode, padded.spec_info, padded.seq_lens_cpu
-            )
+            backend.replay_cuda_graph_metadata(CudaGraphStep.from_batch(padded))
             graph, graph_outs = captured[size]
             if graph is not None:
                 graph.replay()

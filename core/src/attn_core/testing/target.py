@@ -7,6 +7,7 @@ from typing import Any, Mapping, Optional, Union
 
 from attn_core.capabilities import Capabilities
 from attn_core.errors import BackendLoadError
+from attn_core.probes import TimedCheck, probe_timeout
 from attn_core.spec import BackendSpec
 
 
@@ -27,8 +28,9 @@ class KitTarget:
         return self.backend_class(ctx, **self.options)
 
     def probe(self) -> Optional[str]:
-        """Why the backend cannot run here, or None."""
-        return self.spec.probe() if self.spec is not None else None
+        """Why the backend cannot run here, or None (run like the registry's probes: with a time
+        limit, anything it raises contained)."""
+        return TimedCheck(self.spec.probe).result(probe_timeout()) if self.spec is not None else None
 
 
 def resolve_target(backend: Union[str, BackendSpec, type], options: Optional[Mapping[str, Any]] = None, registry=None) -> KitTarget:

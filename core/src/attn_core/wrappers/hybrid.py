@@ -7,15 +7,12 @@ construction refuses pairs that do not.
 
 from __future__ import annotations
 
-from typing import Optional
-
-import torch
-
 from attn_core.backend import AttentionBackend, Output
-from attn_core.batch import ForwardBatch, SpecInfo
+from attn_core.batch import ForwardBatch
 from attn_core.capabilities import Capabilities, CudaGraphLevel, Feature
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
+from attn_core.graph_step import CudaGraphStep
 from attn_core.wrappers.compose import check_same_kv_layout, intersect_capabilities
 
 _CHOICES = ("prefill", "decode")
@@ -118,34 +115,11 @@ class HybridAttnBackend(AttentionBackend):
         for b in self._graph_backends:
             b.init_cuda_graph_state(max_bs, max_num_tokens)
 
-    def init_forward_metadata_capture_cuda_graph(
-        self,
-        bs: int,
-        num_tokens: int,
-        req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        encoder_lens: Optional[torch.Tensor],
-        forward_mode: ForwardMode,
-        spec_info: Optional[SpecInfo],
-    ) -> None:
-        self._graph_backend(forward_mode).init_forward_metadata_capture_cuda_graph(
-            bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info
-        )
+    def capture_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
+        self._graph_backend(step.forward_mode).capture_cuda_graph_metadata(step)
 
-    def init_forward_metadata_replay_cuda_graph(
-        self,
-        bs: int,
-        req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        seq_lens_sum: int,
-        encoder_lens: Optional[torch.Tensor],
-        forward_mode: ForwardMode,
-        spec_info: Optional[SpecInfo],
-        seq_lens_cpu: Optional[torch.Tensor],
-    ) -> None:
-        self._graph_backend(forward_mode).init_forward_metadata_replay_cuda_graph(
-            bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens, forward_mode, spec_info, seq_lens_cpu
-        )
+    def replay_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
+        self._graph_backend(step.forward_mode).replay_cuda_graph_metadata(step)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return self.decode.get_cuda_graph_seq_len_fill_value()

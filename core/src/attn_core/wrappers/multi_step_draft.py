@@ -48,6 +48,7 @@ from attn_core.capabilities import Feature
 from attn_core.context import BackendContext
 from attn_core.errors import InvalidArgumentError, KVCacheError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
+from attn_core.graph_step import CudaGraphStep, GraphPadding, graph_padding
 from attn_core.memory import ReqToTokenPool
 
 StepFactory = Callable[[BackendContext, int], AttentionBackend]
@@ -106,10 +107,12 @@ class MultiStepDraftBackend:
     request table (see the module docstring for the layout).
 
     Eager: `init_forward_metadata(...)` builds the table and every step's metadata and returns the
-    step batches (batch s has `attn_backend` = step s's backend). Graphs: `init_cuda_graph_state`,
-    `init_forward_metadata_capture_cuda_graph(bs)` (returns the step batches to capture with) and
-    `init_forward_metadata_replay_cuda_graph(bs, ...)` (pads the real requests to bs: request row 0,
-    L = the step backends' fill value, slot 0).
+    step batches (batch s has `attn_backend` = step s's backend). Graphs (a draft round's own names: the
+    wrapper is not an `AttentionBackend` and takes whole rounds): `init_draft_graph_state(max_bs)`,
+    `capture_draft_graph_metadata(bs)` (returns the step batches to capture with) and
+    `replay_draft_graph_metadata(bs, ...)` (pads the real requests to bs as `graph_padding` says for
+    DECODE: request row 0, L = fill - 1 cached tokens, slot 0; a padding row's step s then has
+    seq_len fill + s, its s + 1 draft tokens on top).
 
     Raises at construction: `InvalidArgumentError` for topk / num_steps < 1, `UnsupportedFeatureError`
     when a step backend cannot run DECODE or, for topk > 1, does not declare `Feature.SPEC_TOPK_GT1`.
@@ -285,7 +288,7 @@ class MultiStepDraftBackend:
         return batches
 
     # ---- CUDA graphs -----------------------------------------------------------------------------
-    def init_cuda_graph_state(self, max_bs: int) -> None:
+    def init_draft_graph_state(self, max_bs: int) -> None:
         """Persistent buffers for up to `max_bs` requests (max_bs*topk rows per step) and every step
         backend's graph state."""
         if not 1 <= max_bs <= self.ctx.max_batch_size:
@@ -307,16 +310,19 @@ class MultiStepDraftBackend:
             b.init_cuda_graph_state(n, n)
         self._captured.clear()
 
-    def _stage(self, bs: int, req_pool_indices, seq_lens, out_cache_loc) -> torch.Tensor:
+    def _padding(self, n: int, bs: int) -> GraphPadding:
+        """n real requests padded to the captured size bs (each step is a DECODE batch)."""
+        return graph_padding(ForwardMode.DECODE, n, [bs], self.backends[0].get_cuda_graph_seq_len_fill_value())
+
+    def _stage(self, pad: GraphPadding, req_pool_indices, seq_lens, out_cache_loc) -> torch.Tensor:
         """Write the real requests (first n) and padding (rows n..bs-1) into the graph buffers, then the
-        table, tail copies and per-step inputs; returns the host L_b of the padded batch."""
+        table, tail copies and per-step inputs; returns the device L_b of the padded batch."""
         g = self._graph
-        n = req_pool_indices.shape[0]
-        fill = self.backends[0].get_cuda_graph_seq_len_fill_value()
+        n, bs = pad.bs, pad.padded_bs
         g.req_pool_indices[:n] = req_pool_indices
         g.req_pool_indices[n:bs] = 0
         g.seq_lens[:n] = seq_lens
-        g.seq_lens[n:bs] = fill
+        g.seq_lens[n:bs] = pad.prefix_len
         g.out_cache_loc[:n] = self._loc(out_cache_loc, n)
         g.out_cache_loc[n:bs] = 0
         g.valid[:n] = True
@@ -351,27 +357,25 @@ class MultiStepDraftBackend:
 
     def _require_graph(self, bs: int) -> None:
         if self._graph is None:
-            raise InvalidArgumentError("init_cuda_graph_state", "called before capture/replay", None)
+            raise InvalidArgumentError("init_draft_graph_state", "called before capture/replay", None)
         if not 1 <= bs <= self._graph.req_pool_indices.shape[0]:
-            raise InvalidArgumentError("bs", f"1..{self._graph.req_pool_indices.shape[0]} (init_cuda_graph_state's max_bs)", bs)
+            raise InvalidArgumentError("bs", f"1..{self._graph.req_pool_indices.shape[0]} (init_draft_graph_state's max_bs)", bs)
 
-    def init_forward_metadata_capture_cuda_graph(self, bs: int) -> list[ForwardBatch]:
+    def capture_draft_graph_metadata(self, bs: int) -> list[ForwardBatch]:
         """Capture-time metadata for `bs` requests (all padding) of every step; returns the step batches
         (views of the persistent buffers) to run inside the capture."""
         self._require_graph(bs)
         dev = self._graph.rows.device
         empty = torch.empty(0, dtype=torch.int64, device=dev)
-        self._stage(bs, empty, empty.to(torch.int32), empty)
-        fill = self.backends[0].get_cuda_graph_seq_len_fill_value()
-        batches = self._graph_step_batches(bs, torch.full((bs,), fill, dtype=torch.int32))
+        pad = self._padding(0, bs)
+        self._stage(pad, empty, empty.to(torch.int32), empty)
+        batches = self._graph_step_batches(bs, torch.full((bs,), pad.prefix_len, dtype=torch.int32))
         for s, b in enumerate(batches):
-            self.backends[s].init_forward_metadata_capture_cuda_graph(
-                b.batch_size, b.batch_size, b.req_pool_indices, b.seq_lens, None, ForwardMode.DECODE, None
-            )
+            self.backends[s].capture_cuda_graph_metadata(CudaGraphStep.from_batch(b, with_host_lens=False))
         self._captured.add(bs)
         return batches
 
-    def init_forward_metadata_replay_cuda_graph(
+    def replay_draft_graph_metadata(
         self,
         bs: int,
         req_pool_indices: torch.Tensor,
@@ -386,17 +390,15 @@ class MultiStepDraftBackend:
         n = req_pool_indices.shape[0]
         if bs not in self._captured or not 1 <= n <= bs or seq_lens.shape != (n,):
             raise InvalidArgumentError("bs", f"a captured size {sorted(self._captured)} >= the {n} requests given", bs)
-        L = self._stage(bs, req_pool_indices, seq_lens, out_cache_loc)
+        pad = self._padding(n, bs)
+        L = self._stage(pad, req_pool_indices, seq_lens, out_cache_loc)
         if seq_lens_cpu is None:
             host = L.cpu().to(torch.int32)
         else:
-            fill = self.backends[0].get_cuda_graph_seq_len_fill_value()
-            host = torch.cat([seq_lens_cpu.to(torch.int32), torch.full((bs - n,), fill, dtype=torch.int32)])
+            host = torch.cat([seq_lens_cpu.to(torch.int32), torch.full((bs - n,), pad.prefix_len, dtype=torch.int32)])
         batches = self._graph_step_batches(bs, host)
         for s, b in enumerate(batches):
-            self.backends[s].init_forward_metadata_replay_cuda_graph(
-                b.batch_size, b.req_pool_indices, b.seq_lens, b.seq_lens_sum, None, ForwardMode.DECODE, None, b.seq_lens_cpu
-            )
+            self.backends[s].replay_cuda_graph_metadata(CudaGraphStep.from_batch(b))
         return batches
 
 

@@ -10,9 +10,9 @@ from typing import Optional, Sequence
 import torch
 
 from attn_core.backend import AttentionBackend, Output
-from attn_core.batch import ForwardBatch, SpecInfo
+from attn_core.batch import ForwardBatch
 from attn_core.errors import InvalidArgumentError
-from attn_core.forward_mode import ForwardMode
+from attn_core.graph_step import CudaGraphStep
 from attn_core.wrappers.compose import check_same_kv_layout, intersect_capabilities
 from attn_core.wrappers.tbo_split import split_batch, split_spec_info_for_graph
 
@@ -85,50 +85,37 @@ class TboAttnBackend(AttentionBackend):
             raise InvalidArgumentError("bs", "an even CUDA-graph batch size >= 2 (each child gets bs/2)", bs)
         return bs // 2
 
-    def init_forward_metadata_capture_cuda_graph(
-        self,
-        bs: int,
-        num_tokens: int,
-        req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        encoder_lens: Optional[torch.Tensor],
-        forward_mode: ForwardMode,
-        spec_info: Optional[SpecInfo],
-    ) -> None:
-        h = self._half(bs)
-        self.primary.init_forward_metadata_capture_cuda_graph(
-            bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info
-        )
-        specs = split_spec_info_for_graph(spec_info, h, seq_lens[:bs].cpu())  # capture is once per size: a sync is fine
-        for i, (child, rows) in enumerate(zip(self.children, (slice(0, h), slice(h, bs)))):
-            enc = None if encoder_lens is None else encoder_lens[rows]
-            child.init_forward_metadata_capture_cuda_graph(
-                h, num_tokens // 2, req_pool_indices[rows], seq_lens[rows], enc, forward_mode, specs[i]
+    def _child_steps(self, step: CudaGraphStep, host_lens: torch.Tensor) -> list[CudaGraphStep]:
+        """The two halves of a graph batch (`host_lens`: its host seq_lens `[bs]`)."""
+        h = self._half(step.bs)
+        specs = split_spec_info_for_graph(step.spec_info, h, host_lens)
+        return [
+            CudaGraphStep(
+                forward_mode=step.forward_mode,
+                bs=h,
+                num_tokens=None if step.num_tokens is None else step.num_tokens // 2,
+                req_pool_indices=step.req_pool_indices[rows],
+                seq_lens=step.seq_lens[rows],
+                seq_lens_cpu=host_lens[rows],
+                encoder_lens=None if step.encoder_lens is None else step.encoder_lens[rows],
+                spec_info=spec,
             )
+            for rows, spec in zip((slice(0, h), slice(h, step.bs)), specs)
+        ]
 
-    def init_forward_metadata_replay_cuda_graph(
-        self,
-        bs: int,
-        req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        seq_lens_sum: int,
-        encoder_lens: Optional[torch.Tensor],
-        forward_mode: ForwardMode,
-        spec_info: Optional[SpecInfo],
-        seq_lens_cpu: Optional[torch.Tensor],
-    ) -> None:
-        """As the protocol; without `seq_lens_cpu` the children's length sums cost one device sync."""
-        h = self._half(bs)
-        self.primary.init_forward_metadata_replay_cuda_graph(
-            bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens, forward_mode, spec_info, seq_lens_cpu
-        )
-        host = seq_lens[:bs].cpu() if seq_lens_cpu is None else seq_lens_cpu[:bs]
-        specs = split_spec_info_for_graph(spec_info, h, host)
-        for i, (child, rows) in enumerate(zip(self.children, (slice(0, h), slice(h, bs)))):
-            enc = None if encoder_lens is None else encoder_lens[rows]
-            child.init_forward_metadata_replay_cuda_graph(
-                h, req_pool_indices[rows], seq_lens[rows], int(host[rows].sum()), enc, forward_mode, specs[i], host[rows]
-            )
+    def capture_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
+        self._half(step.bs)
+        self.primary.capture_cuda_graph_metadata(step)
+        children = self._child_steps(step, step.seq_lens.cpu())  # capture is once per size: a sync is fine
+        for child, child_step in zip(self.children, children):
+            child.capture_cuda_graph_metadata(child_step)
+
+    def replay_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
+        """As the protocol; without `step.seq_lens_cpu` splitting costs one device sync (the children's host lengths)."""
+        self._half(step.bs)
+        self.primary.replay_cuda_graph_metadata(step)
+        for child, child_step in zip(self.children, self._child_steps(step, step.host_seq_lens())):
+            child.replay_cuda_graph_metadata(child_step)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return self.primary.get_cuda_graph_seq_len_fill_value()

@@ -14,6 +14,7 @@ Extra memory of one call (independent of the cached context length):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -146,7 +147,8 @@ class CpuAmxBackend(AttentionBackend):
         out = torch.empty((T, hq, layer.v_head_dim), dtype=q.dtype)
         lse = torch.empty((T, hq), dtype=torch.float32) if return_lse else None
         if T:
-            self.last_plan = self._ops.attention(
+            self.last_plan = _typed_kernel_checks(
+                self._ops.attention,
                 q.contiguous(),
                 pool.get_key_buffer(layer.layer_id),
                 pool.get_value_buffer(layer.layer_id),
@@ -170,3 +172,30 @@ class CpuAmxBackend(AttentionBackend):
             )
         o = out.view(T, hq * layer.v_head_dim)
         return (o, lse) if return_lse else o
+
+
+_KERNEL_CHECK = re.compile(r"^(?P<argument>[^:]+): (?:expected (?P<expected>.*?)(?:, found (?P<found>.*))?|(?P<other>.*))$")
+
+
+def _typed_kernel_checks(kernel, *args):
+    """Call a C++ kernel; a check it refuses (TORCH_CHECK_VALUE: a ValueError "argument: expected ...")
+    becomes an `InvalidArgumentError` naming the argument.
+
+    Worked example: "req_rows: row out of range" -> InvalidArgumentError("req_rows", "a value the C++
+    kernel accepts", "row out of range"); "q: expected contiguous heads" -> argument "q", expected
+    "contiguous heads"."""
+    try:
+        return kernel(*args)
+    except ValueError as exc:
+        raise kernel_check_error(str(exc)) from exc
+
+
+def kernel_check_error(message: str) -> InvalidArgumentError:
+    """The `InvalidArgumentError` of one C++ check message (its first line; see `_typed_kernel_checks`)."""
+    line = message.strip().splitlines()[0] if message.strip() else "no message"
+    m = _KERNEL_CHECK.match(line)
+    if m is None:
+        return InvalidArgumentError("cpu_amx kernel arguments", "what the C++ kernel checks", line)
+    if m["expected"] is not None:
+        return InvalidArgumentError(m["argument"], m["expected"], m["found"] or "something else")
+    return InvalidArgumentError(m["argument"], "a value the C++ kernel accepts", m["other"])

@@ -35,6 +35,8 @@ from attn_core.backend import AttentionBackend
 from attn_core.batch import ForwardBatch
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
+from attn_core.graph_step import CudaGraphStep
+from attn_core.ops.device_faults import DeviceFaultFlags
 from attn_flashinfer import plans, replan
 from attn_flashinfer.indices import PagedKV, QueryLayout, any_positive, build_paged_kv, query_layout, self_attention_page_size
 from attn_flashinfer.plans import Plan
@@ -105,6 +107,13 @@ class FlashInferBackend(AttentionBackend):
         self._scratch_views: dict[tuple[str, int], tuple] = {}  # (which, bs) -> (buffer, its three views)
         self._graph_buffers: Optional[dict[str, GraphBuffers]] = None
         self._graphs: dict[tuple[int, ForwardMode], tuple[Step, _GraphState]] = {}
+        self.device_faults = DeviceFaultFlags(ctx.device)
+
+    def poll_device_fault(self) -> Optional[str]:
+        """What the index kernel refused since the last poll (an out-of-range request row, length,
+        slot, or device lengths past the host-sized page-id buffer: `attn_core.ops.device_faults`), or
+        None; reads and clears the fault buffer (one device sync)."""
+        return self.device_faults.poll()
 
     # ---- per-step metadata -------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -163,7 +172,11 @@ class FlashInferBackend(AttentionBackend):
             def out(bs: int, pages: int):  # the captured graph's own buffers, which its wrappers read
                 return graph.kv_indices, graph.kv_indptr, graph.last_page_len
 
-        kv = build_paged_kv(x.req_to_token, x.req_pool_indices, lens, lens_host, page_size, kv_start=start, out=out, defer=graph is None)
+        pool = self.ctx.token_to_kv_pool
+        kv = build_paged_kv(
+            x.req_to_token, x.req_pool_indices, lens, lens_host, page_size, kv_start=start, out=out, defer=graph is None,
+            num_slots=None if pool is None else pool.num_slots, fault=self.device_faults.buffer,
+        )  # fmt: skip
         step.kv[which] = kv
         return kv
 
@@ -281,14 +294,15 @@ class FlashInferBackend(AttentionBackend):
             self._graph_buffers["cross"] = GraphBuffers(**index_buffers(self.page_size), qo_indptr=self._graph_buffers["seq"].qo_indptr)
         self._graphs = {}
 
-    def _graph_inputs(self, mode, bs, num_tokens, req_pool_indices, seq_lens, seq_host, encoder_lens, enc_host, spec_info) -> StepInputs:
+    def _graph_inputs(self, step: CudaGraphStep, num_tokens: int, seq_host: torch.Tensor) -> StepInputs:
         pool = self.ctx.req_to_token_pool
         if pool is None:
             raise InvalidArgumentError("ctx.req_to_token_pool", "the request-to-token pool (CUDA graphs read the context's)", None)
-        if encoder_lens is not None and not self.ctx.is_encoder_decoder:  # the graph buffers are sized per page
+        if step.encoder_lens is not None and not self.ctx.is_encoder_decoder:  # the graph buffers are sized per page
             raise InvalidArgumentError("encoder_lens", "None in CUDA graphs unless ctx.is_encoder_decoder", "encoder lengths")
-        args = (mode, bs, num_tokens, req_pool_indices, seq_lens, seq_host, encoder_lens, enc_host, spec_info)
-        return graph_inputs(pool.req_to_token, *args)
+        # FlashInfer plans on the host: encoder lengths must come back (encoder-decoder graphs only)
+        enc_host = None if step.encoder_lens is None else step.encoder_lens.cpu()
+        return graph_inputs(pool.req_to_token, step, num_tokens, seq_host, enc_host)
 
     def _graph_slices(self, bs: int, with_mask: bool) -> dict[str, GraphBuffers]:
         out = {}
@@ -303,43 +317,37 @@ class FlashInferBackend(AttentionBackend):
             )
         return out
 
-    def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info):
+    def capture_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
         if self._graph_buffers is None:
             raise InvalidArgumentError("init_cuda_graph_state", "called before capture", None)
-        mode = ForwardMode.parse(forward_mode)
+        mode, bs = step.forward_mode, step.bs
         if not (mode.is_decode() or mode.is_target_verify()):
             raise UnsupportedFeatureError(self.name, f"CUDA graphs for {mode.name}")
-        if bs < 1 or bs + 1 > self._graph_buffers["seq"].kv_indptr.shape[0] or num_tokens % bs:
-            raise InvalidArgumentError("bs/num_tokens", "1 <= bs <= max_bs and num_tokens a multiple of bs", (bs, num_tokens))
-        seq_host = seq_lens[:bs].cpu()  # capture only: a sync is fine here
-        enc_host = None if encoder_lens is None else encoder_lens[:bs].cpu()
-        inputs = self._graph_inputs(mode, bs, num_tokens, req_pool_indices, seq_lens, seq_host, encoder_lens, enc_host, spec_info)
+        if bs + 1 > self._graph_buffers["seq"].kv_indptr.shape[0]:
+            raise InvalidArgumentError("bs", "<= max_bs of init_cuda_graph_state", bs)
+        seq_host = step.seq_lens.cpu()  # capture only: a sync is fine here
+        inputs = self._graph_inputs(step, step.num_tokens, seq_host)
         graph = _GraphState(self._graph_slices(bs, with_mask=inputs.custom_mask is not None))
-        step = self._new_step(inputs, graph, keys=self.known_keys)
-        self._graphs[(bs, mode)] = (step, graph)
-        self.forward_metadata = step
+        state = self._new_step(inputs, graph, keys=self.known_keys)
+        self._graphs[(bs, mode)] = (state, graph)
+        self.forward_metadata = state
 
-    def init_forward_metadata_replay_cuda_graph(
-        self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens, forward_mode, spec_info, seq_lens_cpu
-    ):
-        mode = ForwardMode.parse(forward_mode)
+    def replay_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
+        mode, bs = step.forward_mode, step.bs
         captured = self._graphs.get((bs, mode))
         if captured is None:
             raise InvalidArgumentError("bs", f"a batch size captured for {mode.name}", bs)
         old, graph = captured
-        seq_host = seq_lens_cpu[:bs] if seq_lens_cpu is not None else seq_lens[:bs].cpu()
-        # FlashInfer plans on the host: encoder lengths must come back (encoder-decoder graphs only)
-        enc_host = None if encoder_lens is None else encoder_lens[:bs].cpu()
-        inputs = self._graph_inputs(
-            mode, bs, old.inputs.num_tokens, req_pool_indices, seq_lens, seq_host, encoder_lens, enc_host, spec_info
-        )
+        if step.num_tokens not in (None, old.inputs.num_tokens):
+            raise InvalidArgumentError("num_tokens", f"{old.inputs.num_tokens} as captured for bs={bs}", step.num_tokens)
+        inputs = self._graph_inputs(step, old.inputs.num_tokens, step.host_seq_lens())
         if (inputs.custom_mask is None) != (old.inputs.custom_mask is None):
             raise InvalidArgumentError(
                 "spec_info.custom_mask", "a mask exactly when the graph was captured with one", inputs.custom_mask is not None
             )
-        step = self._new_step(inputs, graph, keys=list(old.plans))  # the keys the graph holds kernels of
-        self._graphs[(bs, mode)] = (step, graph)
-        self.forward_metadata = step
+        state = self._new_step(inputs, graph, keys=list(old.plans))  # the keys the graph holds kernels of
+        self._graphs[(bs, mode)] = (state, graph)
+        self.forward_metadata = state
 
     # ---- attention ---------------------------------------------------------------------------
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):

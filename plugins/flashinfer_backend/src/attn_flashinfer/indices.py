@@ -88,6 +88,8 @@ def build_paged_kv(
     kv_start: Optional[torch.Tensor] = None,
     out: Optional[DeviceOut] = None,
     defer: bool = False,
+    num_slots: Optional[int] = None,
+    fault: Optional[torch.Tensor] = None,
 ) -> PagedKV:
     """Keys `req_to_token[row, start : start + kv_len]` of each request as a `PagedKV`.
 
@@ -96,7 +98,8 @@ def build_paged_kv(
     page_size; None: 0); out: the device buffers to write (a reused scratch buffer, CUDA-graph buffers);
     None: a new page-id tensor and no device indptr / last_page_len. `defer`: leave the device writes
     to `write_device()` (an eager step launches them after its plans, which may add the step's query
-    offsets to the launch).
+    offsets to the launch). `num_slots` / `fault`: the KV pool's slot count every slot is checked
+    against and the fault buffer that records refused indices (`attn_core.ops.kv_indices.build_kv_indices`).
     """
     kv = paged_kv_host(kv_lens_host, page_size)
     total = kv.num_pages
@@ -110,6 +113,7 @@ def build_paged_kv(
         build_kv_indices(
             req_to_token, req_pool_indices, kv_lens, total, page_size=page_size, kv_start=kv_start, out=ids,
             indptr_out=kv.indptr_dev, last_page_len_out=kv.last_page_len_dev, q_lens=q_lens, qo_indptr_out=qo_indptr_out,
+            num_slots=num_slots, fault=fault,
         )  # fmt: skip
 
     kv.launch = launch

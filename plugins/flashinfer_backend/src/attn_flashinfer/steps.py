@@ -15,6 +15,7 @@ import torch
 from attn_core.batch import ForwardBatch, SpecInfo
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
+from attn_core.graph_step import CudaGraphStep
 from attn_flashinfer.spec import CAPABILITIES
 
 
@@ -123,24 +124,25 @@ def eager_inputs(b: ForwardBatch, r2t: torch.Tensor) -> StepInputs:
     )
 
 
-def graph_inputs(r2t, mode, bs, num_tokens, req_pool_indices, seq_lens, seq_host, encoder_lens, enc_host, spec_info) -> StepInputs:
+def graph_inputs(r2t: torch.Tensor, step: CudaGraphStep, num_tokens: int, seq_host: torch.Tensor, enc_host) -> StepInputs:
+    """The inputs of a graph batch: `step` with `num_tokens` new tokens (the captured count at replay)
+    and host copies of its seq_lens / encoder_lens (`[step.bs]`)."""
+    mode, bs = step.forward_mode, step.bs
     per_req = num_tokens // bs
-    if mode.is_decode() and per_req != 1:
-        raise InvalidArgumentError("num_tokens", f"bs ({bs}) for DECODE", num_tokens)
     q_lens = None if mode.is_decode() else torch.full((bs,), per_req, dtype=torch.int32)
     custom_mask = None
-    if mode.is_target_verify() and spec_info is not None and spec_info.custom_mask is not None:
-        custom_mask = verify_mask(spec_info, q_lens, seq_host, pad=True)
+    if mode.is_target_verify() and step.spec_info is not None and step.spec_info.custom_mask is not None:
+        custom_mask = verify_mask(step.spec_info, q_lens, seq_host, pad=True)
     return StepInputs(
         mode=mode,
         bs=bs,
         num_tokens=num_tokens,
         req_to_token=r2t,
-        req_pool_indices=req_pool_indices[:bs],
-        seq_lens=seq_lens[:bs],
+        req_pool_indices=step.req_pool_indices,
+        seq_lens=step.seq_lens,
         seq_lens_host=seq_host.to(torch.int32),
         q_lens_host=q_lens,
-        encoder_lens=None if encoder_lens is None else encoder_lens[:bs],
+        encoder_lens=step.encoder_lens,
         encoder_lens_host=enc_host,
         custom_mask=custom_mask,
     )

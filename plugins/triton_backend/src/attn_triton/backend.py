@@ -14,11 +14,12 @@ from typing import Optional
 import torch
 
 from attn_core.backend import AttentionBackend
-from attn_core.batch import ForwardBatch, SpecInfo
+from attn_core.batch import ForwardBatch
 from attn_core.context import BackendContext, dtype_name
 from attn_core.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedFeatureError
-from attn_core.forward_mode import ForwardMode
+from attn_core.graph_step import CudaGraphStep
 from attn_core.layer import AttentionLayer
+from attn_core.ops.device_faults import DeviceFaultFlags
 from attn_core.probes import triton_interpreter_enabled
 from attn_triton.config import SplitPolicy, decode_config, extend_config
 from attn_triton.graph import GraphState
@@ -67,6 +68,7 @@ class TritonAttnBackend(AttentionBackend):
         self.graph: Optional[GraphState] = None
         self._splits: dict[int, Splits] = {}
         self._scratch = SplitScratch(ctx.num_q_heads, ctx.v_head_dim, ctx.device)
+        self.device_faults = DeviceFaultFlags(ctx.device)
 
     # ---- metadata ----------------------------------------------------------------------------
     def decode_splits(self, bs: int) -> Splits:
@@ -92,27 +94,28 @@ class TritonAttnBackend(AttentionBackend):
             self.forward_metadata = self._extend_metadata(b, r2t)
 
     def _decode_metadata(self, b: ForwardBatch, r2t: torch.Tensor) -> DecodeMetadata:
-        bs, dev = b.batch_size, self.device
+        bs, dev, fault = b.batch_size, self.device, self.device_faults.buffer
         splits = self.decode_splits(bs)
-        kv = new_kv(bs, b.seq_lens_sum, dev, with_splits=True)
-        fill_kv(kv, r2t, b.req_pool_indices, b.seq_lens, kv_start=b.encoder_lens, splits=splits)
+        kv = new_kv(bs, b.seq_lens_sum, dev)
+        fill_kv(kv, r2t, b.req_pool_indices, b.seq_lens, fault, kv_start=b.encoder_lens)
         cross = None
         if b.encoder_lens is not None:
-            cross = new_kv(bs, int(b.encoder_lens_cpu.sum()), dev, with_splits=True)
-            fill_kv(cross, r2t, b.req_pool_indices, b.encoder_lens, splits=splits)
-        return DecodeMetadata(kv, cross, splits.max_splits, *self._scratch.views(bs, splits.max_splits))
+            cross = new_kv(bs, int(b.encoder_lens_cpu.sum()), dev)
+            fill_kv(cross, r2t, b.req_pool_indices, b.encoder_lens, fault)
+        return DecodeMetadata(kv, cross, splits, *self._scratch.views(bs, splits.max_splits))
 
     def _extend_metadata(self, b: ForwardBatch, r2t: torch.Tensor) -> ExtendMetadata:
         bs, dev = b.batch_size, self.device
         mask = _custom_mask(b)
         qo_indptr = torch.empty(bs + 1, dtype=torch.int32, device=dev)
         mask_indptr = torch.empty(bs + 1, dtype=torch.int64, device=dev) if mask is not None else None
-        kv = new_kv(bs, b.seq_lens_sum, dev, with_splits=False)
+        kv = new_kv(bs, b.seq_lens_sum, dev)
         fill_kv(
             kv,
             r2t,
             b.req_pool_indices,
             b.seq_lens,
+            self.device_faults.buffer,
             kv_start=b.encoder_lens,
             q_lens=b.extend_seq_lens,
             qo_indptr=qo_indptr,
@@ -120,8 +123,8 @@ class TritonAttnBackend(AttentionBackend):
         )
         cross = None
         if b.encoder_lens is not None:
-            cross = new_kv(bs, int(b.encoder_lens_cpu.sum()), dev, with_splits=False)
-            fill_kv(cross, r2t, b.req_pool_indices, b.encoder_lens)
+            cross = new_kv(bs, int(b.encoder_lens_cpu.sum()), dev)
+            fill_kv(cross, r2t, b.req_pool_indices, b.encoder_lens, self.device_faults.buffer)
         max_q = int(b.extend_seq_lens_cpu.max()) if bs else 0
         return ExtendMetadata(qo_indptr, max_q, kv, cross, mask, mask_indptr)
 
@@ -136,34 +139,18 @@ class TritonAttnBackend(AttentionBackend):
             raise InvalidArgumentError("init_cuda_graph_state", "called before capture/replay", None)
         return self.graph
 
-    def init_forward_metadata_capture_cuda_graph(
-        self,
-        bs: int,
-        num_tokens: int,
-        req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        encoder_lens: Optional[torch.Tensor],
-        forward_mode: ForwardMode,
-        spec_info: Optional[SpecInfo],
-    ) -> None:
-        self.forward_metadata = self._graph_state().capture(
-            bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info
-        )
+    def capture_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
+        self.forward_metadata = self._graph_state().capture(step)
 
-    def init_forward_metadata_replay_cuda_graph(
-        self,
-        bs: int,
-        req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        seq_lens_sum: int,
-        encoder_lens: Optional[torch.Tensor],
-        forward_mode: ForwardMode,
-        spec_info: Optional[SpecInfo],
-        seq_lens_cpu: Optional[torch.Tensor],
-    ) -> None:
-        self.forward_metadata = self._graph_state().replay(
-            bs, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info, seq_lens_cpu
-        )
+    def replay_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
+        self.forward_metadata = self._graph_state().replay(step)
+
+    def poll_device_fault(self) -> Optional[str]:
+        """What the kernels refused since the last poll (an out-of-range request row, slot, length,
+        offset...: see `attn_core.ops.device_faults`), or None; reads and clears the fault buffer (one
+        device sync). The index kernel runs in `init_forward_metadata`, the attention kernels in the
+        layers: a fault of the attention kernels shows at the poll after the step's forward."""
+        return self.device_faults.poll()
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """Padding rows of a graph batch attend one key (their row's first slot): every kernel stays in
@@ -193,10 +180,11 @@ class TritonAttnBackend(AttentionBackend):
             o,
             keys.indptr,
             keys.indices,
-            keys.num_splits,
-            meta.max_splits,
+            meta.splits.max_splits,
+            meta.splits.min_split_len,
             meta.part_o,
             meta.part_lse,
+            self.device_faults.buffer,
             sm_scale=layer.scaling,
             config=self.decode_cfg,
             logit_cap=layer.logit_cap,
@@ -228,6 +216,7 @@ class TritonAttnBackend(AttentionBackend):
             keys.indptr,
             keys.indices,
             meta.max_q_len,
+            self.device_faults.buffer,
             sm_scale=layer.scaling,
             config=self.extend_cfg,
             causal=not cross,

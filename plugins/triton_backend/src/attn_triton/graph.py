@@ -3,7 +3,7 @@ replay refreshes in place (DECODE and TARGET_VERIFY).
 
 Per captured (bs, mode) the metadata is a set of views of the buffers; replay reruns the index kernel
 into those views (and copies the verify mask), so the graph's pointers and grid stay valid. Decode
-split counts are recomputed on the device at every replay; only `max_splits` (the grid) is fixed per bs.
+split counts follow each replay's lengths on the device; only `max_splits` (the grid) is fixed per bs.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
-from attn_core.batch import SpecInfo
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
+from attn_core.graph_step import CudaGraphStep
 from attn_triton.metadata import DecodeMetadata, ExtendMetadata, KVIndex, SplitScratch, fill_kv
 
 if TYPE_CHECKING:
@@ -37,8 +37,8 @@ class GraphState:
         def i32(n: int) -> torch.Tensor:
             return torch.zeros(n, dtype=torch.int32, device=dev)
 
-        self.kv = KVIndex(i32(max_bs + 1), i32(max_bs * width), i32(max_bs))
-        self.cross = KVIndex(i32(max_bs + 1), i32(max_bs * width), i32(max_bs)) if ctx.is_encoder_decoder else None
+        self.kv = KVIndex(i32(max_bs + 1), i32(max_bs * width))
+        self.cross = KVIndex(i32(max_bs + 1), i32(max_bs * width)) if ctx.is_encoder_decoder else None
         self.qo_indptr = i32(max_bs + 1)
         self.q_lens = i32(max_bs)
         self.mask_indptr = torch.zeros(max_bs + 1, dtype=torch.int64, device=dev)
@@ -47,32 +47,32 @@ class GraphState:
         self.scratch.reserve(max(bs * backend.decode_splits(bs).max_splits for bs in range(1, max_bs + 1)))
         self.captured: dict[tuple[int, ForwardMode], Metadata] = {}
 
-    def _views(self, kv: KVIndex, bs: int, with_splits: bool) -> KVIndex:
-        return KVIndex(kv.indptr[: bs + 1], kv.indices, kv.num_splits[:bs] if with_splits else None)
+    def _views(self, kv: KVIndex, bs: int) -> KVIndex:
+        return KVIndex(kv.indptr[: bs + 1], kv.indices)
 
-    def capture(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, mode: ForwardMode, spec_info: Optional[SpecInfo]):
-        if not 1 <= bs <= self.max_bs or not bs <= num_tokens <= self.max_num_tokens:
+    def capture(self, step: CudaGraphStep) -> Metadata:
+        bs, num_tokens, mode = step.bs, step.num_tokens, step.forward_mode
+        if not (mode.is_decode() or mode.is_target_verify()):
+            raise UnsupportedFeatureError("triton", f"CUDA graphs for {mode.name} (DECODE and TARGET_VERIFY only)")
+        if not bs <= self.max_bs or not num_tokens <= self.max_num_tokens:
             raise InvalidArgumentError(
-                "bs/num_tokens", f"1 <= bs <= {self.max_bs}, bs <= num_tokens <= {self.max_num_tokens}", (bs, num_tokens)
+                "bs/num_tokens", f"bs <= {self.max_bs} and num_tokens <= {self.max_num_tokens} (init_cuda_graph_state)", (bs, num_tokens)
             )
-        if encoder_lens is not None and self.cross is None:
+        if step.encoder_lens is not None and self.cross is None:
             raise InvalidArgumentError("encoder_lens", "None (the context is not encoder-decoder)", "a tensor")
         ctx = self.backend.ctx
-        has_cross = encoder_lens is not None
+        has_cross = step.encoder_lens is not None
         if mode.is_decode():
-            if num_tokens != bs:
-                raise InvalidArgumentError("num_tokens", f"{bs} (one token per request) for DECODE", num_tokens)
-            ms = self.backend.decode_splits(bs).max_splits
+            splits = self.backend.decode_splits(bs)
             meta: Metadata = DecodeMetadata(
-                self._views(self.kv, bs, True),
-                self._views(self.cross, bs, True) if has_cross else None,
-                ms,
-                *self.scratch.views(bs, ms),
+                self._views(self.kv, bs),
+                self._views(self.cross, bs) if has_cross else None,
+                splits,
+                *self.scratch.views(bs, splits.max_splits),
             )
-        elif mode.is_target_verify():
-            if num_tokens % bs:
-                raise InvalidArgumentError("num_tokens", f"a multiple of bs={bs} for TARGET_VERIFY", num_tokens)
-            per_req = num_tokens // bs
+        else:
+            per_req = step.tokens_per_request
+            spec_info = step.spec_info
             use_mask = spec_info is not None and spec_info.custom_mask is not None
             if use_mask and self.mask is None:
                 self.mask = torch.zeros(self.max_num_tokens * ctx.max_context_len, dtype=torch.uint8, device=self.backend.device)
@@ -80,46 +80,46 @@ class GraphState:
             meta = ExtendMetadata(
                 self.qo_indptr[: bs + 1],
                 per_req,
-                self._views(self.kv, bs, False),
-                self._views(self.cross, bs, False) if has_cross else None,
+                self._views(self.kv, bs),
+                self._views(self.cross, bs) if has_cross else None,
                 self.mask if use_mask else None,
                 self.mask_indptr[: bs + 1] if use_mask else None,
             )
-        else:
-            raise UnsupportedFeatureError("triton", f"CUDA graphs for {mode.name} (DECODE and TARGET_VERIFY only)")
         self.captured[(bs, mode)] = meta
-        self._refresh(meta, bs, req_pool_indices, seq_lens, encoder_lens, spec_info)
+        self._refresh(meta, step)
         return meta
 
-    def replay(self, bs, req_pool_indices, seq_lens, encoder_lens, mode: ForwardMode, spec_info: Optional[SpecInfo], seq_lens_cpu=None):
-        meta = self.captured.get((bs, mode))
+    def replay(self, step: CudaGraphStep) -> Metadata:
+        meta = self.captured.get((step.bs, step.forward_mode))
         if meta is None:
-            raise InvalidArgumentError("bs", f"a batch size captured for {mode.name}", bs)
-        self._refresh(meta, bs, req_pool_indices, seq_lens, encoder_lens, spec_info, seq_lens_cpu)
+            raise InvalidArgumentError("bs", f"a batch size captured for {step.forward_mode.name}", step.bs)
+        self._refresh(meta, step)
         return meta
 
-    def _refresh(self, meta: Metadata, bs, req_pool_indices, seq_lens, encoder_lens, spec_info, seq_lens_cpu=None) -> None:
-        """Rewrite the captured views for the batch of this replay (inputs padded to `bs` rows)."""
+    def _refresh(self, meta: Metadata, step: CudaGraphStep) -> None:
+        """Rewrite the captured views for the graph batch of this replay (already padded to its bs)."""
         b = self.backend
-        r2t = b.req_to_token()
-        rpi, lens = req_pool_indices[:bs], _int32(seq_lens[:bs])
-        enc = None if encoder_lens is None else _int32(encoder_lens[:bs])
+        bs = step.bs
+        r2t, fault = b.req_to_token(), b.device_faults.buffer
+        rpi, lens = step.req_pool_indices, _int32(step.seq_lens)
+        enc = None if step.encoder_lens is None else _int32(step.encoder_lens)
         if isinstance(meta, DecodeMetadata):
-            splits = b.decode_splits(bs)
-            fill_kv(meta.kv, r2t, rpi, lens, kv_start=enc, splits=splits)
+            fill_kv(meta.kv, r2t, rpi, lens, fault, kv_start=enc)
             if meta.cross is not None:
-                fill_kv(meta.cross, r2t, rpi, enc, splits=splits)
+                fill_kv(meta.cross, r2t, rpi, enc, fault)
             return
-        fill_kv(meta.kv, r2t, rpi, lens, kv_start=enc, q_lens=self.q_lens[:bs], qo_indptr=meta.qo_indptr, mask_indptr=meta.mask_indptr)
+        fill_kv(
+            meta.kv, r2t, rpi, lens, fault, kv_start=enc, q_lens=self.q_lens[:bs], qo_indptr=meta.qo_indptr, mask_indptr=meta.mask_indptr
+        )
         if meta.cross is not None:
-            fill_kv(meta.cross, r2t, rpi, enc)
+            fill_kv(meta.cross, r2t, rpi, enc, fault)
         if meta.custom_mask is not None:
-            mask = spec_info.custom_mask if spec_info is not None else None
+            mask = step.spec_info.custom_mask if step.spec_info is not None else None
             if mask is None or mask.dtype != torch.bool or mask.numel() > meta.custom_mask.numel():
                 raise InvalidArgumentError("spec_info.custom_mask", f"a bool mask of at most {meta.custom_mask.numel()} entries", mask)
             n = mask.numel()
-            if seq_lens_cpu is not None:  # copy only the entries this batch's layout reaches
-                n = min(n, meta.max_q_len * int(seq_lens_cpu[:bs].sum()))
+            if step.seq_lens_cpu is not None:  # copy only the entries this batch's layout reaches
+                n = min(n, meta.max_q_len * step.seq_lens_sum)
             meta.custom_mask[:n].copy_(mask.view(torch.uint8)[:n])
 
 

@@ -2,6 +2,8 @@
 
 Every index tensor is produced on the device by attn-core's `kv_indices_triton` (one launch per key
 set); the host reads only the batch's `*_cpu` fields and `seq_lens_sum` to size allocations and grids.
+The kernel never writes past a buffer sized from those host numbers, whatever the device lengths say,
+and records what it refused in the backend's fault buffer (`attn_core.ops.device_faults`).
 The same fill functions serve eager steps (fresh tensors) and CUDA-graph replays (views of persistent
 buffers, see `graph.py`).
 """
@@ -18,23 +20,23 @@ from attn_core.ops.kv_indices_triton import kv_indices_triton
 
 @dataclass
 class KVIndex:
-    """CSR over each request's keys: indptr `[bs+1]` int32, indices int32 slots, and (decode only)
-    the per-request split count `[bs]` int32."""
+    """CSR over each request's keys: indptr `[bs+1]` int32, indices int32 slots (its length is the
+    capacity the index kernel respects)."""
 
     indptr: torch.Tensor
     indices: torch.Tensor
-    num_splits: Optional[torch.Tensor] = None
 
 
 @dataclass
 class DecodeMetadata:
-    """DECODE step: keys of self attention (and of cross attention), split scratch shared by layers.
+    """DECODE step: keys of self attention (and of cross attention), the split parameters and the split
+    scratch shared by layers.
 
     part_o `[bs, Hq, max_splits, Dv]` and part_lse `[bs, Hq, max_splits]` float32 hold stage-1 results."""
 
     kv: KVIndex
     cross: Optional[KVIndex]
-    max_splits: int
+    splits: Splits
     part_o: torch.Tensor
     part_lse: torch.Tensor
 
@@ -54,7 +56,8 @@ class ExtendMetadata:
 
 @dataclass(frozen=True)
 class Splits:
-    """Decode split parameters handed to the index kernel."""
+    """Decode split parameters handed to the decode kernel: request r takes
+    clamp(ceil(kv_len_r / min_split_len), 1, max_splits) splits (computed on the device)."""
 
     max_splits: int
     min_split_len: int
@@ -65,14 +68,15 @@ def fill_kv(
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
     kv_lens: torch.Tensor,
+    fault: torch.Tensor,
     *,
     kv_start: Optional[torch.Tensor] = None,
-    splits: Optional[Splits] = None,
     q_lens: Optional[torch.Tensor] = None,
     qo_indptr: Optional[torch.Tensor] = None,
     mask_indptr: Optional[torch.Tensor] = None,
 ) -> None:
-    """Write `kv` (and the optional q / mask offsets) for the batch in one kernel launch."""
+    """Write `kv` (and the optional q / mask offsets) for the batch in one kernel launch; out-of-range
+    rows, lengths and ids past `kv.indices` are refused and recorded in `fault`."""
     kv_indices_triton(
         req_to_token,
         req_pool_indices,
@@ -83,22 +87,15 @@ def fill_kv(
         q_lens=q_lens,
         qo_indptr=qo_indptr,
         mask_indptr=mask_indptr,
-        num_splits=kv.num_splits,
-        max_splits=splits.max_splits if splits else 1,
-        min_split_len=splits.min_split_len if splits else 1,
+        fault=fault,
     )
 
 
-def new_kv(bs: int, total: int, device: torch.device, with_splits: bool) -> KVIndex:
+def new_kv(bs: int, total: int, device: torch.device) -> KVIndex:
     """Fresh (uninitialized) index tensors for `bs` requests and `total` keys: one allocation, sliced
     (the step's host time is mostly fixed per-call costs)."""
-    n_splits = bs if with_splits else 0
-    buf = torch.empty(bs + 1 + n_splits + max(total, 1), dtype=torch.int32, device=device)
-    return KVIndex(
-        indptr=buf[: bs + 1],
-        indices=buf[bs + 1 + n_splits :],
-        num_splits=buf[bs + 1 : bs + 1 + n_splits] if with_splits else None,
-    )
+    buf = torch.empty(bs + 1 + max(total, 1), dtype=torch.int32, device=device)
+    return KVIndex(indptr=buf[: bs + 1], indices=buf[bs + 1 :])
 
 
 class SplitScratch:

@@ -19,6 +19,7 @@ from attn_core.backends.torch_native.spec import CAPABILITIES
 from attn_core.batch import ForwardBatch, SpecInfo
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
+from attn_core.graph_step import CudaGraphStep
 
 
 @dataclass
@@ -137,41 +138,42 @@ class TorchNativeBackend(AttentionBackend):
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         self._graph_metadata = {}
 
-    def _graph_build(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, mode, spec_info):
+    def _graph_build(self, step: CudaGraphStep, num_tokens: int) -> _Metadata:
         if self._graph_metadata is None:
             raise InvalidArgumentError("init_cuda_graph_state", "called before capture/replay", None)
+        mode, bs = step.forward_mode, step.bs
         if not (mode.is_decode() or mode.is_target_verify()):
             raise UnsupportedFeatureError(self.name, f"CUDA graphs for {mode.name}")
         per_req = num_tokens // bs
-        dev = seq_lens.device
+        dev = step.seq_lens.device
         width = self.ctx.max_context_len
         return _build_metadata(
             req_to_token=self.req_to_token(),
-            req_pool_indices=req_pool_indices[:bs],
-            seq_lens=seq_lens[:bs],
+            req_pool_indices=step.req_pool_indices,
+            seq_lens=step.seq_lens,
             q_lens=torch.full((bs,), per_req, dtype=torch.int32, device=dev),
             q_start=torch.arange(0, num_tokens, per_req, dtype=torch.int32, device=dev),
             num_tokens=num_tokens,
             width=width,
             q_width=per_req,
-            encoder_lens=None if encoder_lens is None else encoder_lens[:bs],
+            encoder_lens=step.encoder_lens,
             encoder_width=width,
-            spec_info=spec_info,
-            use_custom_mask=_has_custom_mask(mode, spec_info),
+            spec_info=step.spec_info,
+            use_custom_mask=_has_custom_mask(mode, step.spec_info),
         )
 
-    def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info):
-        meta = self._graph_build(bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info)
-        self._graph_metadata[(bs, forward_mode)] = meta
+    def capture_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
+        meta = self._graph_build(step, step.num_tokens)
+        self._graph_metadata[(step.bs, step.forward_mode)] = meta
         self.forward_metadata = meta
 
-    def init_forward_metadata_replay_cuda_graph(
-        self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens, forward_mode, spec_info, seq_lens_cpu
-    ):
-        meta = self._graph_metadata.get((bs, forward_mode)) if self._graph_metadata is not None else None
+    def replay_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
+        meta = self._graph_metadata.get((step.bs, step.forward_mode)) if self._graph_metadata is not None else None
         if meta is None:
-            raise InvalidArgumentError("bs", f"a batch size captured for {forward_mode.name}", bs)
-        fresh = self._graph_build(bs, meta.num_tokens, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info)
+            raise InvalidArgumentError("bs", f"a batch size captured for {step.forward_mode.name}", step.bs)
+        if step.num_tokens not in (None, meta.num_tokens):
+            raise InvalidArgumentError("num_tokens", f"{meta.num_tokens} as captured for bs={step.bs}", step.num_tokens)
+        fresh = self._graph_build(step, meta.num_tokens)
         _copy_into(meta, fresh)
         self.forward_metadata = meta
 

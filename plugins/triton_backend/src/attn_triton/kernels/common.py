@@ -1,4 +1,5 @@
-"""Pieces shared by the decode and extend kernels: score transform, online-softmax step, finalize.
+"""Pieces shared by the decode and extend kernels: score transform, online-softmax step, finalize,
+the bounds of CSR offsets and the fault-buffer entries (`attn_core.ops.device_faults`).
 
 All softmax arithmetic runs in the base-2 domain (`exp2`/`log2`, logits pre-multiplied by log2(e));
 LSEs leave the kernels in natural log. Host-side scale factors come from `score_scales`.
@@ -12,12 +13,18 @@ import triton
 import triton.language as tl
 
 from attn_core.errors import InvalidArgumentError
+from attn_core.ops.device_faults import DeviceFaultKind
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 #: the same constants for use inside kernels (Triton only reads constexpr globals)
 LOG2E_K = tl.constexpr(LOG2E)
 LN2_K = tl.constexpr(LN2)
+#: fault-buffer entries the attention kernels record
+FAULT_SLOT = tl.constexpr(int(DeviceFaultKind.SLOT))
+FAULT_KEY_OFFSETS = tl.constexpr(int(DeviceFaultKind.KEY_OFFSETS))
+FAULT_QUERY_ROWS = tl.constexpr(int(DeviceFaultKind.QUERY_ROWS))
+FAULT_MASK = tl.constexpr(int(DeviceFaultKind.MASK))
 
 
 def score_scales(sm_scale: float, logit_cap: float, k_scale: float = 1.0) -> tuple[float, float]:
@@ -75,3 +82,14 @@ def finalize(m_i, l_i, acc):
     inv = tl.where(ok, 1.0 / tl.where(ok, l_i, 1.0), 0.0)
     lse2 = tl.where(ok, m_i + tl.log2(tl.where(ok, l_i, 1.0)), float("-inf"))
     return acc * inv[:, None], lse2
+
+
+@triton.jit
+def offset_range(INDPTR, r, size):
+    """(begin, length, clamped) of CSR entry r, its offsets INDPTR[r], INDPTR[r+1] clamped so that
+    0 <= begin <= end <= size; `clamped` says whether either offset was out of range."""
+    beg_in = tl.load(INDPTR + r)
+    end_in = tl.load(INDPTR + r + 1)
+    beg = tl.minimum(tl.maximum(beg_in, 0), size)
+    end = tl.minimum(tl.maximum(end_in, beg), size)
+    return beg, end - beg, (beg != beg_in) | (end != end_in)

@@ -1,15 +1,21 @@
 """Split-KV decode ("flash decoding") over a paged KV pool addressed by CSR kv_indptr / kv_indices.
 
 Stage 1 (grid `[bs, kv_heads * head_blocks, max_splits]`): program (r, hb, s) takes request r's keys
-in split s of `num_splits[r]` (a per-request count chosen on the device, so nothing here syncs with the
-host), and attends with the block of q heads that share one KV head (GQA/MQA: every K/V tile is read
-once for the whole group). It writes the split's normalized partial output and base-2 LSE.
+in split s of its `split_count(kv_len)` splits (a function of the request's own length computed on the
+device, so nothing here syncs with the host), and attends with the block of q heads that share one KV
+head (GQA/MQA: every K/V tile is read once for the whole group). It writes the split's normalized
+partial output and base-2 LSE.
 Stage 2 (grid `[bs, num_q_heads]`) merges the splits by their LSEs, adds the sink, applies v_scale,
 and writes the output (and the natural-log LSE).
 
 Splits of request r cover [lo, kv_len) in equal BLOCK_N-aligned chunks, where lo = kv_len - window for
-sliding-window layers; the split layout depends only on the request's own length and `num_splits[r]`,
-and stage 2 sums splits in a fixed order, which makes deterministic mode batch-invariant.
+sliding-window layers; the split layout depends only on the request's own length, and stage 2 sums
+splits in a fixed order, which makes deterministic mode batch-invariant.
+
+Bounds: kv_indptr entries are clamped into [0, len(kv_indices)] (KEY_OFFSETS) and a slot outside
+[0, slots of k_buf) is not read (the key is masked out; SLOT);
+both are recorded in the fault buffer (`attn_core.ops.device_faults`), so no index read from the
+metadata can make the kernel read outside its buffers.
 """
 
 from __future__ import annotations
@@ -21,7 +27,18 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_triton.kernels.common import LN2_K, LOG2E_K, finalize, scale_scores, score_scales, softmax_step
+from attn_core.errors import InvalidArgumentError
+from attn_triton.kernels.common import (
+    FAULT_KEY_OFFSETS,
+    FAULT_SLOT,
+    LN2_K,
+    LOG2E_K,
+    finalize,
+    offset_range,
+    scale_scores,
+    score_scales,
+    softmax_step,
+)
 
 
 @dataclass(frozen=True)
@@ -35,13 +52,23 @@ class DecodeConfig:
 
 
 @triton.jit
+def split_count(kv_len, min_split_len, max_splits):
+    """Splits of a request with kv_len keys: clamp(ceil(kv_len / min_split_len), 1, max_splits)."""
+    return tl.minimum(tl.maximum(tl.cdiv(kv_len, min_split_len), 1), max_splits)
+
+
+@triton.jit
 def _decode_split_kernel(
     Q,
     K,
     V,
     KV_INDPTR,
     KV_INDICES,
-    NUM_SPLITS,
+    num_indices,
+    num_slots,
+    FAULT,
+    min_split_len,
+    max_splits,
     PART_O,
     PART_LSE,
     qk_scale,
@@ -77,7 +104,10 @@ def _decode_split_kernel(
     r = tl.program_id(0)
     hb = tl.program_id(1)
     s = tl.program_id(2)
-    n_split = tl.load(NUM_SPLITS + r)
+    kv_beg, kv_len, clamped = offset_range(KV_INDPTR, r, num_indices)
+    if (hb == 0) & (s == 0):
+        tl.store(FAULT + FAULT_KEY_OFFSETS, 1, mask=clamped)
+    n_split = split_count(kv_len, min_split_len, max_splits)
     if s >= n_split:
         return
     kv_head = hb // HEAD_BLOCKS
@@ -85,8 +115,6 @@ def _decode_split_kernel(
     heads = kv_head * GROUP + in_group
     h_ok = (in_group < GROUP) & (heads < num_q_heads)
 
-    kv_beg = tl.load(KV_INDPTR + r)
-    kv_len = tl.load(KV_INDPTR + r + 1) - kv_beg
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(kv_len - window, 0)
@@ -108,10 +136,14 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    bad_slots = offs_n < 0
     for start in range(s_lo, s_hi, BLOCK_N):
         n = start + offs_n
         n_ok = n < s_hi
         slot = tl.load(KV_INDICES + kv_beg + n, mask=n_ok, other=0).to(tl.int64)
+        slot_ok = (slot >= 0) & (slot < num_slots)
+        bad_slots |= n_ok & ~slot_ok
+        n_ok = n_ok & slot_ok
         k = tl.load(k_head + slot[:, None] * stride_ks + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
         qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
         if BLOCK_DPE > 0:
@@ -133,6 +165,7 @@ def _decode_split_kernel(
             v = tl.load(v_head + slot[:, None] * stride_vs + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
         acc += tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
 
+    tl.store(FAULT + FAULT_SLOT + offs_n * 0, 1, mask=bad_slots)  # one address: a flag, no reduction
     out, lse2 = finalize(m_i, l_i, acc)
     po = PART_O + r.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + s * stride_ps + offs_dv[None, :]
     tl.store(po, out, mask=h_ok[:, None] & (offs_dv[None, :] < DV))
@@ -143,7 +176,10 @@ def _decode_split_kernel(
 def _decode_merge_kernel(
     PART_O,
     PART_LSE,
-    NUM_SPLITS,
+    KV_INDPTR,
+    num_indices,
+    min_split_len,
+    max_splits,
     SINKS,
     OUT,
     LSE,
@@ -164,7 +200,8 @@ def _decode_merge_kernel(
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
-    n_split = tl.load(NUM_SPLITS + r)
+    _, kv_len, _ = offset_range(KV_INDPTR, r, num_indices)
+    n_split = split_count(kv_len, min_split_len, max_splits)
     offs_s = tl.arange(0, SPLITS_BLOCK)
     offs_dv = tl.arange(0, BLOCK_DV)
     s_ok = offs_s < n_split
@@ -210,10 +247,11 @@ def decode_attention(
     o: torch.Tensor,
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
-    num_splits: torch.Tensor,
     max_splits: int,
+    min_split_len: int,
     part_o: torch.Tensor,
     part_lse: torch.Tensor,
+    fault: torch.Tensor,
     *,
     sm_scale: float,
     config: DecodeConfig,
@@ -230,13 +268,15 @@ def decode_attention(
 
     q `[bs, Hq, D]`; k_buf `[slots, Hkv, D]`; v_buf `[slots, Hkv, Dv]` (ignored with `share_kv`, where V
     is the first Dv channels of K: absorbed MLA); o `[bs, Hq, Dv]`; kv_indptr `[bs+1]` int32,
-    kv_indices int32 slots; num_splits `[bs]` int32 in 1..max_splits; part_o `[bs, Hq, max_splits, Dv]`
-    and part_lse `[bs, Hq, max_splits]` float32 scratch; lse_out `[bs, Hq]` float32 natural log.
+    kv_indices int32 slots; request r takes clamp(ceil(kv_len / min_split_len), 1, max_splits) splits;
+    part_o `[bs, Hq, max_splits, Dv]` and part_lse `[bs, Hq, max_splits]` float32 scratch; fault: the
+    int32 fault buffer (`attn_core.ops.device_faults`); lse_out `[bs, Hq]` float32 natural log.
     The last `d_rope` channels of q/k form a second dot product (MLA's rope part).
     """
     bs, hq, d_total = q.shape
     if bs == 0:
         return
+    _check_shapes(bs, max_splits, kv_indptr, part_o, part_lse, o, lse_out)
     hkv = k_buf.shape[1]
     group = hq // hkv
     d = d_total - d_rope
@@ -252,7 +292,11 @@ def decode_attention(
         v,
         kv_indptr,
         kv_indices,
-        num_splits,
+        kv_indices.shape[0],
+        k_buf.shape[0],
+        fault,
+        min_split_len,
+        max_splits,
         part_o,
         part_lse,
         qk_scale,
@@ -290,7 +334,10 @@ def decode_attention(
     _decode_merge_kernel[(bs, hq)](
         part_o,
         part_lse,
-        num_splits,
+        kv_indptr,
+        kv_indices.shape[0],
+        min_split_len,
+        max_splits,
         sinks if sinks is not None else part_lse,
         o,
         lse_out if lse_out is not None else part_lse,
@@ -310,3 +357,13 @@ def decode_attention(
         STORE_LSE=lse_out is not None,
         num_warps=4 if dv >= 256 else 2,
     )
+
+
+def _check_shapes(bs, max_splits, kv_indptr, part_o, part_lse, o, lse_out) -> None:
+    """Host checks of what the grid reaches (shapes only: they hold for every replay of a graph)."""
+    if kv_indptr.shape[0] < bs + 1:
+        raise InvalidArgumentError("kv_indptr", f"at least bs + 1 = {bs + 1} offsets", kv_indptr.shape[0])
+    if part_o.shape[0] < bs or part_lse.shape[0] < bs or part_o.shape[2] < max_splits or part_lse.shape[2] < max_splits:
+        raise InvalidArgumentError("part_o/part_lse", f"scratch for {bs} requests x {max_splits} splits", tuple(part_o.shape))
+    if o.shape[0] != bs or (lse_out is not None and lse_out.shape[0] != bs):
+        raise InvalidArgumentError("o/lse_out", f"{bs} rows (one query per request)", o.shape[0])

@@ -9,6 +9,14 @@ Grid `[num_q_heads, m_blocks, bs]`; program (h, mb, r) owns BLOCK_M new tokens o
 (m blocks run from the last, the longest under a causal mask, to the first). Keys every row of the block
 sees run in an unmasked loop; the rest (the causal diagonal, the window edge, custom masks, the tail)
 in a masked loop.
+
+Bounds: qo_indptr is clamped into the step's T tokens (QUERY_ROWS) and kv_indptr into kv_indices
+(KEY_OFFSETS); a slot outside [0, slots of k_buf) is masked out in masked tiles and read as the dummy
+slot 0 in unmasked ones (SLOT); custom-mask entries outside the mask are not read (those keys stay
+hidden; a request whose mask block does not fit is recorded as MASK). Each is recorded in the fault buffer
+(`attn_core.ops.device_faults`), so no offset or slot read from the metadata can make the kernel read
+or write outside its buffers. No fault is stored inside the key loops (a store there could cost the
+loads' software pipelining): slot faults are carried in registers and stored once per program.
 """
 
 from __future__ import annotations
@@ -20,7 +28,21 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_triton.kernels.common import LN2_K, LOG2E_K, add_sink, finalize, scale_scores, score_scales, softmax_step
+from attn_core.errors import InvalidArgumentError
+from attn_triton.kernels.common import (
+    FAULT_KEY_OFFSETS,
+    FAULT_MASK,
+    FAULT_QUERY_ROWS,
+    FAULT_SLOT,
+    LN2_K,
+    LOG2E_K,
+    add_sink,
+    finalize,
+    offset_range,
+    scale_scores,
+    score_scales,
+    softmax_step,
+)
 
 
 @dataclass(frozen=True)
@@ -49,10 +71,14 @@ def _extend_tile(
     v_head,
     KV_INDICES,
     kv_beg,
+    num_slots,
+    FAULT,
     stride_ks,
     stride_vs,
     MASK,
     mask_beg,
+    mask_size,
+    bad_slots,
     qk_scale,
     cap_scale,
     window,
@@ -71,16 +97,23 @@ def _extend_tile(
     LOGIT_CAP: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """Attend one BLOCK_N tile of keys starting at `start`; MASKED applies bounds and visibility."""
+    """Attend one BLOCK_N tile of keys starting at `start`; MASKED applies bounds and visibility.
+    Returns (acc, m_i, l_i, bad_slots | the tile's slots outside [0, num_slots))."""
     n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     if MASKED:
         n_ok = n < kv_len
         slot = tl.load(KV_INDICES + kv_beg + n, mask=n_ok, other=0).to(tl.int64)
+        slot_ok = (slot >= 0) & (slot < num_slots)
+        bad_slots |= n_ok & ~slot_ok
+        n_ok = n_ok & slot_ok
         k = tl.load(k_head + slot[:, None] * stride_ks + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     else:
         slot = tl.load(KV_INDICES + kv_beg + n).to(tl.int64)
+        slot_ok = (slot >= 0) & (slot < num_slots)
+        bad_slots |= ~slot_ok
+        slot = tl.where(slot_ok, slot, 0)
         k = tl.load(k_head + slot[:, None] * stride_ks + offs_d[None, :], mask=offs_d[None, :] < D, other=0.0)
     qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
     if BLOCK_DPE > 0:
@@ -104,7 +137,8 @@ def _extend_tile(
         if HAS_WINDOW:
             ok = ok & (n[None, :] > q_pos[:, None] - window)
         if USE_MASK:
-            bits = tl.load(MASK + mask_beg + q_idx[:, None].to(tl.int64) * kv_len + n[None, :], mask=ok, other=0)
+            at = mask_beg + q_idx[:, None].to(tl.int64) * kv_len + n[None, :]
+            bits = tl.load(MASK + at, mask=ok & (at >= 0) & (at < mask_size), other=0)
             ok = ok & (bits != 0)
         sc = tl.where(ok, sc, float("-inf"))
     m_i, l_i, acc, p = softmax_step(m_i, l_i, acc, sc, s_scale, MASKED)
@@ -116,7 +150,7 @@ def _extend_tile(
         else:
             v = tl.load(v_head + slot[:, None] * stride_vs + offs_dv[None, :], mask=offs_dv[None, :] < DV, other=0.0)
     acc += tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
-    return acc, m_i, l_i
+    return acc, m_i, l_i, bad_slots
 
 
 @triton.jit
@@ -132,6 +166,11 @@ def _extend_kernel(
     MASK,
     MASK_INDPTR,
     SINKS,
+    FAULT,
+    num_tokens,
+    num_indices,
+    num_slots,
+    mask_size,
     qk_scale,
     cap_scale,
     v_scale,
@@ -166,12 +205,13 @@ def _extend_kernel(
     h = tl.program_id(0)
     mb = tl.num_programs(1) - 1 - tl.program_id(1)
     r = tl.program_id(2)
-    q_beg = tl.load(QO_INDPTR + r)
-    q_len = tl.load(QO_INDPTR + r + 1) - q_beg
+    q_beg, q_len, q_clamped = offset_range(QO_INDPTR, r, num_tokens)
+    kv_beg, kv_len, kv_clamped = offset_range(KV_INDPTR, r, num_indices)
+    if (h == 0) & (tl.program_id(1) == 0):
+        tl.store(FAULT + FAULT_QUERY_ROWS, 1, mask=q_clamped)
+        tl.store(FAULT + FAULT_KEY_OFFSETS, 1, mask=kv_clamped)
     if mb * BLOCK_M >= q_len:
         return
-    kv_beg = tl.load(KV_INDPTR + r)
-    kv_len = tl.load(KV_INDPTR + r + 1) - kv_beg
     q_off = kv_len - q_len  # position of the first new token among the request's keys
     kv_head = h // GROUP
 
@@ -187,8 +227,11 @@ def _extend_kernel(
         offs_dpe = tl.arange(0, BLOCK_DPE)
         q_pe = tl.load(q_rows + D + offs_dpe[None, :], mask=m_ok[:, None] & (offs_dpe[None, :] < DPE), other=0.0)
     mask_beg = 0
-    if USE_MASK:
+    if USE_MASK:  # the request's [q_len, kv_len] block must lie inside the mask (entries past it are not read)
         mask_beg = tl.load(MASK_INDPTR + r)
+        mask_outside = (mask_beg < 0) | (mask_beg + q_len.to(tl.int64) * kv_len > mask_size)
+        if (h == 0) & (tl.program_id(1) == 0):
+            tl.store(FAULT + FAULT_MASK, 1, mask=mask_outside)
     k_head = K + kv_head * stride_kh
     v_head = V + kv_head * stride_vh
 
@@ -210,19 +253,21 @@ def _extend_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    bad_slots = tl.arange(0, BLOCK_N) < 0
     for start in range(lo, full_end, BLOCK_N):
-        acc, m_i, l_i = _extend_tile(
-            acc, m_i, l_i, q, q_pe, start, kv_len, q_pos, offs_m, m_ok, k_head, v_head, KV_INDICES, kv_beg, stride_ks, stride_vs,
-            MASK, mask_beg, qk_scale, cap_scale, window,
+        acc, m_i, l_i, bad_slots = _extend_tile(
+            acc, m_i, l_i, q, q_pe, start, kv_len, q_pos, offs_m, m_ok, k_head, v_head, KV_INDICES, kv_beg, num_slots, FAULT,
+            stride_ks, stride_vs, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
             BLOCK_N, D, BLOCK_D, DPE, BLOCK_DPE, DV, BLOCK_DV, SHARE_KV, False, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC,
         )  # fmt: skip
     for start in range(full_end, hi, BLOCK_N):
-        acc, m_i, l_i = _extend_tile(
-            acc, m_i, l_i, q, q_pe, start, kv_len, q_pos, offs_m, m_ok, k_head, v_head, KV_INDICES, kv_beg, stride_ks, stride_vs,
-            MASK, mask_beg, qk_scale, cap_scale, window,
+        acc, m_i, l_i, bad_slots = _extend_tile(
+            acc, m_i, l_i, q, q_pe, start, kv_len, q_pos, offs_m, m_ok, k_head, v_head, KV_INDICES, kv_beg, num_slots, FAULT,
+            stride_ks, stride_vs, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
             BLOCK_N, D, BLOCK_D, DPE, BLOCK_DPE, DV, BLOCK_DV, SHARE_KV, True, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC,
         )  # fmt: skip
 
+    tl.store(FAULT + FAULT_SLOT + tl.arange(0, BLOCK_N) * 0, 1, mask=bad_slots)  # one address: a flag, no reduction
     if HAS_SINK:
         sink2 = tl.load(SINKS + h) * LOG2E_K
         m_i, l_i, acc = add_sink(m_i, l_i, acc, tl.zeros([BLOCK_M], dtype=tl.float32) + sink2)
@@ -246,6 +291,7 @@ def extend_attention(
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
     max_q_len: int,
+    fault: torch.Tensor,
     *,
     sm_scale: float,
     config: ExtendConfig,
@@ -268,18 +314,24 @@ def extend_attention(
     kv_indptr / kv_indices: CSR int32 of each request's keys, the new tokens last (self attention).
     Causal: the new token i of request r sits at position kv_len - q_len + i. `custom_mask` (uint8, per
     request a row-major `[q_len, kv_len]` block starting at mask_indptr[r]) replaces the causal mask.
-    lse_out `[T, Hq]` float32 natural log. `max_q_len` (host int) sizes the grid.
+    lse_out `[T, Hq]` float32 natural log. `max_q_len` (host int) sizes the grid. fault: the int32
+    fault buffer (`attn_core.ops.device_faults`).
     """
     T, hq, d_total = q.shape
     bs = qo_indptr.shape[0] - 1
     if T == 0 or bs == 0 or max_q_len == 0:
         return
+    if kv_indptr.shape[0] < bs + 1 or o.shape[0] != T or (lse_out is not None and lse_out.shape[0] != T):
+        raise InvalidArgumentError("kv_indptr/o/lse_out", f"{bs + 1} key offsets and {T} output rows", (kv_indptr.shape[0], o.shape[0]))
+    use_mask = custom_mask is not None
+    if use_mask and (mask_indptr is None or mask_indptr.shape[0] < bs):
+        found = None if mask_indptr is None else tuple(mask_indptr.shape)
+        raise InvalidArgumentError("mask_indptr", f"at least {bs} offsets with a custom mask", found)
     hkv = k_buf.shape[1]
     d = d_total - d_rope
     dv = o.shape[2]
     qk_scale, cap_scale = score_scales(sm_scale, logit_cap, k_scale)
     v = k_buf if share_kv else v_buf
-    use_mask = custom_mask is not None
     grid = (hq, triton.cdiv(max_q_len, config.block_m), bs)
     _extend_kernel[grid](
         q,
@@ -293,6 +345,11 @@ def extend_attention(
         custom_mask if use_mask else kv_indices,
         mask_indptr if use_mask else kv_indptr,
         sinks if sinks is not None else o,
+        fault,
+        T,
+        kv_indices.shape[0],
+        k_buf.shape[0],
+        custom_mask.numel() if use_mask else 0,
         qk_scale,
         cap_scale,
         float(v_scale),
