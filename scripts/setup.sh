@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv with the CPU build of torch 2.13.0 (a file already on disk; never a CUDA build), the
 # pinned Triton for the CPU interpreter, and every attn distribution installed editable.
-# flashinfer-python is deliberately NOT installed: it is CUDA-only and ~300 MB (its plugin is installed
-# with --no-deps; its GPU tests skip here).
+# flashinfer-python is deliberately NOT installed: it is CUDA-only and ~300 MB (its plugin, and
+# attn-trtllm-mla which depends on it, are installed with --no-deps; their GPU tests skip here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -16,7 +16,7 @@ $VPIP install -q -e core
 for p in plugins/*/; do
   [ -f "$p/pyproject.toml" ] || continue
   case "$p" in
-    plugins/flashinfer_backend/) $VPIP install -q --no-deps -e "$p" ;;
+    plugins/flashinfer_backend/ | plugins/trtllm_mla/) $VPIP install -q --no-deps -e "$p" ;;
     *) $VPIP install -q -e "$p" ;;
   esac
 done

@@ -182,3 +182,26 @@ def test_uninstalled_plugin_is_unknown(venv):
     assert gone.returncode == 2 and "unknown attention backend 'example'" in gone.stderr, gone.stderr
     known = attn(venv, "check", "trtllm_mla", ok=False)
     assert known.returncode == 2 and "is not installed: pip install attn-trtllm-mla" in known.stderr
+
+
+def test_trtllm_mla_installs_next_to_attn_flashinfer_without_pulling_flashinfer(venv):
+    """attn-trtllm-mla's wheel declares attn-flashinfer; installed (both with --no-deps, as CPU CI does)
+    its backend is listed by name with its probe reason and the unverified Blackwell path, and neither
+    flashinfer nor the backend classes are imported by discovery."""
+    ignore = shutil.ignore_patterns("*.egg-info", "build", "dist", "__pycache__", ".pytest_cache")
+    for name in ("flashinfer_backend", "trtllm_mla"):
+        shutil.copytree(ROOT / "plugins" / name, venv["src"] / name, ignore=ignore)
+    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", venv["wheels"],
+        venv["src"] / "flashinfer_backend", venv["src"] / "trtllm_mla")  # fmt: skip
+    venv["pip"]("install", "-q", "--no-deps", "--find-links", venv["wheels"], "attn-flashinfer", "attn-trtllm-mla")
+    requires = run(venv["py"], "-c", "from importlib import metadata; print(metadata.requires('attn-trtllm-mla'))", env=venv["env"]).stdout
+    assert "attn-flashinfer" in requires
+    listing = attn(venv, "list").stdout
+    row = next(line for line in listing.splitlines() if line.startswith("trtllm_mla"))
+    assert re.search(r"^trtllm_mla\s+attn-trtllm-mla\s+0\.1\.0\s+unavailable: ", row), row
+    assert "SM100/SM120" in row and "never run on hardware" in row
+    assert re.search(r"^flashinfer_mla\s+attn-flashinfer\s+0\.1\.0\s+unavailable: ", listing, re.M), listing
+    probe = "import sys; from attn_core import registry; registry.list_backends(); print(sorted(m for m in sys.modules if 'infer' in m))"
+    loaded = run(venv["py"], "-c", probe, env=venv["env"]).stdout
+    assert "'flashinfer'" not in loaded and "attn_flashinfer.mla_backend" not in loaded, loaded
+    venv["pip"]("uninstall", "-y", "-q", "attn-trtllm-mla", "attn-flashinfer")

@@ -11,6 +11,7 @@ import torch
 from attn_core.capabilities import ARCH_MHA, ARCH_MLA, CudaGraphLevel, Feature, Requirements
 from attn_core.errors import InvalidArgumentError
 from attn_core.forward_mode import ForwardMode
+from attn_core.validation import BASIC, VALIDATION_LEVELS
 
 
 @dataclass
@@ -46,6 +47,9 @@ class BackendContext:
     features: frozenset[Feature] = field(default_factory=frozenset)
     forward_modes: frozenset[ForwardMode] = field(default_factory=lambda: frozenset({ForwardMode.EXTEND, ForwardMode.DECODE}))
     cuda_graph: CudaGraphLevel = CudaGraphLevel.NEVER
+    #: batch validation in init_forward_metadata: "basic" (host copies only, no sync) or "full" (also
+    #: the device tensors, one sync per step); see attn_core.validation
+    validation: str = BASIC
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
@@ -53,6 +57,8 @@ class BackendContext:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if self.kv_dtype is None:
             self.kv_dtype = self.dtype
+        if self.validation not in VALIDATION_LEVELS:
+            raise InvalidArgumentError("validation", f"one of {VALIDATION_LEVELS}", self.validation)
         if self.attention_arch not in (ARCH_MHA, ARCH_MLA):
             raise InvalidArgumentError("attention_arch", f"{ARCH_MHA!r} or {ARCH_MLA!r}", self.attention_arch)
         if self.attention_arch == ARCH_MLA:
