@@ -1,4 +1,4 @@
-"""attn-triton against FlashInfer and torch_native on the DESIGN §7 shapes (run on a GPU machine).
+"""attn-triton against FlashInfer and torch_native on the docs/design.md §8 shapes (run on a GPU machine).
 
 GQA 32 q / 8 kv heads, head_dim 128, bf16, page size 16 with pages in random order. For every row the
 script (1) checks each implementation once against the float64 reference on a subsample (first and last

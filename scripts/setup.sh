@@ -11,7 +11,7 @@ VPIP=".venv/bin/python -m pip"
 $VPIP install -q --upgrade pip
 # torch first, alone, so nothing later can resolve it to a CUDA build
 $VPIP install -q torch==2.13.0
-$VPIP install -q "triton==3.9.0" "numpy>=2" "pluggy>=1.3" "pytest>=8" "hypothesis>=6.100" "ruff>=0.6" "build" "ninja" "setuptools>=68" "wheel"
+$VPIP install -q "triton==3.9.0" "numpy>=2" "pluggy>=1.3" "pytest>=8" "hypothesis>=6.100" "matplotlib>=3.7" "ruff>=0.6" "build" "ninja" "setuptools>=68" "wheel"
 $VPIP install -q -e core
 for p in plugins/*/; do
   [ -f "$p/pyproject.toml" ] || continue

@@ -117,3 +117,17 @@ def test_mode_rules_and_exhaustion():
             "target_verify", [(3, 2)], req_to_token_pool=req_pool, allocator=alloc, custom_masks=[torch.ones(2, 4, dtype=torch.bool)]
         )
     assert alloc.available_size() == 64 and req_pool.available_size() == 2
+
+
+@pytest.mark.parametrize("pool_page, pool_size, match", [(1, 64, "page_size"), (16, 32, "exceeds KV pool size")])
+def test_allocator_must_fit_the_kv_pool(pool_page, pool_size, match):
+    from attn_core.memory import MHATokenToKVPool
+
+    req_pool, alloc = _pools(16, slots=64, reqs=2)
+    pool = MHATokenToKVPool(pool_size, pool_page, torch.float32, head_num=1, head_dim=8, layer_num=1)
+    with pytest.raises(KVCacheError, match=match):
+        build_forward_batch("extend", [(3, 2)], req_to_token_pool=req_pool, allocator=alloc, token_to_kv_pool=pool)
+    assert alloc.available_size() == 64 and req_pool.available_size() == 2  # refused before allocating
+    fitting = MHATokenToKVPool(64, 16, torch.float32, head_num=1, head_dim=8, layer_num=1)
+    batch = build_forward_batch("extend", [(3, 2)], req_to_token_pool=req_pool, allocator=alloc, token_to_kv_pool=fitting)
+    assert batch.token_to_kv_pool is fitting

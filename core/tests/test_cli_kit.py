@@ -66,8 +66,10 @@ def test_bench_decode_json(tmp_path, capsys):
         assert r["rel_error"] <= 2e-2 and r["bytes"] > 0
 
 
-def test_bench_speedups_are_relative_to_the_first_vs_backend():
-    rows = run_bench(["torch_native", "torch_native"], standard_workloads("extend", "small")[:1], model_for("small"), _cpu(), 0.02)
+def test_bench_speedups_are_relative_to_the_baseline():
+    rows = run_bench(
+        ["torch_native", "torch_native"], standard_workloads("extend", "small")[:1], model_for("small"), _cpu(), 0.02, baseline=1
+    )
     base = rows[1]
     assert base.speedup_vs_baseline == 1.0
     assert rows[0].speedup_vs_baseline == base.median_us / rows[0].median_us
@@ -99,3 +101,50 @@ def _cpu():
     import torch
 
     return torch.device("cpu")
+
+
+def test_bench_without_a_name_times_every_usable_backend_against_torch_native(tmp_path, capsys):
+    from attn_core import registry
+
+    plot, doc_path = tmp_path / "bench.png", tmp_path / "bench.json"
+    argv = ["bench", "--device", "cpu", "--workload", "decode", "--budget", "0.01", "--plot", str(plot), "--json", str(doc_path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    timed = re.search(r"^bench on cpu \(.*\): (.*)$", out, re.M).group(1).split(", ")
+    assert timed[0] == "torch_native" and "SPEEDUP VS torch_native" in out
+    left_out = dict(re.findall(r"^not benchmarked: (\w+): (.+)$", out, re.M))
+    # every discovered backend is either timed or named with the reason it is not
+    assert sorted(timed + list(left_out)) == sorted(e.name for e in registry.list_backends())
+    if registry.default_registry().resolve("cpu_amx").probe() is None:
+        assert "cpu_amx" in timed
+    doc = json.loads(doc_path.read_text())
+    rows = doc["rows"]
+    assert [r["backend"] for r in rows] == timed * len(standard_workloads("decode", "small"))
+    assert all(r["status"] == "ok" for r in rows), rows
+    assert [r["speedup_vs_baseline"] for r in rows if r["backend"] == "torch_native"] == [1.0] * len(standard_workloads("decode", "small"))
+    data = plot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_bench_plot_without_matplotlib_fails_before_timing(tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    assert main(["bench", "torch_native", "--device", "cpu", "--plot", str(tmp_path / "x.png")]) == 2
+    captured = capsys.readouterr()
+    assert "--plot needs matplotlib: pip install 'attn-core[plot]'" in captured.err
+    assert "bench on" not in captured.out and not (tmp_path / "x.png").exists()
+
+
+def test_plot_series_per_backend():
+    from attn_core.bench.plot import times_by_backend
+    from attn_core.bench.runner import BenchRow
+
+    rows = [
+        BenchRow("decode", "decode", "a", "ok", median_us=10.0),
+        BenchRow("decode", "decode", "b", "ok", median_us=20.0),
+        BenchRow("extend", "extend", "a", "ok", median_us=5.0),
+        BenchRow("extend", "extend", "b", "wrong", median_us=None),
+        BenchRow("mixed", "mixed", "b", "ok", median_us=7.0),
+    ]
+    assert times_by_backend(rows) == (["decode", "extend", "mixed"], {"a": [10.0, 5.0, None], "b": [20.0, None, 7.0]})

@@ -164,3 +164,15 @@ def test_pytest_face_fails_a_broken_backend_and_names_the_case(tmp_path):
     assert "FAILED" in out and "test_check[sliding_window-5-EXTEND]" in out and "case: EXTEND reqs=" in out
     assert "test_check[sliding_window_interleaved-DECODE]" in out  # windowed layers between full ones
     assert "2 failed, 1 passed, 1 skipped" in out, out
+
+
+def test_kit_profiles_are_built_by_keyword():
+    from dataclasses import fields
+
+    from attn_core.testing.profile import KitProfile, profile_for
+
+    p = profile_for("cpu", True)
+    with pytest.raises(TypeError):
+        KitProfile(*[getattr(p, f.name) for f in fields(KitProfile)])
+    assert KitProfile(**{f.name: getattr(p, f.name) for f in fields(KitProfile)}) == p
+    assert profile_for("cuda:1", False).device == "cuda:1" and profile_for("cuda:1", False).name == "cuda"

@@ -1,6 +1,7 @@
 """`CachedLaunch` logic with a stand-in kernel: first call compiles through the normal launcher, later
 calls go to the compiled handle with a 3-D grid and the constexprs appended in signature order, and a
-handle that rejects the call turns the shortcut off without losing the launch. No Triton needed."""
+handle that rejects the call turns the shortcut off (logged once, queryable) without losing the launch;
+the shortcut is gated on the verified Triton versions. No Triton needed."""
 
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ class FakeKernel:
 @pytest.fixture
 def gpu_like(monkeypatch):
     monkeypatch.setattr(launch, "triton_interpreter_enabled", lambda: False)
+    monkeypatch.setattr(launch, "_installed_triton_version", lambda: "3.6.0")  # a verified version
+    monkeypatch.delenv(launch.ENV_SWITCH, raising=False)
     return SimpleNamespace(is_cuda=True, get_device=lambda: 0)
 
 
@@ -63,13 +66,83 @@ def test_second_call_uses_the_compiled_handle(gpu_like):
     assert k.log[5][0] == "cached"
 
 
-def test_rejected_handle_falls_back_for_good(gpu_like):
+def test_rejected_handle_falls_back_for_good_and_says_so(gpu_like, caplog):
     k = FakeKernel(fail=True)
     run = launch.CachedLaunch(k)
-    run((3,), gpu_like, A=1, num_warps=4)
-    run((3,), gpu_like, A=1, num_warps=4)
-    run((3,), gpu_like, A=1, num_warps=4)
+    with caplog.at_level("WARNING", logger=launch.__name__):
+        run((3,), gpu_like, A=1, num_warps=4)
+        run((3,), gpu_like, A=1, num_warps=4)
+        run((3,), gpu_like, A=1, num_warps=4)
     assert [e[0] for e in k.log] == ["jit", "jit", "jit"] and not run.enabled
+    assert run.off_reason == "the compiled handle rejected a call (TypeError: launcher expects other arguments)"
+    said = [r.getMessage() for r in caplog.records if "is off" in r.getMessage()]
+    assert len(said) == 1 and run.off_reason in said[0]
+
+
+class BrokenCompiled:
+    def __getitem__(self, grid):
+        def runner(*args):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        return runner
+
+
+def test_a_real_launch_error_propagates(gpu_like):
+    k = FakeKernel()
+    run = launch.CachedLaunch(k)
+    run((1,), gpu_like, A=1)
+    key = next(iter(run.compiled))
+    run.compiled[key] = (BrokenCompiled(), run.compiled[key][1])
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        run((1,), gpu_like, A=1)
+    assert run.enabled  # not a launcher-ABI problem: the shortcut stays on
+
+
+@pytest.mark.parametrize(
+    "version, switch, off",
+    [
+        ("3.6.0", "1", None),
+        ("3.6.1+git0abc", "1", None),
+        ("3.9.0", "1", "Triton 3.9.0 is not among"),
+        ("3.5.1", "1", "3.6"),
+        ("3.9.0", "force", None),
+        ("3.6.0", "0", "ATTN_TRITON_CACHED_LAUNCH=0"),
+        (None, "1", "not installed"),
+    ],
+)
+def test_version_gate(version, switch, off):
+    reason = launch.version_gate(version, switch)
+    assert (reason is None) if off is None else (off in reason)
+
+
+def test_unverified_triton_uses_the_normal_launcher_and_says_so_once(gpu_like, monkeypatch, caplog):
+    monkeypatch.setattr(launch, "_installed_triton_version", lambda: "3.9.0")
+    launch._logged.clear()
+    k = FakeKernel()
+    runs = [launch.CachedLaunch(k), launch.CachedLaunch(k)]
+    with caplog.at_level("WARNING", logger=launch.__name__):
+        for run in runs:
+            run((1,), gpu_like, A=1)
+            run((1,), gpu_like, A=1)
+    assert [e[0] for e in k.log] == ["jit"] * 4
+    assert all("Triton 3.9.0 is not among the versions" in run.off_reason for run in runs)
+    assert len([r for r in caplog.records if "is off" in r.getMessage()]) == 1
+    monkeypatch.setenv(launch.ENV_SWITCH, "force")
+    forced = launch.CachedLaunch(k)
+    forced((1,), gpu_like, A=1)
+    forced((1,), gpu_like, A=1)
+    assert k.log[-1][0] == "cached" and forced.enabled
+
+
+def test_status_line(monkeypatch):
+    monkeypatch.setattr(launch, "_installed_triton_version", lambda: "3.6.0")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert launch.cached_launch_status().startswith("off: TRITON_INTERPRET=1")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delenv(launch.ENV_SWITCH, raising=False)
+    assert launch.cached_launch_status() == "on (Triton 3.6.0)"
+    monkeypatch.setenv(launch.ENV_SWITCH, "0")
+    assert launch.cached_launch_status() == "off: ATTN_TRITON_CACHED_LAUNCH=0"
 
 
 def test_cpu_tensors_and_switch_use_the_normal_launcher(gpu_like, monkeypatch):

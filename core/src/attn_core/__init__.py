@@ -48,6 +48,7 @@ _EXPORTS = {
     # torch-backed
     "AttentionBackend": "attn_core.backend",
     "BackendContext": "attn_core.context",
+    "dtype_name": "attn_core.context",
     "AttentionLayer": "attn_core.layer",
     "ForwardBatch": "attn_core.batch",
     "SpecInfo": "attn_core.batch",

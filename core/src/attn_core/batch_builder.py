@@ -16,6 +16,7 @@ import torch
 from attn_core.batch import ForwardBatch, SpecInfo
 from attn_core.errors import InvalidArgumentError, KVCacheError
 from attn_core.forward_mode import ForwardMode
+from attn_core.memory.pools import check_pool_matches
 from attn_core.positions import extend_start_loc_from_lens, positions_from_lens
 
 
@@ -90,6 +91,8 @@ def build_forward_batch(
     mode = ForwardMode.parse(mode)
     reqs = _shapes(requests)
     _check_mode(mode, reqs)
+    if token_to_kv_pool is not None:
+        check_pool_matches(token_to_kv_pool, allocator)
     device = req_to_token_pool.device
     bs = len(reqs)
     max_len = req_to_token_pool.max_context_len

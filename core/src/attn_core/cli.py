@@ -1,5 +1,10 @@
 """The `attn-core` command line. Each subcommand lives in one function `cmd_<name>`; the work is done by
-`attn_core.registry`, `attn_core.testing` (check) and `attn_core.bench` (bench)."""
+`attn_core.registry`, `attn_core.testing` (check) and `attn_core.bench` (bench).
+
+Import-light: reading the arguments, `--help`, `list` and `explain` import no torch on a machine without
+a GPU (each command imports what it needs when it runs); `check` and `bench` do. Argument types live in
+`attn_core.cli_args`: a bad argument is one line on stderr and exit status 2.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,17 @@ import sys
 from typing import Optional, Sequence
 
 from attn_core import registry
+from attn_core.bench.cli import add_bench_arguments
 from attn_core.capabilities import ARCH_MHA, ARCH_MLA, CudaGraphLevel, Feature, Requirements
+from attn_core.cli_args import (
+    ArgumentParser,
+    compute_capability,
+    device_arg,
+    device_or_auto,
+    dtype_arg,
+    forward_mode_name,
+    positive_int,
+)
 from attn_core.errors import AttnError
 from attn_core.forward_mode import ForwardMode
 
@@ -74,6 +89,8 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(f"{check.id}  {check.description}".rstrip())
         return 0
     print(f"checking {target.name} on {plan.profile.device} ({plan.profile.name} profile, {len(plan.checks)} checks)")
+    for pattern, reason in plan.skip.items():
+        print(f"skipping {pattern}: {reason}")
 
     def show(outcome) -> None:
         if outcome.status == "passed" and args.quiet:
@@ -99,7 +116,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Time backends on the standard decode / extend / mixed shapes (DESIGN §7, scaled down on CPU),
+    """Time backends on the standard decode / extend / mixed shapes (docs/design.md §8, scaled down on CPU),
     each checked against the float64 reference first."""
     from attn_core.bench.cli import run_bench_command
 
@@ -125,26 +142,34 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def add_explain_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="auto", help="cpu, cuda (or another device type); auto: cuda when torch sees one, else cpu")
-    p.add_argument("--compute-capability", metavar="MAJOR.MINOR", help="CUDA compute capability (default: the visible GPU's)")
-    p.add_argument("--dtype", default="bfloat16", help="q dtype (default bfloat16)")
-    p.add_argument("--kv-dtype", help="KV-cache dtype (default: --dtype)")
-    p.add_argument("--head-dim", type=int, default=128, help="head dim (default 128; 576 with --mla)")
-    p.add_argument("--page-size", type=int, default=1, help="KV page size in tokens (default 1)")
+    p.add_argument(
+        "--device", type=device_or_auto, default="auto", help="cpu, cuda (or another device type); auto: cuda when torch sees one, else cpu"
+    )
+    p.add_argument(
+        "--compute-capability", type=compute_capability, metavar="MAJOR.MINOR", help="CUDA compute capability (default: the visible GPU's)"
+    )
+    p.add_argument("--dtype", type=dtype_arg, default="bfloat16", help="q dtype (default bfloat16)")
+    p.add_argument("--kv-dtype", type=dtype_arg, help="KV-cache dtype (default: --dtype)")
+    p.add_argument("--head-dim", type=positive_int, default=128, help="head dim (default 128; 576 with --mla)")
+    p.add_argument("--page-size", type=positive_int, default=1, help="KV page size in tokens (default 1)")
     p.add_argument("--mla", action="store_true", help="multi-head latent attention (DeepSeek-style)")
-    p.add_argument("--mode", action="append", default=[], help="forward mode needed (repeatable; default EXTEND and DECODE)")
+    p.add_argument(
+        "--mode", type=forward_mode_name, action="append", default=[], help="forward mode needed (repeatable; default EXTEND and DECODE)"
+    )
     p.add_argument("--feature", action="append", default=[], choices=[f.value for f in Feature], help="feature needed (repeatable)")
     p.add_argument("--cuda-graph", default="never", choices=[lvl.name.lower() for lvl in CudaGraphLevel], help="CUDA-graph level needed")
 
 
-def _detect_device(device: str, cc: Optional[str]) -> tuple[str, Optional[tuple[int, int]]]:
-    if cc is not None:
-        major, _, minor = cc.partition(".")
-        parsed = (int(major), int(minor or 0))
-    else:
-        parsed = None
+def _detect_device(device: str, parsed: Optional[tuple[int, int]]) -> tuple[str, Optional[tuple[int, int]]]:
+    """The device type of the request and its compute capability; torch is asked only for "auto" or a
+    cuda device without `--compute-capability`, and only where a GPU device node exists."""
+    device = device.partition(":")[0]
     if device != "auto" and not (device == "cuda" and parsed is None):
         return device, parsed
+    from attn_core.probes import gpu_device_present
+
+    if not gpu_device_present():
+        return ("cpu" if device == "auto" else device), parsed
     try:
         import torch
     except ImportError:
@@ -206,7 +231,7 @@ def _option(text: str) -> tuple[str, object]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="attn-core",
         description="Discover, check and benchmark attention backends of the attn project.",
     )
@@ -221,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("check", help="run the conformance kit on a backend", description=cmd_check.__doc__)
     p.add_argument("name", help="backend name (see `attn-core list`)")
-    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when declared and visible, else cpu)")
+    p.add_argument("--device", type=device_arg, help="cpu, cuda or cuda:N (default: cuda when declared and visible, else cpu)")
     p.add_argument("--quick", action="store_true", help="fewer cases (CI of slow backends, e.g. under the Triton interpreter)")
     p.add_argument("-k", action="append", default=[], metavar="SUBSTR", help="run only checks whose id contains SUBSTR (repeatable)")
     p.add_argument("--skip", action="append", default=[], metavar="GLOB", help="skip checks whose id matches GLOB (repeatable)")
@@ -230,8 +255,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="list the checks and exit")
     p.add_argument("-q", "--quiet", action="store_true", help="print failures and skips only")
     p.set_defaults(func=cmd_check)
-
-    from attn_core.bench.cli import add_bench_arguments
 
     p = sub.add_parser("bench", help="benchmark backends on the standard shapes", description=cmd_bench.__doc__)
     add_bench_arguments(p)

@@ -123,8 +123,8 @@ class BackendContext:
             device_type=self.device.type,
             compute_capability=cc,
             cpu_flags=cpu_flags,
-            q_dtype=_dtype_name(self.dtype),
-            kv_dtype=_dtype_name(self.kv_dtype),
+            q_dtype=dtype_name(self.dtype),
+            kv_dtype=dtype_name(self.kv_dtype),
             head_dim=self.head_dim,
             page_size=self.page_size,
             arch=self.attention_arch,
@@ -134,5 +134,7 @@ class BackendContext:
         )
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name of a torch dtype as `Capabilities` and `Requirements` spell it: its torch attribute
+    name. `dtype_name(torch.bfloat16) == "bfloat16"`, `dtype_name(torch.float8_e4m3fn) == "float8_e4m3fn"`."""
     return str(dtype).removeprefix("torch.")

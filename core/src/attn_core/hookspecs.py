@@ -6,8 +6,6 @@ A plugin module registers through the entry-point group "attn_core" and implemen
 
 from __future__ import annotations
 
-from typing import Optional
-
 import pluggy
 
 PROJECT = "attn_core"
@@ -19,11 +17,6 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 def attn_core_register_backends() -> list:
     """Return extra `BackendSpec` objects (for plugins that register in code rather than through the
     "attn_core.backends" entry-point group)."""
-
-
-@hookspec(firstresult=True)
-def attn_core_detect_platform() -> Optional[str]:
-    """Return a device type this plugin recognizes on this machine (e.g. "npu"), or None."""
 
 
 @hookspec(firstresult=True)

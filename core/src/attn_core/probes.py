@@ -121,9 +121,25 @@ def triton_interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
+#: device nodes of the GPU drivers torch can use: NVIDIA, AMD ROCm, and WSL's GPU paravirtualization
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+
+
+def gpu_device_present(nodes: tuple[str, ...] = GPU_DEVICE_NODES) -> bool:
+    """Whether this machine exposes a GPU driver's device node (one `os.path.exists` per node, no torch
+    import). False means torch can see no CUDA or ROCm device, so a probe can say so without paying for
+    `import torch` (seconds, cold); True means "ask torch". Example: on a CPU-only container,
+    `gpu_device_present()` is False and `needs_cuda()` returns its reason without importing torch."""
+    return any(os.path.exists(node) for node in nodes)
+
+
 def needs_cuda() -> Optional[str]:
+    """None when torch sees a CUDA (or ROCm) device, else why not; imports torch only where a GPU
+    device node exists."""
     if module_missing("torch", "pip install torch"):
         return "needs torch"
+    if not gpu_device_present():
+        return "needs CUDA (no GPU device on this machine)"
     import torch
 
     if not torch.cuda.is_available():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import attn_flashinfer.spec as spec
-from attn_core import registry
+from attn_core import probes, registry
 from attn_core.capabilities import CudaGraphLevel, Feature
 from attn_core.errors import BackendUnavailableError
 
@@ -58,6 +58,7 @@ def test_probe_without_cuda(monkeypatch):
 @pytest.mark.parametrize(("cc", "reason"), [((7, 5), "needs compute capability >= 8.0, found 7.5"), ((8, 0), None), ((9, 0), None)])
 def test_probe_compute_capability(monkeypatch, cc, reason):
     _fake_find_spec(monkeypatch, True)
+    monkeypatch.setattr(probes, "gpu_device_present", lambda: True)  # a GPU node, so the probe asks torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: cc)
     assert spec.probe() == reason

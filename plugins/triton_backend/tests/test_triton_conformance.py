@@ -79,7 +79,25 @@ def test_case(case):
     assert_case(small_split_factory(), case)
 
 
-_PROFILE = KitProfile("triton-cpu", "cpu", True, 4, 2, 32, 40, 4, 20, 7, 70, 4, 1, 1, (32,), ((4, 2),), (3,))
+_PROFILE = KitProfile(
+    name="triton-cpu",
+    device="cpu",
+    quick=True,
+    num_q_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    mla_head_dim=40,
+    max_batch=4,
+    max_prefix=20,
+    max_extend=7,
+    long_len=70,
+    max_draft=4,
+    random_cases=1,
+    hypothesis_examples=1,
+    head_dims=(32,),
+    gqa=((4, 2),),
+    windows=(3,),
+)
 
 
 @pytest.mark.parametrize("mode", ["EXTEND", "DECODE", "MIXED", "TARGET_VERIFY", "DRAFT_EXTEND"])

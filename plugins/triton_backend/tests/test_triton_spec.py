@@ -41,9 +41,20 @@ def test_probe_without_gpu(monkeypatch):
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(spec, "gpu_device_present", lambda: True)  # a GPU node, but torch sees no GPU
     reason = spec.probe()
     assert reason.startswith("needs a CUDA or ROCm GPU (torch ")
     assert "TRITON_INTERPRET=1" in reason
+    monkeypatch.setattr(spec, "gpu_device_present", lambda: False)  # no GPU node: said without asking torch
+    reason = spec.probe()
+    assert reason.startswith("needs a CUDA or ROCm GPU (none on this machine)") and "TRITON_INTERPRET=1" in reason
+
+
+def test_info_names_the_cached_launch_state(monkeypatch):
+    import attn_triton.spec as spec
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert spec.info().startswith("cached index launch off: TRITON_INTERPRET=1")
 
 
 def test_probe_with_interpreter(monkeypatch):

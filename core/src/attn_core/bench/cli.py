@@ -1,42 +1,105 @@
-"""Arguments and driver of `attn-core bench`."""
+"""Arguments and driver of `attn-core bench`.
+
+`attn-core bench` with no name times every backend usable here against the reference backend
+`torch_native` in one run; `attn-core bench X --vs Y` times X (and Y) with speedups relative to Y.
+Reading the arguments imports no torch; running does.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Optional
 
-import torch
+from attn_core.bench.workloads import KINDS
+from attn_core.cli_args import bench_device, dtype_arg, positive_float, positive_int, writable_file
 
-from attn_core import registry
-from attn_core.bench.report import Progress, document, table, write_json
-from attn_core.bench.runner import run_bench
-from attn_core.bench.workloads import KINDS, model_for, standard_workloads
-from attn_core.errors import AttnError
+#: the peer every backend is measured against when `attn-core bench` gets no name
+BASELINE = "torch_native"
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", help="backend to benchmark")
+    p.add_argument("name", nargs="?", help=f"backend to benchmark (default: every backend usable here, each against {BASELINE})")
     p.add_argument("--vs", action="append", default=[], metavar="OTHER", help="also time OTHER (repeatable); speedups are vs the first")
-    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when visible, else cpu)")
+    p.add_argument("--device", type=bench_device, help="cpu, cuda or cuda:N (default: cuda when visible, else cpu)")
     p.add_argument("--workload", default="all", choices=KINDS + ("all",), help="which rows (default all)")
     p.add_argument("--size", default="auto", choices=("auto", "small", "full"), help="auto: full on GPU, small (scaled) on CPU")
-    p.add_argument("--dtype", default="bfloat16", help="q and KV dtype (default bfloat16)")
-    p.add_argument("--page-size", type=int, default=1, help="KV page size (default 1)")
-    p.add_argument("--budget", type=float, default=None, help="seconds of timed calls per measurement (default 0.5 GPU, 0.3 CPU)")
-    p.add_argument("--json", metavar="FILE", help="write every number, the device, versions and date as JSON")
+    p.add_argument("--dtype", type=dtype_arg, default="bfloat16", help="q and KV dtype (default bfloat16)")
+    p.add_argument("--page-size", type=positive_int, default=1, help="KV page size (default 1)")
+    p.add_argument("--budget", type=positive_float, default=None, help="seconds of timed calls per measurement (default 0.5 GPU, 0.3 CPU)")
+    p.add_argument("--json", type=writable_file, metavar="FILE", help="write every number, the device, versions and date as JSON")
+    p.add_argument(
+        "--plot",
+        type=writable_file,
+        metavar="FILE",
+        help="write a PNG of time per shape per backend (needs matplotlib: attn-core[plot])",
+    )
+
+
+def usable_backends(device_type: str) -> tuple[list[str], dict[str, str]]:
+    """The registered backends that can run on `device_type` here (probe passes, device declared), by
+    name, and {name: why not} for the others. A backend whose kernels would run in Triton's CPU
+    interpreter is left out: the interpreter is a correctness tool, its times say nothing."""
+    from attn_core import registry
+    from attn_core.testing.limits import runs_in_triton_interpreter
+
+    usable, left_out = [], {}
+    for entry in registry.list_backends():
+        reason = entry.probe()
+        if reason is None and device_type not in entry.spec.capabilities.devices:
+            reason = f"declares devices {sorted(entry.spec.capabilities.devices)}"
+        if reason is None and runs_in_triton_interpreter(entry.distribution, device_type):
+            reason = "its kernels would run in the Triton interpreter (TRITON_INTERPRET=1), which times nothing useful"
+        if reason is None:
+            usable.append(entry.name)
+        else:
+            left_out[entry.name] = reason
+    return usable, left_out
+
+
+def _backend_names(args: argparse.Namespace, device_type: str) -> tuple[list[str], Optional[int]]:
+    """The backends to time, in table order, and the index of the one speedups are relative to."""
+    if args.name is None:
+        usable, left_out = usable_backends(device_type)
+        for name, reason in left_out.items():
+            print(f"not benchmarked: {name}: {reason}")
+        others = [n for n in usable if n != BASELINE]
+        return [BASELINE, *others, *[n for n in args.vs if n != BASELINE and n not in others]], 0
+    names = [args.name, *[n for n in args.vs if n != args.name]]
+    return names, (1 if len(names) > 1 else None)
+
+
+def _check_plot_dependency() -> Optional[str]:
+    """Why `--plot` cannot work here (matplotlib missing), or None; asked before any timing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "--plot needs matplotlib: pip install 'attn-core[plot]' (or pip install matplotlib)"
+    return None
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
-    names = [args.name, *[n for n in args.vs if n != args.name]]
+    import torch
+
+    from attn_core import registry
+    from attn_core.bench.report import Progress, document, table, write_json
+    from attn_core.bench.runner import run_bench
+    from attn_core.bench.workloads import model_for, standard_workloads
+    from attn_core.errors import AttnError
+
+    if args.plot and (problem := _check_plot_dependency()):
+        print(f"attn-core bench: {problem}", file=sys.stderr)
+        return 2
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("attn-core bench: no CUDA device visible to torch", file=sys.stderr)
+        return 2
+    names, baseline = _backend_names(args, device.type)
     try:
         for name in names:
             registry.default_registry().resolve(name)
     except AttnError as exc:
         print(f"attn-core bench: {exc}", file=sys.stderr)
-        return 2
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("attn-core bench: no CUDA device visible to torch", file=sys.stderr)
         return 2
     size = args.size if args.size != "auto" else ("full" if device.type == "cuda" else "small")
     model = model_for(size, args.dtype, args.page_size)
@@ -47,8 +110,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         f"{model.dtype}, page {model.page_size}): {', '.join(names)}",
         flush=True,
     )
-    rows = run_bench(names, workloads, model, device, budget, progress=Progress())
-    print(table(rows, names[1] if len(names) > 1 else None))
+    rows = run_bench(names, workloads, model, device, budget, progress=Progress(), baseline=baseline)
+    print(table(rows, names[baseline] if baseline is not None else None))
     if args.json:
         versions = {}
         for e in registry.list_backends():
@@ -56,4 +119,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
                 versions[e.name] = {"distribution": e.distribution, "version": e.version}
         write_json(args.json, document(rows, model, device, size, sys.argv, {"backends": versions}))
         print(f"wrote {args.json}")
+    if args.plot:
+        from attn_core.bench.plot import plot_times
+
+        plot_times(rows, args.plot, title=f"attn-core bench on {device} ({size} shapes, {model.dtype}, page {model.page_size})")
+        print(f"wrote {args.plot}")
     return 1 if any(r.status in ("wrong", "error") for r in rows) else 0

@@ -86,9 +86,10 @@ def run_bench(
     device: torch.device,
     budget_s: float,
     progress: Optional[Callable[[int, int, str], None]] = None,
+    baseline: Optional[int] = None,
 ) -> list[BenchRow]:
-    """Every backend of `names` on every workload; speedups are relative to `names[1]` (the first
-    `--vs` backend) when there is one."""
+    """Every backend of `names` on every workload; speedups are relative to `names[baseline]` (an
+    index; None: no speedups)."""
     rows: list[BenchRow] = []
     total = len(workloads) * len(names)
     done = 0
@@ -103,7 +104,7 @@ def run_bench(
             except Exception as exc:  # one broken backend must not end the run
                 group.append(BenchRow(w.label, w.kind, name, "error", note=f"{type(exc).__name__}: {exc}"))
             done += 1
-        base = group[1] if len(group) > 1 else None
+        base = group[baseline] if baseline is not None else None
         for r in group:
             if base is not None and base.median_us and r.median_us:
                 r.speedup_vs_baseline = base.median_us / r.median_us

@@ -1,6 +1,6 @@
-"""The standard benchmark shapes: the decode and extend rows of DESIGN §7 plus one mixed batch.
+"""The standard benchmark shapes: the decode and extend rows of docs/design.md §8 plus one mixed batch.
 
-`size="full"` is DESIGN's model (32 q / 8 kv heads, head_dim 128, bf16) at DESIGN's batch shapes;
+`size="full"` is the anchor model (32 q / 8 kv heads, head_dim 128, bf16) at the anchor batch shapes;
 `size="small"` (the CPU default) keeps head_dim and the batch kinds but divides heads, batch sizes and
 query lengths by 4 and context lengths by 8, so a 2-core CPU finishes `bench torch_native` in seconds.
 """
@@ -86,7 +86,7 @@ def standard_workloads(kind: str = "all", size: str = "full") -> list[Workload]:
 
 
 def model_for(size: str, dtype: str = "bfloat16", page_size: int = 1, kv_dtype: Optional[str] = None) -> BenchModel:
-    """DESIGN's model at `size` (heads divided by 4 when small)."""
+    """The anchor model of docs/design.md §8 at `size` (heads divided by 4 when small)."""
     heads = (8, 2) if size == "small" else (32, 8)
     return BenchModel(heads[0], heads[1], 128, dtype, kv_dtype, page_size)
 

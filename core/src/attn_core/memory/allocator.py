@@ -32,9 +32,6 @@ from attn_core.errors import InvalidArgumentError, KVCacheError
 
 IntSeq = Union[Sequence[int], torch.Tensor]
 
-SUPPORTED_PAGE_SIZES = (1, 16, 32, 64, 128)
-
-
 class KVSlotError(InvalidArgumentError, KVCacheError):
     """A slot argument names a slot the caller may not use that way: out of range, in the reserved page,
     not owned (double free), or at the wrong page offset for its token."""

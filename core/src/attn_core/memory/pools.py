@@ -1,6 +1,6 @@
 """Request→slot table and per-layer KV pools.
 
-Layouts (DESIGN §3):
+Layouts (docs/design.md §3):
 - `ReqToTokenPool.req_to_token`: int32 `[max_reqs, max_context_len]`, row r, column i = the KV slot of
   token i of the request in row r.
 - `MHATokenToKVPool`: per layer K `[num_slots, Hkv, D]` and V `[num_slots, Hkv, Dv]`.
@@ -232,7 +232,10 @@ KVPool = Union[MHATokenToKVPool, MLATokenToKVPool]
 
 
 def check_pool_matches(pool: KVPool, allocator) -> None:
-    """An allocator must hand out slots that exist in the pool, in pages of the same size."""
+    """An allocator must hand out slots that exist in the pool, in pages of the same size; raises
+    `KVCacheError` otherwise (`build_forward_batch` asks before allocating). Example: a
+    `PagedTokenAllocator(size=4096, page_size=16)` fits an `MHATokenToKVPool(size=4096, page_size=16, ...)`
+    and is refused for a pool of page_size 1 or of size 2048."""
     if allocator.page_size != pool.page_size:
         raise KVCacheError(f"allocator page_size {allocator.page_size} != KV pool page_size {pool.page_size}")
     if allocator.size > pool.size:

@@ -1,4 +1,4 @@
-"""Merge two partial attention results over disjoint key sets (DESIGN §3 conventions).
+"""Merge two partial attention results over disjoint key sets (docs/design.md §3.2 conventions).
 
 If `(o_a, lse_a)` is attention of some queries over key set A and `(o_b, lse_b)` over a disjoint set
 B, then attention over A ∪ B is

@@ -1,42 +1,138 @@
 """`CachedLaunch`: launch a Triton kernel that has no value/alignment specialization through its
 compiled handle, skipping the per-call argument binding, specialization and cache-key work of
-`JITFunction.run` (host time matters for per-step metadata kernels, DESIGN §7).
+`JITFunction.run` (host time matters for per-step metadata kernels, docs/design.md §8).
 
 Safe only for kernels declared with every runtime argument in `do_not_specialize` /
 `do_not_specialize_on_alignment`: then one binary per (device, argument types, constexprs, num_warps)
 serves every call. The first call of a key goes through the normal launcher (compiling) and keeps the
-compiled kernel; under the interpreter, or if the compiled handle cannot be called the way this Triton
-version expects, every call uses the normal launcher (the kernel must be idempotent: a failed shortcut
-call is repeated the normal way). `ATTN_TRITON_CACHED_LAUNCH=0` turns the shortcut off.
+compiled kernel; later calls go to the compiled handle.
 
-Imports no Triton itself: the kernel handed in brings it.
+Calling the compiled handle relies on Triton's internal launcher ABI, so the shortcut is gated:
+
+- it is on only for the Triton versions it was verified with on a GPU (`VERIFIED_TRITON`, see
+  docs/gpu-runs.md); another version uses the normal launcher and says so once in the log
+  (`ATTN_TRITON_CACHED_LAUNCH=force` tries the shortcut anyway);
+- `ATTN_TRITON_CACHED_LAUNCH=0` turns it off;
+- under the interpreter, and for CPU tensors, every call uses the normal launcher;
+- if the handle rejects a call (`TypeError` / `ValueError`: an argument list this Triton does not
+  expect), the call is repeated through the normal launcher (the kernel must be idempotent) and the
+  shortcut is turned off for good, logged once; any other error propagates.
+
+Why a launcher is off is queryable: `launch.off_reason` per launcher, and `cached_launch_status()` for
+the installed Triton. Imports no Triton itself: the kernel handed in brings it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from typing import Any
+from typing import Any, Optional
 
 from attn_core.probes import triton_interpreter_enabled
+
+#: (major, minor) Triton versions whose compiled-handle call was verified on a GPU (docs/gpu-runs.md)
+VERIFIED_TRITON = ((3, 6),)
+#: the switch: "1" (default: on for verified versions), "0" (off), "force" (on for any version)
+ENV_SWITCH = "ATTN_TRITON_CACHED_LAUNCH"
+
+log = logging.getLogger(__name__)
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.warning(message)
+
+
+def parse_version(text: str) -> Optional[tuple[int, int]]:
+    """(major, minor) of a version string: `parse_version("3.6.0+git1a2b") == (3, 6)`; None if unreadable."""
+    parts = text.split(".")
+    try:
+        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or "x")
+    except (IndexError, ValueError):
+        return None
+
+
+def version_gate(triton_version: Optional[str], switch: Optional[str] = None) -> Optional[str]:
+    """Why the shortcut is off for `triton_version` under the switch value `switch` (default: the
+    environment's), or None when it is on. `version_gate("3.6.0", "1")` is None;
+    `version_gate("3.9.0", "1")` names the verified versions; `version_gate("3.9.0", "force")` is None."""
+    switch = (os.environ.get(ENV_SWITCH, "1") if switch is None else switch).strip().lower()
+    if switch == "0":
+        return f"{ENV_SWITCH}=0"
+    if switch == "force":
+        return None
+    if triton_version is None:
+        return "Triton is not installed"
+    if parse_version(triton_version) not in VERIFIED_TRITON:
+        verified = ", ".join(f"{a}.{b}" for a, b in VERIFIED_TRITON)
+        return f"Triton {triton_version} is not among the versions it was verified with ({verified}; {ENV_SWITCH}=force tries it)"
+    return None
+
+
+def _installed_triton_version() -> Optional[str]:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def cached_launch_status() -> str:
+    """One line for reports: "on (Triton 3.6.0)" or "off: <reason>" for the installed Triton and the
+    current environment (the interpreter and a rejected call are reported per launcher)."""
+    version = _installed_triton_version()
+    reason = (
+        "TRITON_INTERPRET=1 (the interpreter launches every call the normal way)" if triton_interpreter_enabled() else version_gate(version)
+    )
+    return f"on (Triton {version})" if reason is None else f"off: {reason}"
 
 
 class CachedLaunch:
     """`CachedLaunch(kernel)(grid, *args, **constexprs_and_options)`; constexprs must be passed by
     keyword, in the kernel's signature order, after the runtime arguments; options: num_warps.
-
-    Whether Triton interprets is read once, at construction (as Triton itself decides it when the kernel
-    is decorated). Per call, the shortcut costs one cache key over the arguments' types and a dict look-up."""
+    `off_reason` is None while the shortcut may be used, else why it is not. Whether Triton interprets
+    is read once, at construction (as Triton itself decides it when the kernel is decorated). Per call,
+    the shortcut costs one cache key over the arguments' types and a dict look-up."""
 
     def __init__(self, kernel):
         self.kernel = kernel
         # key -> (compiled kernel, the constexpr values in signature order)
         self.compiled: dict[tuple, tuple[Any, tuple]] = {}
-        self.enabled = os.environ.get("ATTN_TRITON_CACHED_LAUNCH", "1") != "0" and not triton_interpreter_enabled()
+        self.off_reason: Optional[str] = None
+        if os.environ.get(ENV_SWITCH, "1").strip() == "0":
+            self.off_reason = f"{ENV_SWITCH}=0"
+        elif triton_interpreter_enabled():
+            self.off_reason = "TRITON_INTERPRET=1 (the interpreter launches every call the normal way)"
+        self._gated = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.off_reason is None
+
+    def _turn_off(self, reason: str) -> None:
+        self.off_reason = reason
+        self.compiled.clear()
+        _log_once(f"attn-core: cached Triton launch of {getattr(self.kernel, '__name__', self.kernel)!s} is off: {reason}")
+
+    def _check_version(self) -> None:
+        """Gate on the installed Triton (the one the kernel came with), once, at the first GPU call."""
+        self._gated = True
+        reason = version_gate(_installed_triton_version())
+        if reason is not None:
+            self._turn_off(reason)
 
     def __call__(self, grid: tuple[int, ...], *args, **kwargs) -> None:
-        if not self.enabled or not getattr(args[0], "is_cuda", False):
+        if self.off_reason is not None or not getattr(args[0], "is_cuda", False):
             self.kernel[grid](*args, **kwargs)
             return
+        if not self._gated:
+            self._check_version()
+            if self.off_reason is not None:
+                self.kernel[grid](*args, **kwargs)
+                return
         # what still selects a binary without value specialization: argument types (a tensor's dtype,
         # an int's width), constexprs and options
         key = (args[0].get_device(), *map(_arg_type, args), *kwargs.items())
@@ -48,8 +144,8 @@ class CachedLaunch:
         compiled, constexprs = hit
         try:
             compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, *constexprs)
-        except Exception:  # the launcher rejects the call before launching (another Triton ABI): stop using the shortcut
-            self.enabled = False
+        except (TypeError, ValueError) as exc:  # the launcher rejects the arguments before launching (another ABI)
+            self._turn_off(f"the compiled handle rejected a call ({type(exc).__name__}: {exc})")
             self.kernel[grid](*args, **kwargs)
 
 

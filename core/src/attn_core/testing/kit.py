@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from attn_core.spec import BackendSpec
+from attn_core.testing.limits import distribution_of_module, environment_skips
 from attn_core.testing.outcome import Check, Outcome, execute
 from attn_core.testing.plan import build_checks
 from attn_core.testing.profile import KitProfile, profile_for
@@ -17,7 +18,8 @@ BackendRef = Union[str, BackendSpec, type]
 
 @dataclass
 class KitPlan:
-    """The checks for one backend on one device, or why none can run here (`unavailable`)."""
+    """The checks for one backend on one device, or why none can run here (`unavailable`). `skip`
+    holds the caller's skips followed by the machine's known limits (`attn_core.testing.limits`)."""
 
     target: KitTarget
     profile: KitProfile
@@ -69,13 +71,19 @@ def make_plan(
     registry=None,
 ) -> KitPlan:
     """Resolve `backend` and list its checks. Raises the registry's typed errors for unknown, not
-    installed or broken backends; an unavailable one gives a plan with `unavailable` set and no checks."""
+    installed or broken backends; an unavailable one gives a plan with `unavailable` set and no checks.
+    `skip` ({check-id glob: reason}) comes first; the known limits of this machine for this backend
+    (`environment_skips`) are added after it, so the CLI and `ConformanceSuite` skip the same checks."""
     target = resolve_target(backend, options, registry)
     device = device or default_device(target)
     profile = profile_for(device, quick)
     reason = unavailable_reason(target, device)
     checks = [] if reason else build_checks(target, profile, seed)
-    return KitPlan(target, profile, checks, reason, dict(skip or {}))
+    distribution = target.spec.distribution if target.spec is not None else distribution_of_module(target.backend_class.__module__)
+    skips = dict(skip or {})
+    for pattern, why in environment_skips(distribution, target.capabilities.q_dtypes, device).items():
+        skips.setdefault(pattern, why)
+    return KitPlan(target, profile, checks, reason, skips)
 
 
 def run_plan(plan: KitPlan, select: Sequence[str] = (), on_outcome: Optional[Callable[[Outcome], None]] = None) -> list[Outcome]:

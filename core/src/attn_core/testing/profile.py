@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class KitProfile:
-    """Sizes and counts of one kit run. Lengths are in tokens."""
+    """Sizes and counts of one kit run, built by keyword. Lengths are in tokens."""
 
     name: str
     device: str
@@ -34,31 +34,81 @@ class KitProfile:
 
 
 _PROFILES = {
-    ("cpu", True): KitProfile("cpu-quick", "cpu", True, 4, 2, 32, 40, 4, 20, 7, 80, 3, 1, 5, (32, 64, 128), ((4, 4), (8, 1)), (1, 5)),
+    ("cpu", True): KitProfile(
+        name="cpu-quick",
+        device="cpu",
+        quick=True,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        mla_head_dim=40,
+        max_batch=4,
+        max_prefix=20,
+        max_extend=7,
+        long_len=80,
+        max_draft=3,
+        random_cases=1,
+        hypothesis_examples=5,
+        head_dims=(32, 64, 128),
+        gqa=((4, 4), (8, 1)),
+        windows=(1, 5),
+    ),
     ("cpu", False): KitProfile(
-        "cpu", "cpu", False, 4, 2, 64, 40, 6, 64, 24, 300, 5, 4, 25, (32, 64, 96, 128, 256), ((4, 4), (8, 1), (8, 2), (10, 2)), (1, 3, 16)
+        name="cpu",
+        device="cpu",
+        quick=False,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        mla_head_dim=40,
+        max_batch=6,
+        max_prefix=64,
+        max_extend=24,
+        long_len=300,
+        max_draft=5,
+        random_cases=4,
+        hypothesis_examples=25,
+        head_dims=(32, 64, 96, 128, 256),
+        gqa=((4, 4), (8, 1), (8, 2), (10, 2)),
+        windows=(1, 3, 16),
     ),
     ("cuda", True): KitProfile(
-        "cuda-quick", "cuda", True, 16, 4, 128, 576, 8, 512, 64, 2048, 8, 1, 5, (64, 128, 256), ((16, 16), (32, 4)), (1, 128)
+        name="cuda-quick",
+        device="cuda",
+        quick=True,
+        num_q_heads=16,
+        num_kv_heads=4,
+        head_dim=128,
+        mla_head_dim=576,
+        max_batch=8,
+        max_prefix=512,
+        max_extend=64,
+        long_len=2048,
+        max_draft=8,
+        random_cases=1,
+        hypothesis_examples=5,
+        head_dims=(64, 128, 256),
+        gqa=((16, 16), (32, 4)),
+        windows=(1, 128),
     ),
     ("cuda", False): KitProfile(
-        "cuda",
-        "cuda",
-        False,
-        32,
-        8,
-        128,
-        576,
-        16,
-        2048,
-        256,
-        8192,
-        8,
-        4,
-        25,
-        (64, 96, 128, 256),
-        ((32, 32), (32, 8), (64, 8), (40, 8), (16, 1)),
-        (1, 128, 1024),
+        name="cuda",
+        device="cuda",
+        quick=False,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        mla_head_dim=576,
+        max_batch=16,
+        max_prefix=2048,
+        max_extend=256,
+        long_len=8192,
+        max_draft=8,
+        random_cases=4,
+        hypothesis_examples=25,
+        head_dims=(64, 96, 128, 256),
+        gqa=((32, 32), (32, 8), (64, 8), (40, 8), (16, 1)),
+        windows=(1, 128, 1024),
     ),
 }
 

@@ -1,4 +1,4 @@
-"""The oracle: dense attention of one request in float64, written plainly from DESIGN §3.
+"""The oracle: dense attention of one request in float64, written plainly from docs/design.md §3.2.
 
 Independent of every backend (no pools, no metadata, no batching): the caller hands in the request's
 dense keys and values. The arithmetic runs in float64 on the tensors' own device (so GPU-sized checks

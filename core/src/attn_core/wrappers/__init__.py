@@ -1,4 +1,4 @@
-"""Wrappers that compose any backends (DESIGN §5): `HybridAttnBackend` (decode on one backend, the rest
+"""Wrappers that compose any backends (docs/design.md §5): `HybridAttnBackend` (decode on one backend, the rest
 on another), `TboAttnBackend` (two-batch overlap) with its batch splitter, and `MultiStepDraftBackend`
 (one speculative-draft wrapper for every backend)."""
 

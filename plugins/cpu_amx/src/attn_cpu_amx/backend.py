@@ -22,7 +22,7 @@ import torch
 
 from attn_core.backend import AttentionBackend
 from attn_core.batch import ForwardBatch
-from attn_core.context import _dtype_name
+from attn_core.context import dtype_name
 from attn_core.errors import BackendUnavailableError, InvalidArgumentError, KVCacheError, UnsupportedFeatureError
 from attn_cpu_amx import isa as cpu_isa
 from attn_cpu_amx.build import load_kernels
@@ -68,7 +68,7 @@ class CpuAmxBackend(AttentionBackend[_Metadata]):
             raise BackendUnavailableError(self.name, reason)
         self.path = path
         #: the kernels this backend's calls run (amx -> avx512 for float32 or head dims not multiple of 32)
-        self.kernel_path = cpu_isa.kernel_path(path, _dtype_name(ctx.dtype), _dtype_name(ctx.kv_dtype), ctx.head_dim, ctx.v_head_dim)
+        self.kernel_path = cpu_isa.kernel_path(path, dtype_name(ctx.dtype), dtype_name(ctx.kv_dtype), ctx.head_dim, ctx.v_head_dim)
         self._path_id = cpu_isa.PATH_IDS[self.kernel_path]
         self.max_splits = max_splits
         self.min_split_keys = min_split_keys

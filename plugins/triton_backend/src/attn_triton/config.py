@@ -1,6 +1,6 @@
 """Kernel tile choices and the decode split policy, picked per head dim and device (no autotuning).
 
-Hand-picked for Hopper (H100/H200) on the DESIGN §7 shapes; tiny tiles under the interpreter keep
+Hand-picked for Hopper (H100/H200) on the docs/design.md §8 shapes; tiny tiles under the interpreter keep
 CPU tests fast. Deterministic mode takes the same tiles (they depend on the model, never the batch)
 and a fixed split policy.
 """
@@ -48,7 +48,7 @@ def decode_config(head_dim: int, v_head_dim: int, dtype: torch.dtype, device: to
         return DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=2)
     if dtype == torch.float32:
         return DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=2)
-    # H200 sweep (docs/perf.md): 128-key tiles, 8 warps, 3 stages won on every DESIGN §7 decode row
+    # H200 sweep (docs/perf.md): 128-key tiles, 8 warps, 3 stages won on every docs/design.md §8 decode row
     return DecodeConfig(block_n=128, block_h=16, num_warps=8, num_stages=3)
 
 

@@ -10,7 +10,7 @@ from typing import Optional
 
 from attn_core.capabilities import ARCH_MHA, ARCH_MLA, Capabilities, CudaGraphLevel, Feature
 from attn_core.forward_mode import ForwardMode
-from attn_core.probes import module_missing, triton_interpreter_enabled
+from attn_core.probes import gpu_device_present, module_missing, triton_interpreter_enabled
 from attn_core.spec import BackendSpec
 
 #: MHA head dims: any multiple of 8 up to 256 (masked to the next power of two in the kernels).
@@ -51,6 +51,8 @@ def probe() -> Optional[str]:
         return reason
     if triton_interpreter_enabled():
         return None
+    if not gpu_device_present():
+        return "needs a CUDA or ROCm GPU (none on this machine); CPU tensors run only under the Triton interpreter (set TRITON_INTERPRET=1)"
     import torch
 
     if torch.cuda.is_available():
@@ -62,6 +64,13 @@ def probe() -> Optional[str]:
     )
 
 
+def info() -> str:
+    """The Triton version and whether attn-core's cached launch of the index kernel is on (and why not)."""
+    from attn_core.ops.triton_launch import cached_launch_status
+
+    return f"cached index launch {cached_launch_status()}"
+
+
 SPEC = BackendSpec(
     name="triton",
     summary="Paged-KV decode/extend attention in Triton: split-KV decode, MLA, spec verify, CUDA graphs",
@@ -70,4 +79,5 @@ SPEC = BackendSpec(
     backend_class="attn_triton.backend:TritonAttnBackend",
     priority=10,
     probe_fn=probe,
+    info_fn=info,
 )
