@@ -406,7 +406,7 @@ def _metadata_row(bs: int, ctx_len: int, n: int, gen: torch.Generator) -> dict:
         ),
         n,
     )  # fmt: skip
-    kvt._LAUNCH.enabled = False
+    kvt._LAUNCH.off_reason = "benchmark: the normal launcher, for comparison"
     plain = _host_us(lambda: backend.init_forward_metadata(w.batch), n)
     plain_launch = _host_us(
         lambda: kvt.kv_indices_triton(
@@ -415,7 +415,7 @@ def _metadata_row(bs: int, ctx_len: int, n: int, gen: torch.Generator) -> dict:
         ),
         n,
     )  # fmt: skip
-    kvt._LAUNCH.enabled = True
+    kvt._LAUNCH.off_reason = None
     full = TritonAttnBackend(make_context(w, validation="full"))  # + the device checks: one sync per step
     for _ in range(20):
         full.init_forward_metadata(w.batch)
