@@ -227,6 +227,8 @@ class AttentionBackend(abc.ABC):
             self.require(Feature.LOGIT_CAP, f"logit_cap={layer.logit_cap} (layer {layer.layer_id})")
         if layer.sliding_window_size is not None:
             self.require(Feature.SLIDING_WINDOW, f"sliding_window_size={layer.sliding_window_size} (layer {layer.layer_id})")
+        if layer.attention_chunk_size is not None:
+            self.require(Feature.CHUNKED_LOCAL_ATTENTION, f"attention_chunk_size={layer.attention_chunk_size} (layer {layer.layer_id})")
         if layer.is_cross_attention:
             self.require(Feature.CROSS_ATTENTION, f"cross attention (layer {layer.layer_id})")
         if layer.num_kv_heads != ctx.num_kv_heads or layer.num_q_heads != ctx.num_q_heads:

@@ -24,6 +24,7 @@ class Feature(str, enum.Enum):
     LSE_OUTPUT = "lse_output"
     SPEC_TOPK_GT1 = "spec_topk>1"
     DETERMINISTIC = "deterministic"
+    CHUNKED_LOCAL_ATTENTION = "chunked_local_attention"
 
     def __str__(self) -> str:
         return self.value

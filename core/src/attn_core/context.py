@@ -18,7 +18,7 @@ class BackendContext:
     """Construction-time facts for one model on one device (head counts are per rank).
 
     `features`, `forward_modes` and `cuda_graph` say what the engine will ask for; sliding window,
-    cross attention, deterministic mode and speculative settings add their features and modes
+    chunked local attention, cross attention, deterministic mode and speculative settings add their features and modes
     automatically (see `requirements`).
     """
 
@@ -35,6 +35,9 @@ class BackendContext:
     req_to_token_pool: object = None
     token_to_kv_pool: object = None
     sliding_window_size: Optional[int] = None
+    #: chunk size of the model's chunked local layers (`AttentionLayer.attention_chunk_size`), so that
+    #: backends can build their per-step local metadata once; None: the model has no such layer
+    attention_chunk_size: Optional[int] = None
     attention_arch: str = ARCH_MHA
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
@@ -75,6 +78,8 @@ class BackendContext:
             raise InvalidArgumentError("num_q_heads", f"a multiple of num_kv_heads={self.num_kv_heads}", self.num_q_heads)
         if self.sliding_window_size is not None and self.sliding_window_size < 1:
             raise InvalidArgumentError("sliding_window_size", "None or >= 1", self.sliding_window_size)
+        if self.attention_chunk_size is not None and self.attention_chunk_size < 1:
+            raise InvalidArgumentError("attention_chunk_size", "None or >= 1", self.attention_chunk_size)
         pool = self.token_to_kv_pool
         if pool is not None and getattr(pool, "page_size", self.page_size) != self.page_size:
             raise InvalidArgumentError("page_size", f"the KV pool's page_size {pool.page_size}", self.page_size)
@@ -96,6 +101,8 @@ class BackendContext:
         modes = set(self.forward_modes)
         if self.sliding_window_size is not None:
             features.add(Feature.SLIDING_WINDOW)
+        if self.attention_chunk_size is not None:
+            features.add(Feature.CHUNKED_LOCAL_ATTENTION)
         if self.is_encoder_decoder:
             features.add(Feature.CROSS_ATTENTION)
         if self.deterministic:

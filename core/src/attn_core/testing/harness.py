@@ -60,6 +60,10 @@ class AttnCase:
     cuda_graph_level: int = 0
     #: sliding window on even layers only (odd layers attend fully), as interleaved-window models do
     window_even_layers_only: bool = False
+    #: chunked local attention (`AttentionLayer.attention_chunk_size`) on every layer, or on even layers
+    #: only (odd layers attend fully, as Llama-4 interleaves them) with `chunk_even_layers_only`
+    attention_chunk_size: Optional[int] = None
+    chunk_even_layers_only: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "mode", ForwardMode.parse(self.mode))
@@ -83,11 +87,13 @@ class AttnCase:
             parts.append(f"mla={self.kv_lora_rank}+{self.qk_rope_head_dim}")
         if self.kv_dtype and self.kv_dtype != self.dtype:
             parts.append(f"kv={self.kv_dtype}")
-        for name in ("sliding_window", "logit_cap", "sinks", "cross_attention", "return_lse"):
+        for name in ("sliding_window", "attention_chunk_size", "logit_cap", "sinks", "cross_attention", "return_lse"):
             if getattr(self, name):
                 parts.append(f"{name}={getattr(self, name)}")
         if self.window_even_layers_only:
             parts.append("window on even layers only")
+        if self.chunk_even_layers_only:
+            parts.append("chunk on even layers only")
         if self.mode.is_target_verify() and not self.custom_mask:
             parts.append("no custom mask")
         if self.steps:
@@ -98,6 +104,8 @@ class AttnCase:
         f = set()
         if self.sliding_window is not None:
             f.add(Feature.SLIDING_WINDOW)
+        if self.attention_chunk_size is not None:
+            f.add(Feature.CHUNKED_LOCAL_ATTENTION)
         if self.logit_cap:
             f.add(Feature.LOGIT_CAP)
         if self.sinks:
@@ -163,11 +171,12 @@ def make_env(case: AttnCase) -> CaseEnv:
         req_to_token_pool=req_pool,
         token_to_kv_pool=kv_pool,
         sliding_window_size=case.sliding_window,
+        attention_chunk_size=case.attention_chunk_size,
         attention_arch=case.arch,
         kv_lora_rank=case.kv_lora_rank,
         qk_rope_head_dim=case.qk_rope_head_dim,
         is_encoder_decoder=case.cross_attention,
-        features=case.features() - {Feature.SLIDING_WINDOW, Feature.CROSS_ATTENTION},
+        features=case.features() - {Feature.SLIDING_WINDOW, Feature.CROSS_ATTENTION, Feature.CHUNKED_LOCAL_ATTENTION},
         forward_modes=frozenset({case.mode}),
         cuda_graph=case.cuda_graph_level,
     )
@@ -273,6 +282,7 @@ def make_layer(case: AttnCase, layer_id: int) -> AttentionLayer:
         logit_cap=case.logit_cap,
         sliding_window_size=None if case.window_even_layers_only and layer_id % 2 else case.sliding_window,
         is_cross_attention=case.cross_attention,
+        attention_chunk_size=None if case.chunk_even_layers_only and layer_id % 2 else case.attention_chunk_size,
     )
 
 
@@ -342,6 +352,7 @@ def reference_for_layer(
                 logit_cap=layer.logit_cap,
                 sinks=inputs["sinks"],
                 mask=None if masks is None else masks[j],
+                chunk_size=layer.attention_chunk_size,
             )
         outs.append(o)
         lses.append(lse)

@@ -255,6 +255,8 @@ class PlanBuilder:
             for mode in self.variant_modes():  # one metadata, windowed and full layers interleaved
                 case = self.case(mode, self.fixed_requests(mode), sliding_window=p.windows[-1], window_even_layers_only=True)
                 self.numeric(f"sliding_window_interleaved-{mode.name}", case)
+        if Feature.CHUNKED_LOCAL_ATTENTION in declared:
+            self.add_chunked_local_checks()
         if Feature.LOGIT_CAP in declared:
             for mode in self.variant_modes():
                 self.numeric(f"logit_cap-{mode.name}", self.case(mode, self.fixed_requests(mode), logit_cap=LOGIT_CAP))
@@ -290,6 +292,7 @@ class PlanBuilder:
         refusals = {
             Feature.SLIDING_WINDOW: dict(sliding_window=3),
             Feature.LOGIT_CAP: dict(logit_cap=LOGIT_CAP),
+            Feature.CHUNKED_LOCAL_ATTENTION: dict(attention_chunk_size=3),
             Feature.SINKS: dict(sinks=True),
             Feature.LSE_OUTPUT: dict(return_lse=True),
         }
@@ -306,6 +309,26 @@ class PlanBuilder:
         if Feature.CUSTOM_MASK not in declared and ForwardMode.TARGET_VERIFY in self.base.modes:
             case = self.case(ForwardMode.TARGET_VERIFY, self.fixed_requests(ForwardMode.TARGET_VERIFY), custom_mask=True)
             self.add("refuse-custom_mask", refusal_check(target, case, "custom mask"), case.describe())
+
+    def add_chunked_local_checks(self) -> None:
+        """Chunked local attention: each profile chunk size (fixed requests, whose new tokens cross chunk
+        boundaries); a page size the chunk is not a multiple of; chunked and full layers interleaved over
+        one metadata, over several steps of the same pools."""
+        p = self.p
+        for c in p.chunk_sizes:
+            for mode in self.variant_modes():
+                self.numeric(f"chunked_local-{c}-{mode.name}", self.case(mode, self.fixed_requests(mode), attention_chunk_size=c))
+        pages = [ps for ps in self.page_sizes() if ps > 1]
+        if pages:
+            ps = 16 if 16 in pages else pages[0]
+            c = next((c for c in p.chunk_sizes if c % ps), p.chunk_sizes[0])
+            for mode in self.variant_modes():
+                case = self.case(mode, self.page_requests(mode, ps), page_size=ps, attention_chunk_size=c)
+                self.numeric(f"chunked_local-page_size-{ps}-{mode.name}", case)
+        for mode in self.variant_modes():
+            reqs = self.fixed_requests(mode) + [(self.p.max_prefix // 2, 1 if mode.is_decode() else 2), (5, 1)]
+            case = self.case(mode, reqs, attention_chunk_size=p.chunk_sizes[0], chunk_even_layers_only=True, steps=((0, 2, 4), (1, 3, 5)))
+            self.numeric(f"chunked_local_interleaved-{mode.name}", case)
 
     def combined_mode(self) -> Optional[ForwardMode]:
         for mode in (ForwardMode.MIXED, ForwardMode.EXTEND, ForwardMode.DECODE):

@@ -31,6 +31,8 @@ class KitProfile:
     gqa: tuple[tuple[int, int], ...]  # (q heads, kv heads) tried
     windows: tuple[int, ...]  # sliding windows tried
     num_layers: int = 2  # layers per case: metadata is built once and reused by all
+    #: chunk sizes of chunked local attention tried (at least one not a multiple of the page sizes)
+    chunk_sizes: tuple[int, ...] = (5, 24)
 
 
 _PROFILES = {
@@ -39,7 +41,24 @@ _PROFILES = {
         "cpu", "cpu", False, 4, 2, 64, 40, 6, 64, 24, 300, 5, 4, 25, (32, 64, 96, 128, 256), ((4, 4), (8, 1), (8, 2), (10, 2)), (1, 3, 16)
     ),
     ("cuda", True): KitProfile(
-        "cuda-quick", "cuda", True, 16, 4, 128, 576, 8, 512, 64, 2048, 8, 1, 5, (64, 128, 256), ((16, 16), (32, 4)), (1, 128)
+        "cuda-quick",
+        "cuda",
+        True,
+        16,
+        4,
+        128,
+        576,
+        8,
+        512,
+        64,
+        2048,
+        8,
+        1,
+        5,
+        (64, 128, 256),
+        ((16, 16), (32, 4)),
+        (1, 128),
+        chunk_sizes=(200,),
     ),
     ("cuda", False): KitProfile(
         "cuda",
@@ -59,6 +78,7 @@ _PROFILES = {
         (64, 96, 128, 256),
         ((32, 32), (32, 8), (64, 8), (40, 8), (16, 1)),
         (1, 128, 1024),
+        chunk_sizes=(200, 1024),
     ),
 }
 

@@ -4,7 +4,10 @@ Per step, `init_forward_metadata` builds CSR key indices (and decode split count
 one Triton launch per key set; per layer, DECODE runs the split-KV decode kernel and every other mode
 the extend kernel. CUDA graphs (DECODE, TARGET_VERIFY) read persistent buffers that replay refreshes
 (`graph.py`). With `ctx.deterministic` the decode split layout depends only on each request's own length
-(batch-invariant outputs).
+(batch-invariant outputs). With `ctx.attention_chunk_size` C the step's metadata also holds the keys of
+chunked local layers: in DECODE each request's keys from its chunk start, in the other modes the step
+split into virtual requests (`attn_core.local_attention`), served by the same kernels; CUDA graphs and
+TARGET_VERIFY custom masks are refused together with chunked local attention.
 """
 
 from __future__ import annotations
@@ -19,13 +22,14 @@ from attn_core.context import BackendContext, _dtype_name
 from attn_core.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedFeatureError
 from attn_core.graph_step import CudaGraphStep
 from attn_core.layer import AttentionLayer
+from attn_core.local_attention import local_decode_starts, make_local_attention_virtual_batches
 from attn_core.ops.device_faults import DeviceFaultFlags
 from attn_core.probes import triton_interpreter_enabled
 from attn_triton.config import SplitPolicy, decode_config, extend_config
 from attn_triton.graph import GraphState
 from attn_triton.kernels.decode import DecodeConfig, decode_attention, head_blocks
 from attn_triton.kernels.extend import ExtendConfig, extend_attention
-from attn_triton.metadata import DecodeMetadata, ExtendMetadata, KVIndex, Splits, SplitScratch, fill_kv, new_kv
+from attn_triton.metadata import DecodeMetadata, ExtendMetadata, KVIndex, LocalExtend, Splits, SplitScratch, fill_kv, new_kv
 from attn_triton.spec import CAPABILITIES
 
 MAX_MHA_HEAD_DIM = 256
@@ -102,7 +106,42 @@ class TritonAttnBackend(AttentionBackend):
         if b.encoder_lens is not None:
             cross = new_kv(bs, int(b.encoder_lens_cpu.sum()), dev)
             fill_kv(cross, r2t, b.req_pool_indices, b.encoder_lens, fault)
-        return DecodeMetadata(kv, cross, splits, *self._scratch.views(bs, splits.max_splits))
+        local_kv = self._local_decode_kv(b, r2t) if self.ctx.attention_chunk_size is not None else None
+        return DecodeMetadata(kv, cross, splits, *self._scratch.views(bs, splits.max_splits), local_kv=local_kv)
+
+    def _local_decode_kv(self, b: ForwardBatch, r2t: torch.Tensor) -> KVIndex:
+        """Keys of chunked local layers in DECODE: request r's keys from the start of the chunk holding
+        its position seq_len-1 (one request each, no virtual batch)."""
+        chunk = self.ctx.attention_chunk_size
+        starts = local_decode_starts(chunk, b.seq_lens)
+        total = int((b.seq_lens_cpu - local_decode_starts(chunk, b.seq_lens_cpu)).sum())
+        kv = new_kv(b.batch_size, total, self.device)
+        col = starts if b.encoder_lens is None else starts + b.encoder_lens
+        fill_kv(kv, r2t, b.req_pool_indices, (b.seq_lens - starts).to(torch.int32), self.device_faults.buffer, kv_start=col.to(torch.int32))
+        return kv
+
+    def _local_extend(self, b: ForwardBatch, r2t: torch.Tensor) -> LocalExtend:
+        """The step as the virtual requests of chunked local attention: host lists from the batch's
+        `*_cpu` data, one host→device copy, one index launch."""
+        vb = make_local_attention_virtual_batches(self.ctx.attention_chunk_size, b)
+        n = vb.num_virtual
+        host = torch.tensor([vb.req_indices, vb.kv_starts, vb.kv_lens, vb.q_lens], dtype=torch.int32).reshape(4, n)
+        dev = host.to(self.device, non_blocking=True)
+        req = dev[0].long()
+        col = dev[1] if b.encoder_lens is None else dev[1] + b.encoder_lens[req]
+        kv = new_kv(n, vb.num_keys, self.device)
+        qo_indptr = torch.empty(n + 1, dtype=torch.int32, device=self.device)
+        fill_kv(
+            kv,
+            r2t,
+            b.req_pool_indices[req],
+            dev[2],
+            self.device_faults.buffer,
+            kv_start=col.to(torch.int32),
+            q_lens=dev[3],
+            qo_indptr=qo_indptr,
+        )
+        return LocalExtend(qo_indptr, vb.max_q_len, kv)
 
     def _extend_metadata(self, b: ForwardBatch, r2t: torch.Tensor) -> ExtendMetadata:
         bs, dev = b.batch_size, self.device
@@ -126,7 +165,12 @@ class TritonAttnBackend(AttentionBackend):
             cross = new_kv(bs, int(b.encoder_lens_cpu.sum()), dev)
             fill_kv(cross, r2t, b.req_pool_indices, b.encoder_lens, self.device_faults.buffer)
         max_q = int(b.extend_seq_lens_cpu.max()) if bs else 0
-        return ExtendMetadata(qo_indptr, max_q, kv, cross, mask, mask_indptr)
+        local = None
+        if self.ctx.attention_chunk_size is not None:
+            if mask is not None:
+                raise UnsupportedFeatureError(self.name, "chunked local attention together with a custom mask (TARGET_VERIFY)")
+            local = self._local_extend(b, r2t)
+        return ExtendMetadata(qo_indptr, max_q, kv, cross, mask, mask_indptr, local)
 
     # ---- CUDA graphs -------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -140,6 +184,8 @@ class TritonAttnBackend(AttentionBackend):
         return self.graph
 
     def capture_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
+        if self.ctx.attention_chunk_size is not None:
+            raise UnsupportedFeatureError(self.name, "CUDA graphs with chunked local attention (attention_chunk_size)")
         self.forward_metadata = self._graph_state().capture(step)
 
     def replay_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
@@ -168,7 +214,7 @@ class TritonAttnBackend(AttentionBackend):
     # ---- attention ---------------------------------------------------------------------------
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, return_lse=False):
         meta = self._metadata(DecodeMetadata)
-        keys = self._keys(meta, layer)
+        keys = self._local(meta.local_kv, layer) if layer.attention_chunk_size is not None else self._keys(meta, layer)
         k_buf, v_buf = self._save_and_buffers(q, k, v, layer, forward_batch, save_kv_cache, sinks)
         T, hq, dv = q.shape[0], layer.num_q_heads, layer.v_head_dim
         o = q.new_empty((T, hq, dv))
@@ -201,7 +247,12 @@ class TritonAttnBackend(AttentionBackend):
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, return_lse=False):
         meta = self._metadata(ExtendMetadata)
-        keys = self._keys(meta, layer)
+        qo_indptr, max_q_len = meta.qo_indptr, meta.max_q_len
+        if layer.attention_chunk_size is not None:
+            local = self._local(meta.local, layer)
+            qo_indptr, max_q_len, keys = local.qo_indptr, local.max_q_len, local.kv
+        else:
+            keys = self._keys(meta, layer)
         k_buf, v_buf = self._save_and_buffers(q, k, v, layer, forward_batch, save_kv_cache, sinks)
         T, hq, dv = q.shape[0], layer.num_q_heads, layer.v_head_dim
         o = q.new_empty((T, hq, dv))
@@ -212,10 +263,10 @@ class TritonAttnBackend(AttentionBackend):
             k_buf,
             v_buf,
             o,
-            meta.qo_indptr,
+            qo_indptr,
             keys.indptr,
             keys.indices,
-            meta.max_q_len,
+            max_q_len,
             self.device_faults.buffer,
             sm_scale=layer.scaling,
             config=self.extend_cfg,
@@ -251,6 +302,17 @@ class TritonAttnBackend(AttentionBackend):
                 raise InvalidArgumentError("forward_batch.encoder_lens", "encoder lengths for a cross-attention layer", None)
             return meta.cross
         return meta.kv
+
+    def _local(self, local, layer: AttentionLayer):
+        """The step's chunked-local metadata for `layer`, built for the context's chunk size."""
+        chunk = self.ctx.attention_chunk_size
+        if local is None or layer.attention_chunk_size != chunk:
+            raise InvalidArgumentError(
+                f"layer {layer.layer_id} attention_chunk_size",
+                f"the context's attention_chunk_size ({chunk}), for which the step's metadata is built",
+                layer.attention_chunk_size,
+            )
+        return local
 
     def _save_and_buffers(self, q, k, v, layer, b: ForwardBatch, save_kv_cache: bool, sinks):
         if sinks is not None and (sinks.device != q.device):

@@ -39,6 +39,9 @@ class DecodeMetadata:
     splits: Splits
     part_o: torch.Tensor
     part_lse: torch.Tensor
+    #: keys of chunked local layers (each request's keys from the start of its query's chunk), when the
+    #: context has an attention_chunk_size
+    local_kv: Optional[KVIndex] = None
 
 
 @dataclass
@@ -52,6 +55,18 @@ class ExtendMetadata:
     cross: Optional[KVIndex]
     custom_mask: Optional[torch.Tensor] = None
     mask_indptr: Optional[torch.Tensor] = None
+    #: the step as virtual requests for chunked local layers, when the context has an attention_chunk_size
+    local: Optional[LocalExtend] = None
+
+
+@dataclass
+class LocalExtend:
+    """An extend-like step split into the virtual requests of chunked local attention
+    (`attn_core.local_attention`): their q rows (qo_indptr `[V+1]` int32, `max_q_len` host int) and keys."""
+
+    qo_indptr: torch.Tensor
+    max_q_len: int
+    kv: KVIndex
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ CAPABILITIES = Capabilities(
             Feature.LSE_OUTPUT,
             Feature.SPEC_TOPK_GT1,
             Feature.DETERMINISTIC,
+            Feature.CHUNKED_LOCAL_ATTENTION,
         }
     ),
     cuda_graph=CudaGraphLevel.UNIFORM_BATCH,

@@ -3,7 +3,8 @@
 Per step, the metadata holds padded tables: for each request its query rows `[bs, Lq]`, its key slots
 `[bs, W]` and the base visibility mask `[bs, Lq, W]` (valid ∧ (causal or custom mask)). A layer gathers
 K/V of those slots, masks (plus its sliding window), and runs a softmax in float32, chunked over the
-query axis so the score tensor stays under `max_score_bytes`. In CUDA-graph mode the widths are fixed
+query axis so the score tensor stays under `max_score_bytes`. A chunked local layer (attention_chunk_size
+C) further keeps the keys at or after the start of the query's chunk, (q_pos // C) * C. In CUDA-graph mode the widths are fixed
 (W = max_context_len) and replay rewrites the tables in place.
 """
 
@@ -194,6 +195,10 @@ class TorchNativeBackend(AttentionBackend):
         if layer.sliding_window_size is not None and not layer.is_cross_attention:
             kj = torch.arange(allowed.shape[-1], device=allowed.device)
             allowed = allowed & (kj[None, None, :] > meta.q_pos[:, :, None] - layer.sliding_window_size)
+        if layer.attention_chunk_size is not None:  # chunked local: keys of the query's own chunk only
+            kj = torch.arange(allowed.shape[-1], device=allowed.device)
+            chunk_start = torch.div(meta.q_pos, layer.attention_chunk_size, rounding_mode="floor") * layer.attention_chunk_size
+            allowed = allowed & (kj[None, None, :] >= chunk_start[:, :, None])
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         return _attention(q, k_buf, v_buf, keys.slots, allowed, meta, layer, sinks, return_lse, self.max_score_bytes)
 

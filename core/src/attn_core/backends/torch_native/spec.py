@@ -22,6 +22,7 @@ CAPABILITIES = Capabilities(
             Feature.CROSS_ATTENTION,
             Feature.LSE_OUTPUT,
             Feature.SPEC_TOPK_GT1,
+            Feature.CHUNKED_LOCAL_ATTENTION,
         }
     ),
     cuda_graph=CudaGraphLevel.UNIFORM_BATCH,
