@@ -23,6 +23,7 @@ from attn_core.errors import IncompatibleBackendError, InvalidArgumentError, Uns
 from attn_core.forward_mode import ForwardMode
 from attn_core.graph_step import CudaGraphStep
 from attn_core.layer import AttentionLayer
+from attn_core.memory.window_pool import window_pool_of
 
 Output = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
@@ -241,6 +242,20 @@ class AttentionBackend(abc.ABC):
             )
         self._checked_layers.add(layer)
 
+    def _check_window_pool(self, layer: AttentionLayer, batch: ForwardBatch) -> None:
+        """A layer kept in a sliding-window KV pool needs a backend that translates its key slots, and a
+        window no larger than the pool's (older keys are released)."""
+        pool = window_pool_of(batch.token_to_kv_pool or self.ctx.token_to_kv_pool)
+        if pool is None or not pool.is_window_layer(layer.layer_id):
+            return
+        self.require(Feature.SLIDING_WINDOW_POOL, f"a sliding-window KV pool (layer {layer.layer_id})")
+        if layer.sliding_window_size is None or layer.sliding_window_size > pool.window:
+            raise InvalidArgumentError(
+                f"layer {layer.layer_id} sliding_window_size",
+                f"a window <= the window pool's {pool.window} (the layer's K/V live in the window pool)",
+                layer.sliding_window_size,
+            )
+
     def _validate(self, q, k, v, layer, batch: ForwardBatch, save_kv_cache: bool, extras):
         mode = batch.forward_mode
         caps = self.capabilities
@@ -252,6 +267,7 @@ class AttentionBackend(abc.ABC):
                 "extras", f"keyword arguments among {sorted(CORE_EXTRAS | self.extra_forward_args)}", sorted(unknown)
             )
         self._check_layer(layer)
+        self._check_window_pool(layer, batch)
         if extras.get("return_lse"):
             self.require(Feature.LSE_OUTPUT, "return_lse")
         sinks = extras.get("sinks")

@@ -25,6 +25,7 @@ class Feature(str, enum.Enum):
     SPEC_TOPK_GT1 = "spec_topk>1"
     DETERMINISTIC = "deterministic"
     CHUNKED_LOCAL_ATTENTION = "chunked_local_attention"
+    SLIDING_WINDOW_POOL = "sliding_window_pool"  # window layers served from a SlidingWindowKVPool
 
     def __str__(self) -> str:
         return self.value

@@ -18,8 +18,8 @@ class BackendContext:
     """Construction-time facts for one model on one device (head counts are per rank).
 
     `features`, `forward_modes` and `cuda_graph` say what the engine will ask for; sliding window,
-    chunked local attention, cross attention, deterministic mode and speculative settings add their features and modes
-    automatically (see `requirements`).
+    chunked local attention, a sliding-window KV pool, cross attention, deterministic mode and
+    speculative settings add their features and modes automatically (see `requirements`).
     """
 
     device: Union[str, torch.device]
@@ -103,6 +103,8 @@ class BackendContext:
             features.add(Feature.SLIDING_WINDOW)
         if self.attention_chunk_size is not None:
             features.add(Feature.CHUNKED_LOCAL_ATTENTION)
+        if getattr(self.token_to_kv_pool, "window_layers", None):
+            features.add(Feature.SLIDING_WINDOW_POOL)
         if self.is_encoder_decoder:
             features.add(Feature.CROSS_ATTENTION)
         if self.deterministic:

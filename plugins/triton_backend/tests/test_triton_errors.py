@@ -186,3 +186,21 @@ def test_chunked_local_refusals(no_launch):
     )
     with pytest.raises(UnsupportedFeatureError, match="CUDA graphs"):
         backend.capture_cuda_graph_metadata(step)
+
+
+def test_window_pool_refusals(no_launch):
+    """A sliding-window KV pool with a verify custom mask and with CUDA-graph capture: typed refusals."""
+    from attn_core.errors import UnsupportedFeatureError
+    from attn_core.graph_step import CudaGraphStep
+    from attn_triton.backend import TritonAttnBackend
+
+    env = make_env(AttnCase("TARGET_VERIFY", [(5, 3), (9, 3)], sliding_window=4, window_pool=True))
+    backend = TritonAttnBackend(env.ctx)
+    with pytest.raises(UnsupportedFeatureError, match="custom mask"):
+        backend.init_forward_metadata(env.batch)
+    backend.init_cuda_graph_state(4, 4)
+    step = CudaGraphStep(
+        forward_mode=ForwardMode.DECODE, bs=2, req_pool_indices=env.batch.req_pool_indices, seq_lens=env.batch.seq_lens, num_tokens=2
+    )
+    with pytest.raises(UnsupportedFeatureError, match="CUDA graphs"):
+        backend.capture_cuda_graph_metadata(step)

@@ -43,6 +43,28 @@ CASES = [
         return_lse=True,
         **{**GQA, "num_layers": 2},
     ),
+    # sliding-window KV pool: window layers (even) in the window pool, full layers (odd) in the full pool
+    AttnCase(
+        "DECODE",
+        [(4095, 1), (0, 1), (1000, 1)],
+        dtype="bfloat16",
+        page_size=16,
+        sliding_window=512,
+        window_even_layers_only=True,
+        window_pool=True,
+        **{**GQA, "num_layers": 2},
+    ),
+    AttnCase(
+        "EXTEND",
+        [(3000, 500), (0, 700), (64, 1)],
+        dtype="bfloat16",
+        page_size=16,
+        sliding_window=256,
+        window_even_layers_only=True,
+        window_pool=True,
+        return_lse=True,
+        **{**GQA, "num_layers": 2},
+    ),
     # head dims 64 / 256, MHA and MQA layouts
     AttnCase("DECODE", [(2000, 1), (33, 1)], dtype="bfloat16", num_q_heads=16, num_kv_heads=16, head_dim=64, device="cuda", num_layers=1),
     AttnCase("EXTEND", [(500, 300)], dtype="bfloat16", num_q_heads=8, num_kv_heads=1, head_dim=256, device="cuda", num_layers=1),

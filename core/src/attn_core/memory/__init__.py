@@ -2,6 +2,7 @@
 
 from attn_core.memory.allocator import SUPPORTED_PAGE_SIZES, KVSlotError, PagedTokenAllocator, PageTailError, TokenAllocator
 from attn_core.memory.pools import KVPool, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool, check_pool_matches
+from attn_core.memory.window_pool import SlidingWindowAllocator, SlidingWindowKVPool, window_pool_of
 
 __all__ = [
     "SUPPORTED_PAGE_SIZES",
@@ -12,6 +13,9 @@ __all__ = [
     "PagedTokenAllocator",
     "PageTailError",
     "ReqToTokenPool",
+    "SlidingWindowAllocator",
+    "SlidingWindowKVPool",
     "TokenAllocator",
     "check_pool_matches",
+    "window_pool_of",
 ]

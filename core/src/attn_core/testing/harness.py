@@ -22,7 +22,14 @@ from attn_core.capabilities import ARCH_MHA, ARCH_MLA, Feature
 from attn_core.context import BackendContext
 from attn_core.forward_mode import ForwardMode
 from attn_core.layer import AttentionLayer
-from attn_core.memory import MHATokenToKVPool, MLATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
+from attn_core.memory import (
+    MHATokenToKVPool,
+    MLATokenToKVPool,
+    PagedTokenAllocator,
+    ReqToTokenPool,
+    SlidingWindowAllocator,
+    SlidingWindowKVPool,
+)
 from attn_core.testing.reference import reference_attention, relative_error, tolerance
 
 BackendFactory = Callable[[BackendContext], object]
@@ -64,6 +71,10 @@ class AttnCase:
     #: only (odd layers attend fully, as Llama-4 interleaves them) with `chunk_even_layers_only`
     attention_chunk_size: Optional[int] = None
     chunk_even_layers_only: bool = False
+    #: keep the window layers' K/V in a `SlidingWindowKVPool` (needs `sliding_window`; MHA, no encoder):
+    #: window slots differ from full slots, and those of prefix keys outside every window are released
+    #: (their translation is the NaN-poisoned dummy slot) before the step runs
+    window_pool: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "mode", ForwardMode.parse(self.mode))
@@ -94,6 +105,8 @@ class AttnCase:
             parts.append("window on even layers only")
         if self.chunk_even_layers_only:
             parts.append("chunk on even layers only")
+        if self.window_pool:
+            parts.append("window pool")
         if self.mode.is_target_verify() and not self.custom_mask:
             parts.append("no custom mask")
         if self.steps:
@@ -106,6 +119,8 @@ class AttnCase:
             f.add(Feature.SLIDING_WINDOW)
         if self.attention_chunk_size is not None:
             f.add(Feature.CHUNKED_LOCAL_ATTENTION)
+        if self.window_pool:
+            f.add(Feature.SLIDING_WINDOW_POOL)
         if self.logit_cap:
             f.add(Feature.LOGIT_CAP)
         if self.sinks:
@@ -126,8 +141,8 @@ class CaseEnv:
     case: AttnCase
     ctx: BackendContext
     req_to_token_pool: ReqToTokenPool
-    allocator: PagedTokenAllocator
-    kv_pool: Union[MHATokenToKVPool, MLATokenToKVPool]
+    allocator: Union[PagedTokenAllocator, SlidingWindowAllocator]
+    kv_pool: Union[MHATokenToKVPool, MLATokenToKVPool, SlidingWindowKVPool]
     batch: ForwardBatch  # the first step's batch
     batches: list[ForwardBatch] = field(default_factory=list)  # one per step
     cached_k: list[list[torch.Tensor]] = field(default_factory=list)  # [layer][request] [L, Hkv, D]
@@ -151,12 +166,22 @@ def make_env(case: AttnCase) -> CaseEnv:
     max_ctx = max(rows + [1]) + ps
     mla = case.arch == ARCH_MLA
     head_dim = case.kv_lora_rank + case.qk_rope_head_dim if mla else case.head_dim
-    if mla:
+    req_pool = ReqToTokenPool(max(len(case.requests), 1), max_ctx, dev)
+    if case.window_pool:
+        if mla or case.sliding_window is None or any(r.encoder_len for r in case.requests):
+            raise ValueError("window_pool cases need an MHA case with sliding_window and no encoder tokens")
+        allocator = SlidingWindowAllocator(pages * ps, (pages + 1) * ps, case.sliding_window, ps, dev)
+        allocator.window_alloc.alloc(ps)  # one page taken first: a token's window slot never equals its full slot
+        window_layers = [i for i in range(case.num_layers) if make_layer(case, i).sliding_window_size is not None]
+        kv_pool = SlidingWindowKVPool(
+            allocator, kv_dtype, case.num_kv_heads, head_dim, case.num_layers, window_layers, dev, case.v_head_dim
+        )
+    elif mla:
+        allocator = PagedTokenAllocator(pages * ps, ps, dev)
         kv_pool = MLATokenToKVPool(pages * ps, ps, kv_dtype, case.kv_lora_rank, case.qk_rope_head_dim, case.num_layers, dev)
     else:
+        allocator = PagedTokenAllocator(pages * ps, ps, dev)
         kv_pool = MHATokenToKVPool(pages * ps, ps, kv_dtype, case.num_kv_heads, head_dim, case.num_layers, dev, case.v_head_dim)
-    req_pool = ReqToTokenPool(max(len(case.requests), 1), max_ctx, dev)
-    allocator = PagedTokenAllocator(pages * ps, ps, dev)
     ctx = BackendContext(
         device=dev,
         dtype=dtype,
@@ -189,9 +214,23 @@ def make_env(case: AttnCase) -> CaseEnv:
         if batch.spec_info is not None and not case.custom_mask:
             batch.spec_info.custom_mask = batch.spec_info.mask_indptr = None
         batches.append(batch)
+    if case.window_pool:  # prefix keys no query of the step can see leave the window pool
+        for batch, idx in zip(batches, case.step_requests()):
+            for row, i in zip(batch.req_pool_indices.tolist(), idx):
+                prefix = case.requests[i].prefix_len
+                allocator.release_out_of_window(req_pool.req_to_token[row, :prefix].cpu(), prefix)
     env = CaseEnv(case, ctx, req_pool, allocator, kv_pool, batches[0], batches)
     _fill_cache(env, gen)
     return env
+
+
+def layer_slots(env: CaseEnv, layer_id: int, slots: torch.Tensor) -> torch.Tensor:
+    """Where the K/V of the tokens at full `slots` sit in the buffers of layer `layer_id`: the same slots,
+    or for a window-pool layer their window slots (0, the dummy, for released tokens)."""
+    pool = env.kv_pool
+    if isinstance(pool, SlidingWindowKVPool) and pool.is_window_layer(layer_id):
+        return pool.window_slots(slots).long()
+    return slots
 
 
 def _rand(shape, dtype, gen, device) -> torch.Tensor:
@@ -219,12 +258,13 @@ def _fill_cache(env: CaseEnv, gen: torch.Generator) -> None:
         for row, i in zip(rows, order):
             r = case.requests[i]
             enc_slots = r2t[row, : r.encoder_len].long()
-            pre_slots = r2t[row, r.encoder_len : r.encoder_len + r.prefix_len].long()
+            pre_slots = layer_slots(env, layer, r2t[row, r.encoder_len : r.encoder_len + r.prefix_len].long())
+            kept = pre_slots != 0  # released window slots stay poisoned (slot 0 is the dummy)
             k = _rand((r.prefix_len, hk, dk), pool.dtype, gen, pool.device)
-            k_buf[pre_slots] = k
+            k_buf[pre_slots[kept]] = k[kept]
             v = k[..., :dv] if case.arch == ARCH_MLA else _rand((r.prefix_len, hv, dv), pool.dtype, gen, pool.device)
             if case.arch != ARCH_MLA:
-                v_buf[pre_slots] = v
+                v_buf[pre_slots[kept]] = v[kept]
             ks[i], vs[i] = k, v
             ek = _rand((r.encoder_len, hk, dk), pool.dtype, gen, pool.device)
             ev = ek[..., :dv] if case.arch == ARCH_MLA else _rand((r.encoder_len, hv, dv), pool.dtype, gen, pool.device)
@@ -384,7 +424,7 @@ def check_kv_writes(
     if layer.is_cross_attention:
         loc, k, v = batch.encoder_out_cache_loc, inputs["k"], inputs["v"]
     else:
-        loc, k, v = batch.out_cache_loc, inputs["k"], inputs["v"]
+        loc, k, v = layer_slots(env, layer.layer_id, batch.out_cache_loc), inputs["k"], inputs["v"]
     after = [pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)]
     expected_new = [] if k is None else [k, k[..., : pool.v_head_dim] if v is None else v]
     for name, b, a, new in zip(("K", "V"), before, after, expected_new or [None, None]):
@@ -470,6 +510,7 @@ __all__: Sequence[str] = [
     "compare_layer",
     "forward_extras",
     "layer_inputs",
+    "layer_slots",
     "make_env",
     "make_layer",
     "reference_for_layer",

@@ -255,6 +255,8 @@ class PlanBuilder:
             for mode in self.variant_modes():  # one metadata, windowed and full layers interleaved
                 case = self.case(mode, self.fixed_requests(mode), sliding_window=p.windows[-1], window_even_layers_only=True)
                 self.numeric(f"sliding_window_interleaved-{mode.name}", case)
+        if Feature.SLIDING_WINDOW_POOL in declared and Feature.SLIDING_WINDOW in declared and self.base.arch == ARCH_MHA:
+            self.add_window_pool_checks()
         if Feature.CHUNKED_LOCAL_ATTENTION in declared:
             self.add_chunked_local_checks()
         if Feature.LOGIT_CAP in declared:
@@ -303,12 +305,30 @@ class PlanBuilder:
             if feature not in declared:
                 case = self.case(mode, self.fixed_requests(mode), **kw)
                 self.add(f"refuse-{feature.value}", refusal_check(target, case, feature.value), case.describe())
+        if Feature.SLIDING_WINDOW in declared and Feature.SLIDING_WINDOW_POOL not in declared and self.base.arch == ARCH_MHA:
+            case = self.case(mode, self.fixed_requests(mode), sliding_window=3, window_pool=True)
+            self.add("refuse-sliding_window_pool", refusal_check(target, case, "sliding-window KV pool"), case.describe())
         if Feature.CROSS_ATTENTION not in declared:
             case = self.case(mode, self.encoder_requests(mode), cross_attention=True)
             self.add("refuse-cross_attention", refusal_check(target, case, "cross attention"), case.describe())
         if Feature.CUSTOM_MASK not in declared and ForwardMode.TARGET_VERIFY in self.base.modes:
             case = self.case(ForwardMode.TARGET_VERIFY, self.fixed_requests(ForwardMode.TARGET_VERIFY), custom_mask=True)
             self.add("refuse-custom_mask", refusal_check(target, case, "custom mask"), case.describe())
+
+    def add_window_pool_checks(self) -> None:
+        """Window layers in a `SlidingWindowKVPool` (released prefix keys poisoned), interleaved with full
+        layers over one metadata and over several steps; and at a page size > 1."""
+        w = self.p.windows[-1]
+        for mode in self.variant_modes():
+            reqs = self.fixed_requests(mode) + [(self.p.max_prefix // 2, 1 if mode.is_decode() else 2), (5, 1)]
+            case = self.case(mode, reqs, sliding_window=w, window_even_layers_only=True, window_pool=True, steps=((0, 2, 4), (1, 3, 5)))
+            self.numeric(f"window_pool_interleaved-{mode.name}", case)
+        pages = [ps for ps in self.page_sizes() if ps > 1]
+        if pages:
+            ps = 16 if 16 in pages else pages[0]
+            for mode in self.variant_modes():
+                case = self.case(mode, self.page_requests(mode, ps), page_size=ps, sliding_window=w, window_pool=True)
+                self.numeric(f"window_pool-page_size-{ps}-{mode.name}", case)
 
     def add_chunked_local_checks(self) -> None:
         """Chunked local attention: each profile chunk size (fixed requests, whose new tokens cross chunk

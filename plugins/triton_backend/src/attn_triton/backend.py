@@ -7,7 +7,9 @@ the extend kernel. CUDA graphs (DECODE, TARGET_VERIFY) read persistent buffers t
 (batch-invariant outputs). With `ctx.attention_chunk_size` C the step's metadata also holds the keys of
 chunked local layers: in DECODE each request's keys from its chunk start, in the other modes the step
 split into virtual requests (`attn_core.local_attention`), served by the same kernels; CUDA graphs and
-TARGET_VERIFY custom masks are refused together with chunked local attention.
+TARGET_VERIFY custom masks are refused together with chunked local attention. With a
+`SlidingWindowKVPool` the window layers read a second key index: each request's keys from the oldest one
+inside the pool's window, translated to window slots (CUDA graphs and custom masks refused there too).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from attn_core.errors import BackendUnavailableError, InvalidArgumentError, Unsu
 from attn_core.graph_step import CudaGraphStep
 from attn_core.layer import AttentionLayer
 from attn_core.local_attention import local_decode_starts, make_local_attention_virtual_batches
+from attn_core.memory.window_pool import SlidingWindowKVPool, window_pool_of
 from attn_core.ops.device_faults import DeviceFaultFlags
 from attn_core.probes import triton_interpreter_enabled
 from attn_triton.config import SplitPolicy, decode_config, extend_config
@@ -107,7 +110,26 @@ class TritonAttnBackend(AttentionBackend):
             cross = new_kv(bs, int(b.encoder_lens_cpu.sum()), dev)
             fill_kv(cross, r2t, b.req_pool_indices, b.encoder_lens, fault)
         local_kv = self._local_decode_kv(b, r2t) if self.ctx.attention_chunk_size is not None else None
-        return DecodeMetadata(kv, cross, splits, *self._scratch.views(bs, splits.max_splits), local_kv=local_kv)
+        pool = window_pool_of(self.kv_pool(b))
+        window_kv = self._window_kv(b, r2t, pool) if pool is not None else None
+        return DecodeMetadata(kv, cross, splits, *self._scratch.views(bs, splits.max_splits), local_kv=local_kv, window_kv=window_kv)
+
+    def _window_kv(self, b: ForwardBatch, r2t: torch.Tensor, pool: SlidingWindowKVPool) -> KVIndex:
+        """Keys of window-pool layers: request r's keys from position max(0, first query - window + 1)
+        (older ones may be released) to its last, as window slots. The kernels' causal and window masks
+        depend only on positions relative to the request's last key, so the shorter key list is exact."""
+        w = pool.window
+        if b.forward_mode.is_decode():
+            q_dev, q_cpu = 1, 1
+        else:
+            q_dev, q_cpu = b.extend_seq_lens, b.extend_seq_lens_cpu
+        starts = (b.seq_lens - q_dev - w + 1).clamp_min(0)
+        total = int((b.seq_lens_cpu - (b.seq_lens_cpu - q_cpu - w + 1).clamp_min(0)).sum())
+        kv = new_kv(b.batch_size, total, self.device)
+        col = starts if b.encoder_lens is None else starts + b.encoder_lens
+        fill_kv(kv, r2t, b.req_pool_indices, (b.seq_lens - starts).to(torch.int32), self.device_faults.buffer, kv_start=col.to(torch.int32))
+        kv.indices[:total] = pool.window_slots(kv.indices[:total])
+        return kv
 
     def _local_decode_kv(self, b: ForwardBatch, r2t: torch.Tensor) -> KVIndex:
         """Keys of chunked local layers in DECODE: request r's keys from the start of the chunk holding
@@ -170,7 +192,13 @@ class TritonAttnBackend(AttentionBackend):
             if mask is not None:
                 raise UnsupportedFeatureError(self.name, "chunked local attention together with a custom mask (TARGET_VERIFY)")
             local = self._local_extend(b, r2t)
-        return ExtendMetadata(qo_indptr, max_q, kv, cross, mask, mask_indptr, local)
+        pool = window_pool_of(self.kv_pool(b))
+        window_kv = None
+        if pool is not None:
+            if mask is not None:
+                raise UnsupportedFeatureError(self.name, "a sliding-window KV pool together with a custom mask (TARGET_VERIFY)")
+            window_kv = self._window_kv(b, r2t, pool)
+        return ExtendMetadata(qo_indptr, max_q, kv, cross, mask, mask_indptr, local, window_kv)
 
     # ---- CUDA graphs -------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -186,6 +214,8 @@ class TritonAttnBackend(AttentionBackend):
     def capture_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
         if self.ctx.attention_chunk_size is not None:
             raise UnsupportedFeatureError(self.name, "CUDA graphs with chunked local attention (attention_chunk_size)")
+        if window_pool_of(self.ctx.token_to_kv_pool) is not None:
+            raise UnsupportedFeatureError(self.name, "CUDA graphs with a sliding-window KV pool")
         self.forward_metadata = self._graph_state().capture(step)
 
     def replay_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
@@ -214,7 +244,7 @@ class TritonAttnBackend(AttentionBackend):
     # ---- attention ---------------------------------------------------------------------------
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, return_lse=False):
         meta = self._metadata(DecodeMetadata)
-        keys = self._local(meta.local_kv, layer) if layer.attention_chunk_size is not None else self._keys(meta, layer)
+        keys = self._local(meta.local_kv, layer) if layer.attention_chunk_size is not None else self._keys(meta, layer, forward_batch)
         k_buf, v_buf = self._save_and_buffers(q, k, v, layer, forward_batch, save_kv_cache, sinks)
         T, hq, dv = q.shape[0], layer.num_q_heads, layer.v_head_dim
         o = q.new_empty((T, hq, dv))
@@ -252,7 +282,7 @@ class TritonAttnBackend(AttentionBackend):
             local = self._local(meta.local, layer)
             qo_indptr, max_q_len, keys = local.qo_indptr, local.max_q_len, local.kv
         else:
-            keys = self._keys(meta, layer)
+            keys = self._keys(meta, layer, forward_batch)
         k_buf, v_buf = self._save_and_buffers(q, k, v, layer, forward_batch, save_kv_cache, sinks)
         T, hq, dv = q.shape[0], layer.num_q_heads, layer.v_head_dim
         o = q.new_empty((T, hq, dv))
@@ -295,8 +325,9 @@ class TritonAttnBackend(AttentionBackend):
             )
         return meta
 
-    @staticmethod
-    def _keys(meta, layer: AttentionLayer) -> KVIndex:
+    def _keys(self, meta, layer: AttentionLayer, b: ForwardBatch) -> KVIndex:
+        if meta.window_kv is not None and window_pool_of(self.kv_pool(b)).is_window_layer(layer.layer_id):
+            return meta.window_kv
         if layer.is_cross_attention:
             if meta.cross is None:
                 raise InvalidArgumentError("forward_batch.encoder_lens", "encoder lengths for a cross-attention layer", None)

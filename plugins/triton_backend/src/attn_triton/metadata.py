@@ -42,6 +42,9 @@ class DecodeMetadata:
     #: keys of chunked local layers (each request's keys from the start of its query's chunk), when the
     #: context has an attention_chunk_size
     local_kv: Optional[KVIndex] = None
+    #: keys of window layers kept in a SlidingWindowKVPool (window slots, from each request's oldest
+    #: key still inside the pool's window), when the step's pool is one
+    window_kv: Optional[KVIndex] = None
 
 
 @dataclass
@@ -57,6 +60,8 @@ class ExtendMetadata:
     mask_indptr: Optional[torch.Tensor] = None
     #: the step as virtual requests for chunked local layers, when the context has an attention_chunk_size
     local: Optional[LocalExtend] = None
+    #: keys of window layers kept in a SlidingWindowKVPool (see DecodeMetadata.window_kv)
+    window_kv: Optional[KVIndex] = None
 
 
 @dataclass

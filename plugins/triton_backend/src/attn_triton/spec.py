@@ -39,6 +39,7 @@ CAPABILITIES = Capabilities(
             Feature.SPEC_TOPK_GT1,
             Feature.DETERMINISTIC,
             Feature.CHUNKED_LOCAL_ATTENTION,
+            Feature.SLIDING_WINDOW_POOL,
         }
     ),
     cuda_graph=CudaGraphLevel.UNIFORM_BATCH,

@@ -4,7 +4,9 @@ Per step, the metadata holds padded tables: for each request its query rows `[bs
 `[bs, W]` and the base visibility mask `[bs, Lq, W]` (valid ∧ (causal or custom mask)). A layer gathers
 K/V of those slots, masks (plus its sliding window), and runs a softmax in float32, chunked over the
 query axis so the score tensor stays under `max_score_bytes`. A chunked local layer (attention_chunk_size
-C) further keeps the keys at or after the start of the query's chunk, (q_pos // C) * C. In CUDA-graph mode the widths are fixed
+C) further keeps the keys at or after the start of the query's chunk, (q_pos // C) * C. A window layer
+kept in a `SlidingWindowKVPool` gathers its keys at their window slots (released keys, outside every
+window, translate to the dummy slot and are masked). In CUDA-graph mode the widths are fixed
 (W = max_context_len) and replay rewrites the tables in place.
 """
 
@@ -21,6 +23,7 @@ from attn_core.batch import ForwardBatch, SpecInfo
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 from attn_core.graph_step import CudaGraphStep
+from attn_core.memory.window_pool import window_pool_of
 
 
 @dataclass
@@ -199,8 +202,12 @@ class TorchNativeBackend(AttentionBackend):
             kj = torch.arange(allowed.shape[-1], device=allowed.device)
             chunk_start = torch.div(meta.q_pos, layer.attention_chunk_size, rounding_mode="floor") * layer.attention_chunk_size
             allowed = allowed & (kj[None, None, :] >= chunk_start[:, :, None])
+        slots = keys.slots
+        window_pool = window_pool_of(pool)
+        if window_pool is not None and window_pool.is_window_layer(layer.layer_id):  # keys live in the window pool
+            slots = window_pool.window_slots(slots).long()
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-        return _attention(q, k_buf, v_buf, keys.slots, allowed, meta, layer, sinks, return_lse, self.max_score_bytes)
+        return _attention(q, k_buf, v_buf, slots, allowed, meta, layer, sinks, return_lse, self.max_score_bytes)
 
 
 def _has_custom_mask(mode: ForwardMode, spec_info: Optional[SpecInfo]) -> bool:

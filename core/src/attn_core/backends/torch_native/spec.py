@@ -23,6 +23,7 @@ CAPABILITIES = Capabilities(
             Feature.LSE_OUTPUT,
             Feature.SPEC_TOPK_GT1,
             Feature.CHUNKED_LOCAL_ATTENTION,
+            Feature.SLIDING_WINDOW_POOL,
         }
     ),
     cuda_graph=CudaGraphLevel.UNIFORM_BATCH,
