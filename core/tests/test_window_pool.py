@@ -6,7 +6,15 @@ import random
 import pytest
 import torch
 
-from attn_core import AttentionLayer, BackendContext, Feature, ForwardMode, InvalidArgumentError, UnsupportedFeatureError
+from attn_core import (
+    AttentionLayer,
+    BackendContext,
+    Feature,
+    ForwardMode,
+    IncompatibleBackendError,
+    InvalidArgumentError,
+    UnsupportedFeatureError,
+)
 from attn_core.batch_builder import build_forward_batch
 from attn_core.memory import KVSlotError, ReqToTokenPool, SlidingWindowAllocator, SlidingWindowKVPool
 
@@ -131,7 +139,10 @@ def test_context_requires_the_feature_and_layers_are_checked():
             }
         )
 
-    be = NoPool(ctx)
+    with pytest.raises(IncompatibleBackendError, match="sliding-window KV pool"):  # refused at construction
+        NoPool(ctx)
+    plain = BackendContext("cpu", torch.float32, 4, 2, 32, req_to_token_pool=ctx.req_to_token_pool, sliding_window_size=4)
+    be = NoPool(plain)  # the pool comes with the batch only: refused at the layer, before any write
     b.attn_backend = be
     be.init_forward_metadata(b)
     with pytest.raises(UnsupportedFeatureError, match="sliding-window KV pool"):

@@ -49,6 +49,8 @@ class BackendContext:
     features: frozenset[Feature] = field(default_factory=frozenset)
     forward_modes: frozenset[ForwardMode] = field(default_factory=lambda: frozenset({ForwardMode.EXTEND, ForwardMode.DECODE}))
     cuda_graph: CudaGraphLevel = CudaGraphLevel.NEVER
+    #: layout of the KV pool's buffers ("NHD" or "HND"); taken from `token_to_kv_pool` when it has one
+    kv_layout: str = "NHD"
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
@@ -83,6 +85,10 @@ class BackendContext:
         pool = self.token_to_kv_pool
         if pool is not None and getattr(pool, "page_size", self.page_size) != self.page_size:
             raise InvalidArgumentError("page_size", f"the KV pool's page_size {pool.page_size}", self.page_size)
+        if pool is not None and hasattr(pool, "kv_layout"):
+            self.kv_layout = pool.kv_layout
+        if self.kv_layout not in ("NHD", "HND"):
+            raise InvalidArgumentError("kv_layout", "'NHD' or 'HND'", self.kv_layout)
         self.features = frozenset(Feature(f) for f in self.features)
         self.forward_modes = frozenset(ForwardMode.parse(m) for m in self.forward_modes)
         self.cuda_graph = CudaGraphLevel(self.cuda_graph)
@@ -134,6 +140,7 @@ class BackendContext:
             features=frozenset(features),
             forward_modes=frozenset(modes),
             cuda_graph=self.cuda_graph,
+            kv_layout=self.kv_layout,
         )
 
 

@@ -1,11 +1,20 @@
 """KV-cache memory: the request→slot table, slot allocators and per-layer KV pools."""
 
 from attn_core.memory.allocator import SUPPORTED_PAGE_SIZES, KVSlotError, PagedTokenAllocator, PageTailError, TokenAllocator
-from attn_core.memory.pools import KVPool, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool, check_pool_matches
+from attn_core.memory.pools import (
+    KV_LAYOUTS,
+    KVPool,
+    MHATokenToKVPool,
+    MLATokenToKVPool,
+    ReqToTokenPool,
+    check_pool_matches,
+    token_rows,
+)
 from attn_core.memory.window_pool import SlidingWindowAllocator, SlidingWindowKVPool, window_pool_of
 
 __all__ = [
     "SUPPORTED_PAGE_SIZES",
+    "KV_LAYOUTS",
     "KVPool",
     "KVSlotError",
     "MHATokenToKVPool",
@@ -17,5 +26,6 @@ __all__ = [
     "SlidingWindowKVPool",
     "TokenAllocator",
     "check_pool_matches",
+    "token_rows",
     "window_pool_of",
 ]

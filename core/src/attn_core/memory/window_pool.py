@@ -167,6 +167,7 @@ class SlidingWindowKVPool:
         window_layers: Iterable[int],
         device: Device = "cpu",
         v_head_dim: Optional[int] = None,
+        kv_layout: str = "NHD",
     ):
         window_layers = frozenset(int(i) for i in window_layers)
         bad = sorted(i for i in window_layers if not 0 <= i < layer_num)
@@ -181,8 +182,12 @@ class SlidingWindowKVPool:
         ps = allocator.page_size
         full_ids = [i for i in range(layer_num) if i not in window_layers]
         win_ids = sorted(window_layers)
-        self.full = MHATokenToKVPool(allocator.size, ps, dtype, head_num, head_dim, max(len(full_ids), 1), device, v_head_dim)
-        self.window_pool = MHATokenToKVPool(allocator.window_size, ps, dtype, head_num, head_dim, len(win_ids), device, v_head_dim)
+        n_full = max(len(full_ids), 1)
+        self.full = MHATokenToKVPool(allocator.size, ps, dtype, head_num, head_dim, n_full, device, v_head_dim, kv_layout)
+        self.window_pool = MHATokenToKVPool(
+            allocator.window_size, ps, dtype, head_num, head_dim, len(win_ids), device, v_head_dim, kv_layout
+        )
+        self.kv_layout = kv_layout
         # model layer id -> (pool, index in it)
         self._where = {i: (self.full, k) for k, i in enumerate(full_ids)} | {i: (self.window_pool, k) for k, i in enumerate(win_ids)}
         f = self.full

@@ -75,6 +75,8 @@ class AttnCase:
     #: window slots differ from full slots, and those of prefix keys outside every window are released
     #: (their translation is the NaN-poisoned dummy slot) before the step runs
     window_pool: bool = False
+    #: layout of the KV pool's buffers ("NHD" or "HND"; MHA only)
+    kv_layout: str = "NHD"
 
     def __post_init__(self):
         object.__setattr__(self, "mode", ForwardMode.parse(self.mode))
@@ -107,6 +109,8 @@ class AttnCase:
             parts.append("chunk on even layers only")
         if self.window_pool:
             parts.append("window pool")
+        if self.kv_layout != "NHD":
+            parts.append(f"kv_layout={self.kv_layout}")
         if self.mode.is_target_verify() and not self.custom_mask:
             parts.append("no custom mask")
         if self.steps:
@@ -181,7 +185,9 @@ def make_env(case: AttnCase) -> CaseEnv:
         kv_pool = MLATokenToKVPool(pages * ps, ps, kv_dtype, case.kv_lora_rank, case.qk_rope_head_dim, case.num_layers, dev)
     else:
         allocator = PagedTokenAllocator(pages * ps, ps, dev)
-        kv_pool = MHATokenToKVPool(pages * ps, ps, kv_dtype, case.num_kv_heads, head_dim, case.num_layers, dev, case.v_head_dim)
+        kv_pool = MHATokenToKVPool(
+            pages * ps, ps, kv_dtype, case.num_kv_heads, head_dim, case.num_layers, dev, case.v_head_dim, case.kv_layout
+        )
     ctx = BackendContext(
         device=dev,
         dtype=dtype,
@@ -224,6 +230,22 @@ def make_env(case: AttnCase) -> CaseEnv:
     return env
 
 
+def token_major(pool, buf: torch.Tensor) -> torch.Tensor:
+    """A layer buffer of `pool` as `[num_slots, H, D]` rows by slot: the buffer itself (NHD) or a
+    token-major copy (HND)."""
+    if pool.kv_layout == "NHD":
+        return buf
+    return buf.permute(0, 2, 1, 3).reshape(-1, buf.shape[1], buf.shape[3])
+
+
+def _write_rows(pool, buf: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """buf's rows of `slots` = x, in the pool's layout (a cached K/V fill, no dtype conversion)."""
+    if pool.kv_layout == "NHD":
+        buf[slots] = x
+    else:
+        buf[torch.div(slots, pool.page_size, rounding_mode="floor"), :, slots % pool.page_size] = x
+
+
 def layer_slots(env: CaseEnv, layer_id: int, slots: torch.Tensor) -> torch.Tensor:
     """Where the K/V of the tokens at full `slots` sit in the buffers of layer `layer_id`: the same slots,
     or for a window-pool layer their window slots (0, the dummy, for released tokens)."""
@@ -261,17 +283,17 @@ def _fill_cache(env: CaseEnv, gen: torch.Generator) -> None:
             pre_slots = layer_slots(env, layer, r2t[row, r.encoder_len : r.encoder_len + r.prefix_len].long())
             kept = pre_slots != 0  # released window slots stay poisoned (slot 0 is the dummy)
             k = _rand((r.prefix_len, hk, dk), pool.dtype, gen, pool.device)
-            k_buf[pre_slots[kept]] = k[kept]
+            _write_rows(pool, k_buf, pre_slots[kept], k[kept])
             v = k[..., :dv] if case.arch == ARCH_MLA else _rand((r.prefix_len, hv, dv), pool.dtype, gen, pool.device)
             if case.arch != ARCH_MLA:
-                v_buf[pre_slots[kept]] = v[kept]
+                _write_rows(pool, v_buf, pre_slots[kept], v[kept])
             ks[i], vs[i] = k, v
             ek = _rand((r.encoder_len, hk, dk), pool.dtype, gen, pool.device)
             ev = ek[..., :dv] if case.arch == ARCH_MLA else _rand((r.encoder_len, hv, dv), pool.dtype, gen, pool.device)
             if r.prefix_len > 0:  # encoder K/V of running requests are cached; new requests bring theirs
-                k_buf[enc_slots] = ek
+                _write_rows(pool, k_buf, enc_slots, ek)
                 if case.arch != ARCH_MLA:
-                    v_buf[enc_slots] = ev
+                    _write_rows(pool, v_buf, enc_slots, ev)
             eks[i], evs[i] = ek, ev
         env.cached_k.append(ks)
         env.cached_v.append(vs)
@@ -425,7 +447,8 @@ def check_kv_writes(
         loc, k, v = batch.encoder_out_cache_loc, inputs["k"], inputs["v"]
     else:
         loc, k, v = layer_slots(env, layer.layer_id, batch.out_cache_loc), inputs["k"], inputs["v"]
-    after = [pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)]
+    after = [token_major(pool, pool.get_key_buffer(layer.layer_id)), token_major(pool, pool.get_value_buffer(layer.layer_id))]
+    before = [token_major(pool, b) for b in before]
     expected_new = [] if k is None else [k, k[..., : pool.v_head_dim] if v is None else v]
     for name, b, a, new in zip(("K", "V"), before, after, expected_new or [None, None]):
         mask = torch.ones(a.shape[0], dtype=torch.bool, device=a.device)

@@ -222,6 +222,12 @@ class PlanBuilder:
             kv = dtype if dtype in caps.kv_dtypes else b.kv_dtype
             for mode in self.variant_modes():
                 self.numeric(f"dtype-{dtype}-{mode.name}", self.case(mode, self.fixed_requests(mode), dtype=dtype, kv_dtype=kv))
+        if b.arch == ARCH_MHA:
+            for layout in sorted(caps.kv_layouts - {"NHD"}):
+                for ps in sorted({b.page_size, self.page_sizes()[-1]}):
+                    for mode in self.variant_modes():
+                        case = self.case(mode, self.page_requests(mode, ps), page_size=ps, kv_layout=layout)
+                        self.numeric(f"kv_layout-{layout}-page_size-{ps}-{mode.name}", case)
         for kv in sorted(set(caps.kv_dtypes) - set(caps.q_dtypes)):
             for mode in self.variant_modes():
                 self.numeric(f"kv_dtype-{kv}-{mode.name}", self.case(mode, self.fixed_requests(mode), kv_dtype=kv))
@@ -405,6 +411,11 @@ class PlanBuilder:
         if d is not None:
             case = self.case(mode, reqs, head_dim=d)
             self.add(f"refuse-head_dim-{d}", refused_or_correct_check(target, case, f"head_dim {d}"), case.describe())
+        if b.arch == ARCH_MHA:
+            for layout in ("NHD", "HND"):
+                if layout not in caps.kv_layouts:
+                    case = self.case(mode, reqs, kv_layout=layout)
+                    self.add(f"refuse-kv_layout-{layout}", refusal_check(target, case, f"kv_layout {layout}"), case.describe())
         for arch in (ARCH_MHA, ARCH_MLA):
             if arch not in caps.archs:
                 case = self.case(mode, reqs, arch=arch, head_dim=self.p.head_dim if arch == ARCH_MHA else self.p.mla_head_dim)

@@ -6,7 +6,8 @@ K/V of those slots, masks (plus its sliding window), and runs a softmax in float
 query axis so the score tensor stays under `max_score_bytes`. A chunked local layer (attention_chunk_size
 C) further keeps the keys at or after the start of the query's chunk, (q_pos // C) * C. A window layer
 kept in a `SlidingWindowKVPool` gathers its keys at their window slots (released keys, outside every
-window, translate to the dummy slot and are masked). In CUDA-graph mode the widths are fixed
+window, translate to the dummy slot and are masked). K/V are read by slot from either pool layout
+(NHD or HND). In CUDA-graph mode the widths are fixed
 (W = max_context_len) and replay rewrites the tables in place.
 """
 
@@ -23,6 +24,7 @@ from attn_core.batch import ForwardBatch, SpecInfo
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 from attn_core.graph_step import CudaGraphStep
+from attn_core.memory.pools import token_rows
 from attn_core.memory.window_pool import window_pool_of
 
 
@@ -207,27 +209,30 @@ class TorchNativeBackend(AttentionBackend):
         if window_pool is not None and window_pool.is_window_layer(layer.layer_id):  # keys live in the window pool
             slots = window_pool.window_slots(slots).long()
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-        return _attention(q, k_buf, v_buf, slots, allowed, meta, layer, sinks, return_lse, self.max_score_bytes)
+        keys = token_rows(k_buf, slots, pool.kv_layout, pool.page_size)  # [bs, W, Hkv, D]
+        vals = token_rows(v_buf, slots, pool.kv_layout, pool.page_size)
+        return _attention(q, keys, vals, allowed, meta, layer, sinks, return_lse, self.max_score_bytes)
 
 
 def _has_custom_mask(mode: ForwardMode, spec_info: Optional[SpecInfo]) -> bool:
     return mode.is_target_verify() and spec_info is not None and spec_info.custom_mask is not None
 
 
-def _attention(q, k_buf, v_buf, slots, allowed, meta: _Metadata, layer, sinks, return_lse, max_score_bytes):
+def _attention(q, keys, vals, allowed, meta: _Metadata, layer, sinks, return_lse, max_score_bytes):
+    """keys `[bs, W, Hkv, D]` / vals `[bs, W, Hkv, Dv]`: the gathered K/V of each request's key slots."""
     T, hq, d = q.shape
-    hkv = k_buf.shape[1]
+    hkv = keys.shape[2]
     group = hq // hkv
     dv = layer.v_head_dim
     # fp32 inputs are computed in float64: the CPU's fp32 GEMM paths were seen to lose precision
     # (rel. error 2e-5 > the 1e-5 fp32 bar) on rare first calls; half-precision inputs use fp32.
     cd = torch.float64 if q.dtype in (torch.float32, torch.float64) else torch.float32
     bs, q_width = meta.q_rows.shape
-    width = slots.shape[1]
+    width = keys.shape[1]
 
-    keys = k_buf[slots].to(cd)  # [bs, W, Hkv, D]
+    keys = keys.to(cd)
     # padding reads the dummy slot, whose contents are garbage: zero those values so 0 * garbage is 0
-    vals = v_buf[slots].to(cd).masked_fill(~allowed.any(dim=1)[:, :, None, None], 0.0)
+    vals = vals.to(cd).masked_fill(~allowed.any(dim=1)[:, :, None, None], 0.0)
     if layer.k_scale is not None:
         keys = keys * layer.k_scale
     if layer.v_scale is not None:

@@ -27,6 +27,7 @@ CAPABILITIES = Capabilities(
         }
     ),
     cuda_graph=CudaGraphLevel.UNIFORM_BATCH,
+    kv_layouts=frozenset({"NHD", "HND"}),
 )
 
 SPEC = BackendSpec(
