@@ -10,7 +10,10 @@ Two numbers per shape (GQA 32 q / 8 kv heads, head_dim 128, bf16, page size 16):
   on the same, prebuilt, inputs; for decode also the CUDA-graph replay metadata (index launch into the
   graph's buffers + lean re-plan, and with lean_replan=False FlashInfer's own plan).
 
-    python benchmarks/flashinfer_overhead.py --json out.json
+    python benchmarks/flashinfer_overhead.py --json out.json [--validation full]
+
+`--validation` sets the contexts' batch validation level ("basic", the default, or "full": one more
+device sync per step); the decode bs256 row is the issue-11 budget shape.
 
 Needs a CUDA GPU and flashinfer-python (attn-flashinfer installed, or PYTHONPATH with core/src and
 plugins/flashinfer_backend/src).
@@ -39,7 +42,7 @@ HQ, HKV, D, PAGE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 
 
-def setup(mode: str, reqs: list[tuple[int, int]]):
+def setup(mode: str, reqs: list[tuple[int, int]], validation: str = "basic"):
     total = sum(p + e for p, e in reqs)
     size = PAGE * (sum(-(-(p + e) // PAGE) for p, e in reqs) + 2)
     max_len = max(p + e for p, e in reqs) + PAGE
@@ -60,6 +63,7 @@ def setup(mode: str, reqs: list[tuple[int, int]]):
         max_context_len=max_len,
         req_to_token_pool=req_pool,
         token_to_kv_pool=kv_pool,
+        validation=validation,
     )
     backend = FlashInferBackend(ctx)
     batch.attn_backend = backend
@@ -110,8 +114,8 @@ def interleaved(a, b, rounds: int, measure) -> tuple[float, float]:
     return statistics.median(sa), statistics.median(sb)
 
 
-def bench(name: str, mode: str, reqs, iters: int, rounds: int) -> dict:
-    backend, batch, layer, q, k, v = setup(mode, reqs)
+def bench(name: str, mode: str, reqs, iters: int, rounds: int, validation: str = "basic") -> dict:
+    backend, batch, layer, q, k, v = setup(mode, reqs, validation)
     step = backend.forward_metadata
     key = LayerKey.of(layer)
     plan = step.plans[key]
@@ -254,6 +258,7 @@ def breakdown(backend, batch, step, plan, fi_plan) -> dict:
 
 SHAPES = {
     "decode bs64 ctx4096": ("DECODE", [(4095, 1)] * 64),
+    "decode bs256 ctx1024": ("DECODE", [(1023, 1)] * 256),
     "extend bs8 q512 prefix3584": ("EXTEND", [(3584, 512)] * 8),
 }
 
@@ -265,6 +270,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", type=str, default=None)
+    ap.add_argument("--validation", choices=("basic", "full"), default="basic", help="the contexts' batch validation level")
     args = ap.parse_args()
     import flashinfer
 
@@ -274,9 +280,10 @@ def main() -> None:
         "flashinfer": flashinfer.__version__,
         "date": time.strftime("%Y-%m-%d"),
         "shape": f"GQA {HQ}/{HKV} heads, head_dim {D}, bf16, page size {PAGE}",
+        "validation": args.validation,
     }
     print(json.dumps(info))
-    results = [bench(name, mode, reqs, args.iters, args.rounds) for name, (mode, reqs) in SHAPES.items()]
+    results = [bench(name, mode, reqs, args.iters, args.rounds, args.validation) for name, (mode, reqs) in SHAPES.items()]
     head = f"{'shape':30} {'forward µs':>11} {'FI run µs':>10} {'ratio':>6} {'+KV store':>10}"
     head += f" {'meta host µs':>13} {'FI plan µs':>11} {'ratio':>6}"
     print(head)

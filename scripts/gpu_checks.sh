@@ -2,7 +2,8 @@
 # Every GPU check of the project in one command, for a machine with a CUDA GPU and torch + triton
 # installed (the lent H100/H200 machine: no network; FlashInfer comes from wheels carried in .whl/ and
 # its prebuilt kernels from .fi-cache/aot.tar.xz when present). Logs go to $OUT (default ./gpu-out).
-#   bash scripts/gpu_checks.sh [tests] [bench] [triton-bench] [fi-bench]   (default: all; bench = both benchmarks;
+#   bash scripts/gpu_checks.sh [tests] [bench] [triton-bench] [fi-bench] [mla-bench] [engine]   (default: tests bench;
+#   bench = every benchmark;
 #   BENCH_ONLY=meta limits the Triton benchmark's rows)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,22 +16,29 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-python3 -m pip install -q --no-deps --no-build-isolation -e core -e plugins/triton_backend -e plugins/flashinfer_backend || exit 1
+python3 -m pip install -q --no-deps --no-build-isolation -e core -e plugins/triton_backend -e plugins/flashinfer_backend -e plugins/trtllm_mla || exit 1
 if ls .fi-cache/aot*.tar.xz >/dev/null 2>&1 && python3 -c "import flashinfer" 2>/dev/null; then  # each holds aot/<module>/
   for t in .fi-cache/aot*.tar.xz; do tar -C /tmp -xJf "$t" || exit 1; done
   python3 plugins/flashinfer_backend/tools/jit_cache.py install /tmp/aot || exit 1
 fi
-if [ -f .fi-cache/triton_bench_fi.tgz ]; then  # FlashInfer's JIT cache for the peer kernels of the benchmarks
-  mkdir -p /tmp/fiws && tar -C /tmp/fiws -xzf .fi-cache/triton_bench_fi.tgz && export FLASHINFER_WORKSPACE_BASE=/tmp/fiws
+if ls .fi-cache/*_fi.tgz >/dev/null 2>&1; then  # FlashInfer JIT caches (.cache/flashinfer/...): benchmark peers, MLA kernels
+  mkdir -p /tmp/fiws && export FLASHINFER_WORKSPACE_BASE=/tmp/fiws
+  for t in .fi-cache/*_fi.tgz; do tar -C /tmp/fiws -xzf "$t" || exit 1; done
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 rc=0
 if want tests; then
-  python3 -m pytest -q -p no:cacheprovider -m gpu core/tests plugins/triton_backend/tests plugins/flashinfer_backend/tests tests \
+  python3 -m pytest -q -p no:cacheprovider -m gpu core/tests plugins/triton_backend/tests plugins/flashinfer_backend/tests plugins/trtllm_mla/tests tests \
     2>&1 | tee "$OUT/pytest_gpu.log" || rc=1
   for b in torch_native triton; do
     python3 -m attn_core.cli check "$b" --device cuda --quick 2>&1 | tee "$OUT/check_$b.log" || rc=1
+  done
+fi
+if want engine; then  # the example engine (examples/hf_llama.py) vs transformers' generate, and its tokens/s (needs transformers wheels in .whl/)
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_example_engine.py 2>&1 | tee "$OUT/engine_gpu.log" || rc=1
+  for args in "triton --attn-dtype float32" "triton --attn-dtype float32 --graphs" "flashinfer --attn-dtype float16" "flashinfer --attn-dtype float16 --graphs"; do
+    python3 examples/hf_llama.py --device cuda --backend $args 2>&1 | tee -a "$OUT/engine_tps.log" || rc=1
   done
 fi
 if want bench || want triton-bench; then
@@ -38,5 +46,8 @@ if want bench || want triton-bench; then
 fi
 if want bench || want fi-bench; then
   python3 benchmarks/flashinfer_overhead.py --rounds 8 --json "$OUT/flashinfer_overhead.json" 2>&1 | tee "$OUT/flashinfer_overhead.log" || rc=1
+fi
+if want bench || want mla-bench; then
+  python3 benchmarks/mla_vs_peers.py --json "$OUT/mla_vs_peers.json" 2>&1 | tee "$OUT/mla_vs_peers.log" || rc=1
 fi
 exit $rc

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv with the CPU build of torch 2.13.0 (a file already on disk; never a CUDA build), the
 # pinned Triton for the CPU interpreter, and every attn distribution installed editable.
-# flashinfer-python is deliberately NOT installed: it is CUDA-only and ~300 MB (its plugin is installed
-# with --no-deps; its GPU tests skip here).
+# flashinfer-python is deliberately NOT installed: it is CUDA-only and ~300 MB (its plugin, and
+# attn-trtllm-mla which depends on it, are installed with --no-deps; their GPU tests skip here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -16,8 +16,14 @@ $VPIP install -q -e core
 for p in plugins/*/; do
   [ -f "$p/pyproject.toml" ] || continue
   case "$p" in
-    plugins/flashinfer_backend/) $VPIP install -q --no-deps -e "$p" ;;
+    plugins/flashinfer_backend/ | plugins/trtllm_mla/) $VPIP install -q --no-deps -e "$p" ;;
     *) $VPIP install -q -e "$p" ;;
   esac
 done
+# Test-only (never a dependency of a shipped distribution): transformers for the example engine and its
+# tests (examples/hf_llama.py, tests/test_example_engine.py), constrained to keep the CPU torch above.
+echo "torch==2.13.0" > .venv/torch-pin.txt
+$VPIP install -q "transformers==5.23.0" -c .venv/torch-pin.txt
 .venv/bin/python -c "import torch; assert not torch.version.cuda, 'a CUDA torch was installed'; print('torch', torch.__version__)"
+# attn-ascend's torch-npu is an optional extra (it pins its own torch): never in the CPU environment
+.venv/bin/python -c "import importlib.util as u; assert u.find_spec('torch_npu') is None, 'torch-npu was installed'"

@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/ruff check core plugins tests benchmarks
+.venv/bin/ruff check core plugins tests benchmarks examples
 suites=(core/tests)
 for p in plugins/*/tests; do [ -d "$p" ] && suites+=("$p"); done
 [ -d tests ] && suites+=(tests)

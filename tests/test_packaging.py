@@ -24,6 +24,7 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
+import zipfile
 from importlib import metadata
 from pathlib import Path
 
@@ -176,9 +177,57 @@ def test_broken_plugins_give_typed_errors_and_torch_native_stays_usable(venv):
     venv["pip"]("uninstall", "-y", "-q", "attn-example-broken", "attn-example-dup", "attn-example-api2")
 
 
+def test_ascend_wheel_keeps_torch_npu_optional_and_lists_its_reason(venv):
+    """attn-ascend as a wheel: torch-npu only behind the `npu` extra (it pins its own torch), installed
+    without it, `attn-core list` shows the backend unavailable with the reason and how far it is verified."""
+    src = venv["src"] / "ascend"
+    shutil.copytree(ROOT / "plugins" / "ascend", src, ignore=shutil.ignore_patterns("*.egg-info", "build", "__pycache__", "tests"))
+    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", venv["wheels"], src)
+    wheel = next(venv["wheels"].glob("attn_ascend-*.whl"))
+    with zipfile.ZipFile(wheel) as zf:
+        meta = zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    requires = [ln.split(":", 1)[1].strip() for ln in meta.splitlines() if ln.startswith("Requires-Dist:")]
+    npu = [r for r in requires if r.lower().startswith(("torch-npu", "torch_npu"))]
+    assert npu and all('extra == "npu"' in r for r in npu), requires
+    venv["pip"]("install", "-q", "--find-links", venv["wheels"], "attn-ascend")
+    try:
+        found = run(venv["py"], "-c", "import importlib.util; print(importlib.util.find_spec('torch_npu'))", env=venv["env"]).stdout
+        assert found.strip() == "None"
+        listing = attn(venv, "list").stdout
+        line = re.search(r"^ascend\s+attn-ascend\s+0\.1\.0\s+unavailable: (.*)$", listing, re.M)
+        assert line, listing
+        assert line.group(1).startswith("needs torch_npu and an Ascend NPU (pip install attn-ascend[npu])")
+        assert "emulation of the documented torch_npu operators" in line.group(1) and "not on NPU hardware" in line.group(1)
+    finally:
+        venv["pip"]("uninstall", "-y", "-q", "attn-ascend")
+
+
 def test_uninstalled_plugin_is_unknown(venv):
     venv["pip"]("uninstall", "-y", "-q", "attn-example")
     gone = attn(venv, "check", "example", ok=False)
     assert gone.returncode == 2 and "unknown attention backend 'example'" in gone.stderr, gone.stderr
     known = attn(venv, "check", "trtllm_mla", ok=False)
     assert known.returncode == 2 and "is not installed: pip install attn-trtllm-mla" in known.stderr
+
+
+def test_trtllm_mla_installs_next_to_attn_flashinfer_without_pulling_flashinfer(venv):
+    """attn-trtllm-mla's wheel declares attn-flashinfer; installed (both with --no-deps, as CPU CI does)
+    its backend is listed by name with its probe reason and the unverified Blackwell path, and neither
+    flashinfer nor the backend classes are imported by discovery."""
+    ignore = shutil.ignore_patterns("*.egg-info", "build", "dist", "__pycache__", ".pytest_cache")
+    for name in ("flashinfer_backend", "trtllm_mla"):
+        shutil.copytree(ROOT / "plugins" / name, venv["src"] / name, ignore=ignore)
+    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", venv["wheels"],
+        venv["src"] / "flashinfer_backend", venv["src"] / "trtllm_mla")  # fmt: skip
+    venv["pip"]("install", "-q", "--no-deps", "--find-links", venv["wheels"], "attn-flashinfer", "attn-trtllm-mla")
+    requires = run(venv["py"], "-c", "from importlib import metadata; print(metadata.requires('attn-trtllm-mla'))", env=venv["env"]).stdout
+    assert "attn-flashinfer" in requires
+    listing = attn(venv, "list").stdout
+    row = next(line for line in listing.splitlines() if line.startswith("trtllm_mla"))
+    assert re.search(r"^trtllm_mla\s+attn-trtllm-mla\s+0\.1\.0\s+unavailable: ", row), row
+    assert "SM100/SM120" in row and "never run on hardware" in row
+    assert re.search(r"^flashinfer_mla\s+attn-flashinfer\s+0\.1\.0\s+unavailable: ", listing, re.M), listing
+    probe = "import sys; from attn_core import registry; registry.list_backends(); print(sorted(m for m in sys.modules if 'infer' in m))"
+    loaded = run(venv["py"], "-c", probe, env=venv["env"]).stdout
+    assert "'flashinfer'" not in loaded and "attn_flashinfer.mla_backend" not in loaded, loaded
+    venv["pip"]("uninstall", "-y", "-q", "attn-trtllm-mla", "attn-flashinfer")

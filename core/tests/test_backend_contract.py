@@ -40,7 +40,7 @@ def test_bad_shapes_and_dtypes_raise_before_compute(env):
         _call(env, k=env.inputs["k"][:, :1])
     with pytest.raises(InvalidArgumentError, match="^v: "):
         _call(env, v=env.inputs["v"][:, :, :8])
-    with pytest.raises(InvalidArgumentError, match="^q: expected dtype in"):
+    with pytest.raises(InvalidArgumentError, match="^q: expected dtype torch.float32"):
         _call(env, q=env.inputs["q"].double())
     with pytest.raises(InvalidArgumentError, match="^k: expected the new tokens' keys"):
         _call(env, k=None)
@@ -73,12 +73,12 @@ class _Limited(TorchNativeBackend):
 
 def test_undeclared_capabilities_are_refused(env):
     b = _Limited(env.ctx)
-    b.init_forward_metadata(env.batch)
     env.batch.attn_backend = b
     layer = make_layer(env.case, 0)
-    with pytest.raises(UnsupportedFeatureError, match="forward mode EXTEND"):
-        b.forward(env.inputs["q"], env.inputs["k"], env.inputs["v"], layer, env.batch)
+    with pytest.raises(UnsupportedFeatureError, match="forward mode EXTEND"):  # refused before any metadata
+        b.init_forward_metadata(env.batch)
     object.__setattr__(b, "capabilities", dataclasses.replace(_Limited.capabilities, forward_modes=frozenset(ForwardMode)))
+    b.init_forward_metadata(env.batch)
     for kw, what in [
         (dict(logit_cap=2.0), "logit_cap"),
         (dict(sliding_window_size=4), "sliding_window_size"),

@@ -31,8 +31,8 @@ def test_check_names_typed_errors(capsys):
     assert main(["check", "torch_nativ"]) == 2
     err = capsys.readouterr().err
     assert "unknown attention backend 'torch_nativ'" in err and "did you mean 'torch_native'" in err
-    assert main(["check", "trtllm_mla"]) == 2
-    assert "not installed: pip install attn-trtllm-mla" in capsys.readouterr().err
+    assert main(["check", "ascend"]) == 2
+    assert "not installed: pip install attn-ascend" in capsys.readouterr().err
     assert main(["check", "torch_native", "--device", "npu"]) == 2
     assert "cannot run here" in capsys.readouterr().err
 

@@ -131,8 +131,8 @@ def test_base_class_hooks_refuse_graphs():
         name = "no_graphs"
         capabilities = TorchNativeBackend.capabilities
 
-        def init_forward_metadata(self, forward_batch):
-            pass
+        def build_forward_metadata(self, forward_batch):
+            return None
 
         def forward_decode(self, *a, **k):
             pass

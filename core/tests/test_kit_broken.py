@@ -88,7 +88,7 @@ class StaleGraphReplay(TorchNativeBackend):
     name = "broken_replay"
 
     def replay_cuda_graph_metadata(self, step):
-        self.forward_metadata = self._graph_metadata[(step.bs, step.forward_mode)]
+        self.bind_graph_metadata(self._graph_metadata[(step.bs, step.forward_mode)], step)
 
 
 class SilentSinks(TorchNativeBackend):

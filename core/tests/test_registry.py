@@ -249,6 +249,7 @@ def _assert_torch_native_still_works(r):
         ("capabilities=None", "capabilities: expected a Capabilities, found None"),
         ("priority='high'", "priority: expected an int"),
         ("probe_fn=42", "probe_fn: expected None or a callable"),
+        ("unverified=True", "unverified: expected None or a str"),
         ("summary=None, distribution=None", "distribution: expected a name"),
         (
             "capabilities=Capabilities(devices=None, q_dtypes=frozenset(), kv_dtypes=frozenset())",

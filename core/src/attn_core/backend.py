@@ -1,10 +1,14 @@
 """`AttentionBackend`: the contract every backend implements.
 
 Life of a step: the engine calls `init_forward_metadata(batch)` once, then every layer calls
-`forward(q, k, v, layer, batch)`. With CUDA graphs: `init_cuda_graph_state` once, then per captured
-batch size `capture_cuda_graph_metadata(step)` before capture, and per replay
+`forward(q, k, v, layer, batch)`. `init_forward_metadata` is a template: it validates the batch
+(`attn_core.validation`, at the context's `validation` level), calls the backend's
+`build_forward_metadata(batch)`, stores the result in `forward_metadata` and remembers the batch;
+`forward` with any other batch raises `StaleMetadataError`. With CUDA graphs: `init_cuda_graph_state`
+once, then per captured batch size `capture_cuda_graph_metadata(step)` before capture, and per replay
 `replay_cuda_graph_metadata(step)` (which writes into the buffers the graph reads); `step` is an
-`attn_core.graph_step.CudaGraphStep`. SGLang's positional `init_forward_metadata_capture_cuda_graph` /
+`attn_core.graph_step.CudaGraphStep`, and both make their metadata current with
+`bind_graph_metadata(metadata, step)`. SGLang's positional `init_forward_metadata_capture_cuda_graph` /
 `init_forward_metadata_replay_cuda_graph` stay as the public entry points that build the step.
 """
 
@@ -12,18 +16,21 @@ from __future__ import annotations
 
 import abc
 import weakref
-from typing import ClassVar, Optional, Union
+from dataclasses import dataclass
+from typing import ClassVar, Generic, Optional, TypeVar, Union
 
 import torch
 
 from attn_core.batch import ForwardBatch, SpecInfo
 from attn_core.capabilities import Capabilities, Feature
-from attn_core.context import BackendContext, _dtype_name
-from attn_core.errors import IncompatibleBackendError, InvalidArgumentError, UnsupportedFeatureError
+from attn_core.context import BackendContext
+from attn_core.errors import DeviceIndexError, IncompatibleBackendError, InvalidArgumentError, StaleMetadataError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 from attn_core.graph_step import CudaGraphStep
 from attn_core.layer import AttentionLayer
+from attn_core.memory.pools import KVPool
 from attn_core.memory.window_pool import window_pool_of
+from attn_core.validation import FULL, check_forward_batch, check_forward_dtypes, check_kv_pool
 
 Output = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
@@ -31,19 +38,42 @@ Output = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 #: sinks: float32 `[num_q_heads]` per-head sink logits; return_lse: also return the natural-log LSE.
 CORE_EXTRAS = frozenset({"sinks", "return_lse"})
 
+#: the per-step metadata class of a backend (`AttentionBackend[MyMetadata]`)
+MetadataT = TypeVar("MetadataT")
 
-class AttentionBackend(abc.ABC):
-    """Base class of attention backends. Subclasses set `name` and `capabilities` and implement
-    `init_forward_metadata`, `forward_decode` and `forward_extend` (and `init_cuda_graph_state`,
-    `capture_cuda_graph_metadata` and `replay_cuda_graph_metadata` when `capabilities.cuda_graph` is
-    above NEVER).
+
+@dataclass(frozen=True)
+class GraphBatchKey:
+    """What graph metadata was made current for (`bind_graph_metadata`): inside a CUDA graph the batch
+    object `forward` sees is the runner's static batch, rebuilt per replay, so the check is by mode and
+    batch size instead of identity."""
+
+    forward_mode: ForwardMode
+    batch_size: int
+
+    def matches(self, batch: ForwardBatch) -> bool:
+        return batch.forward_mode is self.forward_mode and batch.batch_size == self.batch_size
+
+
+class AttentionBackend(abc.ABC, Generic[MetadataT]):
+    """Base class of attention backends, generic over the backend's per-step metadata class:
+    `class MyBackend(AttentionBackend[MyMetadata])`. Subclasses set `name` and `capabilities` and
+    implement `build_forward_metadata`, `forward_decode` and `forward_extend` (and
+    `init_cuda_graph_state`, `capture_cuda_graph_metadata` and `replay_cuda_graph_metadata` when
+    `capabilities.cuda_graph` is above NEVER).
 
     `forward_decode` / `forward_extend` receive q as `[T, Hq, D]`, k/v as `[T, Hkv, D]` (or None),
     inputs already validated, and must return `[T, Hq*Dv]` (plus LSE `[T, Hq]` float32 when
     `return_lse`). They must not synchronize with the host.
 
-    Construction refuses a context whose device, dtypes, head dim, page size or arch the class's
-    `capabilities` do not declare (`IncompatibleBackendError`, every reason listed).
+    Construction refuses a context whose device, dtypes (or q/KV dtype pair), head dim, page size or
+    arch the class's `capabilities` do not declare (`IncompatibleBackendError`, every reason listed), so
+    a backend re-checks none of these.
+
+    Per step, `init_forward_metadata` (not to be overridden by backends) validates the batch with
+    attn-core's one batch validation (`attn_core.validation`; level `ctx.validation`), then calls
+    `build_forward_metadata`, which may assume a valid batch; `forward` refuses a batch other than the
+    one the current metadata was built for (`StaleMetadataError`).
 
     Options: a subclass takes its own as keyword-only arguments and passes `**options` on to
     `AttentionBackend.__init__`, which rejects unknown ones with a typed error.
@@ -51,6 +81,8 @@ class AttentionBackend(abc.ABC):
 
     name: ClassVar[str] = ""
     capabilities: ClassVar[Capabilities]
+    #: the current step's metadata (None before the first step and for no-token modes)
+    forward_metadata: Optional[MetadataT]
     #: backend-specific forward() extras accepted on top of CORE_EXTRAS
     extra_forward_args: ClassVar[frozenset[str]] = frozenset()
 
@@ -62,16 +94,60 @@ class AttentionBackend(abc.ABC):
             reasons = caps.mismatches(ctx.requirements(), layout_only=True)
             if reasons:
                 raise IncompatibleBackendError(self.name or type(self).__name__, reasons)
+            if ctx.token_to_kv_pool is not None:
+                check_kv_pool(ctx.token_to_kv_pool, ctx, "ctx.token_to_kv_pool")
         self.ctx = ctx
         self.device = ctx.device
         self.forward_metadata = None
+        # the batch (or GraphBatchKey) forward_metadata was built for; None: no metadata
+        self._metadata_for: Union[ForwardBatch, GraphBatchKey, None] = None
         # layers already checked against the capabilities (weak: an id() could be reused by a new layer)
         self._checked_layers: weakref.WeakSet = weakref.WeakSet()
 
     # ---- per-step metadata -------------------------------------------------------------------
-    @abc.abstractmethod
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        """Build everything the layers of this step need (once per step, shared by all layers)."""
+        """Once per step: validate `forward_batch`, build its metadata (`build_forward_metadata`, skipped
+        for the no-token modes, whose metadata is None), make it current for this batch object.
+
+        Raises `UnsupportedFeatureError` for a mode the backend does not declare, `InvalidBatchError`
+        (naming the field) for a malformed batch, `DeviceIndexError` (validation "full") when
+        `poll_device_fault` reports an out-of-range index met by an earlier kernel. On any error the
+        previous metadata is dropped, so a later `forward` raises `StaleMetadataError`.
+        """
+        self.forward_metadata = None
+        self._metadata_for = None
+        b = forward_batch
+        if b.forward_mode not in self.capabilities.forward_modes:
+            raise UnsupportedFeatureError(self.name, f"forward mode {b.forward_mode.name}")
+        level = self.ctx.validation
+        check_forward_batch(b, self.req_to_token(b), self.kv_pool(b), self.ctx, level=level)
+        if level == FULL:
+            fault = self.poll_device_fault()
+            if fault is not None:
+                raise DeviceIndexError(fault)
+        metadata = None if b.forward_mode.is_no_tokens() else self.build_forward_metadata(b)
+        self.forward_metadata = metadata
+        self._metadata_for = b
+
+    @abc.abstractmethod
+    def build_forward_metadata(self, forward_batch: ForwardBatch) -> MetadataT:
+        """Everything the layers of this step need (once per step, shared by all layers), from a batch
+        already validated (`attn_core.validation`: fields present, dtypes, shapes, devices, lengths and
+        host copies consistent; device ranges too at validation "full"). Never called for no-token
+        modes. Must not synchronize with the device beyond what the batch's host copies allow."""
+
+    def bind_graph_metadata(self, metadata: MetadataT, step: CudaGraphStep) -> None:
+        """Make `metadata` current for the CUDA-graph batch `step` (`capture_cuda_graph_metadata` and
+        `replay_cuda_graph_metadata` end with it): `forward` then accepts any batch of `step`'s mode and
+        size, since a graph runner rebuilds its static batch object per replay."""
+        self.forward_metadata = metadata
+        self._metadata_for = GraphBatchKey(step.forward_mode, step.bs)
+
+    def poll_device_fault(self) -> Optional[str]:
+        """A description of an out-of-range index a kernel of this backend met since the last poll (and
+        clear it), or None. Called by `init_forward_metadata` at validation "full" (it may synchronize).
+        The default, for backends without a device fault flag, returns None."""
+        return None
 
     # ---- CUDA graphs ---------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -131,13 +207,13 @@ class AttentionBackend(abc.ABC):
 
     def capture_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
         """Point the metadata at the graph buffers for the graph batch `step` (padded to `step.bs`
-        rows, see `attn_core.graph_step`) before capturing; sets `forward_metadata`."""
+        rows, see `attn_core.graph_step`) before capturing; ends with `bind_graph_metadata(metadata, step)`."""
         raise UnsupportedFeatureError(self.name, "CUDA graphs")
 
     def replay_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
         """Refresh, in place, the graph buffers captured for (`step.bs`, `step.forward_mode`) with the
-        batch of this replay (padded the same way); sets `forward_metadata`. No reallocation: the
-        captured kernels read these buffers."""
+        batch of this replay (padded the same way); ends with `bind_graph_metadata(metadata, step)`. No
+        reallocation: the captured kernels read these buffers."""
         raise UnsupportedFeatureError(self.name, "CUDA graphs")
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
@@ -169,8 +245,12 @@ class AttentionBackend(abc.ABC):
         save_kv_cache: bool = True,
         **extras,
     ) -> Output:
-        """Validate, then dispatch on the mode: no-token modes return an empty output, DECODE goes to
-        `forward_decode`, every other mode to `forward_extend`."""
+        """Check the metadata is this batch's (`StaleMetadataError`), validate the arguments, then
+        dispatch on the mode: no-token modes return an empty output, DECODE goes to `forward_decode`,
+        every other mode to `forward_extend`."""
+        bound = self._metadata_for
+        if bound is not forward_batch and not (isinstance(bound, GraphBatchKey) and bound.matches(forward_batch)):
+            raise StaleMetadataError(_bound_description(bound), _batch_description(forward_batch))
         mode = forward_batch.forward_mode
         out_cols = layer.num_q_heads * layer.v_head_dim
         if mode.is_no_tokens():
@@ -184,12 +264,32 @@ class AttentionBackend(abc.ABC):
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **extras)
 
     @abc.abstractmethod
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras) -> Output:
-        """DECODE: one query per request."""
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        **extras,
+    ) -> Output:
+        """DECODE: one query per request. q `[bs, Hq, D]`, k/v `[bs, Hkv, D]` / `[bs, Hkv, Dv]` (or None),
+        validated; returns `[bs, Hq*Dv]` (and LSE `[bs, Hq]` float32 with return_lse)."""
 
     @abc.abstractmethod
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras) -> Output:
-        """EXTEND, MIXED, TARGET_VERIFY, DRAFT_EXTEND (and SPLIT_PREFILL where declared)."""
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        **extras,
+    ) -> Output:
+        """EXTEND, MIXED, TARGET_VERIFY, DRAFT_EXTEND (and SPLIT_PREFILL where declared): q `[T, Hq, D]`,
+        k/v `[T, Hkv, D]` / `[T, Hkv, Dv]` (or None), validated; returns `[T, Hq*Dv]` (and LSE)."""
 
     # ---- the pools (shared by every backend) --------------------------------------------------
     def req_to_token(self, forward_batch: Optional[ForwardBatch] = None) -> torch.Tensor:
@@ -199,14 +299,14 @@ class AttentionBackend(abc.ABC):
             raise InvalidArgumentError("req_to_token_pool", "a pool on the batch or the context", None)
         return pool.req_to_token
 
-    def kv_pool(self, forward_batch: ForwardBatch):
+    def kv_pool(self, forward_batch: ForwardBatch) -> KVPool:
         """The step's KV pool: the batch's, else the context's."""
         pool = forward_batch.token_to_kv_pool or self.ctx.token_to_kv_pool
         if pool is None:
             raise InvalidArgumentError("token_to_kv_pool", "a KV pool on the batch or the context", None)
         return pool
 
-    def save_kv(self, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer: AttentionLayer, forward_batch: ForwardBatch):
+    def save_kv(self, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer: AttentionLayer, forward_batch: ForwardBatch) -> KVPool:
         """Write the step's new K/V (when given) to their slots: `out_cache_loc`, or `encoder_out_cache_loc`
         for a cross-attention layer; fp8 pools quantize with the layer's k_scale / v_scale. Returns the pool."""
         pool = self.kv_pool(forward_batch)
@@ -277,16 +377,13 @@ class AttentionBackend(abc.ABC):
                 raise InvalidArgumentError("sinks", f"shape ({layer.num_q_heads},)", tuple(sinks.shape))
         if mode.is_target_verify() and batch.spec_info is not None and batch.spec_info.custom_mask is not None:
             self.require(Feature.CUSTOM_MASK, "custom masks (TARGET_VERIFY)")
-        if self.forward_metadata is None:
-            raise InvalidArgumentError("forward_metadata", "init_forward_metadata(batch) called before forward", None)
 
         T = batch.num_tokens
         hq, d, hkv = layer.num_q_heads, layer.head_dim, layer.num_kv_heads
         q = _heads_view("q", q, T, hq, d)
         if q.device != self.device:
             raise InvalidArgumentError("q", f"a tensor on {self.device}", q.device)
-        if _dtype_name(q.dtype) not in caps.q_dtypes:
-            raise InvalidArgumentError("q", f"dtype in {sorted(caps.q_dtypes)}", q.dtype)
+        check_forward_dtypes(q, k, v, self.ctx)
         if layer.is_cross_attention:
             rows = 0 if batch.encoder_out_cache_loc is None else batch.encoder_out_cache_loc.shape[0]
         else:
@@ -303,6 +400,18 @@ class AttentionBackend(abc.ABC):
         elif save_kv_cache and not layer.is_cross_attention:
             raise InvalidArgumentError("k", "the new tokens' keys when save_kv_cache=True", None)
         return q, k, v
+
+
+def _batch_description(batch: ForwardBatch) -> str:
+    return f"another batch ({batch.forward_mode.name}, {batch.batch_size} requests)"
+
+
+def _bound_description(bound: Union[ForwardBatch, GraphBatchKey, None]) -> str:
+    if bound is None:
+        return "init_forward_metadata(batch) called for this batch before forward (no current metadata)"
+    if isinstance(bound, GraphBatchKey):
+        return f"the CUDA-graph batch the metadata was captured/replayed for ({bound.forward_mode.name}, {bound.batch_size} requests)"
+    return f"the batch init_forward_metadata was last called with ({bound.forward_mode.name}, {bound.batch_size} requests)"
 
 
 def _heads_view(name: str, x: torch.Tensor, rows: int, heads: int, dim: int) -> torch.Tensor:

@@ -10,6 +10,9 @@ Conventions (every backend relies on them):
 - New tokens are flattened request after request: request r owns rows
   extend_start_loc[r] … extend_start_loc[r] + extend_seq_lens[r] - 1 of q/k/v (one row each in DECODE).
 - dtypes: req_pool_indices, out_cache_loc, positions int64; lengths and offsets int32.
+- `positions` is the engine's: the position of every new token, its input to RoPE (which the engine
+  applies to q and k before calling attention). No backend reads it; it may be None. `build_step`
+  fills it (`attn_core.positions_from_lens`).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ class ForwardBatch:
     seq_lens_cpu: torch.Tensor
     seq_lens_sum: int
     out_cache_loc: torch.Tensor
-    positions: torch.Tensor
+    positions: Optional[torch.Tensor] = None
     req_to_token_pool: object = None
     token_to_kv_pool: object = None
     extend_prefix_lens: Optional[torch.Tensor] = None

@@ -1,6 +1,9 @@
-"""Build a consistent `ForwardBatch` from request shapes, the way an engine's scheduler would:
-request rows allocated, KV slots allocated page-contiguously, `req_to_token` written,
-`out_cache_loc`, positions and offsets computed. Used by tests, the conformance kit and benchmarks.
+"""A test fixture: one self-contained `ForwardBatch` from request shapes, with fresh request rows and
+slots for the prefix too (as if cached by earlier steps; their K/V is whatever the pool holds), released
+whole by `release_forward_batch`. Used by tests, the conformance kit and benchmarks.
+
+Engines do not use it (it cannot continue a request): they keep `attn_core.RequestPool` handles across
+steps and build each step with `attn_core.build_step` (see docs/engine-authors.md).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import torch
 from attn_core.batch import ForwardBatch, SpecInfo
 from attn_core.errors import InvalidArgumentError, KVCacheError
 from attn_core.forward_mode import ForwardMode
-from attn_core.ops.kv_indices import extend_start_loc_from_lens, positions_from_lens
+from attn_core.positions import extend_start_loc_from_lens, positions_from_lens
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,9 @@ class Feature(str, enum.Enum):
     DETERMINISTIC = "deterministic"
     CHUNKED_LOCAL_ATTENTION = "chunked_local_attention"
     SLIDING_WINDOW_POOL = "sliding_window_pool"  # window layers served from a SlidingWindowKVPool
+    #: a KV cache dtype other than the query dtype (e.g. bf16 queries over an fp32 cache) computed right;
+    #: without it a context whose kv_dtype differs from its dtype is refused at construction
+    MIXED_KV_DTYPE = "mixed_kv_dtype"
 
     def __str__(self) -> str:
         return self.value
@@ -120,6 +123,8 @@ class Capabilities:
             out.append(f"q dtype {req.q_dtype} not in {sorted(self.q_dtypes)}")
         if req.kv_dtype not in self.kv_dtypes:
             out.append(f"KV dtype {req.kv_dtype} not in {sorted(self.kv_dtypes)}")
+        if req.kv_dtype != req.q_dtype and Feature.MIXED_KV_DTYPE not in self.features:
+            out.append(f"KV dtype {req.kv_dtype} with q dtype {req.q_dtype}: mixed dtypes not supported ({Feature.MIXED_KV_DTYPE.value})")
         dims = self.mla_head_dims if req.arch == ARCH_MLA else self.head_dims
         if dims is not None and req.head_dim not in dims:
             out.append(f"{req.arch} head_dim {req.head_dim} not in {_ranges(dims)}")

@@ -34,6 +34,8 @@ def cmd_list(args: argparse.Namespace) -> int:
             if entry.notes:
                 status += f" ({'; '.join(entry.notes)})"
             caps = entry.spec.capabilities.summary()
+            if entry.spec.unverified:
+                status = f"{status} [unverified: {entry.spec.unverified}]"
         else:
             status, caps = f"failed: {entry.error}", "-"
         rows.append((entry.name, entry.distribution, entry.version or "-", status, caps))

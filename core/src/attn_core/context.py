@@ -11,6 +11,7 @@ import torch
 from attn_core.capabilities import ARCH_MHA, ARCH_MLA, CudaGraphLevel, Feature, Requirements
 from attn_core.errors import InvalidArgumentError
 from attn_core.forward_mode import ForwardMode
+from attn_core.validation import BASIC, VALIDATION_LEVELS
 
 
 @dataclass
@@ -51,6 +52,9 @@ class BackendContext:
     cuda_graph: CudaGraphLevel = CudaGraphLevel.NEVER
     #: layout of the KV pool's buffers ("NHD" or "HND"); taken from `token_to_kv_pool` when it has one
     kv_layout: str = "NHD"
+    #: batch validation in init_forward_metadata: "basic" (host copies only, no sync) or "full" (also
+    #: the device tensors, one sync per step); see attn_core.validation
+    validation: str = BASIC
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
@@ -58,6 +62,8 @@ class BackendContext:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if self.kv_dtype is None:
             self.kv_dtype = self.dtype
+        if self.validation not in VALIDATION_LEVELS:
+            raise InvalidArgumentError("validation", f"one of {VALIDATION_LEVELS}", self.validation)
         if self.attention_arch not in (ARCH_MHA, ARCH_MLA):
             raise InvalidArgumentError("attention_arch", f"{ARCH_MHA!r} or {ARCH_MLA!r}", self.attention_arch)
         if self.attention_arch == ARCH_MLA:

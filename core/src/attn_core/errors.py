@@ -39,6 +39,22 @@ class KVCacheError(AttnError, ValueError):
     """Misuse of a KV-cache pool or allocator (double free, reserved or out-of-range slot)."""
 
 
+class InvalidBatchError(InvalidArgumentError):
+    """A `ForwardBatch` field is missing, of the wrong dtype, shape or device, out of range, or
+    inconsistent with another field (host copy vs device tensor, lengths vs sums). Raised by
+    `attn_core.validation` before any kernel runs and before any KV write; `argument` names the field
+    (e.g. "forward_batch.seq_lens_cpu")."""
+
+
+class StaleMetadataError(InvalidArgumentError):
+    """`forward` was called with a batch other than the one the backend's current metadata was built for
+    (`init_forward_metadata` not called for this step, or called for another batch since, e.g. by another
+    thread sharing the backend). Checked by identity, so it costs no device work and is graph-safe."""
+
+    def __init__(self, expected: str, found: object):
+        super().__init__("forward_batch", expected, found)
+
+
 class RegistryError(AttnError):
     """Base class of the registry's errors."""
 

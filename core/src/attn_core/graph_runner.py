@@ -21,6 +21,7 @@ from attn_core.batch import ForwardBatch, SpecInfo
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 from attn_core.graph_step import CudaGraphStep, GraphPadding, graph_padding, graph_tokens_per_request
+from attn_core.positions import positions_from_lens
 
 LayerOutput = Union[torch.Tensor, tuple[torch.Tensor, ...]]
 #: run_layers(forward_batch, inputs) -> per-token output(s) `[num_tokens, ...]`; inputs maps each name of
@@ -206,7 +207,10 @@ class CudaGraphRunner:
         self.req_pool_indices[:bs] = b.req_pool_indices
         self.seq_lens[:bs] = b.seq_lens
         self.out_cache_loc[:tokens] = b.out_cache_loc
-        self.positions[:tokens] = b.positions
+        if b.positions is None:  # the engine's RoPE positions are optional: derive them from the lengths
+            self.positions[:tokens] = positions_from_lens(b.seq_lens - per, torch.full_like(b.seq_lens, per), tokens)
+        else:
+            self.positions[:tokens] = b.positions
         for name, buf in self.inputs.items():
             buf[:tokens] = inputs[name]
         mask_end = 0

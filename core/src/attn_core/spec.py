@@ -31,7 +31,9 @@ class BackendSpec:
     else the reason ("needs CUDA", "triton not installed (pip install attn-triton)"); it may import
     torch but should be quick. `info_fn` (optional, same rules) describes what an available backend
     found here, e.g. the CPU ISA and kernel path; `attn-core list` shows it next to "available".
-    `priority` orders `select_backend`'s default choice (higher first).
+    `priority` orders `select_backend`'s default choice (higher first). `unverified` (optional) says
+    what of the backend has never run on hardware (e.g. a kernel path for a GPU nobody could test on);
+    `attn-core list` shows it whatever the probe says.
     """
 
     name: str
@@ -44,6 +46,7 @@ class BackendSpec:
     priority: int = 0
     probe_fn: Optional[Callable[[], Optional[str]]] = field(default=None, compare=False)
     info_fn: Optional[Callable[[], Optional[str]]] = field(default=None, compare=False)
+    unverified: Optional[str] = None
 
     def load(self) -> type:
         """Import and return the backend class."""
@@ -149,5 +152,7 @@ def spec_problems(spec: object) -> list[str]:
         value = getattr(spec, name)
         if value is not None and not callable(value):
             problems.append(f"{name}: expected None or a callable, found {value!r}")
+    if spec.unverified is not None and not isinstance(spec.unverified, str):
+        problems.append(f"unverified: expected None or a str, found {spec.unverified!r}")
     problems += capabilities_problems(spec.capabilities)
     return [p for p in problems if p]

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from attn_core.context import BackendContext
-from attn_core.errors import AttnError, BackendUnavailableError, InvalidArgumentError, KVCacheError, UnsupportedFeatureError
+from attn_core.errors import (
+    AttnError,
+    BackendUnavailableError,
+    InvalidArgumentError,
+    InvalidBatchError,
+    KVCacheError,
+    UnsupportedFeatureError,
+)
 from attn_core.testing.harness import AttnCase, layer_inputs, make_env, make_layer
 from attn_cpu_amx import isa
 from attn_cpu_amx.backend import CpuAmxBackend
@@ -64,11 +73,15 @@ def test_forward_needs_the_metadata_of_its_batch():
 
 
 def test_slot_out_of_range_is_a_kv_cache_error():
+    """Validation "full" (the kit's) refuses it in core; at "basic" the C++ slot check still does."""
     env, backend, layer, inputs = ready()
     row = int(env.batch.req_pool_indices[0])
     env.req_to_token_pool.req_to_token[row, 2] = env.kv_pool.num_slots + 5
-    with pytest.raises(KVCacheError, match="slot"):
+    with pytest.raises(InvalidBatchError, match="req_to_token_pool"):
         backend.init_forward_metadata(env.batch)
+    basic = CpuAmxBackend(dataclasses.replace(env.ctx, validation="basic"))
+    with pytest.raises(KVCacheError, match="slot"):
+        basic.init_forward_metadata(env.batch)
 
 
 def test_unsupported_layer_features_refused():

@@ -3,13 +3,14 @@ lengths checked against the pool's layout for batches built by the real allocato
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from attn_core.batch_builder import build_forward_batch
 from attn_core.memory import PagedTokenAllocator, ReqToTokenPool
 from attn_core.ops.kv_indices import last_page_len_from_lens, page_indptr_from_lens
-from attn_flashinfer.indices import build_paged_kv, paged_kv_host, query_layout, self_attention_page_size
+from attn_flashinfer.indices import build_page_list, build_paged_kv, page_offsets, paged_kv_host, query_layout, self_attention_page_size
 
 
 def test_worked_example_of_the_module_docstring():
@@ -129,3 +130,26 @@ def test_query_layout():
     assert qo.indptr.tolist() == [0, 3, 3, 8] and qo.lens.tolist() == [3, 0, 5]
     assert qo.max_len == 5 and qo.num_tokens == 8
     assert qo.indptr_dev is None and not qo.pending
+
+
+def test_page_list_worked_example():
+    r2t = torch.zeros(4, 8, dtype=torch.int32)
+    r2t[3, :5] = torch.tensor([20, 21, 22, 23, 8])
+    r2t[0, :2] = torch.tensor([12, 13])
+    lens = torch.tensor([5, 2], dtype=torch.int32)
+    buf = torch.full((16,), -1, dtype=torch.int32)
+    kv = build_page_list(r2t, torch.tensor([3, 0]), lens, lens, 4, lambda n: buf)
+    assert kv.indptr.tolist() == [0, 2, 3] and kv.num_pages == 3 and kv.page_size == 4
+    assert kv.indices.tolist() == [5, 2, 3] and kv.indices.data_ptr() == buf.data_ptr()
+    assert kv.kv_lens.dtype == kv.indptr.dtype == torch.int32
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_page_offsets_match_attn_core(page_size):
+    gen = torch.Generator().manual_seed(page_size)
+    for bs in (0, 1, 5, 33):
+        lens = torch.randint(0, 300, (bs,), generator=gen, dtype=torch.int32)
+        out = np.full(bs + 1, -7, dtype=np.int32)
+        total = page_offsets(lens.numpy(), page_size, out)
+        want = page_indptr_from_lens(lens, page_size)
+        assert out.tolist() == want.tolist() and total == int(want[-1])

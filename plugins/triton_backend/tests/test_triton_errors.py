@@ -204,3 +204,14 @@ def test_window_pool_refusals(no_launch):
     )
     with pytest.raises(UnsupportedFeatureError, match="CUDA graphs"):
         backend.capture_cuda_graph_metadata(step)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_bf16_queries_over_another_kv_dtype_are_refused(kv_dtype):
+    """Both dtypes are declared, but the kernels compute the pair wrongly: construction refuses the mix
+    (triton does not declare Feature.MIXED_KV_DTYPE) with a typed error."""
+    from attn_triton.backend import TritonAttnBackend
+
+    env = make_env(AttnCase("DECODE", ((5, 1),), dtype="bfloat16", kv_dtype=kv_dtype))
+    with pytest.raises(IncompatibleBackendError, match="mixed dtypes"):
+        TritonAttnBackend(env.ctx)

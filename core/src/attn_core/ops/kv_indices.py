@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from attn_core.errors import InvalidArgumentError
+from attn_core.positions import extend_start_loc_from_lens, positions_from_lens  # noqa: F401  (their former home)
 
 
 def exclusive_cumsum(lens: torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:
@@ -95,19 +96,6 @@ def page_table_from_req_to_token(
     pages = req_to_token[rows[:, None], cols[None, :]] // page_size
     valid = cols[None, :] < kv_lens.to(torch.int64)[:, None]
     return torch.where(valid, pages, torch.zeros_like(pages)).to(torch.int32)
-
-
-def positions_from_lens(prefix_lens: torch.Tensor, extend_lens: torch.Tensor, total: int) -> torch.Tensor:
-    """int64 `[total]`: token i of request r sits at position prefix_lens[r] + i."""
-    starts = exclusive_cumsum(extend_lens, torch.int64)
-    tok = torch.arange(total, device=extend_lens.device, dtype=torch.int64)
-    owner = torch.searchsorted(starts[1:], tok, right=True)
-    return prefix_lens.to(torch.int64)[owner] + tok - starts[owner]
-
-
-def extend_start_loc_from_lens(extend_lens: torch.Tensor) -> torch.Tensor:
-    """int32 `[bs]`: offset of each request's first new token in the flattened token dimension."""
-    return exclusive_cumsum(extend_lens, torch.int32)[:-1]
 
 
 @functools.lru_cache(maxsize=1)

@@ -12,6 +12,7 @@ mask.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence
 
 import torch
@@ -191,5 +192,138 @@ def graph_case_check(target: KitTarget, case: AttnCase, capture_sizes: Sequence[
                     raise KitFailure(f"graph replay, layer {lid}: {msg} at {where}")
                 worst = max(worst, err)
         return f"{len(env.batches)} replays over captures {sizes}, max rel err {worst:.2g}"
+
+    return run
+
+
+# ---- the graph section of the hostile-batch kit: inputs that move between replays ----------------------
+def _device_tensors(obj, device_type: str, path: str = "metadata", depth: int = 0) -> dict[str, int]:
+    """path -> data_ptr of every non-empty tensor on `device_type` reachable from `obj` through dataclass
+    fields, dicts, lists and tuples (not through arbitrary objects). Example: a dataclass whose field `kv`
+    holds a dataclass with a cuda tensor `indptr` gives {"metadata.kv.indptr": <address>}."""
+    out: dict[str, int] = {}
+    if depth > 6 or obj is None:
+        return out
+    if isinstance(obj, torch.Tensor):
+        return {path: obj.data_ptr()} if obj.device.type == device_type and obj.numel() else {}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        items = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    elif isinstance(obj, dict):
+        items = [(str(k), v) for k, v in obj.items()]
+    elif isinstance(obj, (list, tuple)):
+        items = [(str(i), v) for i, v in enumerate(obj)]
+    else:
+        return out
+    for name, value in items:
+        out.update(_device_tensors(value, device_type, f"{path}.{name}", depth + 1))
+    return out
+
+
+def _swap_rows(env: CaseEnv, batch: ForwardBatch, a: int, b: int) -> None:
+    """Requests a and b trade request-table rows (contents moved with them): req_pool_indices change."""
+    r2t = env.req_to_token_pool.req_to_token
+    ra, rb = int(batch.req_pool_indices[a]), int(batch.req_pool_indices[b])
+    r2t[[ra, rb]] = r2t[[rb, ra]].clone()
+    batch.req_pool_indices[a], batch.req_pool_indices[b] = rb, ra
+
+
+def _move_pages(env: CaseEnv, batch: ForwardBatch, r: int) -> None:
+    """Request r's keys move to freshly allocated pages (K/V copied in every layer): the page table changes."""
+    ps, r2t, pool = env.ctx.page_size, env.req_to_token_pool.req_to_token, env.kv_pool
+    row, n = int(batch.req_pool_indices[r]), int(batch.seq_lens_cpu[r])
+    fresh = env.allocator.alloc(-(-n // ps) * ps)
+    if fresh is None:
+        raise KitFailure("graph relocation check: no free pages to move a request to (kit bug)")
+    old = r2t[row, :n].to(torch.int64)
+    new = fresh[:n].to(old.device)
+    for lid in range(env.case.num_layers):
+        k, v = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
+        for buf in [k] if v.data_ptr() == k.data_ptr() else [k, v]:  # MLA: the value is a view of the latent
+            buf[new] = buf[old]
+    r2t[row, :n] = new.to(r2t.dtype)
+    batch.out_cache_loc[r] = int(new[n - 1])
+
+
+def _shorten(env: CaseEnv, batch: ForwardBatch, r: int) -> None:
+    """Request r attends to one key fewer (its new token one position earlier): seq_lens change."""
+    n = int(batch.seq_lens_cpu[r]) - 1
+    if n < 1:
+        return
+    row = int(batch.req_pool_indices[r])
+    seq = batch.seq_lens_cpu.clone()
+    seq[r] = n
+    batch.seq_lens_cpu = seq
+    batch.seq_lens = seq.to(batch.seq_lens.device)
+    batch.seq_lens_sum -= 1
+    batch.out_cache_loc[r] = int(env.req_to_token_pool.req_to_token[row, n - 1])
+    batch.positions[r] = n - 1
+
+
+def _addresses(static: _Static, backend) -> tuple[dict[str, int], dict[str, int]]:
+    """The addresses a captured graph reads: the static inputs, and the device tensors of the metadata."""
+    dev = static.seq_lens.device.type
+    inputs = _device_tensors([static.req_pool_indices, static.seq_lens, static.out_cache_loc, static.inputs], dev, "static")
+    return inputs, _device_tensors(backend.forward_metadata, dev)
+
+
+def graph_relocation_check(target: KitTarget, case: AttnCase):
+    """DECODE in one captured graph over replays whose request rows, page table and seq_lens change (the
+    silent-corruption class: a replay reading capture-time metadata). Every replay is compared with an
+    eager step of another instance on the same batch, and neither the static inputs nor the device
+    tensors of the graph's metadata may move between capture and any replay. Meant for CUDA (the kit adds
+    it there); elsewhere the replays run the layers eagerly on the static buffers."""
+
+    def run() -> str:
+        env = make_env(case)
+        mode, bs = case.mode, len(case.requests)
+        on_cuda = env.ctx.device.type == "cuda"
+        graph_backend, eager_backend = target.factory(env.ctx), target.factory(env.ctx)
+        fill = int(graph_backend.get_cuda_graph_seq_len_fill_value())
+        graph_backend.init_cuda_graph_state(bs, bs)
+        static = _Static(env, 1, bs)
+        layers = [make_layer(case, lid) for lid in range(case.num_layers)]
+        batch = static.load(env, mode, graph_padding(mode, 0, [bs], fill, 1), None)
+        batch.attn_backend = graph_backend
+        graph_backend.capture_cuda_graph_metadata(CudaGraphStep.from_batch(batch, with_host_lens=False))
+        graph, graph_outs = _capture(layers, static, batch, on_cuda)
+        at_capture = _addresses(static, graph_backend)
+        real = env.batch
+        real.seq_lens = real.seq_lens.clone()  # its own storage: the moves below change the batch
+        moves = [("as built", lambda: None), ("rows swapped", lambda: _swap_rows(env, real, 0, bs - 1))]
+        shortest = min(range(bs), key=lambda i: int(real.seq_lens_cpu[i]))  # the case's spare pages hold it
+        moves += [("pages moved", lambda: _move_pages(env, real, shortest)), ("seq_lens shortened", lambda: _shorten(env, real, bs - 1))]
+        tol = tolerance(getattr(torch, case.dtype))
+        gen = torch.Generator().manual_seed(case.seed + 3)
+        worst = 0.0
+        for what, move in moves:
+            move()
+            inputs = [layer_inputs(env, lid, gen, real) for lid in range(case.num_layers)]
+            real.attn_backend = eager_backend
+            eager_backend.init_forward_metadata(real)
+            eager = [layer(i["q"], i["k"], i["v"], real) for layer, i in zip(layers, inputs)]
+            for bufs, i in zip(static.inputs, inputs):
+                for name, buf in bufs.items():
+                    if buf is not None:
+                        buf.zero_()
+                        buf[: i[name].shape[0]].copy_(i[name])
+            padded = static.load(env, mode, graph_padding(mode, bs, [bs], fill, 1), real)
+            padded.attn_backend = graph_backend
+            graph_backend.replay_cuda_graph_metadata(CudaGraphStep.from_batch(padded))
+            if graph is not None:
+                graph.replay()
+                outs = [o.clone() for o in graph_outs]
+            else:
+                outs = _run_layers(layers, static, padded)
+            for lid, (out, ref) in enumerate(zip(outs, eager)):
+                err = relative_error(out[:bs], ref)
+                if err > tol:
+                    msg = f"graph replay after '{what}', layer {lid}: rel err {err:.3g} vs eager (tol {tol:g})"
+                    raise KitFailure(f"{msg}\n  case: {case.describe()}")
+                worst = max(worst, err)
+            for label, before, now in zip(("graph input", "graph metadata"), at_capture, _addresses(static, graph_backend)):
+                moved = sorted(k for k in before if now.get(k) != before[k])
+                if moved:
+                    raise KitFailure(f"after '{what}': {label} buffers moved since capture: {moved[:4]}\n  case: {case.describe()}")
+        return f"{len(moves)} replays (rows, pages, seq_lens moved) match eager, max rel err {worst:.2g}; no buffer moved"
 
     return run

@@ -210,6 +210,7 @@ def make_env(case: AttnCase) -> CaseEnv:
         features=case.features() - {Feature.SLIDING_WINDOW, Feature.CROSS_ATTENTION, Feature.CHUNKED_LOCAL_ATTENTION},
         forward_modes=frozenset({case.mode}),
         cuda_graph=case.cuda_graph_level,
+        validation="full",  # the kit checks the device tensors of every batch too
     )
     batches = []
     for idx in case.step_requests():

@@ -15,8 +15,9 @@ from typing import Optional
 from attn_core.capabilities import ARCH_MHA, ARCH_MLA, CudaGraphLevel, Feature
 from attn_core.forward_mode import ForwardMode
 from attn_core.testing.compose import Draw, compose_requests
-from attn_core.testing.graphs import graph_case_check
+from attn_core.testing.graphs import graph_case_check, graph_relocation_check
 from attn_core.testing.harness import AttnCase, run_case
+from attn_core.testing.hostile import hostile_cases, hostile_check
 from attn_core.testing.lightness import spec_import_check, spec_matches_class_check
 from attn_core.testing.negative import bad_input_checks, no_token_check, refusal_check, refused_or_correct_check
 from attn_core.testing.outcome import Check, KitFailure
@@ -170,6 +171,7 @@ class PlanBuilder:
         self.add_feature_checks()
         self.add_graph_checks()
         self.add_negative_checks()
+        self.add_hostile_checks()
         return self.checks
 
     def add_spec_checks(self) -> None:
@@ -218,8 +220,11 @@ class PlanBuilder:
         for ps in self.page_sizes():
             for mode in self.variant_modes():
                 self.numeric(f"page_size-{ps}-{mode.name}", self.case(mode, self.page_requests(mode, ps), page_size=ps))
+        mixed = caps.supports(Feature.MIXED_KV_DTYPE)
         for dtype in _prefer(caps.q_dtypes, _DTYPE_ORDER):
             kv = dtype if dtype in caps.kv_dtypes else b.kv_dtype
+            if kv != dtype and not mixed:
+                continue  # construction refuses the pair (checked below)
             for mode in self.variant_modes():
                 self.numeric(f"dtype-{dtype}-{mode.name}", self.case(mode, self.fixed_requests(mode), dtype=dtype, kv_dtype=kv))
         if b.arch == ARCH_MHA:
@@ -228,9 +233,15 @@ class PlanBuilder:
                     for mode in self.variant_modes():
                         case = self.case(mode, self.page_requests(mode, ps), page_size=ps, kv_layout=layout)
                         self.numeric(f"kv_layout-{layout}-page_size-{ps}-{mode.name}", case)
-        for kv in sorted(set(caps.kv_dtypes) - set(caps.q_dtypes)):
+        others = sorted(set(caps.kv_dtypes) - {b.dtype})
+        for kv in others if mixed else ():
             for mode in self.variant_modes():
                 self.numeric(f"kv_dtype-{kv}-{mode.name}", self.case(mode, self.fixed_requests(mode), kv_dtype=kv))
+        if others and not mixed:
+            mode = self.variant_modes()[0]
+            case = self.case(mode, self.fixed_requests(mode), kv_dtype=others[0])
+            what = f"KV dtype {others[0]} under q dtype {b.dtype} (no {Feature.MIXED_KV_DTYPE.value})"
+            self.add(f"refuse-kv_dtype-{others[0]}", refused_or_correct_check(self.target, case, what), case.describe())
         declared = caps.head_dims if b.arch == ARCH_MHA else caps.mla_head_dims
         dims = sorted(declared) if declared is not None else list(self.p.head_dims if b.arch == ARCH_MHA else ())
         for d in dims:
@@ -378,6 +389,10 @@ class PlanBuilder:
             reqs = [(P, 1), (1, 1), (P // 2 + 3, 1), (0, 1), (L - 1, 1), (5, 1)]
             case = self.case(ForwardMode.DECODE, reqs, steps=steps, sliding_window=window, cuda_graph_level=int(level))
             self.add("graph-DECODE", graph_case_check(self.target, case), case.describe())
+            if self.p.device.startswith("cuda"):  # hostile-batch section, graph part: a real captured graph
+                reqs = [(P, 1), (3, 1), (P // 2 + 1, 1), (1, 1)]
+                case = self.case(ForwardMode.DECODE, reqs, cuda_graph_level=int(level))
+                self.add("hostile-graph-relocation", graph_relocation_check(self.target, case), case.describe())
         if level >= CudaGraphLevel.UNIFORM_BATCH and ForwardMode.TARGET_VERIFY in self.base.modes:
             D = self.p.max_draft
             reqs = [(P, D), (3, D), (P // 2, D), (1, D), (L - D, D), (6, D)]
@@ -420,6 +435,15 @@ class PlanBuilder:
             if arch not in caps.archs:
                 case = self.case(mode, reqs, arch=arch, head_dim=self.p.head_dim if arch == ARCH_MHA else self.p.mla_head_dim)
                 self.add(f"refuse-arch-{arch}", refused_or_correct_check(target, case, f"attention arch {arch}"), case.describe())
+
+    def add_hostile_checks(self) -> None:
+        """The hostile-batch section (`attn_core.testing.hostile`), on the declared modes it needs."""
+        modes = self.base.modes
+        other = next((d for d in _DTYPE_ORDER if d != self.base.dtype), None)
+        verify = ForwardMode.TARGET_VERIFY in modes and self.caps.supports(Feature.CUSTOM_MASK)
+        for hostile in hostile_cases(ForwardMode.DECODE in modes, ForwardMode.EXTEND in modes, verify, other):
+            case = self.case(hostile.mode, self.fixed_requests(hostile.mode))
+            self.add(f"hostile-{hostile.name}", hostile_check(self.target, case, hostile), f"{hostile.what}: {case.describe()}")
 
 
 def _undeclared(candidates: tuple[int, ...], declared) -> Optional[int]:

@@ -18,7 +18,7 @@ from attn_core.wrappers.compose import check_same_kv_layout, intersect_capabilit
 _CHOICES = ("prefill", "decode")
 
 
-class HybridAttnBackend(AttentionBackend):
+class HybridAttnBackend(AttentionBackend[AttentionBackend]):
     """Routes each step by its forward mode: DECODE and the no-token modes (IDLE, DUMMY_FIRST) go to
     `decode`, TARGET_VERIFY and
     DRAFT_EXTEND to the backend named by `target_verify` / `draft_extend` ("prefill" or "decode",
@@ -33,6 +33,9 @@ class HybridAttnBackend(AttentionBackend):
     `capabilities` is an instance attribute derived from the two: a mode is supported when its
     backend supports it; layer features (window, logit cap, sinks, ...) need both; the custom mask
     comes from the backend that runs TARGET_VERIFY. Per-layer validation is the routed backend's own.
+
+    Metadata: the routed child (`forward_metadata` is the child that holds this step's metadata); the
+    child validates the batch and refuses stale metadata, so the wrapper adds no check of its own.
     """
 
     name = "hybrid"
@@ -108,7 +111,13 @@ class HybridAttnBackend(AttentionBackend):
 
     # ---- metadata ------------------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        self.backend_for(forward_batch.forward_mode).init_forward_metadata(forward_batch)
+        """Routing only: the child's `init_forward_metadata` validates (no second validation here)."""
+        self.forward_metadata = self.build_forward_metadata(forward_batch)
+
+    def build_forward_metadata(self, forward_batch: ForwardBatch) -> AttentionBackend:
+        child = self.backend_for(forward_batch.forward_mode)
+        child.init_forward_metadata(forward_batch)
+        return child
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         if not self._graph_backends:

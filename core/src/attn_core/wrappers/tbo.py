@@ -17,7 +17,7 @@ from attn_core.wrappers.compose import check_same_kv_layout, intersect_capabilit
 from attn_core.wrappers.tbo_split import split_batch, split_spec_info_for_graph
 
 
-class TboAttnBackend(AttentionBackend):
+class TboAttnBackend(AttentionBackend[Optional[tuple[ForwardBatch, ForwardBatch]]]):
     """`primary` serves the whole batch; `children[0]` / `children[1]` serve its two halves.
 
     `init_forward_metadata(batch)` builds the primary's metadata and, when the batch can be split,
@@ -28,6 +28,9 @@ class TboAttnBackend(AttentionBackend):
     CUDA graphs: a captured batch size bs must be even; the primary gets bs, each child bs/2 (requests
     [0, bs/2) and [bs/2, bs)), with the graph arguments split the same way as `split_forward_batch`
     splits a DECODE / TARGET_VERIFY batch of that size.
+
+    Metadata: the two child batches (also `child_batches`), or None when the batch is not split; the
+    primary and the children validate their batches and refuse stale metadata themselves.
 
     `capabilities` (an instance attribute) is what all three can do. All three must agree on the KV
     layout and, when graphs are possible, on the padding fill value (`InvalidArgumentError` otherwise).
@@ -57,12 +60,17 @@ class TboAttnBackend(AttentionBackend):
 
     # ---- eager -----------------------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Delegation only: the primary and the children validate (no second validation here)."""
+        self.forward_metadata = self.child_batches = self.build_forward_metadata(forward_batch)
+
+    def build_forward_metadata(self, forward_batch: ForwardBatch) -> Optional[tuple[ForwardBatch, ForwardBatch]]:
         self.primary.init_forward_metadata(forward_batch)
-        self.child_batches = split_batch(forward_batch, allow_cut=self.allow_cut)
-        if self.child_batches is not None:
-            for child, child_batch in zip(self.children, self.child_batches):
+        child_batches = split_batch(forward_batch, allow_cut=self.allow_cut)
+        if child_batches is not None:
+            for child, child_batch in zip(self.children, child_batches):
                 child_batch.attn_backend = child
                 child.init_forward_metadata(child_batch)
+        return child_batches
 
     def forward(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool = True, **extras) -> Output:
         return self.primary.forward(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **extras)

@@ -117,8 +117,9 @@ def split_forward_batch(forward_batch: ForwardBatch, split: TboSplit) -> tuple[F
     seq_cpu = b.seq_lens_cpu
     prefix_cpu = seq_cpu - extend_cpu
 
-    a = dict(batch_size=end_a, req_pool_indices=b.req_pool_indices[:end_a], out_cache_loc=b.out_cache_loc[:t], positions=b.positions[:t])
-    z = dict(batch_size=n - s, req_pool_indices=b.req_pool_indices[s:], out_cache_loc=b.out_cache_loc[t:], positions=b.positions[t:])
+    pos_a, pos_z = (None, None) if b.positions is None else (b.positions[:t], b.positions[t:])
+    a = dict(batch_size=end_a, req_pool_indices=b.req_pool_indices[:end_a], out_cache_loc=b.out_cache_loc[:t], positions=pos_a)
+    z = dict(batch_size=n - s, req_pool_indices=b.req_pool_indices[s:], out_cache_loc=b.out_cache_loc[t:], positions=pos_z)
     a["seq_lens"], a["seq_lens_cpu"] = b.seq_lens[:end_a], seq_cpu[:end_a]
     z["seq_lens"], z["seq_lens_cpu"] = b.seq_lens[s:], seq_cpu[s:]
     if c:  # A sees the cut request up to its first part only

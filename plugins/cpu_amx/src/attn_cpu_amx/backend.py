@@ -1,6 +1,6 @@
 """`CpuAmxBackend`: paged decode / extend attention on CPU, reading K/V in place from the pool.
 
-Per step `init_forward_metadata` keeps the batch's host tables (request rows, lengths, q offsets, the
+Per step `build_forward_metadata` keeps the batch's host tables (request rows, lengths, q offsets, the
 verify mask) and checks every visible slot once. Per layer `forward` writes the new K/V into the pool
 and calls one C++ kernel that plans work items (request x KV head x token block, KV-split when there
 are too few items for the threads), runs them on torch's thread pool and merges the splits by LSE.
@@ -24,7 +24,6 @@ from attn_core.backend import AttentionBackend
 from attn_core.batch import ForwardBatch
 from attn_core.context import _dtype_name
 from attn_core.errors import BackendUnavailableError, InvalidArgumentError, KVCacheError, UnsupportedFeatureError
-from attn_core.memory import MHATokenToKVPool
 from attn_cpu_amx import isa as cpu_isa
 from attn_cpu_amx.build import load_kernels
 from attn_cpu_amx.spec import CAPABILITIES, MAX_HEAD_DIM
@@ -44,7 +43,7 @@ class _Metadata:
     mask_indptr: Optional[torch.Tensor] = None  # [bs + 1] int64
 
 
-class CpuAmxBackend(AttentionBackend):
+class CpuAmxBackend(AttentionBackend[_Metadata]):
     """CPU attention on AMX / AVX-512 / portable kernels.
 
     Options: `isa` ("auto", "amx", "avx512", "portable"; default $ATTN_CPU_AMX_ISA or auto),
@@ -56,22 +55,10 @@ class CpuAmxBackend(AttentionBackend):
     capabilities = CAPABILITIES
 
     def __init__(self, ctx, *, isa: Optional[str] = None, max_splits: int = 16, min_split_keys: int = 256, **options):
+        # device, dtypes, head_dim, page size and arch: refused by the base class from CAPABILITIES
         super().__init__(ctx, **options)  # unknown options: InvalidArgumentError
-        if ctx.device.type != "cpu":
-            raise InvalidArgumentError("ctx.device", "a CPU device", ctx.device)
-        if ctx.is_mla:
-            raise UnsupportedFeatureError(self.name, "MLA attention")
-        q_dtype, kv_dtype = _dtype_name(ctx.dtype), _dtype_name(ctx.kv_dtype)
-        if q_dtype not in CAPABILITIES.q_dtypes:
-            raise InvalidArgumentError("ctx.dtype", f"one of {sorted(CAPABILITIES.q_dtypes)}", q_dtype)
-        if kv_dtype not in CAPABILITIES.kv_dtypes:
-            raise InvalidArgumentError("ctx.kv_dtype", f"one of {sorted(CAPABILITIES.kv_dtypes)}", kv_dtype)
-        for name in ("head_dim", "v_head_dim"):
-            value = getattr(ctx, name)
-            if value % 16 or value > MAX_HEAD_DIM:
-                raise InvalidArgumentError(f"ctx.{name}", f"a multiple of 16 up to {MAX_HEAD_DIM}", value)
-        if CAPABILITIES.page_sizes is not None and ctx.page_size not in CAPABILITIES.page_sizes:
-            raise InvalidArgumentError("ctx.page_size", f"one of {sorted(CAPABILITIES.page_sizes)}", ctx.page_size)
+        if ctx.v_head_dim % 16 or ctx.v_head_dim > MAX_HEAD_DIM:
+            raise InvalidArgumentError("ctx.v_head_dim", f"a multiple of 16 up to {MAX_HEAD_DIM}", ctx.v_head_dim)
         if not isinstance(max_splits, int) or max_splits < 1:
             raise InvalidArgumentError("max_splits", "an int >= 1", max_splits)
         if not isinstance(min_split_keys, int) or min_split_keys < 1:
@@ -81,7 +68,7 @@ class CpuAmxBackend(AttentionBackend):
             raise BackendUnavailableError(self.name, reason)
         self.path = path
         #: the kernels this backend's calls run (amx -> avx512 for float32 or head dims not multiple of 32)
-        self.kernel_path = cpu_isa.kernel_path(path, q_dtype, kv_dtype, ctx.head_dim, ctx.v_head_dim)
+        self.kernel_path = cpu_isa.kernel_path(path, _dtype_name(ctx.dtype), _dtype_name(ctx.kv_dtype), ctx.head_dim, ctx.v_head_dim)
         self._path_id = cpu_isa.PATH_IDS[self.kernel_path]
         self.max_splits = max_splits
         self.min_split_keys = min_split_keys
@@ -90,17 +77,10 @@ class CpuAmxBackend(AttentionBackend):
         self._ops = load_kernels()
 
     # ---- metadata --------------------------------------------------------------------------
-    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+    def build_forward_metadata(self, forward_batch: ForwardBatch) -> _Metadata:
         b = forward_batch
-        if b.forward_mode.is_no_tokens():
-            self.forward_metadata = None
-            return
         r2t = self.req_to_token(b)
         kv_pool = self.kv_pool(b)
-        if not isinstance(kv_pool, MHATokenToKVPool):
-            raise InvalidArgumentError("token_to_kv_pool", "an MHATokenToKVPool", type(kv_pool).__name__)
-        if kv_pool.dtype != self.ctx.kv_dtype:
-            raise InvalidArgumentError("token_to_kv_pool.dtype", f"the context's KV dtype {self.ctx.kv_dtype}", kv_pool.dtype)
         if b.encoder_lens_cpu is not None and bool(b.encoder_lens_cpu.any()):
             raise UnsupportedFeatureError(self.name, "encoder-decoder batches (cross attention)")
         bs = b.batch_size
@@ -112,10 +92,7 @@ class CpuAmxBackend(AttentionBackend):
             q_lens = b.extend_seq_lens_cpu.to(torch.int32).contiguous()
             q_starts = (torch.cumsum(q_lens, 0, dtype=torch.int32) - q_lens).contiguous()
         req_rows = b.req_pool_indices.to("cpu", torch.int64).contiguous()
-        if bool((q_lens > seq_lens).any()) or int(q_lens.sum()) != b.num_tokens:
-            raise InvalidArgumentError(
-                "forward_batch lengths", "extend lengths <= seq_lens summing to the token count", (q_lens.tolist(), seq_lens.tolist())
-            )
+        # lengths were validated by the base class; the C++ check guards every visible slot (any level)
         bad = self._ops.check_slots(r2t, req_rows, seq_lens, kv_pool.num_slots)
         if bad:
             raise KVCacheError(f"req_to_token: {bad}")
@@ -127,7 +104,7 @@ class CpuAmxBackend(AttentionBackend):
             need = meta.mask_indptr[:bs] + q_lens.to(torch.int64) * seq_lens.to(torch.int64)
             if meta.mask_indptr.numel() < bs or bool((need > meta.mask.numel()).any()):
                 raise InvalidArgumentError("spec_info.custom_mask", "one [q_len, seq_len] mask per request", meta.mask.numel())
-        self.forward_metadata = meta
+        return meta
 
     # ---- attention ---------------------------------------------------------------------------
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):
@@ -138,8 +115,6 @@ class CpuAmxBackend(AttentionBackend):
 
     def _forward(self, q, k, v, layer, batch, save_kv_cache, sinks=None, return_lse=False):
         meta: _Metadata = self.forward_metadata
-        if meta.num_tokens != q.shape[0]:
-            raise InvalidArgumentError("forward_batch", "the batch init_forward_metadata saw", q.shape[0])
         if sinks is not None and (sinks.device.type != "cpu" or not sinks.dtype.is_floating_point):
             raise InvalidArgumentError("sinks", "a floating-point CPU tensor", (sinks.device, sinks.dtype))
         pool = self.save_kv(k, v, layer, batch) if save_kv_cache else self.kv_pool(batch)

@@ -29,7 +29,9 @@ CAPABILITIES = Capabilities(
             ForwardMode.DUMMY_FIRST,
         }
     ),
-    features=frozenset({Feature.SLIDING_WINDOW, Feature.LOGIT_CAP, Feature.SINKS, Feature.CUSTOM_MASK, Feature.LSE_OUTPUT}),
+    features=frozenset(
+        {Feature.SLIDING_WINDOW, Feature.LOGIT_CAP, Feature.SINKS, Feature.CUSTOM_MASK, Feature.LSE_OUTPUT, Feature.MIXED_KV_DTYPE}
+    ),
     cuda_graph=CudaGraphLevel.NEVER,
 )
 

@@ -1,6 +1,6 @@
 """`FlashInferBackend`: attn-core's backend contract over FlashInfer's paged-KV wrappers.
 
-Per step, `init_forward_metadata` builds the step's key lists once (`indices.PagedKV`: host indptr and
+Per step, `build_forward_metadata` builds the step's key lists once (`indices.PagedKV`: host indptr and
 last-page lengths, and the same plus the page ids on the device from one kernel launch) and plans one set of
 wrappers per distinct layer setting (`plans.LayerKey`: window, logit cap, scale, cross); every layer with
 that setting runs on it. A wrapper's first plan is FlashInfer's own; later eager steps re-plan it through
@@ -40,6 +40,7 @@ from attn_core.ops.device_faults import DeviceFaultFlags
 from attn_flashinfer import plans, replan
 from attn_flashinfer.indices import PagedKV, QueryLayout, any_positive, build_paged_kv, query_layout, self_attention_page_size
 from attn_flashinfer.plans import Plan
+from attn_flashinfer.scratch import DeviceScratch
 from attn_flashinfer.spec import CAPABILITIES
 from attn_flashinfer.steps import Dims, GraphBuffers, LayerKey, StepInputs, check_context, eager_inputs, graph_inputs
 
@@ -82,7 +83,7 @@ def _write_device(step: Step) -> None:
     qo.write_device()
 
 
-class FlashInferBackend(AttentionBackend):
+class FlashInferBackend(AttentionBackend[Step]):
     """FlashInfer (FA2 kernels) on CUDA, compute capability 8.0 or newer. Options: `workspace_bytes`
     sizes the shared float workspace; `lean_replan` (None: on for the FlashInfer versions `replan.py`
     was verified with) re-plans eager wrappers without FlashInfer's public `plan` after their first."""
@@ -107,7 +108,7 @@ class FlashInferBackend(AttentionBackend):
         self._eager_wrappers: dict[tuple[LayerKey, str], object] = {}
         self._planned_eager: set[tuple[LayerKey, str]] = set()  # eager wrappers past their first (public) plan
         self._decode_queries: dict[int, QueryLayout] = {}  # by batch size
-        self._scratch_bufs: dict[str, torch.Tensor] = {}
+        self.scratch = DeviceScratch(self.device)
         self._scratch_views: dict[tuple[str, int], tuple] = {}  # (which, bs) -> (buffer, its three views)
         self._graph_buffers: Optional[dict[str, GraphBuffers]] = None
         self._graphs: dict[tuple[int, ForwardMode], tuple[Step, _GraphState]] = {}
@@ -120,14 +121,8 @@ class FlashInferBackend(AttentionBackend):
         return self.device_faults.poll()
 
     # ---- per-step metadata -------------------------------------------------------------------
-    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        b = forward_batch
-        if b.forward_mode.is_no_tokens():
-            self.forward_metadata = None
-            return
-        if b.forward_mode not in self.capabilities.forward_modes:
-            raise UnsupportedFeatureError(self.name, f"forward mode {b.forward_mode.name}")
-        self.forward_metadata = self._new_step(eager_inputs(b, self.req_to_token(b)), graph=None, keys=self.known_keys)
+    def build_forward_metadata(self, forward_batch: ForwardBatch) -> Step:
+        return self._new_step(eager_inputs(forward_batch, self.req_to_token(forward_batch)), graph=None, keys=self.known_keys)
 
     def _new_step(self, inputs: StepInputs, graph: Optional[_GraphState], keys) -> Step:
         """A step over `inputs`, with a plan for each of `keys` that the batch can use."""
@@ -135,7 +130,7 @@ class FlashInferBackend(AttentionBackend):
         if inputs.q_lens_host is None:
             qo = self._decode_query_layout(inputs.bs)
         elif graph is None:
-            qo = query_layout(inputs.q_lens_host, self._scratch("qo", inputs.bs + 1)[: inputs.bs + 1], inputs.q_lens)
+            qo = query_layout(inputs.q_lens_host, self.scratch.get("qo", inputs.bs + 1)[: inputs.bs + 1], inputs.q_lens)
         else:  # graph wrappers copy the offsets into their own buffers
             qo = query_layout(inputs.q_lens_host)
         step = Step(inputs, qo, has_prefix, graph=graph)
@@ -186,23 +181,14 @@ class FlashInferBackend(AttentionBackend):
 
     def _scratch_layout(self, which: str, bs: int, pages: int):
         """Eager device buffers of key list `which` (page ids, indptr, last-page lengths), carved from
-        one scratch buffer; the page ids start 16-byte aligned. The views are kept per batch size while
+        one `DeviceScratch` buffer; the page ids start 16-byte aligned. The views are kept per batch size while
         the buffer lasts (slicing a device tensor costs microseconds of host time per step)."""
         head = -(-(2 * bs + 1) // 4) * 4
-        buf = self._scratch(which, head + pages)
+        buf = self.scratch.get(which, head + pages)
         views = self._scratch_views.get((which, bs))
         if views is None or views[0] is not buf:
             views = self._scratch_views[(which, bs)] = (buf, buf[head:], buf[: bs + 1], buf[bs + 1 : 2 * bs + 1])
         return views[1:]
-
-    def _scratch(self, which: str, n: int) -> torch.Tensor:
-        """An eager int32 device buffer of at least n entries for `which` (a key list's layout and page
-        ids, or "qo"): one per name, reused step after step (the writes are ordered on the stream after
-        the last reads) and grown by doubling, so a step allocates nothing on the device."""
-        buf = self._scratch_bufs.get(which)
-        if buf is None or buf.shape[0] < n:
-            buf = self._scratch_bufs[which] = torch.empty(max(1024, 2 * n), dtype=torch.int32, device=self.device)
-        return buf
 
     def _wrapper(self, step: Step, key: LayerKey, role: str):
         """The wrapper of (key, role): eager ones are reused across steps, graph-mode ones belong to
@@ -334,7 +320,7 @@ class FlashInferBackend(AttentionBackend):
         graph = _GraphState(self._graph_slices(bs, with_mask=inputs.custom_mask is not None))
         state = self._new_step(inputs, graph, keys=self.known_keys)
         self._graphs[(bs, mode)] = (state, graph)
-        self.forward_metadata = state
+        self.bind_graph_metadata(state, step)
 
     def replay_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
         mode, bs = step.forward_mode, step.bs
@@ -351,7 +337,7 @@ class FlashInferBackend(AttentionBackend):
             )
         state = self._new_step(inputs, graph, keys=list(old.plans))  # the keys the graph holds kernels of
         self._graphs[(bs, mode)] = (state, graph)
-        self.forward_metadata = state
+        self.bind_graph_metadata(state, step)
 
     # ---- attention ---------------------------------------------------------------------------
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):

@@ -67,16 +67,60 @@ def paged_kv_host(kv_lens_host: torch.Tensor, page_size: int) -> PagedKV:
     bs = lens.shape[0]
     packed = np.empty(2 * bs + 1, dtype=np.int32)  # one allocation for both arrays
     indptr, last = packed[: bs + 1], packed[bs + 1 :]
-    indptr[0] = 0
+    page_offsets(lens, page_size, indptr)
     if page_size == 1:
-        lens.cumsum(out=indptr[1:])
         np.minimum(lens, 1, out=last)
     else:
-        up = lens + (page_size - 1)
-        (up // page_size).cumsum(out=indptr[1:])
-        np.minimum(up % page_size + 1, lens, out=last)
+        np.minimum((lens + (page_size - 1)) % page_size + 1, lens, out=last)
     max_len = int(lens.max()) if bs else 0
     return PagedKV(page_size, lens_t, torch.from_numpy(indptr), torch.from_numpy(last), max_len, int(indptr[bs]))
+
+
+def page_offsets(lens: np.ndarray, page_size: int, out: np.ndarray) -> int:
+    """Write the page offsets of requests with `lens` keys (numpy int32 `[bs]`) into `out` (numpy
+    int32 `[bs+1]`: 0, then the running sum of ceil(len / page_size)) and return the page count.
+
+    Example: lens [5, 2, 0], page_size 4 -> out [0, 2, 3, 3], returns 3."""
+    out[0] = 0
+    if page_size == 1:
+        lens.cumsum(out=out[1:])
+    else:
+        ((lens + (page_size - 1)) // page_size).cumsum(out=out[1:])
+    return int(out[-1])
+
+
+@dataclass
+class PageList:
+    """A step's keys as FlashInfer's MLA wrapper reads them: per request its key count and a CSR list
+    of page ids (no last-page lengths: the MLA scheduler takes the key counts)."""
+
+    page_size: int
+    kv_lens: torch.Tensor  # host int32 [bs] keys per request
+    indptr: torch.Tensor  # host int32 [bs+1] page offsets
+    num_pages: int  # indptr[-1]
+    indices: torch.Tensor  # device int32 [num_pages] page ids
+
+
+def build_page_list(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    kv_lens: torch.Tensor,
+    kv_lens_host: torch.Tensor,
+    page_size: int,
+    out: Callable[[int], torch.Tensor],
+) -> PageList:
+    """Keys `req_to_token[row, : kv_len]` of each request as a `PageList`: host offsets (numpy), page
+    ids by one index launch (`attn_core.ops.kv_indices.build_kv_indices`) into `out(num_pages)` (a device
+    int32 buffer of at least that many entries: a reused scratch buffer, a CUDA-graph buffer).
+
+    kv_lens: device int32 `[bs]`, the same numbers as `kv_lens_host` (nothing is copied back).
+    Example (page_size 4): rows [3, 0], kv_lens [5, 2], req_to_token[3, :5] = [20, 21, 22, 23, 8],
+    req_to_token[0, :2] = [12, 13] -> indptr [0, 2, 3], indices [5, 2, 3]."""
+    lens_t = kv_lens_host if kv_lens_host.dtype == torch.int32 else kv_lens_host.to(torch.int32)
+    indptr = np.empty(lens_t.shape[0] + 1, dtype=np.int32)
+    total = page_offsets(lens_t.numpy(), page_size, indptr)
+    ids = build_kv_indices(req_to_token, req_pool_indices, kv_lens, total, page_size=page_size, out=out(total))
+    return PageList(page_size, lens_t, torch.from_numpy(indptr), total, ids)
 
 
 def build_paged_kv(

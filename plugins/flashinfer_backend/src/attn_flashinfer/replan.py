@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from attn_flashinfer.indices import PagedKV, QueryLayout
+from attn_flashinfer.indices import PagedKV, PageList, QueryLayout
 from attn_flashinfer.steps import Dims, LayerKey
 
 #: flashinfer-python versions whose wrapper internals this module was checked against on a GPU
@@ -95,3 +95,25 @@ def ragged(w, qo: QueryLayout, key: LayerKey, dims: Dims) -> None:
     w._qo_indptr_buf = w._kv_indptr_buf = w._o_indptr_buf = w._v_indptr_buf = qo.indptr_dev
     w._causal = True
     _schedule(w, qo, qo.indptr, qo.lens, 1, True, key, dims)
+
+
+def mla(w, qo: QueryLayout, kv: PageList, causal: bool, num_heads: int, head_dim_ckv: int) -> None:
+    """Re-plan an MLA paged wrapper (`flashinfer.mla.BatchMLAPagedAttentionWrapper`, FA2 or FA3) for a new
+    batch: its kernel reads only the page ids (`kv.indices`: an eager wrapper is pointed at the step's,
+    a CUDA-graph wrapper's buffer already holds them) and the work list the compiled scheduler writes
+    into the wrapper's workspace from the host arrays; the wrapper's device copies of the indptr arrays
+    and lengths, which its public `plan` makes, are never read and are not made."""
+    if not w._use_cuda_graph:
+        w._kv_indices_buf = kv.indices
+    w._causal = causal
+    w._plan_info = w._cached_module.plan(
+        w._float_workspace_buffer,
+        w._int_workspace_buffer,
+        w._pin_memory_int_workspace_buffer,
+        qo.indptr,
+        kv.indptr,
+        kv.kv_lens,
+        num_heads,
+        head_dim_ckv,  # head_dim_o
+        causal,
+    )

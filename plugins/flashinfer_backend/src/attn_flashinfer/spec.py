@@ -14,7 +14,7 @@ from attn_core.spec import BackendSpec
 MIN_COMPUTE_CAPABILITY = (8, 0)
 
 #: Declared = verified on a GPU against the float64 reference (docs/gpu-runs.md). K/V in the query's
-#: dtype (`steps.check_context` refuses a mix); fp8 KV caches are not supported.
+#: dtype (no `Feature.MIXED_KV_DTYPE`: the base class refuses a mix); fp8 KV caches are not supported.
 CAPABILITIES = Capabilities(
     devices=frozenset({"cuda"}),
     q_dtypes=frozenset({"bfloat16", "float16"}),

@@ -2,7 +2,7 @@
 
 `StepInputs` is what a step's plans are built from, whether it comes from an eager `ForwardBatch` or from
 the arguments of a CUDA-graph capture/replay; `LayerKey` names the layer settings that need a plan of
-their own; `check_context` refuses contexts this backend cannot serve, before any allocation.
+their own; `check_context` refuses what the capabilities cannot express, before any allocation.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from attn_core.batch import ForwardBatch, SpecInfo
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 from attn_core.graph_step import CudaGraphStep
-from attn_flashinfer.spec import CAPABILITIES
 
 
 @dataclass(frozen=True)
@@ -81,28 +80,16 @@ class StepInputs:
 
 
 def check_context(ctx, name: str) -> None:
-    """Typed errors for contexts FlashInfer's kernels here cannot serve."""
-    caps = CAPABILITIES
-    if ctx.device.type != "cuda":
-        raise InvalidArgumentError("ctx.device", "a CUDA device", ctx.device)
-    if ctx.is_mla:
-        raise UnsupportedFeatureError(name, "MLA (this backend runs MHA/GQA/MQA)")
+    """What `CAPABILITIES` cannot say (the base class refuses the rest: device, MLA, head dims, dtypes and
+    the q/KV dtype mix): FlashInfer's kernels here need v_head_dim == head_dim."""
     if ctx.v_head_dim != ctx.head_dim:
         raise UnsupportedFeatureError(name, f"v_head_dim {ctx.v_head_dim} != head_dim {ctx.head_dim}")
-    if ctx.head_dim not in caps.head_dims:
-        raise InvalidArgumentError("ctx.head_dim", f"one of {sorted(caps.head_dims)}", ctx.head_dim)
-    for what, dtype, allowed in (("ctx.dtype", ctx.dtype, caps.q_dtypes), ("ctx.kv_dtype", ctx.kv_dtype, caps.kv_dtypes)):
-        if str(dtype).removeprefix("torch.") not in allowed:
-            raise InvalidArgumentError(what, f"one of {sorted(allowed)}", dtype)
-    if ctx.kv_dtype != ctx.dtype:
-        raise UnsupportedFeatureError(name, f"K/V dtype {ctx.kv_dtype} with queries in {ctx.dtype} (one dtype for both)")
 
 
 def eager_inputs(b: ForwardBatch, r2t: torch.Tensor) -> StepInputs:
+    """The inputs of an eager step, from a batch the base class validated."""
     mode, bs = b.forward_mode, b.batch_size
     extend = not mode.is_decode()
-    if extend and (b.extend_seq_lens_cpu is None or b.extend_prefix_lens_cpu is None):
-        raise InvalidArgumentError("forward_batch.extend_seq_lens_cpu", f"extend lengths for {mode.name}", None)
     custom_mask = None
     if mode.is_target_verify() and b.spec_info is not None and b.spec_info.custom_mask is not None:
         custom_mask = verify_mask(b.spec_info, b.extend_seq_lens_cpu, b.seq_lens_cpu, pad=False)

@@ -14,13 +14,13 @@ inside the pool's window, translated to window slots (CUDA graphs and custom mas
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from attn_core.backend import AttentionBackend
 from attn_core.batch import ForwardBatch
-from attn_core.context import BackendContext, _dtype_name
+from attn_core.context import BackendContext
 from attn_core.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedFeatureError
 from attn_core.graph_step import CudaGraphStep
 from attn_core.layer import AttentionLayer
@@ -40,7 +40,7 @@ MAX_MLA_RANK = 512
 MAX_MLA_ROPE = 64
 
 
-class TritonAttnBackend(AttentionBackend):
+class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata]]):
     """Triton attention over the paged pools of attn-core (MHA/GQA/MQA and absorbed MLA).
 
     Options (tests and tuning): `split_policy` (decode splits), `decode_config` / `extend_config`
@@ -88,17 +88,12 @@ class TritonAttnBackend(AttentionBackend):
             splits = self._splits[bs] = Splits(ms, p.min_len(det))
         return splits
 
-    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+    def build_forward_metadata(self, forward_batch: ForwardBatch) -> Union[DecodeMetadata, ExtendMetadata]:
         b = forward_batch
-        if b.forward_mode.is_no_tokens():
-            self.forward_metadata = None
-            return
         r2t = self.req_to_token(b)
-        _check_batch(b, r2t, self.device)
         if b.forward_mode.is_decode():
-            self.forward_metadata = self._decode_metadata(b, r2t)
-        else:
-            self.forward_metadata = self._extend_metadata(b, r2t)
+            return self._decode_metadata(b, r2t)
+        return self._extend_metadata(b, r2t)
 
     def _decode_metadata(self, b: ForwardBatch, r2t: torch.Tensor) -> DecodeMetadata:
         bs, dev, fault = b.batch_size, self.device, self.device_faults.buffer
@@ -216,10 +211,10 @@ class TritonAttnBackend(AttentionBackend):
             raise UnsupportedFeatureError(self.name, "CUDA graphs with chunked local attention (attention_chunk_size)")
         if window_pool_of(self.ctx.token_to_kv_pool) is not None:
             raise UnsupportedFeatureError(self.name, "CUDA graphs with a sliding-window KV pool")
-        self.forward_metadata = self._graph_state().capture(step)
+        self.bind_graph_metadata(self._graph_state().capture(step), step)
 
     def replay_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
-        self.forward_metadata = self._graph_state().replay(step)
+        self.bind_graph_metadata(self._graph_state().replay(step), step)
 
     def poll_device_fault(self) -> Optional[str]:
         """What the kernels refused since the last poll (an out-of-range request row, slot, length,
@@ -375,7 +370,8 @@ def _check_device(device: torch.device) -> None:
 
 
 def _check_context(ctx: BackendContext) -> None:
-    """What the declared capabilities cannot say (checked by the base class): the MLA parts, v_head_dim."""
+    """What the declared capabilities cannot say (checked by the base class, with the pool layout): the
+    MLA parts, v_head_dim."""
     if ctx.is_mla:
         if ctx.kv_lora_rank > MAX_MLA_RANK or ctx.qk_rope_head_dim > MAX_MLA_ROPE:
             raise UnsupportedFeatureError(
@@ -383,64 +379,14 @@ def _check_context(ctx: BackendContext) -> None:
             )
     elif ctx.head_dim > MAX_MHA_HEAD_DIM or ctx.v_head_dim > MAX_MHA_HEAD_DIM or ctx.head_dim % 8 or ctx.v_head_dim % 8:
         raise UnsupportedFeatureError("triton", f"head_dim {ctx.head_dim} / v_head_dim {ctx.v_head_dim} (multiples of 8 up to 256)")
-    pool = ctx.token_to_kv_pool
-    if pool is not None:
-        if _dtype_name(pool.dtype) != _dtype_name(ctx.kv_dtype):
-            raise InvalidArgumentError("token_to_kv_pool.dtype", f"the context's kv_dtype {ctx.kv_dtype}", pool.dtype)
-        want = (1, ctx.head_dim) if ctx.is_mla else (ctx.num_kv_heads, ctx.head_dim)
-        if (pool.head_num, pool.head_dim) != want:
-            raise InvalidArgumentError("token_to_kv_pool", f"(heads, head_dim) = {want} as in the context", (pool.head_num, pool.head_dim))
-        if ctx.is_mla != hasattr(pool, "kv_lora_rank"):
-            raise InvalidArgumentError(
-                "token_to_kv_pool", "an MLATokenToKVPool for MLA, an MHATokenToKVPool otherwise", type(pool).__name__
-            )
-
-
-def _check_batch(b: ForwardBatch, r2t: torch.Tensor, device: torch.device) -> None:
-    bs = b.batch_size
-    if b.req_pool_indices.shape != (bs,) or b.seq_lens.shape != (bs,):
-        raise InvalidArgumentError(
-            "req_pool_indices/seq_lens", f"shape ({bs},) (batch_size)", (tuple(b.req_pool_indices.shape), tuple(b.seq_lens.shape))
-        )
-    for name in ("req_pool_indices", "seq_lens"):
-        t = getattr(b, name)
-        if t.device != device:
-            raise InvalidArgumentError(name, f"a tensor on {device}", t.device)
-    if b.seq_lens.dtype != torch.int32:
-        raise InvalidArgumentError("seq_lens", "int32", b.seq_lens.dtype)
-    if b.req_pool_indices.dtype not in (torch.int32, torch.int64):
-        raise InvalidArgumentError("req_pool_indices", "int32 or int64", b.req_pool_indices.dtype)
-    lens = b.seq_lens_cpu
-    if b.encoder_lens is not None:
-        if b.encoder_lens_cpu is None or b.encoder_lens.dtype != torch.int32:
-            raise InvalidArgumentError("encoder_lens", "int32 on the device with encoder_lens_cpu on the host", b.encoder_lens.dtype)
-        lens = lens + b.encoder_lens_cpu
-    longest = int(lens.max()) if bs else 0
-    if longest > r2t.shape[1]:
-        raise InvalidArgumentError("seq_lens", f"encoder + decoder lengths <= req_to_token width {r2t.shape[1]}", longest)
-    if b.forward_mode.is_extend():
-        if b.extend_seq_lens is None or b.extend_seq_lens_cpu is None:
-            raise InvalidArgumentError("extend_seq_lens", f"extend lengths (device and _cpu) for {b.forward_mode.name}", None)
-        if b.extend_seq_lens.dtype != torch.int32 or b.extend_seq_lens.shape != (bs,):
-            raise InvalidArgumentError(
-                "extend_seq_lens", f"int32 of shape ({bs},)", (b.extend_seq_lens.dtype, tuple(b.extend_seq_lens.shape))
-            )
 
 
 def _custom_mask(b: ForwardBatch) -> Optional[torch.Tensor]:
-    """The verify mask as uint8 (checked against the sizes the layout implies), or None."""
+    """The verify mask as uint8 (its dtype and size checked by the batch validation), or None."""
     spec = b.spec_info
     if not b.forward_mode.is_target_verify() or spec is None or spec.custom_mask is None:
         return None
-    mask = spec.custom_mask
-    if mask.dtype != torch.bool or mask.dim() != 1 or mask.device != b.seq_lens.device:
-        raise InvalidArgumentError(
-            "spec_info.custom_mask", "a flat bool tensor on the batch's device", (mask.dtype, tuple(mask.shape), mask.device)
-        )
-    want = int((b.extend_seq_lens_cpu.to(torch.int64) * b.seq_lens_cpu.to(torch.int64)).sum())
-    if mask.numel() != want:
-        raise InvalidArgumentError("spec_info.custom_mask", f"{want} entries (sum of q_len * seq_len)", mask.numel())
-    return mask.view(torch.uint8)
+    return spec.custom_mask.view(torch.uint8)
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:

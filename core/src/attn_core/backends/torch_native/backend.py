@@ -99,7 +99,7 @@ def _build_metadata(
     return meta
 
 
-class TorchNativeBackend(AttentionBackend):
+class TorchNativeBackend(AttentionBackend[_Metadata]):
     """The reference backend. Option `max_score_bytes` bounds the float32 score tensor of one chunk."""
 
     name = "torch_native"
@@ -113,11 +113,8 @@ class TorchNativeBackend(AttentionBackend):
         self._graph_metadata: Optional[dict[tuple[int, ForwardMode], _Metadata]] = None
 
     # ---- metadata --------------------------------------------------------------------------
-    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+    def build_forward_metadata(self, forward_batch: ForwardBatch) -> _Metadata:
         b = forward_batch
-        if b.forward_mode.is_no_tokens():
-            self.forward_metadata = None
-            return
         if b.forward_mode.is_decode():
             q_lens = torch.ones_like(b.seq_lens)
             q_start = torch.arange(b.batch_size, device=b.device, dtype=torch.int32)
@@ -125,7 +122,7 @@ class TorchNativeBackend(AttentionBackend):
         else:
             q_lens, q_start = b.extend_seq_lens, b.extend_start_loc
             q_width = max(int(b.extend_seq_lens_cpu.max()), 1)
-        self.forward_metadata = _build_metadata(
+        return _build_metadata(
             req_to_token=self.req_to_token(b),
             req_pool_indices=b.req_pool_indices,
             seq_lens=b.seq_lens,
@@ -171,7 +168,7 @@ class TorchNativeBackend(AttentionBackend):
     def capture_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
         meta = self._graph_build(step, step.num_tokens)
         self._graph_metadata[(step.bs, step.forward_mode)] = meta
-        self.forward_metadata = meta
+        self.bind_graph_metadata(meta, step)
 
     def replay_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
         meta = self._graph_metadata.get((step.bs, step.forward_mode)) if self._graph_metadata is not None else None
@@ -181,7 +178,7 @@ class TorchNativeBackend(AttentionBackend):
             raise InvalidArgumentError("num_tokens", f"{meta.num_tokens} as captured for bs={step.bs}", step.num_tokens)
         fresh = self._graph_build(step, meta.num_tokens)
         _copy_into(meta, fresh)
-        self.forward_metadata = meta
+        self.bind_graph_metadata(meta, step)
 
     # ---- attention ---------------------------------------------------------------------------
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):

@@ -1,0 +1,272 @@
+"""MLA on one GPU, in one run: attn-flashinfer's `flashinfer_mla` against FlashInfer's MLA wrapper called
+directly on the very plan the backend made, and attn-triton's MLA kernels (absorbed MLA: 128 heads,
+latent 512 + 64, bf16, page size 64), plus DeepSeek's non-absorbed prefill with a chunked prefix.
+
+Rows: decode bs1 x 8192, bs64 x 4096, bs128 x 2048 keys; verify (TARGET_VERIFY, 4 draft tokens, chain) at
+bs64 x 4096; prefill bs4, 1024 new tokens each after a 3072-token prefix read in chunks (capacity 4096
+tokens: 3 chunks of 1024 per request), 128 heads, 192 / 128.
+
+Per row: per-layer forward time (CUDA events over back-to-back calls, save_kv_cache=False as FlashInfer's
+run stores nothing), the direct run, attn-triton's forward, and the host time of one step's metadata
+(`init_forward_metadata`: index launch + lean re-plan) against FlashInfer's own `plan` on the same host
+inputs, with its two parts alone (host offsets + index launch; the lean re-plan) and one forward
+call's host time next to one direct run's (GPU idle). The prefill row (`--no-prefill` skips it) times
+`PrefillPlan.attend` against the same FlashInfer wrappers run by hand (ragged + one ragged per chunk +
+attn-core's merge_state) and against one causal ragged pass over the whole sequence (what chunking
+trades for bounded memory).
+
+    python benchmarks/mla_vs_peers.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from flashinfer import BatchPrefillWithRaggedKVCacheWrapper
+from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+from attn_core.batch_builder import build_forward_batch
+from attn_core.context import BackendContext
+from attn_core.layer import AttentionLayer
+from attn_core.memory import MLATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
+from attn_core.ops.merge_state import merge_state
+from attn_core.registry import create_backend
+from attn_flashinfer import replan
+from attn_flashinfer.indices import build_page_list
+from attn_flashinfer.mla_backend import FlashInferMLABackend
+
+H, LORA, ROPE, PAGE, DTYPE = 128, 512, 64, 64, torch.bfloat16
+D = LORA + ROPE
+SCALE = 192**-0.5
+
+
+def gpu_time_us(fn, iters: int, reps: int) -> list[float]:
+    out = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        out.append(start.elapsed_time(end) * 1000.0 / iters)
+    return out
+
+
+def host_time_us(fn, reps: int) -> list[float]:
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return out
+
+
+def interleaved(fns: dict, rounds: int, measure) -> dict:
+    """Median of `measure(fn)` per name, the functions alternated `rounds` times (drift hits all)."""
+    samples = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name] += measure(fn)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def setup(mode: str, reqs):
+    size = PAGE * (sum(-(-(p + e) // PAGE) for p, e in reqs) + 2)
+    max_len = max(p + e for p, e in reqs) + PAGE
+    pool = MLATokenToKVPool(size, PAGE, DTYPE, LORA, ROPE, 1, "cuda")
+    pool.kv_buffer[0].normal_()
+    r2t = ReqToTokenPool(len(reqs), max_len, "cuda")
+    alloc = PagedTokenAllocator(size, PAGE, "cuda")
+    batch = build_forward_batch(mode, reqs, req_to_token_pool=r2t, allocator=alloc, token_to_kv_pool=pool)
+    if batch.spec_info is not None:
+        batch.spec_info.custom_mask = None  # chains: FlashInfer's MLA kernels run verify causally
+        batch.spec_info.mask_indptr = None
+    ctx = BackendContext(
+        device="cuda", dtype=DTYPE, num_q_heads=H, num_kv_heads=1, head_dim=D, attention_arch="mla", kv_lora_rank=LORA,
+        qk_rope_head_dim=ROPE, page_size=PAGE, max_batch_size=len(reqs), max_context_len=max_len, req_to_token_pool=r2t,
+        token_to_kv_pool=pool, forward_modes=frozenset({mode}),
+    )  # fmt: skip
+    return ctx, batch, pool
+
+
+def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int) -> dict:
+    ctx, batch, pool = setup(mode, reqs)
+    layer = AttentionLayer(0, H, 1, D, scaling=SCALE, v_head_dim=LORA)
+    T = batch.num_tokens
+    q = torch.randn(T, H, D, dtype=DTYPE, device="cuda")
+    k = torch.randn(T, 1, D, dtype=DTYPE, device="cuda")
+    backend = FlashInferMLABackend(ctx)
+    batch.attn_backend = backend
+    backend.init_forward_metadata(batch)
+    layer(q, k, None, batch)  # first step: learns the layer's scaling, stores the new latents
+    backend.init_forward_metadata(batch)  # planned up front, lean
+    step = backend.forward_metadata
+    w = step.wrappers[SCALE]
+    pages = pool.get_key_buffer(0).view(-1, PAGE, D)
+    ckv, kpe, q_nope, q_pe = pages[..., :LORA], pages[..., LORA:], q[..., :LORA], q[..., LORA:]
+    out = torch.empty(T, H, LORA, dtype=DTYPE, device="cuda")
+
+    def ours():
+        layer(q, k, None, batch, save_kv_cache=False)
+
+    def direct():
+        w.run(q_nope, q_pe, ckv, kpe, out=out)
+
+    fns = {"flashinfer_mla": ours, "flashinfer_run": direct}
+    try:
+        triton = create_backend("triton", ctx)
+        tbatch = build_forward_batch(mode, reqs, req_to_token_pool=ReqToTokenPool(len(reqs), ctx.max_context_len, "cuda"),
+                                     allocator=PagedTokenAllocator(pool.size, PAGE, "cuda"), token_to_kv_pool=pool)  # fmt: skip
+        if tbatch.spec_info is not None:
+            tbatch.spec_info.custom_mask = None
+            tbatch.spec_info.mask_indptr = None
+        tbatch.attn_backend = triton
+        triton.init_forward_metadata(tbatch)
+
+        def triton_fwd():
+            layer(q, k, None, tbatch, save_kv_cache=False)
+
+        fns["triton"] = triton_fwd
+    except Exception as exc:  # reported in the row, not fatal: the FlashInfer numbers stand alone
+        triton_error = f"{type(exc).__name__}: {exc}"
+    else:
+        triton_error = None
+    for fn in fns.values():
+        fn()
+    torch.cuda.synchronize()
+    t = interleaved(fns, rounds, lambda f: gpu_time_us(f, iters, 3))
+
+    # host time of metadata: ours (index launch + lean re-plan) vs FlashInfer's own plan, same host inputs
+    fi = BatchMLAPagedAttentionWrapper(backend.workspace, backend="auto")
+    qo, kv = step.qo, step.kv
+
+    def fi_plan():
+        fi.plan(qo.indptr, kv.indptr, kv.indices, kv.kv_lens, H, LORA, ROPE, PAGE, step.causal, SCALE, DTYPE, DTYPE)
+
+    def ours_meta():
+        backend.init_forward_metadata(batch)
+
+    def page_list():  # the metadata's index part alone: host offsets + one index launch
+        build_page_list(ctx.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_cpu, PAGE, scratch)
+
+    def lean_replan():  # the metadata's plan part alone: the MLA scheduler on the step's host arrays
+        replan.mla(w, qo, kv, step.causal, H, LORA)
+
+    scratch = lambda n: backend.scratch.get("seq", n)  # noqa: E731
+    h = interleaved({"ours": ours_meta, "fi": fi_plan}, 40 * rounds, lambda f: host_time_us(f, 1))
+    # breakdown, and one forward call's host time (GPU idle): shows whether back-to-back calls are host-bound
+    parts = {"page_list": page_list, "lean_replan": lean_replan, "forward": ours, "run": direct}
+    hb = interleaved(parts, 10 * rounds, lambda f: host_time_us(f, 1))
+    row = {
+        "name": name,
+        "forward_us": t["flashinfer_mla"],
+        "flashinfer_run_us": t["flashinfer_run"],
+        "forward_over_run": t["flashinfer_mla"] / t["flashinfer_run"],
+        "triton_forward_us": t.get("triton"),
+        "metadata_host_us": h["ours"],
+        "flashinfer_plan_host_us": h["fi"],
+        "metadata_over_plan": h["ours"] / h["fi"],
+        "kernel": w._backend,
+        "metadata_page_list_host_us": hb["page_list"],
+        "metadata_lean_replan_host_us": hb["lean_replan"],
+        "forward_host_us": hb["forward"],
+        "flashinfer_run_host_us": hb["run"],
+    }
+    if triton_error:
+        row["triton_error"] = triton_error
+    if mode == "DECODE":  # CUDA-graph replay metadata: index launch into the graph's buffers + lean re-plan
+        bs = batch.batch_size
+        backend.init_cuda_graph_state(bs, bs)
+        backend.init_forward_metadata_capture_cuda_graph(bs, bs, batch.req_pool_indices, batch.seq_lens, None, batch.forward_mode, None)
+
+        def replay_meta():  # the engine-facing (SGLang-named) entry point
+            backend.init_forward_metadata_replay_cuda_graph(
+                bs, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_sum, None, batch.forward_mode, None, batch.seq_lens_cpu
+            )
+
+        replay_meta()
+        row["graph_replay_metadata_host_us"] = statistics.median(host_time_us(replay_meta, 20 * rounds))
+    return row
+
+
+def bench_prefill(iters: int, rounds: int, bs: int = 4, new: int = 1024, prefix: int = 3072, capacity: int = 4096) -> dict:
+    ctx, batch, pool = setup("EXTEND", [(prefix, new)] * bs)
+    backend = FlashInferMLABackend(ctx)
+    plan = backend.plan_prefill(batch, capacity, scaling=SCALE)
+    T = batch.num_tokens
+    q, k = (torch.randn(T, H, 192, dtype=DTYPE, device="cuda") for _ in range(2))
+    v = torch.randn(T, H, 128, dtype=DTYPE, device="cuda")
+    chunk_kv = [
+        (torch.randn(c.num_tokens, H, 192, dtype=DTYPE, device="cuda"), torch.randn(c.num_tokens, H, 128, dtype=DTYPE, device="cuda"))
+        for c in plan.chunk_plan.chunks
+    ]
+
+    def ours():
+        plan.attend(q, k, v, lambda c, s: chunk_kv[c.index])
+
+    def direct():  # the same kernels by hand (FlashInfer's merge_state_in_place cannot launch at 128 heads)
+        o, s = plan.new.run(q, k, v, return_lse=True)
+        for w, (kc, vc) in zip(plan.chunks, chunk_kv):
+            o2, s2 = w.run(q, kc, vc, return_lse=True)
+            merge_state(o, s, o2, s2, out=o, out_lse=s)
+
+    whole = BatchPrefillWithRaggedKVCacheWrapper(backend.workspace, "NHD", backend="fa2")
+    qo = torch.arange(0, T + 1, new, dtype=torch.int32)
+    kvp = torch.arange(0, bs * (prefix + new) + 1, prefix + new, dtype=torch.int32)
+    whole.plan(qo, kvp, H, H, 192, head_dim_vo=128, causal=True, sm_scale=SCALE, q_data_type=DTYPE, kv_data_type=DTYPE)
+    kw = torch.randn(bs * (prefix + new), H, 192, dtype=DTYPE, device="cuda")
+    vw = torch.randn(bs * (prefix + new), H, 128, dtype=DTYPE, device="cuda")
+
+    def unchunked():
+        whole.run(q, kw, vw)
+
+    fns = {"ours": ours, "direct": direct, "unchunked": unchunked}
+    for fn in fns.values():
+        fn()
+    torch.cuda.synchronize()
+    t = interleaved(fns, rounds, lambda f: gpu_time_us(f, max(1, iters // 10), 3))
+    return {
+        "name": f"prefill bs{bs} q{new} prefix{prefix} ({len(plan.chunks)} chunks of {plan.chunk_plan.chunk_len})",
+        "forward_us": t["ours"],
+        "flashinfer_run_us": t["direct"],
+        "forward_over_run": t["ours"] / t["direct"],
+        "unchunked_ragged_us": t["unchunked"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--no-prefill", action="store_true", help="skip the DeepSeek prefill row")
+    args = ap.parse_args()
+    rows = [
+        bench_absorbed("decode bs1 x 8192", "DECODE", [(8191, 1)], args.iters, args.rounds),
+        bench_absorbed("decode bs64 x 4096", "DECODE", [(4095, 1)] * 64, args.iters, args.rounds),
+        bench_absorbed("decode bs128 x 2048", "DECODE", [(2047, 1)] * 128, args.iters, args.rounds),
+        bench_absorbed("verify bs64 x 4096 (4 drafts)", "TARGET_VERIFY", [(4092, 4)] * 64, args.iters, args.rounds),
+    ]
+    if not args.no_prefill:
+        rows.append(bench_prefill(args.iters, args.rounds))
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    cols = ["forward_us", "flashinfer_run_us", "forward_over_run", "triton_forward_us", "metadata_host_us", "flashinfer_plan_host_us",
+            "metadata_over_plan", "graph_replay_metadata_host_us", "metadata_page_list_host_us", "metadata_lean_replan_host_us",
+            "forward_host_us", "flashinfer_run_host_us", "unchunked_ragged_us"]  # fmt: skip
+    for r in rows:
+        vals = ", ".join(f"{c}={r[c]:.3g}" for c in cols if r.get(c) is not None)
+        print(f"{r['name']}: {vals}" + (f" [{r['triton_error']}]" if r.get("triton_error") else ""))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

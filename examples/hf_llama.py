@@ -1,0 +1,218 @@
+"""A continuous-batching engine serving a `transformers` Llama through attn (an example, not shipped).
+
+The model is run layer by layer (embedding, RMSNorm, projections, RoPE and MLP are HF's modules; the
+engine applies RoPE at `ForwardBatch.positions`) and attn does attention over a paged KV cache. The
+scheduler admits requests as they arrive, runs decodes first and prefill chunks under a token budget
+(so steps are DECODE, MIXED or EXTEND), samples greedily, frees finished requests (their pages are
+reused) and forks requests that share a prompt prefix with a running one. Optional: decode steps
+through `attn_core.CudaGraphRunner` (real graphs on a GPU), speculative decoding (draft = the first
+layers of the same model, `MultiStepDraftBackend`, TARGET_VERIFY), and HF's own forward with attn
+registered as a `transformers` attention implementation.
+
+    python examples/hf_llama.py --backend torch_native --page-size 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface, LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+import attn_core as ac
+
+
+def tiny_llama(seed: int = 0, layers: int = 2, device: str = "cpu") -> LlamaForCausalLM:
+    """A random float32 Llama (seeded; no download): 2 query heads / 1 KV head of dim 128, 256-token vocab."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=2, head_dim=128,
+                      num_key_value_heads=1, max_position_embeddings=1024, initializer_range=0.2, eos_token_id=None)
+    return LlamaForCausalLM(cfg).to(device).eval()
+
+
+@dataclass
+class Job:
+    """A request: its prompt, how many tokens to generate, the step it arrives at, and optionally the
+    job whose running request it shares its first `share` prompt tokens with."""
+
+    prompt: list[int]
+    max_new: int
+    arrival: int = 0
+    parent: Optional[int] = None
+    share: int = 0
+    out: list[int] = field(default_factory=list)
+
+
+def attn_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, forward_batch=None, attn_layers=None, **_):
+    """HF attention implementation "attn": HF's q/k/v `[1, heads, T, D]` (RoPE applied) through attn."""
+    q, k, v = (x[0].transpose(0, 1).to(forward_batch.token_to_kv_pool.dtype) for x in (query, key, value))
+    out = attn_layers[module.layer_idx](q, k, v, forward_batch)
+    return out.view(1, q.shape[0], q.shape[1], -1).to(query.dtype), None
+
+
+AttentionInterface.register("attn", attn_attention)
+AttentionMaskInterface.register("attn", lambda *args, **kwargs: None)  # attn masks by itself
+
+
+class Engine:
+    def __init__(self, model, backend="torch_native", page_size=1, num_slots=1024, max_running=4, token_budget=32,
+                 attn_dtype=torch.float32, graph_sizes=(), spec_steps=0, hf_forward=False):
+        cfg, dev = model.config, model.device
+        self.model, self.budget, self.max_running, self.hf_forward = model, token_budget, max_running, hf_forward
+        if hf_forward:  # HF's own forward, its attention on attn from now on
+            model.set_attn_implementation("attn")
+        self.kv = ac.MHATokenToKVPool(size=num_slots, page_size=page_size, dtype=attn_dtype, head_num=cfg.num_key_value_heads,
+                                      head_dim=cfg.head_dim, layer_num=cfg.num_hidden_layers, device=dev)
+        rows = ac.ReqToTokenPool(size=max_running, max_context_len=512, device=dev)
+        self.requests = ac.RequestPool(rows, ac.PagedTokenAllocator(num_slots, page_size), self.kv)
+        modes = {"extend", "decode", "mixed"} | ({"target_verify"} if spec_steps else set())
+        heads = dict(num_q_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
+        self.ctx = ac.BackendContext(device=dev, dtype=attn_dtype, **heads, page_size=page_size, max_batch_size=max_running,
+                                     max_context_len=512, req_to_token_pool=rows, token_to_kv_pool=self.kv, forward_modes=modes,
+                                     cuda_graph=ac.CudaGraphLevel.UNIFORM_BATCH if graph_sizes else ac.CudaGraphLevel.NEVER,
+                                     speculative_num_steps=spec_steps, speculative_topk=1 if spec_steps else 0,
+                                     speculative_num_draft_tokens=spec_steps + 1 if spec_steps else 0)
+        self.backend = ac.create_backend(backend, self.ctx)
+        self.attn_seconds, self.shared_tokens, self.accepted_drafts = 0.0, 0, 0
+        self.layers = [ac.AttentionLayer(i, **heads) for i in range(cfg.num_hidden_layers)]
+        self.graphs = ac.CudaGraphRunner(self.backend, graph_sizes, lambda b, x: self.layers_forward(b, x["x"]),
+                                         {"x": ((cfg.hidden_size,), model.dtype)}, num_draft_tokens=0) if graph_sizes else None
+        self.draft = ac.MultiStepDraftBackend(lambda c, s: ac.create_backend(backend, c), 1, spec_steps, self.ctx) if spec_steps else None
+
+    def layers_forward(self, batch, x, num_layers=None):
+        """Logits `[T, vocab]` of hidden states `x` `[T, hidden]` through the first num_layers layers."""
+        m = self.model.model
+        cos, sin = m.rotary_emb(x[None], batch.positions[None])
+        for attn_layer, layer in zip(self.layers, m.layers[:num_layers]):
+            a, h = layer.self_attn, layer.input_layernorm(x)
+            q, k, v = (p(h).view(x.shape[0], -1, a.head_dim) for p in (a.q_proj, a.k_proj, a.v_proj))
+            q, k = apply_rotary_pos_emb(q, k, cos[0], sin[0], unsqueeze_dim=1)
+            t0 = time.perf_counter()
+            o = attn_layer(*(t.to(self.kv.dtype) for t in (q, k, v)), batch).to(x.dtype)
+            self.attn_seconds += time.perf_counter() - t0
+            x = x + a.o_proj(o)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.model.lm_head(m.norm(x))
+
+    def forward(self, batch, ids, num_layers=None):
+        if self.graphs is not None and batch.forward_mode.is_decode() and self.graphs.captured_size(batch.forward_mode, batch.batch_size):
+            return self.graphs.run(batch, {"x": self.model.model.embed_tokens(ids)})
+        t0 = time.perf_counter()
+        (batch.attn_backend or self.backend).init_forward_metadata(batch)
+        self.attn_seconds += time.perf_counter() - t0
+        if self.hf_forward:
+            return self.model(input_ids=ids[None], position_ids=batch.positions[None], use_cache=False, forward_batch=batch,
+                              attn_layers=self.layers).logits[0]
+        return self.layers_forward(batch, self.model.model.embed_tokens(ids), num_layers)
+
+    @torch.no_grad()
+    def serve(self, jobs: list[Job]) -> list[Job]:
+        """Run every job to completion (greedy); returns them with `out` filled."""
+        waiting, running, step = sorted(jobs, key=lambda j: j.arrival), [], 0
+        while waiting or running:
+            while waiting and waiting[0].arrival <= step and len(running) < self.max_running:
+                job = waiting.pop(0)
+                parent = next((r for j, r, _ in running if j is jobs[job.parent]), None) if job.parent is not None else None
+                req = self.requests.fork(parent, min(job.share, parent.kv_len)) if parent else self.requests.add()
+                self.shared_tokens += req.kv_len
+                running.append((job, req, list(job.prompt)))
+            work, budget = [], self.budget
+            for _, req, toks in sorted(running, key=lambda s: len(s[2]) - s[1].kv_len):  # decodes first
+                n = min(len(toks) - req.kv_len, budget)
+                if n:
+                    work.append((req, toks[req.kv_len: req.kv_len + n], toks))
+                    budget -= n
+            step += 1
+            if not work:
+                continue
+            ids = torch.tensor([t for _, chunk, _ in work for t in chunk], device=self.model.device)
+            batch = ac.build_step(self.requests, [(r, len(c)) for r, c, _ in work], attn_backend=self.backend)
+            logits = self.forward(batch, ids)
+            ends = torch.tensor([len(c) for _, c, _ in work], device=ids.device).cumsum(0) - 1
+            for (req, _, toks), tok in zip(work, logits[ends].argmax(-1).tolist()):
+                if req.kv_len == len(toks):
+                    toks.append(tok)
+            for s in [s for s in running if len(s[2]) - len(s[0].prompt) >= s[0].max_new]:
+                s[0].out = s[2][len(s[0].prompt):]
+                self.requests.free(s[1])
+                running.remove(s)
+        return jobs
+
+    @torch.no_grad()
+    def serve_speculative(self, jobs: list[Job], draft_layers: int) -> list[Job]:
+        """All jobs at once: a prefill, then rounds of k draft tokens (the first `draft_layers` layers)
+        verified by the full model in one TARGET_VERIFY step; the longest agreeing prefix plus the
+        model's next token are kept, the rejected slots rolled back."""
+        k = self.draft.num_steps
+        reqs = [self.requests.add() for _ in jobs]
+        toks = [list(j.prompt) for j in jobs]
+        ids = torch.tensor([t for p in toks for t in p], device=self.model.device)
+        batch = ac.build_step(self.requests, [(r, len(p)) for r, p in zip(reqs, toks)], attn_backend=self.backend)
+        ends = torch.tensor([len(p) for p in toks], device=ids.device).cumsum(0) - 1
+        for p, tok in zip(toks, self.forward(batch, ids)[ends].argmax(-1).tolist()):
+            p.append(tok)
+        while any(len(p) - len(j.prompt) < j.max_new for p, j in zip(toks, jobs)):
+            committed = [r.kv_len for r in reqs]
+            verify = ac.build_step(self.requests, [(r, k + 1) for r in reqs], mode="target_verify", attn_backend=self.backend)
+            loc = verify.out_cache_loc.view(len(reqs), 1, k + 1)[:, :, :k]
+            lens_cpu = torch.tensor(committed, dtype=torch.int32)
+            steps = self.draft.init_forward_metadata(verify.req_pool_indices, lens_cpu.to(ids.device), loc, lens_cpu)
+            drafts = torch.tensor([[p[-1]] for p in toks], device=ids.device)
+            for step_batch in steps:
+                nxt = self.layers_forward(step_batch, self.model.model.embed_tokens(drafts[:, -1]), draft_layers).argmax(-1)
+                drafts = torch.cat([drafts, nxt[:, None]], 1)
+            target = self.forward(verify, drafts[:, : k + 1].reshape(-1)).argmax(-1).view(len(reqs), k + 1).tolist()
+            for r, p, d, t, c in zip(reqs, toks, drafts[:, 1:].tolist(), target, committed):
+                n = next((i for i in range(k) if d[i] != t[i]), k)
+                self.accepted_drafts += n
+                p += t[: n + 1]
+                self.requests.truncate(r, c + n + 1)
+        for j, r, p in zip(jobs, reqs, toks):
+            j.out = p[len(j.prompt):][: j.max_new]
+            self.requests.free(r)
+        return jobs
+
+
+def demo_jobs(seed: int = 0, n: int = 8, max_new: int = 8) -> list[Job]:
+    """Prompts of 5..40 tokens arriving over time; jobs 3 and 6 share a 20-token prefix with job 1."""
+    g = torch.Generator().manual_seed(seed)
+    jobs = [Job(torch.randint(0, 256, (int(torch.randint(5, 41, (1,), generator=g)),), generator=g).tolist(), max_new, arrival=2 * i)
+            for i in range(n)]
+    jobs[1].prompt = jobs[1].prompt + [7] * max(0, 20 - len(jobs[1].prompt))
+    for i in (3, 6):
+        if i < n:
+            jobs[i].prompt, jobs[i].parent, jobs[i].share, jobs[i].arrival = jobs[1].prompt[:20] + jobs[i].prompt[:9], 1, 20, 3
+    return jobs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backend", default="torch_native")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--jobs", type=int, default=16)
+    ap.add_argument("--max-new", type=int, default=32)
+    ap.add_argument("--attn-dtype", default="float32", help="KV cache and attention dtype (flashinfer: float16)")
+    ap.add_argument("--graphs", action="store_true", help="decode steps in CUDA graphs (attention share not measured then)")
+    args = ap.parse_args()
+    engine = Engine(tiny_llama(device=args.device), args.backend, args.page_size, max_running=8, token_budget=64,
+                    attn_dtype=getattr(torch, args.attn_dtype), graph_sizes=(1, 2, 4, 8) if args.graphs else ())
+    engine.serve(demo_jobs(n=args.jobs, max_new=args.max_new))  # warm-up: kernel compilation, lazy allocations
+    engine.attn_seconds, jobs = 0.0, demo_jobs(n=args.jobs, max_new=args.max_new)
+    t0 = time.perf_counter()
+    engine.serve(jobs)
+    if args.device != "cpu":
+        torch.cuda.synchronize()
+    secs = time.perf_counter() - t0
+    tokens = sum(len(j.prompt) + len(j.out) for j in jobs)
+    share = "n/a" if args.graphs else f"{100 * engine.attn_seconds / secs:.0f}%"
+    print(f"{args.backend} page {args.page_size}{' graphs' if args.graphs else ''}: {tokens} tokens in {secs:.2f} s = "
+          f"{tokens / secs:.0f} tokens/s; attention {share} of the time")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""`FlashInferMLABackend` (`flashinfer_mla`): absorbed MLA over attn-core's `MLATokenToKVPool` through
+FlashInfer's MLA paged wrapper (FA3 on SM90, FA2 on SM80).
+
+Every mode is one kind of plan: each request's queries over all its keys (the new ones included, which
+`save_kv` has written to the pool first), causal for every mode but DECODE (a request's queries are its
+last keys). Per step, `build_forward_metadata` (called by the base class's validating
+`init_forward_metadata`) builds the key list once (`indices.build_paged_kv`: host indptr and lengths,
+page ids from one index launch into a reused `DeviceScratch` buffer) and plans one wrapper per layer
+scaling met so far; a scaling first met in `forward` is planned then and remembered. A wrapper's first
+plan is FlashInfer's own, later ones `replan.mla` (the scheduler call alone).
+
+CUDA graphs (DECODE and TARGET_VERIFY): `init_cuda_graph_state` allocates the fixed index buffers;
+capture builds graph-mode wrappers per (batch size, mode); replay rewrites the page ids (one index
+launch) and re-plans lean. Tree masks (speculative topk > 1) are refused: FlashInfer's MLA wrapper takes
+no custom mask.
+
+DeepSeek's prefill path (non-absorbed MHA over the new tokens plus the cached prefix chunk by chunk) is
+`plan_prefill` (see `mla_prefill.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import flashinfer
+import torch
+
+from attn_core.backend import AttentionBackend
+from attn_core.batch import ForwardBatch
+from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.forward_mode import ForwardMode
+from attn_core.graph_step import CudaGraphStep
+from attn_flashinfer import mla_plans, replan
+from attn_flashinfer.backend import DEFAULT_WORKSPACE_BYTES
+from attn_flashinfer.indices import PageList, QueryLayout, build_page_list, query_layout
+from attn_flashinfer.mla_prefill import PrefillPlan, PrefillWrappers
+from attn_flashinfer.mla_spec import CAPABILITIES
+from attn_flashinfer.mla_steps import MLADims, MLAGraphBuffers, check_capacity, check_mla_context, refuse_tree_mask
+from attn_flashinfer.scratch import DeviceScratch
+from attn_flashinfer.steps import StepInputs, eager_inputs, graph_inputs
+
+
+@dataclass
+class MLAGraph:
+    """A captured (batch size, mode): its buffer slices and graph-mode wrappers by layer scaling."""
+
+    buffers: MLAGraphBuffers
+    wrappers: dict[float, object] = field(default_factory=dict)
+    planned_once: set[float] = field(default_factory=set)
+
+
+@dataclass
+class MLAStep:
+    """One step's metadata: its inputs, queries, key list and one planned wrapper per layer scaling."""
+
+    inputs: StepInputs
+    qo: QueryLayout
+    kv: PageList
+    causal: bool
+    wrappers: dict[float, object] = field(default_factory=dict)
+    graph: Optional[MLAGraph] = None
+    kernel_args: Optional[object] = None  # a subclass's own per-step data (trtllm_mla: its block table)
+
+
+class FlashInferMLABackend(AttentionBackend[MLAStep]):
+    """FlashInfer's MLA kernels on CUDA, compute capability 8.0 or newer. Options: `workspace_bytes`
+    sizes the float workspace (split-KV partial results); `lean_replan` (None: on for the FlashInfer
+    versions `replan.py` was verified with) re-plans wrappers without FlashInfer's public `plan` after
+    their first."""
+
+    name = "flashinfer_mla"
+    capabilities = CAPABILITIES
+
+    def __init__(self, ctx, *, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, lean_replan: Optional[bool] = None, **options):
+        super().__init__(ctx, **options)  # unknown options, undeclared layouts: typed errors
+        check_mla_context(ctx, self.name)
+        if workspace_bytes < (1 << 20):
+            raise InvalidArgumentError("workspace_bytes", ">= 1 MiB", workspace_bytes)
+        self.dims = MLADims(ctx.num_q_heads, ctx.kv_lora_rank, ctx.qk_rope_head_dim, ctx.dtype)
+        self.page_size = ctx.page_size
+        self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=ctx.device)
+        self.lean_replan = replan.verified(flashinfer.__version__) if lean_replan is None else bool(lean_replan)
+        self.scratch = DeviceScratch(self.device)
+        self.known_scalings: dict[float, None] = {}  # insertion-ordered set
+        self._eager_wrappers: dict[float, object] = {}
+        self._planned_eager: set[float] = set()
+        self._decode_queries: dict[int, QueryLayout] = {}
+        self._graph_buffers: Optional[MLAGraphBuffers] = None
+        self._graphs: dict[tuple[int, ForwardMode], tuple[MLAStep, MLAGraph]] = {}
+        self._prefill = PrefillWrappers(self.workspace)
+        # per-call constants of forward: q's split, the output's trailing shape and its 2-D width
+        self._q_split = (ctx.kv_lora_rank, ctx.qk_rope_head_dim)
+        self._out_heads = (ctx.num_q_heads, ctx.kv_lora_rank)
+        self._out_cols = ctx.num_q_heads * ctx.kv_lora_rank
+        self._latents: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # layer id -> (pool buffer, ckv, kpe)
+
+    # ---- per-step metadata -------------------------------------------------------------------
+    def build_forward_metadata(self, forward_batch: ForwardBatch) -> MLAStep:
+        """The step's key list and planned wrappers (the batch is validated by `init_forward_metadata`;
+        tree masks are refused here, before any plan)."""
+        refuse_tree_mask(self.name, forward_batch.forward_mode, forward_batch.spec_info)
+        return self._new_step(eager_inputs(forward_batch, self.req_to_token(forward_batch)), None, self.known_scalings)
+
+    def _new_step(self, inputs: StepInputs, graph: Optional[MLAGraph], scalings) -> MLAStep:
+        """A step over `inputs` with a planned wrapper for each of `scalings`."""
+        decode = inputs.q_lens_host is None
+        qo = self._decode_query_layout(inputs.bs) if decode else query_layout(inputs.q_lens_host)
+        if graph is None:
+            out = self._scratch_ids
+        else:
+            ids = graph.buffers.kv_indices
+
+            def out(pages: int) -> torch.Tensor:
+                check_capacity("CUDA-graph page ids (seq_lens)", pages, ids.shape[0])
+                return ids
+
+        kv = build_page_list(inputs.req_to_token, inputs.req_pool_indices, inputs.seq_lens, inputs.seq_lens_host, self.page_size, out)
+        step = MLAStep(inputs, qo, kv, causal=not decode, graph=graph)
+        for scaling in scalings:
+            step.wrappers[scaling] = self._planned(step, scaling)
+        return step
+
+    def _scratch_ids(self, pages: int) -> torch.Tensor:
+        return self.scratch.get("seq", pages)
+
+    def _decode_query_layout(self, bs: int) -> QueryLayout:
+        """One query per request (0..bs on the host), built once per batch size."""
+        qo = self._decode_queries.get(bs)
+        if qo is None:
+            qo = self._decode_queries[bs] = query_layout(torch.ones(bs, dtype=torch.int32))
+        return qo
+
+    def _planned(self, step: MLAStep, scaling: float):
+        """The wrapper of `scaling` for this step (eager: reused across steps; graph: the captured
+        batch's), planned the cheapest way FlashInfer allows."""
+        g = step.graph
+        pool = self._eager_wrappers if g is None else g.wrappers
+        done = self._planned_eager if g is None else g.planned_once
+        w = pool.get(scaling)
+        if w is None:
+            w = pool[scaling] = mla_plans.new_wrapper(self.workspace, None if g is None else g.buffers)
+        lean = self.lean_replan and scaling in done
+        mla_plans.plan(w, step.qo, step.kv, step.causal, self.dims, scaling, lean)
+        done.add(scaling)
+        return w
+
+    def _wrapper_of(self, step: MLAStep, layer):
+        scaling = float(layer.scaling)
+        w = step.wrappers.get(scaling)
+        if w is None:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise InvalidArgumentError(
+                    "layer", "layer scalings met before CUDA-graph capture (run the captured batch once eagerly first)", scaling
+                )
+            w = step.wrappers[scaling] = self._planned(step, scaling)
+            self.known_scalings[scaling] = None
+        return w
+
+    # ---- CUDA graphs -------------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        if max_bs < 1 or max_num_tokens < max_bs:
+            raise InvalidArgumentError("max_bs/max_num_tokens", "max_num_tokens >= max_bs >= 1", (max_bs, max_num_tokens))
+        dev = self.device
+        pages = max_bs * -(-self.ctx.max_context_len // self.page_size)
+        self._graph_buffers = MLAGraphBuffers(
+            qo_indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),
+            kv_indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),
+            kv_indices=torch.zeros(pages, dtype=torch.int32, device=dev),
+            kv_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
+        )
+        self._graphs = {}
+
+    def _graph_step_inputs(self, step: CudaGraphStep, num_tokens: int, seq_host: torch.Tensor) -> StepInputs:
+        pool = self.ctx.req_to_token_pool
+        if pool is None:
+            raise InvalidArgumentError("ctx.req_to_token_pool", "the request-to-token pool (CUDA graphs read the context's)", None)
+        refuse_tree_mask(self.name, step.forward_mode, step.spec_info)
+        return graph_inputs(pool.req_to_token, step, num_tokens, seq_host, None)
+
+    def capture_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
+        if self._graph_buffers is None:
+            raise InvalidArgumentError("init_cuda_graph_state", "called before capture", None)
+        mode, bs = step.forward_mode, step.bs
+        if not (mode.is_decode() or mode.is_target_verify()):
+            raise UnsupportedFeatureError(self.name, f"CUDA graphs for {mode.name}")
+        b = self._graph_buffers
+        if bs + 1 > b.qo_indptr.shape[0]:
+            raise InvalidArgumentError("bs", "<= max_bs of init_cuda_graph_state", bs)
+        inputs = self._graph_step_inputs(step, step.num_tokens, step.seq_lens.cpu())  # capture only: a sync is fine here
+        graph = MLAGraph(MLAGraphBuffers(b.qo_indptr[: bs + 1], b.kv_indptr[: bs + 1], b.kv_indices, b.kv_lens[:bs]))
+        state = self._new_step(inputs, graph, self.known_scalings)
+        self._graphs[(bs, mode)] = (state, graph)
+        self.bind_graph_metadata(state, step)
+
+    def replay_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
+        mode, bs = step.forward_mode, step.bs
+        captured = self._graphs.get((bs, mode))
+        if captured is None:
+            raise InvalidArgumentError("bs", f"a batch size captured for {mode.name}", bs)
+        old, graph = captured
+        if step.num_tokens not in (None, old.inputs.num_tokens):
+            raise InvalidArgumentError("num_tokens", f"{old.inputs.num_tokens} as captured for bs={bs}", step.num_tokens)
+        inputs = self._graph_step_inputs(step, old.inputs.num_tokens, step.host_seq_lens())
+        state = self._new_step(inputs, graph, list(old.wrappers))  # the scalings the graph holds kernels of
+        self._graphs[(bs, mode)] = (state, graph)
+        self.bind_graph_metadata(state, step)
+
+    # ---- attention ---------------------------------------------------------------------------
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, **extras)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, **extras)
+
+    def _forward(self, q, k, v, layer, batch, save_kv_cache, return_lse=False):
+        if layer.k_scale not in (None, 1.0) or layer.v_scale not in (None, 1.0):
+            raise UnsupportedFeatureError(self.name, f"k_scale/v_scale (layer {layer.layer_id}): quantized KV caches")
+        w = self._wrapper_of(self.forward_metadata, layer)
+        pool = self.save_kv(k, v, layer, batch) if save_kv_cache else self.kv_pool(batch)
+        ckv, kpe = self._latent_views(pool, layer.layer_id)
+        q_nope, q_pe = q.split_with_sizes(self._q_split, 2)
+        rows = q.shape[0]
+        out = q.new_empty((rows, *self._out_heads))
+        lse = torch.empty((rows, self.dims.num_heads), dtype=torch.float32, device=q.device) if return_lse else None
+        mla_plans.run(w, q_nope, q_pe, ckv, kpe, out, lse)
+        o = out.view(rows, self._out_cols)
+        return (o, lse) if return_lse else o
+
+    def _latent_views(self, pool, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's paged ckv / kpe views (`mla_plans.latent_views`), made once per layer and pool
+        buffer (remade when the pool hands out another buffer for the layer)."""
+        buf = pool.get_key_buffer(layer_id)
+        hit = self._latents.get(layer_id)
+        if hit is None or hit[0] is not buf:
+            hit = self._latents[layer_id] = (buf, *mla_plans.latent_views(buf, self.page_size, self.dims.kv_lora_rank))
+        return hit[1], hit[2]
+
+    # ---- DeepSeek's prefill path -------------------------------------------------------------
+    def plan_prefill(
+        self, forward_batch: ForwardBatch, chunk_capacity: int, scaling: float, qk_head_dim: int = 192, v_head_dim: int = 128
+    ) -> PrefillPlan:
+        """Plan the non-absorbed prefill of an EXTEND batch (see `mla_prefill.py`): ragged MHA over the
+        new tokens (`qk_head_dim` / `v_head_dim`, `num_q_heads` heads for q, k and v) plus the cached
+        prefix in chunks of at most `chunk_capacity` tokens (attn-core's `plan_prefix_chunks`)."""
+        b = forward_batch
+        if not b.forward_mode.is_extend() or b.extend_seq_lens_cpu is None or b.extend_prefix_lens_cpu is None:
+            raise InvalidArgumentError("forward_batch", "an EXTEND batch with host extend and prefix lengths", b.forward_mode.name)
+        return self._prefill.plan(
+            b.extend_seq_lens_cpu, b.extend_prefix_lens_cpu, self.req_to_token(b), b.req_pool_indices, chunk_capacity,
+            num_heads=self.dims.num_heads, qk_head_dim=qk_head_dim, v_head_dim=v_head_dim, dtype=self.dims.dtype, scaling=scaling,
+        )  # fmt: skip

@@ -1,0 +1,81 @@
+"""Every call into FlashInfer's MLA paged wrapper (`flashinfer.mla.BatchMLAPagedAttentionWrapper`):
+construction (eager or CUDA-graph mode), plan and run.
+
+The wrapper attends queries split as q_nope `[T, H, kv_lora_rank]` + q_pe `[T, H, rope]` to a paged
+latent split the same way (ckv `[pages, P, kv_lora_rank]`, kpe `[pages, P, rope]`); both splits are
+views of attn-core's tensors (q `[T, H, kv_lora_rank + rope]`, the pool's `[slots, 1, kv_lora_rank +
+rope]`), never copies. The softmax scale is fixed at plan time, so a wrapper serves one layer scaling.
+FlashInfer picks its kernels by device (`backend="auto"`: FA3 on SM90, FA2 elsewhere).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+from attn_flashinfer import replan
+from attn_flashinfer.indices import PageList, QueryLayout
+from attn_flashinfer.mla_steps import MLADims, MLAGraphBuffers
+
+KERNEL_BACKEND = "auto"
+
+
+def new_wrapper(workspace: torch.Tensor, graph: Optional[MLAGraphBuffers] = None) -> BatchMLAPagedAttentionWrapper:
+    if graph is None:
+        return BatchMLAPagedAttentionWrapper(workspace, backend=KERNEL_BACKEND)
+    return BatchMLAPagedAttentionWrapper(
+        workspace,
+        use_cuda_graph=True,
+        qo_indptr=graph.qo_indptr,
+        kv_indptr=graph.kv_indptr,
+        kv_indices=graph.kv_indices,
+        kv_len_arr=graph.kv_lens,
+        backend=KERNEL_BACKEND,
+    )
+
+
+def plan(w: BatchMLAPagedAttentionWrapper, qo: QueryLayout, kv: PageList, causal: bool, dims: MLADims, scaling: float, lean: bool) -> None:
+    """Plan queries `qo` over the keys of `kv` (causal: each request's queries are its last keys).
+    `lean`: `replan.mla` (the wrapper has had its public plan with the same scaling and dtypes)."""
+    if lean:
+        replan.mla(w, qo, kv, causal, dims.num_heads, dims.kv_lora_rank)
+        return
+    w.plan(
+        qo.indptr,
+        kv.indptr,
+        kv.indices,
+        kv.kv_lens,
+        dims.num_heads,
+        dims.kv_lora_rank,
+        dims.qk_rope_head_dim,
+        kv.page_size,
+        causal,
+        scaling,
+        dims.dtype,
+        dims.dtype,
+    )
+
+
+def latent_views(latent: torch.Tensor, page_size: int, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's latent pool `[slots, 1, kv_lora_rank + rope]` as FlashInfer's paged ckv `[pages,
+    page_size, kv_lora_rank]` and kpe `[pages, page_size, rope]` (views, no copy)."""
+    pages = latent.view(-1, page_size, latent.shape[-1])
+    ckv, kpe = pages.split_with_sizes((kv_lora_rank, latent.shape[-1] - kv_lora_rank), 2)
+    return ckv, kpe
+
+
+def run(
+    w: BatchMLAPagedAttentionWrapper,
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    ckv: torch.Tensor,
+    kpe: torch.Tensor,
+    out: torch.Tensor,
+    lse: Optional[torch.Tensor],
+) -> None:
+    """Absorbed MLA of q (q_nope `[T, H, kv_lora_rank]`, q_pe `[T, H, rope]`) over one layer's paged
+    latent (`latent_views`) into `out` `[T, H, kv_lora_rank]` and, when `lse` is given, the natural-log
+    LSE `[T, H]` float32."""
+    w.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, return_lse=lse is not None, return_lse_base_on_e=True)

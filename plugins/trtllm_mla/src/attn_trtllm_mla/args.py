@@ -1,0 +1,90 @@
+"""Argument packing for TensorRT-LLM's MLA decode (free of FlashInfer: tested on CPU).
+
+The kernel takes the queries as `[bs, q_len, H, kv_lora_rank + rope]` (every request the same q_len:
+DECODE 1, TARGET_VERIFY the draft count), the paged latent `[pages, P, kv_lora_rank + rope]`, a block
+table, the key counts and two fused scales: `bmm1_scale` multiplies Q·Kᵀ (the softmax scale times the
+q and k dequantization scales), `bmm2_scale` the P·V product (the v scale; for MLA the latent is both
+K and V, so v_scale = k_scale).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
+
+#: DeepSeek's no-rope part of a query head before absorption; FlashInfer 0.6.6 takes it (128 or 64) but
+#: its trtllm-gen path does not use it.
+QK_NOPE_HEAD_DIM = 128
+
+
+@dataclass(frozen=True)
+class Scales:
+    """The two fused scales. Example: fold_scales(0.0721, q_scale=None, k_scale=0.5) -> Scales(0.03605, 0.5)."""
+
+    bmm1: float
+    bmm2: float
+
+
+def fold_scales(scaling: float, q_scale: Optional[float], k_scale: Optional[float]) -> Scales:
+    """bmm1 = scaling * q_scale * k_scale, bmm2 = k_scale (None counts as 1)."""
+    qs = 1.0 if q_scale is None else float(q_scale)
+    ks = 1.0 if k_scale is None else float(k_scale)
+    return Scales(float(scaling) * qs * ks, ks)
+
+
+def uniform_q_len(q_lens_host: Optional[torch.Tensor], bs: int, num_tokens: int) -> Optional[int]:
+    """Queries per request when every request has the same number (DECODE: q_lens_host None -> 1), else
+    None (then the step is not TRT-LLM decode's shape). Example: ([3, 3], 2, 6) -> 3; ([1, 2], 2, 3) -> None."""
+    if q_lens_host is None:
+        return 1
+    if bs == 0 or num_tokens % bs:
+        return None
+    n = num_tokens // bs
+    return n if n >= 1 and bool((q_lens_host == n).all()) else None
+
+
+def decode_kwargs(
+    q: torch.Tensor,
+    latent: torch.Tensor,
+    page_size: int,
+    kv_lora_rank: int,
+    qk_rope_head_dim: int,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    q_len: int,
+    scales: Scales,
+    workspace: torch.Tensor,
+    out: Optional[torch.Tensor],
+) -> dict:
+    """Keyword arguments of `trtllm_batch_decode_with_kv_cache_mla` for q `[bs * q_len, H, D]` over one
+    layer's latent pool `[slots, 1, D]` (D = kv_lora_rank + rope), both viewed, not copied. `out`
+    (bf16 `[bs, H, kv_lora_rank]`) is passed for q_len 1 only: FlashInfer 0.6.6 checks a given output
+    against `[bs, H, kv_lora_rank]` whatever q_len is, so with q_len > 1 it allocates its own
+    `[bs, q_len, H, kv_lora_rank]`."""
+    T, H, D = q.shape
+    if D != kv_lora_rank + qk_rope_head_dim:
+        raise InvalidArgumentError("q", f"head dim {kv_lora_rank + qk_rope_head_dim}", D)
+    bs = block_table.shape[0]
+    if T != bs * q_len:
+        raise InvalidArgumentError("q", f"{bs} requests x {q_len} queries", T)
+    if q.dtype != torch.bfloat16 or (out is not None and out.dtype != torch.bfloat16):
+        raise UnsupportedFeatureError("trtllm_mla", f"dtype {q.dtype} (the kernels here take and write bfloat16)")
+    return dict(
+        query=q.view(bs, q_len, H, D),
+        kv_cache=latent.view(-1, page_size, D),
+        workspace_buffer=workspace,
+        qk_nope_head_dim=QK_NOPE_HEAD_DIM,
+        kv_lora_rank=kv_lora_rank,
+        qk_rope_head_dim=qk_rope_head_dim,
+        block_tables=block_table,
+        seq_lens=seq_lens,
+        max_seq_len=max_seq_len,
+        out=out if q_len == 1 else None,
+        bmm1_scale=scales.bmm1,
+        bmm2_scale=scales.bmm2,
+    )
