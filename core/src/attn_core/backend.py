@@ -121,6 +121,10 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
             raise UnsupportedFeatureError(self.name, f"forward mode {b.forward_mode.name}")
         level = self.ctx.validation
         check_forward_batch(b, self.req_to_token(b), self.kv_pool(b), self.ctx, level=level)
+        if b.cascade_prefix_len:
+            from attn_core.cascade import check_cascade_prefix  # here: attn_core.cascade imports the wrappers package
+
+            check_cascade_prefix(b)
         if level == FULL:
             fault = self.poll_device_fault()
             if fault is not None:

@@ -26,6 +26,7 @@ class Feature(str, enum.Enum):
     DETERMINISTIC = "deterministic"
     CHUNKED_LOCAL_ATTENTION = "chunked_local_attention"
     SLIDING_WINDOW_POOL = "sliding_window_pool"  # window layers served from a SlidingWindowKVPool
+    CASCADE = "cascade"  # ForwardBatch.cascade_prefix_len served as prefix + suffix passes (else ignored: same result)
     #: a KV cache dtype other than the query dtype (e.g. bf16 queries over an fp32 cache) computed right;
     #: without it a context whose kv_dtype differs from its dtype is refused at construction
     MIXED_KV_DTYPE = "mixed_kv_dtype"

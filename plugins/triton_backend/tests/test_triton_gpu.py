@@ -65,6 +65,9 @@ CASES = [
         return_lse=True,
         **{**GQA, "num_layers": 2},
     ),
+    # cascade attention: 16 requests over a shared 2048-token prefix (their own copies poisoned)
+    AttnCase("DECODE", [(2048 + 256, 1)] * 16, dtype="bfloat16", page_size=16, cascade_prefix=2048, return_lse=True, **GQA),
+    AttnCase("EXTEND", [(2048, 256), (2100, 77), (2048, 1)] * 4, dtype="bfloat16", page_size=16, cascade_prefix=2048, **GQA),
     # head dims 64 / 256, MHA and MQA layouts
     AttnCase("DECODE", [(2000, 1), (33, 1)], dtype="bfloat16", num_q_heads=16, num_kv_heads=16, head_dim=64, device="cuda", num_layers=1),
     AttnCase("EXTEND", [(500, 300)], dtype="bfloat16", num_q_heads=8, num_kv_heads=1, head_dim=256, device="cuda", num_layers=1),

@@ -77,6 +77,10 @@ class AttnCase:
     window_pool: bool = False
     #: layout of the KV pool's buffers ("NHD" or "HND"; MHA only)
     kv_layout: str = "NHD"
+    #: cascade attention: every request's first `cascade_prefix` cached tokens are the same slots (the
+    #: first request's; the others' own slots for them stay poisoned) and the batch says so through
+    #: `cascade_prefix_len` (one step, no encoder tokens, every prefix_len >= cascade_prefix)
+    cascade_prefix: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "mode", ForwardMode.parse(self.mode))
@@ -111,6 +115,8 @@ class AttnCase:
             parts.append("window pool")
         if self.kv_layout != "NHD":
             parts.append(f"kv_layout={self.kv_layout}")
+        if self.cascade_prefix:
+            parts.append(f"cascade_prefix={self.cascade_prefix}")
         if self.mode.is_target_verify() and not self.custom_mask:
             parts.append("no custom mask")
         if self.steps:
@@ -226,9 +232,24 @@ def make_env(case: AttnCase) -> CaseEnv:
             for row, i in zip(batch.req_pool_indices.tolist(), idx):
                 prefix = case.requests[i].prefix_len
                 allocator.release_out_of_window(req_pool.req_to_token[row, :prefix].cpu(), prefix)
+    if case.cascade_prefix:
+        _share_prefix(case, req_pool, batches)
     env = CaseEnv(case, ctx, req_pool, allocator, kv_pool, batches[0], batches)
     _fill_cache(env, gen)
     return env
+
+
+def _share_prefix(case: AttnCase, req_pool: ReqToTokenPool, batches: list[ForwardBatch]) -> None:
+    """Point the first `case.cascade_prefix` tokens of every request at the first request's slots and
+    mark the batch as a cascade step."""
+    p = case.cascade_prefix
+    if len(batches) != 1 or any(r.encoder_len or r.prefix_len < p for r in case.requests):
+        raise ValueError("cascade_prefix cases need one step, no encoder tokens and every prefix_len >= cascade_prefix")
+    rows = batches[0].req_pool_indices.tolist()
+    table = req_pool.req_to_token
+    for row in rows[1:]:
+        table[row, :p] = table[rows[0], :p]
+    batches[0].cascade_prefix_len = p
 
 
 def token_major(pool, buf: torch.Tensor) -> torch.Tensor:
@@ -284,8 +305,11 @@ def _fill_cache(env: CaseEnv, gen: torch.Generator) -> None:
             pre_slots = layer_slots(env, layer, r2t[row, r.encoder_len : r.encoder_len + r.prefix_len].long())
             kept = pre_slots != 0  # released window slots stay poisoned (slot 0 is the dummy)
             k = _rand((r.prefix_len, hk, dk), pool.dtype, gen, pool.device)
-            _write_rows(pool, k_buf, pre_slots[kept], k[kept])
             v = k[..., :dv] if case.arch == ARCH_MLA else _rand((r.prefix_len, hv, dv), pool.dtype, gen, pool.device)
+            if case.cascade_prefix and ks[order[0]] is not None:  # the shared prefix's K/V are the first request's
+                p = case.cascade_prefix
+                k[:p], v[:p] = ks[order[0]][:p], vs[order[0]][:p]
+            _write_rows(pool, k_buf, pre_slots[kept], k[kept])
             if case.arch != ARCH_MLA:
                 _write_rows(pool, v_buf, pre_slots[kept], v[kept])
             ks[i], vs[i] = k, v

@@ -276,6 +276,8 @@ class PlanBuilder:
             self.add_window_pool_checks()
         if Feature.CHUNKED_LOCAL_ATTENTION in declared:
             self.add_chunked_local_checks()
+        if Feature.CASCADE in declared and self.base.arch == ARCH_MHA:
+            self.add_cascade_checks()
         if Feature.LOGIT_CAP in declared:
             for mode in self.variant_modes():
                 self.numeric(f"logit_cap-{mode.name}", self.case(mode, self.fixed_requests(mode), logit_cap=LOGIT_CAP))
@@ -346,6 +348,26 @@ class PlanBuilder:
             for mode in self.variant_modes():
                 case = self.case(mode, self.page_requests(mode, ps), page_size=ps, sliding_window=w, window_pool=True)
                 self.numeric(f"window_pool-page_size-{ps}-{mode.name}", case)
+
+    def add_cascade_checks(self) -> None:
+        """Cascade steps: requests over one shared cached prefix (their own copies of it poisoned),
+        plain, with logit cap / LSE, at the largest page size with a prefix off the page size, and
+        window layers interleaved (they run unsplit in the same step)."""
+        P, E = self.p.max_prefix, self.p.max_extend
+        shared = P // 2 + 1
+        for mode in self.variant_modes():
+            n = 1 if mode.is_decode() else E
+            reqs = [(shared, n), (P, 1 if mode.is_decode() else 2), (shared + 3, n // 2 + 1), (shared, 1)]
+            self.numeric(
+                f"cascade-{mode.name}", self.case(mode, reqs, cascade_prefix=shared, return_lse=Feature.LSE_OUTPUT in self.caps.features)
+            )
+            ps = self.page_sizes()[-1]
+            self.numeric(f"cascade-page_size-{ps}-{mode.name}", self.case(mode, reqs, cascade_prefix=shared, page_size=ps))
+            kw = dict(logit_cap=LOGIT_CAP) if Feature.LOGIT_CAP in self.caps.features else {}
+            if Feature.SLIDING_WINDOW in self.caps.features:
+                kw.update(sliding_window=self.p.windows[-1], window_even_layers_only=True)
+            if kw:
+                self.numeric(f"cascade_mixed_layers-{mode.name}", self.case(mode, reqs, cascade_prefix=shared, **kw))
 
     def add_chunked_local_checks(self) -> None:
         """Chunked local attention: each profile chunk size (fixed requests, whose new tokens cross chunk

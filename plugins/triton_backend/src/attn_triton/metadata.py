@@ -45,6 +45,8 @@ class DecodeMetadata:
     #: keys of window layers kept in a SlidingWindowKVPool (window slots, from each request's oldest
     #: key still inside the pool's window), when the step's pool is one
     window_kv: Optional[KVIndex] = None
+    #: cascade steps (ForwardBatch.cascade_prefix_len > 0)
+    cascade: Optional[CascadeKeys] = None
 
 
 @dataclass
@@ -62,6 +64,19 @@ class ExtendMetadata:
     local: Optional[LocalExtend] = None
     #: keys of window layers kept in a SlidingWindowKVPool (see DecodeMetadata.window_kv)
     window_kv: Optional[KVIndex] = None
+    #: cascade steps (ForwardBatch.cascade_prefix_len > 0)
+    cascade: Optional[CascadeKeys] = None
+
+
+@dataclass
+class CascadeKeys:
+    """A cascade step (`attn_core.cascade`): the shared prefix's keys as one request (`prefix`, its
+    queries: every row of the step, qo_indptr `[0, T]`) and each request's keys after the prefix
+    (`suffix`, CSR over the batch's requests)."""
+
+    prefix: KVIndex
+    qo_indptr: torch.Tensor
+    suffix: KVIndex
 
 
 @dataclass

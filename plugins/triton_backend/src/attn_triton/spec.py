@@ -40,6 +40,7 @@ CAPABILITIES = Capabilities(
             Feature.DETERMINISTIC,
             Feature.CHUNKED_LOCAL_ATTENTION,
             Feature.SLIDING_WINDOW_POOL,
+            Feature.CASCADE,
         }
     ),
     cuda_graph=CudaGraphLevel.UNIFORM_BATCH,

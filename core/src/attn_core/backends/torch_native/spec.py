@@ -24,6 +24,7 @@ CAPABILITIES = Capabilities(
             Feature.SPEC_TOPK_GT1,
             Feature.CHUNKED_LOCAL_ATTENTION,
             Feature.SLIDING_WINDOW_POOL,
+            Feature.CASCADE,
             Feature.MIXED_KV_DTYPE,
         }
     ),
