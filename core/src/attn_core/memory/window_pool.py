@@ -39,7 +39,8 @@ class SlidingWindowAllocator:
     `size` / `window_size`: usable slots of the full and window pools (multiples of page_size);
     `window`: the largest sliding window of the window layers (tokens). The interface of
     `PagedTokenAllocator` (alloc, alloc_extend, alloc_decode, free, available_size) hands out and frees
-    *full* slots; window slots follow them.
+    *full* slots; window slots follow them. Copy-on-write prefix forks (`fork_partial_page`) are not
+    offered: a fork of a windowed request would need its window slots copied too.
     """
 
     def __init__(self, size: int, window_size: int, window: int, page_size: int = 1, device: Device = "cpu"):
