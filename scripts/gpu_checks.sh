@@ -50,4 +50,7 @@ fi
 if want bench || want mla-bench; then
   python3 benchmarks/mla_vs_peers.py --json "$OUT/mla_vs_peers.json" 2>&1 | tee "$OUT/mla_vs_peers.log" || rc=1
 fi
+if want bench || want cascade-bench; then
+  python3 benchmarks/cascade_attention.py --backend triton --out "$OUT/cascade_attention.json" 2>&1 | tee "$OUT/cascade_attention.log" || rc=1
+fi
 exit $rc

@@ -57,3 +57,40 @@ def test_mla_pool_value_is_a_view_of_the_latent():
     assert torch.equal(pool.get_value_buffer(0)[loc], nope)
     assert torch.equal(pool.get_key_buffer(0)[loc][..., 8:], rope)
     assert pool.get_value_buffer(0).data_ptr() == pool.get_key_buffer(0).data_ptr()
+
+
+def test_kv_layout_hnd_matches_nhd_slot_by_slot():
+    """The same writes into an NHD and an HND pool read back the same rows by slot (token_rows), and the
+    HND buffer is [num_pages, H, page_size, D] with slot s at (s // page_size, :, s % page_size)."""
+    import random as _random
+
+    from attn_core.memory import token_rows
+
+    ps, h, d = 4, 3, 8
+    nhd = MHATokenToKVPool(32, ps, torch.float32, h, d, 2)
+    hnd = MHATokenToKVPool(32, ps, torch.float32, h, d, 2, kv_layout="HND")
+    assert hnd.get_key_buffer(0).shape == (9, h, ps, d) and nhd.get_key_buffer(0).shape == (36, h, d)
+    rng = _random.Random(0)
+    loc = torch.tensor(rng.sample(range(ps, 36), 12))
+    k, v = torch.randn(12, h, d), torch.randn(12, h, d)
+    for pool in (nhd, hnd):
+        pool.set_kv_buffer(1, loc, k, v)
+    slots = torch.arange(36).reshape(6, 6)
+    for get in ("get_key_buffer", "get_value_buffer"):
+        a = token_rows(getattr(nhd, get)(1), slots, "NHD", ps)
+        b = token_rows(getattr(hnd, get)(1), slots, "HND", ps)
+        assert torch.equal(a, b) and a.shape == (6, 6, h, d)
+    s = int(loc[0])
+    assert torch.equal(hnd.get_key_buffer(1)[s // ps, :, s % ps], k[0])
+    with pytest.raises(InvalidArgumentError, match="kv_layout"):
+        MHATokenToKVPool(32, ps, torch.float32, h, d, 2, kv_layout="NDH")
+
+
+def test_kv_layout_is_a_requirement():
+    from attn_core import BackendContext
+
+    pool = MHATokenToKVPool(32, 4, torch.float32, 2, 8, 1, kv_layout="HND")
+    ctx = BackendContext("cpu", torch.float32, 4, 2, 8, page_size=4, token_to_kv_pool=pool)
+    assert ctx.kv_layout == "HND" and ctx.requirements().kv_layout == "HND"
+    with pytest.raises(InvalidArgumentError, match="kv_layout"):
+        BackendContext("cpu", torch.float32, 4, 2, 8, kv_layout="XYZ")

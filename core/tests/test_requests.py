@@ -206,8 +206,17 @@ def test_batches_run_on_a_backend_over_several_steps():
     kv.get_value_buffer(0).fill_(float("nan"))
     rows = ac.ReqToTokenPool(4, 64)
     pool = ac.RequestPool(rows, ac.PagedTokenAllocator(128, P), kv)
-    ctx = ac.BackendContext(device="cpu", dtype=torch.float32, num_q_heads=H, num_kv_heads=HKV, head_dim=D, page_size=P,
-                            req_to_token_pool=rows, token_to_kv_pool=kv, forward_modes={"extend", "decode", "mixed"})
+    ctx = ac.BackendContext(
+        device="cpu",
+        dtype=torch.float32,
+        num_q_heads=H,
+        num_kv_heads=HKV,
+        head_dim=D,
+        page_size=P,
+        req_to_token_pool=rows,
+        token_to_kv_pool=kv,
+        forward_modes={"extend", "decode", "mixed"},
+    )
     backend = ac.create_backend("torch_native", ctx)
     layer = ac.AttentionLayer(0, H, HKV, D)
     a, b = pool.add(), pool.add()

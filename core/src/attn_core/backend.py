@@ -29,6 +29,7 @@ from attn_core.forward_mode import ForwardMode
 from attn_core.graph_step import CudaGraphStep
 from attn_core.layer import AttentionLayer
 from attn_core.memory.pools import KVPool
+from attn_core.memory.window_pool import window_pool_of
 from attn_core.validation import FULL, check_forward_batch, check_forward_dtypes, check_kv_pool
 
 Output = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
@@ -120,6 +121,10 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
             raise UnsupportedFeatureError(self.name, f"forward mode {b.forward_mode.name}")
         level = self.ctx.validation
         check_forward_batch(b, self.req_to_token(b), self.kv_pool(b), self.ctx, level=level)
+        if b.cascade_prefix_len:
+            from attn_core.cascade import check_cascade_prefix  # here: attn_core.cascade imports the wrappers package
+
+            check_cascade_prefix(b)
         if level == FULL:
             fault = self.poll_device_fault()
             if fault is not None:
@@ -327,6 +332,8 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
             self.require(Feature.LOGIT_CAP, f"logit_cap={layer.logit_cap} (layer {layer.layer_id})")
         if layer.sliding_window_size is not None:
             self.require(Feature.SLIDING_WINDOW, f"sliding_window_size={layer.sliding_window_size} (layer {layer.layer_id})")
+        if layer.attention_chunk_size is not None:
+            self.require(Feature.CHUNKED_LOCAL_ATTENTION, f"attention_chunk_size={layer.attention_chunk_size} (layer {layer.layer_id})")
         if layer.is_cross_attention:
             self.require(Feature.CROSS_ATTENTION, f"cross attention (layer {layer.layer_id})")
         if layer.num_kv_heads != ctx.num_kv_heads or layer.num_q_heads != ctx.num_q_heads:
@@ -339,6 +346,20 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
             )
         self._checked_layers.add(layer)
 
+    def _check_window_pool(self, layer: AttentionLayer, batch: ForwardBatch) -> None:
+        """A layer kept in a sliding-window KV pool needs a backend that translates its key slots, and a
+        window no larger than the pool's (older keys are released)."""
+        pool = window_pool_of(batch.token_to_kv_pool or self.ctx.token_to_kv_pool)
+        if pool is None or not pool.is_window_layer(layer.layer_id):
+            return
+        self.require(Feature.SLIDING_WINDOW_POOL, f"a sliding-window KV pool (layer {layer.layer_id})")
+        if layer.sliding_window_size is None or layer.sliding_window_size > pool.window:
+            raise InvalidArgumentError(
+                f"layer {layer.layer_id} sliding_window_size",
+                f"a window <= the window pool's {pool.window} (the layer's K/V live in the window pool)",
+                layer.sliding_window_size,
+            )
+
     def _validate(self, q, k, v, layer, batch: ForwardBatch, save_kv_cache: bool, extras):
         mode = batch.forward_mode
         caps = self.capabilities
@@ -350,6 +371,7 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
                 "extras", f"keyword arguments among {sorted(CORE_EXTRAS | self.extra_forward_args)}", sorted(unknown)
             )
         self._check_layer(layer)
+        self._check_window_pool(layer, batch)
         if extras.get("return_lse"):
             self.require(Feature.LSE_OUTPUT, "return_lse")
         sinks = extras.get("sinks")

@@ -66,6 +66,10 @@ class ForwardBatch:
     encoder_out_cache_loc: Optional[torch.Tensor] = None
     spec_info: Optional[SpecInfo] = None
     attn_backend: object = None
+    #: cascade attention (`attn_core.cascade`): the first cascade_prefix_len keys of every request are the
+    #: same slots (a shared cached prefix) and backends declaring Feature.CASCADE attend to them once for
+    #: all queries; 0: off. Host int; at most every request's cached prefix.
+    cascade_prefix_len: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -24,6 +24,9 @@ class Feature(str, enum.Enum):
     LSE_OUTPUT = "lse_output"
     SPEC_TOPK_GT1 = "spec_topk>1"
     DETERMINISTIC = "deterministic"
+    CHUNKED_LOCAL_ATTENTION = "chunked_local_attention"
+    SLIDING_WINDOW_POOL = "sliding_window_pool"  # window layers served from a SlidingWindowKVPool
+    CASCADE = "cascade"  # ForwardBatch.cascade_prefix_len served as prefix + suffix passes (else ignored: same result)
     #: a KV cache dtype other than the query dtype (e.g. bf16 queries over an fp32 cache) computed right;
     #: without it a context whose kv_dtype differs from its dtype is refused at construction
     MIXED_KV_DTYPE = "mixed_kv_dtype"
@@ -72,13 +75,15 @@ class Requirements:
     features: frozenset[Feature] = frozenset()
     forward_modes: frozenset[ForwardMode] = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE})
     cuda_graph: CudaGraphLevel = CudaGraphLevel.NEVER
+    kv_layout: str = "NHD"
 
 
 @dataclass(frozen=True)
 class Capabilities:
     """Class-level data describing a backend. `None` in head_dims / mla_head_dims / page_sizes means
     any value. `head_dims` applies to MHA (q/k head_dim); `mla_head_dims` to MLA's latent width
-    (kv_lora_rank + qk_rope_head_dim)."""
+    (kv_lora_rank + qk_rope_head_dim). `kv_layouts`: the KV pool layouts read ("NHD", "HND": see
+    `attn_core.memory.pools`)."""
 
     devices: frozenset[str]
     q_dtypes: frozenset[str]
@@ -93,13 +98,15 @@ class Capabilities:
     min_compute_capability: Optional[tuple[int, int]] = None
     max_compute_capability: Optional[tuple[int, int]] = None
     cpu_isa: frozenset[str] = field(default_factory=frozenset)
+    kv_layouts: frozenset[str] = frozenset({"NHD"})
 
     def supports(self, feature: Feature) -> bool:
         return feature in self.features
 
     def mismatches(self, req: Requirements, layout_only: bool = False) -> list[str]:
         """Every reason this backend cannot serve `req` (empty when it can). `layout_only` checks only
-        what a context fixes (device, dtypes, head dim, page size, arch), not modes, features or graphs."""
+        what a context fixes (device, dtypes, head dim, page size, arch, KV layout, a sliding-window KV
+        pool), not modes, features or graphs."""
         out: list[str] = []
         if req.device_type not in self.devices:
             out.append(f"device {req.device_type!r} not in {sorted(self.devices)}")
@@ -126,12 +133,16 @@ class Capabilities:
             out.append(f"page_size {req.page_size} not in {sorted(self.page_sizes)}")
         if req.arch not in self.archs:
             out.append(f"attention arch {req.arch!r} not in {sorted(self.archs)}")
+        if req.kv_layout not in self.kv_layouts:
+            out.append(f"kv_layout {req.kv_layout} not in {sorted(self.kv_layouts)}")
+        if Feature.SLIDING_WINDOW_POOL in req.features and Feature.SLIDING_WINDOW_POOL not in self.features:
+            out.append("a sliding-window KV pool (feature sliding_window_pool) not supported")
         if layout_only:
             return out
         missing_modes = sorted(m.name for m in req.forward_modes - self.forward_modes)
         if missing_modes:
             out.append(f"forward modes {missing_modes} not supported")
-        missing_features = sorted(f.value for f in req.features - self.features)
+        missing_features = sorted(f.value for f in req.features - self.features - {Feature.SLIDING_WINDOW_POOL})
         if missing_features:
             out.append(f"features {missing_features} not supported")
         if req.cuda_graph > self.cuda_graph:

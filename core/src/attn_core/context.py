@@ -19,8 +19,8 @@ class BackendContext:
     """Construction-time facts for one model on one device (head counts are per rank).
 
     `features`, `forward_modes` and `cuda_graph` say what the engine will ask for; sliding window,
-    cross attention, deterministic mode and speculative settings add their features and modes
-    automatically (see `requirements`).
+    chunked local attention, a sliding-window KV pool, cross attention, deterministic mode and
+    speculative settings add their features and modes automatically (see `requirements`).
     """
 
     device: Union[str, torch.device]
@@ -36,6 +36,9 @@ class BackendContext:
     req_to_token_pool: object = None
     token_to_kv_pool: object = None
     sliding_window_size: Optional[int] = None
+    #: chunk size of the model's chunked local layers (`AttentionLayer.attention_chunk_size`), so that
+    #: backends can build their per-step local metadata once; None: the model has no such layer
+    attention_chunk_size: Optional[int] = None
     attention_arch: str = ARCH_MHA
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
@@ -47,6 +50,8 @@ class BackendContext:
     features: frozenset[Feature] = field(default_factory=frozenset)
     forward_modes: frozenset[ForwardMode] = field(default_factory=lambda: frozenset({ForwardMode.EXTEND, ForwardMode.DECODE}))
     cuda_graph: CudaGraphLevel = CudaGraphLevel.NEVER
+    #: layout of the KV pool's buffers ("NHD" or "HND"); taken from `token_to_kv_pool` when it has one
+    kv_layout: str = "NHD"
     #: batch validation in init_forward_metadata: "basic" (host copies only, no sync) or "full" (also
     #: the device tensors, one sync per step); see attn_core.validation
     validation: str = BASIC
@@ -81,9 +86,15 @@ class BackendContext:
             raise InvalidArgumentError("num_q_heads", f"a multiple of num_kv_heads={self.num_kv_heads}", self.num_q_heads)
         if self.sliding_window_size is not None and self.sliding_window_size < 1:
             raise InvalidArgumentError("sliding_window_size", "None or >= 1", self.sliding_window_size)
+        if self.attention_chunk_size is not None and self.attention_chunk_size < 1:
+            raise InvalidArgumentError("attention_chunk_size", "None or >= 1", self.attention_chunk_size)
         pool = self.token_to_kv_pool
         if pool is not None and getattr(pool, "page_size", self.page_size) != self.page_size:
             raise InvalidArgumentError("page_size", f"the KV pool's page_size {pool.page_size}", self.page_size)
+        if pool is not None and hasattr(pool, "kv_layout"):
+            self.kv_layout = pool.kv_layout
+        if self.kv_layout not in ("NHD", "HND"):
+            raise InvalidArgumentError("kv_layout", "'NHD' or 'HND'", self.kv_layout)
         self.features = frozenset(Feature(f) for f in self.features)
         self.forward_modes = frozenset(ForwardMode.parse(m) for m in self.forward_modes)
         self.cuda_graph = CudaGraphLevel(self.cuda_graph)
@@ -102,6 +113,10 @@ class BackendContext:
         modes = set(self.forward_modes)
         if self.sliding_window_size is not None:
             features.add(Feature.SLIDING_WINDOW)
+        if self.attention_chunk_size is not None:
+            features.add(Feature.CHUNKED_LOCAL_ATTENTION)
+        if getattr(self.token_to_kv_pool, "window_layers", None):
+            features.add(Feature.SLIDING_WINDOW_POOL)
         if self.is_encoder_decoder:
             features.add(Feature.CROSS_ATTENTION)
         if self.deterministic:
@@ -131,6 +146,7 @@ class BackendContext:
             features=frozenset(features),
             forward_modes=frozenset(modes),
             cuda_graph=self.cuda_graph,
+            kv_layout=self.kv_layout,
         )
 
 

@@ -13,6 +13,8 @@ class AttentionLayer(torch.nn.Module):
     """One attention layer's fixed settings (head counts per rank).
 
     `sliding_window_size` W lets a query at position p see keys p-W+1 … p; None means full attention.
+    `attention_chunk_size` C (chunked local attention, Llama-4 style) lets it see keys (p // C) * C … p
+    only (see `attn_core.local_attention`); it excludes a sliding window and cross attention.
     `logit_cap` c > 0 maps scaled scores s to c·tanh(s/c). Cross-attention layers attend to the
     request's encoder keys without a causal mask. `k_scale` / `v_scale` dequantize an fp8 KV cache.
     """
@@ -30,6 +32,7 @@ class AttentionLayer(torch.nn.Module):
         is_cross_attention: bool = False,
         k_scale: Optional[float] = None,
         v_scale: Optional[float] = None,
+        attention_chunk_size: Optional[int] = None,
     ):
         super().__init__()
         if layer_id < 0:
@@ -42,6 +45,13 @@ class AttentionLayer(torch.nn.Module):
             raise InvalidArgumentError("logit_cap", ">= 0 (0 disables)", logit_cap)
         if sliding_window_size is not None and sliding_window_size < 1:
             raise InvalidArgumentError("sliding_window_size", "None or >= 1", sliding_window_size)
+        if attention_chunk_size is not None:
+            if isinstance(attention_chunk_size, bool) or not isinstance(attention_chunk_size, int) or attention_chunk_size < 1:
+                raise InvalidArgumentError("attention_chunk_size", "None or an int >= 1", attention_chunk_size)
+            if sliding_window_size is not None or is_cross_attention:
+                raise InvalidArgumentError(
+                    "attention_chunk_size", "None for a sliding-window or cross-attention layer", attention_chunk_size
+                )
         self.layer_id = layer_id
         self.num_q_heads = num_q_heads
         self.num_kv_heads = num_kv_heads
@@ -53,6 +63,7 @@ class AttentionLayer(torch.nn.Module):
         self.is_cross_attention = is_cross_attention
         self.k_scale = k_scale
         self.v_scale = v_scale
+        self.attention_chunk_size = attention_chunk_size
 
     def forward(self, q, k, v, forward_batch, save_kv_cache: bool = True, **extras):
         """Attention of the batch's new tokens; output `[T, num_q_heads * v_head_dim]`
@@ -66,5 +77,5 @@ class AttentionLayer(torch.nn.Module):
         return (
             f"layer_id={self.layer_id}, q_heads={self.num_q_heads}, kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, v_head_dim={self.v_head_dim}, logit_cap={self.logit_cap}, "
-            f"window={self.sliding_window_size}, cross={self.is_cross_attention}"
+            f"window={self.sliding_window_size}, chunk={self.attention_chunk_size}, cross={self.is_cross_attention}"
         )

@@ -68,6 +68,13 @@ CASES = [
     AttnCase("EXTEND", [(0, 17), (0, 0), (0, 31)], page_size=16),
     AttnCase("DECODE", [(0, 1)]),
     AttnCase("DECODE", [(0, 1), (127, 1), (17, 1), (65, 1)], page_size=64, sinks=True),
+    # chunked local attention: virtual batches (chunk not a multiple of the page size), decode chunk starts
+    AttnCase("EXTEND", [(0, 17), (9, 12), (30, 0)], page_size=16, attention_chunk_size=6, return_lse=True),
+    AttnCase("MIXED", [(13, 1), (2, 9), (0, 3)], attention_chunk_size=4, chunk_even_layers_only=True, dtype="float16"),
+    AttnCase("DECODE", [(40, 1), (7, 1), (0, 1)], page_size=16, attention_chunk_size=7, steps=((0, 1), (2,))),
+    # sliding-window KV pool (released prefix keys poisoned), window and full layers interleaved
+    AttnCase("EXTEND", [(30, 12), (0, 25), (9, 3)], page_size=16, sliding_window=7, window_even_layers_only=True, window_pool=True),
+    AttnCase("DECODE", [(70, 1), (20, 1), (3, 1)], sliding_window=9, window_pool=True, return_lse=True, steps=((0,), (1, 2))),
     # several steps on one backend object (metadata rebuilt per step)
     AttnCase("DECODE", [(7, 1), (20, 1), (3, 1), (50, 1)], steps=((0, 1), (2, 3))),
     AttnCase("EXTEND", [(0, 9), (6, 5), (2, 2)], steps=((0,), (1, 2))),

@@ -30,6 +30,44 @@ CASES = [
     AttnCase("DRAFT_EXTEND", [(1000, 4), (200, 3)], dtype="bfloat16", **GQA),
     AttnCase("EXTEND", [(0, 30, 1500), (20, 10, 700)], dtype="bfloat16", cross_attention=True, return_lse=True, **GQA),
     AttnCase("DECODE", [(10, 1, 1500), (40, 1, 700)], dtype="bfloat16", cross_attention=True, **GQA),
+    # chunked local attention (virtual batches in extend-like modes, chunk starts in DECODE), chunk
+    # sizes off the page size, chunked and full layers interleaved over one metadata
+    AttnCase("EXTEND", [(0, 1000), (1500, 513), (700, 0)], dtype="bfloat16", page_size=16, attention_chunk_size=200, **GQA),
+    AttnCase("DECODE", [(4095, 1), (0, 1), (8191, 1)], dtype="bfloat16", page_size=16, attention_chunk_size=1000, **GQA),
+    AttnCase(
+        "MIXED",
+        [(1200, 1), (300, 400), (0, 77)],
+        dtype="bfloat16",
+        attention_chunk_size=256,
+        chunk_even_layers_only=True,
+        return_lse=True,
+        **{**GQA, "num_layers": 2},
+    ),
+    # sliding-window KV pool: window layers (even) in the window pool, full layers (odd) in the full pool
+    AttnCase(
+        "DECODE",
+        [(4095, 1), (0, 1), (1000, 1)],
+        dtype="bfloat16",
+        page_size=16,
+        sliding_window=512,
+        window_even_layers_only=True,
+        window_pool=True,
+        **{**GQA, "num_layers": 2},
+    ),
+    AttnCase(
+        "EXTEND",
+        [(3000, 500), (0, 700), (64, 1)],
+        dtype="bfloat16",
+        page_size=16,
+        sliding_window=256,
+        window_even_layers_only=True,
+        window_pool=True,
+        return_lse=True,
+        **{**GQA, "num_layers": 2},
+    ),
+    # cascade attention: 16 requests over a shared 2048-token prefix (their own copies poisoned)
+    AttnCase("DECODE", [(2048 + 256, 1)] * 16, dtype="bfloat16", page_size=16, cascade_prefix=2048, return_lse=True, **GQA),
+    AttnCase("EXTEND", [(2048, 256), (2100, 77), (2048, 1)] * 4, dtype="bfloat16", page_size=16, cascade_prefix=2048, **GQA),
     # head dims 64 / 256, MHA and MQA layouts
     AttnCase("DECODE", [(2000, 1), (33, 1)], dtype="bfloat16", num_q_heads=16, num_kv_heads=16, head_dim=64, device="cuda", num_layers=1),
     AttnCase("EXTEND", [(500, 300)], dtype="bfloat16", num_q_heads=8, num_kv_heads=1, head_dim=256, device="cuda", num_layers=1),

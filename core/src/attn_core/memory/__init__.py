@@ -1,9 +1,19 @@
 """KV-cache memory: the request→slot table, slot allocators and per-layer KV pools."""
 
 from attn_core.memory.allocator import KVSlotError, PagedTokenAllocator, PageTailError, TokenAllocator
-from attn_core.memory.pools import KVPool, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool, check_pool_matches
+from attn_core.memory.pools import (
+    KV_LAYOUTS,
+    KVPool,
+    MHATokenToKVPool,
+    MLATokenToKVPool,
+    ReqToTokenPool,
+    check_pool_matches,
+    token_rows,
+)
+from attn_core.memory.window_pool import SlidingWindowAllocator, SlidingWindowKVPool, window_pool_of
 
 __all__ = [
+    "KV_LAYOUTS",
     "KVPool",
     "KVSlotError",
     "MHATokenToKVPool",
@@ -11,6 +21,10 @@ __all__ = [
     "PagedTokenAllocator",
     "PageTailError",
     "ReqToTokenPool",
+    "SlidingWindowAllocator",
+    "SlidingWindowKVPool",
     "TokenAllocator",
     "check_pool_matches",
+    "token_rows",
+    "window_pool_of",
 ]

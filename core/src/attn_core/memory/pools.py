@@ -3,7 +3,10 @@
 Layouts (docs/design.md §3):
 - `ReqToTokenPool.req_to_token`: int32 `[max_reqs, max_context_len]`, row r, column i = the KV slot of
   token i of the request in row r.
-- `MHATokenToKVPool`: per layer K `[num_slots, Hkv, D]` and V `[num_slots, Hkv, Dv]`.
+- `MHATokenToKVPool`: per layer K and V in one of two layouts (`kv_layout`, FlashInfer's names):
+  "NHD" (default) K `[num_slots, Hkv, D]`, V `[num_slots, Hkv, Dv]` (token-major: one page is
+  `[page_size, Hkv, D]`); "HND" K `[num_pages, Hkv, page_size, D]` (head-major within a page), V alike.
+  Slot s is token s % page_size of page s // page_size in both; `token_rows` reads either by slot.
 - `MLATokenToKVPool`: per layer one latent buffer `[num_slots, 1, kv_lora_rank + qk_rope_head_dim]`;
   the "value" is its first kv_lora_rank channels (a view).
 num_slots = size + page_size: page 0 (slot 0 onwards) is the reserved padding dummy.
@@ -22,6 +25,26 @@ Device = Union[str, torch.device]
 
 def _layer_id(layer) -> int:
     return layer if isinstance(layer, int) else layer.layer_id
+
+
+KV_LAYOUTS = ("NHD", "HND")
+
+
+def check_kv_layout(kv_layout: str) -> str:
+    if kv_layout not in KV_LAYOUTS:
+        raise InvalidArgumentError("kv_layout", f"one of {list(KV_LAYOUTS)}", kv_layout)
+    return kv_layout
+
+
+def token_rows(buf: torch.Tensor, slots: torch.Tensor, kv_layout: str = "NHD", page_size: int = 1) -> torch.Tensor:
+    """The K (or V) rows of `slots` from a layer buffer of either layout: `[*slots.shape, H, D]` (a gather).
+
+    Example: page_size 2, HND buffer `[3, H, 2, D]`: slot 5 is `buf[2, :, 1]` (page 2, offset 1); in an
+    NHD buffer `[6, H, D]` it is `buf[5]`.
+    """
+    if kv_layout == "NHD":
+        return buf[slots]
+    return buf[torch.div(slots, page_size, rounding_mode="floor"), :, slots % page_size]
 
 
 class ReqToTokenPool:
@@ -139,14 +162,20 @@ class MHATokenToKVPool(_KVPoolBase):
         layer_num: int,
         device: Device = "cpu",
         v_head_dim: Optional[int] = None,
+        kv_layout: str = "NHD",
     ):
         super().__init__(size, page_size, dtype, layer_num, device)
+        self.kv_layout = check_kv_layout(kv_layout)
         self.head_num = head_num
         self.head_dim = head_dim
         self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
-        n = self.num_slots
-        self.k_buffer = [torch.zeros((n, head_num, head_dim), dtype=self.store_dtype, device=self.device) for _ in range(layer_num)]
-        self.v_buffer = [torch.zeros((n, head_num, self.v_head_dim), dtype=self.store_dtype, device=self.device) for _ in range(layer_num)]
+        self.k_buffer = [torch.zeros(self._shape(head_dim), dtype=self.store_dtype, device=self.device) for _ in range(layer_num)]
+        self.v_buffer = [torch.zeros(self._shape(self.v_head_dim), dtype=self.store_dtype, device=self.device) for _ in range(layer_num)]
+
+    def _shape(self, dim: int) -> tuple[int, ...]:
+        if self.kv_layout == "NHD":
+            return (self.num_slots, self.head_num, dim)
+        return (self.num_slots // self.page_size, self.head_num, self.page_size, dim)
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self._view(self.k_buffer[self._check_layer(layer_id)])
@@ -170,8 +199,13 @@ class MHATokenToKVPool(_KVPoolBase):
         lid = self._check_layer(_layer_id(layer))
         cache_k = self._check_rows("cache_k", cache_k, loc, (self.head_num, self.head_dim))
         cache_v = self._check_rows("cache_v", cache_v, loc, (self.head_num, self.v_head_dim))
-        self.k_buffer[lid][loc] = self._store(cache_k, k_scale)
-        self.v_buffer[lid][loc] = self._store(cache_v, v_scale)
+        if self.kv_layout == "NHD":
+            self.k_buffer[lid][loc] = self._store(cache_k, k_scale)
+            self.v_buffer[lid][loc] = self._store(cache_v, v_scale)
+        else:
+            page, off = torch.div(loc, self.page_size, rounding_mode="floor"), loc % self.page_size
+            self.k_buffer[lid][page, :, off] = self._store(cache_k, k_scale)
+            self.v_buffer[lid][page, :, off] = self._store(cache_v, v_scale)
 
 
 class MLATokenToKVPool(_KVPoolBase):
@@ -190,6 +224,7 @@ class MLATokenToKVPool(_KVPoolBase):
         super().__init__(size, page_size, dtype, layer_num, device)
         self.kv_lora_rank = kv_lora_rank
         self.qk_rope_head_dim = qk_rope_head_dim
+        self.kv_layout = "NHD"
         self.head_num = 1
         self.head_dim = kv_lora_rank + qk_rope_head_dim
         self.v_head_dim = kv_lora_rank

@@ -22,7 +22,14 @@ from attn_core.capabilities import ARCH_MHA, ARCH_MLA, Feature
 from attn_core.context import BackendContext
 from attn_core.forward_mode import ForwardMode
 from attn_core.layer import AttentionLayer
-from attn_core.memory import MHATokenToKVPool, MLATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
+from attn_core.memory import (
+    MHATokenToKVPool,
+    MLATokenToKVPool,
+    PagedTokenAllocator,
+    ReqToTokenPool,
+    SlidingWindowAllocator,
+    SlidingWindowKVPool,
+)
 from attn_core.testing.reference import reference_attention, relative_error, tolerance
 
 BackendFactory = Callable[[BackendContext], object]
@@ -60,6 +67,20 @@ class AttnCase:
     cuda_graph_level: int = 0
     #: sliding window on even layers only (odd layers attend fully), as interleaved-window models do
     window_even_layers_only: bool = False
+    #: chunked local attention (`AttentionLayer.attention_chunk_size`) on every layer, or on even layers
+    #: only (odd layers attend fully, as Llama-4 interleaves them) with `chunk_even_layers_only`
+    attention_chunk_size: Optional[int] = None
+    chunk_even_layers_only: bool = False
+    #: keep the window layers' K/V in a `SlidingWindowKVPool` (needs `sliding_window`; MHA, no encoder):
+    #: window slots differ from full slots, and those of prefix keys outside every window are released
+    #: (their translation is the NaN-poisoned dummy slot) before the step runs
+    window_pool: bool = False
+    #: layout of the KV pool's buffers ("NHD" or "HND"; MHA only)
+    kv_layout: str = "NHD"
+    #: cascade attention: every request's first `cascade_prefix` cached tokens are the same slots (the
+    #: first request's; the others' own slots for them stay poisoned) and the batch says so through
+    #: `cascade_prefix_len` (one step, no encoder tokens, every prefix_len >= cascade_prefix)
+    cascade_prefix: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "mode", ForwardMode.parse(self.mode))
@@ -83,11 +104,19 @@ class AttnCase:
             parts.append(f"mla={self.kv_lora_rank}+{self.qk_rope_head_dim}")
         if self.kv_dtype and self.kv_dtype != self.dtype:
             parts.append(f"kv={self.kv_dtype}")
-        for name in ("sliding_window", "logit_cap", "sinks", "cross_attention", "return_lse"):
+        for name in ("sliding_window", "attention_chunk_size", "logit_cap", "sinks", "cross_attention", "return_lse"):
             if getattr(self, name):
                 parts.append(f"{name}={getattr(self, name)}")
         if self.window_even_layers_only:
             parts.append("window on even layers only")
+        if self.chunk_even_layers_only:
+            parts.append("chunk on even layers only")
+        if self.window_pool:
+            parts.append("window pool")
+        if self.kv_layout != "NHD":
+            parts.append(f"kv_layout={self.kv_layout}")
+        if self.cascade_prefix:
+            parts.append(f"cascade_prefix={self.cascade_prefix}")
         if self.mode.is_target_verify() and not self.custom_mask:
             parts.append("no custom mask")
         if self.steps:
@@ -98,6 +127,10 @@ class AttnCase:
         f = set()
         if self.sliding_window is not None:
             f.add(Feature.SLIDING_WINDOW)
+        if self.attention_chunk_size is not None:
+            f.add(Feature.CHUNKED_LOCAL_ATTENTION)
+        if self.window_pool:
+            f.add(Feature.SLIDING_WINDOW_POOL)
         if self.logit_cap:
             f.add(Feature.LOGIT_CAP)
         if self.sinks:
@@ -118,8 +151,8 @@ class CaseEnv:
     case: AttnCase
     ctx: BackendContext
     req_to_token_pool: ReqToTokenPool
-    allocator: PagedTokenAllocator
-    kv_pool: Union[MHATokenToKVPool, MLATokenToKVPool]
+    allocator: Union[PagedTokenAllocator, SlidingWindowAllocator]
+    kv_pool: Union[MHATokenToKVPool, MLATokenToKVPool, SlidingWindowKVPool]
     batch: ForwardBatch  # the first step's batch
     batches: list[ForwardBatch] = field(default_factory=list)  # one per step
     cached_k: list[list[torch.Tensor]] = field(default_factory=list)  # [layer][request] [L, Hkv, D]
@@ -143,12 +176,24 @@ def make_env(case: AttnCase) -> CaseEnv:
     max_ctx = max(rows + [1]) + ps
     mla = case.arch == ARCH_MLA
     head_dim = case.kv_lora_rank + case.qk_rope_head_dim if mla else case.head_dim
-    if mla:
+    req_pool = ReqToTokenPool(max(len(case.requests), 1), max_ctx, dev)
+    if case.window_pool:
+        if mla or case.sliding_window is None or any(r.encoder_len for r in case.requests):
+            raise ValueError("window_pool cases need an MHA case with sliding_window and no encoder tokens")
+        allocator = SlidingWindowAllocator(pages * ps, (pages + 1) * ps, case.sliding_window, ps, dev)
+        allocator.window_alloc.alloc(ps)  # one page taken first: a token's window slot never equals its full slot
+        window_layers = [i for i in range(case.num_layers) if make_layer(case, i).sliding_window_size is not None]
+        kv_pool = SlidingWindowKVPool(
+            allocator, kv_dtype, case.num_kv_heads, head_dim, case.num_layers, window_layers, dev, case.v_head_dim
+        )
+    elif mla:
+        allocator = PagedTokenAllocator(pages * ps, ps, dev)
         kv_pool = MLATokenToKVPool(pages * ps, ps, kv_dtype, case.kv_lora_rank, case.qk_rope_head_dim, case.num_layers, dev)
     else:
-        kv_pool = MHATokenToKVPool(pages * ps, ps, kv_dtype, case.num_kv_heads, head_dim, case.num_layers, dev, case.v_head_dim)
-    req_pool = ReqToTokenPool(max(len(case.requests), 1), max_ctx, dev)
-    allocator = PagedTokenAllocator(pages * ps, ps, dev)
+        allocator = PagedTokenAllocator(pages * ps, ps, dev)
+        kv_pool = MHATokenToKVPool(
+            pages * ps, ps, kv_dtype, case.num_kv_heads, head_dim, case.num_layers, dev, case.v_head_dim, case.kv_layout
+        )
     ctx = BackendContext(
         device=dev,
         dtype=dtype,
@@ -163,11 +208,12 @@ def make_env(case: AttnCase) -> CaseEnv:
         req_to_token_pool=req_pool,
         token_to_kv_pool=kv_pool,
         sliding_window_size=case.sliding_window,
+        attention_chunk_size=case.attention_chunk_size,
         attention_arch=case.arch,
         kv_lora_rank=case.kv_lora_rank,
         qk_rope_head_dim=case.qk_rope_head_dim,
         is_encoder_decoder=case.cross_attention,
-        features=case.features() - {Feature.SLIDING_WINDOW, Feature.CROSS_ATTENTION},
+        features=case.features() - {Feature.SLIDING_WINDOW, Feature.CROSS_ATTENTION, Feature.CHUNKED_LOCAL_ATTENTION},
         forward_modes=frozenset({case.mode}),
         cuda_graph=case.cuda_graph_level,
         validation="full",  # the kit checks the device tensors of every batch too
@@ -181,9 +227,54 @@ def make_env(case: AttnCase) -> CaseEnv:
         if batch.spec_info is not None and not case.custom_mask:
             batch.spec_info.custom_mask = batch.spec_info.mask_indptr = None
         batches.append(batch)
+    if case.window_pool:  # prefix keys no query of the step can see leave the window pool
+        for batch, idx in zip(batches, case.step_requests()):
+            for row, i in zip(batch.req_pool_indices.tolist(), idx):
+                prefix = case.requests[i].prefix_len
+                allocator.release_out_of_window(req_pool.req_to_token[row, :prefix].cpu(), prefix)
+    if case.cascade_prefix:
+        _share_prefix(case, req_pool, batches)
     env = CaseEnv(case, ctx, req_pool, allocator, kv_pool, batches[0], batches)
     _fill_cache(env, gen)
     return env
+
+
+def _share_prefix(case: AttnCase, req_pool: ReqToTokenPool, batches: list[ForwardBatch]) -> None:
+    """Point the first `case.cascade_prefix` tokens of every request at the first request's slots and
+    mark the batch as a cascade step."""
+    p = case.cascade_prefix
+    if len(batches) != 1 or any(r.encoder_len or r.prefix_len < p for r in case.requests):
+        raise ValueError("cascade_prefix cases need one step, no encoder tokens and every prefix_len >= cascade_prefix")
+    rows = batches[0].req_pool_indices.tolist()
+    table = req_pool.req_to_token
+    for row in rows[1:]:
+        table[row, :p] = table[rows[0], :p]
+    batches[0].cascade_prefix_len = p
+
+
+def token_major(pool, buf: torch.Tensor) -> torch.Tensor:
+    """A layer buffer of `pool` as `[num_slots, H, D]` rows by slot: the buffer itself (NHD) or a
+    token-major copy (HND)."""
+    if pool.kv_layout == "NHD":
+        return buf
+    return buf.permute(0, 2, 1, 3).reshape(-1, buf.shape[1], buf.shape[3])
+
+
+def _write_rows(pool, buf: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """buf's rows of `slots` = x, in the pool's layout (a cached K/V fill, no dtype conversion)."""
+    if pool.kv_layout == "NHD":
+        buf[slots] = x
+    else:
+        buf[torch.div(slots, pool.page_size, rounding_mode="floor"), :, slots % pool.page_size] = x
+
+
+def layer_slots(env: CaseEnv, layer_id: int, slots: torch.Tensor) -> torch.Tensor:
+    """Where the K/V of the tokens at full `slots` sit in the buffers of layer `layer_id`: the same slots,
+    or for a window-pool layer their window slots (0, the dummy, for released tokens)."""
+    pool = env.kv_pool
+    if isinstance(pool, SlidingWindowKVPool) and pool.is_window_layer(layer_id):
+        return pool.window_slots(slots).long()
+    return slots
 
 
 def _rand(shape, dtype, gen, device) -> torch.Tensor:
@@ -211,19 +302,23 @@ def _fill_cache(env: CaseEnv, gen: torch.Generator) -> None:
         for row, i in zip(rows, order):
             r = case.requests[i]
             enc_slots = r2t[row, : r.encoder_len].long()
-            pre_slots = r2t[row, r.encoder_len : r.encoder_len + r.prefix_len].long()
+            pre_slots = layer_slots(env, layer, r2t[row, r.encoder_len : r.encoder_len + r.prefix_len].long())
+            kept = pre_slots != 0  # released window slots stay poisoned (slot 0 is the dummy)
             k = _rand((r.prefix_len, hk, dk), pool.dtype, gen, pool.device)
-            k_buf[pre_slots] = k
             v = k[..., :dv] if case.arch == ARCH_MLA else _rand((r.prefix_len, hv, dv), pool.dtype, gen, pool.device)
+            if case.cascade_prefix and ks[order[0]] is not None:  # the shared prefix's K/V are the first request's
+                p = case.cascade_prefix
+                k[:p], v[:p] = ks[order[0]][:p], vs[order[0]][:p]
+            _write_rows(pool, k_buf, pre_slots[kept], k[kept])
             if case.arch != ARCH_MLA:
-                v_buf[pre_slots] = v
+                _write_rows(pool, v_buf, pre_slots[kept], v[kept])
             ks[i], vs[i] = k, v
             ek = _rand((r.encoder_len, hk, dk), pool.dtype, gen, pool.device)
             ev = ek[..., :dv] if case.arch == ARCH_MLA else _rand((r.encoder_len, hv, dv), pool.dtype, gen, pool.device)
             if r.prefix_len > 0:  # encoder K/V of running requests are cached; new requests bring theirs
-                k_buf[enc_slots] = ek
+                _write_rows(pool, k_buf, enc_slots, ek)
                 if case.arch != ARCH_MLA:
-                    v_buf[enc_slots] = ev
+                    _write_rows(pool, v_buf, enc_slots, ev)
             eks[i], evs[i] = ek, ev
         env.cached_k.append(ks)
         env.cached_v.append(vs)
@@ -274,6 +369,7 @@ def make_layer(case: AttnCase, layer_id: int) -> AttentionLayer:
         logit_cap=case.logit_cap,
         sliding_window_size=None if case.window_even_layers_only and layer_id % 2 else case.sliding_window,
         is_cross_attention=case.cross_attention,
+        attention_chunk_size=None if case.chunk_even_layers_only and layer_id % 2 else case.attention_chunk_size,
     )
 
 
@@ -343,6 +439,7 @@ def reference_for_layer(
                 logit_cap=layer.logit_cap,
                 sinks=inputs["sinks"],
                 mask=None if masks is None else masks[j],
+                chunk_size=layer.attention_chunk_size,
             )
         outs.append(o)
         lses.append(lse)
@@ -374,8 +471,9 @@ def check_kv_writes(
     if layer.is_cross_attention:
         loc, k, v = batch.encoder_out_cache_loc, inputs["k"], inputs["v"]
     else:
-        loc, k, v = batch.out_cache_loc, inputs["k"], inputs["v"]
-    after = [pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)]
+        loc, k, v = layer_slots(env, layer.layer_id, batch.out_cache_loc), inputs["k"], inputs["v"]
+    after = [token_major(pool, pool.get_key_buffer(layer.layer_id)), token_major(pool, pool.get_value_buffer(layer.layer_id))]
+    before = [token_major(pool, b) for b in before]
     expected_new = [] if k is None else [k, k[..., : pool.v_head_dim] if v is None else v]
     for name, b, a, new in zip(("K", "V"), before, after, expected_new or [None, None]):
         mask = torch.ones(a.shape[0], dtype=torch.bool, device=a.device)
@@ -460,6 +558,7 @@ __all__: Sequence[str] = [
     "compare_layer",
     "forward_extras",
     "layer_inputs",
+    "layer_slots",
     "make_env",
     "make_layer",
     "reference_for_layer",

@@ -227,6 +227,12 @@ class PlanBuilder:
                 continue  # construction refuses the pair (checked below)
             for mode in self.variant_modes():
                 self.numeric(f"dtype-{dtype}-{mode.name}", self.case(mode, self.fixed_requests(mode), dtype=dtype, kv_dtype=kv))
+        if b.arch == ARCH_MHA:
+            for layout in sorted(caps.kv_layouts - {"NHD"}):
+                for ps in sorted({b.page_size, self.page_sizes()[-1]}):
+                    for mode in self.variant_modes():
+                        case = self.case(mode, self.page_requests(mode, ps), page_size=ps, kv_layout=layout)
+                        self.numeric(f"kv_layout-{layout}-page_size-{ps}-{mode.name}", case)
         others = sorted(set(caps.kv_dtypes) - {b.dtype})
         for kv in others if mixed else ():
             for mode in self.variant_modes():
@@ -266,6 +272,12 @@ class PlanBuilder:
             for mode in self.variant_modes():  # one metadata, windowed and full layers interleaved
                 case = self.case(mode, self.fixed_requests(mode), sliding_window=p.windows[-1], window_even_layers_only=True)
                 self.numeric(f"sliding_window_interleaved-{mode.name}", case)
+        if Feature.SLIDING_WINDOW_POOL in declared and Feature.SLIDING_WINDOW in declared and self.base.arch == ARCH_MHA:
+            self.add_window_pool_checks()
+        if Feature.CHUNKED_LOCAL_ATTENTION in declared:
+            self.add_chunked_local_checks()
+        if Feature.CASCADE in declared and self.base.arch == ARCH_MHA:
+            self.add_cascade_checks()
         if Feature.LOGIT_CAP in declared:
             for mode in self.variant_modes():
                 self.numeric(f"logit_cap-{mode.name}", self.case(mode, self.fixed_requests(mode), logit_cap=LOGIT_CAP))
@@ -301,6 +313,7 @@ class PlanBuilder:
         refusals = {
             Feature.SLIDING_WINDOW: dict(sliding_window=3),
             Feature.LOGIT_CAP: dict(logit_cap=LOGIT_CAP),
+            Feature.CHUNKED_LOCAL_ATTENTION: dict(attention_chunk_size=3),
             Feature.SINKS: dict(sinks=True),
             Feature.LSE_OUTPUT: dict(return_lse=True),
         }
@@ -311,12 +324,70 @@ class PlanBuilder:
             if feature not in declared:
                 case = self.case(mode, self.fixed_requests(mode), **kw)
                 self.add(f"refuse-{feature.value}", refusal_check(target, case, feature.value), case.describe())
+        if Feature.SLIDING_WINDOW in declared and Feature.SLIDING_WINDOW_POOL not in declared and self.base.arch == ARCH_MHA:
+            case = self.case(mode, self.fixed_requests(mode), sliding_window=3, window_pool=True)
+            self.add("refuse-sliding_window_pool", refusal_check(target, case, "sliding-window KV pool"), case.describe())
         if Feature.CROSS_ATTENTION not in declared:
             case = self.case(mode, self.encoder_requests(mode), cross_attention=True)
             self.add("refuse-cross_attention", refusal_check(target, case, "cross attention"), case.describe())
         if Feature.CUSTOM_MASK not in declared and ForwardMode.TARGET_VERIFY in self.base.modes:
             case = self.case(ForwardMode.TARGET_VERIFY, self.fixed_requests(ForwardMode.TARGET_VERIFY), custom_mask=True)
             self.add("refuse-custom_mask", refusal_check(target, case, "custom mask"), case.describe())
+
+    def add_window_pool_checks(self) -> None:
+        """Window layers in a `SlidingWindowKVPool` (released prefix keys poisoned), interleaved with full
+        layers over one metadata and over several steps; and at a page size > 1."""
+        w = self.p.windows[-1]
+        for mode in self.variant_modes():
+            reqs = self.fixed_requests(mode) + [(self.p.max_prefix // 2, 1 if mode.is_decode() else 2), (5, 1)]
+            case = self.case(mode, reqs, sliding_window=w, window_even_layers_only=True, window_pool=True, steps=((0, 2, 4), (1, 3, 5)))
+            self.numeric(f"window_pool_interleaved-{mode.name}", case)
+        pages = [ps for ps in self.page_sizes() if ps > 1]
+        if pages:
+            ps = 16 if 16 in pages else pages[0]
+            for mode in self.variant_modes():
+                case = self.case(mode, self.page_requests(mode, ps), page_size=ps, sliding_window=w, window_pool=True)
+                self.numeric(f"window_pool-page_size-{ps}-{mode.name}", case)
+
+    def add_cascade_checks(self) -> None:
+        """Cascade steps: requests over one shared cached prefix (their own copies of it poisoned),
+        plain, with logit cap / LSE, at the largest page size with a prefix off the page size, and
+        window layers interleaved (they run unsplit in the same step)."""
+        P, E = self.p.max_prefix, self.p.max_extend
+        shared = P // 2 + 1
+        for mode in self.variant_modes():
+            n = 1 if mode.is_decode() else E
+            reqs = [(shared, n), (P, 1 if mode.is_decode() else 2), (shared + 3, n // 2 + 1), (shared, 1)]
+            self.numeric(
+                f"cascade-{mode.name}", self.case(mode, reqs, cascade_prefix=shared, return_lse=Feature.LSE_OUTPUT in self.caps.features)
+            )
+            ps = self.page_sizes()[-1]
+            self.numeric(f"cascade-page_size-{ps}-{mode.name}", self.case(mode, reqs, cascade_prefix=shared, page_size=ps))
+            kw = dict(logit_cap=LOGIT_CAP) if Feature.LOGIT_CAP in self.caps.features else {}
+            if Feature.SLIDING_WINDOW in self.caps.features:
+                kw.update(sliding_window=self.p.windows[-1], window_even_layers_only=True)
+            if kw:
+                self.numeric(f"cascade_mixed_layers-{mode.name}", self.case(mode, reqs, cascade_prefix=shared, **kw))
+
+    def add_chunked_local_checks(self) -> None:
+        """Chunked local attention: each profile chunk size (fixed requests, whose new tokens cross chunk
+        boundaries); a page size the chunk is not a multiple of; chunked and full layers interleaved over
+        one metadata, over several steps of the same pools."""
+        p = self.p
+        for c in p.chunk_sizes:
+            for mode in self.variant_modes():
+                self.numeric(f"chunked_local-{c}-{mode.name}", self.case(mode, self.fixed_requests(mode), attention_chunk_size=c))
+        pages = [ps for ps in self.page_sizes() if ps > 1]
+        if pages:
+            ps = 16 if 16 in pages else pages[0]
+            c = next((c for c in p.chunk_sizes if c % ps), p.chunk_sizes[0])
+            for mode in self.variant_modes():
+                case = self.case(mode, self.page_requests(mode, ps), page_size=ps, attention_chunk_size=c)
+                self.numeric(f"chunked_local-page_size-{ps}-{mode.name}", case)
+        for mode in self.variant_modes():
+            reqs = self.fixed_requests(mode) + [(self.p.max_prefix // 2, 1 if mode.is_decode() else 2), (5, 1)]
+            case = self.case(mode, reqs, attention_chunk_size=p.chunk_sizes[0], chunk_even_layers_only=True, steps=((0, 2, 4), (1, 3, 5)))
+            self.numeric(f"chunked_local_interleaved-{mode.name}", case)
 
     def combined_mode(self) -> Optional[ForwardMode]:
         for mode in (ForwardMode.MIXED, ForwardMode.EXTEND, ForwardMode.DECODE):
@@ -377,11 +448,15 @@ class PlanBuilder:
         if d is not None:
             case = self.case(mode, reqs, head_dim=d)
             self.add(f"refuse-head_dim-{d}", refused_or_correct_check(target, case, f"head_dim {d}"), case.describe())
+        if b.arch == ARCH_MHA:
+            for layout in ("NHD", "HND"):
+                if layout not in caps.kv_layouts:
+                    case = self.case(mode, reqs, kv_layout=layout)
+                    self.add(f"refuse-kv_layout-{layout}", refusal_check(target, case, f"kv_layout {layout}"), case.describe())
         for arch in (ARCH_MHA, ARCH_MLA):
             if arch not in caps.archs:
                 case = self.case(mode, reqs, arch=arch, head_dim=self.p.head_dim if arch == ARCH_MHA else self.p.mla_head_dim)
                 self.add(f"refuse-arch-{arch}", refused_or_correct_check(target, case, f"attention arch {arch}"), case.describe())
-
 
     def add_hostile_checks(self) -> None:
         """The hostile-batch section (`attn_core.testing.hostile`), on the declared modes it needs."""

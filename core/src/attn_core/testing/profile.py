@@ -31,6 +31,8 @@ class KitProfile:
     gqa: tuple[tuple[int, int], ...]  # (q heads, kv heads) tried
     windows: tuple[int, ...]  # sliding windows tried
     num_layers: int = 2  # layers per case: metadata is built once and reused by all
+    #: chunk sizes of chunked local attention tried (at least one not a multiple of the page sizes)
+    chunk_sizes: tuple[int, ...] = (5, 24)
 
 
 _PROFILES = {
@@ -90,6 +92,7 @@ _PROFILES = {
         head_dims=(64, 128, 256),
         gqa=((16, 16), (32, 4)),
         windows=(1, 128),
+        chunk_sizes=(200,),
     ),
     ("cuda", False): KitProfile(
         name="cuda",
@@ -109,6 +112,7 @@ _PROFILES = {
         head_dims=(64, 96, 128, 256),
         gqa=((32, 32), (32, 8), (64, 8), (40, 8), (16, 1)),
         windows=(1, 128, 1024),
+        chunk_sizes=(200, 1024),
     ),
 }
 

@@ -27,12 +27,14 @@ def reference_attention(
     logit_cap: float = 0.0,
     sinks: Optional[torch.Tensor] = None,
     mask: Optional[torch.Tensor] = None,
+    chunk_size: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one request.
 
     q `[Lq, Hq, D]`, k `[Lk, Hkv, D]`, v `[Lk, Hkv, Dv]`; key j sits at position j, query i at
     `q_positions[i]`. Visibility: `mask[i, j]` when given, else j <= q_positions[i] when causal, else
-    every key; a window W further keeps keys with j >= q_positions[i] - W + 1. Returns the output
+    every key; a window W further keeps keys with j >= q_positions[i] - W + 1, a chunk size C (chunked
+    local attention) keys with j >= (q_positions[i] // C) * C. Returns the output
     `[Lq, Hq, Dv]` and natural-log LSE `[Lq, Hq]` (the sink joins the denominator), both float64 on
     the CPU. A query that sees no key (and has no sink) gets output 0 and LSE -inf.
     """
@@ -54,6 +56,8 @@ def reference_attention(
         visible = torch.ones(lq, lk, dtype=torch.bool, device=dev)
     if window is not None:
         visible &= key_pos[None, :] >= pos[:, None] - window + 1
+    if chunk_size is not None:
+        visible &= key_pos[None, :] >= (pos[:, None] // chunk_size) * chunk_size
     sink = None if sinks is None else sinks.to(dev, torch.float64).reshape(hq, 1)
 
     out = torch.zeros(lq, hq, dv, dtype=torch.float64, device=dev)

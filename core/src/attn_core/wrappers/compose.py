@@ -78,5 +78,6 @@ def intersect_capabilities(caps: Sequence[Capabilities]) -> Capabilities:
             min_compute_capability=_max_cc(out.min_compute_capability, c.min_compute_capability),
             max_compute_capability=_min_cc(out.max_compute_capability, c.max_compute_capability),
             cpu_isa=out.cpu_isa | c.cpu_isa,
+            kv_layouts=out.kv_layouts & c.kv_layouts,
         )
     return out

@@ -93,6 +93,7 @@ class HybridAttnBackend(AttentionBackend[AttentionBackend]):
             min_compute_capability=both.min_compute_capability,
             max_compute_capability=both.max_compute_capability,
             cpu_isa=both.cpu_isa,
+            kv_layouts=both.kv_layouts,
         )
 
     def _graph_backends_of(self, level: CudaGraphLevel) -> list[AttentionBackend]:

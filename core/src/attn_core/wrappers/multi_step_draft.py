@@ -49,7 +49,7 @@ from attn_core.context import BackendContext
 from attn_core.errors import InvalidArgumentError, KVCacheError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 from attn_core.graph_step import CudaGraphStep, GraphPadding, graph_padding
-from attn_core.memory import ReqToTokenPool
+from attn_core.memory import ReqToTokenPool, window_pool_of
 
 StepFactory = Callable[[BackendContext, int], AttentionBackend]
 
@@ -403,10 +403,17 @@ class MultiStepDraftBackend:
 
 
 def _copy_kv_slots(pool, dst: torch.Tensor, src: torch.Tensor) -> None:
-    """K/V of slots `src` to slots `dst` in every layer (fixed shapes; raw bytes for fp8 caches)."""
+    """K/V of slots `src` to slots `dst` in every layer (fixed shapes; raw bytes for fp8 caches; either
+    KV layout)."""
+    if window_pool_of(pool) is not None:
+        raise UnsupportedFeatureError("multi_step_draft", "page-aligned draft K/V copies in a sliding-window KV pool")
+    ps = pool.page_size
     for layer in range(pool.layer_num):
         k, v = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
         bufs = [k] if v.data_ptr() == k.data_ptr() else [k, v]  # MLA: the value is a view of the latent
         for buf in bufs:
             raw = buf.view(torch.uint8) if buf.element_size() == 1 else buf
-            raw[dst] = raw[src]
+            if getattr(pool, "kv_layout", "NHD") == "HND":
+                raw[dst // ps, :, dst % ps] = raw[src // ps, :, src % ps]
+            else:
+                raw[dst] = raw[src]

@@ -98,6 +98,10 @@ class FlashInferBackend(AttentionBackend[Step]):
             raise InvalidArgumentError("workspace_bytes", ">= 1 MiB", workspace_bytes)
         self.dims = Dims(ctx.num_q_heads, ctx.num_kv_heads, ctx.head_dim, ctx.dtype, ctx.kv_dtype)
         self.page_size = ctx.page_size
+        self.kv_layout = ctx.kv_layout
+        if self.kv_layout == "HND" and ctx.is_encoder_decoder and ctx.page_size > 1:
+            # encoder-decoder self attention reads the pool at token granularity: an NHD-only view
+            raise UnsupportedFeatureError(self.name, f"kv_layout HND with encoder-decoder models at page_size {ctx.page_size}")
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=ctx.device)
         self.lean_replan = replan.verified(flashinfer.__version__) if lean_replan is None else bool(lean_replan)
         self.known_keys: dict[LayerKey, None] = {}  # insertion-ordered set
@@ -195,11 +199,11 @@ class FlashInferBackend(AttentionBackend[Step]):
         if w is None:
             buffers = None if g is None else g.buffers["cross" if key.cross else "seq"]
             if role == "decode":
-                w = plans.new_decode_wrapper(self.workspace, buffers)
+                w = plans.new_decode_wrapper(self.workspace, buffers, self.kv_layout)
             elif role == "ragged":
                 w = plans.new_ragged_wrapper(self.workspace)
             else:
-                w = plans.new_paged_wrapper(self.workspace, buffers)
+                w = plans.new_paged_wrapper(self.workspace, buffers, self.kv_layout)
             pool[(key, role)] = w
         return w
 
@@ -353,6 +357,6 @@ class FlashInferBackend(AttentionBackend[Step]):
             )
         pool = self.save_kv(k, v, layer, batch) if save_kv_cache else self.kv_pool(batch)
         k_cache, v_cache = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-        o, lse = plans.run(plan, q, k, v, k_cache, v_cache, return_lse)
+        o, lse = plans.run(plan, q, k, v, k_cache, v_cache, return_lse, self.kv_layout)
         o = o.view(o.shape[0], -1)
         return (o, lse) if return_lse else o

@@ -62,6 +62,7 @@ class PrefillPlan:
             )
         if self.chunks and prefix_kv is None:
             raise InvalidArgumentError("prefix_kv", f"a callable giving the K/V of {len(self.chunks)} prefix chunks", None)
+
         def attend_new():
             o, lse = self.new.run(q, k, v, return_lse=True)
             return o, lse.mul_(LN2)  # FlashInfer's LSE is base 2; merge_state and callers take natural log

@@ -45,12 +45,14 @@ class Plan:
     paged: Optional[BatchPrefillWithPagedKVCacheWrapper] = None
 
 
-def new_decode_wrapper(workspace: torch.Tensor, graph: Optional[GraphBuffers] = None) -> BatchDecodeWithPagedKVCacheWrapper:
+def new_decode_wrapper(
+    workspace: torch.Tensor, graph: Optional[GraphBuffers] = None, kv_layout: str = "NHD"
+) -> BatchDecodeWithPagedKVCacheWrapper:
     if graph is None:
-        return BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True, backend=KERNEL_BACKEND)
+        return BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout, use_tensor_cores=True, backend=KERNEL_BACKEND)
     return BatchDecodeWithPagedKVCacheWrapper(
         workspace,
-        "NHD",
+        kv_layout,
         use_cuda_graph=True,
         use_tensor_cores=True,
         paged_kv_indptr_buffer=graph.kv_indptr,
@@ -60,12 +62,14 @@ def new_decode_wrapper(workspace: torch.Tensor, graph: Optional[GraphBuffers] = 
     )
 
 
-def new_paged_wrapper(workspace: torch.Tensor, graph: Optional[GraphBuffers] = None) -> BatchPrefillWithPagedKVCacheWrapper:
+def new_paged_wrapper(
+    workspace: torch.Tensor, graph: Optional[GraphBuffers] = None, kv_layout: str = "NHD"
+) -> BatchPrefillWithPagedKVCacheWrapper:
     if graph is None:
-        return BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=KERNEL_BACKEND)
+        return BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout, backend=KERNEL_BACKEND)
     return BatchPrefillWithPagedKVCacheWrapper(
         workspace,
-        "NHD",
+        kv_layout,
         use_cuda_graph=True,
         qo_indptr_buf=graph.qo_indptr,
         paged_kv_indptr_buf=graph.kv_indptr,
@@ -78,7 +82,7 @@ def new_paged_wrapper(workspace: torch.Tensor, graph: Optional[GraphBuffers] = N
 
 
 def new_ragged_wrapper(workspace: torch.Tensor) -> BatchPrefillWithRaggedKVCacheWrapper:
-    return BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=KERNEL_BACKEND)
+    return BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=KERNEL_BACKEND)  # k/v: the new tokens, [T, H, D]
 
 
 def _common(key: LayerKey, dims: Dims) -> dict:
@@ -157,13 +161,18 @@ def run(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     return_lse: bool,
+    kv_layout: str = "NHD",
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Attention of q `[T, Hq, D]` under `plan`: output `[T, Hq, D]` and, with return_lse, the
     natural-log LSE `[T, Hq]` float32. k/v: the new tokens `[T, Hkv, D]` (ragged pass only);
-    k_cache/v_cache: one layer's pool `[num_slots, Hkv, D]`, viewed as pages without a copy."""
+    k_cache/v_cache: one layer's pool, NHD `[num_slots, Hkv, D]` viewed as pages without a copy, or HND
+    `[num_pages, Hkv, page_size, D]` read as it is (the plan's page size is then the pool's)."""
     if plan.decode is not None or plan.paged is not None:
         ps = plan.page_size
-        pages = (k_cache.view(-1, ps, *k_cache.shape[1:]), v_cache.view(-1, ps, *v_cache.shape[1:]))
+        if kv_layout == "HND":
+            pages = (k_cache, v_cache)
+        else:
+            pages = (k_cache.view(-1, ps, *k_cache.shape[1:]), v_cache.view(-1, ps, *v_cache.shape[1:]))
     if plan.decode is not None:
         o, lse = _split(plan.decode.run(q, pages, return_lse=return_lse), return_lse)
     elif plan.ragged is not None and plan.paged is not None:

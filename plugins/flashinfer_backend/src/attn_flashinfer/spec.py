@@ -34,6 +34,7 @@ CAPABILITIES = Capabilities(
         }
     ),
     cuda_graph=CudaGraphLevel.UNIFORM_BATCH,
+    kv_layouts=frozenset({"NHD", "HND"}),  # HND: verified on the GPU only (the kit's kv_layout-HND checks in tests/test_gpu.py)
     min_compute_capability=MIN_COMPUTE_CAPABILITY,
 )
 

@@ -4,7 +4,15 @@ Per step, `init_forward_metadata` builds CSR key indices (and decode split count
 one Triton launch per key set; per layer, DECODE runs the split-KV decode kernel and every other mode
 the extend kernel. CUDA graphs (DECODE, TARGET_VERIFY) read persistent buffers that replay refreshes
 (`graph.py`). With `ctx.deterministic` the decode split layout depends only on each request's own length
-(batch-invariant outputs).
+(batch-invariant outputs). With `ctx.attention_chunk_size` C the step's metadata also holds the keys of
+chunked local layers: in DECODE each request's keys from its chunk start, in the other modes the step
+split into virtual requests (`attn_core.local_attention`), served by the same kernels; CUDA graphs and
+TARGET_VERIFY custom masks are refused together with chunked local attention. With a
+`SlidingWindowKVPool` the window layers read a second key index: each request's keys from the oldest one
+inside the pool's window, translated to window slots (CUDA graphs and custom masks refused there too).
+A cascade step (`attn_core.cascade`) adds the shared prefix's keys and each request's keys after it:
+plain causal layers run the suffix pass (the usual kernel), then the prefix pass (one extend launch,
+all queries over the prefix, non-causal), merged by LSE.
 """
 
 from __future__ import annotations
@@ -15,17 +23,21 @@ import torch
 
 from attn_core.backend import AttentionBackend
 from attn_core.batch import ForwardBatch
+from attn_core.cascade import splits_into_cascade
 from attn_core.context import BackendContext
 from attn_core.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedFeatureError
 from attn_core.graph_step import CudaGraphStep
 from attn_core.layer import AttentionLayer
+from attn_core.local_attention import local_decode_starts, make_local_attention_virtual_batches
+from attn_core.memory.window_pool import SlidingWindowKVPool, window_pool_of
 from attn_core.ops.device_faults import DeviceFaultFlags
+from attn_core.ops.merge_state import merge_state
 from attn_core.probes import triton_interpreter_enabled
 from attn_triton.config import SplitPolicy, decode_config, extend_config
 from attn_triton.graph import GraphState
 from attn_triton.kernels.decode import DecodeConfig, decode_attention, head_blocks
 from attn_triton.kernels.extend import ExtendConfig, extend_attention
-from attn_triton.metadata import DecodeMetadata, ExtendMetadata, KVIndex, Splits, SplitScratch, fill_kv, new_kv
+from attn_triton.metadata import CascadeKeys, DecodeMetadata, ExtendMetadata, KVIndex, LocalExtend, Splits, SplitScratch, fill_kv, new_kv
 from attn_triton.spec import CAPABILITIES
 
 MAX_MHA_HEAD_DIM = 256
@@ -97,7 +109,81 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata]])
         if b.encoder_lens is not None:
             cross = new_kv(bs, int(b.encoder_lens_cpu.sum()), dev)
             fill_kv(cross, r2t, b.req_pool_indices, b.encoder_lens, fault)
-        return DecodeMetadata(kv, cross, splits, *self._scratch.views(bs, splits.max_splits))
+        local_kv = self._local_decode_kv(b, r2t) if self.ctx.attention_chunk_size is not None else None
+        pool = window_pool_of(self.kv_pool(b))
+        window_kv = self._window_kv(b, r2t, pool) if pool is not None else None
+        return DecodeMetadata(
+            kv,
+            cross,
+            splits,
+            *self._scratch.views(bs, splits.max_splits),
+            local_kv=local_kv,
+            window_kv=window_kv,
+            cascade=self._cascade_keys(b, r2t) if b.cascade_prefix_len else None,
+        )
+
+    def _cascade_keys(self, b: ForwardBatch, r2t: torch.Tensor) -> CascadeKeys:
+        """A cascade step's key indices: the shared prefix once (the first request's row) for all the
+        step's queries, and each request's keys after it."""
+        p, bs, dev, fault = b.cascade_prefix_len, b.batch_size, self.device, self.device_faults.buffer
+        prefix = new_kv(1, p, dev)
+        fill_kv(prefix, r2t, b.req_pool_indices[:1], torch.full((1,), p, dtype=torch.int32, device=dev), fault)
+        suffix = new_kv(bs, b.seq_lens_sum - bs * p, dev)
+        start = torch.full((bs,), p, dtype=torch.int32, device=dev)
+        fill_kv(suffix, r2t, b.req_pool_indices, (b.seq_lens - p).to(torch.int32), fault, kv_start=start)
+        qo_indptr = torch.tensor([0, b.num_tokens], dtype=torch.int32).to(dev, non_blocking=True)
+        return CascadeKeys(prefix, qo_indptr, suffix)
+
+    def _window_kv(self, b: ForwardBatch, r2t: torch.Tensor, pool: SlidingWindowKVPool) -> KVIndex:
+        """Keys of window-pool layers: request r's keys from position max(0, first query - window + 1)
+        (older ones may be released) to its last, as window slots. The kernels' causal and window masks
+        depend only on positions relative to the request's last key, so the shorter key list is exact."""
+        w = pool.window
+        if b.forward_mode.is_decode():
+            q_dev, q_cpu = 1, 1
+        else:
+            q_dev, q_cpu = b.extend_seq_lens, b.extend_seq_lens_cpu
+        starts = (b.seq_lens - q_dev - w + 1).clamp_min(0)
+        total = int((b.seq_lens_cpu - (b.seq_lens_cpu - q_cpu - w + 1).clamp_min(0)).sum())
+        kv = new_kv(b.batch_size, total, self.device)
+        col = starts if b.encoder_lens is None else starts + b.encoder_lens
+        fill_kv(kv, r2t, b.req_pool_indices, (b.seq_lens - starts).to(torch.int32), self.device_faults.buffer, kv_start=col.to(torch.int32))
+        kv.indices[:total] = pool.window_slots(kv.indices[:total])
+        return kv
+
+    def _local_decode_kv(self, b: ForwardBatch, r2t: torch.Tensor) -> KVIndex:
+        """Keys of chunked local layers in DECODE: request r's keys from the start of the chunk holding
+        its position seq_len-1 (one request each, no virtual batch)."""
+        chunk = self.ctx.attention_chunk_size
+        starts = local_decode_starts(chunk, b.seq_lens)
+        total = int((b.seq_lens_cpu - local_decode_starts(chunk, b.seq_lens_cpu)).sum())
+        kv = new_kv(b.batch_size, total, self.device)
+        col = starts if b.encoder_lens is None else starts + b.encoder_lens
+        fill_kv(kv, r2t, b.req_pool_indices, (b.seq_lens - starts).to(torch.int32), self.device_faults.buffer, kv_start=col.to(torch.int32))
+        return kv
+
+    def _local_extend(self, b: ForwardBatch, r2t: torch.Tensor) -> LocalExtend:
+        """The step as the virtual requests of chunked local attention: host lists from the batch's
+        `*_cpu` data, one host→device copy, one index launch."""
+        vb = make_local_attention_virtual_batches(self.ctx.attention_chunk_size, b)
+        n = vb.num_virtual
+        host = torch.tensor([vb.req_indices, vb.kv_starts, vb.kv_lens, vb.q_lens], dtype=torch.int32).reshape(4, n)
+        dev = host.to(self.device, non_blocking=True)
+        req = dev[0].long()
+        col = dev[1] if b.encoder_lens is None else dev[1] + b.encoder_lens[req]
+        kv = new_kv(n, vb.num_keys, self.device)
+        qo_indptr = torch.empty(n + 1, dtype=torch.int32, device=self.device)
+        fill_kv(
+            kv,
+            r2t,
+            b.req_pool_indices[req],
+            dev[2],
+            self.device_faults.buffer,
+            kv_start=col.to(torch.int32),
+            q_lens=dev[3],
+            qo_indptr=qo_indptr,
+        )
+        return LocalExtend(qo_indptr, vb.max_q_len, kv)
 
     def _extend_metadata(self, b: ForwardBatch, r2t: torch.Tensor) -> ExtendMetadata:
         bs, dev = b.batch_size, self.device
@@ -121,7 +207,19 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata]])
             cross = new_kv(bs, int(b.encoder_lens_cpu.sum()), dev)
             fill_kv(cross, r2t, b.req_pool_indices, b.encoder_lens, self.device_faults.buffer)
         max_q = int(b.extend_seq_lens_cpu.max()) if bs else 0
-        return ExtendMetadata(qo_indptr, max_q, kv, cross, mask, mask_indptr)
+        local = None
+        if self.ctx.attention_chunk_size is not None:
+            if mask is not None:
+                raise UnsupportedFeatureError(self.name, "chunked local attention together with a custom mask (TARGET_VERIFY)")
+            local = self._local_extend(b, r2t)
+        pool = window_pool_of(self.kv_pool(b))
+        window_kv = None
+        if pool is not None:
+            if mask is not None:
+                raise UnsupportedFeatureError(self.name, "a sliding-window KV pool together with a custom mask (TARGET_VERIFY)")
+            window_kv = self._window_kv(b, r2t, pool)
+        cascade = self._cascade_keys(b, r2t) if b.cascade_prefix_len else None
+        return ExtendMetadata(qo_indptr, max_q, kv, cross, mask, mask_indptr, local, window_kv, cascade)
 
     # ---- CUDA graphs -------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -135,6 +233,10 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata]])
         return self.graph
 
     def capture_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
+        if self.ctx.attention_chunk_size is not None:
+            raise UnsupportedFeatureError(self.name, "CUDA graphs with chunked local attention (attention_chunk_size)")
+        if window_pool_of(self.ctx.token_to_kv_pool) is not None:
+            raise UnsupportedFeatureError(self.name, "CUDA graphs with a sliding-window KV pool")
         self.bind_graph_metadata(self._graph_state().capture(step), step)
 
     def replay_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
@@ -163,11 +265,17 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata]])
     # ---- attention ---------------------------------------------------------------------------
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, return_lse=False):
         meta = self._metadata(DecodeMetadata)
-        keys = self._keys(meta, layer)
+        cascade = meta.cascade if sinks is None and splits_into_cascade(layer) else None
+        if cascade is not None:
+            keys = cascade.suffix
+        elif layer.attention_chunk_size is not None:
+            keys = self._local(meta.local_kv, layer)
+        else:
+            keys = self._keys(meta, layer, forward_batch)
         k_buf, v_buf = self._save_and_buffers(q, k, v, layer, forward_batch, save_kv_cache, sinks)
         T, hq, dv = q.shape[0], layer.num_q_heads, layer.v_head_dim
         o = q.new_empty((T, hq, dv))
-        lse = torch.empty((T, hq), dtype=torch.float32, device=q.device) if return_lse else None
+        lse = torch.empty((T, hq), dtype=torch.float32, device=q.device) if return_lse or cascade else None
         decode_attention(
             _last_dim_contiguous(q),
             k_buf,
@@ -191,34 +299,65 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata]])
             d_rope=self.d_rope,
             share_kv=self.is_mla,
         )
+        if cascade is not None:
+            o, lse = self._merge_prefix_pass(q, k_buf, v_buf, layer, cascade, o, lse)
         o = o.view(T, hq * dv)
         return (o, lse) if return_lse else o
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, return_lse=False):
         meta = self._metadata(ExtendMetadata)
-        keys = self._keys(meta, layer)
+        qo_indptr, max_q_len = meta.qo_indptr, meta.max_q_len
+        cascade = meta.cascade if sinks is None and splits_into_cascade(layer) else None
+        if cascade is not None:
+            keys = cascade.suffix
+        elif layer.attention_chunk_size is not None:
+            local = self._local(meta.local, layer)
+            qo_indptr, max_q_len, keys = local.qo_indptr, local.max_q_len, local.kv
+        else:
+            keys = self._keys(meta, layer, forward_batch)
         k_buf, v_buf = self._save_and_buffers(q, k, v, layer, forward_batch, save_kv_cache, sinks)
+        cross = layer.is_cross_attention
+        o, lse = self._extend(
+            q,
+            k_buf,
+            v_buf,
+            layer,
+            qo_indptr,
+            keys,
+            max_q_len,
+            causal=not cross,
+            custom_mask=None if cross else meta.custom_mask,
+            mask_indptr=None if cross else meta.mask_indptr,
+            sinks=sinks,
+            want_lse=return_lse or cascade is not None,
+        )
+        if cascade is not None:
+            o, lse = self._merge_prefix_pass(q, k_buf, v_buf, layer, cascade, o, lse)
+        o = o.view(q.shape[0], layer.num_q_heads * layer.v_head_dim)
+        return (o, lse) if return_lse else o
+
+    def _extend(self, q, k_buf, v_buf, layer, qo_indptr, keys: KVIndex, max_q_len, *, causal, custom_mask, mask_indptr, sinks, want_lse):
+        """One extend-kernel launch: output `[T, Hq, Dv]` and LSE `[T, Hq]` (None unless `want_lse`)."""
         T, hq, dv = q.shape[0], layer.num_q_heads, layer.v_head_dim
         o = q.new_empty((T, hq, dv))
-        lse = torch.empty((T, hq), dtype=torch.float32, device=q.device) if return_lse else None
-        cross = layer.is_cross_attention
+        lse = torch.empty((T, hq), dtype=torch.float32, device=q.device) if want_lse else None
         extend_attention(
             _last_dim_contiguous(q),
             k_buf,
             v_buf,
             o,
-            meta.qo_indptr,
+            qo_indptr,
             keys.indptr,
             keys.indices,
-            meta.max_q_len,
+            max_q_len,
             self.device_faults.buffer,
             sm_scale=layer.scaling,
             config=self.extend_cfg,
-            causal=not cross,
-            custom_mask=None if cross else meta.custom_mask,
-            mask_indptr=None if cross else meta.mask_indptr,
+            causal=causal,
+            custom_mask=custom_mask,
+            mask_indptr=mask_indptr,
             logit_cap=layer.logit_cap,
-            window=None if cross else layer.sliding_window_size,
+            window=None if layer.is_cross_attention else layer.sliding_window_size,
             sinks=_sinks(sinks),
             lse_out=lse,
             k_scale=_scale(layer.k_scale),
@@ -226,8 +365,26 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata]])
             d_rope=self.d_rope,
             share_kv=self.is_mla,
         )
-        o = o.view(T, hq * dv)
-        return (o, lse) if return_lse else o
+        return o, lse
+
+    def _merge_prefix_pass(self, q, k_buf, v_buf, layer, cascade: CascadeKeys, o_suffix, lse_suffix):
+        """A cascade's prefix pass (every query of the step, as one non-causal group, over the shared
+        keys: one extend launch) merged by LSE with the suffix pass's result."""
+        o_p, lse_p = self._extend(
+            q,
+            k_buf,
+            v_buf,
+            layer,
+            cascade.qo_indptr,
+            cascade.prefix,
+            q.shape[0],
+            causal=False,
+            custom_mask=None,
+            mask_indptr=None,
+            sinks=None,
+            want_lse=True,
+        )
+        return merge_state(o_p, lse_p, o_suffix, lse_suffix)
 
     # ---- helpers (host-side checks only; no device sync) -----------------------------------
     def _metadata(self, kind: type):
@@ -239,13 +396,25 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata]])
             )
         return meta
 
-    @staticmethod
-    def _keys(meta, layer: AttentionLayer) -> KVIndex:
+    def _keys(self, meta, layer: AttentionLayer, b: ForwardBatch) -> KVIndex:
+        if meta.window_kv is not None and window_pool_of(self.kv_pool(b)).is_window_layer(layer.layer_id):
+            return meta.window_kv
         if layer.is_cross_attention:
             if meta.cross is None:
                 raise InvalidArgumentError("forward_batch.encoder_lens", "encoder lengths for a cross-attention layer", None)
             return meta.cross
         return meta.kv
+
+    def _local(self, local, layer: AttentionLayer):
+        """The step's chunked-local metadata for `layer`, built for the context's chunk size."""
+        chunk = self.ctx.attention_chunk_size
+        if local is None or layer.attention_chunk_size != chunk:
+            raise InvalidArgumentError(
+                f"layer {layer.layer_id} attention_chunk_size",
+                f"the context's attention_chunk_size ({chunk}), for which the step's metadata is built",
+                layer.attention_chunk_size,
+            )
+        return local
 
     def _save_and_buffers(self, q, k, v, layer, b: ForwardBatch, save_kv_cache: bool, sinks):
         if sinks is not None and (sinks.device != q.device):

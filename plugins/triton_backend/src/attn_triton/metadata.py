@@ -39,6 +39,14 @@ class DecodeMetadata:
     splits: Splits
     part_o: torch.Tensor
     part_lse: torch.Tensor
+    #: keys of chunked local layers (each request's keys from the start of its query's chunk), when the
+    #: context has an attention_chunk_size
+    local_kv: Optional[KVIndex] = None
+    #: keys of window layers kept in a SlidingWindowKVPool (window slots, from each request's oldest
+    #: key still inside the pool's window), when the step's pool is one
+    window_kv: Optional[KVIndex] = None
+    #: cascade steps (ForwardBatch.cascade_prefix_len > 0)
+    cascade: Optional[CascadeKeys] = None
 
 
 @dataclass
@@ -52,6 +60,33 @@ class ExtendMetadata:
     cross: Optional[KVIndex]
     custom_mask: Optional[torch.Tensor] = None
     mask_indptr: Optional[torch.Tensor] = None
+    #: the step as virtual requests for chunked local layers, when the context has an attention_chunk_size
+    local: Optional[LocalExtend] = None
+    #: keys of window layers kept in a SlidingWindowKVPool (see DecodeMetadata.window_kv)
+    window_kv: Optional[KVIndex] = None
+    #: cascade steps (ForwardBatch.cascade_prefix_len > 0)
+    cascade: Optional[CascadeKeys] = None
+
+
+@dataclass
+class CascadeKeys:
+    """A cascade step (`attn_core.cascade`): the shared prefix's keys as one request (`prefix`, its
+    queries: every row of the step, qo_indptr `[0, T]`) and each request's keys after the prefix
+    (`suffix`, CSR over the batch's requests)."""
+
+    prefix: KVIndex
+    qo_indptr: torch.Tensor
+    suffix: KVIndex
+
+
+@dataclass
+class LocalExtend:
+    """An extend-like step split into the virtual requests of chunked local attention
+    (`attn_core.local_attention`): their q rows (qo_indptr `[V+1]` int32, `max_q_len` host int) and keys."""
+
+    qo_indptr: torch.Tensor
+    max_q_len: int
+    kv: KVIndex
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,9 @@ CAPABILITIES = Capabilities(
             Feature.LSE_OUTPUT,
             Feature.SPEC_TOPK_GT1,
             Feature.DETERMINISTIC,
+            Feature.CHUNKED_LOCAL_ATTENTION,
+            Feature.SLIDING_WINDOW_POOL,
+            Feature.CASCADE,
         }
     ),
     cuda_graph=CudaGraphLevel.UNIFORM_BATCH,

@@ -3,7 +3,13 @@
 Per step, the metadata holds padded tables: for each request its query rows `[bs, Lq]`, its key slots
 `[bs, W]` and the base visibility mask `[bs, Lq, W]` (valid ∧ (causal or custom mask)). A layer gathers
 K/V of those slots, masks (plus its sliding window), and runs a softmax in float32, chunked over the
-query axis so the score tensor stays under `max_score_bytes`. In CUDA-graph mode the widths are fixed
+query axis so the score tensor stays under `max_score_bytes`. A chunked local layer (attention_chunk_size
+C) further keeps the keys at or after the start of the query's chunk, (q_pos // C) * C. A window layer
+kept in a `SlidingWindowKVPool` gathers its keys at their window slots (released keys, outside every
+window, translate to the dummy slot and are masked). K/V are read by slot from either pool layout
+(NHD or HND). A cascade step (`attn_core.cascade`) adds the tables of its prefix pass (all queries
+over the shared keys) and suffix pass (each request over keys cascade_prefix_len … seq_len-1); plain
+causal layers run both and merge them by LSE. In CUDA-graph mode the widths are fixed
 (W = max_context_len) and replay rewrites the tables in place.
 """
 
@@ -17,9 +23,13 @@ import torch
 from attn_core.backend import AttentionBackend
 from attn_core.backends.torch_native.spec import CAPABILITIES
 from attn_core.batch import ForwardBatch, SpecInfo
+from attn_core.cascade import splits_into_cascade
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 from attn_core.graph_step import CudaGraphStep
+from attn_core.memory.pools import token_rows
+from attn_core.memory.window_pool import window_pool_of
+from attn_core.ops.merge_state import merge_state
 
 
 @dataclass
@@ -35,6 +45,8 @@ class _Metadata:
     q_pos: torch.Tensor  # [bs, Lq] int64 position of that query among the request's decoder keys
     self_keys: _KeyTable
     cross_keys: Optional[_KeyTable] = None
+    #: cascade steps (`attn_core.cascade`): (prefix pass, suffix pass) metadata
+    cascade: Optional[tuple[_Metadata, _Metadata]] = None
 
 
 def _copy_into(dst, src) -> None:
@@ -61,11 +73,14 @@ def _build_metadata(
     encoder_width: int,
     spec_info: Optional[SpecInfo],
     use_custom_mask: bool,
+    kv_start: int = 0,
 ) -> _Metadata:
+    """The padded tables of the module docstring; with `kv_start` s each request's keys are its
+    decoder keys s … seq_len-1 (positions counted from s)."""
     dev = req_to_token.device
     max_col = req_to_token.shape[1] - 1
     rows = req_pool_indices.to(torch.int64)[:, None]
-    seq = seq_lens.to(torch.int64)
+    seq = seq_lens.to(torch.int64) - kv_start
     qi = torch.arange(q_width, device=dev)
     q_valid = qi[None, :] < q_lens.to(torch.int64)[:, None]
     q_rows = torch.where(q_valid, q_start.to(torch.int64)[:, None] + qi, num_tokens)
@@ -74,7 +89,7 @@ def _build_metadata(
     kj = torch.arange(width, device=dev)
     kv_valid = kj[None, :] < seq[:, None]
     enc = torch.zeros_like(seq) if encoder_lens is None else encoder_lens.to(torch.int64)
-    cols = (enc[:, None] + kj).clamp(max=max_col)
+    cols = (enc[:, None] + kv_start + kj).clamp(max=max_col)
     slots = torch.where(kv_valid, req_to_token[rows, cols].to(torch.int64), 0)
     allowed = kv_valid[:, None, :] & q_valid[:, :, None]
     if use_custom_mask:
@@ -91,6 +106,16 @@ def _build_metadata(
         e_slots = torch.where(e_valid, req_to_token[rows, ej.clamp(max=max_col)[None, :]].to(torch.int64), 0)
         meta.cross_keys = _KeyTable(e_slots, e_valid[:, None, :] & q_valid[:, :, None])
     return meta
+
+
+def _prefix_metadata(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, p: int, num_tokens: int) -> _Metadata:
+    """A cascade's prefix pass: all `num_tokens` queries as one group over the first request's first
+    `p` key slots (shared by every request), every key visible to every query."""
+    dev = req_to_token.device
+    slots = req_to_token[req_pool_indices[:1].to(torch.int64), :p].to(torch.int64)  # [1, p]
+    q_rows = torch.arange(num_tokens, device=dev)[None, :]
+    allowed = torch.ones((1, num_tokens, p), dtype=torch.bool, device=dev)
+    return _Metadata(num_tokens=num_tokens, q_rows=q_rows, q_pos=q_rows + p, self_keys=_KeyTable(slots, allowed))
 
 
 class TorchNativeBackend(AttentionBackend[_Metadata]):
@@ -116,7 +141,7 @@ class TorchNativeBackend(AttentionBackend[_Metadata]):
         else:
             q_lens, q_start = b.extend_seq_lens, b.extend_start_loc
             q_width = max(int(b.extend_seq_lens_cpu.max()), 1)
-        return _build_metadata(
+        args = dict(
             req_to_token=self.req_to_token(b),
             req_pool_indices=b.req_pool_indices,
             seq_lens=b.seq_lens,
@@ -130,6 +155,12 @@ class TorchNativeBackend(AttentionBackend[_Metadata]):
             spec_info=b.spec_info,
             use_custom_mask=_has_custom_mask(b.forward_mode, b.spec_info),
         )
+        meta = _build_metadata(**args)
+        p = b.cascade_prefix_len
+        if p:
+            suffix = _build_metadata(**{**args, "width": max(b.max_seq_len - p, 1)}, kv_start=p)
+            meta.cascade = (_prefix_metadata(args["req_to_token"], b.req_pool_indices, p, b.num_tokens), suffix)
+        return meta
 
     # ---- CUDA graphs -------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -184,6 +215,8 @@ class TorchNativeBackend(AttentionBackend[_Metadata]):
     def _forward(self, q, k, v, layer, batch, save_kv_cache, sinks=None, return_lse=False):
         pool = self.save_kv(k, v, layer, batch) if save_kv_cache else self.kv_pool(batch)
         meta: _Metadata = self.forward_metadata
+        if meta.cascade is not None and sinks is None and splits_into_cascade(layer):
+            return self._cascade(q, layer, pool, meta.cascade, return_lse)
         keys = meta.cross_keys if layer.is_cross_attention else meta.self_keys
         if keys is None:
             raise InvalidArgumentError("forward_batch.encoder_lens", "encoder lengths for a cross-attention layer", None)
@@ -191,28 +224,54 @@ class TorchNativeBackend(AttentionBackend[_Metadata]):
         if layer.sliding_window_size is not None and not layer.is_cross_attention:
             kj = torch.arange(allowed.shape[-1], device=allowed.device)
             allowed = allowed & (kj[None, None, :] > meta.q_pos[:, :, None] - layer.sliding_window_size)
+        if layer.attention_chunk_size is not None:  # chunked local: keys of the query's own chunk only
+            kj = torch.arange(allowed.shape[-1], device=allowed.device)
+            chunk_start = torch.div(meta.q_pos, layer.attention_chunk_size, rounding_mode="floor") * layer.attention_chunk_size
+            allowed = allowed & (kj[None, None, :] >= chunk_start[:, :, None])
+        slots = keys.slots
+        window_pool = window_pool_of(pool)
+        if window_pool is not None and window_pool.is_window_layer(layer.layer_id):  # keys live in the window pool
+            slots = window_pool.window_slots(slots).long()
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-        return _attention(q, k_buf, v_buf, keys.slots, allowed, meta, layer, sinks, return_lse, self.max_score_bytes)
+        keys = token_rows(k_buf, slots, pool.kv_layout, pool.page_size)  # [bs, W, Hkv, D]
+        vals = token_rows(v_buf, slots, pool.kv_layout, pool.page_size)
+        return _attention(q, keys, vals, allowed, meta, layer, sinks, return_lse, self.max_score_bytes)
+
+    def _cascade(self, q, layer, pool, passes: tuple[_Metadata, _Metadata], return_lse: bool):
+        """Prefix pass (every query over the shared keys) and suffix pass (each request over its own
+        keys), merged by LSE."""
+        results = []
+        for meta in passes:
+            k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+            keys = token_rows(k_buf, meta.self_keys.slots, pool.kv_layout, pool.page_size)
+            vals = token_rows(v_buf, meta.self_keys.slots, pool.kv_layout, pool.page_size)
+            o, lse = _attention(q, keys, vals, meta.self_keys.allowed, meta, layer, None, True, self.max_score_bytes)
+            results.append((o.view(q.shape[0], layer.num_q_heads, layer.v_head_dim), lse))
+        (o_p, lse_p), (o_s, lse_s) = results
+        o, lse = merge_state(o_p, lse_p, o_s, lse_s)
+        o = o.reshape(q.shape[0], -1)
+        return (o, lse) if return_lse else o
 
 
 def _has_custom_mask(mode: ForwardMode, spec_info: Optional[SpecInfo]) -> bool:
     return mode.is_target_verify() and spec_info is not None and spec_info.custom_mask is not None
 
 
-def _attention(q, k_buf, v_buf, slots, allowed, meta: _Metadata, layer, sinks, return_lse, max_score_bytes):
+def _attention(q, keys, vals, allowed, meta: _Metadata, layer, sinks, return_lse, max_score_bytes):
+    """keys `[bs, W, Hkv, D]` / vals `[bs, W, Hkv, Dv]`: the gathered K/V of each request's key slots."""
     T, hq, d = q.shape
-    hkv = k_buf.shape[1]
+    hkv = keys.shape[2]
     group = hq // hkv
     dv = layer.v_head_dim
     # fp32 inputs are computed in float64: the CPU's fp32 GEMM paths were seen to lose precision
     # (rel. error 2e-5 > the 1e-5 fp32 bar) on rare first calls; half-precision inputs use fp32.
     cd = torch.float64 if q.dtype in (torch.float32, torch.float64) else torch.float32
     bs, q_width = meta.q_rows.shape
-    width = slots.shape[1]
+    width = keys.shape[1]
 
-    keys = k_buf[slots].to(cd)  # [bs, W, Hkv, D]
+    keys = keys.to(cd)
     # padding reads the dummy slot, whose contents are garbage: zero those values so 0 * garbage is 0
-    vals = v_buf[slots].to(cd).masked_fill(~allowed.any(dim=1)[:, :, None, None], 0.0)
+    vals = vals.to(cd).masked_fill(~allowed.any(dim=1)[:, :, None, None], 0.0)
     if layer.k_scale is not None:
         keys = keys * layer.k_scale
     if layer.v_scale is not None:

@@ -22,10 +22,14 @@ CAPABILITIES = Capabilities(
             Feature.CROSS_ATTENTION,
             Feature.LSE_OUTPUT,
             Feature.SPEC_TOPK_GT1,
+            Feature.CHUNKED_LOCAL_ATTENTION,
+            Feature.SLIDING_WINDOW_POOL,
+            Feature.CASCADE,
             Feature.MIXED_KV_DTYPE,
         }
     ),
     cuda_graph=CudaGraphLevel.UNIFORM_BATCH,
+    kv_layouts=frozenset({"NHD", "HND"}),
 )
 
 SPEC = BackendSpec(
