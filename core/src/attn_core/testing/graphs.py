@@ -50,6 +50,15 @@ class _Static:
                 bufs[name] = None if x is None else torch.zeros((max_bs * t, *x.shape[1:]), dtype=x.dtype, device=dev)
             self.inputs.append(bufs)
 
+    def load_inputs(self, inputs: list[dict]) -> None:
+        """Write each layer's new-token q/k/v (`inputs[layer][name]`, `[T, H, D]`) into the head of its
+        buffer and zero the rest (the padding rows)."""
+        for bufs, i in zip(self.inputs, inputs):
+            for name, buf in bufs.items():
+                if buf is not None:
+                    buf.zero_()
+                    buf[: i[name].shape[0]].copy_(i[name])
+
     def load(self, env: CaseEnv, mode: ForwardMode, pad: GraphPadding, real: Optional[ForwardBatch]) -> ForwardBatch:
         """Write `real` (None: nothing but padding) into the buffers, padded as `pad` says, and return
         the padded batch viewing them."""
@@ -166,11 +175,7 @@ def graph_case_check(target: KitTarget, case: AttnCase, capture_sizes: Sequence[
             real.attn_backend = backend
             backend.init_forward_metadata(real)
             eager = [layer(i["q"], i["k"], i["v"], real) for layer, i in zip(layers, inputs)]
-            for bufs, i in zip(static.inputs, inputs):
-                for name, buf in bufs.items():
-                    if buf is not None:
-                        buf.zero_()
-                        buf[: i[name].shape[0]].copy_(i[name])
+            static.load_inputs(inputs)
             padded = static.load(env, mode, pad, real)
             padded.attn_backend = backend
             backend.replay_cuda_graph_metadata(CudaGraphStep.from_batch(padded))
@@ -301,11 +306,7 @@ def graph_relocation_check(target: KitTarget, case: AttnCase):
             real.attn_backend = eager_backend
             eager_backend.init_forward_metadata(real)
             eager = [layer(i["q"], i["k"], i["v"], real) for layer, i in zip(layers, inputs)]
-            for bufs, i in zip(static.inputs, inputs):
-                for name, buf in bufs.items():
-                    if buf is not None:
-                        buf.zero_()
-                        buf[: i[name].shape[0]].copy_(i[name])
+            static.load_inputs(inputs)
             padded = static.load(env, mode, graph_padding(mode, bs, [bs], fill, 1), real)
             padded.attn_backend = graph_backend
             graph_backend.replay_cuda_graph_metadata(CudaGraphStep.from_batch(padded))
