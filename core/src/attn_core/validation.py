@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from attn_core.batch import ForwardBatch
@@ -56,6 +57,8 @@ FULL = "full"
 VALIDATION_LEVELS = (BASIC, FULL)
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
+# the reductions of the host copies (ufunc.reduce skips the Python layers of ndarray.min/max/sum)
+_MIN, _MAX, _SUM, _ANY = np.minimum.reduce, np.maximum.reduce, np.add.reduce, np.logical_or.reduce
 
 
 def check_forward_batch(b: ForwardBatch, req_to_token: torch.Tensor, kv_pool, ctx, level: str = BASIC) -> None:
@@ -67,9 +70,9 @@ def check_forward_batch(b: ForwardBatch, req_to_token: torch.Tensor, kv_pool, ct
     if b.forward_mode.is_no_tokens():
         return
     _check_pools(req_to_token, kv_pool, ctx)
-    host = _check_host(b, req_to_token.shape[1], ctx.device)
+    longest = _check_host(b, req_to_token.shape[1], ctx.device)
     if level == FULL:
-        _check_device(b, req_to_token, kv_pool.num_slots, host)
+        _check_device(b, req_to_token, kv_pool.num_slots, longest)
 
 
 def check_forward_dtypes(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], ctx) -> None:
@@ -82,13 +85,6 @@ def check_forward_dtypes(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional
 
 
 # ---- basic: tensor metadata and host copies -------------------------------------------------------
-class _Host:
-    """Host copies the device check compares against (int32 or int64 CPU tensors)."""
-
-    def __init__(self, seq, q_lens, prefix, enc, longest: int = 0):
-        self.seq, self.q_lens, self.prefix, self.enc, self.longest = seq, q_lens, prefix, enc, longest
-
-
 def check_kv_pool(kv_pool, ctx, where: str = "token_to_kv_pool") -> None:
     """Raise `InvalidArgumentError` unless the KV pool has the context's layout: its dtype, page size,
     head count and head dim, and its class (MLA pool for MLA). Run at construction on the context's
@@ -112,6 +108,9 @@ def _check_pools(req_to_token: torch.Tensor, kv_pool, ctx) -> None:
 
 
 def _device_tensor(name: str, x, shape: tuple[int, ...], device: torch.device, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    # one expression for the valid case (per-step host time), the diagnosis only when it fails
+    if isinstance(x, torch.Tensor) and x.dtype in dtypes and x.shape == shape and x.device == device:
+        return x
     if not isinstance(x, torch.Tensor):
         raise InvalidBatchError(f"forward_batch.{name}", f"a tensor of shape {shape}", None if x is None else type(x).__name__)
     if x.dtype not in dtypes:
@@ -124,6 +123,8 @@ def _device_tensor(name: str, x, shape: tuple[int, ...], device: torch.device, d
 
 
 def _host_tensor(name: str, x, bs: int) -> torch.Tensor:
+    if isinstance(x, torch.Tensor) and x.dtype in _INDEX_DTYPES and x.shape == (bs,) and x.is_cpu:
+        return x
     if not isinstance(x, torch.Tensor):
         raise InvalidBatchError(f"forward_batch.{name}", f"a CPU tensor of shape ({bs},)", None if x is None else type(x).__name__)
     if x.dtype not in _INDEX_DTYPES or tuple(x.shape) != (bs,) or x.device.type != "cpu":
@@ -132,14 +133,16 @@ def _host_tensor(name: str, x, bs: int) -> torch.Tensor:
     return x
 
 
-def _check_host(b: ForwardBatch, width: int, device: torch.device) -> _Host:
+def _check_host(b: ForwardBatch, width: int, device: torch.device) -> int:
+    """The "basic" rules; returns the longest encoder + decoder length of the batch (0 when empty)."""
     bs = b.batch_size
     per_req = (bs,)
     mode = b.forward_mode
+    decode = mode.is_decode()
     _device_tensor("req_pool_indices", b.req_pool_indices, per_req, device, _INDEX_DTYPES)
     _device_tensor("seq_lens", b.seq_lens, per_req, device, (torch.int32,))
     seq = _host_tensor("seq_lens_cpu", b.seq_lens_cpu, bs)
-    if mode.is_decode():
+    if decode:
         T = bs
     else:
         T = b.extend_num_tokens
@@ -157,7 +160,7 @@ def _check_host(b: ForwardBatch, width: int, device: torch.device) -> _Host:
         n = b.encoder_out_cache_loc.shape[0] if b.encoder_out_cache_loc.dim() == 1 else -1
         _device_tensor("encoder_out_cache_loc", b.encoder_out_cache_loc, (n,), device, _INDEX_DTYPES)
 
-    if mode.is_decode():
+    if decode:
         q_lens = prefix = None
     else:
         for name in ("extend_seq_lens", "extend_prefix_lens", "extend_start_loc"):
@@ -168,34 +171,39 @@ def _check_host(b: ForwardBatch, width: int, device: torch.device) -> _Host:
     if bs == 0:
         if b.seq_lens_sum != 0 or T != 0:
             raise InvalidBatchError("forward_batch.seq_lens_sum", "0 tokens for an empty batch", (b.seq_lens_sum, T))
-        return _Host(seq, q_lens, prefix, enc)
+        return 0
 
-    # the lengths: one reduction per host copy
-    lo, hi = (int(x) for x in torch.aminmax(seq))
-    if lo < (1 if mode.is_decode() else 0):
-        raise InvalidBatchError("forward_batch.seq_lens_cpu", f"lengths >= {1 if mode.is_decode() else 0} for {mode.name}", lo)
-    total = int(seq.sum())
+    # the lengths: numpy reductions over the host copies (a numpy call costs about a third of a torch
+    # op's fixed dispatch time on these [bs] tensors; the sums accumulate in int64)
+    seq_np = seq.numpy()
+    lo, hi, total = int(_MIN(seq_np)), int(_MAX(seq_np)), int(_SUM(seq_np, dtype=np.int64))
+    if lo < (1 if decode else 0):
+        raise InvalidBatchError("forward_batch.seq_lens_cpu", f"lengths >= {1 if decode else 0} for {mode.name}", lo)
     if total != b.seq_lens_sum:
         raise InvalidBatchError("forward_batch.seq_lens_sum", f"sum(seq_lens_cpu) = {total}", b.seq_lens_sum)
     longest = hi
     if enc is not None:
-        if int(enc.min()) < 0:
-            raise InvalidBatchError("forward_batch.encoder_lens_cpu", "lengths >= 0", int(enc.min()))
-        longest = int((seq + enc).max())
+        enc_np = enc.numpy()
+        if int(_MIN(enc_np)) < 0:
+            raise InvalidBatchError("forward_batch.encoder_lens_cpu", "lengths >= 0", int(_MIN(enc_np)))
+        longest = int(_MAX(seq_np.astype(np.int64) + enc_np))
     if longest > width:
         raise InvalidBatchError("forward_batch.seq_lens", f"encoder + decoder lengths <= the req_to_token width {width}", longest)
     if q_lens is not None:
-        if int(q_lens.min()) < 0 or int(prefix.min()) < 0:
+        q_np, prefix_np = q_lens.numpy(), prefix.numpy()
+        if int(_MIN(q_np)) < 0 or int(_MIN(prefix_np)) < 0:
             found = (q_lens.tolist(), prefix.tolist())
             raise InvalidBatchError("forward_batch.extend_seq_lens_cpu", "extend and prefix lengths >= 0", found)
-        if not torch.equal(q_lens + prefix, seq):
+        # seq - extend (not extend + prefix): both >= 0 here, so no int32 wrap-around
+        if _ANY(seq_np - q_np != prefix_np):
             found = (q_lens.tolist(), prefix.tolist(), seq.tolist())
             raise InvalidBatchError("forward_batch.extend_seq_lens_cpu", "prefix + extend lengths == seq_lens per request", found)
-        if int(q_lens.sum()) != T:
-            raise InvalidBatchError("forward_batch.extend_seq_lens_cpu", f"lengths summing to extend_num_tokens = {T}", int(q_lens.sum()))
+        q_total = int(_SUM(q_np, dtype=np.int64))
+        if q_total != T:
+            raise InvalidBatchError("forward_batch.extend_seq_lens_cpu", f"lengths summing to extend_num_tokens = {T}", q_total)
     if mode.is_target_verify() and b.spec_info is not None and b.spec_info.custom_mask is not None:
         _check_verify_mask(b, seq, q_lens, device)
-    return _Host(seq, q_lens, prefix, enc, longest)
+    return longest
 
 
 def _check_verify_mask(b: ForwardBatch, seq: torch.Tensor, q_lens: torch.Tensor, device: torch.device) -> None:
@@ -217,16 +225,17 @@ def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _check_device(b: ForwardBatch, r2t: torch.Tensor, num_slots: int, host: _Host) -> None:
+def _check_device(b: ForwardBatch, r2t: torch.Tensor, num_slots: int, longest: int) -> None:
     """One device-to-host copy of the batch's index tensors and of two counts computed on the device
     (keys reading a slot outside [1, num_slots); new tokens whose slot is not the table's), then host
-    comparisons. Every device gather clamps its indices, so a bad batch cannot make this read out of
+    comparisons against the batch's host copies (checked by `_check_host`; `longest` is what it
+    returned). Every device gather clamps its indices, so a bad batch cannot make this read out of
     bounds."""
     bs, T, dev = b.batch_size, b.out_cache_loc.shape[0], r2t.device
     if bs == 0:
         return
     rows = r2t.shape[0]
-    width = max(host.longest, 1)  # columns any request attends to (<= the table width, checked)
+    width = max(longest, 1)  # columns any request attends to (<= the table width, checked)
     i64 = torch.int64
     rpi = b.req_pool_indices.to(i64)
     seq = b.seq_lens.to(i64)
@@ -265,18 +274,18 @@ def _check_device(b: ForwardBatch, r2t: torch.Tensor, num_slots: int, host: _Hos
     rpi_h, seq_h, loc_h, (bad_keys_h, foreign_h) = take(bs), take(bs), take(T), take(2).tolist()
     if int(rpi_h.min()) < 0 or int(rpi_h.max()) >= rows:
         raise InvalidBatchError("forward_batch.req_pool_indices", f"rows in [0, {rows})", rpi_h.tolist())
-    _same("seq_lens", seq_h, host.seq)
+    _same("seq_lens", seq_h, b.seq_lens_cpu)
     if b.encoder_lens is not None:
-        _same("encoder_lens", take(bs), host.enc)
+        _same("encoder_lens", take(bs), b.encoder_lens_cpu)
     if not b.forward_mode.is_decode():
-        _same("extend_seq_lens", take(bs), host.q_lens)
-        _same("extend_prefix_lens", take(bs), host.prefix)
-        _same("extend_start_loc", take(bs), _exclusive_cumsum(host.q_lens)[:-1])
+        _same("extend_seq_lens", take(bs), b.extend_seq_lens_cpu)
+        _same("extend_prefix_lens", take(bs), b.extend_prefix_lens_cpu)
+        _same("extend_start_loc", take(bs), _exclusive_cumsum(b.extend_seq_lens_cpu)[:-1])
     _check_slots("out_cache_loc", loc_h, num_slots)
     if enc_loc is not None:
         _check_slots("encoder_out_cache_loc", take(enc_loc.shape[0]), num_slots)
     if has_mask:
-        _same("spec_info.mask_indptr", take(bs + 1), _exclusive_cumsum(host.q_lens.to(i64) * host.seq))
+        _same("spec_info.mask_indptr", take(bs + 1), _exclusive_cumsum(b.extend_seq_lens_cpu.to(i64) * b.seq_lens_cpu))
     if bad_keys_h:
         expected = f"a slot in [1, {num_slots}) for every key the batch attends to"
         raise InvalidBatchError("forward_batch.req_to_token_pool", expected, f"{bad_keys_h} keys without one")

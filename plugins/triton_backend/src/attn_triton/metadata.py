@@ -135,24 +135,32 @@ def new_kv(bs: int, total: int, device: torch.device) -> KVIndex:
 
 class SplitScratch:
     """Float32 scratch of the decode splits, `[bs, Hq, max_splits, Dv]` outputs and `[bs, Hq, max_splits]`
-    LSEs, kept across steps (layers and steps run in stream order on one backend) and grown on demand."""
+    LSEs, kept across steps (layers and steps run in stream order on one backend) and grown on demand.
+    The views of each (bs, max_splits) are made once and handed out again until the buffers grow (a
+    view costs microseconds of host time per step; the buffers are shared by every step anyway)."""
 
     def __init__(self, num_q_heads: int, v_head_dim: int, device: torch.device):
         self.hq, self.dv, self.device = num_q_heads, v_head_dim, device
         self.capacity = 0  # (request, split) pairs
         self.o = self.lse = None
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def reserve(self, pairs: int) -> None:
         if pairs > self.capacity:
             self.o = torch.empty(pairs * self.hq * self.dv, dtype=torch.float32, device=self.device)
             self.lse = torch.empty(pairs * self.hq, dtype=torch.float32, device=self.device)
             self.capacity = pairs
+            self._views.clear()  # views of the old buffers stay valid for metadata that holds them
 
     def views(self, bs: int, max_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(part_o, part_lse) views for a batch of `bs` requests with up to `max_splits` splits each."""
+        views = self._views.get((bs, max_splits))
+        if views is not None:
+            return views
         if bs * max_splits > self.capacity:
             self.reserve(max(bs * max_splits, 2 * self.capacity))
         hq, dv, ms = self.hq, self.dv, max_splits
         part_o = torch.as_strided(self.o, (bs, hq, ms, dv), (hq * ms * dv, ms * dv, dv, 1))
         part_lse = torch.as_strided(self.lse, (bs, hq, ms), (hq * ms, ms, 1))
-        return part_o, part_lse
+        views = self._views[(bs, max_splits)] = (part_o, part_lse)
+        return views
