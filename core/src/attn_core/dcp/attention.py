@@ -34,6 +34,13 @@ from attn_core.ops.merge_state import merge_state
 EXCHANGES = ("all_gather", "all_to_all")
 
 
+def _all_gather_flat(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """out `[world * n, ...]` <- every rank's x `[n, ...]` in rank order (torch's single-tensor all-gather:
+    `all_gather_single` where torch has it, else its older name `all_gather_into_tensor`)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x, group=group)
+
+
 def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge `n` partial attention results over disjoint key sets: o `[n, T, H, Dv]`, lse float32
     `[n, T, H]` -> (o `[T, H, Dv]`, lse `[T, H]`), folding `merge_state` left to right.
@@ -78,9 +85,9 @@ def dcp_decode_attention(
     if not q_heads_sharded and exchange != "all_gather":
         raise InvalidArgumentError("exchange", "all_gather when q_heads_sharded=False", exchange)
     if q_heads_sharded and world > 1:
-        gathered = q.new_empty((world,) + tuple(q.shape))
-        dist.all_gather_into_tensor(gathered, q.contiguous(), group=group)
-        q = gathered.permute(1, 0, 2, 3).reshape(bs, H, q.shape[2])
+        gathered = q.new_empty((world * bs,) + tuple(q.shape[1:]))
+        _all_gather_flat(gathered, q.contiguous(), group)
+        q = gathered.view(world, bs, h_rank, -1).transpose(0, 1).reshape(bs, H, -1)
     dv = layer.v_head_dim
     part = torch.zeros((bs, H, dv + 1), dtype=torch.float32, device=q.device)  # partial output | LSE
     part[..., dv] = float("-inf")
@@ -91,8 +98,9 @@ def dcp_decode_attention(
     if world == 1:
         parts = part[None]
     elif exchange == "all_gather":
-        parts = part.new_empty((world,) + tuple(part.shape))
-        dist.all_gather_into_tensor(parts, part, group=group)
+        parts = part.new_empty((world * bs,) + tuple(part.shape[1:]))
+        _all_gather_flat(parts, part, group)
+        parts = parts.view((world,) + tuple(part.shape))
     else:
         send = part.view(bs, world, h_rank, dv + 1).transpose(0, 1).contiguous()
         parts = torch.empty_like(send)
