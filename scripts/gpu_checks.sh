@@ -41,9 +41,11 @@ if want engine; then  # the example engine (examples/hf_llama.py) vs transformer
     python3 examples/hf_llama.py --device cuda --backend $args 2>&1 | tee -a "$OUT/engine_tps.log" || rc=1
   done
 fi
-if want multi-gpu; then  # needs 2 GPUs (nvidia-h200-x2): DCP decode attention and the TP=2 example engine over NCCL
-  python3 -m pytest -q -p no:cacheprovider -m gpu core/tests/test_dcp_distributed.py tests/test_engine_tp.py 2>&1 | tee "$OUT/multi_gpu.log" || rc=1
-  torchrun --nproc-per-node 2 examples/hf_llama.py --tp --device cuda --backend triton 2>&1 | tee -a "$OUT/multi_gpu.log" || rc=1
+if want multi-gpu; then  # needs 2 GPUs (nvidia-h200-x2): DCP decode attention, the TP=2 and DCP=2 example engine over NCCL
+  python3 -m pytest -q -p no:cacheprovider -m gpu core/tests/test_dcp_distributed.py tests/test_engine_parallel.py 2>&1 | tee "$OUT/multi_gpu.log" || rc=1
+  for mode in --tp --dcp; do
+    python3 -m torch.distributed.run --nproc-per-node 2 examples/hf_llama.py $mode --device cuda --backend triton 2>&1 | tee -a "$OUT/multi_gpu.log" || rc=1
+  done
 fi
 if want bench || want triton-bench; then
   python3 benchmarks/triton_vs_peers.py --reps 20 --no-torch-native --only "${BENCH_ONLY:-decode,extend,meta}" --out "$OUT/triton_vs_peers.json" 2>&1 | tee "$OUT/triton_vs_peers.log" || rc=1

@@ -1,6 +1,7 @@
-"""The example engine under tensor parallelism (2 gloo ranks, spawned CPU processes): greedy tokens
-equal TP=1 and `transformers`' generate, for a model whose one KV head is replicated over the ranks
-and for one whose KV heads are split; each rank's KV pool holds only its heads."""
+"""The example engine across ranks (gloo, spawned CPU processes): greedy tokens under tensor
+parallelism (TP=2: a model whose one KV head is replicated over the ranks and one whose KV heads are
+split; each rank's KV pool holds only its heads) and under decode context parallelism (DCP=2 and 3:
+each rank stores its interleaved share of every request's KV) equal TP=1 and `transformers`' generate."""
 
 from __future__ import annotations
 
@@ -27,15 +28,17 @@ def load_engine_module():
     return module
 
 
-def run(hf_llama, heads, tp_group=None, device="cpu", backend="torch_native", attn_dtype=torch.float32):
-    """The engine's outputs over a short scenario (arrivals, chunked prefill, prefix forks, decodes)."""
+def run(hf_llama, heads, tp_group=None, device="cpu", backend="torch_native", attn_dtype=torch.float32, dcp_group=None):
+    """The engine's outputs over a short scenario (arrivals, decodes; with `serve`: chunked prefill and
+    prefix forks; with DCP `serve_dcp`: whole-prompt prefills)."""
     model = hf_llama.tiny_llama(seed=0, layers=2, heads=heads, device=device)
     engine = hf_llama.Engine(model, backend, page_size=4, num_slots=256, max_running=3, token_budget=16, tp_group=tp_group,
-                             attn_dtype=attn_dtype)
+                             attn_dtype=attn_dtype, dcp_group=dcp_group)
     for layer in range(engine.kv.layer_num):
         engine.kv.get_key_buffer(layer).fill_(float("nan"))
         engine.kv.get_value_buffer(layer).fill_(float("nan"))
-    jobs = engine.serve(hf_llama.demo_jobs(seed=1, n=4, max_new=4))
+    serve = engine.serve if dcp_group is None else engine.serve_dcp
+    jobs = serve(hf_llama.demo_jobs(seed=1, n=4, max_new=4))
     assert engine.requests.num_requests == 0 and engine.requests.allocator.available_size() == engine.requests.allocator.size
     return engine, [j.out for j in jobs]
 
@@ -52,7 +55,17 @@ def tp_worker(rank: int, world: int, device: str = "cpu", backend: str = "torch_
         assert engine.kv.head_num == s.num_kv == max(1, heads[1] // world)
         assert engine.layers[0].num_q_heads == heads[0] // world
         outs.append(out)
-    return outs
+    return outs + dcp_worker(rank, world, device, backend, dtype_name)
+
+
+def dcp_worker(rank: int, world: int, device: str = "cpu", backend: str = "torch_native", dtype_name: str = "float32"):
+    import torch.distributed as dist
+
+    hf_llama = load_engine_module()
+    dev = f"cuda:{rank}" if device == "cuda" else device
+    engine, out = run(hf_llama, MODELS[0], device=dev, backend=backend, attn_dtype=getattr(torch, dtype_name), dcp_group=dist.group.WORLD)
+    assert engine.dcp.layout.world == world and engine.dcp.layout.interleave == 4
+    return [out]
 
 
 def reference(hf_llama, heads, device="cpu"):
@@ -82,22 +95,30 @@ def test_head_slice():
         hs(6, 2, 0, 4)
 
 
-def test_tp2_matches_tp1_and_generate():
+def test_tp2_and_dcp2_match_tp1_and_generate():
     hf_llama = load_engine_module()
-    per_rank = run_ranks(HERE, "tp_worker", 2, timeout_s=180)
+    per_rank = run_ranks(HERE, "tp_worker", 2, timeout_s=180)  # TP=2 for each model, then DCP=2 (MODELS[0])
     for m, heads in enumerate(MODELS):
         want = reference(hf_llama, heads)
         assert run(hf_llama, heads)[1] == want, heads
         assert per_rank[0][m] == per_rank[1][m] == want, heads
+    assert per_rank[0][-1] == per_rank[1][-1] == reference(hf_llama, MODELS[0]), "DCP=2"
+
+
+def test_dcp3_matches_generate():
+    hf_llama = load_engine_module()
+    per_rank = run_ranks(HERE, "dcp_worker", 3, timeout_s=180)
+    assert per_rank[0][0] == per_rank[1][0] == per_rank[2][0] == reference(hf_llama, MODELS[0])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend,dtype_name", [("triton", "float32"), ("flashinfer", "float16")])
-def test_tp2_nccl_matches_generate(backend, dtype_name):
-    """The same on 2 GPUs over NCCL (not yet run: no 2-GPU machine this session)."""
+def test_tp2_dcp2_nccl_matches_generate(backend, dtype_name):
+    """TP=2 and DCP=2 on 2 GPUs over NCCL (not yet run: no 2-GPU machine this session)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
     hf_llama = load_engine_module()
     per_rank = run_ranks(HERE, "tp_worker", 2, args=("cuda", backend, dtype_name), timeout_s=300, dist_backend="nccl")
     for m, heads in enumerate(MODELS):
         assert per_rank[0][m] == per_rank[1][m] == reference(hf_llama, heads, "cuda"), heads
+    assert per_rank[0][-1] == per_rank[1][-1] == reference(hf_llama, MODELS[0], "cuda"), "DCP=2"
