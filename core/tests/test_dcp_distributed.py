@@ -66,9 +66,12 @@ def dcp_worker(rank: int, world: int, seed: int, backend: str, exchange: str, sh
         lens.append(prompts[i])
         step = build_dcp_step(pool, [(reqs[i], prompts[i])], attn_backend=attn)
         step.save_kv(layer, keys[i][: prompts[i]].to(device), values[i][: prompts[i]].to(device))
+        return step
 
-    for i in range(3):
-        prefill(i)
+    steps = [prefill(i) for i in range(3)]
+    h_rank = HQ_PER_RANK if sharded else hq
+    expect_error(ac.InvalidArgumentError, dcp_decode_attention, torch.zeros(prompts[2], h_rank, D, dtype=dtype, device=device), layer,
+                 steps[2], exchange=exchange, q_heads_sharded=sharded)  # an EXTEND step
     for t in range(4):
         if t == 2:
             prefill(3)  # arrives mid-run
@@ -82,6 +85,11 @@ def dcp_worker(rank: int, world: int, seed: int, backend: str, exchange: str, sh
         step.init_forward_metadata()
         q = torch.randn(len(reqs), hq, D, generator=g).to(dtype)
         mine = slice(rank * HQ_PER_RANK, (rank + 1) * HQ_PER_RANK) if sharded else slice(0, hq)
+        if t == 0:  # bad calls raise a typed error on every rank before any collective (none may hang)
+            good = dict(q=q[:, mine].contiguous().to(device), exchange=exchange, q_heads_sharded=sharded)
+            for bad in (dict(exchange="ring"), dict(q=good["q"][:, :1]), dict(q=good["q"][:1])):
+                kw = good | bad
+                expect_error(ac.InvalidArgumentError, dcp_decode_attention, kw.pop("q"), layer, step, **kw)
         out = dcp_decode_attention(q[:, mine].contiguous().to(device), layer, step, exchange=exchange, q_heads_sharded=sharded)
         for i in range(len(reqs)):
             want = reference(q[i], keys[i][: lens[i]], values[i][: lens[i]])[mine]
@@ -91,6 +99,14 @@ def dcp_worker(rank: int, world: int, seed: int, backend: str, exchange: str, sh
             assert err < tol, (rank, t, i, err)
             worst = max(worst, err)
     return worst
+
+
+def expect_error(error: type, fn, *args, **kwargs) -> None:
+    try:
+        fn(*args, **kwargs)
+    except error:
+        return
+    raise AssertionError(f"no {error.__name__}")
 
 
 def _usable(name: str) -> bool:
