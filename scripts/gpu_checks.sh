@@ -46,6 +46,10 @@ if want multi-gpu; then  # needs 2 GPUs (nvidia-h200-x2): DCP decode attention, 
   for mode in --tp --dcp; do
     python3 -m torch.distributed.run --nproc-per-node 2 examples/hf_llama.py $mode --device cuda --backend triton 2>&1 | tee -a "$OUT/multi_gpu.log" || rc=1
   done
+  for b in triton flashinfer; do  # DCP=2 decode step vs one GPU (bs64 x 32768), collectives' share, KV tokens per GPU
+    python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/dcp_decode.py --device cuda --backend $b --json "$OUT/dcp_decode_$b.json" \
+      2>&1 | tee -a "$OUT/multi_gpu.log" || rc=1
+  done
 fi
 if want bench || want triton-bench; then
   python3 benchmarks/triton_vs_peers.py --reps 20 --no-torch-native --only "${BENCH_ONLY:-decode,extend,meta}" --out "$OUT/triton_vs_peers.json" 2>&1 | tee "$OUT/triton_vs_peers.log" || rc=1
