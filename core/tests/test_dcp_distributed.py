@@ -30,8 +30,13 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     return out
 
 
-def dcp_worker(rank: int, world: int, seed: int, backend: str, exchange: str, sharded: bool, device: str = "cpu",
-               dtype_name: str = "float32") -> float:
+def dcp_worker(rank: int, world: int, seed: int, configs: list[tuple[str, str, bool]], device: str = "cpu",
+               dtype_name: str = "float32") -> list[float]:
+    """Each (backend, exchange, q_heads_sharded) of `configs` in turn, in the same processes (one spawn)."""
+    return [dcp_check(rank, world, seed + i, *config, device, dtype_name) for i, config in enumerate(configs)]
+
+
+def dcp_check(rank: int, world: int, seed: int, backend: str, exchange: str, sharded: bool, device: str, dtype_name: str) -> float:
     import attn_core as ac
     from attn_core.dcp import DcpLayout, DcpRequestPool, build_dcp_step, dcp_decode_attention
 
@@ -116,20 +121,18 @@ def _usable(name: str) -> bool:
     return entry is not None and entry.ok and entry.probe() is None
 
 
-CASES = [
-    (2, "torch_native", "all_gather", True),
-    (2, "torch_native", "all_to_all", True),
-    (3, "torch_native", "all_to_all", True),
-    (3, "cpu_amx", "all_gather", False),
-]
+#: per group size, the (backend, exchange, q_heads_sharded) runs of one spawn
+CONFIGS = {
+    2: [("torch_native", "all_gather", True), ("torch_native", "all_to_all", True), ("cpu_amx", "all_gather", False)],
+    3: [("torch_native", "all_to_all", True), ("torch_native", "all_gather", False), ("cpu_amx", "all_to_all", True)],
+}
 
 
-@pytest.mark.parametrize("world,backend,exchange,sharded", CASES)
-def test_dcp_decode_matches_single_rank(world, backend, exchange, sharded):
-    if not _usable(backend):
-        pytest.skip(f"{backend} cannot run here")
-    errs = run_ranks(HERE, "dcp_worker", world, args=(world * 7, backend, exchange, sharded), timeout_s=120)
-    assert len(errs) == world
+@pytest.mark.parametrize("world", sorted(CONFIGS))
+def test_dcp_decode_matches_single_rank(world):
+    configs = [c for c in CONFIGS[world] if _usable(c[0])]
+    errs = run_ranks(HERE, "dcp_worker", world, args=(world * 7, configs), timeout_s=150)
+    assert [len(e) for e in errs] == [len(configs)] * world
 
 
 @pytest.mark.gpu
@@ -141,7 +144,7 @@ def test_dcp_decode_nccl(backend, dtype_name, exchange):
         pytest.skip("needs 2 CUDA GPUs")
     if not _usable(backend):
         pytest.skip(f"{backend} cannot run here")
-    run_ranks(HERE, "dcp_worker", 2, args=(5, backend, exchange, True, "cuda", dtype_name), timeout_s=300, dist_backend="nccl")
+    run_ranks(HERE, "dcp_worker", 2, args=(5, [(backend, exchange, True)], "cuda", dtype_name), timeout_s=300, dist_backend="nccl")
 
 
 def hang_worker(rank: int, world: int) -> None:
