@@ -14,8 +14,9 @@ slice of the query heads and of the KV heads (KV heads replicated when the group
 num_kv_heads: `head_slice`), holds its own KV pool of those heads, and the output projection is summed
 over the group (one all-reduce per layer). Embedding, MLP and lm_head are replicated, not sharded.
 
-Decode context parallelism (`dcp_group`, `serve_dcp`): every rank computes all heads, but stores only
-its interleaved share of each request's KV (`attn_core.dcp`, interleave = page size); decode attention
+Decode context parallelism (`dcp_group`, `serve_dcp`): the ranks of a DCP group compute the same heads
+(all of them, or with `tp_group` too their TP slice: TP x DCP over orthogonal groups), but each stores
+only its interleaved share of each request's KV (`attn_core.dcp`, interleave = page size); decode attention
 runs on each rank's shard and is merged across the group. Prefill attention is not sharded: a step of
 whole prompts runs on a scratch pool holding just those prompts, and their K/V are then stored sharded.
 `serve_dcp` has no chunked prefill and no prefix sharing.

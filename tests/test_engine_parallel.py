@@ -68,6 +68,20 @@ def dcp_worker(rank: int, world: int, device: str = "cpu", backend: str = "torch
     return [out]
 
 
+def tp_dcp_worker(rank: int, world: int):
+    """TP=2 x DCP=2 on 4 ranks: rank = 2 * d + t holds head slice t (TP group {2d, 2d+1}) and KV shard
+    d (DCP group {t, t+2}); MODELS[1], whose two KV heads split over the TP group."""
+    import torch.distributed as dist
+
+    hf_llama = load_engine_module()
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dcp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    tp, dcp = tp_groups[rank // 2], dcp_groups[rank % 2]
+    engine, out = run(hf_llama, MODELS[1], tp_group=tp, dcp_group=dcp)
+    assert engine.kv.head_num == 1 and engine.dcp.layout.world == 2 and engine.dcp.rank == rank // 2
+    return out
+
+
 def reference(hf_llama, heads, device="cpu"):
     model = hf_llama.tiny_llama(seed=0, layers=2, heads=heads, device=device)
     outs = []
@@ -109,6 +123,13 @@ def test_dcp3_matches_generate():
     hf_llama = load_engine_module()
     per_rank = run_ranks(HERE, "dcp_worker", 3, timeout_s=180)
     assert per_rank[0][0] == per_rank[1][0] == per_rank[2][0] == reference(hf_llama, MODELS[0])
+
+
+def test_tp2_x_dcp2_matches_generate():
+    hf_llama = load_engine_module()
+    per_rank = run_ranks(HERE, "tp_dcp_worker", 4, timeout_s=240)
+    want = reference(hf_llama, MODELS[1])
+    assert all(out == want for out in per_rank)
 
 
 @pytest.mark.gpu
