@@ -167,4 +167,4 @@ def test_harness_reports_failures_and_hangs():
     with pytest.raises(RankFailure, match="rank 1 fails on purpose"):
         run_ranks(HERE, "fail_worker", 2, timeout_s=60)
     with pytest.raises(RankFailure, match="still running"):
-        run_ranks(HERE, "hang_worker", 2, timeout_s=8)
+        run_ranks(HERE, "hang_worker", 2, timeout_s=5)
