@@ -9,7 +9,21 @@ through `attn_core.CudaGraphRunner` (real graphs on a GPU), speculative decoding
 layers of the same model, `MultiStepDraftBackend`, TARGET_VERIFY), and HF's own forward with attn
 registered as a `transformers` attention implementation.
 
+Tensor parallelism (`tp_group`, a torch.distributed group): each rank projects and attends only its
+slice of the query heads and of the KV heads (KV heads replicated when the group is larger than
+num_kv_heads: `head_slice`), holds its own KV pool of those heads, and the output projection is summed
+over the group (one all-reduce per layer). Embedding, MLP and lm_head are replicated, not sharded.
+
+Decode context parallelism (`dcp_group`, `serve_dcp`): the ranks of a DCP group compute the same heads
+(all of them, or with `tp_group` too their TP slice: TP x DCP over orthogonal groups), but each stores
+only its interleaved share of each request's KV (`attn_core.dcp`, interleave = page size); decode attention
+runs on each rank's shard and is merged across the group. Prefill attention is not sharded: a step of
+whole prompts runs on a scratch pool holding just those prompts, and their K/V are then stored sharded.
+`serve_dcp` has no chunked prefill and no prefix sharing.
+
     python examples/hf_llama.py --backend torch_native --page-size 16
+    torchrun --nproc-per-node 2 examples/hf_llama.py --tp      # gloo on the CPU, NCCL with --device cuda
+    torchrun --nproc-per-node 2 examples/hf_llama.py --dcp     # decode context parallelism (serve_dcp)
 """
 
 from __future__ import annotations
@@ -20,18 +34,58 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import attn_core as ac
+from attn_core.dcp import DcpLayout, DcpRequestPool, DcpStep, build_dcp_step, dcp_decode_attention
 
 
-def tiny_llama(seed: int = 0, layers: int = 2, device: str = "cpu") -> LlamaForCausalLM:
-    """A random float32 Llama (seeded; no download): 2 query heads / 1 KV head of dim 128, 256-token vocab."""
+def tiny_llama(seed: int = 0, layers: int = 2, device: str = "cpu", heads: tuple[int, int] = (2, 1)) -> LlamaForCausalLM:
+    """A random float32 Llama (seeded; no download): `heads` = (query heads, KV heads) of dim 128
+    (default 2 / 1), 256-token vocab."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=2, head_dim=128,
-                      num_key_value_heads=1, max_position_embeddings=1024, initializer_range=0.2, eos_token_id=None)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=heads[0],
+                      head_dim=128, num_key_value_heads=heads[1], max_position_embeddings=1024, initializer_range=0.2, eos_token_id=None)
     return LlamaForCausalLM(cfg).to(device).eval()
+
+
+@dataclass(frozen=True)
+class HeadSlice:
+    """One tensor-parallel rank's attention heads: query heads q_start .. q_start+num_q-1 and KV heads
+    kv_start .. kv_start+num_kv-1 of the model's."""
+
+    q_start: int
+    num_q: int
+    kv_start: int
+    num_kv: int
+
+
+def head_slice(num_q_heads: int, num_kv_heads: int, rank: int, world: int) -> HeadSlice:
+    """The heads rank `rank` of `world` tensor-parallel ranks holds: an equal share of the query heads,
+    and of the KV heads when world <= num_kv_heads; when world > num_kv_heads each KV head is
+    replicated on world / num_kv_heads consecutive ranks (those whose query heads read it).
+
+    Worked example: 8 q / 2 KV heads over 2 ranks -> rank 1: q 4..7, KV 1; 2 q / 1 KV heads over 2
+    ranks -> rank 1: q 1, KV 0 (replicated); 8 q / 2 KV over 4 ranks -> rank 1: q 2..3, KV 0.
+    """
+    if num_q_heads % world or (num_kv_heads % world and world % num_kv_heads):
+        raise ValueError(f"{num_q_heads} q / {num_kv_heads} KV heads do not split over {world} ranks")
+    return HeadSlice(rank * (num_q_heads // world), num_q_heads // world, rank * num_kv_heads // world, max(1, num_kv_heads // world))
+
+
+@dataclass
+class DcpPrefill:
+    """A DCP prefill step: attention over `batch` (the prompts on the scratch pool), K/V stored by `step`."""
+
+    batch: ac.ForwardBatch
+    step: DcpStep
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.batch.positions
 
 
 @dataclass
@@ -60,17 +114,22 @@ AttentionMaskInterface.register("attn", lambda *args, **kwargs: None)  # attn ma
 
 class Engine:
     def __init__(self, model, backend="torch_native", page_size=1, num_slots=1024, max_running=4, token_budget=32,
-                 attn_dtype=torch.float32, graph_sizes=(), spec_steps=0, hf_forward=False):
+                 attn_dtype=torch.float32, graph_sizes=(), spec_steps=0, hf_forward=False, tp_group=None, dcp_group=None):
         cfg, dev = model.config, model.device
+        self.tp_group, self.dcp_group = tp_group, dcp_group
+        world, rank = (dist.get_world_size(tp_group), dist.get_rank(tp_group)) if tp_group is not None else (1, 0)
+        if tp_group is not None and hf_forward:
+            raise ValueError("hf_forward runs HF's own (unsharded) attention modules: not with tp_group")
+        self.heads_slice = head_slice(cfg.num_attention_heads, cfg.num_key_value_heads, rank, world)
         self.model, self.budget, self.max_running, self.hf_forward = model, token_budget, max_running, hf_forward
         if hf_forward:  # HF's own forward, its attention on attn from now on
             model.set_attn_implementation("attn")
-        self.kv = ac.MHATokenToKVPool(size=num_slots, page_size=page_size, dtype=attn_dtype, head_num=cfg.num_key_value_heads,
+        self.kv = ac.MHATokenToKVPool(size=num_slots, page_size=page_size, dtype=attn_dtype, head_num=self.heads_slice.num_kv,
                                       head_dim=cfg.head_dim, layer_num=cfg.num_hidden_layers, device=dev)
         rows = ac.ReqToTokenPool(size=max_running, max_context_len=512, device=dev)
         self.requests = ac.RequestPool(rows, ac.PagedTokenAllocator(num_slots, page_size), self.kv)
         modes = {"extend", "decode", "mixed"} | ({"target_verify"} if spec_steps else set())
-        heads = dict(num_q_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
+        heads = dict(num_q_heads=self.heads_slice.num_q, num_kv_heads=self.heads_slice.num_kv, head_dim=cfg.head_dim)
         self.ctx = ac.BackendContext(device=dev, dtype=attn_dtype, **heads, page_size=page_size, max_batch_size=max_running,
                                      max_context_len=512, req_to_token_pool=rows, token_to_kv_pool=self.kv, forward_modes=modes,
                                      cuda_graph=ac.CudaGraphLevel.UNIFORM_BATCH if graph_sizes else ac.CudaGraphLevel.NEVER,
@@ -82,6 +141,13 @@ class Engine:
         self.graphs = ac.CudaGraphRunner(self.backend, graph_sizes, lambda b, x: self.layers_forward(b, x["x"]),
                                          {"x": ((cfg.hidden_size,), model.dtype)}, num_draft_tokens=0) if graph_sizes else None
         self.draft = ac.MultiStepDraftBackend(lambda c, s: ac.create_backend(backend, c), 1, spec_steps, self.ctx) if spec_steps else None
+        if dcp_group is not None:
+            layout = DcpLayout(dist.get_world_size(dcp_group), page_size)
+            self.dcp = DcpRequestPool(self.requests, layout, dist.get_rank(dcp_group))
+            scratch_kv = ac.MHATokenToKVPool(size=num_slots, page_size=page_size, dtype=attn_dtype, head_num=self.heads_slice.num_kv,
+                                             head_dim=cfg.head_dim, layer_num=cfg.num_hidden_layers, device=dev)
+            self.scratch = ac.RequestPool(ac.ReqToTokenPool(size=max_running, max_context_len=512, device=dev),
+                                          ac.PagedTokenAllocator(num_slots, page_size), scratch_kv)
 
     def layers_forward(self, batch, x, num_layers=None):
         """Logits `[T, vocab]` of hidden states `x` `[T, hidden]` through the first num_layers layers."""
@@ -89,20 +155,56 @@ class Engine:
         cos, sin = m.rotary_emb(x[None], batch.positions[None])
         for attn_layer, layer in zip(self.layers, m.layers[:num_layers]):
             a, h = layer.self_attn, layer.input_layernorm(x)
-            q, k, v = (p(h).view(x.shape[0], -1, a.head_dim) for p in (a.q_proj, a.k_proj, a.v_proj))
+            q, k, v = self.project_qkv(a, h)
             q, k = apply_rotary_pos_emb(q, k, cos[0], sin[0], unsqueeze_dim=1)
             t0 = time.perf_counter()
-            o = attn_layer(*(t.to(self.kv.dtype) for t in (q, k, v)), batch).to(x.dtype)
+            o = self.attend(attn_layer, *(t.to(self.kv.dtype) for t in (q, k, v)), batch).to(x.dtype)
             self.attn_seconds += time.perf_counter() - t0
-            x = x + a.o_proj(o)
+            x = x + self.project_out(a, o)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.model.lm_head(m.norm(x))
+
+    def attend(self, layer, q, k, v, batch):
+        """Attention `[T, num_q * D]` of one layer: attn's layer call, or under DCP the sharded decode
+        attention (`DcpStep`) or the unsharded prefill whose K/V are then stored sharded (`DcpPrefill`)."""
+        if isinstance(batch, DcpStep):
+            batch.save_kv(layer, k, v)
+            return dcp_decode_attention(q, layer, batch, group=self.dcp_group, q_heads_sharded=False)
+        if isinstance(batch, DcpPrefill):
+            batch.step.save_kv(layer, k, v)
+            return layer(q, k, v, batch.batch)
+        return layer(q, k, v, batch)
+
+    def project_qkv(self, a, h):
+        """q `[T, num_q, D]`, k and v `[T, num_kv, D]` of this rank's heads from hidden states h `[T, hidden]`."""
+        if self.tp_group is None:
+            return tuple(p(h).view(h.shape[0], -1, a.head_dim) for p in (a.q_proj, a.k_proj, a.v_proj))
+        s, d = self.heads_slice, a.head_dim
+        out = []
+        for proj, start, n in ((a.q_proj, s.q_start, s.num_q), (a.k_proj, s.kv_start, s.num_kv), (a.v_proj, s.kv_start, s.num_kv)):
+            rows = slice(start * d, (start + n) * d)
+            bias = None if proj.bias is None else proj.bias[rows]
+            out.append(F.linear(h, proj.weight[rows], bias).view(h.shape[0], n, d))
+        return tuple(out)
+
+    def project_out(self, a, o):
+        """The output projection of attention output o `[T, num_q * D]` (this rank's heads), summed over
+        the tensor-parallel group."""
+        if self.tp_group is None:
+            return a.o_proj(o)
+        s, d = self.heads_slice, a.head_dim
+        y = F.linear(o, a.o_proj.weight[:, s.q_start * d: (s.q_start + s.num_q) * d])
+        dist.all_reduce(y, group=self.tp_group)
+        return y if a.o_proj.bias is None else y + a.o_proj.bias
 
     def forward(self, batch, ids, num_layers=None):
         if self.graphs is not None and batch.forward_mode.is_decode() and self.graphs.captured_size(batch.forward_mode, batch.batch_size):
             return self.graphs.run(batch, {"x": self.model.model.embed_tokens(ids)})
         t0 = time.perf_counter()
-        (batch.attn_backend or self.backend).init_forward_metadata(batch)
+        if isinstance(batch, DcpStep):
+            batch.init_forward_metadata()
+        else:
+            self.backend.init_forward_metadata(batch.batch if isinstance(batch, DcpPrefill) else batch)
         self.attn_seconds += time.perf_counter() - t0
         if self.hf_forward:
             return self.model(input_ids=ids[None], position_ids=batch.positions[None], use_cache=False, forward_batch=batch,
@@ -139,6 +241,40 @@ class Engine:
             for s in [s for s in running if len(s[2]) - len(s[0].prompt) >= s[0].max_new]:
                 s[0].out = s[2][len(s[0].prompt):]
                 self.requests.free(s[1])
+                running.remove(s)
+        return jobs
+
+    @torch.no_grad()
+    def serve_dcp(self, jobs: list[Job]) -> list[Job]:
+        """Run every job to completion (greedy) under decode context parallelism (`dcp_group`): each
+        step either prefills the jobs that arrived (whole prompts) or decodes every running request."""
+        waiting, running, step = sorted(jobs, key=lambda j: j.arrival), [], 0
+        dev = self.model.device
+        while waiting or running:
+            new = []
+            while waiting and waiting[0].arrival <= step and len(running) + len(new) < self.max_running:
+                job = waiting.pop(0)
+                new.append((job, self.dcp.add(), list(job.prompt)))
+            step += 1
+            if new:
+                scratch = [self.scratch.add() for _ in new]
+                full = ac.build_step(self.scratch, [(s, len(t)) for s, (_, _, t) in zip(scratch, new)], attn_backend=self.backend)
+                prefill = DcpPrefill(full, build_dcp_step(self.dcp, [(r, len(t)) for _, r, t in new], attn_backend=self.backend))
+                ids = torch.tensor([t for _, _, toks in new for t in toks], device=dev)
+                ends = torch.tensor([len(t) for _, _, t in new], device=dev).cumsum(0) - 1
+                for (_, _, toks), tok in zip(new, self.forward(prefill, ids)[ends].argmax(-1).tolist()):
+                    toks.append(tok)
+                for s in scratch:
+                    self.scratch.free(s)
+                running += new
+            elif running:
+                batch = build_dcp_step(self.dcp, [(r, 1) for _, r, _ in running], attn_backend=self.backend)
+                ids = torch.tensor([toks[-1] for _, _, toks in running], device=dev)
+                for (_, _, toks), tok in zip(running, self.forward(batch, ids).argmax(-1).tolist()):
+                    toks.append(tok)
+            for s in [s for s in running if len(s[2]) - len(s[0].prompt) >= s[0].max_new]:
+                s[0].out = s[2][len(s[0].prompt):]
+                self.dcp.free(s[1])
                 running.remove(s)
         return jobs
 
@@ -198,19 +334,36 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--attn-dtype", default="float32", help="KV cache and attention dtype (flashinfer: float16)")
     ap.add_argument("--graphs", action="store_true", help="decode steps in CUDA graphs (attention share not measured then)")
+    ap.add_argument("--tp", action="store_true", help="tensor parallelism over the torchrun ranks (gloo on the CPU, NCCL on GPUs)")
+    ap.add_argument("--dcp", action="store_true", help="decode context parallelism over the torchrun ranks (serve_dcp)")
     args = ap.parse_args()
-    engine = Engine(tiny_llama(device=args.device), args.backend, args.page_size, max_running=8, token_budget=64,
-                    attn_dtype=getattr(torch, args.attn_dtype), graph_sizes=(1, 2, 4, 8) if args.graphs else ())
-    engine.serve(demo_jobs(n=args.jobs, max_new=args.max_new))  # warm-up: kernel compilation, lazy allocations
+    group = None
+    if args.tp or args.dcp:
+        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+        group = dist.group.WORLD
+        if args.device.startswith("cuda"):
+            args.device = f"cuda:{dist.get_rank() % torch.cuda.device_count()}"
+            torch.cuda.set_device(args.device)
+    engine = Engine(tiny_llama(device=args.device, heads=(8, 2) if args.tp else (2, 1)), args.backend, args.page_size, max_running=8,
+                    token_budget=64, attn_dtype=getattr(torch, args.attn_dtype), graph_sizes=(1, 2, 4, 8) if args.graphs else (),
+                    tp_group=group if args.tp else None, dcp_group=group if args.dcp else None)
+    serve = engine.serve_dcp if args.dcp else engine.serve
+    serve(demo_jobs(n=args.jobs, max_new=args.max_new))  # warm-up: kernel compilation, lazy allocations
     engine.attn_seconds, jobs = 0.0, demo_jobs(n=args.jobs, max_new=args.max_new)
     t0 = time.perf_counter()
-    engine.serve(jobs)
+    serve(jobs)
     if args.device != "cpu":
         torch.cuda.synchronize()
     secs = time.perf_counter() - t0
     tokens = sum(len(j.prompt) + len(j.out) for j in jobs)
     share = "n/a" if args.graphs else f"{100 * engine.attn_seconds / secs:.0f}%"
-    print(f"{args.backend} page {args.page_size}{' graphs' if args.graphs else ''}: {tokens} tokens in {secs:.2f} s = "
+    parallel = f" {'DCP' if args.dcp else 'TP'}={dist.get_world_size()}" if group is not None else ""
+    if group is not None:
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+        if rank:
+            return
+    print(f"{args.backend}{parallel} page {args.page_size}{' graphs' if args.graphs else ''}: {tokens} tokens in {secs:.2f} s = "
           f"{tokens / secs:.0f} tokens/s; attention {share} of the time")
 
 

@@ -2,7 +2,7 @@
 # Every GPU check of the project in one command, for a machine with a CUDA GPU and torch + triton
 # installed (the lent H100/H200 machine: no network; FlashInfer comes from wheels carried in .whl/ and
 # its prebuilt kernels from .fi-cache/aot.tar.xz when present). Logs go to $OUT (default ./gpu-out).
-#   bash scripts/gpu_checks.sh [tests] [bench] [triton-bench] [fi-bench] [mla-bench] [engine]   (default: tests bench;
+#   bash scripts/gpu_checks.sh [tests] [bench] [triton-bench] [fi-bench] [mla-bench] [engine] [multi-gpu]   (default: tests bench;
 #   bench = every benchmark;
 #   BENCH_ONLY=meta limits the Triton benchmark's rows)
 set -uo pipefail
@@ -39,6 +39,16 @@ if want engine; then  # the example engine (examples/hf_llama.py) vs transformer
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_example_engine.py 2>&1 | tee "$OUT/engine_gpu.log" || rc=1
   for args in "triton --attn-dtype float32" "triton --attn-dtype float32 --graphs" "flashinfer --attn-dtype float16" "flashinfer --attn-dtype float16 --graphs"; do
     python3 examples/hf_llama.py --device cuda --backend $args 2>&1 | tee -a "$OUT/engine_tps.log" || rc=1
+  done
+fi
+if want multi-gpu; then  # needs 2 GPUs (nvidia-h200-x2): DCP decode attention, the TP=2 and DCP=2 example engine over NCCL
+  python3 -m pytest -q -p no:cacheprovider -m gpu core/tests/test_dcp_distributed.py tests/test_engine_parallel.py 2>&1 | tee "$OUT/multi_gpu.log" || rc=1
+  for mode in --tp --dcp; do
+    python3 -m torch.distributed.run --nproc-per-node 2 examples/hf_llama.py $mode --device cuda --backend triton 2>&1 | tee -a "$OUT/multi_gpu.log" || rc=1
+  done
+  for b in triton flashinfer; do  # DCP=2 decode step vs one GPU (bs64 x 32768), collectives' share, KV tokens per GPU
+    python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/dcp_decode.py --device cuda --backend $b --json "$OUT/dcp_decode_$b.json" \
+      2>&1 | tee -a "$OUT/multi_gpu.log" || rc=1
   done
 fi
 if want bench || want triton-bench; then

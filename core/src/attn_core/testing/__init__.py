@@ -4,6 +4,7 @@
 - `make_plan` / `run_plan`: the same checks without pytest (what `attn-core check NAME` runs).
 - `AttnCase`, `run_case`, `assert_case`: one case against the reference (`harness`).
 - `reference_attention`, `tolerance`, `relative_error`: the oracle (`reference`).
+- `run_ranks`, `RankFailure`: a function on N torch.distributed ranks inside one test (`distributed`).
 
 Names load on first use, so importing this package (the pytest plugin does) costs no torch import.
 """
@@ -27,6 +28,8 @@ _EXPORTS = {
     "reference_attention": "attn_core.testing.reference",
     "tolerance": "attn_core.testing.reference",
     "relative_error": "attn_core.testing.reference",
+    "run_ranks": "attn_core.testing.distributed",
+    "RankFailure": "attn_core.testing.distributed",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,0 +1,111 @@
+"""The DCP decode attention step: each rank attends to its KV shard, the partial results are merged.
+
+    q (this rank's heads) --all-gather over the group--> q of all the group's heads
+    local attention over this rank's shard (any backend declaring LSE output, `return_lse=True`)
+    --exchange of partial outputs + LSEs--> merge_state over the group's partials --> this rank's heads
+
+Exchanges (`exchange=`):
+- "all_gather": every rank gathers every rank's partial output and LSE for all heads (one
+  all_gather of a packed float32 `[bs, H, Dv + 1]`), then merges its own heads' partials.
+- "all_to_all": one packed all_to_all: rank j receives from every rank only the partials of rank
+  j's heads (1/world of the all-gather's volume).
+
+With `q_heads_sharded=False` (pure DCP, every rank computes the same q for all heads) the q gather is
+skipped, the all-gather exchange is used and every rank returns all heads.
+
+Partials travel as float32 (exact merge; twice the bytes of a bf16 output). A request with no key on
+a rank contributes LSE -inf there (ignored by `merge_state`). Decode only: prefill attention is not
+sharded (the engine runs it unsharded and stores the K/V with `DcpStep.save_kv`). Not usable inside a
+CUDA graph yet (the local batch's size varies with which requests have local keys).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from attn_core.dcp.requests import DcpStep
+from attn_core.errors import InvalidArgumentError
+from attn_core.layer import AttentionLayer
+from attn_core.ops.merge_state import merge_state
+
+EXCHANGES = ("all_gather", "all_to_all")
+
+
+def _all_gather_flat(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """out `[world * n, ...]` <- every rank's x `[n, ...]` in rank order (torch's single-tensor all-gather:
+    `all_gather_single` where torch has it, else its older name `all_gather_into_tensor`)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x, group=group)
+
+
+def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge `n` partial attention results over disjoint key sets: o `[n, T, H, Dv]`, lse float32
+    `[n, T, H]` -> (o `[T, H, Dv]`, lse `[T, H]`), folding `merge_state` left to right.
+
+    Example: two halves of one key set give the attention over the whole set (see merge_state).
+    """
+    acc_o, acc_lse = o[0], lse[0]
+    for i in range(1, o.shape[0]):
+        acc_o, acc_lse = merge_state(acc_o, acc_lse, o[i], lse[i])
+    return acc_o, acc_lse
+
+
+def dcp_decode_attention(
+    q: torch.Tensor,
+    layer: AttentionLayer,
+    step: DcpStep,
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+    q_heads_sharded: bool = True,
+    exchange: str = "all_gather",
+) -> torch.Tensor:
+    """DCP attention of a DECODE step on this rank.
+
+    q: `[bs, Hq_rank, D]`, this rank's query heads (`q_heads_sharded`, rank j holding heads
+    j*Hq_rank .. (j+1)*Hq_rank-1 of the group's) or all heads (`q_heads_sharded=False`). `layer` is the
+    layer as the local backend sees it: `num_q_heads` = the group's heads (world * Hq_rank when
+    sharded), `num_kv_heads` = the KV heads of this rank's pool. `step` is this rank's `build_dcp_step`
+    result, its `init_forward_metadata()` called, its new K/V already written (`save_kv`). Returns
+    `[bs, Hq_rank * Dv]` in q's dtype. Every rank of `group` must call it with the same step shape.
+    """
+    if exchange not in EXCHANGES:
+        raise InvalidArgumentError("exchange", f"one of {EXCHANGES}", exchange)
+    if not step.forward_mode.is_decode():
+        raise InvalidArgumentError("step.forward_mode", "DECODE (DCP shards decode attention only; prefill is unsharded)",
+                                   step.forward_mode.name)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    bs, H = step.batch_size, layer.num_q_heads
+    h_rank = H // world if q_heads_sharded else H
+    if q.dim() != 3 or q.shape[0] != bs or q.shape[1] * (world if q_heads_sharded else 1) != H:
+        raise InvalidArgumentError("q", f"[{bs}, {h_rank}, D] (layer.num_q_heads {H} over {world} ranks)"
+                                   if q_heads_sharded else f"[{bs}, {H}, D]", tuple(q.shape))
+    if not q_heads_sharded and exchange != "all_gather":
+        raise InvalidArgumentError("exchange", "all_gather when q_heads_sharded=False", exchange)
+    if q_heads_sharded and world > 1:
+        gathered = q.new_empty((world * bs,) + tuple(q.shape[1:]))
+        _all_gather_flat(gathered, q.contiguous(), group)
+        q = gathered.view(world, bs, h_rank, -1).transpose(0, 1).reshape(bs, H, -1)
+    dv = layer.v_head_dim
+    part = torch.zeros((bs, H, dv + 1), dtype=torch.float32, device=q.device)  # partial output | LSE
+    part[..., dv] = float("-inf")
+    if step.local_batch is not None:
+        o, lse = layer(q[step.local_rows], None, None, step.local_batch, save_kv_cache=False, return_lse=True)
+        part[step.local_rows, :, :dv] = o.view(-1, H, dv).float()
+        part[step.local_rows, :, dv] = lse
+    if world == 1:
+        parts = part[None]
+    elif exchange == "all_gather":
+        parts = part.new_empty((world * bs,) + tuple(part.shape[1:]))
+        _all_gather_flat(parts, part, group)
+        parts = parts.view((world,) + tuple(part.shape))
+    else:
+        send = part.view(bs, world, h_rank, dv + 1).transpose(0, 1).contiguous()
+        parts = torch.empty_like(send)
+        dist.all_to_all_single(parts, send, group=group)
+    if q_heads_sharded and exchange == "all_gather":
+        parts = parts[:, :, rank * h_rank: (rank + 1) * h_rank]
+    out, _ = merge_partials(parts[..., :dv], parts[..., dv].contiguous())
+    return out.to(q.dtype).reshape(bs, h_rank * dv)
