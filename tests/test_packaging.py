@@ -6,7 +6,7 @@ pytest11 plugin), and after `pip uninstall` the name gives the typed "unknown ba
 whose spec import raises, that claim a taken name, or that target another API major version each give
 their typed error while `torch_native` stays usable.
 
-Environment choice (time and disk): the venv gets torch, pluggy, pytest and hypothesis - and only them,
+Environment choice (time and disk): the venv gets torch, numpy, pluggy, pytest and hypothesis - and only them,
 plus their own dependencies - by a `.pth` file pointing at a folder of symlinks into the running
 interpreter's site-packages. That takes about a second and no disk, where installing torch into the venv
 takes ~25 s and 2 GB (and `--system-site-packages` would need a base interpreter that has torch but not
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PLUGINS = ROOT / "tests" / "example_plugins"
 EXAMPLES = ("attn_example", "attn_example_broken", "attn_example_dup", "attn_example_api2")
 #: what the venv borrows from this interpreter (with their dependencies)
-BORROWED = ("torch", "pluggy", "pytest", "hypothesis")
+BORROWED = ("torch", "numpy", "pluggy", "pytest", "hypothesis")
 
 
 def run(*cmd, ok: bool = True, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
