@@ -276,6 +276,14 @@ def row_workloads(kind: str, spec: tuple, gen: torch.Generator, l2_bytes: int) -
 
 
 def work_of(kind: str, w: Workload) -> float:
+    """The work a row's throughput is measured in: for "decode", the bytes of fp16 K and V read
+    (keys x HKV x D x 2 bytes x 2); for an extend kind, the FLOPs of QK^T and PV over the causal
+    (query, key) pairs (4 x HQ x D per pair; a request of n keys, q of them new, has
+    q * (n - q) + q * (q + 1) / 2 pairs).
+
+    Example (HQ 32, HKV 8, D 128): decode with kv_lens [1000, 1000] → 8,192,000.0 bytes; extend with
+    kv_lens [10], q_lens [4] (34 pairs) → 557,056.0 FLOPs.
+    """
     if kind == "decode":
         return float(sum(w.kv_lens) * HKV * D * 2 * 2)
     pairs = sum(q * (n - q) + q * (q + 1) / 2 for n, q in zip(w.kv_lens, w.q_lens))
@@ -283,6 +291,13 @@ def work_of(kind: str, w: Workload) -> float:
 
 
 def parse_configs(text: Optional[str], cls):
+    """The kernel tile configs of a `--decode-configs` / `--extend-configs` value: items split by ";",
+    each four comma-separated ints passed positionally to `cls`; `[None]` (the kernel's own choice)
+    when `text` is empty or None.
+
+    Example: `parse_configs("64,16,4,3;32,16,4,4", DecodeConfig)` →
+    `[DecodeConfig(64, 16, 4, 3), DecodeConfig(32, 16, 4, 4)]`; `parse_configs(None, DecodeConfig)` → `[None]`.
+    """
     if not text:
         return [None]
     out = []

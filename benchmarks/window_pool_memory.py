@@ -29,6 +29,15 @@ from attn_core.memory import SlidingWindowAllocator
 
 
 def simulate(args) -> dict:
+    """Run the schedule of the module docstring on a `SlidingWindowAllocator` and return its numbers
+    (slot counts in slots, sizes in bytes per context token per layer, savings as fractions).
+    `args`: the parsed command line (`v_head_dim` already defaulted to `head_dim`).
+
+    Worked example: 2 requests, prefill 8 in chunks of 4, decode 2, window 4, page size 2, 1 KV head of
+    head_dim 4 (v 4), 2-byte dtype, window-layer fraction 0.5 → 20 context tokens, slot size 16 bytes,
+    peak 16 window slots (12.8 bytes/token), 8 at the end (6.4 bytes/token), window_layer_saving 0.2,
+    model_kv_saving 0.1.
+    """
     ps, w = args.page_size, args.window
     per_req = args.prefill + args.decode
     full_size = -(-per_req // ps) * ps * args.requests + ps

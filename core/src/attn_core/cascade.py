@@ -107,5 +107,8 @@ def check_cascade_prefix(batch: ForwardBatch) -> int:
 
 def splits_into_cascade(layer) -> bool:
     """Whether `layer` runs as prefix pass + suffix pass in a cascade step (plain causal self attention,
-    logit cap allowed); other layers run unsplit."""
+    logit cap allowed); other layers run unsplit.
+
+    Example: `AttentionLayer(0, 8, 2, 64)` → True; the same with `sliding_window_size=128`, with
+    `attention_chunk_size=256` or with `is_cross_attention=True` → False."""
     return not (layer.is_cross_attention or layer.sliding_window_size is not None or layer.attention_chunk_size is not None)

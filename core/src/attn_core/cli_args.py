@@ -67,7 +67,8 @@ def positive_float(text: str) -> float:
 
 
 def dtype_arg(text: str) -> str:
-    """A dtype name of `DTYPE_NAMES` (or a short alias of `DTYPE_ALIASES`), returned as the full name."""
+    """A dtype name of `DTYPE_NAMES` (or a short alias of `DTYPE_ALIASES`), returned as the full name:
+    "bf16" → "bfloat16", "torch.float16" → "float16"; "int3" raises."""
     name = text.strip().lower().removeprefix("torch.")
     name = DTYPE_ALIASES.get(name, name)
     if name not in DTYPE_NAMES:
@@ -84,12 +85,13 @@ def device_arg(text: str, types: tuple[str, ...] = DEVICE_TYPES) -> str:
 
 
 def device_or_auto(text: str) -> str:
-    """`device_arg`, or "auto" (the command picks: cuda when torch sees one, else cpu)."""
+    """`device_arg`, or "auto" (the command picks: cuda when torch sees one, else cpu): "auto" → "auto",
+    "cuda:1" → "cuda:1"; "cuda:x" raises."""
     return text if text == "auto" else device_arg(text)
 
 
 def bench_device(text: str) -> str:
-    """A device the benchmark runs on: "cpu", "cuda" or "cuda:N"."""
+    """A device the benchmark runs on: "cpu", "cuda" or "cuda:N" ("cuda:0" → "cuda:0"; "mps" raises)."""
     return device_arg(text, ("cpu", "cuda"))
 
 
@@ -115,7 +117,9 @@ def forward_mode_name(text: str) -> str:
 
 def writable_file(text: str) -> str:
     """A path the command will write at the end: its folder must exist and be writable, and the path
-    must not be a folder or a read-only file. Checked when the arguments are read, before any work."""
+    must not be a folder or a read-only file. Checked when the arguments are read, before any work.
+    Example: "/tmp/out.json" → "/tmp/out.json"; "/tmp" raises ("is a folder"), "/missing/out.json" raises
+    ("folder /missing does not exist")."""
     folder = os.path.dirname(os.path.abspath(text))
     problem: Optional[str] = None
     if os.path.isdir(text):

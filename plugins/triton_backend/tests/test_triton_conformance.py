@@ -7,6 +7,7 @@ the GPU file repeats the same checks at realistic sizes with bf16.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from triton_helpers import requires_interpreter, small_split_factory
@@ -14,7 +15,7 @@ from triton_helpers import requires_interpreter, small_split_factory
 from attn_core.batch_builder import RequestShape
 from attn_core.testing.compose import compose_requests
 from attn_core.testing.harness import AttnCase, assert_case
-from attn_core.testing.profile import KitProfile
+from attn_core.testing.profile import profile_for
 
 pytestmark = requires_interpreter
 
@@ -86,20 +87,12 @@ def test_case(case):
     assert_case(small_split_factory(), case)
 
 
-_PROFILE = KitProfile(
+# the kit's own tiny CPU profile, trimmed further: the interpreter is slow
+_PROFILE = replace(
+    profile_for("cpu", quick=True),
     name="triton-cpu",
-    device="cpu",
-    quick=True,
-    num_q_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-    mla_head_dim=40,
-    max_batch=4,
-    max_prefix=20,
-    max_extend=7,
     long_len=70,
     max_draft=4,
-    random_cases=1,
     hypothesis_examples=1,
     head_dims=(32,),
     gqa=((4, 2),),

@@ -160,13 +160,29 @@ def test_idle_returns_empty():
     assert o.shape == (0, 4 * 32) and lse.shape == (0, 4)
 
 
+def _assert_verify_mask_and_graph_capture_refused(case: AttnCase) -> None:
+    """`case` (a TARGET_VERIFY batch of two requests): its custom-mask verify step and a CUDA-graph
+    capture of a 2-request decode are both refused with `UnsupportedFeatureError`."""
+    from attn_core.errors import UnsupportedFeatureError
+    from attn_core.graph_step import CudaGraphStep
+    from attn_triton.backend import TritonAttnBackend
+
+    env = make_env(case)
+    backend = TritonAttnBackend(env.ctx)
+    with pytest.raises(UnsupportedFeatureError, match="custom mask"):
+        backend.init_forward_metadata(env.batch)
+    backend.init_cuda_graph_state(4, 4)
+    step = CudaGraphStep(
+        forward_mode=ForwardMode.DECODE, bs=2, req_pool_indices=env.batch.req_pool_indices, seq_lens=env.batch.seq_lens, num_tokens=2
+    )
+    with pytest.raises(UnsupportedFeatureError, match="CUDA graphs"):
+        backend.capture_cuda_graph_metadata(step)
+
+
 def test_chunked_local_refusals(no_launch):
     """Chunked local attention: a layer whose chunk size is not the context's, a verify step with a
     custom mask, and CUDA-graph capture are refused with typed errors before any kernel."""
-    from attn_core.errors import UnsupportedFeatureError
-    from attn_core.graph_step import CudaGraphStep
     from attn_core.layer import AttentionLayer
-    from attn_triton.backend import TritonAttnBackend
 
     env, backend, layer, inputs = _setup(attention_chunk_size=4)[:4]
     backend.init_forward_metadata(env.batch)
@@ -174,36 +190,13 @@ def test_chunked_local_refusals(no_launch):
     with pytest.raises(InvalidArgumentError, match="attention_chunk_size"):
         other(inputs["q"], inputs["k"], inputs["v"], env.batch)
 
-    case = AttnCase("TARGET_VERIFY", [(5, 3), (9, 3)], attention_chunk_size=4)
-    env = make_env(case)
-    backend = TritonAttnBackend(env.ctx)
-    with pytest.raises(UnsupportedFeatureError, match="custom mask"):
-        backend.init_forward_metadata(env.batch)
-
-    backend.init_cuda_graph_state(4, 4)
-    step = CudaGraphStep(
-        forward_mode=ForwardMode.DECODE, bs=2, req_pool_indices=env.batch.req_pool_indices, seq_lens=env.batch.seq_lens, num_tokens=2
-    )
-    with pytest.raises(UnsupportedFeatureError, match="CUDA graphs"):
-        backend.capture_cuda_graph_metadata(step)
+    _assert_verify_mask_and_graph_capture_refused(AttnCase("TARGET_VERIFY", [(5, 3), (9, 3)], attention_chunk_size=4))
 
 
 def test_window_pool_refusals(no_launch):
     """A sliding-window KV pool with a verify custom mask and with CUDA-graph capture: typed refusals."""
-    from attn_core.errors import UnsupportedFeatureError
-    from attn_core.graph_step import CudaGraphStep
-    from attn_triton.backend import TritonAttnBackend
 
-    env = make_env(AttnCase("TARGET_VERIFY", [(5, 3), (9, 3)], sliding_window=4, window_pool=True))
-    backend = TritonAttnBackend(env.ctx)
-    with pytest.raises(UnsupportedFeatureError, match="custom mask"):
-        backend.init_forward_metadata(env.batch)
-    backend.init_cuda_graph_state(4, 4)
-    step = CudaGraphStep(
-        forward_mode=ForwardMode.DECODE, bs=2, req_pool_indices=env.batch.req_pool_indices, seq_lens=env.batch.seq_lens, num_tokens=2
-    )
-    with pytest.raises(UnsupportedFeatureError, match="CUDA graphs"):
-        backend.capture_cuda_graph_metadata(step)
+    _assert_verify_mask_and_graph_capture_refused(AttnCase("TARGET_VERIFY", [(5, 3), (9, 3)], sliding_window=4, window_pool=True))
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16"])

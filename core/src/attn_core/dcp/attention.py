@@ -45,7 +45,9 @@ def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, to
     """Merge `n` partial attention results over disjoint key sets: o `[n, T, H, Dv]`, lse float32
     `[n, T, H]` -> (o `[T, H, Dv]`, lse `[T, H]`), folding `merge_state` left to right.
 
-    Example: two halves of one key set give the attention over the whole set (see merge_state).
+    Example: 5 queries of 8 heads over 10 keys, attended as keys 0..3 and keys 4..9 separately:
+    o `[2, 5, 8, 128]`, lse `[2, 5, 8]` -> o `[5, 8, 128]`, lse `[5, 8]`, the attention (and LSE) of
+    the queries over all 10 keys (up to rounding; the natural-log LSE of a partial with no keys is -inf).
     """
     acc_o, acc_lse = o[0], lse[0]
     for i in range(1, o.shape[0]):

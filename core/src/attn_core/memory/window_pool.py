@@ -229,5 +229,6 @@ class SlidingWindowKVPool:
 
 
 def window_pool_of(pool) -> Optional[SlidingWindowKVPool]:
-    """`pool` when it is a `SlidingWindowKVPool`, else None."""
+    """`pool` when it is a `SlidingWindowKVPool`, else None (e.g. an `MHATokenToKVPool` gives None), so a
+    backend can write `if (wp := window_pool_of(ctx.token_to_kv_pool)) is not None: ...` for window layers."""
     return pool if isinstance(pool, SlidingWindowKVPool) else None

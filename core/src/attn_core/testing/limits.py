@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-from typing import Optional
+from typing import Collection, Optional
 
 from attn_core.probes import triton_interpreter_enabled
 
@@ -50,7 +50,10 @@ def distribution_of_module(module: str) -> Optional[str]:
 
 def runs_in_triton_interpreter(distribution: Optional[str], device: str) -> bool:
     """Whether a backend shipped by `distribution` runs its kernels through Triton's CPU interpreter on
-    `device`: a CPU device, `TRITON_INTERPRET=1`, and a distribution that requires triton."""
+    `device`: a CPU device, `TRITON_INTERPRET=1`, and a distribution that requires triton.
+
+    Example: under `TRITON_INTERPRET=1`, ("attn-triton", "cpu") → True, ("attn-triton", "cuda:0") →
+    False, ("attn-core", "cpu") → False (attn-core does not require triton)."""
     return (
         device.split(":", 1)[0] == "cpu"
         and triton_interpreter_enabled()
@@ -59,9 +62,11 @@ def runs_in_triton_interpreter(distribution: Optional[str], device: str) -> bool
     )
 
 
-def environment_skips(distribution: Optional[str], q_dtypes, device: str) -> dict[str, str]:
+def environment_skips(distribution: Optional[str], q_dtypes: Collection[str], device: str) -> dict[str, str]:
     """The {check-id glob: reason} of the checks this machine cannot judge for a backend of
-    `distribution` declaring `q_dtypes`, run on `device`. Example: attn-triton on "cpu" under
+    `distribution` declaring `q_dtypes` (dtype names, as in `Capabilities.q_dtypes`), run on `device`.
+
+    Example: `environment_skips("attn-triton", {"float16", "bfloat16"}, "cpu")` under
     `TRITON_INTERPRET=1` gives {"dtype-bfloat16-*": BF16_INTERPRETER_REASON}; on "cuda", {}."""
     skips: dict[str, str] = {}
     if "bfloat16" in q_dtypes and runs_in_triton_interpreter(distribution, device):
