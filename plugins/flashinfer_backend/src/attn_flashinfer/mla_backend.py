@@ -37,6 +37,7 @@ from attn_flashinfer.indices import PageList, QueryLayout, build_page_list, quer
 from attn_flashinfer.mla_prefill import PrefillPlan, PrefillWrappers
 from attn_flashinfer.mla_spec import CAPABILITIES
 from attn_flashinfer.mla_steps import MLADims, MLAGraphBuffers, check_capacity, check_mla_context, refuse_tree_mask
+from attn_flashinfer.prefill_plan import prefill_lengths
 from attn_flashinfer.scratch import DeviceScratch
 from attn_flashinfer.steps import StepInputs, eager_inputs, graph_inputs
 
@@ -244,9 +245,8 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         new tokens (`qk_head_dim` / `v_head_dim`, `num_q_heads` heads for q, k and v) plus the cached
         prefix in chunks of at most `chunk_capacity` tokens (attn-core's `plan_prefix_chunks`)."""
         b = forward_batch
-        if not b.forward_mode.is_extend() or b.extend_seq_lens_cpu is None or b.extend_prefix_lens_cpu is None:
-            raise InvalidArgumentError("forward_batch", "an EXTEND batch with host extend and prefix lengths", b.forward_mode.name)
+        q_lens, prefix_lens = prefill_lengths(b)
         return self._prefill.plan(
-            b.extend_seq_lens_cpu, b.extend_prefix_lens_cpu, self.req_to_token(b), b.req_pool_indices, chunk_capacity,
+            q_lens, prefix_lens, self.req_to_token(b), b.req_pool_indices, chunk_capacity,
             num_heads=self.dims.num_heads, qk_head_dim=qk_head_dim, v_head_dim=v_head_dim, dtype=self.dims.dtype, scaling=scaling,
         )  # fmt: skip

@@ -7,7 +7,8 @@ engine decompresses chunk by chunk to bound memory (attn-core's `plan_prefix_chu
 shared by the batch). Each chunk is a ragged pass without mask (a prefix precedes every new token);
 partial results are merged by their LSEs by attn-core's `attend_with_prefix_chunks` (its `merge_state`:
 FlashInfer 0.6.6's `merge_state_in_place` fails to launch at 128 heads of 128, "invalid argument",
-found on an H200).
+found on an H200), through `prefill_plan.ChunkedPrefillPlan.attend`, which this module's `PrefillPlan`
+supplies with FlashInfer's passes.
 
 Per step: `PrefillWrappers.plan` (through `FlashInferMLABackend.plan_prefill`) plans one wrapper for the
 new tokens and one per chunk, and finds each chunk's pool slots (`PrefillPlan.chunk_slots`); per layer
@@ -22,64 +23,34 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 from flashinfer import BatchPrefillWithRaggedKVCacheWrapper
 
-from attn_core.chunk_plan import PrefixChunk, PrefixChunkPlan, attend_with_prefix_chunks, chunk_slots, plan_prefix_chunks
-from attn_core.errors import InvalidArgumentError
+from attn_core.chunk_plan import Partial, PrefixChunk, chunk_slots, plan_prefix_chunks
 from attn_flashinfer.indices import query_layout
+from attn_flashinfer.prefill_plan import ChunkedPrefillPlan
 
 #: FlashInfer's FA2 ragged kernels (head_dim_qk 192 / head_dim_vo 128 build like any other pair).
 KERNEL_BACKEND = "fa2"
 LN2 = math.log(2.0)
 
-#: (chunk, its pool slots int64 [chunk.num_tokens]) -> (K [N, H, qk_head_dim], V [N, H, v_head_dim])
-PrefixKV = Callable[[PrefixChunk, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
 
 @dataclass
-class PrefillPlan:
-    """One step's planned prefill: `new` over the new tokens (causal), `chunks[c]` over prefix chunk c."""
+class PrefillPlan(ChunkedPrefillPlan):
+    """One step's planned prefill on FlashInfer's ragged wrappers: `new` over the new tokens (causal),
+    `chunks[c]` over prefix chunk c; `attend` is `ChunkedPrefillPlan.attend`."""
 
-    chunk_plan: PrefixChunkPlan
-    chunk_slots: list[torch.Tensor]  # device int64 [chunk.num_tokens] per chunk
-    num_tokens: int
-    num_heads: int
-    v_head_dim: int
     new: BatchPrefillWithRaggedKVCacheWrapper
     chunks: list[BatchPrefillWithRaggedKVCacheWrapper]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_kv: Optional[PrefixKV] = None, return_lse: bool = False):
-        """q/k `[T, H, qk_head_dim]`, v `[T, H, v_head_dim]` (the step's new tokens) -> output `[T, H *
-        v_head_dim]` (and the natural-log LSE `[T, H]` float32 with return_lse). `prefix_kv` gives each
-        chunk's K/V; required when the plan has chunks."""
-        T, H = self.num_tokens, self.num_heads
-        if q.shape[0] != T or k.shape[0] != T or v.shape[0] != T or q.shape[1] != H:
-            raise InvalidArgumentError(
-                "q/k/v", f"{T} rows of {H} heads (the planned batch)", (tuple(q.shape), tuple(k.shape), tuple(v.shape))
-            )
-        if self.chunks and prefix_kv is None:
-            raise InvalidArgumentError("prefix_kv", f"a callable giving the K/V of {len(self.chunks)} prefix chunks", None)
+    def run_new(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Partial:
+        o, lse = self.new.run(q, k, v, return_lse=True)
+        return o, lse.mul_(LN2)  # FlashInfer's LSE is base 2; merge_state and callers take natural log
 
-        def attend_new():
-            o, lse = self.new.run(q, k, v, return_lse=True)
-            return o, lse.mul_(LN2)  # FlashInfer's LSE is base 2; merge_state and callers take natural log
-
-        def attend_chunk(chunk: PrefixChunk):
-            w, slots = self.chunks[chunk.index], self.chunk_slots[chunk.index]
-            kc, vc = prefix_kv(chunk, slots)
-            if kc.shape[0] != chunk.num_tokens or vc.shape[0] != chunk.num_tokens:
-                raise InvalidArgumentError(
-                    "prefix_kv", f"K/V of {chunk.num_tokens} tokens for chunk {chunk.index}", (kc.shape[0], vc.shape[0])
-                )
-            o_c, lse_c = w.run(q, kc, vc, return_lse=True)
-            return o_c, lse_c.mul_(LN2)
-
-        o, lse = attend_with_prefix_chunks(self.chunk_plan.chunks, attend_new, attend_chunk)
-        o = o.reshape(T, H * self.v_head_dim)
-        return (o, lse) if return_lse else o
+    def run_chunk(self, chunk: PrefixChunk, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Partial:
+        o, lse = self.chunks[chunk.index].run(q, k, v, return_lse=True)
+        return o, lse.mul_(LN2)
 
 
 class PrefillWrappers:
