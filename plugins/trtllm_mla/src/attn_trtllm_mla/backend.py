@@ -3,8 +3,9 @@ and DRAFT_EXTEND (when every request has the same query count) on TensorRT-LLM's
 
 Unverified on hardware (no Blackwell GPU was available): see README.md. On a device or dtype without a
 TRT-LLM kernel (`kernel.kernel_for`), and for every other step (EXTEND, MIXED, ragged DRAFT_EXTEND), the
-parent's FlashInfer MLA kernels serve; DeepSeek's prefill path is the parent's `plan_prefill` (FlashInfer
-0.6.6's ragged TRT-LLM prefill is not wired here).
+parent's FlashInfer MLA kernels serve. DeepSeek's prefill path (`plan_prefill`) runs on TRT-LLM's ragged
+prefill (`ragged.py`) where the trtllm-gen kernels serve and the head dims are ones it builds, else on
+the parent's FlashInfer ragged wrappers.
 
 A TRT-LLM step carries a block table (`block_table.build_block_table`, one launch of torch ops, into a
 fixed buffer under CUDA graphs) and the key counts; the layer's softmax scale and the latent's k_scale
@@ -18,12 +19,15 @@ from typing import Optional
 
 import torch
 
+from attn_core.batch import ForwardBatch
 from attn_core.errors import UnsupportedFeatureError
 from attn_flashinfer.mla_backend import FlashInferMLABackend, MLAGraph, MLAStep
+from attn_flashinfer.prefill_plan import ChunkedPrefillPlan
 from attn_flashinfer.steps import StepInputs
 from attn_trtllm_mla import kernel
 from attn_trtllm_mla.args import decode_kwargs, fold_scales, uniform_q_len
 from attn_trtllm_mla.block_table import PAD, build_block_table, check_width, padded_width
+from attn_trtllm_mla.ragged import plan_ragged_prefill, uses_ragged_kernel
 from attn_trtllm_mla.spec import CAPABILITIES
 
 
@@ -95,3 +99,16 @@ class TRTLLMMLABackend(FlashInferMLABackend):
         )  # fmt: skip
         o = kernel.decode(kw, self.kernel)
         return o.reshape(q.shape[0], -1)
+
+    def plan_prefill(
+        self, forward_batch: ForwardBatch, chunk_capacity: int, scaling: float, qk_head_dim: int = 192, v_head_dim: int = 128
+    ) -> ChunkedPrefillPlan:
+        """The parent's `plan_prefill` (same arguments, same `attend`), on TRT-LLM's ragged prefill when
+        `ragged.uses_ragged_kernel` says so; its workspace is the decode kernels' (calls are serial on
+        the stream)."""
+        if not uses_ragged_kernel(self.kernel, qk_head_dim, v_head_dim):
+            return super().plan_prefill(forward_batch, chunk_capacity, scaling, qk_head_dim, v_head_dim)
+        return plan_ragged_prefill(
+            forward_batch, self.req_to_token(forward_batch), chunk_capacity, num_heads=self.dims.num_heads, qk_head_dim=qk_head_dim,
+            v_head_dim=v_head_dim, scaling=scaling, workspace=self.trt_workspace, run=kernel.ragged_prefill,
+        )  # fmt: skip

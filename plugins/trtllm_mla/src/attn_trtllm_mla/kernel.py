@@ -1,6 +1,7 @@
-"""The one place this plugin calls TensorRT-LLM's MLA kernels (through FlashInfer 0.6.6). Unverified on
-hardware: no Blackwell GPU was available to this project; everything that builds these calls' arguments
-is tested on CPU (`args.py`, `block_table.py`).
+"""The one place this plugin calls TensorRT-LLM's kernels (through FlashInfer 0.6.6): MLA decode
+(`decode`) and DeepSeek's ragged prefill (`ragged_prefill`). Unverified on hardware: no Blackwell GPU
+was available to this project; everything that builds these calls' arguments is tested on CPU
+(`args.py`, `block_table.py`, `ragged.py`).
 
 `kernel_for(capability, dtype)` says which FlashInfer path serves a device: "trtllm-gen" on compute
 capability 10.x; on 12.x FlashInfer 0.6.6 routes MLA decode to XQA, which takes fp8 queries and KV
@@ -37,3 +38,11 @@ def decode(kwargs: dict, kernel: str) -> torch.Tensor:
     from flashinfer.decode import trtllm_batch_decode_with_kv_cache_mla
 
     return trtllm_batch_decode_with_kv_cache_mla(**kwargs, backend=kernel)
+
+
+def ragged_prefill(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run TRT-LLM's ragged prefill with `ragged.ragged_kwargs(...)`: output `[Tq, H, Dv]` in q's dtype and
+    the base-2 LSE float32 `[Tq, H]` (`ragged.natural_lse` converts it)."""
+    from flashinfer.prefill import trtllm_ragged_attention_deepseek
+
+    return trtllm_ragged_attention_deepseek(**kwargs)
