@@ -55,7 +55,7 @@ def test_attn_core_list_says_unverified(capsys):
 
     assert main(["list"]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("trtllm_mla"))
-    assert "unavailable:" in row and "SM100/SM120" in row and "never run on hardware" in row
+    assert "unavailable:" in row and "SM100/SM120" in row and "never run on hardware" in row and "ragged DeepSeek prefill" in row
 
 
 def test_select_backend_on_hopper_picks_flashinfer_mla(monkeypatch):

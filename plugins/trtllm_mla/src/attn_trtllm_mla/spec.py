@@ -2,8 +2,8 @@
 at import time.
 
 Unverified on hardware: no Blackwell GPU was available to this project. Everything around the kernel
-call (block tables, argument packing, scale folding, the probe) is tested on CPU; the kernel call itself
-has never run here (see README.md).
+calls (block tables, argument packing, scale folding, the ragged prefill's layouts and LSE conversion,
+the probe) is tested on CPU; the kernel calls themselves have never run here (see README.md).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ CAPABILITIES = Capabilities(
     max_compute_capability=(12, 9),
 )
 
-UNVERIFIED = "the SM100/SM120 TRT-LLM kernel path has never run on hardware"
+UNVERIFIED = "the SM100/SM120 TRT-LLM kernel paths (MLA decode, ragged DeepSeek prefill) have never run on hardware"
 
 
 def blackwell_reason(capability: tuple[int, int]) -> Optional[str]:
@@ -71,7 +71,7 @@ def probe(checks: tuple[Callable[[], Optional[str]], ...] = (needs_cuda, _device
 
 SPEC = BackendSpec(
     name="trtllm_mla",
-    summary="TensorRT-LLM MLA decode/verify kernels via FlashInfer on Blackwell (unverified on hardware); the rest via flashinfer_mla",
+    summary="TensorRT-LLM MLA decode/verify and ragged DeepSeek prefill via FlashInfer on Blackwell (unverified on hardware); the rest via flashinfer_mla",
     capabilities=CAPABILITIES,
     distribution="attn-trtllm-mla",
     backend_class="attn_trtllm_mla.backend:TRTLLMMLABackend",
