@@ -71,7 +71,10 @@ def probe(checks: tuple[Callable[[], Optional[str]], ...] = (needs_cuda, _device
 
 SPEC = BackendSpec(
     name="trtllm_mla",
-    summary="TensorRT-LLM MLA decode/verify and ragged DeepSeek prefill via FlashInfer on Blackwell (unverified on hardware); the rest via flashinfer_mla",
+    summary=(
+        "TensorRT-LLM MLA decode/verify and ragged DeepSeek prefill via FlashInfer on Blackwell (unverified on hardware); "
+        "the rest via flashinfer_mla"
+    ),
     capabilities=CAPABILITIES,
     distribution="attn-trtllm-mla",
     backend_class="attn_trtllm_mla.backend:TRTLLMMLABackend",
