@@ -155,7 +155,9 @@ class World:
 
     def __init__(self, page_size: int, dtype: torch.dtype, mixed_split: bool):
         slots = 256
-        self.kv = ac.MHATokenToKVPool(size=slots, page_size=page_size, dtype=dtype, head_num=HKV, head_dim=D, layer_num=LAYERS, device="cpu")
+        self.kv = ac.MHATokenToKVPool(
+            size=slots, page_size=page_size, dtype=dtype, head_num=HKV, head_dim=D, layer_num=LAYERS, device="cpu"
+        )
         for lid in range(LAYERS):
             self.kv.get_key_buffer(lid).fill_(float("nan"))
             self.kv.get_value_buffer(lid).fill_(float("nan"))
