@@ -249,3 +249,17 @@ def test_engine_steps_split_and_unsplit_agree(page_size, dtype):
                 x, y = getattr(split.kv, get)(lid), getattr(unsplit.kv, get)(lid)
                 assert torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0))
     assert modes == ["EXTEND", "MIXED", "MIXED", "MIXED", "DECODE", "MIXED"]
+
+
+def test_kit_mixed_checks_pass_with_the_split():
+    """The conformance kit's MIXED checks (its own random compositions and features) on a backend built
+    with `mixed_split=True`: the kit's plan with that option, every MIXED check it does not skip."""
+    from attn_core.testing.kit import make_plan
+    from attn_core.testing.outcome import execute
+
+    plan = make_plan("triton", device="cpu", quick=True, options={"mixed_split": True})
+    checks = [c for c in plan.checks if "MIXED" in c.id and plan.skip_reason(c.id) is None]
+    assert len(checks) >= 3, [c.id for c in plan.checks]
+    for check in checks:
+        outcome = execute(check)
+        assert not outcome.failed, f"{check.id}: {outcome.message}"
