@@ -32,7 +32,6 @@ import os
 import platform
 import statistics
 import time
-from typing import Callable
 
 import torch
 from cpu_vs_peers import Row, bench, cpu_description
@@ -61,20 +60,6 @@ def split_call(row: Row):
         backend.init_forward_metadata(sub)
         calls.append((backend, sub, row.q[first:last]))
     return lambda: [be.forward(q, None, None, row.layer, sub, save_kv_cache=False) for be, sub, q in calls]
-
-
-def thread_time_bench(calls: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
-    """Seconds of the calling thread's CPU time per call (one warm-up each, then `reps` rounds, peers
-    interleaved)."""
-    for fn in calls.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(reps):
-        for name, fn in calls.items():
-            t = time.thread_time()
-            fn()
-            times[name].append(time.thread_time() - t)
-    return times
 
 
 def main() -> None:
@@ -110,7 +95,7 @@ def main() -> None:
             split = split_call(row)
             err = relative_error(torch.cat(split()).float(), unsplit().float())
             if args.clock == "thread":
-                times = thread_time_bench({"unsplit": unsplit, "split": split}, args.reps)
+                times = bench({"unsplit": unsplit, "split": split}, args.reps, clock=time.thread_time)
                 med = {name: min(ts) for name, ts in times.items()}  # CPU time: the minimum is the work
             else:
                 times = bench({"unsplit": unsplit, "split": split}, args.reps)
