@@ -45,8 +45,19 @@ def test_decode_first_requests_worked_example():
 
 
 def test_token_rows_worked_example():
-    assert token_rows([3, 1, 0, 1], [3, 1, 2, 0]) == [4, 3, 0, 1, 2]
-    assert token_rows([2, 1], [0, 1]) == [0, 1, 2]
+    assert token_rows([3, 1, 0, 1], [3, 1, 2, 0]).tolist() == [4, 3, 0, 1, 2]
+    assert token_rows([2, 1], [0, 1]).tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_token_rows_against_a_loop(seed):
+    rng = random.Random(seed)
+    lens = [rng.choice([0, 1, 1, 2, 7]) for _ in range(rng.randint(1, 12))]
+    order = decode_first_requests(lens)
+    starts = [sum(lens[:r]) for r in range(len(lens))]
+    expected = [starts[r] + j for r in order for j in range(lens[r])]
+    assert token_rows(lens, order).tolist() == expected
+    assert [lens[r] for r in order][: lens.count(1)] == [1] * lens.count(1)
 
 
 def test_option_is_checked():

@@ -28,7 +28,6 @@ checks and fault flags.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
@@ -80,15 +79,21 @@ def decode_first_requests(q_lens: Sequence[int]) -> list[int]:
     return decode_first_order(kinds, decode_threshold=1)
 
 
-def token_rows(q_lens: Sequence[int], order: Sequence[int]) -> list[int]:
-    """Rows of q (request after request, `q_lens[r]` rows each) in the request order `order`: row i of the
-    reordered q is row `token_rows(...)[i]` of the original.
+def token_rows(q_lens: Sequence[int], order: Sequence[int]) -> torch.Tensor:
+    """Rows of q (request after request, `q_lens[r]` rows each) in the request order `order`, as a host
+    int64 tensor: row i of the reordered q is row `token_rows(...)[i]` of the original. Vectorized (a
+    step may carry thousands of tokens).
 
     Worked example: q_lens `[3, 1, 0, 1]` (request r owns rows 0-2, 3, none, 4) and order `[3, 1, 2, 0]`
-    give `[4, 3, 0, 1, 2]`.
+    give `tensor([4, 3, 0, 1, 2])`.
     """
-    starts = [0, *accumulate(q_lens)]
-    return [row for r in order for row in range(starts[r], starts[r] + q_lens[r])]
+    lens = torch.tensor(list(q_lens), dtype=torch.int64)
+    perm = torch.tensor(list(order), dtype=torch.int64)
+    starts = torch.cumsum(lens, 0) - lens  # first row of each request in the original q
+    moved = lens[perm]
+    # row j of reordered request i: starts[perm[i]] + j, at reordered position new_starts[i] + j
+    shift = starts[perm] - (torch.cumsum(moved, 0) - moved)
+    return torch.repeat_interleave(shift, moved) + torch.arange(int(moved.sum()))
 
 
 def build_mixed_metadata(backend: TritonAttnBackend, b: ForwardBatch, r2t: torch.Tensor) -> Optional[MixedMetadata]:
@@ -110,7 +115,7 @@ def build_mixed_metadata(backend: TritonAttnBackend, b: ForwardBatch, r2t: torch
     dev, bs = backend.device, b.batch_size
     req, seq, q_lens, token_order = b.req_pool_indices, b.seq_lens, b.extend_seq_lens, None
     if order != list(range(bs)):
-        host = torch.tensor(order + token_rows(lens, order), dtype=torch.int64).to(dev, non_blocking=True)
+        host = torch.cat([torch.tensor(order, dtype=torch.int64), token_rows(lens, order)]).to(dev, non_blocking=True)
         perm, token_order = host[:bs], host[bs:]
         req, seq, q_lens = req.index_select(0, perm), seq.index_select(0, perm), q_lens.index_select(0, perm)
     kv = new_kv(bs, b.seq_lens_sum, dev)
