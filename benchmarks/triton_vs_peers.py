@@ -8,8 +8,8 @@ CUDA graphs (one captured graph of several calls, replayed; device events; media
 decode rows rotate among several independent KV sets so that L2 cannot hold the working set.
 It also measures the host time of attn-triton's `init_forward_metadata` (no host-device sync allowed:
 checked with torch's sync debug mode) and of FlashInfer's plan at batch 1, 64 and 256.
-The "mixed" row times a MIXED step (64 decodes x 4096 keys + one 512-token prefill chunk, decodes first)
-three ways: attn-triton unsplit (the default: every request through the extend kernel), attn-triton
+The "mixed" rows time a MIXED step (64 decodes x 4096 keys + one 512-token prefill chunk, decodes first;
+and 4 decodes + two 2048-token chunks) three ways: attn-triton unsplit (the default: every request through the extend kernel), attn-triton
 split (`mixed_split=True`: decodes through the decode kernel, the chunk through the extend kernel) and
 FlashInfer's prefill wrapper over the whole step; the split is to become the default only if it wins.
 
@@ -54,7 +54,8 @@ EXTEND_ROWS = [
     ("prefill bs2 q4096", 2, 4096, 0),
     ("extend bs32 q128 prefix2048", 32, 128, 2048),
 ]
-MIXED_ROWS = [("mixed 64x4096 + 1x512", 64, 4096, 512)]  # decodes, their keys, the chunk's new tokens
+# decodes, their keys, new tokens per prefill chunk (no prefix), chunks; the second row: few decodes
+MIXED_ROWS = [("mixed 64x4096 + 1x512", 64, 4096, 512, 1), ("mixed 4x4096 + 2x2048", 4, 4096, 2048, 2)]
 DECODE_TARGET = {"decode bs1 ctx8192": 1.3}  # max attn-triton / FlashInfer time; others 1.05
 EXTEND_AIM, EXTEND_FLOOR = 0.8, 0.6  # min attn-triton / FlashInfer TFLOP/s
 
@@ -285,8 +286,8 @@ def row_workloads(kind: str, spec: tuple, gen: torch.Generator, l2_bytes: int) -
 
 def run_mixed_row(spec: tuple, args, gen: torch.Generator) -> RowResult:
     """A MIXED step: attn-triton unsplit and split, and FlashInfer's prefill wrapper, in CUDA graphs."""
-    name, decodes, ctx, chunk = spec
-    w = make_workload([ctx] * decodes + [chunk], [1] * decodes + [chunk], False, gen, mixed=True)
+    name, decodes, ctx, chunk, chunks = spec
+    w = make_workload([ctx] * decodes + [chunk] * chunks, [1] * decodes + [chunk] * chunks, False, gen, mixed=True)
     res = RowResult(name, "mixed", work_of("mixed", w))
     impls = {"attn-triton": lambda: triton_impl(w), "attn-triton split": lambda: triton_impl(w, mixed_split=True)}
     if not args.no_flashinfer:
