@@ -8,8 +8,12 @@ CUDA graphs (one captured graph of several calls, replayed; device events; media
 decode rows rotate among several independent KV sets so that L2 cannot hold the working set.
 It also measures the host time of attn-triton's `init_forward_metadata` (no host-device sync allowed:
 checked with torch's sync debug mode) and of FlashInfer's plan at batch 1, 64 and 256.
+The "mixed" rows time a MIXED step (64 decodes x 4096 keys + one 512-token prefill chunk, decodes first;
+and 4 decodes + two 2048-token chunks) three ways: attn-triton unsplit (the default: every request through the extend kernel), attn-triton
+split (`mixed_split=True`: decodes through the decode kernel, the chunk through the extend kernel) and
+FlashInfer's prefill wrapper over the whole step; the split is to become the default only if it wins.
 
-  python benchmarks/triton_vs_peers.py [--out FILE] [--only decode,extend,meta] [--no-torch-native]
+  python benchmarks/triton_vs_peers.py [--out FILE] [--only decode,extend,mixed,meta] [--no-torch-native]
       [--decode-configs "64,16,4,3;32,16,4,4"] [--extend-configs "128,64,8,3;128,128,8,3"] [--waves 1,2,4]
 
 FlashInfer is used through its own API (BatchDecodeWithPagedKVCacheWrapper with tensor cores,
@@ -50,6 +54,8 @@ EXTEND_ROWS = [
     ("prefill bs2 q4096", 2, 4096, 0),
     ("extend bs32 q128 prefix2048", 32, 128, 2048),
 ]
+# decodes, their keys, new tokens per prefill chunk (no prefix), chunks; the second row: few decodes
+MIXED_ROWS = [("mixed 64x4096 + 1x512", 64, 4096, 512, 1), ("mixed 4x4096 + 2x2048", 4, 4096, 2048, 2)]
 DECODE_TARGET = {"decode bs1 ctx8192": 1.3}  # max attn-triton / FlashInfer time; others 1.05
 EXTEND_AIM, EXTEND_FLOOR = 0.8, 0.6  # min attn-triton / FlashInfer TFLOP/s
 
@@ -83,7 +89,7 @@ def _new_token_slots(rows: ReqToTokenPool, kv_lens: list[int], q_lens: list[int]
     return torch.cat([rows.req_to_token[r, n - q : n] for r, (n, q) in enumerate(zip(kv_lens, q_lens))]).to(torch.int64)
 
 
-def make_workload(kv_lens: list[int], q_lens: list[int], decode: bool, gen: torch.Generator) -> Workload:
+def make_workload(kv_lens: list[int], q_lens: list[int], decode: bool, gen: torch.Generator, mixed: bool = False) -> Workload:
     dev = torch.device("cuda")
     bs = len(kv_lens)
     n_pages = [-(-n // PAGE) for n in kv_lens]
@@ -109,7 +115,7 @@ def make_workload(kv_lens: list[int], q_lens: list[int], decode: bool, gen: torc
     seq_cpu = torch.tensor(kv_lens, dtype=torch.int32)
     q_lens_cpu = torch.tensor(q_lens, dtype=torch.int32)
     batch = ForwardBatch(
-        forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
+        forward_mode=ForwardMode.DECODE if decode else (ForwardMode.MIXED if mixed else ForwardMode.EXTEND),
         batch_size=bs,
         req_pool_indices=torch.arange(bs, dtype=torch.int64, device=dev),
         seq_lens=seq_cpu.to(dev),
@@ -132,6 +138,7 @@ def make_workload(kv_lens: list[int], q_lens: list[int], decode: bool, gen: torc
 
 
 def make_context(w: Workload, validation: str = "basic") -> BackendContext:
+    modes = {"extend", "decode", "mixed"} if w.batch.forward_mode.is_mixed() else {"extend", "decode"}
     return BackendContext(
         device="cuda",
         dtype=DTYPE,
@@ -144,6 +151,7 @@ def make_context(w: Workload, validation: str = "basic") -> BackendContext:
         req_to_token_pool=w.rows,
         token_to_kv_pool=w.pool,
         validation=validation,
+        forward_modes=modes,
     )
 
 
@@ -151,10 +159,11 @@ LAYER = AttentionLayer(0, HQ, HKV, D)
 
 
 # ---- implementations: each returns a zero-argument callable that computes the whole batch ----------
-def triton_impl(w: Workload, decode_cfg=None, extend_cfg=None, policy=None) -> Callable[[], torch.Tensor]:
+def triton_impl(w: Workload, decode_cfg=None, extend_cfg=None, policy=None, mixed_split=False) -> Callable[[], torch.Tensor]:
     from attn_triton.backend import TritonAttnBackend
 
-    backend = TritonAttnBackend(make_context(w), decode_config=decode_cfg, extend_config=extend_cfg, split_policy=policy)
+    ctx = make_context(w)
+    backend = TritonAttnBackend(ctx, decode_config=decode_cfg, extend_config=extend_cfg, split_policy=policy, mixed_split=mixed_split)
     backend.init_forward_metadata(w.batch)
     w.batch.attn_backend = backend
     return lambda: backend.forward(w.q, None, None, LAYER, w.batch, save_kv_cache=False)
@@ -273,6 +282,43 @@ def row_workloads(kind: str, spec: tuple, gen: torch.Generator, l2_bytes: int) -
         kv, q = [prefix + ql] * bs, [ql] * bs
         sets = 1
     return [make_workload(kv, q, kind == "decode", gen) for _ in range(sets)]
+
+
+def run_mixed_row(spec: tuple, args, gen: torch.Generator) -> RowResult:
+    """A MIXED step: attn-triton unsplit and split, and FlashInfer's prefill wrapper, in CUDA graphs."""
+    name, decodes, ctx, chunk, chunks = spec
+    w = make_workload([ctx] * decodes + [chunk] * chunks, [1] * decodes + [chunk] * chunks, False, gen, mixed=True)
+    res = RowResult(name, "mixed", work_of("mixed", w))
+    impls = {"attn-triton": lambda: triton_impl(w), "attn-triton split": lambda: triton_impl(w, mixed_split=True)}
+    if not args.no_flashinfer:
+        impls["flashinfer"] = lambda: flashinfer_impl(w)
+    for impl, make in impls.items():
+        try:
+            fn = make()
+            res.errors[impl] = check(w, fn())  # the first request (a decode) and the chunk
+            res.times_us[impl] = time_graph([fn], 3, args.reps)
+            res.timing[impl] = "cuda graph"
+        except Exception as exc:
+            print(f"  {impl} failed: {exc!r:.300}", flush=True)
+    return res
+
+
+def print_mixed_table(rows: list[RowResult]) -> str:
+    """The mixed rows: times, unsplit / split (> 1: the split is faster) and split / FlashInfer."""
+    lines = [
+        "| row | attn-triton unsplit µs | attn-triton split µs | FlashInfer µs | unsplit/split time | split/FI time |",
+        "|" + "---|" * 6,
+    ]
+    for r in rows:
+        t = r.times_us
+        u, s, f = t.get("attn-triton"), t.get("attn-triton split"), t.get("flashinfer")
+
+        def fmt(x, spec=".1f"):
+            return "-" if x is None else format(x, spec)
+
+        ratios = f"{fmt(u / s if u and s else None, '.3f')} | {fmt(s / f if s and f else None, '.3f')}"
+        lines.append(f"| {r.name} | {fmt(u)} | {fmt(s)} | {fmt(f)} | {ratios} |")
+    return "\n".join(lines)
 
 
 def work_of(kind: str, w: Workload) -> float:
@@ -497,7 +543,7 @@ def print_table(rows: list[RowResult]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "triton_vs_peers.json"))
-    p.add_argument("--only", default="decode,extend,meta")
+    p.add_argument("--only", default="decode,extend,mixed,meta")
     p.add_argument("--no-torch-native", action="store_true")
     p.add_argument("--no-flashinfer", action="store_true")
     p.add_argument("--decode-configs", default=None, help='"block_n,block_h,warps,stages;..."')
@@ -543,9 +589,17 @@ def main(argv=None) -> int:
         for s in r.sweep:
             print("   sweep", s, flush=True)
         torch.cuda.empty_cache()
+    mixed_rows = []
+    for spec in MIXED_ROWS if "mixed" in only else []:
+        r = run_mixed_row(spec, args, gen)
+        mixed_rows.append(r)
+        print(f"{r.name}: {r.times_us} errors {r.errors}", flush=True)
+        torch.cuda.empty_cache()
     meta = metadata_host_times() if "meta" in only else []
     table = print_table(rows)
-    bad = {r.name: e for r in rows for e in r.errors.values() if e > 2e-2}
+    if mixed_rows:
+        table += "\n\n" + print_mixed_table(mixed_rows)
+    bad = {r.name: e for r in rows + mixed_rows for e in r.errors.values() if e > 2e-2}
     print(table)
     if meta:
         head = "init_forward_metadata host µs (median / p90), validation basic | same, validation full"
@@ -562,7 +616,7 @@ def main(argv=None) -> int:
     if bad:
         print(f"ACCURACY FAILURES (rel err > 2e-2): {bad}")
     with open(args.out, "w") as f:
-        json.dump({"info": info, "rows": [asdict(r) for r in rows], "metadata": meta, "table": table}, f, indent=1)
+        json.dump({"info": info, "rows": [asdict(r) for r in rows + mixed_rows], "metadata": meta, "table": table}, f, indent=1)
     return 1 if bad else 0
 
 

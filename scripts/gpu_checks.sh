@@ -52,7 +52,7 @@ if want multi-gpu; then  # needs 2 GPUs (nvidia-h200-x2): DCP decode attention, 
   done
 fi
 if want bench || want triton-bench; then
-  python3 benchmarks/triton_vs_peers.py --reps 20 --no-torch-native --only "${BENCH_ONLY:-decode,extend,meta}" --out "$OUT/triton_vs_peers.json" 2>&1 | tee "$OUT/triton_vs_peers.log" || rc=1
+  python3 benchmarks/triton_vs_peers.py --reps 20 --no-torch-native --only "${BENCH_ONLY:-decode,extend,mixed,meta}" --out "$OUT/triton_vs_peers.json" 2>&1 | tee "$OUT/triton_vs_peers.log" || rc=1
 fi
 if want bench || want fi-bench; then
   python3 benchmarks/flashinfer_overhead.py --rounds 8 --json "$OUT/flashinfer_overhead.json" 2>&1 | tee "$OUT/flashinfer_overhead.log" || rc=1

@@ -38,6 +38,7 @@ from attn_triton.graph import GraphState
 from attn_triton.kernels.decode import DecodeConfig, decode_attention, head_blocks
 from attn_triton.kernels.extend import ExtendConfig, extend_attention
 from attn_triton.metadata import CascadeKeys, DecodeMetadata, ExtendMetadata, KVIndex, LocalExtend, Splits, SplitScratch, fill_kv, new_kv
+from attn_triton.mixed import MixedMetadata, build_mixed_metadata, forward_mixed
 from attn_triton.spec import CAPABILITIES
 
 MAX_MHA_HEAD_DIM = 256
@@ -45,11 +46,12 @@ MAX_MLA_RANK = 512
 MAX_MLA_ROPE = 64
 
 
-class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata]]):
+class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, MixedMetadata]]):
     """Triton attention over the paged pools of attn-core (MHA/GQA/MQA and absorbed MLA).
 
     Options (tests and tuning): `split_policy` (decode splits), `decode_config` / `extend_config`
-    (tile sizes; defaults from `attn_triton.config`).
+    (tile sizes; defaults from `attn_triton.config`), `mixed_split` (MIXED steps: decodes through the
+    decode kernel, the rest through the extend kernel, `attn_triton.mixed`; default False).
     """
 
     name = "triton"
@@ -62,6 +64,7 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata]])
         split_policy: Optional[SplitPolicy] = None,
         decode_config: Optional[DecodeConfig] = None,
         extend_config: Optional[ExtendConfig] = None,
+        mixed_split: bool = False,
         **options,
     ):
         super().__init__(ctx, **options)
@@ -70,6 +73,9 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata]])
         self.is_mla = ctx.is_mla
         self.d_rope = ctx.qk_rope_head_dim if ctx.is_mla else 0
         self.split_policy = split_policy or SplitPolicy()
+        if not isinstance(mixed_split, bool):
+            raise InvalidArgumentError("mixed_split", "a bool", mixed_split)
+        self.mixed_split = mixed_split
         self.decode_cfg = decode_config or _default_decode(ctx)
         self.extend_cfg = extend_config or _default_extend(ctx)
         self.heads_per_kv_block = head_blocks(ctx.num_q_heads // ctx.num_kv_heads, self.decode_cfg)
@@ -93,11 +99,15 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata]])
             splits = self._splits[bs] = Splits(ms, p.min_len(det))
         return splits
 
-    def build_forward_metadata(self, forward_batch: ForwardBatch) -> Union[DecodeMetadata, ExtendMetadata]:
+    def build_forward_metadata(self, forward_batch: ForwardBatch) -> Union[DecodeMetadata, ExtendMetadata, MixedMetadata]:
         b = forward_batch
         r2t = self.req_to_token(b)
         if b.forward_mode.is_decode():
             return self._decode_metadata(b, r2t)
+        if b.forward_mode.is_mixed() and self.mixed_split:
+            mixed = build_mixed_metadata(self, b, r2t)
+            if mixed is not None:
+                return mixed
         return self._extend_metadata(b, r2t)
 
     def _decode_metadata(self, b: ForwardBatch, r2t: torch.Tensor) -> DecodeMetadata:
@@ -305,6 +315,8 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata]])
         return (o, lse) if return_lse else o
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, return_lse=False):
+        if isinstance(self.forward_metadata, MixedMetadata):
+            return forward_mixed(self, self.forward_metadata, q, k, v, layer, forward_batch, save_kv_cache, sinks, return_lse)
         meta = self._metadata(ExtendMetadata)
         qo_indptr, max_q_len = meta.qo_indptr, meta.max_q_len
         cascade = meta.cascade if sinks is None and splits_into_cascade(layer) else None

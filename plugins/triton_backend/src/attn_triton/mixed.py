@@ -1,0 +1,208 @@
+"""MIXED steps split by request kind: decodes through the decode kernel, the rest through the extend kernel.
+
+Opt-in (`TritonAttnBackend(ctx, mixed_split=True)`; off by default until a GPU measurement justifies it,
+see docs/perf.md "MIXED split"). Unsplit, a MIXED step runs every request through the extend kernel,
+whose programs take one q head and a block of query rows each: a one-token decode fills one row of a
+`block_m`-row tile and its K/V is read once per q head. Split, the decodes go to the split-KV decode
+kernel (one program per KV head reads each K/V tile once for the whole GQA group, and long contexts are
+spread over KV splits) and the other requests to the extend kernel: two launches per layer.
+
+Request order: any. The step's requests are put decode-first with attn-core's
+`attn_core.batch_utils.decode_first_order` (fewest swaps), and the key indices are built in that order
+in `init_forward_metadata`. When the batch is already decode-first (an engine can apply that
+permutation itself), nothing is copied per layer: the decode kernel reads the first rows of q and writes
+the first rows of the output, the extend kernel the rest. Otherwise each layer gathers q's rows into the
+decode-first order (one `index_select`) and scatters the output rows back (one `index_copy_`).
+
+A decode here is a request with exactly one new token; a request with none joins the extend part (the
+decode kernel reads exactly one query per request). Steps the split does not serve keep the unsplit
+path (`build_mixed_metadata` returns None): no decode in the step, encoder tokens (cross attention),
+chunked local attention, a sliding-window KV pool, a cascade prefix.
+
+Everything is sized from host data (`*_cpu`, `seq_lens_sum`); the index tensors are filled on the device
+by the same launch as the unsplit path's (`fill_kv`, bounds-checked into the fault buffer), so neither
+the metadata nor `forward` waits for the device. The kernels are the existing ones, with their bounds
+checks and fault flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import torch
+
+from attn_core.batch import ForwardBatch
+from attn_core.batch_utils import decode_first_order, split_decodes_and_prefills
+from attn_core.errors import InvalidArgumentError
+from attn_core.layer import AttentionLayer
+from attn_core.memory.window_pool import window_pool_of
+from attn_triton.kernels.decode import decode_attention
+from attn_triton.metadata import KVIndex, Splits, fill_kv, new_kv
+
+if TYPE_CHECKING:
+    from attn_triton.backend import TritonAttnBackend
+
+
+@dataclass
+class MixedMetadata:
+    """A MIXED step in decode-first order: requests [0, num_decodes) are decodes (q rows [0, num_decodes)),
+    the others run through the extend kernel.
+
+    decode_kv: CSR keys of the decodes (indptr `[num_decodes + 1]`); splits, part_o
+    `[num_decodes, Hq, max_splits, Dv]`, part_lse `[num_decodes, Hq, max_splits]`: the decode kernel's.
+    prefill_qo_indptr `[P + 1]` int32 and prefill_kv (indptr `[P + 1]`) address the decode-first q rows and
+    key indices absolutely (they start at num_decodes and at the decodes' key count); prefill_max_q_len
+    (host int, 0 when P = 0) sizes the extend grid. token_order `[T]` int64: row i of the decode-first q is
+    row token_order[i] of the batch's q; None when the batch is already decode-first."""
+
+    num_decodes: int
+    decode_kv: KVIndex
+    splits: Splits
+    part_o: torch.Tensor
+    part_lse: torch.Tensor
+    prefill_qo_indptr: torch.Tensor
+    prefill_kv: KVIndex
+    prefill_max_q_len: int
+    token_order: Optional[torch.Tensor]
+
+
+def decode_first_requests(q_lens: Sequence[int]) -> list[int]:
+    """The request permutation of a split MIXED step: requests with exactly one new token (decodes) first,
+    with the fewest swaps (`attn_core.batch_utils.decode_first_order`); request `order[i]` goes to position
+    i. A request with no new token counts as an extend request here.
+
+    Worked example: q_lens `[3, 1, 0, 1]`: decodes are requests 1 and 3; position 0 holds an extend
+    request and position 3 a decode, so they swap → `[3, 1, 2, 0]` (lengths after: `[1, 1, 0, 3]`).
+    """
+    kinds = [1 if n == 1 else 2 for n in q_lens]  # 1: decode, 2: anything else
+    return decode_first_order(kinds, decode_threshold=1)
+
+
+def token_rows(q_lens: Sequence[int], order: Sequence[int]) -> torch.Tensor:
+    """Rows of q (request after request, `q_lens[r]` rows each) in the request order `order`, as a host
+    int64 tensor: row i of the reordered q is row `token_rows(...)[i]` of the original. Vectorized (a
+    step may carry thousands of tokens).
+
+    Worked example: q_lens `[3, 1, 0, 1]` (request r owns rows 0-2, 3, none, 4) and order `[3, 1, 2, 0]`
+    give `tensor([4, 3, 0, 1, 2])`.
+    """
+    lens = torch.tensor(list(q_lens), dtype=torch.int64)
+    perm = torch.tensor(list(order), dtype=torch.int64)
+    starts = torch.cumsum(lens, 0) - lens  # first row of each request in the original q
+    moved = lens[perm]
+    # row j of reordered request i: starts[perm[i]] + j, at reordered position new_starts[i] + j
+    shift = starts[perm] - (torch.cumsum(moved, 0) - moved)
+    return torch.repeat_interleave(shift, moved) + torch.arange(int(moved.sum()))
+
+
+def build_mixed_metadata(backend: TritonAttnBackend, b: ForwardBatch, r2t: torch.Tensor) -> Optional[MixedMetadata]:
+    """The split metadata of MIXED batch `b`, or None where the step keeps the unsplit path (see the module
+    docstring). One host→device copy (only for a batch not decode-first) and one index launch."""
+    if (
+        b.encoder_lens is not None
+        or b.cascade_prefix_len
+        or backend.ctx.attention_chunk_size is not None
+        or window_pool_of(backend.kv_pool(b)) is not None
+    ):
+        return None
+    lens = [int(n) for n in b.extend_seq_lens_cpu.tolist()]
+    order = decode_first_requests(lens)
+    parts = split_decodes_and_prefills([1 if lens[r] == 1 else 2 for r in order])
+    nd = parts.num_decodes
+    if nd == 0:
+        return None
+    dev, bs = backend.device, b.batch_size
+    req, seq, q_lens, token_order = b.req_pool_indices, b.seq_lens, b.extend_seq_lens, None
+    if order != list(range(bs)):
+        host = torch.cat([torch.tensor(order, dtype=torch.int64), token_rows(lens, order)]).to(dev, non_blocking=True)
+        perm, token_order = host[:bs], host[bs:]
+        req, seq, q_lens = req.index_select(0, perm), seq.index_select(0, perm), q_lens.index_select(0, perm)
+    kv = new_kv(bs, b.seq_lens_sum, dev)
+    qo_indptr = torch.empty(bs + 1, dtype=torch.int32, device=dev)
+    fill_kv(kv, r2t, req, seq, backend.device_faults.buffer, q_lens=q_lens, qo_indptr=qo_indptr)
+    splits = backend.decode_splits(nd)
+    part_o, part_lse = backend._scratch.views(nd, splits.max_splits)
+    return MixedMetadata(
+        num_decodes=nd,
+        decode_kv=KVIndex(kv.indptr[: nd + 1], kv.indices),
+        splits=splits,
+        part_o=part_o,
+        part_lse=part_lse,
+        prefill_qo_indptr=qo_indptr[nd:],
+        prefill_kv=KVIndex(kv.indptr[nd:], kv.indices),
+        prefill_max_q_len=max((lens[r] for r in order[nd:]), default=0),
+        token_order=token_order,
+    )
+
+
+def forward_mixed(
+    backend: TritonAttnBackend,
+    meta: MixedMetadata,
+    q: torch.Tensor,
+    k: Optional[torch.Tensor],
+    v: Optional[torch.Tensor],
+    layer: AttentionLayer,
+    b: ForwardBatch,
+    save_kv_cache: bool,
+    sinks: Optional[torch.Tensor],
+    return_lse: bool,
+):
+    """One layer of a split MIXED step: q `[T, Hq, D]` in the batch's order → `[T, Hq*Dv]` (and LSE
+    `[T, Hq]` float32 with return_lse), the same meaning as the unsplit path. K/V of the new tokens are
+    written in the batch's order (through `out_cache_loc`) before either kernel runs."""
+    if layer.is_cross_attention:
+        raise InvalidArgumentError("forward_batch.encoder_lens", "encoder lengths for a cross-attention layer", None)
+    if layer.attention_chunk_size is not None:
+        raise InvalidArgumentError(
+            f"layer {layer.layer_id} attention_chunk_size", "the context's attention_chunk_size (None)", layer.attention_chunk_size
+        )
+    k_buf, v_buf = backend._save_and_buffers(q, k, v, layer, b, save_kv_cache, sinks)
+    qs = q if meta.token_order is None else q.index_select(0, meta.token_order)
+    if qs.stride(-1) != 1:
+        qs = qs.contiguous()
+    sinks32 = None if sinks is None else sinks.to(torch.float32).contiguous()
+    # the extend part (a no-op launch when every request is a decode) allocates the decode-first output
+    o, lse = backend._extend(
+        qs,
+        k_buf,
+        v_buf,
+        layer,
+        meta.prefill_qo_indptr,
+        meta.prefill_kv,
+        meta.prefill_max_q_len,
+        causal=True,
+        custom_mask=None,
+        mask_indptr=None,
+        sinks=sinks32,
+        want_lse=return_lse,
+    )
+    nd = meta.num_decodes
+    decode_attention(
+        qs[:nd],
+        k_buf,
+        v_buf,
+        o[:nd],
+        meta.decode_kv.indptr,
+        meta.decode_kv.indices,
+        meta.splits.max_splits,
+        meta.splits.min_split_len,
+        meta.part_o,
+        meta.part_lse,
+        backend.device_faults.buffer,
+        sm_scale=layer.scaling,
+        config=backend.decode_cfg,
+        logit_cap=layer.logit_cap,
+        window=layer.sliding_window_size,
+        sinks=sinks32,
+        lse_out=None if lse is None else lse[:nd],
+        k_scale=1.0 if layer.k_scale is None else float(layer.k_scale),
+        v_scale=1.0 if layer.v_scale is None else float(layer.v_scale),
+        d_rope=backend.d_rope,
+        share_kv=backend.is_mla,
+    )
+    if meta.token_order is not None:
+        o = torch.empty_like(o).index_copy_(0, meta.token_order, o)
+        lse = None if lse is None else torch.empty_like(lse).index_copy_(0, meta.token_order, lse)
+    o = o.view(q.shape[0], layer.num_q_heads * layer.v_head_dim)
+    return (o, lse) if return_lse else o
