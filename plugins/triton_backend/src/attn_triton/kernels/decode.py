@@ -331,7 +331,9 @@ def decode_attention(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    merge_splits(part_o, part_lse, kv_indptr, kv_indices.shape[0], max_splits, min_split_len, o, sinks=sinks, lse_out=lse_out, v_scale=v_scale)
+    merge_splits(
+        part_o, part_lse, kv_indptr, kv_indices.shape[0], max_splits, min_split_len, o, sinks=sinks, lse_out=lse_out, v_scale=v_scale
+    )
 
 
 def merge_splits(
@@ -382,7 +384,6 @@ def merge_splits(
         STORE_LSE=lse_out is not None,
         num_warps=4 if dv >= 256 else 2,
     )
-
 
 
 def check_split_shapes(

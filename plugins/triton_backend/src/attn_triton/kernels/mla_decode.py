@@ -301,7 +301,11 @@ def mla_attention(
     T, hq, width = q.shape
     rope = width - kv_lora_rank
     if o.shape != (T, hq, kv_lora_rank) or kv_buf.shape[-1] != width or kv_buf.dtype != q.dtype:
-        raise InvalidArgumentError("o/kv_buf", f"o [{T}, {hq}, {kv_lora_rank}] and a {q.dtype} latent buffer of width {width}", (tuple(o.shape), tuple(kv_buf.shape), kv_buf.dtype))
+        raise InvalidArgumentError(
+            "o/kv_buf",
+            f"o [{T}, {hq}, {kv_lora_rank}] and a {q.dtype} latent buffer of width {width}",
+            (tuple(o.shape), tuple(kv_buf.shape), kv_buf.dtype),
+        )
     if not 1 <= q_len <= MAX_FOLDED_Q_LEN:
         raise InvalidArgumentError("q_len", f"1..{MAX_FOLDED_Q_LEN} query tokens per request", q_len)
     bs = T // q_len
