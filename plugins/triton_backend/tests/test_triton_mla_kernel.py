@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_helpers import requires_interpreter
+from triton_helpers import random_tree_mask, requires_interpreter
 
 from attn_core.ops.device_faults import DeviceFaultKind
 from attn_core.testing.reference import reference_attention, relative_error, tolerance
@@ -110,20 +110,6 @@ def test_mla_decode_page_sizes_fp16(dtype):
             assert relative_error(o[r : r + 1], ref_o) <= tolerance(dtype), (page_size, r, n)
 
 
-def _tree_mask(prefix: int, n: int, gen: torch.Generator) -> torch.Tensor:
-    """A random draft tree of n tokens (token 0 the root, each later token's parent an earlier one):
-    bool `[n, prefix + n]`, every row sees the prefix, its ancestors and itself."""
-    parent = [-1] + [int(torch.randint(0, t, (1,), generator=gen)) for t in range(1, n)]
-    mask = torch.zeros(n, prefix + n, dtype=torch.bool)
-    mask[:, :prefix] = True
-    for t in range(n):
-        a = t
-        while a >= 0:
-            mask[t, prefix + a] = True
-            a = parent[a]
-    return mask
-
-
 @pytest.mark.parametrize("q_len", [2, 4, 8])
 @pytest.mark.parametrize("masking", ["causal", "tree", "causal_window_cap_sinks"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -139,7 +125,7 @@ def test_mla_verify_folded_tokens(q_len, masking, dtype):
     T = bs * q_len
     q = torch.randn(T, HEADS, WIDTH, generator=gen).to(dtype)
     qo = torch.arange(0, T + 1, q_len, dtype=torch.int32)
-    masks = [_tree_mask(p, q_len, gen) for p in prefixes] if masking == "tree" else None
+    masks = [random_tree_mask(p, q_len, gen) for p in prefixes] if masking == "tree" else None
     custom_mask = mask_indptr = None
     if masks is not None:
         custom_mask = torch.cat([m.reshape(-1) for m in masks]).view(torch.uint8)
