@@ -6,6 +6,10 @@ Rows: decode bs1 x 8192, bs64 x 4096, bs128 x 2048 keys; verify (TARGET_VERIFY, 
 bs64 x 4096; prefill bs4, 1024 new tokens each after a 3072-token prefix read in chunks (capacity 4096
 tokens: 3 chunks of 1024 per request), 128 heads, 192 / 128.
 
+attn-triton runs its MLA kernel (`attn_triton/kernels/mla_decode.py`) on the decode rows and, the four
+drafts of every request folded into the kernel's M dimension, on the verify row; `triton_over_run` is
+its time over FlashInfer's direct run on the same pages (issue 15's ratios).
+
 Per row: per-layer forward time (CUDA events over back-to-back calls, save_kv_cache=False as FlashInfer's
 run stores nothing), the direct run, attn-triton's forward, and the host time of one step's metadata
 (`init_forward_metadata`: index launch + lean re-plan) against FlashInfer's own `plan` on the same host
@@ -170,6 +174,7 @@ def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int) -> dict:
         "flashinfer_run_us": t["flashinfer_run"],
         "forward_over_run": t["flashinfer_mla"] / t["flashinfer_run"],
         "triton_forward_us": t.get("triton"),
+        "triton_over_run": t["triton"] / t["flashinfer_run"] if "triton" in t else None,
         "metadata_host_us": h["ours"],
         "flashinfer_plan_host_us": h["fi"],
         "metadata_over_plan": h["ours"] / h["fi"],
@@ -257,7 +262,8 @@ def main() -> None:
     if not args.no_prefill:
         rows.append(bench_prefill(args.iters, args.rounds))
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    cols = ["forward_us", "flashinfer_run_us", "forward_over_run", "triton_forward_us", "metadata_host_us", "flashinfer_plan_host_us",
+    cols = ["forward_us", "flashinfer_run_us", "forward_over_run", "triton_forward_us", "triton_over_run", "metadata_host_us",
+            "flashinfer_plan_host_us",
             "metadata_over_plan", "graph_replay_metadata_host_us", "metadata_page_list_host_us", "metadata_lean_replan_host_us",
             "forward_host_us", "flashinfer_run_host_us", "unchunked_ragged_us"]  # fmt: skip
     for r in rows:
