@@ -182,3 +182,33 @@ def test_mla_bad_indices_raise_the_fault_flag(q_len):
     mla_attention(q, pool, o, bad_indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.1, config=_config(), **kw)
     assert fault[int(DeviceFaultKind.KEY_OFFSETS)] == 1
     assert torch.isfinite(o).all()
+
+
+@pytest.mark.parametrize("q_len,block_h", [(1, 16), (3, 32), (5, 16)])
+def test_mla_row_blocks_straddle_tokens(q_len, block_h):
+    """12 heads: a block of (token, head) rows holds parts of several tokens and padding rows past the
+    last one (decode: 12 of 16 rows used)."""
+    from attn_triton.kernels.mla_decode import MLAConfig, mla_attention
+
+    hq = 12
+    gen = torch.Generator().manual_seed(7 * q_len + block_h)
+    prefixes = [0, 37, 16]
+    lens = [p + q_len for p in prefixes]
+    bs, T = len(lens), len(lens) * q_len
+    pool, indptr, indices, rows = _latent_pool(lens, torch.float32, gen, 16)
+    q = torch.randn(T, hq, WIDTH, generator=gen)
+    o = torch.full((T, hq, RANK), float("nan"))
+    lse = torch.full((T, hq), float("nan"))
+    fault = torch.zeros(8, dtype=torch.int32)
+    if q_len == 1:
+        kw = dict(max_splits=3, min_split_len=4, part_o=torch.empty(bs, hq, 3, RANK), part_lse=torch.empty(bs, hq, 3))
+    else:
+        kw = dict(q_len=q_len, qo_indptr=torch.arange(0, T + 1, q_len, dtype=torch.int32))
+    cfg = MLAConfig(block_h=block_h, block_n=16, num_warps=1, num_stages=1)
+    mla_attention(q, pool, o, indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.2, config=cfg, lse_out=lse, **kw)
+    assert not fault.any()
+    for r, p in enumerate(prefixes):
+        sl = slice(r * q_len, (r + 1) * q_len)
+        ref_o, ref_lse = _oracle(q[sl], rows[r], torch.arange(p, p + q_len), scale=0.2)
+        assert relative_error(o[sl], ref_o) <= tolerance(torch.float32), (r, p)
+        assert relative_error(lse[sl], ref_lse) <= 1e-5, (r, p)
