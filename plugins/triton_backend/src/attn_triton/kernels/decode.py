@@ -34,6 +34,7 @@ from attn_triton.kernels.common import (
     LN2_K,
     LOG2E_K,
     finalize,
+    load_slots,
     offset_range,
     scale_scores,
     score_scales,
@@ -140,10 +141,7 @@ def _decode_split_kernel(
     for start in range(s_lo, s_hi, BLOCK_N):
         n = start + offs_n
         n_ok = n < s_hi
-        slot = tl.load(KV_INDICES + kv_beg + n, mask=n_ok, other=0).to(tl.int64)
-        slot_ok = (slot >= 0) & (slot < num_slots)
-        bad_slots |= n_ok & ~slot_ok
-        n_ok = n_ok & slot_ok
+        slot, n_ok, bad_slots = load_slots(KV_INDICES, kv_beg, n, n_ok, num_slots, bad_slots)
         k = tl.load(k_head + slot[:, None] * stride_ks + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
         qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
         if BLOCK_DPE > 0:

@@ -48,6 +48,7 @@ from attn_triton.kernels.common import (
     LOG2E_K,
     add_sink,
     finalize,
+    load_slots,
     offset_range,
     scale_scores,
     score_scales,
@@ -182,10 +183,7 @@ def _mla_kernel(
     for start in range(s_lo, s_hi, BLOCK_N):
         n = start + offs_n
         n_ok = n < s_hi
-        slot = tl.load(KV_INDICES + kv_beg + n, mask=n_ok, other=0).to(tl.int64)
-        slot_ok = (slot >= 0) & (slot < num_slots)
-        bad_slots |= n_ok & ~slot_ok
-        n_ok = n_ok & slot_ok
+        slot, n_ok, bad_slots = load_slots(KV_INDICES, kv_beg, n, n_ok, num_slots, bad_slots)
         row = KV + slot[:, None] * stride_ks
         latent = tl.load(row + offs_r[None, :], mask=n_ok[:, None] & (offs_r[None, :] < RANK), other=0.0).to(q_nope.dtype)
         qk = tl.dot(q_nope, tl.trans(latent), input_precision=DOT_PREC)
