@@ -2,7 +2,8 @@
 
 Per step, `init_forward_metadata` builds CSR key indices (and decode split counts) on the device with
 one Triton launch per key set; per layer, DECODE runs the split-KV decode kernel and every other mode
-the extend kernel. CUDA graphs (DECODE, TARGET_VERIFY) read persistent buffers that replay refreshes
+the extend kernel, except absorbed MLA, whose DECODE and same-length TARGET_VERIFY / DRAFT_EXTEND steps
+run the MLA kernel (`kernels/mla_decode.py`). CUDA graphs (DECODE, TARGET_VERIFY) read persistent buffers that replay refreshes
 (`graph.py`). With `ctx.deterministic` the decode split layout depends only on each request's own length
 (batch-invariant outputs). With `ctx.attention_chunk_size` C the step's metadata also holds the keys of
 chunked local layers: in DECODE each request's keys from its chunk start, in the other modes the step
