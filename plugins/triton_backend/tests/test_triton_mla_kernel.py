@@ -184,10 +184,10 @@ def test_mla_bad_indices_raise_the_fault_flag(q_len):
     assert torch.isfinite(o).all()
 
 
-@pytest.mark.parametrize("q_len,block_h", [(1, 16), (3, 32), (5, 16)])
+@pytest.mark.parametrize("q_len,block_h", [(1, 16), (3, 32), (5, 16), (1, 64), (4, 64)])
 def test_mla_row_blocks_straddle_tokens(q_len, block_h):
     """12 heads: a block of (token, head) rows holds parts of several tokens and padding rows past the
-    last one (decode: 12 of 16 rows used)."""
+    last one (decode: 12 of 16 rows used); 64-row blocks with 32-key tiles are the SM90 tiles."""
     from attn_triton.kernels.mla_decode import MLAConfig, mla_attention
 
     hq = 12
@@ -204,7 +204,7 @@ def test_mla_row_blocks_straddle_tokens(q_len, block_h):
         kw = dict(max_splits=3, min_split_len=4, part_o=torch.empty(bs, hq, 3, RANK), part_lse=torch.empty(bs, hq, 3))
     else:
         kw = dict(q_len=q_len, qo_indptr=torch.arange(0, T + 1, q_len, dtype=torch.int32))
-    cfg = MLAConfig(block_h=block_h, block_n=16, num_warps=1, num_stages=1)
+    cfg = MLAConfig(block_h=block_h, block_n=32 if block_h == 64 else 16, num_warps=1, num_stages=1)
     mla_attention(q, pool, o, indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.2, config=cfg, lse_out=lse, **kw)
     assert not fault.any()
     for r, p in enumerate(prefixes):
