@@ -212,3 +212,31 @@ def test_mla_row_blocks_straddle_tokens(q_len, block_h):
         ref_o, ref_lse = _oracle(q[sl], rows[r], torch.arange(p, p + q_len), scale=0.2)
         assert relative_error(o[sl], ref_o) <= tolerance(torch.float32), (r, p)
         assert relative_error(lse[sl], ref_lse) <= 1e-5, (r, p)
+
+
+def test_mla_verify_bad_query_and_mask_offsets_raise_the_fault_flag():
+    """qo_indptr past the step's rows is clamped (QUERY_ROWS) and a request's mask block past the mask is
+    not read (MASK): nothing outside q, o or the mask is touched."""
+    from attn_triton.kernels.mla_decode import mla_attention
+
+    gen = torch.Generator().manual_seed(3)
+    q_len, lens = 4, [12, 30]
+    pool, indptr, indices, _ = _latent_pool(lens, torch.float32, gen, 16)
+    T = len(lens) * q_len
+    q = torch.randn(T, HEADS, WIDTH, generator=gen)
+    o = torch.full((T, HEADS, RANK), float("nan"))
+    qo = torch.arange(0, T + 1, q_len, dtype=torch.int32)
+    mask = torch.ones(sum(q_len * n for n in lens), dtype=torch.uint8)
+    mask_indptr = torch.tensor([0, q_len * lens[0], mask.numel()], dtype=torch.int64)
+    kw = dict(kv_lora_rank=RANK, sm_scale=0.1, config=_config(), q_len=q_len, custom_mask=mask)
+    fault = torch.zeros(8, dtype=torch.int32)
+    bad_mask = mask_indptr.clone()
+    bad_mask[1] = mask.numel() - 5  # request 1's block runs past the mask
+    mla_attention(q, pool, o, indptr, indices, fault, qo_indptr=qo, mask_indptr=bad_mask, **kw)
+    assert fault[int(DeviceFaultKind.MASK)] == 1 and fault[int(DeviceFaultKind.QUERY_ROWS)] == 0
+    fault.zero_()
+    bad_qo = qo.clone()
+    bad_qo[-1] = T + 50
+    mla_attention(q, pool, o, indptr, indices, fault, qo_indptr=bad_qo, mask_indptr=mask_indptr, **kw)
+    assert fault[int(DeviceFaultKind.QUERY_ROWS)] == 1 and fault[int(DeviceFaultKind.MASK)] == 0
+    assert torch.isfinite(o).all()
