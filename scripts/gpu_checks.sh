@@ -53,7 +53,7 @@ if want multi-gpu; then  # needs 2 GPUs (nvidia-h200-x2): DCP decode attention, 
 fi
 if want mla; then  # issue 15: the MLA kernel at 512 + 64 x 128 heads (oracle, torch_native, graphs) and its ratios to FlashInfer's MLA run
   python3 -m pytest -q -p no:cacheprovider -m gpu plugins/triton_backend/tests/test_triton_gpu.py -k "mla" 2>&1 | tee "$OUT/mla_gpu.log" || rc=1
-  python3 benchmarks/mla_vs_peers.py --no-prefill --json "$OUT/mla_vs_peers_triton.json" 2>&1 | tee "$OUT/mla_vs_peers_triton.log" || rc=1
+  python3 benchmarks/mla_vs_peers.py --no-prefill --mla-tiles "${MLA_TILES:-32x32x8x2,64x16x8x3,32x64x8x2}" --json "$OUT/mla_vs_peers_triton.json" 2>&1 | tee "$OUT/mla_vs_peers_triton.log" || rc=1
 fi
 if want bench || want triton-bench; then
   python3 benchmarks/triton_vs_peers.py --reps 20 --no-torch-native --only "${BENCH_ONLY:-decode,extend,meta}" --out "$OUT/triton_vs_peers.json" 2>&1 | tee "$OUT/triton_vs_peers.log" || rc=1

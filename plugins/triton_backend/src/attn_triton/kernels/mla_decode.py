@@ -208,7 +208,7 @@ def _mla_kernel(
                 ok = ok & (n[None, :] > q_pos[:, None] - window)
         sc = tl.where(ok, sc, float("-inf"))
         m_i, l_i, acc, p = softmax_step(m_i, l_i, acc, sc, s_scale, True)
-        acc += tl.dot(p.to(q_nope.dtype), latent, input_precision=DOT_PREC)
+        acc = tl.dot(p.to(q_nope.dtype), latent, acc, input_precision=DOT_PREC)
 
     tl.store(FAULT + FAULT_SLOT + offs_n * 0, 1, mask=bad_slots)  # one address: a flag, no reduction
     if SPLIT:
