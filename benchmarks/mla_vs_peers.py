@@ -6,6 +6,10 @@ Rows: decode bs1 x 8192, bs64 x 4096, bs128 x 2048 keys; verify (TARGET_VERIFY, 
 bs64 x 4096; prefill bs4, 1024 new tokens each after a 3072-token prefix read in chunks (capacity 4096
 tokens: 3 chunks of 1024 per request), 128 heads, 192 / 128.
 
+attn-triton runs its MLA kernel (`attn_triton/kernels/mla_decode.py`) on the decode rows and, the four
+drafts of every request folded into the kernel's M dimension, on the verify row; `triton_over_run` is
+its time over FlashInfer's direct run on the same pages (issue 15's ratios).
+
 Per row: per-layer forward time (CUDA events over back-to-back calls, save_kv_cache=False as FlashInfer's
 run stores nothing), the direct run, attn-triton's forward, and the host time of one step's metadata
 (`init_forward_metadata`: index launch + lean re-plan) against FlashInfer's own `plan` on the same host
@@ -38,6 +42,7 @@ from attn_core.registry import create_backend
 from attn_flashinfer import replan
 from attn_flashinfer.indices import build_page_list
 from attn_flashinfer.mla_backend import FlashInferMLABackend
+from attn_triton.kernels.mla_decode import MLAConfig
 
 H, LORA, ROPE, PAGE, DTYPE = 128, 512, 64, 64, torch.bfloat16
 D = LORA + ROPE
@@ -96,7 +101,39 @@ def setup(mode: str, reqs):
     return ctx, batch, pool
 
 
-def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int) -> dict:
+def triton_forward(ctx, mode: str, reqs, pool, layer, q, k, **options):
+    """attn-triton's forward on the same pool (its own request rows, the same pages in the same order),
+    as a closure; `options` go to the backend (e.g. `mla_config`)."""
+    triton = create_backend("triton", ctx, **options)
+    tbatch = build_forward_batch(mode, reqs, req_to_token_pool=ReqToTokenPool(len(reqs), ctx.max_context_len, "cuda"),
+                                 allocator=PagedTokenAllocator(pool.size, PAGE, "cuda"), token_to_kv_pool=pool)  # fmt: skip
+    if tbatch.spec_info is not None:
+        tbatch.spec_info.custom_mask = None
+        tbatch.spec_info.mask_indptr = None
+    tbatch.attn_backend = triton
+    triton.init_forward_metadata(tbatch)
+
+    def forward():
+        layer(q, k, None, tbatch, save_kv_cache=False)
+
+    return forward
+
+
+def tiles_label(tiles: MLAConfig) -> str:
+    """`MLAConfig(64, 32, 8, 2)` -> "64x32x8x2" (the --mla-tiles spelling)."""
+    return f"{tiles.block_h}x{tiles.block_n}x{tiles.num_warps}x{tiles.num_stages}"
+
+
+def parse_tiles(text: str) -> list[MLAConfig]:
+    """ "64x32x8x2,32x32x8x2" -> two `MLAConfig`s (block_h x block_n x num_warps x num_stages)."""
+    out = []
+    for item in filter(None, text.split(",")):
+        h, n, w, st = (int(x) for x in item.split("x"))
+        out.append(MLAConfig(block_h=h, block_n=n, num_warps=w, num_stages=st))
+    return out
+
+
+def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int, mla_tiles: list[MLAConfig]) -> dict:
     ctx, batch, pool = setup(mode, reqs)
     layer = AttentionLayer(0, H, 1, D, scaling=SCALE, v_head_dim=LORA)
     T = batch.num_tokens
@@ -121,19 +158,9 @@ def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int) -> dict:
 
     fns = {"flashinfer_mla": ours, "flashinfer_run": direct}
     try:
-        triton = create_backend("triton", ctx)
-        tbatch = build_forward_batch(mode, reqs, req_to_token_pool=ReqToTokenPool(len(reqs), ctx.max_context_len, "cuda"),
-                                     allocator=PagedTokenAllocator(pool.size, PAGE, "cuda"), token_to_kv_pool=pool)  # fmt: skip
-        if tbatch.spec_info is not None:
-            tbatch.spec_info.custom_mask = None
-            tbatch.spec_info.mask_indptr = None
-        tbatch.attn_backend = triton
-        triton.init_forward_metadata(tbatch)
-
-        def triton_fwd():
-            layer(q, k, None, tbatch, save_kv_cache=False)
-
-        fns["triton"] = triton_fwd
+        fns["triton"] = triton_forward(ctx, mode, reqs, pool, layer, q, k)
+        for tiles in mla_tiles:
+            fns[f"triton {tiles_label(tiles)}"] = triton_forward(ctx, mode, reqs, pool, layer, q, k, mla_config=tiles)
     except Exception as exc:  # reported in the row, not fatal: the FlashInfer numbers stand alone
         triton_error = f"{type(exc).__name__}: {exc}"
     else:
@@ -170,6 +197,8 @@ def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int) -> dict:
         "flashinfer_run_us": t["flashinfer_run"],
         "forward_over_run": t["flashinfer_mla"] / t["flashinfer_run"],
         "triton_forward_us": t.get("triton"),
+        "triton_over_run": t["triton"] / t["flashinfer_run"] if "triton" in t else None,
+        "triton_tiles_us": {label[len("triton ") :]: us for label, us in t.items() if label.startswith("triton ")} or None,
         "metadata_host_us": h["ours"],
         "flashinfer_plan_host_us": h["fi"],
         "metadata_over_plan": h["ours"] / h["fi"],
@@ -247,21 +276,30 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-prefill", action="store_true", help="skip the DeepSeek prefill row")
+    ap.add_argument(
+        "--mla-tiles",
+        default="",
+        help="extra attn-triton MLA tiles to time in the same run, e.g. 64x32x8x2,32x32x8x2 (block_h x block_n x warps x stages)",
+    )
     args = ap.parse_args()
+    tiles = parse_tiles(args.mla_tiles)
     rows = [
-        bench_absorbed("decode bs1 x 8192", "DECODE", [(8191, 1)], args.iters, args.rounds),
-        bench_absorbed("decode bs64 x 4096", "DECODE", [(4095, 1)] * 64, args.iters, args.rounds),
-        bench_absorbed("decode bs128 x 2048", "DECODE", [(2047, 1)] * 128, args.iters, args.rounds),
-        bench_absorbed("verify bs64 x 4096 (4 drafts)", "TARGET_VERIFY", [(4092, 4)] * 64, args.iters, args.rounds),
+        bench_absorbed("decode bs1 x 8192", "DECODE", [(8191, 1)], args.iters, args.rounds, tiles),
+        bench_absorbed("decode bs64 x 4096", "DECODE", [(4095, 1)] * 64, args.iters, args.rounds, tiles),
+        bench_absorbed("decode bs128 x 2048", "DECODE", [(2047, 1)] * 128, args.iters, args.rounds, tiles),
+        bench_absorbed("verify bs64 x 4096 (4 drafts)", "TARGET_VERIFY", [(4092, 4)] * 64, args.iters, args.rounds, tiles),
     ]
     if not args.no_prefill:
         rows.append(bench_prefill(args.iters, args.rounds))
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    cols = ["forward_us", "flashinfer_run_us", "forward_over_run", "triton_forward_us", "metadata_host_us", "flashinfer_plan_host_us",
+    cols = ["forward_us", "flashinfer_run_us", "forward_over_run", "triton_forward_us", "triton_over_run", "metadata_host_us",
+            "flashinfer_plan_host_us",
             "metadata_over_plan", "graph_replay_metadata_host_us", "metadata_page_list_host_us", "metadata_lean_replan_host_us",
             "forward_host_us", "flashinfer_run_host_us", "unchunked_ragged_us"]  # fmt: skip
     for r in rows:
         vals = ", ".join(f"{c}={r[c]:.3g}" for c in cols if r.get(c) is not None)
+        if r.get("triton_tiles_us"):
+            vals += ", triton tiles: " + ", ".join(f"{k}={v:.3g} us" for k, v in r["triton_tiles_us"].items())
         print(f"{r['name']}: {vals}" + (f" [{r['triton_error']}]" if r.get("triton_error") else ""))
     if args.json:
         with open(args.json, "w") as f:

@@ -2,8 +2,8 @@
 # Every GPU check of the project in one command, for a machine with a CUDA GPU and torch + triton
 # installed (the lent H100/H200 machine: no network; FlashInfer comes from wheels carried in .whl/ and
 # its prebuilt kernels from .fi-cache/aot.tar.xz when present). Logs go to $OUT (default ./gpu-out).
-#   bash scripts/gpu_checks.sh [tests] [bench] [triton-bench] [fi-bench] [mla-bench] [engine] [multi-gpu]   (default: tests bench;
-#   bench = every benchmark;
+#   bash scripts/gpu_checks.sh [tests] [bench] [triton-bench] [fi-bench] [mla-bench] [mla] [engine] [multi-gpu]   (default: tests bench;
+#   bench = every benchmark; mla = attn-triton's MLA kernel alone: its GPU tests and the MLA benchmark without the prefill row;
 #   BENCH_ONLY=meta limits the Triton benchmark's rows)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,6 +50,10 @@ if want multi-gpu; then  # needs 2 GPUs (nvidia-h200-x2): DCP decode attention, 
     python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/dcp_decode.py --device cuda --backend $b --json "$OUT/dcp_decode_$b.json" \
       2>&1 | tee -a "$OUT/multi_gpu.log" || rc=1
   done
+fi
+if want mla; then  # issue 15: the MLA kernel at 512 + 64 x 128 heads (oracle, torch_native, graphs) and its ratios to FlashInfer's MLA run
+  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/triton_backend/tests/test_triton_gpu.py -k "mla" 2>&1 | tee "$OUT/mla_gpu.log" || rc=1
+  python3 benchmarks/mla_vs_peers.py --no-prefill --mla-tiles "${MLA_TILES:-32x32x8x2,64x16x8x3,32x64x8x2}" --json "$OUT/mla_vs_peers_triton.json" 2>&1 | tee "$OUT/mla_vs_peers_triton.log" || rc=1
 fi
 if want bench || want triton-bench; then
   python3 benchmarks/triton_vs_peers.py --reps 20 --no-torch-native --only "${BENCH_ONLY:-decode,extend,mixed,meta}" --out "$OUT/triton_vs_peers.json" 2>&1 | tee "$OUT/triton_vs_peers.log" || rc=1

@@ -1,6 +1,7 @@
 """The kernels compile for sm_90 (Hopper) on a machine without a GPU: Triton's CUDA backend lowers
 them to PTX and cubin ahead of time. Catches what the interpreter does not check (non-constexpr
-globals, dot shapes, shared-memory limits) for the variants with every feature switched on."""
+globals, dot shapes, shared-memory limits) for the variants with every feature switched on; the MLA
+kernel also for sm_80 with its Ampere tiles."""
 
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ SCRIPT = r"""
 import triton, torch
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from attn_triton.config import decode_config, extend_config
-from attn_triton.kernels import decode as de, extend as ex
+from attn_triton.config import decode_config, extend_config, mla_config_for
+from attn_triton.kernels import decode as de, extend as ex, mla_decode as ml
 
 def types_for(fn, dt):
     t = {}
     for n in fn.arg_names:
-        if n in ("Q", "K", "V", "OUT"): t[n] = "*" + dt
+        if n in ("Q", "K", "V", "KV", "OUT"): t[n] = "*" + dt
         elif n in ("LSE", "SINKS", "PART_O", "PART_LSE"): t[n] = "*fp32"
         elif n == "MASK": t[n] = "*u8"
         elif n == "MASK_INDPTR": t[n] = "*i64"
@@ -30,14 +31,15 @@ def types_for(fn, dt):
         else: t[n] = "i32"
     return t
 
-def build(fn, dt, consts, cfg_warps, cfg_stages):
+def build(fn, dt, consts, cfg_warps, cfg_stages, arch=90):
     types = types_for(fn, dt)
     sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
     runtime = [i for i, n in enumerate(fn.arg_names) if n not in consts and (types[n][0] == "*" or n.startswith("stride"))]
     attrs = {(i,): [["tt.divisibility", 16]] for i in runtime}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg_warps, "num_stages": cfg_stages})
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": cfg_warps, "num_stages": cfg_stages})
     assert k.asm["cubin"], fn
+    return k
 
 dev = torch.device("cuda")
 for dt, tdt, d, dv, dpe, mla in (("bf16", torch.bfloat16, 128, 128, 0, False), ("fp32", torch.float32, 512, 512, 64, True)):
@@ -50,6 +52,17 @@ for dt, tdt, d, dv, dpe, mla in (("bf16", torch.bfloat16, 128, 128, 0, False), (
     c = decode_config(d + dpe, dv, tdt, dev, mla)
     build(de._decode_split_kernel, dt, dict(GROUP=4, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=c.block_n, **common), c.num_warps, c.num_stages)
     build(de._decode_merge_kernel, dt, dict(SPLITS_BLOCK=32, DV=dv, BLOCK_DV=p2(dv), HAS_SINK=True, STORE_LSE=True), 2, 1)
+# the MLA kernel at DeepSeek's 512 + 64 with each architecture's tiles: decode (split) and verify (tree mask)
+for arch, dt, tdt in ((90, "bf16", torch.bfloat16), (80, "bf16", torch.bfloat16), (90, "fp32", torch.float32)):
+    m = mla_config_for(tdt, arch // 10)
+    mla = dict(BLOCK_N=m.block_n, RANK=512, BLOCK_R=512, ROPE=64, BLOCK_ROPE=64, HAS_WINDOW=True, LOGIT_CAP=True,
+               DOT_PREC="ieee" if dt == "fp32" else "tf32")
+    smem = {90: 227 * 1024, 80: 163 * 1024}[arch]  # per-block shared memory of H100/H200 and A100
+    for split, q_len in ((True, 1), (False, 4)):
+        k = build(ml._mla_kernel, dt, dict(Q_LEN=q_len, BLOCK_H=m.block_h, SPLIT=split, USE_MASK=not split, HAS_SINK=not split,
+                                           STORE_LSE=not split, **mla), m.num_warps, m.num_stages, arch)
+        assert k.metadata.shared <= smem, (arch, dt, split, k.metadata.shared)
+        print("mla", arch, dt, "split" if split else "verify", "shared", k.metadata.shared)
 print("compiled")
 """
 

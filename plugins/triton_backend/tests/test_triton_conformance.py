@@ -64,6 +64,13 @@ CASES = [
     AttnCase("TARGET_VERIFY", [(12, 3), (5, 3)], return_lse=True, **MLA),
     AttnCase("MIXED", [(12, 1), (5, 7)], sliding_window=5, logit_cap=3.0, sinks=True, page_size=16, **MLA),
     AttnCase("DRAFT_EXTEND", [(12, 2), (5, 3)], dtype="float16", **MLA),
+    # the MLA kernel's folded verify / draft extend (same q_len per request) and decode with every feature
+    AttnCase("TARGET_VERIFY", [(30, 8), (0, 8), (65, 8)], dtype="float16", page_size=64, **MLA),
+    AttnCase("TARGET_VERIFY", [(21, 2), (4, 2)], custom_mask=False, sliding_window=6, logit_cap=3.0, sinks=True, return_lse=True, **MLA),
+    AttnCase("DRAFT_EXTEND", [(12, 4), (40, 4)], page_size=16, return_lse=True, **MLA),
+    AttnCase(
+        "DECODE", [(50, 1), (6, 1), (0, 1)], sliding_window=9, logit_cap=2.0, sinks=True, return_lse=True, steps=((0, 1), (2,)), **MLA
+    ),
     # one-token requests, zero-length prefixes, empty extend rows, lengths off every block size
     AttnCase("EXTEND", [(0, 1), (0, 1), (0, 1)]),
     AttnCase("EXTEND", [(0, 17), (0, 0), (0, 31)], page_size=16),

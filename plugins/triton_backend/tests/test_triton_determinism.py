@@ -16,10 +16,17 @@ pytestmark = requires_interpreter
 POLICY = SplitPolicy(min_split_len=8, waves=4.0, cap=8, deterministic_max_splits=4, deterministic_min_split_len=8)
 
 
-@pytest.mark.parametrize("mode,batches", [("DECODE", DECODE_BATCHES), ("EXTEND", EXTEND_BATCHES)])
-def test_one_request_three_batches_bitwise_equal(mode, batches):
+MLA = dict(arch="mla", kv_lora_rank=32, qk_rope_head_dim=8, num_q_heads=16)
+
+
+@pytest.mark.parametrize(
+    "mode,batches,arch",
+    [("DECODE", DECODE_BATCHES, {}), ("EXTEND", EXTEND_BATCHES, {}), ("DECODE", DECODE_BATCHES, MLA)],
+    ids=["DECODE", "EXTEND", "MLA-DECODE"],
+)
+def test_one_request_three_batches_bitwise_equal(mode, batches, arch):
     f = factory(split_policy=POLICY)
-    outs = [target_rows(f, mode, reqs, t, deterministic=True, page_size=16) for reqs, t in batches]
+    outs = [target_rows(f, mode, reqs, t, deterministic=True, page_size=16, **arch) for reqs, t in batches]
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 

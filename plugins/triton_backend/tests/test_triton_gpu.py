@@ -15,6 +15,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 GQA = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, device="cuda", num_layers=1)
 MLA = dict(arch="mla", kv_lora_rank=512, qk_rope_head_dim=64, num_q_heads=16, device="cuda", num_layers=1)
+#: DeepSeek-V3's per-GPU MLA shape at TP 1: 128 heads over one 512 + 64 latent (the MLA kernel's target)
+MLA128 = {**MLA, "num_q_heads": 128}
 
 CASES = [
     AttnCase("DECODE", [(4095, 1), (0, 1), (1000, 1), (8191, 1)], dtype="bfloat16", page_size=16, **GQA),
@@ -76,6 +78,14 @@ CASES = [
     AttnCase("DECODE", [(2000, 1), (100, 1), (1, 1)], dtype="bfloat16", page_size=64, return_lse=True, **MLA),
     AttnCase("EXTEND", [(600, 200), (0, 90)], dtype="bfloat16", **MLA),
     AttnCase("TARGET_VERIFY", [(700, 4), (30, 4)], dtype="float32", **MLA),
+    # the MLA kernel (kernels/mla_decode.py) at 128 heads: decode with splits, verify with tree masks
+    AttnCase("DECODE", [(4095, 1), (1, 1), (2000, 1), (8191, 1)], dtype="bfloat16", page_size=64, return_lse=True, **MLA128),
+    AttnCase("DECODE", [(3000, 1), (77, 1)], dtype="float16", page_size=1, sliding_window=700, logit_cap=30.0, sinks=True, **MLA128),
+    AttnCase("DECODE", [(1500, 1), (33, 1)], dtype="float32", page_size=16, return_lse=True, **MLA128),
+    AttnCase("TARGET_VERIFY", [(4000, 4), (30, 4), (1000, 4)], dtype="bfloat16", page_size=64, return_lse=True, **MLA128),
+    AttnCase("TARGET_VERIFY", [(2500, 8), (9, 8)], dtype="bfloat16", page_size=16, custom_mask=False, **MLA128),
+    AttnCase("TARGET_VERIFY", [(1200, 16), (64, 16)], dtype="float16", page_size=1, sinks=True, logit_cap=25.0, **MLA128),
+    AttnCase("DRAFT_EXTEND", [(1000, 3), (200, 3)], dtype="bfloat16", page_size=64, **MLA128),
 ]
 
 
@@ -104,6 +114,8 @@ GRAPH_CASES = [
     AttnCase("DECODE", [(4000, 1), (10, 1), (700, 1)], dtype="bfloat16", page_size=16, return_lse=True, **GQA),
     AttnCase("DECODE", [(1000, 1), (3, 1)], dtype="bfloat16", sinks=True, sliding_window=128, **GQA),
     AttnCase("DECODE", [(1500, 1), (20, 1)], dtype="bfloat16", **MLA),
+    AttnCase("DECODE", [(4095, 1), (20, 1), (8000, 1)], dtype="bfloat16", page_size=64, return_lse=True, **MLA128),
+    AttnCase("TARGET_VERIFY", [(4000, 4), (40, 4)], dtype="bfloat16", page_size=64, return_lse=True, **MLA128),
     AttnCase("TARGET_VERIFY", [(1500, 8), (40, 8)], dtype="bfloat16", page_size=16, return_lse=True, **GQA),
 ]
 
@@ -112,6 +124,31 @@ GRAPH_CASES = [
 @pytest.mark.parametrize("pad", [0, 3])
 def test_cuda_graph_replay_equals_eager(case, pad):
     check_graph_matches_eager(factory(), case, pad=pad, run_graph=_cuda_graph_run)
+
+
+#: the MLA kernel's paths against the torch_native backend on the same batch, pool and inputs
+MLA_PEER_CASES = [
+    AttnCase("DECODE", [(4095, 1), (100, 1), (1, 1)], dtype="bfloat16", page_size=64, **MLA128),
+    AttnCase("TARGET_VERIFY", [(4000, 4), (500, 4)], dtype="bfloat16", page_size=64, **MLA128),
+]
+
+
+@pytest.mark.parametrize("case", MLA_PEER_CASES, ids=[c.describe() for c in MLA_PEER_CASES])
+def test_mla_kernel_matches_torch_native(case):
+    from attn_core.registry import create_backend
+    from attn_core.testing.harness import forward_extras, layer_inputs, make_env, make_layer
+    from attn_core.testing.reference import relative_error, tolerance
+
+    env = make_env(case)
+    layer = make_layer(case, 0)
+    inputs = layer_inputs(env, 0, torch.Generator().manual_seed(5))
+    outs = []
+    for name in ("triton", "torch_native"):  # both write the same new K/V, then read the same pool
+        backend = create_backend(name, env.ctx)
+        env.batch.attn_backend = backend
+        backend.init_forward_metadata(env.batch)
+        outs.append(backend.forward(inputs["q"], inputs["k"], inputs["v"], layer, env.batch, **forward_extras(case, inputs)))
+    assert relative_error(outs[0], outs[1]) <= tolerance(torch.bfloat16)
 
 
 DET_DECODE = [([(6000, 1)], 0), ([(100, 1), (6000, 1), (30000, 1)], 1), ([(5, 1)] * 40 + [(6000, 1)], 40)]

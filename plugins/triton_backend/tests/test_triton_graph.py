@@ -18,6 +18,9 @@ GRAPH_CASES = [
     AttnCase("DECODE", [(7, 1), (40, 1), (0, 1)], return_lse=True),
     AttnCase("DECODE", [(30, 1), (3, 1)], page_size=16, sliding_window=5, sinks=True, dtype="float16"),
     AttnCase("DECODE", [(20, 1), (9, 1)], arch="mla", kv_lora_rank=32, qk_rope_head_dim=8, num_q_heads=4),
+    # MLA verify on the folded MLA kernel (tree masks, and drafts attending causally)
+    AttnCase("TARGET_VERIFY", [(15, 4), (3, 4)], arch="mla", kv_lora_rank=32, qk_rope_head_dim=8, num_q_heads=4, return_lse=True),
+    AttnCase("TARGET_VERIFY", [(9, 2), (30, 2)], arch="mla", kv_lora_rank=32, qk_rope_head_dim=8, num_q_heads=4, custom_mask=False),
     AttnCase("TARGET_VERIFY", [(7, 4), (25, 4)], return_lse=True),
     AttnCase("TARGET_VERIFY", [(12, 3), (2, 3)], custom_mask=False, page_size=16),
 ]

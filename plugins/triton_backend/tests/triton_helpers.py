@@ -31,3 +31,18 @@ def small_split_factory():
 
 def cuda_available() -> bool:
     return torch.cuda.is_available()
+
+
+def random_tree_mask(prefix: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    """The verify mask of a random draft tree of n tokens (token 0 the root, each later token's parent
+    a random earlier one): bool `[n, prefix + n]` where token t sees the prefix, its ancestors and
+    itself. A chain (every parent the previous token) would be the causal mask."""
+    parent = [-1] + [int(torch.randint(0, t, (1,), generator=gen)) for t in range(1, n)]
+    mask = torch.zeros(n, prefix + n, dtype=torch.bool)
+    mask[:, :prefix] = True
+    for t in range(n):
+        a = t
+        while a >= 0:
+            mask[t, prefix + a] = True
+            a = parent[a]
+    return mask

@@ -2,7 +2,8 @@
 
 Per step, `init_forward_metadata` builds CSR key indices (and decode split counts) on the device with
 one Triton launch per key set; per layer, DECODE runs the split-KV decode kernel and every other mode
-the extend kernel. CUDA graphs (DECODE, TARGET_VERIFY) read persistent buffers that replay refreshes
+the extend kernel, except absorbed MLA, whose DECODE and same-length TARGET_VERIFY / DRAFT_EXTEND steps
+run the MLA kernel (`kernels/mla_decode.py`). CUDA graphs (DECODE, TARGET_VERIFY) read persistent buffers that replay refreshes
 (`graph.py`). With `ctx.deterministic` the decode split layout depends only on each request's own length
 (batch-invariant outputs). With `ctx.attention_chunk_size` C the step's metadata also holds the keys of
 chunked local layers: in DECODE each request's keys from its chunk start, in the other modes the step
@@ -33,10 +34,11 @@ from attn_core.memory.window_pool import SlidingWindowKVPool, window_pool_of
 from attn_core.ops.device_faults import DeviceFaultFlags
 from attn_core.ops.merge_state import merge_state
 from attn_core.probes import triton_interpreter_enabled
-from attn_triton.config import SplitPolicy, decode_config, extend_config
+from attn_triton.config import SplitPolicy, decode_config, extend_config, mla_config
 from attn_triton.graph import GraphState
 from attn_triton.kernels.decode import DecodeConfig, decode_attention, head_blocks
 from attn_triton.kernels.extend import ExtendConfig, extend_attention
+from attn_triton.kernels.mla_decode import MAX_FOLDED_Q_LEN, MLAConfig, mla_attention, programs_per_request
 from attn_triton.metadata import CascadeKeys, DecodeMetadata, ExtendMetadata, KVIndex, LocalExtend, Splits, SplitScratch, fill_kv, new_kv
 from attn_triton.mixed import MixedMetadata, build_mixed_metadata, forward_mixed
 from attn_triton.spec import CAPABILITIES
@@ -49,9 +51,13 @@ MAX_MLA_ROPE = 64
 class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, MixedMetadata]]):
     """Triton attention over the paged pools of attn-core (MHA/GQA/MQA and absorbed MLA).
 
-    Options (tests and tuning): `split_policy` (decode splits), `decode_config` / `extend_config`
-    (tile sizes; defaults from `attn_triton.config`), `mixed_split` (MIXED steps: decodes through the
-    decode kernel, the rest through the extend kernel, `attn_triton.mixed`; default False).
+    Options (tests and tuning): `split_policy` (decode splits), `decode_config` / `extend_config` /
+    `mla_config` (tile sizes; defaults from `attn_triton.config`), `mixed_split` (MIXED steps: decodes
+    through the decode kernel, the rest through the extend kernel, `attn_triton.mixed`; default False).
+
+    Absorbed MLA with a KV pool of the q dtype runs DECODE, and TARGET_VERIFY / DRAFT_EXTEND steps whose
+    requests all have the same 2..16 new tokens, on the MLA kernel (`kernels/mla_decode.py`); other
+    MLA steps (and float8 / uint8 KV pools) run the general decode / extend kernels.
     """
 
     name = "triton"
@@ -65,6 +71,7 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
         decode_config: Optional[DecodeConfig] = None,
         extend_config: Optional[ExtendConfig] = None,
         mixed_split: bool = False,
+        mla_config: Optional[MLAConfig] = None,
         **options,
     ):
         super().__init__(ctx, **options)
@@ -78,7 +85,11 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
         self.mixed_split = mixed_split
         self.decode_cfg = decode_config or _default_decode(ctx)
         self.extend_cfg = extend_config or _default_extend(ctx)
-        self.heads_per_kv_block = head_blocks(ctx.num_q_heads // ctx.num_kv_heads, self.decode_cfg)
+        self.mla_cfg = mla_config or _default_mla(ctx)
+        if self.is_mla and _mla_kernel_takes(ctx.dtype, ctx.kv_dtype or ctx.dtype):
+            self.heads_per_kv_block = programs_per_request(ctx.num_q_heads, self.mla_cfg)
+        else:
+            self.heads_per_kv_block = head_blocks(ctx.num_q_heads // ctx.num_kv_heads, self.decode_cfg)
         if ctx.device.type == "cuda":
             self.num_sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
         else:
@@ -283,6 +294,8 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
         else:
             keys = self._keys(meta, layer, forward_batch)
         k_buf, v_buf = self._save_and_buffers(q, k, v, layer, forward_batch, save_kv_cache, sinks)
+        if self.is_mla and cascade is None and _mla_kernel_takes(q.dtype, k_buf.dtype):
+            return self._mla(q, k_buf, layer, keys, sinks, return_lse, q_len=1, decode=meta)
         T, hq, dv = q.shape[0], layer.num_q_heads, layer.v_head_dim
         o = q.new_empty((T, hq, dv))
         lse = torch.empty((T, hq), dtype=torch.float32, device=q.device) if return_lse or cascade else None
@@ -329,6 +342,9 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
             keys = self._keys(meta, layer, forward_batch)
         k_buf, v_buf = self._save_and_buffers(q, k, v, layer, forward_batch, save_kv_cache, sinks)
         cross = layer.is_cross_attention
+        folded = _folded_q_len(forward_batch, q.shape[0], qo_indptr.shape[0] - 1, max_q_len)
+        if self.is_mla and folded and cascade is None and not cross and _mla_kernel_takes(q.dtype, k_buf.dtype):
+            return self._mla(q, k_buf, layer, keys, sinks, return_lse, q_len=folded, qo_indptr=qo_indptr, extend=meta)
         o, lse = self._extend(
             q,
             k_buf,
@@ -378,6 +394,54 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
             share_kv=self.is_mla,
         )
         return o, lse
+
+    def _mla(
+        self,
+        q,
+        kv_buf,
+        layer,
+        keys: KVIndex,
+        sinks,
+        return_lse,
+        *,
+        q_len: int,
+        decode: Optional[DecodeMetadata] = None,
+        qo_indptr: Optional[torch.Tensor] = None,
+        extend: Optional[ExtendMetadata] = None,
+    ):
+        """The MLA kernel: DECODE (q_len 1, split-KV with `decode`'s splits and scratch) or q_len folded
+        tokens per request (`extend`'s custom mask, if any). Returns the output `[T, Hq * kv_lora_rank]`
+        (and the LSE `[T, Hq]` with return_lse)."""
+        T, hq, rank = q.shape[0], layer.num_q_heads, self.ctx.kv_lora_rank
+        o = q.new_empty((T, hq, rank))
+        lse = torch.empty((T, hq), dtype=torch.float32, device=q.device) if return_lse else None
+        mla_attention(
+            _last_dim_contiguous(q),
+            kv_buf,
+            o,
+            keys.indptr,
+            keys.indices,
+            self.device_faults.buffer,
+            kv_lora_rank=rank,
+            sm_scale=layer.scaling,
+            config=self.mla_cfg,
+            q_len=q_len,
+            qo_indptr=qo_indptr,
+            max_splits=decode.splits.max_splits if decode is not None else 1,
+            min_split_len=decode.splits.min_split_len if decode is not None else 1,
+            part_o=decode.part_o if decode is not None else None,
+            part_lse=decode.part_lse if decode is not None else None,
+            custom_mask=extend.custom_mask if extend is not None else None,
+            mask_indptr=extend.mask_indptr if extend is not None else None,
+            logit_cap=layer.logit_cap,
+            window=None if layer.is_cross_attention else layer.sliding_window_size,
+            sinks=_sinks(sinks),
+            lse_out=lse,
+            k_scale=_scale(layer.k_scale),
+            v_scale=_scale(layer.v_scale),
+        )
+        o = o.view(T, hq * rank)
+        return (o, lse) if return_lse else o
 
     def _merge_prefix_pass(self, q, k_buf, v_buf, layer, cascade: CascadeKeys, o_suffix, lse_suffix):
         """A cascade's prefix pass (every query of the step, as one non-causal group, over the shared
@@ -441,6 +505,31 @@ def _default_decode(ctx: BackendContext) -> DecodeConfig:
 
 def _default_extend(ctx: BackendContext) -> ExtendConfig:
     return extend_config(ctx.head_dim, ctx.v_head_dim, ctx.dtype, ctx.device, ctx.is_mla)
+
+
+def _default_mla(ctx: BackendContext) -> MLAConfig:
+    return mla_config(ctx.dtype, ctx.device)
+
+
+def _mla_kernel_takes(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    """Whether the MLA kernel serves a KV pool of `kv_dtype`: the q dtype itself (float8 / uint8 pools
+    keep the general kernels, which convert K/V tile by tile)."""
+    return kv_dtype == q_dtype
+
+
+def _folded_q_len(b: ForwardBatch, num_tokens: int, bs: int, max_q_len: int) -> int:
+    """q_len of a TARGET_VERIFY / DRAFT_EXTEND step in which every request has the same q_len in
+    2..MAX_FOLDED_Q_LEN (from host numbers only: T = bs * max_q_len holds exactly then), else 0.
+
+    E.g. 8 requests with 4 draft tokens each: T = 32, max_q_len = 4 -> 4; requests with 3 and 4 tokens
+    (T = 7, max 4, bs 2) -> 0; an EXTEND step -> 0.
+    """
+    mode = b.forward_mode
+    if not (mode.is_target_verify() or mode.is_draft_extend()):
+        return 0
+    if 2 <= max_q_len <= MAX_FOLDED_Q_LEN and bs * max_q_len == num_tokens:
+        return max_q_len
+    return 0
 
 
 def _check_device(device: torch.device) -> None:

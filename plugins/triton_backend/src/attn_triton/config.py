@@ -13,6 +13,7 @@ import torch
 
 from attn_triton.kernels.decode import DecodeConfig
 from attn_triton.kernels.extend import ExtendConfig
+from attn_triton.kernels.mla_decode import MLAConfig
 
 
 @dataclass(frozen=True)
@@ -64,3 +65,39 @@ def extend_config(head_dim: int, v_head_dim: int, dtype: torch.dtype, device: to
         return ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     # H200 sweep (docs/perf.md): 128x64 tiles with 4 warps, 3 stages were fastest on the extend rows
     return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+
+
+def mla_config(dtype: torch.dtype, device: torch.device) -> MLAConfig:
+    """Tiles of the absorbed-MLA kernel (`kernels/mla_decode.py`) on `device` (see `mla_config_for`)."""
+    if device.type != "cuda":
+        return MLAConfig(block_h=16, block_n=16, num_warps=1, num_stages=1)  # interpreter: small and quick
+    major = torch.cuda.get_device_capability(device)[0]
+    return mla_config_for(dtype, major, hip=torch.version.hip is not None)
+
+
+def mla_config_for(dtype: torch.dtype, major: int, hip: bool = False) -> MLAConfig:
+    """Tiles of the absorbed-MLA kernel for a GPU of compute capability `major` (ROCm: `hip`).
+
+    Why these shapes: MLA decode is compute-bound (every q head reads the same latent row), so the q
+    heads (and, in verify, the draft tokens) go on the M dimension of the dots: BLOCK_H rows must reach
+    the tensor-core instruction's minimum M (64 for Hopper's wgmma, 16 for Ampere's mma) and every
+    latent tile loaded is reused by all BLOCK_H rows. The bound is the register file: a program keeps
+    a float32 accumulator of BLOCK_H x kv_lora_rank (64 x 512 = 128 KiB, i.e. 128 registers per thread
+    over 8 warps) plus the q block (nope 512 + rope 64 channels) as a dot operand, and each pipeline
+    stage holds one BLOCK_N x 576 latent tile in shared memory (32 x 576 bf16 = 36 KiB).
+    These choices are reasoned, not yet swept on a GPU (issue 15; docs/perf.md says how to measure).
+
+    >>> mla_config_for(torch.bfloat16, 9)
+    MLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=2)
+    >>> mla_config_for(torch.bfloat16, 8).block_h
+    32
+    """
+    if dtype == torch.float32:  # twice the bytes per tile, no bf16/fp16 tensor-core path: smaller tiles
+        return MLAConfig(block_h=32, block_n=16, num_warps=4, num_stages=2)
+    if major == 9 and not hip:
+        # SM90: 64 rows = one wgmma M; 8 warps share the 64 x 512 float32 accumulator; two 36 KiB stages
+        return MLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=2)
+    # SM80/SM89 and other GPUs: mma's M is 16, so 32 rows already use the tensor cores; the 32 x 512
+    # accumulator over 4 warps is 128 registers per thread, leaving room for the q block and 2 stages
+    # of a 32-row latent tile within Ampere's shared memory
+    return MLAConfig(block_h=32, block_n=32, num_warps=4, num_stages=2)

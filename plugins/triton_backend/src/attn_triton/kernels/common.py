@@ -85,6 +85,16 @@ def finalize(m_i, l_i, acc):
 
 
 @triton.jit
+def load_slots(KV_INDICES, kv_beg, n, n_ok, num_slots, bad_slots):
+    """Slots (int64) of keys `n` of the request whose CSR entries start at `kv_beg`, read where `n_ok`;
+    returns (slot, n_ok and the slot inside [0, num_slots), bad_slots | the keys whose slot is not):
+    a key with a slot outside the pool is masked out and recorded, never read."""
+    slot = tl.load(KV_INDICES + kv_beg + n, mask=n_ok, other=0).to(tl.int64)
+    slot_ok = (slot >= 0) & (slot < num_slots)
+    return slot, n_ok & slot_ok, bad_slots | (n_ok & ~slot_ok)
+
+
+@triton.jit
 def offset_range(INDPTR, r, size):
     """(begin, length, clamped) of CSR entry r, its offsets INDPTR[r], INDPTR[r+1] clamped so that
     0 <= begin <= end <= size; `clamped` says whether either offset was out of range."""

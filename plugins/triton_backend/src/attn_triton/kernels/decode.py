@@ -34,6 +34,7 @@ from attn_triton.kernels.common import (
     LN2_K,
     LOG2E_K,
     finalize,
+    load_slots,
     offset_range,
     scale_scores,
     score_scales,
@@ -140,10 +141,7 @@ def _decode_split_kernel(
     for start in range(s_lo, s_hi, BLOCK_N):
         n = start + offs_n
         n_ok = n < s_hi
-        slot = tl.load(KV_INDICES + kv_beg + n, mask=n_ok, other=0).to(tl.int64)
-        slot_ok = (slot >= 0) & (slot < num_slots)
-        bad_slots |= n_ok & ~slot_ok
-        n_ok = n_ok & slot_ok
+        slot, n_ok, bad_slots = load_slots(KV_INDICES, kv_beg, n, n_ok, num_slots, bad_slots)
         k = tl.load(k_head + slot[:, None] * stride_ks + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
         qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
         if BLOCK_DPE > 0:
@@ -276,7 +274,7 @@ def decode_attention(
     bs, hq, d_total = q.shape
     if bs == 0:
         return
-    _check_shapes(bs, max_splits, kv_indptr, part_o, part_lse, o, lse_out)
+    check_split_shapes(bs, max_splits, kv_indptr, part_o, part_lse, o, lse_out)
     hkv = k_buf.shape[1]
     group = hq // hkv
     d = d_total - d_rope
@@ -331,11 +329,38 @@ def decode_attention(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
+    merge_splits(
+        part_o, part_lse, kv_indptr, kv_indices.shape[0], max_splits, min_split_len, o, sinks=sinks, lse_out=lse_out, v_scale=v_scale
+    )
+
+
+def merge_splits(
+    part_o: torch.Tensor,
+    part_lse: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    num_indices: int,
+    max_splits: int,
+    min_split_len: int,
+    o: torch.Tensor,
+    *,
+    sinks: Optional[torch.Tensor] = None,
+    lse_out: Optional[torch.Tensor] = None,
+    v_scale: float = 1.0,
+) -> None:
+    """Stage 2 of split-KV decode (shared by `decode_attention` and the MLA kernel of `mla_decode`):
+    merge each request's splits by their base-2 LSEs, join the sink, apply v_scale, write `o`.
+
+    part_o `[bs, Hq, >= max_splits, Dv]` / part_lse `[bs, Hq, >= max_splits]` float32, as written by a
+    stage 1 whose request r took `split_count(kv_len_r, min_split_len, max_splits)` splits, kv_len_r
+    read from kv_indptr `[bs+1]` (clamped into [0, num_indices]); o `[bs, Hq, Dv]`; sinks `[Hq]` float32
+    natural-log logits; lse_out `[bs, Hq]` float32 natural log.
+    """
+    bs, hq, dv = o.shape
     _decode_merge_kernel[(bs, hq)](
         part_o,
         part_lse,
         kv_indptr,
-        kv_indices.shape[0],
+        num_indices,
         min_split_len,
         max_splits,
         sinks if sinks is not None else part_lse,
@@ -359,8 +384,17 @@ def decode_attention(
     )
 
 
-def _check_shapes(bs, max_splits, kv_indptr, part_o, part_lse, o, lse_out) -> None:
-    """Host checks of what the grid reaches (shapes only: they hold for every replay of a graph)."""
+def check_split_shapes(
+    bs: int,
+    max_splits: int,
+    kv_indptr: torch.Tensor,
+    part_o: torch.Tensor,
+    part_lse: torch.Tensor,
+    o: torch.Tensor,
+    lse_out: Optional[torch.Tensor],
+) -> None:
+    """Host checks of what a split decode's grid reaches (shapes only: they hold for every replay of a
+    graph): bs + 1 key offsets, scratch for bs x max_splits, one output row per request."""
     if kv_indptr.shape[0] < bs + 1:
         raise InvalidArgumentError("kv_indptr", f"at least bs + 1 = {bs + 1} offsets", kv_indptr.shape[0])
     if part_o.shape[0] < bs or part_lse.shape[0] < bs or part_o.shape[2] < max_splits or part_lse.shape[2] < max_splits:

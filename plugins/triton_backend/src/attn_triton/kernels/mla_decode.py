@@ -1,0 +1,390 @@
+"""Absorbed-MLA attention of one or a few query tokens per request, written for the shape of MLA.
+
+In absorbed MLA every q head attends to the same latent row per key: `[kv_lora_rank + rope]` (e.g.
+512 + 64), whose first kv_lora_rank channels are also the value. The work is compute-bound (one latent
+row serves all heads), so a program takes BLOCK_H query rows on the M dimension of tensor-core dots,
+loads each tile of BLOCK_N latent rows once, and uses it three times:
+
+    scores = q_nope · latent_nope^T + q_rope · latent_rope^T      [BLOCK_H, BLOCK_N]
+    acc   += softmax(scores) · latent_nope                        [BLOCK_H, kv_lora_rank]
+
+Query rows are (token, head) pairs folded into M: row m of request r is token m // Hq, head m % Hq.
+
+- DECODE (one token per request): grid `[bs, cdiv(Hq, BLOCK_H), max_splits]`; program (r, hb, s) takes
+  split s of request r's `split_count(kv_len)` splits (the same split layout as `decode.py`, computed
+  on the device) and writes the normalized partial output and base-2 LSE to the split scratch; stage 2
+  is `decode.merge_splits` (sinks, v_scale, LSE).
+- TARGET_VERIFY / DRAFT_EXTEND with the same q_len (2..16) for every request: grid
+  `[bs, cdiv(q_len * Hq, BLOCK_H), 1]`; token t of a request with kv_len keys sees the keys
+  < kv_len - q_len + t + 1 (causal), or those its custom (tree) mask allows; each program finalizes its
+  rows itself. No KV split here: verify batches give bs * q_len * Hq / BLOCK_H programs, enough to fill
+  the GPU at the batch sizes speculative decoding runs (bs64 x 4 drafts x 128 heads / 64 = 512).
+
+Sliding window, logit cap, sinks, LSE output, k_scale / v_scale follow `decode.py` / `extend.py`.
+
+Bounds (as `decode.py` / `extend.py`): kv_indptr entries are clamped into [0, len(kv_indices)]
+(KEY_OFFSETS), qo_indptr entries into the step's T tokens (QUERY_ROWS); a slot outside [0, slots of
+the latent buffer) is not read (the key is masked out; SLOT); mask entries outside the custom mask are
+not read (MASK). Each is recorded in the fault buffer (`attn_core.ops.device_faults`); no fault is
+stored inside the key loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from attn_core.errors import InvalidArgumentError
+from attn_triton.kernels.common import (
+    FAULT_KEY_OFFSETS,
+    FAULT_MASK,
+    FAULT_QUERY_ROWS,
+    FAULT_SLOT,
+    LN2_K,
+    LOG2E_K,
+    add_sink,
+    finalize,
+    load_slots,
+    offset_range,
+    scale_scores,
+    score_scales,
+    softmax_step,
+)
+from attn_triton.kernels.decode import check_split_shapes, merge_splits, split_count
+
+#: most query tokens per request the folded kernel takes (speculative verify / draft extend)
+MAX_FOLDED_Q_LEN = 16
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Tiles of the MLA kernel: BLOCK_H (token, head) rows on M, BLOCK_N latent rows per step.
+    Chosen per architecture in `attn_triton.config.mla_config`."""
+
+    block_h: int = 64
+    block_n: int = 32
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+@triton.jit
+def _mla_kernel(
+    Q,
+    KV,
+    OUT,
+    LSE,
+    PART_O,
+    PART_LSE,
+    QO_INDPTR,
+    KV_INDPTR,
+    KV_INDICES,
+    MASK,
+    MASK_INDPTR,
+    SINKS,
+    FAULT,
+    num_tokens,
+    num_indices,
+    num_slots,
+    mask_size,
+    min_split_len,
+    max_splits,
+    qk_scale,
+    cap_scale,
+    v_scale,
+    window,
+    num_heads,
+    stride_qt,
+    stride_qh,
+    stride_ks,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    Q_LEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    RANK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    ROPE: tl.constexpr,
+    BLOCK_ROPE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    USE_MASK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    LOGIT_CAP: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    r = tl.program_id(0)
+    hb = tl.program_id(1)
+    s = tl.program_id(2)
+    first = (hb == 0) & (s == 0)
+    kv_beg, kv_len, kv_clamped = offset_range(KV_INDPTR, r, num_indices)
+    if Q_LEN == 1:
+        q_beg = r
+        q_len = 1
+    else:
+        q_beg, q_len, q_clamped = offset_range(QO_INDPTR, r, num_tokens)
+        if first:
+            tl.store(FAULT + FAULT_QUERY_ROWS, 1, mask=q_clamped)
+    if first:
+        tl.store(FAULT + FAULT_KEY_OFFSETS, 1, mask=kv_clamped)
+
+    # rows of this program: (token t, head h) pairs
+    offs_m = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    t = offs_m // num_heads
+    h = offs_m % num_heads
+    row_ok = (offs_m < Q_LEN * num_heads) & (t < q_len)
+    q_pos = kv_len - q_len + t  # position of token t among the request's keys (the new tokens are last)
+
+    mask_beg = 0
+    if USE_MASK:  # the request's [q_len, kv_len] block must lie inside the mask (entries past it are not read)
+        mask_beg = tl.load(MASK_INDPTR + r)
+        mask_outside = (mask_beg < 0) | (mask_beg + q_len.to(tl.int64) * kv_len > mask_size)
+        if first:
+            tl.store(FAULT + FAULT_MASK, 1, mask=mask_outside)
+
+    # keys: [lo, kv_len), lo the oldest key any row's window reaches; a decode split takes a
+    # BLOCK_N-aligned share of it (the layout of decode.py, which `merge_splits` relies on)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(kv_len - q_len - window + 1, 0)
+    if SPLIT:
+        n_split = split_count(kv_len, min_split_len, max_splits)
+        if s >= n_split:
+            return
+        per = tl.cdiv(tl.cdiv(kv_len - lo, n_split), BLOCK_N) * BLOCK_N
+        s_lo = lo + s * per
+        s_hi = tl.minimum(s_lo + per, kv_len)
+    else:
+        s_lo = lo
+        s_hi = kv_len
+
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_n = tl.arange(0, BLOCK_N)
+    q_rows = Q + (q_beg + t).to(tl.int64)[:, None] * stride_qt + h[:, None] * stride_qh
+    q_nope = tl.load(q_rows + offs_r[None, :], mask=row_ok[:, None] & (offs_r[None, :] < RANK), other=0.0)
+    if BLOCK_ROPE > 0:
+        offs_p = tl.arange(0, BLOCK_ROPE)
+        q_rope = tl.load(q_rows + RANK + offs_p[None, :], mask=row_ok[:, None] & (offs_p[None, :] < ROPE), other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
+    bad_slots = offs_n < 0
+    for start in range(s_lo, s_hi, BLOCK_N):
+        n = start + offs_n
+        n_ok = n < s_hi
+        slot, n_ok, bad_slots = load_slots(KV_INDICES, kv_beg, n, n_ok, num_slots, bad_slots)
+        row = KV + slot[:, None] * stride_ks
+        latent = tl.load(row + offs_r[None, :], mask=n_ok[:, None] & (offs_r[None, :] < RANK), other=0.0).to(q_nope.dtype)
+        qk = tl.dot(q_nope, tl.trans(latent), input_precision=DOT_PREC)
+        if BLOCK_ROPE > 0:
+            k_rope = tl.load(row + RANK + offs_p[None, :], mask=n_ok[:, None] & (offs_p[None, :] < ROPE), other=0.0)
+            qk += tl.dot(q_rope, tl.trans(k_rope.to(q_nope.dtype)), input_precision=DOT_PREC)
+        if LOGIT_CAP:
+            sc = scale_scores(qk, qk_scale, cap_scale, LOGIT_CAP)
+            s_scale = 1.0
+        else:
+            sc = qk
+            s_scale = qk_scale
+        ok = n_ok[None, :]
+        if Q_LEN > 1:
+            if USE_MASK:
+                at = mask_beg + t[:, None].to(tl.int64) * kv_len + n[None, :]
+                bits = tl.load(MASK + at, mask=ok & row_ok[:, None] & (at >= 0) & (at < mask_size), other=0)
+                ok = ok & (bits != 0)
+            else:
+                ok = ok & (n[None, :] <= q_pos[:, None])
+            if HAS_WINDOW:
+                ok = ok & (n[None, :] > q_pos[:, None] - window)
+        sc = tl.where(ok, sc, float("-inf"))
+        m_i, l_i, acc, p = softmax_step(m_i, l_i, acc, sc, s_scale, True)
+        acc = tl.dot(p.to(q_nope.dtype), latent, acc, input_precision=DOT_PREC)
+
+    tl.store(FAULT + FAULT_SLOT + offs_n * 0, 1, mask=bad_slots)  # one address: a flag, no reduction
+    if SPLIT:
+        out, lse2 = finalize(m_i, l_i, acc)
+        po = PART_O + r.to(tl.int64) * stride_pb + h[:, None] * stride_ph + s * stride_ps + offs_r[None, :]
+        tl.store(po, out, mask=row_ok[:, None] & (offs_r[None, :] < RANK))
+        tl.store(PART_LSE + r.to(tl.int64) * stride_lb + h * stride_lh + s, lse2, mask=row_ok)
+    else:
+        if HAS_SINK:
+            sink2 = tl.load(SINKS + h) * LOG2E_K
+            m_i, l_i, acc = add_sink(m_i, l_i, acc, sink2)
+        out, lse2 = finalize(m_i, l_i, acc)
+        o_rows = OUT + (q_beg + t).to(tl.int64)[:, None] * stride_ot + h[:, None] * stride_oh
+        tl.store(o_rows + offs_r[None, :], (out * v_scale).to(OUT.dtype.element_ty), mask=row_ok[:, None] & (offs_r[None, :] < RANK))
+        if STORE_LSE:
+            tl.store(LSE + (q_beg + t).to(tl.int64) * stride_lt + h, lse2 * LN2_K, mask=row_ok)
+
+
+def _pow2(x: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(max(int(x), 1)))
+
+
+def rows_per_program(q_len: int, num_heads: int, config: MLAConfig) -> int:
+    """BLOCK_H of a launch: config.block_h, or fewer when q_len * num_heads rows are fewer (at least 16,
+    the tensor-core dot's minimum M).
+
+    >>> rows_per_program(1, 128, MLAConfig(block_h=64))
+    64
+    >>> rows_per_program(1, 16, MLAConfig(block_h=64))
+    16
+    >>> rows_per_program(4, 8, MLAConfig(block_h=64))
+    32
+    """
+    return min(config.block_h, _pow2(q_len * num_heads))
+
+
+def programs_per_request(num_heads: int, config: MLAConfig) -> int:
+    """Programs along the head axis of a DECODE launch (one query token per request).
+
+    >>> programs_per_request(128, MLAConfig(block_h=64))
+    2
+    >>> programs_per_request(16, MLAConfig(block_h=64))
+    1
+    """
+    return triton.cdiv(num_heads, rows_per_program(1, num_heads, config))
+
+
+def mla_attention(
+    q: torch.Tensor,
+    kv_buf: torch.Tensor,
+    o: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    fault: torch.Tensor,
+    *,
+    kv_lora_rank: int,
+    sm_scale: float,
+    config: MLAConfig,
+    q_len: int = 1,
+    qo_indptr: Optional[torch.Tensor] = None,
+    max_splits: int = 1,
+    min_split_len: int = 1,
+    part_o: Optional[torch.Tensor] = None,
+    part_lse: Optional[torch.Tensor] = None,
+    custom_mask: Optional[torch.Tensor] = None,
+    mask_indptr: Optional[torch.Tensor] = None,
+    logit_cap: float = 0.0,
+    window: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
+    lse_out: Optional[torch.Tensor] = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Absorbed-MLA attention of `q_len` query tokens per request into `o` (and `lse_out`).
+
+    q `[T, Hq, kv_lora_rank + rope]` (nope channels first); kv_buf `[slots, 1, kv_lora_rank + rope]` (one
+    latent row per slot, same dtype as q); o `[T, Hq, kv_lora_rank]`; kv_indptr `[bs+1]` / kv_indices:
+    CSR int32 slots of each request's keys, its new tokens last; fault: the int32 fault buffer
+    (`attn_core.ops.device_faults`); sinks `[Hq]` float32; lse_out `[T, Hq]` float32 natural log.
+
+    - q_len 1 (DECODE, T = bs): split-KV; part_o `[bs, Hq, >= max_splits, kv_lora_rank]` and part_lse
+      `[bs, Hq, >= max_splits]` float32 scratch; request r takes
+      clamp(ceil(kv_len / min_split_len), 1, max_splits) splits.
+    - 2 <= q_len <= MAX_FOLDED_Q_LEN (TARGET_VERIFY / DRAFT_EXTEND, every request with q_len tokens,
+      T = bs * q_len): qo_indptr `[bs+1]` int32; causal, or `custom_mask` (uint8, per request a
+      row-major `[q_len, kv_len]` block starting at mask_indptr[r], int64) in its place.
+    """
+    T, hq, width = q.shape
+    rope = width - kv_lora_rank
+    if o.shape != (T, hq, kv_lora_rank) or kv_buf.shape[-1] != width or kv_buf.dtype != q.dtype:
+        raise InvalidArgumentError(
+            "o/kv_buf",
+            f"o [{T}, {hq}, {kv_lora_rank}] and a {q.dtype} latent buffer of width {width}",
+            (tuple(o.shape), tuple(kv_buf.shape), kv_buf.dtype),
+        )
+    if not 1 <= q_len <= MAX_FOLDED_Q_LEN:
+        raise InvalidArgumentError("q_len", f"1..{MAX_FOLDED_Q_LEN} query tokens per request", q_len)
+    bs = T // q_len
+    if bs == 0:
+        return
+    if bs * q_len != T:
+        raise InvalidArgumentError("q", f"bs * q_len rows (q_len = {q_len})", T)
+    split = q_len == 1
+    if split:
+        if part_o is None or part_lse is None:
+            raise InvalidArgumentError("part_o/part_lse", "split scratch for a decode launch", None)
+        check_split_shapes(bs, max_splits, kv_indptr, part_o, part_lse, o, lse_out)
+    else:
+        if qo_indptr is None or qo_indptr.shape[0] < bs + 1 or kv_indptr.shape[0] < bs + 1:
+            found = None if qo_indptr is None else tuple(qo_indptr.shape)
+            raise InvalidArgumentError("qo_indptr/kv_indptr", f"at least bs + 1 = {bs + 1} offsets each", found)
+        if custom_mask is not None and (mask_indptr is None or mask_indptr.shape[0] < bs):
+            found = None if mask_indptr is None else tuple(mask_indptr.shape)
+            raise InvalidArgumentError("mask_indptr", f"at least {bs} offsets with a custom mask", found)
+        if lse_out is not None and lse_out.shape[0] != T:
+            raise InvalidArgumentError("lse_out", f"{T} rows", lse_out.shape[0])
+        max_splits = 1
+    use_mask = custom_mask is not None and not split
+    qk_scale, cap_scale = score_scales(sm_scale, logit_cap, k_scale)
+    block_h = rows_per_program(q_len, hq, config)
+    grid = (bs, triton.cdiv(q_len * hq, block_h), max_splits)
+    dummy = kv_indptr
+    _mla_kernel[grid](
+        q,
+        kv_buf,
+        o,
+        lse_out if lse_out is not None and not split else o,
+        part_o if split else o,
+        part_lse if split else o,
+        qo_indptr if qo_indptr is not None else dummy,
+        kv_indptr,
+        kv_indices,
+        custom_mask if use_mask else dummy,
+        mask_indptr if use_mask else dummy,
+        sinks if sinks is not None and not split else o,
+        fault,
+        T,
+        kv_indices.shape[0],
+        kv_buf.shape[0],
+        custom_mask.numel() if use_mask else 0,
+        min_split_len,
+        max_splits,
+        qk_scale,
+        cap_scale,
+        float(v_scale),
+        int(window or 0),
+        hq,
+        q.stride(0),
+        q.stride(1),
+        kv_buf.stride(0),
+        o.stride(0),
+        o.stride(1),
+        lse_out.stride(0) if lse_out is not None else 0,
+        part_o.stride(0) if split else 0,
+        part_o.stride(1) if split else 0,
+        part_o.stride(2) if split else 0,
+        part_lse.stride(0) if split else 0,
+        part_lse.stride(1) if split else 0,
+        Q_LEN=q_len,
+        BLOCK_H=block_h,
+        BLOCK_N=config.block_n,
+        RANK=kv_lora_rank,
+        BLOCK_R=_pow2(kv_lora_rank),
+        ROPE=rope,
+        BLOCK_ROPE=_pow2(rope) if rope else 0,
+        SPLIT=split,
+        USE_MASK=use_mask,
+        HAS_WINDOW=window is not None,
+        LOGIT_CAP=logit_cap > 0,
+        HAS_SINK=sinks is not None and not split,
+        STORE_LSE=lse_out is not None and not split,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if split:
+        merge_splits(
+            part_o, part_lse, kv_indptr, kv_indices.shape[0], max_splits, min_split_len, o, sinks=sinks, lse_out=lse_out, v_scale=v_scale
+        )

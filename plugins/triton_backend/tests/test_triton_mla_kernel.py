@@ -1,0 +1,242 @@
+"""The absorbed-MLA kernel (`attn_triton.kernels.mla_decode`) against the float64 oracle: decode with
+every split count, page sizes 1/16/64, lengths off every block, window / logit cap / sinks / LSE /
+k_scale / v_scale, and multi-token verify (2/4/8 drafts) with causal and tree masks; bad indices raise
+the device fault flag. The latent pool is NaN outside the slots the requests own, slots are in random
+order, and outputs start as NaN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_helpers import random_tree_mask, requires_interpreter
+
+from attn_core.ops.device_faults import DeviceFaultKind
+from attn_core.testing.reference import reference_attention, relative_error, tolerance
+
+pytestmark = requires_interpreter
+
+RANK, ROPE, HEADS = 64, 16, 16
+WIDTH = RANK + ROPE
+
+
+def _latent_pool(lens, dtype, gen, page_size):
+    """Random latent rows `[n, 1, WIDTH]` per request in a NaN-poisoned pool `[slots, 1, WIDTH]`, pages
+    in random order (page 0 unused); returns (pool, kv_indptr, kv_indices, rows per request)."""
+    pages = [-(-n // page_size) for n in lens]
+    num_pages = sum(pages) + 2
+    perm = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
+    pool = torch.full((num_pages * page_size, 1, WIDTH), float("nan"), dtype=dtype)
+    slots, rows = [], []
+    for n, p in zip(lens, pages):
+        mine, perm = perm[:p], perm[p:]
+        s = (torch.tensor(mine, dtype=torch.int64)[:, None] * page_size + torch.arange(page_size)).reshape(-1)[:n]
+        x = torch.randn(n, 1, WIDTH, generator=gen).to(dtype)
+        pool[s] = x
+        slots.append(s)
+        rows.append(x)
+    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    indptr[1:] = torch.tensor(lens).cumsum(0)
+    return pool, indptr, torch.cat(slots).to(torch.int32), rows
+
+
+def _oracle(q, latent, positions, *, scale, mask=None, **kw):
+    """float64 attention of one request in absorbed MLA: K = the whole latent row, V = its first RANK
+    channels."""
+    return reference_attention(q, latent, latent[:, :, :RANK], q_positions=positions, scale=scale, mask=mask, **kw)
+
+
+def _config():
+    from attn_triton.kernels.mla_decode import MLAConfig
+
+    return MLAConfig(block_h=16, block_n=16, num_warps=1, num_stages=1)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("variant", ["plain", "window_cap_sinks_scales"])
+def test_mla_decode_every_split_count(splits, variant):
+    from attn_triton.kernels.mla_decode import mla_attention
+
+    gen = torch.Generator().manual_seed(100 * splits + len(variant))
+    page_size = [1, 16, 64][splits % 3]
+    lens = [1] + torch.randint(2, 90, (3,), generator=gen).tolist() + [64]  # one-token, random, exact-block
+    bs, dtype = len(lens), torch.float32
+    pool, indptr, indices, rows = _latent_pool(lens, dtype, gen, page_size)
+    q = torch.randn(bs, HEADS, WIDTH, generator=gen)
+    extra = variant != "plain"
+    window = int(torch.randint(5, 40, (1,), generator=gen)) if extra else None
+    cap = 4.0 if extra else 0.0
+    sinks = torch.randn(HEADS, generator=gen) if extra else None
+    k_scale, v_scale = (0.7, 1.3) if extra else (1.0, 1.0)
+    o = torch.full((bs, HEADS, RANK), float("nan"))
+    lse = torch.full((bs, HEADS), float("nan"))
+    part_o = torch.full((bs, HEADS, 8, RANK), float("nan"))
+    part_lse = torch.full((bs, HEADS, 8), float("nan"))
+    fault = torch.zeros(8, dtype=torch.int32)
+    mla_attention(
+        q, pool, o, indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.15, config=_config(),
+        max_splits=splits, min_split_len=1, part_o=part_o, part_lse=part_lse,
+        logit_cap=cap, window=window, sinks=sinks, lse_out=lse, k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
+    assert not fault.any()
+    for r, n in enumerate(lens):
+        ref_o, ref_lse = _oracle(
+            q[r : r + 1], rows[r], torch.tensor([n - 1]), scale=0.15 * k_scale, window=window, logit_cap=cap, sinks=sinks
+        )
+        assert relative_error(o[r : r + 1], ref_o * v_scale) <= tolerance(dtype), (r, n)
+        assert relative_error(lse[r : r + 1], ref_lse) <= 1e-5, (r, n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_mla_decode_page_sizes_fp16(dtype):
+    """Page sizes 1/16/64 in one dtype each run, lengths straddling pages and BLOCK_N."""
+    from attn_triton.kernels.mla_decode import mla_attention
+
+    for page_size in (1, 16, 64):
+        gen = torch.Generator().manual_seed(page_size)
+        lens = torch.randint(1, 150, (3,), generator=gen).tolist()
+        bs = len(lens)
+        pool, indptr, indices, rows = _latent_pool(lens, dtype, gen, page_size)
+        q = torch.randn(bs, HEADS, WIDTH, generator=gen).to(dtype)
+        o = torch.full((bs, HEADS, RANK), float("nan"), dtype=dtype)
+        part_o, part_lse = torch.empty(bs, HEADS, 4, RANK), torch.empty(bs, HEADS, 4)
+        fault = torch.zeros(8, dtype=torch.int32)
+        mla_attention(
+            q, pool, o, indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.1, config=_config(),
+            max_splits=4, min_split_len=32, part_o=part_o, part_lse=part_lse,
+        )  # fmt: skip
+        assert not fault.any()
+        for r, n in enumerate(lens):
+            ref_o, _ = _oracle(q[r : r + 1], rows[r], torch.tensor([n - 1]), scale=0.1)
+            assert relative_error(o[r : r + 1], ref_o) <= tolerance(dtype), (page_size, r, n)
+
+
+@pytest.mark.parametrize("q_len", [2, 4, 8])
+@pytest.mark.parametrize("masking", ["causal", "tree", "causal_window_cap_sinks"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_mla_verify_folded_tokens(q_len, masking, dtype):
+    from attn_triton.kernels.mla_decode import mla_attention
+
+    gen = torch.Generator().manual_seed(10 * q_len + len(masking) + (dtype == torch.float16))
+    page_size = [1, 16, 64][q_len % 3]
+    bs = int(torch.randint(1, 4, (1,), generator=gen))
+    prefixes = torch.randint(0, 70, (bs,), generator=gen).tolist()
+    lens = [p + q_len for p in prefixes]
+    pool, indptr, indices, rows = _latent_pool(lens, dtype, gen, page_size)
+    T = bs * q_len
+    q = torch.randn(T, HEADS, WIDTH, generator=gen).to(dtype)
+    qo = torch.arange(0, T + 1, q_len, dtype=torch.int32)
+    masks = [random_tree_mask(p, q_len, gen) for p in prefixes] if masking == "tree" else None
+    custom_mask = mask_indptr = None
+    if masks is not None:
+        custom_mask = torch.cat([m.reshape(-1) for m in masks]).view(torch.uint8)
+        mask_indptr = torch.zeros(bs + 1, dtype=torch.int64)
+        mask_indptr[1:] = torch.tensor([m.numel() for m in masks]).cumsum(0)
+    extra = masking.endswith("sinks")
+    window = int(torch.randint(3, 30, (1,), generator=gen)) if extra else None
+    cap = 5.0 if extra else 0.0
+    sinks = torch.randn(HEADS, generator=gen) if extra else None
+    o = torch.full((T, HEADS, RANK), float("nan"), dtype=dtype)
+    lse = torch.full((T, HEADS), float("nan"))
+    fault = torch.zeros(8, dtype=torch.int32)
+    mla_attention(
+        q, pool, o, indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.12, config=_config(), q_len=q_len, qo_indptr=qo,
+        custom_mask=custom_mask, mask_indptr=mask_indptr, logit_cap=cap, window=window, sinks=sinks, lse_out=lse, v_scale=0.5,
+    )  # fmt: skip
+    assert not fault.any()
+    for r, p in enumerate(prefixes):
+        sl = slice(r * q_len, (r + 1) * q_len)
+        ref_o, ref_lse = _oracle(
+            q[sl], rows[r], torch.arange(p, p + q_len), scale=0.12, mask=None if masks is None else masks[r],
+            window=window, logit_cap=cap, sinks=sinks,
+        )  # fmt: skip
+        assert relative_error(o[sl], ref_o * 0.5) <= tolerance(dtype), (r, p)
+        assert relative_error(lse[sl], ref_lse) <= (1e-5 if dtype == torch.float32 else 2e-3), (r, p)
+
+
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_mla_bad_indices_raise_the_fault_flag(q_len):
+    """Slots outside the pool and key offsets past kv_indices are never read (the pool's NaN stays out
+    of every output row) and set the SLOT / KEY_OFFSETS flags."""
+    from attn_triton.kernels.mla_decode import mla_attention
+
+    gen = torch.Generator().manual_seed(q_len)
+    lens = [20, 9]
+    pool, indptr, indices, _ = _latent_pool(lens, torch.float32, gen, 16)
+    bs, T = len(lens), len(lens) * q_len
+    good = indices.clone()
+    indices[3] = pool.shape[0] + 5  # past the pool
+    indices[4] = -2
+    q = torch.randn(T, HEADS, WIDTH, generator=gen)
+    o = torch.full((T, HEADS, RANK), float("nan"))
+    fault = torch.zeros(8, dtype=torch.int32)
+    kw = dict(q_len=q_len, qo_indptr=torch.arange(0, T + 1, q_len, dtype=torch.int32))
+    if q_len == 1:
+        kw = dict(max_splits=2, min_split_len=1, part_o=torch.empty(bs, HEADS, 2, RANK), part_lse=torch.empty(bs, HEADS, 2))
+    mla_attention(q, pool, o, indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.1, config=_config(), **kw)
+    assert fault[int(DeviceFaultKind.SLOT)] == 1 and fault[int(DeviceFaultKind.KEY_OFFSETS)] == 0
+    assert torch.isfinite(o).all()
+    fault.zero_()
+    bad_indptr = indptr.clone()
+    bad_indptr[-1] = indices.shape[0] + 100  # past kv_indices: clamped
+    indices = good
+    mla_attention(q, pool, o, bad_indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.1, config=_config(), **kw)
+    assert fault[int(DeviceFaultKind.KEY_OFFSETS)] == 1
+    assert torch.isfinite(o).all()
+
+
+@pytest.mark.parametrize("q_len,block_h", [(1, 16), (3, 32), (5, 16), (1, 64), (4, 64)])
+def test_mla_row_blocks_straddle_tokens(q_len, block_h):
+    """12 heads: a block of (token, head) rows holds parts of several tokens and padding rows past the
+    last one (decode: 12 of 16 rows used); 64-row blocks with 32-key tiles are the SM90 tiles."""
+    from attn_triton.kernels.mla_decode import MLAConfig, mla_attention
+
+    hq = 12
+    gen = torch.Generator().manual_seed(7 * q_len + block_h)
+    prefixes = [0, 37, 16]
+    lens = [p + q_len for p in prefixes]
+    bs, T = len(lens), len(lens) * q_len
+    pool, indptr, indices, rows = _latent_pool(lens, torch.float32, gen, 16)
+    q = torch.randn(T, hq, WIDTH, generator=gen)
+    o = torch.full((T, hq, RANK), float("nan"))
+    lse = torch.full((T, hq), float("nan"))
+    fault = torch.zeros(8, dtype=torch.int32)
+    if q_len == 1:
+        kw = dict(max_splits=3, min_split_len=4, part_o=torch.empty(bs, hq, 3, RANK), part_lse=torch.empty(bs, hq, 3))
+    else:
+        kw = dict(q_len=q_len, qo_indptr=torch.arange(0, T + 1, q_len, dtype=torch.int32))
+    cfg = MLAConfig(block_h=block_h, block_n=32 if block_h == 64 else 16, num_warps=1, num_stages=1)
+    mla_attention(q, pool, o, indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.2, config=cfg, lse_out=lse, **kw)
+    assert not fault.any()
+    for r, p in enumerate(prefixes):
+        sl = slice(r * q_len, (r + 1) * q_len)
+        ref_o, ref_lse = _oracle(q[sl], rows[r], torch.arange(p, p + q_len), scale=0.2)
+        assert relative_error(o[sl], ref_o) <= tolerance(torch.float32), (r, p)
+        assert relative_error(lse[sl], ref_lse) <= 1e-5, (r, p)
+
+
+def test_mla_verify_bad_query_and_mask_offsets_raise_the_fault_flag():
+    """qo_indptr past the step's rows is clamped (QUERY_ROWS) and a request's mask block past the mask is
+    not read (MASK): nothing outside q, o or the mask is touched."""
+    from attn_triton.kernels.mla_decode import mla_attention
+
+    gen = torch.Generator().manual_seed(3)
+    q_len, lens = 4, [12, 30]
+    pool, indptr, indices, _ = _latent_pool(lens, torch.float32, gen, 16)
+    T = len(lens) * q_len
+    q = torch.randn(T, HEADS, WIDTH, generator=gen)
+    o = torch.full((T, HEADS, RANK), float("nan"))
+    qo = torch.arange(0, T + 1, q_len, dtype=torch.int32)
+    mask = torch.ones(sum(q_len * n for n in lens), dtype=torch.uint8)
+    mask_indptr = torch.tensor([0, q_len * lens[0], mask.numel()], dtype=torch.int64)
+    kw = dict(kv_lora_rank=RANK, sm_scale=0.1, config=_config(), q_len=q_len, custom_mask=mask)
+    fault = torch.zeros(8, dtype=torch.int32)
+    bad_mask = mask_indptr.clone()
+    bad_mask[1] = mask.numel() - 5  # request 1's block runs past the mask
+    mla_attention(q, pool, o, indptr, indices, fault, qo_indptr=qo, mask_indptr=bad_mask, **kw)
+    assert fault[int(DeviceFaultKind.MASK)] == 1 and fault[int(DeviceFaultKind.QUERY_ROWS)] == 0
+    fault.zero_()
+    bad_qo = qo.clone()
+    bad_qo[-1] = T + 50
+    mla_attention(q, pool, o, indptr, indices, fault, qo_indptr=bad_qo, mask_indptr=mask_indptr, **kw)
+    assert fault[int(DeviceFaultKind.QUERY_ROWS)] == 1 and fault[int(DeviceFaultKind.MASK)] == 0
+    assert torch.isfinite(o).all()
