@@ -33,7 +33,9 @@ def tree_mask(prefix: int, q_len: int, gen: torch.Generator) -> torch.Tensor:
     return m
 
 
-def _case(seed, group, q_len, dtype, page_size, *, tree=False, window=None, cap=0.0, sinks=False, lse=False, scales=(1.0, 1.0), block_m_max=16):
+def _case(
+    seed, group, q_len, dtype, page_size, *, tree=False, window=None, cap=0.0, sinks=False, lse=False, scales=(1.0, 1.0), block_m_max=16
+):
     from attn_triton.kernels.verify import VerifyConfig, verify_attention
 
     gen = torch.Generator().manual_seed(seed)

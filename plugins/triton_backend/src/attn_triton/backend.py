@@ -1,10 +1,12 @@
 """`TritonAttnBackend`: paged-KV attention with the kernels of `attn_triton.kernels`.
 
 Per step, `init_forward_metadata` builds CSR key indices (and decode split counts) on the device with
-one Triton launch per key set; per layer, DECODE runs the split-KV decode kernel and every other mode
-the extend kernel. CUDA graphs (DECODE, TARGET_VERIFY) read persistent buffers that replay refreshes
-(`graph.py`). With `ctx.deterministic` the decode split layout depends only on each request's own length
-(batch-invariant outputs). With `ctx.attention_chunk_size` C the step's metadata also holds the keys of
+one Triton launch per key set; per layer, DECODE runs the split-KV decode kernel, MHA/GQA TARGET_VERIFY
+and DRAFT_EXTEND steps whose requests all carry the same 1..16 tokens the verify kernel (tokens folded
+with the q heads of each KV head), and every other mode the extend kernel. CUDA graphs (DECODE,
+TARGET_VERIFY) read persistent buffers that replay refreshes (`graph.py`). With `ctx.deterministic` the
+decode split layout depends only on each request's own length (batch-invariant outputs; the verify
+kernel has no splits). With `ctx.attention_chunk_size` C the step's metadata also holds the keys of
 chunked local layers: in DECODE each request's keys from its chunk start, in the other modes the step
 split into virtual requests (`attn_core.local_attention`), served by the same kernels; CUDA graphs and
 TARGET_VERIFY custom masks are refused together with chunked local attention. With a
@@ -33,10 +35,11 @@ from attn_core.memory.window_pool import SlidingWindowKVPool, window_pool_of
 from attn_core.ops.device_faults import DeviceFaultFlags
 from attn_core.ops.merge_state import merge_state
 from attn_core.probes import triton_interpreter_enabled
-from attn_triton.config import SplitPolicy, decode_config, extend_config
+from attn_triton.config import SplitPolicy, decode_config, extend_config, verify_config
 from attn_triton.graph import GraphState
 from attn_triton.kernels.decode import DecodeConfig, decode_attention, head_blocks
 from attn_triton.kernels.extend import ExtendConfig, extend_attention
+from attn_triton.kernels.verify import VerifyConfig, verify_attention, verify_q_len
 from attn_triton.metadata import CascadeKeys, DecodeMetadata, ExtendMetadata, KVIndex, LocalExtend, Splits, SplitScratch, fill_kv, new_kv
 from attn_triton.spec import CAPABILITIES
 
@@ -48,8 +51,8 @@ MAX_MLA_ROPE = 64
 class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata]]):
     """Triton attention over the paged pools of attn-core (MHA/GQA/MQA and absorbed MLA).
 
-    Options (tests and tuning): `split_policy` (decode splits), `decode_config` / `extend_config`
-    (tile sizes; defaults from `attn_triton.config`).
+    Options (tests and tuning): `split_policy` (decode splits), `decode_config` / `extend_config` /
+    `verify_config` (tile sizes; defaults from `attn_triton.config`).
     """
 
     name = "triton"
@@ -62,6 +65,7 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata]])
         split_policy: Optional[SplitPolicy] = None,
         decode_config: Optional[DecodeConfig] = None,
         extend_config: Optional[ExtendConfig] = None,
+        verify_config: Optional[VerifyConfig] = None,
         **options,
     ):
         super().__init__(ctx, **options)
@@ -72,6 +76,7 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata]])
         self.split_policy = split_policy or SplitPolicy()
         self.decode_cfg = decode_config or _default_decode(ctx)
         self.extend_cfg = extend_config or _default_extend(ctx)
+        self.verify_cfg = verify_config or _default_verify(ctx)
         self.heads_per_kv_block = head_blocks(ctx.num_q_heads // ctx.num_kv_heads, self.decode_cfg)
         if ctx.device.type == "cuda":
             self.num_sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
@@ -317,6 +322,8 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata]])
             keys = self._keys(meta, layer, forward_batch)
         k_buf, v_buf = self._save_and_buffers(q, k, v, layer, forward_batch, save_kv_cache, sinks)
         cross = layer.is_cross_attention
+        folds = not (self.is_mla or cross or cascade is not None or layer.attention_chunk_size is not None)
+        b = forward_batch
         o, lse = self._extend(
             q,
             k_buf,
@@ -330,17 +337,45 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata]])
             mask_indptr=None if cross else meta.mask_indptr,
             sinks=sinks,
             want_lse=return_lse or cascade is not None,
+            verify_len=verify_q_len(b.forward_mode, b.batch_size, q.shape[0], max_q_len) if folds else None,
         )
         if cascade is not None:
             o, lse = self._merge_prefix_pass(q, k_buf, v_buf, layer, cascade, o, lse)
         o = o.view(q.shape[0], layer.num_q_heads * layer.v_head_dim)
         return (o, lse) if return_lse else o
 
-    def _extend(self, q, k_buf, v_buf, layer, qo_indptr, keys: KVIndex, max_q_len, *, causal, custom_mask, mask_indptr, sinks, want_lse):
-        """One extend-kernel launch: output `[T, Hq, Dv]` and LSE `[T, Hq]` (None unless `want_lse`)."""
+    def _extend(
+        self, q, k_buf, v_buf, layer, qo_indptr, keys: KVIndex, max_q_len, *, causal, custom_mask, mask_indptr, sinks, want_lse,
+        verify_len=None,
+    ):  # fmt: skip
+        """One extend-kernel launch: output `[T, Hq, Dv]` and LSE `[T, Hq]` (None unless `want_lse`).
+        With `verify_len` (every request has that many tokens: `verify_q_len`) the verify kernel runs
+        instead, its tokens folded with the q heads of each KV head."""
         T, hq, dv = q.shape[0], layer.num_q_heads, layer.v_head_dim
         o = q.new_empty((T, hq, dv))
         lse = torch.empty((T, hq), dtype=torch.float32, device=q.device) if want_lse else None
+        if verify_len is not None:
+            verify_attention(
+                _last_dim_contiguous(q),
+                k_buf,
+                v_buf,
+                o,
+                keys.indptr,
+                keys.indices,
+                verify_len,
+                self.device_faults.buffer,
+                sm_scale=layer.scaling,
+                config=self.verify_cfg,
+                custom_mask=custom_mask,
+                mask_indptr=mask_indptr,
+                logit_cap=layer.logit_cap,
+                window=layer.sliding_window_size,
+                sinks=_sinks(sinks),
+                lse_out=lse,
+                k_scale=_scale(layer.k_scale),
+                v_scale=_scale(layer.v_scale),
+            )
+            return o, lse
         extend_attention(
             _last_dim_contiguous(q),
             k_buf,
@@ -429,6 +464,10 @@ def _default_decode(ctx: BackendContext) -> DecodeConfig:
 
 def _default_extend(ctx: BackendContext) -> ExtendConfig:
     return extend_config(ctx.head_dim, ctx.v_head_dim, ctx.dtype, ctx.device, ctx.is_mla)
+
+
+def _default_verify(ctx: BackendContext) -> VerifyConfig:
+    return verify_config(ctx.head_dim, ctx.v_head_dim, ctx.dtype, ctx.device)
 
 
 def _check_device(device: torch.device) -> None:

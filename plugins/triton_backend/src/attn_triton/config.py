@@ -13,6 +13,7 @@ import torch
 
 from attn_triton.kernels.decode import DecodeConfig
 from attn_triton.kernels.extend import ExtendConfig
+from attn_triton.kernels.verify import VerifyConfig
 
 
 @dataclass(frozen=True)
@@ -64,3 +65,26 @@ def extend_config(head_dim: int, v_head_dim: int, dtype: torch.dtype, device: to
         return ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     # H200 sweep (docs/perf.md): 128x64 tiles with 4 warps, 3 stages were fastest on the extend rows
     return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+
+
+def verify_config(head_dim: int, v_head_dim: int, dtype: torch.dtype, device: torch.device) -> VerifyConfig:
+    """Tiles of the MHA/GQA verify kernel (rows = q heads of one KV head x draft tokens).
+
+    The kernel streams each request's K/V once per KV head with a 16..64-row tile, the shape of the
+    decode kernel's GQA tile (memory-bound, small M), so the GPU choices start from the decode sweep.
+    Not yet swept for verify itself (issue 15: `benchmarks/triton_vs_peers.py --verify`)."""
+    if device.type != "cuda":
+        # interpreter: 16-row tiles make the tests cut groups into head blocks; tiny tiles keep CPU runs fast
+        return VerifyConfig(block_m_max=16, block_n=16, num_warps=1, num_stages=1)
+    wide = max(head_dim, v_head_dim) > 128 or dtype == torch.float32
+    major, _ = torch.cuda.get_device_capability(device)
+    if major >= 9:
+        # SM90 (228 KiB shared memory): 3 stages of 128-key K and V tiles (64 KiB at d128 bf16) like the
+        # decode sweep's winner; 64 rows hold GQA 8 x 8 drafts or 4 x 16 in one program
+        if wide:
+            return VerifyConfig(block_m_max=64, block_n=64, num_warps=4, num_stages=2)
+        return VerifyConfig(block_m_max=64, block_n=128, num_warps=8, num_stages=3)
+    # SM80/SM86 and older (100-164 KiB shared memory): 64-key tiles, 2 stages (32 KiB a stage at d128 bf16)
+    if wide:
+        return VerifyConfig(block_m_max=32, block_n=32, num_warps=4, num_stages=2)
+    return VerifyConfig(block_m_max=64, block_n=64, num_warps=4, num_stages=2)

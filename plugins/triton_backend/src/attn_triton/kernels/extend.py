@@ -40,9 +40,7 @@ from attn_triton.kernels.common import (
     attend_tile,
     finalize,
     offset_range,
-    scale_scores,
     score_scales,
-    softmax_step,
 )
 
 

@@ -169,7 +169,8 @@ def _verify_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     t_idx = r.to(tl.int64) * Q_LEN + tok  # the row's token among the step's T query rows
     t_rows = t_idx[:, None]
-    q = tl.load(Q + t_rows * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    q_ptr = Q + t_rows * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     mask_beg = 0
     if USE_MASK:  # the request's [Q_LEN, kv_len] block must lie inside the mask (entries past it are not read)
         mask_beg = tl.load(MASK_INDPTR + r)
