@@ -105,6 +105,9 @@ GRAPH_CASES = [
     AttnCase("DECODE", [(1000, 1), (3, 1)], dtype="bfloat16", sinks=True, sliding_window=128, **GQA),
     AttnCase("DECODE", [(1500, 1), (20, 1)], dtype="bfloat16", **MLA),
     AttnCase("TARGET_VERIFY", [(1500, 8), (40, 8)], dtype="bfloat16", page_size=16, return_lse=True, **GQA),
+    # the verify kernel (issue 15): 4 drafts, chain (causal, no mask) and tree masks
+    AttnCase("TARGET_VERIFY", [(4000, 4), (0, 4), (700, 4)], dtype="bfloat16", page_size=16, custom_mask=False, **GQA),
+    AttnCase("TARGET_VERIFY", [(4000, 4), (33, 4)], dtype="bfloat16", page_size=16, sinks=True, return_lse=True, **GQA),
 ]
 
 

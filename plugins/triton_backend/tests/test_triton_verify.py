@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_helpers import paged_setup, requires_interpreter
+from triton_determinism_checks import target_rows
+from triton_helpers import factory, paged_setup, requires_interpreter
 
 from attn_core.forward_mode import ForwardMode
 from attn_core.ops.device_faults import DeviceFaultKind
@@ -139,3 +140,11 @@ def test_verify_q_len_dispatch_rule():
     assert verify_q_len(ForwardMode.MIXED, 4, 8, 2) is None
     assert verify_q_len(ForwardMode.TARGET_VERIFY, 1, 17, 17) is None
     assert verify_q_len(ForwardMode.TARGET_VERIFY, 0, 0, 0) is None
+
+
+def test_verify_request_batch_invariant():
+    """The verify kernel has no key splits: one request's rows are bitwise equal in three batches
+    (other companions, other positions), also outside deterministic mode."""
+    batches = [([(37, 4)], 0), ([(5, 4), (37, 4), (90, 4)], 1), ([(37, 4), (0, 4)], 0)]
+    outs = [target_rows(factory(), "TARGET_VERIFY", reqs, t, deterministic=False, page_size=16, custom_mask=False) for reqs, t in batches]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
