@@ -2,7 +2,7 @@
 # Every GPU check of the project in one command, for a machine with a CUDA GPU and torch + triton
 # installed (the lent H100/H200 machine: no network; FlashInfer comes from wheels carried in .whl/ and
 # its prebuilt kernels from .fi-cache/aot.tar.xz when present). Logs go to $OUT (default ./gpu-out).
-#   bash scripts/gpu_checks.sh [tests] [bench] [triton-bench] [fi-bench] [mla-bench] [engine] [multi-gpu]   (default: tests bench;
+#   bash scripts/gpu_checks.sh [tests] [bench] [triton-bench] [verify-bench] [fi-bench] [mla-bench] [engine] [multi-gpu]   (default: tests bench;
 #   bench = every benchmark;
 #   BENCH_ONLY=meta limits the Triton benchmark's rows)
 set -uo pipefail
@@ -52,7 +52,9 @@ if want multi-gpu; then  # needs 2 GPUs (nvidia-h200-x2): DCP decode attention, 
   done
 fi
 if want bench || want triton-bench; then
-  python3 benchmarks/triton_vs_peers.py --reps 20 --no-torch-native --only "${BENCH_ONLY:-decode,extend,meta}" --out "$OUT/triton_vs_peers.json" 2>&1 | tee "$OUT/triton_vs_peers.log" || rc=1
+  python3 benchmarks/triton_vs_peers.py --reps 20 --no-torch-native --only "${BENCH_ONLY:-decode,extend,verify,meta}" --out "$OUT/triton_vs_peers.json" 2>&1 | tee "$OUT/triton_vs_peers.log" || rc=1
+elif want verify-bench; then  # issue 15: MHA verify rows only (attn-triton verify / extend kernel / FlashInfer prefill, copy bandwidth)
+  python3 benchmarks/triton_vs_peers.py --reps 20 --no-torch-native --only verify --out "$OUT/triton_verify.json" 2>&1 | tee "$OUT/triton_verify.log" || rc=1
 fi
 if want bench || want fi-bench; then
   python3 benchmarks/flashinfer_overhead.py --rounds 8 --json "$OUT/flashinfer_overhead.json" 2>&1 | tee "$OUT/flashinfer_overhead.log" || rc=1
