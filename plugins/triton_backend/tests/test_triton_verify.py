@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from triton_determinism_checks import target_rows
-from triton_helpers import factory, paged_setup, requires_interpreter
+from triton_helpers import factory, paged_setup, requires_interpreter, tree_mask
 
 from attn_core.forward_mode import ForwardMode
 from attn_core.ops.device_faults import DeviceFaultKind
@@ -20,28 +20,15 @@ pytestmark = requires_interpreter
 HKV, D = 2, 40  # D not a power of two: the tile pads it to 64
 
 
-def tree_mask(prefix: int, q_len: int, gen: torch.Generator) -> torch.Tensor:
-    """A random draft tree's `[q_len, prefix + q_len]` visibility: every prefix key, then each draft
-    token's ancestors and itself (token i's parent is a random earlier token, or none)."""
-    parent = [-1] + [int(torch.randint(-1, i, (1,), generator=gen)) for i in range(1, q_len)]
-    m = torch.zeros(q_len, prefix + q_len, dtype=torch.bool)
-    m[:, :prefix] = True
-    for i in range(q_len):
-        j = i
-        while j >= 0:
-            m[i, prefix + j] = True
-            j = parent[j]
-    return m
-
-
 def _case(
-    seed, group, q_len, dtype, page_size, *, tree=False, window=None, cap=0.0, sinks=False, lse=False, scales=(1.0, 1.0), block_m_max=16
-):
+    seed, group, q_len, dtype, page_size, *, tree=False, window=None, cap=0.0, sinks=False, lse=False, scales=(1.0, 1.0), block_m_max=16,
+    block_n=16, max_prefix=70,
+):  # fmt: skip
     from attn_triton.kernels.verify import VerifyConfig, verify_attention
 
     gen = torch.Generator().manual_seed(seed)
     bs = int(torch.randint(2, 5, (1,), generator=gen))
-    prefixes = torch.randint(0, 70, (bs,), generator=gen).tolist()
+    prefixes = torch.randint(0, max_prefix, (bs,), generator=gen).tolist()
     prefixes[0] = 0  # a request whose keys are only its drafts
     lens = [p + q_len for p in prefixes]
     hq = group * HKV
@@ -61,7 +48,7 @@ def _case(
         for r, m in enumerate(masks):
             mask[int(mask_indptr[r]) : int(mask_indptr[r]) + m.numel()] = m.reshape(-1).to(torch.uint8)
     fault = torch.zeros(8, dtype=torch.int32)
-    cfg = VerifyConfig(block_m_max=block_m_max, block_n=16, num_warps=1, num_stages=1)
+    cfg = VerifyConfig(block_m_max=block_m_max, block_n=block_n, num_warps=1, num_stages=1)
     verify_attention(
         q, k_buf, v_buf, o, indptr, indices, q_len, fault, sm_scale=0.25, config=cfg, custom_mask=mask, mask_indptr=mask_indptr,
         logit_cap=cap, window=window, sinks=sink, lse_out=lse_out, k_scale=scales[0], v_scale=scales[1],
@@ -95,6 +82,12 @@ def test_verify_window_cap_sinks_lse_scales(tree):
 def test_verify_wide_tile_and_odd_q_len():
     """One program for a whole group of 8 heads x 3 tokens (a 32-row tile), q_len not a power of two."""
     _case(11, 8, 3, torch.float16, 16, tree=True, lse=True, block_m_max=64)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_verify_gpu_tiles(tree):
+    """The SM90 tile shape (64 rows, 128 keys): GQA 4 x 8 drafts in one program, prefixes past a tile."""
+    _case(13, 4, 8, torch.float16, 16, tree=tree, window=150 if tree else None, lse=True, block_m_max=64, block_n=128, max_prefix=300)
 
 
 def test_verify_faults_bad_slot_and_mask_offset():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_helpers import requires_interpreter
+from triton_helpers import requires_interpreter, tree_mask
 
 import attn_core as ac
 from attn_core.forward_mode import ForwardMode
@@ -20,19 +20,6 @@ pytestmark = requires_interpreter
 HQ, HKV, D = 8, 2, 32
 DTYPE = torch.float16
 LAYERS = [dict(), dict(sliding_window_size=11, logit_cap=4.0)]
-
-
-def _tree(prefix: int, n: int, gen: torch.Generator) -> torch.Tensor:
-    """A random draft tree's bool `[n, prefix + n]` mask: the prefix, each token's ancestors, itself."""
-    parent = [-1] + [int(torch.randint(-1, i, (1,), generator=gen)) for i in range(1, n)]
-    m = torch.zeros(n, prefix + n, dtype=torch.bool)
-    m[:, :prefix] = True
-    for i in range(n):
-        j = i
-        while j >= 0:
-            m[i, prefix + j] = True
-            j = parent[j]
-    return m
 
 
 class Engine:
@@ -110,7 +97,7 @@ def test_speculative_rounds_of_the_same_requests(page_size, monkeypatch):
     for rnd, drafts in enumerate([4, 2, 8]):
         calls.update(verify=0, extend=0)
         lens = [r.kv_len for r in eng.reqs]
-        masks = [_tree(n, drafts, eng.gen) for n in lens] if rnd != 1 else None  # round 1: the default chain mask
+        masks = [tree_mask(n, drafts, eng.gen) for n in lens] if rnd != 1 else None  # round 1: the default chain mask
         assert eng.step([drafts] * 3, mode="target_verify", masks=masks) <= tol, (rnd, "verify")
         assert calls == {"verify": len(LAYERS), "extend": 0}
         accepted = [int(torch.randint(0, drafts, (1,), generator=eng.gen)) for _ in lens]

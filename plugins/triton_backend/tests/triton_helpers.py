@@ -57,3 +57,18 @@ def paged_setup(lens, hkv, d, dv, dtype, gen, page_size=1):
     indptr[1:] = torch.tensor(lens).cumsum(0)
     indices = torch.cat(slots).to(torch.int32) if slots else torch.zeros(1, dtype=torch.int32)
     return k_buf, v_buf, indptr, indices, ks, vs
+
+
+def tree_mask(prefix: int, q_len: int, gen: torch.Generator) -> torch.Tensor:
+    """A random draft tree's bool `[q_len, prefix + q_len]` visibility: every prefix key, then each draft
+    token's ancestors and itself (token i's parent is a random earlier token, or none). With parents
+    [-1, 0, 0] (prefix 1): rows [1,1,0,0], [1,1,1,0], [1,1,0,1]."""
+    parent = [-1] + [int(torch.randint(-1, i, (1,), generator=gen)) for i in range(1, q_len)]
+    m = torch.zeros(q_len, prefix + q_len, dtype=torch.bool)
+    m[:, :prefix] = True
+    for i in range(q_len):
+        j = i
+        while j >= 0:
+            m[i, prefix + j] = True
+            j = parent[j]
+    return m

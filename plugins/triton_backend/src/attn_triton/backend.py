@@ -354,41 +354,8 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata]])
         T, hq, dv = q.shape[0], layer.num_q_heads, layer.v_head_dim
         o = q.new_empty((T, hq, dv))
         lse = torch.empty((T, hq), dtype=torch.float32, device=q.device) if want_lse else None
-        if verify_len is not None:
-            verify_attention(
-                _last_dim_contiguous(q),
-                k_buf,
-                v_buf,
-                o,
-                keys.indptr,
-                keys.indices,
-                verify_len,
-                self.device_faults.buffer,
-                sm_scale=layer.scaling,
-                config=self.verify_cfg,
-                custom_mask=custom_mask,
-                mask_indptr=mask_indptr,
-                logit_cap=layer.logit_cap,
-                window=layer.sliding_window_size,
-                sinks=_sinks(sinks),
-                lse_out=lse,
-                k_scale=_scale(layer.k_scale),
-                v_scale=_scale(layer.v_scale),
-            )
-            return o, lse
-        extend_attention(
-            _last_dim_contiguous(q),
-            k_buf,
-            v_buf,
-            o,
-            qo_indptr,
-            keys.indptr,
-            keys.indices,
-            max_q_len,
-            self.device_faults.buffer,
+        common = dict(
             sm_scale=layer.scaling,
-            config=self.extend_cfg,
-            causal=causal,
             custom_mask=custom_mask,
             mask_indptr=mask_indptr,
             logit_cap=layer.logit_cap,
@@ -397,9 +364,15 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata]])
             lse_out=lse,
             k_scale=_scale(layer.k_scale),
             v_scale=_scale(layer.v_scale),
-            d_rope=self.d_rope,
-            share_kv=self.is_mla,
         )
+        q_in, fault = _last_dim_contiguous(q), self.device_faults.buffer
+        if verify_len is not None:
+            verify_attention(q_in, k_buf, v_buf, o, keys.indptr, keys.indices, verify_len, fault, config=self.verify_cfg, **common)
+        else:
+            extend_attention(
+                q_in, k_buf, v_buf, o, qo_indptr, keys.indptr, keys.indices, max_q_len, fault,
+                config=self.extend_cfg, causal=causal, d_rope=self.d_rope, share_kv=self.is_mla, **common,
+            )  # fmt: skip
         return o, lse
 
     def _merge_prefix_pass(self, q, k_buf, v_buf, layer, cascade: CascadeKeys, o_suffix, lse_suffix):

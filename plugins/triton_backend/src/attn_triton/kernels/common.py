@@ -9,7 +9,9 @@ LSEs leave the kernels in natural log. Host-side scale factors come from `score_
 from __future__ import annotations
 
 import math
+from typing import Optional
 
+import torch
 import triton
 import triton.language as tl
 
@@ -26,6 +28,26 @@ FAULT_SLOT = tl.constexpr(int(DeviceFaultKind.SLOT))
 FAULT_KEY_OFFSETS = tl.constexpr(int(DeviceFaultKind.KEY_OFFSETS))
 FAULT_QUERY_ROWS = tl.constexpr(int(DeviceFaultKind.QUERY_ROWS))
 FAULT_MASK = tl.constexpr(int(DeviceFaultKind.MASK))
+
+
+def check_query_rows(
+    T: int,
+    bs: int,
+    kv_indptr: torch.Tensor,
+    o: torch.Tensor,
+    lse_out: Optional[torch.Tensor],
+    use_mask: bool,
+    mask_indptr: Optional[torch.Tensor],
+) -> None:
+    """Host checks (shapes only) of an extend-like launch over `bs` requests and `T` query rows: kv_indptr
+    holds >= bs + 1 offsets, o and lse_out hold T rows, a custom mask comes with >= bs mask offsets.
+    Raises `InvalidArgumentError` naming the argument. Example: T 12, bs 3, kv_indptr of 4 entries, o
+    `[12, H, D]`, no mask: passes; kv_indptr of 3 entries: raises (kv_indptr/o/lse_out)."""
+    if kv_indptr.shape[0] < bs + 1 or o.shape[0] != T or (lse_out is not None and lse_out.shape[0] != T):
+        raise InvalidArgumentError("kv_indptr/o/lse_out", f"{bs + 1} key offsets and {T} output rows", (kv_indptr.shape[0], o.shape[0]))
+    if use_mask and (mask_indptr is None or mask_indptr.shape[0] < bs):
+        found = None if mask_indptr is None else tuple(mask_indptr.shape)
+        raise InvalidArgumentError("mask_indptr", f"at least {bs} offsets with a custom mask", found)
 
 
 def score_scales(sm_scale: float, logit_cap: float, k_scale: float = 1.0) -> tuple[float, float]:

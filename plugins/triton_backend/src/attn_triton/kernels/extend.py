@@ -28,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_core.errors import InvalidArgumentError
 from attn_triton.kernels.common import (
     FAULT_KEY_OFFSETS,
     FAULT_MASK,
@@ -38,6 +37,7 @@ from attn_triton.kernels.common import (
     LOG2E_K,
     add_sink,
     attend_tile,
+    check_query_rows,
     finalize,
     offset_range,
     score_scales,
@@ -222,12 +222,8 @@ def extend_attention(
     bs = qo_indptr.shape[0] - 1
     if T == 0 or bs == 0 or max_q_len == 0:
         return
-    if kv_indptr.shape[0] < bs + 1 or o.shape[0] != T or (lse_out is not None and lse_out.shape[0] != T):
-        raise InvalidArgumentError("kv_indptr/o/lse_out", f"{bs + 1} key offsets and {T} output rows", (kv_indptr.shape[0], o.shape[0]))
     use_mask = custom_mask is not None
-    if use_mask and (mask_indptr is None or mask_indptr.shape[0] < bs):
-        found = None if mask_indptr is None else tuple(mask_indptr.shape)
-        raise InvalidArgumentError("mask_indptr", f"at least {bs} offsets with a custom mask", found)
+    check_query_rows(T, bs, kv_indptr, o, lse_out, use_mask, mask_indptr)
     hkv = k_buf.shape[1]
     d = d_total - d_rope
     dv = o.shape[2]
