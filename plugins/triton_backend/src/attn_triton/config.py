@@ -8,6 +8,7 @@ and a fixed split policy.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -67,17 +68,20 @@ def extend_config(head_dim: int, v_head_dim: int, dtype: torch.dtype, device: to
     return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
 
 
-def verify_config(head_dim: int, v_head_dim: int, dtype: torch.dtype, device: torch.device) -> VerifyConfig:
-    """Tiles of the MHA/GQA verify kernel (rows = q heads of one KV head x draft tokens).
+def verify_config(
+    head_dim: int, v_head_dim: int, dtype: torch.dtype, device: torch.device, sm_major: Optional[int] = None
+) -> VerifyConfig:
+    """Tiles of the MHA/GQA verify kernel (rows = q heads of one KV head x draft tokens), by the CUDA
+    compute capability's major version (`sm_major`; asked of the device when None).
 
     The kernel streams each request's K/V once per KV head with a 16..64-row tile, the shape of the
     decode kernel's GQA tile (memory-bound, small M), so the GPU choices start from the decode sweep.
-    Not yet swept for verify itself (issue 15: `benchmarks/triton_vs_peers.py --verify`)."""
+    Not yet swept for verify itself (issue 15: `benchmarks/triton_vs_peers.py --only verify`)."""
     if device.type != "cuda":
         # interpreter: 16-row tiles make the tests cut groups into head blocks; tiny tiles keep CPU runs fast
         return VerifyConfig(block_m_max=16, block_n=16, num_warps=1, num_stages=1)
     wide = max(head_dim, v_head_dim) > 128 or dtype == torch.float32
-    major, _ = torch.cuda.get_device_capability(device)
+    major = torch.cuda.get_device_capability(device)[0] if sm_major is None else sm_major
     if major >= 9:
         # SM90 (228 KiB shared memory): 3 stages of 128-key K and V tiles (64 KiB at d128 bf16) like the
         # decode sweep's winner; 64 rows hold GQA 8 x 8 drafts or 4 x 16 in one program
