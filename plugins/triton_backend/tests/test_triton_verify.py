@@ -22,14 +22,16 @@ HKV, D = 2, 40  # D not a power of two: the tile pads it to 64
 
 def _case(
     seed, group, q_len, dtype, page_size, *, tree=False, window=None, cap=0.0, sinks=False, lse=False, scales=(1.0, 1.0), block_m_max=16,
-    block_n=16, max_prefix=70,
+    block_n=16, max_prefix=70, prefixes=None,
 ):  # fmt: skip
     from attn_triton.kernels.verify import VerifyConfig, verify_attention
 
     gen = torch.Generator().manual_seed(seed)
-    bs = int(torch.randint(2, 5, (1,), generator=gen))
-    prefixes = torch.randint(0, max_prefix, (bs,), generator=gen).tolist()
-    prefixes[0] = 0  # a request whose keys are only its drafts
+    if prefixes is None:
+        bs = int(torch.randint(2, 5, (1,), generator=gen))
+        prefixes = torch.randint(0, max_prefix, (bs,), generator=gen).tolist()
+        prefixes[0] = 0  # a request whose keys are only its drafts
+    bs = len(prefixes)
     lens = [p + q_len for p in prefixes]
     hq = group * HKV
     k_buf, v_buf, indptr, indices, ks, vs = paged_setup(lens, HKV, D, D, dtype, gen, page_size)
@@ -74,14 +76,22 @@ def test_verify_matches_oracle(group, q_len, page_size, tree, dtype):
     _case(group * 100 + q_len, group, q_len, dtype, page_size, tree=tree)
 
 
-@pytest.mark.parametrize("tree", [False, True])
-def test_verify_window_cap_sinks_lse_scales(tree):
-    _case(7, 4, 4, torch.float32, 16, tree=tree, window=9, cap=2.5, sinks=True, lse=True, scales=(0.7, 1.3))
+@pytest.mark.parametrize("tree,window", [(False, 9), (False, 40), (True, 9)])
+def test_verify_window_cap_sinks_lse_scales(tree, window):
+    """Windows narrower than a tile and wider than two (tiles every row sees inside the window)."""
+    _case(7, 4, 4, torch.float32, 16, tree=tree, window=window, cap=2.5, sinks=True, lse=True, scales=(0.7, 1.3), max_prefix=120)
 
 
 def test_verify_wide_tile_and_odd_q_len():
     """One program for a whole group of 8 heads x 3 tokens (a 32-row tile), q_len not a power of two."""
     _case(11, 8, 3, torch.float16, 16, tree=True, lse=True, block_m_max=64)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_verify_every_offset_within_a_tile(window):
+    """Prefixes 12..40 put the first draft token and the window's lower edge at every offset inside a
+    16-key tile: the tiles every row sees (no masks) start and end exactly where they may."""
+    _case(17, 2, 4, torch.float32, 16, window=window, prefixes=list(range(12, 41)))
 
 
 @pytest.mark.parametrize("tree", [False, True])

@@ -181,27 +181,37 @@ def _verify_kernel(
     k_head = K + kv_head * stride_kh
     v_head = V + kv_head * stride_vh
 
-    # keys [lo, full_end) are seen by every row (no visibility masks), [full_end, kv_len) masked
+    # key tiles: [lo, full_lo) masked (the window's lower edge), [full_lo, full_hi) seen by every row (no
+    # visibility masks), [full_hi, kv_len) masked (the causal diagonal, the tail); a custom mask masks all
     lo = tl.full([], 0, tl.int32)
-    full_end = tl.maximum(q_off, 0)
+    all_from = tl.full([], 0, tl.int32)  # the first key every row sees
     if HAS_WINDOW:
         lo = tl.maximum(q_off - window + 1, 0) // BLOCK_N * BLOCK_N
-        full_end = lo
+        all_from = tl.maximum(q_off + Q_LEN - window, 0)
+    full_lo = tl.cdiv(all_from, BLOCK_N) * BLOCK_N
+    full_hi = tl.maximum(q_off + 1, 0) // BLOCK_N * BLOCK_N  # token 0 sees keys 0 .. q_off
     if USE_MASK:
-        full_end = lo
-    full_end = tl.maximum(full_end // BLOCK_N * BLOCK_N, lo)
+        full_hi = lo
+    full_lo = tl.where(full_hi > full_lo, full_lo, lo)
+    full_hi = tl.maximum(full_hi, full_lo)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     bad_slots = tl.arange(0, BLOCK_N) < 0
-    for start in range(lo, full_end, BLOCK_N):
+    for start in range(lo, full_lo, BLOCK_N):
         acc, m_i, l_i, bad_slots = attend_tile(
             acc, m_i, l_i, q, q, start, kv_len, q_pos, tok, row_ok, k_head, v_head, KV_INDICES, kv_beg, num_slots, FAULT,
             stride_ks, stride_vs, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
-            BLOCK_N, D, BLOCK_D, 0, 0, DV, BLOCK_DV, False, False, True, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC,
+            BLOCK_N, D, BLOCK_D, 0, 0, DV, BLOCK_DV, False, True, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC,
         )  # fmt: skip
-    for start in range(full_end, kv_len, BLOCK_N):
+    for start in range(full_lo, full_hi, BLOCK_N):
+        acc, m_i, l_i, bad_slots = attend_tile(
+            acc, m_i, l_i, q, q, start, kv_len, q_pos, tok, row_ok, k_head, v_head, KV_INDICES, kv_beg, num_slots, FAULT,
+            stride_ks, stride_vs, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
+            BLOCK_N, D, BLOCK_D, 0, 0, DV, BLOCK_DV, False, False, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC,
+        )  # fmt: skip
+    for start in range(full_hi, kv_len, BLOCK_N):
         acc, m_i, l_i, bad_slots = attend_tile(
             acc, m_i, l_i, q, q, start, kv_len, q_pos, tok, row_ok, k_head, v_head, KV_INDICES, kv_beg, num_slots, FAULT,
             stride_ks, stride_vs, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
