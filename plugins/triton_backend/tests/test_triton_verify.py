@@ -87,7 +87,7 @@ def test_verify_wide_tile_and_odd_q_len():
     _case(11, 8, 3, torch.float16, 16, tree=True, lse=True, block_m_max=64)
 
 
-@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("window", [None, 9, 40])
 def test_verify_every_offset_within_a_tile(window):
     """Prefixes 12..40 put the first draft token and the window's lower edge at every offset inside a
     16-key tile: the tiles every row sees (no masks) start and end exactly where they may."""

@@ -1,4 +1,4 @@
-"""Speculative verify attention (MHA/GQA/MQA): every request has the same q_len (2..16) new tokens.
+"""Speculative verify attention (MHA/GQA/MQA): every request has the same q_len (1..16) new tokens.
 
 TARGET_VERIFY and DRAFT_EXTEND steps of speculative decoding carry a few query tokens per request.
 The extend kernel would tile them BLOCK_M tokens of one q head at a time (a 64- or 128-row tile
@@ -192,8 +192,9 @@ def _verify_kernel(
     full_hi = tl.maximum(q_off + 1, 0) // BLOCK_N * BLOCK_N  # token 0 sees keys 0 .. q_off
     if USE_MASK:
         full_hi = lo
-    full_lo = tl.where(full_hi > full_lo, full_lo, lo)
-    full_hi = tl.maximum(full_hi, full_lo)
+    no_full = full_hi <= full_lo  # no tile every row sees: all masked from lo
+    full_lo = tl.where(no_full, lo, full_lo)
+    full_hi = tl.where(no_full, lo, full_hi)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
