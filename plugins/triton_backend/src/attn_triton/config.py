@@ -81,14 +81,17 @@ def verify_config(
         # interpreter: 16-row tiles make the tests cut groups into head blocks; tiny tiles keep CPU runs fast
         return VerifyConfig(block_m_max=16, block_n=16, num_warps=1, num_stages=1)
     wide = max(head_dim, v_head_dim) > 128 or dtype == torch.float32
-    major = torch.cuda.get_device_capability(device)[0] if sm_major is None else sm_major
-    if major >= 9:
-        # SM90 (228 KiB shared memory): 3 stages of 128-key K and V tiles (64 KiB at d128 bf16) like the
+    if sm_major is None:  # ROCm reports gfx9xx as major 9 with 64 KiB of LDS: it takes the small tiles below
+        sm_major = 0 if torch.version.hip else torch.cuda.get_device_capability(device)[0]
+    if sm_major >= 9:
+        # SM90 (228 KiB shared memory): 3 stages of 128-key K and V tiles (64 KiB a stage at d128 bf16; 161 KiB
+        # in all with 64 rows, as compiled for sm_90) like the
         # decode sweep's winner; 64 rows hold GQA 8 x 8 drafts or 4 x 16 in one program
         if wide:
             return VerifyConfig(block_m_max=64, block_n=64, num_warps=4, num_stages=2)
         return VerifyConfig(block_m_max=64, block_n=128, num_warps=8, num_stages=3)
-    # SM80/SM86 and older (100-164 KiB shared memory): 64-key tiles, 2 stages (32 KiB a stage at d128 bf16)
+    # SM80/SM86 and older (100-164 KiB shared memory; ROCm 64 KiB): 64-key tiles, 2 stages (32 KiB a stage at
+    # d128 bf16; 57 KiB in all as compiled for sm_80, test_triton_compile_sm90.py)
     if wide:
         return VerifyConfig(block_m_max=32, block_n=32, num_warps=4, num_stages=2)
     return VerifyConfig(block_m_max=64, block_n=64, num_warps=4, num_stages=2)
