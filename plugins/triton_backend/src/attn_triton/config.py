@@ -85,8 +85,8 @@ def verify_config(
         sm_major = 0 if torch.version.hip else torch.cuda.get_device_capability(device)[0]
     if sm_major >= 9:
         # SM90 (228 KiB shared memory): 3 stages of 128-key K and V tiles (64 KiB a stage at d128 bf16; 161 KiB
-        # in all with 64 rows, as compiled for sm_90) like the
-        # decode sweep's winner; 64 rows hold GQA 8 x 8 drafts or 4 x 16 in one program
+        # in all with 64 rows, as compiled for sm_90), the decode sweep's winner; 64 rows hold GQA 8 x 8 drafts
+        # or 4 x 16 in one program
         if wide:
             return VerifyConfig(block_m_max=64, block_n=64, num_warps=4, num_stages=2)
         return VerifyConfig(block_m_max=64, block_n=128, num_warps=8, num_stages=3)
