@@ -13,8 +13,15 @@ and 4 decodes + two 2048-token chunks) three ways: attn-triton unsplit (the defa
 split (`mixed_split=True`: decodes through the decode kernel, the chunk through the extend kernel) and
 FlashInfer's prefill wrapper over the whole step; the split is to become the default only if it wins.
 
-  python benchmarks/triton_vs_peers.py [--out FILE] [--only decode,extend,mixed,meta] [--no-torch-native]
+Verify rows (`--only verify`, issue 15): speculative TARGET_VERIFY batches, bs64 x 4096 keys with the
+last 4 or 8 of each request new (causal), timed for attn-triton's verify kernel, attn-triton's extend
+kernel on the same batch run as EXTEND (the path verify took before), and FlashInfer's paged prefill
+(causal); the rate is the bytes of K and V read per second, and the run also measures the device's
+copy bandwidth (a plain torch copy of a 2 GiB buffer, bytes read + written per second) to compare with.
+
+  python benchmarks/triton_vs_peers.py [--out FILE] [--only decode,extend,verify,mixed,meta] [--no-torch-native]
       [--decode-configs "64,16,4,3;32,16,4,4"] [--extend-configs "128,64,8,3;128,128,8,3"] [--waves 1,2,4]
+      [--verify-configs "64,128,8,3;64,64,4,3"]
 
 FlashInfer is used through its own API (BatchDecodeWithPagedKVCacheWrapper with tensor cores,
 BatchPrefillWithPagedKVCacheWrapper, causal), planned once per batch outside the timed region.
@@ -29,7 +36,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
@@ -56,6 +63,11 @@ EXTEND_ROWS = [
 ]
 # decodes, their keys, new tokens per prefill chunk (no prefix), chunks; the second row: few decodes
 MIXED_ROWS = [("mixed 64x4096 + 1x512", 64, 4096, 512, 1), ("mixed 4x4096 + 2x2048", 4, 4096, 2048, 2)]
+VERIFY_ROWS = [
+    ("verify bs64 ctx4096 4 drafts", 64, 4096, 4),
+    ("verify bs64 ctx4096 8 drafts", 64, 4096, 8),
+]
+VERIFY_AIM = 0.5  # min attn-triton K/V read rate / measured copy bandwidth (issue 15)
 DECODE_TARGET = {"decode bs1 ctx8192": 1.3}  # max attn-triton / FlashInfer time; others 1.05
 EXTEND_AIM, EXTEND_FLOOR = 0.8, 0.6  # min attn-triton / FlashInfer TFLOP/s
 
@@ -159,14 +171,19 @@ LAYER = AttentionLayer(0, HQ, HKV, D)
 
 
 # ---- implementations: each returns a zero-argument callable that computes the whole batch ----------
-def triton_impl(w: Workload, decode_cfg=None, extend_cfg=None, policy=None, mixed_split=False) -> Callable[[], torch.Tensor]:
+def triton_impl(w: Workload, decode_cfg=None, extend_cfg=None, policy=None, verify_cfg=None, mode=None, mixed_split=False) -> Callable[[], torch.Tensor]:
+    """attn-triton on the workload's batch; `mode` runs a copy of the batch in another forward mode
+    (a verify batch as EXTEND: the extend kernel on the same queries and keys)."""
     from attn_triton.backend import TritonAttnBackend
 
-    ctx = make_context(w)
-    backend = TritonAttnBackend(ctx, decode_config=decode_cfg, extend_config=extend_cfg, split_policy=policy, mixed_split=mixed_split)
-    backend.init_forward_metadata(w.batch)
-    w.batch.attn_backend = backend
-    return lambda: backend.forward(w.q, None, None, LAYER, w.batch, save_kv_cache=False)
+    batch = w.batch if mode is None else replace(w.batch, forward_mode=mode)
+    backend = TritonAttnBackend(
+        make_context(w), decode_config=decode_cfg, extend_config=extend_cfg, verify_config=verify_cfg, split_policy=policy,
+        mixed_split=mixed_split,
+    )
+    backend.init_forward_metadata(batch)
+    batch.attn_backend = backend
+    return lambda: backend.forward(w.q, None, None, LAYER, batch, save_kv_cache=False)
 
 
 def torch_native_impl(w: Workload) -> Callable[[], torch.Tensor]:
@@ -272,6 +289,11 @@ class RowResult:
 
 
 def row_workloads(kind: str, spec: tuple, gen: torch.Generator, l2_bytes: int) -> list[Workload]:
+    if kind == "verify":
+        _, bs, ctx, drafts = spec
+        w = make_workload([ctx] * bs, [drafts] * bs, False, gen)
+        w.batch.forward_mode = ForwardMode.TARGET_VERIFY  # no custom mask: the causal chain
+        return [w]
     if kind == "decode":
         _, bs, ctx = spec
         kv, q = [ctx] * bs, [1] * bs
@@ -322,15 +344,15 @@ def print_mixed_table(rows: list[RowResult]) -> str:
 
 
 def work_of(kind: str, w: Workload) -> float:
-    """The work a row's throughput is measured in: for "decode", the bytes of fp16 K and V read
-    (keys x HKV x D x 2 bytes x 2); for an extend kind, the FLOPs of QK^T and PV over the causal
+    """The work a row's throughput is measured in: for "decode" and "verify", the bytes of fp16 K and V
+    read once (keys x HKV x D x 2 bytes x 2); for an extend kind, the FLOPs of QK^T and PV over the causal
     (query, key) pairs (4 x HQ x D per pair; a request of n keys, q of them new, has
     q * (n - q) + q * (q + 1) / 2 pairs).
 
     Example (HQ 32, HKV 8, D 128): decode with kv_lens [1000, 1000] → 8,192,000.0 bytes; extend with
     kv_lens [10], q_lens [4] (34 pairs) → 557,056.0 FLOPs.
     """
-    if kind == "decode":
+    if kind in ("decode", "verify"):
         return float(sum(w.kv_lens) * HKV * D * 2 * 2)
     pairs = sum(q * (n - q) + q * (q + 1) / 2 for n, q in zip(w.kv_lens, w.q_lens))
     return 4.0 * HQ * D * pairs
@@ -357,33 +379,42 @@ def run_row(kind: str, spec: tuple, args, gen: torch.Generator, l2: int) -> RowR
     from attn_triton.config import SplitPolicy
     from attn_triton.kernels.decode import DecodeConfig
     from attn_triton.kernels.extend import ExtendConfig
+    from attn_triton.kernels.verify import VerifyConfig
 
     loads = row_workloads(kind, spec, gen, l2)
     res = RowResult(spec[0], kind, work_of(kind, loads[0]))
-    calls = 20 if kind == "decode" else 3
+    calls = 3 if kind == "extend" else 20
     # attn-triton, with an optional sweep over tile configs and split waves
     variants = []
     if kind == "decode":
         for cfg in parse_configs(args.decode_configs, DecodeConfig):
             for waves in args.waves or [None]:
-                variants.append((cfg, None, None if waves is None else SplitPolicy(waves=waves, min_split_len=args.min_split_len)))
+                variants.append((cfg, None, None if waves is None else SplitPolicy(waves=waves, min_split_len=args.min_split_len), None))
+    elif kind == "verify":
+        variants = [(None, None, None, cfg) for cfg in parse_configs(args.verify_configs, VerifyConfig)]
     else:
-        variants = [(None, cfg, None) for cfg in parse_configs(args.extend_configs, ExtendConfig)]
+        variants = [(None, cfg, None, None) for cfg in parse_configs(args.extend_configs, ExtendConfig)]
     best = None
-    for dcfg, ecfg, policy in variants:
+    for dcfg, ecfg, policy, vcfg in variants:
+        tiles = {"decode": _cfg(dcfg), "extend": _cfg(ecfg), "policy": _cfg(policy), "verify": _cfg(vcfg)}
         try:
-            fns = [triton_impl(w, dcfg, ecfg, policy) for w in loads]
+            fns = [triton_impl(w, dcfg, ecfg, policy, vcfg) for w in loads]
             err = check(loads[0], fns[0]())
             t = time_graph(fns, calls, args.reps)
         except Exception as exc:  # a config that does not compile (shared memory) is reported, not fatal
-            res.sweep.append({"decode": _cfg(dcfg), "extend": _cfg(ecfg), "policy": _cfg(policy), "error": repr(exc)[:300]})
+            res.sweep.append({**tiles, "error": repr(exc)[:300]})
             continue
-        res.sweep.append({"decode": _cfg(dcfg), "extend": _cfg(ecfg), "policy": _cfg(policy), "us": t, "err": err})
+        res.sweep.append({**tiles, "us": t, "err": err})
         if best is None or t < best[0]:
             best = (t, err)
     if best is not None:
         res.times_us["attn-triton"], res.errors["attn-triton"] = best
         res.timing["attn-triton"] = "cuda graph"
+    if kind == "verify":  # the same batch through the extend kernel (as EXTEND): the path verify took before
+        fns = [triton_impl(w, mode=ForwardMode.EXTEND) for w in loads]
+        res.errors["attn-triton extend kernel"] = check(loads[0], fns[0]())
+        res.times_us["attn-triton extend kernel"] = time_graph(fns, calls, args.reps)
+        res.timing["attn-triton extend kernel"] = "cuda graph"
     if not args.no_flashinfer:
         try:
             fns = [flashinfer_impl(w) for w in loads]
@@ -513,6 +544,36 @@ def _metadata_row(bs: int, ctx_len: int, n: int, gen: torch.Generator) -> dict:
     return row
 
 
+def copy_bandwidth_tb_s(nbytes: int = 2 << 30, reps: int = 20) -> float:
+    """The device's copy bandwidth in TB/s: a plain torch copy of an `nbytes` buffer into another,
+    counting the bytes read and written (2 x nbytes per copy); median of `reps` timed copies."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    us = _median_events(lambda: dst.copy_(src), reps)
+    return 2 * nbytes / (us * 1e-6) / 1e12
+
+
+def print_verify_table(rows: list[RowResult], copy_tb_s: float) -> str:
+    """The verify rows: times, K/V read rates and their share of the measured copy bandwidth."""
+    impls = ["attn-triton", "attn-triton extend kernel", "flashinfer"]
+    lines = [
+        f"measured copy bandwidth (read + write): {copy_tb_s:.2f} TB/s",
+        "| row | " + " | ".join(f"{i} µs (TB/s, % of copy)" for i in impls) + f" | triton/FI time | ≥ {VERIFY_AIM:.0%} of copy |",
+        "|---|" + "---|" * (len(impls) + 2),
+    ]
+    for r in rows:
+        cells = []
+        for i in impls:
+            t, rate = r.times_us.get(i), r.rate(i)
+            cells.append("-" if t is None else f"{t:.1f} ({rate:.2f}, {rate / copy_tb_s:.0%})")
+        ratio, rate = r.ratio(), r.rate("attn-triton")
+        ok = "-" if rate is None else ("yes" if rate >= VERIFY_AIM * copy_tb_s else "no")
+        lines.append(f"| {r.name} | " + " | ".join(cells) + f" | {'-' if ratio is None else f'{ratio:.3f}'} | {ok} |")
+    return "\n".join(lines)
+
+
 def print_table(rows: list[RowResult]) -> str:
     cols = ["attn-triton µs", "FlashInfer µs", "torch_native µs", "triton/FI time", "attn-triton rate", "FlashInfer rate", "target", "ok"]
     head = f"| {'row':28s} | " + " | ".join(cols) + " |"
@@ -543,11 +604,12 @@ def print_table(rows: list[RowResult]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "triton_vs_peers.json"))
-    p.add_argument("--only", default="decode,extend,mixed,meta")
+    p.add_argument("--only", default="decode,extend,verify,mixed,meta")
     p.add_argument("--no-torch-native", action="store_true")
     p.add_argument("--no-flashinfer", action="store_true")
     p.add_argument("--decode-configs", default=None, help='"block_n,block_h,warps,stages;..."')
     p.add_argument("--extend-configs", default=None, help='"block_m,block_n,warps,stages;..."')
+    p.add_argument("--verify-configs", default=None, help='"block_m_max,block_n,warps,stages;..."')
     p.add_argument("--waves", default=None, help="comma list of split-policy waves to sweep")
     p.add_argument("--min-split-len", type=int, default=256)
     p.add_argument("--reps", type=int, default=30)
@@ -581,6 +643,9 @@ def main(argv=None) -> int:
     specs = ([("decode", s) for s in DECODE_ROWS] if "decode" in only else []) + (
         [("extend", s) for s in EXTEND_ROWS] if "extend" in only else []
     )
+    specs += [("verify", s) for s in VERIFY_ROWS] if "verify" in only else []
+    if "verify" in only:
+        info["copy_tb_s"] = copy_bandwidth_tb_s()
     for kind, spec in specs:
         t0 = time.time()
         r = run_row(kind, spec, args, gen, l2)
@@ -596,7 +661,10 @@ def main(argv=None) -> int:
         print(f"{r.name}: {r.times_us} errors {r.errors}", flush=True)
         torch.cuda.empty_cache()
     meta = metadata_host_times() if "meta" in only else []
-    table = print_table(rows)
+    table = print_table([r for r in rows if r.kind != "verify"])
+    verify_rows = [r for r in rows if r.kind == "verify"]
+    if verify_rows:
+        table += "\n\n" + print_verify_table(verify_rows, info["copy_tb_s"])
     if mixed_rows:
         table += "\n\n" + print_mixed_table(mixed_rows)
     bad = {r.name: e for r in rows + mixed_rows for e in r.errors.values() if e > 2e-2}

@@ -2,7 +2,7 @@
 # Every GPU check of the project in one command, for a machine with a CUDA GPU and torch + triton
 # installed (the lent H100/H200 machine: no network; FlashInfer comes from wheels carried in .whl/ and
 # its prebuilt kernels from .fi-cache/aot.tar.xz when present). Logs go to $OUT (default ./gpu-out).
-#   bash scripts/gpu_checks.sh [tests] [bench] [triton-bench] [fi-bench] [mla-bench] [mla] [engine] [multi-gpu]   (default: tests bench;
+#   bash scripts/gpu_checks.sh [tests] [bench] [triton-bench] [verify-bench] [fi-bench] [mla-bench] [mla] [engine] [multi-gpu]   (default: tests bench;
 #   bench = every benchmark; mla = attn-triton's MLA kernel alone: its GPU tests and the MLA benchmark without the prefill row;
 #   BENCH_ONLY=meta limits the Triton benchmark's rows)
 set -uo pipefail
@@ -56,7 +56,9 @@ if want mla; then  # issue 15: the MLA kernel at 512 + 64 x 128 heads (oracle, t
   python3 benchmarks/mla_vs_peers.py --no-prefill --mla-tiles "${MLA_TILES:-32x32x8x2,64x16x8x3,32x64x8x2}" --json "$OUT/mla_vs_peers_triton.json" 2>&1 | tee "$OUT/mla_vs_peers_triton.log" || rc=1
 fi
 if want bench || want triton-bench; then
-  python3 benchmarks/triton_vs_peers.py --reps 20 --no-torch-native --only "${BENCH_ONLY:-decode,extend,mixed,meta}" --out "$OUT/triton_vs_peers.json" 2>&1 | tee "$OUT/triton_vs_peers.log" || rc=1
+  python3 benchmarks/triton_vs_peers.py --reps 20 --no-torch-native --only "${BENCH_ONLY:-decode,extend,verify,mixed,meta}" --out "$OUT/triton_vs_peers.json" 2>&1 | tee "$OUT/triton_vs_peers.log" || rc=1
+elif want verify-bench; then  # issue 15: MHA verify rows only (attn-triton verify / extend kernel / FlashInfer prefill, copy bandwidth)
+  python3 benchmarks/triton_vs_peers.py --reps 20 --no-torch-native --only verify --out "$OUT/triton_verify.json" 2>&1 | tee "$OUT/triton_verify.log" || rc=1
 fi
 if want bench || want fi-bench; then
   python3 benchmarks/flashinfer_overhead.py --rounds 8 --json "$OUT/flashinfer_overhead.json" 2>&1 | tee "$OUT/flashinfer_overhead.log" || rc=1

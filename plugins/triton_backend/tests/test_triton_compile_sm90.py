@@ -1,7 +1,7 @@
-"""The kernels compile for sm_90 (Hopper) on a machine without a GPU: Triton's CUDA backend lowers
-them to PTX and cubin ahead of time. Catches what the interpreter does not check (non-constexpr
-globals, dot shapes, shared-memory limits) for the variants with every feature switched on; the MLA
-kernel also for sm_80 with its Ampere tiles."""
+"""The kernels compile for sm_90 (Hopper) on a machine without a GPU: Triton's CUDA backend lowers them
+to PTX and cubin ahead of time. Catches what the interpreter does not check (non-constexpr globals, dot
+shapes, shared-memory limits) for the variants with every feature switched on; the verify and MLA
+kernels also for sm_80 with their Ampere tiles."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ SCRIPT = r"""
 import triton, torch
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from attn_triton.config import decode_config, extend_config, mla_config_for
-from attn_triton.kernels import decode as de, extend as ex, mla_decode as ml
+from attn_triton.config import decode_config, extend_config, mla_config_for, verify_config
+from attn_triton.kernels import decode as de, extend as ex, mla_decode as ml, verify as vf
 
 def types_for(fn, dt):
     t = {}
@@ -52,6 +52,17 @@ for dt, tdt, d, dv, dpe, mla in (("bf16", torch.bfloat16, 128, 128, 0, False), (
     c = decode_config(d + dpe, dv, tdt, dev, mla)
     build(de._decode_split_kernel, dt, dict(GROUP=4, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=c.block_n, **common), c.num_warps, c.num_stages)
     build(de._decode_merge_kernel, dt, dict(SPLITS_BLOCK=32, DV=dv, BLOCK_DV=p2(dv), HAS_SINK=True, STORE_LSE=True), 2, 1)
+    if not mla:  # the MHA verify kernel on SM90 and SM80 tiles: 4 heads x 8 drafts, and 4 x 16 (the 64-row cap)
+        for arch in (90, 80):
+            v = verify_config(d, dv, tdt, dev, sm_major=arch // 10)
+            for q_len in (8, 16):
+                heads = min(4, v.block_m_max // q_len)
+                vc = dict(D=d, BLOCK_D=p2(d), DV=dv, BLOCK_DV=p2(dv), LOGIT_CAP=True, HAS_WINDOW=True, DOT_PREC=common["DOT_PREC"])
+                k = build(vf._verify_kernel, dt, dict(Q_LEN=q_len, GROUP=4, HEADS=heads, HEAD_BLOCKS=4 // heads, BLOCK_M=p2(heads * q_len),
+                                                      BLOCK_N=v.block_n, CAUSAL=False, USE_MASK=True, HAS_SINK=True, STORE_LSE=True, **vc),
+                          v.num_warps, v.num_stages, arch)
+                # shared memory within the smallest part of each family: 227 KiB (H100/H200), 99 KiB (SM86/SM89)
+                assert k.metadata.shared <= (227 if arch == 90 else 99) * 1024, (arch, q_len, k.metadata.shared)
 # the MLA kernel at DeepSeek's 512 + 64 with each architecture's tiles: decode (split) and verify (tree mask)
 for arch, dt, tdt in ((90, "bf16", torch.bfloat16), (80, "bf16", torch.bfloat16), (90, "fp32", torch.float32)):
     m = mla_config_for(tdt, arch // 10)

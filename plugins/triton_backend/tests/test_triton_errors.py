@@ -25,7 +25,7 @@ def no_launch(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("a kernel was launched")
 
-    for name in ("decode_attention", "extend_attention"):
+    for name in ("decode_attention", "extend_attention", "verify_attention"):
         monkeypatch.setattr(be, name, boom)
 
 

@@ -117,6 +117,9 @@ GRAPH_CASES = [
     AttnCase("DECODE", [(4095, 1), (20, 1), (8000, 1)], dtype="bfloat16", page_size=64, return_lse=True, **MLA128),
     AttnCase("TARGET_VERIFY", [(4000, 4), (40, 4)], dtype="bfloat16", page_size=64, return_lse=True, **MLA128),
     AttnCase("TARGET_VERIFY", [(1500, 8), (40, 8)], dtype="bfloat16", page_size=16, return_lse=True, **GQA),
+    # the verify kernel (issue 15): 4 drafts, chain (causal, no mask) and tree masks
+    AttnCase("TARGET_VERIFY", [(4000, 4), (0, 4), (700, 4)], dtype="bfloat16", page_size=16, custom_mask=False, **GQA),
+    AttnCase("TARGET_VERIFY", [(4000, 4), (33, 4)], dtype="bfloat16", page_size=16, sinks=True, return_lse=True, **GQA),
 ]
 
 

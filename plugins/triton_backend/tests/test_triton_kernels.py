@@ -6,34 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_helpers import requires_interpreter
+from triton_helpers import paged_setup, requires_interpreter
 
 from attn_core.testing.reference import reference_attention, relative_error, tolerance
 
 pytestmark = requires_interpreter
-
-
-def _paged_setup(lens, hkv, d, dv, dtype, gen, page_size=1):
-    """Random K/V for requests of `lens` tokens in a NaN-poisoned pool, pages in random order."""
-    pages = [-(-n // page_size) for n in lens]
-    num_pages = sum(pages) + 3
-    perm = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
-    k_buf = torch.full((num_pages * page_size, hkv, d), float("nan"), dtype=dtype)
-    v_buf = torch.full((num_pages * page_size, hkv, dv), float("nan"), dtype=dtype)
-    slots, ks, vs = [], [], []
-    for n, p in zip(lens, pages):
-        mine, perm = perm[:p], perm[p:]
-        s = (torch.tensor(mine, dtype=torch.int64)[:, None] * page_size + torch.arange(page_size)).reshape(-1)[:n]
-        k = torch.randn(n, hkv, d, generator=gen).to(dtype)
-        v = torch.randn(n, hkv, dv, generator=gen).to(dtype)
-        k_buf[s], v_buf[s] = k, v
-        slots.append(s)
-        ks.append(k)
-        vs.append(v)
-    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    indptr[1:] = torch.tensor(lens).cumsum(0)
-    indices = torch.cat(slots).to(torch.int32) if slots else torch.zeros(1, dtype=torch.int32)
-    return k_buf, v_buf, indptr, indices, ks, vs
 
 
 @pytest.mark.parametrize("splits", list(range(1, 9)))
@@ -45,7 +22,7 @@ def test_decode_every_split_count(splits, variant):
     lens = [1, 17, 50, 33, 64]  # one-token, off-block and exact-block lengths (BLOCK_N 16)
     hq, hkv, d = 6, 2, 32
     dtype = torch.float32
-    k_buf, v_buf, indptr, indices, ks, vs = _paged_setup(lens, hkv, d, d, dtype, gen, page_size=16)
+    k_buf, v_buf, indptr, indices, ks, vs = paged_setup(lens, hkv, d, d, dtype, gen, page_size=16)
     bs = len(lens)
     q = torch.randn(bs, hq, d, generator=gen)
     window = 20 if variant != "plain" else None
@@ -80,7 +57,7 @@ def test_extend_unaligned_lengths(dtype, page_size):
     shapes = [(0, 1), (0, 17), (15, 16), (33, 31), (64, 3), (1, 0)]  # (prefix, q_len)
     lens = [p + e for p, e in shapes]
     hq, hkv, d = 4, 1, 32
-    k_buf, v_buf, indptr, indices, ks, vs = _paged_setup(lens, hkv, d, d, dtype, gen, page_size)
+    k_buf, v_buf, indptr, indices, ks, vs = paged_setup(lens, hkv, d, d, dtype, gen, page_size)
     q_lens = [e for _, e in shapes]
     qo = torch.zeros(len(shapes) + 1, dtype=torch.int32)
     qo[1:] = torch.tensor(q_lens).cumsum(0)

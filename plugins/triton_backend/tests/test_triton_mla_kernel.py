@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_helpers import random_tree_mask, requires_interpreter
+from triton_helpers import requires_interpreter
 
+from attn_core.batch_builder import random_tree_mask
 from attn_core.ops.device_faults import DeviceFaultKind
 from attn_core.testing.reference import reference_attention, relative_error, tolerance
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_helpers import SMALL_SPLITS, random_tree_mask, requires_interpreter
+from triton_helpers import SMALL_SPLITS, requires_interpreter
 
 import attn_core as ac
+from attn_core.batch_builder import random_tree_mask
 from attn_core.testing.reference import reference_attention, relative_error, tolerance
 
 pytestmark = requires_interpreter

@@ -33,16 +33,28 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def random_tree_mask(prefix: int, n: int, gen: torch.Generator) -> torch.Tensor:
-    """The verify mask of a random draft tree of n tokens (token 0 the root, each later token's parent
-    a random earlier one): bool `[n, prefix + n]` where token t sees the prefix, its ancestors and
-    itself. A chain (every parent the previous token) would be the causal mask."""
-    parent = [-1] + [int(torch.randint(0, t, (1,), generator=gen)) for t in range(1, n)]
-    mask = torch.zeros(n, prefix + n, dtype=torch.bool)
-    mask[:, :prefix] = True
-    for t in range(n):
-        a = t
-        while a >= 0:
-            mask[t, prefix + a] = True
-            a = parent[a]
-    return mask
+def paged_setup(lens, hkv, d, dv, dtype, gen, page_size=1):
+    """Random K/V for requests of `lens` tokens in a NaN-poisoned pool, pages in random order.
+
+    Returns (k_buf `[slots, hkv, d]`, v_buf `[slots, hkv, dv]`, kv_indptr `[bs+1]` int32, kv_indices int32,
+    per-request dense K list, V list)."""
+    pages = [-(-n // page_size) for n in lens]
+    num_pages = sum(pages) + 3
+    perm = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
+    k_buf = torch.full((num_pages * page_size, hkv, d), float("nan"), dtype=dtype)
+    v_buf = torch.full((num_pages * page_size, hkv, dv), float("nan"), dtype=dtype)
+    slots, ks, vs = [], [], []
+    for n, p in zip(lens, pages):
+        mine, perm = perm[:p], perm[p:]
+        s = (torch.tensor(mine, dtype=torch.int64)[:, None] * page_size + torch.arange(page_size)).reshape(-1)[:n]
+        k = torch.randn(n, hkv, d, generator=gen).to(dtype)
+        v = torch.randn(n, hkv, dv, generator=gen).to(dtype)
+        k_buf[s], v_buf[s] = k, v
+        slots.append(s)
+        ks.append(k)
+        vs.append(v)
+    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    indptr[1:] = torch.tensor(lens).cumsum(0)
+    indices = torch.cat(slots).to(torch.int32) if slots else torch.zeros(1, dtype=torch.int32)
+    return k_buf, v_buf, indptr, indices, ks, vs
+

@@ -1,11 +1,14 @@
 """`TritonAttnBackend`: paged-KV attention with the kernels of `attn_triton.kernels`.
 
 Per step, `init_forward_metadata` builds CSR key indices (and decode split counts) on the device with
-one Triton launch per key set; per layer, DECODE runs the split-KV decode kernel and every other mode
-the extend kernel, except absorbed MLA, whose DECODE and same-length TARGET_VERIFY / DRAFT_EXTEND steps
-run the MLA kernel (`kernels/mla_decode.py`). CUDA graphs (DECODE, TARGET_VERIFY) read persistent buffers that replay refreshes
-(`graph.py`). With `ctx.deterministic` the decode split layout depends only on each request's own length
-(batch-invariant outputs). With `ctx.attention_chunk_size` C the step's metadata also holds the keys of
+one Triton launch per key set; per layer, DECODE runs the split-KV decode kernel, MHA/GQA TARGET_VERIFY
+and DRAFT_EXTEND steps whose requests all carry the same 1..16 tokens the verify kernel (tokens folded
+with the q heads of each KV head), and every other mode the extend kernel, except absorbed MLA, whose
+DECODE and same-length (2..16 tokens) TARGET_VERIFY / DRAFT_EXTEND steps run the MLA kernel
+(`kernels/mla_decode.py`). CUDA graphs (DECODE, TARGET_VERIFY) read persistent buffers that replay
+refreshes (`graph.py`). With `ctx.deterministic` the decode split layout depends only on each request's
+own length (batch-invariant outputs; the verify kernel has no splits). With `ctx.attention_chunk_size` C
+the step's metadata also holds the keys of
 chunked local layers: in DECODE each request's keys from its chunk start, in the other modes the step
 split into virtual requests (`attn_core.local_attention`), served by the same kernels; CUDA graphs and
 TARGET_VERIFY custom masks are refused together with chunked local attention. With a
@@ -34,11 +37,12 @@ from attn_core.memory.window_pool import SlidingWindowKVPool, window_pool_of
 from attn_core.ops.device_faults import DeviceFaultFlags
 from attn_core.ops.merge_state import merge_state
 from attn_core.probes import triton_interpreter_enabled
-from attn_triton.config import SplitPolicy, decode_config, extend_config, mla_config
+from attn_triton.config import SplitPolicy, decode_config, extend_config, mla_config, verify_config
 from attn_triton.graph import GraphState
 from attn_triton.kernels.decode import DecodeConfig, decode_attention, head_blocks
 from attn_triton.kernels.extend import ExtendConfig, extend_attention
 from attn_triton.kernels.mla_decode import MAX_FOLDED_Q_LEN, MLAConfig, mla_attention, programs_per_request
+from attn_triton.kernels.verify import VerifyConfig, verify_attention, verify_q_len
 from attn_triton.metadata import CascadeKeys, DecodeMetadata, ExtendMetadata, KVIndex, LocalExtend, Splits, SplitScratch, fill_kv, new_kv
 from attn_triton.mixed import MixedMetadata, build_mixed_metadata, forward_mixed
 from attn_triton.spec import CAPABILITIES
@@ -52,8 +56,9 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
     """Triton attention over the paged pools of attn-core (MHA/GQA/MQA and absorbed MLA).
 
     Options (tests and tuning): `split_policy` (decode splits), `decode_config` / `extend_config` /
-    `mla_config` (tile sizes; defaults from `attn_triton.config`), `mixed_split` (MIXED steps: decodes
-    through the decode kernel, the rest through the extend kernel, `attn_triton.mixed`; default False).
+    `mla_config` / `verify_config` (tile sizes; defaults from `attn_triton.config`), `mixed_split` (MIXED
+    steps: decodes through the decode kernel, the rest through the extend kernel, `attn_triton.mixed`;
+    default False).
 
     Absorbed MLA with a KV pool of the q dtype runs DECODE, and TARGET_VERIFY / DRAFT_EXTEND steps whose
     requests all have the same 2..16 new tokens, on the MLA kernel (`kernels/mla_decode.py`); other
@@ -72,6 +77,7 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
         extend_config: Optional[ExtendConfig] = None,
         mixed_split: bool = False,
         mla_config: Optional[MLAConfig] = None,
+        verify_config: Optional[VerifyConfig] = None,
         **options,
     ):
         super().__init__(ctx, **options)
@@ -86,6 +92,7 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
         self.decode_cfg = decode_config or _default_decode(ctx)
         self.extend_cfg = extend_config or _default_extend(ctx)
         self.mla_cfg = mla_config or _default_mla(ctx)
+        self.verify_cfg = verify_config or _default_verify(ctx)
         if self.is_mla and _mla_kernel_takes(ctx.dtype, ctx.kv_dtype or ctx.dtype):
             self.heads_per_kv_block = programs_per_request(ctx.num_q_heads, self.mla_cfg)
         else:
@@ -342,9 +349,14 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
             keys = self._keys(meta, layer, forward_batch)
         k_buf, v_buf = self._save_and_buffers(q, k, v, layer, forward_batch, save_kv_cache, sinks)
         cross = layer.is_cross_attention
-        folded = _folded_q_len(forward_batch, q.shape[0], qo_indptr.shape[0] - 1, max_q_len)
-        if self.is_mla and folded and cascade is None and not cross and _mla_kernel_takes(q.dtype, k_buf.dtype):
-            return self._mla(q, k_buf, layer, keys, sinks, return_lse, q_len=folded, qo_indptr=qo_indptr, extend=meta)
+        b = forward_batch
+        plain = not (cross or cascade is not None or layer.attention_chunk_size is not None)
+        # one host-only rule (`verify_q_len`) picks the folded kernels: MLA's for 2..16 tokens, else verify's
+        same_q_len = verify_q_len(b.forward_mode, b.batch_size, q.shape[0], max_q_len) if plain else None
+        if self.is_mla:
+            if same_q_len is not None and 2 <= same_q_len <= MAX_FOLDED_Q_LEN and _mla_kernel_takes(q.dtype, k_buf.dtype):
+                return self._mla(q, k_buf, layer, keys, sinks, return_lse, q_len=same_q_len, qo_indptr=qo_indptr, extend=meta)
+            same_q_len = None
         o, lse = self._extend(
             q,
             k_buf,
@@ -358,30 +370,25 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
             mask_indptr=None if cross else meta.mask_indptr,
             sinks=sinks,
             want_lse=return_lse or cascade is not None,
+            verify_len=same_q_len,
         )
         if cascade is not None:
             o, lse = self._merge_prefix_pass(q, k_buf, v_buf, layer, cascade, o, lse)
         o = o.view(q.shape[0], layer.num_q_heads * layer.v_head_dim)
         return (o, lse) if return_lse else o
 
-    def _extend(self, q, k_buf, v_buf, layer, qo_indptr, keys: KVIndex, max_q_len, *, causal, custom_mask, mask_indptr, sinks, want_lse):
-        """One extend-kernel launch: output `[T, Hq, Dv]` and LSE `[T, Hq]` (None unless `want_lse`)."""
+    def _extend(
+        self, q, k_buf, v_buf, layer, qo_indptr, keys: KVIndex, max_q_len, *, causal, custom_mask, mask_indptr, sinks, want_lse,
+        verify_len=None,
+    ):  # fmt: skip
+        """One extend-kernel launch: output `[T, Hq, Dv]` and LSE `[T, Hq]` (None unless `want_lse`).
+        With `verify_len` (every request has that many tokens: `verify_q_len`) the verify kernel runs
+        instead, its tokens folded with the q heads of each KV head."""
         T, hq, dv = q.shape[0], layer.num_q_heads, layer.v_head_dim
         o = q.new_empty((T, hq, dv))
         lse = torch.empty((T, hq), dtype=torch.float32, device=q.device) if want_lse else None
-        extend_attention(
-            _last_dim_contiguous(q),
-            k_buf,
-            v_buf,
-            o,
-            qo_indptr,
-            keys.indptr,
-            keys.indices,
-            max_q_len,
-            self.device_faults.buffer,
+        common = dict(
             sm_scale=layer.scaling,
-            config=self.extend_cfg,
-            causal=causal,
             custom_mask=custom_mask,
             mask_indptr=mask_indptr,
             logit_cap=layer.logit_cap,
@@ -390,9 +397,15 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
             lse_out=lse,
             k_scale=_scale(layer.k_scale),
             v_scale=_scale(layer.v_scale),
-            d_rope=self.d_rope,
-            share_kv=self.is_mla,
         )
+        q_in, fault = _last_dim_contiguous(q), self.device_faults.buffer
+        if verify_len is not None:
+            verify_attention(q_in, k_buf, v_buf, o, keys.indptr, keys.indices, verify_len, fault, config=self.verify_cfg, **common)
+        else:
+            extend_attention(
+                q_in, k_buf, v_buf, o, qo_indptr, keys.indptr, keys.indices, max_q_len, fault,
+                config=self.extend_cfg, causal=causal, d_rope=self.d_rope, share_kv=self.is_mla, **common,
+            )  # fmt: skip
         return o, lse
 
     def _mla(
@@ -517,19 +530,8 @@ def _mla_kernel_takes(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
     return kv_dtype == q_dtype
 
 
-def _folded_q_len(b: ForwardBatch, num_tokens: int, bs: int, max_q_len: int) -> int:
-    """q_len of a TARGET_VERIFY / DRAFT_EXTEND step in which every request has the same q_len in
-    2..MAX_FOLDED_Q_LEN (from host numbers only: T = bs * max_q_len holds exactly then), else 0.
-
-    E.g. 8 requests with 4 draft tokens each: T = 32, max_q_len = 4 -> 4; requests with 3 and 4 tokens
-    (T = 7, max 4, bs 2) -> 0; an EXTEND step -> 0.
-    """
-    mode = b.forward_mode
-    if not (mode.is_target_verify() or mode.is_draft_extend()):
-        return 0
-    if 2 <= max_q_len <= MAX_FOLDED_Q_LEN and bs * max_q_len == num_tokens:
-        return max_q_len
-    return 0
+def _default_verify(ctx: BackendContext) -> VerifyConfig:
+    return verify_config(ctx.head_dim, ctx.v_head_dim, ctx.dtype, ctx.device)
 
 
 def _check_device(device: torch.device) -> None:

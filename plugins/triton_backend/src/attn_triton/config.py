@@ -8,12 +8,14 @@ and a fixed split policy.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from attn_triton.kernels.decode import DecodeConfig
 from attn_triton.kernels.extend import ExtendConfig
 from attn_triton.kernels.mla_decode import MLAConfig
+from attn_triton.kernels.verify import VerifyConfig
 
 
 @dataclass(frozen=True)
@@ -101,3 +103,32 @@ def mla_config_for(dtype: torch.dtype, major: int, hip: bool = False) -> MLAConf
     # accumulator over 4 warps is 128 registers per thread, leaving room for the q block and 2 stages
     # of a 32-row latent tile within Ampere's shared memory
     return MLAConfig(block_h=32, block_n=32, num_warps=4, num_stages=2)
+
+
+def verify_config(
+    head_dim: int, v_head_dim: int, dtype: torch.dtype, device: torch.device, sm_major: Optional[int] = None
+) -> VerifyConfig:
+    """Tiles of the MHA/GQA verify kernel (rows = q heads of one KV head x draft tokens), by the CUDA
+    compute capability's major version (`sm_major`; asked of the device when None).
+
+    The kernel streams each request's K/V once per KV head with a 16..64-row tile, the shape of the
+    decode kernel's GQA tile (memory-bound, small M), so the GPU choices start from the decode sweep.
+    Not yet swept for verify itself (issue 15: `benchmarks/triton_vs_peers.py --only verify`)."""
+    if device.type != "cuda":
+        # interpreter: 16-row tiles make the tests cut groups into head blocks; tiny tiles keep CPU runs fast
+        return VerifyConfig(block_m_max=16, block_n=16, num_warps=1, num_stages=1)
+    wide = max(head_dim, v_head_dim) > 128 or dtype == torch.float32
+    if sm_major is None:  # ROCm reports gfx9xx as major 9 with 64 KiB of LDS: it takes the small tiles below
+        sm_major = 0 if torch.version.hip else torch.cuda.get_device_capability(device)[0]
+    if sm_major >= 9:
+        # SM90 (228 KiB shared memory): 3 stages of 128-key K and V tiles (64 KiB a stage at d128 bf16; 161 KiB
+        # in all with 64 rows, as compiled for sm_90), the decode sweep's winner; 64 rows hold GQA 8 x 8 drafts
+        # or 4 x 16 in one program
+        if wide:
+            return VerifyConfig(block_m_max=64, block_n=64, num_warps=4, num_stages=2)
+        return VerifyConfig(block_m_max=64, block_n=128, num_warps=8, num_stages=3)
+    # SM80/SM86 and older (100-164 KiB shared memory; ROCm 64 KiB): 64-key tiles, 2 stages (32 KiB a stage at
+    # d128 bf16; 57 KiB in all as compiled for sm_80, test_triton_compile_sm90.py)
+    if wide:
+        return VerifyConfig(block_m_max=32, block_n=32, num_warps=4, num_stages=2)
+    return VerifyConfig(block_m_max=64, block_n=64, num_warps=4, num_stages=2)

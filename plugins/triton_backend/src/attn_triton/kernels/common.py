@@ -1,5 +1,6 @@
-"""Pieces shared by the decode and extend kernels: score transform, online-softmax step, finalize,
-the bounds of CSR offsets and the fault-buffer entries (`attn_core.ops.device_faults`).
+"""Pieces shared by the decode, extend and verify kernels: score transform, online-softmax step,
+finalize, one key tile of the extend/verify loops, the bounds of CSR offsets and the fault-buffer
+entries (`attn_core.ops.device_faults`).
 
 All softmax arithmetic runs in the base-2 domain (`exp2`/`log2`, logits pre-multiplied by log2(e));
 LSEs leave the kernels in natural log. Host-side scale factors come from `score_scales`.
@@ -8,7 +9,9 @@ LSEs leave the kernels in natural log. Host-side scale factors come from `score_
 from __future__ import annotations
 
 import math
+from typing import Optional
 
+import torch
 import triton
 import triton.language as tl
 
@@ -25,6 +28,26 @@ FAULT_SLOT = tl.constexpr(int(DeviceFaultKind.SLOT))
 FAULT_KEY_OFFSETS = tl.constexpr(int(DeviceFaultKind.KEY_OFFSETS))
 FAULT_QUERY_ROWS = tl.constexpr(int(DeviceFaultKind.QUERY_ROWS))
 FAULT_MASK = tl.constexpr(int(DeviceFaultKind.MASK))
+
+
+def check_query_rows(
+    T: int,
+    bs: int,
+    kv_indptr: torch.Tensor,
+    o: torch.Tensor,
+    lse_out: Optional[torch.Tensor],
+    use_mask: bool,
+    mask_indptr: Optional[torch.Tensor],
+) -> None:
+    """Host checks (shapes only) of an extend-like launch over `bs` requests and `T` query rows: kv_indptr
+    holds >= bs + 1 offsets, o and lse_out hold T rows, a custom mask comes with >= bs mask offsets.
+    Raises `InvalidArgumentError` naming the argument. Example: T 12, bs 3, kv_indptr of 4 entries, o
+    `[12, H, D]`, no mask: passes; kv_indptr of 3 entries: raises (kv_indptr/o/lse_out)."""
+    if kv_indptr.shape[0] < bs + 1 or o.shape[0] != T or (lse_out is not None and lse_out.shape[0] != T):
+        raise InvalidArgumentError("kv_indptr/o/lse_out", f"{bs + 1} key offsets and {T} output rows", (kv_indptr.shape[0], o.shape[0]))
+    if use_mask and (mask_indptr is None or mask_indptr.shape[0] < bs):
+        found = None if mask_indptr is None else tuple(mask_indptr.shape)
+        raise InvalidArgumentError("mask_indptr", f"at least {bs} offsets with a custom mask", found)
 
 
 def score_scales(sm_scale: float, logit_cap: float, k_scale: float = 1.0) -> tuple[float, float]:
@@ -103,3 +126,109 @@ def offset_range(INDPTR, r, size):
     beg = tl.minimum(tl.maximum(beg_in, 0), size)
     end = tl.minimum(tl.maximum(end_in, beg), size)
     return beg, end - beg, (beg != beg_in) | (end != end_in)
+
+
+@triton.jit
+def attend_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pe,
+    start,
+    kv_len,
+    q_pos,
+    q_idx,
+    m_ok,
+    k_head,
+    v_head,
+    KV_INDICES,
+    kv_beg,
+    num_slots,
+    FAULT,
+    stride_ks,
+    stride_vs,
+    MASK,
+    mask_beg,
+    mask_size,
+    bad_slots,
+    qk_scale,
+    cap_scale,
+    window,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DPE: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    SHARE_KV: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_MASK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    LOGIT_CAP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Attend one BLOCK_N tile of keys starting at `start` for the rows of `q` [M, D] (and `q_pe`
+    [M, DPE], the rope part, when DPE > 0); MASKED applies bounds and visibility.
+
+    Row i of the tile is a query at position q_pos[i] (causal: it sees keys n <= q_pos[i]; window W:
+    n > q_pos[i] - W) whose custom-mask row is q_idx[i] of the request's `[q_len, kv_len]` block at
+    MASK + mask_beg (entries outside [0, mask_size) are not read: the key stays hidden); rows with
+    m_ok false see nothing in masked tiles. Keys come from the request's CSR entries
+    KV_INDICES[kv_beg + n] (slots of `k_head` / `v_head`, one KV head). Shared by the extend kernel
+    (rows = tokens of one q head) and the verify kernel (rows = q heads x draft tokens of one KV head).
+    Returns (acc, m_i, l_i, bad_slots | the tile's slots outside [0, num_slots))."""
+    n = start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    if MASKED:
+        n_ok = n < kv_len
+        slot = tl.load(KV_INDICES + kv_beg + n, mask=n_ok, other=0).to(tl.int64)
+        slot_ok = (slot >= 0) & (slot < num_slots)
+        bad_slots |= n_ok & ~slot_ok
+        n_ok = n_ok & slot_ok
+        k = tl.load(k_head + slot[:, None] * stride_ks + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    else:
+        slot = tl.load(KV_INDICES + kv_beg + n).to(tl.int64)
+        slot_ok = (slot >= 0) & (slot < num_slots)
+        bad_slots |= ~slot_ok
+        slot = tl.where(slot_ok, slot, 0)
+        k = tl.load(k_head + slot[:, None] * stride_ks + offs_d[None, :], mask=offs_d[None, :] < D, other=0.0)
+    qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
+    if BLOCK_DPE > 0:
+        offs_dpe = tl.arange(0, BLOCK_DPE)
+        pe_ptr = k_head + slot[:, None] * stride_ks + D + offs_dpe[None, :]
+        if MASKED:
+            k_pe = tl.load(pe_ptr, mask=n_ok[:, None] & (offs_dpe[None, :] < DPE), other=0.0)
+        else:
+            k_pe = tl.load(pe_ptr, mask=offs_dpe[None, :] < DPE, other=0.0)
+        qk += tl.dot(q_pe, tl.trans(k_pe.to(q.dtype)), input_precision=DOT_PREC)
+    if LOGIT_CAP:
+        sc = scale_scores(qk, qk_scale, cap_scale, LOGIT_CAP)
+        s_scale = 1.0
+    else:
+        sc = qk
+        s_scale = qk_scale
+    if MASKED:
+        ok = n_ok[None, :] & m_ok[:, None]
+        if CAUSAL:
+            ok = ok & (n[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            ok = ok & (n[None, :] > q_pos[:, None] - window)
+        if USE_MASK:
+            at = mask_beg + q_idx[:, None].to(tl.int64) * kv_len + n[None, :]
+            bits = tl.load(MASK + at, mask=ok & (at >= 0) & (at < mask_size), other=0)
+            ok = ok & (bits != 0)
+        sc = tl.where(ok, sc, float("-inf"))
+    m_i, l_i, acc, p = softmax_step(m_i, l_i, acc, sc, s_scale, MASKED)
+    if SHARE_KV:
+        v = k
+    else:
+        if MASKED:
+            v = tl.load(v_head + slot[:, None] * stride_vs + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        else:
+            v = tl.load(v_head + slot[:, None] * stride_vs + offs_dv[None, :], mask=offs_dv[None, :] < DV, other=0.0)
+    acc += tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
+    return acc, m_i, l_i, bad_slots

@@ -28,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_core.errors import InvalidArgumentError
 from attn_triton.kernels.common import (
     FAULT_KEY_OFFSETS,
     FAULT_MASK,
@@ -37,11 +36,11 @@ from attn_triton.kernels.common import (
     LN2_K,
     LOG2E_K,
     add_sink,
+    attend_tile,
+    check_query_rows,
     finalize,
     offset_range,
-    scale_scores,
     score_scales,
-    softmax_step,
 )
 
 
@@ -53,104 +52,6 @@ class ExtendConfig:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
-
-
-@triton.jit
-def _extend_tile(
-    acc,
-    m_i,
-    l_i,
-    q,
-    q_pe,
-    start,
-    kv_len,
-    q_pos,
-    q_idx,
-    m_ok,
-    k_head,
-    v_head,
-    KV_INDICES,
-    kv_beg,
-    num_slots,
-    FAULT,
-    stride_ks,
-    stride_vs,
-    MASK,
-    mask_beg,
-    mask_size,
-    bad_slots,
-    qk_scale,
-    cap_scale,
-    window,
-    BLOCK_N: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    DPE: tl.constexpr,
-    BLOCK_DPE: tl.constexpr,
-    DV: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    SHARE_KV: tl.constexpr,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    USE_MASK: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    LOGIT_CAP: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
-    """Attend one BLOCK_N tile of keys starting at `start`; MASKED applies bounds and visibility.
-    Returns (acc, m_i, l_i, bad_slots | the tile's slots outside [0, num_slots))."""
-    n = start + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    if MASKED:
-        n_ok = n < kv_len
-        slot = tl.load(KV_INDICES + kv_beg + n, mask=n_ok, other=0).to(tl.int64)
-        slot_ok = (slot >= 0) & (slot < num_slots)
-        bad_slots |= n_ok & ~slot_ok
-        n_ok = n_ok & slot_ok
-        k = tl.load(k_head + slot[:, None] * stride_ks + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    else:
-        slot = tl.load(KV_INDICES + kv_beg + n).to(tl.int64)
-        slot_ok = (slot >= 0) & (slot < num_slots)
-        bad_slots |= ~slot_ok
-        slot = tl.where(slot_ok, slot, 0)
-        k = tl.load(k_head + slot[:, None] * stride_ks + offs_d[None, :], mask=offs_d[None, :] < D, other=0.0)
-    qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
-    if BLOCK_DPE > 0:
-        offs_dpe = tl.arange(0, BLOCK_DPE)
-        pe_ptr = k_head + slot[:, None] * stride_ks + D + offs_dpe[None, :]
-        if MASKED:
-            k_pe = tl.load(pe_ptr, mask=n_ok[:, None] & (offs_dpe[None, :] < DPE), other=0.0)
-        else:
-            k_pe = tl.load(pe_ptr, mask=offs_dpe[None, :] < DPE, other=0.0)
-        qk += tl.dot(q_pe, tl.trans(k_pe.to(q.dtype)), input_precision=DOT_PREC)
-    if LOGIT_CAP:
-        sc = scale_scores(qk, qk_scale, cap_scale, LOGIT_CAP)
-        s_scale = 1.0
-    else:
-        sc = qk
-        s_scale = qk_scale
-    if MASKED:
-        ok = n_ok[None, :] & m_ok[:, None]
-        if CAUSAL:
-            ok = ok & (n[None, :] <= q_pos[:, None])
-        if HAS_WINDOW:
-            ok = ok & (n[None, :] > q_pos[:, None] - window)
-        if USE_MASK:
-            at = mask_beg + q_idx[:, None].to(tl.int64) * kv_len + n[None, :]
-            bits = tl.load(MASK + at, mask=ok & (at >= 0) & (at < mask_size), other=0)
-            ok = ok & (bits != 0)
-        sc = tl.where(ok, sc, float("-inf"))
-    m_i, l_i, acc, p = softmax_step(m_i, l_i, acc, sc, s_scale, MASKED)
-    if SHARE_KV:
-        v = k
-    else:
-        if MASKED:
-            v = tl.load(v_head + slot[:, None] * stride_vs + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        else:
-            v = tl.load(v_head + slot[:, None] * stride_vs + offs_dv[None, :], mask=offs_dv[None, :] < DV, other=0.0)
-    acc += tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
-    return acc, m_i, l_i, bad_slots
 
 
 @triton.jit
@@ -255,13 +156,13 @@ def _extend_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     bad_slots = tl.arange(0, BLOCK_N) < 0
     for start in range(lo, full_end, BLOCK_N):
-        acc, m_i, l_i, bad_slots = _extend_tile(
+        acc, m_i, l_i, bad_slots = attend_tile(
             acc, m_i, l_i, q, q_pe, start, kv_len, q_pos, offs_m, m_ok, k_head, v_head, KV_INDICES, kv_beg, num_slots, FAULT,
             stride_ks, stride_vs, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
             BLOCK_N, D, BLOCK_D, DPE, BLOCK_DPE, DV, BLOCK_DV, SHARE_KV, False, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC,
         )  # fmt: skip
     for start in range(full_end, hi, BLOCK_N):
-        acc, m_i, l_i, bad_slots = _extend_tile(
+        acc, m_i, l_i, bad_slots = attend_tile(
             acc, m_i, l_i, q, q_pe, start, kv_len, q_pos, offs_m, m_ok, k_head, v_head, KV_INDICES, kv_beg, num_slots, FAULT,
             stride_ks, stride_vs, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
             BLOCK_N, D, BLOCK_D, DPE, BLOCK_DPE, DV, BLOCK_DV, SHARE_KV, True, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC,
@@ -321,12 +222,8 @@ def extend_attention(
     bs = qo_indptr.shape[0] - 1
     if T == 0 or bs == 0 or max_q_len == 0:
         return
-    if kv_indptr.shape[0] < bs + 1 or o.shape[0] != T or (lse_out is not None and lse_out.shape[0] != T):
-        raise InvalidArgumentError("kv_indptr/o/lse_out", f"{bs + 1} key offsets and {T} output rows", (kv_indptr.shape[0], o.shape[0]))
     use_mask = custom_mask is not None
-    if use_mask and (mask_indptr is None or mask_indptr.shape[0] < bs):
-        found = None if mask_indptr is None else tuple(mask_indptr.shape)
-        raise InvalidArgumentError("mask_indptr", f"at least {bs} offsets with a custom mask", found)
+    check_query_rows(T, bs, kv_indptr, o, lse_out, use_mask, mask_indptr)
     hkv = k_buf.shape[1]
     d = d_total - d_rope
     dv = o.shape[2]
