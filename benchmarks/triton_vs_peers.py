@@ -171,7 +171,9 @@ LAYER = AttentionLayer(0, HQ, HKV, D)
 
 
 # ---- implementations: each returns a zero-argument callable that computes the whole batch ----------
-def triton_impl(w: Workload, decode_cfg=None, extend_cfg=None, policy=None, verify_cfg=None, mode=None, mixed_split=False) -> Callable[[], torch.Tensor]:
+def triton_impl(
+    w: Workload, decode_cfg=None, extend_cfg=None, policy=None, verify_cfg=None, mode=None, mixed_split=False
+) -> Callable[[], torch.Tensor]:
     """attn-triton on the workload's batch; `mode` runs a copy of the batch in another forward mode
     (a verify batch as EXTEND: the extend kernel on the same queries and keys)."""
     from attn_triton.backend import TritonAttnBackend
