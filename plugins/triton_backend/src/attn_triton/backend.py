@@ -306,6 +306,15 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
         T, hq, dv = q.shape[0], layer.num_q_heads, layer.v_head_dim
         o = q.new_empty((T, hq, dv))
         lse = torch.empty((T, hq), dtype=torch.float32, device=q.device) if return_lse or cascade else None
+        self._decode(q, k_buf, v_buf, o, lse, layer, keys, meta.splits, meta.part_o, meta.part_lse, sinks)
+        if cascade is not None:
+            o, lse = self._merge_prefix_pass(q, k_buf, v_buf, layer, cascade, o, lse)
+        o = o.view(T, hq * dv)
+        return (o, lse) if return_lse else o
+
+    def _decode(self, q, k_buf, v_buf, o, lse, layer, keys: KVIndex, splits: Splits, part_o, part_lse, sinks) -> None:
+        """One split-KV decode launch: q `[bs, Hq, D]` (one row per request of `keys`) into `o` `[bs, Hq,
+        Dv]` (and `lse` `[bs, Hq]` float32 when not None), stage-1 results in `part_o` / `part_lse`."""
         decode_attention(
             _last_dim_contiguous(q),
             k_buf,
@@ -313,10 +322,10 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
             o,
             keys.indptr,
             keys.indices,
-            meta.splits.max_splits,
-            meta.splits.min_split_len,
-            meta.part_o,
-            meta.part_lse,
+            splits.max_splits,
+            splits.min_split_len,
+            part_o,
+            part_lse,
             self.device_faults.buffer,
             sm_scale=layer.scaling,
             config=self.decode_cfg,
@@ -329,10 +338,6 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
             d_rope=self.d_rope,
             share_kv=self.is_mla,
         )
-        if cascade is not None:
-            o, lse = self._merge_prefix_pass(q, k_buf, v_buf, layer, cascade, o, lse)
-        o = o.view(T, hq * dv)
-        return (o, lse) if return_lse else o
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, return_lse=False):
         if isinstance(self.forward_metadata, MixedMetadata):

@@ -37,7 +37,6 @@ from attn_core.batch_utils import decode_first_order, split_decodes_and_prefills
 from attn_core.errors import InvalidArgumentError
 from attn_core.layer import AttentionLayer
 from attn_core.memory.window_pool import window_pool_of
-from attn_triton.kernels.decode import decode_attention
 from attn_triton.metadata import KVIndex, Splits, fill_kv, new_kv
 
 if TYPE_CHECKING:
@@ -161,7 +160,6 @@ def forward_mixed(
     qs = q if meta.token_order is None else q.index_select(0, meta.token_order)
     if qs.stride(-1) != 1:
         qs = qs.contiguous()
-    sinks32 = None if sinks is None else sinks.to(torch.float32).contiguous()
     # the extend part (a no-op launch when every request is a decode) allocates the decode-first output
     o, lse = backend._extend(
         qs,
@@ -174,33 +172,12 @@ def forward_mixed(
         causal=True,
         custom_mask=None,
         mask_indptr=None,
-        sinks=sinks32,
+        sinks=sinks,
         want_lse=return_lse,
     )
     nd = meta.num_decodes
-    decode_attention(
-        qs[:nd],
-        k_buf,
-        v_buf,
-        o[:nd],
-        meta.decode_kv.indptr,
-        meta.decode_kv.indices,
-        meta.splits.max_splits,
-        meta.splits.min_split_len,
-        meta.part_o,
-        meta.part_lse,
-        backend.device_faults.buffer,
-        sm_scale=layer.scaling,
-        config=backend.decode_cfg,
-        logit_cap=layer.logit_cap,
-        window=layer.sliding_window_size,
-        sinks=sinks32,
-        lse_out=None if lse is None else lse[:nd],
-        k_scale=1.0 if layer.k_scale is None else float(layer.k_scale),
-        v_scale=1.0 if layer.v_scale is None else float(layer.v_scale),
-        d_rope=backend.d_rope,
-        share_kv=backend.is_mla,
-    )
+    lse_d = None if lse is None else lse[:nd]
+    backend._decode(qs[:nd], k_buf, v_buf, o[:nd], lse_d, layer, meta.decode_kv, meta.splits, meta.part_o, meta.part_lse, sinks)
     if meta.token_order is not None:
         o = torch.empty_like(o).index_copy_(0, meta.token_order, o)
         lse = None if lse is None else torch.empty_like(lse).index_copy_(0, meta.token_order, lse)
