@@ -447,9 +447,14 @@ def _cfg(c) -> Optional[dict]:
     return None if c is None else asdict(c)
 
 
-def _host_us(fn: Callable, n: int) -> list[float]:
+def _host_us(fn: Callable, n: int, idle: bool = True) -> list[float]:
+    """Host µs of `n` calls of `fn`, each started with the GPU idle (`idle`: a device sync before each
+    call, outside the timed region, as for FlashInfer's plan below). Back-to-back calls without it time
+    the GPU once its queue fills: the index kernel of a large batch can take longer than its launch."""
     samples = []
     for _ in range(n):
+        if idle:
+            torch.cuda.synchronize()
         t0 = time.perf_counter_ns()
         fn()
         samples.append((time.perf_counter_ns() - t0) / 1000.0)
@@ -485,7 +490,7 @@ def _metadata_row(bs: int, ctx_len: int, n: int, gen: torch.Generator) -> dict:
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        _host_us(lambda: backend.init_forward_metadata(w.batch), 20)
+        _host_us(lambda: backend.init_forward_metadata(w.batch), 20, idle=False)
         sync = "none (sync debug mode 'error')"
     except RuntimeError as exc:
         sync = f"SYNC: {exc!r:.100}"
