@@ -29,6 +29,8 @@ from attn_core.errors import BackendUnavailableError, InvalidArgumentError, Unsu
 from attn_core.graph_step import CudaGraphStep
 from attn_core.layer import AttentionLayer
 from attn_core.local_attention import local_decode_starts, make_local_attention_virtual_batches
+from attn_core.memory.fp8 import is_fp8
+from attn_core.memory.pools import kv_scales
 from attn_core.memory.window_pool import SlidingWindowKVPool, window_pool_of
 from attn_core.ops.device_faults import DeviceFaultFlags
 from attn_core.ops.merge_state import merge_state
@@ -273,6 +275,7 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata]])
         else:
             keys = self._keys(meta, layer, forward_batch)
         k_buf, v_buf = self._save_and_buffers(q, k, v, layer, forward_batch, save_kv_cache, sinks)
+        k_scale, v_scale = kv_scales(layer, self.ctx.token_to_kv_pool)
         T, hq, dv = q.shape[0], layer.num_q_heads, layer.v_head_dim
         o = q.new_empty((T, hq, dv))
         lse = torch.empty((T, hq), dtype=torch.float32, device=q.device) if return_lse or cascade else None
@@ -294,8 +297,8 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata]])
             window=None if layer.is_cross_attention else layer.sliding_window_size,
             sinks=_sinks(sinks),
             lse_out=lse,
-            k_scale=_scale(layer.k_scale),
-            v_scale=_scale(layer.v_scale),
+            k_scale=k_scale,
+            v_scale=v_scale,
             d_rope=self.d_rope,
             share_kv=self.is_mla,
         )
@@ -337,7 +340,9 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata]])
         return (o, lse) if return_lse else o
 
     def _extend(self, q, k_buf, v_buf, layer, qo_indptr, keys: KVIndex, max_q_len, *, causal, custom_mask, mask_indptr, sinks, want_lse):
-        """One extend-kernel launch: output `[T, Hq, Dv]` and LSE `[T, Hq]` (None unless `want_lse`)."""
+        """One extend-kernel launch: output `[T, Hq, Dv]` and LSE `[T, Hq]` (None unless `want_lse`).
+        An fp8 cache is read as stored; the layer's scales fold into the score scale and the output."""
+        k_scale, v_scale = kv_scales(layer, self.ctx.token_to_kv_pool)
         T, hq, dv = q.shape[0], layer.num_q_heads, layer.v_head_dim
         o = q.new_empty((T, hq, dv))
         lse = torch.empty((T, hq), dtype=torch.float32, device=q.device) if want_lse else None
@@ -360,8 +365,8 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata]])
             window=None if layer.is_cross_attention else layer.sliding_window_size,
             sinks=_sinks(sinks),
             lse_out=lse,
-            k_scale=_scale(layer.k_scale),
-            v_scale=_scale(layer.v_scale),
+            k_scale=k_scale,
+            v_scale=v_scale,
             d_rope=self.d_rope,
             share_kv=self.is_mla,
         )
@@ -447,7 +452,8 @@ def _check_device(device: torch.device) -> None:
 
 def _check_context(ctx: BackendContext) -> None:
     """What the declared capabilities cannot say (checked by the base class, with the pool layout): the
-    MLA parts, v_head_dim."""
+    MLA parts, v_head_dim, the GPU an fp8 KV cache needs."""
+    _check_fp8_device(ctx)
     if ctx.is_mla:
         if ctx.kv_lora_rank > MAX_MLA_RANK or ctx.qk_rope_head_dim > MAX_MLA_ROPE:
             raise UnsupportedFeatureError(
@@ -455,6 +461,18 @@ def _check_context(ctx: BackendContext) -> None:
             )
     elif ctx.head_dim > MAX_MHA_HEAD_DIM or ctx.v_head_dim > MAX_MHA_HEAD_DIM or ctx.head_dim % 8 or ctx.v_head_dim % 8:
         raise UnsupportedFeatureError("triton", f"head_dim {ctx.head_dim} / v_head_dim {ctx.v_head_dim} (multiples of 8 up to 256)")
+
+
+def _check_fp8_device(ctx: BackendContext) -> None:
+    """An fp8 (float8_e4m3fn) cache is read through Triton's fp8e4nv type, which NVIDIA GPUs of compute
+    capability >= 8.9 convert; refuse it elsewhere on the GPU (the CPU interpreter converts it)."""
+    if not is_fp8(ctx.kv_dtype) or ctx.device.type != "cuda":
+        return
+    if torch.version.hip:
+        raise UnsupportedFeatureError("triton", f"kv_dtype {ctx.kv_dtype} on ROCm (Triton's fp8e4nv; ROCm GPUs of this build use e4m3fnuz)")
+    cc = torch.cuda.get_device_capability(ctx.device)
+    if cc < (8, 9):
+        raise UnsupportedFeatureError("triton", f"kv_dtype {ctx.kv_dtype} on compute capability {cc[0]}.{cc[1]} (fp8e4nv needs >= 8.9)")
 
 
 def _custom_mask(b: ForwardBatch) -> Optional[torch.Tensor]:
@@ -472,6 +490,3 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 def _sinks(sinks: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if sinks is None else sinks.to(torch.float32).contiguous()
 
-
-def _scale(s: Optional[float]) -> float:
-    return 1.0 if s is None else float(s)
