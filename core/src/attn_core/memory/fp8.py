@@ -69,6 +69,18 @@ def dequantize_kv(x: torch.Tensor, scale: Optional[float] = None, dtype: torch.d
     return y if s == 1.0 else y * s
 
 
+def as_cached(x: torch.Tensor, kv_dtype: torch.dtype, scale: Optional[float], out_dtype: torch.dtype) -> torch.Tensor:
+    """x `[...]` as a reader of a `kv_dtype` cache sees it once stored with `scale`, in `out_dtype`:
+    dequantize(quantize(x)) for an fp8 cache (a backend that attends to the new tokens without reading
+    them back from the pool must see the values the pool holds), x itself (cast) otherwise.
+
+    Example: `as_cached(torch.tensor([0.3]), torch.float8_e4m3fn, 0.5, torch.float32)` is `[0.3125]`;
+    with `torch.bfloat16` as kv_dtype it is `[0.3]` (as float32)."""
+    if not is_fp8(kv_dtype):
+        return x.to(out_dtype)
+    return dequantize_kv(quantize_kv(x, kv_dtype, scale), scale, out_dtype)
+
+
 def e4m3_error_bound(x: torch.Tensor, scale: Union[float, None] = None) -> torch.Tensor:
     """Per element, the largest |dequantize(quantize(x)) − x| round-to-nearest e4m3 allows for values
     inside the range (|x/s| ≤ 448): 2^-4·|x| for normals, 2^-10·s below 2^-6·s (subnormals), in float64.
@@ -84,6 +96,7 @@ __all__ = [
     "E4M3_MIN_NORMAL",
     "E4M3_SUBNORMAL_STEP",
     "FP8_KV_DTYPES",
+    "as_cached",
     "check_scale",
     "dequantize_kv",
     "e4m3_error_bound",
