@@ -148,7 +148,8 @@ def test_ignored_logit_cap_fails_logit_cap_cases():
 
 def test_stale_graph_replay_fails_graph_checks():
     failed = run_kit(StaleGraphReplay, "graph-")
-    assert set(failed) == {"graph-DECODE", "graph-TARGET_VERIFY"}
+    fp8 = {f"graph-fp8_kv-float8_e4m3fn-{m}" for m in ("DECODE", "TARGET_VERIFY")}  # the same graphs over an fp8 cache
+    assert set(failed) == {"graph-DECODE", "graph-TARGET_VERIFY"} | fp8
     assert "graph replay, layer 0" in failed["graph-DECODE"] and "case: DECODE" in failed["graph-DECODE"]
 
 
@@ -197,13 +198,14 @@ class NoFp8(TorchNativeBackend):
 
 def test_ignored_v_scale_fails_fp8_cases():
     failed = run_kit(IgnoresVScale, "fp8_kv-float8_e4m3fn-DECODE", "fp8_kv-float8_e4m3fn-EXTEND", "mode-DECODE")
-    assert set(failed) == {"fp8_kv-float8_e4m3fn-DECODE", "fp8_kv-float8_e4m3fn-EXTEND"}, failed
+    want = {"fp8_kv-float8_e4m3fn-DECODE", "fp8_kv-float8_e4m3fn-EXTEND", "graph-fp8_kv-float8_e4m3fn-DECODE"}
+    assert set(failed) == want, failed
     assert "kv=float8_e4m3fn" in failed["fp8_kv-float8_e4m3fn-DECODE"] and "out rel err" in failed["fp8_kv-float8_e4m3fn-DECODE"]
 
 
 def test_unscaled_fp8_store_fails_with_the_kv_message():
     failed = run_kit(StoresUnscaledFp8, "fp8_kv-float8_e4m3fn-DECODE", "mode-DECODE")
-    assert set(failed) == {"fp8_kv-float8_e4m3fn-DECODE"}, failed
+    assert set(failed) == {"fp8_kv-float8_e4m3fn-DECODE", "graph-fp8_kv-float8_e4m3fn-DECODE"}, failed
     assert "not written to their slots" in failed["fp8_kv-float8_e4m3fn-DECODE"]
 
 

@@ -447,6 +447,16 @@ class PlanBuilder:
             reqs = [(P, D), (3, D), (P // 2, D), (1, D), (L - D, D), (6, D)]
             case = self.case(ForwardMode.TARGET_VERIFY, reqs, steps=steps, cuda_graph_level=int(level))
             self.add("graph-TARGET_VERIFY", graph_case_check(self.target, case), case.describe())
+        for kv in sorted(FP8_KV_DTYPES & self.caps.kv_dtypes):  # graphs over an fp8 cache: scales baked per layer
+            if level >= CudaGraphLevel.UNIFORM_SINGLE_TOKEN_DECODE and ForwardMode.DECODE in self.base.modes:
+                reqs = [(P, 1), (1, 1), (P // 2 + 3, 1), (0, 1), (L - 1, 1), (5, 1)]
+                case = self.case(ForwardMode.DECODE, reqs, steps=steps, kv_dtype=kv, cuda_graph_level=int(level))
+                self.add(f"graph-fp8_kv-{kv}-DECODE", graph_case_check(self.target, case), case.describe())
+            if level >= CudaGraphLevel.UNIFORM_BATCH and ForwardMode.TARGET_VERIFY in self.base.modes:
+                D = self.p.max_draft
+                reqs = [(P, D), (3, D), (P // 2, D), (1, D), (L - D, D), (6, D)]
+                case = self.case(ForwardMode.TARGET_VERIFY, reqs, steps=steps, kv_dtype=kv, cuda_graph_level=int(level))
+                self.add(f"graph-fp8_kv-{kv}-TARGET_VERIFY", graph_case_check(self.target, case), case.describe())
 
     def add_negative_checks(self) -> None:
         caps, b, target = self.caps, self.base, self.target
