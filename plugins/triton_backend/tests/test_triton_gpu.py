@@ -15,6 +15,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 GQA = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, device="cuda", num_layers=1)
 MLA = dict(arch="mla", kv_lora_rank=512, qk_rope_head_dim=64, num_q_heads=16, device="cuda", num_layers=1)
+GQA2 = {**GQA, "num_layers": 2}
+FP8 = "float8_e4m3fn"
 
 CASES = [
     AttnCase("DECODE", [(4095, 1), (0, 1), (1000, 1), (8191, 1)], dtype="bfloat16", page_size=16, **GQA),
@@ -76,6 +78,15 @@ CASES = [
     AttnCase("DECODE", [(2000, 1), (100, 1), (1, 1)], dtype="bfloat16", page_size=64, return_lse=True, **MLA),
     AttnCase("EXTEND", [(600, 200), (0, 90)], dtype="bfloat16", **MLA),
     AttnCase("TARGET_VERIFY", [(700, 4), (30, 4)], dtype="float32", **MLA),
+    # fp8 (e4m3) KV caches, per-layer k_scale / v_scale (the harness's FP8_SCALES): decode with many
+    # splits, extend with a prefix, verify, windowed decode, two layers (both scale pairs), MLA decode
+    AttnCase("DECODE", [(4095, 1), (0, 1), (1000, 1), (8191, 1)], dtype="bfloat16", kv_dtype=FP8, page_size=16, **GQA2),
+    AttnCase("EXTEND", [(0, 1000), (1500, 513), (64, 1), (700, 0)], dtype="bfloat16", kv_dtype=FP8, page_size=16, **GQA2),
+    AttnCase("TARGET_VERIFY", [(1500, 8), (40, 8), (3000, 8)], dtype="float16", kv_dtype=FP8, page_size=16, return_lse=True, **GQA2),
+    AttnCase("DECODE", [(5000, 1), (60, 1)], dtype="bfloat16", kv_dtype=FP8, sliding_window=1024, sinks=True, return_lse=True, **GQA2),
+    AttnCase("MIXED", [(1200, 1), (300, 400), (0, 77)], dtype="float32", kv_dtype=FP8, page_size=16, **GQA2),
+    AttnCase("DECODE", [(2000, 1), (100, 1), (1, 1)], dtype="bfloat16", kv_dtype=FP8, page_size=64, return_lse=True, **MLA),
+    AttnCase("EXTEND", [(600, 200), (0, 90)], dtype="bfloat16", kv_dtype=FP8, **MLA),
 ]
 
 
@@ -105,6 +116,9 @@ GRAPH_CASES = [
     AttnCase("DECODE", [(1000, 1), (3, 1)], dtype="bfloat16", sinks=True, sliding_window=128, **GQA),
     AttnCase("DECODE", [(1500, 1), (20, 1)], dtype="bfloat16", **MLA),
     AttnCase("TARGET_VERIFY", [(1500, 8), (40, 8)], dtype="bfloat16", page_size=16, return_lse=True, **GQA),
+    AttnCase("DECODE", [(4000, 1), (10, 1), (700, 1)], dtype="bfloat16", kv_dtype=FP8, page_size=16, return_lse=True, **GQA2),
+    AttnCase("TARGET_VERIFY", [(1500, 8), (40, 8)], dtype="bfloat16", kv_dtype=FP8, page_size=16, **GQA2),
+    AttnCase("DECODE", [(1500, 1), (20, 1)], dtype="bfloat16", kv_dtype=FP8, **MLA),
 ]
 
 
