@@ -122,6 +122,7 @@ def _graph_case(mode, reqs, **kw):
     )
 
 
+FP8_MODES = (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY)
 FP8_LAYOUTS = {  # fp8 (e4m3) KV caches with per-layer scales (the harness's FP8_SCALES), both q dtypes
     "fp8-bf16": dict(dtype="bfloat16", kv_dtype="float8_e4m3fn"),
     "fp8-fp16-window-cap": dict(dtype="float16", kv_dtype="float8_e4m3fn", sliding_window=97, logit_cap=20.0),
@@ -129,7 +130,7 @@ FP8_LAYOUTS = {  # fp8 (e4m3) KV caches with per-layer scales (the harness's FP8
 
 
 @requires_gpu
-@pytest.mark.parametrize("mode", (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY), ids=lambda m: m.name)
+@pytest.mark.parametrize("mode", FP8_MODES, ids=lambda m: m.name)
 @pytest.mark.parametrize("layout", list(FP8_LAYOUTS))
 def test_random_batches_fp8_kv(layout, mode):
     """fp8 caches on random compositions at page size 16, GQA 32/8, d128, two steps (the second step

@@ -19,6 +19,7 @@ import torch
 
 from attn_core.capabilities import FP8_KV_DTYPES
 from attn_core.errors import InvalidArgumentError
+
 #: largest finite float8_e4m3fn magnitude
 E4M3_MAX = 448.0
 #: smallest normal float8_e4m3fn magnitude (2^-6) and the subnormal step (2^-9)

@@ -13,7 +13,6 @@ from typing import Optional
 import torch
 
 from attn_core.memory.fp8 import as_cached, is_fp8
-
 from attn_flashinfer.steps import Dims
 
 

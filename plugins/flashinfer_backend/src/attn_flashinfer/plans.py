@@ -32,8 +32,8 @@ from flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPaged
 from flashinfer.cascade import merge_state_in_place
 
 from attn_flashinfer import replan
-from attn_flashinfer.indices import PagedKV, QueryLayout
 from attn_flashinfer.fp8 import cache_run_kwargs, ragged_inputs, ragged_kv_dtype
+from attn_flashinfer.indices import PagedKV, QueryLayout
 from attn_flashinfer.steps import Dims, GraphBuffers, LayerKey
 
 LN2 = math.log(2.0)
