@@ -159,6 +159,7 @@ class Capabilities:
             "/".join(sorted(self.devices)),
             "/".join(sorted(self.archs)),
             "/".join(_short_dtype(d) for d in sorted(self.q_dtypes)),
+            *(["kv " + "/".join(sorted(FP8_KV_DTYPES & self.kv_dtypes))] if FP8_KV_DTYPES & self.kv_dtypes else []),
             "pages " + ("any" if self.page_sizes is None else ",".join(map(str, sorted(self.page_sizes)))),
             "graphs " + self.cuda_graph.name.lower(),
         ]
