@@ -147,3 +147,28 @@ def test_window_pool_quantizes_in_both_sub_pools():
         pool.set_kv_buffer(lid, full, k, k, k_scale=0.5, v_scale=0.5)
         slots = pool.window_slots(full).long() if lid == 0 else full
         assert torch.equal(pool.get_key_buffer(lid)[slots].double(), nearest_e4m3(k.double() / 0.5))
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_draft_kv_copies_move_fp8_bytes_exactly(layout):
+    """The multi-step draft wrapper's page-aligned K/V copies carry an fp8 cache's bytes unchanged
+    (NaN bytes included) and touch no other slot."""
+    from attn_core.wrappers.multi_step_draft import _copy_kv_slots
+
+    gen = torch.Generator().manual_seed(4)
+    pool = MHATokenToKVPool(32, 4, FP8, head_num=2, head_dim=8, layer_num=2, kv_layout=layout)
+    for buf in pool.k_buffer + pool.v_buffer:
+        buf.copy_(torch.randint(0, 256, buf.shape, generator=gen, dtype=torch.uint8))
+    before = [b.clone() for b in pool.k_buffer + pool.v_buffer]
+    src, dst = torch.tensor([5, 6, 13]), torch.tensor([20, 21, 30])
+    _copy_kv_slots(pool, dst, src)
+
+    def rows(buf):
+        return buf if layout == "NHD" else buf.permute(0, 2, 1, 3).reshape(-1, 2, 8)
+
+    for b0, b1 in zip(before, pool.k_buffer + pool.v_buffer):
+        r0, r1 = rows(b0), rows(b1)
+        assert torch.equal(r1[dst], r0[src])
+        keep = torch.ones(r0.shape[0], dtype=torch.bool)
+        keep[dst] = False
+        assert torch.equal(r1[keep], r0[keep])
