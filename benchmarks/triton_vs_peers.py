@@ -6,7 +6,10 @@ request; the last 64 queries of extend requests), (2) times each one: FlashInfer
 CUDA graphs (one captured graph of several calls, replayed; device events; median), torch_native eagerly,
 (3) prints a table of times and attn-triton / FlashInfer ratios and writes everything to JSON. Small
 decode rows rotate among several independent KV sets so that L2 cannot hold the working set.
-It also measures the host time of attn-triton's `init_forward_metadata` (no host-device sync allowed:
+`--only fp8` adds the fp8 KV row (issue 16): decode bs64 ctx4096 over a float8_e4m3fn cache with
+per-layer k_scale / v_scale, attn-triton fp8 against attn-triton bf16 (same shapes) and FlashInfer's fp8
+decode (kv_data_type fp8, run with k_scale / v_scale), each checked against the float64 reference on the
+dequantized cache. It also measures the host time of attn-triton's `init_forward_metadata` (no host-device sync allowed:
 checked with torch's sync debug mode) and of FlashInfer's plan at batch 1, 64 and 256.
 The "mixed" rows time a MIXED step (64 decodes x 4096 keys + one 512-token prefill chunk, decodes first;
 and 4 decodes + two 2048-token chunks) three ways: attn-triton unsplit (the default: every request through the extend kernel), attn-triton
@@ -19,7 +22,7 @@ kernel on the same batch run as EXTEND (the path verify took before), and FlashI
 (causal); the rate is the bytes of K and V read per second, and the run also measures the device's
 copy bandwidth (a plain torch copy of a 2 GiB buffer, bytes read + written per second) to compare with.
 
-  python benchmarks/triton_vs_peers.py [--out FILE] [--only decode,extend,verify,mixed,meta] [--no-torch-native]
+  python benchmarks/triton_vs_peers.py [--out FILE] [--only decode,extend,verify,mixed,meta,fp8] [--no-torch-native]
       [--decode-configs "64,16,4,3;32,16,4,4"] [--extend-configs "128,64,8,3;128,128,8,3"] [--waves 1,2,4]
       [--verify-configs "64,128,8,3;64,64,4,3"]
 
@@ -46,6 +49,7 @@ from attn_core.context import BackendContext
 from attn_core.forward_mode import ForwardMode
 from attn_core.layer import AttentionLayer
 from attn_core.memory import MHATokenToKVPool, ReqToTokenPool
+from attn_core.memory.fp8 import is_fp8, quantize_kv
 from attn_core.testing.reference import reference_attention, relative_error
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
@@ -70,6 +74,11 @@ VERIFY_ROWS = [
 VERIFY_AIM = 0.5  # min attn-triton K/V read rate / measured copy bandwidth (issue 15)
 DECODE_TARGET = {"decode bs1 ctx8192": 1.3}  # max attn-triton / FlashInfer time; others 1.05
 EXTEND_AIM, EXTEND_FLOOR = 0.8, 0.6  # min attn-triton / FlashInfer TFLOP/s
+FP8 = torch.float8_e4m3fn
+FP8_ROW = ("decode bs64 ctx4096", 64, 4096)
+#: per-layer dequantization factors of the fp8 row: random normal K/V / scale stay well inside ±448
+FP8_K_SCALE, FP8_V_SCALE = 0.02, 0.03
+FP8_VS_BF16_TARGET, FP8_VS_FI_TARGET = 0.6, 1.05  # max attn-triton fp8 time / bf16 time, / FlashInfer fp8 time
 
 
 @dataclass
@@ -101,14 +110,22 @@ def _new_token_slots(rows: ReqToTokenPool, kv_lens: list[int], q_lens: list[int]
     return torch.cat([rows.req_to_token[r, n - q : n] for r, (n, q) in enumerate(zip(kv_lens, q_lens))]).to(torch.int64)
 
 
-def make_workload(kv_lens: list[int], q_lens: list[int], decode: bool, gen: torch.Generator, mixed: bool = False) -> Workload:
+def make_workload(
+    kv_lens: list[int], q_lens: list[int], decode: bool, gen: torch.Generator, mixed: bool = False, kv_dtype: torch.dtype = DTYPE
+) -> Workload:
     dev = torch.device("cuda")
     bs = len(kv_lens)
     n_pages = [-(-n // PAGE) for n in kv_lens]
     total_pages = sum(n_pages)
-    pool = MHATokenToKVPool(total_pages * PAGE, PAGE, DTYPE, HKV, D, 1, dev)
-    pool.get_key_buffer(0).normal_(generator=gen)
-    pool.get_value_buffer(0).normal_(generator=gen)
+    pool = MHATokenToKVPool(total_pages * PAGE, PAGE, kv_dtype, HKV, D, 1, dev)
+    if is_fp8(kv_dtype):  # random normal K/V quantized as set_kv_buffer stores them
+        for buf, scale in ((pool.k_buffer[0], FP8_K_SCALE), (pool.v_buffer[0], FP8_V_SCALE)):
+            x = torch.empty(buf.shape, dtype=torch.float32, device=dev).normal_(generator=gen)
+            buf.copy_(quantize_kv(x, kv_dtype, scale).view(torch.uint8))
+            del x
+    else:
+        pool.get_key_buffer(0).normal_(generator=gen)
+        pool.get_value_buffer(0).normal_(generator=gen)
     width = -(-max(kv_lens) // PAGE) * PAGE
     rows = ReqToTokenPool(bs, width, dev)
     perm = torch.randperm(total_pages, device=dev, generator=gen).to(torch.int32) + 1  # page 0 is the dummy
@@ -154,6 +171,7 @@ def make_context(w: Workload, validation: str = "basic") -> BackendContext:
     return BackendContext(
         device="cuda",
         dtype=DTYPE,
+        kv_dtype=w.pool.dtype,
         num_q_heads=HQ,
         num_kv_heads=HKV,
         head_dim=D,
@@ -168,6 +186,12 @@ def make_context(w: Workload, validation: str = "basic") -> BackendContext:
 
 
 LAYER = AttentionLayer(0, HQ, HKV, D)
+FP8_LAYER = AttentionLayer(0, HQ, HKV, D, k_scale=FP8_K_SCALE, v_scale=FP8_V_SCALE)
+
+
+def layer_of(w: Workload) -> AttentionLayer:
+    """The layer a workload runs: with k_scale / v_scale over an fp8 pool."""
+    return FP8_LAYER if is_fp8(w.pool.dtype) else LAYER
 
 
 # ---- implementations: each returns a zero-argument callable that computes the whole batch ----------
@@ -185,7 +209,8 @@ def triton_impl(
     )
     backend.init_forward_metadata(batch)
     batch.attn_backend = backend
-    return lambda: backend.forward(w.q, None, None, LAYER, batch, save_kv_cache=False)
+    layer = layer_of(w)
+    return lambda: backend.forward(w.q, None, None, layer, batch, save_kv_cache=False)
 
 
 def torch_native_impl(w: Workload) -> Callable[[], torch.Tensor]:
@@ -200,7 +225,7 @@ def flashinfer_impl(w: Workload) -> Callable[[], torch.Tensor]:
     import flashinfer
 
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    common = dict(q_data_type=DTYPE, kv_data_type=DTYPE, sm_scale=LAYER.scaling)
+    common = dict(q_data_type=DTYPE, kv_data_type=w.pool.dtype, sm_scale=LAYER.scaling)
     if w.decode:
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
         wrapper.plan(w.page_indptr, w.page_indices, w.last_page_len, HQ, HKV, D, PAGE, **common)
@@ -208,15 +233,20 @@ def flashinfer_impl(w: Workload) -> Callable[[], torch.Tensor]:
         wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
         wrapper.plan(w.qo_indptr, w.page_indptr, w.page_indices, w.last_page_len, HQ, HKV, D, PAGE, causal=True, **common)
     pages = w.pages()
+    if is_fp8(w.pool.dtype):  # FlashInfer folds k_scale into the softmax scale and scales the output by v_scale
+        return lambda: wrapper.run(w.q, pages, k_scale=FP8_K_SCALE, v_scale=FP8_V_SCALE)
     return lambda: wrapper.run(w.q, pages)
 
 
 # ---- checking and timing ---------------------------------------------------------------------------
 def check(w: Workload, out: torch.Tensor) -> float:
-    """Max relative error over the first and last request (last 64 queries of each) vs float64."""
+    """Max relative error over the first and last request (last 64 queries of each) vs float64 (on the
+    dequantized cache for an fp8 pool)."""
     out = out.reshape(-1, HQ, D)
     worst = 0.0
-    k_buf, v_buf = w.pool.get_key_buffer(0), w.pool.get_value_buffer(0)
+    layer = layer_of(w)
+    k_buf = w.pool.get_key_buffer(0).double() * (layer.k_scale or 1.0)
+    v_buf = w.pool.get_value_buffer(0).double() * (layer.v_scale or 1.0)
     for r in sorted({0, len(w.kv_lens) - 1}):
         n, ql = w.kv_lens[r], w.q_lens[r]
         slots = w.rows.req_to_token[r, :n].long()
@@ -290,7 +320,7 @@ class RowResult:
         return t / f if t and f else None
 
 
-def row_workloads(kind: str, spec: tuple, gen: torch.Generator, l2_bytes: int) -> list[Workload]:
+def row_workloads(kind: str, spec: tuple, gen: torch.Generator, l2_bytes: int, kv_dtype: torch.dtype = DTYPE) -> list[Workload]:
     if kind == "verify":
         _, bs, ctx, drafts = spec
         w = make_workload([ctx] * bs, [drafts] * bs, False, gen)
@@ -305,7 +335,7 @@ def row_workloads(kind: str, spec: tuple, gen: torch.Generator, l2_bytes: int) -
         _, bs, ql, prefix = spec
         kv, q = [prefix + ql] * bs, [ql] * bs
         sets = 1
-    return [make_workload(kv, q, kind == "decode", gen) for _ in range(sets)]
+    return [make_workload(kv, q, kind == "decode", gen, kv_dtype=kv_dtype) for _ in range(sets)]
 
 
 def run_mixed_row(spec: tuple, args, gen: torch.Generator) -> RowResult:
@@ -441,6 +471,52 @@ def run_row(kind: str, spec: tuple, args, gen: torch.Generator, l2: int) -> RowR
             print(f"  torch_native failed: {exc!r:.200}", flush=True)
         torch.cuda.empty_cache()
     return res
+
+
+def run_fp8_row(args, gen: torch.Generator, l2: int) -> RowResult:
+    """FP8_ROW timed three ways in one run: attn-triton over an fp8 cache ("attn-triton fp8"), over a
+    bf16 cache ("attn-triton bf16"), FlashInfer's fp8 decode ("flashinfer fp8"); `work` is the fp8 bytes
+    of K and V read (1 byte per element)."""
+    _, bs, ctx = FP8_ROW
+    res = RowResult(f"fp8 {FP8_ROW[0]}", "decode", float(bs * ctx * HKV * D * 2))
+    impls = [("attn-triton fp8", FP8, triton_impl), ("attn-triton bf16", DTYPE, triton_impl)]
+    if not args.no_flashinfer:
+        impls.append(("flashinfer fp8", FP8, flashinfer_impl))
+    for name, kv_dtype, impl in impls:
+        loads = row_workloads("decode", FP8_ROW, gen, l2, kv_dtype)
+        try:
+            fns = [impl(w) for w in loads]
+            res.errors[name] = check(loads[0], fns[0]())
+            res.times_us[name] = time_graph(fns, 20, args.reps)
+            res.timing[name] = "cuda graph"
+        except Exception as exc:  # reported, not fatal: the other columns still print
+            print(f"  {name} failed: {exc!r:.300}", flush=True)
+        del loads
+        torch.cuda.empty_cache()
+    return res
+
+
+def print_fp8_table(r: RowResult) -> str:
+    """The fp8 row: times, attn-triton fp8 / bf16 and fp8 / FlashInfer fp8 time ratios against targets."""
+    t8, t16, fi8 = (r.times_us.get(k) for k in ("attn-triton fp8", "attn-triton bf16", "flashinfer fp8"))
+
+    def ratio(a, b):
+        return None if not a or not b else a / b
+
+    def fmt(x, spec=".1f"):
+        return "-" if x is None else format(x, spec)
+
+    vs16, vsfi = ratio(t8, t16), ratio(t8, fi8)
+    ok16 = "-" if vs16 is None else ("yes" if vs16 <= FP8_VS_BF16_TARGET else "no")
+    okfi = "-" if vsfi is None else ("yes" if vsfi <= FP8_VS_FI_TARGET else "no")
+    return "\n".join(
+        [
+            "| row | attn-triton fp8 µs | attn-triton bf16 µs | FlashInfer fp8 µs | fp8/bf16 time | fp8/FI fp8 time | "
+            f"≤ {FP8_VS_BF16_TARGET} | ≤ {FP8_VS_FI_TARGET} |",
+            "|---|---|---|---|---|---|---|---|",
+            f"| {r.name} | {fmt(t8)} | {fmt(t16)} | {fmt(fi8)} | {fmt(vs16, '.3f')} | {fmt(vsfi, '.3f')} | {ok16} | {okfi} |",
+        ]
+    )
 
 
 def _cfg(c) -> Optional[dict]:
@@ -611,7 +687,7 @@ def print_table(rows: list[RowResult]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "triton_vs_peers.json"))
-    p.add_argument("--only", default="decode,extend,verify,mixed,meta")
+    p.add_argument("--only", default="decode,extend,verify,mixed,meta,fp8")
     p.add_argument("--no-torch-native", action="store_true")
     p.add_argument("--no-flashinfer", action="store_true")
     p.add_argument("--decode-configs", default=None, help='"block_n,block_h,warps,stages;..."')
@@ -667,6 +743,7 @@ def main(argv=None) -> int:
         mixed_rows.append(r)
         print(f"{r.name}: {r.times_us} errors {r.errors}", flush=True)
         torch.cuda.empty_cache()
+    fp8 = run_fp8_row(args, gen, l2) if "fp8" in only else None
     meta = metadata_host_times() if "meta" in only else []
     table = print_table([r for r in rows if r.kind != "verify"])
     verify_rows = [r for r in rows if r.kind == "verify"]
@@ -674,6 +751,10 @@ def main(argv=None) -> int:
         table += "\n\n" + print_verify_table(verify_rows, info["copy_tb_s"])
     if mixed_rows:
         table += "\n\n" + print_mixed_table(mixed_rows)
+    if fp8 is not None:
+        print(f"{fp8.name}: {fp8.times_us} errors {fp8.errors}", flush=True)
+        table += "\n\n" + print_fp8_table(fp8)
+        rows.append(fp8)
     bad = {r.name: e for r in rows + mixed_rows for e in r.errors.values() if e > 2e-2}
     print(table)
     if meta:

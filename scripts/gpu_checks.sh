@@ -56,7 +56,7 @@ if want mla; then  # issue 15: the MLA kernel at 512 + 64 x 128 heads (oracle, t
   python3 benchmarks/mla_vs_peers.py --no-prefill --mla-tiles "${MLA_TILES:-32x32x8x2,64x16x8x3,32x64x8x2}" --json "$OUT/mla_vs_peers_triton.json" 2>&1 | tee "$OUT/mla_vs_peers_triton.log" || rc=1
 fi
 if want bench || want triton-bench; then
-  python3 benchmarks/triton_vs_peers.py --reps 20 --no-torch-native --only "${BENCH_ONLY:-decode,extend,verify,mixed,meta}" --out "$OUT/triton_vs_peers.json" 2>&1 | tee "$OUT/triton_vs_peers.log" || rc=1
+  python3 benchmarks/triton_vs_peers.py --reps 20 --no-torch-native --only "${BENCH_ONLY:-decode,extend,verify,mixed,meta,fp8}" --out "$OUT/triton_vs_peers.json" 2>&1 | tee "$OUT/triton_vs_peers.log" || rc=1
 elif want verify-bench; then  # issue 15: MHA verify rows only (attn-triton verify / extend kernel / FlashInfer prefill, copy bandwidth)
   python3 benchmarks/triton_vs_peers.py --reps 20 --no-torch-native --only verify --out "$OUT/triton_verify.json" 2>&1 | tee "$OUT/triton_verify.log" || rc=1
 fi

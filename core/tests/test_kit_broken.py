@@ -148,7 +148,8 @@ def test_ignored_logit_cap_fails_logit_cap_cases():
 
 def test_stale_graph_replay_fails_graph_checks():
     failed = run_kit(StaleGraphReplay, "graph-")
-    assert set(failed) == {"graph-DECODE", "graph-TARGET_VERIFY"}
+    fp8 = {f"graph-fp8_kv-float8_e4m3fn-{m}" for m in ("DECODE", "TARGET_VERIFY")}  # the same graphs over an fp8 cache
+    assert set(failed) == {"graph-DECODE", "graph-TARGET_VERIFY"} | fp8
     assert "graph replay, layer 0" in failed["graph-DECODE"] and "case: DECODE" in failed["graph-DECODE"]
 
 
@@ -162,3 +163,55 @@ def test_writing_kv_before_validation_fails_bad_input():
     failed = run_kit(WritesBeforeValidating, "bad_input-q_rows", "bad_input-q_heads")
     assert set(failed) == {"bad_input-q_rows", "bad_input-q_heads"}
     assert "only after writing to the KV pool" in failed["bad_input-q_rows"]
+
+
+class IgnoresVScale(TorchNativeBackend):
+    """Reads an fp8 cache without multiplying the values by v_scale (keys dequantized right)."""
+
+    name = "broken_fp8_v_scale"
+
+    def _forward(self, q, k, v, layer, batch, save_kv_cache, **extras):
+        if save_kv_cache and k is not None:
+            batch.token_to_kv_pool.set_kv_buffer(layer, batch.out_cache_loc, k, v, layer.k_scale, layer.v_scale)
+        layer = copy.copy(layer)
+        layer.v_scale = None
+        return super()._forward(q, k, v, layer, batch, False, **extras)
+
+
+class StoresUnscaledFp8(TorchNativeBackend):
+    """Writes new K/V to an fp8 cache without dividing by the scales (reads them right)."""
+
+    name = "broken_fp8_store"
+
+    def _forward(self, q, k, v, layer, batch, save_kv_cache, **extras):
+        if save_kv_cache and k is not None:
+            batch.token_to_kv_pool.set_kv_buffer(layer, batch.out_cache_loc, k, v)
+        return super()._forward(q, k, v, layer, batch, False, **extras)
+
+
+class NoFp8(TorchNativeBackend):
+    """Declares no fp8 KV but never checks: must be refused at construction by the base class."""
+
+    name = "no_fp8"
+    capabilities = dataclasses.replace(CAPABILITIES, kv_dtypes=CAPABILITIES.kv_dtypes - {"float8_e4m3fn"})
+
+
+def test_ignored_v_scale_fails_fp8_cases():
+    failed = run_kit(IgnoresVScale, "fp8_kv-float8_e4m3fn-DECODE", "fp8_kv-float8_e4m3fn-EXTEND", "mode-DECODE")
+    want = {"fp8_kv-float8_e4m3fn-DECODE", "fp8_kv-float8_e4m3fn-EXTEND", "graph-fp8_kv-float8_e4m3fn-DECODE"}
+    assert set(failed) == want, failed
+    assert "kv=float8_e4m3fn" in failed["fp8_kv-float8_e4m3fn-DECODE"] and "out rel err" in failed["fp8_kv-float8_e4m3fn-DECODE"]
+
+
+def test_unscaled_fp8_store_fails_with_the_kv_message():
+    failed = run_kit(StoresUnscaledFp8, "fp8_kv-float8_e4m3fn-DECODE", "mode-DECODE")
+    assert set(failed) == {"fp8_kv-float8_e4m3fn-DECODE", "graph-fp8_kv-float8_e4m3fn-DECODE"}, failed
+    assert "not written to their slots" in failed["fp8_kv-float8_e4m3fn-DECODE"]
+
+
+def test_undeclared_fp8_is_refused_at_construction():
+    plan = make_plan(NoFp8, device="cpu", quick=True)
+    outcomes = run_plan(plan, select=("float8",))
+    assert [o.check_id for o in outcomes] == ["refuse-kv_dtype-float8_e4m3fn"]
+    assert not outcomes[0].failed and "IncompatibleBackendError" in outcomes[0].message
+    assert "KV dtype float8_e4m3fn not in" in outcomes[0].message

@@ -19,7 +19,10 @@ def test_distribution_requirements_are_read_from_metadata():
 
 def test_bf16_is_skipped_only_for_triton_kernels_on_the_cpu_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert environment_skips("attn-triton", BF16, "cpu") == {"dtype-bfloat16-*": BF16_INTERPRETER_REASON}
+    assert environment_skips("attn-triton", BF16, "cpu") == {
+        "dtype-bfloat16-*": BF16_INTERPRETER_REASON,
+        "fp8_kv-*-dtype-bfloat16-*": BF16_INTERPRETER_REASON,
+    }
     assert runs_in_triton_interpreter("attn-triton", "cpu") and not runs_in_triton_interpreter("attn-triton", "cuda:0")
     assert environment_skips("attn-triton", BF16, "cuda") == {}
     assert environment_skips("attn-triton", frozenset({"float16"}), "cpu") == {}

@@ -28,7 +28,9 @@ class Feature(str, enum.Enum):
     SLIDING_WINDOW_POOL = "sliding_window_pool"  # window layers served from a SlidingWindowKVPool
     CASCADE = "cascade"  # ForwardBatch.cascade_prefix_len served as prefix + suffix passes (else ignored: same result)
     #: a KV cache dtype other than the query dtype (e.g. bf16 queries over an fp32 cache) computed right;
-    #: without it a context whose kv_dtype differs from its dtype is refused at construction
+    #: without it a context whose kv_dtype differs from its dtype is refused at construction (an fp8 KV
+    #: dtype, `FP8_KV_DTYPES`, needs no such flag: declaring it in kv_dtypes means reading it under every
+    #: declared q dtype)
     MIXED_KV_DTYPE = "mixed_kv_dtype"
 
     def __str__(self) -> str:
@@ -57,6 +59,8 @@ class CudaGraphLevel(enum.IntEnum):
 ALL_MODES = frozenset(ForwardMode)
 ARCH_MHA = "mha"
 ARCH_MLA = "mla"
+#: KV dtypes stored as fp8 with per-layer k_scale / v_scale (docs/design.md §3.2; `attn_core.memory.fp8`)
+FP8_KV_DTYPES = frozenset({"float8_e4m3fn"})
 
 
 @dataclass(frozen=True)
@@ -124,7 +128,7 @@ class Capabilities:
             out.append(f"q dtype {req.q_dtype} not in {sorted(self.q_dtypes)}")
         if req.kv_dtype not in self.kv_dtypes:
             out.append(f"KV dtype {req.kv_dtype} not in {sorted(self.kv_dtypes)}")
-        if req.kv_dtype != req.q_dtype and Feature.MIXED_KV_DTYPE not in self.features:
+        if req.kv_dtype != req.q_dtype and req.kv_dtype not in FP8_KV_DTYPES and Feature.MIXED_KV_DTYPE not in self.features:
             out.append(f"KV dtype {req.kv_dtype} with q dtype {req.q_dtype}: mixed dtypes not supported ({Feature.MIXED_KV_DTYPE.value})")
         dims = self.mla_head_dims if req.arch == ARCH_MLA else self.head_dims
         if dims is not None and req.head_dim not in dims:
@@ -155,6 +159,7 @@ class Capabilities:
             "/".join(sorted(self.devices)),
             "/".join(sorted(self.archs)),
             "/".join(_short_dtype(d) for d in sorted(self.q_dtypes)),
+            *(["kv " + "/".join(sorted(FP8_KV_DTYPES & self.kv_dtypes))] if FP8_KV_DTYPES & self.kv_dtypes else []),
             "pages " + ("any" if self.page_sizes is None else ",".join(map(str, sorted(self.page_sizes)))),
             "graphs " + self.cuda_graph.name.lower(),
         ]

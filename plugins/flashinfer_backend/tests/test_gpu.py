@@ -122,6 +122,31 @@ def _graph_case(mode, reqs, **kw):
     )
 
 
+FP8_MODES = (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY)
+FP8_LAYOUTS = {  # fp8 (e4m3) KV caches with per-layer scales (the harness's FP8_SCALES), both q dtypes
+    "fp8-bf16": dict(dtype="bfloat16", kv_dtype="float8_e4m3fn"),
+    "fp8-fp16-window-cap": dict(dtype="float16", kv_dtype="float8_e4m3fn", sliding_window=97, logit_cap=20.0),
+}
+
+
+@requires_gpu
+@pytest.mark.parametrize("mode", FP8_MODES, ids=lambda m: m.name)
+@pytest.mark.parametrize("layout", list(FP8_LAYOUTS))
+def test_random_batches_fp8_kv(layout, mode):
+    """fp8 caches on random compositions at page size 16, GQA 32/8, d128, two steps (the second step
+    re-plans lean), LSE returned: decode and paged prefill read fp8 with k_scale / v_scale, the ragged
+    pass sees the new tokens as the cache holds them."""
+    rng = random.Random(f"fi-{layout}-{mode.name}")
+    reqs = compose_requests(rng.randint, mode, profile_for("cuda", True))
+    cut = max(1, len(reqs) // 2)
+    steps = ((*range(cut),), (*range(cut, len(reqs)),)) if len(reqs) > 1 else ()
+    case = AttnCase(
+        mode, reqs, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16, device="cuda", return_lse=True, steps=steps,
+        **FP8_LAYOUTS[layout],
+    )  # fmt: skip
+    assert_case(_factory(), case)
+
+
 GRAPH_CASES = {
     "decode-page16-window": _graph_case(
         "DECODE", [(700, 1), (1, 1), (33, 1), (0, 1), (2000, 1), (15, 1)], page_size=16, sliding_window=100
@@ -130,6 +155,12 @@ GRAPH_CASES = {
     "verify-page16-mask": _graph_case("TARGET_VERIFY", [(500, 4), (3, 4), (64, 4), (1, 4), (1500, 4), (17, 4)], page_size=16),
     "verify-page16-causal": _graph_case(
         "TARGET_VERIFY", [(50, 3), (3, 3), (64, 3), (1, 3), (150, 3), (17, 3)], page_size=16, custom_mask=False
+    ),
+    "decode-page16-fp8": _graph_case(
+        "DECODE", [(700, 1), (1, 1), (33, 1), (0, 1), (2000, 1), (15, 1)], page_size=16, kv_dtype="float8_e4m3fn"
+    ),
+    "verify-page16-mask-fp8": _graph_case(
+        "TARGET_VERIFY", [(500, 4), (3, 4), (64, 4), (1, 4), (1500, 4), (17, 4)], page_size=16, kv_dtype="float8_e4m3fn"
     ),
 }
 

@@ -20,6 +20,7 @@ from attn_core.testing.profile import profile_for
 pytestmark = requires_interpreter
 
 MLA = dict(arch="mla", kv_lora_rank=32, qk_rope_head_dim=8, num_q_heads=4)
+FP8 = "float8_e4m3fn"
 
 CASES = [
     # plain modes, GQA 4/2, fp32 and fp16, page sizes 1/16/64
@@ -86,6 +87,14 @@ CASES = [
     # several steps on one backend object (metadata rebuilt per step)
     AttnCase("DECODE", [(7, 1), (20, 1), (3, 1), (50, 1)], steps=((0, 1), (2, 3))),
     AttnCase("EXTEND", [(0, 9), (6, 5), (2, 2)], steps=((0,), (1, 2))),
+    # fp8 (e4m3) KV caches with per-layer scales: split decode (several splits), extend with a window and
+    # sinks, verify, two steps, absorbed MLA decode (V read from the latent, scaled by k_scale)
+    AttnCase("DECODE", [(100, 1), (15, 1), (33, 1)], page_size=16, dtype="float16", kv_dtype=FP8, return_lse=True),
+    AttnCase("EXTEND", [(30, 12), (0, 25)], sliding_window=7, sinks=True, kv_dtype=FP8, return_lse=True),
+    AttnCase("TARGET_VERIFY", [(31, 6), (0, 6)], page_size=16, dtype="float16", kv_dtype=FP8),
+    AttnCase("DECODE", [(40, 1), (7, 1)], page_size=16, kv_dtype=FP8, steps=((0,), (1,))),
+    AttnCase("DECODE", [(40, 1), (2, 1)], page_size=16, dtype="float16", kv_dtype=FP8, **MLA),
+    AttnCase("MIXED", [(12, 1), (5, 7)], kv_dtype=FP8, **MLA),
 ]
 
 

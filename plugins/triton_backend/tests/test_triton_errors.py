@@ -208,3 +208,21 @@ def test_bf16_queries_over_another_kv_dtype_are_refused(kv_dtype):
     env = make_env(AttnCase("DECODE", ((5, 1),), dtype="bfloat16", kv_dtype=kv_dtype))
     with pytest.raises(IncompatibleBackendError, match="mixed dtypes"):
         TritonAttnBackend(env.ctx)
+
+
+@pytest.mark.parametrize("cc,hip,refused", [((8, 0), None, "compute capability 8.0"), ((9, 0), "6.2", "ROCm"), ((8, 9), None, None)])
+def test_fp8_kv_needs_an_fp8e4nv_gpu(monkeypatch, cc, hip, refused):
+    """fp8 caches on a GPU whose Triton has no fp8e4nv conversion are refused at construction, naming
+    the kv_dtype (the device query is faked: no GPU here)."""
+    import attn_triton.backend as be
+    from attn_core.errors import UnsupportedFeatureError
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cc)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    ctx = dataclasses.replace(make_env(AttnCase("DECODE", [(3, 1)], kv_dtype="float8_e4m3fn")).ctx)
+    object.__setattr__(ctx, "device", torch.device("cuda", 0))
+    if refused is None:
+        be._check_fp8_device(ctx)
+        return
+    with pytest.raises(UnsupportedFeatureError, match=f"kv_dtype torch.float8_e4m3fn.*{refused}"):
+        be._check_fp8_device(ctx)

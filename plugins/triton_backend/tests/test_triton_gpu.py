@@ -17,6 +17,8 @@ GQA = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, device="cuda", num_laye
 MLA = dict(arch="mla", kv_lora_rank=512, qk_rope_head_dim=64, num_q_heads=16, device="cuda", num_layers=1)
 #: DeepSeek-V3's per-GPU MLA shape at TP 1: 128 heads over one 512 + 64 latent (the MLA kernel's target)
 MLA128 = {**MLA, "num_q_heads": 128}
+GQA2 = {**GQA, "num_layers": 2}
+FP8 = "float8_e4m3fn"
 
 CASES = [
     AttnCase("DECODE", [(4095, 1), (0, 1), (1000, 1), (8191, 1)], dtype="bfloat16", page_size=16, **GQA),
@@ -86,6 +88,15 @@ CASES = [
     AttnCase("TARGET_VERIFY", [(2500, 8), (9, 8)], dtype="bfloat16", page_size=16, custom_mask=False, **MLA128),
     AttnCase("TARGET_VERIFY", [(1200, 16), (64, 16)], dtype="float16", page_size=1, sinks=True, logit_cap=25.0, **MLA128),
     AttnCase("DRAFT_EXTEND", [(1000, 3), (200, 3)], dtype="bfloat16", page_size=64, **MLA128),
+    # fp8 (e4m3) KV caches, per-layer k_scale / v_scale (the harness's FP8_SCALES): decode with many
+    # splits, extend with a prefix, verify, windowed decode, two layers (both scale pairs), MLA decode
+    AttnCase("DECODE", [(4095, 1), (0, 1), (1000, 1), (8191, 1)], dtype="bfloat16", kv_dtype=FP8, page_size=16, **GQA2),
+    AttnCase("EXTEND", [(0, 1000), (1500, 513), (64, 1), (700, 0)], dtype="bfloat16", kv_dtype=FP8, page_size=16, **GQA2),
+    AttnCase("TARGET_VERIFY", [(1500, 8), (40, 8), (3000, 8)], dtype="float16", kv_dtype=FP8, page_size=16, return_lse=True, **GQA2),
+    AttnCase("DECODE", [(5000, 1), (60, 1)], dtype="bfloat16", kv_dtype=FP8, sliding_window=1024, sinks=True, return_lse=True, **GQA2),
+    AttnCase("MIXED", [(1200, 1), (300, 400), (0, 77)], dtype="float32", kv_dtype=FP8, page_size=16, **GQA2),
+    AttnCase("DECODE", [(2000, 1), (100, 1), (1, 1)], dtype="bfloat16", kv_dtype=FP8, page_size=64, return_lse=True, **MLA),
+    AttnCase("EXTEND", [(600, 200), (0, 90)], dtype="bfloat16", kv_dtype=FP8, **MLA),
 ]
 
 
@@ -120,6 +131,9 @@ GRAPH_CASES = [
     # the verify kernel (issue 15): 4 drafts, chain (causal, no mask) and tree masks
     AttnCase("TARGET_VERIFY", [(4000, 4), (0, 4), (700, 4)], dtype="bfloat16", page_size=16, custom_mask=False, **GQA),
     AttnCase("TARGET_VERIFY", [(4000, 4), (33, 4)], dtype="bfloat16", page_size=16, sinks=True, return_lse=True, **GQA),
+    AttnCase("DECODE", [(4000, 1), (10, 1), (700, 1)], dtype="bfloat16", kv_dtype=FP8, page_size=16, return_lse=True, **GQA2),
+    AttnCase("TARGET_VERIFY", [(1500, 8), (40, 8)], dtype="bfloat16", kv_dtype=FP8, page_size=16, **GQA2),
+    AttnCase("DECODE", [(1500, 1), (20, 1)], dtype="bfloat16", kv_dtype=FP8, **MLA),
 ]
 
 

@@ -23,6 +23,8 @@ GRAPH_CASES = [
     AttnCase("TARGET_VERIFY", [(9, 2), (30, 2)], arch="mla", kv_lora_rank=32, qk_rope_head_dim=8, num_q_heads=4, custom_mask=False),
     AttnCase("TARGET_VERIFY", [(7, 4), (25, 4)], return_lse=True),
     AttnCase("TARGET_VERIFY", [(12, 3), (2, 3)], custom_mask=False, page_size=16),
+    AttnCase("DECODE", [(30, 1), (3, 1)], page_size=16, dtype="float16", kv_dtype="float8_e4m3fn"),
+    AttnCase("TARGET_VERIFY", [(7, 4), (25, 4)], kv_dtype="float8_e4m3fn"),
 ]
 
 

@@ -8,6 +8,7 @@ from attn_core.memory.pools import (
     MLATokenToKVPool,
     ReqToTokenPool,
     check_pool_matches,
+    kv_scales,
     token_rows,
 )
 from attn_core.memory.window_pool import SlidingWindowAllocator, SlidingWindowKVPool, window_pool_of
@@ -25,6 +26,7 @@ __all__ = [
     "SlidingWindowKVPool",
     "TokenAllocator",
     "check_pool_matches",
+    "kv_scales",
     "token_rows",
     "window_pool_of",
 ]

@@ -19,6 +19,7 @@ from typing import Optional, Union
 import torch
 
 from attn_core.errors import InvalidArgumentError, KVCacheError
+from attn_core.memory.fp8 import check_scale, is_fp8, quantize_kv
 
 Device = Union[str, torch.device]
 
@@ -113,7 +114,7 @@ class _KVPoolBase:
         self.page_size = page_size
         self.dtype = dtype
         # index_put does not support float8 everywhere: keep fp8 caches as raw bytes.
-        self.store_dtype = torch.uint8 if dtype.itemsize == 1 and dtype.is_floating_point else dtype
+        self.store_dtype = torch.uint8 if is_fp8(dtype) else dtype
         self.layer_num = layer_num
         self.device = torch.device(device)
         self.num_slots = size + page_size
@@ -127,9 +128,8 @@ class _KVPoolBase:
         return buf if self.store_dtype == self.dtype else buf.view(self.dtype)
 
     def _store(self, x: torch.Tensor, scale: Optional[float]) -> torch.Tensor:
-        if scale is not None and scale != 1.0:
-            x = x / scale
-        x = x.to(self.dtype)
+        """x quantized for this pool (`attn_core.memory.fp8.quantize_kv`), as the store dtype."""
+        x = quantize_kv(x, self.dtype, scale)
         return x if self.store_dtype == self.dtype else x.view(self.store_dtype)
 
     def _check_rows(self, name: str, x: torch.Tensor, loc: torch.Tensor, tail: tuple[int, ...]) -> torch.Tensor:
@@ -195,8 +195,10 @@ class MHATokenToKVPool(_KVPoolBase):
         k_scale: Optional[float] = None,
         v_scale: Optional[float] = None,
     ) -> None:
-        """Write K/V of `loc.numel()` tokens (`[T, Hkv, D]` or `[T, Hkv*D]`) to slots `loc`."""
+        """Write K/V of `loc.numel()` tokens (`[T, Hkv, D]` or `[T, Hkv*D]`) to slots `loc`; an fp8 pool
+        stores e4m3(x / scale) saturated (`attn_core.memory.fp8.quantize_kv`; None means 1)."""
         lid = self._check_layer(_layer_id(layer))
+        k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
         cache_k = self._check_rows("cache_k", cache_k, loc, (self.head_num, self.head_dim))
         cache_v = self._check_rows("cache_v", cache_v, loc, (self.head_num, self.v_head_dim))
         if self.kv_layout == "NHD":
@@ -251,8 +253,9 @@ class MLATokenToKVPool(_KVPoolBase):
         v_scale: Optional[float] = None,
     ) -> None:
         """Write latent rows `[T, 1, kv_lora_rank + qk_rope_head_dim]` to slots `loc` (cache_v is ignored:
-        the value is part of the latent)."""
+        the value is part of the latent; an fp8 pool stores e4m3(latent / k_scale) saturated)."""
         lid = self._check_layer(_layer_id(layer))
+        k_scale = check_scale("k_scale", k_scale)
         cache_k = self._check_rows("cache_k", cache_k, loc, (1, self.head_dim))
         self.kv_buffer[lid][loc] = self._store(cache_k, k_scale)
 
@@ -264,6 +267,20 @@ class MLATokenToKVPool(_KVPoolBase):
 
 
 KVPool = Union[MHATokenToKVPool, MLATokenToKVPool]
+
+
+def kv_scales(layer, pool) -> tuple[float, float]:
+    """(k, v) dequantization factors a reader multiplies `pool`'s stored K and V by for `layer`:
+    (layer.k_scale, layer.v_scale) as floats, None meaning 1.0; an MLA pool's value is a slice of the
+    latent, which `set_kv_buffer` quantized with k_scale, so there both are k_scale. Raises
+    InvalidArgumentError naming `layer.k_scale` / `layer.v_scale` unless each is None or finite > 0.
+
+    Example: a layer with k_scale=0.5, v_scale=None gives (0.5, 1.0) on an MHA pool, (0.5, 0.5) on an
+    MLA pool."""
+    k = check_scale("layer.k_scale", getattr(layer, "k_scale", None))
+    if isinstance(pool, MLATokenToKVPool):
+        return k, k
+    return k, check_scale("layer.v_scale", getattr(layer, "v_scale", None))
 
 
 def check_pool_matches(pool: KVPool, allocator) -> None:

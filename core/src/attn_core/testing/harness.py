@@ -5,6 +5,11 @@ random K/V into the slots the requests have cached (keeping dense host copies), 
 runs several layers, and checks for each layer: the output (and LSE) against `reference_attention`,
 the new K/V written to exactly `out_cache_loc`, and every other slot untouched.
 
+An fp8 KV case (`kv_dtype="float8_e4m3fn"`) gives every layer its own k_scale / v_scale (`FP8_SCALES`):
+the cache holds e4m3(x / scale), the dense host copies hold the dequantized values (stored · scale, in
+float64) the reference runs on, new K/V must be stored exactly as `quantize_kv` stores them, and their
+dequantized values must lie within e4m3's rounding bound of the originals (`e4m3_error_bound`).
+
 A case with `steps` splits its requests into several batches built on the same pools and runs them one
 after the other on one backend object (metadata rebuilt per step), as an engine does.
 """
@@ -30,9 +35,16 @@ from attn_core.memory import (
     SlidingWindowAllocator,
     SlidingWindowKVPool,
 )
-from attn_core.testing.reference import reference_attention, relative_error, tolerance
+from attn_core.memory.fp8 import dequantize_kv, e4m3_error_bound, is_fp8, quantize_kv
+from attn_core.memory.pools import kv_scales
+from attn_core.testing.reference import fp8_kv_tolerance, reference_attention, relative_error, tolerance
 
 BackendFactory = Callable[[BackendContext], object]
+
+#: (k_scale, v_scale) of layer i of an fp8 KV case: FP8_SCALES[i % 2]. Random normal K/V divided by
+#: them reach |x/s| ≈ 5/0.02 = 250 < 448 (no saturation) on the first and fall to the subnormal range
+#: (< 2^-6) for |x| < 0.0078 on the second, so both ends of e4m3 are exercised.
+FP8_SCALES = ((0.02, 0.03), (0.5, 0.25))
 
 
 @dataclass(frozen=True)
@@ -260,8 +272,51 @@ def token_major(pool, buf: torch.Tensor) -> torch.Tensor:
     return buf.permute(0, 2, 1, 3).reshape(-1, buf.shape[1], buf.shape[3])
 
 
+def _poison(buf: torch.Tensor) -> None:
+    """Fill a layer buffer with NaN (for fp8, the e4m3fn NaN byte 0x7F through a byte view)."""
+    if is_fp8(buf.dtype):
+        buf.view(torch.uint8).fill_(0x7F)
+    else:
+        buf.fill_(float("nan"))
+
+
+class _CachedValues:
+    """The values a case caches for one layer: `k(x)` / `v(x)` give what the cache stands for (x in the
+    pool dtype; for fp8, the dequantized e4m3(x / scale) in float64) and `stored_k` / `stored_v` what the
+    buffer holds for those values (for fp8, the e4m3 bytes)."""
+
+    def __init__(self, pool, layer: AttentionLayer):
+        self.dtype = pool.dtype
+        self.fp8 = is_fp8(pool.dtype)
+        self.scales = kv_scales(layer, pool)
+
+    def _value(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        if not self.fp8:
+            return x.to(self.dtype)
+        return dequantize_kv(quantize_kv(x, self.dtype, scale), scale, torch.float64)
+
+    def _stored(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        # x holds dequantized values (exact multiples of the scale): quantizing them again is exact
+        return quantize_kv(x, self.dtype, scale) if self.fp8 else x
+
+    def k(self, x: torch.Tensor) -> torch.Tensor:
+        return self._value(x, self.scales[0])
+
+    def v(self, x: torch.Tensor) -> torch.Tensor:
+        return self._value(x, self.scales[1])
+
+    def stored_k(self, x: torch.Tensor) -> torch.Tensor:
+        return self._stored(x, self.scales[0])
+
+    def stored_v(self, x: torch.Tensor) -> torch.Tensor:
+        return self._stored(x, self.scales[1])
+
+
 def _write_rows(pool, buf: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
-    """buf's rows of `slots` = x, in the pool's layout (a cached K/V fill, no dtype conversion)."""
+    """buf's rows of `slots` = x, in the pool's layout (a cached K/V fill, no dtype conversion; fp8
+    through byte views, which every device's index_put takes)."""
+    if is_fp8(buf.dtype):
+        buf, x = buf.view(torch.uint8), x.view(torch.uint8)
     if pool.kv_layout == "NHD":
         buf[slots] = x
     else:
@@ -293,8 +348,9 @@ def _fill_cache(env: CaseEnv, gen: torch.Generator) -> None:
     r2t = env.req_to_token_pool.req_to_token
     for layer in range(case.num_layers):
         k_buf, v_buf = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
-        k_buf.fill_(float("nan"))
-        v_buf.fill_(float("nan"))
+        _poison(k_buf)
+        _poison(v_buf)
+        cache = _CachedValues(pool, make_layer(case, layer))
         n = len(case.requests)
         ks, vs, eks, evs = [None] * n, [None] * n, [None] * n, [None] * n
         rows = [row for b in env.batches for row in b.req_pool_indices.tolist()]
@@ -304,21 +360,21 @@ def _fill_cache(env: CaseEnv, gen: torch.Generator) -> None:
             enc_slots = r2t[row, : r.encoder_len].long()
             pre_slots = layer_slots(env, layer, r2t[row, r.encoder_len : r.encoder_len + r.prefix_len].long())
             kept = pre_slots != 0  # released window slots stay poisoned (slot 0 is the dummy)
-            k = _rand((r.prefix_len, hk, dk), pool.dtype, gen, pool.device)
-            v = k[..., :dv] if case.arch == ARCH_MLA else _rand((r.prefix_len, hv, dv), pool.dtype, gen, pool.device)
+            k = cache.k(_rand((r.prefix_len, hk, dk), torch.float32, gen, pool.device))
+            v = k[..., :dv] if case.arch == ARCH_MLA else cache.v(_rand((r.prefix_len, hv, dv), torch.float32, gen, pool.device))
             if case.cascade_prefix and ks[order[0]] is not None:  # the shared prefix's K/V are the first request's
                 p = case.cascade_prefix
                 k[:p], v[:p] = ks[order[0]][:p], vs[order[0]][:p]
-            _write_rows(pool, k_buf, pre_slots[kept], k[kept])
+            _write_rows(pool, k_buf, pre_slots[kept], cache.stored_k(k[kept]))
             if case.arch != ARCH_MLA:
-                _write_rows(pool, v_buf, pre_slots[kept], v[kept])
+                _write_rows(pool, v_buf, pre_slots[kept], cache.stored_v(v[kept]))
             ks[i], vs[i] = k, v
-            ek = _rand((r.encoder_len, hk, dk), pool.dtype, gen, pool.device)
-            ev = ek[..., :dv] if case.arch == ARCH_MLA else _rand((r.encoder_len, hv, dv), pool.dtype, gen, pool.device)
+            ek = cache.k(_rand((r.encoder_len, hk, dk), torch.float32, gen, pool.device))
+            ev = ek[..., :dv] if case.arch == ARCH_MLA else cache.v(_rand((r.encoder_len, hv, dv), torch.float32, gen, pool.device))
             if r.prefix_len > 0:  # encoder K/V of running requests are cached; new requests bring theirs
-                _write_rows(pool, k_buf, enc_slots, ek)
+                _write_rows(pool, k_buf, enc_slots, cache.stored_k(ek))
                 if case.arch != ARCH_MLA:
-                    _write_rows(pool, v_buf, enc_slots, ev)
+                    _write_rows(pool, v_buf, enc_slots, cache.stored_v(ev))
             eks[i], evs[i] = ek, ev
         env.cached_k.append(ks)
         env.cached_v.append(vs)
@@ -341,13 +397,19 @@ class CaseResult:
     case: AttnCase
     layers: list[LayerResult]
 
+    def tolerance(self) -> float:
+        """Relative output bar: the q dtype's (`tolerance`), for fp8 KV `fp8_kv_tolerance` (the same bar;
+        its docstring derives why e4m3 does not widen it against the dequantized reference)."""
+        q = _dtype(self.case.dtype)
+        return fp8_kv_tolerance(q) if is_fp8(_dtype(self.case.kv_dtype or self.case.dtype)) else tolerance(q)
+
     @property
     def ok(self) -> bool:
-        tol = tolerance(_dtype(self.case.dtype))
+        tol = self.tolerance()
         return all(lr.kv_ok and lr.out_error <= tol and (lr.lse_error is None or lr.lse_error <= max(tol, 1e-4)) for lr in self.layers)
 
     def message(self) -> str:
-        tol = tolerance(_dtype(self.case.dtype))
+        tol = self.tolerance()
         lines = [f"case: {self.case.describe()} (tolerance {tol:g})"]
         for lr in self.layers:
             lse = "" if lr.lse_error is None else f", lse abs err {lr.lse_error:.3g}"
@@ -370,7 +432,16 @@ def make_layer(case: AttnCase, layer_id: int) -> AttentionLayer:
         sliding_window_size=None if case.window_even_layers_only and layer_id % 2 else case.sliding_window,
         is_cross_attention=case.cross_attention,
         attention_chunk_size=None if case.chunk_even_layers_only and layer_id % 2 else case.attention_chunk_size,
+        **_fp8_scales(case, layer_id),
     )
+
+
+def _fp8_scales(case: AttnCase, layer_id: int) -> dict:
+    """{k_scale, v_scale} of an fp8 KV case's layer (`FP8_SCALES`), {} otherwise."""
+    if not is_fp8(_dtype(case.kv_dtype or case.dtype)):
+        return {}
+    k, v = FP8_SCALES[layer_id % len(FP8_SCALES)]
+    return {"k_scale": k, "v_scale": v}
 
 
 def layer_inputs(
@@ -410,7 +481,7 @@ def reference_for_layer(
     outs = [torch.zeros(0, layer.num_q_heads, layer.v_head_dim, dtype=torch.float64)]
     lses = [torch.zeros(0, layer.num_q_heads, dtype=torch.float64)]
     start = 0
-    kv_dtype = env.kv_pool.dtype
+    cache = _CachedValues(env.kv_pool, layer)
     masks = _verify_masks(batch)
     for j, i in enumerate(requests):
         r = case.requests[i]
@@ -423,12 +494,12 @@ def reference_for_layer(
                 q, k, v, q_positions=positions, scale=layer.scaling, causal=False, logit_cap=layer.logit_cap, sinks=inputs["sinks"]
             )
         else:
-            new_k = inputs["k"][start : start + n].to(kv_dtype)
+            new_k = cache.k(inputs["k"][start : start + n])
             k = torch.cat([env.cached_k[lid][i], new_k])
             if case.arch == ARCH_MLA:
                 v = k[..., : case.kv_lora_rank]
             else:
-                v = torch.cat([env.cached_v[lid][i], inputs["v"][start : start + n].to(kv_dtype)])
+                v = torch.cat([env.cached_v[lid][i], cache.v(inputs["v"][start : start + n])])
             o, lse = reference_attention(
                 q,
                 k,
@@ -465,7 +536,8 @@ def check_kv_writes(
     ignore_slots: Sequence[int] = (),
 ) -> tuple[bool, str]:
     """New K/V at the step's slots, every other slot (but `ignore_slots`) bit-identical to `before`
-    (the layer's [K, V] buffers before the step)."""
+    (the layer's [K, V] buffers before the step). An fp8 pool must hold exactly `quantize_kv(new, scale)`
+    and, dequantized, lie within `e4m3_error_bound` of the new K/V."""
     pool = env.kv_pool
     batch = env.batch if batch is None else batch
     if layer.is_cross_attention:
@@ -475,16 +547,20 @@ def check_kv_writes(
     after = [token_major(pool, pool.get_key_buffer(layer.layer_id)), token_major(pool, pool.get_value_buffer(layer.layer_id))]
     before = [token_major(pool, b) for b in before]
     expected_new = [] if k is None else [k, k[..., : pool.v_head_dim] if v is None else v]
-    for name, b, a, new in zip(("K", "V"), before, after, expected_new or [None, None]):
+    fp8 = is_fp8(pool.dtype)
+    for name, b, a, new, scale in zip(("K", "V"), before, after, expected_new or [None, None], kv_scales(layer, pool)):
         mask = torch.ones(a.shape[0], dtype=torch.bool, device=a.device)
         mask[list(ignore_slots)] = False
         if new is not None and loc is not None and loc.numel():
             mask[loc] = False
             got = a[loc].double()
-            want = new.reshape(got.shape).to(pool.dtype).double()
+            new = new.reshape(got.shape)
+            want = (quantize_kv(new, pool.dtype, scale) if fp8 else new.to(pool.dtype)).double()
             if not torch.equal(got, want):
                 bad = (got != want).reshape(got.shape[0], -1).any(-1).nonzero().flatten()[:5].tolist()
                 return False, f"{name} of new tokens not written to their slots (first bad rows {bad})"
+            if fp8 and not bool(((got * scale - new.double()).abs() <= e4m3_error_bound(new, scale) * (1 + 1e-9)).all()):
+                return False, f"{name} of new tokens: dequantized cache farther from the input than e4m3 rounding allows"
         if not torch.equal(torch.nan_to_num(a[mask].double(), nan=12345.0), torch.nan_to_num(b[mask].double(), nan=12345.0)):
             changed = (torch.nan_to_num(a, nan=12345.0) != torch.nan_to_num(b, nan=12345.0)).reshape(a.shape[0], -1).any(-1)
             changed &= mask

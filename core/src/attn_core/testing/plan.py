@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass
 from typing import Optional
 
-from attn_core.capabilities import ARCH_MHA, ARCH_MLA, CudaGraphLevel, Feature
+from attn_core.capabilities import ARCH_MHA, ARCH_MLA, FP8_KV_DTYPES, CudaGraphLevel, Feature
 from attn_core.forward_mode import ForwardMode
 from attn_core.testing.compose import Draw, compose_requests
 from attn_core.testing.graphs import graph_case_check, graph_relocation_check
@@ -168,6 +168,7 @@ class PlanBuilder:
         self.add_mode_checks()
         self.add_random_checks()
         self.add_variant_checks()
+        self.add_fp8_checks()
         self.add_feature_checks()
         self.add_graph_checks()
         self.add_negative_checks()
@@ -233,7 +234,7 @@ class PlanBuilder:
                     for mode in self.variant_modes():
                         case = self.case(mode, self.page_requests(mode, ps), page_size=ps, kv_layout=layout)
                         self.numeric(f"kv_layout-{layout}-page_size-{ps}-{mode.name}", case)
-        others = sorted(set(caps.kv_dtypes) - {b.dtype})
+        others = sorted(set(caps.kv_dtypes) - {b.dtype} - FP8_KV_DTYPES)  # fp8: `add_fp8_checks`
         for kv in others if mixed else ():
             for mode in self.variant_modes():
                 self.numeric(f"kv_dtype-{kv}-{mode.name}", self.case(mode, self.fixed_requests(mode), kv_dtype=kv))
@@ -260,6 +261,32 @@ class PlanBuilder:
         for mode in self.variant_modes():
             reqs = self.fixed_requests(mode) + [(self.p.max_prefix // 2, 1 if mode.is_decode() else 2), (5, 1)]
             self.numeric(f"steps-{mode.name}", self.case(mode, reqs, steps=((0, 2, 4), (1, 3, 5))))
+
+    def add_fp8_checks(self) -> None:
+        """fp8 KV caches (`FP8_KV_DTYPES`): declared, the base q dtype over the cache in decode, extend and
+        target verify (where declared), over several steps, on MLA where declared, and one case per
+        other declared q dtype; undeclared, construction must refuse it (`IncompatibleBackendError`)."""
+        caps, b = self.caps, self.base
+        for kv in sorted(FP8_KV_DTYPES):
+            mode = b.variant_modes[0] if b.variant_modes else None
+            if kv not in caps.kv_dtypes:
+                if mode is not None:
+                    case = self.case(mode, self.fixed_requests(mode), kv_dtype=kv)
+                    self.add(f"refuse-kv_dtype-{kv}", refusal_check(self.target, case, f"KV dtype {kv}"), case.describe())
+                continue
+            modes = [m for m in (ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY) if m in b.modes]
+            for m in modes:
+                self.numeric(f"fp8_kv-{kv}-{m.name}", self.case(m, self.fixed_requests(m), kv_dtype=kv))
+            for m in self.variant_modes():
+                reqs = self.fixed_requests(m) + [(self.p.max_prefix // 2, 1 if m.is_decode() else 2), (5, 1)]
+                self.numeric(f"fp8_kv-{kv}-steps-{m.name}", self.case(m, reqs, kv_dtype=kv, steps=((0, 2, 4), (1, 3, 5))))
+            if ARCH_MLA in caps.archs and b.arch != ARCH_MLA:
+                for m in self.variant_modes():
+                    self.numeric(f"fp8_kv-{kv}-mla-{m.name}", self.case(m, self.fixed_requests(m), arch=ARCH_MLA, kv_dtype=kv))
+            for dtype in _prefer(caps.q_dtypes, _DTYPE_ORDER):
+                if dtype != b.dtype:
+                    for m in self.variant_modes():
+                        self.numeric(f"fp8_kv-{kv}-dtype-{dtype}-{m.name}", self.case(m, self.fixed_requests(m), dtype=dtype, kv_dtype=kv))
 
     def add_feature_checks(self) -> None:
         caps, target = self.caps, self.target
@@ -420,6 +447,16 @@ class PlanBuilder:
             reqs = [(P, D), (3, D), (P // 2, D), (1, D), (L - D, D), (6, D)]
             case = self.case(ForwardMode.TARGET_VERIFY, reqs, steps=steps, cuda_graph_level=int(level))
             self.add("graph-TARGET_VERIFY", graph_case_check(self.target, case), case.describe())
+        for kv in sorted(FP8_KV_DTYPES & self.caps.kv_dtypes):  # graphs over an fp8 cache: scales baked per layer
+            if level >= CudaGraphLevel.UNIFORM_SINGLE_TOKEN_DECODE and ForwardMode.DECODE in self.base.modes:
+                reqs = [(P, 1), (1, 1), (P // 2 + 3, 1), (0, 1), (L - 1, 1), (5, 1)]
+                case = self.case(ForwardMode.DECODE, reqs, steps=steps, kv_dtype=kv, cuda_graph_level=int(level))
+                self.add(f"graph-fp8_kv-{kv}-DECODE", graph_case_check(self.target, case), case.describe())
+            if level >= CudaGraphLevel.UNIFORM_BATCH and ForwardMode.TARGET_VERIFY in self.base.modes:
+                D = self.p.max_draft
+                reqs = [(P, D), (3, D), (P // 2, D), (1, D), (L - D, D), (6, D)]
+                case = self.case(ForwardMode.TARGET_VERIFY, reqs, steps=steps, kv_dtype=kv, cuda_graph_level=int(level))
+                self.add(f"graph-fp8_kv-{kv}-TARGET_VERIFY", graph_case_check(self.target, case), case.describe())
 
     def add_negative_checks(self) -> None:
         caps, b, target = self.caps, self.base, self.target

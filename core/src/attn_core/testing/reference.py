@@ -89,6 +89,24 @@ def tolerance(dtype: torch.dtype) -> float:
     return {torch.float64: 1e-10, torch.float32: 1e-5}.get(dtype, 2e-2)
 
 
+def fp8_kv_tolerance(q_dtype: torch.dtype) -> float:
+    """Allowed relative output error of a case with q in `q_dtype` and an fp8 (float8_e4m3fn) KV cache,
+    the reference being computed on the cache's *dequantized* values (stored · scale, in float64).
+
+    Derivation for an fp8 (float8_e4m3fn) cache: an e4m3 value has 4 significant bits (3 mantissa bits,
+    so neighbours lie a relative 2^-3 apart), which fp16 (11), bf16 (8) and fp32 (24) hold exactly: the
+    cast fp8 → compute dtype adds no error. The one extra rounding a kernel may do is the product with
+    the scale, x̂ = q·s, in its compute dtype: at most half an ulp, 2^-9 relative in bf16 (2^-24 in fp32),
+    far inside the bar of the q dtype (2e-2 half precision, 1e-5 fp32), and the scores and the P·V sum
+    are computed as for a non-fp8 cache. So the tolerance is the q dtype's: the e4m3 rounding itself
+    (≤ 2^-4 relative per element, half the 2^-3 step; `attn_core.memory.fp8.e4m3_error_bound`) is
+    judged separately, by comparing the dequantized cache with the original K/V, not by loosening this
+    bar.
+
+    Example: `fp8_kv_tolerance(torch.float32) == 1e-5`, `fp8_kv_tolerance(torch.float16) == 2e-2`."""
+    return tolerance(q_dtype)
+
+
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """max |out - ref| / max |ref|; infinite when out has a NaN/inf where ref is finite."""
     out, ref = out.double().cpu(), ref.double().cpu()

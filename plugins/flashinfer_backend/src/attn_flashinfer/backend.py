@@ -36,6 +36,7 @@ from attn_core.batch import ForwardBatch
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 from attn_core.graph_step import CudaGraphStep
+from attn_core.memory.pools import kv_scales
 from attn_core.ops.device_faults import DeviceFaultFlags
 from attn_flashinfer import plans, replan
 from attn_flashinfer.indices import PagedKV, QueryLayout, any_positive, build_paged_kv, query_layout, self_attention_page_size
@@ -347,8 +348,7 @@ class FlashInferBackend(AttentionBackend[Step]):
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache, **extras)
 
     def _forward(self, q, k, v, layer, batch, save_kv_cache, return_lse=False):
-        if layer.k_scale not in (None, 1.0) or layer.v_scale not in (None, 1.0):
-            raise UnsupportedFeatureError(self.name, f"k_scale/v_scale (layer {layer.layer_id}): quantized KV caches")
+        scales = kv_scales(layer, self.ctx.token_to_kv_pool)  # typed error for a bad scale, before any write
         step: Step = self.forward_metadata
         plan = self._plan_of(step, layer)
         if plan.ragged is not None and k is None:
@@ -357,6 +357,6 @@ class FlashInferBackend(AttentionBackend[Step]):
             )
         pool = self.save_kv(k, v, layer, batch) if save_kv_cache else self.kv_pool(batch)
         k_cache, v_cache = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-        o, lse = plans.run(plan, q, k, v, k_cache, v_cache, return_lse, self.kv_layout)
+        o, lse = plans.run(plan, q, k, v, k_cache, v_cache, return_lse, self.kv_layout, scales)
         o = o.view(o.shape[0], -1)
         return (o, lse) if return_lse else o

@@ -13,6 +13,11 @@ Which way a wrapper is planned (the `lean` flag): FlashInfer's public `plan` the
 CUDA-graph prefill wrappers and with `lean_replan=False`; otherwise `replan.py`'s lean re-plan (eager
 wrappers after their first plan, and CUDA-graph decode replay).
 
+fp8 KV caches (float8_e4m3fn): the decode and paged wrappers are planned with the cache's dtype and read
+it with the layer's `k_scale` / `v_scale` (FlashInfer folds k_scale into the softmax scale and multiplies
+the output by v_scale). The ragged wrapper's FA2 path takes no scales, so it is planned in the query
+dtype and given the new tokens as the cache holds them (`attn_core.memory.fp8.as_cached`).
+
 FlashInfer's LSE is log base 2 (`log2 sum 2^(s*log2 e)`); `run` converts it to natural log at the edge.
 """
 
@@ -27,6 +32,7 @@ from flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPaged
 from flashinfer.cascade import merge_state_in_place
 
 from attn_flashinfer import replan
+from attn_flashinfer.fp8 import cache_run_kwargs, ragged_inputs, ragged_kv_dtype
 from attn_flashinfer.indices import PagedKV, QueryLayout
 from attn_flashinfer.steps import Dims, GraphBuffers, LayerKey
 
@@ -85,13 +91,13 @@ def new_ragged_wrapper(workspace: torch.Tensor) -> BatchPrefillWithRaggedKVCache
     return BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=KERNEL_BACKEND)  # k/v: the new tokens, [T, H, D]
 
 
-def _common(key: LayerKey, dims: Dims) -> dict:
+def _common(key: LayerKey, dims: Dims, kv_dtype: Optional[torch.dtype] = None) -> dict:
     return dict(
         window_left=key.window_left,
         logits_soft_cap=key.logit_cap if key.logit_cap > 0 else None,
         sm_scale=key.scaling,
         q_data_type=dims.q_dtype,
-        kv_data_type=dims.kv_dtype,
+        kv_data_type=dims.kv_dtype if kv_dtype is None else kv_dtype,
     )
 
 
@@ -150,7 +156,8 @@ def plan_ragged(w: BatchPrefillWithRaggedKVCacheWrapper, qo: QueryLayout, key: L
     if lean:
         replan.ragged(w, qo, key, dims)
         return
-    w.plan(qo.indptr, qo.indptr, dims.num_q_heads, dims.num_kv_heads, dims.head_dim, causal=True, non_blocking=True, **_common(key, dims))
+    common = _common(key, dims, ragged_kv_dtype(dims))
+    w.plan(qo.indptr, qo.indptr, dims.num_q_heads, dims.num_kv_heads, dims.head_dim, causal=True, non_blocking=True, **common)
 
 
 def run(
@@ -162,11 +169,16 @@ def run(
     v_cache: torch.Tensor,
     return_lse: bool,
     kv_layout: str = "NHD",
+    scales: tuple[float, float] = (1.0, 1.0),
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Attention of q `[T, Hq, D]` under `plan`: output `[T, Hq, D]` and, with return_lse, the
     natural-log LSE `[T, Hq]` float32. k/v: the new tokens `[T, Hkv, D]` (ragged pass only);
     k_cache/v_cache: one layer's pool, NHD `[num_slots, Hkv, D]` viewed as pages without a copy, or HND
-    `[num_pages, Hkv, page_size, D]` read as it is (the plan's page size is then the pool's)."""
+    `[num_pages, Hkv, page_size, D]` read as it is (the plan's page size is then the pool's); `scales`:
+    the (k, v) dequantization factors of the pool (`attn_core.memory.kv_scales`)."""
+    cache_kw = cache_run_kwargs(scales)
+    if plan.ragged is not None:
+        k, v = ragged_inputs(k, v, k_cache.dtype, scales, q.dtype)
     if plan.decode is not None or plan.paged is not None:
         ps = plan.page_size
         if kv_layout == "HND":
@@ -174,15 +186,15 @@ def run(
         else:
             pages = (k_cache.view(-1, ps, *k_cache.shape[1:]), v_cache.view(-1, ps, *v_cache.shape[1:]))
     if plan.decode is not None:
-        o, lse = _split(plan.decode.run(q, pages, return_lse=return_lse), return_lse)
+        o, lse = _split(plan.decode.run(q, pages, return_lse=return_lse, **cache_kw), return_lse)
     elif plan.ragged is not None and plan.paged is not None:
         o, lse = plan.ragged.run(q, k, v, return_lse=True)
-        o_prefix, lse_prefix = plan.paged.run(q, pages, return_lse=True)
+        o_prefix, lse_prefix = plan.paged.run(q, pages, return_lse=True, **cache_kw)
         merge_state_in_place(o, lse, o_prefix, lse_prefix)
     elif plan.ragged is not None:
         o, lse = _split(plan.ragged.run(q, k, v, return_lse=return_lse), return_lse)
     else:
-        o, lse = _split(plan.paged.run(q, pages, return_lse=return_lse), return_lse)
+        o, lse = _split(plan.paged.run(q, pages, return_lse=return_lse, **cache_kw), return_lse)
     return o, (lse * LN2 if return_lse else None)
 
 

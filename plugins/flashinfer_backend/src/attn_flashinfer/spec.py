@@ -14,11 +14,13 @@ from attn_core.spec import BackendSpec
 MIN_COMPUTE_CAPABILITY = (8, 0)
 
 #: Declared = verified on a GPU against the float64 reference (docs/gpu-runs.md). K/V in the query's
-#: dtype (no `Feature.MIXED_KV_DTYPE`: the base class refuses a mix); fp8 KV caches are not supported.
+#: dtype (no `Feature.MIXED_KV_DTYPE`: the base class refuses a mix), or an fp8 (float8_e4m3fn) cache
+#: with per-layer k_scale / v_scale under either q dtype (FlashInfer's fp8 decode / paged prefill paths;
+#: `attn_flashinfer.fp8`) — fp8 is not yet verified on a GPU (issue 16: tests/test_gpu.py's fp8 checks).
 CAPABILITIES = Capabilities(
     devices=frozenset({"cuda"}),
     q_dtypes=frozenset({"bfloat16", "float16"}),
-    kv_dtypes=frozenset({"bfloat16", "float16"}),
+    kv_dtypes=frozenset({"bfloat16", "float16", "float8_e4m3fn"}),
     archs=frozenset({ARCH_MHA}),
     head_dims=frozenset({64, 128, 256}),
     page_sizes=None,
@@ -60,4 +62,5 @@ SPEC = BackendSpec(
     backend_class="attn_flashinfer.backend:FlashInferBackend",
     priority=20,
     probe_fn=probe,
+    unverified="fp8 KV caches (float8_e4m3fn) have not run on a GPU yet (issue 16)",
 )

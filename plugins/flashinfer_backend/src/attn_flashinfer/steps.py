@@ -79,11 +79,20 @@ class StepInputs:
     custom_mask: Optional[torch.Tensor] = None  # TARGET_VERIFY: flattened bool, request after request
 
 
+#: smallest head dim served over an fp8 KV cache (see `check_context`)
+FP8_MIN_HEAD_DIM = 128
+
+
 def check_context(ctx, name: str) -> None:
     """What `CAPABILITIES` cannot say (the base class refuses the rest: device, MLA, head dims, dtypes and
-    the q/KV dtype mix): FlashInfer's kernels here need v_head_dim == head_dim."""
+    the q/KV dtype mix): FlashInfer's kernels here need v_head_dim == head_dim, and an fp8 cache a head
+    dim of at least `FP8_MIN_HEAD_DIM` (FlashInfer 0.6.6's FA2 prefill notes that its fp8 K/V loads do
+    not work at head_dim 64)."""
     if ctx.v_head_dim != ctx.head_dim:
         raise UnsupportedFeatureError(name, f"v_head_dim {ctx.v_head_dim} != head_dim {ctx.head_dim}")
+    if ctx.kv_dtype.itemsize == 1 and ctx.head_dim < FP8_MIN_HEAD_DIM:
+        need = f"fp8 needs head_dim >= {FP8_MIN_HEAD_DIM}"
+        raise UnsupportedFeatureError(name, f"kv_dtype {ctx.kv_dtype} at head_dim {ctx.head_dim} ({need})")
 
 
 def eager_inputs(b: ForwardBatch, r2t: torch.Tensor) -> StepInputs:

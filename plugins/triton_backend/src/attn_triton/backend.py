@@ -33,6 +33,8 @@ from attn_core.errors import BackendUnavailableError, InvalidArgumentError, Unsu
 from attn_core.graph_step import CudaGraphStep
 from attn_core.layer import AttentionLayer
 from attn_core.local_attention import local_decode_starts, make_local_attention_virtual_batches
+from attn_core.memory.fp8 import is_fp8
+from attn_core.memory.pools import kv_scales
 from attn_core.memory.window_pool import SlidingWindowKVPool, window_pool_of
 from attn_core.ops.device_faults import DeviceFaultFlags
 from attn_core.ops.merge_state import merge_state
@@ -315,6 +317,7 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
     def _decode(self, q, k_buf, v_buf, o, lse, layer, keys: KVIndex, splits: Splits, part_o, part_lse, sinks) -> None:
         """One split-KV decode launch: q `[bs, Hq, D]` (one row per request of `keys`) into `o` `[bs, Hq,
         Dv]` (and `lse` `[bs, Hq]` float32 when not None), stage-1 results in `part_o` / `part_lse`."""
+        k_scale, v_scale = kv_scales(layer, self.ctx.token_to_kv_pool)
         decode_attention(
             _last_dim_contiguous(q),
             k_buf,
@@ -333,8 +336,8 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
             window=None if layer.is_cross_attention else layer.sliding_window_size,
             sinks=_sinks(sinks),
             lse_out=lse,
-            k_scale=_scale(layer.k_scale),
-            v_scale=_scale(layer.v_scale),
+            k_scale=k_scale,
+            v_scale=v_scale,
             d_rope=self.d_rope,
             share_kv=self.is_mla,
         )
@@ -388,7 +391,9 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
     ):  # fmt: skip
         """One extend-kernel launch: output `[T, Hq, Dv]` and LSE `[T, Hq]` (None unless `want_lse`).
         With `verify_len` (every request has that many tokens: `verify_q_len`) the verify kernel runs
-        instead, its tokens folded with the q heads of each KV head."""
+        instead, its tokens folded with the q heads of each KV head. An fp8 cache is read as stored; the
+        layer's scales fold into the score scale and the output."""
+        k_scale, v_scale = kv_scales(layer, self.ctx.token_to_kv_pool)
         T, hq, dv = q.shape[0], layer.num_q_heads, layer.v_head_dim
         o = q.new_empty((T, hq, dv))
         lse = torch.empty((T, hq), dtype=torch.float32, device=q.device) if want_lse else None
@@ -400,8 +405,8 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
             window=None if layer.is_cross_attention else layer.sliding_window_size,
             sinks=_sinks(sinks),
             lse_out=lse,
-            k_scale=_scale(layer.k_scale),
-            v_scale=_scale(layer.v_scale),
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         q_in, fault = _last_dim_contiguous(q), self.device_faults.buffer
         if verify_len is not None:
@@ -431,6 +436,7 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
         tokens per request (`extend`'s custom mask, if any). Returns the output `[T, Hq * kv_lora_rank]`
         (and the LSE `[T, Hq]` with return_lse)."""
         T, hq, rank = q.shape[0], layer.num_q_heads, self.ctx.kv_lora_rank
+        k_scale, v_scale = kv_scales(layer, self.ctx.token_to_kv_pool)
         o = q.new_empty((T, hq, rank))
         lse = torch.empty((T, hq), dtype=torch.float32, device=q.device) if return_lse else None
         mla_attention(
@@ -455,8 +461,8 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
             window=None if layer.is_cross_attention else layer.sliding_window_size,
             sinks=_sinks(sinks),
             lse_out=lse,
-            k_scale=_scale(layer.k_scale),
-            v_scale=_scale(layer.v_scale),
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         o = o.view(T, hq * rank)
         return (o, lse) if return_lse else o
@@ -555,7 +561,8 @@ def _check_device(device: torch.device) -> None:
 
 def _check_context(ctx: BackendContext) -> None:
     """What the declared capabilities cannot say (checked by the base class, with the pool layout): the
-    MLA parts, v_head_dim."""
+    MLA parts, v_head_dim, the GPU an fp8 KV cache needs."""
+    _check_fp8_device(ctx)
     if ctx.is_mla:
         if ctx.kv_lora_rank > MAX_MLA_RANK or ctx.qk_rope_head_dim > MAX_MLA_ROPE:
             raise UnsupportedFeatureError(
@@ -563,6 +570,18 @@ def _check_context(ctx: BackendContext) -> None:
             )
     elif ctx.head_dim > MAX_MHA_HEAD_DIM or ctx.v_head_dim > MAX_MHA_HEAD_DIM or ctx.head_dim % 8 or ctx.v_head_dim % 8:
         raise UnsupportedFeatureError("triton", f"head_dim {ctx.head_dim} / v_head_dim {ctx.v_head_dim} (multiples of 8 up to 256)")
+
+
+def _check_fp8_device(ctx: BackendContext) -> None:
+    """An fp8 (float8_e4m3fn) cache is read through Triton's fp8e4nv type, which NVIDIA GPUs of compute
+    capability >= 8.9 convert; refuse it elsewhere on the GPU (the CPU interpreter converts it)."""
+    if not is_fp8(ctx.kv_dtype) or ctx.device.type != "cuda":
+        return
+    if torch.version.hip:
+        raise UnsupportedFeatureError("triton", f"kv_dtype {ctx.kv_dtype} on ROCm (Triton's fp8e4nv; ROCm GPUs of this build use e4m3fnuz)")
+    cc = torch.cuda.get_device_capability(ctx.device)
+    if cc < (8, 9):
+        raise UnsupportedFeatureError("triton", f"kv_dtype {ctx.kv_dtype} on compute capability {cc[0]}.{cc[1]} (fp8e4nv needs >= 8.9)")
 
 
 def _custom_mask(b: ForwardBatch) -> Optional[torch.Tensor]:
@@ -580,6 +599,3 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 def _sinks(sinks: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if sinks is None else sinks.to(torch.float32).contiguous()
 
-
-def _scale(s: Optional[float]) -> float:
-    return 1.0 if s is None else float(s)

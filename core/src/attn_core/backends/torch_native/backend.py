@@ -27,7 +27,7 @@ from attn_core.cascade import splits_into_cascade
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 from attn_core.graph_step import CudaGraphStep
-from attn_core.memory.pools import token_rows
+from attn_core.memory.pools import kv_scales, token_rows
 from attn_core.memory.window_pool import window_pool_of
 from attn_core.ops.merge_state import merge_state
 
@@ -235,7 +235,7 @@ class TorchNativeBackend(AttentionBackend[_Metadata]):
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         keys = token_rows(k_buf, slots, pool.kv_layout, pool.page_size)  # [bs, W, Hkv, D]
         vals = token_rows(v_buf, slots, pool.kv_layout, pool.page_size)
-        return _attention(q, keys, vals, allowed, meta, layer, sinks, return_lse, self.max_score_bytes)
+        return _attention(q, keys, vals, allowed, meta, layer, sinks, return_lse, self.max_score_bytes, kv_scales(layer, pool))
 
     def _cascade(self, q, layer, pool, passes: tuple[_Metadata, _Metadata], return_lse: bool):
         """Prefix pass (every query over the shared keys) and suffix pass (each request over its own
@@ -245,7 +245,8 @@ class TorchNativeBackend(AttentionBackend[_Metadata]):
             k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
             keys = token_rows(k_buf, meta.self_keys.slots, pool.kv_layout, pool.page_size)
             vals = token_rows(v_buf, meta.self_keys.slots, pool.kv_layout, pool.page_size)
-            o, lse = _attention(q, keys, vals, meta.self_keys.allowed, meta, layer, None, True, self.max_score_bytes)
+            scales = kv_scales(layer, pool)
+            o, lse = _attention(q, keys, vals, meta.self_keys.allowed, meta, layer, None, True, self.max_score_bytes, scales)
             results.append((o.view(q.shape[0], layer.num_q_heads, layer.v_head_dim), lse))
         (o_p, lse_p), (o_s, lse_s) = results
         o, lse = merge_state(o_p, lse_p, o_s, lse_s)
@@ -257,8 +258,9 @@ def _has_custom_mask(mode: ForwardMode, spec_info: Optional[SpecInfo]) -> bool:
     return mode.is_target_verify() and spec_info is not None and spec_info.custom_mask is not None
 
 
-def _attention(q, keys, vals, allowed, meta: _Metadata, layer, sinks, return_lse, max_score_bytes):
-    """keys `[bs, W, Hkv, D]` / vals `[bs, W, Hkv, Dv]`: the gathered K/V of each request's key slots."""
+def _attention(q, keys, vals, allowed, meta: _Metadata, layer, sinks, return_lse, max_score_bytes, scales):
+    """keys `[bs, W, Hkv, D]` / vals `[bs, W, Hkv, Dv]`: the gathered K/V of each request's key slots, as
+    stored (fp8 caches included); `scales` (k, v) dequantize them (`attn_core.memory.kv_scales`)."""
     T, hq, d = q.shape
     hkv = keys.shape[2]
     group = hq // hkv
@@ -272,10 +274,7 @@ def _attention(q, keys, vals, allowed, meta: _Metadata, layer, sinks, return_lse
     keys = keys.to(cd)
     # padding reads the dummy slot, whose contents are garbage: zero those values so 0 * garbage is 0
     vals = vals.to(cd).masked_fill(~allowed.any(dim=1)[:, :, None, None], 0.0)
-    if layer.k_scale is not None:
-        keys = keys * layer.k_scale
-    if layer.v_scale is not None:
-        vals = vals * layer.v_scale
+    keys, vals = keys * scales[0], vals * scales[1]  # dequantize: x = stored · scale
     q_pad = torch.cat([q.to(cd), q.new_zeros((1, hq, d), dtype=cd)])
     qb = q_pad[meta.q_rows].view(bs, q_width, hkv, group, d)
     sink = None if sinks is None else sinks.to(cd).view(1, hkv, group, 1)

@@ -8,7 +8,7 @@ from attn_core.spec import BackendSpec
 CAPABILITIES = Capabilities(
     devices=frozenset({"cpu", "cuda"}),
     q_dtypes=frozenset({"float32", "bfloat16", "float16"}),
-    kv_dtypes=frozenset({"float32", "bfloat16", "float16"}),
+    kv_dtypes=frozenset({"float32", "bfloat16", "float16", "float8_e4m3fn"}),
     archs=frozenset({ARCH_MHA, ARCH_MLA}),
     head_dims=None,
     page_sizes=None,
