@@ -55,7 +55,8 @@ def build_window_kv(
     seq_lens / q_lens / encoder_lens: device int `[bs]` (q_lens None: DECODE, one new token each;
     encoder_lens: encoder tokens before the decoder tokens in each `req_to_token` row); seq_lens_host /
     q_lens_host: the same numbers on the host. `out` / `fault`: as in `indices.build_paged_kv` (every full
-    slot is checked against the full pool's `num_slots` before translation)."""
+    slot is checked against the full pool's `num_slots` before translation, so every window slot read
+    stays inside the window pool)."""
     w = pool.window
     starts_host = window_key_starts(seq_lens_host.to(torch.int64), None if q_lens is None else q_lens_host.to(torch.int64), w)
     lens_host = (seq_lens_host.to(torch.int64) - starts_host).to(torch.int32)
@@ -65,5 +66,8 @@ def build_window_kv(
     kv = build_paged_kv(
         req_to_token, req_pool_indices, lens, lens_host, 1, kv_start=col, out=out, defer=False, num_slots=pool.num_slots, fault=fault
     )
-    kv.indices.copy_(pool.window_slots(kv.indices))
+    # entries the index kernel refused to write (a fault it recorded) may hold stale ids: clamp them into
+    # the translation table so the gather stays in bounds (valid full slots are unchanged)
+    ids = kv.indices.clamp_(0, pool.allocator.full_to_window.numel() - 1)
+    ids.copy_(pool.window_slots(ids))
     return kv
