@@ -51,8 +51,8 @@ if want multi-gpu; then  # needs 2 GPUs (nvidia-h200-x2): DCP decode attention, 
       2>&1 | tee -a "$OUT/multi_gpu.log" || rc=1
   done
 fi
-if want fi-window; then  # issue 18: attn-flashinfer's sliding-window KV pool (kit window_pool checks + its two-step cases), unverified until this passes
-  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/flashinfer_backend/tests/test_gpu.py -k "window_pool" 2>&1 | tee "$OUT/fi_window_pool.log" || rc=1
+if want fi-window; then  # issue 18: attn-flashinfer's sliding-window KV pool and chunked local attention (kit checks + two-step cases), unverified until this passes
+  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/flashinfer_backend/tests/test_gpu.py -k "window_pool or chunked_local" 2>&1 | tee "$OUT/fi_window_local.log" || rc=1
 fi
 if want mla; then  # issue 15: the MLA kernel at 512 + 64 x 128 heads (oracle, torch_native, graphs) and its ratios to FlashInfer's MLA run
   python3 -m pytest -q -p no:cacheprovider -m gpu plugins/triton_backend/tests/test_triton_gpu.py -k "mla" 2>&1 | tee "$OUT/mla_gpu.log" || rc=1

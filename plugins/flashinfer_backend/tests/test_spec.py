@@ -33,10 +33,10 @@ def test_capabilities_name_what_the_backend_does():
     assert caps.min_compute_capability == (8, 0)
 
 
-def test_window_pool_is_declared_and_listed_as_unverified_on_a_gpu():
-    assert Feature.SLIDING_WINDOW_POOL in spec.CAPABILITIES.features
-    assert Feature.CHUNKED_LOCAL_ATTENTION not in spec.CAPABILITIES.features
-    assert "sliding-window KV pool" in spec.SPEC.unverified and "fp8" in spec.SPEC.unverified
+def test_window_pool_and_chunked_local_are_declared_and_listed_as_unverified_on_a_gpu():
+    assert {Feature.SLIDING_WINDOW_POOL, Feature.CHUNKED_LOCAL_ATTENTION} <= spec.CAPABILITIES.features
+    for what in ("fp8", "sliding-window KV pool", "chunked local attention"):
+        assert what in spec.SPEC.unverified
 
 
 def _fake_find_spec(monkeypatch, flashinfer_present: bool):

@@ -22,6 +22,11 @@ Sliding-window KV pool (`attn_core.memory.window_pool`): window layers in the po
 runs the decode wrapper over it, every other mode the paged prefill wrapper (causal; verify custom masks
 are refused). Full layers are served as without the pool. CUDA graphs are refused with a window pool.
 
+Chunked local layers (`ctx.attention_chunk_size` C; `LayerKey.chunk`): DECODE runs the decode wrapper
+over each request's keys from its chunk start; every other mode the paged prefill wrapper (causal) over
+the step's virtual requests (`local_kv.py`, after `attn_core.local_attention`), built once per step.
+CUDA graphs and verify custom masks are refused with chunked local layers.
+
 CUDA graphs (DECODE and TARGET_VERIFY): `init_cuda_graph_state` allocates the index buffers; capture
 builds graph-mode wrappers per (batch size, mode) over slices of them; replay rewrites the buffers and
 re-plans (decode: the lean re-plan, which only redoes the work split; the index launch has rewritten
@@ -47,6 +52,7 @@ from attn_core.memory.window_pool import SlidingWindowKVPool, window_pool_of
 from attn_core.ops.device_faults import DeviceFaultFlags
 from attn_flashinfer import plans, replan
 from attn_flashinfer.indices import PagedKV, QueryLayout, any_positive, build_paged_kv, query_layout, self_attention_page_size
+from attn_flashinfer.local_kv import LocalKeys, build_local_decode_kv, build_local_extend, local_page_size
 from attn_flashinfer.plans import Plan
 from attn_flashinfer.scratch import DeviceScratch
 from attn_flashinfer.spec import CAPABILITIES
@@ -56,6 +62,7 @@ from attn_flashinfer.steps import (
     LayerKey,
     StepInputs,
     check_context,
+    check_local_step,
     check_window_pool_step,
     eager_inputs,
     graph_inputs,
@@ -77,6 +84,7 @@ class Step:
     plans: dict[LayerKey, Plan] = field(default_factory=dict)
     graph: Optional[_GraphState] = None
     window_pool: Optional[SlidingWindowKVPool] = None  # the step's pool, when it is a sliding-window one
+    local: Optional[LocalKeys] = None  # chunked local layers' queries and keys, built on first use
 
 
 @dataclass
@@ -145,6 +153,10 @@ class FlashInferBackend(AttentionBackend[Step]):
         window_pool = window_pool_of(self.kv_pool(forward_batch))
         if window_pool is not None:
             check_window_pool_step(inputs, self.kv_layout, self.page_size, self.name)
+        chunk = self.ctx.attention_chunk_size
+        if chunk is not None:
+            key_page_size = local_page_size(chunk, self.page_size, inputs.encoder_lens is not None)
+            check_local_step(inputs, self.kv_layout, self.page_size, key_page_size, self.name)
         return self._new_step(inputs, graph=None, keys=self.known_keys, window_pool=window_pool)
 
     def _new_step(self, inputs: StepInputs, graph: Optional[_GraphState], keys, window_pool: Optional[SlidingWindowKVPool] = None) -> Step:
@@ -238,6 +250,11 @@ class FlashInferBackend(AttentionBackend[Step]):
 
     def _make_plan(self, step: Step, key: LayerKey) -> Plan:
         x = step.inputs
+        if key.chunk:  # chunked local: decode from each chunk start, else causal paged over virtual requests
+            local = self._local_keys(step)
+            if x.mode.is_decode():
+                return Plan(page_size=local.kv.page_size, decode=self._planned(step, key, "decode", local.kv))
+            return Plan(page_size=local.kv.page_size, paged=self._planned(step, key, "paged", local.kv, causal=True, qo=local.qo))
         if key.window_pool:  # per-token keys inside the window: decode, else causal paged prefill
             kv = self._paged_kv(step, "window")
             if x.mode.is_decode():
@@ -262,24 +279,61 @@ class FlashInferBackend(AttentionBackend[Step]):
         kv = self._paged_kv(step, "prefix")
         return Plan(page_size=kv.page_size, ragged=ragged, paged=self._planned(step, key, "paged", kv, causal=False))
 
-    def _planned(self, step: Step, key: LayerKey, role: str, kv: Optional[PagedKV] = None, causal: bool = True, mask=None):
+    def _planned(
+        self,
+        step: Step,
+        key: LayerKey,
+        role: str,
+        kv: Optional[PagedKV] = None,
+        causal: bool = True,
+        mask=None,
+        qo: Optional[QueryLayout] = None,
+    ):
         """The wrapper of (key, role), planned for this step the cheapest way FlashInfer allows: lean
-        (`replan.py`) once it has had a public plan, unless masked or a CUDA-graph prefill wrapper."""
+        (`replan.py`) once it has had a public plan, unless masked or a CUDA-graph prefill wrapper.
+        `qo`: the queries' layout when not the step's (chunked local virtual requests)."""
         w = self._wrapper(step, key, role)
+        qo = step.qo if qo is None else qo
         g = step.graph
         done = self._planned_eager if g is None else g.planned_once
         lean = self.lean_replan and mask is None and (g is None or role == "decode") and (key, role) in done
         if role == "decode":
-            plans.plan_decode(w, step.qo, kv, key, self.dims, lean)
+            plans.plan_decode(w, qo, kv, key, self.dims, lean)
         elif role == "ragged":
-            plans.plan_ragged(w, step.qo, key, self.dims, lean)
+            plans.plan_ragged(w, qo, key, self.dims, lean)
         else:
-            plans.plan_paged(w, step.qo, kv, key, self.dims, causal, lean, custom_mask=mask)
+            plans.plan_paged(w, qo, kv, key, self.dims, causal, lean, custom_mask=mask)
         done.add((key, role))
         return w
 
+    def _local_keys(self, step: Step) -> LocalKeys:
+        """The step's chunked-local queries and keys (`local_kv.py`), built on first use, written at once."""
+        if step.local is None:
+            x, chunk, pool = step.inputs, self.ctx.attention_chunk_size, self.ctx.token_to_kv_pool
+            ps = local_page_size(chunk, self.page_size, x.encoder_lens is not None)
+            kw = dict(
+                out=partial(self._scratch_layout, "local"),
+                num_slots=None if pool is None else pool.num_slots,
+                fault=self.device_faults.buffer,
+            )
+            if x.mode.is_decode():
+                kv = build_local_decode_kv(chunk, x.req_to_token, x.req_pool_indices, x.seq_lens, x.seq_lens_host, ps, x.encoder_lens, **kw)
+                step.local = LocalKeys(None, kv)
+            else:  # at most one virtual request per query row
+                qo_out = self.scratch.get("local_qo", x.num_tokens + 1)
+                step.local = build_local_extend(
+                    chunk, x.req_to_token, x.req_pool_indices, x.q_lens_host, x.seq_lens_host, ps, x.encoder_lens, qo_out=qo_out, **kw
+                )
+        return step.local
+
     def _plan_of(self, step: Step, layer) -> Plan:
         key = LayerKey.of(layer)
+        if key.chunk and key.chunk != self.ctx.attention_chunk_size:
+            raise InvalidArgumentError(
+                f"layer {layer.layer_id} attention_chunk_size",
+                f"the context's attention_chunk_size ({self.ctx.attention_chunk_size}), for which the step's metadata is built",
+                key.chunk,
+            )
         if step.window_pool is not None and step.window_pool.is_window_layer(layer.layer_id):
             if key.cross:
                 raise UnsupportedFeatureError(self.name, f"a cross-attention layer in a sliding-window KV pool (layer {layer.layer_id})")
@@ -350,6 +404,8 @@ class FlashInferBackend(AttentionBackend[Step]):
             raise InvalidArgumentError("init_cuda_graph_state", "called before capture", None)
         if window_pool_of(self.ctx.token_to_kv_pool) is not None:
             raise UnsupportedFeatureError(self.name, "CUDA graphs with a sliding-window KV pool")
+        if self.ctx.attention_chunk_size is not None:
+            raise UnsupportedFeatureError(self.name, "CUDA graphs with chunked local attention (attention_chunk_size)")
         mode, bs = step.forward_mode, step.bs
         if not (mode.is_decode() or mode.is_target_verify()):
             raise UnsupportedFeatureError(self.name, f"CUDA graphs for {mode.name}")

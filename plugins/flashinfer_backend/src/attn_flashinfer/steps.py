@@ -22,19 +22,22 @@ from attn_core.graph_step import CudaGraphStep
 class LayerKey:
     """Layer settings FlashInfer fixes at plan time. window_left = W - 1 for a window of W keys
     (-1: full attention); logit_cap 0 = off; cross: attends to the encoder tokens; window_pool: a window
-    layer whose K/V live in a `SlidingWindowKVPool` (its keys: `window_kv.build_window_kv`)."""
+    layer whose K/V live in a `SlidingWindowKVPool` (its keys: `window_kv.build_window_kv`); chunk: the
+    attention_chunk_size of a chunked local layer (0: none; its keys: `local_kv.py`)."""
 
     window_left: int
     logit_cap: float
     scaling: float
     cross: bool
     window_pool: bool = False
+    chunk: int = 0
 
     @classmethod
     def of(cls, layer) -> LayerKey:
         cross = bool(layer.is_cross_attention)
         window = layer.sliding_window_size
-        return cls(-1 if window is None or cross else window - 1, float(layer.logit_cap), float(layer.scaling), cross)
+        left = -1 if window is None or cross else window - 1
+        return cls(left, float(layer.logit_cap), float(layer.scaling), cross, chunk=int(layer.attention_chunk_size or 0))
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,17 @@ def check_window_pool_step(inputs: StepInputs, kv_layout: str, page_size: int, n
         raise UnsupportedFeatureError(name, "a sliding-window KV pool together with a custom mask (TARGET_VERIFY)")
     if kv_layout == "HND" and page_size > 1:
         raise UnsupportedFeatureError(name, f"a sliding-window KV pool with kv_layout HND at page_size {page_size}")
+
+
+def check_local_step(inputs: StepInputs, kv_layout: str, page_size: int, key_page_size: int, name: str) -> None:
+    """What a step of a context with chunked local layers cannot serve, refused before any plan or KV
+    write: a TARGET_VERIFY custom mask (its columns are the whole sequence, a virtual request's keys one
+    chunk) and an HND pool when the local key lists are per token (`key_page_size` 1, see
+    `local_kv.local_page_size`) at page_size > 1 (an NHD-only view)."""
+    if inputs.custom_mask is not None:
+        raise UnsupportedFeatureError(name, "chunked local attention together with a custom mask (TARGET_VERIFY)")
+    if kv_layout == "HND" and page_size > 1 and key_page_size == 1:
+        raise UnsupportedFeatureError(name, f"chunked local attention with kv_layout HND at page_size {page_size} (chunks off the pages)")
 
 
 def eager_inputs(b: ForwardBatch, r2t: torch.Tensor) -> StepInputs:
