@@ -92,6 +92,9 @@ CASES = {
     "chunked_local-verify-causal": AttnCase(
         "TARGET_VERIFY", [(14, 3), (1, 3)], page_size=2, attention_chunk_size=4, custom_mask=False, **BASE
     ),
+    "chunked_local-hnd-page4": AttnCase(
+        "EXTEND", [(0, 13), (9, 10), (3, 1)], page_size=4, attention_chunk_size=8, kv_layout="HND", **BASE
+    ),
     "chunked_local-encoder": AttnCase("EXTEND", [(9, 5, 3), (0, 4, 6)], page_size=4, attention_chunk_size=4, **BASE),
 }  # fmt: skip
 
@@ -139,3 +142,12 @@ def test_verify_masks_and_graph_capture_are_refused(factory, case):
     with pytest.raises(InvalidArgumentError, match="attention_chunk_size"):
         other(inputs["q"], inputs["k"], inputs["v"], b)
     torch.testing.assert_close(env.kv_pool.get_key_buffer(0), before, rtol=0, atol=0, equal_nan=True)  # nothing written
+
+
+def test_hnd_pool_with_chunks_off_the_pages_is_refused(factory):
+    from attn_core.errors import UnsupportedFeatureError
+    from attn_core.testing.harness import make_env
+
+    env = make_env(AttnCase("EXTEND", [(0, 13), (9, 10)], page_size=4, attention_chunk_size=5, kv_layout="HND", **BASE))
+    with pytest.raises(UnsupportedFeatureError, match="HND at page_size 4"):
+        factory(env.ctx).init_forward_metadata(env.batch)

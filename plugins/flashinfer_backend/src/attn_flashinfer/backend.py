@@ -150,7 +150,7 @@ class FlashInferBackend(AttentionBackend[Step]):
     # ---- per-step metadata -------------------------------------------------------------------
     def build_forward_metadata(self, forward_batch: ForwardBatch) -> Step:
         inputs = eager_inputs(forward_batch, self.req_to_token(forward_batch))
-        window_pool = window_pool_of(self.kv_pool(forward_batch))
+        window_pool = window_pool_of(forward_batch.token_to_kv_pool or self.ctx.token_to_kv_pool)  # None: no pool yet
         if window_pool is not None:
             check_window_pool_step(inputs, self.kv_layout, self.page_size, self.name)
         chunk = self.ctx.attention_chunk_size
