@@ -2,7 +2,7 @@
 # Every GPU check of the project in one command, for a machine with a CUDA GPU and torch + triton
 # installed (the lent H100/H200 machine: no network; FlashInfer comes from wheels carried in .whl/ and
 # its prebuilt kernels from .fi-cache/aot.tar.xz when present). Logs go to $OUT (default ./gpu-out).
-#   bash scripts/gpu_checks.sh [tests] [bench] [triton-bench] [verify-bench] [fi-bench] [mla-bench] [mla] [engine] [multi-gpu]   (default: tests bench;
+#   bash scripts/gpu_checks.sh [tests] [bench] [triton-bench] [verify-bench] [fi-bench] [fi-window] [mla-bench] [mla] [engine] [multi-gpu]   (default: tests bench;
 #   bench = every benchmark; mla = attn-triton's MLA kernel alone: its GPU tests and the MLA benchmark without the prefill row;
 #   BENCH_ONLY=meta limits the Triton benchmark's rows)
 set -uo pipefail
@@ -50,6 +50,9 @@ if want multi-gpu; then  # needs 2 GPUs (nvidia-h200-x2): DCP decode attention, 
     python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/dcp_decode.py --device cuda --backend $b --json "$OUT/dcp_decode_$b.json" \
       2>&1 | tee -a "$OUT/multi_gpu.log" || rc=1
   done
+fi
+if want fi-window; then  # issue 18: attn-flashinfer's sliding-window KV pool and chunked local attention (kit checks + two-step cases), unverified until this passes
+  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/flashinfer_backend/tests/test_gpu.py -k "window_pool or chunked_local" 2>&1 | tee "$OUT/fi_window_local.log" || rc=1
 fi
 if want mla; then  # issue 15: the MLA kernel at 512 + 64 x 128 heads (oracle, torch_native, graphs) and its ratios to FlashInfer's MLA run
   python3 -m pytest -q -p no:cacheprovider -m gpu plugins/triton_backend/tests/test_triton_gpu.py -k "mla" 2>&1 | tee "$OUT/mla_gpu.log" || rc=1

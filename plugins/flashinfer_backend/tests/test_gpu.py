@@ -107,6 +107,57 @@ def test_encoder_decoder_batches_in_two_steps(mode, cross):
     assert_case(_factory(), case)
 
 
+WINDOW_POOL_CASES = {  # sliding-window KV pool (issue 18): window layers (even) in the window pool, full layers (odd)
+    "decode-page16": dict(mode="DECODE", reqs=[(4095, 1), (0, 1), (1000, 1), (511, 1)], page_size=16, sliding_window=512),
+    "extend-page16-lse": dict(mode="EXTEND", reqs=[(3000, 500), (0, 700), (64, 1)], page_size=16, sliding_window=256, return_lse=True),
+    "mixed-page1-cap": dict(mode="MIXED", reqs=[(1200, 1), (300, 400), (0, 77)], page_size=1, sliding_window=97, logit_cap=20.0),
+    "verify-causal-page16": dict(mode="TARGET_VERIFY", reqs=[(900, 6), (5, 6)], page_size=16, sliding_window=64, custom_mask=False),
+    "draft_extend-page16": dict(mode="DRAFT_EXTEND", reqs=[(1000, 4), (200, 3)], page_size=16, sliding_window=128),
+}
+
+
+@requires_gpu
+@pytest.mark.parametrize("name", list(WINDOW_POOL_CASES))
+def test_window_pool_batches_in_two_steps(name):
+    """Window layers read as window slots (`window_kv.py`, decode or causal paged prefill over the keys
+    inside the window, per token), full layers as usual, over one metadata; released window keys are
+    poisoned by the harness; two steps on one backend, so the second re-plans lean."""
+    kw = dict(WINDOW_POOL_CASES[name])
+    mode, reqs = kw.pop("mode"), kw.pop("reqs")
+    steps = ((0,), (*range(1, len(reqs)),))
+    case = AttnCase(
+        mode, reqs, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", device="cuda", num_layers=2,
+        window_even_layers_only=True, window_pool=True, steps=steps, **kw,
+    )  # fmt: skip
+    assert_case(_factory(), case)
+
+
+CHUNKED_LOCAL_CASES = {  # chunked local attention (issue 18): chunk sizes on and off the page size, interleaved layers
+    "extend-page16-chunk200": dict(mode="EXTEND", reqs=[(0, 1000), (1500, 513), (700, 0)], page_size=16, attention_chunk_size=200),
+    "extend-page16-chunk256-lse": dict(mode="EXTEND", reqs=[(300, 700), (0, 77)], page_size=16, attention_chunk_size=256, return_lse=True),
+    "decode-page16-chunk1000": dict(mode="DECODE", reqs=[(4095, 1), (0, 1), (8191, 1)], page_size=16, attention_chunk_size=1000),
+    "decode-page16-chunk512": dict(mode="DECODE", reqs=[(4095, 1), (511, 1), (1000, 1)], page_size=16, attention_chunk_size=512),
+    "mixed-page1-interleaved": dict(
+        mode="MIXED", reqs=[(1200, 1), (300, 400), (0, 77)], page_size=1, attention_chunk_size=256, chunk_even_layers_only=True
+    ),
+    "verify-causal-page16": dict(mode="TARGET_VERIFY", reqs=[(1020, 8), (5, 8)], page_size=16, attention_chunk_size=512, custom_mask=False),
+}
+
+
+@requires_gpu
+@pytest.mark.parametrize("name", list(CHUNKED_LOCAL_CASES))
+def test_chunked_local_batches_in_two_steps(name):
+    """Chunked local layers: DECODE from each request's chunk start, other modes as virtual requests
+    (`local_kv.py`, causal paged prefill), per page or per token; two steps on one backend (lean re-plans)."""
+    kw = dict(CHUNKED_LOCAL_CASES[name])
+    mode, reqs = kw.pop("mode"), kw.pop("reqs")
+    steps = ((0,), (*range(1, len(reqs)),))
+    case = AttnCase(
+        mode, reqs, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", device="cuda", num_layers=2, steps=steps, **kw
+    )
+    assert_case(_factory(), case)
+
+
 def _graph_case(mode, reqs, **kw):
     return AttnCase(
         mode,

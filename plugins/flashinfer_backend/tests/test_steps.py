@@ -12,7 +12,15 @@ from attn_core.graph_step import CudaGraphStep
 from attn_core.layer import AttentionLayer
 from attn_core.memory import PagedTokenAllocator, ReqToTokenPool
 from attn_flashinfer.spec import CAPABILITIES
-from attn_flashinfer.steps import LayerKey, check_context, eager_inputs, graph_inputs, verify_mask
+from attn_flashinfer.steps import (
+    LayerKey,
+    check_context,
+    check_local_step,
+    check_window_pool_step,
+    eager_inputs,
+    graph_inputs,
+    verify_mask,
+)
 
 
 def test_layer_key_window_cap_scale_and_cross():
@@ -24,6 +32,9 @@ def test_layer_key_window_cap_scale_and_cross():
     cross = LayerKey.of(AttentionLayer(3, 8, 2, 128, sliding_window_size=64, is_cross_attention=True))
     assert cross.cross and cross.window_left == -1  # a window never applies to encoder keys
     assert LayerKey.of(AttentionLayer(4, 8, 2, 128)) == full  # same settings: one plan
+    assert not win.window_pool  # set by the backend for layers kept in a sliding-window KV pool
+    local = LayerKey.of(AttentionLayer(5, 8, 2, 128, attention_chunk_size=32))
+    assert local.chunk == 32 and local.window_left == -1 and local != full and full.chunk == 0
 
 
 def _ctx(**kw):
@@ -73,6 +84,34 @@ def test_eager_inputs_of_decode_extend_and_verify():
     x = eager_inputs(b, pool.req_to_token)
     assert torch.equal(x.custom_mask, b.spec_info.custom_mask) and x.custom_mask.numel() == 3 * 8 + 3 * 5
     # a batch missing its extend fields is refused by attn-core's batch validation (core/tests/test_validation.py)
+
+
+def test_window_pool_steps_refuse_verify_masks_and_hnd_pages():
+    """A step over a sliding-window KV pool: a verify tree mask, and HND at page_size > 1, are typed
+    refusals (raised by `build_forward_metadata` before any plan or KV write); the rest passes."""
+    b, pool = _batch("TARGET_VERIFY", [(5, 3), (2, 3)])
+    with pytest.raises(UnsupportedFeatureError, match="custom mask"):
+        check_window_pool_step(eager_inputs(b, pool.req_to_token), "NHD", 1, "flashinfer")
+    b, pool = _batch("EXTEND", [(5, 3), (0, 4)], page_size=16)
+    x = eager_inputs(b, pool.req_to_token)
+    with pytest.raises(UnsupportedFeatureError, match="HND at page_size 16"):
+        check_window_pool_step(x, "HND", 16, "flashinfer")
+    check_window_pool_step(x, "NHD", 16, "flashinfer")
+    check_window_pool_step(x, "HND", 1, "flashinfer")
+
+
+def test_local_steps_refuse_verify_masks_and_hnd_token_keys():
+    """A context with chunked local layers: a verify tree mask is refused, and HND only where the local
+    key lists would be per token at page_size > 1 (chunks off the pages)."""
+    b, pool = _batch("TARGET_VERIFY", [(5, 3), (2, 3)])
+    with pytest.raises(UnsupportedFeatureError, match="custom mask"):
+        check_local_step(eager_inputs(b, pool.req_to_token), "NHD", 1, 1, "flashinfer")
+    b, pool = _batch("EXTEND", [(5, 3), (0, 4)], page_size=16)
+    x = eager_inputs(b, pool.req_to_token)
+    with pytest.raises(UnsupportedFeatureError, match="HND at page_size 16"):
+        check_local_step(x, "HND", 16, 1, "flashinfer")
+    check_local_step(x, "HND", 16, 16, "flashinfer")
+    check_local_step(x, "NHD", 16, 1, "flashinfer")
 
 
 def test_verify_mask_checks_length_and_pads_graph_rows():

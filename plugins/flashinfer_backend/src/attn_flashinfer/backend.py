@@ -16,6 +16,17 @@ Which wrappers a setting gets (see `plans.py`):
   places a window relative to the end of the keys it is given; cross attention: paged over the
   encoder tokens, no mask.
 
+Sliding-window KV pool (`attn_core.memory.window_pool`): window layers in the pool's window pool get a
+`LayerKey` of their own (`window_pool=True`) and read one more key list, built once per step
+(`window_kv.build_window_kv`: each request's keys inside the window, as window slots, per token): DECODE
+runs the decode wrapper over it, every other mode the paged prefill wrapper (causal; verify custom masks
+are refused). Full layers are served as without the pool. CUDA graphs are refused with a window pool.
+
+Chunked local layers (`ctx.attention_chunk_size` C; `LayerKey.chunk`): DECODE runs the decode wrapper
+over each request's keys from its chunk start; every other mode the paged prefill wrapper (causal) over
+the step's virtual requests (`local_kv.py`, after `attn_core.local_attention`), built once per step.
+CUDA graphs and verify custom masks are refused with chunked local layers.
+
 CUDA graphs (DECODE and TARGET_VERIFY): `init_cuda_graph_state` allocates the index buffers; capture
 builds graph-mode wrappers per (batch size, mode) over slices of them; replay rewrites the buffers and
 re-plans (decode: the lean re-plan, which only redoes the work split; the index launch has rewritten
@@ -24,7 +35,7 @@ the buffers).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Optional
 
@@ -37,13 +48,26 @@ from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 from attn_core.graph_step import CudaGraphStep
 from attn_core.memory.pools import kv_scales
+from attn_core.memory.window_pool import SlidingWindowKVPool, window_pool_of
 from attn_core.ops.device_faults import DeviceFaultFlags
 from attn_flashinfer import plans, replan
 from attn_flashinfer.indices import PagedKV, QueryLayout, any_positive, build_paged_kv, query_layout, self_attention_page_size
+from attn_flashinfer.local_kv import LocalKeys, build_local_decode_kv, build_local_extend, local_page_size
 from attn_flashinfer.plans import Plan
 from attn_flashinfer.scratch import DeviceScratch
 from attn_flashinfer.spec import CAPABILITIES
-from attn_flashinfer.steps import Dims, GraphBuffers, LayerKey, StepInputs, check_context, eager_inputs, graph_inputs
+from attn_flashinfer.steps import (
+    Dims,
+    GraphBuffers,
+    LayerKey,
+    StepInputs,
+    check_context,
+    check_local_step,
+    check_window_pool_step,
+    eager_inputs,
+    graph_inputs,
+)
+from attn_flashinfer.window_kv import build_window_kv
 
 #: FlashInfer's recommended float workspace (split-KV partial results), shared by every wrapper.
 DEFAULT_WORKSPACE_BYTES = 128 << 20
@@ -56,9 +80,11 @@ class Step:
     inputs: StepInputs
     qo: QueryLayout  # each request's queries (DECODE: one each)
     has_prefix: bool
-    kv: dict[str, PagedKV] = field(default_factory=dict)  # "seq" / "prefix" / "cross"
+    kv: dict[str, PagedKV] = field(default_factory=dict)  # "seq" / "prefix" / "cross" / "window"
     plans: dict[LayerKey, Plan] = field(default_factory=dict)
     graph: Optional[_GraphState] = None
+    window_pool: Optional[SlidingWindowKVPool] = None  # the step's pool, when it is a sliding-window one
+    local: Optional[LocalKeys] = None  # chunked local layers' queries and keys, built on first use
 
 
 @dataclass
@@ -123,9 +149,17 @@ class FlashInferBackend(AttentionBackend[Step]):
 
     # ---- per-step metadata -------------------------------------------------------------------
     def build_forward_metadata(self, forward_batch: ForwardBatch) -> Step:
-        return self._new_step(eager_inputs(forward_batch, self.req_to_token(forward_batch)), graph=None, keys=self.known_keys)
+        inputs = eager_inputs(forward_batch, self.req_to_token(forward_batch))
+        window_pool = window_pool_of(forward_batch.token_to_kv_pool or self.ctx.token_to_kv_pool)  # None: no pool yet
+        if window_pool is not None:
+            check_window_pool_step(inputs, self.kv_layout, self.page_size, self.name)
+        chunk = self.ctx.attention_chunk_size
+        if chunk is not None:
+            key_page_size = local_page_size(chunk, self.page_size, inputs.encoder_lens is not None)
+            check_local_step(inputs, self.kv_layout, self.page_size, key_page_size, self.name)
+        return self._new_step(inputs, graph=None, keys=self.known_keys, window_pool=window_pool)
 
-    def _new_step(self, inputs: StepInputs, graph: Optional[_GraphState], keys) -> Step:
+    def _new_step(self, inputs: StepInputs, graph: Optional[_GraphState], keys, window_pool: Optional[SlidingWindowKVPool] = None) -> Step:
         """A step over `inputs`, with a plan for each of `keys` that the batch can use."""
         has_prefix = inputs.prefix_lens_host is not None and any_positive(inputs.prefix_lens_host)
         if inputs.q_lens_host is None:
@@ -134,9 +168,9 @@ class FlashInferBackend(AttentionBackend[Step]):
             qo = query_layout(inputs.q_lens_host, self.scratch.get("qo", inputs.bs + 1)[: inputs.bs + 1], inputs.q_lens)
         else:  # graph wrappers copy the offsets into their own buffers
             qo = query_layout(inputs.q_lens_host)
-        step = Step(inputs, qo, has_prefix, graph=graph)
+        step = Step(inputs, qo, has_prefix, graph=graph, window_pool=window_pool)
         for key in keys:
-            if not key.cross or inputs.encoder_lens is not None:
+            if (not key.cross or inputs.encoder_lens is not None) and (not key.window_pool or window_pool is not None):
                 step.plans[key] = self._make_plan(step, key)
         _write_device(step)
         return step
@@ -157,6 +191,12 @@ class FlashInferBackend(AttentionBackend[Step]):
         if kv is not None:
             return kv
         x = step.inputs
+        if which == "window":
+            kv = step.kv[which] = build_window_kv(
+                step.window_pool, x.req_to_token, x.req_pool_indices, x.seq_lens, x.seq_lens_host, x.q_lens, x.q_lens_host,
+                x.encoder_lens, out=partial(self._scratch_layout, which), fault=self.device_faults.buffer,
+            )  # fmt: skip
+            return kv
         graph = step.graph.buffers.get(which) if step.graph is not None else None
         if which == "cross":
             if x.encoder_lens is None:
@@ -210,6 +250,16 @@ class FlashInferBackend(AttentionBackend[Step]):
 
     def _make_plan(self, step: Step, key: LayerKey) -> Plan:
         x = step.inputs
+        if key.chunk:  # chunked local: decode from each chunk start, else causal paged over virtual requests
+            local = self._local_keys(step)
+            if x.mode.is_decode():
+                return Plan(page_size=local.kv.page_size, decode=self._planned(step, key, "decode", local.kv))
+            return Plan(page_size=local.kv.page_size, paged=self._planned(step, key, "paged", local.kv, causal=True, qo=local.qo))
+        if key.window_pool:  # per-token keys inside the window: decode, else causal paged prefill
+            kv = self._paged_kv(step, "window")
+            if x.mode.is_decode():
+                return Plan(page_size=kv.page_size, decode=self._planned(step, key, "decode", kv))
+            return Plan(page_size=kv.page_size, paged=self._planned(step, key, "paged", kv, causal=True))
         if x.mode.is_decode():
             kv = self._paged_kv(step, "cross" if key.cross else "seq")
             return Plan(page_size=kv.page_size, decode=self._planned(step, key, "decode", kv))
@@ -229,24 +279,65 @@ class FlashInferBackend(AttentionBackend[Step]):
         kv = self._paged_kv(step, "prefix")
         return Plan(page_size=kv.page_size, ragged=ragged, paged=self._planned(step, key, "paged", kv, causal=False))
 
-    def _planned(self, step: Step, key: LayerKey, role: str, kv: Optional[PagedKV] = None, causal: bool = True, mask=None):
+    def _planned(
+        self,
+        step: Step,
+        key: LayerKey,
+        role: str,
+        kv: Optional[PagedKV] = None,
+        causal: bool = True,
+        mask=None,
+        qo: Optional[QueryLayout] = None,
+    ):
         """The wrapper of (key, role), planned for this step the cheapest way FlashInfer allows: lean
-        (`replan.py`) once it has had a public plan, unless masked or a CUDA-graph prefill wrapper."""
+        (`replan.py`) once it has had a public plan, unless masked or a CUDA-graph prefill wrapper.
+        `qo`: the queries' layout when not the step's (chunked local virtual requests)."""
         w = self._wrapper(step, key, role)
+        qo = step.qo if qo is None else qo
         g = step.graph
         done = self._planned_eager if g is None else g.planned_once
         lean = self.lean_replan and mask is None and (g is None or role == "decode") and (key, role) in done
         if role == "decode":
-            plans.plan_decode(w, step.qo, kv, key, self.dims, lean)
+            plans.plan_decode(w, qo, kv, key, self.dims, lean)
         elif role == "ragged":
-            plans.plan_ragged(w, step.qo, key, self.dims, lean)
+            plans.plan_ragged(w, qo, key, self.dims, lean)
         else:
-            plans.plan_paged(w, step.qo, kv, key, self.dims, causal, lean, custom_mask=mask)
+            plans.plan_paged(w, qo, kv, key, self.dims, causal, lean, custom_mask=mask)
         done.add((key, role))
         return w
 
+    def _local_keys(self, step: Step) -> LocalKeys:
+        """The step's chunked-local queries and keys (`local_kv.py`), built on first use, written at once."""
+        if step.local is None:
+            x, chunk, pool = step.inputs, self.ctx.attention_chunk_size, self.ctx.token_to_kv_pool
+            ps = local_page_size(chunk, self.page_size, x.encoder_lens is not None)
+            kw = dict(
+                out=partial(self._scratch_layout, "local"),
+                num_slots=None if pool is None else pool.num_slots,
+                fault=self.device_faults.buffer,
+            )
+            if x.mode.is_decode():
+                kv = build_local_decode_kv(chunk, x.req_to_token, x.req_pool_indices, x.seq_lens, x.seq_lens_host, ps, x.encoder_lens, **kw)
+                step.local = LocalKeys(None, kv)
+            else:  # at most one virtual request per query row
+                qo_out = self.scratch.get("local_qo", x.num_tokens + 1)
+                step.local = build_local_extend(
+                    chunk, x.req_to_token, x.req_pool_indices, x.q_lens_host, x.seq_lens_host, ps, x.encoder_lens, qo_out=qo_out, **kw
+                )
+        return step.local
+
     def _plan_of(self, step: Step, layer) -> Plan:
         key = LayerKey.of(layer)
+        if key.chunk and key.chunk != self.ctx.attention_chunk_size:
+            raise InvalidArgumentError(
+                f"layer {layer.layer_id} attention_chunk_size",
+                f"the context's attention_chunk_size ({self.ctx.attention_chunk_size}), for which the step's metadata is built",
+                key.chunk,
+            )
+        if step.window_pool is not None and step.window_pool.is_window_layer(layer.layer_id):
+            if key.cross:
+                raise UnsupportedFeatureError(self.name, f"a cross-attention layer in a sliding-window KV pool (layer {layer.layer_id})")
+            key = replace(key, window_pool=True)
         plan = step.plans.get(key)
         if plan is None:
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -311,6 +402,10 @@ class FlashInferBackend(AttentionBackend[Step]):
     def capture_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
         if self._graph_buffers is None:
             raise InvalidArgumentError("init_cuda_graph_state", "called before capture", None)
+        if window_pool_of(self.ctx.token_to_kv_pool) is not None:
+            raise UnsupportedFeatureError(self.name, "CUDA graphs with a sliding-window KV pool")
+        if self.ctx.attention_chunk_size is not None:
+            raise UnsupportedFeatureError(self.name, "CUDA graphs with chunked local attention (attention_chunk_size)")
         mode, bs = step.forward_mode, step.bs
         if not (mode.is_decode() or mode.is_target_verify()):
             raise UnsupportedFeatureError(self.name, f"CUDA graphs for {mode.name}")

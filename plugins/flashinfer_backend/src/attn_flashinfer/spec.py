@@ -17,6 +17,9 @@ MIN_COMPUTE_CAPABILITY = (8, 0)
 #: dtype (no `Feature.MIXED_KV_DTYPE`: the base class refuses a mix), or an fp8 (float8_e4m3fn) cache
 #: with per-layer k_scale / v_scale under either q dtype (FlashInfer's fp8 decode / paged prefill paths;
 #: `attn_flashinfer.fp8`) — fp8 is not yet verified on a GPU (issue 16: tests/test_gpu.py's fp8 checks).
+#: `Feature.SLIDING_WINDOW_POOL` (window layers read their keys as window slots: `window_kv.py`) and
+#: `Feature.CHUNKED_LOCAL_ATTENTION` (virtual requests: `local_kv.py`) are not yet verified on a GPU either
+#: (issue 18: tests/test_gpu.py's window_pool / chunked_local checks).
 CAPABILITIES = Capabilities(
     devices=frozenset({"cuda"}),
     q_dtypes=frozenset({"bfloat16", "float16"}),
@@ -33,6 +36,8 @@ CAPABILITIES = Capabilities(
             Feature.CROSS_ATTENTION,
             Feature.LSE_OUTPUT,
             Feature.SPEC_TOPK_GT1,
+            Feature.SLIDING_WINDOW_POOL,
+            Feature.CHUNKED_LOCAL_ATTENTION,
         }
     ),
     cuda_graph=CudaGraphLevel.UNIFORM_BATCH,
@@ -62,5 +67,8 @@ SPEC = BackendSpec(
     backend_class="attn_flashinfer.backend:FlashInferBackend",
     priority=20,
     probe_fn=probe,
-    unverified="fp8 KV caches (float8_e4m3fn) have not run on a GPU yet (issue 16)",
+    unverified=(
+        "fp8 KV caches (float8_e4m3fn) (issue 16), the sliding-window KV pool and chunked local attention (issue 18)"
+        " have not run on a GPU yet"
+    ),
 )

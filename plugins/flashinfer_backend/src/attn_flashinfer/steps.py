@@ -21,18 +21,23 @@ from attn_core.graph_step import CudaGraphStep
 @dataclass(frozen=True)
 class LayerKey:
     """Layer settings FlashInfer fixes at plan time. window_left = W - 1 for a window of W keys
-    (-1: full attention); logit_cap 0 = off; cross: attends to the encoder tokens."""
+    (-1: full attention); logit_cap 0 = off; cross: attends to the encoder tokens; window_pool: a window
+    layer whose K/V live in a `SlidingWindowKVPool` (its keys: `window_kv.build_window_kv`); chunk: the
+    attention_chunk_size of a chunked local layer (0: none; its keys: `local_kv.py`)."""
 
     window_left: int
     logit_cap: float
     scaling: float
     cross: bool
+    window_pool: bool = False
+    chunk: int = 0
 
     @classmethod
     def of(cls, layer) -> LayerKey:
         cross = bool(layer.is_cross_attention)
         window = layer.sliding_window_size
-        return cls(-1 if window is None or cross else window - 1, float(layer.logit_cap), float(layer.scaling), cross)
+        left = -1 if window is None or cross else window - 1
+        return cls(left, float(layer.logit_cap), float(layer.scaling), cross, chunk=int(layer.attention_chunk_size or 0))
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,27 @@ def check_context(ctx, name: str) -> None:
     if ctx.kv_dtype.itemsize == 1 and ctx.head_dim < FP8_MIN_HEAD_DIM:
         need = f"fp8 needs head_dim >= {FP8_MIN_HEAD_DIM}"
         raise UnsupportedFeatureError(name, f"kv_dtype {ctx.kv_dtype} at head_dim {ctx.head_dim} ({need})")
+
+
+def check_window_pool_step(inputs: StepInputs, kv_layout: str, page_size: int, name: str) -> None:
+    """What a step over a `SlidingWindowKVPool` cannot serve, refused before any plan or KV write: a
+    TARGET_VERIFY custom mask (its columns are the whole sequence, the window layers' keys only the
+    window) and an HND pool at page_size > 1 (window layers read the pool per token, an NHD-only view)."""
+    if inputs.custom_mask is not None:
+        raise UnsupportedFeatureError(name, "a sliding-window KV pool together with a custom mask (TARGET_VERIFY)")
+    if kv_layout == "HND" and page_size > 1:
+        raise UnsupportedFeatureError(name, f"a sliding-window KV pool with kv_layout HND at page_size {page_size}")
+
+
+def check_local_step(inputs: StepInputs, kv_layout: str, page_size: int, key_page_size: int, name: str) -> None:
+    """What a step of a context with chunked local layers cannot serve, refused before any plan or KV
+    write: a TARGET_VERIFY custom mask (its columns are the whole sequence, a virtual request's keys one
+    chunk) and an HND pool when the local key lists are per token (`key_page_size` 1, see
+    `local_kv.local_page_size`) at page_size > 1 (an NHD-only view)."""
+    if inputs.custom_mask is not None:
+        raise UnsupportedFeatureError(name, "chunked local attention together with a custom mask (TARGET_VERIFY)")
+    if kv_layout == "HND" and page_size > 1 and key_page_size == 1:
+        raise UnsupportedFeatureError(name, f"chunked local attention with kv_layout HND at page_size {page_size} (chunks off the pages)")
 
 
 def eager_inputs(b: ForwardBatch, r2t: torch.Tensor) -> StepInputs:

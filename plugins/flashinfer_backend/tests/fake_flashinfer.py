@@ -1,0 +1,132 @@
+"""A stand-in for the three FlashInfer wrappers the MHA backend uses, computed plainly in float64 on the
+CPU, so the backend's wiring (which key lists, query layouts and masks each layer gets planned with) can
+be tested without FlashInfer or a GPU. It models FlashInfer's documented semantics as the backend relies
+on them: plans keep references to the index arrays (the backend writes the page ids after planning); a
+request's keys are read from its pages (`indptr`, page ids, `last_page_len`); causal and
+`window_left` are placed relative to the *end* of the request's keys (query i of n over L keys sits at
+position L - n + i); `logits_soft_cap` c maps a scaled logit s to c * tanh(s / c); the LSE is base 2.
+It says nothing about FlashInfer's kernels themselves: the GPU tests (test_gpu.py) do.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import torch
+
+__version__ = "0.0-fake"
+LOG2E = 1.0 / math.log(2.0)
+
+
+class _Wrapper:
+    def __init__(self, workspace, kv_layout="NHD", **kw):
+        self.kv_layout = kv_layout
+        self.plan_args = None
+
+    def _common(self, kw):
+        self.window_left = kw.get("window_left", -1)
+        self.cap = kw.get("logits_soft_cap") or 0.0
+        self.scale = kw["sm_scale"]
+
+
+def _pages_keys(pages, indptr, indices, last, r, ps, layout):
+    """K and V of request r `[L, H, D]` (float64) from its pages."""
+    k_pages, v_pages = pages
+    ids = indices[int(indptr[r]) : int(indptr[r + 1])].long().cpu()
+    n = ids.numel()
+    if n == 0:
+        h, d = (k_pages.shape[2], k_pages.shape[3]) if layout == "NHD" else (k_pages.shape[1], k_pages.shape[3])
+        return torch.zeros(0, h, d, dtype=torch.float64), torch.zeros(0, h, d, dtype=torch.float64)
+    if layout == "NHD":
+        k, v = k_pages[ids].reshape(n * ps, *k_pages.shape[2:]), v_pages[ids].reshape(n * ps, *v_pages.shape[2:])
+    else:
+        k = k_pages[ids].transpose(1, 2).reshape(n * ps, k_pages.shape[1], k_pages.shape[3])
+        v = v_pages[ids].transpose(1, 2).reshape(n * ps, v_pages.shape[1], v_pages.shape[3])
+    length = (n - 1) * ps + int(last[r])
+    return k[:length].double(), v[:length].double()
+
+
+def _attend(w, q, k, v, causal):
+    """q `[n, Hq, D]` over k/v `[L, Hkv, D]` (float64): output `[n, Hq, D]`, base-2 LSE `[n, Hq]`."""
+    n, hq, _ = q.shape
+    L, hkv = k.shape[0], k.shape[1]
+    kk, vv = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.double(), kk) * w.scale
+    if w.cap > 0:
+        s = w.cap * torch.tanh(s / w.cap)
+    pos_q = torch.arange(n)[:, None] + (L - n)
+    pos_k = torch.arange(L)[None, :]
+    ok = torch.ones(n, L, dtype=torch.bool)
+    if causal:
+        ok &= pos_k <= pos_q
+    if w.window_left >= 0:
+        ok &= pos_k >= pos_q - w.window_left
+    s = s.masked_fill(~ok[None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [Hq, n], natural
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    o = torch.einsum("hqk,khd->qhd", p, vv)
+    return o, (lse * LOG2E).transpose(0, 1)
+
+
+class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
+    def plan(self, indptr, indices, last_page_len, hq, hkv, d, page_size, **kw):
+        self._common(kw)
+        self.indptr, self.indices, self.last, self.ps = indptr.cpu(), indices, last_page_len.cpu(), page_size
+
+    def run(self, q, pages, return_lse=False, **kw):
+        outs, lses = [], []
+        for r in range(self.indptr.numel() - 1):
+            k, v = _pages_keys(pages, self.indptr, self.indices, self.last, r, self.ps, self.kv_layout)
+            o, lse = _attend(self, q[r : r + 1], k, v, causal=False)
+            outs.append(o), lses.append(lse)
+        o, lse = torch.cat(outs).to(q.dtype), torch.cat(lses).float()
+        return (o, lse) if return_lse else o
+
+
+class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
+    def plan(self, qo_indptr, indptr, indices, last_page_len, hq, hkv, d, page_size, custom_mask=None, causal=False, **kw):
+        if custom_mask is not None:
+            raise NotImplementedError("the fake models no custom mask")
+        self._common(kw)
+        self.qo, self.causal = qo_indptr.cpu(), causal
+        self.indptr, self.indices, self.last, self.ps = indptr.cpu(), indices, last_page_len.cpu(), page_size
+
+    def run(self, q, pages, return_lse=False, **kw):
+        o = torch.zeros(q.shape, dtype=torch.float64)
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
+        for r in range(self.qo.numel() - 1):
+            a, b = int(self.qo[r]), int(self.qo[r + 1])
+            k, v = _pages_keys(pages, self.indptr, self.indices, self.last, r, self.ps, self.kv_layout)
+            o[a:b], lse[a:b] = _attend(self, q[a:b], k, v, self.causal)
+        o = o.to(q.dtype)
+        return (o, lse.float()) if return_lse else o
+
+
+class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
+    def plan(self, qo_indptr, kv_indptr, hq, hkv, d, causal=False, **kw):
+        self._common(kw)
+        self.qo, self.kv, self.causal = qo_indptr.cpu(), kv_indptr.cpu(), causal
+
+    def run(self, q, k, v, return_lse=False):
+        o = torch.zeros(q.shape, dtype=torch.float64)
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
+        for r in range(self.qo.numel() - 1):
+            a, b, c, e = int(self.qo[r]), int(self.qo[r + 1]), int(self.kv[r]), int(self.kv[r + 1])
+            o[a:b], lse[a:b] = _attend(self, q[a:b], k[c:e].double(), v[c:e].double(), self.causal)
+        o = o.to(q.dtype)
+        return (o, lse.float()) if return_lse else o
+
+
+def _merge_state_in_place(o, lse, o2, lse2):
+    """Merge (o2, lse2) into (o, lse), base-2 LSEs (FlashInfer's `merge_state_in_place`)."""
+    m = torch.maximum(lse, lse2)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w1, w2 = torch.exp2(lse - m), torch.exp2(lse2 - m)
+    tot = w1 + w2
+    out = (o.double() * w1[..., None] + o2.double() * w2[..., None]) / tot.clamp_min(1e-300)[..., None]
+    o.copy_(out.to(o.dtype))
+    lse.copy_((torch.log2(tot) + m).float())
+
+
+cascade = types.SimpleNamespace(merge_state_in_place=_merge_state_in_place)

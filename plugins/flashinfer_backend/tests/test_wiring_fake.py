@@ -1,0 +1,153 @@
+"""The backend's wiring on the CPU over a stand-in for FlashInfer's wrappers (`fake_flashinfer.py`: plain
+float64, FlashInfer's documented mask/window/LSE conventions): every layer gets the key lists, query
+layouts and masks it needs, checked by attn-core's harness against its float64 reference. Cases on the
+plain paths check the stand-in itself; then the sliding-window KV pool and chunked local attention
+(issue 18), over several steps. Public plans only (`lean_replan=False`: the lean re-plan reads FlashInfer's
+internals). Skipped where the real flashinfer is importable (the GPU tests run the real thing there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+from attn_core.testing.harness import AttnCase, assert_case
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is not None, reason="the real flashinfer is installed")
+
+_REPLACED = ("flashinfer", "flashinfer.cascade", "attn_flashinfer.plans", "attn_flashinfer.backend")
+
+
+@pytest.fixture(scope="module")
+def factory():
+    """A FlashInferBackend subclass over the stand-in, allowed on the CPU; sys.modules restored after."""
+    path = pathlib.Path(__file__).with_name("fake_flashinfer.py")
+    spec = importlib.util.spec_from_file_location("fake_flashinfer", path)
+    fake = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fake)
+    saved = {name: sys.modules.pop(name, None) for name in _REPLACED}
+    sys.modules["flashinfer"], sys.modules["flashinfer.cascade"] = fake, fake.cascade
+    try:
+        backend = importlib.import_module("attn_flashinfer.backend")
+
+        class OnCpu(backend.FlashInferBackend):
+            capabilities = dataclasses.replace(backend.CAPABILITIES, devices=frozenset({"cuda", "cpu"}))
+
+            def __init__(self, ctx, **kw):
+                super().__init__(ctx, lean_replan=False, workspace_bytes=1 << 20, **kw)
+
+        yield OnCpu
+    finally:
+        package = sys.modules["attn_flashinfer"]
+        for name in _REPLACED:
+            sys.modules.pop(name, None)
+            if saved[name] is not None:
+                sys.modules[name] = saved[name]
+            elif name.startswith("attn_flashinfer.") and hasattr(package, name.split(".")[1]):
+                delattr(package, name.split(".")[1])  # a later import sees flashinfer missing again
+
+
+BASE = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, dtype="float16", device="cpu")
+
+CASES = {
+    # the plain paths: the stand-in against the reference
+    "plain-extend-prefix": AttnCase("EXTEND", [(0, 9), (13, 5), (6, 1)], page_size=4, return_lse=True, **BASE),
+    "plain-decode-window": AttnCase("DECODE", [(20, 1), (0, 1), (7, 1)], sliding_window=5, **BASE),
+    "plain-mixed-window-prefix": AttnCase("MIXED", [(20, 1), (9, 6), (0, 5)], page_size=4, sliding_window=4, **BASE),
+    # sliding-window KV pool: window layers (even) from the window pool, full layers (odd) as usual
+    "window_pool-decode": AttnCase(
+        "DECODE", [(30, 1), (0, 1), (9, 1)], sliding_window=6, window_even_layers_only=True, window_pool=True,
+        steps=((0,), (1, 2)), **BASE,
+    ),
+    "window_pool-extend-page4": AttnCase(
+        "EXTEND", [(25, 7), (0, 11), (5, 1), (12, 0)], page_size=4, sliding_window=5, window_even_layers_only=True,
+        window_pool=True, return_lse=True, steps=((0, 2), (1, 3)), **BASE,
+    ),
+    "window_pool-mixed": AttnCase(
+        "MIXED", [(21, 1), (4, 9), (0, 3)], sliding_window=7, window_pool=True, logit_cap=5.0, **BASE
+    ),
+    "window_pool-verify-causal": AttnCase(
+        "TARGET_VERIFY", [(17, 3), (2, 3)], page_size=4, sliding_window=4, window_pool=True, custom_mask=False, **BASE
+    ),
+    # chunked local attention: chunk on and off the page size, interleaved with full layers
+    "chunked_local-extend-page4-on": AttnCase(
+        "EXTEND", [(0, 13), (9, 10), (6, 0), (3, 1)], page_size=4, attention_chunk_size=8, return_lse=True,
+        steps=((0, 2), (1, 3)), **BASE,
+    ),
+    "chunked_local-extend-page4-off": AttnCase(
+        "EXTEND", [(0, 13), (9, 10), (3, 1)], page_size=4, attention_chunk_size=5, chunk_even_layers_only=True, **BASE
+    ),
+    "chunked_local-decode-page4": AttnCase(
+        "DECODE", [(16, 1), (0, 1), (22, 1), (7, 1)], page_size=4, attention_chunk_size=8, steps=((0, 1), (2, 3)), **BASE
+    ),
+    "chunked_local-decode-off": AttnCase("DECODE", [(16, 1), (0, 1), (22, 1)], page_size=4, attention_chunk_size=3, **BASE),
+    "chunked_local-mixed": AttnCase(
+        "MIXED", [(20, 1), (5, 9), (0, 4)], attention_chunk_size=4, chunk_even_layers_only=True, logit_cap=5.0, **BASE
+    ),
+    "chunked_local-verify-causal": AttnCase(
+        "TARGET_VERIFY", [(14, 3), (1, 3)], page_size=2, attention_chunk_size=4, custom_mask=False, **BASE
+    ),
+    "chunked_local-hnd-page4": AttnCase(
+        "EXTEND", [(0, 13), (9, 10), (3, 1)], page_size=4, attention_chunk_size=8, kv_layout="HND", **BASE
+    ),
+    "chunked_local-encoder": AttnCase("EXTEND", [(9, 5, 3), (0, 4, 6)], page_size=4, attention_chunk_size=4, **BASE),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_layers_get_the_keys_they_need(factory, name):
+    assert_case(factory, CASES[name])
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        AttnCase("TARGET_VERIFY", [(5, 3), (9, 3)], sliding_window=4, window_pool=True, **BASE),
+        AttnCase("TARGET_VERIFY", [(5, 3), (9, 3)], attention_chunk_size=4, **BASE),
+    ],
+    ids=["window_pool", "chunked_local"],
+)
+def test_verify_masks_and_graph_capture_are_refused(factory, case):
+    """A tree-masked verify step and a CUDA-graph capture: typed refusals before any plan or KV write;
+    a layer whose chunk size is not the context's: a typed error before its KV write."""
+    import torch
+
+    from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
+    from attn_core.graph_step import CudaGraphStep
+    from attn_core.layer import AttentionLayer
+    from attn_core.testing.harness import layer_inputs, make_env
+
+    env = make_env(case)
+    backend = factory(env.ctx)
+    with pytest.raises(UnsupportedFeatureError, match="custom mask"):
+        backend.init_forward_metadata(env.batch)
+    backend.init_cuda_graph_state(4, 4)
+    b = env.batch
+    step = CudaGraphStep(forward_mode=b.forward_mode.DECODE, bs=2, req_pool_indices=b.req_pool_indices, seq_lens=b.seq_lens, num_tokens=2)
+    with pytest.raises(UnsupportedFeatureError, match="CUDA graphs"):
+        backend.capture_cuda_graph_metadata(step)
+    if case.attention_chunk_size is None:
+        return
+    b.spec_info.custom_mask = b.spec_info.mask_indptr = None
+    b.attn_backend = backend
+    backend.init_forward_metadata(b)
+    other = AttentionLayer(0, 4, 2, 64, attention_chunk_size=8)
+    inputs = layer_inputs(env, 0, torch.Generator().manual_seed(0), b, case.step_requests()[0])
+    before = env.kv_pool.get_key_buffer(0).clone()
+    with pytest.raises(InvalidArgumentError, match="attention_chunk_size"):
+        other(inputs["q"], inputs["k"], inputs["v"], b)
+    torch.testing.assert_close(env.kv_pool.get_key_buffer(0), before, rtol=0, atol=0, equal_nan=True)  # nothing written
+
+
+def test_hnd_pool_with_chunks_off_the_pages_is_refused(factory):
+    from attn_core.errors import UnsupportedFeatureError
+    from attn_core.testing.harness import make_env
+
+    env = make_env(AttnCase("EXTEND", [(0, 13), (9, 10)], page_size=4, attention_chunk_size=5, kv_layout="HND", **BASE))
+    with pytest.raises(UnsupportedFeatureError, match="HND at page_size 4"):
+        factory(env.ctx).init_forward_metadata(env.batch)
