@@ -2,7 +2,7 @@
 # Every GPU check of the project in one command, for a machine with a CUDA GPU and torch + triton
 # installed (the lent H100/H200 machine: no network; FlashInfer comes from wheels carried in .whl/ and
 # its prebuilt kernels from .fi-cache/aot.tar.xz when present). Logs go to $OUT (default ./gpu-out).
-#   bash scripts/gpu_checks.sh [tests] [bench] [triton-bench] [verify-bench] [fi-bench] [fi-window] [mla-bench] [mla] [engine] [multi-gpu]   (default: tests bench;
+#   bash scripts/gpu_checks.sh [tests | tests-core tests-triton tests-fi check] [bench] [triton-bench] [verify-bench] [fi-bench] [fi-window] [mla-bench] [mla] [engine] [multi-gpu]   (default: tests bench;
 #   bench = every benchmark; mla = attn-triton's MLA kernel alone: its GPU tests and the MLA benchmark without the prefill row;
 #   BENCH_ONLY=meta limits the Triton benchmark's rows)
 set -uo pipefail
@@ -28,9 +28,17 @@ fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 rc=0
-if want tests; then
-  python3 -m pytest -q -p no:cacheprovider -m gpu core/tests plugins/triton_backend/tests plugins/flashinfer_backend/tests plugins/trtllm_mla/tests tests \
-    2>&1 | tee "$OUT/pytest_gpu.log" || rc=1
+# `tests` = tests-core tests-triton tests-fi check; the parts fit one 600 s device call each
+if want tests || want tests-core; then
+  python3 -m pytest -q -p no:cacheprovider -m gpu core/tests tests 2>&1 | tee "$OUT/pytest_gpu_core.log" || rc=1
+fi
+if want tests || want tests-triton; then
+  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/triton_backend/tests 2>&1 | tee "$OUT/pytest_gpu_triton.log" || rc=1
+fi
+if want tests || want tests-fi; then
+  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/flashinfer_backend/tests plugins/trtllm_mla/tests 2>&1 | tee "$OUT/pytest_gpu_fi.log" || rc=1
+fi
+if want tests || want check; then
   for b in torch_native triton; do
     python3 -m attn_core.cli check "$b" --device cuda --quick 2>&1 | tee "$OUT/check_$b.log" || rc=1
   done
