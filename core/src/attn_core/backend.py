@@ -15,7 +15,6 @@ once, then per captured batch size `capture_cuda_graph_metadata(step)` before ca
 from __future__ import annotations
 
 import abc
-import weakref
 from dataclasses import dataclass
 from typing import ClassVar, Generic, Optional, TypeVar, Union
 
@@ -101,8 +100,6 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         self.forward_metadata = None
         # the batch (or GraphBatchKey) forward_metadata was built for; None: no metadata
         self._metadata_for: Union[ForwardBatch, GraphBatchKey, None] = None
-        # layers already checked against the capabilities (weak: an id() could be reused by a new layer)
-        self._checked_layers: weakref.WeakSet = weakref.WeakSet()
 
     # ---- per-step metadata -------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -256,9 +253,8 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         if bound is not forward_batch and not (isinstance(bound, GraphBatchKey) and bound.matches(forward_batch)):
             raise StaleMetadataError(_bound_description(bound), _batch_description(forward_batch))
         mode = forward_batch.forward_mode
-        out_cols = layer.num_q_heads * layer.v_head_dim
         if mode.is_no_tokens():
-            o = q.new_empty((0, out_cols))
+            o = q.new_empty((0, layer.num_q_heads * layer.v_head_dim))
             if extras.get("return_lse"):
                 return o, torch.empty((0, layer.num_q_heads), dtype=torch.float32, device=q.device)
             return o
@@ -325,8 +321,8 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
             raise UnsupportedFeatureError(self.name, what or feature.value)
 
     def _check_layer(self, layer: AttentionLayer) -> None:
-        if layer in self._checked_layers:
-            return
+        """The layer's features against the capabilities, its head counts and dims against the context.
+        Per call, not cached: a layer's settings are plain attributes an engine may change."""
         ctx = self.ctx
         if layer.logit_cap > 0:
             self.require(Feature.LOGIT_CAP, f"logit_cap={layer.logit_cap} (layer {layer.layer_id})")
@@ -344,7 +340,6 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
             raise InvalidArgumentError(
                 "layer head_dim/v_head_dim", f"{ctx.head_dim}/{ctx.v_head_dim} as in the context", (layer.head_dim, layer.v_head_dim)
             )
-        self._checked_layers.add(layer)
 
     def _check_window_pool(self, layer: AttentionLayer, batch: ForwardBatch) -> None:
         """A layer kept in a sliding-window KV pool needs a backend that translates its key slots, and a
@@ -361,29 +356,52 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
             )
 
     def _validate(self, q, k, v, layer, batch: ForwardBatch, save_kv_cache: bool, extras):
+        """Check the per-layer arguments (host metadata only, no device sync) and return q, k, v as
+        `[rows, heads, dim]` views. Checks run in a fixed order, so an input with several faults always
+        gets the same error. Per layer call: the common case (no extras; self-attention with k and v on
+        the device, in the context's dtype and shape) is decided by one cheap expression, and the
+        argument-by-argument diagnosis runs only outside it."""
         mode = batch.forward_mode
         caps = self.capabilities
         if mode not in caps.forward_modes:
             raise UnsupportedFeatureError(self.name, f"forward mode {mode.name}")
-        unknown = set(extras) - CORE_EXTRAS - self.extra_forward_args
-        if unknown:
-            raise InvalidArgumentError(
-                "extras", f"keyword arguments among {sorted(CORE_EXTRAS | self.extra_forward_args)}", sorted(unknown)
-            )
+        if extras:
+            unknown = extras.keys() - CORE_EXTRAS - self.extra_forward_args
+            if unknown:
+                raise InvalidArgumentError(
+                    "extras", f"keyword arguments among {sorted(CORE_EXTRAS | self.extra_forward_args)}", sorted(unknown)
+                )
         self._check_layer(layer)
         self._check_window_pool(layer, batch)
-        if extras.get("return_lse"):
-            self.require(Feature.LSE_OUTPUT, "return_lse")
-        sinks = extras.get("sinks")
-        if sinks is not None:
-            self.require(Feature.SINKS, "attention sinks")
-            if tuple(sinks.shape) != (layer.num_q_heads,):
-                raise InvalidArgumentError("sinks", f"shape ({layer.num_q_heads},)", tuple(sinks.shape))
+        if extras:
+            if extras.get("return_lse"):
+                self.require(Feature.LSE_OUTPUT, "return_lse")
+            sinks = extras.get("sinks")
+            if sinks is not None:
+                self.require(Feature.SINKS, "attention sinks")
+                if tuple(sinks.shape) != (layer.num_q_heads,):
+                    raise InvalidArgumentError("sinks", f"shape ({layer.num_q_heads},)", tuple(sinks.shape))
         if mode.is_target_verify() and batch.spec_info is not None and batch.spec_info.custom_mask is not None:
             self.require(Feature.CUSTOM_MASK, "custom masks (TARGET_VERIFY)")
 
         T = batch.num_tokens
         hq, d, hkv = layer.num_q_heads, layer.head_dim, layer.num_kv_heads
+        device, dtype = self.device, self.ctx.dtype
+        if (
+            k is not None
+            and v is not None
+            and not layer.is_cross_attention
+            and q.device == device
+            and k.device == device
+            and v.device == device
+            and q.dtype == dtype
+            and k.dtype == dtype
+            and v.dtype == dtype
+        ):
+            qh, kh = _as_heads(q, T, hq, d), _as_heads(k, T, hkv, d)
+            vh = v if self.ctx.is_mla else _as_heads(v, T, hkv, layer.v_head_dim)
+            if qh is not None and kh is not None and vh is not None:
+                return qh, kh, vh
         q = _heads_view("q", q, T, hq, d)
         if q.device != self.device:
             raise InvalidArgumentError("q", f"a tensor on {self.device}", q.device)
@@ -418,9 +436,20 @@ def _bound_description(bound: Union[ForwardBatch, GraphBatchKey, None]) -> str:
     return f"the batch init_forward_metadata was last called with ({bound.forward_mode.name}, {bound.batch_size} requests)"
 
 
-def _heads_view(name: str, x: torch.Tensor, rows: int, heads: int, dim: int) -> torch.Tensor:
-    if x.dim() == 2 and x.shape == (rows, heads * dim):
-        return x.reshape(rows, heads, dim)
-    if x.dim() == 3 and tuple(x.shape) == (rows, heads, dim):
+def _as_heads(x: torch.Tensor, rows: int, heads: int, dim: int) -> Optional[torch.Tensor]:
+    """`x` as `[rows, heads, dim]`: itself when it has that shape, a reshape of `[rows, heads * dim]`,
+    else None. E.g. a `[5, 64]` tensor with heads=4, dim=16 gives a `[5, 4, 16]` view."""
+    shape = x.shape
+    if shape == (rows, heads, dim):
         return x
-    raise InvalidArgumentError(name, f"shape ({rows}, {heads}, {dim}) or ({rows}, {heads * dim})", tuple(x.shape))
+    if shape == (rows, heads * dim):
+        return x.reshape(rows, heads, dim)
+    return None
+
+
+def _heads_view(name: str, x: torch.Tensor, rows: int, heads: int, dim: int) -> torch.Tensor:
+    """`_as_heads`, or `InvalidArgumentError` naming `name` and both accepted shapes."""
+    h = _as_heads(x, rows, heads, dim)
+    if h is None:
+        raise InvalidArgumentError(name, f"shape ({rows}, {heads}, {dim}) or ({rows}, {heads * dim})", tuple(x.shape))
+    return h
