@@ -358,9 +358,9 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
     def _validate(self, q, k, v, layer, batch: ForwardBatch, save_kv_cache: bool, extras):
         """Check the per-layer arguments (host metadata only, no device sync) and return q, k, v as
         `[rows, heads, dim]` views. Checks run in a fixed order, so an input with several faults always
-        gets the same error. Per layer call: the common case (no extras; self-attention with k and v on
-        the device, in the context's dtype and shape) is decided by one cheap expression, and the
-        argument-by-argument diagnosis runs only outside it."""
+        gets the same error. Per layer call: the common case (no extras; self-attention with q, k and v
+        on the device, in the context's dtype and shape; MLA: v may be None) is decided by one cheap
+        expression, and the argument-by-argument diagnosis runs only outside it."""
         mode = batch.forward_mode
         caps = self.capabilities
         if mode not in caps.forward_modes:
@@ -386,38 +386,36 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
 
         T = batch.num_tokens
         hq, d, hkv = layer.num_q_heads, layer.head_dim, layer.num_kv_heads
-        device, dtype = self.device, self.ctx.dtype
+        device, dtype, mla = self.device, self.ctx.dtype, self.ctx.is_mla
         if (
             k is not None
-            and v is not None
             and not layer.is_cross_attention
             and q.device == device
             and k.device == device
-            and v.device == device
             and q.dtype == dtype
             and k.dtype == dtype
-            and v.dtype == dtype
+            and (v.device == device and v.dtype == dtype if v is not None else mla)
         ):
             qh, kh = _as_heads(q, T, hq, d), _as_heads(k, T, hkv, d)
-            vh = v if self.ctx.is_mla else _as_heads(v, T, hkv, layer.v_head_dim)
-            if qh is not None and kh is not None and vh is not None:
+            vh = v if mla else _as_heads(v, T, hkv, layer.v_head_dim)  # MLA: v (or None) as given
+            if qh is not None and kh is not None and (vh is not None or mla):
                 return qh, kh, vh
         q = _heads_view("q", q, T, hq, d)
-        if q.device != self.device:
-            raise InvalidArgumentError("q", f"a tensor on {self.device}", q.device)
+        if q.device != device:
+            raise InvalidArgumentError("q", f"a tensor on {device}", q.device)
         check_forward_dtypes(q, k, v, self.ctx)
         if layer.is_cross_attention:
             rows = 0 if batch.encoder_out_cache_loc is None else batch.encoder_out_cache_loc.shape[0]
         else:
             rows = T
         for name, x in (("k", k), ("v", v)):
-            if x is not None and x.device != self.device:
-                raise InvalidArgumentError(name, f"a tensor on {self.device}", x.device)
+            if x is not None and x.device != device:
+                raise InvalidArgumentError(name, f"a tensor on {device}", x.device)
         if k is not None:
             k = _heads_view("k", k, rows, hkv, d)
-            if v is not None and not self.ctx.is_mla:
+            if v is not None and not mla:
                 v = _heads_view("v", v, rows, hkv, layer.v_head_dim)
-            elif v is None and not self.ctx.is_mla:
+            elif v is None and not mla:
                 raise InvalidArgumentError("v", "a tensor when k is given", None)
         elif save_kv_cache and not layer.is_cross_attention:
             raise InvalidArgumentError("k", "the new tokens' keys when save_kv_cache=True", None)
