@@ -11,6 +11,8 @@ Rows:
   decode bs1        DECODE, 1 request (2047 cached tokens + 1 new)
   decode bs64       DECODE, 64 requests (255 cached + 1 new)
   extend bs4 q128   EXTEND, 4 requests (128 cached + 128 new)
+  mla decode bs1    absorbed MLA as in `mla_vs_peers.py` (128 heads, latent 512 + 64): DECODE, 1 request
+                    (2047 cached + 1 new), q `[1, 128, 576]`, k `[1, 1, 576]`, v None, save_kv_cache=False
 
 Timed paths per row (calls interleaved round-robin, `--groups` samples of `--calls` back-to-back calls
 each, the median sample / calls reported, in µs):
@@ -18,13 +20,13 @@ each, the median sample / calls reported, in µs):
   backend.forward   `batch.attn_backend.forward(q, k, v, layer, batch)`
   stub alone        the stubbed `forward_decode` / `forward_extend` called directly (the floor)
 
-Before/after a change to attn-core: run it on each tree, back to back, e.g.
-  git archive <base> core/src | tar -x -C /tmp/base
-  PYTHONPATH=/tmp/base/core/src python benchmarks/forward_host_cost.py --json base.json
-  python benchmarks/forward_host_cost.py --json new.json
-(the script prints which attn_core it imported).
+Before/after a change to attn-core: `--baseline-src DIR` (a `core/src` of the older tree, e.g. from
+`git archive <base> core/src | tar -x -C /tmp/base`) times both trees in fresh processes, alternating
+baseline / this tree `--rounds` times, and prints per row and path the median over rounds of each and the
+ratio baseline / this tree (alternating spreads the drift of a shared machine over both).
 
   python benchmarks/forward_host_cost.py [--calls 200] [--groups 200] [--json out.json]
+  python benchmarks/forward_host_cost.py --baseline-src /tmp/base/core/src [--rounds 5] [--groups 60]
 """
 
 from __future__ import annotations
@@ -32,8 +34,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from typing import Callable
 
@@ -44,13 +50,15 @@ from attn_core.backends.torch_native.backend import TorchNativeBackend
 from attn_core.batch_builder import build_forward_batch
 from attn_core.context import BackendContext
 from attn_core.layer import AttentionLayer
-from attn_core.memory import MHATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
+from attn_core.memory import MHATokenToKVPool, MLATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
 
 HQ, HKV, D, PAGE, DTYPE = 32, 8, 128, 16, torch.bfloat16
-ROWS = {
-    "decode bs1": ("DECODE", [(2047, 1)]),
-    "decode bs64": ("DECODE", [(255, 1)] * 64),
-    "extend bs4 q128": ("EXTEND", [(128, 128)] * 4),
+MLA_HQ, MLA_LORA, MLA_ROPE = 128, 512, 64
+ROWS = {  # title: (mode, requests, MLA)
+    "decode bs1": ("DECODE", [(2047, 1)], False),
+    "decode bs64": ("DECODE", [(255, 1)] * 64, False),
+    "extend bs4 q128": ("EXTEND", [(128, 128)] * 4, False),
+    "mla decode bs1": ("DECODE", [(2047, 1)], True),
 }
 
 
@@ -70,11 +78,17 @@ class StubbedKernels(TorchNativeBackend):
         return self.out
 
 
-def make_row(mode: str, requests: list[tuple[int, int]]) -> dict[str, Callable[[], object]]:
+def make_row(mode: str, requests: list[tuple[int, int]], mla: bool) -> dict[str, Callable[[], object]]:
     """The three timed calls of one row, over a fresh pool, batch and stubbed backend."""
     total = sum(p + e for p, e in requests)
     pages = -(-total // PAGE) + len(requests) + 1
-    kv_pool = MHATokenToKVPool(pages * PAGE, PAGE, DTYPE, HKV, D, 1)
+    if mla:
+        kv_pool = MLATokenToKVPool(pages * PAGE, PAGE, DTYPE, MLA_LORA, MLA_ROPE, 1)
+        hq, hkv, d, dv = MLA_HQ, 1, MLA_LORA + MLA_ROPE, MLA_LORA
+        arch = {"attention_arch": "mla", "kv_lora_rank": MLA_LORA, "qk_rope_head_dim": MLA_ROPE}
+    else:
+        kv_pool = MHATokenToKVPool(pages * PAGE, PAGE, DTYPE, HKV, D, 1)
+        hq, hkv, d, dv, arch = HQ, HKV, D, D, {}
     req_pool = ReqToTokenPool(len(requests), max(p + e for p, e in requests) + PAGE)
     batch = build_forward_batch(
         mode, requests, req_to_token_pool=req_pool, allocator=PagedTokenAllocator(pages * PAGE, PAGE), token_to_kv_pool=kv_pool
@@ -82,29 +96,31 @@ def make_row(mode: str, requests: list[tuple[int, int]]) -> dict[str, Callable[[
     ctx = BackendContext(
         device="cpu",
         dtype=DTYPE,
-        num_q_heads=HQ,
-        num_kv_heads=HKV,
-        head_dim=D,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
         page_size=PAGE,
         max_batch_size=len(requests),
         max_context_len=req_pool.max_context_len,
         req_to_token_pool=req_pool,
         token_to_kv_pool=kv_pool,
+        **arch,
     )
     T = batch.num_tokens
-    backend = StubbedKernels(ctx, torch.empty(T, HQ * D, dtype=DTYPE))
+    backend = StubbedKernels(ctx, torch.empty(T, hq * dv, dtype=DTYPE))
     batch.attn_backend = backend
     backend.init_forward_metadata(batch)
-    layer = AttentionLayer(0, HQ, HKV, D)
-    q = torch.randn(T, HQ * D).to(DTYPE)
-    k = torch.randn(T, HKV, D).to(DTYPE)
-    v = torch.randn(T, HKV, D).to(DTYPE)
-    q3 = q.view(T, HQ, D)
+    layer = AttentionLayer(0, hq, hkv, d, v_head_dim=dv)
+    q3 = torch.randn(T, hq, d).to(DTYPE)
+    q = q3 if mla else q3.view(T, hq * d)  # mla_vs_peers hands q as [T, heads, 576]
+    k = torch.randn(T, hkv, d).to(DTYPE)
+    v = None if mla else torch.randn(T, hkv, dv).to(DTYPE)
+    save = not mla
     stub = backend.forward_decode if batch.forward_mode.is_decode() else backend.forward_extend
     return {
-        "layer()": lambda: layer(q, k, v, batch),
-        "backend.forward": lambda: backend.forward(q, k, v, layer, batch),
-        "stub alone": lambda: stub(q3, k, v, layer, batch),
+        "layer()": lambda: layer(q, k, v, batch, save_kv_cache=save),
+        "backend.forward": lambda: backend.forward(q, k, v, layer, batch, save_kv_cache=save),
+        "stub alone": lambda: stub(q3, k, v, layer, batch, save_kv_cache=save),
     }
 
 
@@ -124,15 +140,59 @@ def sample(calls: dict[str, Callable[[], object]], n: int, groups: int) -> dict[
     return {name: statistics.median(ts) * 1e6 for name, ts in times.items()}
 
 
+def run_tree(src: str | None, calls: int, groups: int) -> dict[str, dict[str, float]]:
+    """One fresh process timing the attn_core under `src` (None: the installed one): its rows."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    if src is not None:
+        env["PYTHONPATH"] = src
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--calls", str(calls), "--groups", str(groups), "--json", out]
+        subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+        with open(out) as f:
+            return json.load(f)["rows"]
+
+
+def compare(baseline_src: str, rounds: int, calls: int, groups: int, json_path: str | None) -> None:
+    """Baseline and this tree, alternating in fresh processes; medians over rounds and their ratio."""
+    runs: dict[str, list[dict]] = {"baseline": [], "this tree": []}
+    for _ in range(rounds):
+        runs["baseline"].append(run_tree(baseline_src, calls, groups))
+        runs["this tree"].append(run_tree(None, calls, groups))
+    med = {
+        label: {row: {path: statistics.median(r[row][path] for r in rs) for path in rs[0][row]} for row in rs[0]}
+        for label, rs in runs.items()
+    }
+    print(f"baseline {baseline_src} vs this tree ({attn_core.__file__}), {rounds} alternating rounds, median µs")
+    print(f"{'row':18} {'path':16} {'baseline':>9} {'this tree':>10} {'ratio':>6}")
+    for row, paths in med["this tree"].items():
+        for path, now in paths.items():
+            before = med["baseline"][row][path]
+            print(f"{row:18} {path:16} {before:9.2f} {now:10.2f} {before / now:6.2f}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"date": _now(), "baseline_src": baseline_src, "rounds": rounds, "median_us": med, "runs": runs}, f, indent=1)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=200, help="back-to-back calls per sample")
     ap.add_argument("--groups", type=int, default=200, help="samples per timed path")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--baseline-src", default=None, help="also time the attn_core under this directory; print ratios")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds with --baseline-src")
     args = ap.parse_args()
+    if args.baseline_src:
+        compare(args.baseline_src, args.rounds, args.calls, args.groups, args.json)
+        return
     torch.set_num_threads(1)
     report = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": _now(),
         "attn_core": attn_core.__file__,
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -141,8 +201,8 @@ def main() -> None:
     }
     print(f"attn_core from {attn_core.__file__}; torch {torch.__version__}, python {platform.python_version()}")
     print(f"{'row':18} {'layer() µs':>11} {'backend.forward µs':>19} {'stub alone µs':>14}")
-    for title, (mode, requests) in ROWS.items():
-        med = sample(make_row(mode, requests), args.calls, args.groups)
+    for title, (mode, requests, mla) in ROWS.items():
+        med = sample(make_row(mode, requests, mla), args.calls, args.groups)
         report["rows"][title] = med
         print(f"{title:18} {med['layer()']:11.2f} {med['backend.forward']:19.2f} {med['stub alone']:14.2f}", flush=True)
     if args.json:
