@@ -12,6 +12,11 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 what=" ${*:-tests bench} "
 want() { [[ "$what" == *" $1 "* || "$what" == *" all "* ]]; }
+# GPU_CHECKS_READY=1: setup already done by an earlier call on this machine (parts run side by side)
+if [ -n "${GPU_CHECKS_READY:-}" ]; then
+  [ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  [ -d /tmp/fiws ] && export FLASHINFER_WORKSPACE_BASE=/tmp/fiws
+else
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -24,6 +29,7 @@ fi
 if ls .fi-cache/*_fi.tgz >/dev/null 2>&1; then  # FlashInfer JIT caches (.cache/flashinfer/...): benchmark peers, MLA kernels
   mkdir -p /tmp/fiws && export FLASHINFER_WORKSPACE_BASE=/tmp/fiws
   for t in .fi-cache/*_fi.tgz; do tar -C /tmp/fiws -xzf "$t" || exit 1; done
+fi
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
