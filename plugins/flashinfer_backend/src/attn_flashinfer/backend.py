@@ -453,5 +453,5 @@ class FlashInferBackend(AttentionBackend[Step]):
         pool = self.save_kv(k, v, layer, batch) if save_kv_cache else self.kv_pool(batch)
         k_cache, v_cache = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         o, lse = plans.run(plan, q, k, v, k_cache, v_cache, return_lse, self.kv_layout, scales)
-        o = o.view(o.shape[0], -1)
+        o = o.flatten(1)  # [T, H * Dv]; flatten, not view(T, -1): T may be 0
         return (o, lse) if return_lse else o

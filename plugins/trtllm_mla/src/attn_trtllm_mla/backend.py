@@ -98,7 +98,7 @@ class TRTLLMMLABackend(FlashInferMLABackend):
             trt.max_seq_len, trt.q_len, fold_scales(layer.scaling, None, layer.k_scale), self.trt_workspace, out,
         )  # fmt: skip
         o = kernel.decode(kw, self.kernel)
-        return o.reshape(q.shape[0], -1)
+        return o.flatten(1)  # [T, H * Dv] (T may be 0)
 
     def plan_prefill(
         self, forward_batch: ForwardBatch, chunk_capacity: int, scaling: float, qk_head_dim: int = 192, v_head_dim: int = 128

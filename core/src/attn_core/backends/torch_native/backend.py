@@ -250,7 +250,7 @@ class TorchNativeBackend(AttentionBackend[_Metadata]):
             results.append((o.view(q.shape[0], layer.num_q_heads, layer.v_head_dim), lse))
         (o_p, lse_p), (o_s, lse_s) = results
         o, lse = merge_state(o_p, lse_p, o_s, lse_s)
-        o = o.reshape(q.shape[0], -1)
+        o = o.flatten(1)  # [T, H * Dv] (T may be 0)
         return (o, lse) if return_lse else o
 
 
