@@ -1,4 +1,4 @@
-"""The MIXED split of the Triton backend (`attn_triton.mixed`, option `mixed_split=True`): decodes through
+"""The MIXED split of the Triton backend (`attn_triton.mixed`, option `mixed_split`, default True): decodes through
 the decode kernel, the other requests through the extend kernel, in any request order.
 
 Checked against the float64 oracle on random MIXED batches (decodes interleaved with prefill chunks,
@@ -84,8 +84,16 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[c.describe() for c in CASES])
 def test_split_case(case):
     made = []
-    assert_case(recording(made, mixed_split=True), case)
+    assert_case(recording(made), case)  # the default
     assert isinstance(made[0].forward_metadata, MixedMetadata)
+
+
+@pytest.mark.parametrize("case", CASES[:3], ids=[c.describe() for c in CASES[:3]])
+def test_unsplit_case(case):
+    """`mixed_split=False` keeps one extend launch for the whole MIXED step."""
+    made = []
+    assert_case(recording(made, mixed_split=False), case)
+    assert isinstance(made[0].forward_metadata, ExtendMetadata)
 
 
 def random_mixed_case(seed: int) -> AttnCase:
@@ -262,13 +270,14 @@ def test_engine_steps_split_and_unsplit_agree(page_size, dtype):
     assert modes == ["EXTEND", "MIXED", "MIXED", "MIXED", "DECODE", "MIXED"]
 
 
-def test_kit_mixed_checks_pass_with_the_split():
+def test_kit_mixed_checks_pass_unsplit():
     """The conformance kit's MIXED checks (its own random compositions and features) on a backend built
-    with `mixed_split=True`: the kit's plan with that option, every MIXED check it does not skip."""
+    with `mixed_split=False` (the kit's default plan runs the split, the backend's default): the kit's plan
+    with that option, every MIXED check it does not skip."""
     from attn_core.testing.kit import make_plan
     from attn_core.testing.outcome import execute
 
-    plan = make_plan("triton", device="cpu", quick=True, options={"mixed_split": True})
+    plan = make_plan("triton", device="cpu", quick=True, options={"mixed_split": False})
     checks = [c for c in plan.checks if "MIXED" in c.id and plan.skip_reason(c.id) is None]
     assert len(checks) >= 3, [c.id for c in plan.checks]
     for check in checks:
