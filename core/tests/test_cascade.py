@@ -35,10 +35,13 @@ def test_shared_prefix_random_vs_loop():
 
 
 def test_use_cascade_examples():
-    assert use_cascade_attention(4096, [1] * 64)
-    assert not use_cascade_attention(4096, [1] * 4)
-    assert not use_cascade_attention(128, [1] * 64)
-    assert not use_cascade_attention(300, [4096] * 8)  # 7 * 300 < 4 * 32768: the merge costs more
+    assert use_cascade_attention(32768, [1] * 64)
+    assert not use_cascade_attention(4096, [1] * 64)  # below 16384: the plain path reads it from L2
+    assert not use_cascade_attention(32768, [1] * 4)
+    assert not use_cascade_attention(32768, [256] * 64)  # extend rows: compute-bound, nothing saved
+    assert use_cascade_attention(32768, [4] * 64)  # verify with 4 drafts
+    assert not use_cascade_attention(16384, [16] * 8 + [1] * 16, min_saving_ratio=1e4)  # 23 * 16384 < 1e4 * 144
+    assert use_cascade_attention(4096, [1] * 64, min_prefix=4096)
 
 
 def test_bad_cascade_prefix_is_refused_before_any_write():

@@ -23,10 +23,13 @@ from attn_core.batch import ForwardBatch
 from attn_core.batch_utils import query_lens
 from attn_core.errors import InvalidArgumentError
 
-#: defaults of `use_cascade_attention`
-MIN_PREFIX = 256
+#: defaults of `use_cascade_attention` (the prefix and query-length bounds from the H200 run in docs/perf.md,
+#: "Cascade attention": 64 decodes over a 4096-token prefix 0.89x, over 32768 tokens 1.14x; 64 requests of
+#: 256 new tokens over 4096 0.86x)
+MIN_PREFIX = 16384
 MIN_REQUESTS = 8
 MIN_SAVING_RATIO = 4.0
+MAX_MEAN_QUERY = 16
 
 
 def shared_prefix_len(rows: Union[torch.Tensor, Sequence[Sequence[int]]], prefix_lens: Sequence[int], page_size: int = 1) -> int:
@@ -60,21 +63,26 @@ def use_cascade_attention(
     min_prefix: int = MIN_PREFIX,
     min_requests: int = MIN_REQUESTS,
     min_saving_ratio: float = MIN_SAVING_RATIO,
+    max_mean_query: float = MAX_MEAN_QUERY,
 ) -> bool:
     """Whether a step should run cascade attention over a shared prefix of `cascade_prefix_len` keys.
 
     The plain path reads the prefix's K/V once per request, bs * P key reads; cascade reads them once
-    and pays an extra pass and an LSE merge whose traffic grows with the T new tokens. Cascade is chosen
-    when P >= `min_prefix`, bs >= `min_requests` and the key reads saved, (bs - 1) * P, are at least
-    `min_saving_ratio` * T. (A bandwidth rule: on the GPU, `benchmarks/cascade_attention.py` measures it.)
-    `batch`: a ForwardBatch or the requests' query lengths.
+    and pays an extra pass and an LSE merge whose traffic grows with the T new tokens. A bandwidth rule:
+    cascade is chosen when P >= `min_prefix` (a shorter shared prefix stays in the GPU's L2 cache, so the
+    plain path's repeated reads are cheap: 4096 tokens of bf16 K/V at 8 heads × 128 are 16 MiB per
+    layer), the step is decode-like (T / bs <= `max_mean_query`: longer query rows are compute-bound and
+    the prefix pass does the same arithmetic as the plain path), bs >= `min_requests`, and the key reads
+    saved, (bs - 1) * P, are at least `min_saving_ratio` * T. `benchmarks/cascade_attention.py` measures
+    it on a GPU. `batch`: a ForwardBatch or the requests' query lengths.
 
-    Example: 64 requests decoding (T = 64) over a 4096-token prefix: 63 * 4096 >= 4 * 64 → True;
-    4 requests → False (fewer than 8); 64 requests over a 128-token prefix → False (below 256).
+    Example: 64 requests decoding (T = 64) over a 32768-token prefix: 63 * 32768 >= 4 * 64 → True;
+    over 4096 tokens → False (below 16384); 4 requests → False (fewer than 8); 64 requests of 256 new
+    tokens over 32768 → False (256 per request > 16).
     """
     q = query_lens(batch)
     bs, tokens = len(q), sum(q)
-    if cascade_prefix_len < min_prefix or bs < min_requests:
+    if cascade_prefix_len < min_prefix or bs < min_requests or tokens > max_mean_query * bs:
         return False
     return (bs - 1) * cascade_prefix_len >= min_saving_ratio * tokens
 
