@@ -12,8 +12,10 @@ decode (kv_data_type fp8, run with k_scale / v_scale), each checked against the 
 dequantized cache. It also measures the host time of attn-triton's `init_forward_metadata` (no host-device sync allowed:
 checked with torch's sync debug mode) and of FlashInfer's plan at batch 1, 64 and 256, with its parts in
 the JSON's "metadata" rows: attn-core's `check_forward_batch` alone, `build_forward_metadata` alone, the
-index buffer's allocation (`new_kv`), and one index-kernel launch three ways (the cached handle given the
-tensors' addresses, the default; the cached handle given the tensors; Triton's normal launcher).
+index buffer's allocation (`new_kv`, what attn-triton allocated per step before `IndexScratch`), and one
+index-kernel launch five ways: Triton's normal launcher; CachedLaunch handing the compiled handle the
+tensors; CachedLaunch handing it their addresses (the default); the compiled handle called with
+those arguments prebuilt; the handle's launcher (`compiled.run`) called with everything prebuilt.
 `ATTN_META_PROFILE=1` adds each row's cProfile of init_forward_metadata ("profile_top", printed too).
 The "mixed" rows time a MIXED step (64 decodes x 4096 keys + one 512-token prefill chunk, decodes first;
 and 4 decodes + two 2048-token chunks) three ways: attn-triton unsplit (the default: every request through the extend kernel), attn-triton
@@ -600,6 +602,10 @@ def _metadata_row(bs: int, ctx_len: int, n: int, gen: torch.Generator) -> dict:
         n,
     )  # fmt: skip
     kvt._LAUNCH.pointers_as_ints = True
+    floors = _launch_floors(kvt, lambda: kvt.kv_indices_triton(
+        w.rows.req_to_token, w.batch.req_pool_indices, w.batch.seq_lens, kv.indices, kv_indptr=kv.indptr,
+        fault=backend.device_faults.buffer,
+    ), n)  # fmt: skip
     # the parts of init_forward_metadata: attn-core's batch validation alone, the backend's build alone
     ctx, r2t = backend.ctx, backend.req_to_token(w.batch)
     validation = _host_us(lambda: check_forward_batch(w.batch, r2t, w.pool, ctx), n)
@@ -637,6 +643,7 @@ def _metadata_row(bs: int, ctx_len: int, n: int, gen: torch.Generator) -> dict:
         "validation_full_us_median": statistics.median(full_samples),
         "sync": sync,
     }
+    row.update(floors)
     if profile is not None:
         row["profile_top"] = profile
     try:
@@ -656,6 +663,55 @@ def _metadata_row(bs: int, ctx_len: int, n: int, gen: torch.Generator) -> dict:
     except Exception as exc:
         row["flashinfer_plan_error"] = repr(exc)[:200]
     return row
+
+
+class _Recorder:
+    """Stands in for a compiled handle for one call: records the grid and arguments CachedLaunch hands
+    it, then launches through the real handle."""
+
+    def __init__(self, compiled):
+        self.compiled, self.seen = compiled, None
+
+    def __getitem__(self, grid):
+        def runner(*args):
+            self.seen = (grid, args)
+            self.compiled[grid](*args)
+
+        return runner
+
+
+def _launch_floors(kvt, launch_once: Callable, n: int) -> dict:
+    """What one index-kernel launch costs below CachedLaunch (GPU idle before each call), with the
+    arguments CachedLaunch built for `launch_once`'s call recorded once and replayed as they are:
+    "handle_call" `compiled[grid](*args)` (Triton's runner: current device and stream, launch hooks,
+    the launcher) and "run_direct" `compiled.run(...)` with the stream and handles looked up once (the
+    launcher alone). Their difference to index_kernel_launch_us_median is the Python work per call
+    that prebuilt arguments would save."""
+    cached = kvt._LAUNCH.compiled
+    if not cached:
+        return {"launch_floor_error": f"no compiled handle (cached launch {kvt._LAUNCH.off_reason})"}
+    try:
+        import triton
+
+        before = dict(cached)
+        recorders = {key: (_Recorder(c), constexprs) for key, (c, constexprs) in cached.items()}
+        cached.update(recorders)
+        launch_once()
+        cached.update(before)
+        rec = next(r for r, _ in recorders.values() if r.seen is not None)
+        grid, args = rec.seen
+        compiled = rec.compiled
+        handle = compiled[grid]
+        out = {"index_kernel_handle_call_us_median": statistics.median(_host_us(lambda: handle(*args), n))}
+        stream = torch.cuda.current_stream().cuda_stream
+        rt = triton.knobs.runtime
+        run, fn, meta = compiled.run, compiled.function, compiled.packed_metadata
+        enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
+        direct = _host_us(lambda: run(grid[0], grid[1], grid[2], stream, fn, meta, None, enter, leave, *args), n)
+        out["index_kernel_run_direct_us_median"] = statistics.median(direct)
+        return out
+    except Exception as exc:  # a probe of Triton internals: report, never fail the run
+        return {"launch_floor_error": repr(exc)[:200]}
 
 
 def _metadata_profile(backend, batch, calls: int = 2000, top: int = 25) -> list[str]:
