@@ -37,7 +37,7 @@ times both trees in fresh processes, alternating baseline / this tree `--rounds`
 row and path the median over rounds of each and the ratio baseline / this tree (alternating spreads the
 drift of a shared machine over both).
 
-  python benchmarks/forward_host_cost.py [--calls 200] [--groups 200] [--json out.json]
+  python benchmarks/forward_host_cost.py [--calls 200] [--groups 200] [--json out.json] [--no-meta]
   python benchmarks/forward_host_cost.py --baseline-src /tmp/base/core/src [--rounds 5] [--groups 60]
 """
 
