@@ -10,7 +10,13 @@ decode rows rotate among several independent KV sets so that L2 cannot hold the 
 per-layer k_scale / v_scale, attn-triton fp8 against attn-triton bf16 (same shapes) and FlashInfer's fp8
 decode (kv_data_type fp8, run with k_scale / v_scale), each checked against the float64 reference on the
 dequantized cache. It also measures the host time of attn-triton's `init_forward_metadata` (no host-device sync allowed:
-checked with torch's sync debug mode) and of FlashInfer's plan at batch 1, 64 and 256.
+checked with torch's sync debug mode) and of FlashInfer's plan at batch 1, 64 and 256, with its parts in
+the JSON's "metadata" rows: attn-core's `check_forward_batch` alone, `build_forward_metadata` alone, the
+index buffer's allocation (`new_kv`, what attn-triton allocated per step before `IndexScratch`), and one
+index-kernel launch five ways: Triton's normal launcher; CachedLaunch handing the compiled handle the
+tensors; CachedLaunch handing it their addresses (the default); the compiled handle called with
+those arguments prebuilt; the handle's launcher (`compiled.run`) called with everything prebuilt.
+`ATTN_META_PROFILE=1` adds each row's cProfile of init_forward_metadata ("profile_top", printed too).
 The "mixed" rows time a MIXED step (64 decodes x 4096 keys + one 512-token prefill chunk, decodes first;
 and 4 decodes + two 2048-token chunks) three ways: attn-triton unsplit (the default: every request through the extend kernel), attn-triton
 split (`mixed_split=True`: decodes through the decode kernel, the chunk through the extend kernel) and
@@ -549,13 +555,19 @@ def metadata_host_times(batch_sizes=(1, 64, 256), ctx_len: int = 4096, n: int = 
         except Exception as exc:  # report and go on: the timing table above still prints
             row = {"bs": bs, "error": repr(exc)[:300]}
         out.append(row)
+        top = row.pop("profile_top", None)
         print(f"  metadata bs={bs}: {row}", flush=True)
+        if top is not None:
+            print("    own µs/call | cumulative µs/call | function\n    " + "\n    ".join(top), flush=True)
+            row["profile_top"] = top
     return out
 
 
 def _metadata_row(bs: int, ctx_len: int, n: int, gen: torch.Generator) -> dict:
     import attn_core.ops.kv_indices_triton as kvt
+    from attn_core.validation import check_forward_batch
     from attn_triton.backend import TritonAttnBackend
+    from attn_triton.metadata import new_kv
 
     w = make_workload([ctx_len] * bs, [1] * bs, True, gen)
     backend = TritonAttnBackend(make_context(w))
@@ -581,6 +593,25 @@ def _metadata_row(bs: int, ctx_len: int, n: int, gen: torch.Generator) -> dict:
         ),
         n,
     )  # fmt: skip
+    kvt._LAUNCH.pointers_as_ints = False  # the compiled handle given the tensors, as before (one driver call each)
+    launch_tensors = _host_us(
+        lambda: kvt.kv_indices_triton(
+            w.rows.req_to_token, w.batch.req_pool_indices, w.batch.seq_lens, kv.indices, kv_indptr=kv.indptr,
+            fault=backend.device_faults.buffer,
+        ),
+        n,
+    )  # fmt: skip
+    kvt._LAUNCH.pointers_as_ints = True
+    floors = _launch_floors(kvt, lambda: kvt.kv_indices_triton(
+        w.rows.req_to_token, w.batch.req_pool_indices, w.batch.seq_lens, kv.indices, kv_indptr=kv.indptr,
+        fault=backend.device_faults.buffer,
+    ), n)  # fmt: skip
+    # the parts of init_forward_metadata: attn-core's batch validation alone, the backend's build alone
+    ctx, r2t = backend.ctx, backend.req_to_token(w.batch)
+    validation = _host_us(lambda: check_forward_batch(w.batch, r2t, w.pool, ctx), n)
+    build = _host_us(lambda: backend.build_forward_metadata(w.batch), n)
+    new_kv_us = _host_us(lambda: new_kv(bs, w.batch.seq_lens_sum, w.batch.seq_lens.device), n)
+    profile = _metadata_profile(backend, w.batch) if os.environ.get("ATTN_META_PROFILE") else None
     kvt._LAUNCH.off_reason = "benchmark: the normal launcher, for comparison"
     plain = _host_us(lambda: backend.init_forward_metadata(w.batch), n)
     plain_launch = _host_us(
@@ -604,10 +635,17 @@ def _metadata_row(bs: int, ctx_len: int, n: int, gen: torch.Generator) -> dict:
         "index_kernel_launch_us_median": statistics.median(launch),
         "without_cached_launch_us_median": statistics.median(plain),
         "index_kernel_plain_launch_us_median": statistics.median(plain_launch),
+        "index_kernel_launch_tensor_args_us_median": statistics.median(launch_tensors),
+        "check_forward_batch_us_median": statistics.median(validation),
+        "build_forward_metadata_us_median": statistics.median(build),
+        "new_kv_us_median": statistics.median(new_kv_us),
         "torch_empty_us_median": statistics.median(empty),
         "validation_full_us_median": statistics.median(full_samples),
         "sync": sync,
     }
+    row.update(floors)
+    if profile is not None:
+        row["profile_top"] = profile
     try:
         import flashinfer
 
@@ -625,6 +663,73 @@ def _metadata_row(bs: int, ctx_len: int, n: int, gen: torch.Generator) -> dict:
     except Exception as exc:
         row["flashinfer_plan_error"] = repr(exc)[:200]
     return row
+
+
+class _Recorder:
+    """Stands in for a compiled handle for one call: records the grid and arguments CachedLaunch hands
+    it, then launches through the real handle."""
+
+    def __init__(self, compiled):
+        self.compiled, self.seen = compiled, None
+
+    def __getitem__(self, grid):
+        def runner(*args):
+            self.seen = (grid, args)
+            self.compiled[grid](*args)
+
+        return runner
+
+
+def _launch_floors(kvt, launch_once: Callable, n: int) -> dict:
+    """What one index-kernel launch costs below CachedLaunch (GPU idle before each call), with the
+    arguments CachedLaunch built for `launch_once`'s call recorded once and replayed as they are:
+    "handle_call" `compiled[grid](*args)` (Triton's runner: current device and stream, launch hooks,
+    the launcher) and "run_direct" `compiled.run(...)` with the stream and handles looked up once (the
+    launcher alone). Their difference to index_kernel_launch_us_median is the Python work per call
+    that prebuilt arguments would save."""
+    cached = kvt._LAUNCH.compiled
+    if not cached:
+        return {"launch_floor_error": f"no compiled handle (cached launch {kvt._LAUNCH.off_reason})"}
+    try:
+        import triton
+
+        before = dict(cached)
+        recorders = {key: (_Recorder(c), constexprs) for key, (c, constexprs) in cached.items()}
+        cached.update(recorders)
+        launch_once()
+        cached.update(before)
+        rec = next(r for r, _ in recorders.values() if r.seen is not None)
+        grid, args = rec.seen
+        compiled = rec.compiled
+        handle = compiled[grid]
+        out = {"index_kernel_handle_call_us_median": statistics.median(_host_us(lambda: handle(*args), n))}
+        stream = torch.cuda.current_stream().cuda_stream
+        rt = triton.knobs.runtime
+        run, fn, meta = compiled.run, compiled.function, compiled.packed_metadata
+        enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
+        direct = _host_us(lambda: run(grid[0], grid[1], grid[2], stream, fn, meta, None, enter, leave, *args), n)
+        out["index_kernel_run_direct_us_median"] = statistics.median(direct)
+        return out
+    except Exception as exc:  # a probe of Triton internals: report, never fail the run
+        return {"launch_floor_error": repr(exc)[:200]}
+
+
+def _metadata_profile(backend, batch, calls: int = 2000, top: int = 25) -> list[str]:
+    """cProfile of `calls` init_forward_metadata calls (GPU idle before each): the `top` functions by
+    own time, as lines "own µs per call | cumulative µs per call | function" (profiling inflates
+    small Python functions; the ranking is the point)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        prof.enable()
+        backend.init_forward_metadata(batch)
+        prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [f"{tt / calls * 1e6:8.2f} | {ct / calls * 1e6:8.2f} | {pstats.func_std_string(f)}" for f, (_, _, tt, ct, _) in rows]
 
 
 def copy_bandwidth_tb_s(nbytes: int = 2 << 30, reps: int = 20) -> float:

@@ -147,15 +147,9 @@ def test_cached_launch_on_gpu(page_size):
 
     gen = torch.Generator().manual_seed(3)
     r2t = torch.randint(1, 1 << 20, (300, 5200), generator=gen, dtype=torch.int32).cuda()
-    for bs, idx_dtype in (
-        (1, torch.int64),
-        (7, torch.int64),
-        (64, torch.int64),
-        (64, torch.int32),
-        (255, torch.int64),
-        (256, torch.int32),
-        (3, torch.int64),
-    ):
+    i32, i64 = torch.int32, torch.int64
+    shapes = ((1, i64), (7, i64), (64, i64), (64, i32), (255, i64), (256, i32), (3, i64))
+    for bs, idx_dtype in shapes * 2:  # the second round: every constexpr set through the compiled handle, new buffers
         rpi = torch.randperm(300, generator=gen)[:bs].to(idx_dtype).cuda()
         lens = torch.randint(1, 4990, (bs,), generator=gen, dtype=torch.int32).cuda()
         start = (torch.randint(0, 10, (bs,), generator=gen, dtype=torch.int32) * page_size).cuda()

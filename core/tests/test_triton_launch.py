@@ -40,6 +40,11 @@ class FakeKernel:
         return run
 
 
+class FakeTensor(SimpleNamespace):
+    def data_ptr(self):
+        return self.address
+
+
 @pytest.fixture
 def gpu_like(monkeypatch):
     monkeypatch.setattr(launch, "triton_interpreter_enabled", lambda: False)
@@ -59,11 +64,31 @@ def test_second_call_uses_the_compiled_handle(gpu_like):
     assert k.log[2][0] == "jit"
     run((4, 2), gpu_like, 2**40, A=1, B=True, num_warps=4)  # an int that needs 64 bits: another binary
     assert k.log[3][0] == "jit"
-    other = SimpleNamespace(is_cuda=True, get_device=lambda: 0, dtype="int64")
+    other = FakeTensor(is_cuda=True, get_device=lambda: 0, dtype="int64", address=64)
     run((4, 2), other, 8, A=1, B=True, num_warps=4)  # another dtype of a tensor argument: another binary
     assert k.log[4][0] == "jit"
     run((4, 2), other, 8, A=1, B=True, num_warps=4)
     assert k.log[5][0] == "cached"
+
+
+def test_the_compiled_handle_gets_tensor_addresses(gpu_like):
+    k = FakeKernel()
+    run = launch.CachedLaunch(k)
+    a = FakeTensor(is_cuda=True, get_device=lambda: 0, dtype="int32", address=4096)
+    b = FakeTensor(is_cuda=True, dtype="int64", address=8192)
+    run((2,), a, 5, b, True, A=1, num_warps=4)
+    run((2,), a, 6, b, True, A=1, num_warps=4)
+    assert k.log[0] == ("jit", (2,), (a, 5, b, True), (("A", 1), ("num_warps", 4)))  # compiling sees the tensors
+    assert k.log[1] == ("cached", (2, 1, 1), (4096, 6, 8192, True, 1))
+    b.address = 12288  # another buffer of the same dtype: same binary, its address
+    run((2,), a, 6, b, True, A=1, num_warps=4)
+    assert k.log[2] == ("cached", (2, 1, 1), (4096, 6, 12288, True, 1))
+    cpu = FakeTensor(is_cuda=False, dtype="int64", address=16)  # a CPU tensor: the normal launcher refuses it
+    run((2,), a, 6, cpu, True, A=1, num_warps=4)
+    assert k.log[3][0] == "jit" and k.log[3][2][2] is cpu and run.enabled
+    run.pointers_as_ints = False  # the tensors themselves, as Triton's own launch passes them
+    run((2,), a, 6, b, True, A=1, num_warps=4)
+    assert k.log[4] == ("cached", (2, 1, 1), (a, 6, b, True, 1))
 
 
 def test_rejected_handle_falls_back_for_good_and_says_so(gpu_like, caplog):

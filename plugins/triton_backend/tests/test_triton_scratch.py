@@ -1,7 +1,9 @@
 """SplitScratch: the decode split scratch hands out the same views per (bs, max_splits) until it grows,
-and views handed out before a growth keep their own memory."""
+and views handed out before a growth keep their own memory. IndexScratch: the step's key index reuses
+one buffer across steps, sized exactly per step, and the index kernel stays inside the step's part."""
 
 import torch
+from triton_helpers import requires_interpreter
 
 from attn_triton.metadata import SplitScratch
 
@@ -24,3 +26,73 @@ def test_views_shape_reuse_and_growth():
     assert bool((o == 7.0).all())  # an earlier step's views still own the old buffer
     after = s.views(4, 2)
     assert after[0] is not o and after[0].data_ptr() == big_o.data_ptr()  # views of the grown buffer
+
+
+def test_index_scratch_reuse_growth_and_exact_capacity():
+    from attn_triton.metadata import IndexScratch
+
+    s = IndexScratch(torch.device("cpu"))
+    a = s.kv(2, 10)
+    assert a.indptr.shape == (3,) and a.indices.shape == (10,)  # exactly the keys: the kernel's capacity
+    assert a.indices.data_ptr() == a.indptr.data_ptr() + 3 * 4 and s.capacity == 16
+    b = s.kv(2, 12)  # fits: the same buffer
+    assert b.indptr.data_ptr() == a.indptr.data_ptr() and b.indices.shape == (12,)
+    assert s.kv(3, 0).indices.shape == (1,)  # no keys: one entry, never an empty buffer
+    a.indices.fill_(5)
+    c = s.kv(4, 40)  # grows by a quarter more than asked
+    assert s.capacity == 56 and c.indptr.data_ptr() != a.indptr.data_ptr() and c.indices.shape == (40,)
+    c.indices.fill_(-1)
+    assert bool((a.indices == 5).all())  # an earlier step's views keep the old buffer
+
+
+@requires_interpreter
+def test_decode_steps_reuse_the_index_buffer_and_stay_inside_it():
+    """Engine-style steps on one backend: a large decode step grows the shared index buffer, a smaller
+    one reuses it; a hostile step whose device lengths exceed the host sum writes nothing past its own
+    keys (the buffer's tail keeps its poison) and reports INDEX_CAPACITY."""
+    from attn_core.batch_builder import build_forward_batch
+    from attn_core.context import BackendContext
+    from attn_core.memory import MHATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
+    from attn_core.ops.device_faults import FAULT_DESCRIPTIONS, DeviceFaultKind
+    from attn_triton.backend import TritonAttnBackend
+
+    page, hkv, d = 4, 1, 16
+    slots = 512
+    req_pool = ReqToTokenPool(8, 64)
+    kv_pool = MHATokenToKVPool(slots, page, torch.float32, hkv, d, 1)
+    alloc = PagedTokenAllocator(slots, page)
+    ctx = BackendContext(
+        device="cpu", dtype=torch.float32, num_q_heads=2, num_kv_heads=hkv, head_dim=d, page_size=page,
+        max_batch_size=8, max_context_len=64, req_to_token_pool=req_pool, token_to_kv_pool=kv_pool, validation="basic",
+    )  # fmt: skip
+    backend = TritonAttnBackend(ctx)
+
+    def step(requests):
+        return build_forward_batch("DECODE", requests, req_to_token_pool=req_pool, allocator=alloc, token_to_kv_pool=kv_pool)
+
+    big = step([(40, 1)] * 5)
+    backend.init_forward_metadata(big)
+    kv = backend.forward_metadata.kv
+    buf = backend._index_scratch.buffer
+    assert kv.indices.shape == (big.seq_lens_sum,)
+    for r in range(5):  # each request's keys are its table row
+        row = int(big.req_pool_indices[r])
+        ids = kv.indices[int(kv.indptr[r]) : int(kv.indptr[r + 1])]
+        assert torch.equal(ids, req_pool.req_to_token[row, :41])
+    rows = big.req_pool_indices.clone()
+
+    small = step([(9, 1), (12, 1)])
+    small.req_pool_indices = rows[:2].clone()  # the first two rows again
+    small.seq_lens = torch.tensor([20, 30], dtype=torch.int32)  # the device says 50 keys ...
+    small.seq_lens_cpu = torch.tensor([10, 13], dtype=torch.int32)  # ... the host 23 (validation "basic" reads these)
+    small.seq_lens_sum = 23
+    buf.fill_(-7)
+    backend.init_forward_metadata(small)
+    kv = backend.forward_metadata.kv
+    assert backend._index_scratch.buffer is buf and kv.indices.shape == (23,)  # reused, sized from the host sum
+    end = 3 + 23
+    assert bool((buf[end:] == -7).all()), "the index kernel wrote past the step's keys"
+    assert kv.indptr.tolist() == [0, 20, 23]
+    assert torch.equal(kv.indices[:20], req_pool.req_to_token[int(rows[0]), :20])
+    fault = backend.poll_device_fault()
+    assert fault == FAULT_DESCRIPTIONS[DeviceFaultKind.INDEX_CAPACITY]

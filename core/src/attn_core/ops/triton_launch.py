@@ -95,7 +95,8 @@ class CachedLaunch:
     keyword, in the kernel's signature order, after the runtime arguments; options: num_warps.
     `off_reason` is None while the shortcut may be used, else why it is not. Whether Triton interprets
     is read once, at construction (as Triton itself decides it when the kernel is decorated). Per call,
-    the shortcut costs one cache key over the arguments' types and a dict look-up."""
+    the shortcut costs one pass over the arguments (their types for the cache key, tensors' addresses
+    for the handle: see `_types_and_pointers`) and a dict look-up."""
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -107,6 +108,9 @@ class CachedLaunch:
         elif triton_interpreter_enabled():
             self.off_reason = "TRITON_INTERPRET=1 (the interpreter launches every call the normal way)"
         self._gated = False
+        #: hand the compiled handle tensors' addresses, not the tensors (see `_types_and_pointers`);
+        #: False passes the tensors as Triton's own launch does (benchmarks compare the two)
+        self.pointers_as_ints = True
 
     @property
     def enabled(self) -> bool:
@@ -135,7 +139,11 @@ class CachedLaunch:
                 return
         # what still selects a binary without value specialization: argument types (a tensor's dtype,
         # an int's width), constexprs and options
-        key = (args[0].get_device(), *map(_arg_type, args), *kwargs.items())
+        types, launch_args = _types_and_pointers(args) if self.pointers_as_ints else (tuple(map(_arg_type, args)), args)
+        if launch_args is None:  # a tensor off the GPU: the normal launcher refuses it with Triton's error
+            self.kernel[grid](*args, **kwargs)
+            return
+        key = (args[0].get_device(), *types, *kwargs.items())
         hit = self.compiled.get(key)
         if hit is None:
             constexprs = tuple(v for k, v in kwargs.items() if k not in ("num_warps", "num_stages"))
@@ -143,10 +151,38 @@ class CachedLaunch:
             return
         compiled, constexprs = hit
         try:
-            compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, *constexprs)
+            compiled[tuple(grid) + (1,) * (3 - len(grid))](*launch_args, *constexprs)
         except (TypeError, ValueError) as exc:  # the launcher rejects the arguments before launching (another ABI)
             self._turn_off(f"the compiled handle rejected a call ({type(exc).__name__}: {exc})")
             self.kernel[grid](*args, **kwargs)
+
+
+def _types_and_pointers(args: tuple) -> tuple[tuple, Optional[tuple]]:
+    """(what of each argument selects a binary, as `_arg_type`; the arguments with every tensor replaced
+    by its `data_ptr()`), or (types, None) when a tensor argument is not on a CUDA device.
+
+    Triton's launcher turns a tensor into its address by calling `data_ptr()` and then asks the CUDA
+    driver whether the address is a device pointer (`cuPointerGetAttribute`, one driver call per
+    tensor argument and launch; an int it takes as the address itself), so handing it the addresses
+    saves one driver call per tensor. The check that call made (a CPU tensor cannot be launched on) is
+    kept here: a tensor with `is_cuda` False sends the launch to the normal launcher, which refuses it.
+    Example: `(t_int32_cuda, 7, 2**40)` -> `((torch.int32, "i32", "i64"), (t.data_ptr(), 7, 2**40))`."""
+    types, out = [], []
+    for a in args:
+        if type(a) is int:
+            types.append("i32" if -(2**31) <= a < 2**31 else "i64")
+            out.append(a)
+            continue
+        dtype = getattr(a, "dtype", None)
+        if dtype is None:
+            types.append(_arg_type(a))
+            out.append(a)
+        elif getattr(a, "is_cuda", False):
+            types.append(dtype)
+            out.append(a.data_ptr())
+        else:
+            return tuple(types), None
+    return tuple(types), tuple(out)
 
 
 def _arg_type(a) -> object:

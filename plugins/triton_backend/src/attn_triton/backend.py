@@ -45,7 +45,18 @@ from attn_triton.kernels.decode import DecodeConfig, decode_attention, head_bloc
 from attn_triton.kernels.extend import ExtendConfig, extend_attention
 from attn_triton.kernels.mla_decode import MAX_FOLDED_Q_LEN, MLAConfig, mla_attention, programs_per_request
 from attn_triton.kernels.verify import VerifyConfig, verify_attention, verify_q_len
-from attn_triton.metadata import CascadeKeys, DecodeMetadata, ExtendMetadata, KVIndex, LocalExtend, Splits, SplitScratch, fill_kv, new_kv
+from attn_triton.metadata import (
+    CascadeKeys,
+    DecodeMetadata,
+    ExtendMetadata,
+    IndexScratch,
+    KVIndex,
+    LocalExtend,
+    Splits,
+    SplitScratch,
+    fill_kv,
+    new_kv,
+)
 from attn_triton.mixed import MixedMetadata, build_mixed_metadata, forward_mixed
 from attn_triton.spec import CAPABILITIES
 
@@ -106,6 +117,7 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
         self.graph: Optional[GraphState] = None
         self._splits: dict[int, Splits] = {}
         self._scratch = SplitScratch(ctx.num_q_heads, ctx.v_head_dim, ctx.device)
+        self._index_scratch = IndexScratch(ctx.device)
         self.device_faults = DeviceFaultFlags(ctx.device)
 
     # ---- metadata ----------------------------------------------------------------------------
@@ -133,7 +145,7 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
     def _decode_metadata(self, b: ForwardBatch, r2t: torch.Tensor) -> DecodeMetadata:
         bs, dev, fault = b.batch_size, self.device, self.device_faults.buffer
         splits = self.decode_splits(bs)
-        kv = new_kv(bs, b.seq_lens_sum, dev)
+        kv = self._index_scratch.kv(bs, b.seq_lens_sum)
         fill_kv(kv, r2t, b.req_pool_indices, b.seq_lens, fault, kv_start=b.encoder_lens)
         cross = None
         if b.encoder_lens is not None:
@@ -220,7 +232,7 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
         mask = _custom_mask(b)
         qo_indptr = torch.empty(bs + 1, dtype=torch.int32, device=dev)
         mask_indptr = torch.empty(bs + 1, dtype=torch.int64, device=dev) if mask is not None else None
-        kv = new_kv(bs, b.seq_lens_sum, dev)
+        kv = self._index_scratch.kv(bs, b.seq_lens_sum)
         fill_kv(
             kv,
             r2t,
@@ -598,4 +610,3 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 def _sinks(sinks: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if sinks is None else sinks.to(torch.float32).contiguous()
-

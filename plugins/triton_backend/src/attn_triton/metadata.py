@@ -133,6 +133,33 @@ def new_kv(bs: int, total: int, device: torch.device) -> KVIndex:
     return KVIndex(indptr=buf[: bs + 1], indices=buf[bs + 1 :])
 
 
+class IndexScratch:
+    """The int32 buffer of a step's main CSR key index (`DecodeMetadata.kv` / `ExtendMetadata.kv`), kept
+    across steps and grown on demand (by a quarter more than asked, so growing contexts reallocate
+    rarely): a step reuses the previous step's buffer instead of allocating and freeing one, on the same
+    premise as `SplitScratch` (one step's metadata is current at a time per backend; its kernels and the
+    next step's index kernel run in stream order). The step's other key sets (cross, local, window,
+    cascade), which live alongside it, get fresh tensors (`new_kv`).
+
+    Example: `s.kv(2, 10)` gives indptr `[3]` and indices `[10]`, views of one buffer of 16 entries;
+    `s.kv(2, 12)` later reuses it, `s.kv(4, 40)` grows it to 56 entries."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.buffer: Optional[torch.Tensor] = None
+        self.capacity = 0
+
+    def kv(self, bs: int, total: int) -> KVIndex:
+        """Views for `bs` requests and `total` keys (indices has exactly max(total, 1) entries: the
+        capacity the index kernel respects)."""
+        need = bs + 1 + max(total, 1)
+        if need > self.capacity:
+            self.capacity = need + need // 4
+            self.buffer = torch.empty(self.capacity, dtype=torch.int32, device=self.device)
+        buf = self.buffer
+        return KVIndex(indptr=buf[: bs + 1], indices=buf[bs + 1 : need])
+
+
 class SplitScratch:
     """Float32 scratch of the decode splits, `[bs, Hq, max_splits, Dv]` outputs and `[bs, Hq, max_splits]`
     LSEs, kept across steps (layers and steps run in stream order on one backend) and grown on demand.
