@@ -12,10 +12,21 @@ from typing import Optional
 
 import torch
 
+from attn_core.memory.fp8 import is_fp8
 from attn_triton.kernels.decode import DecodeConfig
 from attn_triton.kernels.extend import ExtendConfig
 from attn_triton.kernels.mla_decode import MLAConfig
 from attn_triton.kernels.verify import VerifyConfig
+
+#: fp8 (e4m3) cache, fp16/bf16 q, head dim <= 128. Why: a 128-key tile is half the bytes of bf16's (16 KiB of
+#: K + 16 KiB of V at d128), and the kernel turns each byte into fp16 with 1.5 integer ops (`e4m3_as_f16`)
+#: before the same two fp16 dots, so the loop does the bf16 loop's work plus that conversion on half the
+#: traffic. Kept: 128 keys and 8 warps (bf16's swept tile: 32 key-steps per program at bs64 x 4096, where the
+#: split policy gives one split). Changed: 2 stages, not 3: Triton's pipeliner keeps one fp8 K/V buffer
+#: either way (41 KiB shared for sm_90 at 2 or 3 stages, 128 registers a thread: 2 programs per SM by
+#: registers), and 2 issues fewer async copies a step. Not yet swept on a GPU: `triton_vs_peers.py --only fp8
+#: --fp8-configs` times candidates next to this one (docs/perf.md, issue 16).
+FP8_DECODE_CONFIG = DecodeConfig(block_n=128, block_h=16, num_warps=8, num_stages=2)
 
 
 @dataclass(frozen=True)
@@ -42,9 +53,14 @@ class SplitPolicy:
         return self.deterministic_min_split_len if deterministic else self.min_split_len
 
 
-def decode_config(head_dim: int, v_head_dim: int, dtype: torch.dtype, device: torch.device, mla: bool) -> DecodeConfig:
+def decode_config(
+    head_dim: int, v_head_dim: int, dtype: torch.dtype, device: torch.device, mla: bool, kv_dtype: Optional[torch.dtype] = None
+) -> DecodeConfig:
+    """Stage-1 tiles of the split decode kernel for q `dtype` over a `kv_dtype` cache (None: `dtype`)."""
     if device.type != "cuda":
         return DecodeConfig(block_n=16, block_h=16, num_warps=1, num_stages=1)
+    if kv_dtype is not None and is_fp8(kv_dtype) and not mla and dtype != torch.float32 and max(head_dim, v_head_dim) <= 128:
+        return FP8_DECODE_CONFIG
     if mla:
         return DecodeConfig(block_n=16 if dtype == torch.float32 else 32, block_h=16, num_warps=4, num_stages=2)
     if max(head_dim, v_head_dim) > 128:
