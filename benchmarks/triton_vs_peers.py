@@ -26,7 +26,7 @@ copy bandwidth (a plain torch copy of a 2 GiB buffer, bytes read + written per s
 
   python benchmarks/triton_vs_peers.py [--out FILE] [--only decode,extend,verify,mixed,meta,fp8] [--no-torch-native]
       [--decode-configs "64,16,4,3;32,16,4,4"] [--extend-configs "128,64,8,3;128,128,8,3"] [--waves 1,2,4]
-      [--verify-configs "64,128,8,3;64,64,4,3"] [--fp8-configs "128,16,8,3;64,16,4,3"]
+      [--verify-configs "64,128,8,3;64,64,4,3"] [--fp8-configs "128,16,8,2;128,16,8,2,0"]
 
 FlashInfer is used through its own API (BatchDecodeWithPagedKVCacheWrapper with tensor cores,
 BatchPrefillWithPagedKVCacheWrapper, causal), planned once per batch outside the timed region.
@@ -396,8 +396,8 @@ def work_of(kind: str, w: Workload) -> float:
 
 def parse_configs(text: Optional[str], cls):
     """The kernel tile configs of a `--decode-configs` / `--extend-configs` value: items split by ";",
-    each four comma-separated ints passed positionally to `cls`; `[None]` (the kernel's own choice)
-    when `text` is empty or None.
+    each four comma-separated ints passed positionally to `cls` (a fifth, 0 or 1, is DecodeConfig's
+    `fp8_v_words`); `[None]` (the kernel's own choice) when `text` is empty or None.
 
     Example: `parse_configs("64,16,4,3;32,16,4,4", DecodeConfig)` →
     `[DecodeConfig(64, 16, 4, 3), DecodeConfig(32, 16, 4, 4)]`; `parse_configs(None, DecodeConfig)` → `[None]`.
@@ -406,8 +406,7 @@ def parse_configs(text: Optional[str], cls):
         return [None]
     out = []
     for item in text.split(";"):
-        a, b, warps, stages = (int(x) for x in item.split(","))
-        out.append(cls(a, b, warps, stages))
+        out.append(cls(*(int(x) for x in item.split(","))))
     return out
 
 
@@ -505,8 +504,9 @@ def run_fp8_row(args, gen: torch.Generator, l2: int) -> RowResult:
 
 
 def fp8_config_label(cfg) -> str:
-    """A `--fp8-configs` entry as it is named in the fp8 table: `DecodeConfig(128, 16, 8, 2)` → "128,16,8,2"."""
-    return f"{cfg.block_n},{cfg.block_h},{cfg.num_warps},{cfg.num_stages}"
+    """A `--fp8-configs` entry as it is named in the fp8 table: `DecodeConfig(128, 16, 8, 2)` → "128,16,8,2";
+    V read byte-wise (`fp8_v_words` False) adds ",0"."""
+    return f"{cfg.block_n},{cfg.block_h},{cfg.num_warps},{cfg.num_stages}" + ("" if cfg.fp8_v_words else ",0")
 
 
 def print_fp8_table(r: RowResult) -> str:

@@ -11,7 +11,7 @@ import triton.language as tl
 from triton_helpers import paged_setup, requires_interpreter
 
 from attn_core.testing.reference import reference_attention, relative_error, tolerance
-from attn_triton.kernels.common import E4M3_AS_F16_UNIT, e4m3_as_f16
+from attn_triton.kernels.common import E4M3_AS_F16_UNIT, e4m3_as_f16, e4m3_words_as_f16
 
 pytestmark = requires_interpreter
 
@@ -94,4 +94,23 @@ def test_e4m3_as_f16_every_byte():
     want = codes.view(torch.float8_e4m3fn).double()
     finite = want.isfinite()
     assert int(finite.sum()) == 254  # 0x7F and 0xFF are e4m3fn's NaNs
+    assert torch.equal(out.double()[finite] * E4M3_AS_F16_UNIT, want[finite])
+
+
+@triton.jit
+def _e4m3_words_as_f16_kernel(X, Y, ROWS: tl.constexpr, COLS: tl.constexpr):
+    r = tl.arange(0, ROWS)[:, None]
+    w = tl.load(X + r * (COLS // 4) + tl.arange(0, COLS // 4)[None, :])
+    tl.store(Y + r * COLS + tl.arange(0, COLS)[None, :], e4m3_words_as_f16(w, ROWS, COLS, False))
+
+
+def test_e4m3_words_as_f16_every_byte():
+    """The word-wise conversion (int32 words of 4 e4m3 bytes) keeps every byte's position and value:
+    all 256 codes laid out as a [16, 16] byte tile read as [16, 4] words."""
+    codes = torch.randperm(256, generator=torch.Generator().manual_seed(3)).to(torch.uint8).reshape(16, 16)
+    out = torch.full((16, 16), float("nan"), dtype=torch.float16)
+    _e4m3_words_as_f16_kernel[(1,)](codes.view(torch.int32), out, ROWS=16, COLS=16)
+    want = codes.view(torch.float8_e4m3fn).double()
+    finite = want.isfinite()
+    assert int(finite.sum()) == 254
     assert torch.equal(out.double()[finite] * E4M3_AS_F16_UNIT, want[finite])

@@ -18,15 +18,17 @@ from attn_triton.kernels.extend import ExtendConfig
 from attn_triton.kernels.mla_decode import MLAConfig
 from attn_triton.kernels.verify import VerifyConfig
 
-#: fp8 (e4m3) cache, fp16/bf16 q, head dim <= 128. Why: a 128-key tile is half the bytes of bf16's (16 KiB of
-#: K + 16 KiB of V at d128), and the kernel turns each byte into fp16 with 1.5 integer ops (`e4m3_as_f16`)
-#: before the same two fp16 dots, so the loop does the bf16 loop's work plus that conversion on half the
-#: traffic. Kept: 128 keys and 8 warps (bf16's swept tile: 32 key-steps per program at bs64 x 4096, where the
-#: split policy gives one split). Changed: 2 stages, not 3: Triton's pipeliner keeps one fp8 K/V buffer
-#: either way (41 KiB shared for sm_90 at 2 or 3 stages, 128 registers a thread: 2 programs per SM by
-#: registers), and 2 issues fewer async copies a step. Not yet swept on a GPU: `triton_vs_peers.py --only fp8
-#: --fp8-configs` times candidates next to this one (docs/perf.md, issue 16).
-FP8_DECODE_CONFIG = DecodeConfig(block_n=128, block_h=16, num_warps=8, num_stages=2)
+#: fp8 (e4m3) cache, fp16/bf16 q, head dim <= 128. Why: a key tile is half the bytes of bf16's, and the kernel
+#: turns each byte into fp16 with 1.5 integer ops (`e4m3_as_f16`; V read as int32 words) before the same two
+#: fp16 dots, so what bounds a program is its latency, and what bounds the row is how many programs run at
+#: once. The timed row (bs64 x 4096, GQA 32/8) has 64 x 8 = 512 programs (the split policy gives one split
+#: at that batch on 132 SMs): as compiled for sm_90, 64-key tiles with 4 warps and 2 stages take 106
+#: registers a thread and 39 KiB of shared memory, so 4 programs fit an SM (by registers and by shared
+#: memory) and all 512 run in one wave, 16 warps an SM, as bf16's tile has. 128-key tiles need 73 KiB
+#: (3 an SM: 396 slots, a second wave of 116 programs) or, with 8 warps, 135 registers (1 an SM).
+#: Not yet swept on a GPU: `triton_vs_peers.py --only fp8 --fp8-configs` times candidates next to this one
+#: (docs/perf.md, issue 16).
+FP8_DECODE_CONFIG = DecodeConfig(block_n=64, block_h=16, num_warps=4, num_stages=2)
 
 
 @dataclass(frozen=True)

@@ -118,6 +118,27 @@ def e4m3_as_f16(x, USE_PTX: tl.constexpr):
 
 
 @triton.jit
+def e4m3_words_as_f16(w, ROWS: tl.constexpr, COLS: tl.constexpr, USE_PTX: tl.constexpr):
+    """`e4m3_as_f16` of a tile loaded as int32 words: w `[ROWS, COLS // 4]`, word j holding bytes 4j..4j+3
+    (little-endian) → float16 `[ROWS, COLS]` of value / 256. Loading words keeps the tile's rows contiguous
+    in registers (16-byte loads, 16-byte shared-memory reads) where a byte tile consumed as a dot's B
+    operand is read from shared memory one byte at a time.
+    Example: the word 0x7E013880 (bytes 0x80, 0x38, 0x01, 0x7E) → [-0.0, 2^-8, 2^-17, 1.75]."""
+    if USE_PTX:
+        lo, hi = tl.inline_asm_elementwise(E4M3_AS_F16_PTX, "=r,=r,r", [w], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+    else:  # the same bit moves in Triton ops: bytes 0/1 (2/3) to the high byte of each 16-bit half
+        u = w.to(tl.uint32, bitcast=True)
+        t_lo = ((u & 0xFF) << 8) | ((u & 0xFF00) << 16)
+        t_hi = ((u >> 8) & 0xFF00) | (u & 0xFF000000)
+        lo = ((t_lo & 0x80008000) | ((t_lo >> 1) & 0x3F803F80)).to(tl.int32, bitcast=True)
+        hi = ((t_hi & 0x80008000) | ((t_hi >> 1) & 0x3F803F80)).to(tl.int32, bitcast=True)
+    # join adds a last axis: [.., i, j] = (j-th outer operand)[i], so bytes 0, 1, 2, 3 come out of
+    # join(join(b0, b2), join(b1, b3)) in order when flattened (i * 2 + j)
+    halves = tl.join(tl.join(lo.to(tl.uint16), hi.to(tl.uint16)), tl.join((lo >> 16).to(tl.uint16), (hi >> 16).to(tl.uint16)))
+    return tl.reshape(halves, [ROWS, COLS]).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def fp8_query(q, q_pe, HAS_PE: tl.constexpr):
     """q `[M, D]` (and q_pe `[M, DPE]` with HAS_PE) as float16 operands for dots with `e4m3_as_f16` tiles,
     scaled by c = 8192 / max|q| (one factor for the program, so |q·c| <= 2^13 stays inside fp16 and keeps

@@ -36,6 +36,7 @@ from attn_triton.kernels.common import (
     LN2_K,
     LOG2E_K,
     e4m3_as_f16,
+    e4m3_words_as_f16,
     finalize,
     fp8_query,
     fp8_unit_scales,
@@ -55,6 +56,8 @@ class DecodeConfig:
     block_h: int = 16
     num_warps: int = 4
     num_stages: int = 2
+    #: fp8 cache: read V as int32 words (`e4m3_words_as_f16`) when its layout allows (`fits_words`)
+    fp8_v_words: bool = True
 
 
 @triton.jit
@@ -108,6 +111,7 @@ def _decode_split_kernel(
     DOT_PREC: tl.constexpr,
     KV_FP8: tl.constexpr,
     FP8_PTX: tl.constexpr,
+    V_WORDS: tl.constexpr,
 ):
     r = tl.program_id(0)
     hb = tl.program_id(1)
@@ -176,9 +180,15 @@ def _decode_split_kernel(
         if SHARE_KV:
             v = k
         else:
-            v = tl.load(v_head + slot[:, None] * stride_vs + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-            if KV_FP8:
-                v = e4m3_as_f16(v, FP8_PTX)
+            if V_WORDS:  # fp8 V as int32 words (stride_vs in words): see `e4m3_words_as_f16`
+                offs_w = tl.arange(0, BLOCK_DV // 4)
+                v_ok = n_ok[:, None] & (offs_w[None, :] < DV // 4)
+                vw = tl.load(v_head + slot[:, None] * stride_vs + offs_w[None, :], mask=v_ok, other=0)
+                v = e4m3_words_as_f16(vw, BLOCK_N, BLOCK_DV, FP8_PTX)
+            else:
+                v = tl.load(v_head + slot[:, None] * stride_vs + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+                if KV_FP8:
+                    v = e4m3_as_f16(v, FP8_PTX)
         acc += tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
 
     tl.store(FAULT + FAULT_SLOT + offs_n * 0, 1, mask=bad_slots)  # one address: a flag, no reduction
@@ -240,6 +250,13 @@ def _decode_merge_kernel(
     if STORE_LSE:
         lse_out = tl.where(ok, (m_use + tl.log2(tl.where(ok, denom, 1.0))) * LN2_K, float("-inf"))
         tl.store(LSE + r.to(tl.int64) * stride_eb + h, lse_out)
+
+
+def fits_words(x: torch.Tensor) -> bool:
+    """Whether a one-byte tensor `[slots, H, D]` can be read as int32 words: D, its row strides and its
+    address multiples of 4, D contiguous. Example: a `[9, 2, 128]` uint8 pool → True; its `[..., :66]`
+    slice → False."""
+    return x.stride(-1) == 1 and x.shape[-1] % 4 == 0 and all(s % 4 == 0 for s in x.stride()[:-1]) and x.data_ptr() % 4 == 0
 
 
 def _pow2(x: int, floor: int = 16) -> int:
@@ -307,6 +324,9 @@ def decode_attention(
         k_buf, v_buf = k_buf.view(torch.uint8), (k_buf if share_kv else v_buf).view(torch.uint8)
     qk_scale, cap_scale = score_scales(sm_scale, logit_cap, k_scale)
     v = k_buf if share_kv else v_buf
+    v_words = kv_fp8 and not share_kv and config.fp8_v_words and fits_words(v)
+    if v_words:
+        v = v.view(torch.int32)
     fp32 = q.dtype == torch.float32
     _decode_split_kernel[(bs, hkv * hblocks, max_splits)](
         q,
@@ -352,6 +372,7 @@ def decode_attention(
         DOT_PREC="ieee" if fp32 else "tf32",
         KV_FP8=kv_fp8,
         FP8_PTX=kv_fp8 and not triton_interpreter_enabled(),
+        V_WORDS=v_words,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
