@@ -9,8 +9,10 @@ decode rows rotate among several independent KV sets so that L2 cannot hold the 
 `--only fp8` adds the fp8 KV row (issue 16): decode bs64 ctx4096 over a float8_e4m3fn cache with
 per-layer k_scale / v_scale, attn-triton fp8 against attn-triton bf16 (same shapes) and FlashInfer's fp8
 decode (kv_data_type fp8, run with k_scale / v_scale), each checked against the float64 reference on the
-dequantized cache. It also measures the host time of attn-triton's `init_forward_metadata` (no host-device sync allowed:
-checked with torch's sync debug mode) and of FlashInfer's plan at batch 1, 64 and 256, with its parts in
+dequantized cache; `--fp8-configs` adds attn-triton fp8 rows with other stage-1 tiles (same format as
+`--decode-configs`), timed in the same run next to the default. It also measures the host time of
+attn-triton's `init_forward_metadata` (no host-device sync allowed: checked with torch's sync debug mode)
+and of FlashInfer's plan at batch 1, 64 and 256, with its parts in
 the JSON's "metadata" rows: attn-core's `check_forward_batch` alone, `build_forward_metadata` alone, the
 index buffer's allocation (`new_kv`, what attn-triton allocated per step before `IndexScratch`), and one
 index-kernel launch five ways: Triton's normal launcher; CachedLaunch handing the compiled handle the
@@ -18,8 +20,8 @@ tensors; CachedLaunch handing it their addresses (the default); the compiled han
 those arguments prebuilt; the handle's launcher (`compiled.run`) called with everything prebuilt.
 `ATTN_META_PROFILE=1` adds each row's cProfile of init_forward_metadata ("profile_top", printed too).
 The "mixed" rows time a MIXED step (64 decodes x 4096 keys + one 512-token prefill chunk, decodes first;
-and 4 decodes + two 2048-token chunks) three ways: attn-triton unsplit (the default: every request through the extend kernel), attn-triton
-split (`mixed_split=True`: decodes through the decode kernel, the chunk through the extend kernel) and
+and 4 decodes + two 2048-token chunks) three ways: attn-triton unsplit (`mixed_split=False`: every request through the extend kernel), attn-triton
+split (`mixed_split=True`, the default: decodes through the decode kernel, the chunk through the extend kernel) and
 FlashInfer's prefill wrapper over the whole step; the split is to become the default only if it wins.
 
 Verify rows (`--only verify`, issue 15): speculative TARGET_VERIFY batches, bs64 x 4096 keys with the
@@ -30,7 +32,7 @@ copy bandwidth (a plain torch copy of a 2 GiB buffer, bytes read + written per s
 
   python benchmarks/triton_vs_peers.py [--out FILE] [--only decode,extend,verify,mixed,meta,fp8] [--no-torch-native]
       [--decode-configs "64,16,4,3;32,16,4,4"] [--extend-configs "128,64,8,3;128,128,8,3"] [--waves 1,2,4]
-      [--verify-configs "64,128,8,3;64,64,4,3"]
+      [--verify-configs "64,128,8,3;64,64,4,3"] [--fp8-configs "128,16,8,2;128,16,8,2,0"]
 
 FlashInfer is used through its own API (BatchDecodeWithPagedKVCacheWrapper with tensor cores,
 BatchPrefillWithPagedKVCacheWrapper, causal), planned once per batch outside the timed region.
@@ -39,6 +41,7 @@ BatchPrefillWithPagedKVCacheWrapper, causal), planned once per batch outside the
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -85,6 +88,7 @@ FP8_ROW = ("decode bs64 ctx4096", 64, 4096)
 #: per-layer dequantization factors of the fp8 row: random normal K/V / scale stay well inside ±448
 FP8_K_SCALE, FP8_V_SCALE = 0.02, 0.03
 FP8_VS_BF16_TARGET, FP8_VS_FI_TARGET = 0.6, 1.05  # max attn-triton fp8 time / bf16 time, / FlashInfer fp8 time
+FP8_SWEEP_PREFIX = "attn-triton fp8 tiles "  # times_us key of a `--fp8-configs` entry, then its label
 
 
 @dataclass
@@ -398,8 +402,8 @@ def work_of(kind: str, w: Workload) -> float:
 
 def parse_configs(text: Optional[str], cls):
     """The kernel tile configs of a `--decode-configs` / `--extend-configs` value: items split by ";",
-    each four comma-separated ints passed positionally to `cls`; `[None]` (the kernel's own choice)
-    when `text` is empty or None.
+    each four comma-separated ints passed positionally to `cls` (a fifth, 0 or 1, is DecodeConfig's
+    `fp8_v_words`); `[None]` (the kernel's own choice) when `text` is empty or None.
 
     Example: `parse_configs("64,16,4,3;32,16,4,4", DecodeConfig)` →
     `[DecodeConfig(64, 16, 4, 3), DecodeConfig(32, 16, 4, 4)]`; `parse_configs(None, DecodeConfig)` → `[None]`.
@@ -408,8 +412,7 @@ def parse_configs(text: Optional[str], cls):
         return [None]
     out = []
     for item in text.split(";"):
-        a, b, warps, stages = (int(x) for x in item.split(","))
-        out.append(cls(a, b, warps, stages))
+        out.append(cls(*(int(x) for x in item.split(","))))
     return out
 
 
@@ -485,7 +488,11 @@ def run_fp8_row(args, gen: torch.Generator, l2: int) -> RowResult:
     of K and V read (1 byte per element)."""
     _, bs, ctx = FP8_ROW
     res = RowResult(f"fp8 {FP8_ROW[0]}", "decode", float(bs * ctx * HKV * D * 2))
+    from attn_triton.kernels.decode import DecodeConfig
+
     impls = [("attn-triton fp8", FP8, triton_impl), ("attn-triton bf16", DTYPE, triton_impl)]
+    for cfg in parse_configs(args.fp8_configs, DecodeConfig) if args.fp8_configs else []:
+        impls.append((f"{FP8_SWEEP_PREFIX}{fp8_config_label(cfg)}", FP8, functools.partial(triton_impl, decode_cfg=cfg)))
     if not args.no_flashinfer:
         impls.append(("flashinfer fp8", FP8, flashinfer_impl))
     for name, kv_dtype, impl in impls:
@@ -502,9 +509,16 @@ def run_fp8_row(args, gen: torch.Generator, l2: int) -> RowResult:
     return res
 
 
+def fp8_config_label(cfg) -> str:
+    """A `--fp8-configs` entry as it is named in the fp8 table: `DecodeConfig(128, 16, 8, 2)` → "128,16,8,2";
+    V read byte-wise (`fp8_v_words` False) adds ",0"."""
+    return f"{cfg.block_n},{cfg.block_h},{cfg.num_warps},{cfg.num_stages}" + ("" if cfg.fp8_v_words else ",0")
+
+
 def print_fp8_table(r: RowResult) -> str:
-    """The fp8 row: times, attn-triton fp8 / bf16 and fp8 / FlashInfer fp8 time ratios against targets."""
-    t8, t16, fi8 = (r.times_us.get(k) for k in ("attn-triton fp8", "attn-triton bf16", "flashinfer fp8"))
+    """The fp8 row: times, attn-triton fp8 / bf16 and fp8 / FlashInfer fp8 time ratios against targets;
+    one more line per `--fp8-configs` tile (the same bf16 and FlashInfer times)."""
+    t16, fi8 = (r.times_us.get(k) for k in ("attn-triton bf16", "flashinfer fp8"))
 
     def ratio(a, b):
         return None if not a or not b else a / b
@@ -512,16 +526,21 @@ def print_fp8_table(r: RowResult) -> str:
     def fmt(x, spec=".1f"):
         return "-" if x is None else format(x, spec)
 
-    vs16, vsfi = ratio(t8, t16), ratio(t8, fi8)
-    ok16 = "-" if vs16 is None else ("yes" if vs16 <= FP8_VS_BF16_TARGET else "no")
-    okfi = "-" if vsfi is None else ("yes" if vsfi <= FP8_VS_FI_TARGET else "no")
+    def line(name: str, t8: Optional[float]) -> str:
+        vs16, vsfi = ratio(t8, t16), ratio(t8, fi8)
+        ok16 = "-" if vs16 is None else ("yes" if vs16 <= FP8_VS_BF16_TARGET else "no")
+        okfi = "-" if vsfi is None else ("yes" if vsfi <= FP8_VS_FI_TARGET else "no")
+        return f"| {name} | {fmt(t8)} | {fmt(t16)} | {fmt(fi8)} | {fmt(vs16, '.3f')} | {fmt(vsfi, '.3f')} | {ok16} | {okfi} |"
+
+    sweep = [k for k in r.times_us if k.startswith(FP8_SWEEP_PREFIX)]
     return "\n".join(
         [
             "| row | attn-triton fp8 µs | attn-triton bf16 µs | FlashInfer fp8 µs | fp8/bf16 time | fp8/FI fp8 time | "
             f"≤ {FP8_VS_BF16_TARGET} | ≤ {FP8_VS_FI_TARGET} |",
             "|---|---|---|---|---|---|---|---|",
-            f"| {r.name} | {fmt(t8)} | {fmt(t16)} | {fmt(fi8)} | {fmt(vs16, '.3f')} | {fmt(vsfi, '.3f')} | {ok16} | {okfi} |",
+            line(r.name, r.times_us.get("attn-triton fp8")),
         ]
+        + [line(f"{r.name}, tiles {k[len(FP8_SWEEP_PREFIX) :]}", r.times_us[k]) for k in sweep]
     )
 
 
@@ -798,6 +817,7 @@ def main(argv=None) -> int:
     p.add_argument("--decode-configs", default=None, help='"block_n,block_h,warps,stages;..."')
     p.add_argument("--extend-configs", default=None, help='"block_m,block_n,warps,stages;..."')
     p.add_argument("--verify-configs", default=None, help='"block_m_max,block_n,warps,stages;..."')
+    p.add_argument("--fp8-configs", default=None, help='extra fp8 decode rows: "block_n,block_h,warps,stages;..."')
     p.add_argument("--waves", default=None, help="comma list of split-policy waves to sweep")
     p.add_argument("--min-split-len", type=int, default=256)
     p.add_argument("--reps", type=int, default=30)

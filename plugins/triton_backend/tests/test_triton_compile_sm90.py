@@ -13,16 +13,19 @@ import sys
 import pytest
 
 SCRIPT = r"""
-import triton, torch
+import os, subprocess, tempfile
+import triton, triton.backends.nvidia, torch
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from attn_triton.config import decode_config, extend_config, mla_config_for, verify_config
+from attn_triton.config import FP8_DECODE_CONFIG, decode_config, extend_config, mla_config_for, verify_config
 from attn_triton.kernels import decode as de, extend as ex, mla_decode as ml, verify as vf
 
-def types_for(fn, dt):
+def types_for(fn, dt, kv_dt=None, v_dt=None):
     t = {}
     for n in fn.arg_names:
-        if n in ("Q", "K", "V", "KV", "OUT"): t[n] = "*" + dt
+        if n == "V" and v_dt: t[n] = "*" + v_dt
+        elif n in ("K", "V") and kv_dt: t[n] = "*" + kv_dt
+        elif n in ("Q", "K", "V", "KV", "OUT"): t[n] = "*" + dt
         elif n in ("LSE", "SINKS", "PART_O", "PART_LSE"): t[n] = "*fp32"
         elif n == "MASK": t[n] = "*u8"
         elif n == "MASK_INDPTR": t[n] = "*i64"
@@ -31,8 +34,8 @@ def types_for(fn, dt):
         else: t[n] = "i32"
     return t
 
-def build(fn, dt, consts, cfg_warps, cfg_stages, arch=90):
-    types = types_for(fn, dt)
+def build(fn, dt, consts, cfg_warps, cfg_stages, arch=90, kv_dt=None, v_dt=None):
+    types = types_for(fn, dt, kv_dt, v_dt)
     sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
     runtime = [i for i, n in enumerate(fn.arg_names) if n not in consts and (types[n][0] == "*" or n.startswith("stride"))]
     attrs = {(i,): [["tt.divisibility", 16]] for i in runtime}
@@ -50,7 +53,24 @@ for dt, tdt, d, dv, dpe, mla in (("bf16", torch.bfloat16, 128, 128, 0, False), (
     build(ex._extend_kernel, dt, dict(GROUP=4, BLOCK_M=e.block_m, BLOCK_N=e.block_n, CAUSAL=False, USE_MASK=True, HAS_SINK=True,
                                       STORE_LSE=True, **common), e.num_warps, e.num_stages)
     c = decode_config(d + dpe, dv, tdt, dev, mla)
-    build(de._decode_split_kernel, dt, dict(GROUP=4, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=c.block_n, **common), c.num_warps, c.num_stages)
+    no_fp8 = dict(KV_FP8=False, FP8_PTX=False, V_WORDS=False)
+    build(de._decode_split_kernel, dt, dict(GROUP=4, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=c.block_n, **no_fp8, **common),
+          c.num_warps, c.num_stages)
+    if not mla:  # fp8 (e4m3) cache under bf16 q: the bytes-to-fp16 PTX path with the fp8 tiles, no F2F converts, no spills
+        f = decode_config(d, dv, tdt, dev, False, torch.float8_e4m3fn)
+        assert f == FP8_DECODE_CONFIG, f
+        plain = {**common, "LOGIT_CAP": False, "HAS_WINDOW": False}
+        fp8 = dict(GROUP=4, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=f.block_n, KV_FP8=True, FP8_PTX=True, V_WORDS=True, **plain)
+        k = build(de._decode_split_kernel, dt, fp8, f.num_warps, f.num_stages, kv_dt="u8", v_dt="i32")
+        ptx = k.asm["ptx"]
+        assert "prmt.b32" in ptx and "e4m3x2" not in ptx and "cvt.bf16.f16" not in ptx, "fp8 decode: F2F conversions in the loop"
+        assert "ld.shared.b8" not in ptx and "ld.shared.u8" not in ptx, "fp8 decode: byte-wise shared-memory reads"
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as cub:
+            cub.write(k.asm["cubin"]); cub.flush()
+            tool = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
+            usage = subprocess.run([tool, "-res-usage", cub.name], capture_output=True, text=True, check=True).stdout
+        assert " LOCAL:0 " in usage and " STACK:0 " in usage, usage  # spills would live in local memory
+        print("fp8 decode", usage.strip().splitlines()[-1].strip(), "shared", k.metadata.shared)
     build(de._decode_merge_kernel, dt, dict(SPLITS_BLOCK=32, DV=dv, BLOCK_DV=p2(dv), HAS_SINK=True, STORE_LSE=True), 2, 1)
     if not mla:  # the MHA verify kernel on SM90 and SM80 tiles: 4 heads x 8 drafts, and 4 x 16 (the 64-row cap)
         for arch in (90, 80):
@@ -63,6 +83,13 @@ for dt, tdt, d, dv, dpe, mla in (("bf16", torch.bfloat16, 128, 128, 0, False), (
                           v.num_warps, v.num_stages, arch)
                 # shared memory within the smallest part of each family: 227 KiB (H100/H200), 99 KiB (SM86/SM89)
                 assert k.metadata.shared <= (227 if arch == 90 else 99) * 1024, (arch, q_len, k.metadata.shared)
+# absorbed MLA over an fp8 cache takes the split decode kernel (V shares K's bytes) under bf16 q
+m8 = decode_config(576, 512, torch.bfloat16, dev, True, torch.float8_e4m3fn)
+mla8 = dict(GROUP=16, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=m8.block_n, D=512, BLOCK_D=512, DPE=64, BLOCK_DPE=64, DV=512, BLOCK_DV=512,
+            SHARE_KV=True, LOGIT_CAP=False, HAS_WINDOW=False, DOT_PREC="tf32", KV_FP8=True, FP8_PTX=True, V_WORDS=False)
+k = build(de._decode_split_kernel, "bf16", mla8, m8.num_warps, m8.num_stages, kv_dt="u8")
+assert k.metadata.shared <= 227 * 1024, k.metadata.shared
+print("mla fp8 decode shared", k.metadata.shared)
 # the MLA kernel at DeepSeek's 512 + 64 with each architecture's tiles: decode (split) and verify (tree mask)
 for arch, dt, tdt in ((90, "bf16", torch.bfloat16), (80, "bf16", torch.bfloat16), (90, "fp32", torch.float32)):
     m = mla_config_for(tdt, arch // 10)
@@ -84,3 +111,4 @@ def test_kernels_compile_for_sm90():
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
+    assert "fp8 decode" in out.stdout

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from triton_helpers import paged_setup, requires_interpreter
 
 from attn_core.testing.reference import reference_attention, relative_error, tolerance
+from attn_triton.kernels.common import E4M3_AS_F16_UNIT, e4m3_as_f16, e4m3_words_as_f16
 
 pytestmark = requires_interpreter
 
@@ -74,3 +77,40 @@ def test_extend_unaligned_lengths(dtype, page_size):
         rows = slice(int(qo[r]), int(qo[r + 1]))
         ref_o, _ = reference_attention(q[rows], ks[r], vs[r], q_positions=torch.arange(p, p + e), scale=0.3)
         assert relative_error(o[rows], ref_o) <= tolerance(dtype), (p, e)
+
+
+@triton.jit
+def _e4m3_as_f16_kernel(X, Y, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(Y + offs, e4m3_as_f16(tl.load(X + offs), False))
+
+
+def test_e4m3_as_f16_every_byte():
+    """All 256 float8_e4m3fn codes (NaN codes aside) moved bit for bit into fp16 read as value / 256,
+    compared with torch's own fp8 → float64 conversion."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    out = torch.full((256,), float("nan"), dtype=torch.float16)
+    _e4m3_as_f16_kernel[(1,)](codes, out, N=256)
+    want = codes.view(torch.float8_e4m3fn).double()
+    finite = want.isfinite()
+    assert int(finite.sum()) == 254  # 0x7F and 0xFF are e4m3fn's NaNs
+    assert torch.equal(out.double()[finite] * E4M3_AS_F16_UNIT, want[finite])
+
+
+@triton.jit
+def _e4m3_words_as_f16_kernel(X, Y, ROWS: tl.constexpr, COLS: tl.constexpr):
+    r = tl.arange(0, ROWS)[:, None]
+    w = tl.load(X + r * (COLS // 4) + tl.arange(0, COLS // 4)[None, :])
+    tl.store(Y + r * COLS + tl.arange(0, COLS)[None, :], e4m3_words_as_f16(w, ROWS, COLS, False))
+
+
+def test_e4m3_words_as_f16_every_byte():
+    """The word-wise conversion (int32 words of 4 e4m3 bytes) keeps every byte's position and value:
+    all 256 codes laid out as a [16, 16] byte tile read as [16, 4] words."""
+    codes = torch.randperm(256, generator=torch.Generator().manual_seed(3)).to(torch.uint8).reshape(16, 16)
+    out = torch.full((16, 16), float("nan"), dtype=torch.float16)
+    _e4m3_words_as_f16_kernel[(1,)](codes.view(torch.int32), out, ROWS=16, COLS=16)
+    want = codes.view(torch.float8_e4m3fn).double()
+    finite = want.isfinite()
+    assert int(finite.sum()) == 254
+    assert torch.equal(out.double()[finite] * E4M3_AS_F16_UNIT, want[finite])

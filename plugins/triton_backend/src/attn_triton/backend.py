@@ -536,7 +536,7 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
 
 
 def _default_decode(ctx: BackendContext) -> DecodeConfig:
-    return decode_config(ctx.head_dim, ctx.v_head_dim, ctx.dtype, ctx.device, ctx.is_mla)
+    return decode_config(ctx.head_dim, ctx.v_head_dim, ctx.dtype, ctx.device, ctx.is_mla, ctx.kv_dtype)
 
 
 def _default_extend(ctx: BackendContext) -> ExtendConfig:

@@ -12,10 +12,23 @@ from typing import Optional
 
 import torch
 
+from attn_core.memory.fp8 import is_fp8
 from attn_triton.kernels.decode import DecodeConfig
 from attn_triton.kernels.extend import ExtendConfig
 from attn_triton.kernels.mla_decode import MLAConfig
 from attn_triton.kernels.verify import VerifyConfig
+
+#: fp8 (e4m3) cache, fp16/bf16 q, head dim <= 128. Why: a key tile is half the bytes of bf16's, and the kernel
+#: turns each byte into fp16 with 1.5 integer ops (`e4m3_as_f16`; V read as int32 words) before the same two
+#: fp16 dots, so what bounds a program is its latency, and what bounds the row is how many programs run at
+#: once. The timed row (bs64 x 4096, GQA 32/8) has 64 x 8 = 512 programs (the split policy gives one split
+#: at that batch on 132 SMs): as compiled for sm_90, 64-key tiles with 4 warps and 2 stages take 106
+#: registers a thread and 39 KiB of shared memory, so 4 programs fit an SM (by registers and by shared
+#: memory) and all 512 run in one wave, 16 warps an SM, as bf16's tile has. 128-key tiles need 73 KiB
+#: (3 an SM: 396 slots, a second wave of 116 programs) or, with 8 warps, 135 registers (1 an SM).
+#: Not yet swept on a GPU: `triton_vs_peers.py --only fp8 --fp8-configs` times candidates next to this one
+#: (docs/perf.md, issue 16).
+FP8_DECODE_CONFIG = DecodeConfig(block_n=64, block_h=16, num_warps=4, num_stages=2)
 
 
 @dataclass(frozen=True)
@@ -42,9 +55,14 @@ class SplitPolicy:
         return self.deterministic_min_split_len if deterministic else self.min_split_len
 
 
-def decode_config(head_dim: int, v_head_dim: int, dtype: torch.dtype, device: torch.device, mla: bool) -> DecodeConfig:
+def decode_config(
+    head_dim: int, v_head_dim: int, dtype: torch.dtype, device: torch.device, mla: bool, kv_dtype: Optional[torch.dtype] = None
+) -> DecodeConfig:
+    """Stage-1 tiles of the split decode kernel for q `dtype` over a `kv_dtype` cache (None: `dtype`)."""
     if device.type != "cuda":
         return DecodeConfig(block_n=16, block_h=16, num_warps=1, num_stages=1)
+    if kv_dtype is not None and is_fp8(kv_dtype) and not mla and dtype != torch.float32 and max(head_dim, v_head_dim) <= 128:
+        return FP8_DECODE_CONFIG
     if mla:
         return DecodeConfig(block_n=16 if dtype == torch.float32 else 32, block_h=16, num_warps=4, num_stages=2)
     if max(head_dim, v_head_dim) > 128:

@@ -71,6 +71,92 @@ def scale_scores(qk, qk_scale, cap_scale, LOGIT_CAP: tl.constexpr):
     return t * cap_scale
 
 
+#: an e4m3 byte moved bit for bit into an fp16 (`e4m3_as_f16`) reads as its e4m3 value / 256: kernels fold
+#: this factor into k_scale / v_scale on the host (`fp8_unit_scales`)
+E4M3_AS_F16_UNIT = 256.0
+#: PTX for 4 e4m3 bytes (one 32-bit register, byte i = element i) to 4 fp16 of value / 256 (two registers):
+#: prmt places byte b0 / b1 (b2 / b3) in the high byte of each 16-bit half (sign at bit 15), then
+#: ((t >> 1) & 0x3F803F80) moves the 4 exponent + 3 mantissa bits under fp16's 5-bit exponent and
+#: (t & 0x80008000) keeps the sign: 3 integer ops per 2 elements, no F2F conversion instruction
+E4M3_AS_F16_PTX = tl.constexpr(
+    """
+{
+.reg .b32 t, u;
+prmt.b32 t, $2, 0, 0x1404;
+shr.b32 u, t, 1;
+and.b32 u, u, 0x3F803F80;
+and.b32 t, t, 0x80008000;
+or.b32 $0, t, u;
+prmt.b32 t, $2, 0, 0x3424;
+shr.b32 u, t, 1;
+and.b32 u, u, 0x3F803F80;
+and.b32 t, t, 0x80008000;
+or.b32 $1, t, u;
+}
+"""
+)
+
+
+def fp8_unit_scales(k_scale: float, v_scale: float) -> tuple[float, float]:
+    """(k_scale, v_scale) for kernels that read an e4m3 cache through `e4m3_as_f16` (values / 256): each
+    times `E4M3_AS_F16_UNIT`. Example: `fp8_unit_scales(0.02, 1.0)` is `(5.12, 256.0)`."""
+    return k_scale * E4M3_AS_F16_UNIT, v_scale * E4M3_AS_F16_UNIT
+
+
+@triton.jit
+def e4m3_as_f16(x, USE_PTX: tl.constexpr):
+    """uint8 tensor of float8_e4m3fn bits → float16 tensor of the same shape holding value / 256, exactly
+    (e4m3's 4-bit exponent fits fp16's 5-bit one shifted by 8 binades; e4m3 subnormals land on fp16
+    subnormals), by moving bits: sign to bit 15, exponent and mantissa (7 bits) to bits 7..13. Callers
+    fold the 256 into their scales (`fp8_unit_scales`). e4m3fn's NaN code (0x7F / 0xFF) reads as ±480/256.
+    USE_PTX does it 4 bytes at a time in PTX (GPU; the interpreter runs the same bit moves in Triton ops).
+    Example: byte 0x38 (1.0) → fp16 bits 0x1C00 = 2^-8; 0x7E (448) → 0x3F00 = 1.75; 0x01 (2^-9) → 2^-17."""
+    if USE_PTX:
+        return tl.inline_asm_elementwise(E4M3_AS_F16_PTX, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+    h = x.to(tl.uint16)
+    return (((h & 0x80) << 8) | ((h & 0x7F) << 7)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def e4m3_words_as_f16(w, ROWS: tl.constexpr, COLS: tl.constexpr, USE_PTX: tl.constexpr):
+    """`e4m3_as_f16` of a tile loaded as int32 words: w `[ROWS, COLS // 4]`, word j holding bytes 4j..4j+3
+    (little-endian) → float16 `[ROWS, COLS]` of value / 256. Loading words keeps the tile's rows contiguous
+    in registers (16-byte loads, 16-byte shared-memory reads) where a byte tile consumed as a dot's B
+    operand is read from shared memory one byte at a time.
+    Example: the word 0x7E013880 (bytes 0x80, 0x38, 0x01, 0x7E) → [-0.0, 2^-8, 2^-17, 1.75]."""
+    if USE_PTX:
+        lo, hi = tl.inline_asm_elementwise(E4M3_AS_F16_PTX, "=r,=r,r", [w], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+    else:  # the same bit moves in Triton ops: bytes 0/1 (2/3) to the high byte of each 16-bit half
+        u = w.to(tl.uint32, bitcast=True)
+        t_lo = ((u & 0xFF) << 8) | ((u & 0xFF00) << 16)
+        t_hi = ((u >> 8) & 0xFF00) | (u & 0xFF000000)
+        lo = ((t_lo & 0x80008000) | ((t_lo >> 1) & 0x3F803F80)).to(tl.int32, bitcast=True)
+        hi = ((t_hi & 0x80008000) | ((t_hi >> 1) & 0x3F803F80)).to(tl.int32, bitcast=True)
+    # join adds a last axis: [.., i, j] = (j-th outer operand)[i], so bytes 0, 1, 2, 3 come out of
+    # join(join(b0, b2), join(b1, b3)) in order when flattened (i * 2 + j)
+    halves = tl.join(tl.join(lo.to(tl.uint16), hi.to(tl.uint16)), tl.join((lo >> 16).to(tl.uint16), (hi >> 16).to(tl.uint16)))
+    return tl.reshape(halves, [ROWS, COLS]).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def fp8_query(q, q_pe, HAS_PE: tl.constexpr):
+    """q `[M, D]` (and q_pe `[M, DPE]` with HAS_PE) as float16 operands for dots with `e4m3_as_f16` tiles,
+    scaled by c = 8192 / max|q| (one factor for the program, so |q·c| <= 2^13 stays inside fp16 and keeps
+    11 mantissa bits, more than bf16's 8). Returns (q·c, q_pe·c, 1/c): scores then multiply by 1/c.
+    A q of zeros keeps c = 1."""
+    qf = q.to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(qf), 1), 0)
+    if HAS_PE:
+        pf = q_pe.to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.max(tl.abs(pf), 1), 0))
+    c = tl.where(amax > 0.0, 8192.0 / tl.where(amax > 0.0, amax, 1.0), 1.0)
+    q16 = (qf * c).to(tl.float16)
+    pe16 = q16
+    if HAS_PE:
+        pe16 = (pf * c).to(tl.float16)
+    return q16, pe16, 1.0 / c
+
+
 @triton.jit
 def softmax_step(m_i, l_i, acc, s, s_scale, GUARD: tl.constexpr):
     """One online-softmax step over scores `s` [M, N]: base-2 logits are s * s_scale (s_scale > 0;

@@ -28,12 +28,18 @@ import triton
 import triton.language as tl
 
 from attn_core.errors import InvalidArgumentError
+from attn_core.memory.fp8 import is_fp8
+from attn_core.probes import triton_interpreter_enabled
 from attn_triton.kernels.common import (
     FAULT_KEY_OFFSETS,
     FAULT_SLOT,
     LN2_K,
     LOG2E_K,
+    e4m3_as_f16,
+    e4m3_words_as_f16,
     finalize,
+    fp8_query,
+    fp8_unit_scales,
     load_slots,
     offset_range,
     scale_scores,
@@ -50,6 +56,8 @@ class DecodeConfig:
     block_h: int = 16
     num_warps: int = 4
     num_stages: int = 2
+    #: fp8 cache: read V as int32 words (`e4m3_words_as_f16`) when its layout allows (`fits_words`)
+    fp8_v_words: bool = True
 
 
 @triton.jit
@@ -101,6 +109,9 @@ def _decode_split_kernel(
     LOGIT_CAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    FP8_PTX: tl.constexpr,
+    V_WORDS: tl.constexpr,
 ):
     r = tl.program_id(0)
     hb = tl.program_id(1)
@@ -131,6 +142,11 @@ def _decode_split_kernel(
     if BLOCK_DPE > 0:
         offs_dpe = tl.arange(0, BLOCK_DPE)
         q_pe = tl.load(q_row + D + offs_dpe[None, :], mask=h_ok[:, None] & (offs_dpe[None, :] < DPE), other=0.0)
+    else:
+        q_pe = q
+    if KV_FP8:  # fp16 dots on K/V tiles moved bit for bit (`e4m3_as_f16`); q's factor leaves with the scores
+        q, q_pe, q_unscale = fp8_query(q, q_pe, BLOCK_DPE > 0)
+        qk_scale = qk_scale * q_unscale
     k_head = K + kv_head * stride_kh
     v_head = V + kv_head * stride_vh
 
@@ -143,11 +159,15 @@ def _decode_split_kernel(
         n_ok = n < s_hi
         slot, n_ok, bad_slots = load_slots(KV_INDICES, kv_beg, n, n_ok, num_slots, bad_slots)
         k = tl.load(k_head + slot[:, None] * stride_ks + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        if KV_FP8:
+            k = e4m3_as_f16(k, FP8_PTX)
         qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
         if BLOCK_DPE > 0:
             k_pe = tl.load(
                 k_head + slot[:, None] * stride_ks + D + offs_dpe[None, :], mask=n_ok[:, None] & (offs_dpe[None, :] < DPE), other=0.0
             )
+            if KV_FP8:
+                k_pe = e4m3_as_f16(k_pe, FP8_PTX)
             qk += tl.dot(q_pe, tl.trans(k_pe.to(q.dtype)), input_precision=DOT_PREC)
         if LOGIT_CAP:
             sc = scale_scores(qk, qk_scale, cap_scale, LOGIT_CAP)
@@ -160,7 +180,15 @@ def _decode_split_kernel(
         if SHARE_KV:
             v = k
         else:
-            v = tl.load(v_head + slot[:, None] * stride_vs + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            if V_WORDS:  # fp8 V as int32 words (stride_vs in words): see `e4m3_words_as_f16`
+                offs_w = tl.arange(0, BLOCK_DV // 4)
+                v_ok = n_ok[:, None] & (offs_w[None, :] < DV // 4)
+                vw = tl.load(v_head + slot[:, None] * stride_vs + offs_w[None, :], mask=v_ok, other=0)
+                v = e4m3_words_as_f16(vw, BLOCK_N, BLOCK_DV, FP8_PTX)
+            else:
+                v = tl.load(v_head + slot[:, None] * stride_vs + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+                if KV_FP8:
+                    v = e4m3_as_f16(v, FP8_PTX)
         acc += tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
 
     tl.store(FAULT + FAULT_SLOT + offs_n * 0, 1, mask=bad_slots)  # one address: a flag, no reduction
@@ -224,6 +252,13 @@ def _decode_merge_kernel(
         tl.store(LSE + r.to(tl.int64) * stride_eb + h, lse_out)
 
 
+def fits_words(x: torch.Tensor) -> bool:
+    """Whether a one-byte tensor `[slots, H, D]` can be read as int32 words: D, its row strides and its
+    address multiples of 4, D contiguous. Example: a `[9, 2, 128]` uint8 pool → True; its `[..., :66]`
+    slice → False."""
+    return x.stride(-1) == 1 and x.shape[-1] % 4 == 0 and all(s % 4 == 0 for s in x.stride()[:-1]) and x.data_ptr() % 4 == 0
+
+
 def _pow2(x: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(max(int(x), 1)))
 
@@ -281,8 +316,17 @@ def decode_attention(
     dv = o.shape[2]
     block_h = head_block(group, config)
     hblocks = head_blocks(group, config)
+    # fp8 cache under fp16/bf16 q: the kernel reads raw bytes and dots fp16 tiles of value / 256
+    # (`e4m3_as_f16`); under float32 q it converts fp8 to float32 (ieee dots, float32 accuracy)
+    kv_fp8 = is_fp8(k_buf.dtype) and q.dtype != torch.float32
+    if kv_fp8:
+        k_scale, v_scale = fp8_unit_scales(k_scale, v_scale)
+        k_buf, v_buf = k_buf.view(torch.uint8), (k_buf if share_kv else v_buf).view(torch.uint8)
     qk_scale, cap_scale = score_scales(sm_scale, logit_cap, k_scale)
     v = k_buf if share_kv else v_buf
+    v_words = kv_fp8 and not share_kv and config.fp8_v_words and fits_words(v)
+    if v_words:
+        v = v.view(torch.int32)
     fp32 = q.dtype == torch.float32
     _decode_split_kernel[(bs, hkv * hblocks, max_splits)](
         q,
@@ -326,6 +370,9 @@ def decode_attention(
         LOGIT_CAP=logit_cap > 0,
         HAS_WINDOW=window is not None,
         DOT_PREC="ieee" if fp32 else "tf32",
+        KV_FP8=kv_fp8,
+        FP8_PTX=kv_fp8 and not triton_interpreter_enabled(),
+        V_WORDS=v_words,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
