@@ -20,9 +20,10 @@ tensors; CachedLaunch handing it their addresses (the default); the compiled han
 those arguments prebuilt; the handle's launcher (`compiled.run`) called with everything prebuilt.
 `ATTN_META_PROFILE=1` adds each row's cProfile of init_forward_metadata ("profile_top", printed too).
 The "mixed" rows time a MIXED step (64 decodes x 4096 keys + one 512-token prefill chunk, decodes first;
-and 4 decodes + two 2048-token chunks) three ways: attn-triton unsplit (`mixed_split=False`: every request through the extend kernel), attn-triton
-split (`mixed_split=True`, the default: decodes through the decode kernel, the chunk through the extend kernel) and
-FlashInfer's prefill wrapper over the whole step; the split is to become the default only if it wins.
+and 4 decodes + two 2048-token chunks) three ways: attn-triton unsplit (`mixed_split=False`: every
+request through the extend kernel), attn-triton split (`mixed_split=True`, the default since it won both
+rows on an H100: decodes through the decode kernel, the chunk through the extend kernel) and
+FlashInfer's prefill wrapper over the whole step.
 
 Verify rows (`--only verify`, issue 15): speculative TARGET_VERIFY batches, bs64 x 4096 keys with the
 last 4 or 8 of each request new (causal), timed for attn-triton's verify kernel, attn-triton's extend
