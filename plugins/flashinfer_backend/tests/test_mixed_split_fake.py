@@ -71,6 +71,19 @@ CASES = [
     AttnCase("MIXED", [(20, 4), (7, 1), (2, 6), (50, 1)], sliding_window=5, logit_cap=4.0, return_lse=True, dtype="float16", **BASE),
     AttnCase("MIXED", [(3, 5), (26, 1), (0, 2)], page_size=16, kv_layout="HND", dtype="float16", **BASE),
     AttnCase("MIXED", [(3, 5), (26, 1)], num_q_heads=8, num_kv_heads=1, head_dim=64, dtype="float16", device="cpu"),
+    # an fp8 cache with per-layer k_scale / v_scale: the decode part reads it as a DECODE step does
+    AttnCase(
+        "MIXED",
+        [(9, 3), (20, 1), (0, 4), (6, 1)],
+        head_dim=128,
+        num_q_heads=4,
+        num_kv_heads=2,
+        dtype="bfloat16",
+        kv_dtype="float8_e4m3fn",
+        page_size=16,
+        return_lse=True,
+        device="cpu",
+    ),
 ]
 
 
