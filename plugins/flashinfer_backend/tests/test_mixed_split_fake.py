@@ -153,7 +153,7 @@ def test_decode_wrapper_gets_exactly_the_decode_rows(factory, monkeypatch):
         real = cls.run
 
         def spy(self, q, *args, _real=real, _name=name, **kw):
-            seen[_name].append((q.clone(), len(self.indptr if _name == "decode" else self.qo) - 1))
+            seen[_name].append((q.clone(), len(self.indptr if _name == "decode" else self.qo) - 1, q.data_ptr(), kw.get("out")))
             return _real(self, q, *args, **kw)
 
         monkeypatch.setattr(cls, "run", spy)
@@ -177,10 +177,21 @@ def test_decode_wrapper_gets_exactly_the_decode_rows(factory, monkeypatch):
     assert split_kind(backend) == "split"
     q = torch.randn(11, hq, d).half()
     layer(q, torch.randn(11, hkv, d).half(), torch.randn(11, hkv, d).half(), step)
-    ((dq, dreqs),) = seen["decode"]
+    ((dq, dreqs, _, _),) = seen["decode"]
     assert dreqs == 2 and torch.equal(dq, q[[7, 4]])
-    ((rq, rreqs),) = seen["ragged"]
+    ((rq, rreqs, _, _),) = seen["ragged"]
     assert rreqs == 3 and torch.equal(rq, q[[5, 6, 0, 1, 2, 3, 8, 9, 10]])
+    # a decode-first step: both parts read q and write the output in place (views, no gather or scatter)
+    seen["decode"].clear(), seen["ragged"].clear()
+    step = ac.build_step(requests, [(r, n) for r, n in zip(reqs, [1, 1, 4, 2, 3])], attn_backend=backend)
+    backend.init_forward_metadata(step)
+    q = torch.randn(11, hq, d).half()
+    out = layer(q, torch.randn(11, hkv, d).half(), torch.randn(11, hkv, d).half(), step)
+    ((dq, dreqs, dptr, dout),) = seen["decode"]
+    ((rq, rreqs, rptr, rout),) = seen["ragged"]
+    assert (dreqs, rreqs) == (2, 3) and torch.equal(dq, q[:2]) and torch.equal(rq, q[2:])
+    assert dptr == q.data_ptr() and rptr == q[2:].data_ptr()
+    assert dout.data_ptr() == out.data_ptr() and rout.data_ptr() == out[2:].data_ptr()
 
 
 # ---- several steps through the engine API, split and unsplit, against a plain float64 loop ------------

@@ -175,7 +175,7 @@ class FlashInferBackend(AttentionBackend[Union[Step, mixed.SplitStep]]):
             check_local_step(inputs, self.kv_layout, self.page_size, key_page_size, self.name)
         split = None
         if self.mixed_split and window_pool is None and chunk is None:
-            split = mixed.splits(forward_batch, inputs)
+            split = mixed.served_split(forward_batch, inputs)
         if split is not None:
             rows = split.to_device(self.device)
             decode_inputs, extend_inputs = mixed.split_inputs(inputs, split, rows)

@@ -21,7 +21,7 @@ LSE) rows back, once per layer.
 
 A decode is a request with exactly one new token; a request with none joins the extend part. Served: a
 MIXED step with at least one decode and at least one other request. Steps the split does not serve keep
-the one-plan path (`split_step` returns None): no decode or only decodes, encoder tokens in the batch
+the one-plan path (`served_split` returns None): no decode or only decodes, encoder tokens in the batch
 (cross attention / encoder-decoder self attention), a sliding-window KV pool (window-pool layers read
 their own key lists), chunked local attention (`attention_chunk_size`). A cascade hint
 (`cascade_prefix_len`) is ignored, as unsplit (the backend does not declare `Feature.CASCADE`). fp8 KV
@@ -61,7 +61,7 @@ class SplitStep:
     prefill: Step
 
 
-def splits(b: ForwardBatch, inputs: StepInputs) -> Optional[DecodeFirstSplit]:
+def served_split(b: ForwardBatch, inputs: StepInputs) -> Optional[DecodeFirstSplit]:
     """The decode-first order of MIXED batch `b` when the split serves it, else None (see the module
     docstring). Host data only. Example: a MIXED batch with query lengths `[5, 1, 1]` → order
     `(2, 1, 0)`, 2 decodes; `[5, 3]` (no decode) or `[1, 1]` (no other request) → None."""
