@@ -132,8 +132,9 @@ def test_random_mixed_batches(factory, seed):
         AttnCase("MIXED", [(21, 1), (4, 9), (0, 3)], sliding_window=7, window_pool=True, dtype="float16", **BASE),
         AttnCase("MIXED", [(0, 4), (0, 3)], dtype="float16", **BASE),
         AttnCase("MIXED", [(5, 1), (9, 1)], dtype="float16", **BASE),
+        AttnCase("MIXED", [(5, 1), (4, 0), (9, 1)], dtype="float16", **BASE),
     ],
-    ids=["encoder tokens", "chunked local attention", "window pool", "no decode", "only decodes"],
+    ids=["encoder tokens", "chunked local attention", "window pool", "no decode", "only decodes", "decodes and an empty row"],
 )
 def test_steps_the_split_does_not_serve_keep_one_plan(factory, case):
     made = []

@@ -20,15 +20,15 @@ of the extend part when it has a ragged pass) into the decode-first order and sc
 LSE) rows back, once per layer.
 
 A decode is a request with exactly one new token; a request with none joins the extend part. Served: a
-MIXED step with at least one decode and at least one other request. Steps the split does not serve keep
-the one-plan path (`served_split` returns None): no decode or only decodes, encoder tokens in the batch
-(cross attention / encoder-decoder self attention), a sliding-window KV pool (window-pool layers read
-their own key lists), chunked local attention (`attention_chunk_size`). A cascade hint
-(`cascade_prefix_len`) is ignored, as unsplit (the backend does not declare `Feature.CASCADE`). fp8 KV
-caches are served: the decode part runs
-exactly as in a DECODE step (the cache's dtype, `k_scale` / `v_scale` at run), the extend part as
-unsplit. MIXED steps are never captured in CUDA graphs (`capture_cuda_graph_metadata` refuses them), so
-the split is eager only; nothing here waits for the device.
+MIXED step with at least one decode and at least one other request with new tokens. Steps the split
+does not serve keep the one-plan path (`served_split` returns None): no decode, or no new token outside
+the decodes; encoder tokens in the batch (cross attention / encoder-decoder self attention); a
+sliding-window KV pool (window-pool layers read their own key lists); chunked local attention
+(`attention_chunk_size`). A cascade hint (`cascade_prefix_len`) is ignored, as unsplit (the backend
+does not declare `Feature.CASCADE`). fp8 KV caches are served: the decode part runs exactly as in a
+DECODE step (the cache's dtype, `k_scale` / `v_scale` at run), the extend part as unsplit. MIXED steps
+are never captured in CUDA graphs (`capture_cuda_graph_metadata` refuses them), so the split is eager
+only; nothing here waits for the device.
 """
 
 from __future__ import annotations
@@ -64,11 +64,13 @@ class SplitStep:
 def served_split(b: ForwardBatch, inputs: StepInputs) -> Optional[DecodeFirstSplit]:
     """The decode-first order of MIXED batch `b` when the split serves it, else None (see the module
     docstring). Host data only. Example: a MIXED batch with query lengths `[5, 1, 1]` → order
-    `(2, 1, 0)`, 2 decodes; `[5, 3]` (no decode) or `[1, 1]` (no other request) → None."""
+    `(2, 1, 0)`, 2 decodes; `[5, 3]` (no decode), `[1, 1]` or `[1, 0]` (no other request with new
+    tokens) → None."""
     if not inputs.mode.is_mixed() or inputs.encoder_lens is not None:
         return None
     split = decode_first_split(b)
-    return split if 0 < split.num_decodes < inputs.bs else None
+    nd = split.num_decodes
+    return split if nd > 0 and sum(split.query_lens[nd:]) > 0 else None
 
 
 def split_inputs(x: StepInputs, split: DecodeFirstSplit, rows: RowOrder) -> tuple[StepInputs, StepInputs]:
