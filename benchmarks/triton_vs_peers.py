@@ -20,10 +20,12 @@ tensors; CachedLaunch handing it their addresses (the default); the compiled han
 those arguments prebuilt; the handle's launcher (`compiled.run`) called with everything prebuilt.
 `ATTN_META_PROFILE=1` adds each row's cProfile of init_forward_metadata ("profile_top", printed too).
 The "mixed" rows time a MIXED step (64 decodes x 4096 keys + one 512-token prefill chunk, decodes first;
-and 4 decodes + two 2048-token chunks) three ways: attn-triton unsplit (`mixed_split=False`: every
-request through the extend kernel), attn-triton split (`mixed_split=True`, the default since it won both
-rows on an H100: decodes through the decode kernel, the chunk through the extend kernel) and
-FlashInfer's prefill wrapper over the whole step.
+and 4 decodes + two 2048-token chunks): attn-triton unsplit (`mixed_split=False`: every request through the
+extend kernel) and split (the default: decodes through the decode kernel, the chunks through the extend
+kernel), FlashInfer's prefill wrapper over the whole step, and the attn-flashinfer backend unsplit (its
+default: ragged over the new tokens + paged over the prefixes, merged) and split (`mixed_split=True`:
+decodes through FlashInfer's decode wrapper, the chunks through the prefill plan; to become its default
+only if it wins), every one in CUDA graphs (eager where capture fails, marked in the JSON's "timing").
 
 Verify rows (`--only verify`, issue 15): speculative TARGET_VERIFY batches, bs64 x 4096 keys with the
 last 4 or 8 of each request new (causal), timed for attn-triton's verify kernel, attn-triton's extend
@@ -232,6 +234,20 @@ def torch_native_impl(w: Workload) -> Callable[[], torch.Tensor]:
     return lambda: backend.forward(w.q, None, None, LAYER, w.batch, save_kv_cache=False)
 
 
+def flashinfer_backend_impl(w: Workload, mixed_split: bool = False) -> Callable[[], torch.Tensor]:
+    """The attn-flashinfer backend on the workload's batch (its ragged pass reads the new tokens' K/V:
+    given as the pool holds them, nothing is written)."""
+    from attn_flashinfer.backend import FlashInferBackend
+
+    backend = FlashInferBackend(make_context(w), mixed_split=mixed_split)
+    backend.init_forward_metadata(w.batch)
+    w.batch.attn_backend = backend
+    slots = w.batch.out_cache_loc
+    k_new, v_new = w.pool.get_key_buffer(0)[slots], w.pool.get_value_buffer(0)[slots]
+    layer = layer_of(w)
+    return lambda: backend.forward(w.q, k_new, v_new, layer, w.batch, save_kv_cache=False)
+
+
 def flashinfer_impl(w: Workload) -> Callable[[], torch.Tensor]:
     import flashinfer
 
@@ -350,39 +366,56 @@ def row_workloads(kind: str, spec: tuple, gen: torch.Generator, l2_bytes: int, k
 
 
 def run_mixed_row(spec: tuple, args, gen: torch.Generator) -> RowResult:
-    """A MIXED step: attn-triton unsplit and split, and FlashInfer's prefill wrapper, in CUDA graphs."""
+    """A MIXED step: attn-triton unsplit and split, FlashInfer's prefill wrapper, attn-flashinfer unsplit
+    and split, in CUDA graphs (eagerly where capture fails)."""
     name, decodes, ctx, chunk, chunks = spec
     w = make_workload([ctx] * decodes + [chunk] * chunks, [1] * decodes + [chunk] * chunks, False, gen, mixed=True)
     res = RowResult(name, "mixed", work_of("mixed", w))
     impls = {"attn-triton": lambda: triton_impl(w), "attn-triton split": lambda: triton_impl(w, mixed_split=True)}
     if not args.no_flashinfer:
         impls["flashinfer"] = lambda: flashinfer_impl(w)
+        impls["attn-flashinfer"] = lambda: flashinfer_backend_impl(w)
+        impls["attn-flashinfer split"] = lambda: flashinfer_backend_impl(w, mixed_split=True)
     for impl, make in impls.items():
         try:
             fn = make()
             res.errors[impl] = check(w, fn())  # the first request (a decode) and the chunk
+        except Exception as exc:
+            print(f"  {impl} failed: {exc!r:.300}", flush=True)
+            continue
+        try:
             res.times_us[impl] = time_graph([fn], 3, args.reps)
             res.timing[impl] = "cuda graph"
         except Exception as exc:
-            print(f"  {impl} failed: {exc!r:.300}", flush=True)
+            print(f"  {impl} graph capture failed ({exc!r:.120}); timing eagerly", flush=True)
+            res.times_us[impl] = time_eager([fn], 3, args.reps)
+            res.timing[impl] = "eager"
     return res
 
 
 def print_mixed_table(rows: list[RowResult]) -> str:
-    """The mixed rows: times, unsplit / split (> 1: the split is faster) and split / FlashInfer."""
+    """The mixed rows: times, unsplit / split (> 1: the split is faster) and split / FlashInfer, for
+    attn-triton, then for attn-flashinfer (its unsplit / split time, and its split / FlashInfer's wrapper)."""
     lines = [
-        "| row | attn-triton unsplit µs | attn-triton split µs | FlashInfer µs | unsplit/split time | split/FI time |",
-        "|" + "---|" * 6,
+        "| row | attn-triton unsplit µs | attn-triton split µs | FlashInfer µs | unsplit/split time | split/FI time "
+        "| attn-flashinfer unsplit µs | attn-flashinfer split µs | FI-backend unsplit/split time | FI-backend split/FI time |",
+        "|" + "---|" * 10,
     ]
+
+    def fmt(x, spec=".1f"):
+        return "-" if x is None else format(x, spec)
+
+    def ratio(a, b):
+        return fmt(a / b if a and b else None, ".3f")
+
     for r in rows:
         t = r.times_us
         u, s, f = t.get("attn-triton"), t.get("attn-triton split"), t.get("flashinfer")
-
-        def fmt(x, spec=".1f"):
-            return "-" if x is None else format(x, spec)
-
-        ratios = f"{fmt(u / s if u and s else None, '.3f')} | {fmt(s / f if s and f else None, '.3f')}"
-        lines.append(f"| {r.name} | {fmt(u)} | {fmt(s)} | {fmt(f)} | {ratios} |")
+        bu, bs = t.get("attn-flashinfer"), t.get("attn-flashinfer split")
+        lines.append(
+            f"| {r.name} | {fmt(u)} | {fmt(s)} | {fmt(f)} | {ratio(u, s)} | {ratio(s, f)} "
+            f"| {fmt(bu)} | {fmt(bs)} | {ratio(bu, bs)} | {ratio(bs, f)} |"
+        )
     return "\n".join(lines)
 
 

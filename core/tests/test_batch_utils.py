@@ -10,8 +10,10 @@ import torch
 
 from attn_core.batch import ForwardBatch, SpecInfo
 from attn_core.batch_utils import (
+    DecodeFirstSplit,
     DecodePrefillSplit,
     decode_first_order,
+    decode_first_split,
     flatten_uniform_output,
     query_lens,
     reshape_query_for_uniform_batch,
@@ -111,6 +113,41 @@ def test_decode_first_order_and_split_against_loops(seed):
         with pytest.raises(InvalidArgumentError):  # the unordered batch is refused when out of order
             bad = after[d:] + after[:d]
             split_decodes_and_prefills(bad, threshold)
+
+
+def test_decode_first_split_worked_examples():
+    split = decode_first_split([3, 1, 0, 1])
+    assert split == DecodeFirstSplit(order=(3, 1, 2, 0), query_lens=(1, 1, 0, 3), num_decodes=2)
+    assert not split.is_identity
+    assert split.token_rows().tolist() == [4, 3, 0, 1, 2]
+    assert split.requests(torch.tensor([3, 1, 0, 1])).tolist() == [1, 1, 0, 3]
+    same = decode_first_split([1, 1, 5, 0])
+    assert same.is_identity and same.num_decodes == 2 and same.token_rows().tolist() == [0, 1, 2, 3, 4, 5, 6]
+    rows = split.to_device("cpu")  # RowOrder's docstring example
+    q = torch.arange(5.0)[:, None] * 10
+    assert rows.tokens(q).flatten().tolist() == [40, 30, 0, 10, 20]
+    assert rows.tokens(q, first=2).flatten().tolist() == [0, 10, 20]
+    assert torch.equal(rows.scatter_tokens(rows.tokens(q)), q)
+    assert rows.requests(torch.tensor([3, 1, 0, 1])).tolist() == [1, 1, 0, 3]
+    ident = same.to_device("cpu")
+    assert ident.request_rows is None and ident.tokens(q).data_ptr() == q.data_ptr() and ident.scatter_tokens(q) is q
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_decode_first_split_against_loops(seed):
+    rng = random.Random(seed)
+    lens = [rng.choice([0, 1, 1, 2, 7]) for _ in range(rng.randint(1, 14))]
+    split = decode_first_split(lens)
+    assert [lens[r] for r in split.order] == list(split.query_lens)
+    assert list(split.query_lens[: split.num_decodes]) == [1] * lens.count(1)
+    assert all(n != 1 for n in split.query_lens[split.num_decodes :])
+    assert split.order == tuple(decode_first_order([1 if n == 1 else 2 for n in lens]))  # the fewest swaps
+    starts = [sum(lens[:r]) for r in range(len(lens))]
+    expected = [starts[r] + j for r in split.order for j in range(lens[r])]
+    assert split.token_rows().tolist() == expected
+    x = torch.randn(sum(lens), 3)
+    rows = split.to_device("cpu")
+    assert torch.equal(rows.tokens(x), x[expected]) and torch.equal(rows.scatter_tokens(x[expected]), x)
 
 
 def _batch(

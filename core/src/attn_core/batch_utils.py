@@ -2,7 +2,8 @@
 decode-first, slicing a batch into request ranges, and viewing the queries of a uniform batch (every
 request the same number of new tokens, e.g. spec-decode verify) as `[batch, tokens, heads, dim]`.
 
-Everything reads host data only (`*_cpu` copies and Python ints), so none of it waits for the device.
+Everything reads host data only (`*_cpu` copies and Python ints), so none of it waits for the device;
+`RowOrder` applies a decode-first order to device tensors (gathers and one scatter, no sync).
 A request's *query length* is the number of new tokens it brings this step: 1 in DECODE, its
 `extend_seq_lens_cpu` entry in the extend-like modes (EXTEND, MIXED, TARGET_VERIFY, DRAFT_EXTEND,
 SPLIT_PREFILL), 0 in IDLE / DUMMY_FIRST.
@@ -112,6 +113,103 @@ def decode_first_order(batch: BatchOrLens, decode_threshold: int = 1) -> list[in
     for p, d in zip(front_prefills, back_decodes):
         order[p], order[d] = d, p
     return order
+
+
+@dataclass(frozen=True)
+class DecodeFirstSplit:
+    """A MIXED batch put decode-first for a backend that runs its one-token requests (decodes) through a
+    decode kernel and the others through an extend kernel (see `decode_first_split`).
+
+    order: request `order[i]` of the batch goes to position i (`decode_first_order`, fewest swaps);
+    query_lens: each request's new tokens, in the new order; num_decodes: requests [0, num_decodes) of
+    the new order have exactly one new token each (so they own q rows [0, num_decodes)). A request with
+    no new token is not a decode here (a decode kernel reads exactly one query per request)."""
+
+    order: tuple[int, ...]
+    query_lens: tuple[int, ...]
+    num_decodes: int
+
+    @property
+    def is_identity(self) -> bool:
+        """Whether the batch is already decode-first (no request moves: nothing to gather per layer)."""
+        return all(i == r for i, r in enumerate(self.order))
+
+    def requests(self, x: torch.Tensor) -> torch.Tensor:
+        """A per-request host tensor `[batch_size, ...]` in the decode-first order (x itself for an
+        identity order). Example: order `(3, 1, 2, 0)`, x `[3, 1, 0, 1]` → `[1, 1, 0, 3]`."""
+        return x if self.is_identity else x[torch.tensor(self.order, dtype=torch.int64)]
+
+    def token_rows(self) -> torch.Tensor:
+        """Rows of q (request after request, in the batch's order) in the decode-first order, as a host
+        int64 `[num_tokens]` tensor: row i of the reordered q is row `token_rows()[i]` of the batch's.
+        Vectorized (a step may carry thousands of tokens).
+
+        Worked example: query lengths `[3, 1, 0, 1]` (request r owns rows 0-2, 3, none, 4), order
+        `[3, 1, 2, 0]` → `tensor([4, 3, 0, 1, 2])`.
+        """
+        perm = torch.tensor(self.order, dtype=torch.int64)
+        moved = torch.tensor(self.query_lens, dtype=torch.int64)
+        lens = torch.empty_like(moved).index_copy_(0, perm, moved)  # the batch's own order
+        starts = torch.cumsum(lens, 0) - lens  # first row of each request in the batch's q
+        # row j of reordered request i: starts[order[i]] + j, at reordered position new_starts[i] + j
+        shift = starts[perm] - (torch.cumsum(moved, 0) - moved)
+        return torch.repeat_interleave(shift, moved) + torch.arange(int(moved.sum()))
+
+    def to_device(self, device: Union[str, torch.device]) -> RowOrder:
+        """The permutation on `device` (one host→device copy, none for an identity order), to gather the
+        per-request and per-token tensors of the batch into the decode-first order and scatter outputs
+        back."""
+        if self.is_identity:
+            return RowOrder(None, None)
+        host = torch.cat([torch.tensor(self.order, dtype=torch.int64), self.token_rows()])
+        both = host.to(device, non_blocking=True)
+        n = len(self.order)
+        return RowOrder(both[:n], both[n:])
+
+
+def decode_first_split(batch: BatchOrLens) -> DecodeFirstSplit:
+    """The decode-first order of a MIXED batch for a decode/extend split: decodes are the requests with
+    exactly one new token (a request with none joins the extend part), moved first with the fewest
+    swaps (`decode_first_order`).
+
+    Worked example: query lengths `[3, 1, 0, 1]`: requests 1 and 3 are decodes; position 0 holds an
+    extend request and position 3 a decode, so they swap → `DecodeFirstSplit(order=(3, 1, 2, 0),
+    query_lens=(1, 1, 0, 3), num_decodes=2)`; `[1, 1, 5, 0]` is already decode-first (identity order,
+    num_decodes 2).
+    """
+    lens = query_lens(batch)
+    order = decode_first_order([1 if n == 1 else 2 for n in lens], decode_threshold=1)
+    return DecodeFirstSplit(tuple(order), tuple(lens[r] for r in order), sum(1 for n in lens if n == 1))
+
+
+@dataclass(frozen=True)
+class RowOrder:
+    """`DecodeFirstSplit`'s permutation on the device: requests (int64 `[batch_size]`) and tokens (int64
+    `[num_tokens]`), both None when the batch is already decode-first (every method is then a view or
+    the tensor itself, no copy).
+
+    Example: order `[3, 1, 2, 0]` over query lengths `[3, 1, 0, 1]`: `requests(x)` of a per-request x
+    is `x[[3, 1, 2, 0]]`; `tokens(q)` is `q[[4, 3, 0, 1, 2]]` and `tokens(q, first=2)` its last 3 rows
+    (`q[[0, 1, 2]]`); `scatter_tokens(o)` puts row i of a decode-first o back at row `[4, 3, 0, 1, 2][i]`.
+    """
+
+    request_rows: Optional[torch.Tensor]
+    token_rows: Optional[torch.Tensor]
+
+    def requests(self, x: torch.Tensor) -> torch.Tensor:
+        """A per-request device tensor `[batch_size, ...]` in the decode-first order (host tensors:
+        `DecodeFirstSplit.requests`)."""
+        return x if self.request_rows is None else x.index_select(0, self.request_rows)
+
+    def tokens(self, x: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """Rows [first, num_tokens) of a per-token tensor `[num_tokens, ...]` in the decode-first order
+        (a view when the order is the identity, else one gather)."""
+        return x[first:] if self.token_rows is None else x.index_select(0, self.token_rows[first:])
+
+    def scatter_tokens(self, y: torch.Tensor) -> torch.Tensor:
+        """A per-token result `[num_tokens, ...]` in the decode-first order, back in the batch's order
+        (`y` itself when the order is the identity, else one scatter into a new tensor)."""
+        return y if self.token_rows is None else torch.empty_like(y).index_copy_(0, self.token_rows, y)
 
 
 def slice_batch(batch: ForwardBatch, start: int, end: int) -> ForwardBatch:

@@ -4,7 +4,9 @@ be tested without FlashInfer or a GPU. It models FlashInfer's documented semanti
 on them: plans keep references to the index arrays (the backend writes the page ids after planning); a
 request's keys are read from its pages (`indptr`, page ids, `last_page_len`); causal and
 `window_left` are placed relative to the *end* of the request's keys (query i of n over L keys sits at
-position L - n + i); `logits_soft_cap` c maps a scaled logit s to c * tanh(s / c); the LSE is base 2.
+position L - n + i); `logits_soft_cap` c maps a scaled logit s to c * tanh(s / c); the LSE is base 2;
+`run` writes into `out` / `lse` when given (and returns them); the paged wrappers' `k_scale` joins the
+softmax scale and `v_scale` multiplies the output (an fp8 cache).
 It says nothing about FlashInfer's kernels themselves: the GPU tests (test_gpu.py) do.
 """
 
@@ -47,12 +49,12 @@ def _pages_keys(pages, indptr, indices, last, r, ps, layout):
     return k[:length].double(), v[:length].double()
 
 
-def _attend(w, q, k, v, causal):
+def _attend(w, q, k, v, causal, k_scale=1.0, v_scale=1.0):
     """q `[n, Hq, D]` over k/v `[L, Hkv, D]` (float64): output `[n, Hq, D]`, base-2 LSE `[n, Hq]`."""
     n, hq, _ = q.shape
     L, hkv = k.shape[0], k.shape[1]
-    kk, vv = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
-    s = torch.einsum("qhd,khd->hqk", q.double(), kk) * w.scale
+    kk, vv = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1) * v_scale
+    s = torch.einsum("qhd,khd->hqk", q.double(), kk) * (w.scale * k_scale)
     if w.cap > 0:
         s = w.cap * torch.tanh(s / w.cap)
     pos_q = torch.arange(n)[:, None] + (L - n)
@@ -69,19 +71,26 @@ def _attend(w, q, k, v, causal):
     return o, (lse * LOG2E).transpose(0, 1)
 
 
+def _result(o, lse, q, out, lse_out, return_lse):
+    """FlashInfer's return convention: into `out` / `lse_out` when given, else new tensors."""
+    o = o.to(q.dtype) if out is None else out.copy_(o)
+    lse = lse.float() if lse_out is None else lse_out.copy_(lse)
+    return (o, lse) if return_lse else o
+
+
 class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
     def plan(self, indptr, indices, last_page_len, hq, hkv, d, page_size, **kw):
         self._common(kw)
         self.indptr, self.indices, self.last, self.ps = indptr.cpu(), indices, last_page_len.cpu(), page_size
 
-    def run(self, q, pages, return_lse=False, **kw):
+    def run(self, q, pages, return_lse=False, out=None, lse=None, k_scale=1.0, v_scale=1.0):
+        assert q.shape[0] == self.indptr.numel() - 1, "one query per planned request"
         outs, lses = [], []
         for r in range(self.indptr.numel() - 1):
             k, v = _pages_keys(pages, self.indptr, self.indices, self.last, r, self.ps, self.kv_layout)
-            o, lse = _attend(self, q[r : r + 1], k, v, causal=False)
-            outs.append(o), lses.append(lse)
-        o, lse = torch.cat(outs).to(q.dtype), torch.cat(lses).float()
-        return (o, lse) if return_lse else o
+            o, l2 = _attend(self, q[r : r + 1], k, v, False, k_scale, v_scale)
+            outs.append(o), lses.append(l2)
+        return _result(torch.cat(outs), torch.cat(lses), q, out, lse, return_lse)
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
@@ -92,15 +101,15 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         self.qo, self.causal = qo_indptr.cpu(), causal
         self.indptr, self.indices, self.last, self.ps = indptr.cpu(), indices, last_page_len.cpu(), page_size
 
-    def run(self, q, pages, return_lse=False, **kw):
+    def run(self, q, pages, return_lse=False, out=None, lse=None, k_scale=1.0, v_scale=1.0):
+        assert q.shape[0] == int(self.qo[-1]), "q rows as planned"
         o = torch.zeros(q.shape, dtype=torch.float64)
-        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
+        l2 = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
         for r in range(self.qo.numel() - 1):
             a, b = int(self.qo[r]), int(self.qo[r + 1])
             k, v = _pages_keys(pages, self.indptr, self.indices, self.last, r, self.ps, self.kv_layout)
-            o[a:b], lse[a:b] = _attend(self, q[a:b], k, v, self.causal)
-        o = o.to(q.dtype)
-        return (o, lse.float()) if return_lse else o
+            o[a:b], l2[a:b] = _attend(self, q[a:b], k, v, self.causal, k_scale, v_scale)
+        return _result(o, l2, q, out, lse, return_lse)
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
@@ -108,14 +117,14 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         self._common(kw)
         self.qo, self.kv, self.causal = qo_indptr.cpu(), kv_indptr.cpu(), causal
 
-    def run(self, q, k, v, return_lse=False):
+    def run(self, q, k, v, return_lse=False, out=None, lse=None):
+        assert q.shape[0] == int(self.qo[-1]) and k.shape[0] == int(self.kv[-1]), "q / k rows as planned"
         o = torch.zeros(q.shape, dtype=torch.float64)
-        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
+        l2 = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
         for r in range(self.qo.numel() - 1):
             a, b, c, e = int(self.qo[r]), int(self.qo[r + 1]), int(self.kv[r]), int(self.kv[r + 1])
-            o[a:b], lse[a:b] = _attend(self, q[a:b], k[c:e].double(), v[c:e].double(), self.causal)
-        o = o.to(q.dtype)
-        return (o, lse.float()) if return_lse else o
+            o[a:b], l2[a:b] = _attend(self, q[a:b], k[c:e].double(), v[c:e].double(), self.causal)
+        return _result(o, l2, q, out, lse, return_lse)
 
 
 def _merge_state_in_place(o, lse, o2, lse2):

@@ -8,49 +8,14 @@ internals). Skipped where the real flashinfer is importable (the GPU tests run t
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
 import importlib.util
-import pathlib
-import sys
 
 import pytest
 
 from attn_core.testing.harness import AttnCase, assert_case
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is not None, reason="the real flashinfer is installed")
-
-_REPLACED = ("flashinfer", "flashinfer.cascade", "attn_flashinfer.plans", "attn_flashinfer.backend")
-
-
-@pytest.fixture(scope="module")
-def factory():
-    """A FlashInferBackend subclass over the stand-in, allowed on the CPU; sys.modules restored after."""
-    path = pathlib.Path(__file__).with_name("fake_flashinfer.py")
-    spec = importlib.util.spec_from_file_location("fake_flashinfer", path)
-    fake = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fake)
-    saved = {name: sys.modules.pop(name, None) for name in _REPLACED}
-    sys.modules["flashinfer"], sys.modules["flashinfer.cascade"] = fake, fake.cascade
-    try:
-        backend = importlib.import_module("attn_flashinfer.backend")
-
-        class OnCpu(backend.FlashInferBackend):
-            capabilities = dataclasses.replace(backend.CAPABILITIES, devices=frozenset({"cuda", "cpu"}))
-
-            def __init__(self, ctx, **kw):
-                super().__init__(ctx, lean_replan=False, workspace_bytes=1 << 20, **kw)
-
-        yield OnCpu
-    finally:
-        package = sys.modules["attn_flashinfer"]
-        for name in _REPLACED:
-            sys.modules.pop(name, None)
-            if saved[name] is not None:
-                sys.modules[name] = saved[name]
-            elif name.startswith("attn_flashinfer.") and hasattr(package, name.split(".")[1]):
-                delattr(package, name.split(".")[1])  # a later import sees flashinfer missing again
-
+# the `factory` fixture (conftest.py): FlashInferBackend over fake_flashinfer.py, allowed on the CPU
 
 BASE = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, dtype="float16", device="cpu")
 

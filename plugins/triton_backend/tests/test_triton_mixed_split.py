@@ -21,7 +21,7 @@ import attn_core as ac
 from attn_core.errors import InvalidArgumentError
 from attn_core.testing.harness import AttnCase, assert_case
 from attn_triton.metadata import ExtendMetadata
-from attn_triton.mixed import MixedMetadata, decode_first_requests, token_rows
+from attn_triton.mixed import MixedMetadata
 
 pytestmark = requires_interpreter
 
@@ -35,29 +35,6 @@ def recording(made: list, **options):
         return backend
 
     return make
-
-
-# ---- pure helpers: the docstrings' worked examples ------------------------------------------------
-def test_decode_first_requests_worked_example():
-    assert decode_first_requests([3, 1, 0, 1]) == [3, 1, 2, 0]
-    assert decode_first_requests([1, 1, 5, 0]) == [0, 1, 2, 3]  # already decode-first: identity
-    assert decode_first_requests([4, 2]) == [0, 1]
-
-
-def test_token_rows_worked_example():
-    assert token_rows([3, 1, 0, 1], [3, 1, 2, 0]).tolist() == [4, 3, 0, 1, 2]
-    assert token_rows([2, 1], [0, 1]).tolist() == [0, 1, 2]
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_token_rows_against_a_loop(seed):
-    rng = random.Random(seed)
-    lens = [rng.choice([0, 1, 1, 2, 7]) for _ in range(rng.randint(1, 12))]
-    order = decode_first_requests(lens)
-    starts = [sum(lens[:r]) for r in range(len(lens))]
-    expected = [starts[r] + j for r in order for j in range(lens[r])]
-    assert token_rows(lens, order).tolist() == expected
-    assert [lens[r] for r in order][: lens.count(1)] == [1] * lens.count(1)
 
 
 def test_option_is_checked():

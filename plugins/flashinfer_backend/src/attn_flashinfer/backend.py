@@ -10,6 +10,8 @@ A setting first met in `forward` is planned then and remembered, so later steps 
 Which wrappers a setting gets (see `plans.py`):
 - DECODE: the decode wrapper over each request's keys (its encoder tokens for cross attention);
 - TARGET_VERIFY: the paged prefill wrapper over the whole sequence under the tree mask (causal without one);
+- MIXED with `mixed_split=True` and both one-token decodes and other requests: two sub-steps, the decodes
+  as a DECODE step and the others as below (`mixed.py`);
 - EXTEND / MIXED / DRAFT_EXTEND: without any cached prefix in the batch, the ragged wrapper (causal over
   the new tokens); with one, ragged (new tokens) + paged (prefix, no mask) merged by LSE; sliding-window
   layers with a prefix use the paged wrapper over the whole sequence (causal) instead, since FlashInfer
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Optional
+from typing import Optional, Union
 
 import flashinfer
 import torch
@@ -50,7 +52,7 @@ from attn_core.graph_step import CudaGraphStep
 from attn_core.memory.pools import kv_scales
 from attn_core.memory.window_pool import SlidingWindowKVPool, window_pool_of
 from attn_core.ops.device_faults import DeviceFaultFlags
-from attn_flashinfer import plans, replan
+from attn_flashinfer import mixed, plans, replan
 from attn_flashinfer.indices import PagedKV, QueryLayout, any_positive, build_paged_kv, query_layout, self_attention_page_size
 from attn_flashinfer.local_kv import LocalKeys, build_local_decode_kv, build_local_extend, local_page_size
 from attn_flashinfer.plans import Plan
@@ -85,6 +87,7 @@ class Step:
     graph: Optional[_GraphState] = None
     window_pool: Optional[SlidingWindowKVPool] = None  # the step's pool, when it is a sliding-window one
     local: Optional[LocalKeys] = None  # chunked local layers' queries and keys, built on first use
+    tag: str = ""  # prefix of its scratch buffers' names (a split MIXED step's decode sub-step: "decode:")
 
 
 @dataclass
@@ -110,19 +113,32 @@ def _write_device(step: Step) -> None:
     qo.write_device()
 
 
-class FlashInferBackend(AttentionBackend[Step]):
+class FlashInferBackend(AttentionBackend[Union[Step, mixed.SplitStep]]):
     """FlashInfer (FA2 kernels) on CUDA, compute capability 8.0 or newer. Options: `workspace_bytes`
     sizes the shared float workspace; `lean_replan` (None: on for the FlashInfer versions `replan.py`
-    was verified with) re-plans eager wrappers without FlashInfer's public `plan` after their first."""
+    was verified with) re-plans eager wrappers without FlashInfer's public `plan` after their first;
+    `mixed_split` (default False until measured on a GPU) runs a MIXED step's one-token decodes through
+    the decode wrapper and its other requests through the prefill plan (`mixed.py`)."""
 
     name = "flashinfer"
     capabilities = CAPABILITIES
 
-    def __init__(self, ctx, *, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, lean_replan: Optional[bool] = None, **options):
+    def __init__(
+        self,
+        ctx,
+        *,
+        workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+        lean_replan: Optional[bool] = None,
+        mixed_split: bool = False,
+        **options,
+    ):
         super().__init__(ctx, **options)  # unknown options: a typed error
         check_context(ctx, self.name)
         if workspace_bytes < (1 << 20):
             raise InvalidArgumentError("workspace_bytes", ">= 1 MiB", workspace_bytes)
+        if not isinstance(mixed_split, bool):
+            raise InvalidArgumentError("mixed_split", "a bool", mixed_split)
+        self.mixed_split = mixed_split
         self.dims = Dims(ctx.num_q_heads, ctx.num_kv_heads, ctx.head_dim, ctx.dtype, ctx.kv_dtype)
         self.page_size = ctx.page_size
         self.kv_layout = ctx.kv_layout
@@ -157,18 +173,35 @@ class FlashInferBackend(AttentionBackend[Step]):
         if chunk is not None:
             key_page_size = local_page_size(chunk, self.page_size, inputs.encoder_lens is not None)
             check_local_step(inputs, self.kv_layout, self.page_size, key_page_size, self.name)
+        split = None
+        if self.mixed_split and window_pool is None and chunk is None:
+            split = mixed.served_split(forward_batch, inputs)
+        if split is not None:
+            rows = split.to_device(self.device)
+            decode_inputs, extend_inputs = mixed.split_inputs(inputs, split, rows)
+            decode = self._new_step(decode_inputs, graph=None, keys=self.known_keys, tag="decode:")
+            extend = self._new_step(extend_inputs, graph=None, keys=self.known_keys)
+            return mixed.SplitStep(inputs, split.num_decodes, rows, decode, extend)
         return self._new_step(inputs, graph=None, keys=self.known_keys, window_pool=window_pool)
 
-    def _new_step(self, inputs: StepInputs, graph: Optional[_GraphState], keys, window_pool: Optional[SlidingWindowKVPool] = None) -> Step:
-        """A step over `inputs`, with a plan for each of `keys` that the batch can use."""
+    def _new_step(
+        self,
+        inputs: StepInputs,
+        graph: Optional[_GraphState],
+        keys,
+        window_pool: Optional[SlidingWindowKVPool] = None,
+        tag: str = "",
+    ) -> Step:
+        """A step over `inputs`, with a plan for each of `keys` that the batch can use; `tag` prefixes the
+        names of its scratch buffers (two sub-steps of one split MIXED step must not share them)."""
         has_prefix = inputs.prefix_lens_host is not None and any_positive(inputs.prefix_lens_host)
         if inputs.q_lens_host is None:
             qo = self._decode_query_layout(inputs.bs)
         elif graph is None:
-            qo = query_layout(inputs.q_lens_host, self.scratch.get("qo", inputs.bs + 1)[: inputs.bs + 1], inputs.q_lens)
+            qo = query_layout(inputs.q_lens_host, self.scratch.get(tag + "qo", inputs.bs + 1)[: inputs.bs + 1], inputs.q_lens)
         else:  # graph wrappers copy the offsets into their own buffers
             qo = query_layout(inputs.q_lens_host)
-        step = Step(inputs, qo, has_prefix, graph=graph, window_pool=window_pool)
+        step = Step(inputs, qo, has_prefix, graph=graph, window_pool=window_pool, tag=tag)
         for key in keys:
             if (not key.cross or inputs.encoder_lens is not None) and (not key.window_pool or window_pool is not None):
                 step.plans[key] = self._make_plan(step, key)
@@ -194,7 +227,7 @@ class FlashInferBackend(AttentionBackend[Step]):
         if which == "window":
             kv = step.kv[which] = build_window_kv(
                 step.window_pool, x.req_to_token, x.req_pool_indices, x.seq_lens, x.seq_lens_host, x.q_lens, x.q_lens_host,
-                x.encoder_lens, out=partial(self._scratch_layout, which), fault=self.device_faults.buffer,
+                x.encoder_lens, out=partial(self._scratch_layout, step.tag + which), fault=self.device_faults.buffer,
             )  # fmt: skip
             return kv
         graph = step.graph.buffers.get(which) if step.graph is not None else None
@@ -206,7 +239,7 @@ class FlashInferBackend(AttentionBackend[Step]):
             page_size, start = self_attention_page_size(self.page_size, x.encoder_lens is not None), x.encoder_lens
             lens, lens_host = (x.seq_lens, x.seq_lens_host) if which == "seq" else (x.prefix_lens, x.prefix_lens_host)
         if graph is None:
-            out = partial(self._scratch_layout, which)
+            out = partial(self._scratch_layout, step.tag + which)
         else:
 
             def out(bs: int, pages: int):  # the captured graph's own buffers, which its wrappers read
@@ -326,7 +359,9 @@ class FlashInferBackend(AttentionBackend[Step]):
                 )
         return step.local
 
-    def _plan_of(self, step: Step, layer) -> Plan:
+    def _layer_key(self, layer, window_pool: Optional[SlidingWindowKVPool]) -> LayerKey:
+        """The `LayerKey` of `layer` in a step over `window_pool` (None: none), or a typed error for a
+        layer the step cannot serve (before any plan or KV write)."""
         key = LayerKey.of(layer)
         if key.chunk and key.chunk != self.ctx.attention_chunk_size:
             raise InvalidArgumentError(
@@ -334,10 +369,14 @@ class FlashInferBackend(AttentionBackend[Step]):
                 f"the context's attention_chunk_size ({self.ctx.attention_chunk_size}), for which the step's metadata is built",
                 key.chunk,
             )
-        if step.window_pool is not None and step.window_pool.is_window_layer(layer.layer_id):
+        if window_pool is not None and window_pool.is_window_layer(layer.layer_id):
             if key.cross:
                 raise UnsupportedFeatureError(self.name, f"a cross-attention layer in a sliding-window KV pool (layer {layer.layer_id})")
             key = replace(key, window_pool=True)
+        return key
+
+    def _plan_for(self, step: Step, key: LayerKey) -> Plan:
+        """The step's plan of `key`, made now (and remembered for later steps) when first met."""
         plan = step.plans.get(key)
         if plan is None:
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -442,16 +481,23 @@ class FlashInferBackend(AttentionBackend[Step]):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache, **extras)
 
-    def _forward(self, q, k, v, layer, batch, save_kv_cache, return_lse=False):
-        scales = kv_scales(layer, self.ctx.token_to_kv_pool)  # typed error for a bad scale, before any write
-        step: Step = self.forward_metadata
-        plan = self._plan_of(step, layer)
+    @staticmethod
+    def _check_new_kv(plan: Plan, k, batch) -> None:
         if plan.ragged is not None and k is None:
             raise InvalidArgumentError(
                 "k", f"the new tokens' keys and values for {batch.forward_mode.name} (the ragged pass reads them)", None
             )
-        pool = self.save_kv(k, v, layer, batch) if save_kv_cache else self.kv_pool(batch)
-        k_cache, v_cache = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-        o, lse = plans.run(plan, q, k, v, k_cache, v_cache, return_lse, self.kv_layout, scales)
+
+    def _forward(self, q, k, v, layer, batch, save_kv_cache, return_lse=False):
+        scales = kv_scales(layer, self.ctx.token_to_kv_pool)  # typed error for a bad scale, before any write
+        step = self.forward_metadata
+        if isinstance(step, mixed.SplitStep):
+            o, lse = mixed.forward(self, step, q, k, v, layer, batch, save_kv_cache, return_lse, scales)
+        else:
+            plan = self._plan_for(step, self._layer_key(layer, step.window_pool))
+            self._check_new_kv(plan, k, batch)
+            pool = self.save_kv(k, v, layer, batch) if save_kv_cache else self.kv_pool(batch)
+            k_cache, v_cache = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+            o, lse = plans.run(plan, q, k, v, k_cache, v_cache, return_lse, self.kv_layout, scales)
         o = o.flatten(1)  # [T, H * Dv]; flatten, not view(T, -1): T may be 0
         return (o, lse) if return_lse else o

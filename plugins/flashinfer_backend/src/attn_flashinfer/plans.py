@@ -176,7 +176,30 @@ def run(
     k_cache/v_cache: one layer's pool, NHD `[num_slots, Hkv, D]` viewed as pages without a copy, or HND
     `[num_pages, Hkv, page_size, D]` read as it is (the plan's page size is then the pool's); `scales`:
     the (k, v) dequantization factors of the pool (`attn_core.memory.kv_scales`)."""
+    o, lse = attend(plan, q, k, v, k_cache, v_cache, return_lse, kv_layout, scales)
+    return o, (lse * LN2 if return_lse else None)
+
+
+def attend(
+    plan: Plan,
+    q: torch.Tensor,
+    k: Optional[torch.Tensor],
+    v: Optional[torch.Tensor],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    want_lse: bool,
+    kv_layout: str = "NHD",
+    scales: tuple[float, float] = (1.0, 1.0),
+    out: Optional[torch.Tensor] = None,
+    lse: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """`run` with FlashInfer's base-2 LSE (None unless `want_lse`), written into `out` `[T, Hq, D]` and
+    `lse` `[T, Hq]` float32 when given (views of a larger output: a split MIXED step's two parts,
+    `mixed.py`), else into new tensors."""
     cache_kw = cache_run_kwargs(scales)
+    into = {} if out is None else {"out": out}
+    if want_lse and lse is not None:
+        into["lse"] = lse
     if plan.ragged is not None:
         k, v = ragged_inputs(k, v, k_cache.dtype, scales, q.dtype)
     if plan.decode is not None or plan.paged is not None:
@@ -186,16 +209,15 @@ def run(
         else:
             pages = (k_cache.view(-1, ps, *k_cache.shape[1:]), v_cache.view(-1, ps, *v_cache.shape[1:]))
     if plan.decode is not None:
-        o, lse = _split(plan.decode.run(q, pages, return_lse=return_lse, **cache_kw), return_lse)
-    elif plan.ragged is not None and plan.paged is not None:
-        o, lse = plan.ragged.run(q, k, v, return_lse=True)
+        return _split(plan.decode.run(q, pages, return_lse=want_lse, **into, **cache_kw), want_lse)
+    if plan.ragged is not None and plan.paged is not None:
+        o, lse = plan.ragged.run(q, k, v, return_lse=True, **into)
         o_prefix, lse_prefix = plan.paged.run(q, pages, return_lse=True, **cache_kw)
         merge_state_in_place(o, lse, o_prefix, lse_prefix)
-    elif plan.ragged is not None:
-        o, lse = _split(plan.ragged.run(q, k, v, return_lse=return_lse), return_lse)
-    else:
-        o, lse = _split(plan.paged.run(q, pages, return_lse=return_lse, **cache_kw), return_lse)
-    return o, (lse * LN2 if return_lse else None)
+        return o, (lse if want_lse else None)
+    if plan.ragged is not None:
+        return _split(plan.ragged.run(q, k, v, return_lse=want_lse, **into), want_lse)
+    return _split(plan.paged.run(q, pages, return_lse=want_lse, **into, **cache_kw), want_lse)
 
 
 def _split(res, return_lse: bool):

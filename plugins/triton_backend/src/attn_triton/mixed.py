@@ -9,7 +9,7 @@ kernel (one program per KV head reads each K/V tile once for the whole GQA group
 spread over KV splits) and the other requests to the extend kernel: two launches per layer.
 
 Request order: any. The step's requests are put decode-first with attn-core's
-`attn_core.batch_utils.decode_first_order` (fewest swaps), and the key indices are built in that order
+`attn_core.batch_utils.decode_first_split` (fewest swaps), and the key indices are built in that order
 in `init_forward_metadata`. When the batch is already decode-first (an engine can apply that
 permutation itself), nothing is copied per layer: the decode kernel reads the first rows of q and writes
 the first rows of the output, the extend kernel the rest. Otherwise each layer gathers q's rows into the
@@ -29,12 +29,12 @@ checks and fault flags.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from attn_core.batch import ForwardBatch
-from attn_core.batch_utils import decode_first_order, split_decodes_and_prefills
+from attn_core.batch_utils import RowOrder, decode_first_split
 from attn_core.errors import InvalidArgumentError
 from attn_core.layer import AttentionLayer
 from attn_core.memory.window_pool import window_pool_of
@@ -53,8 +53,8 @@ class MixedMetadata:
     `[num_decodes, Hq, max_splits, Dv]`, part_lse `[num_decodes, Hq, max_splits]`: the decode kernel's.
     prefill_qo_indptr `[P + 1]` int32 and prefill_kv (indptr `[P + 1]`) address the decode-first q rows and
     key indices absolutely (they start at num_decodes and at the decodes' key count); prefill_max_q_len
-    (host int, 0 when P = 0) sizes the extend grid. token_order `[T]` int64: row i of the decode-first q is
-    row token_order[i] of the batch's q; None when the batch is already decode-first."""
+    (host int, 0 when P = 0) sizes the extend grid. rows: the decode-first order on the device
+    (`attn_core.batch_utils.RowOrder`; no copy when the batch is already decode-first)."""
 
     num_decodes: int
     decode_kv: KVIndex
@@ -64,36 +64,7 @@ class MixedMetadata:
     prefill_qo_indptr: torch.Tensor
     prefill_kv: KVIndex
     prefill_max_q_len: int
-    token_order: Optional[torch.Tensor]
-
-
-def decode_first_requests(q_lens: Sequence[int]) -> list[int]:
-    """The request permutation of a split MIXED step: requests with exactly one new token (decodes) first,
-    with the fewest swaps (`attn_core.batch_utils.decode_first_order`); request `order[i]` goes to position
-    i. A request with no new token counts as an extend request here.
-
-    Worked example: q_lens `[3, 1, 0, 1]`: decodes are requests 1 and 3; position 0 holds an extend
-    request and position 3 a decode, so they swap → `[3, 1, 2, 0]` (lengths after: `[1, 1, 0, 3]`).
-    """
-    kinds = [1 if n == 1 else 2 for n in q_lens]  # 1: decode, 2: anything else
-    return decode_first_order(kinds, decode_threshold=1)
-
-
-def token_rows(q_lens: Sequence[int], order: Sequence[int]) -> torch.Tensor:
-    """Rows of q (request after request, `q_lens[r]` rows each) in the request order `order`, as a host
-    int64 tensor: row i of the reordered q is row `token_rows(...)[i]` of the original. Vectorized (a
-    step may carry thousands of tokens).
-
-    Worked example: q_lens `[3, 1, 0, 1]` (request r owns rows 0-2, 3, none, 4) and order `[3, 1, 2, 0]`
-    give `tensor([4, 3, 0, 1, 2])`.
-    """
-    lens = torch.tensor(list(q_lens), dtype=torch.int64)
-    perm = torch.tensor(list(order), dtype=torch.int64)
-    starts = torch.cumsum(lens, 0) - lens  # first row of each request in the original q
-    moved = lens[perm]
-    # row j of reordered request i: starts[perm[i]] + j, at reordered position new_starts[i] + j
-    shift = starts[perm] - (torch.cumsum(moved, 0) - moved)
-    return torch.repeat_interleave(shift, moved) + torch.arange(int(moved.sum()))
+    rows: RowOrder
 
 
 def build_mixed_metadata(backend: TritonAttnBackend, b: ForwardBatch, r2t: torch.Tensor) -> Optional[MixedMetadata]:
@@ -106,18 +77,13 @@ def build_mixed_metadata(backend: TritonAttnBackend, b: ForwardBatch, r2t: torch
         or window_pool_of(backend.kv_pool(b)) is not None
     ):
         return None
-    lens = [int(n) for n in b.extend_seq_lens_cpu.tolist()]
-    order = decode_first_requests(lens)
-    parts = split_decodes_and_prefills([1 if lens[r] == 1 else 2 for r in order])
-    nd = parts.num_decodes
+    split = decode_first_split(b)
+    nd = split.num_decodes
     if nd == 0:
         return None
     dev, bs = backend.device, b.batch_size
-    req, seq, q_lens, token_order = b.req_pool_indices, b.seq_lens, b.extend_seq_lens, None
-    if order != list(range(bs)):
-        host = torch.cat([torch.tensor(order, dtype=torch.int64), token_rows(lens, order)]).to(dev, non_blocking=True)
-        perm, token_order = host[:bs], host[bs:]
-        req, seq, q_lens = req.index_select(0, perm), seq.index_select(0, perm), q_lens.index_select(0, perm)
+    rows = split.to_device(dev)
+    req, seq, q_lens = rows.requests(b.req_pool_indices), rows.requests(b.seq_lens), rows.requests(b.extend_seq_lens)
     kv = new_kv(bs, b.seq_lens_sum, dev)
     qo_indptr = torch.empty(bs + 1, dtype=torch.int32, device=dev)
     fill_kv(kv, r2t, req, seq, backend.device_faults.buffer, q_lens=q_lens, qo_indptr=qo_indptr)
@@ -131,8 +97,8 @@ def build_mixed_metadata(backend: TritonAttnBackend, b: ForwardBatch, r2t: torch
         part_lse=part_lse,
         prefill_qo_indptr=qo_indptr[nd:],
         prefill_kv=KVIndex(kv.indptr[nd:], kv.indices),
-        prefill_max_q_len=max((lens[r] for r in order[nd:]), default=0),
-        token_order=token_order,
+        prefill_max_q_len=max(split.query_lens[nd:], default=0),
+        rows=rows,
     )
 
 
@@ -158,7 +124,7 @@ def forward_mixed(
             f"layer {layer.layer_id} attention_chunk_size", "the context's attention_chunk_size (None)", layer.attention_chunk_size
         )
     k_buf, v_buf = backend._save_and_buffers(q, k, v, layer, b, save_kv_cache, sinks)
-    qs = q if meta.token_order is None else q.index_select(0, meta.token_order)
+    qs = meta.rows.tokens(q)
     if qs.stride(-1) != 1:
         qs = qs.contiguous()
     # the extend part (a no-op launch when every request is a decode) allocates the decode-first output
@@ -179,8 +145,7 @@ def forward_mixed(
     nd = meta.num_decodes
     lse_d = None if lse is None else lse[:nd]
     backend._decode(qs[:nd], k_buf, v_buf, o[:nd], lse_d, layer, meta.decode_kv, meta.splits, meta.part_o, meta.part_lse, sinks)
-    if meta.token_order is not None:
-        o = torch.empty_like(o).index_copy_(0, meta.token_order, o)
-        lse = None if lse is None else torch.empty_like(lse).index_copy_(0, meta.token_order, lse)
+    o = meta.rows.scatter_tokens(o)
+    lse = None if lse is None else meta.rows.scatter_tokens(lse)
     o = o.view(q.shape[0], layer.num_q_heads * layer.v_head_dim)
     return (o, lse) if return_lse else o
