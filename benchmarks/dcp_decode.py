@@ -11,6 +11,10 @@ Rows (medians over --reps steps, CUDA-synchronized host time):
 - `dcp_<exchange>`: every rank, `dcp_decode_attention` with q heads sharded over the ranks (each rank
   owns Hq/world heads, as under TP): q all-gather + local attention over the rank's shard + exchange
   + merge; exchange "all_gather" or "all_to_all".
+- `dcp_<exchange>_graph`: the same step graph-shaped (`build_dcp_step(..., graph_shaped=True)`) through
+  `attn_core.CudaGraphRunner` captured for --bs: `runner.run` (static-buffer copies, the backend's replay
+  metadata, the replay with the new K/V write, q gather, attention, exchange and merge inside the graph;
+  on a CPU the runner runs the layers eagerly instead).
 - `collective_<exchange>`: the q all-gather plus that exchange alone on tensors of the step's shapes.
 - KV tokens per rank for the batch (single: bs * ctx; DCP: each rank's local tokens) and bytes.
 
@@ -28,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 import attn_core as ac
-from attn_core.dcp import DcpLayout, DcpRequestPool, build_dcp_step, dcp_decode_attention
+from attn_core.dcp import DCP_GRAPH_INPUTS, DcpLayout, DcpRequestPool, DcpStep, build_dcp_step, dcp_decode_attention
 
 
 def timed(fn, reps: int, device: torch.device) -> float:
@@ -128,6 +132,20 @@ def main() -> None:
     for exchange, coll in collectives.items():
         rows[f"dcp_{exchange}_s"] = timed(lambda ex=exchange: dcp_decode_attention(q, layer, step, exchange=ex), args.reps, device)
         rows[f"collective_{exchange}_s"] = timed(coll, args.reps, device)
+    # graph-shaped: the next decode step (one more token per request) through a runner per exchange
+    graph_step = build_dcp_step(pool, [(r, 1) for r in reqs], attn_backend=backend, graph_shaped=True)
+    new_kv = torch.randn(args.bs, args.kv_heads, 128, generator=g, device=device).to(dtype)
+    shapes = {"q": ((h_rank, 128), dtype), "k": ((args.kv_heads, 128), dtype), "v": ((args.kv_heads, 128), dtype), **DCP_GRAPH_INPUTS}
+    inputs = {"q": q, "k": new_kv, "v": new_kv, **graph_step.graph_inputs()}
+    for exchange in collectives:
+        def run_layers(batch, x, ex=exchange):
+            s = DcpStep.from_graph_batch(batch, x)
+            s.save_kv(layer, x["k"], x["v"])
+            return dcp_decode_attention(x["q"], layer, s, exchange=ex)
+
+        runner = ac.CudaGraphRunner(backend, [args.bs], run_layers, shapes)  # every rank captures here
+        rows[f"dcp_{exchange}_graph_s"] = timed(lambda r=runner: r.run(graph_step.local_batch, inputs), args.reps, device)
+        del runner
     rows["dcp_kv_tokens_per_rank"] = sum(r.kv_len for r in reqs)
     bytes_per_token = 2 * args.kv_heads * 128 * dtype.itemsize
     result = [None] * world
@@ -139,8 +157,10 @@ def main() -> None:
         for exchange in ("all_gather", "all_to_all"):
             slow = max(r[f"dcp_{exchange}_s"] for r in result)
             share = max(r[f"collective_{exchange}_s"] for r in result) / slow
+            graph = max(r[f"dcp_{exchange}_graph_s"] for r in result)
             print(f"DCP={world} {exchange}: {slow * 1e6:.0f} us vs single {single * 1e6:.0f} us ({single / slow:.2f}x); "
-                  f"collectives {100 * share:.0f}% of the step")
+                  f"collectives {100 * share:.0f}% of the step; graph-shaped through the graph runner {graph * 1e6:.0f} us "
+                  f"({single / graph:.2f}x)")
         print(f"KV tokens per rank: single {result[0]['single_kv_tokens']}, DCP {[r['dcp_kv_tokens_per_rank'] for r in result]} "
               f"({bytes_per_token} bytes each)")
         if args.json:

@@ -19,11 +19,14 @@ Decode context parallelism (`dcp_group`, `serve_dcp`): the ranks of a DCP group 
 only its interleaved share of each request's KV (`attn_core.dcp`, interleave = page size); decode attention
 runs on each rank's shard and is merged across the group. Prefill attention is not sharded: a step of
 whole prompts runs on a scratch pool holding just those prompts, and their K/V are then stored sharded.
-`serve_dcp` has no chunked prefill and no prefix sharing.
+`serve_dcp` has no chunked prefill and no prefix sharing. With graphs, its decode steps are graph-shaped
+DCP steps replayed through the same `CudaGraphRunner` (q gather, local attention, exchange and merge
+inside the graph; the collectives captured on NCCL).
 
     python examples/hf_llama.py --backend torch_native --page-size 16
     torchrun --nproc-per-node 2 examples/hf_llama.py --tp      # gloo on the CPU, NCCL with --device cuda
     torchrun --nproc-per-node 2 examples/hf_llama.py --dcp     # decode context parallelism (serve_dcp)
+    torchrun --nproc-per-node 2 examples/hf_llama.py --dcp --graphs --device cuda --backend triton
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from transformers import AttentionInterface, AttentionMaskInterface, LlamaConfig
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import attn_core as ac
-from attn_core.dcp import DcpLayout, DcpRequestPool, DcpStep, build_dcp_step, dcp_decode_attention
+from attn_core.dcp import DCP_GRAPH_INPUTS, DcpLayout, DcpRequestPool, DcpStep, build_dcp_step, dcp_decode_attention
 
 
 def tiny_llama(seed: int = 0, layers: int = 2, device: str = "cpu", heads: tuple[int, int] = (2, 1)) -> LlamaForCausalLM:
@@ -138,8 +141,10 @@ class Engine:
         self.backend = ac.create_backend(backend, self.ctx)
         self.attn_seconds, self.shared_tokens, self.accepted_drafts = 0.0, 0, 0
         self.layers = [ac.AttentionLayer(i, **heads) for i in range(cfg.num_hidden_layers)]
-        self.graphs = ac.CudaGraphRunner(self.backend, graph_sizes, lambda b, x: self.layers_forward(b, x["x"]),
-                                         {"x": ((cfg.hidden_size,), model.dtype)}, num_draft_tokens=0) if graph_sizes else None
+        self.graphs = None
+        if graph_sizes:  # captures now: under DCP every rank of the group at once (the graphs hold its collectives)
+            inputs = {"x": ((cfg.hidden_size,), model.dtype)} | (DCP_GRAPH_INPUTS if dcp_group is not None else {})
+            self.graphs = ac.CudaGraphRunner(self.backend, graph_sizes, self.graph_layers, inputs, num_draft_tokens=0)
         self.draft = ac.MultiStepDraftBackend(lambda c, s: ac.create_backend(backend, c), 1, spec_steps, self.ctx) if spec_steps else None
         if dcp_group is not None:
             layout = DcpLayout(dist.get_world_size(dcp_group), page_size)
@@ -148,6 +153,12 @@ class Engine:
                                              head_dim=cfg.head_dim, layer_num=cfg.num_hidden_layers, device=dev)
             self.scratch = ac.RequestPool(ac.ReqToTokenPool(size=max_running, max_context_len=512, device=dev),
                                           ac.PagedTokenAllocator(num_slots, page_size), scratch_kv)
+
+    def graph_layers(self, batch, inputs):
+        """The layers a graph runs on the runner's static `batch` (under DCP a graph-shaped `DcpStep`)."""
+        if self.dcp_group is not None:
+            batch = DcpStep.from_graph_batch(batch, inputs)
+        return self.layers_forward(batch, inputs["x"])
 
     def layers_forward(self, batch, x, num_layers=None):
         """Logits `[T, vocab]` of hidden states `x` `[T, hidden]` through the first num_layers layers."""
@@ -198,7 +209,10 @@ class Engine:
         return y if a.o_proj.bias is None else y + a.o_proj.bias
 
     def forward(self, batch, ids, num_layers=None):
-        if self.graphs is not None and batch.forward_mode.is_decode() and self.graphs.captured_size(batch.forward_mode, batch.batch_size):
+        if isinstance(batch, DcpStep) and batch.graph_shaped:
+            return self.graphs.run(batch.local_batch, {"x": self.model.model.embed_tokens(ids), **batch.graph_inputs()})
+        if (self.graphs is not None and isinstance(batch, ac.ForwardBatch) and batch.forward_mode.is_decode()
+                and self.graphs.captured_size(batch.forward_mode, batch.batch_size)):
             return self.graphs.run(batch, {"x": self.model.model.embed_tokens(ids)})
         t0 = time.perf_counter()
         if isinstance(batch, DcpStep):
@@ -268,7 +282,8 @@ class Engine:
                     self.scratch.free(s)
                 running += new
             elif running:
-                batch = build_dcp_step(self.dcp, [(r, 1) for _, r, _ in running], attn_backend=self.backend)
+                graphed = self.graphs is not None and self.graphs.captured_size(ac.ForwardMode.DECODE, len(running)) is not None
+                batch = build_dcp_step(self.dcp, [(r, 1) for _, r, _ in running], attn_backend=self.backend, graph_shaped=graphed)
                 ids = torch.tensor([toks[-1] for _, _, toks in running], device=dev)
                 for (_, _, toks), tok in zip(running, self.forward(batch, ids).argmax(-1).tolist()):
                     toks.append(tok)

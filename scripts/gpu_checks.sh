@@ -55,9 +55,9 @@ if want engine; then  # the example engine (examples/hf_llama.py) vs transformer
     python3 examples/hf_llama.py --device cuda --backend $args 2>&1 | tee -a "$OUT/engine_tps.log" || rc=1
   done
 fi
-if want multi-gpu; then  # needs 2 GPUs (nvidia-h200-x2): DCP decode attention, the TP=2 and DCP=2 example engine over NCCL
+if want multi-gpu; then  # needs 2 GPUs (nvidia-h200-x2): DCP decode attention (eager and in CUDA graphs with NCCL captured), the TP=2 and DCP=2 example engine over NCCL
   python3 -m pytest -q -p no:cacheprovider -m gpu core/tests/test_dcp_distributed.py tests/test_engine_parallel.py 2>&1 | tee "$OUT/multi_gpu.log" || rc=1
-  for mode in --tp --dcp; do
+  for mode in --tp --dcp "--dcp --graphs"; do
     python3 -m torch.distributed.run --nproc-per-node 2 examples/hf_llama.py $mode --device cuda --backend triton 2>&1 | tee -a "$OUT/multi_gpu.log" || rc=1
   done
   for b in triton flashinfer; do  # DCP=2 decode step vs one GPU (bs64 x 32768), collectives' share, KV tokens per GPU

@@ -1,7 +1,9 @@
 """The example engine across ranks (gloo, spawned CPU processes): greedy tokens under tensor
 parallelism (TP=2: a model whose one KV head is replicated over the ranks and one whose KV heads are
 split; each rank's KV pool holds only its heads) and under decode context parallelism (DCP=2 and 3:
-each rank stores its interleaved share of every request's KV) equal TP=1 and `transformers`' generate."""
+each rank stores its interleaved share of every request's KV; eager, and with its decode steps through
+`CudaGraphRunner` as graph-shaped DCP steps: real CUDA graphs on GPUs, the runner's eager replay on a
+CPU) equal TP=1 and `transformers`' generate."""
 
 from __future__ import annotations
 
@@ -28,12 +30,13 @@ def load_engine_module():
     return module
 
 
-def run(hf_llama, heads, tp_group=None, device="cpu", backend="torch_native", attn_dtype=torch.float32, dcp_group=None):
+def run(hf_llama, heads, tp_group=None, device="cpu", backend="torch_native", attn_dtype=torch.float32, dcp_group=None, graph_sizes=()):
     """The engine's outputs over a short scenario (arrivals, decodes; with `serve`: chunked prefill and
-    prefix forks; with DCP `serve_dcp`: whole-prompt prefills)."""
+    prefix forks; with DCP `serve_dcp`: whole-prompt prefills; `graph_sizes`: decode steps of up to 3
+    requests through the graph runner)."""
     model = hf_llama.tiny_llama(seed=0, layers=2, heads=heads, device=device)
     engine = hf_llama.Engine(model, backend, page_size=4, num_slots=256, max_running=3, token_budget=16, tp_group=tp_group,
-                             attn_dtype=attn_dtype, dcp_group=dcp_group)
+                             attn_dtype=attn_dtype, dcp_group=dcp_group, graph_sizes=graph_sizes)
     for layer in range(engine.kv.layer_num):
         engine.kv.get_key_buffer(layer).fill_(float("nan"))
         engine.kv.get_value_buffer(layer).fill_(float("nan"))
@@ -63,9 +66,14 @@ def dcp_worker(rank: int, world: int, device: str = "cpu", backend: str = "torch
 
     hf_llama = load_engine_module()
     dev = f"cuda:{rank}" if device == "cuda" else device
-    engine, out = run(hf_llama, MODELS[0], device=dev, backend=backend, attn_dtype=getattr(torch, dtype_name), dcp_group=dist.group.WORLD)
-    assert engine.dcp.layout.world == world and engine.dcp.layout.interleave == 4
-    return [out]
+    outs = []
+    for sizes in ((), (2, 4)):  # eager, then graph-shaped decode steps through the runner (3 requests: the graph of 4)
+        engine, out = run(hf_llama, MODELS[0], device=dev, backend=backend, attn_dtype=getattr(torch, dtype_name),
+                          dcp_group=dist.group.WORLD, graph_sizes=sizes)
+        assert engine.dcp.layout.world == world and engine.dcp.layout.interleave == 4
+        assert (engine.graphs is not None) == bool(sizes)
+        outs.append(out)
+    return outs
 
 
 def tp_dcp_worker(rank: int, world: int):
@@ -111,18 +119,20 @@ def test_head_slice():
 
 def test_tp2_and_dcp2_match_tp1_and_generate():
     hf_llama = load_engine_module()
-    per_rank = run_ranks(HERE, "tp_worker", 2, timeout_s=180)  # TP=2 for each model, then DCP=2 (MODELS[0])
+    per_rank = run_ranks(HERE, "tp_worker", 2, timeout_s=180)  # TP=2 for each model, then DCP=2 (MODELS[0]) eager and graphed
     for m, heads in enumerate(MODELS):
         want = reference(hf_llama, heads)
         assert run(hf_llama, heads)[1] == want, heads
         assert per_rank[0][m] == per_rank[1][m] == want, heads
-    assert per_rank[0][-1] == per_rank[1][-1] == reference(hf_llama, MODELS[0]), "DCP=2"
+    want = reference(hf_llama, MODELS[0])
+    assert per_rank[0][-2:] == per_rank[1][-2:] == [want, want], "DCP=2 (eager, graphs)"
 
 
 def test_dcp3_matches_generate():
     hf_llama = load_engine_module()
     per_rank = run_ranks(HERE, "dcp_worker", 3, timeout_s=180)
-    assert per_rank[0][0] == per_rank[1][0] == per_rank[2][0] == reference(hf_llama, MODELS[0])
+    want = reference(hf_llama, MODELS[0])
+    assert all(out == [want, want] for out in per_rank)  # eager, graphs
 
 
 def test_tp2_x_dcp2_matches_generate():
@@ -135,11 +145,13 @@ def test_tp2_x_dcp2_matches_generate():
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend,dtype_name", [("triton", "float32"), ("flashinfer", "float16")])
 def test_tp2_dcp2_nccl_matches_generate(backend, dtype_name):
-    """TP=2 and DCP=2 on 2 GPUs over NCCL (not yet run: no 2-GPU machine this session)."""
+    """TP=2 and DCP=2 on 2 GPUs over NCCL; DCP=2 eager and with its decode steps in CUDA graphs (the
+    collectives captured)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
     hf_llama = load_engine_module()
     per_rank = run_ranks(HERE, "tp_worker", 2, args=("cuda", backend, dtype_name), timeout_s=300, dist_backend="nccl")
     for m, heads in enumerate(MODELS):
         assert per_rank[0][m] == per_rank[1][m] == reference(hf_llama, heads, "cuda"), heads
-    assert per_rank[0][-1] == per_rank[1][-1] == reference(hf_llama, MODELS[0], "cuda"), "DCP=2"
+    want = reference(hf_llama, MODELS[0], "cuda")
+    assert per_rank[0][-2:] == per_rank[1][-2:] == [want, want], "DCP=2 (eager, CUDA graphs)"

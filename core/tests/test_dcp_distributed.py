@@ -4,7 +4,13 @@ against a float64 attention over each request's whole KV, written plainly.
 Every rank runs the same schedule over several steps of the same requests: prompts (EXTEND: only the
 K/V is stored, each token on its rank; prefill attention is not sharded), decode steps, a request
 arriving mid-run, lengths that are not multiples of the interleave size, a request shorter than one
-block (no key on the other ranks). KV pools are poisoned with NaN first."""
+block (no key on the other ranks). KV pools are poisoned with NaN first.
+
+The graph checks drive the same schedule twice on every rank, on two sets of pools: the eager path
+(`build_dcp_step`, `dcp_decode_attention`) and graph-shaped steps through `attn_core.CudaGraphRunner`
+(captured once per batch size, replayed every decode step with the new K/V written inside the graph;
+on a CPU the runner runs the same metadata calls and the layers eagerly on its static buffers). Every
+step's graph output must equal the eager output and the reference."""
 
 from __future__ import annotations
 
@@ -31,34 +37,46 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     return out
 
 
-def dcp_worker(rank: int, world: int, seed: int, configs: list[tuple[str, str, bool]], device: str = "cpu",
+def dcp_worker(rank: int, world: int, seed: int, configs: list[tuple[str, str, bool, bool]], device: str = "cpu",
                dtype_name: str = "float32") -> list[float]:
-    """Each (backend, exchange, q_heads_sharded) of `configs` in turn, in the same processes (one spawn)."""
-    return [dcp_check(rank, world, seed + i, *config, device, dtype_name) for i, config in enumerate(configs)]
+    """Each (backend, exchange, q_heads_sharded, graphs) of `configs` in turn, in the same processes (one
+    spawn): `dcp_graph_check` when graphs, else `dcp_check`."""
+    return [(dcp_graph_check if config[3] else dcp_check)(rank, world, seed + i, *config[:3], device, dtype_name)
+            for i, config in enumerate(configs)]
+
+
+class RankSetup:
+    """One rank's pools, backend and layer for a check (KV poisoned with NaN)."""
+
+    def __init__(self, rank: int, world: int, backend: str, device: str, dtype: torch.dtype, graphs: bool = False):
+        import attn_core as ac
+        from attn_core.dcp import DcpLayout, DcpRequestPool
+
+        self.hq, self.D = HQ_PER_RANK * world, HEAD_DIM.get(backend, 16)
+        slots = 128
+        kv = ac.MHATokenToKVPool(size=slots, page_size=PAGE, dtype=dtype, head_num=HKV, head_dim=self.D, layer_num=1, device=device)
+        for buf in (kv.get_key_buffer(0), kv.get_value_buffer(0)):
+            buf.fill_(float("nan"))
+        rows = ac.ReqToTokenPool(size=8, max_context_len=64, device=device)
+        self.pool = DcpRequestPool(ac.RequestPool(rows, ac.PagedTokenAllocator(slots, PAGE), kv), DcpLayout(world, PAGE), rank)
+        ctx = ac.BackendContext(device=device, dtype=dtype, num_q_heads=self.hq, num_kv_heads=HKV, head_dim=self.D, page_size=PAGE,
+                                max_batch_size=8, max_context_len=64, req_to_token_pool=rows, token_to_kv_pool=kv,
+                                forward_modes={"decode"}, features={ac.Feature.LSE_OUTPUT}, validation="full",
+                                cuda_graph=ac.CudaGraphLevel.UNIFORM_BATCH if graphs else ac.CudaGraphLevel.NEVER)
+        self.attn = ac.create_backend(backend, ctx)
+        self.layer = ac.AttentionLayer(0, self.hq, HKV, self.D)
 
 
 def dcp_check(rank: int, world: int, seed: int, backend: str, exchange: str, sharded: bool, device: str, dtype_name: str) -> float:
     import attn_core as ac
-    from attn_core.dcp import DcpLayout, DcpRequestPool, build_dcp_step, dcp_decode_attention
+    from attn_core.dcp import build_dcp_step, dcp_decode_attention
 
-    hq = HQ_PER_RANK * world
-    D = HEAD_DIM.get(backend, 16)
     dtype = getattr(torch, dtype_name)
     tol = 1e-5 if dtype == torch.float32 else 5e-3
-    layout = DcpLayout(world, PAGE)
-    slots = 128
     if device == "cuda":
         device = f"cuda:{rank}"
-    kv = ac.MHATokenToKVPool(size=slots, page_size=PAGE, dtype=dtype, head_num=HKV, head_dim=D, layer_num=1, device=device)
-    for buf in (kv.get_key_buffer(0), kv.get_value_buffer(0)):
-        buf.fill_(float("nan"))
-    rows = ac.ReqToTokenPool(size=8, max_context_len=64, device=device)
-    pool = DcpRequestPool(ac.RequestPool(rows, ac.PagedTokenAllocator(slots, PAGE), kv), layout, rank)
-    ctx = ac.BackendContext(device=device, dtype=dtype, num_q_heads=hq, num_kv_heads=HKV, head_dim=D, page_size=PAGE,
-                            max_batch_size=8, max_context_len=64, req_to_token_pool=rows, token_to_kv_pool=kv,
-                            forward_modes={"decode"}, features={ac.Feature.LSE_OUTPUT}, validation="full")
-    attn = ac.create_backend(backend, ctx)
-    layer = ac.AttentionLayer(0, hq, HKV, D)
+    setup = RankSetup(rank, world, backend, device, dtype)
+    pool, attn, layer, hq, D = setup.pool, setup.attn, setup.layer, setup.hq, setup.D
 
     g = torch.Generator().manual_seed(seed)  # the same data on every rank
     prompts = [int(torch.randint(1, 14, (1,), generator=g)) for _ in range(4)]
@@ -108,6 +126,118 @@ def dcp_check(rank: int, world: int, seed: int, backend: str, exchange: str, sha
     return worst
 
 
+#: the graph check's captured batch sizes and schedule: decode steps, and the step each request arrives
+#: at (0: prefilled before the first decode); 2, 3 then 4 requests run in the graphs of 2, 4 and 4
+GRAPH_SIZES, GRAPH_STEPS, GRAPH_ARRIVALS = (2, 4), 6, (0, 0, 1, 3)
+
+
+def dcp_graph_check(rank: int, world: int, seed: int, backend: str, exchange: str, sharded: bool, device: str, dtype_name: str) -> float:
+    """The schedule on eager pools and on graph-shaped steps through a `CudaGraphRunner` (module docstring)."""
+    import attn_core as ac
+    from attn_core.dcp import DCP_GRAPH_INPUTS, DcpStep, build_dcp_step, dcp_decode_attention
+
+    dtype = getattr(torch, dtype_name)
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    if device == "cuda":
+        device = f"cuda:{rank}"
+    eager, graph = RankSetup(rank, world, backend, device, dtype), RankSetup(rank, world, backend, device, dtype, graphs=True)
+    layer, hq, D = graph.layer, graph.hq, graph.D
+    h_rank = HQ_PER_RANK if sharded else hq
+    mine = slice(rank * HQ_PER_RANK, (rank + 1) * HQ_PER_RANK) if sharded else slice(0, hq)
+
+    def run_layers(batch, x):
+        step = DcpStep.from_graph_batch(batch, x)
+        step.save_kv(layer, x["k"], x["v"])  # inside the graph: every row, tokens stored elsewhere into slot 0
+        return dcp_decode_attention(x["q"], layer, step, exchange=exchange, q_heads_sharded=sharded)
+
+    shapes = {"q": ((h_rank, D), dtype), "k": ((HKV, D), dtype), "v": ((HKV, D), dtype), **DCP_GRAPH_INPUTS}
+    runner = ac.CudaGraphRunner(graph.attn, GRAPH_SIZES, run_layers, shapes)  # captures every size now, on every rank
+    assert runner.use_cuda_graph == device.startswith("cuda")
+
+    g = torch.Generator().manual_seed(seed)  # the same data on every rank
+    n = len(GRAPH_ARRIVALS)
+    prompts = [int(torch.randint(1, 14, (1,), generator=g)) for _ in range(n)]
+    prompts[1] = 3  # shorter than one block: no key on ranks > 0 until it grows
+    keys = [torch.randn(40, HKV, D, generator=g).to(dtype) for _ in prompts]
+    values = [torch.randn(40, HKV, D, generator=g).to(dtype) for _ in prompts]
+    reqs, lens = {"eager": [], "graph": []}, []
+    worst = 0.0
+
+    def prefill(i: int) -> None:
+        lens.append(prompts[i])
+        for name, s in (("eager", eager), ("graph", graph)):
+            reqs[name].append(s.pool.add())
+            step = build_dcp_step(s.pool, [(reqs[name][i], prompts[i])], attn_backend=s.attn)
+            step.save_kv(layer, keys[i][: prompts[i]].to(device), values[i][: prompts[i]].to(device))
+
+    for t in range(GRAPH_STEPS):
+        for i in range(n):
+            if GRAPH_ARRIVALS[i] == t:
+                prefill(i)
+        bs = len(lens)
+        new_k = torch.stack([keys[i][lens[i]] for i in range(bs)]).to(device)
+        new_v = torch.stack([values[i][lens[i]] for i in range(bs)]).to(device)
+        q = torch.randn(bs, hq, D, generator=g).to(dtype)
+        q_mine = q[:, mine].contiguous().to(device)
+        if t == 0:
+            check_graph_step_errors(RankSetup(rank, world, backend, device, dtype), q_mine, exchange, sharded)
+        ref_step = build_dcp_step(eager.pool, [(r, 1) for r in reqs["eager"]], attn_backend=eager.attn)
+        ref_step.save_kv(layer, new_k, new_v)
+        ref_step.init_forward_metadata()
+        want_eager = dcp_decode_attention(q_mine, layer, ref_step, exchange=exchange, q_heads_sharded=sharded).double().cpu()
+        step = build_dcp_step(graph.pool, [(r, 1) for r in reqs["graph"]], attn_backend=graph.attn, graph_shaped=True)
+        check_padding_rows(step, graph.attn, [r.kv_len for r in reqs["graph"]])
+        out = runner.run(step.local_batch, {"q": q_mine, "k": new_k, "v": new_v, **step.graph_inputs()})
+        got_all = out.double().cpu()
+        lens = [m + 1 for m in lens]
+        for i in range(bs):
+            want = reference(q[i], keys[i][: lens[i]], values[i][: lens[i]])[mine]
+            got = got_all[i].view(-1, D)
+            assert torch.isfinite(got).all(), (rank, t, i)
+            err = max(float((got - want).abs().max()), float((got_all[i] - want_eager[i]).abs().max()))
+            assert err < tol, (rank, t, i, err)
+            worst = max(worst, err)
+    return worst
+
+
+def check_padding_rows(step, attn, local_lens: list[int]) -> None:
+    """A graph-shaped step's rows without a local key are `graph_padding`'s padding rows (request row 0,
+    its seq_len, KV slot 0) and masked; the others are the request's local row and length."""
+    from attn_core.forward_mode import ForwardMode
+    from attn_core.graph_step import graph_padding
+
+    pad = graph_padding(ForwardMode.DECODE, 0, [step.batch_size], attn.get_cuda_graph_seq_len_fill_value())
+    b = step.local_batch
+    local = torch.tensor(local_lens) > 0
+    assert b.batch_size == step.batch_size and step.local_rows is None
+    assert torch.equal(step.local_mask.cpu(), local)
+    assert torch.equal(b.seq_lens_cpu, torch.where(local, torch.tensor(local_lens), pad.seq_len).to(torch.int32))
+    assert (b.req_pool_indices.cpu()[~local] == 0).all() and (b.out_cache_loc.cpu()[~local] == 0).all()
+
+
+def check_graph_step_errors(setup: RankSetup, q: torch.Tensor, exchange: str, sharded: bool) -> None:
+    """On fresh pools (`setup`), typed errors before any allocation and any collective: a graph-shaped
+    EXTEND step, one without a backend, `init_forward_metadata` of a graph-shaped step, a mask of the
+    wrong shape or dtype."""
+    import dataclasses
+
+    import attn_core as ac
+    from attn_core.dcp import build_dcp_step, dcp_decode_attention
+
+    pool, bs = setup.pool, q.shape[0]
+    reqs = [pool.add() for _ in range(bs)]
+    expect_error(ac.InvalidArgumentError, build_dcp_step, pool, [(r, 2) for r in reqs], attn_backend=setup.attn, graph_shaped=True)
+    build_dcp_step(pool, [(r, 2) for r in reqs], attn_backend=setup.attn)
+    work = [(r, 1) for r in reqs]
+    expect_error(ac.InvalidArgumentError, build_dcp_step, pool, work, graph_shaped=True)
+    assert [pool.kv_len(r) for r in reqs] == [2] * bs  # nothing allocated by the refused calls
+    step = build_dcp_step(pool, work, attn_backend=setup.attn, graph_shaped=True)
+    expect_error(ac.InvalidArgumentError, step.init_forward_metadata)
+    for mask in (step.local_mask[:1], step.local_mask.float()):
+        bad = dataclasses.replace(step, local_mask=mask)
+        expect_error(ac.InvalidArgumentError, dcp_decode_attention, q, setup.layer, bad, exchange=exchange, q_heads_sharded=sharded)
+
+
 def expect_error(error: type, fn, *args, **kwargs) -> None:
     try:
         fn(*args, **kwargs)
@@ -123,10 +253,12 @@ def _usable(name: str) -> bool:
     return entry is not None and entry.ok and entry.probe() is None
 
 
-#: per group size, the (backend, exchange, q_heads_sharded) runs of one spawn
+#: per group size, the (backend, exchange, q_heads_sharded, graphs) runs of one spawn
 CONFIGS = {
-    2: [("torch_native", "all_gather", True), ("torch_native", "all_to_all", True), ("cpu_amx", "all_gather", False)],
-    3: [("torch_native", "all_to_all", True), ("torch_native", "all_gather", False), ("cpu_amx", "all_to_all", True)],
+    2: [("torch_native", "all_gather", True, False), ("torch_native", "all_to_all", True, False), ("cpu_amx", "all_gather", False, False),
+        ("torch_native", "all_to_all", True, True), ("torch_native", "all_gather", False, True)],
+    3: [("torch_native", "all_to_all", True, False), ("torch_native", "all_gather", False, False), ("cpu_amx", "all_to_all", True, False),
+        ("torch_native", "all_gather", True, True)],
 }
 
 
@@ -146,7 +278,22 @@ def test_dcp_decode_nccl(backend, dtype_name, exchange):
         pytest.skip("needs 2 CUDA GPUs")
     if not _usable(backend):
         pytest.skip(f"{backend} cannot run here")
-    run_ranks(HERE, "dcp_worker", 2, args=(5, [(backend, exchange, True)], "cuda", dtype_name), timeout_s=300, dist_backend="nccl")
+    run_ranks(HERE, "dcp_worker", 2, args=(5, [(backend, exchange, True, False)], "cuda", dtype_name), timeout_s=300, dist_backend="nccl")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend,dtype_name", [("triton", "float32"), ("flashinfer", "float16")])
+@pytest.mark.parametrize("exchange", ["all_gather", "all_to_all"])
+def test_dcp_decode_nccl_cuda_graphs(backend, dtype_name, exchange):
+    """Graph-shaped DCP decode in real CUDA graphs on 2 GPUs, the collectives captured on NCCL: every
+    replay equals the eager path and the reference (q sharded over the ranks, and with all_gather also
+    the unsharded q of pure DCP)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    if not _usable(backend):
+        pytest.skip(f"{backend} cannot run here")
+    configs = [(backend, exchange, True, True)] + ([(backend, exchange, False, True)] if exchange == "all_gather" else [])
+    run_ranks(HERE, "dcp_worker", 2, args=(11, configs, "cuda", dtype_name), timeout_s=300, dist_backend="nccl")
 
 
 def hang_worker(rank: int, world: int) -> None:

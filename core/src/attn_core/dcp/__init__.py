@@ -1,9 +1,10 @@
 """Decode context parallelism: a request's KV interleaved over the ranks of a group, decode attention
-merged across them. `layout` (where tokens live), `requests` (per-rank allocation and steps),
-`attention` (the sharded decode attention step)."""
+merged across them. `layout` (where tokens live), `requests` (per-rank allocation and steps, eager or
+graph-shaped), `attention` (the sharded decode attention step, eager or inside a CUDA graph)."""
 
 from attn_core.dcp.attention import EXCHANGES, dcp_decode_attention, merge_partials
 from attn_core.dcp.layout import DcpLayout
-from attn_core.dcp.requests import DcpRequestPool, DcpStep, build_dcp_step
+from attn_core.dcp.requests import DCP_GRAPH_INPUTS, DCP_LOCAL_MASK, DcpRequestPool, DcpStep, build_dcp_step
 
-__all__ = ["EXCHANGES", "DcpLayout", "DcpRequestPool", "DcpStep", "build_dcp_step", "dcp_decode_attention", "merge_partials"]
+__all__ = ["DCP_GRAPH_INPUTS", "DCP_LOCAL_MASK", "EXCHANGES", "DcpLayout", "DcpRequestPool", "DcpStep", "build_dcp_step",
+           "dcp_decode_attention", "merge_partials"]

@@ -15,8 +15,16 @@ skipped, the all-gather exchange is used and every rank returns all heads.
 
 Partials travel as float32 (exact merge; twice the bytes of a bf16 output). A request with no key on
 a rank contributes LSE -inf there (ignored by `merge_state`). Decode only: prefill attention is not
-sharded (the engine runs it unsharded and stores the K/V with `DcpStep.save_kv`). Not usable inside a
-CUDA graph yet (the local batch's size varies with which requests have local keys).
+sharded (the engine runs it unsharded and stores the K/V with `DcpStep.save_kv`).
+
+CUDA graphs: with a graph-shaped step (`build_dcp_step(..., graph_shaped=True)`, or
+`DcpStep.from_graph_batch` inside a `CudaGraphRunner`'s `run_layers`) every shape is fixed by the batch
+size and nothing syncs with the host: the local attention runs over all `bs` rows and the rows without a
+local key (`step.local_mask` False) get output 0 and LSE -inf by `torch.where`. The q gather, the
+exchange and the merge are captured with the attention; on NCCL the collectives are captured too (the
+runner's eager warm-up before each capture makes the communicator; every rank of the group must capture
+and replay the same sizes in the same order, as they run the same schedule). An engine captures it with
+`attn_core.CudaGraphRunner` (`DCP_GRAPH_INPUTS` among its inputs); see `attn_core.dcp.requests`.
 """
 
 from __future__ import annotations
@@ -55,6 +63,41 @@ def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, to
     return acc_o, acc_lse
 
 
+def _check_graph_shaped(step: DcpStep, device: torch.device) -> None:
+    """Typed errors for a graph-shaped step whose mask or local batch does not cover its `bs` rows."""
+    bs, mask, batch = step.batch_size, step.local_mask, step.local_batch
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != (bs,) or mask.device != device:
+        raise InvalidArgumentError("step.local_mask", f"a bool [{bs}] tensor on {device}",
+                                   (tuple(mask.shape), mask.dtype, mask.device) if isinstance(mask, torch.Tensor) else mask)
+    if batch is None or batch.batch_size != bs or not batch.forward_mode.is_decode():
+        raise InvalidArgumentError("step.local_batch", f"a DECODE batch of the step's {bs} requests", getattr(batch, "batch_size", None))
+
+
+def _scattered_partials(q: torch.Tensor, layer: AttentionLayer, step: DcpStep) -> torch.Tensor:
+    """Packed float32 partials `[bs, H, Dv + 1]` (output | LSE) of an eager step: the local attention of
+    the requests with a local key (`local_rows`), the others output 0, LSE -inf."""
+    bs, H, dv = step.batch_size, layer.num_q_heads, layer.v_head_dim
+    part = torch.zeros((bs, H, dv + 1), dtype=torch.float32, device=q.device)
+    part[..., dv] = float("-inf")
+    if step.local_batch is not None:
+        o, lse = layer(q[step.local_rows], None, None, step.local_batch, save_kv_cache=False, return_lse=True)
+        part[step.local_rows, :, :dv] = o.view(-1, H, dv).float()
+        part[step.local_rows, :, dv] = lse
+    return part
+
+
+def _masked_partials(q: torch.Tensor, layer: AttentionLayer, step: DcpStep) -> torch.Tensor:
+    """Packed float32 partials `[bs, H, Dv + 1]` (output | LSE) of a graph-shaped step: the local
+    attention of all `bs` rows, rows whose `local_mask` is False set to output 0, LSE -inf (whatever the
+    padding row computed, NaN included). Fixed shapes, no host sync."""
+    bs, H, dv = step.batch_size, layer.num_q_heads, layer.v_head_dim
+    o, lse = layer(q, None, None, step.local_batch, save_kv_cache=False, return_lse=True)
+    keep = step.local_mask[:, None]
+    o = torch.where(keep[..., None], o.view(bs, H, dv).float(), 0.0)
+    lse = torch.where(keep, lse, float("-inf"))
+    return torch.cat((o, lse[..., None]), dim=-1)
+
+
 def dcp_decode_attention(
     q: torch.Tensor,
     layer: AttentionLayer,
@@ -70,7 +113,8 @@ def dcp_decode_attention(
     j*Hq_rank .. (j+1)*Hq_rank-1 of the group's) or all heads (`q_heads_sharded=False`). `layer` is the
     layer as the local backend sees it: `num_q_heads` = the group's heads (world * Hq_rank when
     sharded), `num_kv_heads` = the KV heads of this rank's pool. `step` is this rank's `build_dcp_step`
-    result, its `init_forward_metadata()` called, its new K/V already written (`save_kv`). Returns
+    result, its `init_forward_metadata()` called, its new K/V already written (`save_kv`), or a
+    graph-shaped step whose metadata the graph runner made current (capture / replay). Returns
     `[bs, Hq_rank * Dv]` in q's dtype. Every rank of `group` must call it with the same step shape.
     """
     if exchange not in EXCHANGES:
@@ -86,17 +130,14 @@ def dcp_decode_attention(
                                    if q_heads_sharded else f"[{bs}, {H}, D]", tuple(q.shape))
     if not q_heads_sharded and exchange != "all_gather":
         raise InvalidArgumentError("exchange", "all_gather when q_heads_sharded=False", exchange)
+    if step.graph_shaped:
+        _check_graph_shaped(step, q.device)
     if q_heads_sharded and world > 1:
         gathered = q.new_empty((world * bs,) + tuple(q.shape[1:]))
         _all_gather_flat(gathered, q.contiguous(), group)
         q = gathered.view(world, bs, h_rank, -1).transpose(0, 1).reshape(bs, H, -1)
     dv = layer.v_head_dim
-    part = torch.zeros((bs, H, dv + 1), dtype=torch.float32, device=q.device)  # partial output | LSE
-    part[..., dv] = float("-inf")
-    if step.local_batch is not None:
-        o, lse = layer(q[step.local_rows], None, None, step.local_batch, save_kv_cache=False, return_lse=True)
-        part[step.local_rows, :, :dv] = o.view(-1, H, dv).float()
-        part[step.local_rows, :, dv] = lse
+    part = _masked_partials(q, layer, step) if step.graph_shaped else _scattered_partials(q, layer, step)
     if world == 1:
         parts = part[None]
     elif exchange == "all_gather":
