@@ -84,6 +84,5 @@ SPEC = BackendSpec(
     backend_class="attn_triton.backend:TritonAttnBackend",
     priority=10,
     probe_fn=probe,
-    unverified="fp8 KV caches (float8_e4m3fn) have not run on a GPU yet (issue 16)",
     info_fn=info,
 )
