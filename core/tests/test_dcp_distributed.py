@@ -1,4 +1,4 @@
-"""DCP decode attention on 2 and 3 gloo ranks (spawned CPU processes, `attn_core.testing.distributed`)
+"""DCP decode and verify attention on 2 and 3 gloo ranks (spawned CPU processes, `attn_core.testing.distributed`)
 against a float64 attention over each request's whole KV, written plainly.
 
 Every rank runs the same schedule over several steps of the same requests: prompts (EXTEND: only the
@@ -37,12 +37,12 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     return out
 
 
-def dcp_worker(rank: int, world: int, seed: int, configs: list[tuple[str, str, bool, bool]], device: str = "cpu",
+def dcp_worker(rank: int, world: int, seed: int, configs: list[tuple[str, str, bool, str]], device: str = "cpu",
                dtype_name: str = "float32") -> list[float]:
-    """Each (backend, exchange, q_heads_sharded, graphs) of `configs` in turn, in the same processes (one
-    spawn): `dcp_graph_check` when graphs, else `dcp_check`."""
-    return [(dcp_graph_check if config[3] else dcp_check)(rank, world, seed + i, *config[:3], device, dtype_name)
-            for i, config in enumerate(configs)]
+    """Each (backend, exchange, q_heads_sharded, check) of `configs` in turn, in the same processes (one
+    spawn); check is "eager" (`dcp_check`), "graph" (`dcp_graph_check`) or "verify" (`dcp_verify_check`)."""
+    checks = {"eager": dcp_check, "graph": dcp_graph_check, "verify": dcp_verify_check}
+    return [checks[config[3]](rank, world, seed + i, *config[:3], device, dtype_name) for i, config in enumerate(configs)]
 
 
 class RankSetup:
@@ -123,6 +123,69 @@ def dcp_check(rank: int, world: int, seed: int, backend: str, exchange: str, sha
             err = float((got - want).abs().max())
             assert err < tol, (rank, t, i, err)
             worst = max(worst, err)
+    return worst
+
+
+#: the verify check's schedule: k drafts per TARGET_VERIFY step, 0 for a decode step
+VERIFY_STEPS = (1, 0, 3, 4, 0, 2, 1)
+
+
+def dcp_verify_check(rank: int, world: int, seed: int, backend: str, exchange: str, sharded: bool, device: str,
+                     dtype_name: str) -> float:
+    """Verify and decode steps of the same requests (module docstring) against the float64 reference."""
+    import attn_core as ac
+    from attn_core.dcp import build_dcp_step, dcp_attention, dcp_decode_attention
+
+    dtype = getattr(torch, dtype_name)
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    if device == "cuda":
+        device = f"cuda:{rank}"
+    setup = RankSetup(rank, world, backend, device, dtype)
+    pool, attn, layer, hq, D = setup.pool, setup.attn, setup.layer, setup.hq, setup.D
+    mine = slice(rank * HQ_PER_RANK, (rank + 1) * HQ_PER_RANK) if sharded else slice(0, hq)
+    g = torch.Generator().manual_seed(seed)  # the same data on every rank
+    prompts = [int(torch.randint(1, 14, (1,), generator=g)) for _ in range(4)]
+    prompts[1] = 3  # shorter than one block: no key on ranks > 0 until it grows
+    keys = [torch.randn(48, HKV, D, generator=g).to(dtype) for _ in prompts]
+    values = [torch.randn(48, HKV, D, generator=g).to(dtype) for _ in prompts]
+    reqs = [pool.add() for _ in prompts]
+    for r, n, k, v in zip(reqs, prompts, keys, values):
+        build_dcp_step(pool, [(r, n)], attn_backend=attn).save_kv(layer, k[:n].to(device), v[:n].to(device))
+    lens = list(prompts)
+    expect_error(ac.InvalidArgumentError, build_dcp_step, pool, [(reqs[0], 2), (reqs[1], 3)], mode="target_verify")
+    expect_error(ac.InvalidArgumentError, build_dcp_step, pool, [(r, 2) for r in reqs], mode="draft_extend")
+    expect_error(ac.InvalidArgumentError, pool.truncate, reqs[0], lens[0] + 1)
+    assert [pool.kv_len(r) for r in reqs] == lens  # nothing allocated by the refused calls
+    worst = 0.0
+    for t, k in enumerate(VERIFY_STEPS):
+        n = max(k, 1)
+        step = build_dcp_step(pool, [(r, n) for r in reqs], attn_backend=attn, mode="target_verify" if k else None)
+        assert step.forward_mode == (ac.ForwardMode.TARGET_VERIFY if k else ac.ForwardMode.DECODE)
+        new_k = torch.cat([keys[i][lens[i]: lens[i] + n] for i in range(len(reqs))]).to(device)
+        new_v = torch.cat([values[i][lens[i]: lens[i] + n] for i in range(len(reqs))]).to(device)
+        step.save_kv(layer, new_k, new_v)
+        step.init_forward_metadata()
+        q = torch.randn(len(reqs) * n, hq, D, generator=g).to(dtype)
+        q_mine = q[:, mine].contiguous().to(device)
+        if t == 0:  # typed errors on every rank before any collective
+            expect_error(ac.InvalidArgumentError, dcp_attention, q_mine[:1], layer, step, exchange=exchange, q_heads_sharded=sharded)
+            expect_error(ac.InvalidArgumentError, dcp_decode_attention, q_mine, layer, step, exchange=exchange, q_heads_sharded=sharded)
+        out = dcp_attention(q_mine, layer, step, exchange=exchange, q_heads_sharded=sharded).double().cpu()
+        for i in range(len(reqs)):
+            for j in range(n):
+                row = i * n + j
+                want = reference(q[row], keys[i][: lens[i] + j + 1], values[i][: lens[i] + j + 1])[mine]
+                got = out[row].view(-1, D)
+                assert torch.isfinite(got).all(), (rank, t, i, j)
+                err = float((got - want).abs().max())
+                assert err < tol, (rank, t, i, j, err)
+                worst = max(worst, err)
+        accepted = [int(torch.randint(1, n + 1, (1,), generator=g)) for _ in reqs]
+        for i, r in enumerate(reqs):
+            lens[i] += accepted[i]
+            pool.truncate(r, lens[i])  # reject the rest: the next step rewrites those positions with new values
+            keys[i][lens[i]:] = torch.randn(48 - lens[i], HKV, D, generator=g).to(dtype)
+            values[i][lens[i]:] = torch.randn(48 - lens[i], HKV, D, generator=g).to(dtype)
     return worst
 
 
@@ -253,12 +316,15 @@ def _usable(name: str) -> bool:
     return entry is not None and entry.ok and entry.probe() is None
 
 
-#: per group size, the (backend, exchange, q_heads_sharded, graphs) runs of one spawn
+#: per group size, the (backend, exchange, q_heads_sharded, check) runs of one spawn
 CONFIGS = {
-    2: [("torch_native", "all_gather", True, False), ("torch_native", "all_to_all", True, False), ("cpu_amx", "all_gather", False, False),
-        ("torch_native", "all_to_all", True, True), ("torch_native", "all_gather", False, True)],
-    3: [("torch_native", "all_to_all", True, False), ("torch_native", "all_gather", False, False), ("cpu_amx", "all_to_all", True, False),
-        ("torch_native", "all_gather", True, True)],
+    2: [("torch_native", "all_gather", True, "eager"), ("torch_native", "all_to_all", True, "eager"),
+        ("cpu_amx", "all_gather", False, "eager"), ("torch_native", "all_to_all", True, "graph"),
+        ("torch_native", "all_gather", False, "graph"), ("torch_native", "all_to_all", True, "verify"),
+        ("cpu_amx", "all_gather", False, "verify")],
+    3: [("torch_native", "all_to_all", True, "eager"), ("torch_native", "all_gather", False, "eager"),
+        ("cpu_amx", "all_to_all", True, "eager"), ("torch_native", "all_gather", True, "graph"),
+        ("torch_native", "all_gather", True, "verify"), ("cpu_amx", "all_to_all", True, "verify")],
 }
 
 
@@ -273,12 +339,13 @@ def test_dcp_decode_matches_single_rank(world):
 @pytest.mark.parametrize("backend,dtype_name", [("triton", "float32"), ("flashinfer", "float16")])
 @pytest.mark.parametrize("exchange", ["all_gather", "all_to_all"])
 def test_dcp_decode_nccl(backend, dtype_name, exchange):
-    """The same check on 2 GPUs over NCCL (eager)."""
+    """The same checks on 2 GPUs over NCCL (eager decode, and verify)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
     if not _usable(backend):
         pytest.skip(f"{backend} cannot run here")
-    run_ranks(HERE, "dcp_worker", 2, args=(5, [(backend, exchange, True, False)], "cuda", dtype_name), timeout_s=300, dist_backend="nccl")
+    configs = [(backend, exchange, True, "eager"), (backend, exchange, True, "verify")]
+    run_ranks(HERE, "dcp_worker", 2, args=(5, configs, "cuda", dtype_name), timeout_s=300, dist_backend="nccl")
 
 
 @pytest.mark.gpu
@@ -292,7 +359,7 @@ def test_dcp_decode_nccl_cuda_graphs(backend, dtype_name, exchange):
         pytest.skip("needs 2 CUDA GPUs")
     if not _usable(backend):
         pytest.skip(f"{backend} cannot run here")
-    configs = [(backend, exchange, True, True)] + ([(backend, exchange, False, True)] if exchange == "all_gather" else [])
+    configs = [(backend, exchange, True, "graph")] + ([(backend, exchange, False, "graph")] if exchange == "all_gather" else [])
     run_ranks(HERE, "dcp_worker", 2, args=(11, configs, "cuda", dtype_name), timeout_s=300, dist_backend="nccl")
 
 
