@@ -14,6 +14,7 @@ step's graph output must equal the eager output and the reference."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -40,8 +41,10 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
 def dcp_worker(rank: int, world: int, seed: int, configs: list[tuple[str, str, bool, str]], device: str = "cpu",
                dtype_name: str = "float32") -> list[float]:
     """Each (backend, exchange, q_heads_sharded, check) of `configs` in turn, in the same processes (one
-    spawn); check is "eager" (`dcp_check`), "graph" (`dcp_graph_check`) or "verify" (`dcp_verify_check`)."""
-    checks = {"eager": dcp_check, "graph": dcp_graph_check, "verify": dcp_verify_check}
+    spawn); check is "eager" (`dcp_check`), "graph" (`dcp_graph_check`), "verify" (`dcp_verify_check`) or
+    "verify_rows" (the same with DECODE rows only)."""
+    checks = {"eager": dcp_check, "graph": dcp_graph_check, "verify": dcp_verify_check,
+              "verify_rows": functools.partial(dcp_verify_check, verify_masks=False)}
     return [checks[config[3]](rank, world, seed + i, *config[:3], device, dtype_name) for i, config in enumerate(configs)]
 
 
@@ -128,11 +131,16 @@ def dcp_check(rank: int, world: int, seed: int, backend: str, exchange: str, sha
 
 #: the verify check's schedule: k drafts per TARGET_VERIFY step, 0 for a decode step
 VERIFY_STEPS = (1, 0, 3, 4, 0, 2, 1)
+#: the verify step before which a fifth request (2 tokens) arrives
+VERIFY_ARRIVAL = 3
 
 
 def dcp_verify_check(rank: int, world: int, seed: int, backend: str, exchange: str, sharded: bool, device: str,
-                     dtype_name: str) -> float:
-    """Verify and decode steps of the same requests (module docstring) against the float64 reference."""
+                     dtype_name: str, verify_masks: bool = True) -> list[tuple[str, bool]]:
+    """Verify and decode steps of the same requests (module docstring) against the float64 reference;
+    `verify_masks` as `build_dcp_step` takes it (a local TARGET_VERIFY batch where the backend takes
+    custom masks, or DECODE rows only). Returns the (local batch mode, several parts in the step) pairs
+    this rank ran, for the test to check that every kind of local part ran on some rank."""
     import attn_core as ac
     from attn_core.dcp import build_dcp_step, dcp_attention, dcp_decode_attention
 
@@ -144,22 +152,32 @@ def dcp_verify_check(rank: int, world: int, seed: int, backend: str, exchange: s
     pool, attn, layer, hq, D = setup.pool, setup.attn, setup.layer, setup.hq, setup.D
     mine = slice(rank * HQ_PER_RANK, (rank + 1) * HQ_PER_RANK) if sharded else slice(0, hq)
     g = torch.Generator().manual_seed(seed)  # the same data on every rank
-    prompts = [int(torch.randint(1, 14, (1,), generator=g)) for _ in range(4)]
-    prompts[1] = 3  # shorter than one block: no key on ranks > 0 until it grows
+    prompts = [int(torch.randint(1, 14, (1,), generator=g)) for _ in range(5)]
+    prompts[1], prompts[4] = 3, 2  # shorter than one block: no key on ranks > 0 until it grows
     keys = [torch.randn(48, HKV, D, generator=g).to(dtype) for _ in prompts]
     values = [torch.randn(48, HKV, D, generator=g).to(dtype) for _ in prompts]
-    reqs = [pool.add() for _ in prompts]
-    for r, n, k, v in zip(reqs, prompts, keys, values):
-        build_dcp_step(pool, [(r, n)], attn_backend=attn).save_kv(layer, k[:n].to(device), v[:n].to(device))
-    lens = list(prompts)
+    reqs, lens = [], []
+
+    def prefill(i: int) -> None:
+        reqs.append(pool.add())
+        lens.append(prompts[i])
+        step = build_dcp_step(pool, [(reqs[i], prompts[i])], attn_backend=attn)
+        step.save_kv(layer, keys[i][: prompts[i]].to(device), values[i][: prompts[i]].to(device))
+
+    for i in range(4):
+        prefill(i)
     expect_error(ac.InvalidArgumentError, build_dcp_step, pool, [(reqs[0], 2), (reqs[1], 3)], mode="target_verify")
     expect_error(ac.InvalidArgumentError, build_dcp_step, pool, [(r, 2) for r in reqs], mode="draft_extend")
     expect_error(ac.InvalidArgumentError, pool.truncate, reqs[0], lens[0] + 1)
     assert [pool.kv_len(r) for r in reqs] == lens  # nothing allocated by the refused calls
-    worst = 0.0
+    worst, kinds = 0.0, set()
     for t, k in enumerate(VERIFY_STEPS):
+        if t == VERIFY_ARRIVAL:
+            prefill(4)  # arrives mid-run with fewer local keys than drafts: DECODE rows beside a verify batch
         n = max(k, 1)
-        step = build_dcp_step(pool, [(r, n) for r in reqs], attn_backend=attn, mode="target_verify" if k else None)
+        step = build_dcp_step(pool, [(r, n) for r in reqs], attn_backend=attn, mode="target_verify" if k else None,
+                              verify_masks=verify_masks)
+        kinds.update((b.forward_mode.name, len(step.local_parts) > 1) for _, b in step.local_parts)
         assert step.forward_mode == (ac.ForwardMode.TARGET_VERIFY if k else ac.ForwardMode.DECODE)
         new_k = torch.cat([keys[i][lens[i]: lens[i] + n] for i in range(len(reqs))]).to(device)
         new_v = torch.cat([values[i][lens[i]: lens[i] + n] for i in range(len(reqs))]).to(device)
@@ -186,7 +204,7 @@ def dcp_verify_check(rank: int, world: int, seed: int, backend: str, exchange: s
             pool.truncate(r, lens[i])  # reject the rest: the next step rewrites those positions with new values
             keys[i][lens[i]:] = torch.randn(48 - lens[i], HKV, D, generator=g).to(dtype)
             values[i][lens[i]:] = torch.randn(48 - lens[i], HKV, D, generator=g).to(dtype)
-    return worst
+    return sorted(kinds)
 
 
 #: the graph check's captured batch sizes and schedule: decode steps, and the step each request arrives
@@ -321,10 +339,11 @@ CONFIGS = {
     2: [("torch_native", "all_gather", True, "eager"), ("torch_native", "all_to_all", True, "eager"),
         ("cpu_amx", "all_gather", False, "eager"), ("torch_native", "all_to_all", True, "graph"),
         ("torch_native", "all_gather", False, "graph"), ("torch_native", "all_to_all", True, "verify"),
-        ("cpu_amx", "all_gather", False, "verify")],
+        ("cpu_amx", "all_gather", False, "verify"), ("torch_native", "all_gather", True, "verify_rows")],
     3: [("torch_native", "all_to_all", True, "eager"), ("torch_native", "all_gather", False, "eager"),
         ("cpu_amx", "all_to_all", True, "eager"), ("torch_native", "all_gather", True, "graph"),
-        ("torch_native", "all_gather", True, "verify"), ("cpu_amx", "all_to_all", True, "verify")],
+        ("torch_native", "all_gather", True, "verify"), ("cpu_amx", "all_to_all", True, "verify"),
+        ("torch_native", "all_gather", False, "verify_rows")],
 }
 
 
@@ -333,6 +352,12 @@ def test_dcp_decode_matches_single_rank(world):
     configs = [c for c in CONFIGS[world] if _usable(c[0])]
     errs = run_ranks(HERE, "dcp_worker", world, args=(world * 7, configs), timeout_s=150)
     assert [len(e) for e in errs] == [len(configs)] * world
+    for i, config in enumerate(configs):  # verify: every kind of local part ran on some rank
+        kinds = {tuple(kind) for e in errs for kind in e[i]} if config[3].startswith("verify") else set()
+        if config[3] == "verify":  # a TARGET_VERIFY batch beside DECODE rows in one step
+            assert ("TARGET_VERIFY", True) in kinds, (config, kinds)
+        if config[3] == "verify_rows":  # DECODE rows only, split into several parts
+            assert ("DECODE", True) in kinds and "TARGET_VERIFY" not in {m for m, _ in kinds}, (config, kinds)
 
 
 @pytest.mark.gpu

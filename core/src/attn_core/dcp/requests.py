@@ -17,11 +17,16 @@ request, a chain: draft j sees the cached tokens and drafts 0..j): the drafts' K
 stores them (each on its rank, by the interleaved layout), and every one of the step's T = bs * k
 queries is a row. Because the layout keeps a rank's tokens in global order, the keys at global positions
 <= p that a rank holds are exactly the first `layout.local_lens(p + 1, rank)` entries of its local row,
-so query p's causal rule on a rank is a DECODE row of that length; no custom mask is needed and every
-DECODE backend declaring LSE output serves it. Two queries of a request that see the same local keys
-(draft j+1 stored on another rank) would be two rows writing the same "new token" slot, which a batch
-may not hold, so the rows are split into parts: part o holds each (request, local length)'s o-th query
-(at most k parts; one when every draft is local). Tree masks (topk > 1) are not served.
+so query p's causal rule on a rank is that prefix of the local row. Where the local backend declares
+TARGET_VERIFY with custom masks (`Feature.CUSTOM_MASK`), the requests with at least k local keys run as
+one local TARGET_VERIFY batch whose mask for request r is `[k, local_len]`, entry (j, i) True where local
+key i's global position is <= prefix_len + j (`DcpLayout.global_position`). Every other query (a request
+with fewer than k local keys, which a TARGET_VERIFY batch cannot hold, or a backend without custom
+masks, or `verify_masks=False`) is a DECODE row of that prefix's length, which every DECODE backend
+declaring LSE output serves. Two such rows of a request that see the same local keys (draft j+1 stored
+on another rank) would write the same "new token" slot, which a batch may not hold, so DECODE rows are
+split into parts: part o holds each (request, local length)'s o-th query (at most k parts). Tree masks
+(topk > 1) are not served.
 
 Graph-shaped steps (`build_dcp_step(..., graph_shaped=True)`, DECODE only) have the shapes a CUDA graph
 needs: fixed for a batch size, nothing host-dependent. Their local batch covers every request of the
@@ -47,7 +52,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from attn_core.batch import ForwardBatch
+from attn_core.batch import ForwardBatch, SpecInfo
+from attn_core.capabilities import Feature
 from attn_core.dcp.layout import DcpLayout
 from attn_core.errors import InvalidArgumentError
 from attn_core.forward_mode import ForwardMode
@@ -192,11 +198,13 @@ class DcpStep:
 
 
 def build_dcp_step(pool: DcpRequestPool, work: Sequence[tuple[Request, int]], *, attn_backend=None,
-                   graph_shaped: bool = False, mode: Union[ForwardMode, str, None] = None) -> DcpStep:
+                   graph_shaped: bool = False, mode: Union[ForwardMode, str, None] = None,
+                   verify_masks: bool = True) -> DcpStep:
     """This rank's part of a step where request work[i][0] runs work[i][1] new tokens (global counts,
     the same on every rank). Allocates the local slots of the new tokens this rank stores, writes them
     into the requests' local rows and advances the lengths. `mode` None infers DECODE / MIXED / EXTEND;
-    "target_verify" asks for a verify step (the same number of drafts for every request). `graph_shaped`
+    "target_verify" asks for a verify step (the same number of drafts for every request; `verify_masks`
+    False keeps it to DECODE rows even when the backend takes custom masks). `graph_shaped`
     (a DECODE step; needs `attn_backend` for its padding seq_len) gives the fixed shapes of a CUDA graph
     (module docstring).
 
@@ -208,9 +216,10 @@ def build_dcp_step(pool: DcpRequestPool, work: Sequence[tuple[Request, int]], *,
     rank 1 has local_mask [True, False], local seq_lens [3, fill] (the second a padding row: request row
     0, slot 0), save_loc [its slot for position 6, 0]; rank 0 local_mask [True, True], seq_lens [4, 3],
     save_loc [0, its slot for position 2].
-    Verify (world 2, interleave 4, rank 1): a request of 5 tokens verifies 2 drafts (positions 5, 6, both
-    rank 1's): its queries see 2 and 3 local keys, one part; on rank 0 both see the 4 keys 0..3, so two
-    parts of one row each.
+    Verify (world 2, interleave 4, rank 1, `verify_masks=False`): a request of 5 tokens verifies 2 drafts
+    (positions 5, 6, both rank 1's): its queries see 2 and 3 local keys, one part; on rank 0 both see the
+    4 keys 0..3, so two parts of one row each. With a backend taking custom masks, both ranks run one
+    TARGET_VERIFY batch (rank 0: mask [[1, 1, 1, 1], [1, 1, 1, 1]]; rank 1: [[1, 1, 0], [1, 1, 1]]).
     """
     layout, rank = pool.layout, pool.rank
     reqs = [r for r, _ in work]
@@ -253,23 +262,83 @@ def build_dcp_step(pool: DcpRequestPool, work: Sequence[tuple[Request, int]], *,
         rows_of = list(range(len(reqs)))
         local_lens = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
     elif mode.is_target_verify():
-        rows_of = torch.repeat_interleave(torch.arange(len(reqs)), count_t).tolist()
-        local_lens = layout.local_lens(positions + 1, rank)  # the local keys each query sees
+        k = counts[0]
+        long = [i for i, r in enumerate(reqs) if r.kv_len >= k] if verify_masks and _takes_verify_masks(attn_backend) else []
+        masked = _verify_mask_part(pool, [reqs[i] for i in long], prefix[long], k, attn_backend, long) if long else []
+        rest = [i for i in range(len(reqs)) if i not in set(long)]
+        rows_of = [i * k + j for i in rest for j in range(k)]
+        local_lens = layout.local_lens(positions[rows_of] + 1, rank)  # the local keys each query sees
+        parts = masked + _decode_parts(pool, [reqs[t // k] for t in rows_of], local_lens, attn_backend, rows_of)
+        if parts:
+            (step.local_rows, step.local_batch), step.more_parts = parts[0], parts[1:]
+        return step
     else:
         return step
-    parts = _decode_parts(pool, [reqs[i] for i in rows_of], local_lens, attn_backend)
+    parts = _decode_parts(pool, [reqs[i] for i in rows_of], local_lens, attn_backend, rows_of)
     if parts:
         (step.local_rows, step.local_batch), step.more_parts = parts[0], parts[1:]
     return step
 
 
-def _decode_parts(pool: DcpRequestPool, row_reqs: list[Request], lens: torch.Tensor,
-                  attn_backend) -> list[tuple[torch.Tensor, ForwardBatch]]:
-    """Local DECODE batches of query rows: row i reads the first `lens[i]` local keys of `row_reqs[i]`
-    (rows with 0 are left out). Rows of one request with the same length go to successive parts (a batch
-    holds each "new token" slot once). Returns [(rows int64 `[n]` on the device, batch)], part by part.
+def _takes_verify_masks(attn_backend) -> bool:
+    """Whether the local backend declares TARGET_VERIFY with custom masks (then `_verify_mask_part` serves
+    the requests with at least k local keys in one batch)."""
+    caps = getattr(attn_backend, "capabilities", None)
+    return caps is not None and ForwardMode.TARGET_VERIFY in caps.forward_modes and Feature.CUSTOM_MASK in caps.features
 
-    Example: row_reqs [A, A, A, B], lens [2, 2, 3, 0] -> part 0 rows [0, 2] (lengths 2, 3), part 1 row [1].
+
+def _verify_mask_part(pool: DcpRequestPool, reqs: list[Request], prefix: torch.Tensor, k: int, attn_backend,
+                      step_rows: list[int]) -> list[tuple[torch.Tensor, ForwardBatch]]:
+    """One local TARGET_VERIFY batch of requests with at least k local keys (their lengths already
+    advanced): request r's k queries over its whole local row, draft j's mask row True at the local keys of
+    global position <= prefix[r] + j. `step_rows` are the requests' indices in the step; the part's rows
+    are their queries, request after request.
+
+    Example (world 2, interleave 4, rank 0, prefix 9, k 2: local keys at 0..3, 8..10): mask
+    [[1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1]], seq_len 7, extend_prefix_len 5.
+    """
+    layout, rank = pool.layout, pool.rank
+    rows, device = pool.requests.req_to_token_pool, pool.requests.req_to_token_pool.device
+    bs = len(reqs)
+    lens = torch.tensor([r.kv_len for r in reqs], dtype=torch.int32)
+    masks = [layout.global_position(torch.arange(n), rank)[None, :] <= p + torch.arange(k)[:, None]
+             for n, p in zip(lens.tolist(), prefix.tolist())]
+    q_lens = torch.full((bs,), k, dtype=torch.int32)
+    indptr = torch.zeros(bs + 1, dtype=torch.int64)
+    indptr[1:] = (lens.to(torch.int64) * k).cumsum(0)
+    batch = ForwardBatch(
+        forward_mode=ForwardMode.TARGET_VERIFY,
+        batch_size=bs,
+        req_pool_indices=torch.tensor([r.row for r in reqs], dtype=torch.int64).to(device),
+        seq_lens=lens.to(device),
+        seq_lens_cpu=lens,
+        seq_lens_sum=int(lens.sum()),
+        out_cache_loc=torch.tensor([s for r in reqs for s in r.slots[r.kv_len - k: r.kv_len]], dtype=torch.int64).to(device),
+        req_to_token_pool=rows,
+        token_to_kv_pool=pool.requests.token_to_kv_pool,
+        extend_prefix_lens=(lens - k).to(device),
+        extend_prefix_lens_cpu=lens - k,
+        extend_seq_lens=q_lens.to(device),
+        extend_seq_lens_cpu=q_lens,
+        extend_start_loc=(torch.arange(bs, dtype=torch.int32) * k).to(device),
+        extend_num_tokens=bs * k,
+        spec_info=SpecInfo(num_draft_tokens=k, custom_mask=torch.cat([m.reshape(-1) for m in masks]).to(device),
+                           mask_indptr=indptr.to(device)),
+        attn_backend=attn_backend,
+    )
+    query_rows = torch.tensor([i * k + j for i in step_rows for j in range(k)], dtype=torch.int64)
+    return [(query_rows.to(device), batch)]
+
+
+def _decode_parts(pool: DcpRequestPool, row_reqs: list[Request], lens: torch.Tensor,
+                  attn_backend, step_rows: list[int]) -> list[tuple[torch.Tensor, ForwardBatch]]:
+    """Local DECODE batches of query rows: row i (the step's row `step_rows[i]`) reads the first `lens[i]`
+    local keys of `row_reqs[i]` (rows with 0 are left out). Rows of one request with the same length go
+    to successive parts (a batch holds each "new token" slot once). Returns [(step rows int64 `[n]` on
+    the device, batch)], part by part.
+
+    Example: row_reqs [A, A, A, B], lens [2, 2, 3, 0], step_rows [0, 1, 2, 3] -> part 0 rows [0, 2]
+    (lengths 2, 3), part 1 row [1].
     """
     rows = pool.requests.req_to_token_pool
     device = rows.device
@@ -286,7 +355,7 @@ def _decode_parts(pool: DcpRequestPool, row_reqs: list[Request], lens: torch.Ten
     for idx in part_rows:
         kept = [row_reqs[i] for i in idx]
         n = lens[idx].to(torch.int32)
-        parts.append((torch.tensor(idx, dtype=torch.int64).to(device), ForwardBatch(
+        parts.append((torch.tensor([step_rows[i] for i in idx], dtype=torch.int64).to(device), ForwardBatch(
             forward_mode=ForwardMode.DECODE,
             batch_size=len(kept),
             req_pool_indices=torch.tensor([r.row for r in kept], dtype=torch.int64).to(device),
