@@ -15,6 +15,7 @@ step's graph output must equal the eager output and the reference."""
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import pytest
@@ -358,6 +359,15 @@ def test_dcp_decode_matches_single_rank(world):
             assert ("TARGET_VERIFY", True) in kinds, (config, kinds)
         if config[3] == "verify_rows":  # DECODE rows only, split into several parts
             assert ("DECODE", True) in kinds and "TARGET_VERIFY" not in {m for m, _ in kinds}, (config, kinds)
+
+
+def test_dcp_verify_triton_interpreter():
+    """The verify check with attn-triton's kernels under the Triton interpreter (2 gloo ranks): its
+    TARGET_VERIFY custom-mask batch beside DECODE rows."""
+    if os.environ.get("TRITON_INTERPRET") != "1" or not _usable("triton"):
+        pytest.skip("needs TRITON_INTERPRET=1 and attn-triton")
+    errs = run_ranks(HERE, "dcp_worker", 2, args=(3, [("triton", "all_gather", True, "verify")]), timeout_s=300)
+    assert ("TARGET_VERIFY", True) in {tuple(kind) for e in errs for kind in e[0]}
 
 
 @pytest.mark.gpu
