@@ -171,7 +171,7 @@ def dcp_verify_check(rank: int, world: int, seed: int, backend: str, exchange: s
     expect_error(ac.InvalidArgumentError, build_dcp_step, pool, [(r, 2) for r in reqs], mode="draft_extend")
     expect_error(ac.InvalidArgumentError, pool.truncate, reqs[0], lens[0] + 1)
     assert [pool.kv_len(r) for r in reqs] == lens  # nothing allocated by the refused calls
-    worst, kinds = 0.0, set()
+    kinds = set()
     for t, k in enumerate(VERIFY_STEPS):
         if t == VERIFY_ARRIVAL:
             prefill(4)  # arrives mid-run with fewer local keys than drafts: DECODE rows beside a verify batch
@@ -198,14 +198,63 @@ def dcp_verify_check(rank: int, world: int, seed: int, backend: str, exchange: s
                 assert torch.isfinite(got).all(), (rank, t, i, j)
                 err = float((got - want).abs().max())
                 assert err < tol, (rank, t, i, j, err)
-                worst = max(worst, err)
         accepted = [int(torch.randint(1, n + 1, (1,), generator=g)) for _ in reqs]
         for i, r in enumerate(reqs):
             lens[i] += accepted[i]
             pool.truncate(r, lens[i])  # reject the rest: the next step rewrites those positions with new values
             keys[i][lens[i]:] = torch.randn(48 - lens[i], HKV, D, generator=g).to(dtype)
             values[i][lens[i]:] = torch.randn(48 - lens[i], HKV, D, generator=g).to(dtype)
+    if verify_masks:
+        tree_step(pool, attn, layer, reqs, lens, keys, values, g, mine, exchange, sharded, device, dtype, tol)
     return sorted(kinds)
+
+
+def random_tree(k: int, g: torch.Generator) -> torch.Tensor:
+    """bool `[k, k]`: a random draft tree, entry (j, m) True where draft m is draft j or one of its
+    ancestors (draft m's parent is a random earlier draft or the cached prefix)."""
+    tree = torch.eye(k, dtype=torch.bool)
+    for m in range(1, k):
+        parent = int(torch.randint(-1, m, (1,), generator=g))
+        if parent >= 0:
+            tree[m] |= tree[parent]
+    return tree
+
+
+def tree_step(pool, attn, layer, reqs, lens, keys, values, g, mine, exchange, sharded, device, dtype, tol) -> None:
+    """A TARGET_VERIFY step of 3 drafts with random tree masks over the requests that have 3 keys on every
+    rank (refused with a typed error while the step holds one that has not, a new request of 1 token),
+    then the drafts rejected."""
+    import attn_core as ac
+    from attn_core.dcp import build_dcp_step, dcp_attention
+
+    k, layout = 3, pool.layout
+    new = pool.add()  # one token: fewer than k keys on rank 1 even with its drafts
+    one = torch.randn(1, layer.num_kv_heads, layer.head_dim, generator=g).to(dtype).to(device)
+    build_dcp_step(pool, [(new, 1)], attn_backend=attn).save_kv(layer, one, one)
+    trees = [random_tree(k, g) for _ in reqs]
+    expect_error(ac.InvalidArgumentError, build_dcp_step, pool, [(r, k) for r in reqs + [new]], attn_backend=attn,
+                 mode="target_verify", draft_masks=trees + [torch.eye(k, dtype=torch.bool)])
+    pool.free(new)
+    every_rank = [min(int(layout.local_lens(torch.tensor(n + k), r)) for r in range(layout.world)) >= k for n in lens]
+    assert any(every_rank)
+    expect_error(ac.InvalidArgumentError, build_dcp_step, pool, [(reqs[0], k)], attn_backend=attn, mode="target_verify",
+                 draft_masks=[~trees[0]])
+    assert [pool.kv_len(r) for r in reqs] == lens  # nothing allocated by the refused calls
+    chosen = [i for i, ok in enumerate(every_rank) if ok]
+    step = build_dcp_step(pool, [(reqs[i], k) for i in chosen], attn_backend=attn, mode="target_verify",
+                          draft_masks=[trees[i] for i in chosen])
+    step.save_kv(layer, torch.cat([keys[i][lens[i]: lens[i] + k] for i in chosen]).to(device),
+                 torch.cat([values[i][lens[i]: lens[i] + k] for i in chosen]).to(device))
+    step.init_forward_metadata()
+    q = torch.randn(len(chosen) * k, layer.num_q_heads, layer.head_dim, generator=g).to(dtype)
+    out = dcp_attention(q[:, mine].contiguous().to(device), layer, step, exchange=exchange, q_heads_sharded=sharded).double().cpu()
+    for row, (i, j) in enumerate((i, j) for i in chosen for j in range(k)):
+        seen = list(range(lens[i])) + [lens[i] + m for m in range(k) if trees[i][j, m]]
+        want = reference(q[row], keys[i][seen], values[i][seen])[mine]
+        err = float((out[row].view(-1, layer.head_dim) - want).abs().max())
+        assert err < tol, (i, j, err)
+    for i in chosen:
+        pool.truncate(reqs[i], lens[i])
 
 
 #: the graph check's captured batch sizes and schedule: decode steps, and the step each request arrives

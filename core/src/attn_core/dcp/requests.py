@@ -26,7 +26,8 @@ masks, or `verify_masks=False`) is a DECODE row of that prefix's length, which e
 declaring LSE output serves. Two such rows of a request that see the same local keys (draft j+1 stored
 on another rank) would write the same "new token" slot, which a batch may not hold, so DECODE rows are
 split into parts: part o holds each (request, local length)'s o-th query (at most k parts). Tree masks
-(topk > 1) are not served.
+(topk > 1, `draft_masks`) are served by the custom-mask batch only: every request needs at least k keys
+on every rank (else a typed error on every rank alike).
 
 Graph-shaped steps (`build_dcp_step(..., graph_shaped=True)`, DECODE only) have the shapes a CUDA graph
 needs: fixed for a batch size, nothing host-dependent. Their local batch covers every request of the
@@ -199,12 +200,16 @@ class DcpStep:
 
 def build_dcp_step(pool: DcpRequestPool, work: Sequence[tuple[Request, int]], *, attn_backend=None,
                    graph_shaped: bool = False, mode: Union[ForwardMode, str, None] = None,
-                   verify_masks: bool = True) -> DcpStep:
+                   verify_masks: bool = True, draft_masks: Optional[Sequence[torch.Tensor]] = None) -> DcpStep:
     """This rank's part of a step where request work[i][0] runs work[i][1] new tokens (global counts,
     the same on every rank). Allocates the local slots of the new tokens this rank stores, writes them
     into the requests' local rows and advances the lengths. `mode` None infers DECODE / MIXED / EXTEND;
     "target_verify" asks for a verify step (the same number of drafts for every request; `verify_masks`
-    False keeps it to DECODE rows even when the backend takes custom masks). `graph_shaped`
+    False keeps it to DECODE rows even when the backend takes custom masks; `draft_masks`, one bool
+    `[k, k]` per request, entry (j, m) True where draft j sees draft m, diagonal True, gives a tree
+    instead of the chain: it needs the custom-mask batch for every request, so a backend declaring
+    custom masks and at least k keys of every request on every rank, else `InvalidArgumentError` on every
+    rank alike, before any allocation). `graph_shaped`
     (a DECODE step; needs `attn_backend` for its padding seq_len) gives the fixed shapes of a CUDA graph
     (module docstring).
 
@@ -241,6 +246,8 @@ def build_dcp_step(pool: DcpRequestPool, work: Sequence[tuple[Request, int]], *,
     mode = inferred if mode is None else ForwardMode.parse(mode)
     if mode.is_target_verify() and len(set(counts)) != 1:
         raise InvalidArgumentError("work", "the same number of draft tokens for every TARGET_VERIFY request", counts)
+    if draft_masks is not None:
+        _check_draft_masks(layout, draft_masks, mode, counts, seq, verify_masks and _takes_verify_masks(attn_backend))
     if graph_shaped:
         if not mode.is_decode():
             raise InvalidArgumentError("graph_shaped", f"False for a {mode.name} step (graph-shaped steps are DECODE)", True)
@@ -264,7 +271,8 @@ def build_dcp_step(pool: DcpRequestPool, work: Sequence[tuple[Request, int]], *,
     elif mode.is_target_verify():
         k = counts[0]
         long = [i for i, r in enumerate(reqs) if r.kv_len >= k] if verify_masks and _takes_verify_masks(attn_backend) else []
-        masked = _verify_mask_part(pool, [reqs[i] for i in long], prefix[long], k, attn_backend, long) if long else []
+        trees = [draft_masks[i] for i in long] if draft_masks is not None else None
+        masked = _verify_mask_part(pool, [reqs[i] for i in long], prefix[long], k, attn_backend, long, trees) if long else []
         rest = [i for i in range(len(reqs)) if i not in set(long)]
         rows_of = [i * k + j for i in rest for j in range(k)]
         local_lens = layout.local_lens(positions[rows_of] + 1, rank)  # the local keys each query sees
@@ -287,12 +295,34 @@ def _takes_verify_masks(attn_backend) -> bool:
     return caps is not None and ForwardMode.TARGET_VERIFY in caps.forward_modes and Feature.CUSTOM_MASK in caps.features
 
 
+def _check_draft_masks(layout: DcpLayout, draft_masks: Sequence[torch.Tensor], mode: ForwardMode, counts: list[int],
+                       seq: torch.Tensor, masks_taken: bool) -> None:
+    """Typed errors for `build_dcp_step`'s `draft_masks` (the same verdict on every rank: it reads only
+    global lengths and the backend's declared capabilities)."""
+    if not mode.is_target_verify():
+        raise InvalidArgumentError("draft_masks", f"None for a {mode.name} step (tree masks are TARGET_VERIFY's)", len(draft_masks))
+    k = counts[0]
+    if len(draft_masks) != len(counts):
+        raise InvalidArgumentError("draft_masks", f"one mask per request ({len(counts)})", len(draft_masks))
+    for i, m in enumerate(draft_masks):
+        if not isinstance(m, torch.Tensor) or m.dtype != torch.bool or tuple(m.shape) != (k, k) or not bool(m.cpu().diagonal().all()):
+            raise InvalidArgumentError(f"draft_masks[{i}]", f"a bool [{k}, {k}] tensor with a True diagonal",
+                                       (tuple(m.shape), m.dtype) if isinstance(m, torch.Tensor) else m)
+    if not masks_taken:
+        raise InvalidArgumentError("draft_masks", "None (a tree needs a local backend declaring TARGET_VERIFY with custom "
+                                   "masks, and verify_masks=True)", "tree masks")
+    fewest = torch.stack([layout.local_lens(seq, r) for r in range(layout.world)]).min(0).values
+    if bool((fewest < k).any()):
+        raise InvalidArgumentError("draft_masks", f"None while a request has fewer than {k} keys on some rank (its queries "
+                                   "run as DECODE rows, which take no tree)", fewest.tolist())
+
+
 def _verify_mask_part(pool: DcpRequestPool, reqs: list[Request], prefix: torch.Tensor, k: int, attn_backend,
-                      step_rows: list[int]) -> list[tuple[torch.Tensor, ForwardBatch]]:
+                      step_rows: list[int], trees: Optional[list[torch.Tensor]] = None) -> list[tuple[torch.Tensor, ForwardBatch]]:
     """One local TARGET_VERIFY batch of requests with at least k local keys (their lengths already
     advanced): request r's k queries over its whole local row, draft j's mask row True at the local keys of
-    global position <= prefix[r] + j. `step_rows` are the requests' indices in the step; the part's rows
-    are their queries, request after request.
+    global position < prefix[r] and at the drafts m it sees (m <= j, or `trees[r][j, m]`). `step_rows`
+    are the requests' indices in the step; the part's rows are their queries, request after request.
 
     Example (world 2, interleave 4, rank 0, prefix 9, k 2: local keys at 0..3, 8..10): mask
     [[1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1]], seq_len 7, extend_prefix_len 5.
@@ -301,8 +331,12 @@ def _verify_mask_part(pool: DcpRequestPool, reqs: list[Request], prefix: torch.T
     rows, device = pool.requests.req_to_token_pool, pool.requests.req_to_token_pool.device
     bs = len(reqs)
     lens = torch.tensor([r.kv_len for r in reqs], dtype=torch.int32)
-    masks = [layout.global_position(torch.arange(n), rank)[None, :] <= p + torch.arange(k)[:, None]
-             for n, p in zip(lens.tolist(), prefix.tolist())]
+    chain = torch.ones(k, k, dtype=torch.bool).tril()
+    masks = []
+    for i, (n, p) in enumerate(zip(lens.tolist(), prefix.tolist())):
+        draft = layout.global_position(torch.arange(n), rank) - p  # the draft index of each local key (< 0: cached)
+        tree = trees[i].cpu() if trees is not None else chain
+        masks.append((draft < 0)[None, :] | (tree[:, draft.clamp(0, k - 1)] & (draft >= 0)[None, :]))
     q_lens = torch.full((bs,), k, dtype=torch.int32)
     indptr = torch.zeros(bs + 1, dtype=torch.int64)
     indptr[1:] = (lens.to(torch.int64) * k).cumsum(0)
