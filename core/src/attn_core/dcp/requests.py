@@ -265,24 +265,19 @@ def build_dcp_step(pool: DcpRequestPool, work: Sequence[tuple[Request, int]], *,
         return _graph_shaped_decode(pool, reqs, positions, seq, save_rows, local_slots, attn_backend)
     step = DcpStep(mode, len(reqs), positions.to(device), seq.to(torch.int32), save_rows.to(device), local_slots.to(device),
                    pool.requests.token_to_kv_pool)
+    parts: list[tuple[torch.Tensor, ForwardBatch]] = []
     if mode.is_decode():
-        rows_of = list(range(len(reqs)))
         local_lens = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+        parts = _decode_parts(pool, reqs, local_lens, attn_backend, list(range(len(reqs))))
     elif mode.is_target_verify():
         k = counts[0]
-        long = [i for i, r in enumerate(reqs) if r.kv_len >= k] if verify_masks and _takes_verify_masks(attn_backend) else []
-        trees = [draft_masks[i] for i in long] if draft_masks is not None else None
-        masked = _verify_mask_part(pool, [reqs[i] for i in long], prefix[long], k, attn_backend, long, trees) if long else []
-        rest = [i for i in range(len(reqs)) if i not in set(long)]
-        rows_of = [i * k + j for i in rest for j in range(k)]
+        masked = [i for i, r in enumerate(reqs) if r.kv_len >= k] if verify_masks and _takes_verify_masks(attn_backend) else []
+        if masked:
+            trees = [draft_masks[i] for i in masked] if draft_masks is not None else None
+            parts = _verify_mask_part(pool, [reqs[i] for i in masked], prefix[masked], k, attn_backend, masked, trees)
+        rows_of = [i * k + j for i in sorted(set(range(len(reqs))) - set(masked)) for j in range(k)]
         local_lens = layout.local_lens(positions[rows_of] + 1, rank)  # the local keys each query sees
-        parts = masked + _decode_parts(pool, [reqs[t // k] for t in rows_of], local_lens, attn_backend, rows_of)
-        if parts:
-            (step.local_rows, step.local_batch), step.more_parts = parts[0], parts[1:]
-        return step
-    else:
-        return step
-    parts = _decode_parts(pool, [reqs[i] for i in rows_of], local_lens, attn_backend, rows_of)
+        parts += _decode_parts(pool, [reqs[t // k] for t in rows_of], local_lens, attn_backend, rows_of)
     if parts:
         (step.local_rows, step.local_batch), step.more_parts = parts[0], parts[1:]
     return step
