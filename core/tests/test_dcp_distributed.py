@@ -1,4 +1,4 @@
-"""DCP decode attention on 2 and 3 gloo ranks (spawned CPU processes, `attn_core.testing.distributed`)
+"""DCP decode and verify attention on 2 and 3 gloo ranks (spawned CPU processes, `attn_core.testing.distributed`)
 against a float64 attention over each request's whole KV, written plainly.
 
 Every rank runs the same schedule over several steps of the same requests: prompts (EXTEND: only the
@@ -14,6 +14,8 @@ step's graph output must equal the eager output and the reference."""
 
 from __future__ import annotations
 
+import functools
+import os
 from pathlib import Path
 
 import pytest
@@ -37,12 +39,14 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     return out
 
 
-def dcp_worker(rank: int, world: int, seed: int, configs: list[tuple[str, str, bool, bool]], device: str = "cpu",
+def dcp_worker(rank: int, world: int, seed: int, configs: list[tuple[str, str, bool, str]], device: str = "cpu",
                dtype_name: str = "float32") -> list[float]:
-    """Each (backend, exchange, q_heads_sharded, graphs) of `configs` in turn, in the same processes (one
-    spawn): `dcp_graph_check` when graphs, else `dcp_check`."""
-    return [(dcp_graph_check if config[3] else dcp_check)(rank, world, seed + i, *config[:3], device, dtype_name)
-            for i, config in enumerate(configs)]
+    """Each (backend, exchange, q_heads_sharded, check) of `configs` in turn, in the same processes (one
+    spawn); check is "eager" (`dcp_check`), "graph" (`dcp_graph_check`), "verify" (`dcp_verify_check`) or
+    "verify_rows" (the same with DECODE rows only)."""
+    checks = {"eager": dcp_check, "graph": dcp_graph_check, "verify": dcp_verify_check,
+              "verify_rows": functools.partial(dcp_verify_check, verify_masks=False)}
+    return [checks[config[3]](rank, world, seed + i, *config[:3], device, dtype_name) for i, config in enumerate(configs)]
 
 
 class RankSetup:
@@ -124,6 +128,133 @@ def dcp_check(rank: int, world: int, seed: int, backend: str, exchange: str, sha
             assert err < tol, (rank, t, i, err)
             worst = max(worst, err)
     return worst
+
+
+#: the verify check's schedule: k drafts per TARGET_VERIFY step, 0 for a decode step
+VERIFY_STEPS = (1, 0, 3, 4, 0, 2, 1)
+#: the verify step before which a fifth request (2 tokens) arrives
+VERIFY_ARRIVAL = 3
+
+
+def dcp_verify_check(rank: int, world: int, seed: int, backend: str, exchange: str, sharded: bool, device: str,
+                     dtype_name: str, verify_masks: bool = True) -> list[tuple[str, bool]]:
+    """Verify and decode steps of the same requests (module docstring) against the float64 reference;
+    `verify_masks` as `build_dcp_step` takes it (a local TARGET_VERIFY batch where the backend takes
+    custom masks, or DECODE rows only). Returns the (local batch mode, several parts in the step) pairs
+    this rank ran, for the test to check that every kind of local part ran on some rank."""
+    import attn_core as ac
+    from attn_core.dcp import build_dcp_step, dcp_attention, dcp_decode_attention
+
+    dtype = getattr(torch, dtype_name)
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    if device == "cuda":
+        device = f"cuda:{rank}"
+    setup = RankSetup(rank, world, backend, device, dtype)
+    pool, attn, layer, hq, D = setup.pool, setup.attn, setup.layer, setup.hq, setup.D
+    mine = slice(rank * HQ_PER_RANK, (rank + 1) * HQ_PER_RANK) if sharded else slice(0, hq)
+    g = torch.Generator().manual_seed(seed)  # the same data on every rank
+    prompts = [int(torch.randint(1, 14, (1,), generator=g)) for _ in range(5)]
+    prompts[1], prompts[4] = 3, 2  # shorter than one block: no key on ranks > 0 until it grows
+    keys = [torch.randn(48, HKV, D, generator=g).to(dtype) for _ in prompts]
+    values = [torch.randn(48, HKV, D, generator=g).to(dtype) for _ in prompts]
+    reqs, lens = [], []
+
+    def prefill(i: int) -> None:
+        reqs.append(pool.add())
+        lens.append(prompts[i])
+        step = build_dcp_step(pool, [(reqs[i], prompts[i])], attn_backend=attn)
+        step.save_kv(layer, keys[i][: prompts[i]].to(device), values[i][: prompts[i]].to(device))
+
+    for i in range(4):
+        prefill(i)
+    expect_error(ac.InvalidArgumentError, build_dcp_step, pool, [(reqs[0], 2), (reqs[1], 3)], mode="target_verify")
+    expect_error(ac.InvalidArgumentError, build_dcp_step, pool, [(r, 2) for r in reqs], mode="draft_extend")
+    expect_error(ac.InvalidArgumentError, pool.truncate, reqs[0], lens[0] + 1)
+    assert [pool.kv_len(r) for r in reqs] == lens  # nothing allocated by the refused calls
+    kinds = set()
+    for t, k in enumerate(VERIFY_STEPS):
+        if t == VERIFY_ARRIVAL:
+            prefill(4)  # arrives mid-run with fewer local keys than drafts: DECODE rows beside a verify batch
+        n = max(k, 1)
+        step = build_dcp_step(pool, [(r, n) for r in reqs], attn_backend=attn, mode="target_verify" if k else None,
+                              verify_masks=verify_masks)
+        kinds.update((b.forward_mode.name, len(step.local_parts) > 1) for _, b in step.local_parts)
+        assert step.forward_mode == (ac.ForwardMode.TARGET_VERIFY if k else ac.ForwardMode.DECODE)
+        new_k = torch.cat([keys[i][lens[i]: lens[i] + n] for i in range(len(reqs))]).to(device)
+        new_v = torch.cat([values[i][lens[i]: lens[i] + n] for i in range(len(reqs))]).to(device)
+        step.save_kv(layer, new_k, new_v)
+        step.init_forward_metadata()
+        q = torch.randn(len(reqs) * n, hq, D, generator=g).to(dtype)
+        q_mine = q[:, mine].contiguous().to(device)
+        if t == 0:  # typed errors on every rank before any collective
+            expect_error(ac.InvalidArgumentError, dcp_attention, q_mine[:1], layer, step, exchange=exchange, q_heads_sharded=sharded)
+            expect_error(ac.InvalidArgumentError, dcp_decode_attention, q_mine, layer, step, exchange=exchange, q_heads_sharded=sharded)
+        out = dcp_attention(q_mine, layer, step, exchange=exchange, q_heads_sharded=sharded).double().cpu()
+        for i in range(len(reqs)):
+            for j in range(n):
+                row = i * n + j
+                want = reference(q[row], keys[i][: lens[i] + j + 1], values[i][: lens[i] + j + 1])[mine]
+                got = out[row].view(-1, D)
+                assert torch.isfinite(got).all(), (rank, t, i, j)
+                err = float((got - want).abs().max())
+                assert err < tol, (rank, t, i, j, err)
+        accepted = [int(torch.randint(1, n + 1, (1,), generator=g)) for _ in reqs]
+        for i, r in enumerate(reqs):
+            lens[i] += accepted[i]
+            pool.truncate(r, lens[i])  # reject the rest: the next step rewrites those positions with new values
+            keys[i][lens[i]:] = torch.randn(48 - lens[i], HKV, D, generator=g).to(dtype)
+            values[i][lens[i]:] = torch.randn(48 - lens[i], HKV, D, generator=g).to(dtype)
+    if verify_masks:
+        tree_step(pool, attn, layer, reqs, lens, keys, values, g, mine, exchange, sharded, device, dtype, tol)
+    return sorted(kinds)
+
+
+def random_tree(k: int, g: torch.Generator) -> torch.Tensor:
+    """bool `[k, k]`: a random draft tree, entry (j, m) True where draft m is draft j or one of its
+    ancestors (draft m's parent is a random earlier draft or the cached prefix)."""
+    tree = torch.eye(k, dtype=torch.bool)
+    for m in range(1, k):
+        parent = int(torch.randint(-1, m, (1,), generator=g))
+        if parent >= 0:
+            tree[m] |= tree[parent]
+    return tree
+
+
+def tree_step(pool, attn, layer, reqs, lens, keys, values, g, mine, exchange, sharded, device, dtype, tol) -> None:
+    """A TARGET_VERIFY step of 3 drafts with random tree masks over the requests that have 3 keys on every
+    rank (refused with a typed error while the step holds one that has not, a new request of 1 token),
+    then the drafts rejected."""
+    import attn_core as ac
+    from attn_core.dcp import build_dcp_step, dcp_attention
+
+    k, layout = 3, pool.layout
+    new = pool.add()  # one token: fewer than k keys on rank 1 even with its drafts
+    one = torch.randn(1, layer.num_kv_heads, layer.head_dim, generator=g).to(dtype).to(device)
+    build_dcp_step(pool, [(new, 1)], attn_backend=attn).save_kv(layer, one, one)
+    trees = [random_tree(k, g) for _ in reqs]
+    expect_error(ac.InvalidArgumentError, build_dcp_step, pool, [(r, k) for r in reqs + [new]], attn_backend=attn,
+                 mode="target_verify", draft_masks=trees + [torch.eye(k, dtype=torch.bool)])
+    pool.free(new)
+    every_rank = [min(int(layout.local_lens(torch.tensor(n + k), r)) for r in range(layout.world)) >= k for n in lens]
+    assert any(every_rank)
+    expect_error(ac.InvalidArgumentError, build_dcp_step, pool, [(reqs[0], k)], attn_backend=attn, mode="target_verify",
+                 draft_masks=[~trees[0]])
+    assert [pool.kv_len(r) for r in reqs] == lens  # nothing allocated by the refused calls
+    chosen = [i for i, ok in enumerate(every_rank) if ok]
+    step = build_dcp_step(pool, [(reqs[i], k) for i in chosen], attn_backend=attn, mode="target_verify",
+                          draft_masks=[trees[i] for i in chosen])
+    step.save_kv(layer, torch.cat([keys[i][lens[i]: lens[i] + k] for i in chosen]).to(device),
+                 torch.cat([values[i][lens[i]: lens[i] + k] for i in chosen]).to(device))
+    step.init_forward_metadata()
+    q = torch.randn(len(chosen) * k, layer.num_q_heads, layer.head_dim, generator=g).to(dtype)
+    out = dcp_attention(q[:, mine].contiguous().to(device), layer, step, exchange=exchange, q_heads_sharded=sharded).double().cpu()
+    for row, (i, j) in enumerate((i, j) for i in chosen for j in range(k)):
+        seen = list(range(lens[i])) + [lens[i] + m for m in range(k) if trees[i][j, m]]
+        want = reference(q[row], keys[i][seen], values[i][seen])[mine]
+        err = float((out[row].view(-1, layer.head_dim) - want).abs().max())
+        assert err < tol, (i, j, err)
+    for i in chosen:
+        pool.truncate(reqs[i], lens[i])
 
 
 #: the graph check's captured batch sizes and schedule: decode steps, and the step each request arrives
@@ -253,12 +384,16 @@ def _usable(name: str) -> bool:
     return entry is not None and entry.ok and entry.probe() is None
 
 
-#: per group size, the (backend, exchange, q_heads_sharded, graphs) runs of one spawn
+#: per group size, the (backend, exchange, q_heads_sharded, check) runs of one spawn
 CONFIGS = {
-    2: [("torch_native", "all_gather", True, False), ("torch_native", "all_to_all", True, False), ("cpu_amx", "all_gather", False, False),
-        ("torch_native", "all_to_all", True, True), ("torch_native", "all_gather", False, True)],
-    3: [("torch_native", "all_to_all", True, False), ("torch_native", "all_gather", False, False), ("cpu_amx", "all_to_all", True, False),
-        ("torch_native", "all_gather", True, True)],
+    2: [("torch_native", "all_gather", True, "eager"), ("torch_native", "all_to_all", True, "eager"),
+        ("cpu_amx", "all_gather", False, "eager"), ("torch_native", "all_to_all", True, "graph"),
+        ("torch_native", "all_gather", False, "graph"), ("torch_native", "all_to_all", True, "verify"),
+        ("cpu_amx", "all_gather", False, "verify"), ("torch_native", "all_gather", True, "verify_rows")],
+    3: [("torch_native", "all_to_all", True, "eager"), ("torch_native", "all_gather", False, "eager"),
+        ("cpu_amx", "all_to_all", True, "eager"), ("torch_native", "all_gather", True, "graph"),
+        ("torch_native", "all_gather", True, "verify"), ("cpu_amx", "all_to_all", True, "verify"),
+        ("torch_native", "all_gather", False, "verify_rows")],
 }
 
 
@@ -267,18 +402,34 @@ def test_dcp_decode_matches_single_rank(world):
     configs = [c for c in CONFIGS[world] if _usable(c[0])]
     errs = run_ranks(HERE, "dcp_worker", world, args=(world * 7, configs), timeout_s=150)
     assert [len(e) for e in errs] == [len(configs)] * world
+    for i, config in enumerate(configs):  # verify: every kind of local part ran on some rank
+        kinds = {tuple(kind) for e in errs for kind in e[i]} if config[3].startswith("verify") else set()
+        if config[3] == "verify":  # a TARGET_VERIFY batch beside DECODE rows in one step
+            assert ("TARGET_VERIFY", True) in kinds, (config, kinds)
+        if config[3] == "verify_rows":  # DECODE rows only, split into several parts
+            assert ("DECODE", True) in kinds and "TARGET_VERIFY" not in {m for m, _ in kinds}, (config, kinds)
+
+
+def test_dcp_verify_triton_interpreter():
+    """The verify check with attn-triton's kernels under the Triton interpreter (2 gloo ranks): its
+    TARGET_VERIFY custom-mask batch beside DECODE rows."""
+    if os.environ.get("TRITON_INTERPRET") != "1" or not _usable("triton"):
+        pytest.skip("needs TRITON_INTERPRET=1 and attn-triton")
+    errs = run_ranks(HERE, "dcp_worker", 2, args=(3, [("triton", "all_gather", True, "verify")]), timeout_s=300)
+    assert ("TARGET_VERIFY", True) in {tuple(kind) for e in errs for kind in e[0]}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend,dtype_name", [("triton", "float32"), ("flashinfer", "float16")])
 @pytest.mark.parametrize("exchange", ["all_gather", "all_to_all"])
 def test_dcp_decode_nccl(backend, dtype_name, exchange):
-    """The same check on 2 GPUs over NCCL (eager)."""
+    """The same checks on 2 GPUs over NCCL (eager decode, and verify)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
     if not _usable(backend):
         pytest.skip(f"{backend} cannot run here")
-    run_ranks(HERE, "dcp_worker", 2, args=(5, [(backend, exchange, True, False)], "cuda", dtype_name), timeout_s=300, dist_backend="nccl")
+    configs = [(backend, exchange, True, "eager"), (backend, exchange, True, "verify")]
+    run_ranks(HERE, "dcp_worker", 2, args=(5, configs, "cuda", dtype_name), timeout_s=300, dist_backend="nccl")
 
 
 @pytest.mark.gpu
@@ -292,7 +443,7 @@ def test_dcp_decode_nccl_cuda_graphs(backend, dtype_name, exchange):
         pytest.skip("needs 2 CUDA GPUs")
     if not _usable(backend):
         pytest.skip(f"{backend} cannot run here")
-    configs = [(backend, exchange, True, True)] + ([(backend, exchange, False, True)] if exchange == "all_gather" else [])
+    configs = [(backend, exchange, True, "graph")] + ([(backend, exchange, False, "graph")] if exchange == "all_gather" else [])
     run_ranks(HERE, "dcp_worker", 2, args=(11, configs, "cuda", dtype_name), timeout_s=300, dist_backend="nccl")
 
 

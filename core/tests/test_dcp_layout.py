@@ -34,6 +34,9 @@ def test_layout_matches_plain_loop(world, interleave):
         want = [sum(1 for r, _ in plain_layout(int(L), world, interleave) if r == rank) for L in lens]
         assert layout.local_lens(lens, rank).tolist() == want
     assert sum(layout.local_lens(lens, r) for r in range(world)).tolist() == lens.tolist()
+    for rank in range(world):  # global_position: each rank's local row, in order, is its positions
+        mine = [p for p, (r, _) in enumerate(expected) if r == rank]
+        assert layout.global_position(torch.arange(len(mine)), rank).tolist() == mine
 
 
 def test_docstring_example():
@@ -41,6 +44,8 @@ def test_docstring_example():
     assert layout.rank_of(torch.tensor([0, 3, 4, 7, 8, 10])).tolist() == [0, 0, 1, 1, 0, 0]
     assert layout.local_position(torch.tensor([0, 3, 4, 7, 8, 10])).tolist() == [0, 3, 0, 3, 4, 6]
     assert layout.local_lens(torch.tensor([0, 3, 4, 5, 11]), 1).tolist() == [0, 0, 0, 1, 4]
+    assert layout.global_position(torch.tensor([0, 3, 4, 6]), 0).tolist() == [0, 3, 8, 10]
+    assert layout.global_position(torch.tensor([0, 3, 4]), 1).tolist() == [4, 7, 12]
 
 
 @pytest.mark.parametrize("bad", [dict(world=0, interleave=4), dict(world=2, interleave=0), dict(world=2.0, interleave=4)])

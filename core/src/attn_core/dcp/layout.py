@@ -70,3 +70,13 @@ class DcpLayout:
         cycle = self.interleave * self.world
         full = torch.div(lens, cycle, rounding_mode="floor") * self.interleave
         return full + (lens % cycle - rank * self.interleave).clamp(0, self.interleave)
+
+    def global_position(self, local: torch.Tensor, rank: int) -> torch.Tensor:
+        """The global position of each index of `rank`'s local row (int64, same shape); the inverse of
+        `local_position` on that rank.
+
+        Example (world 2, interleave 4): rank 0 [0, 3, 4, 6] -> [0, 3, 8, 10]; rank 1 [0, 3, 4] -> [4, 7, 12].
+        """
+        self.check_rank(rank)
+        block = torch.div(local, self.interleave, rounding_mode="floor")
+        return (block * self.world + rank) * self.interleave + local % self.interleave
