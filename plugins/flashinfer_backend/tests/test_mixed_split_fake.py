@@ -10,7 +10,6 @@ flashinfer is importable (test_gpu_mixed_split.py runs the real thing there).
 from __future__ import annotations
 
 import importlib.util
-import math
 import random
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 
 import attn_core as ac
 from attn_core.errors import InvalidArgumentError
+from attn_core.testing.engine_steps import MIXED_STEPS, EngineWorld, compare_over_steps
 from attn_core.testing.harness import AttnCase, assert_case
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is not None, reason="the real flashinfer is installed")
@@ -196,103 +196,12 @@ def test_decode_wrapper_gets_exactly_the_decode_rows(factory, monkeypatch):
 
 
 # ---- several steps through the engine API, split and unsplit, against a plain float64 loop ------------
-HQ, HKV, D, LAYERS = 4, 2, 64, 2
-
-
-class World:
-    """One engine's state: NaN-poisoned pools, a RequestPool and a backend over the stand-in."""
-
-    def __init__(self, factory, page_size: int, mixed_split: bool):
-        slots = 256
-        self.kv = ac.MHATokenToKVPool(
-            size=slots, page_size=page_size, dtype=torch.float16, head_num=HKV, head_dim=D, layer_num=LAYERS, device="cpu"
-        )
-        for lid in range(LAYERS):
-            self.kv.get_key_buffer(lid).fill_(float("nan"))
-            self.kv.get_value_buffer(lid).fill_(float("nan"))
-        self.rows = ac.ReqToTokenPool(size=8, max_context_len=64, device="cpu")
-        self.requests = ac.RequestPool(self.rows, ac.PagedTokenAllocator(slots, page_size), self.kv)
-        ctx = ac.BackendContext(
-            device=torch.device("cpu"), dtype=torch.float16, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=page_size,
-            max_batch_size=8, max_context_len=64, req_to_token_pool=self.rows, token_to_kv_pool=self.kv,
-            forward_modes={"extend", "decode", "mixed"}, validation="full",
-        )  # fmt: skip
-        self.backend = factory(ctx, mixed_split=mixed_split)
-        self.layers = [ac.AttentionLayer(i, HQ, HKV, D) for i in range(LAYERS)]
-        self.by_name: dict[str, object] = {}
-
-    def step(self, work, qkv):
-        """One step: work [(name, new_tokens)] → (mode, split kind, per layer output `[T, Hq*D]` float64)."""
-        for name, _ in work:
-            if name not in self.by_name:
-                self.by_name[name] = self.requests.add()
-        batch = ac.build_step(self.requests, [(self.by_name[n], t) for n, t in work], attn_backend=self.backend)
-        self.backend.init_forward_metadata(batch)
-        outs = [layer(q, k, v, batch).double() for layer, (q, k, v) in zip(self.layers, qkv)]
-        assert self.backend.poll_device_fault() is None
-        return batch.forward_mode, split_kind(self.backend), outs
-
-    def free(self, name):
-        self.requests.free(self.by_name.pop(name))
-
-
-def reference_step(history, work, qkv):
-    """Plain float64 causal attention: every request's keys are its history plus this step's tokens."""
-    outs = []
-    for lid, (q, k, v) in enumerate(qkv):
-        rows, t = [], 0
-        for name, n in work:
-            hk, hv = history.setdefault((name, lid), (torch.zeros(0, HKV, D, dtype=torch.float64),) * 2)
-            hk = torch.cat([hk, k[t : t + n].double()])
-            hv = torch.cat([hv, v[t : t + n].double()])
-            history[(name, lid)] = (hk, hv)
-            for i in range(n):
-                p = hk.shape[0] - n + i  # the token's position: it sees keys 0..p
-                for h in range(HQ):
-                    g = h // (HQ // HKV)
-                    s = (hk[: p + 1, g] @ q[t + i, h].double()) / math.sqrt(D)
-                    rows.append(torch.softmax(s, 0) @ hv[: p + 1, g])
-            t += n
-        outs.append(torch.stack(rows).view(t, HQ * D))
-    return outs
-
-
-STEPS = [
-    [("a", 9)],
-    [("a", 1), ("b", 12)],  # MIXED, decode-first
-    [("b", 1), ("c", 5), ("a", 1)],  # MIXED, interleaved
-    [("c", 7), ("a", 1), ("b", 1)],  # MIXED, chunk first
-    [("a", 1), ("b", 1), ("c", 1)],  # DECODE
-    "free a",
-    [("d", 4), ("c", 1), ("e", 6), ("b", 1)],  # MIXED after a request left, chunks without a prefix
-]
-
-
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_engine_steps_split_and_unsplit_agree(factory, page_size):
-    gen = torch.Generator().manual_seed(page_size)
-    split, unsplit = World(factory, page_size, True), World(factory, page_size, False)
-    history: dict = {}
-    kinds = []
-    for work in STEPS:
-        if isinstance(work, str):
-            split.free(work.split()[1])
-            unsplit.free(work.split()[1])
-            continue
-        T = sum(n for _, n in work)
-        qkv = [tuple(torch.randn(T, h, D, generator=gen).half() for h in (HQ, HKV, HKV)) for _ in range(LAYERS)]
-        mode, split_kind_, split_out = split.step(work, qkv)
-        _, unsplit_kind, unsplit_out = unsplit.step(work, qkv)
-        ref = reference_step(history, work, qkv)
-        kinds.append((mode.name, split_kind_, unsplit_kind))
-        for a, b, r in zip(split_out, unsplit_out, ref):
-            scale = r.abs().max()
-            assert float((a - r).abs().max() / scale) <= 2e-2, work
-            assert float((b - r).abs().max() / scale) <= 2e-2, work
-            assert float((a - b).abs().max() / scale) <= 2e-2, work
-        for lid in range(LAYERS):  # the same K/V in the same slots, NaN where nothing was written
-            for get in ("get_key_buffer", "get_value_buffer"):
-                x, y = getattr(split.kv, get)(lid), getattr(unsplit.kv, get)(lid)
-                assert torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0))
+    worlds = [
+        EngineWorld(lambda ctx, s=s: factory(ctx, mixed_split=s), page_size=page_size, dtype=torch.float16, head_dim=64)
+        for s in (True, False)
+    ]
+    kinds = compare_over_steps(worlds, MIXED_STEPS, seed=page_size, tol=2e-2, observe=lambda w: split_kind(w.backend))
     mixed = ("MIXED", "split", "one plan")
     assert kinds == [("EXTEND", "one plan", "one plan"), mixed, mixed, mixed, ("DECODE", "one plan", "one plan"), mixed]

@@ -10,7 +10,6 @@ Under the Triton interpreter, small shapes.
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
@@ -19,6 +18,7 @@ from triton_helpers import SMALL_SPLITS, factory, requires_interpreter
 
 import attn_core as ac
 from attn_core.errors import InvalidArgumentError
+from attn_core.testing.engine_steps import MIXED_STEPS, EngineWorld, compare_over_steps
 from attn_core.testing.harness import AttnCase, assert_case
 from attn_triton.metadata import ExtendMetadata
 from attn_triton.mixed import MixedMetadata
@@ -143,108 +143,16 @@ def test_out_of_range_slot_is_flagged_not_read():
 
 
 # ---- several steps through the engine API, split and unsplit, against a plain float64 loop ------------
-HQ, HKV, D, LAYERS = 4, 2, 16, 2
-
-
-class World:
-    """One engine's state: NaN-poisoned pools, a RequestPool and a Triton backend."""
-
-    def __init__(self, page_size: int, dtype: torch.dtype, mixed_split: bool):
-        slots = 256
-        self.kv = ac.MHATokenToKVPool(
-            size=slots, page_size=page_size, dtype=dtype, head_num=HKV, head_dim=D, layer_num=LAYERS, device="cpu"
-        )
-        for lid in range(LAYERS):
-            self.kv.get_key_buffer(lid).fill_(float("nan"))
-            self.kv.get_value_buffer(lid).fill_(float("nan"))
-        self.rows = ac.ReqToTokenPool(size=8, max_context_len=64, device="cpu")
-        self.requests = ac.RequestPool(self.rows, ac.PagedTokenAllocator(slots, page_size), self.kv)
-        ctx = ac.BackendContext(
-            device=torch.device("cpu"), dtype=dtype, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=page_size,
-            max_batch_size=8, max_context_len=64, req_to_token_pool=self.rows, token_to_kv_pool=self.kv,
-            forward_modes={"extend", "decode", "mixed"}, validation="full",
-        )  # fmt: skip
-        self.backend = factory(split_policy=SMALL_SPLITS, mixed_split=mixed_split)(ctx)
-        self.layers = [ac.AttentionLayer(i, HQ, HKV, D) for i in range(LAYERS)]
-        self.by_name: dict[str, object] = {}
-
-    def step(self, work, qkv):
-        """Run one step: work [(name, new_tokens)] → per layer output `[T, Hq*D]` (float64)."""
-        for name, _ in work:
-            if name not in self.by_name:
-                self.by_name[name] = self.requests.add()
-        batch = ac.build_step(self.requests, [(self.by_name[n], t) for n, t in work], attn_backend=self.backend)
-        self.backend.init_forward_metadata(batch)
-        outs = [layer(q, k, v, batch).double() for layer, (q, k, v) in zip(self.layers, qkv)]
-        assert self.backend.poll_device_fault() is None
-        return batch.forward_mode, type(self.backend.forward_metadata), outs
-
-    def free(self, name):
-        self.requests.free(self.by_name.pop(name))
-
-
-def reference_step(history, work, qkv):
-    """Plain float64 causal attention: every request's keys are its history plus this step's tokens."""
-    outs = []
-    for lid, (q, k, v) in enumerate(qkv):
-        rows, t = [], 0
-        for name, n in work:
-            hk, hv = history.setdefault((name, lid), (torch.zeros(0, HKV, D, dtype=torch.float64),) * 2)
-            hk = torch.cat([hk, k[t : t + n].double()])
-            hv = torch.cat([hv, v[t : t + n].double()])
-            history[(name, lid)] = (hk, hv)
-            for i in range(n):
-                p = hk.shape[0] - n + i  # the token's position: it sees keys 0..p
-                for h in range(HQ):
-                    g = h // (HQ // HKV)
-                    s = (hk[: p + 1, g] @ q[t + i, h].double()) / math.sqrt(D)
-                    rows.append(torch.softmax(s, 0) @ hv[: p + 1, g])
-            t += n
-        outs.append(torch.stack(rows).view(t, HQ * D))
-    return outs
-
-
-STEPS = [
-    [("a", 9)],
-    [("a", 1), ("b", 12)],  # MIXED, decode-first
-    [("b", 1), ("c", 5), ("a", 1)],  # MIXED, interleaved
-    [("c", 7), ("a", 1), ("b", 1)],  # MIXED, prefill first
-    [("a", 1), ("b", 1), ("c", 1)],  # DECODE
-    "free a",
-    [("d", 4), ("c", 1), ("e", 6), ("b", 1)],  # MIXED after a request left
-]
-
-
 @pytest.mark.parametrize("page_size,dtype", [(1, torch.float32), (16, torch.float16)])
 def test_engine_steps_split_and_unsplit_agree(page_size, dtype):
-    gen = torch.Generator().manual_seed(page_size)
-    split, unsplit = World(page_size, dtype, True), World(page_size, dtype, False)
-    history: dict = {}
+    worlds = [
+        EngineWorld(lambda ctx, s=s: factory(split_policy=SMALL_SPLITS, mixed_split=s)(ctx), page_size=page_size, dtype=dtype)
+        for s in (True, False)
+    ]
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    modes = []
-    for work in STEPS:
-        if isinstance(work, str):
-            split.free(work.split()[1])
-            unsplit.free(work.split()[1])
-            continue
-        T = sum(n for _, n in work)
-        qkv = [tuple(torch.randn(T, h, D, generator=gen).to(dtype) for h in (HQ, HKV, HKV)) for _ in range(LAYERS)]
-        mode, split_meta, split_out = split.step(work, qkv)
-        _, unsplit_meta, unsplit_out = unsplit.step(work, qkv)
-        ref = reference_step(history, work, qkv)
-        modes.append(mode.name)
-        if mode == ac.ForwardMode.MIXED:
-            assert split_meta is MixedMetadata and unsplit_meta is ExtendMetadata
-        for a, b, r in zip(split_out, unsplit_out, ref):
-            scale = r.abs().max()
-            assert float((a - r).abs().max() / scale) <= tol, work
-            assert float((b - r).abs().max() / scale) <= tol, work
-            assert float((a - b).abs().max() / scale) <= tol, work
-        for lid in range(LAYERS):  # the same K/V in the same slots, NaN where nothing was written
-            for get in ("get_key_buffer", "get_value_buffer"):
-                x, y = getattr(split.kv, get)(lid), getattr(unsplit.kv, get)(lid)
-                assert torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0))
-    assert modes == ["EXTEND", "MIXED", "MIXED", "MIXED", "DECODE", "MIXED"]
+    seen = compare_over_steps(worlds, MIXED_STEPS, seed=page_size, tol=tol, observe=lambda w: type(w.backend.forward_metadata))
+    assert [mode for mode, _, _ in seen] == ["EXTEND", "MIXED", "MIXED", "MIXED", "DECODE", "MIXED"]
+    assert all((split, unsplit) == (MixedMetadata, ExtendMetadata) for mode, split, unsplit in seen if mode == "MIXED")
 
 
 def test_kit_mixed_checks_pass_unsplit():
