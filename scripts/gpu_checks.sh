@@ -17,19 +17,19 @@ if [ -n "${GPU_CHECKS_READY:-}" ]; then
   [ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   [ -d /tmp/fiws ] && export FLASHINFER_WORKSPACE_BASE=/tmp/fiws
 else
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e core -e plugins/triton_backend -e plugins/flashinfer_backend -e plugins/trtllm_mla || exit 1
-if ls .fi-cache/aot*.tar.xz >/dev/null 2>&1 && python3 -c "import flashinfer" 2>/dev/null; then  # each holds aot/<module>/
-  for t in .fi-cache/aot*.tar.xz; do tar -C /tmp -xJf "$t" || exit 1; done
-  python3 plugins/flashinfer_backend/tools/jit_cache.py install /tmp/aot || exit 1
-fi
-if ls .fi-cache/*_fi.tgz >/dev/null 2>&1; then  # FlashInfer JIT caches (.cache/flashinfer/...): benchmark peers, MLA kernels
-  mkdir -p /tmp/fiws && export FLASHINFER_WORKSPACE_BASE=/tmp/fiws
-  for t in .fi-cache/*_fi.tgz; do tar -C /tmp/fiws -xzf "$t" || exit 1; done
-fi
+  if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  python3 -m pip install -q --no-deps --no-build-isolation -e core -e plugins/triton_backend -e plugins/flashinfer_backend -e plugins/trtllm_mla || exit 1
+  if ls .fi-cache/aot*.tar.xz >/dev/null 2>&1 && python3 -c "import flashinfer" 2>/dev/null; then  # each holds aot/<module>/
+    for t in .fi-cache/aot*.tar.xz; do tar -C /tmp -xJf "$t" || exit 1; done
+    python3 plugins/flashinfer_backend/tools/jit_cache.py install /tmp/aot || exit 1
+  fi
+  if ls .fi-cache/*_fi.tgz >/dev/null 2>&1; then  # FlashInfer JIT caches (.cache/flashinfer/...): benchmark peers, MLA kernels
+    mkdir -p /tmp/fiws && export FLASHINFER_WORKSPACE_BASE=/tmp/fiws
+    for t in .fi-cache/*_fi.tgz; do tar -C /tmp/fiws -xzf "$t" || exit 1; done
+  fi
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
