@@ -201,3 +201,44 @@ def test_interpreter_flag(monkeypatch, value, on):
 def test_launcher_module_imports_no_triton_or_torch():
     code = "import sys, attn_core.ops.triton_launch; assert not {'triton', 'torch'} & set(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class DirectCompiled(FakeCompiled):
+    """A compiled kernel with loaded handles, as Triton's `CompiledKernel` has after its first launch."""
+
+    function, packed_metadata = "fn-handle", "packed"
+
+    def run(self, *args):
+        self.log.append(("direct", args))
+
+
+def test_launcher_called_directly_on_the_device_stream(gpu_like):
+    k = FakeKernel()
+    run = launch.CachedLaunch(k)
+    a = FakeTensor(is_cuda=True, get_device=lambda: 1, dtype="int32", address=4096)
+    run((2,), a, 5, A=7, num_warps=4)  # compiles (and gates)
+    streams = []
+    run._stream_of = lambda device: streams.append(device) or 99
+    run._runtime = SimpleNamespace(launch_enter_hook=None, launch_exit_hook="exit-hook")
+    key = next(iter(run.compiled))
+    run.compiled[key] = (DirectCompiled(k.log), run.compiled[key][1])
+    run((2, 3), a, 6, A=7, num_warps=4)
+    assert k.log[-1] == ("direct", (2, 3, 1, 99, "fn-handle", "packed", None, None, "exit-hook", 4096, 6, 7))
+    assert streams == [1]  # the current stream of the first tensor's device
+    run._runtime.launch_enter_hook = "profiler"  # an enter hook wants Triton's launch metadata: its own handle
+    run((2, 3), a, 6, A=7, num_warps=4)
+    assert k.log[-1] == ("cached", (2, 3, 1), (4096, 6, 7))
+    run._stream_of = None  # no stream query (Triton's driver not importable): the handle too
+    run._runtime.launch_enter_hook = None
+    run((2, 3), a, 6, A=7, num_warps=4)
+    assert k.log[-1][0] == "cached"
+
+
+def test_other_keyword_names_with_equal_values_get_their_own_binary(gpu_like):
+    k = FakeKernel()
+    run = launch.CachedLaunch(k)
+    run((1,), gpu_like, A=1, B=2, num_warps=4)
+    run((1,), gpu_like, A=1, B=2, num_warps=4)
+    run((1,), gpu_like, A=1, C=2, num_warps=4)  # same values under other names: not the first binary
+    run((1,), gpu_like, A=1, C=2, num_warps=4)
+    assert [e[0] for e in k.log] == ["jit", "cached", "jit", "cached"]

@@ -1,6 +1,6 @@
 """SplitScratch: the decode split scratch hands out the same views per (bs, max_splits) until it grows,
 and views handed out before a growth keep their own memory. IndexScratch: the step's key index reuses
-one buffer across steps, sized exactly per step, and the index kernel stays inside the step's part."""
+one buffer across steps (views per batch size), and the index kernel stays inside the step's keys."""
 
 import torch
 from triton_helpers import requires_interpreter
@@ -28,21 +28,22 @@ def test_views_shape_reuse_and_growth():
     assert after[0] is not o and after[0].data_ptr() == big_o.data_ptr()  # views of the grown buffer
 
 
-def test_index_scratch_reuse_growth_and_exact_capacity():
+def test_index_scratch_views_per_batch_size_and_growth():
     from attn_triton.metadata import IndexScratch
 
     s = IndexScratch(torch.device("cpu"))
     a = s.kv(2, 10)
-    assert a.indptr.shape == (3,) and a.indices.shape == (10,)  # exactly the keys: the kernel's capacity
+    assert a.indptr.shape == (3,) and a.indices.shape == (13,)  # the rest of the 16-entry buffer: room for 10
     assert a.indices.data_ptr() == a.indptr.data_ptr() + 3 * 4 and s.capacity == 16
-    b = s.kv(2, 12)  # fits: the same buffer
-    assert b.indptr.data_ptr() == a.indptr.data_ptr() and b.indices.shape == (12,)
-    assert s.kv(3, 0).indices.shape == (1,)  # no keys: one entry, never an empty buffer
+    assert s.kv(2, 12) is a  # fits: the same views, no per-step view construction
+    zero = s.kv(3, 0)
+    assert zero.indptr.shape == (4,) and zero.indices.shape == (12,) and zero.indptr.data_ptr() == a.indptr.data_ptr()
     a.indices.fill_(5)
     c = s.kv(4, 40)  # grows by a quarter more than asked
-    assert s.capacity == 56 and c.indptr.data_ptr() != a.indptr.data_ptr() and c.indices.shape == (40,)
+    assert s.capacity == 56 and c.indptr.data_ptr() != a.indptr.data_ptr() and c.indices.shape == (51,)
     c.indices.fill_(-1)
     assert bool((a.indices == 5).all())  # an earlier step's views keep the old buffer
+    assert s.kv(2, 10) is not a and s.kv(2, 10).indptr.data_ptr() == c.indptr.data_ptr()  # views of the grown buffer
 
 
 @requires_interpreter
@@ -74,7 +75,7 @@ def test_decode_steps_reuse_the_index_buffer_and_stay_inside_it():
     backend.init_forward_metadata(big)
     kv = backend.forward_metadata.kv
     buf = backend._index_scratch.buffer
-    assert kv.indices.shape == (big.seq_lens_sum,)
+    assert kv.indices.shape[0] >= big.seq_lens_sum
     for r in range(5):  # each request's keys are its table row
         row = int(big.req_pool_indices[r])
         ids = kv.indices[int(kv.indptr[r]) : int(kv.indptr[r + 1])]
@@ -89,10 +90,42 @@ def test_decode_steps_reuse_the_index_buffer_and_stay_inside_it():
     buf.fill_(-7)
     backend.init_forward_metadata(small)
     kv = backend.forward_metadata.kv
-    assert backend._index_scratch.buffer is buf and kv.indices.shape == (23,)  # reused, sized from the host sum
+    assert backend._index_scratch.buffer is buf  # reused; the kernel is held to the host sum (capacity 23)
     end = 3 + 23
     assert bool((buf[end:] == -7).all()), "the index kernel wrote past the step's keys"
     assert kv.indptr.tolist() == [0, 20, 23]
     assert torch.equal(kv.indices[:20], req_pool.req_to_token[int(rows[0]), :20])
     fault = backend.poll_device_fault()
     assert fault == FAULT_DESCRIPTIONS[DeviceFaultKind.INDEX_CAPACITY]
+
+
+@requires_interpreter
+def test_plain_decode_steps_of_one_size_share_a_metadata_object_with_fresh_indices():
+    """Decode steps of the same batch size hand out the same metadata object (only the index contents
+    change), each step's indices are its own table rows, and a step of another size gets its own."""
+    from attn_core.batch_builder import build_forward_batch
+    from attn_core.context import BackendContext
+    from attn_core.memory import MHATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
+    from attn_triton.backend import TritonAttnBackend
+
+    page, slots = 4, 512
+    req_pool = ReqToTokenPool(16, 64)
+    kv_pool = MHATokenToKVPool(slots, page, torch.float32, 1, 16, 1)
+    alloc = PagedTokenAllocator(slots, page)
+    ctx = BackendContext(
+        device="cpu", dtype=torch.float32, num_q_heads=2, num_kv_heads=1, head_dim=16, page_size=page,
+        max_batch_size=16, max_context_len=64, req_to_token_pool=req_pool, token_to_kv_pool=kv_pool,
+    )  # fmt: skip
+    backend = TritonAttnBackend(ctx)
+    seen = []
+    for requests in ([(30, 1), (1, 1)], [(5, 1), (9, 1)], [(7, 1), (7, 1), (7, 1)], [(20, 1), (3, 1)]):  # first the largest
+        b = build_forward_batch("DECODE", requests, req_to_token_pool=req_pool, allocator=alloc, token_to_kv_pool=kv_pool)
+        backend.init_forward_metadata(b)
+        meta = backend.forward_metadata
+        seen.append(meta)
+        kv = meta.kv
+        assert kv.indptr.tolist() == [0, *torch.cumsum(b.seq_lens, 0).tolist()]
+        for r in range(b.batch_size):
+            row, n = int(b.req_pool_indices[r]), int(b.seq_lens[r])
+            assert torch.equal(kv.indices[int(kv.indptr[r]) : int(kv.indptr[r + 1])], req_pool.req_to_token[row, :n])
+    assert seen[0] is seen[1] is seen[3] and seen[2] is not seen[0]

@@ -118,6 +118,7 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
         self._splits: dict[int, Splits] = {}
         self._scratch = SplitScratch(ctx.num_q_heads, ctx.v_head_dim, ctx.device)
         self._index_scratch = IndexScratch(ctx.device)
+        self._plain_decode: dict[int, DecodeMetadata] = {}  # bs -> the last plain DECODE step's metadata
         self.device_faults = DeviceFaultFlags(ctx.device)
 
     # ---- metadata ----------------------------------------------------------------------------
@@ -144,9 +145,18 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
 
     def _decode_metadata(self, b: ForwardBatch, r2t: torch.Tensor) -> DecodeMetadata:
         bs, dev, fault = b.batch_size, self.device, self.device_faults.buffer
-        splits = self.decode_splits(bs)
         kv = self._index_scratch.kv(bs, b.seq_lens_sum)
-        fill_kv(kv, r2t, b.req_pool_indices, b.seq_lens, fault, kv_start=b.encoder_lens)
+        fill_kv(kv, r2t, b.req_pool_indices, b.seq_lens, fault, kv_start=b.encoder_lens, capacity=b.seq_lens_sum)
+        splits = self.decode_splits(bs)
+        part_o, part_lse = self._scratch.views(bs, splits.max_splits)
+        if b.encoder_lens is None and self.ctx.attention_chunk_size is None and not b.cascade_prefix_len:
+            if window_pool_of(self.kv_pool(b)) is None:
+                # the common step: everything but the index contents depends on bs alone, so the last
+                # metadata object of this size is handed out again while its scratch views are current
+                meta = self._plain_decode.get(bs)
+                if meta is None or meta.kv is not kv or meta.part_o is not part_o:
+                    meta = self._plain_decode[bs] = DecodeMetadata(kv, None, splits, part_o, part_lse)
+                return meta
         cross = None
         if b.encoder_lens is not None:
             cross = new_kv(bs, int(b.encoder_lens_cpu.sum()), dev)
@@ -158,7 +168,8 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
             kv,
             cross,
             splits,
-            *self._scratch.views(bs, splits.max_splits),
+            part_o,
+            part_lse,
             local_kv=local_kv,
             window_kv=window_kv,
             cascade=self._cascade_keys(b, r2t) if b.cascade_prefix_len else None,
@@ -243,6 +254,7 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
             q_lens=b.extend_seq_lens,
             qo_indptr=qo_indptr,
             mask_indptr=mask_indptr,
+            capacity=b.seq_lens_sum,
         )
         cross = None
         if b.encoder_lens is not None:

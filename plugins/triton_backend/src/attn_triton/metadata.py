@@ -109,9 +109,11 @@ def fill_kv(
     q_lens: Optional[torch.Tensor] = None,
     qo_indptr: Optional[torch.Tensor] = None,
     mask_indptr: Optional[torch.Tensor] = None,
+    capacity: Optional[int] = None,
 ) -> None:
     """Write `kv` (and the optional q / mask offsets) for the batch in one kernel launch; out-of-range
-    rows, lengths and ids past `kv.indices` are refused and recorded in `fault`."""
+    rows, lengths and ids past `capacity` entries of `kv.indices` (default: all of them) are refused and
+    recorded in `fault`."""
     kv_indices_triton(
         req_to_token,
         req_pool_indices,
@@ -123,6 +125,7 @@ def fill_kv(
         qo_indptr=qo_indptr,
         mask_indptr=mask_indptr,
         fault=fault,
+        capacity=capacity,
     )
 
 
@@ -141,23 +144,32 @@ class IndexScratch:
     next step's index kernel run in stream order). The step's other key sets (cross, local, window,
     cascade), which live alongside it, get fresh tensors (`new_kv`).
 
-    Example: `s.kv(2, 10)` gives indptr `[3]` and indices `[10]`, views of one buffer of 16 entries;
-    `s.kv(2, 12)` later reuses it, `s.kv(4, 40)` grows it to 56 entries."""
+    The views of a batch size are made once and handed out again until the buffer grows (a view costs
+    microseconds of host time per step): indices is the whole rest of the buffer, so a step of `total`
+    keys must fill it with `fill_kv(..., capacity=total)`, which keeps the index kernel inside the first
+    `total` entries whatever the device lengths say.
+
+    Example: `s.kv(2, 10)` gives indptr `[3]` and indices `[13]`, views of one buffer of 16 entries;
+    `s.kv(2, 12)` later returns the same views, `s.kv(4, 40)` grows the buffer to 56 entries."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.buffer: Optional[torch.Tensor] = None
         self.capacity = 0
+        self._views: dict[int, KVIndex] = {}
 
     def kv(self, bs: int, total: int) -> KVIndex:
-        """Views for `bs` requests and `total` keys (indices has exactly max(total, 1) entries: the
-        capacity the index kernel respects)."""
+        """Views for `bs` requests and at least `total` keys (see the class doc for the capacity)."""
         need = bs + 1 + max(total, 1)
         if need > self.capacity:
             self.capacity = need + need // 4
             self.buffer = torch.empty(self.capacity, dtype=torch.int32, device=self.device)
-        buf = self.buffer
-        return KVIndex(indptr=buf[: bs + 1], indices=buf[bs + 1 : need])
+            self._views.clear()  # metadata holding the old views keeps the old buffer alive
+        view = self._views.get(bs)
+        if view is None:
+            buf = self.buffer
+            view = self._views[bs] = KVIndex(indptr=buf[: bs + 1], indices=buf[bs + 1 :])
+        return view
 
 
 class SplitScratch:
