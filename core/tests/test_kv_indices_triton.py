@@ -165,6 +165,34 @@ def test_cached_launch_on_gpu(page_size):
         assert torch.equal(indices, kvi.kv_indices_from_req_to_token(r2t, rpi, want, total, kv_start=start, page_size=page_size))
         assert not fault.any()
     assert kvt._LAUNCH.compiled and kvt._LAUNCH.enabled, "the cached launch path was never taken (or fell back)"
+    assert kvt._LAUNCH._stream_of is not None, "the compiled kernel's launcher is not called directly"
+    # the direct launch goes to the current stream: captured into a CUDA graph (a side stream, where a
+    # launch on another stream breaks the capture), every replay matches the torch builders
+    bs, rpi = 5, torch.randperm(300, generator=gen)[:5].cuda()
+    lens = torch.randint(1, 4990, (bs,), generator=gen, dtype=torch.int32).cuda()
+    cap = int(kvi.num_pages_from_lens(lens.new_full((bs,), 4990), page_size).sum())
+    buf = torch.full((bs + 1 + cap,), -1, dtype=torch.int32, device="cuda")
+    fault = torch.zeros(8, dtype=torch.int32, device="cuda")
+
+    def launch():
+        kvt.kv_indices_triton(r2t, rpi, lens, buf[bs + 1 :], kv_indptr=buf[: bs + 1], page_size=page_size, num_slots=1 << 20, fault=fault)
+
+    launch()  # this constexpr set compiled before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    for _ in range(3):
+        lens.copy_(torch.randint(1, 4990, (bs,), generator=gen, dtype=torch.int32))
+        rpi.copy_(torch.randperm(300, generator=gen)[:bs])
+        buf.fill_(-1)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = kvi.page_indptr_from_lens(lens, page_size)
+        total = int(want[-1])
+        assert torch.equal(buf[: bs + 1], want)
+        assert torch.equal(buf[bs + 1 : bs + 1 + total], kvi.kv_indices_from_req_to_token(r2t, rpi, want, total, page_size=page_size))
+    assert not fault.any()
 
 
 @pytest.mark.gpu

@@ -219,17 +219,21 @@ def test_launcher_called_directly_on_the_device_stream(gpu_like):
     run((2,), a, 5, A=7, num_warps=4)  # compiles (and gates)
     streams = []
     run._stream_of = lambda device: streams.append(device) or 99
-    run._runtime = SimpleNamespace(launch_enter_hook=None, launch_exit_hook="exit-hook")
+    exit_hook = SimpleNamespace(calls=["a hook"])  # a chain holding a hook, as triton.knobs keeps them
+    run._runtime = SimpleNamespace(launch_enter_hook=SimpleNamespace(calls=[]), launch_exit_hook=exit_hook)
     key = next(iter(run.compiled))
     run.compiled[key] = (DirectCompiled(k.log), run.compiled[key][1])
     run((2, 3), a, 6, A=7, num_warps=4)
-    assert k.log[-1] == ("direct", (2, 3, 1, 99, "fn-handle", "packed", None, None, "exit-hook", 4096, 6, 7))
+    assert k.log[-1] == ("direct", (2, 3, 1, 99, "fn-handle", "packed", None, None, exit_hook, 4096, 6, 7))
     assert streams == [1]  # the current stream of the first tensor's device
-    run._runtime.launch_enter_hook = "profiler"  # an enter hook wants Triton's launch metadata: its own handle
+    run._runtime.launch_exit_hook = SimpleNamespace(calls=[])  # an empty chain: the launcher gets None
+    run((2, 3), a, 6, A=7, num_warps=4)
+    assert k.log[-1][1][8] is None
+    run._runtime.launch_enter_hook = SimpleNamespace(calls=["profiler"])  # wants Triton's launch metadata: its handle
     run((2, 3), a, 6, A=7, num_warps=4)
     assert k.log[-1] == ("cached", (2, 3, 1), (4096, 6, 7))
     run._stream_of = None  # no stream query (Triton's driver not importable): the handle too
-    run._runtime.launch_enter_hook = None
+    run._runtime.launch_enter_hook = None  # (None: no hook, as older Tritons keep it)
     run((2, 3), a, 6, A=7, num_warps=4)
     assert k.log[-1][0] == "cached"
 
@@ -242,3 +246,12 @@ def test_other_keyword_names_with_equal_values_get_their_own_binary(gpu_like):
     run((1,), gpu_like, A=1, C=2, num_warps=4)  # same values under other names: not the first binary
     run((1,), gpu_like, A=1, C=2, num_warps=4)
     assert [e[0] for e in k.log] == ["jit", "cached", "jit", "cached"]
+
+
+def test_repeated_tensor_arguments_share_one_lookup():
+    t = FakeTensor(is_cuda=True, dtype="int32", address=4096)
+    u = FakeTensor(is_cuda=True, dtype="int64", address=8192)
+    types, ptrs = launch._types_and_pointers((t, 3, t, t, u, t), FakeTensor)
+    assert types == ("int32", "i32", "int32", "int32", "int64", "int32") and ptrs == (4096, 3, 4096, 4096, 8192, 4096)
+    cpu = FakeTensor(is_cuda=False, dtype="int32", address=16)
+    assert launch._types_and_pointers((t, cpu), FakeTensor)[1] is None

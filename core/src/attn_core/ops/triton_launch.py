@@ -189,19 +189,27 @@ class CachedLaunch:
 
     def _launch(self, compiled, grid: tuple[int, int, int], device: int, args: tuple) -> None:
         """One launch of `compiled` (a Triton `CompiledKernel` whose handles are loaded) on the current
-        stream of `device`. Without a launch-enter hook set, Triton's handle (`compiled[grid](*args)`)
-        looks up the current device and stream and calls `compiled.run(grid..., stream, function,
-        packed_metadata, None, None, exit_hook, *args)`; this makes that call itself, with the device
-        already known from the first tensor argument (~3 µs less per launch on the H100 host, docs/perf.md).
-        With an enter hook (a profiler wants Triton's launch metadata), or an object without those
-        handles, the compiled handle is called as it is."""
+        stream of `device`. Triton's handle (`compiled[grid](*args)`) looks up the current device and
+        stream, builds the launch metadata for the enter hook and calls `compiled.run(grid..., stream,
+        function, packed_metadata, metadata, enter_hook, exit_hook, *args)`; with no enter hook set this
+        makes that call itself, with the device known from the first tensor argument and no metadata
+        (~3 µs less per launch on the H100 host, docs/perf.md). With an enter hook (a profiler wants
+        Triton's launch metadata), or an object without those handles, the compiled handle is called."""
         rt, stream_of = self._runtime, self._stream_of
         function = getattr(compiled, "function", None)
-        if stream_of is None or function is None or rt.launch_enter_hook is not None:
+        if stream_of is None or function is None or _hooked(rt.launch_enter_hook):
             compiled[grid](*args)
             return
+        exit_hook = rt.launch_exit_hook
         stream = stream_of(device)
-        compiled.run(grid[0], grid[1], grid[2], stream, function, compiled.packed_metadata, None, None, rt.launch_exit_hook, *args)
+        compiled.run(grid[0], grid[1], grid[2], stream, function, compiled.packed_metadata, None, None,
+                     exit_hook if _hooked(exit_hook) else None, *args)  # fmt: skip
+
+
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook is set: a callable, or a `triton.knobs.HookChain` holding one (Triton's
+    knobs hold an empty chain, never None, when nothing is hooked). `_hooked(None)` is False."""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def _types_and_pointers(args: tuple, tensor_type: Optional[type] = None) -> tuple[tuple, Optional[tuple]]:
@@ -216,12 +224,15 @@ def _types_and_pointers(args: tuple, tensor_type: Optional[type] = None) -> tupl
     `tensor_type` (torch.Tensor) takes its arguments down the shortest branch.
     Example: `(t_int32_cuda, 7, 2**40)` -> `((torch.int32, "i32", "i64"), (t.data_ptr(), 7, 2**40))`."""
     types, out = [], []
+    last = last_type = last_ptr = None  # the previous tensor: kernels take one tensor for several absent arguments
     for a in args:
         if type(a) is tensor_type:  # torch.Tensor, the common case, first (subclasses take the general branch)
-            if not a.is_cuda:
-                return tuple(types), None
-            types.append(a.dtype)
-            out.append(a.data_ptr())
+            if a is not last:
+                if not a.is_cuda:
+                    return tuple(types), None
+                last, last_type, last_ptr = a, a.dtype, a.data_ptr()
+            types.append(last_type)
+            out.append(last_ptr)
             continue
         if type(a) is int:
             types.append("i32" if -(2**31) <= a < 2**31 else "i64")
