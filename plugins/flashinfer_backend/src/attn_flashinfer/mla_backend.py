@@ -7,7 +7,10 @@ last keys). Per step, `build_forward_metadata` (called by the base class's valid
 `init_forward_metadata`) builds the key list once (`indices.build_paged_kv`: host indptr and lengths,
 page ids from one index launch into a reused `DeviceScratch` buffer) and plans one wrapper per layer
 scaling met so far; a scaling first met in `forward` is planned then and remembered. A wrapper's first
-plan is FlashInfer's own, later ones `replan.mla` (the scheduler call alone).
+plan is FlashInfer's own, later ones `replan.mla` (the scheduler call alone); layers run it through
+`replan.mla_run` (the kernel call alone) with the same versions. Host arrays are reused: the query
+layout per (batch size, queries per request) when every request has the same count, the page offsets
+per batch size (`indices.HostOffsets`).
 
 CUDA graphs (DECODE and TARGET_VERIFY): `init_cuda_graph_state` allocates the fixed index buffers;
 capture builds graph-mode wrappers per (batch size, mode); replay rewrites the page ids (one index
@@ -33,13 +36,21 @@ from attn_core.forward_mode import ForwardMode
 from attn_core.graph_step import CudaGraphStep
 from attn_flashinfer import mla_plans, replan
 from attn_flashinfer.backend import DEFAULT_WORKSPACE_BYTES
-from attn_flashinfer.indices import PageList, QueryLayout, build_page_list, query_layout
+from attn_flashinfer.indices import HostOffsets, PageList, QueryLayout, build_page_list, query_layout
 from attn_flashinfer.mla_prefill import PrefillPlan, PrefillWrappers
 from attn_flashinfer.mla_spec import CAPABILITIES
-from attn_flashinfer.mla_steps import MLADims, MLAGraphBuffers, check_capacity, check_mla_context, refuse_tree_mask
+from attn_flashinfer.mla_steps import (
+    MLADims,
+    MLAGraphBuffers,
+    check_capacity,
+    check_mla_context,
+    mla_eager_inputs,
+    refuse_tree_mask,
+    uniform_q_len,
+)
 from attn_flashinfer.prefill_plan import prefill_lengths
 from attn_flashinfer.scratch import DeviceScratch
-from attn_flashinfer.steps import StepInputs, eager_inputs, graph_inputs
+from attn_flashinfer.steps import StepInputs, graph_inputs
 
 
 @dataclass
@@ -68,7 +79,7 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
     """FlashInfer's MLA kernels on CUDA, compute capability 8.0 or newer. Options: `workspace_bytes`
     sizes the float workspace (split-KV partial results); `lean_replan` (None: on for the FlashInfer
     versions `replan.py` was verified with) re-plans wrappers without FlashInfer's public `plan` after
-    their first."""
+    their first and runs them through the compiled kernel call alone (`replan.mla_run`)."""
 
     name = "flashinfer_mla"
     capabilities = CAPABILITIES
@@ -86,7 +97,8 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         self.known_scalings: dict[float, None] = {}  # insertion-ordered set
         self._eager_wrappers: dict[float, object] = {}
         self._planned_eager: set[float] = set()
-        self._decode_queries: dict[int, QueryLayout] = {}
+        self._uniform_queries: dict[tuple[int, int], QueryLayout] = {}  # (bs, queries per request) -> layout
+        self.host_offsets = HostOffsets()  # the steps' host page offsets, reused per batch size
         self._graph_buffers: Optional[MLAGraphBuffers] = None
         self._graphs: dict[tuple[int, ForwardMode], tuple[MLAStep, MLAGraph]] = {}
         self._prefill = PrefillWrappers(self.workspace)
@@ -101,12 +113,12 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         """The step's key list and planned wrappers (the batch is validated by `init_forward_metadata`;
         tree masks are refused here, before any plan)."""
         refuse_tree_mask(self.name, forward_batch.forward_mode, forward_batch.spec_info)
-        return self._new_step(eager_inputs(forward_batch, self.req_to_token(forward_batch)), None, self.known_scalings)
+        return self._new_step(mla_eager_inputs(forward_batch, self.req_to_token(forward_batch)), None, self.known_scalings)
 
     def _new_step(self, inputs: StepInputs, graph: Optional[MLAGraph], scalings) -> MLAStep:
         """A step over `inputs` with a planned wrapper for each of `scalings`."""
         decode = inputs.q_lens_host is None
-        qo = self._decode_query_layout(inputs.bs) if decode else query_layout(inputs.q_lens_host)
+        qo = self._query_layout(inputs)
         if graph is None:
             out = self._scratch_ids
         else:
@@ -116,7 +128,10 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
                 check_capacity("CUDA-graph page ids (seq_lens)", pages, ids.shape[0])
                 return ids
 
-        kv = build_page_list(inputs.req_to_token, inputs.req_pool_indices, inputs.seq_lens, inputs.seq_lens_host, self.page_size, out)
+        kv = build_page_list(
+            inputs.req_to_token, inputs.req_pool_indices, inputs.seq_lens, inputs.seq_lens_host, self.page_size, out,
+            self.host_offsets.get(inputs.bs),
+        )  # fmt: skip
         step = MLAStep(inputs, qo, kv, causal=not decode, graph=graph)
         for scaling in scalings:
             step.wrappers[scaling] = self._planned(step, scaling)
@@ -125,11 +140,16 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
     def _scratch_ids(self, pages: int) -> torch.Tensor:
         return self.scratch.get("seq", pages)
 
-    def _decode_query_layout(self, bs: int) -> QueryLayout:
-        """One query per request (0..bs on the host), built once per batch size."""
-        qo = self._decode_queries.get(bs)
+    def _query_layout(self, inputs: StepInputs) -> QueryLayout:
+        """The step's queries on the host: when every request has the same number n (DECODE: 1; verify
+        and draft-extend steps: their draft count) the layout built once per (batch size, n), else this
+        step's own."""
+        n = uniform_q_len(inputs.q_lens_host, inputs.bs, inputs.num_tokens)
+        if n is None:
+            return query_layout(inputs.q_lens_host)
+        qo = self._uniform_queries.get((inputs.bs, n))
         if qo is None:
-            qo = self._decode_queries[bs] = query_layout(torch.ones(bs, dtype=torch.int32))
+            qo = self._uniform_queries[(inputs.bs, n)] = query_layout(torch.full((inputs.bs,), n, dtype=torch.int32))
         return qo
 
     def _planned(self, step: MLAStep, scaling: float):
@@ -224,7 +244,7 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         rows = q.shape[0]
         out = q.new_empty((rows, *self._out_heads))
         lse = torch.empty((rows, self.dims.num_heads), dtype=torch.float32, device=q.device) if return_lse else None
-        mla_plans.run(w, q_nope, q_pe, ckv, kpe, out, lse)
+        mla_plans.run(w, q_nope, q_pe, ckv, kpe, out, lse, self.lean_replan)
         o = out.view(rows, self._out_cols)
         return (o, lse) if return_lse else o
 
