@@ -50,7 +50,7 @@ from attn_flashinfer.mla_steps import (
 )
 from attn_flashinfer.prefill_plan import prefill_lengths
 from attn_flashinfer.scratch import DeviceScratch
-from attn_flashinfer.steps import StepInputs, graph_inputs
+from attn_flashinfer.steps import StepInputs
 
 
 @dataclass
@@ -143,13 +143,20 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
     def _query_layout(self, inputs: StepInputs) -> QueryLayout:
         """The step's queries on the host: when every request has the same number n (DECODE: 1; verify
         and draft-extend steps: their draft count) the layout built once per (batch size, n), else this
-        step's own."""
-        n = uniform_q_len(inputs.q_lens_host, inputs.bs, inputs.num_tokens)
-        if n is None:
-            return query_layout(inputs.q_lens_host)
-        qo = self._uniform_queries.get((inputs.bs, n))
+        step's own. A CUDA-graph step hands in that layout's own `lens` (`_graph_step_inputs`): no check."""
+        lens, bs = inputs.q_lens_host, inputs.bs
+        if lens is not None and bs:
+            hit = self._uniform_queries.get((bs, inputs.num_tokens // bs))
+            if hit is not None and hit.lens is lens:
+                return hit
+        n = uniform_q_len(lens, bs, inputs.num_tokens)
+        return query_layout(lens) if n is None else self._uniform_layout(bs, n)
+
+    def _uniform_layout(self, bs: int, n: int) -> QueryLayout:
+        """`n` queries for each of `bs` requests, built once."""
+        qo = self._uniform_queries.get((bs, n))
         if qo is None:
-            qo = self._uniform_queries[(inputs.bs, n)] = query_layout(torch.full((inputs.bs,), n, dtype=torch.int32))
+            qo = self._uniform_queries[(bs, n)] = query_layout(torch.full((bs,), n, dtype=torch.int32))
         return qo
 
     def _planned(self, step: MLAStep, scaling: float):
@@ -197,7 +204,19 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         if pool is None:
             raise InvalidArgumentError("ctx.req_to_token_pool", "the request-to-token pool (CUDA graphs read the context's)", None)
         refuse_tree_mask(self.name, step.forward_mode, step.spec_info)
-        return graph_inputs(pool.req_to_token, step, num_tokens, seq_host, None)
+        mode, bs = step.forward_mode, step.bs
+        # the same inputs as `steps.graph_inputs` gives (no encoder tokens, no mask: refused), the queries'
+        # lengths being those of the (bs, num_tokens // bs) layout `_query_layout` then takes as it is
+        return StepInputs(
+            mode=mode,
+            bs=bs,
+            num_tokens=num_tokens,
+            req_to_token=pool.req_to_token,
+            req_pool_indices=step.req_pool_indices,
+            seq_lens=step.seq_lens,
+            seq_lens_host=seq_host if seq_host.dtype == torch.int32 else seq_host.to(torch.int32),
+            q_lens_host=None if mode.is_decode() else self._uniform_layout(bs, num_tokens // bs).lens,
+        )
 
     def capture_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
         if self._graph_buffers is None:
