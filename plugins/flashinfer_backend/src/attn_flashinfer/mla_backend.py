@@ -44,13 +44,12 @@ from attn_flashinfer.mla_steps import (
     MLAGraphBuffers,
     check_capacity,
     check_mla_context,
-    mla_eager_inputs,
     refuse_tree_mask,
     uniform_q_len,
 )
 from attn_flashinfer.prefill_plan import prefill_lengths
 from attn_flashinfer.scratch import DeviceScratch
-from attn_flashinfer.steps import StepInputs
+from attn_flashinfer.steps import StepInputs, eager_inputs
 
 
 @dataclass
@@ -113,7 +112,7 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         """The step's key list and planned wrappers (the batch is validated by `init_forward_metadata`;
         tree masks are refused here, before any plan)."""
         refuse_tree_mask(self.name, forward_batch.forward_mode, forward_batch.spec_info)
-        return self._new_step(mla_eager_inputs(forward_batch, self.req_to_token(forward_batch)), None, self.known_scalings)
+        return self._new_step(eager_inputs(forward_batch, self.req_to_token(forward_batch)), None, self.known_scalings)
 
     def _new_step(self, inputs: StepInputs, graph: Optional[MLAGraph], scalings) -> MLAStep:
         """A step over `inputs` with a planned wrapper for each of `scalings`."""

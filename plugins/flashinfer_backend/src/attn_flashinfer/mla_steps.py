@@ -7,10 +7,9 @@ from typing import Optional
 
 import torch
 
-from attn_core.batch import ForwardBatch, SpecInfo
+from attn_core.batch import SpecInfo
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
-from attn_flashinfer.steps import StepInputs
 
 
 @dataclass(frozen=True)
@@ -56,25 +55,6 @@ def check_capacity(what: str, need: int, have: int) -> None:
     """A fixed buffer must hold a step's entries (CUDA-graph index buffers)."""
     if need > have:
         raise InvalidArgumentError(what, f"at most {have} entries (sized by init_cuda_graph_state from ctx.max_context_len)", need)
-
-
-def mla_eager_inputs(b: ForwardBatch, r2t: torch.Tensor) -> StepInputs:
-    """The inputs of an eager MLA step, from a batch the base class validated: only what an MLA step
-    reads (its keys are every key of the request; no prefix split, encoder tokens or custom mask: the
-    backend refuses the last two), so per step nothing else of the batch is looked at."""
-    mode = b.forward_mode
-    extend = not mode.is_decode()
-    return StepInputs(
-        mode=mode,
-        bs=b.batch_size,
-        num_tokens=b.num_tokens,
-        req_to_token=r2t,
-        req_pool_indices=b.req_pool_indices,
-        seq_lens=b.seq_lens,
-        seq_lens_host=b.seq_lens_cpu,
-        q_lens_host=b.extend_seq_lens_cpu if extend else None,
-        q_lens=b.extend_seq_lens if extend else None,
-    )
 
 
 def uniform_q_len(q_lens_host: Optional[torch.Tensor], bs: int, num_tokens: int) -> Optional[int]:
