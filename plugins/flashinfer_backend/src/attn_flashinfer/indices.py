@@ -109,6 +109,8 @@ def build_page_list(
     page_size: int,
     out: Callable[[int], torch.Tensor],
     host_indptr: Optional[tuple[np.ndarray, torch.Tensor]] = None,
+    num_slots: Optional[int] = None,
+    fault: Optional[torch.Tensor] = None,
 ) -> PageList:
     """Keys `req_to_token[row, : kv_len]` of each request as a `PageList`: host offsets (numpy), page
     ids by one index launch (`attn_core.ops.kv_indices.build_kv_indices`) into `out(num_pages)` (a device
@@ -117,7 +119,8 @@ def build_page_list(
     kv_lens: device int32 `[bs]`, the same numbers as `kv_lens_host` (nothing is copied back).
     host_indptr: where the offsets go, a numpy int32 `[bs+1]` array and the torch tensor sharing its
     memory (`HostOffsets`, reused step after step: the list's `indptr` then holds until the next build
-    into it); None: a new pair.
+    into it); None: a new pair. `num_slots` / `fault`: the KV pool's slot count every slot is checked
+    against and the fault buffer that records refused indices (`build_kv_indices`).
     Example (page_size 4): rows [3, 0], kv_lens [5, 2], req_to_token[3, :5] = [20, 21, 22, 23, 8],
     req_to_token[0, :2] = [12, 13] -> indptr [0, 2, 3], indices [5, 2, 3]."""
     lens_t = kv_lens_host if kv_lens_host.dtype == torch.int32 else kv_lens_host.to(torch.int32)
@@ -127,7 +130,9 @@ def build_page_list(
     else:
         indptr, indptr_t = host_indptr
     total = page_offsets(lens_t.numpy(), page_size, indptr)
-    ids = build_kv_indices(req_to_token, req_pool_indices, kv_lens, total, page_size=page_size, out=out(total))
+    ids = build_kv_indices(
+        req_to_token, req_pool_indices, kv_lens, total, page_size=page_size, out=out(total), num_slots=num_slots, fault=fault
+    )
     return PageList(page_size, lens_t, indptr_t, total, ids)
 
 

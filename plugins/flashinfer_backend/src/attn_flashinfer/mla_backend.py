@@ -4,9 +4,10 @@ FlashInfer's MLA paged wrapper (FA3 on SM90, FA2 on SM80).
 Every mode is one kind of plan: each request's queries over all its keys (the new ones included, which
 `save_kv` has written to the pool first), causal for every mode but DECODE (a request's queries are its
 last keys). Per step, `build_forward_metadata` (called by the base class's validating
-`init_forward_metadata`) builds the key list once (`indices.build_paged_kv`: host indptr and lengths,
-page ids from one index launch into a reused `DeviceScratch` buffer) and plans one wrapper per layer
-scaling met so far; a scaling first met in `forward` is planned then and remembered. A wrapper's first
+`init_forward_metadata`) builds the key list once (`indices.build_page_list`: host offsets and lengths,
+page ids from one index launch into a reused `DeviceScratch` buffer, every slot checked against the
+pool, refusals recorded in the backend's fault buffer: `poll_device_fault`) and plans one wrapper per
+layer scaling met so far; a scaling first met in `forward` is planned then and remembered. A wrapper's first
 plan is FlashInfer's own, later ones `replan.mla` (the scheduler call alone); layers run it through
 `replan.mla_run` (the kernel call alone) with the same versions. Host arrays are reused: the query
 layout per (batch size, queries per request) when every request has the same count, the page offsets
@@ -34,6 +35,7 @@ from attn_core.batch import ForwardBatch
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 from attn_core.graph_step import CudaGraphStep
+from attn_core.ops.device_faults import DeviceFaultFlags
 from attn_flashinfer import mla_plans, replan
 from attn_flashinfer.backend import DEFAULT_WORKSPACE_BYTES
 from attn_flashinfer.indices import HostOffsets, PageList, QueryLayout, build_page_list, query_layout
@@ -98,6 +100,7 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         self._planned_eager: set[float] = set()
         self._uniform_queries: dict[tuple[int, int], QueryLayout] = {}  # (bs, queries per request) -> layout
         self.host_offsets = HostOffsets()  # the steps' host page offsets, reused per batch size
+        self.device_faults = DeviceFaultFlags(ctx.device)
         self._graph_buffers: Optional[MLAGraphBuffers] = None
         self._graphs: dict[tuple[int, ForwardMode], tuple[MLAStep, MLAGraph]] = {}
         self._prefill = PrefillWrappers(self.workspace)
@@ -106,6 +109,12 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         self._out_heads = (ctx.num_q_heads, ctx.kv_lora_rank)
         self._out_cols = ctx.num_q_heads * ctx.kv_lora_rank
         self._latents: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # layer id -> (pool buffer, ckv, kpe)
+
+    def poll_device_fault(self) -> Optional[str]:
+        """What the index kernel refused since the last poll (an out-of-range request row, length or
+        slot, or device lengths past the host-sized page-id buffer: `attn_core.ops.device_faults`), or
+        None; reads and clears the fault buffer (one device sync)."""
+        return self.device_faults.poll()
 
     # ---- per-step metadata -------------------------------------------------------------------
     def build_forward_metadata(self, forward_batch: ForwardBatch) -> MLAStep:
@@ -127,9 +136,10 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
                 check_capacity("CUDA-graph page ids (seq_lens)", pages, ids.shape[0])
                 return ids
 
+        pool = self.ctx.token_to_kv_pool
         kv = build_page_list(
             inputs.req_to_token, inputs.req_pool_indices, inputs.seq_lens, inputs.seq_lens_host, self.page_size, out,
-            self.host_offsets.get(inputs.bs),
+            self.host_offsets.get(inputs.bs), None if pool is None else pool.num_slots, self.device_faults.buffer,
         )  # fmt: skip
         step = MLAStep(inputs, qo, kv, causal=not decode, graph=graph)
         for scaling in scalings:
