@@ -201,10 +201,10 @@ def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int, mla_tile
     def ours_meta():
         backend.init_forward_metadata(batch)
 
-    def page_list():  # the metadata's index part alone: host offsets (into the backend's reused arrays) + one index launch
+    def page_list():  # the metadata's index part alone, as it builds it: host offsets + one index launch
         build_page_list(
             ctx.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_cpu, PAGE, scratch,
-            backend.host_offsets.get(batch.batch_size),
+            backend.host_offsets.get(batch.batch_size), pool.num_slots, backend.device_faults.buffer,
         )  # fmt: skip
 
     def lean_replan():  # the metadata's plan part alone: the MLA scheduler on the step's host arrays
