@@ -148,7 +148,7 @@ def test_page_list_worked_example():
     buf = torch.full((16,), -1, dtype=torch.int32)
     kv = build_page_list(r2t, torch.tensor([3, 0]), lens, lens, 4, lambda n: buf)
     assert kv.indptr.tolist() == [0, 2, 3] and kv.num_pages == 3 and kv.page_size == 4
-    assert kv.indices.tolist() == [5, 2, 3] and kv.indices.data_ptr() == buf.data_ptr()
+    assert kv.indices is buf and kv.indices[: kv.num_pages].tolist() == [5, 2, 3] and buf[3:].eq(-1).all()
     assert kv.kv_lens.dtype == kv.indptr.dtype == torch.int32
 
 
@@ -182,7 +182,7 @@ def test_page_lists_built_into_reused_host_offsets(page_size):
         want = page_indptr_from_lens(lens, page_size)
         assert kv.indptr is pair[1] and kv.indptr.tolist() == want.tolist() and kv.num_pages == int(want[-1])
         ids = [int(r2t[r, c]) // page_size for r, n in zip(rpi.tolist(), lens.tolist()) for c in range(0, n, page_size)]
-        assert kv.indices.tolist() == ids
+        assert kv.indices is buf and kv.indices[: kv.num_pages].tolist() == ids
 
 
 def test_host_offsets_pairs_share_memory():

@@ -98,7 +98,7 @@ class PageList:
     kv_lens: torch.Tensor  # host int32 [bs] keys per request
     indptr: torch.Tensor  # host int32 [bs+1] page offsets
     num_pages: int  # indptr[-1]
-    indices: torch.Tensor  # device int32 [num_pages] page ids
+    indices: torch.Tensor  # device int32 [>= num_pages]: the page ids, then what the buffer held (readers go by indptr)
 
 
 def build_page_list(
@@ -114,7 +114,8 @@ def build_page_list(
 ) -> PageList:
     """Keys `req_to_token[row, : kv_len]` of each request as a `PageList`: host offsets (numpy), page
     ids by one index launch (`attn_core.ops.kv_indices.build_kv_indices`) into `out(num_pages)` (a device
-    int32 buffer of at least that many entries: a reused scratch buffer, a CUDA-graph buffer).
+    int32 buffer of at least that many entries: a reused scratch buffer, a CUDA-graph buffer), which is
+    the list's `indices` as it is (no view of its first `num_pages` entries).
 
     kv_lens: device int32 `[bs]`, the same numbers as `kv_lens_host` (nothing is copied back).
     host_indptr: where the offsets go, a numpy int32 `[bs+1]` array and the torch tensor sharing its
@@ -131,8 +132,9 @@ def build_page_list(
         indptr, indptr_t = host_indptr
     total = page_offsets(lens_t.numpy(), page_size, indptr)
     ids = build_kv_indices(
-        req_to_token, req_pool_indices, kv_lens, total, page_size=page_size, out=out(total), num_slots=num_slots, fault=fault
-    )
+        req_to_token, req_pool_indices, kv_lens, total, page_size=page_size, out=out(total), num_slots=num_slots, fault=fault,
+        whole_out=True,
+    )  # fmt: skip
     return PageList(page_size, lens_t, indptr_t, total, ids)
 
 
