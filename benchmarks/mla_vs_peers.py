@@ -14,7 +14,9 @@ Per row: per-layer forward time (CUDA events over back-to-back calls, save_kv_ca
 run stores nothing), the direct run, attn-triton's forward, and the host time of one step's metadata
 (`init_forward_metadata`: index launch + lean re-plan) against FlashInfer's own `plan` on the same host
 inputs, with its two parts alone (host offsets + index launch; the lean re-plan) and one forward
-call's host time next to one direct run's (GPU idle). The prefill row (`--no-prefill` skips it) times
+call's host time next to one direct run's (GPU idle). `ATTN_META_PROFILE=1` adds to each absorbed row
+a cProfile of init_forward_metadata and of one layer's forward ("profile_metadata" / "profile_forward":
+the top functions by own time, per call; printed too). The prefill row (`--no-prefill` skips it) times
 `PrefillPlan.attend` against the same FlashInfer wrappers run by hand (ragged + one ragged per chunk +
 attn-core's merge_state) and against one causal ragged pass over the whole sequence (what chunking
 trades for bounded memory).
@@ -25,7 +27,10 @@ trades for bounded memory).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import os
+import pstats
 import statistics
 import time
 
@@ -71,6 +76,22 @@ def host_time_us(fn, reps: int) -> list[float]:
         out.append((time.perf_counter() - t0) * 1e6)
     torch.cuda.synchronize()
     return out
+
+
+def host_profile(fn, calls: int = 2000, top: int = 25) -> list[str]:
+    """cProfile of `calls` calls of `fn` (GPU idle before each): the `top` functions by own time, as
+    lines "own us per call | cumulative us per call | function" (profiling inflates small Python
+    functions; the ranking is the point)."""
+    prof = cProfile.Profile()
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        prof.enable()
+        fn()
+        prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [f"{tt / calls * 1e6:8.2f} | {ct / calls * 1e6:8.2f} | {pstats.func_std_string(f)}" for f, (_, _, tt, ct, _) in rows]
 
 
 def interleaved(fns: dict, rounds: int, measure) -> dict:
@@ -180,8 +201,11 @@ def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int, mla_tile
     def ours_meta():
         backend.init_forward_metadata(batch)
 
-    def page_list():  # the metadata's index part alone: host offsets + one index launch
-        build_page_list(ctx.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_cpu, PAGE, scratch)
+    def page_list():  # the metadata's index part alone, as it builds it: host offsets + one index launch
+        build_page_list(
+            ctx.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_cpu, PAGE, scratch,
+            backend.host_offsets.get(batch.batch_size), pool.num_slots, backend.device_faults.buffer,
+        )  # fmt: skip
 
     def lean_replan():  # the metadata's plan part alone: the MLA scheduler on the step's host arrays
         replan.mla(w, qo, kv, step.causal, H, LORA)
@@ -222,6 +246,10 @@ def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int, mla_tile
 
         replay_meta()
         row["graph_replay_metadata_host_us"] = statistics.median(host_time_us(replay_meta, 20 * rounds))
+    if os.environ.get("ATTN_META_PROFILE"):  # eager metadata first: it rebinds the eager step the forward runs on
+        for key, fn in (("profile_metadata", ours_meta), ("profile_forward", ours)):
+            row[key] = host_profile(fn)
+            print(f"{name}: {key} (own us | cumulative us | function):\n    " + "\n    ".join(row[key]))
     return row
 
 

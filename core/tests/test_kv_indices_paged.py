@@ -91,6 +91,9 @@ def test_build_kv_indices_torch_path_writes_only_its_prefix_of_out(page_size):
     assert out[total:].tolist() == [-7] * 5
     fresh = kvi.build_kv_indices(r2t, rows, lens, total, page_size=page_size, kv_start=starts)
     assert fresh.tolist() == got.tolist()
+    out.fill_(-7)
+    whole = kvi.build_kv_indices(r2t, rows, lens, total, page_size=page_size, kv_start=starts, out=out, whole_out=True)
+    assert whole is out and out[:total].tolist() == got.tolist() and out[total:].tolist() == [-7] * 5
 
 
 def _check_build_with_every_output(device: str, page_size: int, seed: int) -> None:
@@ -144,4 +147,9 @@ def test_triton_path_on_gpu(page_size):
         total = int(kvi.num_pages_from_lens(lens, page_size).sum())
         got = kvi.build_kv_indices(r2t.cuda(), rows.cuda(), lens.cuda(), total, page_size=page_size, kv_start=starts.cuda())
         assert got.cpu().tolist() == _expected_ids(r2t, rows, lens, starts, page_size)
+        out = torch.full((total + 3,), -7, dtype=torch.int32, device="cuda")
+        whole = kvi.build_kv_indices(
+            r2t.cuda(), rows.cuda(), lens.cuda(), total, page_size=page_size, kv_start=starts.cuda(), out=out, whole_out=True
+        )
+        assert whole is out and out[:total].tolist() == got.tolist() and out[total:].tolist() == [-7] * 3
         _check_build_with_every_output("cuda", page_size, 320 + seed)

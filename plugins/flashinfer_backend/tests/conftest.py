@@ -1,10 +1,12 @@
-"""The `factory` fixture of the CPU wiring tests: `FlashInferBackend` over `fake_flashinfer.py` (a float64
+"""The fixtures of the CPU wiring tests: `factory`, `FlashInferBackend` over `fake_flashinfer.py` (a float64
 stand-in for FlashInfer's wrappers), allowed on the CPU, public plans only (`lean_replan=False`: the lean
-re-plan reads FlashInfer's internals). The stand-in module is `factory.fake`. Tests using it skip where
-the real flashinfer is importable (their module's `pytestmark`)."""
+re-plan reads FlashInfer's internals); `mla_factory`, `FlashInferMLABackend` over the stand-in's MLA
+wrapper (lean by default: the stand-in models the MLA internals). The stand-in module is `<fixture>.fake`.
+Tests using them skip where the real flashinfer is importable (their module's `pytestmark`)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -13,30 +15,24 @@ import sys
 
 import pytest
 
-_REPLACED = ("flashinfer", "flashinfer.cascade", "attn_flashinfer.plans", "attn_flashinfer.mixed", "attn_flashinfer.backend")
+_REPLACED = (
+    "flashinfer", "flashinfer.cascade", "flashinfer.mla", "attn_flashinfer.plans", "attn_flashinfer.mixed", "attn_flashinfer.backend",
+    "attn_flashinfer.mla_plans", "attn_flashinfer.mla_prefill", "attn_flashinfer.mla_backend",
+)  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def factory():
-    """A FlashInferBackend subclass over the stand-in, allowed on the CPU; sys.modules restored after."""
+@contextlib.contextmanager
+def _over_the_stand_in():
+    """The stand-in installed as `flashinfer` (and the modules importing it re-imported over it) while
+    the block runs; sys.modules restored after."""
     path = pathlib.Path(__file__).with_name("fake_flashinfer.py")
     spec = importlib.util.spec_from_file_location("fake_flashinfer", path)
     fake = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fake)
     saved = {name: sys.modules.pop(name, None) for name in _REPLACED}
-    sys.modules["flashinfer"], sys.modules["flashinfer.cascade"] = fake, fake.cascade
+    sys.modules["flashinfer"], sys.modules["flashinfer.cascade"], sys.modules["flashinfer.mla"] = fake, fake.cascade, fake.mla
     try:
-        backend = importlib.import_module("attn_flashinfer.backend")
-
-        class OnCpu(backend.FlashInferBackend):
-            capabilities = dataclasses.replace(backend.CAPABILITIES, devices=frozenset({"cuda", "cpu"}))
-
-            fake = sys.modules["flashinfer"]
-
-            def __init__(self, ctx, **kw):
-                super().__init__(ctx, lean_replan=False, workspace_bytes=1 << 20, **kw)
-
-        yield OnCpu
+        yield fake
     finally:
         package = sys.modules["attn_flashinfer"]
         for name in _REPLACED:
@@ -45,3 +41,37 @@ def factory():
                 sys.modules[name] = saved[name]
             elif name.startswith("attn_flashinfer.") and hasattr(package, name.split(".")[1]):
                 delattr(package, name.split(".")[1])  # a later import sees flashinfer missing again
+
+
+@pytest.fixture(scope="module")
+def factory():
+    """A FlashInferBackend subclass over the stand-in, allowed on the CPU."""
+    with _over_the_stand_in() as fake:
+        backend = importlib.import_module("attn_flashinfer.backend")
+
+        class OnCpu(backend.FlashInferBackend):
+            capabilities = dataclasses.replace(backend.CAPABILITIES, devices=frozenset({"cuda", "cpu"}))
+
+            def __init__(self, ctx, **kw):
+                super().__init__(ctx, lean_replan=False, workspace_bytes=1 << 20, **kw)
+
+        OnCpu.fake = fake
+        yield OnCpu
+
+
+@pytest.fixture(scope="module")
+def mla_factory():
+    """A FlashInferMLABackend subclass over the stand-in's MLA wrapper, allowed on the CPU; its options
+    (e.g. `lean_replan`, on by default here: the stand-in models the internals the lean path calls) go
+    to the backend."""
+    with _over_the_stand_in() as fake:
+        mla_backend = importlib.import_module("attn_flashinfer.mla_backend")
+
+        class MLAOnCpu(mla_backend.FlashInferMLABackend):
+            capabilities = dataclasses.replace(mla_backend.CAPABILITIES, devices=frozenset({"cuda", "cpu"}))
+
+            def __init__(self, ctx, lean_replan: bool = True, **kw):
+                super().__init__(ctx, lean_replan=lean_replan, workspace_bytes=1 << 20, **kw)
+
+        MLAOnCpu.fake = fake
+        yield MLAOnCpu

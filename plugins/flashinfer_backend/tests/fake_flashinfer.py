@@ -7,7 +7,12 @@ request's keys are read from its pages (`indptr`, page ids, `last_page_len`); ca
 position L - n + i); `logits_soft_cap` c maps a scaled logit s to c * tanh(s / c); the LSE is base 2;
 `run` writes into `out` / `lse` when given (and returns them); the paged wrappers' `k_scale` joins the
 softmax scale and `v_scale` multiplies the output (an fp8 cache).
-It says nothing about FlashInfer's kernels themselves: the GPU tests (test_gpu.py) do.
+`mla.BatchMLAPagedAttentionWrapper` stands in for the MLA paged wrapper of flashinfer 0.6.6, down to the
+internals `replan.mla` / `replan.mla_run` call (`_cached_module.plan` / `.run` with the compiled
+functions' argument lists, `_kv_indices_buf`, `_causal`, `_page_size`, `_sm_scale`): its plan keeps host
+copies of the offsets and key counts as the plan info, its run reads the page ids from `_kv_indices_buf`
+when it runs (natural-log LSE with `return_lse_base_on_e`).
+It says nothing about FlashInfer's kernels themselves: the GPU tests (test_gpu.py, test_gpu_mla.py) do.
 """
 
 from __future__ import annotations
@@ -139,3 +144,90 @@ def _merge_state_in_place(o, lse, o2, lse2):
 
 
 cascade = types.SimpleNamespace(merge_state_in_place=_merge_state_in_place)
+
+
+class _MLAModule:
+    """The compiled MLA functions' argument lists (flashinfer 0.6.6's `plan` / `run` of the MLA module)."""
+
+    def plan(self, float_ws, int_ws, pinned_ws, qo_indptr, kv_indptr, kv_lens, num_heads, head_dim_o, causal):
+        for a in (qo_indptr, kv_indptr, kv_lens):
+            assert a.device.type == "cpu" and a.dtype == torch.int32, "host int32 arrays"
+        return (qo_indptr.clone(), kv_indptr.clone(), kv_lens.clone(), causal)
+
+    def run(
+        self, float_ws, int_ws, plan_info, q_nope, q_pe, ckv, kpe, kv_indices, out, lse, mask_mode, num_heads, page_size, sm_scale, base_e
+    ):
+        qo, kv_indptr, kv_lens, planned_causal = plan_info
+        assert mask_mode == int(planned_causal), "the mask mode of the plan"
+        assert q_nope.shape[0] == int(qo[-1]) and q_nope.shape[1] == num_heads, "q rows as planned"
+        for r in range(qo.numel() - 1):
+            a, b = int(qo[r]), int(qo[r + 1])
+            ids = kv_indices[int(kv_indptr[r]) : int(kv_indptr[r + 1])].long()
+            L = int(kv_lens[r])
+            c = ckv[ids].reshape(-1, ckv.shape[-1])[:L].double()
+            p = kpe[ids].reshape(-1, kpe.shape[-1])[:L].double()
+            s = (torch.einsum("qhd,kd->hqk", q_nope[a:b].double(), c) + torch.einsum("qhd,kd->hqk", q_pe[a:b].double(), p)) * sm_scale
+            n = b - a
+            if mask_mode == 1:
+                ok = torch.arange(L)[None, :] <= torch.arange(n)[:, None] + (L - n)
+                s = s.masked_fill(~ok[None], float("-inf"))
+            ln = torch.logsumexp(s, dim=-1)  # [H, n]
+            out[a:b] = torch.einsum("hqk,kd->qhd", torch.exp(s - ln[..., None]).nan_to_num(0.0), c).to(out.dtype)
+            if lse is not None:
+                lse[a:b] = (ln if base_e else ln * LOG2E).transpose(0, 1).float()
+
+
+class BatchMLAPagedAttentionWrapper:
+    def __init__(
+        self, float_workspace_buffer, use_cuda_graph=False, qo_indptr=None, kv_indptr=None, kv_indices=None, kv_len_arr=None, backend="auto"
+    ):
+        self._float_workspace_buffer = float_workspace_buffer
+        self._int_workspace_buffer = self._pin_memory_int_workspace_buffer = None
+        self._use_cuda_graph = use_cuda_graph
+        self._qo_indptr_buf, self._kv_indptr_buf, self._kv_indices_buf, self._kv_len_arr_buf = qo_indptr, kv_indptr, kv_indices, kv_len_arr
+        self._backend = "fake"
+        self.public_plans = 0
+
+    def plan(
+        self,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        kv_len_arr,
+        num_heads,
+        head_dim_ckv,
+        head_dim_kpe,
+        page_size,
+        causal,
+        sm_scale,
+        q_data_type,
+        kv_data_type,
+    ):
+        self._cached_module = _MLAModule()
+        self.public_plans += 1
+        if self._use_cuda_graph:
+            self._qo_indptr_buf.copy_(qo_indptr)
+            self._kv_indptr_buf.copy_(kv_indptr)
+            self._kv_indices_buf[: len(kv_indices)].copy_(kv_indices)
+            self._kv_len_arr_buf.copy_(kv_len_arr)
+        else:
+            self._kv_indices_buf = kv_indices
+        self._causal, self._page_size, self._sm_scale = causal, page_size, sm_scale
+        self._plan_info = self._cached_module.plan(
+            None, None, None, qo_indptr.cpu(), kv_indptr.cpu(), kv_len_arr.cpu(), num_heads, head_dim_ckv, causal
+        )
+
+    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False, return_lse_base_on_e=False):
+        out = torch.empty_like(q_nope) if out is None else out
+        assert out.shape == q_nope.shape, "out shaped as q_nope"
+        if return_lse and lse is None:
+            lse = torch.empty(q_nope.shape[:2], dtype=torch.float32)
+        self._cached_module.run(
+            self._float_workspace_buffer, self._int_workspace_buffer, self._plan_info, q_nope, q_pe, ckv_cache, kpe_cache,
+            self._kv_indices_buf, out, lse if return_lse else None, int(self._causal), q_nope.shape[1], self._page_size,
+            self._sm_scale, return_lse_base_on_e,
+        )  # fmt: skip
+        return (out, lse) if return_lse else out
+
+
+mla = types.SimpleNamespace(BatchMLAPagedAttentionWrapper=BatchMLAPagedAttentionWrapper)

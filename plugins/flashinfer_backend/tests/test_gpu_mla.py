@@ -83,6 +83,80 @@ def test_lean_replans_match_flashinfers_own_plan(mode):
     assert [lr.out_error for lr in lean.layers] == [lr.out_error for lr in public.layers]
 
 
+def _mla_step(mode, reqs, page_size=16, heads=16, **backend_options):
+    """A one-layer MLA world on the GPU (random latents), a batch of `reqs` (chains: no verify mask) with
+    its metadata built twice (the second a lean re-plan): (backend, batch, layer, q, k, pool)."""
+    from attn_core.batch_builder import build_forward_batch
+    from attn_core.context import BackendContext
+    from attn_core.layer import AttentionLayer
+    from attn_core.memory import MLATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
+    from attn_flashinfer.mla_backend import FlashInferMLABackend
+
+    ps = page_size
+    size = ps * (sum(-(-(p + x) // ps) for p, x in reqs) + 2)
+    max_len = max(p + x for p, x in reqs) + ps
+    pool = MLATokenToKVPool(size, ps, torch.bfloat16, 512, 64, 1, "cuda")
+    pool.kv_buffer[0].normal_()
+    r2t = ReqToTokenPool(len(reqs), max_len, "cuda")
+    batch = build_forward_batch(mode, reqs, req_to_token_pool=r2t, allocator=PagedTokenAllocator(size, ps, "cuda"), token_to_kv_pool=pool)
+    if batch.spec_info is not None:
+        batch.spec_info.custom_mask = batch.spec_info.mask_indptr = None
+    ctx = BackendContext(
+        device="cuda", dtype=torch.bfloat16, num_q_heads=heads, num_kv_heads=1, head_dim=576, attention_arch="mla", kv_lora_rank=512,
+        qk_rope_head_dim=64, page_size=ps, max_batch_size=len(reqs), max_context_len=max_len, req_to_token_pool=r2t, token_to_kv_pool=pool,
+    )  # fmt: skip
+    backend = FlashInferMLABackend(ctx, **backend_options)
+    batch.attn_backend = backend
+    layer = AttentionLayer(0, heads, 1, 576, scaling=192**-0.5, v_head_dim=512)
+    T = batch.num_tokens
+    q = torch.randn(T, heads, 576, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(T, 1, 576, dtype=torch.bfloat16, device="cuda")
+    backend.init_forward_metadata(batch)
+    layer(q, k, None, batch)  # learns the scaling, stores the new latents
+    backend.init_forward_metadata(batch)  # lean re-plan
+    return backend, batch, layer, q, k, pool
+
+
+@requires_gpu
+@pytest.mark.parametrize("mode", ["DECODE", "TARGET_VERIFY"])
+def test_lean_run_equals_flashinfers_own_run(mode):
+    """`replan.mla_run` (the compiled kernel call alone) against the wrapper's public `run` on the same
+    plan and inputs: bitwise the same output and natural-log LSE, for a causal (verify) and a
+    non-causal (decode) plan; outputs poisoned first."""
+    from attn_flashinfer import mla_plans
+
+    e = 1 if mode == "DECODE" else 4
+    backend, batch, layer, q, _, pool = _mla_step(mode, [(300, e), (17, e), (1000, e), (5, e)], lean_replan=True)
+    w = backend.forward_metadata.wrappers[float(layer.scaling)]
+    ckv, kpe = mla_plans.latent_views(pool.get_key_buffer(0), 16, 512)
+    T, heads = q.shape[0], q.shape[1]
+    got = []
+    for lean in (True, False):
+        out = torch.full((T, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+        lse = torch.full((T, heads), float("nan"), dtype=torch.float32, device="cuda")
+        mla_plans.run(w, q[..., :512], q[..., 512:], ckv, kpe, out, lse, lean)
+        got.append((out, lse))
+    assert not got[0][0].isnan().any() and not got[0][1].isnan().any()
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+
+
+@requires_gpu
+def test_a_table_slot_past_the_pool_is_refused_on_the_device():
+    """validation "basic" (no device checks on the host): a req_to_token slot past the KV pool reaches
+    the index kernel, which writes the dummy page instead and records the fault; the next poll names
+    it (and clears it), the step's output stays finite."""
+    backend, batch, layer, q, k, pool = _mla_step("DECODE", [(300, 1), (40, 1)])
+    assert backend.poll_device_fault() is None
+    row = int(batch.req_pool_indices[0])
+    batch.req_to_token_pool.req_to_token[row, 64] = pool.num_slots + 5  # a page start of request 0 (page 4)
+    pool.get_key_buffer(0)[: pool.page_size].zero_()  # the dummy page: finite
+    backend.init_forward_metadata(batch)
+    out = layer(q, k, None, batch)
+    fault = backend.poll_device_fault()
+    assert fault is not None and "slot" in fault and torch.isfinite(out).all()
+    assert backend.poll_device_fault() is None
+
+
 # ---- the multi-step draft wrapper ------------------------------------------------------------------
 DRAFT_LAYERS, DRAFT_HEADS = 2, 16
 

@@ -10,7 +10,15 @@ import torch
 from attn_core.batch_builder import build_forward_batch
 from attn_core.memory import PagedTokenAllocator, ReqToTokenPool
 from attn_core.ops.kv_indices import last_page_len_from_lens, page_indptr_from_lens
-from attn_flashinfer.indices import build_page_list, build_paged_kv, page_offsets, paged_kv_host, query_layout, self_attention_page_size
+from attn_flashinfer.indices import (
+    HostOffsets,
+    build_page_list,
+    build_paged_kv,
+    page_offsets,
+    paged_kv_host,
+    query_layout,
+    self_attention_page_size,
+)
 
 
 def test_worked_example_of_the_module_docstring():
@@ -140,7 +148,7 @@ def test_page_list_worked_example():
     buf = torch.full((16,), -1, dtype=torch.int32)
     kv = build_page_list(r2t, torch.tensor([3, 0]), lens, lens, 4, lambda n: buf)
     assert kv.indptr.tolist() == [0, 2, 3] and kv.num_pages == 3 and kv.page_size == 4
-    assert kv.indices.tolist() == [5, 2, 3] and kv.indices.data_ptr() == buf.data_ptr()
+    assert kv.indices is buf and kv.indices[: kv.num_pages].tolist() == [5, 2, 3] and buf[3:].eq(-1).all()
     assert kv.kv_lens.dtype == kv.indptr.dtype == torch.int32
 
 
@@ -153,3 +161,31 @@ def test_page_offsets_match_attn_core(page_size):
         total = page_offsets(lens.numpy(), page_size, out)
         want = page_indptr_from_lens(lens, page_size)
         assert out.tolist() == want.tolist() and total == int(want[-1])
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_page_lists_built_into_reused_host_offsets(page_size):
+    """Steps of one batch size built into one `HostOffsets` pair: each step's offsets and page ids are
+    its own (against attn-core's builders), written into the same host memory every time."""
+    rng = random.Random(page_size)
+    rows, width = 6, 400
+    r2t = torch.tensor([[rng.randrange(1000) * page_size + (c % page_size) for c in range(width)] for _ in range(rows)], dtype=torch.int32)
+    offsets = HostOffsets()
+    buf = torch.full((4096,), -1, dtype=torch.int32)
+    for step in range(4):
+        bs = 3 if step < 3 else 5
+        rpi = torch.tensor(rng.sample(range(rows), bs))
+        lens = torch.tensor([rng.randrange(0, width) for _ in range(bs)], dtype=torch.int32)
+        pair = offsets.get(bs)
+        assert offsets.get(bs) is pair and pair[1].shape == (bs + 1,)
+        kv = build_page_list(r2t, rpi, lens, lens, page_size, lambda n: buf, host_indptr=pair)
+        want = page_indptr_from_lens(lens, page_size)
+        assert kv.indptr is pair[1] and kv.indptr.tolist() == want.tolist() and kv.num_pages == int(want[-1])
+        ids = [int(r2t[r, c]) // page_size for r, n in zip(rpi.tolist(), lens.tolist()) for c in range(0, n, page_size)]
+        assert kv.indices is buf and kv.indices[: kv.num_pages].tolist() == ids
+
+
+def test_host_offsets_pairs_share_memory():
+    arr, t = HostOffsets().get(2)
+    arr[:] = [4, 5, 6]
+    assert t.tolist() == [4, 5, 6] and t.dtype == torch.int32

@@ -13,7 +13,7 @@ from attn_core.batch import SpecInfo
 from attn_core.capabilities import ARCH_MLA, CudaGraphLevel, Feature, Requirements
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
-from attn_flashinfer.mla_steps import check_capacity, check_mla_context, refuse_tree_mask
+from attn_flashinfer.mla_steps import check_capacity, check_mla_context, refuse_tree_mask, uniform_q_len
 from attn_flashinfer.scratch import DeviceScratch
 
 
@@ -112,3 +112,13 @@ def test_device_scratch_grows_by_doubling_and_reuses():
     b = s.get("seq", 5000)
     assert b.shape[0] == 10000 and s.get("seq", 7) is b
     assert s.get("qo", 3) is not b
+
+
+@pytest.mark.parametrize(
+    ("lens", "bs", "T", "want"),
+    [(None, 4, 4, 1), ([3, 3], 2, 6, 3), ([1, 2], 2, 3, None), ([2, 2], 2, 5, None), ([], 0, 0, None), ([4], 1, 4, 4),
+     ([4, 4, 0, 8], 4, 16, None), ([0, 0], 2, 0, None)],
+)  # fmt: skip
+def test_uniform_q_len(lens, bs, T, want):
+    for dtype in (torch.int32, torch.int64):
+        assert uniform_q_len(None if lens is None else torch.tensor(lens, dtype=dtype), bs, T) == want

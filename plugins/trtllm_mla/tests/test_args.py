@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
-from attn_trtllm_mla.args import QK_NOPE_HEAD_DIM, Scales, decode_kwargs, fold_scales, uniform_q_len
+from attn_trtllm_mla.args import QK_NOPE_HEAD_DIM, Scales, decode_kwargs, fold_scales
 from attn_trtllm_mla.kernel import WORKSPACE_BYTES, kernel_for, new_workspace
 
 
@@ -33,14 +33,6 @@ def test_folded_scales_reproduce_a_dequantized_score():
     s = fold_scales(scaling, None, k_scale)
     assert math.isclose(float(q @ (k / k_scale)) * s.bmm1, float(q @ k) * scaling, rel_tol=1e-12)
     assert math.isclose(float((k / k_scale).sum()) * s.bmm2, float(k.sum()), rel_tol=1e-12)
-
-
-@pytest.mark.parametrize(
-    ("lens", "bs", "T", "want"),
-    [(None, 4, 4, 1), ([3, 3], 2, 6, 3), ([1, 2], 2, 3, None), ([2, 2], 2, 5, None), ([], 0, 0, None), ([4], 1, 4, 4)],
-)
-def test_uniform_q_len(lens, bs, T, want):
-    assert uniform_q_len(None if lens is None else torch.tensor(lens, dtype=torch.int32), bs, T) == want
 
 
 def _inputs(bs=3, q_len=1, heads=8, page=32, pages=10):

@@ -123,13 +123,16 @@ def build_kv_indices(
     qo_indptr_out: Optional[torch.Tensor] = None,
     num_slots: Optional[int] = None,
     fault: Optional[torch.Tensor] = None,
+    whole_out: bool = False,
 ) -> torch.Tensor:
     """Slot ids (page_size 1) or page ids of each request's `kv_lens` tokens, concatenated: int32 `[total]`.
 
     Same result as `kv_indices_from_req_to_token` with `page_indptr_from_lens(kv_lens, page_size)`, but
     from the lengths alone, so the caller builds no indptr on the device. `total` (the sum of pages) comes
     from the host: no sync. With `out` (int32, at least `total` long, e.g. a CUDA-graph buffer) the ids go
-    to `out[:total]`, which is returned. In the same launch, optionally: `indptr_out` `[bs+1]` (page
+    to `out[:total]`, which is returned (`whole_out`: `out` itself is, its entries past `total` as they
+    were; for callers whose readers take the count from elsewhere, sparing the view's microseconds of
+    host time per step). In the same launch, optionally: `indptr_out` `[bs+1]` (page
     offsets, `page_indptr_from_lens`), `last_page_len_out` `[bs]` (`last_page_len_from_lens`) and, from
     `q_lens`, `qo_indptr_out` `[bs+1]` (all int32). On CUDA with Triton importable one Triton kernel does
     the work (`attn_core.ops.kv_indices_triton`), which bounds-checks on the device what the host cannot
@@ -150,7 +153,7 @@ def build_kv_indices(
             page_size=page_size, kv_start=kv_start, q_lens=q_lens, qo_indptr=qo_indptr_out, num_slots=num_slots, fault=fault,
             capacity=total,
         )  # fmt: skip
-        return out[:total]
+        return out if whole_out else out[:total]
     indptr = page_indptr_from_lens(kv_lens, page_size)
     out[:total] = kv_indices_from_req_to_token(req_to_token, req_pool_indices, indptr, total, kv_start, page_size)
     if indptr_out is not None:
@@ -159,4 +162,4 @@ def build_kv_indices(
         last_page_len_out.copy_(last_page_len_from_lens(kv_lens, page_size))
     if q_lens is not None:
         qo_indptr_out.copy_(kv_indptr_from_lens(q_lens))
-    return out[:total]
+    return out if whole_out else out[:total]

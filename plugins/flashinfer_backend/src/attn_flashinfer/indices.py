@@ -98,7 +98,7 @@ class PageList:
     kv_lens: torch.Tensor  # host int32 [bs] keys per request
     indptr: torch.Tensor  # host int32 [bs+1] page offsets
     num_pages: int  # indptr[-1]
-    indices: torch.Tensor  # device int32 [num_pages] page ids
+    indices: torch.Tensor  # device int32 [>= num_pages]: the page ids, then what the buffer held (readers go by indptr)
 
 
 def build_page_list(
@@ -108,19 +108,52 @@ def build_page_list(
     kv_lens_host: torch.Tensor,
     page_size: int,
     out: Callable[[int], torch.Tensor],
+    host_indptr: Optional[tuple[np.ndarray, torch.Tensor]] = None,
+    num_slots: Optional[int] = None,
+    fault: Optional[torch.Tensor] = None,
 ) -> PageList:
     """Keys `req_to_token[row, : kv_len]` of each request as a `PageList`: host offsets (numpy), page
     ids by one index launch (`attn_core.ops.kv_indices.build_kv_indices`) into `out(num_pages)` (a device
-    int32 buffer of at least that many entries: a reused scratch buffer, a CUDA-graph buffer).
+    int32 buffer of at least that many entries: a reused scratch buffer, a CUDA-graph buffer), which is
+    the list's `indices` as it is (no view of its first `num_pages` entries).
 
     kv_lens: device int32 `[bs]`, the same numbers as `kv_lens_host` (nothing is copied back).
+    host_indptr: where the offsets go, a numpy int32 `[bs+1]` array and the torch tensor sharing its
+    memory (`HostOffsets`, reused step after step: the list's `indptr` then holds until the next build
+    into it); None: a new pair. `num_slots` / `fault`: the KV pool's slot count every slot is checked
+    against and the fault buffer that records refused indices (`build_kv_indices`).
     Example (page_size 4): rows [3, 0], kv_lens [5, 2], req_to_token[3, :5] = [20, 21, 22, 23, 8],
     req_to_token[0, :2] = [12, 13] -> indptr [0, 2, 3], indices [5, 2, 3]."""
     lens_t = kv_lens_host if kv_lens_host.dtype == torch.int32 else kv_lens_host.to(torch.int32)
-    indptr = np.empty(lens_t.shape[0] + 1, dtype=np.int32)
+    if host_indptr is None:
+        indptr = np.empty(lens_t.shape[0] + 1, dtype=np.int32)
+        indptr_t = torch.from_numpy(indptr)
+    else:
+        indptr, indptr_t = host_indptr
     total = page_offsets(lens_t.numpy(), page_size, indptr)
-    ids = build_kv_indices(req_to_token, req_pool_indices, kv_lens, total, page_size=page_size, out=out(total))
-    return PageList(page_size, lens_t, torch.from_numpy(indptr), total, ids)
+    ids = build_kv_indices(
+        req_to_token, req_pool_indices, kv_lens, total, page_size=page_size, out=out(total), num_slots=num_slots, fault=fault,
+        whole_out=True,
+    )  # fmt: skip
+    return PageList(page_size, lens_t, indptr_t, total, ids)
+
+
+class HostOffsets:
+    """Reused host int32 offset arrays `[bs+1]` by batch size, each a numpy array and the torch tensor
+    sharing its memory (making the pair costs microseconds of host time per step; FlashInfer's plans
+    read host offsets during the call, or copy them, so a step may overwrite the last one's).
+
+    Example: `h = HostOffsets(); a = h.get(3)` gives a pair of 4 entries; `h.get(3)` that same pair again."""
+
+    def __init__(self) -> None:
+        self._pairs: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
+
+    def get(self, bs: int) -> tuple[np.ndarray, torch.Tensor]:
+        pair = self._pairs.get(bs)
+        if pair is None:
+            arr = np.zeros(bs + 1, dtype=np.int32)
+            pair = self._pairs[bs] = (arr, torch.from_numpy(arr))
+        return pair
 
 
 def build_paged_kv(

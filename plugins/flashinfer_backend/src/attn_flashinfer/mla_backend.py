@@ -4,10 +4,14 @@ FlashInfer's MLA paged wrapper (FA3 on SM90, FA2 on SM80).
 Every mode is one kind of plan: each request's queries over all its keys (the new ones included, which
 `save_kv` has written to the pool first), causal for every mode but DECODE (a request's queries are its
 last keys). Per step, `build_forward_metadata` (called by the base class's validating
-`init_forward_metadata`) builds the key list once (`indices.build_paged_kv`: host indptr and lengths,
-page ids from one index launch into a reused `DeviceScratch` buffer) and plans one wrapper per layer
-scaling met so far; a scaling first met in `forward` is planned then and remembered. A wrapper's first
-plan is FlashInfer's own, later ones `replan.mla` (the scheduler call alone).
+`init_forward_metadata`) builds the key list once (`indices.build_page_list`: host offsets and lengths,
+page ids from one index launch into a reused `DeviceScratch` buffer, every slot checked against the
+pool, refusals recorded in the backend's fault buffer: `poll_device_fault`) and plans one wrapper per
+layer scaling met so far; a scaling first met in `forward` is planned then and remembered. A wrapper's first
+plan is FlashInfer's own, later ones `replan.mla` (the scheduler call alone); layers run it through
+`replan.mla_run` (the kernel call alone) with the same versions. Host arrays are reused: the query
+layout per (batch size, queries per request) when every request has the same count, the page offsets
+per batch size (`indices.HostOffsets`).
 
 CUDA graphs (DECODE and TARGET_VERIFY): `init_cuda_graph_state` allocates the fixed index buffers;
 capture builds graph-mode wrappers per (batch size, mode); replay rewrites the page ids (one index
@@ -31,15 +35,23 @@ from attn_core.batch import ForwardBatch
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 from attn_core.graph_step import CudaGraphStep
+from attn_core.ops.device_faults import DeviceFaultFlags
 from attn_flashinfer import mla_plans, replan
 from attn_flashinfer.backend import DEFAULT_WORKSPACE_BYTES
-from attn_flashinfer.indices import PageList, QueryLayout, build_page_list, query_layout
+from attn_flashinfer.indices import HostOffsets, PageList, QueryLayout, build_page_list, query_layout
 from attn_flashinfer.mla_prefill import PrefillPlan, PrefillWrappers
 from attn_flashinfer.mla_spec import CAPABILITIES
-from attn_flashinfer.mla_steps import MLADims, MLAGraphBuffers, check_capacity, check_mla_context, refuse_tree_mask
+from attn_flashinfer.mla_steps import (
+    MLADims,
+    MLAGraphBuffers,
+    check_capacity,
+    check_mla_context,
+    refuse_tree_mask,
+    uniform_q_len,
+)
 from attn_flashinfer.prefill_plan import prefill_lengths
 from attn_flashinfer.scratch import DeviceScratch
-from attn_flashinfer.steps import StepInputs, eager_inputs, graph_inputs
+from attn_flashinfer.steps import StepInputs, eager_inputs
 
 
 @dataclass
@@ -68,7 +80,7 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
     """FlashInfer's MLA kernels on CUDA, compute capability 8.0 or newer. Options: `workspace_bytes`
     sizes the float workspace (split-KV partial results); `lean_replan` (None: on for the FlashInfer
     versions `replan.py` was verified with) re-plans wrappers without FlashInfer's public `plan` after
-    their first."""
+    their first and runs them through the compiled kernel call alone (`replan.mla_run`)."""
 
     name = "flashinfer_mla"
     capabilities = CAPABILITIES
@@ -86,7 +98,9 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         self.known_scalings: dict[float, None] = {}  # insertion-ordered set
         self._eager_wrappers: dict[float, object] = {}
         self._planned_eager: set[float] = set()
-        self._decode_queries: dict[int, QueryLayout] = {}
+        self._uniform_queries: dict[tuple[int, int], QueryLayout] = {}  # (bs, queries per request) -> layout
+        self.host_offsets = HostOffsets()  # the steps' host page offsets, reused per batch size
+        self.device_faults = DeviceFaultFlags(ctx.device)
         self._graph_buffers: Optional[MLAGraphBuffers] = None
         self._graphs: dict[tuple[int, ForwardMode], tuple[MLAStep, MLAGraph]] = {}
         self._prefill = PrefillWrappers(self.workspace)
@@ -95,6 +109,12 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         self._out_heads = (ctx.num_q_heads, ctx.kv_lora_rank)
         self._out_cols = ctx.num_q_heads * ctx.kv_lora_rank
         self._latents: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # layer id -> (pool buffer, ckv, kpe)
+
+    def poll_device_fault(self) -> Optional[str]:
+        """What the index kernel refused since the last poll (an out-of-range request row, length or
+        slot, or device lengths past the host-sized page-id buffer: `attn_core.ops.device_faults`), or
+        None; reads and clears the fault buffer (one device sync)."""
+        return self.device_faults.poll()
 
     # ---- per-step metadata -------------------------------------------------------------------
     def build_forward_metadata(self, forward_batch: ForwardBatch) -> MLAStep:
@@ -106,7 +126,7 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
     def _new_step(self, inputs: StepInputs, graph: Optional[MLAGraph], scalings) -> MLAStep:
         """A step over `inputs` with a planned wrapper for each of `scalings`."""
         decode = inputs.q_lens_host is None
-        qo = self._decode_query_layout(inputs.bs) if decode else query_layout(inputs.q_lens_host)
+        qo = self._query_layout(inputs)
         if graph is None:
             out = self._scratch_ids
         else:
@@ -116,7 +136,11 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
                 check_capacity("CUDA-graph page ids (seq_lens)", pages, ids.shape[0])
                 return ids
 
-        kv = build_page_list(inputs.req_to_token, inputs.req_pool_indices, inputs.seq_lens, inputs.seq_lens_host, self.page_size, out)
+        pool = self.ctx.token_to_kv_pool
+        kv = build_page_list(
+            inputs.req_to_token, inputs.req_pool_indices, inputs.seq_lens, inputs.seq_lens_host, self.page_size, out,
+            self.host_offsets.get(inputs.bs), None if pool is None else pool.num_slots, self.device_faults.buffer,
+        )  # fmt: skip
         step = MLAStep(inputs, qo, kv, causal=not decode, graph=graph)
         for scaling in scalings:
             step.wrappers[scaling] = self._planned(step, scaling)
@@ -125,11 +149,23 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
     def _scratch_ids(self, pages: int) -> torch.Tensor:
         return self.scratch.get("seq", pages)
 
-    def _decode_query_layout(self, bs: int) -> QueryLayout:
-        """One query per request (0..bs on the host), built once per batch size."""
-        qo = self._decode_queries.get(bs)
+    def _query_layout(self, inputs: StepInputs) -> QueryLayout:
+        """The step's queries on the host: when every request has the same number n (DECODE: 1; verify
+        and draft-extend steps: their draft count) the layout built once per (batch size, n), else this
+        step's own. A CUDA-graph step hands in that layout's own `lens` (`_graph_step_inputs`): no check."""
+        lens, bs = inputs.q_lens_host, inputs.bs
+        if lens is not None and bs:
+            hit = self._uniform_queries.get((bs, inputs.num_tokens // bs))
+            if hit is not None and hit.lens is lens:
+                return hit
+        n = uniform_q_len(lens, bs, inputs.num_tokens)
+        return query_layout(lens) if n is None else self._uniform_layout(bs, n)
+
+    def _uniform_layout(self, bs: int, n: int) -> QueryLayout:
+        """`n` queries for each of `bs` requests, built once."""
+        qo = self._uniform_queries.get((bs, n))
         if qo is None:
-            qo = self._decode_queries[bs] = query_layout(torch.ones(bs, dtype=torch.int32))
+            qo = self._uniform_queries[(bs, n)] = query_layout(torch.full((bs,), n, dtype=torch.int32))
         return qo
 
     def _planned(self, step: MLAStep, scaling: float):
@@ -177,7 +213,19 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         if pool is None:
             raise InvalidArgumentError("ctx.req_to_token_pool", "the request-to-token pool (CUDA graphs read the context's)", None)
         refuse_tree_mask(self.name, step.forward_mode, step.spec_info)
-        return graph_inputs(pool.req_to_token, step, num_tokens, seq_host, None)
+        mode, bs = step.forward_mode, step.bs
+        # the same inputs as `steps.graph_inputs` gives (no encoder tokens, no mask: refused), the queries'
+        # lengths being those of the (bs, num_tokens // bs) layout `_query_layout` then takes as it is
+        return StepInputs(
+            mode=mode,
+            bs=bs,
+            num_tokens=num_tokens,
+            req_to_token=pool.req_to_token,
+            req_pool_indices=step.req_pool_indices,
+            seq_lens=step.seq_lens,
+            seq_lens_host=seq_host if seq_host.dtype == torch.int32 else seq_host.to(torch.int32),
+            q_lens_host=None if mode.is_decode() else self._uniform_layout(bs, num_tokens // bs).lens,
+        )
 
     def capture_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
         if self._graph_buffers is None:
@@ -224,7 +272,7 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         rows = q.shape[0]
         out = q.new_empty((rows, *self._out_heads))
         lse = torch.empty((rows, self.dims.num_heads), dtype=torch.float32, device=q.device) if return_lse else None
-        mla_plans.run(w, q_nope, q_pe, ckv, kpe, out, lse)
+        mla_plans.run(w, q_nope, q_pe, ckv, kpe, out, lse, self.lean_replan)
         o = out.view(rows, self._out_cols)
         return (o, lse) if return_lse else o
 

@@ -74,8 +74,13 @@ def run(
     kpe: torch.Tensor,
     out: torch.Tensor,
     lse: Optional[torch.Tensor],
+    lean: bool = False,
 ) -> None:
     """Absorbed MLA of q (q_nope `[T, H, kv_lora_rank]`, q_pe `[T, H, rope]`) over one layer's paged
     latent (`latent_views`) into `out` `[T, H, kv_lora_rank]` and, when `lse` is given, the natural-log
-    LSE `[T, H]` float32."""
+    LSE `[T, H]` float32. `lean`: `replan.mla_run` (the compiled kernel call alone; the caller has
+    shaped `out` / `lse` as `run` would check them)."""
+    if lean:
+        replan.mla_run(w, q_nope, q_pe, ckv, kpe, out, lse)
+        return
     w.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, return_lse=lse is not None, return_lse_base_on_e=True)

@@ -10,7 +10,8 @@ arrays (on the device, written by the step's index launch, shared by every layer
 size and maxima, and call the compiled scheduler `_cached_module.plan` with the arguments `plan` passes
 for FA2 kernels. A CUDA-graph decode wrapper reads fixed buffers that the step's index launch has
 already rewritten, so its re-plan is the scheduler call alone (what FlashInfer's `fast_decode_plan`
-does, without its torch ops on the host).
+does, without its torch ops on the host). `mla_run` likewise runs a planned MLA wrapper through its
+compiled kernel call alone (its public `run` re-checks shapes the backend has fixed itself).
 
 This reads FlashInfer's wrapper internals (FA2 kernels, eager wrappers), so the backend uses it only
 with the FlashInfer versions in `VERIFIED_VERSIONS` (others get public plans, unless the backend's
@@ -28,6 +29,8 @@ from attn_flashinfer.steps import Dims, LayerKey
 
 #: flashinfer-python versions whose wrapper internals this module was checked against on a GPU
 VERIFIED_VERSIONS = frozenset({"0.6.6"})
+#: FlashInfer's mask-mode codes (`flashinfer.utils.MaskMode`) its MLA kernels take
+MASK_NON_CAUSAL, MASK_CAUSAL = 0, 1
 
 
 def verified(flashinfer_version: str) -> bool:
@@ -116,4 +119,30 @@ def mla(w, qo: QueryLayout, kv: PageList, causal: bool, num_heads: int, head_dim
         num_heads,
         head_dim_ckv,  # head_dim_o
         causal,
+    )
+
+
+def mla_run(w, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor, out: torch.Tensor, lse) -> None:
+    """Run a planned MLA paged wrapper the way its public `run` does for these arguments (FA2 or FA3,
+    no profiler), without its Python: its shape/dtype/device checks of `out` and `lse` (the backend
+    allocates both in the shapes `run` checks for, from q's validated shape) and its argument
+    defaulting. The mask mode is the plan's (causal or not), the LSE natural-log based.
+    q_nope `[T, H, kv_lora_rank]`, q_pe `[T, H, rope]` (views of one q), ckv / kpe the paged latent,
+    out `[T, H, kv_lora_rank]`, lse float32 `[T, H]` or None."""
+    w._cached_module.run(
+        w._float_workspace_buffer,
+        w._int_workspace_buffer,
+        w._plan_info,
+        q_nope,
+        q_pe,
+        ckv,
+        kpe,
+        w._kv_indices_buf,
+        out,
+        lse,
+        MASK_CAUSAL if w._causal else MASK_NON_CAUSAL,
+        q_nope.shape[1],
+        w._page_size,
+        w._sm_scale,
+        True,  # return_lse_base_on_e
     )

@@ -36,17 +36,6 @@ def fold_scales(scaling: float, q_scale: Optional[float], k_scale: Optional[floa
     return Scales(float(scaling) * qs * ks, ks)
 
 
-def uniform_q_len(q_lens_host: Optional[torch.Tensor], bs: int, num_tokens: int) -> Optional[int]:
-    """Queries per request when every request has the same number (DECODE: q_lens_host None -> 1), else
-    None (then the step is not TRT-LLM decode's shape). Example: ([3, 3], 2, 6) -> 3; ([1, 2], 2, 3) -> None."""
-    if q_lens_host is None:
-        return 1
-    if bs == 0 or num_tokens % bs:
-        return None
-    n = num_tokens // bs
-    return n if n >= 1 and bool((q_lens_host == n).all()) else None
-
-
 def decode_kwargs(
     q: torch.Tensor,
     latent: torch.Tensor,

@@ -22,10 +22,11 @@ import torch
 from attn_core.batch import ForwardBatch
 from attn_core.errors import UnsupportedFeatureError
 from attn_flashinfer.mla_backend import FlashInferMLABackend, MLAGraph, MLAStep
+from attn_flashinfer.mla_steps import uniform_q_len
 from attn_flashinfer.prefill_plan import ChunkedPrefillPlan
 from attn_flashinfer.steps import StepInputs
 from attn_trtllm_mla import kernel
-from attn_trtllm_mla.args import decode_kwargs, fold_scales, uniform_q_len
+from attn_trtllm_mla.args import decode_kwargs, fold_scales
 from attn_trtllm_mla.block_table import PAD, build_block_table, check_width, padded_width
 from attn_trtllm_mla.ragged import plan_ragged_prefill, uses_ragged_kernel
 from attn_trtllm_mla.spec import CAPABILITIES

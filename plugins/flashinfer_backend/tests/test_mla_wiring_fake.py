@@ -1,0 +1,110 @@
+"""The MLA backend's host wiring on the CPU over the stand-in's MLA wrapper (`fake_flashinfer.py`: plain
+float64, FlashInfer 0.6.6's MLA conventions down to the internals the lean path calls): the key lists,
+query layouts (cached per batch size and draft count, or the step's own), reused host page offsets and
+plans each step hands the wrapper, lean (`replan.mla` / `replan.mla_run`) and public, checked by
+attn-core's harness against its float64 reference over several steps of one backend; then CUDA-graph
+capture and replays (their metadata only: nothing is captured on the CPU) against eager steps of the same
+batches. Skipped where the real flashinfer is importable (test_gpu_mla.py runs the real thing there).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from attn_core.testing.harness import AttnCase, assert_case
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is not None, reason="the real flashinfer is installed")
+# the `mla_factory` fixture (conftest.py): FlashInferMLABackend over fake_flashinfer.py's MLA wrapper, on the CPU
+
+MLA = dict(arch="mla", kv_lora_rank=512, qk_rope_head_dim=64, head_dim=576, num_kv_heads=1, num_q_heads=4, dtype="float16", device="cpu")
+
+CASES = {
+    # steps of different batch sizes and query counts on one backend: uniform layouts from the cache,
+    # the page offsets into the reused host arrays of each batch size
+    "decode": AttnCase(
+        "DECODE", [(40, 1), (0, 1), (17, 1), (90, 1), (3, 1), (64, 1)], page_size=16, steps=((0, 1), (2, 3, 4), (5,)), **MLA
+    ),
+    "verify-uniform": AttnCase(
+        "TARGET_VERIFY",
+        [(33, 3), (5, 3), (60, 3), (16, 3), (0, 3)],
+        page_size=16,
+        custom_mask=False,
+        return_lse=True,
+        steps=((0, 1), (2,), (3, 4)),
+        **MLA,
+    ),  # fmt: skip
+    "draft-extend-ragged": AttnCase("DRAFT_EXTEND", [(20, 1), (7, 3), (31, 2), (9, 2)], page_size=1, steps=((0, 1), (2, 3)), **MLA),
+    "extend-prefix": AttnCase("EXTEND", [(0, 9), (13, 5), (6, 1)], page_size=16, return_lse=True, steps=((0, 1), (2,)), **MLA),
+    "mixed": AttnCase("MIXED", [(21, 1), (4, 9), (0, 3)], page_size=1, **MLA),
+}
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "public"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_steps_match_the_reference(mla_factory, name, lean):
+    assert_case(lambda ctx: mla_factory(ctx, lean_replan=lean), CASES[name])
+
+
+def _world(max_len: int, rows: int, slots: int, page_size: int = 16, heads: int = 4):
+    """One engine's pools (random latents) and context; `batch(mode, reqs)` builds a step on them."""
+    from attn_core.batch_builder import build_forward_batch
+    from attn_core.context import BackendContext
+    from attn_core.memory import MLATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
+
+    pool = MLATokenToKVPool(slots, page_size, torch.float16, 512, 64, 1, "cpu")
+    pool.kv_buffer[0].normal_()
+    r2t, alloc = ReqToTokenPool(rows, max_len, "cpu"), PagedTokenAllocator(slots, page_size, "cpu")
+    ctx = BackendContext(
+        device="cpu", dtype=torch.float16, num_q_heads=heads, num_kv_heads=1, head_dim=576, attention_arch="mla", kv_lora_rank=512,
+        qk_rope_head_dim=64, page_size=page_size, max_batch_size=rows, max_context_len=max_len, req_to_token_pool=r2t,
+        token_to_kv_pool=pool,
+    )  # fmt: skip
+
+    def batch(mode, reqs):
+        b = build_forward_batch(mode, reqs, req_to_token_pool=r2t, allocator=alloc, token_to_kv_pool=pool)
+        if b.spec_info is not None:
+            b.spec_info.custom_mask = b.spec_info.mask_indptr = None
+        return b
+
+    return ctx, alloc, batch
+
+
+@pytest.mark.parametrize("mode", ["DECODE", "TARGET_VERIFY"])
+def test_graph_replays_match_eager_steps(mla_factory, mode):
+    """Capture one batch size, replay it for batches of other lengths (and the cached query layout the
+    graph inputs hand in) on the same pools: each replay's output equals an eager backend's on the same
+    batch; the graph wrapper had one public plan (capture), its replays lean re-plans."""
+    from attn_core.batch_builder import release_forward_batch
+    from attn_core.layer import AttentionLayer
+
+    e = 1 if mode == "DECODE" else 3
+    layer = AttentionLayer(0, 4, 1, 576, scaling=192**-0.5, v_head_dim=512)
+    ctx, alloc, new_batch = _world(max_len=128, rows=3, slots=16 * 30)
+    eager, graph_backend = mla_factory(ctx), mla_factory(ctx)
+    for step, lens in enumerate([(50, 3, 20), (70, 35, 5), (18, 64, 100)]):
+        batch = new_batch(mode, [(n, e) for n in lens])
+        T = batch.num_tokens
+        g = torch.Generator().manual_seed(step)
+        q, k = torch.randn(T, 4, 576, generator=g).half(), torch.randn(T, 1, 576, generator=g).half()
+        batch.attn_backend = eager
+        eager.init_forward_metadata(batch)
+        want = layer(q, k, None, batch)
+        batch.attn_backend = graph_backend
+        if step == 0:
+            graph_backend.init_forward_metadata(batch)
+            layer(q, k, None, batch)  # the layer's scaling, met eagerly before capture
+            graph_backend.init_cuda_graph_state(3, 3 * e)
+            graph_backend.init_forward_metadata_capture_cuda_graph(
+                3, T, batch.req_pool_indices, batch.seq_lens, None, batch.forward_mode, None
+            )
+        graph_backend.init_forward_metadata_replay_cuda_graph(
+            3, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_sum, None, batch.forward_mode, None, batch.seq_lens_cpu
+        )
+        got = layer(q, k, None, batch)
+        assert not got.isnan().any() and torch.equal(got, want), f"step {step}: graph replay differs from the eager step"
+        (w,) = graph_backend.forward_metadata.wrappers.values()
+        assert w._use_cuda_graph and w.public_plans == 1
+        release_forward_batch(batch, alloc)
