@@ -50,7 +50,12 @@ def _oracle(q, latent, positions, *, scale, mask=None, **kw):
 
 #: kernel variants by MLAConfig fields: "base" (today's default path), "v2" (output-column split),
 #: "direct" (wave-aware policy: one split finalizes in the kernel), "v2_direct" (both)
-VARIANTS = {"base": {}, "v2": dict(v_blocks=2), "direct": dict(ctas_per_sm=1), "v2_direct": dict(v_blocks=2, ctas_per_sm=1)}
+VARIANTS = {
+    "base": {},
+    "v2": dict(v_blocks=2),
+    "direct": dict(ctas_per_sm=1),
+    "v2_direct": dict(v_blocks=2, ctas_per_sm=1, max_regs=128),  # max_regs: a launch option only (ptxas)
+}
 
 
 def _config(kernel: str = "base"):
@@ -267,3 +272,5 @@ def test_mla_config_variants_are_checked():
         MLAConfig(v_blocks=4)
     with pytest.raises(InvalidArgumentError, match="ctas_per_sm"):
         MLAConfig(ctas_per_sm=-1)
+    with pytest.raises(InvalidArgumentError, match="max_regs"):
+        MLAConfig(max_regs=300)

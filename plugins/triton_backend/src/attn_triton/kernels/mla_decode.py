@@ -81,6 +81,8 @@ class MLAConfig:
       for k programs resident per multiprocessor, under which a batch that fills the GPU runs with one
       split and no merge launch. It describes these tiles (registers and shared memory decide how many
       programs fit an SM; `test_triton_compile_sm90.py` prints both), so it lives here.
+    - max_regs: 0 lets ptxas choose the registers per thread; N > 0 caps them at N (Triton's `maxnreg`),
+      e.g. 128 with 8 warps so that two programs fit an SM's 64K registers (at the price of spills).
     """
 
     block_h: int = 64
@@ -89,12 +91,15 @@ class MLAConfig:
     num_stages: int = 2
     v_blocks: int = 1
     ctas_per_sm: int = 0
+    max_regs: int = 0
 
     def __post_init__(self) -> None:
         if self.v_blocks not in (1, 2):
             raise InvalidArgumentError("MLAConfig.v_blocks", "1 or 2 output-column blocks", self.v_blocks)
         if self.ctas_per_sm < 0:
             raise InvalidArgumentError("MLAConfig.ctas_per_sm", "0 (SplitPolicy) or programs per SM >= 1", self.ctas_per_sm)
+        if self.max_regs != 0 and not 24 <= self.max_regs <= 255:
+            raise InvalidArgumentError("MLAConfig.max_regs", "0 (ptxas decides) or a cap in 24..255", self.max_regs)
 
 
 @triton.jit
@@ -386,6 +391,7 @@ def mla_attention(
     block_h = rows_per_program(q_len, hq, config)
     grid = (bs, triton.cdiv(q_len * hq, block_h) * config.v_blocks, max_splits)
     dummy = kv_indptr
+    launch = {"maxnreg": config.max_regs} if config.max_regs else {}
     _mla_kernel[grid](
         q,
         kv_buf,
@@ -440,6 +446,7 @@ def mla_attention(
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **launch,
     )
     if split:
         merge_splits(
