@@ -31,7 +31,8 @@ for the host cost.
 FlashInfer in the same run. Spelling: `BHxBNxWxS` (block_h x block_n x num_warps x num_stages) followed
 by options joined with ':' — `v2` (MLAConfig.v_blocks = 2: output-column split), `cK` (ctas_per_sm = K:
 wave-aware decode splits for K programs per SM; one split runs without the merge launch), `rN`
-(max_regs = N: the register cap ptxas gets). E.g.
+(max_regs = N: the register cap ptxas gets), `lK` (lazy_rescale = K: the accumulator is rescaled only when
+a row's max grew by more than K, base 2). E.g.
 
     python benchmarks/mla_vs_peers.py --no-prefill --mla-tiles 64x32x8x2:c1,32x32x8x2:v2:c2 --json out.json
 """
@@ -163,7 +164,7 @@ def triton_forward(ctx, mode: str, reqs, pool, layer, q, k, **options):
 
 
 #: --mla-tiles options: letter -> MLAConfig field (the value follows the letter; `v2` is v_blocks=2)
-TILE_OPTIONS = {"v": "v_blocks", "c": "ctas_per_sm", "r": "max_regs"}
+TILE_OPTIONS = {"v": "v_blocks", "c": "ctas_per_sm", "r": "max_regs", "l": "lazy_rescale"}
 
 
 def tiles_label(tiles: MLAConfig) -> str:
@@ -185,10 +186,10 @@ def tiles_label(tiles: MLAConfig) -> str:
 
 def parse_tiles(text: str) -> list[MLAConfig]:
     """Comma-separated --mla-tiles items -> `MLAConfig`s: `BHxBNxWxS` then `:`-joined options
-    (`v2`, `cK`, `rN`: TILE_OPTIONS).
+    (`v2`, `cK`, `rN`, `lK`: TILE_OPTIONS).
 
     >>> parse_tiles("64x32x8x2,32x32x8x2:v2:c2:r128")[1]
-    MLAConfig(block_h=32, block_n=32, num_warps=8, num_stages=2, v_blocks=2, ctas_per_sm=2, max_regs=128)
+    MLAConfig(block_h=32, block_n=32, num_warps=8, num_stages=2, v_blocks=2, ctas_per_sm=2, max_regs=128, lazy_rescale=0)
     """
     out = []
     for item in filter(None, text.split(",")):
@@ -197,7 +198,7 @@ def parse_tiles(text: str) -> list[MLAConfig]:
         fields = {}
         for opt in options:
             if opt[:1] not in TILE_OPTIONS or not opt[1:].isdigit():
-                raise SystemExit(f"--mla-tiles: unknown option {opt!r} in {item!r} (known: v2, cK, rN)")
+                raise SystemExit(f"--mla-tiles: unknown option {opt!r} in {item!r} (known: v2, cK, rN, lK)")
             fields[TILE_OPTIONS[opt[0]]] = int(opt[1:])
         out.append(MLAConfig(block_h=h, block_n=n, num_warps=w, num_stages=st, **fields))
     return out
@@ -376,7 +377,7 @@ def main() -> None:
         "--mla-tiles",
         default="",
         help="extra attn-triton MLA kernel variants to time in the same run, e.g. 64x32x8x2:c1,32x32x8x2:v2:c2 "
-        "(block_h x block_n x warps x stages, then options v2 / cK / rN: see the module doc)",
+        "(block_h x block_n x warps x stages, then options v2 / cK / rN / lK: see the module doc)",
     )
     ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph timings (the ratios issue 15 claims)")
     ap.add_argument("--rows", default="", help="comma-separated subset of rows: bs1,bs64,bs128,verify (default all)")

@@ -3,7 +3,8 @@ every split count, page sizes 1/16/64, lengths off every block, window / logit c
 k_scale / v_scale, and multi-token verify (2/4/8 drafts) with causal and tree masks; bad indices raise
 the device fault flag. Each for the kernel's variants (`MLAConfig` fields): the output-column split
 (v_blocks 2) and the wave-aware split policy's single-split launch without merge (ctas_per_sm > 0 with
-max_splits 1). The latent pool is NaN outside the slots the requests own, slots are in random
+max_splits 1), and lazy rescaling (lazy_rescale > 0; `test_mla_lazy_rescale_large_logits` drives the
+reference through many moves). The latent pool is NaN outside the slots the requests own, slots are in random
 order, and outputs start as NaN."""
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ VARIANTS = {
     "v2": dict(v_blocks=2),
     "direct": dict(ctas_per_sm=1),
     "v2_direct": dict(v_blocks=2, ctas_per_sm=1, max_regs=128),  # max_regs: a launch option only (ptxas)
+    "lazy": dict(lazy_rescale=8),
+    "v2_lazy": dict(v_blocks=2, lazy_rescale=3),
 }
 
 
@@ -66,7 +69,10 @@ def _config(kernel: str = "base"):
 
 @pytest.mark.parametrize(
     "splits,kernel",
-    [(s, "base") for s in (1, 2, 3, 5, 8)] + [(s, "v2") for s in (1, 3, 8)] + [(1, "direct"), (1, "v2_direct"), (5, "v2_direct")],
+    [(s, "base") for s in (1, 2, 3, 5, 8)]
+    + [(s, "v2") for s in (1, 3, 8)]
+    + [(1, "direct"), (1, "v2_direct"), (5, "v2_direct")]
+    + [(1, "lazy"), (3, "v2_lazy")],
 )
 @pytest.mark.parametrize("variant", ["plain", "window_cap_sinks_scales"])
 def test_mla_decode_every_split_count(splits, kernel, variant):
@@ -102,7 +108,7 @@ def test_mla_decode_every_split_count(splits, kernel, variant):
         assert relative_error(lse[r : r + 1], ref_lse) <= 1e-5, (r, n)
 
 
-@pytest.mark.parametrize("kernel,max_splits", [("base", 4), ("v2", 4), ("v2_direct", 1)])
+@pytest.mark.parametrize("kernel,max_splits", [("base", 4), ("v2", 4), ("v2_direct", 1), ("lazy", 4)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_mla_decode_page_sizes_fp16(dtype, kernel, max_splits):
     """Page sizes 1/16/64 in one dtype each run, lengths straddling pages and BLOCK_N."""
@@ -129,7 +135,10 @@ def test_mla_decode_page_sizes_fp16(dtype, kernel, max_splits):
 
 @pytest.mark.parametrize("q_len", [2, 4, 8])
 @pytest.mark.parametrize("masking", ["causal", "tree", "causal_window_cap_sinks"])
-@pytest.mark.parametrize("dtype,kernel", [(torch.float16, "base"), (torch.float32, "base"), (torch.float16, "v2"), (torch.float32, "v2")])
+@pytest.mark.parametrize(
+    "dtype,kernel",
+    [(torch.float16, "base"), (torch.float32, "base"), (torch.float16, "v2"), (torch.float32, "v2"), (torch.float16, "v2_lazy")],
+)
 def test_mla_verify_folded_tokens(q_len, masking, dtype, kernel):
     from attn_triton.kernels.mla_decode import mla_attention
 
@@ -274,3 +283,39 @@ def test_mla_config_variants_are_checked():
         MLAConfig(ctas_per_sm=-1)
     with pytest.raises(InvalidArgumentError, match="max_regs"):
         MLAConfig(max_regs=300)
+    with pytest.raises(InvalidArgumentError, match="lazy_rescale"):
+        MLAConfig(lazy_rescale=9)
+
+
+@pytest.mark.parametrize("kernel", ["lazy", "v2_lazy"])
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_mla_lazy_rescale_large_logits(kernel, q_len):
+    """Scores with a trend (later keys score up to ~40 log2 units higher, per head at a different
+    rate) move every row's max many times by more than the slack, and by less in between: the lazy
+    reference must still give the exact softmax and LSE (fp16, where p is rounded to the dot's type)."""
+    from attn_triton.kernels.mla_decode import mla_attention
+
+    gen = torch.Generator().manual_seed(11 * q_len + len(kernel))
+    prefixes = [70, 33]
+    lens = [p + q_len for p in prefixes]
+    bs, T, dtype = len(lens), len(lens) * q_len, torch.float16
+    pool, indptr, indices, rows = _latent_pool(lens, dtype, gen, 16)
+    for r, n in enumerate(lens):  # channel 0 grows along the sequence; q's channel 0 picks it up per head
+        rows[r][:, 0, 0] = torch.linspace(-4, 4, n).to(dtype)
+        pool[indices[indptr[r] : indptr[r + 1]].long(), 0, 0] = rows[r][:, 0, 0]
+    q = torch.randn(T, HEADS, WIDTH, generator=gen).to(dtype)
+    q[:, :, 0] = torch.linspace(0, 8, HEADS).to(dtype)
+    o = torch.full((T, HEADS, RANK), float("nan"), dtype=dtype)
+    lse = torch.full((T, HEADS), float("nan"))
+    fault = torch.zeros(8, dtype=torch.int32)
+    if q_len == 1:
+        kw = dict(max_splits=2, min_split_len=16, part_o=torch.empty(bs, HEADS, 2, RANK), part_lse=torch.empty(bs, HEADS, 2))
+    else:
+        kw = dict(q_len=q_len, qo_indptr=torch.arange(0, T + 1, q_len, dtype=torch.int32))
+    mla_attention(q, pool, o, indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.6, config=_config(kernel), lse_out=lse, **kw)
+    assert not fault.any()
+    for r, p in enumerate(prefixes):
+        sl = slice(r * q_len, (r + 1) * q_len)
+        ref_o, ref_lse = _oracle(q[sl], rows[r], torch.arange(p, p + q_len), scale=0.6)
+        assert relative_error(o[sl], ref_o) <= tolerance(dtype), (r, p)
+        assert relative_error(lse[sl], ref_lse) <= 2e-3, (r, p)

@@ -29,6 +29,12 @@ for 1.5x the score flops of the pair. A program loads its own latent columns (us
 as V) and the other half (scores only) as two tiles, so each latent byte is still loaded once per
 program. The LSE of the rows is the same in every column block; column block 0 writes it.
 
+Lazy rescaling (`MLAConfig.lazy_rescale` = K > 0): the running max that p, l and acc are relative to
+moves only when some row's tile max exceeds it by more than K (base-2 units); otherwise the tile's p
+is taken against the old max (p <= 2^K) and the BLOCK_H x BLOCK_V accumulator is not rescaled. The
+reference cancels in acc / l, so the result is the same softmax; what it saves is the accumulator
+multiply of most tiles once the max has settled.
+
 Sliding window, logit cap, sinks, LSE output, k_scale / v_scale follow `decode.py` / `extend.py`.
 
 Bounds (as `decode.py` / `extend.py`): kv_indptr entries are clamped into [0, len(kv_indices)]
@@ -83,6 +89,8 @@ class MLAConfig:
       programs fit an SM; `test_triton_compile_sm90.py` prints both), so it lives here.
     - max_regs: 0 lets ptxas choose the registers per thread; N > 0 caps them at N (Triton's `maxnreg`),
       e.g. 128 with 8 warps so that two programs fit an SM's 64K registers (at the price of spills).
+    - lazy_rescale: 0 rescales the accumulator on every key tile; K in 1..8 only when a row's max grew
+      by more than K in base-2 units (module doc).
     """
 
     block_h: int = 64
@@ -92,6 +100,7 @@ class MLAConfig:
     v_blocks: int = 1
     ctas_per_sm: int = 0
     max_regs: int = 0
+    lazy_rescale: int = 0
 
     def __post_init__(self) -> None:
         if self.v_blocks not in (1, 2):
@@ -100,6 +109,29 @@ class MLAConfig:
             raise InvalidArgumentError("MLAConfig.ctas_per_sm", "0 (SplitPolicy) or programs per SM >= 1", self.ctas_per_sm)
         if self.max_regs != 0 and not 24 <= self.max_regs <= 255:
             raise InvalidArgumentError("MLAConfig.max_regs", "0 (ptxas decides) or a cap in 24..255", self.max_regs)
+        if not 0 <= self.lazy_rescale <= 8:  # p <= 2^8 stays exact enough in the fp16 / bf16 P operand
+            raise InvalidArgumentError("MLAConfig.lazy_rescale", "0 (always rescale) or a slack of 1..8 (log2 units)", self.lazy_rescale)
+
+
+@triton.jit
+def lazy_softmax_step(m_i, l_i, acc, s, s_scale, SLACK: tl.constexpr):
+    """`common.softmax_step` with a lazy reference: base-2 logits s * s_scale ([M, N], -inf where
+    masked); the running max m_i moves (every row to its new max, acc and l rescaled) only when some
+    row's tile max exceeds it by more than SLACK; otherwise p = exp2(logit - m_i) <= 2^SLACK against
+    the old reference and acc is left as it is. Rows that have seen only -inf contribute nothing.
+
+    Returns the reference, the denominator, the accumulator and p [M, N]; finalize gives acc / l and
+    the LSE m + log2(l), the same as with the exact max."""
+    m_tile = tl.max(s, 1) * s_scale
+    grow = tl.where(m_tile > m_i, m_tile - m_i, 0.0)  # +inf for a row's first finite tile
+    if tl.max(grow, 0) > SLACK:
+        m_new = tl.maximum(m_i, m_tile)
+        alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha
+        m_i = m_new
+    p = tl.exp2(s * s_scale - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+    return m_i, l_i + tl.sum(p, 1), acc, p
 
 
 @triton.jit
@@ -155,6 +187,7 @@ def _mla_kernel(
     HAS_SINK: tl.constexpr,
     STORE_LSE: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    LAZY: tl.constexpr,
 ):
     r = tl.program_id(0)
     hb = tl.program_id(1) // V_BLOCKS
@@ -249,7 +282,10 @@ def _mla_kernel(
             if HAS_WINDOW:
                 ok = ok & (n[None, :] > q_pos[:, None] - window)
         sc = tl.where(ok, sc, float("-inf"))
-        m_i, l_i, acc, p = softmax_step(m_i, l_i, acc, sc, s_scale, True)
+        if LAZY > 0:
+            m_i, l_i, acc, p = lazy_softmax_step(m_i, l_i, acc, sc, s_scale, LAZY)
+        else:
+            m_i, l_i, acc, p = softmax_step(m_i, l_i, acc, sc, s_scale, True)
         acc = tl.dot(p.to(q_nope.dtype), latent, acc, input_precision=DOT_PREC)
 
     tl.store(FAULT + FAULT_SLOT + offs_n * 0, 1, mask=bad_slots)  # one address: a flag, no reduction
@@ -444,6 +480,7 @@ def mla_attention(
         HAS_SINK=sinks is not None and not split,
         STORE_LSE=lse_out is not None and not split,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        LAZY=config.lazy_rescale,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch,
