@@ -11,7 +11,9 @@ drafts of every request folded into the kernel's M dimension, on the verify row;
 its time over FlashInfer's direct run on the same pages (issue 15's ratios).
 
 Per row: per-layer forward time (CUDA events over back-to-back calls, save_kv_cache=False as FlashInfer's
-run stores nothing), the direct run, attn-triton's forward, and the host time of one step's metadata
+run stores nothing), the direct run, attn-triton's forward, the same three (and every `--mla-tiles`
+variant) timed again inside CUDA graphs (`graph_us`: `iters` calls captured in one graph, replayed;
+on by default, `--no-graphs` skips it), and the host time of one step's metadata
 (`init_forward_metadata`: index launch + lean re-plan) against FlashInfer's own `plan` on the same host
 inputs, with its two parts alone (host offsets + index launch; the lean re-plan) and one forward
 call's host time next to one direct run's (GPU idle). `ATTN_META_PROFILE=1` adds to each absorbed row
@@ -21,7 +23,20 @@ the top functions by own time, per call; printed too). The prefill row (`--no-pr
 attn-core's merge_state) and against one causal ragged pass over the whole sequence (what chunking
 trades for bounded memory).
 
-    python benchmarks/mla_vs_peers.py --json out.json
+Back-to-back eager calls are host-bound where the kernels are short (bs1: attn-triton's eager forward
+spends ~200 us of host time per call, FlashInfer's ~100 us, against ~25-40 us of GPU time), so the
+kernel ratios issue 15 claims are the graph rows' (`triton_over_run_graph`: attn-triton's forward over
+FlashInfer's direct run, both replayed from CUDA graphs, as engines run decode); the eager columns stay
+for the host cost.
+
+`--mla-tiles` adds attn-triton MLA kernel variants to every row, timed next to the default and
+FlashInfer in the same run. Spelling: `BHxBNxWxS` (block_h x block_n x num_warps x num_stages) followed
+by options joined with ':' — `v2` (MLAConfig.v_blocks = 2: output-column split), `cK` (ctas_per_sm = K:
+wave-aware decode splits for K programs per SM; one split runs without the merge launch), `rN`
+(max_regs = N: the register cap ptxas gets), `lK` (lazy_rescale = K: the accumulator is rescaled only when
+a row's max grew by more than K, base 2). E.g.
+
+    python benchmarks/mla_vs_peers.py --no-prefill --mla-tiles 64x32x8x2:c1,32x32x8x2:v2:c2 --json out.json
 """
 
 from __future__ import annotations
@@ -61,6 +76,35 @@ def gpu_time_us(fn, iters: int, reps: int) -> list[float]:
         start.record()
         for _ in range(iters):
             fn()
+        end.record()
+        torch.cuda.synchronize()
+        out.append(start.elapsed_time(end) * 1000.0 / iters)
+    return out
+
+
+def graph_time_us(fn, iters: int, reps: int) -> list[float]:
+    """Per-call GPU time of `fn` replayed from one CUDA graph holding `iters` calls (`reps` samples, µs).
+
+    `fn` must launch only graph-safe work (metadata built before); it runs twice on a side stream
+    first (warm-up: compiles, allocator pools), then is captured once."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
         end.record()
         torch.cuda.synchronize()
         out.append(start.elapsed_time(end) * 1000.0 / iters)
@@ -140,21 +184,59 @@ def triton_forward(ctx, mode: str, reqs, pool, layer, q, k, **options):
     return forward
 
 
+#: --mla-tiles options: letter -> MLAConfig field (the value follows the letter; `v2` is v_blocks=2)
+TILE_OPTIONS = {"v": "v_blocks", "c": "ctas_per_sm", "r": "max_regs", "l": "lazy_rescale"}
+
+
 def tiles_label(tiles: MLAConfig) -> str:
-    """`MLAConfig(64, 32, 8, 2)` -> "64x32x8x2" (the --mla-tiles spelling)."""
-    return f"{tiles.block_h}x{tiles.block_n}x{tiles.num_warps}x{tiles.num_stages}"
+    """The --mla-tiles spelling of `tiles`: block_h x block_n x num_warps x num_stages, then the fields
+    that differ from MLAConfig's defaults.
+
+    >>> tiles_label(MLAConfig(64, 32, 8, 2))
+    '64x32x8x2'
+    >>> tiles_label(MLAConfig(32, 32, 8, 2, v_blocks=2, ctas_per_sm=2))
+    '32x32x8x2:v2:c2'
+    """
+    label = f"{tiles.block_h}x{tiles.block_n}x{tiles.num_warps}x{tiles.num_stages}"
+    base = MLAConfig()
+    for letter, field in TILE_OPTIONS.items():
+        if getattr(tiles, field) != getattr(base, field):
+            label += f":{letter}{getattr(tiles, field)}"
+    return label
 
 
 def parse_tiles(text: str) -> list[MLAConfig]:
-    """ "64x32x8x2,32x32x8x2" -> two `MLAConfig`s (block_h x block_n x num_warps x num_stages)."""
+    """Comma-separated --mla-tiles items -> `MLAConfig`s: `BHxBNxWxS` then `:`-joined options
+    (`v2`, `cK`, `rN`, `lK`: TILE_OPTIONS).
+
+    >>> parse_tiles("64x32x8x2,32x32x8x2:v2:c2:r128")[1]
+    MLAConfig(block_h=32, block_n=32, num_warps=8, num_stages=2, v_blocks=2, ctas_per_sm=2, max_regs=128, lazy_rescale=0)
+    """
     out = []
     for item in filter(None, text.split(",")):
-        h, n, w, st = (int(x) for x in item.split("x"))
-        out.append(MLAConfig(block_h=h, block_n=n, num_warps=w, num_stages=st))
+        tiles, *options = item.strip().split(":")
+        h, n, w, st = (int(x) for x in tiles.split("x"))
+        fields = {}
+        for opt in options:
+            if opt[:1] not in TILE_OPTIONS or not opt[1:].isdigit():
+                raise SystemExit(f"--mla-tiles: unknown option {opt!r} in {item!r} (known: v2, cK, rN, lK)")
+            fields[TILE_OPTIONS[opt[0]]] = int(opt[1:])
+        out.append(MLAConfig(block_h=h, block_n=n, num_warps=w, num_stages=st, **fields))
     return out
 
 
-def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int, mla_tiles: list[MLAConfig]) -> dict:
+def over_run(times: dict, label: str):
+    """times[label] / times["flashinfer_run"], None when either is missing.
+
+    >>> over_run({"triton": 30.0, "flashinfer_run": 20.0}, "triton"), over_run({}, "triton")
+    (1.5, None)
+    """
+    if label in times and "flashinfer_run" in times:
+        return times[label] / times["flashinfer_run"]
+    return None
+
+
+def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int, mla_tiles: list[MLAConfig], graphs: bool = True) -> dict:
     ctx, batch, pool = setup(mode, reqs)
     layer = AttentionLayer(0, H, 1, D, scaling=SCALE, v_head_dim=LORA)
     T = batch.num_tokens
@@ -178,18 +260,29 @@ def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int, mla_tile
         w.run(q_nope, q_pe, ckv, kpe, out=out)
 
     fns = {"flashinfer_mla": ours, "flashinfer_run": direct}
-    try:
-        fns["triton"] = triton_forward(ctx, mode, reqs, pool, layer, q, k)
-        for tiles in mla_tiles:
-            fns[f"triton {tiles_label(tiles)}"] = triton_forward(ctx, mode, reqs, pool, layer, q, k, mla_config=tiles)
-    except Exception as exc:  # reported in the row, not fatal: the FlashInfer numbers stand alone
-        triton_error = f"{type(exc).__name__}: {exc}"
-    else:
-        triton_error = None
-    for fn in fns.values():
-        fn()
+    ours()
+    direct()
+    errors = {}
+    for label, tiles in [("triton", None)] + [(f"triton {tiles_label(t)}", t) for t in mla_tiles]:
+        try:  # a variant that fails is reported in the row, not fatal: the others stand alone
+            options = {} if tiles is None else {"mla_config": tiles}
+            fn = triton_forward(ctx, mode, reqs, pool, layer, q, k, **options)
+            fn()
+            fns[label] = fn
+        except Exception as exc:
+            errors[label] = f"{type(exc).__name__}: {exc}"[:300]
     torch.cuda.synchronize()
     t = interleaved(fns, rounds, lambda f: gpu_time_us(f, iters, 3))
+    g = {}
+    if graphs:
+        graphed = {}
+        for label, fn in fns.items():
+            try:
+                graph_time_us(fn, 2, 1)  # capture check
+                graphed[label] = fn
+            except Exception as exc:
+                errors[label + " (graph)"] = f"{type(exc).__name__}: {exc}"[:300]
+        g = interleaved(graphed, rounds, lambda f: graph_time_us(f, iters, 3))
 
     # host time of metadata: ours (index launch + lean re-plan) vs FlashInfer's own plan, same host inputs
     fi = BatchMLAPagedAttentionWrapper(backend.workspace, backend="auto")
@@ -223,6 +316,10 @@ def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int, mla_tile
         "triton_forward_us": t.get("triton"),
         "triton_over_run": t["triton"] / t["flashinfer_run"] if "triton" in t else None,
         "triton_tiles_us": {label[len("triton ") :]: us for label, us in t.items() if label.startswith("triton ")} or None,
+        "graph_us": g or None,
+        "forward_over_run_graph": over_run(g, "flashinfer_mla"),
+        "triton_over_run_graph": over_run(g, "triton"),
+        "triton_tiles_over_run_graph": {label[len("triton ") :]: over_run(g, label) for label in g if label.startswith("triton ")} or None,
         "metadata_host_us": h["ours"],
         "flashinfer_plan_host_us": h["fi"],
         "metadata_over_plan": h["ours"] / h["fi"],
@@ -232,8 +329,8 @@ def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int, mla_tile
         "forward_host_us": hb["forward"],
         "flashinfer_run_host_us": hb["run"],
     }
-    if triton_error:
-        row["triton_error"] = triton_error
+    if errors:
+        row["triton_error"] = errors
     if mode == "DECODE":  # CUDA-graph replay metadata: index launch into the graph's buffers + lean re-plan
         bs = batch.batch_size
         backend.init_cuda_graph_state(bs, bs)
@@ -307,27 +404,41 @@ def main() -> None:
     ap.add_argument(
         "--mla-tiles",
         default="",
-        help="extra attn-triton MLA tiles to time in the same run, e.g. 64x32x8x2,32x32x8x2 (block_h x block_n x warps x stages)",
+        help="extra attn-triton MLA kernel variants to time in the same run, e.g. 64x32x8x2:c1,32x32x8x2:v2:c2 "
+        "(block_h x block_n x warps x stages, then options v2 / cK / rN / lK: see the module doc)",
     )
+    ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph timings (the ratios issue 15 claims)")
+    ap.add_argument("--rows", default="", help="comma-separated subset of rows: bs1,bs64,bs128,verify (default all)")
     args = ap.parse_args()
     tiles = parse_tiles(args.mla_tiles)
-    rows = [
-        bench_absorbed("decode bs1 x 8192", "DECODE", [(8191, 1)], args.iters, args.rounds, tiles),
-        bench_absorbed("decode bs64 x 4096", "DECODE", [(4095, 1)] * 64, args.iters, args.rounds, tiles),
-        bench_absorbed("decode bs128 x 2048", "DECODE", [(2047, 1)] * 128, args.iters, args.rounds, tiles),
-        bench_absorbed("verify bs64 x 4096 (4 drafts)", "TARGET_VERIFY", [(4092, 4)] * 64, args.iters, args.rounds, tiles),
-    ]
+    absorbed = {
+        "bs1": ("decode bs1 x 8192", "DECODE", [(8191, 1)]),
+        "bs64": ("decode bs64 x 4096", "DECODE", [(4095, 1)] * 64),
+        "bs128": ("decode bs128 x 2048", "DECODE", [(2047, 1)] * 128),
+        "verify": ("verify bs64 x 4096 (4 drafts)", "TARGET_VERIFY", [(4092, 4)] * 64),
+    }
+    wanted = [r for r in args.rows.split(",") if r] or list(absorbed)
+    unknown = set(wanted) - absorbed.keys()
+    if unknown:
+        raise SystemExit(f"--rows: unknown {sorted(unknown)} (known: {', '.join(absorbed)})")
+    graphs = not args.no_graphs
+    rows = [bench_absorbed(*absorbed[key], args.iters, args.rounds, tiles, graphs) for key in wanted]
     if not args.no_prefill:
         rows.append(bench_prefill(args.iters, args.rounds))
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    cols = ["forward_us", "flashinfer_run_us", "forward_over_run", "triton_forward_us", "triton_over_run", "metadata_host_us",
+    cols = ["forward_us", "flashinfer_run_us", "forward_over_run", "triton_forward_us", "triton_over_run", "forward_over_run_graph",
+            "triton_over_run_graph", "metadata_host_us",
             "flashinfer_plan_host_us",
             "metadata_over_plan", "graph_replay_metadata_host_us", "metadata_page_list_host_us", "metadata_lean_replan_host_us",
             "forward_host_us", "flashinfer_run_host_us", "unchunked_ragged_us"]  # fmt: skip
     for r in rows:
         vals = ", ".join(f"{c}={r[c]:.3g}" for c in cols if r.get(c) is not None)
         if r.get("triton_tiles_us"):
-            vals += ", triton tiles: " + ", ".join(f"{k}={v:.3g} us" for k, v in r["triton_tiles_us"].items())
+            vals += ", triton tiles (eager): " + ", ".join(f"{k}={v:.3g} us" for k, v in r["triton_tiles_us"].items())
+        if r.get("graph_us"):
+            vals += ", graph: " + ", ".join(f"{k}={v:.3g} us" for k, v in r["graph_us"].items())
+        if r.get("triton_tiles_over_run_graph"):
+            vals += ", tiles over run (graph): " + ", ".join(f"{k}={v:.3g}" for k, v in r["triton_tiles_over_run_graph"].items())
         print(f"{r['name']}: {vals}" + (f" [{r['triton_error']}]" if r.get("triton_error") else ""))
     if args.json:
         with open(args.json, "w") as f:

@@ -168,6 +168,44 @@ def test_mla_kernel_matches_torch_native(case):
     assert relative_error(outs[0], outs[1]) <= tolerance(torch.bfloat16)
 
 
+def _mla_variants():
+    """The MLA kernel's sweep variants (`MLAConfig` fields, docs/perf.md "MLA kernel variants"): output-column
+    split, wave-aware splits, register caps, lazy rescaling; with a split policy capped at one split, the
+    decode that finalizes in the kernel (no merge launch)."""
+    from attn_triton.config import SplitPolicy
+    from attn_triton.kernels.mla_decode import MLAConfig
+
+    one_split = SplitPolicy(cap=1)
+    return {
+        "64x32x8x2:v2:c1": dict(mla_config=MLAConfig(64, 32, 8, 2, v_blocks=2, ctas_per_sm=1)),
+        "32x32x4x2:v2:r168:c3": dict(mla_config=MLAConfig(32, 32, 4, 2, v_blocks=2, ctas_per_sm=3, max_regs=168)),
+        "32x64x4x3:c2:l8": dict(mla_config=MLAConfig(32, 64, 4, 3, ctas_per_sm=2, lazy_rescale=8)),
+        "64x16x8x2:v2:r128:c2 one split": dict(
+            mla_config=MLAConfig(64, 16, 8, 2, v_blocks=2, ctas_per_sm=2, max_regs=128), split_policy=one_split
+        ),
+    }
+
+
+MLA_VARIANT_CASES = [
+    AttnCase("DECODE", [(4095, 1), (1, 1), (2000, 1), (8191, 1)], dtype="bfloat16", page_size=64, return_lse=True, **MLA128),
+    AttnCase("DECODE", [(3000, 1), (77, 1)], dtype="float16", page_size=1, sliding_window=700, logit_cap=30.0, sinks=True, **MLA128),
+    AttnCase("TARGET_VERIFY", [(4000, 4), (30, 4), (1000, 4)], dtype="bfloat16", page_size=64, return_lse=True, **MLA128),
+    AttnCase("TARGET_VERIFY", [(2500, 8), (9, 8)], dtype="bfloat16", page_size=16, custom_mask=False, **MLA128),
+]
+
+
+@pytest.mark.parametrize("variant", list(_mla_variants()))
+@pytest.mark.parametrize("case", MLA_VARIANT_CASES, ids=[c.describe() for c in MLA_VARIANT_CASES])
+def test_mla_kernel_variants_on_cuda(case, variant):
+    assert_case(factory(**_mla_variants()[variant]), case)
+
+
+@pytest.mark.parametrize("variant", ["64x32x8x2:v2:c1", "64x16x8x2:v2:r128:c2 one split"])
+def test_mla_kernel_variants_graph_equals_eager(variant):
+    case = AttnCase("DECODE", [(4095, 1), (20, 1), (8000, 1)], dtype="bfloat16", page_size=64, return_lse=True, **MLA128)
+    check_graph_matches_eager(factory(**_mla_variants()[variant]), case, pad=3, run_graph=_cuda_graph_run)
+
+
 DET_DECODE = [([(6000, 1)], 0), ([(100, 1), (6000, 1), (30000, 1)], 1), ([(5, 1)] * 40 + [(6000, 1)], 40)]
 DET_EXTEND = [([(3000, 700)], 0), ([(0, 2000), (3000, 700)], 1), ([(3000, 700), (10, 1), (5000, 60)], 0)]
 

@@ -1,7 +1,10 @@
 """The absorbed-MLA kernel (`attn_triton.kernels.mla_decode`) against the float64 oracle: decode with
 every split count, page sizes 1/16/64, lengths off every block, window / logit cap / sinks / LSE /
 k_scale / v_scale, and multi-token verify (2/4/8 drafts) with causal and tree masks; bad indices raise
-the device fault flag. The latent pool is NaN outside the slots the requests own, slots are in random
+the device fault flag. Each for the kernel's variants (`MLAConfig` fields): the output-column split
+(v_blocks 2) and the wave-aware split policy's single-split launch without merge (ctas_per_sm > 0 with
+max_splits 1), and lazy rescaling (lazy_rescale > 0; `test_mla_lazy_rescale_large_logits` drives the
+reference through many moves). The latent pool is NaN outside the slots the requests own, slots are in random
 order, and outputs start as NaN."""
 
 from __future__ import annotations
@@ -46,18 +49,36 @@ def _oracle(q, latent, positions, *, scale, mask=None, **kw):
     return reference_attention(q, latent, latent[:, :, :RANK], q_positions=positions, scale=scale, mask=mask, **kw)
 
 
-def _config():
+#: kernel variants by MLAConfig fields: "base" (today's default path), "v2" (output-column split),
+#: "direct" (wave-aware policy: one split finalizes in the kernel), "v2_direct" (both)
+VARIANTS = {
+    "base": {},
+    "v2": dict(v_blocks=2),
+    "direct": dict(ctas_per_sm=1),
+    "v2_direct": dict(v_blocks=2, ctas_per_sm=1, max_regs=128),  # max_regs: a launch option only (ptxas)
+    "lazy": dict(lazy_rescale=8),
+    "v2_lazy": dict(v_blocks=2, lazy_rescale=3),
+}
+
+
+def _config(kernel: str = "base"):
     from attn_triton.kernels.mla_decode import MLAConfig
 
-    return MLAConfig(block_h=16, block_n=16, num_warps=1, num_stages=1)
+    return MLAConfig(block_h=16, block_n=16, num_warps=1, num_stages=1, **VARIANTS[kernel])
 
 
-@pytest.mark.parametrize("splits", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize(
+    "splits,kernel",
+    [(s, "base") for s in (1, 2, 3, 5, 8)]
+    + [(s, "v2") for s in (1, 3, 8)]
+    + [(1, "direct"), (1, "v2_direct"), (5, "v2_direct")]
+    + [(1, "lazy"), (3, "v2_lazy")],
+)
 @pytest.mark.parametrize("variant", ["plain", "window_cap_sinks_scales"])
-def test_mla_decode_every_split_count(splits, variant):
+def test_mla_decode_every_split_count(splits, kernel, variant):
     from attn_triton.kernels.mla_decode import mla_attention
 
-    gen = torch.Generator().manual_seed(100 * splits + len(variant))
+    gen = torch.Generator().manual_seed(100 * splits + len(variant) + len(kernel))
     page_size = [1, 16, 64][splits % 3]
     lens = [1] + torch.randint(2, 90, (3,), generator=gen).tolist() + [64]  # one-token, random, exact-block
     bs, dtype = len(lens), torch.float32
@@ -74,7 +95,7 @@ def test_mla_decode_every_split_count(splits, variant):
     part_lse = torch.full((bs, HEADS, 8), float("nan"))
     fault = torch.zeros(8, dtype=torch.int32)
     mla_attention(
-        q, pool, o, indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.15, config=_config(),
+        q, pool, o, indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.15, config=_config(kernel),
         max_splits=splits, min_split_len=1, part_o=part_o, part_lse=part_lse,
         logit_cap=cap, window=window, sinks=sinks, lse_out=lse, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
@@ -87,23 +108,24 @@ def test_mla_decode_every_split_count(splits, variant):
         assert relative_error(lse[r : r + 1], ref_lse) <= 1e-5, (r, n)
 
 
+@pytest.mark.parametrize("kernel,max_splits", [("base", 4), ("v2", 4), ("v2_direct", 1), ("lazy", 4)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_mla_decode_page_sizes_fp16(dtype):
+def test_mla_decode_page_sizes_fp16(dtype, kernel, max_splits):
     """Page sizes 1/16/64 in one dtype each run, lengths straddling pages and BLOCK_N."""
     from attn_triton.kernels.mla_decode import mla_attention
 
     for page_size in (1, 16, 64):
-        gen = torch.Generator().manual_seed(page_size)
+        gen = torch.Generator().manual_seed(page_size + len(kernel))
         lens = torch.randint(1, 150, (3,), generator=gen).tolist()
         bs = len(lens)
         pool, indptr, indices, rows = _latent_pool(lens, dtype, gen, page_size)
         q = torch.randn(bs, HEADS, WIDTH, generator=gen).to(dtype)
         o = torch.full((bs, HEADS, RANK), float("nan"), dtype=dtype)
-        part_o, part_lse = torch.empty(bs, HEADS, 4, RANK), torch.empty(bs, HEADS, 4)
+        part_o, part_lse = torch.full((bs, HEADS, 4, RANK), float("nan")), torch.full((bs, HEADS, 4), float("nan"))
         fault = torch.zeros(8, dtype=torch.int32)
         mla_attention(
-            q, pool, o, indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.1, config=_config(),
-            max_splits=4, min_split_len=32, part_o=part_o, part_lse=part_lse,
+            q, pool, o, indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.1, config=_config(kernel),
+            max_splits=max_splits, min_split_len=32, part_o=part_o, part_lse=part_lse,
         )  # fmt: skip
         assert not fault.any()
         for r, n in enumerate(lens):
@@ -113,11 +135,14 @@ def test_mla_decode_page_sizes_fp16(dtype):
 
 @pytest.mark.parametrize("q_len", [2, 4, 8])
 @pytest.mark.parametrize("masking", ["causal", "tree", "causal_window_cap_sinks"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_mla_verify_folded_tokens(q_len, masking, dtype):
+@pytest.mark.parametrize(
+    "dtype,kernel",
+    [(torch.float16, "base"), (torch.float32, "base"), (torch.float16, "v2"), (torch.float32, "v2"), (torch.float16, "v2_lazy")],
+)
+def test_mla_verify_folded_tokens(q_len, masking, dtype, kernel):
     from attn_triton.kernels.mla_decode import mla_attention
 
-    gen = torch.Generator().manual_seed(10 * q_len + len(masking) + (dtype == torch.float16))
+    gen = torch.Generator().manual_seed(10 * q_len + len(masking) + (dtype == torch.float16) + 100 * len(kernel))
     page_size = [1, 16, 64][q_len % 3]
     bs = int(torch.randint(1, 4, (1,), generator=gen))
     prefixes = torch.randint(0, 70, (bs,), generator=gen).tolist()
@@ -140,7 +165,7 @@ def test_mla_verify_folded_tokens(q_len, masking, dtype):
     lse = torch.full((T, HEADS), float("nan"))
     fault = torch.zeros(8, dtype=torch.int32)
     mla_attention(
-        q, pool, o, indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.12, config=_config(), q_len=q_len, qo_indptr=qo,
+        q, pool, o, indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.12, config=_config(kernel), q_len=q_len, qo_indptr=qo,
         custom_mask=custom_mask, mask_indptr=mask_indptr, logit_cap=cap, window=window, sinks=sinks, lse_out=lse, v_scale=0.5,
     )  # fmt: skip
     assert not fault.any()
@@ -154,8 +179,8 @@ def test_mla_verify_folded_tokens(q_len, masking, dtype):
         assert relative_error(lse[sl], ref_lse) <= (1e-5 if dtype == torch.float32 else 2e-3), (r, p)
 
 
-@pytest.mark.parametrize("q_len", [1, 4])
-def test_mla_bad_indices_raise_the_fault_flag(q_len):
+@pytest.mark.parametrize("q_len,kernel", [(1, "base"), (4, "base"), (1, "v2_direct"), (4, "v2")])
+def test_mla_bad_indices_raise_the_fault_flag(q_len, kernel):
     """Slots outside the pool and key offsets past kv_indices are never read (the pool's NaN stays out
     of every output row) and set the SLOT / KEY_OFFSETS flags."""
     from attn_triton.kernels.mla_decode import mla_attention
@@ -172,21 +197,25 @@ def test_mla_bad_indices_raise_the_fault_flag(q_len):
     fault = torch.zeros(8, dtype=torch.int32)
     kw = dict(q_len=q_len, qo_indptr=torch.arange(0, T + 1, q_len, dtype=torch.int32))
     if q_len == 1:
-        kw = dict(max_splits=2, min_split_len=1, part_o=torch.empty(bs, HEADS, 2, RANK), part_lse=torch.empty(bs, HEADS, 2))
-    mla_attention(q, pool, o, indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.1, config=_config(), **kw)
+        ms = 1 if kernel.endswith("direct") else 2
+        kw = dict(max_splits=ms, min_split_len=1, part_o=torch.empty(bs, HEADS, 2, RANK), part_lse=torch.empty(bs, HEADS, 2))
+    mla_attention(q, pool, o, indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.1, config=_config(kernel), **kw)
     assert fault[int(DeviceFaultKind.SLOT)] == 1 and fault[int(DeviceFaultKind.KEY_OFFSETS)] == 0
     assert torch.isfinite(o).all()
     fault.zero_()
     bad_indptr = indptr.clone()
     bad_indptr[-1] = indices.shape[0] + 100  # past kv_indices: clamped
     indices = good
-    mla_attention(q, pool, o, bad_indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.1, config=_config(), **kw)
+    mla_attention(q, pool, o, bad_indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.1, config=_config(kernel), **kw)
     assert fault[int(DeviceFaultKind.KEY_OFFSETS)] == 1
     assert torch.isfinite(o).all()
 
 
-@pytest.mark.parametrize("q_len,block_h", [(1, 16), (3, 32), (5, 16), (1, 64), (4, 64)])
-def test_mla_row_blocks_straddle_tokens(q_len, block_h):
+ROW_BLOCK_CASES = [(1, 16, "base"), (3, 32, "base"), (5, 16, "base"), (1, 64, "base"), (4, 64, "base"), (3, 32, "v2"), (1, 64, "v2")]
+
+
+@pytest.mark.parametrize("q_len,block_h,kernel", ROW_BLOCK_CASES)
+def test_mla_row_blocks_straddle_tokens(q_len, block_h, kernel):
     """12 heads: a block of (token, head) rows holds parts of several tokens and padding rows past the
     last one (decode: 12 of 16 rows used); 64-row blocks with 32-key tiles are the SM90 tiles."""
     from attn_triton.kernels.mla_decode import MLAConfig, mla_attention
@@ -205,7 +234,7 @@ def test_mla_row_blocks_straddle_tokens(q_len, block_h):
         kw = dict(max_splits=3, min_split_len=4, part_o=torch.empty(bs, hq, 3, RANK), part_lse=torch.empty(bs, hq, 3))
     else:
         kw = dict(q_len=q_len, qo_indptr=torch.arange(0, T + 1, q_len, dtype=torch.int32))
-    cfg = MLAConfig(block_h=block_h, block_n=32 if block_h == 64 else 16, num_warps=1, num_stages=1)
+    cfg = MLAConfig(block_h=block_h, block_n=32 if block_h == 64 else 16, num_warps=1, num_stages=1, **VARIANTS[kernel])
     mla_attention(q, pool, o, indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.2, config=cfg, lse_out=lse, **kw)
     assert not fault.any()
     for r, p in enumerate(prefixes):
@@ -241,3 +270,52 @@ def test_mla_verify_bad_query_and_mask_offsets_raise_the_fault_flag():
     mla_attention(q, pool, o, indptr, indices, fault, qo_indptr=bad_qo, mask_indptr=mask_indptr, **kw)
     assert fault[int(DeviceFaultKind.QUERY_ROWS)] == 1 and fault[int(DeviceFaultKind.MASK)] == 0
     assert torch.isfinite(o).all()
+
+
+def test_mla_config_variants_are_checked():
+    """An MLAConfig outside the kernel's variants is refused when it is made, before any launch."""
+    from attn_core.errors import InvalidArgumentError
+    from attn_triton.kernels.mla_decode import MLAConfig
+
+    with pytest.raises(InvalidArgumentError, match="v_blocks"):
+        MLAConfig(v_blocks=4)
+    with pytest.raises(InvalidArgumentError, match="ctas_per_sm"):
+        MLAConfig(ctas_per_sm=-1)
+    with pytest.raises(InvalidArgumentError, match="max_regs"):
+        MLAConfig(max_regs=300)
+    with pytest.raises(InvalidArgumentError, match="lazy_rescale"):
+        MLAConfig(lazy_rescale=9)
+
+
+@pytest.mark.parametrize("kernel", ["lazy", "v2_lazy"])
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_mla_lazy_rescale_large_logits(kernel, q_len):
+    """Scores with a trend (later keys score up to ~40 log2 units higher, per head at a different
+    rate) move every row's max many times by more than the slack, and by less in between: the lazy
+    reference must still give the exact softmax and LSE (fp16, where p is rounded to the dot's type)."""
+    from attn_triton.kernels.mla_decode import mla_attention
+
+    gen = torch.Generator().manual_seed(11 * q_len + len(kernel))
+    prefixes = [70, 33]
+    lens = [p + q_len for p in prefixes]
+    bs, T, dtype = len(lens), len(lens) * q_len, torch.float16
+    pool, indptr, indices, rows = _latent_pool(lens, dtype, gen, 16)
+    for r, n in enumerate(lens):  # channel 0 grows along the sequence; q's channel 0 picks it up per head
+        rows[r][:, 0, 0] = torch.linspace(-4, 4, n).to(dtype)
+        pool[indices[indptr[r] : indptr[r + 1]].long(), 0, 0] = rows[r][:, 0, 0]
+    q = torch.randn(T, HEADS, WIDTH, generator=gen).to(dtype)
+    q[:, :, 0] = torch.linspace(0, 8, HEADS).to(dtype)
+    o = torch.full((T, HEADS, RANK), float("nan"), dtype=dtype)
+    lse = torch.full((T, HEADS), float("nan"))
+    fault = torch.zeros(8, dtype=torch.int32)
+    if q_len == 1:
+        kw = dict(max_splits=2, min_split_len=16, part_o=torch.empty(bs, HEADS, 2, RANK), part_lse=torch.empty(bs, HEADS, 2))
+    else:
+        kw = dict(q_len=q_len, qo_indptr=torch.arange(0, T + 1, q_len, dtype=torch.int32))
+    mla_attention(q, pool, o, indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.6, config=_config(kernel), lse_out=lse, **kw)
+    assert not fault.any()
+    for r, p in enumerate(prefixes):
+        sl = slice(r * q_len, (r + 1) * q_len)
+        ref_o, ref_lse = _oracle(q[sl], rows[r], torch.arange(p, p + q_len), scale=0.6)
+        assert relative_error(o[sl], ref_o) <= tolerance(dtype), (r, p)
+        assert relative_error(lse[sl], ref_lse) <= 2e-3, (r, p)

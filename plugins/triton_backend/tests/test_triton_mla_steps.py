@@ -2,7 +2,10 @@
 `create_backend("triton", ctx)`, `RequestPool` + `build_step`, prefill, decode steps, speculative
 verify rounds with tree masks (TARGET_VERIFY, 4 tokens), rollback, DRAFT_EXTEND, more decode. Every
 layer output (and LSE) is compared with the float64 oracle over a host copy of each request's latent
-rows; a spy checks which steps the MLA kernel (`kernels/mla_decode.py`) served."""
+rows; a spy checks which steps the MLA kernel (`kernels/mla_decode.py`) served. Also with the kernel's
+variants: the output-column split under the wave-aware split policy capped at one split (decode
+finalized in the kernel, no merge launch); the policy's split counts through the backend are checked
+without a launch."""
 
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ from triton_helpers import SMALL_SPLITS, requires_interpreter
 import attn_core as ac
 from attn_core.batch_builder import random_tree_mask
 from attn_core.testing.reference import reference_attention, relative_error, tolerance
+from attn_triton.config import SplitPolicy
+from attn_triton.kernels.mla_decode import MLAConfig
 
 pytestmark = requires_interpreter
 
@@ -23,7 +28,7 @@ WIDTH = RANK + ROPE
 class Engine:
     """A tiny engine over one MLA backend: host copies of every request's latent rows per layer."""
 
-    def __init__(self, dtype: torch.dtype, page_size: int, window: int, gen: torch.Generator):
+    def __init__(self, dtype: torch.dtype, page_size: int, window: int, gen: torch.Generator, **options):
         slots, max_ctx = 64 * page_size + 512, 256
         self.kv = ac.MLATokenToKVPool(slots, page_size, dtype, RANK, ROPE, 2, "cpu")
         rows = ac.ReqToTokenPool(8, max_ctx, "cpu")
@@ -36,7 +41,7 @@ class Engine:
             speculative_topk=2, speculative_num_draft_tokens=4, features={"logit_cap", "sinks", "lse_output", "custom_mask"},
             validation="full",
         )  # fmt: skip
-        self.backend = ac.create_backend("triton", ctx, split_policy=SMALL_SPLITS)
+        self.backend = ac.create_backend("triton", ctx, **{"split_policy": SMALL_SPLITS, **options})
         self.layers = [
             ac.AttentionLayer(0, HEADS, 1, WIDTH, scaling=0.12, v_head_dim=RANK),
             ac.AttentionLayer(1, HEADS, 1, WIDTH, scaling=0.1, v_head_dim=RANK, logit_cap=6.0, sliding_window_size=window),
@@ -83,20 +88,34 @@ class Engine:
         assert self.backend.poll_device_fault() is None
 
 
-@pytest.mark.parametrize("dtype,page_size", [(torch.float32, 16), (torch.float16, 1)])
-def test_mla_engine_rounds(dtype, page_size, monkeypatch):
+V2_WAVES = MLAConfig(block_h=16, block_n=16, num_warps=1, num_stages=1, v_blocks=2, ctas_per_sm=1)
+KERNELS = {
+    "default": ({}, None),
+    # at most one split: DECODE finalizes in the kernel (no scratch, no merge)
+    "v2_direct": (dict(mla_config=V2_WAVES, split_policy=SplitPolicy(min_split_len=8, cap=1)), 1),
+}
+
+
+ENGINE_CASES = [(torch.float32, 16, "default"), (torch.float16, 1, "default"), (torch.float16, 64, "v2_direct")]
+
+
+@pytest.mark.parametrize("dtype,page_size,kernel", ENGINE_CASES)
+def test_mla_engine_rounds(dtype, page_size, kernel, monkeypatch):
     import attn_triton.backend as tb
 
     calls = []
     real = tb.mla_attention
+    options, want_splits = KERNELS[kernel]
 
     def spy(*args, **kw):
         calls.append(kw.get("q_len", 1))
+        if want_splits is not None and kw.get("q_len", 1) == 1:
+            assert kw["max_splits"] == want_splits
         return real(*args, **kw)
 
     monkeypatch.setattr(tb, "mla_attention", spy)
     gen = torch.Generator().manual_seed(page_size)
-    eng = Engine(dtype, page_size, window=24, gen=gen)
+    eng = Engine(dtype, page_size, window=24, gen=gen, **options)
     reqs = [eng.add() for _ in range(3)]
     eng.step([(r, int(torch.randint(3, 40, (1,), generator=gen))) for r in reqs])  # prefill: general kernel
     assert calls == []
@@ -114,3 +133,20 @@ def test_mla_engine_rounds(dtype, page_size, monkeypatch):
     eng.step([(reqs[0], 2), (reqs[1], 3), (reqs[2], 1)], mode="draft_extend")  # uneven: the general extend kernel
     eng.step([(r, 1) for r in reqs])
     assert calls[-2:] == [1, 1] and len(calls) == 4 + 12 + 2
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_mla_wave_split_policy_through_the_backend(deterministic):
+    """`MLAConfig.ctas_per_sm` makes the backend's decode splits the wave-aware count for the kernel's
+    programs per request (head blocks x column blocks; the interpreter counts 4 SMs); deterministic
+    mode keeps its fixed splits; 0 keeps SplitPolicy's fill-two-waves count."""
+    from attn_triton.config import wave_splits
+
+    gen = torch.Generator().manual_seed(0)
+    eng = Engine(torch.float32, 16, window=24, gen=gen, mla_config=V2_WAVES)
+    eng.backend.ctx.deterministic = deterministic
+    for bs in (1, 3, 8):
+        got = eng.backend.decode_splits(bs).max_splits
+        want = SMALL_SPLITS.deterministic_max_splits if deterministic else wave_splits(bs * 2, 4, SMALL_SPLITS.cap, SMALL_SPLITS.waves)
+        assert got == want, (bs, got, want)
+    assert [wave_splits(bs * 2, 4, 8, 64.0) for bs in (1, 3, 8)] == [2, 2, 1]  # 2, 6, 16 programs on 4 slots

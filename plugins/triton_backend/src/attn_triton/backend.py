@@ -106,8 +106,10 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
         self.extend_cfg = extend_config or _default_extend(ctx)
         self.mla_cfg = mla_config or _default_mla(ctx)
         self.verify_cfg = verify_config or _default_verify(ctx)
+        self.ctas_per_sm = 0  # the split policy's programs per SM: the MLA kernel's tiles say (MLAConfig.ctas_per_sm)
         if self.is_mla and _mla_kernel_takes(ctx.dtype, ctx.kv_dtype or ctx.dtype):
             self.heads_per_kv_block = programs_per_request(ctx.num_q_heads, self.mla_cfg)
+            self.ctas_per_sm = self.mla_cfg.ctas_per_sm
         else:
             self.heads_per_kv_block = head_blocks(ctx.num_q_heads // ctx.num_kv_heads, self.decode_cfg)
         if ctx.device.type == "cuda":
@@ -128,7 +130,7 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
         if splits is None:
             det = self.ctx.deterministic
             p = self.split_policy
-            ms = p.max_splits(bs, self.ctx.num_kv_heads * self.heads_per_kv_block, self.num_sms, det)
+            ms = p.max_splits(bs, self.ctx.num_kv_heads * self.heads_per_kv_block, self.num_sms, det, self.ctas_per_sm)
             splits = self._splits[bs] = Splits(ms, p.min_len(det))
         return splits
 

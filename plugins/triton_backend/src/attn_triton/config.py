@@ -37,6 +37,8 @@ class SplitPolicy:
 
     `max_splits` is chosen per batch size from the device's multiprocessor count so that
     bs * kv_head_blocks * max_splits programs fill about `waves` waves; deterministic mode fixes it.
+    With `ctas_per_sm` > 0 (the MLA kernel's `MLAConfig.ctas_per_sm`) the count comes from
+    `wave_splits` instead (deterministic mode keeps its fixed splits either way).
     """
 
     min_split_len: int = 256
@@ -45,14 +47,55 @@ class SplitPolicy:
     deterministic_max_splits: int = 16
     deterministic_min_split_len: int = 512
 
-    def max_splits(self, bs: int, programs_per_request: int, num_sms: int, deterministic: bool) -> int:
+    def max_splits(self, bs: int, programs_per_request: int, num_sms: int, deterministic: bool, ctas_per_sm: int = 0) -> int:
         if deterministic:
             return self.deterministic_max_splits
+        if ctas_per_sm > 0:
+            return wave_splits(bs * programs_per_request, num_sms * ctas_per_sm, self.cap, self.waves)
         want = int(num_sms * self.waves) // max(1, bs * programs_per_request)
         return max(1, min(self.cap, want))
 
     def min_len(self, deterministic: bool) -> int:
         return self.deterministic_min_split_len if deterministic else self.min_split_len
+
+
+#: splitting at all must shorten the estimated kernel time by more than this share (splits add the merge
+#: launch, ~15 us at bs64 x 128 heads on an H100, and one more q load and finalize per program)
+SPLIT_GAIN = 0.05
+
+
+def wave_splits(programs: int, slots: int, cap: int, waves: float = 2.0) -> int:
+    """Splits per request for `programs` programs (requests x head blocks) on a GPU that holds `slots`
+    programs at once (multiprocessors x programs per SM): at most `cap`, and at most as many as make
+    about `waves` waves of programs (more, shorter programs pay their q load, finalize and merge rows
+    for little).
+
+    Each program of s splits does 1/s of its request's keys, so the launch takes about
+    ceil(programs * s / slots) / s waves of unsplit work. One split (no merge launch) is kept unless the
+    best estimate is more than SPLIT_GAIN below its own; otherwise the fewest splits reaching the best
+    estimate win. Unlike the fill-two-waves rule it sees the
+    tail of a partial wave: 128 programs on 132 slots keep one split (SplitPolicy takes 2, i.e. 256
+    programs in 1.94 waves plus the merge).
+
+    >>> wave_splits(128, 132, 32)  # bs64 x 2 head blocks on an H100, 1 program per SM
+    1
+    >>> wave_splits(2, 132, 32)  # bs1: as many splits as allowed
+    32
+    >>> wave_splits(64, 132, 32)  # bs32: 2 splits make 128 programs, one wave
+    2
+    >>> wave_splits(80, 132, 32)  # bs40: 3 splits (240 programs, 2 waves of a third of the keys)
+    3
+    >>> wave_splits(256, 264, 32)  # bs64 x 4 programs (2 head blocks x 2 column blocks), 2 per SM
+    1
+    """
+    slots = max(1, slots)
+
+    def cost(s: int) -> float:
+        return -(-programs * s // slots) / s
+
+    most = max(1, min(cap, -(-int(waves * slots) // max(1, programs))))
+    best = min(range(1, most + 1), key=lambda s: (cost(s), s))
+    return best if cost(best) < cost(1) * (1.0 - SPLIT_GAIN) else 1
 
 
 def decode_config(
@@ -107,8 +150,12 @@ def mla_config_for(dtype: torch.dtype, major: int, hip: bool = False) -> MLAConf
     stage holds one BLOCK_N x 576 latent tile in shared memory (32 x 576 bf16 = 36 KiB).
     These choices are reasoned, not yet swept on a GPU (issue 15; docs/perf.md says how to measure).
 
+    The one place to switch the SM90 default after a sweep: the `MLAConfig` returned under
+    `major == 9` below; its other fields select the kernel variants `benchmarks/mla_vs_peers.py
+    --mla-tiles` times (`v_blocks` 2: output-column split; `ctas_per_sm` k: wave-aware splits).
+
     >>> mla_config_for(torch.bfloat16, 9)
-    MLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=2)
+    MLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, v_blocks=1, ctas_per_sm=0)
     >>> mla_config_for(torch.bfloat16, 8).block_h
     32
     """
