@@ -8,12 +8,16 @@ LSE output are compile-time switches.
 Grid `[num_q_heads, m_blocks, bs]`; program (h, mb, r) owns BLOCK_M new tokens of request r for q head h
 (m blocks run from the last, the longest under a causal mask, to the first). Keys every row of the block
 sees run in an unmasked loop; the rest (the causal diagonal, the window edge, custom masks, the tail)
-in a masked loop.
+in a masked loop. With `ExtendConfig.page_tma` (where `tma_page` allows it) the unmasked loop loads
+whole pages of K/V through TMA tensor descriptors made on the host once per launch (`page_descriptor`),
+one kv_indices entry read per page; the masked loop always gathers row by row.
 
 Bounds: qo_indptr is clamped into the step's T tokens (QUERY_ROWS) and kv_indptr into kv_indices
 (KEY_OFFSETS); a slot outside [0, slots of k_buf) is masked out in masked tiles and read as the dummy
 slot 0 in unmasked ones (SLOT); custom-mask entries outside the mask are not read (those keys stay
-hidden; a request whose mask block does not fit is recorded as MASK). Each is recorded in the fault buffer
+hidden; a request whose mask block does not fit is recorded as MASK); on the TMA path a page whose
+first slot is not a multiple of the page size or whose page is not inside the pool is read as the dummy
+page 0 and recorded as SLOT (`page_row`). Each is recorded in the fault buffer
 (`attn_core.ops.device_faults`), so no offset or slot read from the metadata can make the kernel read
 or write outside its buffers. No fault is stored inside the key loops (a store there could cost the
 loads' software pipelining): slot faults are carried in registers and stored once per program.
@@ -27,6 +31,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from attn_triton.kernels.common import (
     FAULT_KEY_OFFSETS,
@@ -46,12 +51,18 @@ from attn_triton.kernels.common import (
 
 @dataclass(frozen=True)
 class ExtendConfig:
-    """Tile sizes: BLOCK_M queries x BLOCK_N keys per step."""
+    """Tile sizes: BLOCK_M queries x BLOCK_N keys per step.
+
+    `page_tma`: the unmasked key tiles come in page by page through TMA tensor descriptors (`tma_page`
+    says where that applies: a page pool of >= 16 slots a page, BLOCK_N 1, 2 or 4 pages, K/V in q's dtype
+    with power-of-two head dims, Hopper or later); elsewhere the kernel gathers key rows through kv_indices.
+    """
 
     block_m: int = 64
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    page_tma: bool = False
 
 
 @triton.jit
@@ -68,6 +79,8 @@ def _extend_kernel(
     MASK_INDPTR,
     SINKS,
     FAULT,
+    K_DESC,
+    V_DESC,
     num_tokens,
     num_indices,
     num_slots,
@@ -102,6 +115,7 @@ def _extend_kernel(
     HAS_SINK: tl.constexpr,
     STORE_LSE: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    PAGE: tl.constexpr,
 ):
     h = tl.program_id(0)
     mb = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -160,6 +174,7 @@ def _extend_kernel(
             acc, m_i, l_i, q, q_pe, start, kv_len, q_pos, offs_m, m_ok, k_head, v_head, KV_INDICES, kv_beg, num_slots, FAULT,
             stride_ks, stride_vs, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
             BLOCK_N, D, BLOCK_D, DPE, BLOCK_DPE, DV, BLOCK_DV, SHARE_KV, False, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC,
+            K_DESC, V_DESC, kv_head, PAGE,
         )  # fmt: skip
     for start in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i, bad_slots = attend_tile(
@@ -181,6 +196,43 @@ def _extend_kernel(
 
 def _pow2(x: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(max(int(x), 1)))
+
+
+#: pages per key tile the TMA path stacks (`load_pages`)
+TMA_PAGES_PER_TILE = (1, 2, 4)
+
+
+def tma_page(
+    config: ExtendConfig, page_size: int, q: torch.Tensor, k_buf: torch.Tensor, v: torch.Tensor, d_rope: int, share_kv: bool
+) -> int:
+    """The page size the extend kernel loads whole pages of by TMA (`ExtendConfig.page_tma`), or 0 for
+    the row gather. It applies when the config asks for it, the keys lie page by page in a pool of
+    `page_size` >= 16 slots a page, BLOCK_N is 1, 2 or 4 pages, K and V (not shared, no rope part) hold
+    q's dtype (fp16, bf16 or fp32) with power-of-two head dims <= 256, each slot's heads contiguous (a 2-D view
+    `[slots, heads x D]` of 16-byte-aligned rows), and the device is a CPU (interpreter) or a GPU of
+    compute capability >= 9 (TMA; not ROCm).
+    Example: `ExtendConfig(128, 64, 8, 3, page_tma=True)`, page_size 16, bf16 `[slots, 8, 128]` K/V on an
+    H100 → 16; the same with page_size 1 → 0."""
+    if not config.page_tma or page_size < 16 or config.block_n % page_size or config.block_n // page_size not in TMA_PAGES_PER_TILE:
+        return 0
+    if d_rope or share_kv or q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k_buf.dtype != q.dtype or v.dtype != q.dtype:
+        return 0
+    for buf in (k_buf, v):
+        d = buf.shape[2]
+        rows_ok = buf.stride(2) == 1 and buf.stride(1) == d and buf.stride(0) * buf.element_size() % 16 == 0
+        if d != _pow2(d) or d > 256 or not rows_ok or buf.data_ptr() % 16:
+            return 0
+    if q.is_cuda and (torch.version.hip or torch.cuda.get_device_capability(q.device)[0] < 9):
+        return 0
+    return page_size
+
+
+def page_descriptor(buf: torch.Tensor, page_size: int) -> TensorDescriptor:
+    """A TMA descriptor of the pool buffer `[slots, heads, D]` as the 2-D `[slots, heads x D]` with a
+    `[page_size, D]` box: one page of one head. Example: bf16 `[1024, 8, 128]`, page 16 → shape
+    `[1024, 1024]`, strides `[1024, 1]`, box `[16, 128]`."""
+    slots, heads, d = buf.shape
+    return TensorDescriptor(buf, [slots, heads * d], [buf.stride(0), 1], [page_size, d])
 
 
 def extend_attention(
@@ -207,6 +259,7 @@ def extend_attention(
     v_scale: float = 1.0,
     d_rope: int = 0,
     share_kv: bool = False,
+    page_size: int = 1,
 ) -> None:
     """Attention of every request's new tokens into `o` (and `lse_out`).
 
@@ -216,7 +269,9 @@ def extend_attention(
     Causal: the new token i of request r sits at position kv_len - q_len + i. `custom_mask` (uint8, per
     request a row-major `[q_len, kv_len]` block starting at mask_indptr[r]) replaces the causal mask.
     lse_out `[T, Hq]` float32 natural log. `max_q_len` (host int) sizes the grid. fault: the int32
-    fault buffer (`attn_core.ops.device_faults`).
+    fault buffer (`attn_core.ops.device_faults`). `page_size` > 1 promises that every request's keys lie
+    page by page (key i at page offset i % page_size of pages of that many slots), which lets
+    `config.page_tma` load whole pages (`tma_page`); 1 promises nothing.
     """
     T, hq, d_total = q.shape
     bs = qo_indptr.shape[0] - 1
@@ -229,6 +284,7 @@ def extend_attention(
     dv = o.shape[2]
     qk_scale, cap_scale = score_scales(sm_scale, logit_cap, k_scale)
     v = k_buf if share_kv else v_buf
+    page = tma_page(config, page_size, q, k_buf, v, d_rope, share_kv)
     grid = (hq, triton.cdiv(max_q_len, config.block_m), bs)
     _extend_kernel[grid](
         q,
@@ -243,6 +299,8 @@ def extend_attention(
         mask_indptr if use_mask else kv_indptr,
         sinks if sinks is not None else o,
         fault,
+        page_descriptor(k_buf, page) if page else None,
+        page_descriptor(v, page) if page else None,
         T,
         kv_indices.shape[0],
         k_buf.shape[0],
@@ -277,6 +335,7 @@ def extend_attention(
         HAS_SINK=sinks is not None,
         STORE_LSE=lse_out is not None,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        PAGE=page,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -1,0 +1,134 @@
+"""The extend kernel's whole-page TMA path (`ExtendConfig.page_tma`, issue 16) under the interpreter:
+against the float64 reference on random paged batches (pages of 16, lengths off the tile and page
+boundaries, GQA, 1, 2 and 4 pages a tile), its bad-page faults, where it applies (`tma_page`), and the
+backend over several steps of the same requests. The sm_90 build is in test_triton_compile_sm90.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_helpers import paged_setup, requires_interpreter
+
+from attn_core.ops.device_faults import DeviceFaultKind
+from attn_core.testing.engine_steps import EngineWorld, compare_over_steps
+from attn_core.testing.reference import reference_attention, relative_error, tolerance
+from attn_triton.backend import TritonAttnBackend
+from attn_triton.kernels import extend as ex
+from attn_triton.kernels.extend import ExtendConfig, extend_attention, tma_page
+
+pytestmark = requires_interpreter
+
+HQ, HKV, D, DV, PAGE = 4, 2, 32, 16, 16
+
+
+def _batch(dtype, gen, shapes, page_size=PAGE, dv=DV):
+    lens = [p + e for p, e in shapes]
+    k_buf, v_buf, indptr, indices, ks, vs = paged_setup(lens, HKV, D, dv, dtype, gen, page_size)
+    qo = torch.zeros(len(shapes) + 1, dtype=torch.int32)
+    qo[1:] = torch.tensor([e for _, e in shapes]).cumsum(0)
+    q = torch.randn(int(qo[-1]), HQ, D, generator=gen).to(dtype)
+    return q, k_buf, v_buf, qo, indptr, indices, ks, vs
+
+
+def _run(q, k_buf, v_buf, qo, indptr, indices, max_q_len, cfg, page_size, **kw):
+    o = torch.full((q.shape[0], HQ, v_buf.shape[2]), float("nan"), dtype=q.dtype)
+    fault = torch.zeros(8, dtype=torch.int32)
+    extend_attention(q, k_buf, v_buf, o, qo, indptr, indices, max_q_len, fault, sm_scale=0.3, config=cfg, page_size=page_size, **kw)
+    return o, fault
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_n", [16, 32, 64])
+def test_page_tma_matches_reference(dtype, block_n):
+    """Random prefixes and q lengths (none a multiple of the tile or page, one request with no prefix)
+    through 1, 2 and 4 pages a tile, with sinks and the LSE (a window leaves no unmasked tile: gathered)."""
+    gen = torch.Generator().manual_seed(block_n)
+    shapes = [(0, 19), (int(torch.randint(33, 90, (1,), generator=gen)), 21), (70, 5), (131, 2)]
+    q, k_buf, v_buf, qo, indptr, indices, ks, vs = _batch(dtype, gen, shapes)
+    cfg = ExtendConfig(block_m=16, block_n=block_n, num_warps=1, num_stages=1, page_tma=True)
+    assert tma_page(cfg, PAGE, q, k_buf, v_buf, 0, False) == PAGE
+    sinks = torch.randn(HQ, generator=gen)
+    lse = torch.full((q.shape[0], HQ), float("nan"))
+    o, fault = _run(q, k_buf, v_buf, qo, indptr, indices, 21, cfg, PAGE, sinks=sinks, lse_out=lse)
+    assert not fault.any()
+    for r, (p, e) in enumerate(shapes):
+        rows = slice(int(qo[r]), int(qo[r + 1]))
+        ref_o, ref_lse = reference_attention(q[rows], ks[r], vs[r], q_positions=torch.arange(p, p + e), scale=0.3, sinks=sinks)
+        assert relative_error(o[rows], ref_o) <= tolerance(dtype), (p, e)
+        assert (lse[rows].double() - ref_lse).abs().max() <= 1e-3, (p, e)
+
+
+def test_page_size_one_gathers():
+    """A pool of one slot a page keeps the row gather (no page promise): same answer as the reference."""
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(37, 11), (0, 23)]
+    q, k_buf, v_buf, qo, indptr, indices, ks, vs = _batch(torch.float16, gen, shapes, page_size=1)
+    cfg = ExtendConfig(block_m=16, block_n=32, num_warps=1, num_stages=1, page_tma=True)
+    assert tma_page(cfg, 1, q, k_buf, v_buf, 0, False) == 0
+    o, fault = _run(q, k_buf, v_buf, qo, indptr, indices, 23, cfg, 1)
+    assert not fault.any()
+    for r, (p, e) in enumerate(shapes):
+        rows = slice(int(qo[r]), int(qo[r + 1]))
+        ref_o, _ = reference_attention(q[rows], ks[r], vs[r], q_positions=torch.arange(p, p + e), scale=0.3)
+        assert relative_error(o[rows], ref_o) <= tolerance(torch.float16)
+
+
+@pytest.mark.parametrize("bad", ["misaligned", "past_pool", "negative"])
+def test_bad_page_is_recorded_and_not_read(bad):
+    """A page start in an unmasked tile that is not a page of the pool is recorded as SLOT and read as
+    the dummy page (finite output, pool untouched); the row gather reads a misaligned but in-pool slot
+    without a fault, so the fault proves the page path ran."""
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(64, 4)]
+    q, k_buf, v_buf, qo, indptr, indices, _, _ = _batch(torch.float32, gen, shapes)
+    k_buf[:PAGE], v_buf[:PAGE] = 0.0, 0.0  # the dummy page, as the pool keeps it
+    num_slots = k_buf.shape[0]
+    indices[PAGE] = {"misaligned": int(indices[PAGE]) + 3, "past_pool": num_slots - PAGE // 2, "negative": -PAGE}[bad]
+    snap = (k_buf.clone(), v_buf.clone())
+    tma = ExtendConfig(block_m=16, block_n=32, num_warps=1, num_stages=1, page_tma=True)
+    o, fault = _run(q, k_buf, v_buf, qo, indptr, indices, 4, tma, PAGE)
+    assert fault[int(DeviceFaultKind.SLOT)] == 1
+    assert o.isfinite().all()
+    assert all(torch.allclose(a, b, rtol=0, atol=0, equal_nan=True) for a, b in zip((k_buf, v_buf), snap))
+    if bad == "misaligned":
+        gather = ExtendConfig(block_m=16, block_n=32, num_warps=1, num_stages=1)
+        _, fault = _run(q, k_buf, v_buf, qo, indptr, indices, 4, gather, PAGE)
+        assert not fault.any()
+
+
+def test_where_tma_applies():
+    """`tma_page`: the config asks, pages of >= 16 slots, BLOCK_N of 1, 2 or 4 pages, K/V in q's dtype
+    with power-of-two head dims and contiguous heads, no rope part, no shared K/V."""
+    k = torch.zeros(256, HKV, 32, dtype=torch.float16)
+    q = torch.zeros(4, HQ, 32, dtype=torch.float16)
+    on = ExtendConfig(128, 64, 4, 3, page_tma=True)
+    assert tma_page(on, 16, q, k, k, 0, False) == 16
+    assert tma_page(on, 64, q, k, k, 0, False) == 64
+    assert tma_page(ExtendConfig(128, 64, 4, 3), 16, q, k, k, 0, False) == 0
+    assert tma_page(on, 8, q, k, k, 0, False) == 0  # small pages: the gather
+    assert tma_page(on, 128, q, k, k, 0, False) == 0  # a page larger than the tile
+    assert tma_page(ExtendConfig(128, 128, 4, 3, page_tma=True), 16, q, k, k, 0, False) == 0  # 8 pages a tile
+    assert tma_page(on, 16, q, k, k, 16, False) == 0  # rope part
+    assert tma_page(on, 16, q, k, k, 0, True) == 0  # shared K/V (absorbed MLA)
+    assert tma_page(on, 16, q.float(), k, k, 0, False) == 0  # K/V not in q's dtype
+    odd = torch.zeros(256, HKV, 48, dtype=torch.float16)
+    assert tma_page(on, 16, q, odd, odd, 0, False) == 0  # head dim not a power of two
+    hnd = torch.zeros(HKV, 256, 32, dtype=torch.float16).transpose(0, 1)
+    assert tma_page(on, 16, q, hnd, hnd, 0, False) == 0  # heads not contiguous within a slot
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_backend_steps_take_pages(dtype, monkeypatch):
+    """Chunked prefill through the public engine API: three EXTEND steps of the same requests (pages of
+    16) on the page path and on the row gather, each against the float64 causal reference; the page
+    path is taken at every launch."""
+    made = []
+    real = ex.page_descriptor
+    monkeypatch.setattr(ex, "page_descriptor", lambda buf, page: made.append(page) or real(buf, page))
+    tiles = dict(block_m=16, block_n=32, num_warps=1, num_stages=1)
+    make = [lambda ctx, tma=tma: TritonAttnBackend(ctx, extend_config=ExtendConfig(**tiles, page_tma=tma)) for tma in (True, False)]
+    worlds = [EngineWorld(m, page_size=16, dtype=dtype) for m in make]
+    steps = [[("a", 20), ("b", 35)], [("a", 18), ("b", 12), ("c", 9)], [("a", 19), ("c", 30)]]
+    seen = compare_over_steps(worlds, steps, seed=5, tol=tolerance(dtype))
+    assert [s[0] for s in seen] == ["EXTEND"] * 3
+    assert made and set(made) == {16}
