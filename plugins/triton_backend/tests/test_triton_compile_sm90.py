@@ -12,9 +12,14 @@ import sys
 
 import pytest
 
-#: (block_m, block_n, warps, stages, page size) of the TMA extend variants compiled here: the `--extend-configs`
-#: items the issue-16 sweep times with `,tma` (pages of 16, as benchmarked), and one 64-slot page per tile
-TMA_SWEEP = [(128, 64, 4, 3, 16), (128, 64, 8, 3, 16), (64, 64, 4, 3, 16), (128, 64, 8, 2, 16), (128, 128, 8, 2, 16), (128, 64, 8, 3, 64)]
+#: (block_m, block_n, warps, stages, page size, page_dots) of the TMA extend variants compiled here: the
+#: `--extend-configs` items the issue-16 sweep times with `,tma` / `,tma,dots` (pages of 16, as benchmarked),
+#: and one 64-slot page per tile
+TMA_SWEEP = [
+    (128, 64, 4, 3, 16, False), (128, 64, 8, 3, 16, False), (64, 64, 4, 3, 16, False), (128, 64, 8, 2, 16, False),
+    (128, 128, 8, 2, 16, False), (128, 64, 4, 3, 16, True), (128, 64, 8, 3, 16, True), (64, 64, 4, 3, 16, True),
+    (128, 64, 8, 2, 16, True), (128, 32, 4, 3, 16, True), (128, 64, 8, 3, 64, False), (128, 64, 8, 3, 64, True),
+]  # fmt: skip
 
 SCRIPT = r"""
 import os, subprocess, tempfile
@@ -56,14 +61,17 @@ for dt, tdt, d, dv, dpe, mla in (("bf16", torch.bfloat16, 128, 128, 0, False), (
                   HAS_WINDOW=True, DOT_PREC="ieee" if dt == "fp32" else "tf32")
     e = extend_config(d + dpe, dv, tdt, dev, mla, sm_major=9)
     build(ex._extend_kernel, dt, dict(GROUP=4, BLOCK_M=e.block_m, BLOCK_N=e.block_n, CAUSAL=False, USE_MASK=True, HAS_SINK=True,
-                                      STORE_LSE=True, K_DESC=None, V_DESC=None, PAGE=0, **common), e.num_warps, e.num_stages)
-    if not mla:  # whole pages by TMA (ExtendConfig.page_tma) in the tiles the issue-16 sweep times (TMA_SWEEP), pages of 16 and 64
-        for bm, bn, w, st, page in TMA_SWEEP:
+                                      STORE_LSE=True, K_DESC=None, V_DESC=None, PAGE=0, PAGE_DOTS=False, **common),
+          e.num_warps, e.num_stages)
+    # whole pages by TMA (ExtendConfig.page_tma) in the tiles the issue-16 sweep times (TMA_SWEEP), pages of 16 and 64; never
+    # with a window (it leaves no unmasked tile: extend_attention keeps PAGE 0, and ptxas of Triton 3.6 crashes on 128x64x8x2)
+    if not mla:
+        for bm, bn, w, st, page, dots in TMA_SWEEP:
             k = build(ex._extend_kernel, dt, dict(GROUP=4, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=True, USE_MASK=False, HAS_SINK=True,
-                                                  STORE_LSE=True, PAGE=page, **common), w, st)
+                                                  STORE_LSE=True, PAGE=page, PAGE_DOTS=dots, **{**common, "HAS_WINDOW": False}), w, st)
             assert "cp.async.bulk.tensor" in k.asm["ptx"], "extend page_tma: no TMA load"
-            assert k.metadata.shared <= 227 * 1024, (bm, bn, w, st, page, k.metadata.shared)
-            print("extend tma", bm, bn, w, st, page, "shared", k.metadata.shared)
+            assert k.metadata.shared <= 227 * 1024, (bm, bn, w, st, page, dots, k.metadata.shared)
+            print("extend tma", bm, bn, w, st, page, dots, "shared", k.metadata.shared)
     c = decode_config(d + dpe, dv, tdt, dev, mla)
     no_fp8 = dict(KV_FP8=False, FP8_PTX=False, V_WORDS=False)
     build(de._decode_split_kernel, dt, dict(GROUP=4, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=c.block_n, **no_fp8, **common),

@@ -1,6 +1,6 @@
 """The extend kernel's whole-page TMA path (`ExtendConfig.page_tma`, issue 16) under the interpreter:
 against the float64 reference on random paged batches (pages of 16, lengths off the tile and page
-boundaries, GQA, 1, 2 and 4 pages a tile), its bad-page faults, where it applies (`tma_page`), and the
+boundaries, GQA, 1, 2 and 4 pages a tile, stacked and per-page dots), its bad-page faults, where it applies (`tma_page`), and the
 backend over several steps of the same requests. The sm_90 build is in test_triton_compile_sm90.py."""
 
 from __future__ import annotations
@@ -39,42 +39,50 @@ def _run(q, k_buf, v_buf, qo, indptr, indices, max_q_len, cfg, page_size, **kw):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("block_n", [16, 32, 64])
-def test_page_tma_matches_reference(dtype, block_n):
+@pytest.mark.parametrize("dots", [False, True], ids=["stacked", "page_dots"])
+def test_page_tma_matches_reference(dtype, block_n, dots):
     """Random prefixes and q lengths (none a multiple of the tile or page, one request with no prefix)
-    through 1, 2 and 4 pages a tile, with sinks and the LSE (a window leaves no unmasked tile: gathered)."""
+    through 1, 2 and 4 pages a tile, with sinks and the LSE, a logit cap at 4 pages (a window leaves no
+    unmasked tile: gathered)."""
     gen = torch.Generator().manual_seed(block_n)
     shapes = [(0, 19), (int(torch.randint(33, 90, (1,), generator=gen)), 21), (70, 5), (131, 2)]
     q, k_buf, v_buf, qo, indptr, indices, ks, vs = _batch(dtype, gen, shapes)
-    cfg = ExtendConfig(block_m=16, block_n=block_n, num_warps=1, num_stages=1, page_tma=True)
+    cfg = ExtendConfig(block_m=16, block_n=block_n, num_warps=1, num_stages=1, page_tma=True, page_dots=dots)
     assert tma_page(cfg, PAGE, q, k_buf, v_buf, 0, False) == PAGE
     sinks = torch.randn(HQ, generator=gen)
+    cap = 2.0 if block_n == 64 else 0.0
     lse = torch.full((q.shape[0], HQ), float("nan"))
-    o, fault = _run(q, k_buf, v_buf, qo, indptr, indices, 21, cfg, PAGE, sinks=sinks, lse_out=lse)
+    o, fault = _run(q, k_buf, v_buf, qo, indptr, indices, 21, cfg, PAGE, sinks=sinks, lse_out=lse, logit_cap=cap)
     assert not fault.any()
     for r, (p, e) in enumerate(shapes):
         rows = slice(int(qo[r]), int(qo[r + 1]))
-        ref_o, ref_lse = reference_attention(q[rows], ks[r], vs[r], q_positions=torch.arange(p, p + e), scale=0.3, sinks=sinks)
+        pos = torch.arange(p, p + e)
+        ref_o, ref_lse = reference_attention(q[rows], ks[r], vs[r], q_positions=pos, scale=0.3, sinks=sinks, logit_cap=cap)
         assert relative_error(o[rows], ref_o) <= tolerance(dtype), (p, e)
         assert (lse[rows].double() - ref_lse).abs().max() <= 1e-3, (p, e)
 
 
-def test_page_size_one_gathers():
-    """A pool of one slot a page keeps the row gather (no page promise): same answer as the reference."""
+@pytest.mark.parametrize("page_size, window", [(1, None), (16, 20)])
+def test_gather_where_pages_do_not_apply(page_size, window, monkeypatch):
+    """A pool of one slot a page (no page promise) and a window (no unmasked tile) keep the row gather
+    under `page_tma`: no descriptor is made, and the answer matches the reference."""
+    made = []
+    monkeypatch.setattr(ex, "page_descriptor", lambda buf, page: made.append(page))
     gen = torch.Generator().manual_seed(7)
     shapes = [(37, 11), (0, 23)]
-    q, k_buf, v_buf, qo, indptr, indices, ks, vs = _batch(torch.float16, gen, shapes, page_size=1)
+    q, k_buf, v_buf, qo, indptr, indices, ks, vs = _batch(torch.float16, gen, shapes, page_size=page_size)
     cfg = ExtendConfig(block_m=16, block_n=32, num_warps=1, num_stages=1, page_tma=True)
-    assert tma_page(cfg, 1, q, k_buf, v_buf, 0, False) == 0
-    o, fault = _run(q, k_buf, v_buf, qo, indptr, indices, 23, cfg, 1)
-    assert not fault.any()
+    o, fault = _run(q, k_buf, v_buf, qo, indptr, indices, 23, cfg, page_size, window=window)
+    assert not fault.any() and not made
     for r, (p, e) in enumerate(shapes):
         rows = slice(int(qo[r]), int(qo[r + 1]))
-        ref_o, _ = reference_attention(q[rows], ks[r], vs[r], q_positions=torch.arange(p, p + e), scale=0.3)
+        ref_o, _ = reference_attention(q[rows], ks[r], vs[r], q_positions=torch.arange(p, p + e), scale=0.3, window=window)
         assert relative_error(o[rows], ref_o) <= tolerance(torch.float16)
 
 
 @pytest.mark.parametrize("bad", ["misaligned", "past_pool", "negative"])
-def test_bad_page_is_recorded_and_not_read(bad):
+@pytest.mark.parametrize("dots", [False, True], ids=["stacked", "page_dots"])
+def test_bad_page_is_recorded_and_not_read(bad, dots):
     """A page start in an unmasked tile that is not a page of the pool is recorded as SLOT and read as
     the dummy page (finite output, pool untouched); the row gather reads a misaligned but in-pool slot
     without a fault, so the fault proves the page path ran."""
@@ -85,7 +93,7 @@ def test_bad_page_is_recorded_and_not_read(bad):
     num_slots = k_buf.shape[0]
     indices[PAGE] = {"misaligned": int(indices[PAGE]) + 3, "past_pool": num_slots - PAGE // 2, "negative": -PAGE}[bad]
     snap = (k_buf.clone(), v_buf.clone())
-    tma = ExtendConfig(block_m=16, block_n=32, num_warps=1, num_stages=1, page_tma=True)
+    tma = ExtendConfig(block_m=16, block_n=32, num_warps=1, num_stages=1, page_tma=True, page_dots=dots)
     o, fault = _run(q, k_buf, v_buf, qo, indptr, indices, 4, tma, PAGE)
     assert fault[int(DeviceFaultKind.SLOT)] == 1
     assert o.isfinite().all()
@@ -120,15 +128,16 @@ def test_where_tma_applies():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_backend_steps_take_pages(dtype, monkeypatch):
     """Chunked prefill through the public engine API: three EXTEND steps of the same requests (pages of
-    16) on the page path and on the row gather, each against the float64 causal reference; the page
-    path is taken at every launch."""
+    16) on the page path (stacked, and per-page dots) and on the row gather, each against the float64
+    causal reference; the page path is taken at every launch."""
     made = []
     real = ex.page_descriptor
     monkeypatch.setattr(ex, "page_descriptor", lambda buf, page: made.append(page) or real(buf, page))
     tiles = dict(block_m=16, block_n=32, num_warps=1, num_stages=1)
-    make = [lambda ctx, tma=tma: TritonAttnBackend(ctx, extend_config=ExtendConfig(**tiles, page_tma=tma)) for tma in (True, False)]
+    variants = [dict(page_tma=True), dict(page_tma=True, page_dots=True), {}]
+    make = [lambda ctx, v=v: TritonAttnBackend(ctx, extend_config=ExtendConfig(**tiles, **v)) for v in variants]
     worlds = [EngineWorld(m, page_size=16, dtype=dtype) for m in make]
     steps = [[("a", 20), ("b", 35)], [("a", 18), ("b", 12), ("c", 9)], [("a", 19), ("c", 30)]]
     seen = compare_over_steps(worlds, steps, seed=5, tol=tolerance(dtype))
     assert [s[0] for s in seen] == ["EXTEND"] * 3
-    assert made and set(made) == {16}
+    assert len(made) == 2 * 2 * 3 * 2 and set(made) == {16}  # K and V, 2 paged worlds, 3 steps, 2 layers

@@ -253,6 +253,63 @@ def load_pages(DESC, KV_INDICES, at, col, num_slots, PAGE: tl.constexpr, PAGES: 
 
 
 @triton.jit
+def page_scores(
+    q, K_DESC, KV_INDICES, at, col, num_slots, qk_scale, cap_scale, PAGE: tl.constexpr, LOGIT_CAP: tl.constexpr, DOT_PREC: tl.constexpr
+):
+    """Scores `[M, PAGE]` of q against one page of keys (`page_row` of KV_INDICES[at], a `[PAGE, D]` TMA box
+    at column `col`), as `attend_tile` keeps them (raw, or base-2 logits under a cap); also the page's row
+    and whether it was bad."""
+    row, bad = page_row(KV_INDICES, at, num_slots, PAGE)
+    s = tl.dot(q, tl.trans(K_DESC.load([row, col]).to(q.dtype)), input_precision=DOT_PREC)
+    if LOGIT_CAP:
+        s = scale_scores(s, qk_scale, cap_scale, LOGIT_CAP)
+    return s, row, bad
+
+
+@triton.jit
+def attend_pages(
+    acc, m_i, l_i, q, at, kv_head, K_DESC, V_DESC, KV_INDICES, num_slots, bad_slots, qk_scale, cap_scale,
+    D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr, PAGES: tl.constexpr, LOGIT_CAP: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """One unmasked tile of PAGES (1, 2 or 4) whole pages, their CSR entries from KV_INDICES[at], page by
+    page: a `[M, PAGE]` score dot per page (TMA box of K straight into the dot), one online-softmax step
+    over all of them, a `[PAGE, DV]` P·V dot per page accumulating into acc; no tile is stacked in
+    registers (`load_pages` stacks). Keys must lie page by page; a bad page (`page_row`) reads the dummy
+    page 0 and is recorded in bad_slots `[N]`. Returns (acc, m_i, l_i, bad_slots)."""
+    s_scale = 1.0 if LOGIT_CAP else qk_scale
+    kc = kv_head * D
+    vc = kv_head * DV
+    s0, r0, bad = page_scores(q, K_DESC, KV_INDICES, at, kc, num_slots, qk_scale, cap_scale, PAGE, LOGIT_CAP, DOT_PREC)
+    mx = tl.max(s0, 1)
+    if PAGES >= 2:
+        s1, r1, b1 = page_scores(q, K_DESC, KV_INDICES, at + PAGE, kc, num_slots, qk_scale, cap_scale, PAGE, LOGIT_CAP, DOT_PREC)
+        mx = tl.maximum(mx, tl.max(s1, 1))
+        bad = bad | b1
+    if PAGES == 4:
+        s2, r2, b2 = page_scores(q, K_DESC, KV_INDICES, at + 2 * PAGE, kc, num_slots, qk_scale, cap_scale, PAGE, LOGIT_CAP, DOT_PREC)
+        s3, r3, b3 = page_scores(q, K_DESC, KV_INDICES, at + 3 * PAGE, kc, num_slots, qk_scale, cap_scale, PAGE, LOGIT_CAP, DOT_PREC)
+        mx = tl.maximum(mx, tl.maximum(tl.max(s2, 1), tl.max(s3, 1)))
+        bad = bad | b2 | b3
+    m_new = tl.maximum(m_i, mx * s_scale)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s0 * s_scale - m_new[:, None])
+    l_new = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), V_DESC.load([r0, vc]).to(q.dtype), input_precision=DOT_PREC)
+    if PAGES >= 2:
+        p = tl.exp2(s1 * s_scale - m_new[:, None])
+        l_new += tl.sum(p, 1)
+        acc += tl.dot(p.to(q.dtype), V_DESC.load([r1, vc]).to(q.dtype), input_precision=DOT_PREC)
+    if PAGES == 4:
+        p = tl.exp2(s2 * s_scale - m_new[:, None])
+        l_new += tl.sum(p, 1)
+        acc += tl.dot(p.to(q.dtype), V_DESC.load([r2, vc]).to(q.dtype), input_precision=DOT_PREC)
+        p = tl.exp2(s3 * s_scale - m_new[:, None])
+        l_new += tl.sum(p, 1)
+        acc += tl.dot(p.to(q.dtype), V_DESC.load([r3, vc]).to(q.dtype), input_precision=DOT_PREC)
+    return acc, m_new, l_new, bad_slots | tl.where(tl.arange(0, bad_slots.shape[0]) >= 0, bad, False)
+
+
+@triton.jit
 def attend_tile(
     acc,
     m_i,

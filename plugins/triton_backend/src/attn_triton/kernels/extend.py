@@ -10,7 +10,8 @@ Grid `[num_q_heads, m_blocks, bs]`; program (h, mb, r) owns BLOCK_M new tokens o
 sees run in an unmasked loop; the rest (the causal diagonal, the window edge, custom masks, the tail)
 in a masked loop. With `ExtendConfig.page_tma` (where `tma_page` allows it) the unmasked loop loads
 whole pages of K/V through TMA tensor descriptors made on the host once per launch (`page_descriptor`),
-one kv_indices entry read per page; the masked loop always gathers row by row.
+one kv_indices entry read per page, stacked into one tile (`load_pages`) or, with `page_dots`, each
+through its own dots (`attend_pages`); the masked loop always gathers row by row.
 
 Bounds: qo_indptr is clamped into the step's T tokens (QUERY_ROWS) and kv_indptr into kv_indices
 (KEY_OFFSETS); a slot outside [0, slots of k_buf) is masked out in masked tiles and read as the dummy
@@ -41,6 +42,7 @@ from attn_triton.kernels.common import (
     LN2_K,
     LOG2E_K,
     add_sink,
+    attend_pages,
     attend_tile,
     check_query_rows,
     finalize,
@@ -56,6 +58,9 @@ class ExtendConfig:
     `page_tma`: the unmasked key tiles come in page by page through TMA tensor descriptors (`tma_page`
     says where that applies: a page pool of >= 16 slots a page, BLOCK_N 1, 2 or 4 pages, K/V in q's dtype
     with power-of-two head dims, Hopper or later); elsewhere the kernel gathers key rows through kv_indices.
+    The pages of a tile are stacked into one `[BLOCK_N, D]` tile for the two dots (`load_pages`), or with
+    `page_dots` each page goes through its own score and P·V dots (`attend_pages`: no stacking, smaller
+    score dots). `page_dots` without `page_tma` changes nothing.
     """
 
     block_m: int = 64
@@ -63,6 +68,7 @@ class ExtendConfig:
     num_warps: int = 4
     num_stages: int = 2
     page_tma: bool = False
+    page_dots: bool = False
 
 
 @triton.jit
@@ -116,6 +122,7 @@ def _extend_kernel(
     STORE_LSE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     PAGE: tl.constexpr,
+    PAGE_DOTS: tl.constexpr,
 ):
     h = tl.program_id(0)
     mb = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -170,12 +177,18 @@ def _extend_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     bad_slots = tl.arange(0, BLOCK_N) < 0
     for start in range(lo, full_end, BLOCK_N):
-        acc, m_i, l_i, bad_slots = attend_tile(
-            acc, m_i, l_i, q, q_pe, start, kv_len, q_pos, offs_m, m_ok, k_head, v_head, KV_INDICES, kv_beg, num_slots, FAULT,
-            stride_ks, stride_vs, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
-            BLOCK_N, D, BLOCK_D, DPE, BLOCK_DPE, DV, BLOCK_DV, SHARE_KV, False, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC,
-            K_DESC, V_DESC, kv_head, PAGE,
-        )  # fmt: skip
+        if PAGE_DOTS:
+            acc, m_i, l_i, bad_slots = attend_pages(
+                acc, m_i, l_i, q, kv_beg + start, kv_head, K_DESC, V_DESC, KV_INDICES, num_slots, bad_slots, qk_scale, cap_scale,
+                D, DV, PAGE, BLOCK_N // PAGE, LOGIT_CAP, DOT_PREC,
+            )  # fmt: skip
+        else:
+            acc, m_i, l_i, bad_slots = attend_tile(
+                acc, m_i, l_i, q, q_pe, start, kv_len, q_pos, offs_m, m_ok, k_head, v_head, KV_INDICES, kv_beg, num_slots, FAULT,
+                stride_ks, stride_vs, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
+                BLOCK_N, D, BLOCK_D, DPE, BLOCK_DPE, DV, BLOCK_DV, SHARE_KV, False, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC,
+                K_DESC, V_DESC, kv_head, PAGE,
+            )  # fmt: skip
     for start in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i, bad_slots = attend_tile(
             acc, m_i, l_i, q, q_pe, start, kv_len, q_pos, offs_m, m_ok, k_head, v_head, KV_INDICES, kv_beg, num_slots, FAULT,
@@ -284,7 +297,8 @@ def extend_attention(
     dv = o.shape[2]
     qk_scale, cap_scale = score_scales(sm_scale, logit_cap, k_scale)
     v = k_buf if share_kv else v_buf
-    page = tma_page(config, page_size, q, k_buf, v, d_rope, share_kv)
+    # a window or a custom mask leaves no unmasked tile: nothing for the page path to load
+    page = tma_page(config, page_size, q, k_buf, v, d_rope, share_kv) if window is None and not use_mask else 0
     grid = (hq, triton.cdiv(max_q_len, config.block_m), bs)
     _extend_kernel[grid](
         q,
@@ -336,6 +350,7 @@ def extend_attention(
         STORE_LSE=lse_out is not None,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         PAGE=page,
+        PAGE_DOTS=bool(page) and config.page_dots,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
