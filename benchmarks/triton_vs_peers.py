@@ -37,8 +37,9 @@ copy bandwidth (a plain torch copy of a 2 GiB buffer, bytes read + written per s
 items, each optionally followed by `,tma` (ExtendConfig.page_tma: the unmasked key tiles come in as whole
 16-slot pages through TMA tensor descriptors, stacked into one tile; Hopper, page size >= 16, BLOCK_N of 1,
 2 or 4 pages, EXTEND steps only: MIXED steps keep the row gather) or `,tma,dots` (page_dots too: one score
-and one P·V dot per page, no stacking); every item is timed in the same run and listed in the row's
-"sweep" (a config that fails to compile is reported there).
+and one P·V dot per page, no stacking), and/or `,lf` (ExtendConfig.longest_first: the grid runs every
+request's last m block first); every item is timed in the same run and listed in the row's "sweep" (a config
+that fails to compile is reported there).
 
   python benchmarks/triton_vs_peers.py [--out FILE] [--only decode,extend,verify,mixed,meta,fp8] [--no-torch-native]
       [--decode-configs "64,16,4,3;32,16,4,4"] [--extend-configs "128,64,8,3;128,64,8,3,tma,dots"] [--waves 1,2,4]
@@ -442,15 +443,15 @@ def work_of(kind: str, w: Workload) -> float:
 
 
 #: words of a `--*-configs` item that switch on a boolean field of the config (the rest are ints)
-CONFIG_FLAGS = {"tma": "page_tma", "dots": "page_dots"}
+CONFIG_FLAGS = {"tma": "page_tma", "dots": "page_dots", "lf": "longest_first"}
 
 
 def parse_configs(text: Optional[str], cls):
     """The kernel tile configs of a `--decode-configs` / `--extend-configs` value: items split by ";",
     each four comma-separated ints passed positionally to `cls` (a fifth, 0 or 1, is DecodeConfig's
     `fp8_v_words`), then any words of `CONFIG_FLAGS` (`tma`: ExtendConfig's `page_tma`, whole pages
-    by TMA; `dots`: its `page_dots`, one score and one P·V dot per page); `[None]` (the kernel's own
-    choice) when `text` is empty or None.
+    by TMA; `dots`: its `page_dots`, one score and one P·V dot per page; `lf`: its `longest_first`, the
+    m blocks outermost in the grid); `[None]` (the kernel's own choice) when `text` is empty or None.
 
     Example: `parse_configs("64,16,4,3;32,16,4,4", DecodeConfig)` →
     `[DecodeConfig(64, 16, 4, 3), DecodeConfig(32, 16, 4, 4)]`; `parse_configs("128,64,8,3,tma", ExtendConfig)`
@@ -867,8 +868,8 @@ def main(argv=None) -> int:
     p.add_argument("--decode-configs", default=None, help='"block_n,block_h,warps,stages;..."')
     p.add_argument(
         "--extend-configs", default=None,
-        help='"block_m,block_n,warps,stages[,tma[,dots]];...": tma loads whole K/V pages by TMA in the unmasked key loop '
-        "(Hopper); dots takes each page through its own dots",
+        help='"block_m,block_n,warps,stages[,tma[,dots]][,lf];...": tma loads whole K/V pages by TMA in the unmasked key loop '
+        "(Hopper); dots takes each page through its own dots; lf runs every request's last m block first",
     )  # fmt: skip
     p.add_argument("--verify-configs", default=None, help='"block_m_max,block_n,warps,stages;..."')
     p.add_argument("--fp8-configs", default=None, help='extra fp8 decode rows: "block_n,block_h,warps,stages;..."')

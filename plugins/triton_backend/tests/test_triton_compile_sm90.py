@@ -61,14 +61,16 @@ for dt, tdt, d, dv, dpe, mla in (("bf16", torch.bfloat16, 128, 128, 0, False), (
                   HAS_WINDOW=True, DOT_PREC="ieee" if dt == "fp32" else "tf32")
     e = extend_config(d + dpe, dv, tdt, dev, mla, sm_major=9)
     build(ex._extend_kernel, dt, dict(GROUP=4, BLOCK_M=e.block_m, BLOCK_N=e.block_n, CAUSAL=False, USE_MASK=True, HAS_SINK=True,
-                                      STORE_LSE=True, K_DESC=None, V_DESC=None, PAGE=0, PAGE_DOTS=False, **common),
+                                      STORE_LSE=True, K_DESC=None, V_DESC=None, PAGE=0, PAGE_DOTS=False, BLOCKS_OUTER=False, **common),
           e.num_warps, e.num_stages)
     # whole pages by TMA (ExtendConfig.page_tma) in the tiles the issue-16 sweep times (TMA_SWEEP), pages of 16 and 64; never
-    # with a window (it leaves no unmasked tile: extend_attention keeps PAGE 0, and ptxas of Triton 3.6 crashes on 128x64x8x2)
+    # with a window (it leaves no unmasked tile: extend_attention keeps PAGE 0, and ptxas of Triton 3.6 crashes on 128x64x8x2);
+    # the page_dots builds also take the longest-first grid (ExtendConfig.longest_first)
     if not mla:
         for bm, bn, w, st, page, dots in TMA_SWEEP:
             k = build(ex._extend_kernel, dt, dict(GROUP=4, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=True, USE_MASK=False, HAS_SINK=True,
-                                                  STORE_LSE=True, PAGE=page, PAGE_DOTS=dots, **{**common, "HAS_WINDOW": False}), w, st)
+                                                  STORE_LSE=True, PAGE=page, PAGE_DOTS=dots, BLOCKS_OUTER=dots,
+                                                  **{**common, "HAS_WINDOW": False}), w, st)
             assert "cp.async.bulk.tensor" in k.asm["ptx"], "extend page_tma: no TMA load"
             assert k.metadata.shared <= 227 * 1024, (bm, bn, w, st, page, dots, k.metadata.shared)
             print("extend tma", bm, bn, w, st, page, dots, "shared", k.metadata.shared)

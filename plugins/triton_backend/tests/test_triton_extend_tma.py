@@ -141,3 +141,23 @@ def test_backend_steps_take_pages(dtype, monkeypatch):
     seen = compare_over_steps(worlds, steps, seed=5, tol=tolerance(dtype))
     assert [s[0] for s in seen] == ["EXTEND"] * 3
     assert len(made) == 2 * 2 * 3 * 2 and set(made) == {16}  # K and V, 2 paged worlds, 3 steps, 2 layers
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["gather", "tma_dots"])
+def test_longest_first_grid(paged):
+    """`longest_first` (m blocks outermost in the grid) over requests of different q lengths (programs past
+    a request's last token return at once) matches the reference, and a request whose key offsets run
+    past kv_indices is recorded once as KEY_OFFSETS."""
+    gen = torch.Generator().manual_seed(11)
+    shapes = [(5, 50), (40, 3), (0, 33), (17, 1), (64, 20)]  # 5 requests, 4 m blocks
+    q, k_buf, v_buf, qo, indptr, indices, ks, vs = _batch(torch.float16, gen, shapes)
+    cfg = ExtendConfig(block_m=16, block_n=32, num_warps=1, num_stages=1, page_tma=paged, page_dots=paged, longest_first=True)
+    o, fault = _run(q, k_buf, v_buf, qo, indptr, indices, 50, cfg, PAGE)
+    assert not fault.any()
+    for r, (p, e) in enumerate(shapes):
+        rows = slice(int(qo[r]), int(qo[r + 1]))
+        ref_o, _ = reference_attention(q[rows], ks[r], vs[r], q_positions=torch.arange(p, p + e), scale=0.3)
+        assert relative_error(o[rows], ref_o) <= tolerance(torch.float16), (p, e)
+    short = indices[: int(indptr[-1]) - 5]  # the last request's keys run past the entries
+    _, fault = _run(q, k_buf, v_buf, qo, indptr, short, 50, cfg, PAGE)
+    assert fault[int(DeviceFaultKind.KEY_OFFSETS)] == 1 and fault.sum() == 1

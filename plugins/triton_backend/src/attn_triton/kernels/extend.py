@@ -5,8 +5,9 @@ tokens' own K/V having been written to the pool first), TARGET_VERIFY with a per
 mask, and cross attention (non-causal over the encoder keys). Sliding window, logit cap, sinks and
 LSE output are compile-time switches.
 
-Grid `[num_q_heads, m_blocks, bs]`; program (h, mb, r) owns BLOCK_M new tokens of request r for q head h
-(m blocks run from the last, the longest under a causal mask, to the first). Keys every row of the block
+Grid `[num_q_heads, m_blocks, bs]` (`[num_q_heads, bs, m_blocks]` with `ExtendConfig.longest_first`); program
+(h, mb, r) owns BLOCK_M new tokens of request r for q head h (m blocks run from the last, the longest under a
+causal mask, to the first). Keys every row of the block
 sees run in an unmasked loop; the rest (the causal diagonal, the window edge, custom masks, the tail)
 in a masked loop. With `ExtendConfig.page_tma` (where `tma_page` allows it) the unmasked loop loads
 whole pages of K/V through TMA tensor descriptors made on the host once per launch (`page_descriptor`),
@@ -61,6 +62,9 @@ class ExtendConfig:
     The pages of a tile are stacked into one `[BLOCK_N, D]` tile for the two dots (`load_pages`), or with
     `page_dots` each page goes through its own score and P·V dots (`attend_pages`: no stacking, smaller
     score dots). `page_dots` without `page_tma` changes nothing.
+    `longest_first`: the grid runs the m blocks outermost (`[Hq, bs, m_blocks]`), so the last block of every
+    request (under a causal mask the longest key range) starts before any request's shorter ones; by
+    default the grid is `[Hq, m_blocks, bs]`, longest first within each request.
     """
 
     block_m: int = 64
@@ -69,6 +73,7 @@ class ExtendConfig:
     num_stages: int = 2
     page_tma: bool = False
     page_dots: bool = False
+    longest_first: bool = False
 
 
 @triton.jit
@@ -123,13 +128,20 @@ def _extend_kernel(
     DOT_PREC: tl.constexpr,
     PAGE: tl.constexpr,
     PAGE_DOTS: tl.constexpr,
+    BLOCKS_OUTER: tl.constexpr,
 ):
     h = tl.program_id(0)
-    mb = tl.num_programs(1) - 1 - tl.program_id(1)
-    r = tl.program_id(2)
+    if BLOCKS_OUTER:  # grid [Hq, bs, m_blocks]: every request's last block first
+        r = tl.program_id(1)
+        first = tl.program_id(2) == 0
+        mb = tl.num_programs(2) - 1 - tl.program_id(2)
+    else:
+        first = tl.program_id(1) == 0
+        mb = tl.num_programs(1) - 1 - tl.program_id(1)
+        r = tl.program_id(2)
     q_beg, q_len, q_clamped = offset_range(QO_INDPTR, r, num_tokens)
     kv_beg, kv_len, kv_clamped = offset_range(KV_INDPTR, r, num_indices)
-    if (h == 0) & (tl.program_id(1) == 0):
+    if (h == 0) & first:
         tl.store(FAULT + FAULT_QUERY_ROWS, 1, mask=q_clamped)
         tl.store(FAULT + FAULT_KEY_OFFSETS, 1, mask=kv_clamped)
     if mb * BLOCK_M >= q_len:
@@ -152,7 +164,7 @@ def _extend_kernel(
     if USE_MASK:  # the request's [q_len, kv_len] block must lie inside the mask (entries past it are not read)
         mask_beg = tl.load(MASK_INDPTR + r)
         mask_outside = (mask_beg < 0) | (mask_beg + q_len.to(tl.int64) * kv_len > mask_size)
-        if (h == 0) & (tl.program_id(1) == 0):
+        if (h == 0) & first:
             tl.store(FAULT + FAULT_MASK, 1, mask=mask_outside)
     k_head = K + kv_head * stride_kh
     v_head = V + kv_head * stride_vh
@@ -299,7 +311,8 @@ def extend_attention(
     v = k_buf if share_kv else v_buf
     # a window or a custom mask leaves no unmasked tile: nothing for the page path to load
     page = tma_page(config, page_size, q, k_buf, v, d_rope, share_kv) if window is None and not use_mask else 0
-    grid = (hq, triton.cdiv(max_q_len, config.block_m), bs)
+    m_blocks = triton.cdiv(max_q_len, config.block_m)
+    grid = (hq, bs, m_blocks) if config.longest_first else (hq, m_blocks, bs)
     _extend_kernel[grid](
         q,
         k_buf,
@@ -351,6 +364,7 @@ def extend_attention(
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         PAGE=page,
         PAGE_DOTS=bool(page) and config.page_dots,
+        BLOCKS_OUTER=config.longest_first,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
