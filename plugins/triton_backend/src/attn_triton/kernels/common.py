@@ -238,6 +238,7 @@ def load_pages(DESC, KV_INDICES, at, col, num_slots, PAGE: tl.constexpr, PAGES: 
     returns the `[PAGES x PAGE, C]` tile in key order and whether any page was bad (`page_row`).
     Only the first key of each page is looked up: the request's keys must lie page by page (key i at
     page offset i % PAGE), as a paged allocator lays them."""
+    tl.static_assert((PAGES == 1) or (PAGES == 2) or (PAGES == 4), "load_pages: 1, 2 or 4 pages a tile")
     r0, bad = page_row(KV_INDICES, at, num_slots, PAGE)
     t = DESC.load([r0, col])
     if PAGES >= 2:
@@ -276,6 +277,7 @@ def attend_pages(
     over all of them, a `[PAGE, DV]` P·V dot per page accumulating into acc; no tile is stacked in
     registers (`load_pages` stacks). Keys must lie page by page; a bad page (`page_row`) reads the dummy
     page 0 and is recorded in bad_slots `[N]`. Returns (acc, m_i, l_i, bad_slots)."""
+    tl.static_assert((PAGES == 1) or (PAGES == 2) or (PAGES == 4), "attend_pages: 1, 2 or 4 pages a tile")
     s_scale = 1.0 if LOGIT_CAP else qk_scale
     kc = kv_head * D
     vc = kv_head * DV
