@@ -33,16 +33,8 @@ kernel on the same batch run as EXTEND (the path verify took before), and FlashI
 (causal); the rate is the bytes of K and V read per second, and the run also measures the device's
 copy bandwidth (a plain torch copy of a 2 GiB buffer, bytes read + written per second) to compare with.
 
-`--extend-configs` sweeps the extend kernel's tiles on the extend and mixed rows: "block_m,block_n,warps,stages"
-items, each optionally followed by `,tma` (ExtendConfig.page_tma: the unmasked key tiles come in as whole
-16-slot pages through TMA tensor descriptors, stacked into one tile; Hopper, page size >= 16, BLOCK_N of 1,
-2 or 4 pages, EXTEND steps only: MIXED steps keep the row gather) or `,tma,dots` (page_dots too: one score
-and one P·V dot per page, no stacking), and/or `,lf` (ExtendConfig.longest_first: the grid runs every
-request's last m block first); every item is timed in the same run and listed in the row's "sweep" (a config
-that fails to compile is reported there).
-
   python benchmarks/triton_vs_peers.py [--out FILE] [--only decode,extend,verify,mixed,meta,fp8] [--no-torch-native]
-      [--decode-configs "64,16,4,3;32,16,4,4"] [--extend-configs "128,64,8,3;128,64,8,3,tma,dots"] [--waves 1,2,4]
+      [--decode-configs "64,16,4,3;32,16,4,4"] [--extend-configs "128,64,8,3;128,128,8,3"] [--waves 1,2,4]
       [--verify-configs "64,128,8,3;64,64,4,3"] [--fp8-configs "128,16,8,2;128,16,8,2,0"]
 
 FlashInfer is used through its own API (BatchDecodeWithPagedKVCacheWrapper with tensor cores,
@@ -442,28 +434,19 @@ def work_of(kind: str, w: Workload) -> float:
     return 4.0 * HQ * D * pairs
 
 
-#: words of a `--*-configs` item that switch on a boolean field of the config (the rest are ints)
-CONFIG_FLAGS = {"tma": "page_tma", "dots": "page_dots", "lf": "longest_first"}
-
-
 def parse_configs(text: Optional[str], cls):
     """The kernel tile configs of a `--decode-configs` / `--extend-configs` value: items split by ";",
     each four comma-separated ints passed positionally to `cls` (a fifth, 0 or 1, is DecodeConfig's
-    `fp8_v_words`), then any words of `CONFIG_FLAGS` (`tma`: ExtendConfig's `page_tma`, whole pages
-    by TMA; `dots`: its `page_dots`, one score and one P·V dot per page; `lf`: its `longest_first`, the
-    m blocks outermost in the grid); `[None]` (the kernel's own choice) when `text` is empty or None.
+    `fp8_v_words`); `[None]` (the kernel's own choice) when `text` is empty or None.
 
     Example: `parse_configs("64,16,4,3;32,16,4,4", DecodeConfig)` →
-    `[DecodeConfig(64, 16, 4, 3), DecodeConfig(32, 16, 4, 4)]`; `parse_configs("128,64,8,3,tma", ExtendConfig)`
-    → `[ExtendConfig(128, 64, 8, 3, page_tma=True)]`; `parse_configs(None, DecodeConfig)` → `[None]`.
+    `[DecodeConfig(64, 16, 4, 3), DecodeConfig(32, 16, 4, 4)]`; `parse_configs(None, DecodeConfig)` → `[None]`.
     """
     if not text:
         return [None]
     out = []
     for item in text.split(";"):
-        parts = [x.strip() for x in item.split(",")]
-        words = [x for x in parts if x in CONFIG_FLAGS]
-        out.append(cls(*(int(x) for x in parts if x not in CONFIG_FLAGS), **{CONFIG_FLAGS[w]: True for w in words}))
+        out.append(cls(*(int(x) for x in item.split(","))))
     return out
 
 
@@ -893,11 +876,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-torch-native", action="store_true")
     p.add_argument("--no-flashinfer", action="store_true")
     p.add_argument("--decode-configs", default=None, help='"block_n,block_h,warps,stages;..."')
-    p.add_argument(
-        "--extend-configs", default=None,
-        help='"block_m,block_n,warps,stages[,tma[,dots]][,lf];...": tma loads whole K/V pages by TMA in the unmasked key loop '
-        "(Hopper); dots takes each page through its own dots; lf runs every request's last m block first",
-    )  # fmt: skip
+    p.add_argument("--extend-configs", default=None, help='"block_m,block_n,warps,stages;..."')
     p.add_argument("--verify-configs", default=None, help='"block_m_max,block_n,warps,stages;..."')
     p.add_argument("--fp8-configs", default=None, help='extra fp8 decode rows: "block_n,block_h,warps,stages;..."')
     p.add_argument("--waves", default=None, help="comma list of split-policy waves to sweep")

@@ -12,15 +12,6 @@ import sys
 
 import pytest
 
-#: (block_m, block_n, warps, stages, page size, page_dots) of the TMA extend variants compiled here: the
-#: `--extend-configs` items the issue-16 sweep times with `,tma` / `,tma,dots` (pages of 16, as benchmarked),
-#: and one 64-slot page per tile
-TMA_SWEEP = [
-    (128, 64, 4, 3, 16, False), (128, 64, 8, 3, 16, False), (64, 64, 4, 3, 16, False), (128, 64, 8, 2, 16, False),
-    (128, 32, 4, 3, 16, False), (128, 64, 4, 3, 16, True), (128, 64, 8, 3, 16, True), (64, 64, 4, 3, 16, True),
-    (128, 64, 8, 2, 16, True), (128, 32, 4, 3, 16, True), (128, 64, 8, 3, 64, False), (128, 64, 8, 3, 64, True),
-]  # fmt: skip
-
 SCRIPT = r"""
 import os, subprocess, tempfile
 import triton, triton.backends.nvidia, torch
@@ -29,11 +20,10 @@ from triton.compiler import ASTSource
 from attn_triton.config import FP8_DECODE_CONFIG, decode_config, extend_config, mla_config_for, verify_config
 from attn_triton.kernels import decode as de, extend as ex, mla_decode as ml, verify as vf
 
-def types_for(fn, dt, kv_dt=None, v_dt=None, page=16, d=128):
+def types_for(fn, dt, kv_dt=None, v_dt=None):
     t = {}
     for n in fn.arg_names:
-        if n in ("K_DESC", "V_DESC"): t[n] = f"tensordesc<{dt}[{page}, {d}]>"
-        elif n == "V" and v_dt: t[n] = "*" + v_dt
+        if n == "V" and v_dt: t[n] = "*" + v_dt
         elif n in ("K", "V") and kv_dt: t[n] = "*" + kv_dt
         elif n in ("Q", "K", "V", "KV", "OUT"): t[n] = "*" + dt
         elif n in ("LSE", "SINKS", "PART_O", "PART_LSE"): t[n] = "*fp32"
@@ -45,7 +35,7 @@ def types_for(fn, dt, kv_dt=None, v_dt=None, page=16, d=128):
     return t
 
 def build(fn, dt, consts, cfg_warps, cfg_stages, arch=90, kv_dt=None, v_dt=None, maxnreg=None):
-    types = types_for(fn, dt, kv_dt, v_dt, consts.get("PAGE") or 16, consts.get("D", 128))
+    types = types_for(fn, dt, kv_dt, v_dt)
     sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
     runtime = [i for i, n in enumerate(fn.arg_names) if n not in consts and (types[n][0] == "*" or n.startswith("stride"))]
     attrs = {(i,): [["tt.divisibility", 16]] for i in runtime}
@@ -67,21 +57,9 @@ for dt, tdt, d, dv, dpe, mla in (("bf16", torch.bfloat16, 128, 128, 0, False), (
     p2 = lambda x: max(16, triton.next_power_of_2(x))
     common = dict(D=d, BLOCK_D=p2(d), DPE=dpe, BLOCK_DPE=p2(dpe) if dpe else 0, DV=dv, BLOCK_DV=p2(dv), SHARE_KV=mla, LOGIT_CAP=True,
                   HAS_WINDOW=True, DOT_PREC="ieee" if dt == "fp32" else "tf32")
-    e = extend_config(d + dpe, dv, tdt, dev, mla, sm_major=9)
+    e = extend_config(d + dpe, dv, tdt, dev, mla)
     build(ex._extend_kernel, dt, dict(GROUP=4, BLOCK_M=e.block_m, BLOCK_N=e.block_n, CAUSAL=False, USE_MASK=True, HAS_SINK=True,
-                                      STORE_LSE=True, K_DESC=None, V_DESC=None, PAGE=0, PAGE_DOTS=False, BLOCKS_OUTER=False, **common),
-          e.num_warps, e.num_stages)
-    # whole pages by TMA (ExtendConfig.page_tma) in the tiles the issue-16 sweep times (TMA_SWEEP), pages of 16 and 64; never
-    # with a window (it leaves no unmasked tile: extend_attention keeps PAGE 0, and ptxas of Triton 3.6 crashes on 128x64x8x2);
-    # the page_dots builds also take the longest-first grid (ExtendConfig.longest_first)
-    if not mla:
-        for bm, bn, w, st, page, dots in TMA_SWEEP:
-            k = build(ex._extend_kernel, dt, dict(GROUP=4, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=True, USE_MASK=False, HAS_SINK=True,
-                                                  STORE_LSE=True, PAGE=page, PAGE_DOTS=dots, BLOCKS_OUTER=dots,
-                                                  **{**common, "HAS_WINDOW": False}), w, st)
-            assert "cp.async.bulk.tensor" in k.asm["ptx"], "extend page_tma: no TMA load"
-            assert k.metadata.shared <= 227 * 1024, (bm, bn, w, st, page, dots, k.metadata.shared)
-            print("extend tma", bm, bn, w, st, page, dots, "shared", k.metadata.shared)
+                                      STORE_LSE=True, **common), e.num_warps, e.num_stages)
     c = decode_config(d + dpe, dv, tdt, dev, mla)
     no_fp8 = dict(KV_FP8=False, FP8_PTX=False, V_WORDS=False)
     build(de._decode_split_kernel, dt, dict(GROUP=4, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=c.block_n, **no_fp8, **common),
@@ -151,8 +129,6 @@ print("compiled")
 def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    script = f"TMA_SWEEP = {TMA_SWEEP!r}\n" + SCRIPT
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
     assert "fp8 decode" in out.stdout and out.stdout.count("mla variant") == 8
-    assert out.stdout.count("extend tma") == len(TMA_SWEEP), out.stdout

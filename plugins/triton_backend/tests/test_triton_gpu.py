@@ -10,7 +10,6 @@ from triton_graph_checks import check_graph_matches_eager
 from triton_helpers import factory
 
 from attn_core.testing.harness import AttnCase, assert_case
-from attn_triton.kernels.extend import ExtendConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -104,26 +103,6 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[c.describe() for c in CASES])
 def test_case_on_cuda(case):
     assert_case(factory(), case)
-
-
-#: the issue-16 Hopper variants of the extend kernel: whole pages by TMA, stacked or per-page dots, and the
-#: longest-first grid (on a GPU before Hopper `tma_page` keeps the gather: the cases still run)
-PAGE_TMA_CONFIGS = [
-    ExtendConfig(128, 64, 8, 3, page_tma=True),
-    ExtendConfig(128, 64, 8, 3, page_tma=True, page_dots=True),
-    ExtendConfig(128, 64, 4, 3, page_tma=True, page_dots=True, longest_first=True),
-]
-PAGE_TMA_CASES = [
-    AttnCase("EXTEND", [(0, 1000), (1500, 513), (64, 1), (700, 0)], dtype="bfloat16", page_size=16, sinks=True, return_lse=True, **GQA2),
-    AttnCase("EXTEND", [(2000, 300), (37, 129)], dtype="float16", page_size=64, logit_cap=20.0, **GQA),
-    AttnCase("EXTEND", [(900, 700)], dtype="bfloat16", sliding_window=256, page_size=16, **GQA),  # windowed: the gather
-]
-
-
-@pytest.mark.parametrize("config", PAGE_TMA_CONFIGS, ids=str)
-@pytest.mark.parametrize("case", PAGE_TMA_CASES, ids=[c.describe() for c in PAGE_TMA_CASES])
-def test_extend_page_tma_on_cuda(case, config):
-    assert_case(factory(extend_config=config), case)
 
 
 def _cuda_graph_run(fn, replay):

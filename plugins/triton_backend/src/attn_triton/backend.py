@@ -30,7 +30,6 @@ from attn_core.batch import ForwardBatch
 from attn_core.cascade import splits_into_cascade
 from attn_core.context import BackendContext
 from attn_core.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedFeatureError
-from attn_core.forward_mode import ForwardMode
 from attn_core.graph_step import CudaGraphStep
 from attn_core.layer import AttentionLayer
 from attn_core.local_attention import local_decode_starts, make_local_attention_virtual_batches
@@ -406,7 +405,6 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
             sinks=sinks,
             want_lse=return_lse or cascade is not None,
             verify_len=same_q_len,
-            page_size=self.ctx.page_size if plain and keys is meta.kv and b.forward_mode == ForwardMode.EXTEND else 1,
         )
         if cascade is not None:
             o, lse = self._merge_prefix_pass(q, k_buf, v_buf, layer, cascade, o, lse)
@@ -415,13 +413,12 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
 
     def _extend(
         self, q, k_buf, v_buf, layer, qo_indptr, keys: KVIndex, max_q_len, *, causal, custom_mask, mask_indptr, sinks, want_lse,
-        verify_len=None, page_size=1,
+        verify_len=None,
     ):  # fmt: skip
         """One extend-kernel launch: output `[T, Hq, Dv]` and LSE `[T, Hq]` (None unless `want_lse`).
         With `verify_len` (every request has that many tokens: `verify_q_len`) the verify kernel runs
-        instead, its tokens folded with the q heads of each KV head. `page_size` > 1: `keys` lie page by
-        page (the request table's own rows of an EXTEND step), so the extend kernel may load whole pages.
-        An fp8 cache is read as stored; the layer's scales fold into the score scale and the output."""
+        instead, its tokens folded with the q heads of each KV head. An fp8 cache is read as stored; the
+        layer's scales fold into the score scale and the output."""
         k_scale, v_scale = kv_scales(layer, self.ctx.token_to_kv_pool)
         T, hq, dv = q.shape[0], layer.num_q_heads, layer.v_head_dim
         o = q.new_empty((T, hq, dv))
@@ -443,7 +440,7 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
         else:
             extend_attention(
                 q_in, k_buf, v_buf, o, qo_indptr, keys.indptr, keys.indices, max_q_len, fault,
-                config=self.extend_cfg, causal=causal, d_rope=self.d_rope, share_kv=self.is_mla, page_size=page_size, **common,
+                config=self.extend_cfg, causal=causal, d_rope=self.d_rope, share_kv=self.is_mla, **common,
             )  # fmt: skip
         return o, lse
 

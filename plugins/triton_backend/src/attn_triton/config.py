@@ -116,18 +116,7 @@ def decode_config(
     return DecodeConfig(block_n=128, block_h=16, num_warps=8, num_stages=3)
 
 
-#: 16-bit extend tiles at head dim <= 128 on GPUs of compute capability >= 9 (Hopper: TMA, `ExtendConfig.page_tma`)
-#: and on older ones. Equal until the issue-16 sweep (`triton_vs_peers.py --extend-configs`, docs/perf.md) picks a
-#: Hopper variant; the H200 sweep made 128x64 tiles with 4 warps, 3 stages the fastest gather on the extend rows.
-HOPPER_EXTEND_CONFIG = ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
-PRE_HOPPER_EXTEND_CONFIG = ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
-
-
-def extend_config(
-    head_dim: int, v_head_dim: int, dtype: torch.dtype, device: torch.device, mla: bool, sm_major: Optional[int] = None
-) -> ExtendConfig:
-    """Tiles of the extend kernel for q `dtype` on `device`, by the CUDA compute capability's major version
-    (`sm_major`; asked of the device when None; ROCm counts as pre-Hopper)."""
+def extend_config(head_dim: int, v_head_dim: int, dtype: torch.dtype, device: torch.device, mla: bool) -> ExtendConfig:
     if device.type != "cuda":
         return ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
     if mla:
@@ -137,9 +126,8 @@ def extend_config(
         return ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     if dtype == torch.float32:
         return ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
-    if sm_major is None:
-        sm_major = 0 if torch.version.hip else torch.cuda.get_device_capability(device)[0]
-    return HOPPER_EXTEND_CONFIG if sm_major >= 9 else PRE_HOPPER_EXTEND_CONFIG
+    # H200 sweep (docs/perf.md): 128x64 tiles with 4 warps, 3 stages were fastest on the extend rows
+    return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
 
 
 def mla_config(dtype: torch.dtype, device: torch.device) -> MLAConfig:

@@ -215,103 +215,6 @@ def offset_range(INDPTR, r, size):
 
 
 @triton.jit
-def stack_rows(a, b):
-    """a `[R, C]` above b `[R, C]`: `[2R, C]` (join, then the pair axis first, then flatten)."""
-    return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), [2 * a.shape[0], a.shape[1]])
-
-
-@triton.jit
-def page_row(KV_INDICES, at, num_slots, PAGE: tl.constexpr):
-    """The first slot of the page whose first key's CSR entry is KV_INDICES[at], as a scalar int32 row of
-    the pool, and whether it is bad: a page must start at a multiple of PAGE and lie inside [0, num_slots)
-    (a bad page reads the dummy page at row 0). Example (PAGE 16, num_slots 64): 32 → (32, False);
-    40 → (0, True); 64 → (0, True)."""
-    s = tl.load(KV_INDICES + at)
-    bad = (s < 0) | (s % PAGE != 0) | (s > num_slots - PAGE)
-    return tl.where(bad, 0, s), bad
-
-
-@triton.jit
-def load_pages(DESC, KV_INDICES, at, col, num_slots, PAGE: tl.constexpr, PAGES: tl.constexpr):
-    """PAGES (1, 2 or 4) whole pages of keys, their CSR entries starting at KV_INDICES[at], each a
-    `[PAGE, C]` box of the 2-D pool view DESC (`[slots, heads x C]`) at column `col`, by TMA on Hopper:
-    returns the `[PAGES x PAGE, C]` tile in key order and whether any page was bad (`page_row`).
-    Only the first key of each page is looked up: the request's keys must lie page by page (key i at
-    page offset i % PAGE), as a paged allocator lays them."""
-    tl.static_assert((PAGES == 1) or (PAGES == 2) or (PAGES == 4), "load_pages: 1, 2 or 4 pages a tile")
-    r0, bad = page_row(KV_INDICES, at, num_slots, PAGE)
-    t = DESC.load([r0, col])
-    if PAGES >= 2:
-        r1, b1 = page_row(KV_INDICES, at + PAGE, num_slots, PAGE)
-        t = stack_rows(t, DESC.load([r1, col]))
-        bad = bad | b1
-    if PAGES == 4:
-        r2, b2 = page_row(KV_INDICES, at + 2 * PAGE, num_slots, PAGE)
-        r3, b3 = page_row(KV_INDICES, at + 3 * PAGE, num_slots, PAGE)
-        t = stack_rows(t, stack_rows(DESC.load([r2, col]), DESC.load([r3, col])))
-        bad = bad | b2 | b3
-    return t, bad
-
-
-@triton.jit
-def page_scores(
-    q, K_DESC, KV_INDICES, at, col, num_slots, qk_scale, cap_scale, PAGE: tl.constexpr, LOGIT_CAP: tl.constexpr, DOT_PREC: tl.constexpr
-):
-    """Scores `[M, PAGE]` of q against one page of keys (`page_row` of KV_INDICES[at], a `[PAGE, D]` TMA box
-    at column `col`), as `attend_tile` keeps them (raw, or base-2 logits under a cap); also the page's row
-    and whether it was bad."""
-    row, bad = page_row(KV_INDICES, at, num_slots, PAGE)
-    s = tl.dot(q, tl.trans(K_DESC.load([row, col]).to(q.dtype)), input_precision=DOT_PREC)
-    if LOGIT_CAP:
-        s = scale_scores(s, qk_scale, cap_scale, LOGIT_CAP)
-    return s, row, bad
-
-
-@triton.jit
-def attend_pages(
-    acc, m_i, l_i, q, at, kv_head, K_DESC, V_DESC, KV_INDICES, num_slots, bad_slots, qk_scale, cap_scale,
-    D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr, PAGES: tl.constexpr, LOGIT_CAP: tl.constexpr, DOT_PREC: tl.constexpr,
-):  # fmt: skip
-    """One unmasked tile of PAGES (1, 2 or 4) whole pages, their CSR entries from KV_INDICES[at], page by
-    page: a `[M, PAGE]` score dot per page (TMA box of K straight into the dot), one online-softmax step
-    over all of them, a `[PAGE, DV]` P·V dot per page accumulating into acc; no tile is stacked in
-    registers (`load_pages` stacks). Keys must lie page by page; a bad page (`page_row`) reads the dummy
-    page 0 and is recorded in bad_slots `[N]`. Returns (acc, m_i, l_i, bad_slots)."""
-    tl.static_assert((PAGES == 1) or (PAGES == 2) or (PAGES == 4), "attend_pages: 1, 2 or 4 pages a tile")
-    s_scale = 1.0 if LOGIT_CAP else qk_scale
-    kc = kv_head * D
-    vc = kv_head * DV
-    s0, r0, bad = page_scores(q, K_DESC, KV_INDICES, at, kc, num_slots, qk_scale, cap_scale, PAGE, LOGIT_CAP, DOT_PREC)
-    mx = tl.max(s0, 1)
-    if PAGES >= 2:
-        s1, r1, b1 = page_scores(q, K_DESC, KV_INDICES, at + PAGE, kc, num_slots, qk_scale, cap_scale, PAGE, LOGIT_CAP, DOT_PREC)
-        mx = tl.maximum(mx, tl.max(s1, 1))
-        bad = bad | b1
-    if PAGES == 4:
-        s2, r2, b2 = page_scores(q, K_DESC, KV_INDICES, at + 2 * PAGE, kc, num_slots, qk_scale, cap_scale, PAGE, LOGIT_CAP, DOT_PREC)
-        s3, r3, b3 = page_scores(q, K_DESC, KV_INDICES, at + 3 * PAGE, kc, num_slots, qk_scale, cap_scale, PAGE, LOGIT_CAP, DOT_PREC)
-        mx = tl.maximum(mx, tl.maximum(tl.max(s2, 1), tl.max(s3, 1)))
-        bad = bad | b2 | b3
-    m_new = tl.maximum(m_i, mx * s_scale)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s0 * s_scale - m_new[:, None])
-    l_new = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), V_DESC.load([r0, vc]).to(q.dtype), input_precision=DOT_PREC)
-    if PAGES >= 2:
-        p = tl.exp2(s1 * s_scale - m_new[:, None])
-        l_new += tl.sum(p, 1)
-        acc += tl.dot(p.to(q.dtype), V_DESC.load([r1, vc]).to(q.dtype), input_precision=DOT_PREC)
-    if PAGES == 4:
-        p = tl.exp2(s2 * s_scale - m_new[:, None])
-        l_new += tl.sum(p, 1)
-        acc += tl.dot(p.to(q.dtype), V_DESC.load([r2, vc]).to(q.dtype), input_precision=DOT_PREC)
-        p = tl.exp2(s3 * s_scale - m_new[:, None])
-        l_new += tl.sum(p, 1)
-        acc += tl.dot(p.to(q.dtype), V_DESC.load([r3, vc]).to(q.dtype), input_precision=DOT_PREC)
-    return acc, m_new, l_new, bad_slots | tl.where(tl.arange(0, bad_slots.shape[0]) >= 0, bad, False)
-
-
-@triton.jit
 def attend_tile(
     acc,
     m_i,
@@ -352,10 +255,6 @@ def attend_tile(
     HAS_WINDOW: tl.constexpr,
     LOGIT_CAP: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    K_DESC=None,
-    V_DESC=None,
-    kv_head=0,
-    PAGE: tl.constexpr = 0,
 ):
     """Attend one BLOCK_N tile of keys starting at `start` for the rows of `q` [M, D] (and `q_pe`
     [M, DPE], the rope part, when DPE > 0); MASKED applies bounds and visibility.
@@ -366,8 +265,6 @@ def attend_tile(
     m_ok false see nothing in masked tiles. Keys come from the request's CSR entries
     KV_INDICES[kv_beg + n] (slots of `k_head` / `v_head`, one KV head). Shared by the extend kernel
     (rows = tokens of one q head) and the verify kernel (rows = q heads x draft tokens of one KV head).
-    With PAGE > 0 an unmasked tile comes in page by page through the tensor descriptors K_DESC / V_DESC
-    (`load_pages`, at KV head `kv_head`'s columns; no rope part, V its own buffer).
     Returns (acc, m_i, l_i, bad_slots | the tile's slots outside [0, num_slots))."""
     n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -379,9 +276,6 @@ def attend_tile(
         bad_slots |= n_ok & ~slot_ok
         n_ok = n_ok & slot_ok
         k = tl.load(k_head + slot[:, None] * stride_ks + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    elif PAGE > 0:
-        k, bad_page = load_pages(K_DESC, KV_INDICES, kv_beg + start, kv_head * D, num_slots, PAGE, BLOCK_N // PAGE)
-        bad_slots |= tl.where(n >= 0, bad_page, False)  # the scalar flag on every key of the tile
     else:
         slot = tl.load(KV_INDICES + kv_beg + n).to(tl.int64)
         slot_ok = (slot >= 0) & (slot < num_slots)
@@ -420,8 +314,6 @@ def attend_tile(
     else:
         if MASKED:
             v = tl.load(v_head + slot[:, None] * stride_vs + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        elif PAGE > 0:
-            v, _ = load_pages(V_DESC, KV_INDICES, kv_beg + start, kv_head * DV, num_slots, PAGE, BLOCK_N // PAGE)
         else:
             v = tl.load(v_head + slot[:, None] * stride_vs + offs_dv[None, :], mask=offs_dv[None, :] < DV, other=0.0)
     acc += tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)

@@ -5,21 +5,15 @@ tokens' own K/V having been written to the pool first), TARGET_VERIFY with a per
 mask, and cross attention (non-causal over the encoder keys). Sliding window, logit cap, sinks and
 LSE output are compile-time switches.
 
-Grid `[num_q_heads, m_blocks, bs]` (`[num_q_heads, bs, m_blocks]` with `ExtendConfig.longest_first`); program
-(h, mb, r) owns BLOCK_M new tokens of request r for q head h (m blocks run from the last, the longest under a
-causal mask, to the first). Keys every row of the block
+Grid `[num_q_heads, m_blocks, bs]`; program (h, mb, r) owns BLOCK_M new tokens of request r for q head h
+(m blocks run from the last, the longest under a causal mask, to the first). Keys every row of the block
 sees run in an unmasked loop; the rest (the causal diagonal, the window edge, custom masks, the tail)
-in a masked loop. With `ExtendConfig.page_tma` (where `tma_page` allows it) the unmasked loop loads
-whole pages of K/V through TMA tensor descriptors made on the host once per launch (`page_descriptor`),
-one kv_indices entry read per page, stacked into one tile (`load_pages`) or, with `page_dots`, each
-through its own dots (`attend_pages`); the masked loop always gathers row by row.
+in a masked loop.
 
 Bounds: qo_indptr is clamped into the step's T tokens (QUERY_ROWS) and kv_indptr into kv_indices
 (KEY_OFFSETS); a slot outside [0, slots of k_buf) is masked out in masked tiles and read as the dummy
 slot 0 in unmasked ones (SLOT); custom-mask entries outside the mask are not read (those keys stay
-hidden; a request whose mask block does not fit is recorded as MASK); on the TMA path a page whose
-first slot is not a multiple of the page size or whose page is not inside the pool is read as the dummy
-page 0 and recorded as SLOT (`page_row`). Each is recorded in the fault buffer
+hidden; a request whose mask block does not fit is recorded as MASK). Each is recorded in the fault buffer
 (`attn_core.ops.device_faults`), so no offset or slot read from the metadata can make the kernel read
 or write outside its buffers. No fault is stored inside the key loops (a store there could cost the
 loads' software pipelining): slot faults are carried in registers and stored once per program.
@@ -33,7 +27,6 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from attn_triton.kernels.common import (
     FAULT_KEY_OFFSETS,
@@ -43,7 +36,6 @@ from attn_triton.kernels.common import (
     LN2_K,
     LOG2E_K,
     add_sink,
-    attend_pages,
     attend_tile,
     check_query_rows,
     finalize,
@@ -54,26 +46,12 @@ from attn_triton.kernels.common import (
 
 @dataclass(frozen=True)
 class ExtendConfig:
-    """Tile sizes: BLOCK_M queries x BLOCK_N keys per step.
-
-    `page_tma`: the unmasked key tiles come in page by page through TMA tensor descriptors (`tma_page`
-    says where that applies: a page pool of >= 16 slots a page, BLOCK_N 1, 2 or 4 pages, K/V in q's dtype
-    with power-of-two head dims, Hopper or later); elsewhere the kernel gathers key rows through kv_indices.
-    The pages of a tile are stacked into one `[BLOCK_N, D]` tile for the two dots (`load_pages`), or with
-    `page_dots` each page goes through its own score and P·V dots (`attend_pages`: no stacking, smaller
-    score dots). `page_dots` without `page_tma` changes nothing.
-    `longest_first`: the grid runs the m blocks outermost (`[Hq, bs, m_blocks]`), so the last block of every
-    request (under a causal mask the longest key range) starts before any request's shorter ones; by
-    default the grid is `[Hq, m_blocks, bs]`, longest first within each request.
-    """
+    """Tile sizes: BLOCK_M queries x BLOCK_N keys per step."""
 
     block_m: int = 64
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
-    page_tma: bool = False
-    page_dots: bool = False
-    longest_first: bool = False
 
 
 @triton.jit
@@ -90,8 +68,6 @@ def _extend_kernel(
     MASK_INDPTR,
     SINKS,
     FAULT,
-    K_DESC,
-    V_DESC,
     num_tokens,
     num_indices,
     num_slots,
@@ -126,22 +102,13 @@ def _extend_kernel(
     HAS_SINK: tl.constexpr,
     STORE_LSE: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    PAGE: tl.constexpr,
-    PAGE_DOTS: tl.constexpr,
-    BLOCKS_OUTER: tl.constexpr,
 ):
     h = tl.program_id(0)
-    if BLOCKS_OUTER:  # grid [Hq, bs, m_blocks]: every request's last block first
-        r = tl.program_id(1)
-        first = tl.program_id(2) == 0
-        mb = tl.num_programs(2) - 1 - tl.program_id(2)
-    else:
-        first = tl.program_id(1) == 0
-        mb = tl.num_programs(1) - 1 - tl.program_id(1)
-        r = tl.program_id(2)
+    mb = tl.num_programs(1) - 1 - tl.program_id(1)
+    r = tl.program_id(2)
     q_beg, q_len, q_clamped = offset_range(QO_INDPTR, r, num_tokens)
     kv_beg, kv_len, kv_clamped = offset_range(KV_INDPTR, r, num_indices)
-    if (h == 0) & first:
+    if (h == 0) & (tl.program_id(1) == 0):
         tl.store(FAULT + FAULT_QUERY_ROWS, 1, mask=q_clamped)
         tl.store(FAULT + FAULT_KEY_OFFSETS, 1, mask=kv_clamped)
     if mb * BLOCK_M >= q_len:
@@ -164,7 +131,7 @@ def _extend_kernel(
     if USE_MASK:  # the request's [q_len, kv_len] block must lie inside the mask (entries past it are not read)
         mask_beg = tl.load(MASK_INDPTR + r)
         mask_outside = (mask_beg < 0) | (mask_beg + q_len.to(tl.int64) * kv_len > mask_size)
-        if (h == 0) & first:
+        if (h == 0) & (tl.program_id(1) == 0):
             tl.store(FAULT + FAULT_MASK, 1, mask=mask_outside)
     k_head = K + kv_head * stride_kh
     v_head = V + kv_head * stride_vh
@@ -189,18 +156,11 @@ def _extend_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     bad_slots = tl.arange(0, BLOCK_N) < 0
     for start in range(lo, full_end, BLOCK_N):
-        if PAGE_DOTS:
-            acc, m_i, l_i, bad_slots = attend_pages(
-                acc, m_i, l_i, q, kv_beg + start, kv_head, K_DESC, V_DESC, KV_INDICES, num_slots, bad_slots, qk_scale, cap_scale,
-                D, DV, PAGE, BLOCK_N // PAGE, LOGIT_CAP, DOT_PREC,
-            )  # fmt: skip
-        else:
-            acc, m_i, l_i, bad_slots = attend_tile(
-                acc, m_i, l_i, q, q_pe, start, kv_len, q_pos, offs_m, m_ok, k_head, v_head, KV_INDICES, kv_beg, num_slots, FAULT,
-                stride_ks, stride_vs, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
-                BLOCK_N, D, BLOCK_D, DPE, BLOCK_DPE, DV, BLOCK_DV, SHARE_KV, False, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC,
-                K_DESC, V_DESC, kv_head, PAGE,
-            )  # fmt: skip
+        acc, m_i, l_i, bad_slots = attend_tile(
+            acc, m_i, l_i, q, q_pe, start, kv_len, q_pos, offs_m, m_ok, k_head, v_head, KV_INDICES, kv_beg, num_slots, FAULT,
+            stride_ks, stride_vs, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
+            BLOCK_N, D, BLOCK_D, DPE, BLOCK_DPE, DV, BLOCK_DV, SHARE_KV, False, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC,
+        )  # fmt: skip
     for start in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i, bad_slots = attend_tile(
             acc, m_i, l_i, q, q_pe, start, kv_len, q_pos, offs_m, m_ok, k_head, v_head, KV_INDICES, kv_beg, num_slots, FAULT,
@@ -221,43 +181,6 @@ def _extend_kernel(
 
 def _pow2(x: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(max(int(x), 1)))
-
-
-#: pages per key tile the TMA path stacks (`load_pages`)
-TMA_PAGES_PER_TILE = (1, 2, 4)
-
-
-def tma_page(
-    config: ExtendConfig, page_size: int, q: torch.Tensor, k_buf: torch.Tensor, v: torch.Tensor, d_rope: int, share_kv: bool
-) -> int:
-    """The page size the extend kernel loads whole pages of by TMA (`ExtendConfig.page_tma`), or 0 for
-    the row gather. It applies when the config asks for it, the keys lie page by page in a pool of
-    `page_size` >= 16 slots a page, BLOCK_N is 1, 2 or 4 pages, K and V (not shared, no rope part) hold
-    q's dtype (fp16, bf16 or fp32) with power-of-two head dims <= 256, each slot's heads contiguous (a 2-D view
-    `[slots, heads x D]` of 16-byte-aligned rows), and the device is a CPU (interpreter) or a GPU of
-    compute capability >= 9 (TMA; not ROCm).
-    Example: `ExtendConfig(128, 64, 8, 3, page_tma=True)`, page_size 16, bf16 `[slots, 8, 128]` K/V on an
-    H100 → 16; the same with page_size 1 → 0."""
-    if not config.page_tma or page_size < 16 or config.block_n % page_size or config.block_n // page_size not in TMA_PAGES_PER_TILE:
-        return 0
-    if d_rope or share_kv or q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k_buf.dtype != q.dtype or v.dtype != q.dtype:
-        return 0
-    for buf in (k_buf, v):
-        d = buf.shape[2]
-        rows_ok = buf.stride(2) == 1 and buf.stride(1) == d and buf.stride(0) * buf.element_size() % 16 == 0
-        if d != _pow2(d) or d > 256 or not rows_ok or buf.data_ptr() % 16:
-            return 0
-    if q.is_cuda and (torch.version.hip or torch.cuda.get_device_capability(q.device)[0] < 9):
-        return 0
-    return page_size
-
-
-def page_descriptor(buf: torch.Tensor, page_size: int) -> TensorDescriptor:
-    """A TMA descriptor of the pool buffer `[slots, heads, D]` as the 2-D `[slots, heads x D]` with a
-    `[page_size, D]` box: one page of one head. Example: bf16 `[1024, 8, 128]`, page 16 → shape
-    `[1024, 1024]`, strides `[1024, 1]`, box `[16, 128]`."""
-    slots, heads, d = buf.shape
-    return TensorDescriptor(buf, [slots, heads * d], [buf.stride(0), 1], [page_size, d])
 
 
 def extend_attention(
@@ -284,7 +207,6 @@ def extend_attention(
     v_scale: float = 1.0,
     d_rope: int = 0,
     share_kv: bool = False,
-    page_size: int = 1,
 ) -> None:
     """Attention of every request's new tokens into `o` (and `lse_out`).
 
@@ -294,9 +216,7 @@ def extend_attention(
     Causal: the new token i of request r sits at position kv_len - q_len + i. `custom_mask` (uint8, per
     request a row-major `[q_len, kv_len]` block starting at mask_indptr[r]) replaces the causal mask.
     lse_out `[T, Hq]` float32 natural log. `max_q_len` (host int) sizes the grid. fault: the int32
-    fault buffer (`attn_core.ops.device_faults`). `page_size` > 1 promises that every request's keys lie
-    page by page (key i at page offset i % page_size of pages of that many slots), which lets
-    `config.page_tma` load whole pages (`tma_page`); 1 promises nothing.
+    fault buffer (`attn_core.ops.device_faults`).
     """
     T, hq, d_total = q.shape
     bs = qo_indptr.shape[0] - 1
@@ -309,10 +229,7 @@ def extend_attention(
     dv = o.shape[2]
     qk_scale, cap_scale = score_scales(sm_scale, logit_cap, k_scale)
     v = k_buf if share_kv else v_buf
-    # a window or a custom mask leaves no unmasked tile: nothing for the page path to load
-    page = tma_page(config, page_size, q, k_buf, v, d_rope, share_kv) if window is None and not use_mask else 0
-    m_blocks = triton.cdiv(max_q_len, config.block_m)
-    grid = (hq, bs, m_blocks) if config.longest_first else (hq, m_blocks, bs)
+    grid = (hq, triton.cdiv(max_q_len, config.block_m), bs)
     _extend_kernel[grid](
         q,
         k_buf,
@@ -326,8 +243,6 @@ def extend_attention(
         mask_indptr if use_mask else kv_indptr,
         sinks if sinks is not None else o,
         fault,
-        page_descriptor(k_buf, page) if page else None,
-        page_descriptor(v, page) if page else None,
         T,
         kv_indices.shape[0],
         k_buf.shape[0],
@@ -362,9 +277,6 @@ def extend_attention(
         HAS_SINK=sinks is not None,
         STORE_LSE=lse_out is not None,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        PAGE=page,
-        PAGE_DOTS=bool(page) and config.page_dots,
-        BLOCKS_OUTER=config.longest_first,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
