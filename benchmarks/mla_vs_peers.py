@@ -31,12 +31,11 @@ for the host cost.
 
 `--mla-tiles` adds attn-triton MLA kernel variants to every row, timed next to the default and
 FlashInfer in the same run. Spelling: `BHxBNxWxS` (block_h x block_n x num_warps x num_stages) followed
-by options joined with ':' — `v2` (MLAConfig.v_blocks = 2: output-column split), `cK` (ctas_per_sm = K:
-wave-aware decode splits for K programs per SM; one split runs without the merge launch), `rN`
-(max_regs = N: the register cap ptxas gets), `lK` (lazy_rescale = K: the accumulator is rescaled only when
-a row's max grew by more than K, base 2). E.g.
+by options joined with ':' — `cK` (MLAConfig.ctas_per_sm = K: wave-aware decode splits for K programs per
+SM; one split runs without the merge launch), `lK` (lazy_rescale = K: the accumulator is rescaled only when
+a row's max grew by more than K, base 2). E.g. (the SM90 default is 32x64x4x3:c2:l8; docs/perf.md)
 
-    python benchmarks/mla_vs_peers.py --no-prefill --mla-tiles 64x32x8x2:c1,32x32x8x2:v2:c2 --json out.json
+    python benchmarks/mla_vs_peers.py --no-prefill --mla-tiles 64x32x8x2:c1,32x64x8x2:c1:l8 --json out.json
 """
 
 from __future__ import annotations
@@ -184,8 +183,8 @@ def triton_forward(ctx, mode: str, reqs, pool, layer, q, k, **options):
     return forward
 
 
-#: --mla-tiles options: letter -> MLAConfig field (the value follows the letter; `v2` is v_blocks=2)
-TILE_OPTIONS = {"v": "v_blocks", "c": "ctas_per_sm", "r": "max_regs", "l": "lazy_rescale"}
+#: --mla-tiles options: letter -> MLAConfig field (the value follows the letter)
+TILE_OPTIONS = {"c": "ctas_per_sm", "l": "lazy_rescale"}
 
 
 def tiles_label(tiles: MLAConfig) -> str:
@@ -194,8 +193,8 @@ def tiles_label(tiles: MLAConfig) -> str:
 
     >>> tiles_label(MLAConfig(64, 32, 8, 2))
     '64x32x8x2'
-    >>> tiles_label(MLAConfig(32, 32, 8, 2, v_blocks=2, ctas_per_sm=2))
-    '32x32x8x2:v2:c2'
+    >>> tiles_label(MLAConfig(32, 64, 4, 3, ctas_per_sm=2, lazy_rescale=8))
+    '32x64x4x3:c2:l8'
     """
     label = f"{tiles.block_h}x{tiles.block_n}x{tiles.num_warps}x{tiles.num_stages}"
     base = MLAConfig()
@@ -207,10 +206,10 @@ def tiles_label(tiles: MLAConfig) -> str:
 
 def parse_tiles(text: str) -> list[MLAConfig]:
     """Comma-separated --mla-tiles items -> `MLAConfig`s: `BHxBNxWxS` then `:`-joined options
-    (`v2`, `cK`, `rN`, `lK`: TILE_OPTIONS).
+    (`cK`, `lK`: TILE_OPTIONS).
 
-    >>> parse_tiles("64x32x8x2,32x32x8x2:v2:c2:r128")[1]
-    MLAConfig(block_h=32, block_n=32, num_warps=8, num_stages=2, v_blocks=2, ctas_per_sm=2, max_regs=128, lazy_rescale=0)
+    >>> parse_tiles("64x32x8x2,32x64x4x3:c2:l8")[1]
+    MLAConfig(block_h=32, block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2, lazy_rescale=8)
     """
     out = []
     for item in filter(None, text.split(",")):
@@ -219,7 +218,7 @@ def parse_tiles(text: str) -> list[MLAConfig]:
         fields = {}
         for opt in options:
             if opt[:1] not in TILE_OPTIONS or not opt[1:].isdigit():
-                raise SystemExit(f"--mla-tiles: unknown option {opt!r} in {item!r} (known: v2, cK, rN, lK)")
+                raise SystemExit(f"--mla-tiles: unknown option {opt!r} in {item!r} (known: cK, lK)")
             fields[TILE_OPTIONS[opt[0]]] = int(opt[1:])
         out.append(MLAConfig(block_h=h, block_n=n, num_warps=w, num_stages=st, **fields))
     return out
@@ -404,8 +403,8 @@ def main() -> None:
     ap.add_argument(
         "--mla-tiles",
         default="",
-        help="extra attn-triton MLA kernel variants to time in the same run, e.g. 64x32x8x2:c1,32x32x8x2:v2:c2 "
-        "(block_h x block_n x warps x stages, then options v2 / cK / rN / lK: see the module doc)",
+        help="extra attn-triton MLA kernel variants to time in the same run, e.g. 64x32x8x2:c1,32x64x8x2:c1:l8 "
+        "(block_h x block_n x warps x stages, then options cK / lK: see the module doc)",
     )
     ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph timings (the ratios issue 15 claims)")
     ap.add_argument("--rows", default="", help="comma-separated subset of rows: bs1,bs64,bs128,verify (default all)")

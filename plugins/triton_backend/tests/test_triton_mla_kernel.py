@@ -1,11 +1,11 @@
 """The absorbed-MLA kernel (`attn_triton.kernels.mla_decode`) against the float64 oracle: decode with
 every split count, page sizes 1/16/64, lengths off every block, window / logit cap / sinks / LSE /
 k_scale / v_scale, and multi-token verify (2/4/8 drafts) with causal and tree masks; bad indices raise
-the device fault flag. Each for the kernel's variants (`MLAConfig` fields): the output-column split
-(v_blocks 2) and the wave-aware split policy's single-split launch without merge (ctas_per_sm > 0 with
-max_splits 1), and lazy rescaling (lazy_rescale > 0; `test_mla_lazy_rescale_large_logits` drives the
-reference through many moves). The latent pool is NaN outside the slots the requests own, slots are in random
-order, and outputs start as NaN."""
+the device fault flag. Each for the kernel's variants (`MLAConfig` fields): the wave-aware split
+policy's single-split launch without merge (ctas_per_sm > 0 with max_splits 1) and lazy rescaling
+(lazy_rescale > 0; `test_mla_lazy_rescale_large_logits` drives the reference through many moves), alone
+and together as the SM90 default sets them. The latent pool is NaN outside the slots the requests own,
+slots are in random order, and outputs start as NaN."""
 
 from __future__ import annotations
 
@@ -49,15 +49,15 @@ def _oracle(q, latent, positions, *, scale, mask=None, **kw):
     return reference_attention(q, latent, latent[:, :, :RANK], q_positions=positions, scale=scale, mask=mask, **kw)
 
 
-#: kernel variants by MLAConfig fields: "base" (today's default path), "v2" (output-column split),
-#: "direct" (wave-aware policy: one split finalizes in the kernel), "v2_direct" (both)
+#: kernel variants by MLAConfig fields: "base" (SplitPolicy splits, exact rescaling), "direct"
+#: (wave-aware policy: one split finalizes in the kernel), "lazy" / "lazy3" (lazy rescaling, slack 8 / 3),
+#: "sm90" (both, as the SM90 default `config.mla_config_for` sets them)
 VARIANTS = {
     "base": {},
-    "v2": dict(v_blocks=2),
     "direct": dict(ctas_per_sm=1),
-    "v2_direct": dict(v_blocks=2, ctas_per_sm=1, max_regs=128),  # max_regs: a launch option only (ptxas)
     "lazy": dict(lazy_rescale=8),
-    "v2_lazy": dict(v_blocks=2, lazy_rescale=3),
+    "lazy3": dict(lazy_rescale=3),
+    "sm90": dict(ctas_per_sm=2, lazy_rescale=8),
 }
 
 
@@ -69,10 +69,7 @@ def _config(kernel: str = "base"):
 
 @pytest.mark.parametrize(
     "splits,kernel",
-    [(s, "base") for s in (1, 2, 3, 5, 8)]
-    + [(s, "v2") for s in (1, 3, 8)]
-    + [(1, "direct"), (1, "v2_direct"), (5, "v2_direct")]
-    + [(1, "lazy"), (3, "v2_lazy")],
+    [(s, "base") for s in (1, 2, 3, 5, 8)] + [(1, "direct"), (1, "sm90"), (5, "sm90")] + [(1, "lazy"), (3, "lazy3")],
 )
 @pytest.mark.parametrize("variant", ["plain", "window_cap_sinks_scales"])
 def test_mla_decode_every_split_count(splits, kernel, variant):
@@ -108,7 +105,7 @@ def test_mla_decode_every_split_count(splits, kernel, variant):
         assert relative_error(lse[r : r + 1], ref_lse) <= 1e-5, (r, n)
 
 
-@pytest.mark.parametrize("kernel,max_splits", [("base", 4), ("v2", 4), ("v2_direct", 1), ("lazy", 4)])
+@pytest.mark.parametrize("kernel,max_splits", [("base", 4), ("sm90", 1), ("lazy", 4)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_mla_decode_page_sizes_fp16(dtype, kernel, max_splits):
     """Page sizes 1/16/64 in one dtype each run, lengths straddling pages and BLOCK_N."""
@@ -137,7 +134,7 @@ def test_mla_decode_page_sizes_fp16(dtype, kernel, max_splits):
 @pytest.mark.parametrize("masking", ["causal", "tree", "causal_window_cap_sinks"])
 @pytest.mark.parametrize(
     "dtype,kernel",
-    [(torch.float16, "base"), (torch.float32, "base"), (torch.float16, "v2"), (torch.float32, "v2"), (torch.float16, "v2_lazy")],
+    [(torch.float16, "base"), (torch.float32, "base"), (torch.float16, "sm90"), (torch.float16, "lazy3")],
 )
 def test_mla_verify_folded_tokens(q_len, masking, dtype, kernel):
     from attn_triton.kernels.mla_decode import mla_attention
@@ -179,7 +176,7 @@ def test_mla_verify_folded_tokens(q_len, masking, dtype, kernel):
         assert relative_error(lse[sl], ref_lse) <= (1e-5 if dtype == torch.float32 else 2e-3), (r, p)
 
 
-@pytest.mark.parametrize("q_len,kernel", [(1, "base"), (4, "base"), (1, "v2_direct"), (4, "v2")])
+@pytest.mark.parametrize("q_len,kernel", [(1, "base"), (4, "base"), (1, "sm90"), (4, "lazy")])
 def test_mla_bad_indices_raise_the_fault_flag(q_len, kernel):
     """Slots outside the pool and key offsets past kv_indices are never read (the pool's NaN stays out
     of every output row) and set the SLOT / KEY_OFFSETS flags."""
@@ -211,7 +208,7 @@ def test_mla_bad_indices_raise_the_fault_flag(q_len, kernel):
     assert torch.isfinite(o).all()
 
 
-ROW_BLOCK_CASES = [(1, 16, "base"), (3, 32, "base"), (5, 16, "base"), (1, 64, "base"), (4, 64, "base"), (3, 32, "v2"), (1, 64, "v2")]
+ROW_BLOCK_CASES = [(1, 16, "base"), (3, 32, "base"), (5, 16, "base"), (1, 64, "base"), (4, 64, "base"), (3, 32, "lazy"), (1, 64, "sm90")]
 
 
 @pytest.mark.parametrize("q_len,block_h,kernel", ROW_BLOCK_CASES)
@@ -277,17 +274,13 @@ def test_mla_config_variants_are_checked():
     from attn_core.errors import InvalidArgumentError
     from attn_triton.kernels.mla_decode import MLAConfig
 
-    with pytest.raises(InvalidArgumentError, match="v_blocks"):
-        MLAConfig(v_blocks=4)
     with pytest.raises(InvalidArgumentError, match="ctas_per_sm"):
         MLAConfig(ctas_per_sm=-1)
-    with pytest.raises(InvalidArgumentError, match="max_regs"):
-        MLAConfig(max_regs=300)
     with pytest.raises(InvalidArgumentError, match="lazy_rescale"):
         MLAConfig(lazy_rescale=9)
 
 
-@pytest.mark.parametrize("kernel", ["lazy", "v2_lazy"])
+@pytest.mark.parametrize("kernel", ["lazy", "lazy3"])
 @pytest.mark.parametrize("q_len", [1, 4])
 def test_mla_lazy_rescale_large_logits(kernel, q_len):
     """Scores with a trend (later keys score up to ~40 log2 units higher, per head at a different

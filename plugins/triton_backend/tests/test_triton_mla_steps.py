@@ -3,8 +3,8 @@
 verify rounds with tree masks (TARGET_VERIFY, 4 tokens), rollback, DRAFT_EXTEND, more decode. Every
 layer output (and LSE) is compared with the float64 oracle over a host copy of each request's latent
 rows; a spy checks which steps the MLA kernel (`kernels/mla_decode.py`) served. Also with the kernel's
-variants: the output-column split under the wave-aware split policy capped at one split (decode
-finalized in the kernel, no merge launch); the policy's split counts through the backend are checked
+variants: the wave-aware split policy capped at one split (decode finalized in the kernel, no merge
+launch); the policy's split counts through the backend are checked
 without a launch."""
 
 from __future__ import annotations
@@ -88,15 +88,15 @@ class Engine:
         assert self.backend.poll_device_fault() is None
 
 
-V2_WAVES = MLAConfig(block_h=16, block_n=16, num_warps=1, num_stages=1, v_blocks=2, ctas_per_sm=1)
+WAVES = MLAConfig(block_h=16, block_n=16, num_warps=1, num_stages=1, ctas_per_sm=1)
 KERNELS = {
     "default": ({}, None),
     # at most one split: DECODE finalizes in the kernel (no scratch, no merge)
-    "v2_direct": (dict(mla_config=V2_WAVES, split_policy=SplitPolicy(min_split_len=8, cap=1)), 1),
+    "direct": (dict(mla_config=WAVES, split_policy=SplitPolicy(min_split_len=8, cap=1)), 1),
 }
 
 
-ENGINE_CASES = [(torch.float32, 16, "default"), (torch.float16, 1, "default"), (torch.float16, 64, "v2_direct")]
+ENGINE_CASES = [(torch.float32, 16, "default"), (torch.float16, 1, "default"), (torch.float16, 64, "direct")]
 
 
 @pytest.mark.parametrize("dtype,page_size,kernel", ENGINE_CASES)
@@ -138,15 +138,15 @@ def test_mla_engine_rounds(dtype, page_size, kernel, monkeypatch):
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_mla_wave_split_policy_through_the_backend(deterministic):
     """`MLAConfig.ctas_per_sm` makes the backend's decode splits the wave-aware count for the kernel's
-    programs per request (head blocks x column blocks; the interpreter counts 4 SMs); deterministic
+    programs per request (one 16-row head block of 16 heads; the interpreter counts 4 SMs); deterministic
     mode keeps its fixed splits; 0 keeps SplitPolicy's fill-two-waves count."""
     from attn_triton.config import wave_splits
 
     gen = torch.Generator().manual_seed(0)
-    eng = Engine(torch.float32, 16, window=24, gen=gen, mla_config=V2_WAVES)
+    eng = Engine(torch.float32, 16, window=24, gen=gen, mla_config=WAVES)
     eng.backend.ctx.deterministic = deterministic
-    for bs in (1, 3, 8):
+    for bs in (1, 2, 3, 8):
         got = eng.backend.decode_splits(bs).max_splits
-        want = SMALL_SPLITS.deterministic_max_splits if deterministic else wave_splits(bs * 2, 4, SMALL_SPLITS.cap, SMALL_SPLITS.waves)
+        want = SMALL_SPLITS.deterministic_max_splits if deterministic else wave_splits(bs, 4, SMALL_SPLITS.cap, SMALL_SPLITS.waves)
         assert got == want, (bs, got, want)
-    assert [wave_splits(bs * 2, 4, 8, 64.0) for bs in (1, 3, 8)] == [2, 2, 1]  # 2, 6, 16 programs on 4 slots
+    assert [wave_splits(bs, 4, 8, 64.0) for bs in (1, 2, 3, 8)] == [4, 2, 4, 1]  # 1, 2, 3, 8 programs on 4 slots

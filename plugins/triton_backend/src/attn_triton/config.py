@@ -85,7 +85,7 @@ def wave_splits(programs: int, slots: int, cap: int, waves: float = 2.0) -> int:
     2
     >>> wave_splits(80, 132, 32)  # bs40: 3 splits (240 programs, 2 waves of a third of the keys)
     3
-    >>> wave_splits(256, 264, 32)  # bs64 x 4 programs (2 head blocks x 2 column blocks), 2 per SM
+    >>> wave_splits(256, 264, 32)  # bs64 x 4 head blocks of 32 rows (the SM90 default), 2 per SM
     1
     """
     slots = max(1, slots)
@@ -141,29 +141,34 @@ def mla_config(dtype: torch.dtype, device: torch.device) -> MLAConfig:
 def mla_config_for(dtype: torch.dtype, major: int, hip: bool = False) -> MLAConfig:
     """Tiles of the absorbed-MLA kernel for a GPU of compute capability `major` (ROCm: `hip`).
 
-    Why these shapes: MLA decode is compute-bound (every q head reads the same latent row), so the q
-    heads (and, in verify, the draft tokens) go on the M dimension of the dots: BLOCK_H rows must reach
-    the tensor-core instruction's minimum M (64 for Hopper's wgmma, 16 for Ampere's mma) and every
-    latent tile loaded is reused by all BLOCK_H rows. The bound is the register file: a program keeps
-    a float32 accumulator of BLOCK_H x kv_lora_rank (64 x 512 = 128 KiB, i.e. 128 registers per thread
-    over 8 warps) plus the q block (nope 512 + rope 64 channels) as a dot operand, and each pipeline
-    stage holds one BLOCK_N x 576 latent tile in shared memory (32 x 576 bf16 = 36 KiB).
-    These choices are reasoned, not yet swept on a GPU (issue 15; docs/perf.md says how to measure).
+    Why these shapes: the q heads (and, in verify, the draft tokens) go on the M dimension of the
+    dots, so every latent tile loaded is reused by all BLOCK_H rows. The bound is the register file: a
+    program keeps a float32 accumulator of BLOCK_H x kv_lora_rank (32 x 512 = 64 KiB) plus the q block
+    (nope 512 + rope 64 channels) as a dot operand, and the pipeline stages of BLOCK_N x 576 latent
+    tiles (64 x 576 bf16 = 72 KiB) take the shared memory.
 
-    The one place to switch the SM90 default after a sweep: the `MLAConfig` returned under
-    `major == 9` below; its other fields select the kernel variants `benchmarks/mla_vs_peers.py
-    --mla-tiles` times (`v_blocks` 2: output-column split; `ctas_per_sm` k: wave-aware splits).
+    SM90 was swept on an H100 (docs/perf.md, "MLA kernel variants"; `benchmarks/mla_vs_peers.py
+    --mla-tiles`, CUDA graphs, attn-triton over FlashInfer's MLA run at 128 heads, 512 + 64, bf16):
+    32 rows x 64 keys, 4 warps, 3 stages with wave-aware splits for 2 programs per SM and lazy
+    rescaling (slack 8) was fastest at bs64 x 4096 (2.82 against 4.02 for the former 64 x 32 x 8 warps
+    x 2 stages), bs128 x 2048 (2.95 against 3.43) and verify with 4 drafts (2.96 against 3.24), and
+    1.38 against 1.74 at bs1 x 8192 (32 x 64 x 8 warps x 2 stages took 1.18 there but 4.4 at bs64).
+    As compiled for sm_90 a program of these tiles takes 4 warps and about 113 KB of shared memory,
+    so 2 run per SM where the 64-row, 8-warp tile (144 KB) ran 1. The other GPUs' tiles are reasoned,
+    not swept.
 
     >>> mla_config_for(torch.bfloat16, 9)
-    MLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, v_blocks=1, ctas_per_sm=0)
+    MLAConfig(block_h=32, block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2, lazy_rescale=8)
     >>> mla_config_for(torch.bfloat16, 8).block_h
     32
     """
     if dtype == torch.float32:  # twice the bytes per tile, no bf16/fp16 tensor-core path: smaller tiles
         return MLAConfig(block_h=32, block_n=16, num_warps=4, num_stages=2)
     if major == 9 and not hip:
-        # SM90: 64 rows = one wgmma M; 8 warps share the 64 x 512 float32 accumulator; two 36 KiB stages
-        return MLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=2)
+        # SM90 (H100 sweep, docs/perf.md): 2 programs of 4 warps per SM, the decode splits for that
+        # occupancy (one split, no merge launch, once the batch fills the GPU), the accumulator rescaled
+        # only when a row's max grew by more than 8 (base 2)
+        return MLAConfig(block_h=32, block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2, lazy_rescale=8)
     # SM80/SM89 and other GPUs: mma's M is 16, so 32 rows already use the tensor cores; the 32 x 512
     # accumulator over 4 warps is 128 registers per thread, leaving room for the q block and 2 stages
     # of a 32-row latent tile within Ampere's shared memory

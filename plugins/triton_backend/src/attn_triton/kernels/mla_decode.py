@@ -10,28 +10,21 @@ loads each tile of BLOCK_N latent rows once, and uses it three times:
 
 Query rows are (token, head) pairs folded into M: row m of request r is token m // Hq, head m % Hq.
 
-- DECODE (one token per request): grid `[bs, cdiv(Hq, BLOCK_H) * V_BLOCKS, max_splits]`; program
+- DECODE (one token per request): grid `[bs, cdiv(Hq, BLOCK_H), max_splits]`; program
   (r, hb, s) takes split s of request r's `split_count(kv_len)` splits (the same split layout as
   `decode.py`, computed on the device) and writes the normalized partial output and base-2 LSE to the
   split scratch; stage 2 is `decode.merge_splits` (sinks, v_scale, LSE). A launch with max_splits 1
   under the wave-aware split policy (`MLAConfig.ctas_per_sm` > 0) finalizes its rows itself instead
   (no scratch, no merge launch).
 - TARGET_VERIFY / DRAFT_EXTEND with the same q_len (2..16) for every request: grid
-  `[bs, cdiv(q_len * Hq, BLOCK_H) * V_BLOCKS, 1]`; token t of a request with kv_len keys sees the keys
+  `[bs, cdiv(q_len * Hq, BLOCK_H), 1]`; token t of a request with kv_len keys sees the keys
   < kv_len - q_len + t + 1 (causal), or those its custom (tree) mask allows; each program finalizes its
   rows itself. No KV split here: verify batches give bs * q_len * Hq / BLOCK_H programs, enough to fill
-  the GPU at the batch sizes speculative decoding runs (bs64 x 4 drafts x 128 heads / 64 = 512).
-
-Output-column split (`MLAConfig.v_blocks` = 2): the V_BLOCKS programs of one (request, head block,
-split) each compute the full 576-channel scores of its BLOCK_H rows but accumulate only their own
-BLOCK_V = kv_lora_rank / 2 output columns of P * latent_nope: half the float32 accumulator (registers)
-for 1.5x the score flops of the pair. A program loads its own latent columns (used for the scores and
-as V) and the other half (scores only) as two tiles, so each latent byte is still loaded once per
-program. The LSE of the rows is the same in every column block; column block 0 writes it.
+  the GPU at the batch sizes speculative decoding runs (bs64 x 4 drafts x 128 heads / 32 = 1024).
 
 Lazy rescaling (`MLAConfig.lazy_rescale` = K > 0): the running max that p, l and acc are relative to
 moves only when some row's tile max exceeds it by more than K (base-2 units); otherwise the tile's p
-is taken against the old max (p <= 2^K) and the BLOCK_H x BLOCK_V accumulator is not rescaled. The
+is taken against the old max (p <= 2^K) and the BLOCK_H x kv_lora_rank accumulator is not rescaled. The
 reference cancels in acc / l, so the result is the same softmax; what it saves is the accumulator
 multiply of most tiles once the max has settled.
 
@@ -80,15 +73,11 @@ class MLAConfig:
     """Tiles of the MLA kernel: BLOCK_H (token, head) rows on M, BLOCK_N latent rows per step.
     Chosen per architecture in `attn_triton.config.mla_config`.
 
-    - v_blocks: 1 (every program accumulates all kv_lora_rank output columns) or 2 (output-column
-      split: two programs per head block, each with half the columns; module doc).
     - ctas_per_sm: 0 takes the backend's `SplitPolicy` for the decode splits (about two waves of
       programs, always merged); k >= 1 takes the wave-aware choice (`attn_triton.config.wave_splits`)
       for k programs resident per multiprocessor, under which a batch that fills the GPU runs with one
       split and no merge launch. It describes these tiles (registers and shared memory decide how many
       programs fit an SM; `test_triton_compile_sm90.py` prints both), so it lives here.
-    - max_regs: 0 lets ptxas choose the registers per thread; N > 0 caps them at N (Triton's `maxnreg`),
-      e.g. 128 with 8 warps so that two programs fit an SM's 64K registers (at the price of spills).
     - lazy_rescale: 0 rescales the accumulator on every key tile; K in 1..8 only when a row's max grew
       by more than K in base-2 units (module doc).
     """
@@ -97,18 +86,12 @@ class MLAConfig:
     block_n: int = 32
     num_warps: int = 8
     num_stages: int = 2
-    v_blocks: int = 1
     ctas_per_sm: int = 0
-    max_regs: int = 0
     lazy_rescale: int = 0
 
     def __post_init__(self) -> None:
-        if self.v_blocks not in (1, 2):
-            raise InvalidArgumentError("MLAConfig.v_blocks", "1 or 2 output-column blocks", self.v_blocks)
         if self.ctas_per_sm < 0:
             raise InvalidArgumentError("MLAConfig.ctas_per_sm", "0 (SplitPolicy) or programs per SM >= 1", self.ctas_per_sm)
-        if self.max_regs != 0 and not 24 <= self.max_regs <= 255:
-            raise InvalidArgumentError("MLAConfig.max_regs", "0 (ptxas decides) or a cap in 24..255", self.max_regs)
         if not 0 <= self.lazy_rescale <= 8:  # p <= 2^8 stays exact enough in the fp16 / bf16 P operand
             raise InvalidArgumentError("MLAConfig.lazy_rescale", "0 (always rescale) or a slack of 1..8 (log2 units)", self.lazy_rescale)
 
@@ -176,8 +159,6 @@ def _mla_kernel(
     BLOCK_N: tl.constexpr,
     RANK: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    V_BLOCKS: tl.constexpr,
-    BLOCK_V: tl.constexpr,
     ROPE: tl.constexpr,
     BLOCK_ROPE: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -190,10 +171,9 @@ def _mla_kernel(
     LAZY: tl.constexpr,
 ):
     r = tl.program_id(0)
-    hb = tl.program_id(1) // V_BLOCKS
-    vb = tl.program_id(1) % V_BLOCKS  # output-column block
+    hb = tl.program_id(1)
     s = tl.program_id(2)
-    first = (tl.program_id(1) == 0) & (s == 0)
+    first = (hb == 0) & (s == 0)
     kv_beg, kv_len, kv_clamped = offset_range(KV_INDPTR, r, num_indices)
     if Q_LEN == 1:
         q_beg = r
@@ -235,33 +215,25 @@ def _mla_kernel(
         s_lo = lo
         s_hi = kv_len
 
-    # latent columns: this program's own BLOCK_V (scores and output) and, with V_BLOCKS 2, the other
-    # half (scores only); BLOCK_V = BLOCK_R / V_BLOCKS
-    offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_r = tl.arange(0, BLOCK_R)
     offs_n = tl.arange(0, BLOCK_N)
     q_rows = Q + (q_beg + t).to(tl.int64)[:, None] * stride_qt + h[:, None] * stride_qh
-    q_nope = tl.load(q_rows + offs_v[None, :], mask=row_ok[:, None] & (offs_v[None, :] < RANK), other=0.0)
-    if V_BLOCKS == 2:
-        offs_w = (1 - vb) * BLOCK_V + tl.arange(0, BLOCK_V)
-        q_other = tl.load(q_rows + offs_w[None, :], mask=row_ok[:, None] & (offs_w[None, :] < RANK), other=0.0)
+    q_nope = tl.load(q_rows + offs_r[None, :], mask=row_ok[:, None] & (offs_r[None, :] < RANK), other=0.0)
     if BLOCK_ROPE > 0:
         offs_p = tl.arange(0, BLOCK_ROPE)
         q_rope = tl.load(q_rows + RANK + offs_p[None, :], mask=row_ok[:, None] & (offs_p[None, :] < ROPE), other=0.0)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_V], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
     bad_slots = offs_n < 0
     for start in range(s_lo, s_hi, BLOCK_N):
         n = start + offs_n
         n_ok = n < s_hi
         slot, n_ok, bad_slots = load_slots(KV_INDICES, kv_beg, n, n_ok, num_slots, bad_slots)
         row = KV + slot[:, None] * stride_ks
-        latent = tl.load(row + offs_v[None, :], mask=n_ok[:, None] & (offs_v[None, :] < RANK), other=0.0).to(q_nope.dtype)
+        latent = tl.load(row + offs_r[None, :], mask=n_ok[:, None] & (offs_r[None, :] < RANK), other=0.0).to(q_nope.dtype)
         qk = tl.dot(q_nope, tl.trans(latent), input_precision=DOT_PREC)
-        if V_BLOCKS == 2:
-            other = tl.load(row + offs_w[None, :], mask=n_ok[:, None] & (offs_w[None, :] < RANK), other=0.0).to(q_nope.dtype)
-            qk += tl.dot(q_other, tl.trans(other), input_precision=DOT_PREC)
         if BLOCK_ROPE > 0:
             k_rope = tl.load(row + RANK + offs_p[None, :], mask=n_ok[:, None] & (offs_p[None, :] < ROPE), other=0.0)
             qk += tl.dot(q_rope, tl.trans(k_rope.to(q_nope.dtype)), input_precision=DOT_PREC)
@@ -289,21 +261,20 @@ def _mla_kernel(
         acc = tl.dot(p.to(q_nope.dtype), latent, acc, input_precision=DOT_PREC)
 
     tl.store(FAULT + FAULT_SLOT + offs_n * 0, 1, mask=bad_slots)  # one address: a flag, no reduction
-    lse_ok = row_ok & (offs_m * 0 + vb == 0)  # the rows' LSE: column block 0 writes it
     if SPLIT:
         out, lse2 = finalize(m_i, l_i, acc)
-        po = PART_O + r.to(tl.int64) * stride_pb + h[:, None] * stride_ph + s * stride_ps + offs_v[None, :]
-        tl.store(po, out, mask=row_ok[:, None] & (offs_v[None, :] < RANK))
-        tl.store(PART_LSE + r.to(tl.int64) * stride_lb + h * stride_lh + s, lse2, mask=lse_ok)
+        po = PART_O + r.to(tl.int64) * stride_pb + h[:, None] * stride_ph + s * stride_ps + offs_r[None, :]
+        tl.store(po, out, mask=row_ok[:, None] & (offs_r[None, :] < RANK))
+        tl.store(PART_LSE + r.to(tl.int64) * stride_lb + h * stride_lh + s, lse2, mask=row_ok)
     else:
         if HAS_SINK:
             sink2 = tl.load(SINKS + h) * LOG2E_K
             m_i, l_i, acc = add_sink(m_i, l_i, acc, sink2)
         out, lse2 = finalize(m_i, l_i, acc)
         o_rows = OUT + (q_beg + t).to(tl.int64)[:, None] * stride_ot + h[:, None] * stride_oh
-        tl.store(o_rows + offs_v[None, :], (out * v_scale).to(OUT.dtype.element_ty), mask=row_ok[:, None] & (offs_v[None, :] < RANK))
+        tl.store(o_rows + offs_r[None, :], (out * v_scale).to(OUT.dtype.element_ty), mask=row_ok[:, None] & (offs_r[None, :] < RANK))
         if STORE_LSE:
-            tl.store(LSE + (q_beg + t).to(tl.int64) * stride_lt + h, lse2 * LN2_K, mask=lse_ok)
+            tl.store(LSE + (q_beg + t).to(tl.int64) * stride_lt + h, lse2 * LN2_K, mask=row_ok)
 
 
 def _pow2(x: int, floor: int = 16) -> int:
@@ -325,17 +296,16 @@ def rows_per_program(q_len: int, num_heads: int, config: MLAConfig) -> int:
 
 
 def programs_per_request(num_heads: int, config: MLAConfig) -> int:
-    """Programs along the head axis of a DECODE launch (one query token per request): head blocks times
-    output-column blocks.
+    """Programs along the head axis of a DECODE launch (one query token per request): its head blocks.
 
     >>> programs_per_request(128, MLAConfig(block_h=64))
     2
     >>> programs_per_request(16, MLAConfig(block_h=64))
     1
-    >>> programs_per_request(128, MLAConfig(block_h=64, v_blocks=2))
+    >>> programs_per_request(128, MLAConfig(block_h=32))
     4
     """
-    return triton.cdiv(num_heads, rows_per_program(1, num_heads, config)) * config.v_blocks
+    return triton.cdiv(num_heads, rows_per_program(1, num_heads, config))
 
 
 def merges_splits(max_splits: int, config: MLAConfig) -> bool:
@@ -425,9 +395,8 @@ def mla_attention(
     use_mask = custom_mask is not None and q_len > 1
     qk_scale, cap_scale = score_scales(sm_scale, logit_cap, k_scale)
     block_h = rows_per_program(q_len, hq, config)
-    grid = (bs, triton.cdiv(q_len * hq, block_h) * config.v_blocks, max_splits)
+    grid = (bs, triton.cdiv(q_len * hq, block_h), max_splits)
     dummy = kv_indptr
-    launch = {"maxnreg": config.max_regs} if config.max_regs else {}
     _mla_kernel[grid](
         q,
         kv_buf,
@@ -469,8 +438,6 @@ def mla_attention(
         BLOCK_N=config.block_n,
         RANK=kv_lora_rank,
         BLOCK_R=_pow2(kv_lora_rank),
-        V_BLOCKS=config.v_blocks,
-        BLOCK_V=_pow2(kv_lora_rank) // config.v_blocks,
         ROPE=rope,
         BLOCK_ROPE=_pow2(rope) if rope else 0,
         SPLIT=split,
@@ -483,7 +450,6 @@ def mla_attention(
         LAZY=config.lazy_rescale,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        **launch,
     )
     if split:
         merge_splits(
