@@ -72,10 +72,14 @@ for dt, tdt, d, dv, dpe, mla in (("bf16", torch.bfloat16, 128, 128, 0, False), (
         k = build(de._decode_split_kernel, dt, fp8, f.num_warps, f.num_stages, kv_dt="u8", v_dt="i32")
         ptx = k.asm["ptx"]
         assert "prmt.b32" in ptx and "e4m3x2" not in ptx and "cvt.bf16.f16" not in ptx, "fp8 decode: F2F conversions in the loop"
-        assert "ld.shared.b8" not in ptx and "ld.shared.u8" not in ptx, "fp8 decode: byte-wise shared-memory reads"
         usage = res_usage(k)
         assert " LOCAL:0 " in usage and " STACK:0 " in usage, usage  # spills would live in local memory
         print("fp8 decode", usage, "shared", k.metadata.shared)
+        # V read as int32 words keeps the p.v dot off byte-wise shared-memory reads with 4 warps (the 2-warp
+        # default reads some K bytes one at a time as Triton 3.9 lays it out, and was still the fastest tile
+        # on the H100's Triton 3.6: docs/perf.md)
+        k4 = build(de._decode_split_kernel, dt, fp8, 4, 2, kv_dt="u8", v_dt="i32")
+        assert "ld.shared.b8" not in k4.asm["ptx"] and "ld.shared.u8" not in k4.asm["ptx"], "fp8 decode: byte-wise shared-memory reads"
     build(de._decode_merge_kernel, dt, dict(SPLITS_BLOCK=32, DV=dv, BLOCK_DV=p2(dv), HAS_SINK=True, STORE_LSE=True), 2, 1)
     if not mla:  # the MHA verify kernel on SM90 and SM80 tiles: 4 heads x 8 drafts, and 4 x 16 (the 64-row cap)
         for arch in (90, 80):

@@ -20,15 +20,14 @@ from attn_triton.kernels.verify import VerifyConfig
 
 #: fp8 (e4m3) cache, fp16/bf16 q, head dim <= 128. Why: a key tile is half the bytes of bf16's, and the kernel
 #: turns each byte into fp16 with 1.5 integer ops (`e4m3_as_f16`; V read as int32 words) before the same two
-#: fp16 dots, so what bounds a program is its latency, and what bounds the row is how many programs run at
-#: once. The timed row (bs64 x 4096, GQA 32/8) has 64 x 8 = 512 programs (the split policy gives one split
-#: at that batch on 132 SMs): as compiled for sm_90, 64-key tiles with 4 warps and 2 stages take 106
-#: registers a thread and 39 KiB of shared memory, so 4 programs fit an SM (by registers and by shared
-#: memory) and all 512 run in one wave, 16 warps an SM, as bf16's tile has. 128-key tiles need 73 KiB
-#: (3 an SM: 396 slots, a second wave of 116 programs) or, with 8 warps, 135 registers (1 an SM).
-#: Swept on an H100 (docs/perf.md, "fp8 KV cache decode"): the fastest of seven tiles timed in one run
-#: (`triton_vs_peers.py --only fp8 --fp8-configs`), at 1.02x FlashInfer's fp8 decode.
-FP8_DECODE_CONFIG = DecodeConfig(block_n=64, block_h=16, num_warps=4, num_stages=2)
+#: fp16 dots, so what bounds a program is its latency: the row is bound by the bytes each SM keeps in flight.
+#: H100 sweep (docs/perf.md, "fp8 KV cache decode", 16 tiles in three runs): 64-key tiles with 2 warps and 3
+#: stages were fastest (225-229 us at bs64 x 4096 against 254-256 us for the former 4-warp, 2-stage tile and
+#: 247-250 us for FlashInfer's fp8 decode): as compiled for sm_90 by Triton 3.6, 192 registers and 54 KiB of
+#: shared memory, 4 programs an SM, each with three 64-key K/V tiles in flight per 2 warps; a fourth stage
+#: (70 KiB, 3 programs an SM) or 128-key tiles lose 30-50 %. (Triton 3.9 lays this tile's K out with some
+#: byte-wise shared-memory reads, the 4-warp tile with none; the timings are Triton 3.6's.)
+FP8_DECODE_CONFIG = DecodeConfig(block_n=64, block_h=16, num_warps=2, num_stages=3)
 
 
 @dataclass(frozen=True)
