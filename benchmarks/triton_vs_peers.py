@@ -623,14 +623,9 @@ def _metadata_interleaved(batch_sizes, ctx_len: int, gen: torch.Generator, round
     size in turn, `rounds` rounds of `calls` calls each (GPU idle before each call), so the host's drift
     (clock, other processes) hits every batch size alike; the per-row numbers of `_metadata_row` are
     taken one batch size after another and drift between rows by up to ~10 µs on the lent host."""
-    from attn_triton.backend import TritonAttnBackend
-
     steps = {}
     for bs in batch_sizes:
-        w = make_workload([ctx_len] * bs, [1] * bs, True, gen)
-        backend = TritonAttnBackend(make_context(w))
-        for _ in range(20):
-            backend.init_forward_metadata(w.batch)
+        w, backend = _warm_decode_backend(bs, ctx_len, gen)
         steps[bs] = (backend, w.batch)
     samples = {bs: [] for bs in batch_sizes}
     for _ in range(rounds):
@@ -643,16 +638,25 @@ def _metadata_interleaved(batch_sizes, ctx_len: int, gen: torch.Generator, round
     }
 
 
+def _warm_decode_backend(bs: int, ctx_len: int, gen: torch.Generator):
+    """(workload, attn-triton backend) of a DECODE step of `bs` requests with `ctx_len` keys each, the
+    step's metadata built 20 times first (compiles, scratch sizes)."""
+    from attn_triton.backend import TritonAttnBackend
+
+    w = make_workload([ctx_len] * bs, [1] * bs, True, gen)
+    backend = TritonAttnBackend(make_context(w))
+    for _ in range(20):
+        backend.init_forward_metadata(w.batch)
+    return w, backend
+
+
 def _metadata_row(bs: int, ctx_len: int, n: int, gen: torch.Generator) -> dict:
     import attn_core.ops.kv_indices_triton as kvt
     from attn_core.validation import check_forward_batch
     from attn_triton.backend import TritonAttnBackend
     from attn_triton.metadata import new_kv
 
-    w = make_workload([ctx_len] * bs, [1] * bs, True, gen)
-    backend = TritonAttnBackend(make_context(w))
-    for _ in range(20):
-        backend.init_forward_metadata(w.batch)
+    w, backend = _warm_decode_backend(bs, ctx_len, gen)
     torch.cuda.synchronize()
     samples = _host_us(lambda: backend.init_forward_metadata(w.batch), n)
     torch.cuda.synchronize()
@@ -664,28 +668,19 @@ def _metadata_row(bs: int, ctx_len: int, n: int, gen: torch.Generator) -> dict:
         sync = f"SYNC: {exc!r:.100}"
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    meta = backend.forward_metadata
-    kv = meta.kv
-    launch = _host_us(
-        lambda: kvt.kv_indices_triton(
+    kv = backend.forward_metadata.kv
+
+    def launch_once():  # the step's one index-kernel launch, as the build makes it
+        kvt.kv_indices_triton(
             w.rows.req_to_token, w.batch.req_pool_indices, w.batch.seq_lens, kv.indices, kv_indptr=kv.indptr,
             fault=backend.device_faults.buffer,
-        ),
-        n,
-    )  # fmt: skip
+        )  # fmt: skip
+
+    launch = _host_us(launch_once, n)
     kvt._LAUNCH.pointers_as_ints = False  # the compiled handle given the tensors, as before (one driver call each)
-    launch_tensors = _host_us(
-        lambda: kvt.kv_indices_triton(
-            w.rows.req_to_token, w.batch.req_pool_indices, w.batch.seq_lens, kv.indices, kv_indptr=kv.indptr,
-            fault=backend.device_faults.buffer,
-        ),
-        n,
-    )  # fmt: skip
+    launch_tensors = _host_us(launch_once, n)
     kvt._LAUNCH.pointers_as_ints = True
-    floors = _launch_floors(kvt, lambda: kvt.kv_indices_triton(
-        w.rows.req_to_token, w.batch.req_pool_indices, w.batch.seq_lens, kv.indices, kv_indptr=kv.indptr,
-        fault=backend.device_faults.buffer,
-    ), n)  # fmt: skip
+    floors = _launch_floors(kvt, launch_once, n)
     # the parts of init_forward_metadata: attn-core's batch validation alone, the backend's build alone
     ctx, r2t = backend.ctx, backend.req_to_token(w.batch)
     validation = _host_us(lambda: check_forward_batch(w.batch, r2t, w.pool, ctx), n)
@@ -694,13 +689,7 @@ def _metadata_row(bs: int, ctx_len: int, n: int, gen: torch.Generator) -> dict:
     profile = _metadata_profile(backend, w.batch) if os.environ.get("ATTN_META_PROFILE") else None
     kvt._LAUNCH.off_reason = "benchmark: the normal launcher, for comparison"
     plain = _host_us(lambda: backend.init_forward_metadata(w.batch), n)
-    plain_launch = _host_us(
-        lambda: kvt.kv_indices_triton(
-            w.rows.req_to_token, w.batch.req_pool_indices, w.batch.seq_lens, kv.indices, kv_indptr=kv.indptr,
-            fault=backend.device_faults.buffer,
-        ),
-        n,
-    )  # fmt: skip
+    plain_launch = _host_us(launch_once, n)
     kvt._LAUNCH.off_reason = None
     full = TritonAttnBackend(make_context(w, validation="full"))  # + the device checks: one sync per step
     for _ in range(20):

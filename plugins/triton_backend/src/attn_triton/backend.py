@@ -151,20 +151,19 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
         fill_kv(kv, r2t, b.req_pool_indices, b.seq_lens, fault, kv_start=b.encoder_lens, capacity=b.seq_lens_sum)
         splits = self.decode_splits(bs)
         part_o, part_lse = self._scratch.views(bs, splits.max_splits)
-        if b.encoder_lens is None and self.ctx.attention_chunk_size is None and not b.cascade_prefix_len:
-            if window_pool_of(self.kv_pool(b)) is None:
-                # the common step: everything but the index contents depends on bs alone, so the last
-                # metadata object of this size is handed out again while its scratch views are current
-                meta = self._plain_decode.get(bs)
-                if meta is None or meta.kv is not kv or meta.part_o is not part_o:
-                    meta = self._plain_decode[bs] = DecodeMetadata(kv, None, splits, part_o, part_lse)
-                return meta
+        pool = window_pool_of(self.kv_pool(b))
+        if b.encoder_lens is None and self.ctx.attention_chunk_size is None and not b.cascade_prefix_len and pool is None:
+            # the common step: everything but the index contents depends on bs alone, so the last
+            # metadata object of this size is handed out again while its scratch views are current
+            meta = self._plain_decode.get(bs)
+            if meta is None or meta.kv is not kv or meta.part_o is not part_o:
+                meta = self._plain_decode[bs] = DecodeMetadata(kv, None, splits, part_o, part_lse)
+            return meta
         cross = None
         if b.encoder_lens is not None:
             cross = new_kv(bs, int(b.encoder_lens_cpu.sum()), dev)
             fill_kv(cross, r2t, b.req_pool_indices, b.encoder_lens, fault)
         local_kv = self._local_decode_kv(b, r2t) if self.ctx.attention_chunk_size is not None else None
-        pool = window_pool_of(self.kv_pool(b))
         window_kv = self._window_kv(b, r2t, pool) if pool is not None else None
         return DecodeMetadata(
             kv,
