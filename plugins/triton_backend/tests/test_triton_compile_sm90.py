@@ -62,13 +62,15 @@ for dt, tdt, d, dv, dpe, mla in (("bf16", torch.bfloat16, 128, 128, 0, False), (
                                       STORE_LSE=True, **common), e.num_warps, e.num_stages)
     c = decode_config(d + dpe, dv, tdt, dev, mla)
     no_fp8 = dict(KV_FP8=False, FP8_PTX=False, V_WORDS=False)
-    build(de._decode_split_kernel, dt, dict(GROUP=4, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=c.block_n, **no_fp8, **common),
-          c.num_warps, c.num_stages)
+    for split in (True, False):  # stage 1 of a merged launch, and one split finishing its rows (sink, LSE) itself
+        build(de._decode_split_kernel, dt, dict(GROUP=4, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=c.block_n, SPLIT=split, HAS_SINK=True,
+                                                STORE_LSE=True, **no_fp8, **common), c.num_warps, c.num_stages)  # fmt: skip
     if not mla:  # fp8 (e4m3) cache under bf16 q: the bytes-to-fp16 PTX path with the fp8 tiles, no F2F converts, no spills
         f = decode_config(d, dv, tdt, dev, False, torch.float8_e4m3fn)
         assert f == FP8_DECODE_CONFIG, f
         plain = {**common, "LOGIT_CAP": False, "HAS_WINDOW": False}
-        fp8 = dict(GROUP=4, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=f.block_n, KV_FP8=True, FP8_PTX=True, V_WORDS=True, **plain)
+        fp8 = dict(GROUP=4, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=f.block_n, KV_FP8=True, FP8_PTX=True, V_WORDS=True, SPLIT=False,
+                   HAS_SINK=False, STORE_LSE=False, **plain)  # fmt: skip
         k = build(de._decode_split_kernel, dt, fp8, f.num_warps, f.num_stages, kv_dt="u8", v_dt="i32")
         ptx = k.asm["ptx"]
         assert "prmt.b32" in ptx and "e4m3x2" not in ptx and "cvt.bf16.f16" not in ptx, "fp8 decode: F2F conversions in the loop"
@@ -95,7 +97,8 @@ for dt, tdt, d, dv, dpe, mla in (("bf16", torch.bfloat16, 128, 128, 0, False), (
 # absorbed MLA over an fp8 cache takes the split decode kernel (V shares K's bytes) under bf16 q
 m8 = decode_config(576, 512, torch.bfloat16, dev, True, torch.float8_e4m3fn)
 mla8 = dict(GROUP=16, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=m8.block_n, D=512, BLOCK_D=512, DPE=64, BLOCK_DPE=64, DV=512, BLOCK_DV=512,
-            SHARE_KV=True, LOGIT_CAP=False, HAS_WINDOW=False, DOT_PREC="tf32", KV_FP8=True, FP8_PTX=True, V_WORDS=False)
+            SHARE_KV=True, LOGIT_CAP=False, HAS_WINDOW=False, DOT_PREC="tf32", KV_FP8=True, FP8_PTX=True, V_WORDS=False, SPLIT=True,
+            HAS_SINK=False, STORE_LSE=False)  # fmt: skip
 k = build(de._decode_split_kernel, "bf16", mla8, m8.num_warps, m8.num_stages, kv_dt="u8")
 assert k.metadata.shared <= 227 * 1024, k.metadata.shared
 print("mla fp8 decode shared", k.metadata.shared)

@@ -51,6 +51,47 @@ def test_decode_every_split_count(splits, variant):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("sinks_on", [False, True])
+def test_decode_one_split_launch_equals_merged(dtype, sinks_on):
+    """max_splits 1 runs stage 1 alone (it writes o and the LSE itself); a request of one split inside a
+    launch of max_splits 4 goes through the merge launch. Both must write the same bits (batch
+    invariance: a request's output does not depend on its batch's split grid), and match the oracle."""
+    from attn_triton.kernels.decode import DecodeConfig, decode_attention
+
+    gen = torch.Generator().manual_seed(7 + sinks_on)
+    lens = [1, 23, 40, 64]  # min_split_len 64 below: every request takes one split either way
+    hq, hkv, d = 8, 2, 32
+    k_buf, v_buf, indptr, indices, ks, vs = paged_setup(lens, hkv, d, d, dtype, gen, page_size=16)
+    bs = len(lens)
+    q = torch.randn(bs, hq, d, generator=gen).to(dtype)
+    sinks = torch.randn(hq, generator=gen) if sinks_on else None
+    cfg = DecodeConfig(block_n=16, block_h=16, num_warps=1, num_stages=1)
+    outs = []
+    for max_splits in (1, 4):
+        o = torch.full((bs, hq, d), float("nan"), dtype=dtype)
+        lse = torch.full((bs, hq), float("nan"))
+        part_o = torch.full((bs, hq, 4, d), float("nan"))
+        part_lse = torch.full((bs, hq, 4), float("nan"))
+        fault = torch.zeros(8, dtype=torch.int32)
+        decode_attention(
+            q, k_buf, v_buf, o, indptr, indices, max_splits, 64, part_o, part_lse, fault, sm_scale=0.3, config=cfg, sinks=sinks,
+            lse_out=lse, v_scale=0.5,
+        )  # fmt: skip
+        assert not fault.any()
+        if max_splits == 1:  # the scratch is not touched
+            assert part_o.isnan().all() and part_lse.isnan().all()
+        outs.append((o, lse))
+    (o1, lse1), (o4, lse4) = outs
+    assert torch.equal(o1, o4) and torch.equal(lse1, lse4)
+    for r, n in enumerate(lens):
+        ref_o, ref_lse = reference_attention(
+            q[r : r + 1].double(), ks[r].double(), vs[r].double(), q_positions=torch.tensor([n - 1]), scale=0.3, sinks=sinks
+        )
+        assert relative_error(o1[r : r + 1], 0.5 * ref_o) <= tolerance(dtype), (r, n)
+        assert relative_error(lse1[r : r + 1], ref_lse) <= 1e-5, (r, n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 def test_extend_unaligned_lengths(dtype, page_size):
     """q lengths and prefixes around BLOCK_M/BLOCK_N (16) and page boundaries, zero prefixes included."""

@@ -6,7 +6,9 @@ device, so nothing here syncs with the host), and attends with the block of q he
 head (GQA/MQA: every K/V tile is read once for the whole group). It writes the split's normalized
 partial output and base-2 LSE.
 Stage 2 (grid `[bs, num_q_heads]`) merges the splits by their LSEs, adds the sink, applies v_scale,
-and writes the output (and the natural-log LSE).
+and writes the output (and the natural-log LSE). A launch with max_splits 1 (every request one split:
+the batch alone fills the GPU) has no stage 2: stage 1 finishes its rows with the merge's arithmetic
+for one split (`one_split_result`), bit for bit what stage 2 would write, and writes the output itself.
 
 Splits of request r cover [lo, kv_len) in equal BLOCK_N-aligned chunks, where lo = kv_len - window for
 sliding-window layers; the split layout depends only on the request's own length, and stage 2 sums
@@ -80,8 +82,12 @@ def _decode_split_kernel(
     max_splits,
     PART_O,
     PART_LSE,
+    SINKS,
+    OUT,
+    LSE,
     qk_scale,
     cap_scale,
+    v_scale,
     window,
     num_q_heads,
     stride_qb,
@@ -95,6 +101,9 @@ def _decode_split_kernel(
     stride_ps,
     stride_lb,
     stride_lh,
+    stride_ob,
+    stride_oh,
+    stride_eb,
     GROUP: tl.constexpr,
     HEAD_BLOCKS: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -112,6 +121,9 @@ def _decode_split_kernel(
     KV_FP8: tl.constexpr,
     FP8_PTX: tl.constexpr,
     V_WORDS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    STORE_LSE: tl.constexpr,
 ):
     r = tl.program_id(0)
     hb = tl.program_id(1)
@@ -193,9 +205,40 @@ def _decode_split_kernel(
 
     tl.store(FAULT + FAULT_SLOT + offs_n * 0, 1, mask=bad_slots)  # one address: a flag, no reduction
     out, lse2 = finalize(m_i, l_i, acc)
-    po = PART_O + r.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + s * stride_ps + offs_dv[None, :]
-    tl.store(po, out, mask=h_ok[:, None] & (offs_dv[None, :] < DV))
-    tl.store(PART_LSE + r.to(tl.int64) * stride_lb + heads * stride_lh + s, lse2, mask=h_ok)
+    if SPLIT:
+        po = PART_O + r.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + s * stride_ps + offs_dv[None, :]
+        tl.store(po, out, mask=h_ok[:, None] & (offs_dv[None, :] < DV))
+        tl.store(PART_LSE + r.to(tl.int64) * stride_lb + heads * stride_lh + s, lse2, mask=h_ok)
+    else:
+        sink2 = lse2
+        if HAS_SINK:
+            sink2 = tl.load(SINKS + heads, mask=h_ok, other=0.0) * LOG2E_K
+        out, lse_e = one_split_result(out, lse2, sink2, v_scale, HAS_SINK)
+        o_rows = OUT + r.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :]
+        tl.store(o_rows, out.to(OUT.dtype.element_ty), mask=h_ok[:, None] & (offs_dv[None, :] < DV))
+        if STORE_LSE:
+            tl.store(LSE + r.to(tl.int64) * stride_eb + heads, lse_e, mask=h_ok)
+
+
+@triton.jit
+def one_split_result(out, lse2, sink2, v_scale, HAS_SINK: tl.constexpr):
+    """What `_decode_merge_kernel` computes for a request of one split, per row, in the same operations
+    (so a request's output does not depend on whether its batch ran stage 2: batch invariance):
+    out `[M, DV]` the split's normalized output, lse2 `[M]` its base-2 LSE, sink2 `[M]` the rows' base-2
+    sink logits (read only with HAS_SINK). Returns (the output times v_scale, float32; the natural-log
+    LSE `[M]`). With no sink and a finite lse2 the weight is exp2(0) = 1 and the output out * v_scale."""
+    m = lse2
+    if HAS_SINK:
+        m = tl.maximum(m, sink2)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse2 - m_use)
+    denom = w
+    if HAS_SINK:
+        denom += tl.exp2(sink2 - m_use)
+    ok = denom > 0.0
+    inv = tl.where(ok, v_scale / tl.where(ok, denom, 1.0), 0.0)
+    lse_e = tl.where(ok, (m_use + tl.log2(tl.where(ok, denom, 1.0))) * LN2_K, float("-inf"))
+    return (w[:, None] * out) * inv[:, None], lse_e
 
 
 @triton.jit
@@ -302,7 +345,8 @@ def decode_attention(
     q `[bs, Hq, D]`; k_buf `[slots, Hkv, D]`; v_buf `[slots, Hkv, Dv]` (ignored with `share_kv`, where V
     is the first Dv channels of K: absorbed MLA); o `[bs, Hq, Dv]`; kv_indptr `[bs+1]` int32,
     kv_indices int32 slots; request r takes clamp(ceil(kv_len / min_split_len), 1, max_splits) splits;
-    part_o `[bs, Hq, max_splits, Dv]` and part_lse `[bs, Hq, max_splits]` float32 scratch; fault: the
+    part_o `[bs, Hq, max_splits, Dv]` and part_lse `[bs, Hq, max_splits]` float32 scratch (not written
+    with max_splits 1: one launch then, stage 1 writes `o`); fault: the
     int32 fault buffer (`attn_core.ops.device_faults`); lse_out `[bs, Hq]` float32 natural log.
     The last `d_rope` channels of q/k form a second dot product (MLA's rope part).
     """
@@ -328,6 +372,7 @@ def decode_attention(
     if v_words:
         v = v.view(torch.int32)
     fp32 = q.dtype == torch.float32
+    split = max_splits > 1  # else stage 1 writes o (and lse_out) itself: no merge launch
     _decode_split_kernel[(bs, hkv * hblocks, max_splits)](
         q,
         k_buf,
@@ -341,8 +386,12 @@ def decode_attention(
         max_splits,
         part_o,
         part_lse,
+        sinks if sinks is not None else part_lse,
+        o,
+        lse_out if lse_out is not None else part_lse,
         qk_scale,
         cap_scale,
+        float(v_scale),
         int(window or 0),
         hq,
         q.stride(0),
@@ -356,6 +405,9 @@ def decode_attention(
         part_o.stride(2),
         part_lse.stride(0),
         part_lse.stride(1),
+        o.stride(0),
+        o.stride(1),
+        lse_out.stride(0) if lse_out is not None else 0,
         GROUP=group,
         HEAD_BLOCKS=hblocks,
         BLOCK_H=block_h,
@@ -373,12 +425,16 @@ def decode_attention(
         KV_FP8=kv_fp8,
         FP8_PTX=kv_fp8 and not triton_interpreter_enabled(),
         V_WORDS=v_words,
+        SPLIT=split,
+        HAS_SINK=sinks is not None,
+        STORE_LSE=lse_out is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    merge_splits(
-        part_o, part_lse, kv_indptr, kv_indices.shape[0], max_splits, min_split_len, o, sinks=sinks, lse_out=lse_out, v_scale=v_scale
-    )
+    if split:
+        merge_splits(
+            part_o, part_lse, kv_indptr, kv_indices.shape[0], max_splits, min_split_len, o, sinks=sinks, lse_out=lse_out, v_scale=v_scale
+        )  # fmt: skip
 
 
 def merge_splits(
