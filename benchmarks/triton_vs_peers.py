@@ -35,7 +35,7 @@ copy bandwidth (a plain torch copy of a 2 GiB buffer, bytes read + written per s
 
   python benchmarks/triton_vs_peers.py [--out FILE] [--only decode,extend,verify,mixed,meta,fp8] [--no-torch-native]
       [--decode-configs "64,16,4,3;32,16,4,4"] [--extend-configs "128,64,8,3;128,128,8,3"] [--waves 1,2,4]
-      [--verify-configs "64,128,8,3;64,64,4,3"] [--fp8-configs "128,16,8,2;128,16,8,2,0"]
+      [--verify-configs "64,128,8,3;64,64,4,3"] [--fp8-configs "128,16,8,2;128,16,8,2,0"] [--fp8-waves 1,8]
 
 FlashInfer is used through its own API (BatchDecodeWithPagedKVCacheWrapper with tensor cores,
 BatchPrefillWithPagedKVCacheWrapper, causal), planned once per batch outside the timed region.
@@ -436,8 +436,9 @@ def work_of(kind: str, w: Workload) -> float:
 
 def parse_configs(text: Optional[str], cls):
     """The kernel tile configs of a `--decode-configs` / `--extend-configs` value: items split by ";",
-    each four comma-separated ints passed positionally to `cls` (a fifth, 0 or 1, is DecodeConfig's
-    `fp8_v_words`); `[None]` (the kernel's own choice) when `text` is empty or None.
+    each four comma-separated ints passed positionally to `cls` (a fifth is DecodeConfig's `fp8_v_words`,
+    0 or 1, or ExtendConfig's `lazy_rescale`, 0..8); `[None]` (the kernel's own choice) when `text` is
+    empty or None.
 
     Example: `parse_configs("64,16,4,3;32,16,4,4", DecodeConfig)` →
     `[DecodeConfig(64, 16, 4, 3), DecodeConfig(32, 16, 4, 4)]`; `parse_configs(None, DecodeConfig)` → `[None]`.
@@ -522,11 +523,16 @@ def run_fp8_row(args, gen: torch.Generator, l2: int) -> RowResult:
     of K and V read (1 byte per element)."""
     _, bs, ctx = FP8_ROW
     res = RowResult(f"fp8 {FP8_ROW[0]}", "decode", float(bs * ctx * HKV * D * 2))
+    from attn_triton.config import SplitPolicy
     from attn_triton.kernels.decode import DecodeConfig
 
     impls = [("attn-triton fp8", FP8, triton_impl), ("attn-triton bf16", DTYPE, triton_impl)]
-    for cfg in parse_configs(args.fp8_configs, DecodeConfig) if args.fp8_configs else []:
-        impls.append((f"{FP8_SWEEP_PREFIX}{fp8_config_label(cfg)}", FP8, functools.partial(triton_impl, decode_cfg=cfg)))
+    tiles = parse_configs(args.fp8_configs, DecodeConfig) if args.fp8_configs else []
+    for cfg in ([None] if args.fp8_waves else []) + tiles:
+        for waves in args.fp8_waves or [None]:
+            policy = None if waves is None else SplitPolicy(waves=waves, min_split_len=args.min_split_len)
+            label = ("default" if cfg is None else fp8_config_label(cfg)) + ("" if waves is None else f" waves {waves:g}")
+            impls.append((f"{FP8_SWEEP_PREFIX}{label}", FP8, functools.partial(triton_impl, decode_cfg=cfg, policy=policy)))
     if not args.no_flashinfer:
         impls.append(("flashinfer fp8", FP8, flashinfer_impl))
     for name, kv_dtype, impl in impls:
@@ -869,10 +875,14 @@ def main(argv=None) -> int:
     p.add_argument("--verify-configs", default=None, help='"block_m_max,block_n,warps,stages;..."')
     p.add_argument("--fp8-configs", default=None, help='extra fp8 decode rows: "block_n,block_h,warps,stages;..."')
     p.add_argument("--waves", default=None, help="comma list of split-policy waves to sweep")
+    p.add_argument(
+        "--fp8-waves", default=None, help="comma list of split-policy waves: the fp8 row times the default tile and each --fp8-configs tile at each"
+    )
     p.add_argument("--min-split-len", type=int, default=256)
     p.add_argument("--reps", type=int, default=30)
     args = p.parse_args(argv)
     args.waves = [float(x) for x in args.waves.split(",")] if args.waves else None
+    args.fp8_waves = [float(x) for x in args.fp8_waves.split(",")] if args.fp8_waves else None
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2

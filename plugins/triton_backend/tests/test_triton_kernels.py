@@ -93,8 +93,10 @@ def test_decode_one_split_launch_equals_merged(dtype, sinks_on):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
-def test_extend_unaligned_lengths(dtype, page_size):
-    """q lengths and prefixes around BLOCK_M/BLOCK_N (16) and page boundaries, zero prefixes included."""
+@pytest.mark.parametrize("lazy", [0, 2])
+def test_extend_unaligned_lengths(dtype, page_size, lazy):
+    """q lengths and prefixes around BLOCK_M/BLOCK_N (16) and page boundaries, zero prefixes included;
+    `lazy`: the accumulator rescaled only when a row's max grew by more than 2 (base 2)."""
     from attn_triton.kernels.extend import ExtendConfig, extend_attention
 
     gen = torch.Generator().manual_seed(page_size)
@@ -108,7 +110,7 @@ def test_extend_unaligned_lengths(dtype, page_size):
     T = int(qo[-1])
     q = torch.randn(T, hq, d, generator=gen).to(dtype)
     o = torch.full((T, hq, d), float("nan"), dtype=dtype)
-    cfg = ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+    cfg = ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1, lazy_rescale=lazy)
     fault = torch.zeros(8, dtype=torch.int32)
     extend_attention(q, k_buf, v_buf, o, qo, indptr, indices, max(q_lens), fault, sm_scale=0.3, config=cfg)
     assert not fault.any()

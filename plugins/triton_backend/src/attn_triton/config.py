@@ -125,8 +125,10 @@ def extend_config(head_dim: int, v_head_dim: int, dtype: torch.dtype, device: to
         return ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     if dtype == torch.float32:
         return ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
-    # H200 sweep (docs/perf.md): 128x64 tiles with 4 warps, 3 stages were fastest on the extend rows
-    return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    # H200 sweep (docs/perf.md): 128x64 tiles with 4 warps, 3 stages were fastest on the extend rows;
+    # H100 sweep (docs/perf.md, 2026-11-23): lazy rescaling with slack 4 (2^4 bounds p in the bf16/fp16
+    # P operand) took 1-4 % off every extend row (the 128x128 fp32 accumulator multiply of most tiles)
+    return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, lazy_rescale=4)
 
 
 def mla_config(dtype: torch.dtype, device: torch.device) -> MLAConfig:

@@ -177,6 +177,27 @@ def softmax_step(m_i, l_i, acc, s, s_scale, GUARD: tl.constexpr):
 
 
 @triton.jit
+def lazy_softmax_step(m_i, l_i, acc, s, s_scale, SLACK: tl.constexpr):
+    """`common.softmax_step` with a lazy reference: base-2 logits s * s_scale ([M, N], -inf where
+    masked); the running max m_i moves (every row to its new max, acc and l rescaled) only when some
+    row's tile max exceeds it by more than SLACK; otherwise p = exp2(logit - m_i) <= 2^SLACK against
+    the old reference and acc is left as it is. Rows that have seen only -inf contribute nothing.
+
+    Returns the reference, the denominator, the accumulator and p [M, N]; finalize gives acc / l and
+    the LSE m + log2(l), the same as with the exact max."""
+    m_tile = tl.max(s, 1) * s_scale
+    grow = tl.where(m_tile > m_i, m_tile - m_i, 0.0)  # +inf for a row's first finite tile
+    if tl.max(grow, 0) > SLACK:
+        m_new = tl.maximum(m_i, m_tile)
+        alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha
+        m_i = m_new
+    p = tl.exp2(s * s_scale - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+    return m_i, l_i + tl.sum(p, 1), acc, p
+
+
+@triton.jit
 def add_sink(m_i, l_i, acc, sink2):
     """Join a base-2 sink logit per row to the denominator (it adds nothing to the output)."""
     m_new = tl.maximum(m_i, sink2)
@@ -255,6 +276,7 @@ def attend_tile(
     HAS_WINDOW: tl.constexpr,
     LOGIT_CAP: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    LAZY: tl.constexpr = 0,
 ):
     """Attend one BLOCK_N tile of keys starting at `start` for the rows of `q` [M, D] (and `q_pe`
     [M, DPE], the rope part, when DPE > 0); MASKED applies bounds and visibility.
@@ -265,6 +287,7 @@ def attend_tile(
     m_ok false see nothing in masked tiles. Keys come from the request's CSR entries
     KV_INDICES[kv_beg + n] (slots of `k_head` / `v_head`, one KV head). Shared by the extend kernel
     (rows = tokens of one q head) and the verify kernel (rows = q heads x draft tokens of one KV head).
+    LAZY > 0 rescales the accumulator lazily (`lazy_softmax_step` with that slack), else on every tile.
     Returns (acc, m_i, l_i, bad_slots | the tile's slots outside [0, num_slots))."""
     n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -308,7 +331,10 @@ def attend_tile(
             bits = tl.load(MASK + at, mask=ok & (at >= 0) & (at < mask_size), other=0)
             ok = ok & (bits != 0)
         sc = tl.where(ok, sc, float("-inf"))
-    m_i, l_i, acc, p = softmax_step(m_i, l_i, acc, sc, s_scale, MASKED)
+    if LAZY > 0:
+        m_i, l_i, acc, p = lazy_softmax_step(m_i, l_i, acc, sc, s_scale, LAZY)
+    else:
+        m_i, l_i, acc, p = softmax_step(m_i, l_i, acc, sc, s_scale, MASKED)
     if SHARE_KV:
         v = k
     else:

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attn_core.errors import InvalidArgumentError
 from attn_triton.kernels.common import (
     FAULT_KEY_OFFSETS,
     FAULT_MASK,
@@ -46,12 +47,18 @@ from attn_triton.kernels.common import (
 
 @dataclass(frozen=True)
 class ExtendConfig:
-    """Tile sizes: BLOCK_M queries x BLOCK_N keys per step."""
+    """Tile sizes: BLOCK_M queries x BLOCK_N keys per step. `lazy_rescale`: 0 rescales the accumulator on
+    every key tile; K in 1..8 only when some row's max grew by more than K (base 2; `common.lazy_softmax_step`)."""
 
     block_m: int = 64
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    lazy_rescale: int = 0
+
+    def __post_init__(self):
+        if not 0 <= self.lazy_rescale <= 8:  # p <= 2^8 stays exact enough in the fp16 / bf16 P operand
+            raise InvalidArgumentError("ExtendConfig.lazy_rescale", "0 (always rescale) or a slack of 1..8 (log2 units)", self.lazy_rescale)
 
 
 @triton.jit
@@ -102,6 +109,7 @@ def _extend_kernel(
     HAS_SINK: tl.constexpr,
     STORE_LSE: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    LAZY: tl.constexpr,
 ):
     h = tl.program_id(0)
     mb = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -159,13 +167,13 @@ def _extend_kernel(
         acc, m_i, l_i, bad_slots = attend_tile(
             acc, m_i, l_i, q, q_pe, start, kv_len, q_pos, offs_m, m_ok, k_head, v_head, KV_INDICES, kv_beg, num_slots, FAULT,
             stride_ks, stride_vs, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
-            BLOCK_N, D, BLOCK_D, DPE, BLOCK_DPE, DV, BLOCK_DV, SHARE_KV, False, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC,
+            BLOCK_N, D, BLOCK_D, DPE, BLOCK_DPE, DV, BLOCK_DV, SHARE_KV, False, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC, LAZY,
         )  # fmt: skip
     for start in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i, bad_slots = attend_tile(
             acc, m_i, l_i, q, q_pe, start, kv_len, q_pos, offs_m, m_ok, k_head, v_head, KV_INDICES, kv_beg, num_slots, FAULT,
             stride_ks, stride_vs, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
-            BLOCK_N, D, BLOCK_D, DPE, BLOCK_DPE, DV, BLOCK_DV, SHARE_KV, True, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC,
+            BLOCK_N, D, BLOCK_D, DPE, BLOCK_DPE, DV, BLOCK_DV, SHARE_KV, True, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC, LAZY,
         )  # fmt: skip
 
     tl.store(FAULT + FAULT_SLOT + tl.arange(0, BLOCK_N) * 0, 1, mask=bad_slots)  # one address: a flag, no reduction
@@ -277,6 +285,7 @@ def extend_attention(
         HAS_SINK=sinks is not None,
         STORE_LSE=lse_out is not None,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        LAZY=config.lazy_rescale,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -56,6 +56,7 @@ from attn_triton.kernels.common import (
     LOG2E_K,
     add_sink,
     finalize,
+    lazy_softmax_step,
     load_slots,
     offset_range,
     scale_scores,
@@ -94,27 +95,6 @@ class MLAConfig:
             raise InvalidArgumentError("MLAConfig.ctas_per_sm", "0 (SplitPolicy) or programs per SM >= 1", self.ctas_per_sm)
         if not 0 <= self.lazy_rescale <= 8:  # p <= 2^8 stays exact enough in the fp16 / bf16 P operand
             raise InvalidArgumentError("MLAConfig.lazy_rescale", "0 (always rescale) or a slack of 1..8 (log2 units)", self.lazy_rescale)
-
-
-@triton.jit
-def lazy_softmax_step(m_i, l_i, acc, s, s_scale, SLACK: tl.constexpr):
-    """`common.softmax_step` with a lazy reference: base-2 logits s * s_scale ([M, N], -inf where
-    masked); the running max m_i moves (every row to its new max, acc and l rescaled) only when some
-    row's tile max exceeds it by more than SLACK; otherwise p = exp2(logit - m_i) <= 2^SLACK against
-    the old reference and acc is left as it is. Rows that have seen only -inf contribute nothing.
-
-    Returns the reference, the denominator, the accumulator and p [M, N]; finalize gives acc / l and
-    the LSE m + log2(l), the same as with the exact max."""
-    m_tile = tl.max(s, 1) * s_scale
-    grow = tl.where(m_tile > m_i, m_tile - m_i, 0.0)  # +inf for a row's first finite tile
-    if tl.max(grow, 0) > SLACK:
-        m_new = tl.maximum(m_i, m_tile)
-        alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
-        acc = acc * alpha[:, None]
-        l_i = l_i * alpha
-        m_i = m_new
-    p = tl.exp2(s * s_scale - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
-    return m_i, l_i + tl.sum(p, 1), acc, p
 
 
 @triton.jit
