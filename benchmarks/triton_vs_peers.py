@@ -876,7 +876,9 @@ def main(argv=None) -> int:
     p.add_argument("--fp8-configs", default=None, help='extra fp8 decode rows: "block_n,block_h,warps,stages;..."')
     p.add_argument("--waves", default=None, help="comma list of split-policy waves to sweep")
     p.add_argument(
-        "--fp8-waves", default=None, help="comma list of split-policy waves: the fp8 row times the default tile and each --fp8-configs tile at each"
+        "--fp8-waves",
+        default=None,
+        help="comma list of split-policy waves: the fp8 row times the default tile and each --fp8-configs tile at each",
     )
     p.add_argument("--min-split-len", type=int, default=256)
     p.add_argument("--reps", type=int, default=30)
