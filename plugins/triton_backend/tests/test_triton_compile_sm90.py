@@ -59,7 +59,7 @@ for dt, tdt, d, dv, dpe, mla in (("bf16", torch.bfloat16, 128, 128, 0, False), (
                   HAS_WINDOW=True, DOT_PREC="ieee" if dt == "fp32" else "tf32")
     e = extend_config(d + dpe, dv, tdt, dev, mla)
     build(ex._extend_kernel, dt, dict(GROUP=4, BLOCK_M=e.block_m, BLOCK_N=e.block_n, CAUSAL=False, USE_MASK=True, HAS_SINK=True,
-                                      STORE_LSE=True, LAZY=e.lazy_rescale, SLOT64=False, **common), e.num_warps, e.num_stages)
+                                      STORE_LSE=True, LAZY=e.lazy_rescale, **common), e.num_warps, e.num_stages)
     c = decode_config(d + dpe, dv, tdt, dev, mla)
     no_fp8 = dict(KV_FP8=False, FP8_PTX=False, V_WORDS=False)
     for split in (True, False):  # stage 1 of a merged launch, and one split finishing its rows (sink, LSE) itself

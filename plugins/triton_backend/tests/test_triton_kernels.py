@@ -122,16 +122,6 @@ def test_extend_unaligned_lengths(dtype, page_size, lazy):
         assert relative_error(o[rows], ref_o) <= tolerance(dtype), (p, e)
 
 
-def test_offsets_fit_int32():
-    from attn_triton.kernels.common import offsets_fit_int32
-
-    pool = torch.empty(9, 2, 128)
-    assert offsets_fit_int32(pool, pool[:, :, :64])
-    big = torch.empty(2**22, 8, 128, device="meta")  # 2**32 elements: shape and strides only, no memory
-    assert not offsets_fit_int32(pool, big)
-    assert offsets_fit_int32(torch.empty(0, 8, 128))
-
-
 @triton.jit
 def _e4m3_as_f16_kernel(X, Y, N: tl.constexpr):
     offs = tl.arange(0, N)

@@ -103,13 +103,6 @@ def fp8_unit_scales(k_scale: float, v_scale: float) -> tuple[float, float]:
     return k_scale * E4M3_AS_F16_UNIT, v_scale * E4M3_AS_F16_UNIT
 
 
-def offsets_fit_int32(*tensors: torch.Tensor) -> bool:
-    """Whether every element offset of each tensor (its largest: sum of (size - 1) * stride) is below
-    2**31, so a kernel can form slot * stride + column in int32 without wrapping.
-    Example: a contiguous `[9, 2, 128]` pool → True; a `[2**22, 8, 128]` one (2**32 elements) → False."""
-    return all(sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0) < 2**31 for t in tensors)
-
-
 @triton.jit
 def e4m3_as_f16(x, USE_PTX: tl.constexpr):
     """uint8 tensor of float8_e4m3fn bits → float16 tensor of the same shape holding value / 256, exactly
@@ -284,7 +277,6 @@ def attend_tile(
     LOGIT_CAP: tl.constexpr,
     DOT_PREC: tl.constexpr,
     LAZY: tl.constexpr = 0,
-    SLOT64: tl.constexpr = True,
 ):
     """Attend one BLOCK_N tile of keys starting at `start` for the rows of `q` [M, D] (and `q_pe`
     [M, DPE], the rope part, when DPE > 0); MASKED applies bounds and visibility.
@@ -296,27 +288,19 @@ def attend_tile(
     KV_INDICES[kv_beg + n] (slots of `k_head` / `v_head`, one KV head). Shared by the extend kernel
     (rows = tokens of one q head) and the verify kernel (rows = q heads x draft tokens of one KV head).
     LAZY > 0 rescales the accumulator lazily (`lazy_softmax_step` with that slack), else on every tile.
-    SLOT64 computes slot * stride in int64; False in int32, for K/V buffers whose every element offset
-    fits (`offsets_fit_int32`): fewer registers for the tiles' addresses.
     Returns (acc, m_i, l_i, bad_slots | the tile's slots outside [0, num_slots))."""
     n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     if MASKED:
         n_ok = n < kv_len
-        slot = tl.load(KV_INDICES + kv_beg + n, mask=n_ok, other=0)
-        if SLOT64:
-            slot = slot.to(tl.int64)
+        slot = tl.load(KV_INDICES + kv_beg + n, mask=n_ok, other=0).to(tl.int64)
         slot_ok = (slot >= 0) & (slot < num_slots)
         bad_slots |= n_ok & ~slot_ok
         n_ok = n_ok & slot_ok
-        if not SLOT64:  # int32 offsets: no product of a refused slot is formed, even masked
-            slot = tl.where(slot_ok, slot, 0)
         k = tl.load(k_head + slot[:, None] * stride_ks + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     else:
-        slot = tl.load(KV_INDICES + kv_beg + n)
-        if SLOT64:
-            slot = slot.to(tl.int64)
+        slot = tl.load(KV_INDICES + kv_beg + n).to(tl.int64)
         slot_ok = (slot >= 0) & (slot < num_slots)
         bad_slots |= ~slot_ok
         slot = tl.where(slot_ok, slot, 0)

@@ -41,7 +41,6 @@ from attn_triton.kernels.common import (
     check_query_rows,
     finalize,
     offset_range,
-    offsets_fit_int32,
     score_scales,
 )
 
@@ -111,7 +110,6 @@ def _extend_kernel(
     STORE_LSE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     LAZY: tl.constexpr,
-    SLOT64: tl.constexpr,
 ):
     h = tl.program_id(0)
     mb = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -169,15 +167,13 @@ def _extend_kernel(
         acc, m_i, l_i, bad_slots = attend_tile(
             acc, m_i, l_i, q, q_pe, start, kv_len, q_pos, offs_m, m_ok, k_head, v_head, KV_INDICES, kv_beg, num_slots, FAULT,
             stride_ks, stride_vs, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
-            BLOCK_N, D, BLOCK_D, DPE, BLOCK_DPE, DV, BLOCK_DV, SHARE_KV, False, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC,
-            LAZY, SLOT64,
+            BLOCK_N, D, BLOCK_D, DPE, BLOCK_DPE, DV, BLOCK_DV, SHARE_KV, False, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC, LAZY,
         )  # fmt: skip
     for start in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i, bad_slots = attend_tile(
             acc, m_i, l_i, q, q_pe, start, kv_len, q_pos, offs_m, m_ok, k_head, v_head, KV_INDICES, kv_beg, num_slots, FAULT,
             stride_ks, stride_vs, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
-            BLOCK_N, D, BLOCK_D, DPE, BLOCK_DPE, DV, BLOCK_DV, SHARE_KV, True, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC,
-            LAZY, SLOT64,
+            BLOCK_N, D, BLOCK_D, DPE, BLOCK_DPE, DV, BLOCK_DV, SHARE_KV, True, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC, LAZY,
         )  # fmt: skip
 
     tl.store(FAULT + FAULT_SLOT + tl.arange(0, BLOCK_N) * 0, 1, mask=bad_slots)  # one address: a flag, no reduction
@@ -290,7 +286,6 @@ def extend_attention(
         STORE_LSE=lse_out is not None,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         LAZY=config.lazy_rescale,
-        SLOT64=not offsets_fit_int32(k_buf, v),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
