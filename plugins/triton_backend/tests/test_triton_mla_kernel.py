@@ -61,6 +61,16 @@ VARIANTS = {
 }
 
 
+def _mode_args(q_len: int, bs: int, heads: int, *, max_splits: int, min_split_len: int, scratch_splits: int = 0) -> dict:
+    """`mla_attention`'s mode arguments: DECODE (q_len 1) its split count, minimum split length and split
+    scratch for `scratch_splits` (default max_splits) splits; verify (q_len > 1) the uniform query offsets."""
+    if q_len == 1:
+        n = scratch_splits or max_splits
+        return dict(max_splits=max_splits, min_split_len=min_split_len, part_o=torch.empty(bs, heads, n, RANK),
+                    part_lse=torch.empty(bs, heads, n))  # fmt: skip
+    return dict(q_len=q_len, qo_indptr=torch.arange(0, bs * q_len + 1, q_len, dtype=torch.int32))
+
+
 def _config(kernel: str = "base"):
     from attn_triton.kernels.mla_decode import MLAConfig
 
@@ -192,10 +202,7 @@ def test_mla_bad_indices_raise_the_fault_flag(q_len, kernel):
     q = torch.randn(T, HEADS, WIDTH, generator=gen)
     o = torch.full((T, HEADS, RANK), float("nan"))
     fault = torch.zeros(8, dtype=torch.int32)
-    kw = dict(q_len=q_len, qo_indptr=torch.arange(0, T + 1, q_len, dtype=torch.int32))
-    if q_len == 1:
-        ms = 1 if kernel.endswith("direct") else 2
-        kw = dict(max_splits=ms, min_split_len=1, part_o=torch.empty(bs, HEADS, 2, RANK), part_lse=torch.empty(bs, HEADS, 2))
+    kw = _mode_args(q_len, bs, HEADS, max_splits=1 if kernel.endswith("direct") else 2, min_split_len=1, scratch_splits=2)
     mla_attention(q, pool, o, indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.1, config=_config(kernel), **kw)
     assert fault[int(DeviceFaultKind.SLOT)] == 1 and fault[int(DeviceFaultKind.KEY_OFFSETS)] == 0
     assert torch.isfinite(o).all()
@@ -227,10 +234,7 @@ def test_mla_row_blocks_straddle_tokens(q_len, block_h, kernel):
     o = torch.full((T, hq, RANK), float("nan"))
     lse = torch.full((T, hq), float("nan"))
     fault = torch.zeros(8, dtype=torch.int32)
-    if q_len == 1:
-        kw = dict(max_splits=3, min_split_len=4, part_o=torch.empty(bs, hq, 3, RANK), part_lse=torch.empty(bs, hq, 3))
-    else:
-        kw = dict(q_len=q_len, qo_indptr=torch.arange(0, T + 1, q_len, dtype=torch.int32))
+    kw = _mode_args(q_len, bs, hq, max_splits=3, min_split_len=4)
     cfg = MLAConfig(block_h=block_h, block_n=32 if block_h == 64 else 16, num_warps=1, num_stages=1, **VARIANTS[kernel])
     mla_attention(q, pool, o, indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.2, config=cfg, lse_out=lse, **kw)
     assert not fault.any()
@@ -301,10 +305,7 @@ def test_mla_lazy_rescale_large_logits(kernel, q_len):
     o = torch.full((T, HEADS, RANK), float("nan"), dtype=dtype)
     lse = torch.full((T, HEADS), float("nan"))
     fault = torch.zeros(8, dtype=torch.int32)
-    if q_len == 1:
-        kw = dict(max_splits=2, min_split_len=16, part_o=torch.empty(bs, HEADS, 2, RANK), part_lse=torch.empty(bs, HEADS, 2))
-    else:
-        kw = dict(q_len=q_len, qo_indptr=torch.arange(0, T + 1, q_len, dtype=torch.int32))
+    kw = _mode_args(q_len, bs, HEADS, max_splits=2, min_split_len=16)
     mla_attention(q, pool, o, indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.6, config=_config(kernel), lse_out=lse, **kw)
     assert not fault.any()
     for r, p in enumerate(prefixes):
