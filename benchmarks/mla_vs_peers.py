@@ -184,7 +184,7 @@ def triton_forward(ctx, mode: str, reqs, pool, layer, q, k, **options):
 
 
 #: --mla-tiles options: letter -> MLAConfig field (the value follows the letter)
-TILE_OPTIONS = {"c": "ctas_per_sm", "l": "lazy_rescale"}
+TILE_OPTIONS = {"c": "ctas_per_sm", "l": "lazy_rescale", "g": "wgmma"}
 
 
 def tiles_label(tiles: MLAConfig) -> str:
@@ -200,7 +200,7 @@ def tiles_label(tiles: MLAConfig) -> str:
     base = MLAConfig()
     for letter, field in TILE_OPTIONS.items():
         if getattr(tiles, field) != getattr(base, field):
-            label += f":{letter}{getattr(tiles, field)}"
+            label += f":{letter}{int(getattr(tiles, field))}"
     return label
 
 
@@ -218,8 +218,8 @@ def parse_tiles(text: str) -> list[MLAConfig]:
         fields = {}
         for opt in options:
             if opt[:1] not in TILE_OPTIONS or not opt[1:].isdigit():
-                raise SystemExit(f"--mla-tiles: unknown option {opt!r} in {item!r} (known: cK, lK)")
-            fields[TILE_OPTIONS[opt[0]]] = int(opt[1:])
+                raise SystemExit(f"--mla-tiles: unknown option {opt!r} in {item!r} (known: cK, lK, g1)")
+            fields[TILE_OPTIONS[opt[0]]] = int(opt[1:]) if opt[0] != "g" else bool(int(opt[1:]))
         out.append(MLAConfig(block_h=h, block_n=n, num_warps=w, num_stages=st, **fields))
     return out
 

@@ -181,6 +181,10 @@ def _mla_variants():
         "64x32x8x2:c1:l8": dict(mla_config=MLAConfig(64, 32, 8, 2, ctas_per_sm=1, lazy_rescale=8)),
         "32x64x4x3": dict(mla_config=MLAConfig(32, 64, 4, 3)),
         "32x64x4x3:c2:l8 one split": dict(mla_config=MLAConfig(32, 64, 4, 3, ctas_per_sm=2, lazy_rescale=8), split_policy=one_split),
+        "64x64x8x2:c1:l8:g1": dict(mla_config=MLAConfig(64, 64, 8, 2, ctas_per_sm=1, lazy_rescale=8, wgmma=True)),
+        "64x32x8x3:c1:g1": dict(mla_config=MLAConfig(64, 32, 8, 3, ctas_per_sm=1, wgmma=True)),
+        "64x32x8x4:c1:l8:g1": dict(mla_config=MLAConfig(64, 32, 8, 4, ctas_per_sm=1, lazy_rescale=8, wgmma=True)),
+        "64x64x8x2:l8:g1 splits": dict(mla_config=MLAConfig(64, 64, 8, 2, lazy_rescale=8, wgmma=True)),
     }
 
 
@@ -198,7 +202,7 @@ def test_mla_kernel_variants_on_cuda(case, variant):
     assert_case(factory(**_mla_variants()[variant]), case)
 
 
-@pytest.mark.parametrize("variant", ["64x32x8x2:c1:l8", "32x64x4x3:c2:l8 one split"])
+@pytest.mark.parametrize("variant", ["64x32x8x2:c1:l8", "32x64x4x3:c2:l8 one split", "64x64x8x2:c1:l8:g1", "64x64x8x2:l8:g1 splits", "64x32x8x4:c1:l8:g1"])
 def test_mla_kernel_variants_graph_equals_eager(variant):
     case = AttnCase("DECODE", [(4095, 1), (20, 1), (8000, 1)], dtype="bfloat16", page_size=64, return_lse=True, **MLA128)
     check_graph_matches_eager(factory(**_mla_variants()[variant]), case, pad=3, run_graph=_cuda_graph_run)

@@ -67,6 +67,10 @@ from attn_triton.kernels.decode import check_split_shapes, merge_splits, split_c
 
 #: most query tokens per request the folded kernel takes (speculative verify / draft extend)
 MAX_FOLDED_Q_LEN = 16
+#: rows and warps of a program of the Hopper kernel (`kernels/mla_wgmma.py`): one warpgroup MMA's M, two
+#: warpgroups
+WGMMA_BLOCK_H = 64
+WGMMA_WARPS = 8
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,10 @@ class MLAConfig:
       programs fit an SM; `test_triton_compile_sm90.py` prints both), so it lives here.
     - lazy_rescale: 0 rescales the accumulator on every key tile; K in 1..8 only when a row's max grew
       by more than K in base-2 units (module doc).
+    - wgmma: run the Hopper kernel (`kernels/mla_wgmma.py`, Gluon: warpgroup MMAs with the scores split by
+      keys and the accumulator by columns across two warpgroups) for the launches it takes
+      (`uses_wgmma`); it needs block_h 64 and 8 warps, and num_stages is its ring of latent tiles. Only for
+      GPUs of compute capability 9.x (`attn_triton.config.mla_config_for` sets it there).
     """
 
     block_h: int = 64
@@ -89,12 +97,17 @@ class MLAConfig:
     num_stages: int = 2
     ctas_per_sm: int = 0
     lazy_rescale: int = 0
+    wgmma: bool = False
 
     def __post_init__(self) -> None:
         if self.ctas_per_sm < 0:
             raise InvalidArgumentError("MLAConfig.ctas_per_sm", "0 (SplitPolicy) or programs per SM >= 1", self.ctas_per_sm)
         if not 0 <= self.lazy_rescale <= 8:  # p <= 2^8 stays exact enough in the fp16 / bf16 P operand
             raise InvalidArgumentError("MLAConfig.lazy_rescale", "0 (always rescale) or a slack of 1..8 (log2 units)", self.lazy_rescale)
+        if self.wgmma and (self.block_h, self.num_warps) != (WGMMA_BLOCK_H, WGMMA_WARPS):
+            raise InvalidArgumentError(
+                "MLAConfig.wgmma", f"block_h {WGMMA_BLOCK_H} and num_warps {WGMMA_WARPS}", (self.block_h, self.num_warps)
+            )
 
 
 @triton.jit
@@ -275,6 +288,29 @@ def rows_per_program(q_len: int, num_heads: int, config: MLAConfig) -> int:
     return min(config.block_h, _pow2(q_len * num_heads))
 
 
+def uses_wgmma(config: MLAConfig, dtype: torch.dtype, kv_lora_rank: int, rope: int) -> bool:
+    """Whether a launch runs the Hopper kernel (`kernels/mla_wgmma.py`): the config asks for it and the
+    shapes are its: 16-bit q and latent, kv_lora_rank a power of two of at least 64, rope a power of two in
+    16..256 (the float32 path and other widths keep the portable kernel).
+
+    >>> uses_wgmma(MLAConfig(64, 64, 8, 2, wgmma=True), torch.bfloat16, 512, 64)
+    True
+    >>> uses_wgmma(MLAConfig(64, 64, 8, 2, wgmma=True), torch.float32, 512, 64)
+    False
+    >>> uses_wgmma(MLAConfig(64, 64, 8, 2), torch.bfloat16, 512, 64)
+    False
+    """
+    pow2 = lambda x: x > 0 and x & (x - 1) == 0  # noqa: E731
+    return (
+        config.wgmma
+        and dtype in (torch.bfloat16, torch.float16)
+        and pow2(kv_lora_rank)
+        and kv_lora_rank >= 64
+        and pow2(rope)
+        and 16 <= rope <= 256
+    )
+
+
 def programs_per_request(num_heads: int, config: MLAConfig) -> int:
     """Programs along the head axis of a DECODE launch (one query token per request): its head blocks.
 
@@ -374,10 +410,15 @@ def mla_attention(
         max_splits = 1
     use_mask = custom_mask is not None and q_len > 1
     qk_scale, cap_scale = score_scales(sm_scale, logit_cap, k_scale)
-    block_h = rows_per_program(q_len, hq, config)
+    if uses_wgmma(config, q.dtype, kv_lora_rank, rope):
+        from attn_triton.kernels.mla_wgmma import mla_wgmma_kernel  # Gluon: imported only where it runs
+
+        kernel, block_h, options = mla_wgmma_kernel, WGMMA_BLOCK_H, dict(STAGES=config.num_stages)
+    else:
+        kernel, block_h, options = _mla_kernel, rows_per_program(q_len, hq, config), dict(num_stages=config.num_stages)
     grid = (bs, triton.cdiv(q_len * hq, block_h), max_splits)
     dummy = kv_indptr
-    _mla_kernel[grid](
+    kernel[grid](
         q,
         kv_buf,
         o,
@@ -429,7 +470,7 @@ def mla_attention(
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         LAZY=config.lazy_rescale,
         num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        **options,
     )
     if split:
         merge_splits(
