@@ -169,7 +169,7 @@ def mla_config_for(dtype: torch.dtype, major: int, hip: bool = False) -> MLAConf
         # SM90 (H100 sweep, docs/perf.md): 2 programs of 4 warps per SM, the decode splits for that
         # occupancy (one split, no merge launch, once the batch fills the GPU), the accumulator rescaled
         # only when a row's max grew by more than 8 (base 2)
-        return MLAConfig(block_h=32, block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2, lazy_rescale=8)
+        return MLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1, wgmma=True)
     # SM80/SM89 and other GPUs: mma's M is 16, so 32 rows already use the tensor cores; the 32 x 512
     # accumulator over 4 warps is 128 registers per thread, leaving room for the q block and 2 stages
     # of a 32-row latent tile within Ampere's shared memory

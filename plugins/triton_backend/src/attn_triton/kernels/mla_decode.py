@@ -87,8 +87,8 @@ class MLAConfig:
       by more than K in base-2 units (module doc).
     - wgmma: run the Hopper kernel (`kernels/mla_wgmma.py`, Gluon: warpgroup MMAs with the scores split by
       keys and the accumulator by columns across two warpgroups) for the launches it takes
-      (`uses_wgmma`); it needs block_h 64 and 8 warps, and num_stages is its ring of latent tiles. Only for
-      GPUs of compute capability 9.x (`attn_triton.config.mla_config_for` sets it there).
+      (`uses_wgmma`); it needs block_h 64, 8 warps and num_stages 2 (two latent buffers). Only for GPUs of
+      compute capability 9.x (`attn_triton.config.mla_config_for` sets it there).
     """
 
     block_h: int = 64
@@ -104,9 +104,11 @@ class MLAConfig:
             raise InvalidArgumentError("MLAConfig.ctas_per_sm", "0 (SplitPolicy) or programs per SM >= 1", self.ctas_per_sm)
         if not 0 <= self.lazy_rescale <= 8:  # p <= 2^8 stays exact enough in the fp16 / bf16 P operand
             raise InvalidArgumentError("MLAConfig.lazy_rescale", "0 (always rescale) or a slack of 1..8 (log2 units)", self.lazy_rescale)
-        if self.wgmma and (self.block_h, self.num_warps) != (WGMMA_BLOCK_H, WGMMA_WARPS):
+        if self.wgmma and (self.block_h, self.num_warps, self.num_stages) != (WGMMA_BLOCK_H, WGMMA_WARPS, 2):
             raise InvalidArgumentError(
-                "MLAConfig.wgmma", f"block_h {WGMMA_BLOCK_H} and num_warps {WGMMA_WARPS}", (self.block_h, self.num_warps)
+                "MLAConfig.wgmma",
+                f"block_h {WGMMA_BLOCK_H}, num_warps {WGMMA_WARPS} and num_stages 2 (the Hopper kernel's two latent buffers)",
+                (self.block_h, self.num_warps, self.num_stages),
             )
 
 
@@ -413,10 +415,11 @@ def mla_attention(
     if uses_wgmma(config, q.dtype, kv_lora_rank, rope):
         from attn_triton.kernels.mla_wgmma import mla_wgmma_kernel  # Gluon: imported only where it runs
 
-        kernel, block_h, options = mla_wgmma_kernel, WGMMA_BLOCK_H, dict(STAGES=config.num_stages)
+        block_h = WGMMA_BLOCK_H
+        kernel, grid, options = mla_wgmma_kernel, (triton.cdiv(q_len * hq, block_h), bs, max_splits), {}
     else:
-        kernel, block_h, options = _mla_kernel, rows_per_program(q_len, hq, config), dict(num_stages=config.num_stages)
-    grid = (bs, triton.cdiv(q_len * hq, block_h), max_splits)
+        block_h = rows_per_program(q_len, hq, config)
+        kernel, grid, options = _mla_kernel, (bs, triton.cdiv(q_len * hq, block_h), max_splits), dict(num_stages=config.num_stages)
     dummy = kv_indptr
     kernel[grid](
         q,

@@ -12,8 +12,11 @@ best, which Triton's automatic layouts do not reach for this shape:
   (Triton's own layout for a dot that feeds another dot puts both warpgroups on the full tile, so every
   score is computed twice). The row max and sum cross the two warpgroups through shared memory.
 - q (`[64, 512]` + `[64, 64]`), the latent tiles and p live in shared memory, the A and B operands of
-  `warpgroup_mma`; latent tiles arrive by `cp.async` gathers (one slot per key row, any page size) in a
-  ring of STAGES buffers, the tile j + STAGES - 1 in flight while tile j is computed.
+  `warpgroup_mma`; latent tiles arrive by `cp.async` gathers (one slot per key row, any page size) in two
+  buffers, tile j + 1 in flight while tile j is computed (at BLOCK_N 64 these fill Hopper's 227 KB).
+- Grid `[row blocks, bs, splits]`: the row blocks of one request are neighbours in launch order, so they
+  run together and read its latent rows from L2 once (with the request first, a batch of more than one
+  wave read every row from DRAM once per row block).
 
 Per key tile (buffer b):
 
@@ -31,7 +34,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from attn_triton.kernels.common import FAULT_KEY_OFFSETS, FAULT_MASK, FAULT_QUERY_ROWS, FAULT_SLOT, LN2_K, LOG2E_K
 
@@ -187,13 +190,10 @@ def mla_wgmma_kernel(
     STORE_LSE: gl.constexpr,
     DOT_PREC: gl.constexpr,
     LAZY: gl.constexpr,
-    STAGES: gl.constexpr,
 ):
     gl.static_assert(BLOCK_H == 64, "one warpgroup MMA row block")
     gl.static_assert(BLOCK_R == RANK, "kv_lora_rank a power of two")
     gl.static_assert(BLOCK_ROPE == ROPE, "rope a power of two")
-    PIPE: gl.constexpr = STAGES >= 3  # scores of the next tile overlap this tile's softmax and output MMA
-    P_BUFS: gl.constexpr = 2 if PIPE else 1
     dtype: gl.constexpr = KV.dtype.element_ty
     # scores: keys split across the two warpgroups; output: columns split across them
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16])
@@ -209,8 +209,8 @@ def mla_wgmma_kernel(
     QR_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], dtype)
     P_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype)
 
-    r = gl.program_id(0)
-    hb = gl.program_id(1)
+    hb = gl.program_id(0)  # the row blocks of a request run side by side and share its latent rows in L2
+    r = gl.program_id(1)
     s = gl.program_id(2)
     first = (hb == 0) & (s == 0)
     kv_beg, kv_len, kv_clamped = _csr_range(KV_INDPTR, r, num_indices)
@@ -259,9 +259,9 @@ def mla_wgmma_kernel(
         cr = gl.arange(0, ROPE, layout=gl.SliceLayout(0, ROPE_LOAD))
         q_rope = gl.load(qr_rows[:, None] + cr[None, :], mask=qr_ok[:, None], other=0.0)
         qr_s = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], QR_SMEM, q_rope)
-        nope_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, RANK], NOPE_SMEM)
-        rope_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE], ROPE_SMEM)
-        p_s = gl.allocate_shared_memory(dtype, [P_BUFS, BLOCK_H, BLOCK_N], P_SMEM)
+        nope_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, RANK], NOPE_SMEM)
+        rope_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], ROPE_SMEM)
+        p_s = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], P_SMEM)
 
         # rows of this program in the score layout: (token t, head h) pairs
         offs_m = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_S)
@@ -271,87 +271,50 @@ def mla_wgmma_kernel(
         q_pos = kv_len - q_len + t
 
         n_tiles = gl.cdiv(s_hi - s_lo, BLOCK_N)
-        for i in gl.static_range(STAGES - 1):
-            if i < n_tiles:
-                slot_n = _tile_slots(KV_INDICES, kv_beg, s_lo + i * BLOCK_N, s_hi, BLOCK_N, NOPE_LOAD)
-                slot_r = _tile_slots(KV_INDICES, kv_beg, s_lo + i * BLOCK_N, s_hi, BLOCK_N, ROPE_LOAD)
-                _issue_tile(KV, slot_n, slot_r, num_slots, stride_ks, nope_s.index(i), rope_s.index(i), RANK, ROPE, NOPE_LOAD, ROPE_LOAD)
-            async_copy.commit_group()
+        if n_tiles > 0:
+            slot_n = _tile_slots(KV_INDICES, kv_beg, s_lo, s_hi, BLOCK_N, NOPE_LOAD)
+            slot_r = _tile_slots(KV_INDICES, kv_beg, s_lo, s_hi, BLOCK_N, ROPE_LOAD)
+            _issue_tile(KV, slot_n, slot_r, num_slots, stride_ks, nope_s.index(0), rope_s.index(0), RANK, ROPE, NOPE_LOAD, ROPE_LOAD)
+        async_copy.commit_group()
 
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, ROW_S)
         l_acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L)
         zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L)
         acc = gl.zeros([BLOCK_H, RANK], gl.float32, O_L)
-        if PIPE:
-            acc = warpgroup_mma_init(acc)
         bad = gl.zeros([BLOCK_N], gl.int1, COL_S)
         if LOGIT_CAP:
             s_scale = 1.0
         else:
             s_scale = qk_scale
-        if PIPE:
-            # S of tile 0 first; then each step starts S of tile j + 1 before the softmax of tile j, and the
-            # output MMA of tile j runs while the step waits for it
-            async_copy.wait_group(STAGES - 2)
-            fence_async_shared()
-            _cta_barrier()
-            qk = warpgroup_mma_wait(0, deps=[_qk(qn_s, qr_s, nope_s.index(0), rope_s.index(0), zero)])
         for j in range(n_tiles):
-            b = j % STAGES
+            b = j % 2
             n = s_lo + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=COL_S)
             slot = gl.load(KV_INDICES + kv_beg + n, mask=n < s_hi, other=0)
             n_ok = n < s_hi
             slot_ok = (slot >= 0) & (slot < num_slots)
             bad = bad | (n_ok & ~slot_ok)
             n_ok = n_ok & slot_ok
-            nxt = j + STAGES - 1  # the tile whose loads this step starts, into the buffer of tile j - 1
-            slot_n = _tile_slots(KV_INDICES, kv_beg, s_lo + nxt * BLOCK_N, s_hi, BLOCK_N, NOPE_LOAD)
-            slot_r = _tile_slots(KV_INDICES, kv_beg, s_lo + nxt * BLOCK_N, s_hi, BLOCK_N, ROPE_LOAD)
-            has_next = j + 1 < n_tiles
-            if PIPE:
-                if has_next:  # tile j + 1 has landed (this thread's copies, then everyone's)
-                    async_copy.wait_group(STAGES - 3)
-                    fence_async_shared()
-                    _cta_barrier()
-                    qk_next = _qk(qn_s, qr_s, nope_s.index((j + 1) % STAGES), rope_s.index((j + 1) % STAGES), zero)
-                else:
-                    qk_next = warpgroup_mma_init(zero)
-            else:  # tile j has landed; the synchronous output MMA of tile j - 1 left its buffer free
-                async_copy.wait_group(STAGES - 2)
-                fence_async_shared()
-                _cta_barrier()
-                if nxt < n_tiles:
-                    _issue_tile(KV, slot_n, slot_r, num_slots, stride_ks, nope_s.index(nxt % STAGES), rope_s.index(nxt % STAGES), RANK,
-                                ROPE, NOPE_LOAD, ROPE_LOAD)  # fmt: skip
-                async_copy.commit_group()
-                qk = warpgroup_mma_wait(0, deps=[_qk(qn_s, qr_s, nope_s.index(b), rope_s.index(b), zero)])
+            # slots of tile j + 1, whose loads this step starts into the other buffer
+            slot_n = _tile_slots(KV_INDICES, kv_beg, s_lo + (j + 1) * BLOCK_N, s_hi, BLOCK_N, NOPE_LOAD)
+            slot_r = _tile_slots(KV_INDICES, kv_beg, s_lo + (j + 1) * BLOCK_N, s_hi, BLOCK_N, ROPE_LOAD)
+            async_copy.wait_group(0)  # tile j has landed (this thread's copies, then everyone's)
+            fence_async_shared()
+            _cta_barrier()
+            qk = _qk(qn_s, qr_s, nope_s.index(b), rope_s.index(b), zero)
+            if j + 1 < n_tiles:
+                _issue_tile(KV, slot_n, slot_r, num_slots, stride_ks, nope_s.index(1 - b), rope_s.index(1 - b), RANK, ROPE, NOPE_LOAD,
+                            ROPE_LOAD)  # fmt: skip
+            async_copy.commit_group()
+            qk = warpgroup_mma_wait(0, deps=[qk])
             sc = _masked_scores(qk, n, n_ok, t, row_ok, q_pos, mask_beg, kv_len, MASK, mask_size, qk_scale, cap_scale, window,
                                 Q_LEN, USE_MASK, HAS_WINDOW, LOGIT_CAP)  # fmt: skip
             m_i, l_acc, p, alpha, moved = _softmax_tile(sc, m_i, l_acc, s_scale, LAZY)
-            if PIPE:
-                if has_next:
-                    o = warpgroup_mma_wait(1, deps=[acc])  # the output MMA of tile j - 1 (S of j + 1 may run on)
-                else:
-                    o = warpgroup_mma_wait(0, deps=[acc])
-            else:
-                o = acc
             if moved:
-                o = o * gl.convert_layout(alpha, ROW_O)[:, None]
-            p_buf = p_s.index(j % P_BUFS)  # pipelined: two, the last reader of this one (output MMA of tile j - 2) is done
-            p_buf.store(p.to(dtype))
+                acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
+            p_s.store(p.to(dtype))
             fence_async_shared()
-            _cta_barrier()  # p of both warpgroups stored; every output MMA of tile j - 1 done: its buffer is free
-            if PIPE:
-                if nxt < n_tiles:
-                    _issue_tile(KV, slot_n, slot_r, num_slots, stride_ks, nope_s.index(nxt % STAGES), rope_s.index(nxt % STAGES), RANK,
-                                ROPE, NOPE_LOAD, ROPE_LOAD)  # fmt: skip
-                async_copy.commit_group()
-                acc = warpgroup_mma(p_buf, nope_s.index(b), o, is_async=True)
-                qk = warpgroup_mma_wait(1, deps=[qk_next])
-            else:
-                acc = warpgroup_mma_wait(0, deps=[warpgroup_mma(p_buf, nope_s.index(b), o, is_async=True)])
-        if PIPE:
-            acc = warpgroup_mma_wait(0, deps=[acc])
+            _cta_barrier()  # p of both warpgroups stored
+            acc = warpgroup_mma_wait(0, deps=[warpgroup_mma(p_s, nope_s.index(b), acc, is_async=True)])
         async_copy.wait_group(0)
         l_i = gl.sum(l_acc, 1)
 
