@@ -34,13 +34,13 @@ def types_for(fn, dt, kv_dt=None, v_dt=None):
         else: t[n] = "i32"
     return t
 
-def build(fn, dt, consts, cfg_warps, cfg_stages, arch=90, kv_dt=None, v_dt=None):
+def build(fn, dt, consts, cfg_warps, cfg_stages, arch=90, kv_dt=None, v_dt=None, source=ASTSource):
     types = types_for(fn, dt, kv_dt, v_dt)
     sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
     runtime = [i for i, n in enumerate(fn.arg_names) if n not in consts and (types[n][0] == "*" or n.startswith("stride"))]
     attrs = {(i,): [["tt.divisibility", 16]] for i in runtime}
-    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-    options = {"num_warps": cfg_warps, "num_stages": cfg_stages}
+    src = source(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    options = {"num_warps": cfg_warps} if cfg_stages is None else {"num_warps": cfg_warps, "num_stages": cfg_stages}
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     assert k.asm["cubin"], fn
     return k
@@ -102,26 +102,31 @@ mla8 = dict(GROUP=16, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=m8.block_n, D=512, BLOC
 k = build(de._decode_split_kernel, "bf16", mla8, m8.num_warps, m8.num_stages, kv_dt="u8")
 assert k.metadata.shared <= 227 * 1024, k.metadata.shared
 print("mla fp8 decode shared", k.metadata.shared)
-# the MLA kernel at DeepSeek's 512 + 64 with each architecture's tiles: decode (split) and verify (tree mask)
+# the MLA kernels at DeepSeek's 512 + 64 with each architecture's tiles: decode (split) and verify (tree mask); on SM90 in
+# 16-bit the Hopper kernel (Gluon, kernels/mla_wgmma.py), elsewhere the portable one
+def build_mla(m, dt, q_len, split, arch):
+    consts = dict(Q_LEN=q_len, BLOCK_H=m.block_h, BLOCK_N=m.block_n, RANK=512, BLOCK_R=512, ROPE=64, BLOCK_ROPE=64, SPLIT=split,
+                  USE_MASK=not split, HAS_WINDOW=True, LOGIT_CAP=True, HAS_SINK=not split, STORE_LSE=not split,
+                  DOT_PREC="ieee" if dt == "fp32" else "tf32", LAZY=m.lazy_rescale)  # fmt: skip
+    if ml.uses_wgmma(m, torch.float32 if dt == "fp32" else torch.bfloat16, 512, 64):
+        from triton.experimental.gluon._runtime import GluonASTSource
+        from attn_triton.kernels.mla_wgmma import mla_wgmma_kernel
+        return build(mla_wgmma_kernel, dt, consts, m.num_warps, None, arch, source=GluonASTSource)
+    return build(ml._mla_kernel, dt, consts, m.num_warps, m.num_stages, arch)
+
 for arch, dt, tdt in ((90, "bf16", torch.bfloat16), (80, "bf16", torch.bfloat16), (90, "fp32", torch.float32)):
     m = mla_config_for(tdt, arch // 10)
-    mla = dict(BLOCK_N=m.block_n, RANK=512, BLOCK_R=512, ROPE=64, BLOCK_ROPE=64, HAS_WINDOW=True, LOGIT_CAP=True,
-               DOT_PREC="ieee" if dt == "fp32" else "tf32", LAZY=m.lazy_rescale)
     smem = {90: 227 * 1024, 80: 163 * 1024}[arch]  # per-block shared memory of H100/H200 and A100
     for split, q_len in ((True, 1), (False, 4)):
-        k = build(ml._mla_kernel, dt, dict(Q_LEN=q_len, BLOCK_H=m.block_h, SPLIT=split, USE_MASK=not split, HAS_SINK=not split,
-                                           STORE_LSE=not split, **mla), m.num_warps, m.num_stages, arch)
+        k = build_mla(m, dt, q_len, split, arch)
         assert k.metadata.shared <= smem, (arch, dt, split, k.metadata.shared)
         print("mla", arch, dt, "split" if split else "verify", "shared", k.metadata.shared)
-# the SM90 default and the former 64-row default (benchmarks/mla_vs_peers.py --mla-tiles spelling) on sm_90: registers,
-# spills (STACK) and shared memory printed for the occupancy reasoning of docs/perf.md; the default's 2 programs per SM
-# (MLAConfig.ctas_per_sm) need 2 x its shared memory within the SM's 228 KiB
-for label, m in (("32x64x4x3:c2:l8 (default)", mla_config_for(torch.bfloat16, 9)), ("64x32x8x2", ml.MLAConfig(64, 32, 8, 2))):
-    mla = dict(BLOCK_N=m.block_n, RANK=512, BLOCK_R=512, ROPE=64, BLOCK_ROPE=64, HAS_WINDOW=True, LOGIT_CAP=True, DOT_PREC="tf32",
-               LAZY=m.lazy_rescale)
+# the SM90 default (the Hopper kernel) and the former default on the portable kernel (benchmarks/mla_vs_peers.py
+# --mla-tiles spelling) on sm_90: registers, spills (STACK) and shared memory printed for the occupancy reasoning of
+# docs/perf.md; MLAConfig.ctas_per_sm programs per SM need that many times the shared memory within the SM's 228 KiB
+for label, m in (("64x64x8x2:c1:g1 (default)", mla_config_for(torch.bfloat16, 9)), ("32x64x4x3:c2:l8", ml.MLAConfig(32, 64, 4, 3, 2, 8))):
     for split, q_len in ((True, 1), (False, 4)):
-        k = build(ml._mla_kernel, "bf16", dict(Q_LEN=q_len, BLOCK_H=m.block_h, SPLIT=split, USE_MASK=not split, HAS_SINK=not split,
-                                               STORE_LSE=not split, **mla), m.num_warps, m.num_stages, 90)
+        k = build_mla(m, "bf16", q_len, split, 90)
         assert max(1, m.ctas_per_sm) * (k.metadata.shared + 1024) <= 228 * 1024, (label, split, k.metadata.shared)  # 1 KiB a block: CUDA
         print("mla variant", label, "split" if split else "verify", res_usage(k), "shared", k.metadata.shared)
 print("compiled")

@@ -15,7 +15,7 @@ import torch
 from attn_core.memory.fp8 import is_fp8
 from attn_triton.kernels.decode import DecodeConfig
 from attn_triton.kernels.extend import ExtendConfig
-from attn_triton.kernels.mla_decode import MLAConfig
+from attn_triton.kernels.mla_decode import MLAConfig, gluon_hopper_available
 from attn_triton.kernels.verify import VerifyConfig
 
 #: fp8 (e4m3) cache, fp16/bf16 q, head dim <= 128. Why: a key tile is half the bytes of bf16's, and the kernel
@@ -144,32 +144,37 @@ def mla_config_for(dtype: torch.dtype, major: int, hip: bool = False) -> MLAConf
 
     Why these shapes: the q heads (and, in verify, the draft tokens) go on the M dimension of the
     dots, so every latent tile loaded is reused by all BLOCK_H rows. The bound is the register file: a
-    program keeps a float32 accumulator of BLOCK_H x kv_lora_rank (32 x 512 = 64 KiB) plus the q block
-    (nope 512 + rope 64 channels) as a dot operand, and the pipeline stages of BLOCK_N x 576 latent
-    tiles (64 x 576 bf16 = 72 KiB) take the shared memory.
+    program keeps a float32 accumulator of BLOCK_H x kv_lora_rank (64 x 512 = 128 KiB), and the q block
+    (nope 512 + rope 64 channels) and the BLOCK_N x 576 latent tiles (64 x 576 bf16 = 72 KiB) take the
+    shared memory.
 
-    SM90 was swept on an H100 (docs/perf.md, "MLA kernel variants"; `benchmarks/mla_vs_peers.py
-    --mla-tiles`, CUDA graphs, attn-triton over FlashInfer's MLA run at 128 heads, 512 + 64, bf16):
-    32 rows x 64 keys, 4 warps, 3 stages with wave-aware splits for 2 programs per SM and lazy
-    rescaling (slack 8) was fastest at bs64 x 4096 (2.82 against 4.02 for the former 64 x 32 x 8 warps
-    x 2 stages), bs128 x 2048 (2.95 against 3.43) and verify with 4 drafts (2.96 against 3.24), and
-    1.38 against 1.74 at bs1 x 8192 (32 x 64 x 8 warps x 2 stages took 1.18 there but 4.4 at bs64).
-    As compiled for sm_90 a program of these tiles takes 4 warps and about 113 KB of shared memory,
-    so 2 run per SM where the 64-row, 8-warp tile (144 KB) ran 1. The other GPUs' tiles are reasoned,
-    not swept.
+    SM90 in 16 bits runs the Hopper kernel (`kernels/mla_wgmma.py`, Gluon): 64 rows x 64 keys, two
+    warpgroups splitting the accumulator by columns (128 registers a thread, no spills) and the scores
+    by keys, q / latent / p operands in shared memory (225 KiB: 1 program per SM, hence the wave-aware
+    splits for 1 program per SM). On an H100 (docs/perf.md, "The Hopper MLA kernel"; CUDA graphs,
+    attn-triton over FlashInfer's MLA run at 128 heads, 512 + 64, bf16, page 64) it took 1.01 / 1.72 /
+    1.61 / 1.55 x at bs1 x 8192 / bs64 x 4096 / bs128 x 2048 / verify with 4 drafts, where the portable
+    kernel's best tiles (32 x 64 keys, 4 warps, 3 stages, 2 programs per SM, lazy rescaling) took
+    1.35 / 2.81 / 2.90 / 2.96: Triton's own layouts put those 32 rows on Ampere-style MMAs with q in
+    registers (255 registers and spills), and at 64 rows computed every score in both warpgroups.
+    float32, other GPUs and Triton < 3.6 (no Gluon Hopper API) use the portable kernel; other GPUs' tiles
+    are reasoned, not swept.
 
     >>> mla_config_for(torch.bfloat16, 9)
-    MLAConfig(block_h=32, block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2, lazy_rescale=8)
+    MLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1, lazy_rescale=0, wgmma=True)
     >>> mla_config_for(torch.bfloat16, 8).block_h
     32
     """
     if dtype == torch.float32:  # twice the bytes per tile, no bf16/fp16 tensor-core path: smaller tiles
         return MLAConfig(block_h=32, block_n=16, num_warps=4, num_stages=2)
     if major == 9 and not hip:
-        # SM90 (H100 sweep, docs/perf.md): 2 programs of 4 warps per SM, the decode splits for that
-        # occupancy (one split, no merge launch, once the batch fills the GPU), the accumulator rescaled
-        # only when a row's max grew by more than 8 (base 2)
-        return MLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1, wgmma=True)
+        # SM90: the Hopper kernel, 1 program of 8 warps per SM and the decode splits for that occupancy
+        # (one split, no merge launch, once the batch fills the GPU); lazy rescaling made it slower (spills)
+        if gluon_hopper_available():
+            return MLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1, wgmma=True)
+        # Triton < 3.6: the portable kernel's best tiles of the H100 sweep (2 programs of 4 warps per SM,
+        # lazy rescaling with slack 8)
+        return MLAConfig(block_h=32, block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2, lazy_rescale=8)
     # SM80/SM89 and other GPUs: mma's M is 16, so 32 rows already use the tensor cores; the 32 x 512
     # accumulator over 4 warps is 128 registers per thread, leaving room for the q block and 2 stages
     # of a 32-row latent tile within Ampere's shared memory

@@ -39,6 +39,7 @@ stored inside the key loop.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Optional
 
@@ -67,6 +68,19 @@ from attn_triton.kernels.decode import check_split_shapes, merge_splits, split_c
 
 #: most query tokens per request the folded kernel takes (speculative verify / draft extend)
 MAX_FOLDED_Q_LEN = 16
+
+
+def gluon_hopper_available(version: str = triton.__version__) -> bool:
+    """Whether this Triton has the Gluon Hopper API that `kernels/mla_wgmma.py` is written against
+    (Triton >= 3.6; `mla_config_for` picks the portable kernel's tiles otherwise).
+
+    >>> gluon_hopper_available("3.5.1"), gluon_hopper_available("3.6.0")
+    (False, True)
+    """
+    major, minor = (int("".join(c for c in x if c.isdigit()) or 0) for x in version.split(".")[:2])
+    return (major, minor) >= (3, 6) and importlib.util.find_spec("triton.experimental.gluon") is not None
+
+
 #: rows and warps of a program of the Hopper kernel (`kernels/mla_wgmma.py`): one warpgroup MMA's M, two
 #: warpgroups
 WGMMA_BLOCK_H = 64

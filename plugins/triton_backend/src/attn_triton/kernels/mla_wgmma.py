@@ -43,6 +43,7 @@ from attn_triton.kernels.common import FAULT_KEY_OFFSETS, FAULT_MASK, FAULT_QUER
 _gather_to_shared = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
+
 @gluon.jit
 def _csr_range(INDPTR, r, size):
     """`common.offset_range` in Gluon: (begin, length, clamped) of CSR entry r, clamped into [0, size]."""
