@@ -56,10 +56,10 @@ def _csr_range(INDPTR, r, size):
 
 @gluon.jit
 def _tile_slots(KV_INDICES, kv_beg, start, s_hi, BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr):
-    """Slots (int64) of keys [start, start + BLOCK_N) in the row layout of LAYOUT's tiles; -1 for keys
-    at or past s_hi."""
+    """Slots (int32, as stored) of keys [start, start + BLOCK_N) in the row layout of LAYOUT's tiles; -1
+    for keys at or past s_hi."""
     n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAYOUT))
-    return gl.load(KV_INDICES + kv_beg + n, mask=n < s_hi, other=-1).to(gl.int64)
+    return gl.load(KV_INDICES + kv_beg + n, mask=n < s_hi, other=-1)
 
 
 @gluon.jit
@@ -81,10 +81,10 @@ def _issue_tile(
     read: its row is zero-filled)."""
     ok = (slot_n >= 0) & (slot_n < num_slots)
     cols = gl.arange(0, RANK, layout=gl.SliceLayout(0, NOPE_LOAD))
-    _gather_to_shared(nope_buf, KV + (slot_n * stride_ks)[:, None] + cols[None, :], mask=ok[:, None])
+    _gather_to_shared(nope_buf, KV + (slot_n.to(gl.int64) * stride_ks)[:, None] + cols[None, :], mask=ok[:, None])
     ok_r = (slot_r >= 0) & (slot_r < num_slots)
     cols_r = RANK + gl.arange(0, ROPE, layout=gl.SliceLayout(0, ROPE_LOAD))
-    _gather_to_shared(rope_buf, KV + (slot_r * stride_ks)[:, None] + cols_r[None, :], mask=ok_r[:, None])
+    _gather_to_shared(rope_buf, KV + (slot_r.to(gl.int64) * stride_ks)[:, None] + cols_r[None, :], mask=ok_r[:, None])
 
 
 @gluon.jit
