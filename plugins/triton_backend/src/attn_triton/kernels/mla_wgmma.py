@@ -10,7 +10,8 @@ best, which Triton's automatic layouts do not reach for this shape:
   spills.
 - Scores `[64, BLOCK_N]` are split by keys: warpgroup w computes keys [w BLOCK_N / 2, ...) of the tile
   (Triton's own layout for a dot that feeds another dot puts both warpgroups on the full tile, so every
-  score is computed twice). The row max and sum cross the two warpgroups through shared memory.
+  score is computed twice). The row max crosses the two warpgroups through shared memory; row sums are
+  kept per score column and summed once after the last tile.
 - q (`[64, 512]` + `[64, 64]`), the latent tiles and p live in shared memory, the A and B operands of
   `warpgroup_mma`; latent tiles arrive by `cp.async` gathers (one slot per key row, any page size) in two
   buffers, tile j + 1 in flight while tile j is computed (at BLOCK_N 64 these fill Hopper's 227 KB).
@@ -36,22 +37,22 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from attn_triton.kernels.common import FAULT_KEY_OFFSETS, FAULT_MASK, FAULT_QUERY_ROWS, FAULT_SLOT, LN2_K, LOG2E_K
+from attn_triton.kernels.common import (
+    FAULT_KEY_OFFSETS,
+    FAULT_MASK,
+    FAULT_QUERY_ROWS,
+    FAULT_SLOT,
+    LN2_K,
+    LOG2E_K,
+    offset_range,
+    scale_scores,
+)
+from attn_triton.kernels.decode import split_count
 
 # Gluon's names moved between Triton releases (3.6: async_copy_global_to_shared / thread_barrier; 3.9:
 # async_load / barrier); the same builtins under either name
 _gather_to_shared = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-
-
-@gluon.jit
-def _csr_range(INDPTR, r, size):
-    """`common.offset_range` in Gluon: (begin, length, clamped) of CSR entry r, clamped into [0, size]."""
-    beg_in = gl.load(INDPTR + r)
-    end_in = gl.load(INDPTR + r + 1)
-    beg = gl.minimum(gl.maximum(beg_in, 0), size)
-    end = gl.minimum(gl.maximum(end_in, beg), size)
-    return beg, end - beg, (beg != beg_in) | (end != end_in)
 
 
 @gluon.jit
@@ -102,8 +103,7 @@ def _masked_scores(
     """Scores of one tile `[BLOCK_H, BLOCK_N]` (logit cap applied), -inf where a key is out of the tile's
     range or pool, past the row's causal limit, outside its window, or off in its tree mask."""
     if LOGIT_CAP:
-        x = qk * qk_scale
-        sc = (1.0 - 2.0 / (gl.exp(2.0 * x) + 1.0)) * cap_scale
+        sc = scale_scores(qk, qk_scale, cap_scale, LOGIT_CAP)
     else:
         sc = qk
     ok = n_ok[None, :] & row_ok[:, None]
@@ -214,12 +214,12 @@ def mla_wgmma_kernel(
     r = gl.program_id(1)
     s = gl.program_id(2)
     first = (hb == 0) & (s == 0)
-    kv_beg, kv_len, kv_clamped = _csr_range(KV_INDPTR, r, num_indices)
+    kv_beg, kv_len, kv_clamped = offset_range(KV_INDPTR, r, num_indices)
     if Q_LEN == 1:
         q_beg = r
         q_len = 1
     else:
-        q_beg, q_len, q_clamped = _csr_range(QO_INDPTR, r, num_tokens)
+        q_beg, q_len, q_clamped = offset_range(QO_INDPTR, r, num_tokens)
         if first & q_clamped:
             gl.store(FAULT + FAULT_QUERY_ROWS, 1)
     if first & kv_clamped:
@@ -236,7 +236,7 @@ def mla_wgmma_kernel(
     if HAS_WINDOW:
         lo = gl.maximum(kv_len - q_len - window + 1, 0)
     if SPLIT:
-        n_split = gl.minimum(gl.maximum(gl.cdiv(kv_len, min_split_len), 1), max_splits)
+        n_split = split_count(kv_len, min_split_len, max_splits)
         per = gl.cdiv(gl.cdiv(kv_len - lo, n_split), BLOCK_N) * BLOCK_N
         s_lo = lo + s * per
         s_hi = gl.minimum(s_lo + per, kv_len)
