@@ -85,6 +85,8 @@ def gluon_hopper_available(version: str = triton.__version__) -> bool:
 #: warpgroups
 WGMMA_BLOCK_H = 64
 WGMMA_WARPS = 8
+#: CUDA's limit on a grid's y dimension (the Hopper kernel's requests; more take the portable kernel)
+MAX_GRID_Y = 65535
 
 
 @dataclass(frozen=True)
@@ -426,7 +428,7 @@ def mla_attention(
         max_splits = 1
     use_mask = custom_mask is not None and q_len > 1
     qk_scale, cap_scale = score_scales(sm_scale, logit_cap, k_scale)
-    if uses_wgmma(config, q.dtype, kv_lora_rank, rope):
+    if uses_wgmma(config, q.dtype, kv_lora_rank, rope) and bs <= MAX_GRID_Y:  # its grid has the requests on y
         from attn_triton.kernels.mla_wgmma import mla_wgmma_kernel  # Gluon: imported only where it runs
 
         block_h = WGMMA_BLOCK_H
