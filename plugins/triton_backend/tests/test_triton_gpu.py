@@ -208,6 +208,45 @@ def test_mla_kernel_variants_graph_equals_eager(variant):
     check_graph_matches_eager(factory(**_mla_variants()[variant]), case, pad=3, run_graph=_cuda_graph_run)
 
 
+@pytest.mark.parametrize("wgmma", [True, False])
+def test_mla_one_split_launch_equals_merged_on_cuda(wgmma):
+    """Both MLA kernels at 128 heads, 512 + 64, bf16: a DECODE launch of one split finishing its rows in the
+    kernel and a merged launch of 4 splits in which every request takes one split write the same bits
+    (batch invariance; `test_mla_one_split_launch_equals_merged` checks the portable kernel on the CPU)."""
+    from attn_triton.kernels.mla_decode import MLAConfig, mla_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    lens, heads, page = [1, 700, 4096, 2500], 128, 64
+    bs = len(lens)
+    pages = [-(-n // page) for n in lens]
+    perm = torch.randperm(sum(pages), generator=gen, device="cuda")
+    slots, start = [], 0
+    for n, p in zip(lens, pages):
+        slots.append((perm[start : start + p, None] * page + torch.arange(page, device="cuda")).reshape(-1)[:n])
+        start += p
+    indices = torch.cat(slots).to(torch.int32)
+    indptr = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    kv = torch.randn(sum(pages) * page, 1, 576, generator=gen, device="cuda").to(torch.bfloat16)
+    q = torch.randn(bs, heads, 576, generator=gen, device="cuda").to(torch.bfloat16)
+    sinks = torch.randn(heads, generator=gen, device="cuda")
+    outs = []
+    for ctas, max_splits in ((1, 1), (0, 4)):
+        tiles = (64, 64, 8, 2) if wgmma else (32, 64, 4, 3)
+        o = torch.full((bs, heads, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
+        lse = torch.full((bs, heads), float("nan"), device="cuda")
+        part_o = torch.empty(bs, heads, max_splits, 512, device="cuda")
+        part_lse = torch.empty(bs, heads, max_splits, device="cuda")
+        fault = torch.zeros(8, device="cuda", dtype=torch.int32)
+        mla_attention(
+            q, kv, o, indptr, indices, fault, kv_lora_rank=512, sm_scale=0.07, config=MLAConfig(*tiles, ctas_per_sm=ctas, wgmma=wgmma),
+            max_splits=max_splits, min_split_len=8192, part_o=part_o, part_lse=part_lse, sinks=sinks, lse_out=lse, v_scale=0.5,
+        )  # fmt: skip
+        assert not fault.any()
+        outs.append((o, lse))
+    (o1, lse1), (o4, lse4) = outs
+    assert not o1.isnan().any() and torch.equal(o1, o4) and torch.equal(lse1, lse4)
+
+
 DET_DECODE = [([(6000, 1)], 0), ([(100, 1), (6000, 1), (30000, 1)], 1), ([(5, 1)] * 40 + [(6000, 1)], 40)]
 DET_EXTEND = [([(3000, 700)], 0), ([(0, 2000), (3000, 700)], 1), ([(3000, 700), (10, 1), (5000, 60)], 0)]
 

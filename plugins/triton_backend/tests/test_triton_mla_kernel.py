@@ -317,3 +317,36 @@ def test_mla_lazy_rescale_large_logits(kernel, q_len):
         ref_o, ref_lse = _oracle(q[sl], rows[r], torch.arange(p, p + q_len), scale=0.6)
         assert relative_error(o[sl], ref_o) <= tolerance(dtype), (r, p)
         assert relative_error(lse[sl], ref_lse) <= 2e-3, (r, p)
+
+
+@pytest.mark.parametrize("sinks_on", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_mla_one_split_launch_equals_merged(dtype, sinks_on):
+    """A DECODE launch of one split finishing its rows in the kernel (ctas_per_sm 1, max_splits 1) and a
+    launch of 4 splits through the merge, where every request takes one split (min_split_len 128): the same
+    bits in o and the LSE (batch invariance), and the oracle."""
+    from attn_triton.kernels.mla_decode import mla_attention
+
+    gen = torch.Generator().manual_seed(31 + sinks_on)
+    lens = [1, 37, 64, 100]
+    bs = len(lens)
+    pool, indptr, indices, rows = _latent_pool(lens, dtype, gen, 16)
+    q = torch.randn(bs, HEADS, WIDTH, generator=gen).to(dtype)
+    sinks = torch.randn(HEADS, generator=gen) if sinks_on else None
+    outs = []
+    for kernel, max_splits in (("direct", 1), ("base", 4)):
+        o = torch.full((bs, HEADS, RANK), float("nan"), dtype=dtype)
+        lse = torch.full((bs, HEADS), float("nan"))
+        fault = torch.zeros(8, dtype=torch.int32)
+        mla_attention(
+            q, pool, o, indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.2, config=_config(kernel), sinks=sinks, lse_out=lse,
+            v_scale=0.5, **_mode_args(1, bs, HEADS, max_splits=max_splits, min_split_len=128),
+        )  # fmt: skip
+        assert not fault.any()
+        outs.append((o, lse))
+    (o1, lse1), (o4, lse4) = outs
+    assert torch.equal(o1, o4) and torch.equal(lse1, lse4)
+    for r, n in enumerate(lens):
+        ref_o, ref_lse = _oracle(q[r : r + 1], rows[r], torch.tensor([n - 1]), scale=0.2, sinks=sinks)
+        assert relative_error(o1[r : r + 1], 0.5 * ref_o) <= tolerance(dtype), (r, n)
+        assert relative_error(lse1[r : r + 1], ref_lse) <= 1e-5, (r, n)

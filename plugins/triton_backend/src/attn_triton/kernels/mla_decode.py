@@ -53,9 +53,7 @@ from attn_triton.kernels.common import (
     FAULT_MASK,
     FAULT_QUERY_ROWS,
     FAULT_SLOT,
-    LN2_K,
     LOG2E_K,
-    add_sink,
     finalize,
     lazy_softmax_step,
     load_slots,
@@ -64,7 +62,7 @@ from attn_triton.kernels.common import (
     score_scales,
     softmax_step,
 )
-from attn_triton.kernels.decode import check_split_shapes, merge_splits, split_count
+from attn_triton.kernels.decode import check_split_shapes, merge_splits, one_split_result, split_count
 
 #: most query tokens per request the folded kernel takes (speculative verify / draft extend)
 MAX_FOLDED_Q_LEN = 16
@@ -277,15 +275,16 @@ def _mla_kernel(
         po = PART_O + r.to(tl.int64) * stride_pb + h[:, None] * stride_ph + s * stride_ps + offs_r[None, :]
         tl.store(po, out, mask=row_ok[:, None] & (offs_r[None, :] < RANK))
         tl.store(PART_LSE + r.to(tl.int64) * stride_lb + h * stride_lh + s, lse2, mask=row_ok)
-    else:
+    else:  # the merge's arithmetic for one split: the same bits as a merged launch (decode.one_split_result)
+        out, lse2 = finalize(m_i, l_i, acc)
+        sink2 = lse2
         if HAS_SINK:
             sink2 = tl.load(SINKS + h) * LOG2E_K
-            m_i, l_i, acc = add_sink(m_i, l_i, acc, sink2)
-        out, lse2 = finalize(m_i, l_i, acc)
+        res, lse_e = one_split_result(out, lse2, sink2, v_scale, HAS_SINK)
         o_rows = OUT + (q_beg + t).to(tl.int64)[:, None] * stride_ot + h[:, None] * stride_oh
-        tl.store(o_rows + offs_r[None, :], (out * v_scale).to(OUT.dtype.element_ty), mask=row_ok[:, None] & (offs_r[None, :] < RANK))
+        tl.store(o_rows + offs_r[None, :], res.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (offs_r[None, :] < RANK))
         if STORE_LSE:
-            tl.store(LSE + (q_beg + t).to(tl.int64) * stride_lt + h, lse2 * LN2_K, mask=row_ok)
+            tl.store(LSE + (q_beg + t).to(tl.int64) * stride_lt + h, lse_e, mask=row_ok)
 
 
 def _pow2(x: int, floor: int = 16) -> int:

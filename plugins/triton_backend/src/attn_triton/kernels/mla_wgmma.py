@@ -42,12 +42,11 @@ from attn_triton.kernels.common import (
     FAULT_MASK,
     FAULT_QUERY_ROWS,
     FAULT_SLOT,
-    LN2_K,
     LOG2E_K,
     offset_range,
     scale_scores,
 )
-from attn_triton.kernels.decode import split_count
+from attn_triton.kernels.decode import one_split_result, split_count
 
 # Gluon's names moved between Triton releases (3.6: async_copy_global_to_shared / thread_barrier; 3.9:
 # async_load / barrier); the same builtins under either name
@@ -320,30 +319,27 @@ def mla_wgmma_kernel(
         l_i = gl.sum(l_acc, 1)
 
         gl.store(FAULT + FAULT_SLOT + gl.zeros([BLOCK_N], gl.int32, COL_S), 1, mask=bad)
-        if HAS_SINK:
-            if not SPLIT:
-                sink2 = gl.load(SINKS + h) * LOG2E_K
-                m_new = gl.maximum(m_i, sink2)
-                alpha = gl.exp2(m_i - m_new)
-                acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
-                l_i = l_i * alpha + gl.exp2(sink2 - m_new)
-                m_i = m_new
         has = l_i > 0.0
         inv = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
         lse2 = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
         offs_mo = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_O)
         to = offs_mo // num_heads
         ho = offs_mo % num_heads
-        ok_o = ((offs_mo < Q_LEN * num_heads) & (to < q_len))[:, None]
+        row_ok_o = (offs_mo < Q_LEN * num_heads) & (to < q_len)
+        ok_o = row_ok_o[:, None]
         co = gl.arange(0, RANK, layout=gl.SliceLayout(0, O_L))
+        out = acc * gl.convert_layout(inv, ROW_O)[:, None]  # the split's normalized output
         if SPLIT:
-            out = acc * gl.convert_layout(inv, ROW_O)[:, None]
             po = PART_O + r.to(gl.int64) * stride_pb + ho[:, None] * stride_ph + s * stride_ps + co[None, :]
             gl.store(po, out, mask=ok_o)
             gl.store(PART_LSE + r.to(gl.int64) * stride_lb + h * stride_lh + s, lse2, mask=row_ok)
-        else:
-            out = acc * gl.convert_layout(inv * v_scale, ROW_O)[:, None]
+        else:  # the merge's arithmetic for one split: the same bits as a merged launch (decode.one_split_result)
+            lse2_o = gl.convert_layout(lse2, ROW_O)
+            sink2 = lse2_o
+            if HAS_SINK:
+                sink2 = gl.load(SINKS + ho) * LOG2E_K
+            res, lse_e = one_split_result(out, lse2_o, sink2, v_scale, HAS_SINK)
             o_rows = OUT + (q_beg + to).to(gl.int64)[:, None] * stride_ot + ho[:, None] * stride_oh
-            gl.store(o_rows + co[None, :], out.to(OUT.dtype.element_ty), mask=ok_o)
+            gl.store(o_rows + co[None, :], res.to(OUT.dtype.element_ty), mask=ok_o)
             if STORE_LSE:
-                gl.store(LSE + (q_beg + t).to(gl.int64) * stride_lt + h, lse2 * LN2_K, mask=row_ok)
+                gl.store(LSE + (q_beg + to).to(gl.int64) * stride_lt + ho, lse_e, mask=row_ok_o)
