@@ -17,6 +17,8 @@ GQA = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, device="cuda", num_laye
 MLA = dict(arch="mla", kv_lora_rank=512, qk_rope_head_dim=64, num_q_heads=16, device="cuda", num_layers=1)
 #: DeepSeek-V3's per-GPU MLA shape at TP 1: 128 heads over one 512 + 64 latent (the MLA kernel's target)
 MLA128 = {**MLA, "num_q_heads": 128}
+MLA_256 = {**MLA, "kv_lora_rank": 256, "qk_rope_head_dim": 32, "num_q_heads": 32}
+MLA_128 = {**MLA, "kv_lora_rank": 128, "qk_rope_head_dim": 16, "num_q_heads": 16}
 GQA2 = {**GQA, "num_layers": 2}
 FP8 = "float8_e4m3fn"
 
@@ -88,6 +90,9 @@ CASES = [
     AttnCase("TARGET_VERIFY", [(2500, 8), (9, 8)], dtype="bfloat16", page_size=16, custom_mask=False, **MLA128),
     AttnCase("TARGET_VERIFY", [(1200, 16), (64, 16)], dtype="float16", page_size=1, sinks=True, logit_cap=25.0, **MLA128),
     AttnCase("DRAFT_EXTEND", [(1000, 3), (200, 3)], dtype="bfloat16", page_size=64, **MLA128),
+    # smaller latents, on the Hopper MLA kernel too (`mla_decode.uses_wgmma`): 256 + 32 and 128 + 16
+    AttnCase("DECODE", [(3000, 1), (64, 1), (1, 1)], dtype="bfloat16", page_size=16, return_lse=True, sinks=True, **MLA_256),
+    AttnCase("TARGET_VERIFY", [(1500, 4), (20, 4)], dtype="float16", page_size=64, **MLA_128),
     # fp8 (e4m3) KV caches, per-layer k_scale / v_scale (the harness's FP8_SCALES): decode with many
     # splits, extend with a prefix, verify, windowed decode, two layers (both scale pairs), MLA decode
     AttnCase("DECODE", [(4095, 1), (0, 1), (1000, 1), (8191, 1)], dtype="bfloat16", kv_dtype=FP8, page_size=16, **GQA2),

@@ -307,11 +307,17 @@ def rows_per_program(q_len: int, num_heads: int, config: MLAConfig) -> int:
 
 def uses_wgmma(config: MLAConfig, dtype: torch.dtype, kv_lora_rank: int, rope: int) -> bool:
     """Whether a launch runs the Hopper kernel (`kernels/mla_wgmma.py`): the config asks for it and the
-    shapes are its: 16-bit q and latent, kv_lora_rank a power of two of at least 64, rope a power of two in
-    16..256 (the float32 path and other widths keep the portable kernel).
+    shapes are its: 16-bit q and latent, kv_lora_rank a power of two in 64..512 and rope one in 16..64 with
+    kv_lora_rank + rope <= 576 (q and two 64-row latent buffers, 384 bytes per channel, then fit Hopper's
+    227 KiB of shared memory; DeepSeek's 512 + 64 is the largest). float32 and other widths keep the
+    portable kernel.
 
     >>> uses_wgmma(MLAConfig(64, 64, 8, 2, wgmma=True), torch.bfloat16, 512, 64)
     True
+    >>> uses_wgmma(MLAConfig(64, 64, 8, 2, wgmma=True), torch.bfloat16, 256, 32)
+    True
+    >>> uses_wgmma(MLAConfig(64, 64, 8, 2, wgmma=True), torch.bfloat16, 512, 128)
+    False
     >>> uses_wgmma(MLAConfig(64, 64, 8, 2, wgmma=True), torch.float32, 512, 64)
     False
     >>> uses_wgmma(MLAConfig(64, 64, 8, 2), torch.bfloat16, 512, 64)
@@ -322,9 +328,10 @@ def uses_wgmma(config: MLAConfig, dtype: torch.dtype, kv_lora_rank: int, rope: i
         config.wgmma
         and dtype in (torch.bfloat16, torch.float16)
         and pow2(kv_lora_rank)
-        and kv_lora_rank >= 64
+        and 64 <= kv_lora_rank <= 512
         and pow2(rope)
-        and 16 <= rope <= 256
+        and 16 <= rope <= 64
+        and kv_lora_rank + rope <= 576
     )
 
 
