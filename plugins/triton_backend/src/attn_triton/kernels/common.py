@@ -50,6 +50,18 @@ def check_query_rows(
         raise InvalidArgumentError("mask_indptr", f"at least {bs} offsets with a custom mask", found)
 
 
+#: largest lazy-rescale slack (`lazy_softmax_step`): p <= 2^8 stays exact enough in an fp16 / bf16 P operand
+MAX_LAZY_SLACK = 8
+
+
+def check_lazy_rescale(name: str, slack: int) -> None:
+    """Refuse a kernel config's lazy-rescale slack outside 0 (rescale every tile) .. MAX_LAZY_SLACK, naming
+    the field `name`. Example: `check_lazy_rescale("ExtendConfig.lazy_rescale", 9)` raises
+    InvalidArgumentError; slack 4 passes."""
+    if not 0 <= slack <= MAX_LAZY_SLACK:
+        raise InvalidArgumentError(name, f"0 (always rescale) or a slack of 1..{MAX_LAZY_SLACK} (log2 units)", slack)
+
+
 def score_scales(sm_scale: float, logit_cap: float, k_scale: float = 1.0) -> tuple[float, float]:
     """(qk_scale, cap_scale): without a cap, logits2 = qk·sm_scale·k_scale·log2e; with a cap c,
     logits2 = c·tanh(qk·sm_scale·k_scale / c)·log2e (`scale_scores`). The product must be > 0."""

@@ -210,10 +210,7 @@ def _decode_split_kernel(
         tl.store(po, out, mask=h_ok[:, None] & (offs_dv[None, :] < DV))
         tl.store(PART_LSE + r.to(tl.int64) * stride_lb + heads * stride_lh + s, lse2, mask=h_ok)
     else:
-        sink2 = lse2
-        if HAS_SINK:
-            sink2 = tl.load(SINKS + heads, mask=h_ok, other=0.0) * LOG2E_K
-        out, lse_e = one_split_result(out, lse2, sink2, v_scale, HAS_SINK)
+        out, lse_e = one_split_result(out, lse2, SINKS, heads, h_ok, v_scale, HAS_SINK)
         o_rows = OUT + r.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :]
         tl.store(o_rows, out.to(OUT.dtype.element_ty), mask=h_ok[:, None] & (offs_dv[None, :] < DV))
         if STORE_LSE:
@@ -221,14 +218,18 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def one_split_result(out, lse2, sink2, v_scale, HAS_SINK: tl.constexpr):
+def one_split_result(out, lse2, SINKS, heads, h_ok, v_scale, HAS_SINK: tl.constexpr):
     """What `_decode_merge_kernel` computes for a request of one split, per row, in the same operations
     (so a request's output does not depend on whether its batch ran stage 2: batch invariance):
-    out `[M, DV]` the split's normalized output, lse2 `[M]` its base-2 LSE, sink2 `[M]` the rows' base-2
-    sink logits (read only with HAS_SINK). Returns (the output times v_scale, float32; the natural-log
-    LSE `[M]`). With no sink and a finite lse2 the weight is exp2(0) = 1 and the output out * v_scale."""
+    out `[M, DV]` the split's normalized output, lse2 `[M]` its base-2 LSE; with HAS_SINK the rows' sinks
+    (natural log) are read from SINKS at `heads` `[M]` where `h_ok`. Returns (the output times v_scale,
+    float32; the natural-log LSE `[M]`). With no sink and a finite lse2 the weight is exp2(0) = 1 and the
+    output out * v_scale. Shared by the decode kernel and both MLA kernels (the Hopper one calls it from
+    Gluon)."""
     m = lse2
+    sink2 = lse2
     if HAS_SINK:
+        sink2 = tl.load(SINKS + heads, mask=h_ok, other=0.0) * LOG2E_K
         m = tl.maximum(m, sink2)
     m_use = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse2 - m_use)

@@ -28,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_core.errors import InvalidArgumentError
 from attn_triton.kernels.common import (
     FAULT_KEY_OFFSETS,
     FAULT_MASK,
@@ -38,6 +37,7 @@ from attn_triton.kernels.common import (
     LOG2E_K,
     add_sink,
     attend_tile,
+    check_lazy_rescale,
     check_query_rows,
     finalize,
     offset_range,
@@ -57,8 +57,7 @@ class ExtendConfig:
     lazy_rescale: int = 0
 
     def __post_init__(self):
-        if not 0 <= self.lazy_rescale <= 8:  # p <= 2^8 stays exact enough in the fp16 / bf16 P operand
-            raise InvalidArgumentError("ExtendConfig.lazy_rescale", "0 (always rescale) or a slack of 1..8 (log2 units)", self.lazy_rescale)
+        check_lazy_rescale("ExtendConfig.lazy_rescale", self.lazy_rescale)
 
 
 @triton.jit

@@ -53,7 +53,7 @@ from attn_triton.kernels.common import (
     FAULT_MASK,
     FAULT_QUERY_ROWS,
     FAULT_SLOT,
-    LOG2E_K,
+    check_lazy_rescale,
     finalize,
     lazy_softmax_step,
     load_slots,
@@ -116,14 +116,42 @@ class MLAConfig:
     def __post_init__(self) -> None:
         if self.ctas_per_sm < 0:
             raise InvalidArgumentError("MLAConfig.ctas_per_sm", "0 (SplitPolicy) or programs per SM >= 1", self.ctas_per_sm)
-        if not 0 <= self.lazy_rescale <= 8:  # p <= 2^8 stays exact enough in the fp16 / bf16 P operand
-            raise InvalidArgumentError("MLAConfig.lazy_rescale", "0 (always rescale) or a slack of 1..8 (log2 units)", self.lazy_rescale)
+        check_lazy_rescale("MLAConfig.lazy_rescale", self.lazy_rescale)
         if self.wgmma and (self.block_h, self.num_warps, self.num_stages) != (WGMMA_BLOCK_H, WGMMA_WARPS, 2):
             raise InvalidArgumentError(
                 "MLAConfig.wgmma",
                 f"block_h {WGMMA_BLOCK_H}, num_warps {WGMMA_WARPS} and num_stages 2 (the Hopper kernel's two latent buffers)",
                 (self.block_h, self.num_warps, self.num_stages),
             )
+
+
+@triton.jit
+def tile_scores(
+    qk, n, n_ok, t, row_ok, q_pos, mask_beg, kv_len, MASK, mask_size, qk_scale, cap_scale, window,
+    Q_LEN: tl.constexpr, USE_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, LOGIT_CAP: tl.constexpr,
+):  # fmt: skip
+    """Scores of one key tile `[BLOCK_H, BLOCK_N]` of either MLA kernel (this module's and the Hopper
+    kernel `mla_wgmma.py`, which calls it from Gluon): raw q·k, or base-2 logits under a logit cap
+    (`common.scale_scores`); -inf where the key is out of the tile's range or pool (`n_ok [BLOCK_N]`), the
+    row is padding (`row_ok [BLOCK_H]`), or, with Q_LEN > 1, the key is past the row's causal limit
+    (`q_pos`, the row's token position) or off in its tree mask (per request a row-major
+    `[q_len, kv_len]` uint8 block at mask_beg; entries outside the mask are not read), or outside its
+    window."""
+    if LOGIT_CAP:
+        sc = scale_scores(qk, qk_scale, cap_scale, LOGIT_CAP)
+    else:
+        sc = qk
+    ok = n_ok[None, :] & row_ok[:, None]
+    if Q_LEN > 1:
+        if USE_MASK:
+            at = mask_beg + t[:, None].to(tl.int64) * kv_len + n[None, :]
+            bits = tl.load(MASK + at, mask=ok & (at >= 0) & (at < mask_size), other=0)
+            ok = ok & (bits != 0)
+        else:
+            ok = ok & (n[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            ok = ok & (n[None, :] > q_pos[:, None] - window)
+    return tl.where(ok, sc, float("-inf"))
 
 
 @triton.jit
@@ -246,23 +274,9 @@ def _mla_kernel(
         if BLOCK_ROPE > 0:
             k_rope = tl.load(row + RANK + offs_p[None, :], mask=n_ok[:, None] & (offs_p[None, :] < ROPE), other=0.0)
             qk += tl.dot(q_rope, tl.trans(k_rope.to(q_nope.dtype)), input_precision=DOT_PREC)
-        if LOGIT_CAP:
-            sc = scale_scores(qk, qk_scale, cap_scale, LOGIT_CAP)
-            s_scale = 1.0
-        else:
-            sc = qk
-            s_scale = qk_scale
-        ok = n_ok[None, :]
-        if Q_LEN > 1:
-            if USE_MASK:
-                at = mask_beg + t[:, None].to(tl.int64) * kv_len + n[None, :]
-                bits = tl.load(MASK + at, mask=ok & row_ok[:, None] & (at >= 0) & (at < mask_size), other=0)
-                ok = ok & (bits != 0)
-            else:
-                ok = ok & (n[None, :] <= q_pos[:, None])
-            if HAS_WINDOW:
-                ok = ok & (n[None, :] > q_pos[:, None] - window)
-        sc = tl.where(ok, sc, float("-inf"))
+        sc = tile_scores(qk, n, n_ok, t, row_ok, q_pos, mask_beg, kv_len, MASK, mask_size, qk_scale, cap_scale, window,
+                         Q_LEN, USE_MASK, HAS_WINDOW, LOGIT_CAP)  # fmt: skip
+        s_scale = 1.0 if LOGIT_CAP else qk_scale
         if LAZY > 0:
             m_i, l_i, acc, p = lazy_softmax_step(m_i, l_i, acc, sc, s_scale, LAZY)
         else:
@@ -277,10 +291,7 @@ def _mla_kernel(
         tl.store(PART_LSE + r.to(tl.int64) * stride_lb + h * stride_lh + s, lse2, mask=row_ok)
     else:  # the merge's arithmetic for one split: the same bits as a merged launch (decode.one_split_result)
         out, lse2 = finalize(m_i, l_i, acc)
-        sink2 = lse2
-        if HAS_SINK:
-            sink2 = tl.load(SINKS + h) * LOG2E_K
-        res, lse_e = one_split_result(out, lse2, sink2, v_scale, HAS_SINK)
+        res, lse_e = one_split_result(out, lse2, SINKS, h, row_ok, v_scale, HAS_SINK)
         o_rows = OUT + (q_beg + t).to(tl.int64)[:, None] * stride_ot + h[:, None] * stride_oh
         tl.store(o_rows + offs_r[None, :], res.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (offs_r[None, :] < RANK))
         if STORE_LSE:

@@ -42,11 +42,10 @@ from attn_triton.kernels.common import (
     FAULT_MASK,
     FAULT_QUERY_ROWS,
     FAULT_SLOT,
-    LOG2E_K,
     offset_range,
-    scale_scores,
 )
 from attn_triton.kernels.decode import one_split_result, split_count
+from attn_triton.kernels.mla_decode import tile_scores
 
 # Gluon's names moved between Triton releases (3.6: async_copy_global_to_shared / thread_barrier; 3.9:
 # async_load / barrier); the same builtins under either name
@@ -92,30 +91,6 @@ def _qk(qn_s, qr_s, nope_buf, rope_buf, zero):
     """Start scores = q_nope · nope^T + q_rope · rope^T of one tile (async; `warpgroup_mma_wait` gives them)."""
     qk = warpgroup_mma(qn_s, nope_buf.permute((1, 0)), zero, use_acc=False, is_async=True)
     return warpgroup_mma(qr_s, rope_buf.permute((1, 0)), qk, is_async=True)
-
-
-@gluon.jit
-def _masked_scores(
-    qk, n, n_ok, t, row_ok, q_pos, mask_beg, kv_len, MASK, mask_size, qk_scale, cap_scale, window,
-    Q_LEN: gl.constexpr, USE_MASK: gl.constexpr, HAS_WINDOW: gl.constexpr, LOGIT_CAP: gl.constexpr,
-):  # fmt: skip
-    """Scores of one tile `[BLOCK_H, BLOCK_N]` (logit cap applied), -inf where a key is out of the tile's
-    range or pool, past the row's causal limit, outside its window, or off in its tree mask."""
-    if LOGIT_CAP:
-        sc = scale_scores(qk, qk_scale, cap_scale, LOGIT_CAP)
-    else:
-        sc = qk
-    ok = n_ok[None, :] & row_ok[:, None]
-    if Q_LEN > 1:
-        if USE_MASK:
-            at = mask_beg + t[:, None].to(gl.int64) * kv_len + n[None, :]
-            bits = gl.load(MASK + at, mask=ok & (at >= 0) & (at < mask_size), other=0)
-            ok = ok & (bits != 0)
-        else:
-            ok = ok & (n[None, :] <= q_pos[:, None])
-        if HAS_WINDOW:
-            ok = ok & (n[None, :] > q_pos[:, None] - window)
-    return gl.where(ok, sc, float("-inf"))
 
 
 @gluon.jit
@@ -306,8 +281,8 @@ def mla_wgmma_kernel(
                             ROPE_LOAD)  # fmt: skip
             async_copy.commit_group()
             qk = warpgroup_mma_wait(0, deps=[qk])
-            sc = _masked_scores(qk, n, n_ok, t, row_ok, q_pos, mask_beg, kv_len, MASK, mask_size, qk_scale, cap_scale, window,
-                                Q_LEN, USE_MASK, HAS_WINDOW, LOGIT_CAP)  # fmt: skip
+            sc = tile_scores(qk, n, n_ok, t, row_ok, q_pos, mask_beg, kv_len, MASK, mask_size, qk_scale, cap_scale, window,
+                             Q_LEN, USE_MASK, HAS_WINDOW, LOGIT_CAP)  # fmt: skip
             m_i, l_acc, p, alpha, moved = _softmax_tile(sc, m_i, l_acc, s_scale, LAZY)
             if moved:
                 acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
@@ -334,11 +309,7 @@ def mla_wgmma_kernel(
             gl.store(po, out, mask=ok_o)
             gl.store(PART_LSE + r.to(gl.int64) * stride_lb + h * stride_lh + s, lse2, mask=row_ok)
         else:  # the merge's arithmetic for one split: the same bits as a merged launch (decode.one_split_result)
-            lse2_o = gl.convert_layout(lse2, ROW_O)
-            sink2 = lse2_o
-            if HAS_SINK:
-                sink2 = gl.load(SINKS + ho) * LOG2E_K
-            res, lse_e = one_split_result(out, lse2_o, sink2, v_scale, HAS_SINK)
+            res, lse_e = one_split_result(out, gl.convert_layout(lse2, ROW_O), SINKS, ho, row_ok_o, v_scale, HAS_SINK)
             o_rows = OUT + (q_beg + to).to(gl.int64)[:, None] * stride_ot + ho[:, None] * stride_oh
             gl.store(o_rows + co[None, :], res.to(OUT.dtype.element_ty), mask=ok_o)
             if STORE_LSE:
