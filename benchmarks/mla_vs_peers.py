@@ -34,9 +34,10 @@ FlashInfer in the same run. Spelling: `BHxBNxWxS` (block_h x block_n x num_warps
 by options joined with ':' — `cK` (MLAConfig.ctas_per_sm = K: wave-aware decode splits for K programs per
 SM; one split runs without the merge launch), `lK` (lazy_rescale = K: the accumulator is rescaled only when
 a row's max grew by more than K, base 2), `g1` (wgmma: the Hopper kernel `kernels/mla_wgmma.py`, tiles
-64x64x8x2 only). E.g. (the SM90 default is 64x64x8x2:c1:g1; docs/perf.md, "The Hopper MLA kernel")
+64x32x8x4 only). E.g. (the SM90 default is 64x32x8x4:c1:g1; docs/perf.md, "The warp-specialized Hopper MLA
+kernel")
 
-    python benchmarks/mla_vs_peers.py --no-prefill --mla-tiles 64x64x8x2:c1:l8:g1,32x64x4x3:c2:l8 --json out.json
+    python benchmarks/mla_vs_peers.py --no-prefill --mla-tiles 64x32x8x4:g1,32x64x4x3:c2:l8 --json out.json
 """
 
 from __future__ import annotations
@@ -211,8 +212,8 @@ def parse_tiles(text: str) -> list[MLAConfig]:
 
     >>> parse_tiles("64x32x8x2,32x64x4x3:c2:l8")[1]
     MLAConfig(block_h=32, block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2, lazy_rescale=8, wgmma=False)
-    >>> tiles_label(parse_tiles("64x64x8x2:c1:g1")[0])
-    '64x64x8x2:c1:g1'
+    >>> tiles_label(parse_tiles("64x32x8x4:c1:g1")[0])
+    '64x32x8x4:c1:g1'
     """
     out = []
     for item in filter(None, text.split(",")):

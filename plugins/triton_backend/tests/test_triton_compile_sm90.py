@@ -52,6 +52,14 @@ def res_usage(k):  # cuobjdump's resource line of a compiled kernel: REG (per th
         out = subprocess.run([tool, "-res-usage", cub.name], capture_output=True, text=True, check=True).stdout
     return out.strip().splitlines()[-1].strip()
 
+def serialized_wgmma(k):  # whether ptxas serialized the warpgroup MMAs (a wait after every one of them; C7515)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cub:
+        cub.write(k.asm["cubin"]); cub.flush()
+        tool = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "nvdisasm")
+        sass = subprocess.run([tool, "-c", cub.name], capture_output=True, text=True, check=True).stdout
+    mmas, waits = sass.count("HGMMA."), sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0")
+    return mmas == 0 or waits * 4 > mmas
+
 dev = torch.device("cuda")
 for dt, tdt, d, dv, dpe, mla in (("bf16", torch.bfloat16, 128, 128, 0, False), ("fp32", torch.float32, 512, 512, 64, True)):
     p2 = lambda x: max(16, triton.next_power_of_2(x))
@@ -111,7 +119,9 @@ def build_mla(m, dt, q_len, split, arch):
     if ml.uses_wgmma(m, torch.float32 if dt == "fp32" else torch.bfloat16, 512, 64):
         from triton.experimental.gluon._runtime import GluonASTSource
         from attn_triton.kernels.mla_wgmma import mla_wgmma_kernel
-        return build(mla_wgmma_kernel, dt, consts, m.num_warps, None, arch, source=GluonASTSource)
+        k = build(mla_wgmma_kernel, dt, consts, ml.WGMMA_WARPS // 2, None, arch, source=GluonASTSource)
+        assert not serialized_wgmma(k), (dt, q_len, split)  # the kernel's point is overlapped MMAs (module doc)
+        return k
     return build(ml._mla_kernel, dt, consts, m.num_warps, m.num_stages, arch)
 
 for arch, dt, tdt in ((90, "bf16", torch.bfloat16), (80, "bf16", torch.bfloat16), (90, "fp32", torch.float32)):
@@ -124,11 +134,21 @@ for arch, dt, tdt in ((90, "bf16", torch.bfloat16), (80, "bf16", torch.bfloat16)
 # the SM90 default (the Hopper kernel) and the former default on the portable kernel (benchmarks/mla_vs_peers.py
 # --mla-tiles spelling) on sm_90: registers, spills (STACK) and shared memory printed for the occupancy reasoning of
 # docs/perf.md; MLAConfig.ctas_per_sm programs per SM need that many times the shared memory within the SM's 228 KiB
-for label, m in (("64x64x8x2:c1:g1 (default)", mla_config_for(torch.bfloat16, 9)), ("32x64x4x3:c2:l8", ml.MLAConfig(32, 64, 4, 3, 2, 8))):
+for label, m in (("64x32x8x4:c1:g1 (default)", mla_config_for(torch.bfloat16, 9)), ("32x64x4x3:c2:l8", ml.MLAConfig(32, 64, 4, 3, 2, 8))):
     for split, q_len in ((True, 1), (False, 4)):
         k = build_mla(m, "bf16", q_len, split, 90)
         assert max(1, m.ctas_per_sm) * (k.metadata.shared + 1024) <= 228 * 1024, (label, split, k.metadata.shared)  # 1 KiB a block: CUDA
         print("mla variant", label, "split" if split else "verify", res_usage(k), "shared", k.metadata.shared)
+# the Hopper kernel's narrower latents: p in a ring of its own when rope < 64 (512 + 32 is the largest such)
+m = mla_config_for(torch.bfloat16, 9)
+from triton.experimental.gluon._runtime import GluonASTSource
+from attn_triton.kernels.mla_wgmma import mla_wgmma_kernel
+for rank, rope in ((512, 32), (128, 16)):
+    consts = dict(Q_LEN=4, BLOCK_H=64, BLOCK_N=m.block_n, RANK=rank, BLOCK_R=rank, ROPE=rope, BLOCK_ROPE=rope, SPLIT=False, USE_MASK=True,
+                  HAS_WINDOW=False, LOGIT_CAP=False, HAS_SINK=True, STORE_LSE=True, DOT_PREC="tf32", LAZY=0)  # fmt: skip
+    k = build(mla_wgmma_kernel, "bf16", consts, ml.WGMMA_WARPS // 2, None, 90, source=GluonASTSource)
+    assert k.metadata.shared <= 227 * 1024 and not serialized_wgmma(k), (rank, rope, k.metadata.shared)
+    print("mla hopper", rank, rope, "shared", k.metadata.shared)
 print("compiled")
 """
 

@@ -175,10 +175,10 @@ def test_mla_kernel_matches_torch_native(case):
 
 def _mla_variants():
     """The MLA kernels' variants besides the SM90 default (the Hopper kernel `kernels/mla_wgmma.py`,
-    64x64x8x2:c1:g1, which the other MLA tests run; docs/perf.md "MLA kernel variants"): the portable
-    kernel at the former SM90 default and at the 64-row tile, the Hopper kernel with lazy rescaling and
-    with SplitPolicy splits (merged), and, with a split policy capped at one split, the decode that
-    finalizes in the kernel (no merge launch) at every batch size, on both kernels."""
+    64x32x8x4:c1:g1, which the other MLA tests run; docs/perf.md "MLA kernel variants"): the portable
+    kernel at the former SM90 default and at the 64-row tile, the Hopper kernel with SplitPolicy splits
+    (merged), and, with a split policy capped at one split, the decode that finalizes in the kernel (no
+    merge launch) at every batch size, on both kernels."""
     from attn_triton.config import SplitPolicy
     from attn_triton.kernels.mla_decode import MLAConfig
 
@@ -187,9 +187,8 @@ def _mla_variants():
         "32x64x4x3:c2:l8": dict(mla_config=MLAConfig(32, 64, 4, 3, ctas_per_sm=2, lazy_rescale=8)),
         "64x32x8x2:c1:l8": dict(mla_config=MLAConfig(64, 32, 8, 2, ctas_per_sm=1, lazy_rescale=8)),
         "32x64x4x3:c2:l8 one split": dict(mla_config=MLAConfig(32, 64, 4, 3, ctas_per_sm=2, lazy_rescale=8), split_policy=one_split),
-        "64x64x8x2:c1:l8:g1": dict(mla_config=MLAConfig(64, 64, 8, 2, ctas_per_sm=1, lazy_rescale=8, wgmma=True)),
-        "64x64x8x2:g1 splits": dict(mla_config=MLAConfig(64, 64, 8, 2, wgmma=True)),
-        "64x64x8x2:c1:g1 one split": dict(mla_config=MLAConfig(64, 64, 8, 2, ctas_per_sm=1, wgmma=True), split_policy=one_split),
+        "64x32x8x4:g1 splits": dict(mla_config=MLAConfig(64, 32, 8, 4, wgmma=True)),
+        "64x32x8x4:c1:g1 one split": dict(mla_config=MLAConfig(64, 32, 8, 4, ctas_per_sm=1, wgmma=True), split_policy=one_split),
     }
 
 
@@ -207,7 +206,7 @@ def test_mla_kernel_variants_on_cuda(case, variant):
     assert_case(factory(**_mla_variants()[variant]), case)
 
 
-@pytest.mark.parametrize("variant", ["32x64x4x3:c2:l8", "32x64x4x3:c2:l8 one split", "64x64x8x2:g1 splits", "64x64x8x2:c1:g1 one split"])
+@pytest.mark.parametrize("variant", ["32x64x4x3:c2:l8", "32x64x4x3:c2:l8 one split", "64x32x8x4:g1 splits", "64x32x8x4:c1:g1 one split"])
 def test_mla_kernel_variants_graph_equals_eager(variant):
     case = AttnCase("DECODE", [(4095, 1), (20, 1), (8000, 1)], dtype="bfloat16", page_size=64, return_lse=True, **MLA128)
     check_graph_matches_eager(factory(**_mla_variants()[variant]), case, pad=3, run_graph=_cuda_graph_run)
@@ -236,7 +235,7 @@ def test_mla_one_split_launch_equals_merged_on_cuda(wgmma):
     sinks = torch.randn(heads, generator=gen, device="cuda")
     outs = []
     for ctas, max_splits in ((1, 1), (0, 4)):
-        tiles = (64, 64, 8, 2) if wgmma else (32, 64, 4, 3)
+        tiles = (64, 32, 8, 4) if wgmma else (32, 64, 4, 3)
         o = torch.full((bs, heads, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
         lse = torch.full((bs, heads), float("nan"), device="cuda")
         part_o = torch.empty(bs, heads, max_splits, 512, device="cuda")

@@ -282,10 +282,11 @@ def test_mla_config_variants_are_checked():
         MLAConfig(ctas_per_sm=-1)
     with pytest.raises(InvalidArgumentError, match="lazy_rescale"):
         MLAConfig(lazy_rescale=9)
-    for tiles in ((32, 64, 8, 2), (64, 64, 4, 2), (64, 64, 8, 3)):  # the Hopper kernel: 64 rows, 8 warps, two buffers
+    # the Hopper kernel: 64 rows, 32-key tiles, 8 warps, four buffers, no lazy rescaling
+    for tiles, lazy in (((32, 32, 8, 4), 0), ((64, 64, 8, 4), 0), ((64, 32, 4, 4), 0), ((64, 32, 8, 2), 0), ((64, 32, 8, 4), 8)):
         with pytest.raises(InvalidArgumentError, match="MLAConfig.wgmma"):
-            MLAConfig(*tiles, wgmma=True)
-    assert MLAConfig(64, 64, 8, 2, wgmma=True).wgmma
+            MLAConfig(*tiles, lazy_rescale=lazy, wgmma=True)
+    assert MLAConfig(64, 32, 8, 4, wgmma=True).wgmma
 
 
 @pytest.mark.parametrize("kernel", ["lazy", "lazy3"])

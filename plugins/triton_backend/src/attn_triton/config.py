@@ -148,20 +148,23 @@ def mla_config_for(dtype: torch.dtype, major: int, hip: bool = False) -> MLAConf
     (nope 512 + rope 64 channels) and the BLOCK_N x 576 latent tiles (64 x 576 bf16 = 72 KiB) take the
     shared memory.
 
-    SM90 in 16 bits runs the Hopper kernel (`kernels/mla_wgmma.py`, Gluon): 64 rows x 64 keys, two
-    warpgroups splitting the accumulator by columns (128 registers a thread, no spills) and the scores
-    by keys, q / latent / p operands in shared memory (225 KiB: 1 program per SM, hence the wave-aware
-    splits for 1 program per SM). On an H100 (docs/perf.md, "The Hopper MLA kernel"; CUDA graphs,
-    attn-triton over FlashInfer's MLA run at 128 heads, 512 + 64, bf16, page 64) it took 1.01 / 1.72 /
-    1.61 / 1.55 x at bs1 x 8192 / bs64 x 4096 / bs128 x 2048 / verify with 4 drafts, where the portable
-    kernel's best tiles (32 x 64 keys, 4 warps, 3 stages, 2 programs per SM, lazy rescaling) took
-    1.35 / 2.81 / 2.90 / 2.96: Triton's own layouts put those 32 rows on Ampere-style MMAs with q in
-    registers (255 registers and spills), and at 64 rows computed every score in both warpgroups.
+    SM90 in 16 bits runs the Hopper kernel (`kernels/mla_wgmma.py`, Gluon): 64 rows, two warp-specialized
+    warpgroups that take 32-key tiles in turn (each computes its tiles' whole score blocks and softmax
+    steps while the other's tensor-core work runs) and split the accumulator by columns (128 registers
+    a thread, no spills); q and four latent buffers in shared memory (221 KiB: 1 program per SM, hence
+    the wave-aware splits for 1 program per SM). On an H100 (docs/perf.md, "The warp-specialized Hopper
+    MLA kernel"; CUDA graphs, attn-triton over FlashInfer's MLA run at 128 heads, 512 + 64, bf16, page 64)
+    it took 0.93 / 1.28 / 1.25 / 1.26 x at bs1 x 8192 / bs64 x 4096 / bs128 x 2048 / verify with 4
+    drafts, where its predecessor (64 x 64-key tiles, both warpgroups in the same phase, the scores
+    split by keys) took 1.02 / 1.67 / 1.61 / 1.56 and the portable kernel's best tiles (32 x 64 keys, 4
+    warps, 3 stages, 2 programs per SM, lazy rescaling) 1.35 / 2.81 / 2.90 / 2.96: Triton's own layouts
+    put those 32 rows on Ampere-style MMAs with q in registers (255 registers and spills), and at 64 rows
+    computed every score in both warpgroups.
     float32, other GPUs and Triton < 3.6 (no Gluon Hopper API) use the portable kernel; other GPUs' tiles
     are reasoned, not swept.
 
     >>> mla_config_for(torch.bfloat16, 9)
-    MLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1, lazy_rescale=0, wgmma=True)
+    MLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=4, ctas_per_sm=1, lazy_rescale=0, wgmma=True)
     >>> mla_config_for(torch.bfloat16, 8).block_h
     32
     """
@@ -169,9 +172,9 @@ def mla_config_for(dtype: torch.dtype, major: int, hip: bool = False) -> MLAConf
         return MLAConfig(block_h=32, block_n=16, num_warps=4, num_stages=2)
     if major == 9 and not hip:
         # SM90: the Hopper kernel, 1 program of 8 warps per SM and the decode splits for that occupancy
-        # (one split, no merge launch, once the batch fills the GPU); lazy rescaling made it slower (spills)
+        # (one split, no merge launch, once the batch fills the GPU)
         if gluon_hopper_available():
-            return MLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1, wgmma=True)
+            return MLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=4, ctas_per_sm=1, wgmma=True)
         # Triton < 3.6: the portable kernel's best tiles of the H100 sweep (2 programs of 4 warps per SM,
         # lazy rescaling with slack 8)
         return MLAConfig(block_h=32, block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2, lazy_rescale=8)

@@ -79,10 +79,12 @@ def gluon_hopper_available(version: str = triton.__version__) -> bool:
     return (major, minor) >= (3, 6) and importlib.util.find_spec("triton.experimental.gluon") is not None
 
 
-#: rows and warps of a program of the Hopper kernel (`kernels/mla_wgmma.py`): one warpgroup MMA's M, two
-#: warpgroups
+#: tiles of the Hopper kernel (`kernels/mla_wgmma.py`): one warpgroup MMA's M rows, 32-key tiles in four
+#: buffers, two warpgroups (launched as num_warps 4: the default partition; the worker adds 4)
 WGMMA_BLOCK_H = 64
+WGMMA_BLOCK_N = 32
 WGMMA_WARPS = 8
+WGMMA_BUFFERS = 4
 #: CUDA's limit on a grid's y dimension (the Hopper kernel's requests; more take the portable kernel)
 MAX_GRID_Y = 65535
 
@@ -99,10 +101,11 @@ class MLAConfig:
       programs fit an SM; `test_triton_compile_sm90.py` prints both), so it lives here.
     - lazy_rescale: 0 rescales the accumulator on every key tile; K in 1..8 only when a row's max grew
       by more than K in base-2 units (module doc).
-    - wgmma: run the Hopper kernel (`kernels/mla_wgmma.py`, Gluon: warpgroup MMAs with the scores split by
-      keys and the accumulator by columns across two warpgroups) for the launches it takes
-      (`uses_wgmma`); it needs block_h 64, 8 warps and num_stages 2 (two latent buffers). Only for GPUs of
-      compute capability 9.x (`attn_triton.config.mla_config_for` sets it there).
+    - wgmma: run the Hopper kernel (`kernels/mla_wgmma.py`, Gluon: two warp-specialized warpgroups that take
+      the key tiles in turn, the accumulator split by columns between them) for the launches it takes
+      (`uses_wgmma`); it needs block_h 64, block_n 32, 8 warps, num_stages 4 (four latent buffers) and no
+      lazy rescaling. Only for GPUs of compute capability 9.x (`attn_triton.config.mla_config_for` sets it
+      there).
     """
 
     block_h: int = 64
@@ -117,11 +120,13 @@ class MLAConfig:
         if self.ctas_per_sm < 0:
             raise InvalidArgumentError("MLAConfig.ctas_per_sm", "0 (SplitPolicy) or programs per SM >= 1", self.ctas_per_sm)
         check_lazy_rescale("MLAConfig.lazy_rescale", self.lazy_rescale)
-        if self.wgmma and (self.block_h, self.num_warps, self.num_stages) != (WGMMA_BLOCK_H, WGMMA_WARPS, 2):
+        tiles = (self.block_h, self.block_n, self.num_warps, self.num_stages, self.lazy_rescale)
+        if self.wgmma and tiles != (WGMMA_BLOCK_H, WGMMA_BLOCK_N, WGMMA_WARPS, WGMMA_BUFFERS, 0):
             raise InvalidArgumentError(
                 "MLAConfig.wgmma",
-                f"block_h {WGMMA_BLOCK_H}, num_warps {WGMMA_WARPS} and num_stages 2 (the Hopper kernel's two latent buffers)",
-                (self.block_h, self.num_warps, self.num_stages),
+                f"block_h {WGMMA_BLOCK_H}, block_n {WGMMA_BLOCK_N}, num_warps {WGMMA_WARPS}, num_stages {WGMMA_BUFFERS} "
+                "(the Hopper kernel's four latent buffers) and lazy_rescale 0",
+                tiles,
             )
 
 
@@ -319,19 +324,19 @@ def rows_per_program(q_len: int, num_heads: int, config: MLAConfig) -> int:
 def uses_wgmma(config: MLAConfig, dtype: torch.dtype, kv_lora_rank: int, rope: int) -> bool:
     """Whether a launch runs the Hopper kernel (`kernels/mla_wgmma.py`): the config asks for it and the
     shapes are its: 16-bit q and latent, kv_lora_rank a power of two in 64..512 and rope one in 16..64 with
-    kv_lora_rank + rope <= 576 (q and two 64-row latent buffers, 384 bytes per channel, then fit Hopper's
-    227 KiB of shared memory; DeepSeek's 512 + 64 is the largest). float32 and other widths keep the
-    portable kernel.
+    kv_lora_rank + rope <= 576 (q and four 32-row latent buffers, 384 bytes per channel, and a 16 KiB p
+    ring when rope < 64, then fit Hopper's 227 KiB of shared memory; DeepSeek's 512 + 64 is the largest).
+    float32 and other widths keep the portable kernel.
 
-    >>> uses_wgmma(MLAConfig(64, 64, 8, 2, wgmma=True), torch.bfloat16, 512, 64)
+    >>> uses_wgmma(MLAConfig(64, 32, 8, 4, wgmma=True), torch.bfloat16, 512, 64)
     True
-    >>> uses_wgmma(MLAConfig(64, 64, 8, 2, wgmma=True), torch.bfloat16, 256, 32)
+    >>> uses_wgmma(MLAConfig(64, 32, 8, 4, wgmma=True), torch.bfloat16, 256, 32)
     True
-    >>> uses_wgmma(MLAConfig(64, 64, 8, 2, wgmma=True), torch.bfloat16, 512, 128)
+    >>> uses_wgmma(MLAConfig(64, 32, 8, 4, wgmma=True), torch.bfloat16, 512, 128)
     False
-    >>> uses_wgmma(MLAConfig(64, 64, 8, 2, wgmma=True), torch.float32, 512, 64)
+    >>> uses_wgmma(MLAConfig(64, 32, 8, 4, wgmma=True), torch.float32, 512, 64)
     False
-    >>> uses_wgmma(MLAConfig(64, 64, 8, 2), torch.bfloat16, 512, 64)
+    >>> uses_wgmma(MLAConfig(64, 32, 8, 4), torch.bfloat16, 512, 64)
     False
     """
     pow2 = lambda x: x > 0 and x & (x - 1) == 0  # noqa: E731
@@ -449,10 +454,12 @@ def mla_attention(
         from attn_triton.kernels.mla_wgmma import mla_wgmma_kernel  # Gluon: imported only where it runs
 
         block_h = WGMMA_BLOCK_H
-        kernel, grid, options = mla_wgmma_kernel, (triton.cdiv(q_len * hq, block_h), bs, max_splits), {}
+        grid = (triton.cdiv(q_len * hq, block_h), bs, max_splits)
+        kernel, options = mla_wgmma_kernel, dict(num_warps=WGMMA_WARPS // 2)  # the default partition's warps
     else:
         block_h = rows_per_program(q_len, hq, config)
-        kernel, grid, options = _mla_kernel, (bs, triton.cdiv(q_len * hq, block_h), max_splits), dict(num_stages=config.num_stages)
+        grid = (bs, triton.cdiv(q_len * hq, block_h), max_splits)
+        kernel, options = _mla_kernel, dict(num_warps=config.num_warps, num_stages=config.num_stages)
     dummy = kv_indptr
     kernel[grid](
         q,
@@ -505,7 +512,6 @@ def mla_attention(
         STORE_LSE=lse_out is not None and not split,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         LAZY=config.lazy_rescale,
-        num_warps=config.num_warps,
         **options,
     )
     if split:

@@ -1,33 +1,46 @@
-"""Absorbed-MLA attention on Hopper's warpgroup MMA, written in Gluon (Triton's explicit-layout dialect).
+"""Absorbed-MLA attention on Hopper's warpgroup MMA, written in Gluon (Triton's explicit-layout dialect):
+two warpgroups that take the key tiles in turn (warp-specialized).
 
 The same work and arguments as `mla_decode._mla_kernel` (module doc there: rows are (token, head) pairs
 on M, each latent tile loaded once and used for the scores and the output, decode splits, verify with
-causal or tree masks, window, logit cap, sinks, LSE, bounds and faults), laid out the way Hopper runs it
-best, which Triton's automatic layouts do not reach for this shape:
+causal or tree masks, window, logit cap, sinks, LSE, bounds and faults). A program holds BLOCK_H = 64
+rows and runs as two partitions of one warpgroup (4 warps) each (`gl.warp_specialize`):
 
-- 8 warps = 2 warpgroups per program of BLOCK_H = 64 rows. The `[64, 512]` float32 output accumulator is
-  split by columns: warpgroup w holds columns [256 w, 256 w + 256) (128 registers a thread), so nothing
-  spills.
-- Scores `[64, BLOCK_N]` are split by keys: warpgroup w computes keys [w BLOCK_N / 2, ...) of the tile
-  (Triton's own layout for a dot that feeds another dot puts both warpgroups on the full tile, so every
-  score is computed twice). The row max crosses the two warpgroups through shared memory; row sums are
-  kept per score column and summed once after the last tile.
-- q (`[64, 512]` + `[64, 64]`), the latent tiles and p live in shared memory, the A and B operands of
-  `warpgroup_mma`; latent tiles arrive by `cp.async` gathers (one slot per key row, any page size) in two
-  buffers, tile j + 1 in flight while tile j is computed (at BLOCK_N 64 these fill Hopper's 227 KB).
-- Grid `[row blocks, bs, splits]`: the row blocks of one request are neighbours in launch order, so they
-  run together and read its latent rows from L2 once (with the request first, a batch of more than one
-  wave read every row from DRAM once per row block).
+- Key tiles of BLOCK_N = 32 alternate between the warpgroups: warpgroup w owns tiles k = w, w + 2, ...
+  It gathers them (cp.async by slot, any page size) into buffer k % 4 of four, computes the tile's whole
+  `[64, 32]` score block (q . latent^T over all kv_lora_rank + rope channels), runs the online-softmax
+  step and publishes p, the new row max and the factor alpha in shared memory.
+- The `[64, kv_lora_rank]` float32 output is split by columns: warpgroup w accumulates columns
+  [w R / 2, (w + 1) R / 2) over every tile, its own and the other's (p . latent[:, its columns]).
+- The softmax steps form one chain (tile k's max starts from tile k - 1's), alternating between the
+  warpgroups; while one runs its step, the other's tensor-core work runs: the scores of its next tile
+  (issued before it waits for the other's p) and its output updates.
+- Row sums are kept per warpgroup (each adds its own tiles' p, both apply every alpha) and summed once.
 
-Per key tile (buffer b):
+Per tile k, by its owner w (buffer b = k % 4):
 
-    scores = q_nope · nope[b]^T + q_rope · rope[b]^T        [64, BLOCK_N]   (keys split across warpgroups)
-    p      = online softmax of scores (lazy rescale: `mla_decode` module doc)
-    acc   += p · nope[b]                                    [64, 512]       (columns split across warpgroups)
+    scores = q_nope . nope[b]^T + q_rope . rope[b]^T       [64, 32]   (issued during tile k - 1)
+    m, p, alpha = softmax step from tile k - 1's max        -> shared memory, p_ready[w]
+    acc_w = acc_w * alpha + p . nope[b][:, w's columns]     [64, R/2]  (both warpgroups, each its half)
 
-Requires compute capability 9.x, q / latent in bfloat16 or float16, kv_lora_rank and rope powers of two
-(512 and 64 in DeepSeek), BLOCK_H 64 and num_warps 8; launched by `mla_decode.mla_attention` under
-`MLAConfig.wgmma` (`mla_decode.uses_wgmma`).
+Synchronisation (mbarriers, one arrive per warpgroup): p_ready[w], warpgroup w published a tile (phase
+(k // 2) & 1); kv_free[b], the non-owner finished reading buffer b (the owner then gathers tile k + 4
+into it, phase (k // 4) & 1); l_ready, both row sums stored. Each warpgroup gathers its tile k + 3 while
+the other runs tile k + 1's softmax, two steps before its scores need it. An odd tile count ends with one
+tile of keys past s_hi (zero-filled, fully masked: p = 0, alpha = 1).
+
+Shared memory at DeepSeek's 512 + 64 (bf16): q 72 KiB, four 32-key buffers 144 KiB; a tile's p
+(`[64, 32]`, 4 KiB) is written over its rope columns (`[32, 64]`, read only by its scores) when rope is
+64, otherwise into a ring of its own.
+
+Two ptxas rules shape the code: a warpgroup MMA must not be in flight while another one's accumulator is
+written by other instructions, nor across a loop back edge coming out of an own tile (either makes ptxas
+serialize every warpgroup MMA of the kernel, `test_triton_compile_sm90.py` checks it); hence the score
+MMA's accumulator is a dead tensor rather than fresh zeros, and warpgroup 1 takes tile 0 before its loop.
+
+Requires compute capability 9.x, q / latent in bfloat16 or float16, kv_lora_rank a power of two in
+64..512 and rope one in 16..64 (`mla_decode.uses_wgmma`); launched with num_warps 4 (the default
+partition; the worker adds 4) under `MLAConfig.wgmma`.
 """
 
 from __future__ import annotations
@@ -35,7 +48,13 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
 
 from attn_triton.kernels.common import (
     FAULT_KEY_OFFSETS,
@@ -47,70 +66,311 @@ from attn_triton.kernels.common import (
 from attn_triton.kernels.decode import one_split_result, split_count
 from attn_triton.kernels.mla_decode import tile_scores
 
-# Gluon's names moved between Triton releases (3.6: async_copy_global_to_shared / thread_barrier; 3.9:
-# async_load / barrier); the same builtins under either name
 _gather_to_shared = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+# shared_memory_descriptor.reinterpret (3.9) was _reinterpret (3.6)
+_NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+
+
+#: cp.async gather layout: 8 threads a row (64 channels = 128 bytes), 16 rows a pass
+_LOAD = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 
 
 @gluon.jit
-def _tile_slots(KV_INDICES, kv_beg, start, s_hi, BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr):
-    """Slots (int32, as stored) of keys [start, start + BLOCK_N) in the row layout of LAYOUT's tiles; -1
-    for keys at or past s_hi."""
-    n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAYOUT))
-    return gl.load(KV_INDICES + kv_beg + n, mask=n < s_hi, other=-1)
+def _tile_rows(KV_INDICES, FAULT, kv_beg, start, s_hi, num_slots, stride_ks, BLOCK_N: gl.constexpr):
+    """(element offsets (int64) of the latent rows of keys [start, start + BLOCK_N), which rows to read): a
+    key at or past s_hi is not read, nor one whose slot is outside [0, num_slots), which also raises the
+    SLOT fault (its row is then zero-filled and the key scores q . 0 = 0 rather than being left out: the
+    step is reported bad)."""
+    n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _LOAD))
+    live = n < s_hi
+    slot = gl.load(KV_INDICES + kv_beg + n, mask=live, other=0)
+    slot_ok = (slot >= 0) & (slot < num_slots)
+    gl.store(FAULT + FAULT_SLOT + gl.zeros_like(slot), 1, mask=live & ~slot_ok)
+    ok = live & slot_ok
+    # slot * stride, never a constant in its place: the offsets stay provably 16-divisible (vector copies)
+    return gl.where(ok, slot, 0).to(gl.int64) * stride_ks, ok
 
 
 @gluon.jit
-def _issue_tile(
-    KV,
-    slot_n,
-    slot_r,
-    num_slots,
-    stride_ks,
-    nope_buf,
-    rope_buf,
-    RANK: gl.constexpr,
-    ROPE: gl.constexpr,
-    NOPE_LOAD: gl.constexpr,
-    ROPE_LOAD: gl.constexpr,
-):
-    """Start the cp.async gather of one key tile into one ring buffer: nope_buf `[BLOCK_N, RANK]`, rope_buf
-    `[BLOCK_N, ROPE]`, rows from `_tile_slots` in each load layout (a slot outside [0, num_slots) is not
-    read: its row is zero-filled)."""
-    ok = (slot_n >= 0) & (slot_n < num_slots)
-    cols = gl.arange(0, RANK, layout=gl.SliceLayout(0, NOPE_LOAD))
-    _gather_to_shared(nope_buf, KV + (slot_n.to(gl.int64) * stride_ks)[:, None] + cols[None, :], mask=ok[:, None])
-    ok_r = (slot_r >= 0) & (slot_r < num_slots)
-    cols_r = RANK + gl.arange(0, ROPE, layout=gl.SliceLayout(0, ROPE_LOAD))
-    _gather_to_shared(rope_buf, KV + (slot_r.to(gl.int64) * stride_ks)[:, None] + cols_r[None, :], mask=ok_r[:, None])
+def _gather_tile(KV, rows, ok, nope_buf, rope_buf, RANK: gl.constexpr, ROPE: gl.constexpr):
+    """Start the cp.async gather of one tile's latent rows (`_tile_rows`; rows not `ok` zero-filled) into
+    one buffer, as one commit group."""
+    # offsets summed before the pointer is formed: `KV + cols` would be loop-invariant, hoisted out of the
+    # tile loop and held (32 addresses a thread)
+    r2 = rows[:, None]
+    ok2 = ok[:, None]
+    _gather_to_shared(nope_buf, KV + (r2 + gl.arange(0, RANK, layout=gl.SliceLayout(0, _LOAD))[None, :]), mask=ok2)
+    if ROPE == 64:
+        _gather_to_shared(rope_buf, KV + (r2 + (RANK + gl.arange(0, ROPE, layout=gl.SliceLayout(0, _LOAD)))[None, :]), mask=ok2)
+    else:  # narrower rope: a layout of its own width (no thread copies an element twice)
+        ROPE_LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (ROPE // 8), ROPE // 8], [4, 1], [1, 0])
+        rows_r = gl.convert_layout(rows, gl.SliceLayout(1, ROPE_LOAD))
+        ok_r = gl.convert_layout(ok, gl.SliceLayout(1, ROPE_LOAD))
+        cols_r = RANK + gl.arange(0, ROPE, layout=gl.SliceLayout(0, ROPE_LOAD))
+        _gather_to_shared(rope_buf, KV + (rows_r[:, None] + cols_r[None, :]), mask=ok_r[:, None])
+    async_copy.commit_group()
 
 
 @gluon.jit
-def _qk(qn_s, qr_s, nope_buf, rope_buf, zero):
-    """Start scores = q_nope · nope^T + q_rope · rope^T of one tile (async; `warpgroup_mma_wait` gives them)."""
-    qk = warpgroup_mma(qn_s, nope_buf.permute((1, 0)), zero, use_acc=False, is_async=True)
+def _load_tile(KV, KV_INDICES, FAULT, kv_beg, start, s_hi, num_slots, stride_ks, nope_buf, rope_buf,
+               BLOCK_N: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr):  # fmt: skip
+    """`_tile_rows` then `_gather_tile`: start loading keys [start, start + BLOCK_N) into one buffer."""
+    rows, ok = _tile_rows(KV_INDICES, FAULT, kv_beg, start, s_hi, num_slots, stride_ks, BLOCK_N)
+    _gather_tile(KV, rows, ok, nope_buf, rope_buf, RANK, ROPE)
+
+
+@gluon.jit
+def _start_scores(qn_s, qr_s, nope_buf, rope_buf, spent):
+    """Issue scores = q_nope . nope^T + q_rope . rope^T of one tile `[BLOCK_H, BLOCK_N]` (async: a
+    `warpgroup_mma_wait` gives them). `spent`: a dead `[BLOCK_H, BLOCK_N]` tensor of the scores' layout
+    whose registers take the result (not read: a fresh zero tensor would be written while the other
+    MMA is in flight, which makes ptxas serialize every warpgroup MMA of the kernel)."""
+    qk = warpgroup_mma(qn_s, nope_buf.permute((1, 0)), spent, use_acc=False, is_async=True)
     return warpgroup_mma(qr_s, rope_buf.permute((1, 0)), qk, is_async=True)
 
 
 @gluon.jit
-def _softmax_tile(sc, m_i, l_acc, s_scale, LAZY: gl.constexpr):
-    """One online-softmax step in base 2 (logits sc * s_scale): returns (reference max, the row sums kept
-    per score column `l_acc` [BLOCK_H, BLOCK_N] (summed once at the end: no cross-warpgroup sum per tile),
-    p, alpha the factor the accumulator takes, moved: whether it takes it). With LAZY the reference moves
-    only when some row's tile max exceeds it by more than LAZY (`mla_decode` module doc)."""
-    m_tile = gl.max(sc, 1) * s_scale
-    if LAZY > 0:
-        grow = gl.where(m_tile > m_i, m_tile - m_i, 0.0)  # +inf for a row's first finite tile
-        moved = gl.max(grow, 0) > LAZY
-        m_new = gl.where(moved, gl.maximum(m_i, m_tile), m_i)
+def _p_buf(rope_s, p_s, b, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, P_IN_ROPE: gl.constexpr):
+    """Where tile b's p `[BLOCK_H, BLOCK_N]` lives: over the tile's rope columns (`[BLOCK_N, 64]`, the same
+    bytes, no longer read once its scores are done) or in a ring of its own."""
+    if P_IN_ROPE:
+        P_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], rope_s.dtype)
+        if _NEW_REINTERPRET:
+            return rope_s.index(b).reinterpret(rope_s.dtype, [BLOCK_H, BLOCK_N], P_SMEM)
+        else:
+            return rope_s.index(b)._reinterpret(rope_s.dtype, [BLOCK_H, BLOCK_N], P_SMEM)
     else:
-        moved = True
-        m_new = gl.maximum(m_i, m_tile)
+        return p_s.index(b)
+
+
+@gluon.jit
+def _own_tile(
+    k, scores, acc, m_i, l_i, W: gl.constexpr, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, MASK, t, row_ok, q_pos, s_lo,
+    s_hi, mask_beg, kv_len, mask_size, qk_scale, cap_scale, window, s_scale, Q_LEN: gl.constexpr, BLOCK_H: gl.constexpr,
+    BLOCK_N: gl.constexpr, HALF: gl.constexpr, USE_MASK: gl.constexpr, HAS_WINDOW: gl.constexpr, LOGIT_CAP: gl.constexpr,
+    P_IN_ROPE: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr,
+):  # fmt: skip
+    """Warpgroup W's own tile k (buffer k % 4; scores `[BLOCK_H, BLOCK_N]` float32, waited): the softmax step
+    from the running max m_i after tile k - 1, p / max / alpha published (p_ready[W]), then, once this
+    warpgroup's update from the other's tile k - 1 is done (kv_free of that buffer), the output rescaled
+    and p . latent[:, W's columns] issued. Returns (acc in flight, m, l)."""
+    dtype: gl.constexpr = nope_s.dtype
+    n = s_lo + k * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+    sc = tile_scores(scores, n, n < s_hi, t, row_ok, q_pos, mask_beg, kv_len, MASK, mask_size, qk_scale, cap_scale, window,
+                     Q_LEN, USE_MASK, HAS_WINDOW, LOGIT_CAP)  # fmt: skip
+    m_new = gl.maximum(m_i, gl.max(sc, 1) * s_scale)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_use)
     p = gl.exp2(sc * s_scale - m_use[:, None])
-    return m_new, l_acc * alpha[:, None] + p, p, alpha, moved
+    l_i = l_i * alpha + gl.sum(p, 1)
+    b = k % 4
+    p_buf = _p_buf(rope_s, p_s, b, BLOCK_H, BLOCK_N, P_IN_ROPE)
+    p_buf.store(p.to(dtype))
+    m_s.index(W).store(m_new)
+    a_s.index(W).store(alpha)
+    fence_async_shared()
+    _cta_barrier()  # this warpgroup's p, max and alpha are all stored
+    mbarrier.arrive(p_ready.index(W))
+    o = warpgroup_mma_wait(0, deps=[acc])
+    if k > 0:
+        mbarrier.arrive(kv_free.index((k - 1) % 4))  # done reading the other's tile k - 1
+    o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+    acc = warpgroup_mma(p_buf, nope_s.index(b).slice(W * HALF, HALF, dim=1), o, is_async=True)
+    return acc, m_new, l_i
+
+
+@gluon.jit
+def _other_tile(
+    k, acc, l_i, spent, W: gl.constexpr, qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, KV, KV_INDICES, FAULT, kv_beg,
+    s_lo, s_hi, num_slots, stride_ks, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr,
+    HALF: gl.constexpr, P_IN_ROPE: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr,
+):  # fmt: skip
+    """The other warpgroup's tile k, seen from warpgroup W (its own output update of tile k - 1 in flight):
+    issue the scores of W's next tile k + 1 (landed) and read the slots of its tile k + 3, wait for tile
+    k's p, gather tile k + 3 into the buffer of tile k - 1 (once both warpgroups are done with it), then
+    take tile k's alpha and issue p . latent[:, W's columns]. `spent`: a dead scores tensor (the score
+    MMA's accumulator, `_start_scores`). Returns (acc in flight, m, l, W's scores of tile k + 1)."""
+    async_copy.wait_group(0)  # tile k + 1, the one group in flight
+    fence_async_shared()
+    _cta_barrier()
+    b1 = (k + 1) % 4
+    qk = _start_scores(qn_s, qr_s, nope_s.index(b1), rope_s.index(b1), spent)
+    rows3, ok3 = _tile_rows(KV_INDICES, FAULT, kv_beg, s_lo + (k + 3) * BLOCK_N, s_hi, num_slots, stride_ks, BLOCK_N)  # read ahead
+    mbarrier.wait(p_ready.index(1 - W), (k // 2) & 1)
+    m_i = m_s.index(1 - W).load(gl.SliceLayout(1, S_L))
+    l_i = l_i * a_s.index(1 - W).load(gl.SliceLayout(1, S_L))
+    o = warpgroup_mma_wait(1, deps=[acc])  # own output update of tile k - 1 (issued before the scores) done
+    b3 = (k + 3) % 4
+    if k > 0:  # the other warpgroup finished reading tile k - 1 (this buffer's last tile)
+        mbarrier.wait(kv_free.index(b3), ((k - 1) // 4) & 1)
+    _gather_tile(KV, rows3, ok3, nope_s.index(b3), rope_s.index(b3), RANK, ROPE)
+    scores = warpgroup_mma_wait(0, deps=[qk])
+    o = o * a_s.index(1 - W).load(gl.SliceLayout(1, O_L))[:, None]
+    b = k % 4
+    acc = warpgroup_mma(_p_buf(rope_s, p_s, b, BLOCK_H, BLOCK_N, P_IN_ROPE), nope_s.index(b).slice(W * HALF, HALF, dim=1), o,
+                        is_async=True)  # fmt: skip
+    return acc, m_i, l_i, scores
+
+
+@gluon.jit
+def _warpgroup(
+    W: gl.constexpr,
+    qn_s,
+    qr_s,
+    nope_s,
+    rope_s,
+    p_s,
+    m_s,
+    a_s,
+    l_s,
+    kv_free,
+    p_ready,
+    l_ready,
+    KV,
+    KV_INDICES,
+    MASK,
+    SINKS,
+    FAULT,
+    OUT,
+    LSE,
+    PART_O,
+    PART_LSE,
+    kv_beg,
+    s_lo,
+    s_hi,
+    kv_len,
+    q_len,
+    q_beg,
+    mask_beg,
+    hb,
+    r,
+    s,
+    num_slots,
+    mask_size,
+    num_heads,
+    qk_scale,
+    cap_scale,
+    v_scale,
+    window,
+    stride_ks,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    Q_LEN: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    RANK: gl.constexpr,
+    ROPE: gl.constexpr,
+    SPLIT: gl.constexpr,
+    USE_MASK: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
+    LOGIT_CAP: gl.constexpr,
+    HAS_SINK: gl.constexpr,
+    STORE_LSE: gl.constexpr,
+    P_IN_ROPE: gl.constexpr,
+):
+    """Warpgroup W's part of a program (module doc): its own tiles k = W, W + 2, ... and its output columns."""
+    HALF: gl.constexpr = RANK // 2
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
+    ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
+    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+
+    offs_m = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_S)
+    t = offs_m // num_heads
+    row_ok = (offs_m < Q_LEN * num_heads) & (t < q_len)
+    q_pos = kv_len - q_len + t
+    if LOGIT_CAP:
+        s_scale = 1.0
+    else:
+        s_scale = qk_scale
+
+    # tiles are taken in pairs (warpgroup 0's, then 1's), at least one; an odd count ends with an empty
+    # tile (all keys past s_hi: zero-filled, fully masked, p = 0 and alpha = 1)
+    n_pairs = gl.maximum(gl.cdiv(gl.cdiv(s_hi - s_lo, BLOCK_N), 2), 1)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, ROW_S)
+    l_i = gl.zeros([BLOCK_H], gl.float32, ROW_S)
+    acc = warpgroup_mma_init(gl.zeros([BLOCK_H, HALF], gl.float32, O_L))
+    _load_tile(KV, KV_INDICES, FAULT, kv_beg, s_lo + W * BLOCK_N, s_hi, num_slots, stride_ks, nope_s.index(W), rope_s.index(W),
+               BLOCK_N, RANK, ROPE)  # fmt: skip
+    if W == 0:
+        async_copy.wait_group(0)
+        fence_async_shared()
+        _cta_barrier()
+        qk = _start_scores(qn_s, qr_s, nope_s.index(0), rope_s.index(0), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L))
+        _load_tile(KV, KV_INDICES, FAULT, kv_beg, s_lo + 2 * BLOCK_N, s_hi, num_slots, stride_ks, nope_s.index(2), rope_s.index(2),
+                   BLOCK_N, RANK, ROPE)  # fmt: skip
+        scores = warpgroup_mma_wait(0, deps=[qk])
+        for u in range(n_pairs):
+            acc, m_i, l_i = _own_tile(
+                2 * u, scores, acc, m_i, l_i, W, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, MASK, t, row_ok, q_pos, s_lo, s_hi,
+                mask_beg, kv_len, mask_size, qk_scale, cap_scale, window, s_scale, Q_LEN, BLOCK_H, BLOCK_N, HALF, USE_MASK,
+                HAS_WINDOW, LOGIT_CAP, P_IN_ROPE, S_L, O_L,
+            )  # fmt: skip
+            acc, m_i, l_i, scores = _other_tile(
+                2 * u + 1, acc, l_i, scores, W, qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, KV, KV_INDICES, FAULT, kv_beg,
+                s_lo, s_hi, num_slots, stride_ks, BLOCK_H, BLOCK_N, RANK, ROPE, HALF, P_IN_ROPE, S_L, O_L,
+            )  # fmt: skip
+    else:
+        # tile 0 (the other's) before the loop, so that no output update is in flight across the loop's
+        # back edge coming out of an own tile (ptxas would then serialize every warpgroup MMA)
+        acc, m_i, l_i, scores = _other_tile(
+            0, acc, l_i, gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L), W, qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free,
+            KV, KV_INDICES, FAULT, kv_beg, s_lo, s_hi, num_slots, stride_ks, BLOCK_H, BLOCK_N, RANK, ROPE, HALF, P_IN_ROPE, S_L, O_L,
+        )  # fmt: skip
+        for u in range(n_pairs - 1):
+            acc, m_i, l_i = _own_tile(
+                2 * u + 1, scores, acc, m_i, l_i, W, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, MASK, t, row_ok, q_pos, s_lo,
+                s_hi, mask_beg, kv_len, mask_size, qk_scale, cap_scale, window, s_scale, Q_LEN, BLOCK_H, BLOCK_N, HALF, USE_MASK,
+                HAS_WINDOW, LOGIT_CAP, P_IN_ROPE, S_L, O_L,
+            )  # fmt: skip
+            acc, m_i, l_i, scores = _other_tile(
+                2 * u + 2, acc, l_i, scores, W, qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, KV, KV_INDICES, FAULT,
+                kv_beg, s_lo, s_hi, num_slots, stride_ks, BLOCK_H, BLOCK_N, RANK, ROPE, HALF, P_IN_ROPE, S_L, O_L,
+            )  # fmt: skip
+        acc, m_i, l_i = _own_tile(
+            2 * n_pairs - 1, scores, acc, m_i, l_i, W, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, MASK, t, row_ok, q_pos, s_lo,
+            s_hi, mask_beg, kv_len, mask_size, qk_scale, cap_scale, window, s_scale, Q_LEN, BLOCK_H, BLOCK_N, HALF, USE_MASK,
+            HAS_WINDOW, LOGIT_CAP, P_IN_ROPE, S_L, O_L,
+        )  # fmt: skip
+    o = warpgroup_mma_wait(0, deps=[acc])
+    async_copy.wait_group(0)  # loads issued past the last tile (zero-fills) land before the program ends
+
+    # row sums: this warpgroup's plus the other's
+    l_s.index(W).store(l_i)
+    _cta_barrier()
+    mbarrier.arrive(l_ready.index(0))
+    mbarrier.wait(l_ready.index(0), 0)
+    l_i = l_i + l_s.index(1 - W).load(ROW_S)
+
+    has = l_i > 0.0
+    inv = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
+    lse2 = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
+    offs_mo = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_O)
+    to = offs_mo // num_heads
+    ho = offs_mo % num_heads
+    row_ok_o = (offs_mo < Q_LEN * num_heads) & (to < q_len)
+    ok_o = row_ok_o[:, None]
+    co = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_L))
+    out = o * gl.convert_layout(inv, ROW_O)[:, None]
+    if SPLIT:
+        po = PART_O + r.to(gl.int64) * stride_pb + ho[:, None] * stride_ph + s * stride_ps + co[None, :]
+        gl.store(po, out, mask=ok_o)
+        if W == 0:
+            h = offs_m % num_heads
+            gl.store(PART_LSE + r.to(gl.int64) * stride_lb + h * stride_lh + s, lse2, mask=row_ok)
+    else:
+        res, lse_e = one_split_result(out, gl.convert_layout(lse2, ROW_O), SINKS, ho, row_ok_o, v_scale, HAS_SINK)
+        o_rows = OUT + (q_beg + to).to(gl.int64)[:, None] * stride_ot + ho[:, None] * stride_oh
+        gl.store(o_rows + co[None, :], res.to(OUT.dtype.element_ty), mask=ok_o)
+        if STORE_LSE and W == 0:
+            gl.store(LSE + (q_beg + to).to(gl.int64) * stride_lt + ho, lse_e, mask=row_ok_o)
 
 
 @gluon.jit
@@ -167,24 +427,21 @@ def mla_wgmma_kernel(
     LAZY: gl.constexpr,
 ):
     gl.static_assert(BLOCK_H == 64, "one warpgroup MMA row block")
+    gl.static_assert(BLOCK_N == 32, "32-key tiles in four buffers")
     gl.static_assert(BLOCK_R == RANK, "kv_lora_rank a power of two")
     gl.static_assert(BLOCK_ROPE == ROPE, "rope a power of two")
+    gl.static_assert(LAZY == 0, "rescales on every tile")
     dtype: gl.constexpr = KV.dtype.element_ty
-    # scores: keys split across the two warpgroups; output: columns split across them
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, RANK // 2, 16])
-    ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
-    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
-    COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
-    NOPE_LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
-    ROPE_LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (ROPE // 8), ROPE // 8], [8, 1], [1, 0])
+    NOPE_LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    ROPE_LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (ROPE // 8), ROPE // 8], [4, 1], [1, 0])
     NOPE_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, RANK], dtype)
     ROPE_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dtype)
     QN_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, RANK], dtype)
     QR_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], dtype)
     P_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype)
+    ROWS_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
-    hb = gl.program_id(0)  # the row blocks of a request run side by side and share its latent rows in L2
+    hb = gl.program_id(0)
     r = gl.program_id(1)
     s = gl.program_id(2)
     first = (hb == 0) & (s == 0)
@@ -219,7 +476,6 @@ def mla_wgmma_kernel(
         s_lo = lo
         s_hi = kv_len
     if s < n_split:
-        # q rows into shared memory (rows past the request's tokens read as zeros and are not stored)
         offs_mq = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, NOPE_LOAD))
         tq = offs_mq // num_heads
         q_ok = (offs_mq < Q_LEN * num_heads) & (tq < q_len)
@@ -234,83 +490,42 @@ def mla_wgmma_kernel(
         cr = gl.arange(0, ROPE, layout=gl.SliceLayout(0, ROPE_LOAD))
         q_rope = gl.load(qr_rows[:, None] + cr[None, :], mask=qr_ok[:, None], other=0.0)
         qr_s = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], QR_SMEM, q_rope)
-        nope_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, RANK], NOPE_SMEM)
-        rope_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], ROPE_SMEM)
-        p_s = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], P_SMEM)
-
-        # rows of this program in the score layout: (token t, head h) pairs
-        offs_m = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_S)
-        t = offs_m // num_heads
-        h = offs_m % num_heads
-        row_ok = (offs_m < Q_LEN * num_heads) & (t < q_len)
-        q_pos = kv_len - q_len + t
-
-        n_tiles = gl.cdiv(s_hi - s_lo, BLOCK_N)
-        if n_tiles > 0:
-            slot_n = _tile_slots(KV_INDICES, kv_beg, s_lo, s_hi, BLOCK_N, NOPE_LOAD)
-            slot_r = _tile_slots(KV_INDICES, kv_beg, s_lo, s_hi, BLOCK_N, ROPE_LOAD)
-            _issue_tile(KV, slot_n, slot_r, num_slots, stride_ks, nope_s.index(0), rope_s.index(0), RANK, ROPE, NOPE_LOAD, ROPE_LOAD)
-        async_copy.commit_group()
-
-        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, ROW_S)
-        l_acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L)
-        zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L)
-        acc = gl.zeros([BLOCK_H, RANK], gl.float32, O_L)
-        bad = gl.zeros([BLOCK_N], gl.int1, COL_S)
-        if LOGIT_CAP:
-            s_scale = 1.0
+        nope_s = gl.allocate_shared_memory(dtype, [4, BLOCK_N, RANK], NOPE_SMEM)
+        rope_s = gl.allocate_shared_memory(dtype, [4, BLOCK_N, ROPE], ROPE_SMEM)
+        P_IN_ROPE: gl.constexpr = ROPE == BLOCK_H  # a tile's p `[BLOCK_H, BLOCK_N]` fits its rope columns
+        if P_IN_ROPE:
+            p_s = rope_s
         else:
-            s_scale = qk_scale
-        for j in range(n_tiles):
-            b = j % 2
-            n = s_lo + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=COL_S)
-            slot = gl.load(KV_INDICES + kv_beg + n, mask=n < s_hi, other=0)
-            n_ok = n < s_hi
-            slot_ok = (slot >= 0) & (slot < num_slots)
-            bad = bad | (n_ok & ~slot_ok)
-            n_ok = n_ok & slot_ok
-            # slots of tile j + 1, whose loads this step starts into the other buffer
-            slot_n = _tile_slots(KV_INDICES, kv_beg, s_lo + (j + 1) * BLOCK_N, s_hi, BLOCK_N, NOPE_LOAD)
-            slot_r = _tile_slots(KV_INDICES, kv_beg, s_lo + (j + 1) * BLOCK_N, s_hi, BLOCK_N, ROPE_LOAD)
-            async_copy.wait_group(0)  # tile j has landed (this thread's copies, then everyone's)
-            fence_async_shared()
-            _cta_barrier()
-            qk = _qk(qn_s, qr_s, nope_s.index(b), rope_s.index(b), zero)
-            if j + 1 < n_tiles:
-                _issue_tile(KV, slot_n, slot_r, num_slots, stride_ks, nope_s.index(1 - b), rope_s.index(1 - b), RANK, ROPE, NOPE_LOAD,
-                            ROPE_LOAD)  # fmt: skip
-            async_copy.commit_group()
-            qk = warpgroup_mma_wait(0, deps=[qk])
-            sc = tile_scores(qk, n, n_ok, t, row_ok, q_pos, mask_beg, kv_len, MASK, mask_size, qk_scale, cap_scale, window,
-                             Q_LEN, USE_MASK, HAS_WINDOW, LOGIT_CAP)  # fmt: skip
-            m_i, l_acc, p, alpha, moved = _softmax_tile(sc, m_i, l_acc, s_scale, LAZY)
-            if moved:
-                acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
-            p_s.store(p.to(dtype))
-            fence_async_shared()
-            _cta_barrier()  # p of both warpgroups stored
-            acc = warpgroup_mma_wait(0, deps=[warpgroup_mma(p_s, nope_s.index(b), acc, is_async=True)])
-        async_copy.wait_group(0)
-        l_i = gl.sum(l_acc, 1)
-
-        gl.store(FAULT + FAULT_SLOT + gl.zeros([BLOCK_N], gl.int32, COL_S), 1, mask=bad)
-        has = l_i > 0.0
-        inv = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
-        lse2 = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
-        offs_mo = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_O)
-        to = offs_mo // num_heads
-        ho = offs_mo % num_heads
-        row_ok_o = (offs_mo < Q_LEN * num_heads) & (to < q_len)
-        ok_o = row_ok_o[:, None]
-        co = gl.arange(0, RANK, layout=gl.SliceLayout(0, O_L))
-        out = acc * gl.convert_layout(inv, ROW_O)[:, None]  # the split's normalized output
-        if SPLIT:
-            po = PART_O + r.to(gl.int64) * stride_pb + ho[:, None] * stride_ph + s * stride_ps + co[None, :]
-            gl.store(po, out, mask=ok_o)
-            gl.store(PART_LSE + r.to(gl.int64) * stride_lb + h * stride_lh + s, lse2, mask=row_ok)
-        else:  # the merge's arithmetic for one split: the same bits as a merged launch (decode.one_split_result)
-            res, lse_e = one_split_result(out, gl.convert_layout(lse2, ROW_O), SINKS, ho, row_ok_o, v_scale, HAS_SINK)
-            o_rows = OUT + (q_beg + to).to(gl.int64)[:, None] * stride_ot + ho[:, None] * stride_oh
-            gl.store(o_rows + co[None, :], res.to(OUT.dtype.element_ty), mask=ok_o)
-            if STORE_LSE:
-                gl.store(LSE + (q_beg + to).to(gl.int64) * stride_lt + ho, lse_e, mask=row_ok_o)
+            p_s = gl.allocate_shared_memory(dtype, [4, BLOCK_H, BLOCK_N], P_SMEM)
+        m_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], ROWS_SMEM)
+        a_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], ROWS_SMEM)
+        l_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], ROWS_SMEM)
+        kv_free = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        l_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(4):
+            mbarrier.init(kv_free.index(i), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(p_ready.index(i), count=1)
+        mbarrier.init(l_ready.index(0), count=2)
+        fence_async_shared()
+        _cta_barrier()
+        # (the partitions' arguments written out in the call: a tuple built first would turn the constexprs into tensors)
+        gl.warp_specialize(
+            [
+                (_warpgroup, (0,
+                qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, l_s, kv_free, p_ready, l_ready, KV, KV_INDICES, MASK, SINKS,
+                FAULT, OUT, LSE, PART_O, PART_LSE, kv_beg, s_lo, s_hi, kv_len, q_len, q_beg, mask_beg, hb, r, s,
+                num_slots, mask_size, num_heads, qk_scale, cap_scale, v_scale, window, stride_ks, stride_ot, stride_oh,
+                stride_lt, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, Q_LEN, BLOCK_H, BLOCK_N, RANK, ROPE,
+                SPLIT, USE_MASK, HAS_WINDOW, LOGIT_CAP, HAS_SINK, STORE_LSE, P_IN_ROPE)),
+                (_warpgroup, (1,
+                qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, l_s, kv_free, p_ready, l_ready, KV, KV_INDICES, MASK, SINKS,
+                FAULT, OUT, LSE, PART_O, PART_LSE, kv_beg, s_lo, s_hi, kv_len, q_len, q_beg, mask_beg, hb, r, s,
+                num_slots, mask_size, num_heads, qk_scale, cap_scale, v_scale, window, stride_ks, stride_ot, stride_oh,
+                stride_lt, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, Q_LEN, BLOCK_H, BLOCK_N, RANK, ROPE,
+                SPLIT, USE_MASK, HAS_WINDOW, LOGIT_CAP, HAS_SINK, STORE_LSE, P_IN_ROPE)),
+            ],
+            [4],  # the worker: warpgroup 1 (warpgroup 0 is the default partition, the kernel's num_warps 4)
+            [248],  # its registers; the default partition takes 256 (128 x 256 + 128 x 248 <= 64 Ki)
+        )  # fmt: skip
