@@ -303,6 +303,7 @@ def _warpgroup(
         async_copy.wait_group(0)
         fence_async_shared()
         _cta_barrier()
+        mbarrier.arrive(l_ready.index(1))  # q (copied by these threads, waited above) is in shared memory
         qk = _start_scores(qn_s, qr_s, nope_s.index(0), rope_s.index(0), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L))
         _load_tile(KV, KV_INDICES, FAULT, kv_beg, s_lo + 2 * BLOCK_N, s_hi, num_slots, stride_ks, nope_s.index(2), rope_s.index(2),
                    BLOCK_N, RANK, ROPE)  # fmt: skip
@@ -318,6 +319,7 @@ def _warpgroup(
                 s_lo, s_hi, num_slots, stride_ks, BLOCK_H, BLOCK_N, RANK, ROPE, HALF, P_IN_ROPE, S_L, O_L,
             )  # fmt: skip
     else:
+        mbarrier.wait(l_ready.index(1), 0)  # q, gathered by warpgroup 0's threads
         # tile 0 (the other's) before the loop, so that no output update is in flight across the loop's
         # back edge coming out of an own tile (ptxas would then serialize every warpgroup MMA)
         acc, m_i, l_i, scores = _other_tile(
@@ -481,15 +483,16 @@ def mla_wgmma_kernel(
         q_ok = (offs_mq < Q_LEN * num_heads) & (tq < q_len)
         q_rows = Q + (q_beg + tq).to(gl.int64) * stride_qt + (offs_mq % num_heads) * stride_qh
         cq = gl.arange(0, RANK, layout=gl.SliceLayout(0, NOPE_LOAD))
-        q_nope = gl.load(q_rows[:, None] + cq[None, :], mask=q_ok[:, None], other=0.0)
-        qn_s = gl.allocate_shared_memory(dtype, [BLOCK_H, RANK], QN_SMEM, q_nope)
+        qn_s = gl.allocate_shared_memory(dtype, [BLOCK_H, RANK], QN_SMEM)
+        _gather_to_shared(qn_s, q_rows[:, None] + cq[None, :], mask=q_ok[:, None])
         offs_mr = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ROPE_LOAD))
         tr = offs_mr // num_heads
         qr_ok = (offs_mr < Q_LEN * num_heads) & (tr < q_len)
         qr_rows = Q + (q_beg + tr).to(gl.int64) * stride_qt + (offs_mr % num_heads) * stride_qh + RANK
         cr = gl.arange(0, ROPE, layout=gl.SliceLayout(0, ROPE_LOAD))
-        q_rope = gl.load(qr_rows[:, None] + cr[None, :], mask=qr_ok[:, None], other=0.0)
-        qr_s = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], QR_SMEM, q_rope)
+        qr_s = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], QR_SMEM)
+        _gather_to_shared(qr_s, qr_rows[:, None] + cr[None, :], mask=qr_ok[:, None])
+        async_copy.commit_group()  # q lands under warpgroup 0's first tile (its copies: the default partition's threads)
         nope_s = gl.allocate_shared_memory(dtype, [4, BLOCK_N, RANK], NOPE_SMEM)
         rope_s = gl.allocate_shared_memory(dtype, [4, BLOCK_N, ROPE], ROPE_SMEM)
         P_IN_ROPE: gl.constexpr = ROPE == BLOCK_H  # a tile's p `[BLOCK_H, BLOCK_N]` fits its rope columns
@@ -502,12 +505,13 @@ def mla_wgmma_kernel(
         l_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], ROWS_SMEM)
         kv_free = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        l_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        l_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # [0] row sums, [1] q landed
         for i in gl.static_range(4):
             mbarrier.init(kv_free.index(i), count=1)
         for i in gl.static_range(2):
             mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(l_ready.index(0), count=2)
+        mbarrier.init(l_ready.index(1), count=1)
         fence_async_shared()
         _cta_barrier()
         # (the partitions' arguments written out in the call: a tuple built first would turn the constexprs into tensors)
