@@ -25,9 +25,10 @@ Per tile k, by its owner w (buffer b = k % 4):
 
 Synchronisation (mbarriers, one arrive per warpgroup): p_ready[w], warpgroup w published a tile (phase
 (k // 2) & 1); kv_free[b], the non-owner finished reading buffer b (the owner then gathers tile k + 4
-into it, phase (k // 4) & 1); l_ready, both row sums stored. Each warpgroup gathers its tile k + 3 while
-the other runs tile k + 1's softmax, two steps before its scores need it. An odd tile count ends with one
-tile of keys past s_hi (zero-filled, fully masked: p = 0, alpha = 1).
+into it, phase (k // 4) & 1); l_ready[0], both row sums stored; l_ready[1], q landed (the program gathers
+it by cp.async in warpgroup 0's threads, under that warpgroup's first tile). Each warpgroup gathers its
+tile k + 3 while the other runs tile k + 1's softmax, two steps before its scores need it. An odd tile
+count ends with one tile of keys past s_hi (zero-filled, fully masked: p = 0, alpha = 1).
 
 Shared memory at DeepSeek's 512 + 64 (bf16): q 72 KiB, four 32-key buffers 144 KiB; a tile's p
 (`[64, 32]`, 4 KiB) is written over its rope columns (`[32, 64]`, read only by its scores) when rope is
