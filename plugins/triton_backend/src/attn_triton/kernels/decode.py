@@ -69,6 +69,17 @@ def split_count(kv_len, min_split_len, max_splits):
 
 
 @triton.jit
+def split_range(kv_len, lo, s, n_split, BLOCK_N: tl.constexpr):
+    """Keys [s_lo, s_hi) of split s of a request's n_split splits over its keys [lo, kv_len): BLOCK_N-aligned
+    shares, the last one shorter (the layout `merge_splits` and the MLA kernels rely on). Example: kv_len
+    1000, lo 0, 3 splits, BLOCK_N 64: a share is ceil(334 / 64) * 64 = 384 keys, so split 0 takes [0, 384),
+    1 [384, 768) and 2 [768, 1000)."""
+    per = tl.cdiv(tl.cdiv(kv_len - lo, n_split), BLOCK_N) * BLOCK_N
+    s_lo = lo + s * per
+    return s_lo, tl.minimum(s_lo + per, kv_len)
+
+
+@triton.jit
 def _decode_split_kernel(
     Q,
     K,
@@ -142,9 +153,7 @@ def _decode_split_kernel(
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(kv_len - window, 0)
-    per = tl.cdiv(tl.cdiv(kv_len - lo, n_split), BLOCK_N) * BLOCK_N
-    s_lo = lo + s * per
-    s_hi = tl.minimum(s_lo + per, kv_len)
+    s_lo, s_hi = split_range(kv_len, lo, s, n_split, BLOCK_N)
 
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)

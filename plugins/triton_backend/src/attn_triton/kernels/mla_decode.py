@@ -62,7 +62,7 @@ from attn_triton.kernels.common import (
     score_scales,
     softmax_step,
 )
-from attn_triton.kernels.decode import check_split_shapes, merge_splits, one_split_result, split_count
+from attn_triton.kernels.decode import check_split_shapes, merge_splits, one_split_result, split_count, split_range
 
 #: most query tokens per request the folded kernel takes (speculative verify / draft extend)
 MAX_FOLDED_Q_LEN = 16
@@ -128,6 +128,48 @@ class MLAConfig:
                 "(the Hopper kernel's four latent buffers) and lazy_rescale 0",
                 tiles,
             )
+
+
+@triton.jit
+def request_keys(
+    QO_INDPTR, KV_INDPTR, MASK_INDPTR, FAULT, r, first, s, num_tokens, num_indices, mask_size, min_split_len, max_splits, window,
+    Q_LEN: tl.constexpr, USE_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """What a program of either MLA kernel (this module's and the Hopper kernel `mla_wgmma.py`, which calls
+    it from Gluon) takes of request r: (q_beg, q_len, kv_beg, kv_len, mask_beg, s_lo, s_hi, n_split). Its
+    query rows (q_len 1 at row r in a DECODE launch, else from QO_INDPTR) and keys (KV_INDPTR), both
+    clamped to their buffers; with USE_MASK the start of its `[q_len, kv_len]` tree-mask block; its keys
+    [s_lo, s_hi) of split s: of [lo, kv_len), lo the oldest key any row's window reaches, a
+    `decode.split_range` share when SPLIT (n_split splits; a program with s >= n_split has no work), all
+    of it otherwise (n_split 1). The `first` program of the request raises the KEY_OFFSETS / QUERY_ROWS /
+    MASK faults for offsets outside their buffers (entries past them are not read)."""
+    kv_beg, kv_len, kv_clamped = offset_range(KV_INDPTR, r, num_indices)
+    if Q_LEN == 1:
+        q_beg = r
+        q_len = 1
+    else:
+        q_beg, q_len, q_clamped = offset_range(QO_INDPTR, r, num_tokens)
+        if first:
+            tl.store(FAULT + FAULT_QUERY_ROWS, 1, mask=q_clamped)
+    if first:
+        tl.store(FAULT + FAULT_KEY_OFFSETS, 1, mask=kv_clamped)
+    mask_beg = 0
+    if USE_MASK:
+        mask_beg = tl.load(MASK_INDPTR + r)
+        mask_outside = (mask_beg < 0) | (mask_beg + q_len.to(tl.int64) * kv_len > mask_size)
+        if first:
+            tl.store(FAULT + FAULT_MASK, 1, mask=mask_outside)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(kv_len - q_len - window + 1, 0)
+    if SPLIT:
+        n_split = split_count(kv_len, min_split_len, max_splits)
+        s_lo, s_hi = split_range(kv_len, lo, s, n_split, BLOCK_N)
+    else:
+        n_split = 1
+        s_lo = lo
+        s_hi = kv_len
+    return q_beg, q_len, kv_beg, kv_len, mask_beg, s_lo, s_hi, n_split
 
 
 @triton.jit
@@ -215,17 +257,12 @@ def _mla_kernel(
     r = tl.program_id(0)
     hb = tl.program_id(1)
     s = tl.program_id(2)
-    first = (hb == 0) & (s == 0)
-    kv_beg, kv_len, kv_clamped = offset_range(KV_INDPTR, r, num_indices)
-    if Q_LEN == 1:
-        q_beg = r
-        q_len = 1
-    else:
-        q_beg, q_len, q_clamped = offset_range(QO_INDPTR, r, num_tokens)
-        if first:
-            tl.store(FAULT + FAULT_QUERY_ROWS, 1, mask=q_clamped)
-    if first:
-        tl.store(FAULT + FAULT_KEY_OFFSETS, 1, mask=kv_clamped)
+    q_beg, q_len, kv_beg, kv_len, mask_beg, s_lo, s_hi, n_split = request_keys(
+        QO_INDPTR, KV_INDPTR, MASK_INDPTR, FAULT, r, (hb == 0) & (s == 0), s, num_tokens, num_indices, mask_size, min_split_len,
+        max_splits, window, Q_LEN, USE_MASK, HAS_WINDOW, SPLIT, BLOCK_N,
+    )  # fmt: skip
+    if s >= n_split:
+        return
 
     # rows of this program: (token t, head h) pairs
     offs_m = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -233,29 +270,6 @@ def _mla_kernel(
     h = offs_m % num_heads
     row_ok = (offs_m < Q_LEN * num_heads) & (t < q_len)
     q_pos = kv_len - q_len + t  # position of token t among the request's keys (the new tokens are last)
-
-    mask_beg = 0
-    if USE_MASK:  # the request's [q_len, kv_len] block must lie inside the mask (entries past it are not read)
-        mask_beg = tl.load(MASK_INDPTR + r)
-        mask_outside = (mask_beg < 0) | (mask_beg + q_len.to(tl.int64) * kv_len > mask_size)
-        if first:
-            tl.store(FAULT + FAULT_MASK, 1, mask=mask_outside)
-
-    # keys: [lo, kv_len), lo the oldest key any row's window reaches; a decode split takes a
-    # BLOCK_N-aligned share of it (the layout of decode.py, which `merge_splits` relies on)
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(kv_len - q_len - window + 1, 0)
-    if SPLIT:
-        n_split = split_count(kv_len, min_split_len, max_splits)
-        if s >= n_split:
-            return
-        per = tl.cdiv(tl.cdiv(kv_len - lo, n_split), BLOCK_N) * BLOCK_N
-        s_lo = lo + s * per
-        s_hi = tl.minimum(s_lo + per, kv_len)
-    else:
-        s_lo = lo
-        s_hi = kv_len
 
     offs_r = tl.arange(0, BLOCK_R)
     offs_n = tl.arange(0, BLOCK_N)

@@ -57,15 +57,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from attn_triton.kernels.common import (
-    FAULT_KEY_OFFSETS,
-    FAULT_MASK,
-    FAULT_QUERY_ROWS,
-    FAULT_SLOT,
-    offset_range,
-)
-from attn_triton.kernels.decode import one_split_result, split_count
-from attn_triton.kernels.mla_decode import tile_scores
+from attn_triton.kernels.common import FAULT_SLOT
+from attn_triton.kernels.decode import one_split_result
+from attn_triton.kernels.mla_decode import request_keys, tile_scores
 
 _gather_to_shared = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
@@ -444,40 +438,13 @@ def mla_wgmma_kernel(
     P_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype)
     ROWS_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
-    hb = gl.program_id(0)
+    hb = gl.program_id(0)  # the row blocks of a request run side by side and share its latent rows in L2
     r = gl.program_id(1)
     s = gl.program_id(2)
-    first = (hb == 0) & (s == 0)
-    kv_beg, kv_len, kv_clamped = offset_range(KV_INDPTR, r, num_indices)
-    if Q_LEN == 1:
-        q_beg = r
-        q_len = 1
-    else:
-        q_beg, q_len, q_clamped = offset_range(QO_INDPTR, r, num_tokens)
-        if first & q_clamped:
-            gl.store(FAULT + FAULT_QUERY_ROWS, 1)
-    if first & kv_clamped:
-        gl.store(FAULT + FAULT_KEY_OFFSETS, 1)
-
-    mask_beg = 0
-    if USE_MASK:
-        mask_beg = gl.load(MASK_INDPTR + r)
-        mask_outside = (mask_beg < 0) | (mask_beg + q_len.to(gl.int64) * kv_len > mask_size)
-        if first & mask_outside:
-            gl.store(FAULT + FAULT_MASK, 1)
-
-    lo = 0
-    if HAS_WINDOW:
-        lo = gl.maximum(kv_len - q_len - window + 1, 0)
-    if SPLIT:
-        n_split = split_count(kv_len, min_split_len, max_splits)
-        per = gl.cdiv(gl.cdiv(kv_len - lo, n_split), BLOCK_N) * BLOCK_N
-        s_lo = lo + s * per
-        s_hi = gl.minimum(s_lo + per, kv_len)
-    else:
-        n_split = 1
-        s_lo = lo
-        s_hi = kv_len
+    q_beg, q_len, kv_beg, kv_len, mask_beg, s_lo, s_hi, n_split = request_keys(
+        QO_INDPTR, KV_INDPTR, MASK_INDPTR, FAULT, r, (hb == 0) & (s == 0), s, num_tokens, num_indices, mask_size, min_split_len,
+        max_splits, window, Q_LEN, USE_MASK, HAS_WINDOW, SPLIT, BLOCK_N,
+    )  # fmt: skip
     if s < n_split:
         offs_mq = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, NOPE_LOAD))
         tq = offs_mq // num_heads
