@@ -437,7 +437,8 @@ def work_of(kind: str, w: Workload) -> float:
 def parse_configs(text: Optional[str], cls):
     """The kernel tile configs of a `--decode-configs` / `--extend-configs` value: items split by ";",
     each four comma-separated ints passed positionally to `cls` (a fifth is DecodeConfig's `fp8_v_words`,
-    0 or 1, or ExtendConfig's `lazy_rescale`, 0..8); `[None]` (the kernel's own choice) when `text` is
+    0 or 1, or ExtendConfig's `lazy_rescale`, 0..8; ExtendConfig's sixth and seventh are `wgmma_block_n`
+    and `wgmma_stages`, the opt-in Hopper kernel's tiles); `[None]` (the kernel's own choice) when `text` is
     empty or None.
 
     Example: `parse_configs("64,16,4,3;32,16,4,4", DecodeConfig)` →
@@ -871,7 +872,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-torch-native", action="store_true")
     p.add_argument("--no-flashinfer", action="store_true")
     p.add_argument("--decode-configs", default=None, help='"block_n,block_h,warps,stages;..."')
-    p.add_argument("--extend-configs", default=None, help='"block_m,block_n,warps,stages;..."')
+    p.add_argument(
+        "--extend-configs", default=None, help='"block_m,block_n,warps,stages[,lazy[,wgmma_block_n,wgmma_stages]];..."'
+    )
     p.add_argument("--verify-configs", default=None, help='"block_m_max,block_n,warps,stages;..."')
     p.add_argument("--fp8-configs", default=None, help='extra fp8 decode rows: "block_n,block_h,warps,stages;..."')
     p.add_argument("--waves", default=None, help="comma list of split-policy waves to sweep")

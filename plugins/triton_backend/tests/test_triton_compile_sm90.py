@@ -149,6 +149,20 @@ for rank, rope in ((512, 32), (128, 16)):
     k = build(mla_wgmma_kernel, "bf16", consts, ml.WGMMA_WARPS // 2, None, 90, source=GluonASTSource)
     assert k.metadata.shared <= 227 * 1024 and not serialized_wgmma(k), (rank, rope, k.metadata.shared)
     print("mla hopper", rank, rope, "shared", k.metadata.shared)
+# the opt-in Hopper extend kernel (kernels/extend_wgmma.py) with 64-key tiles in 4 buffers, every feature on: GQA 32/8 at head_dim
+# 128 (4 heads packed), causal; head_dim 64, one head a program, non-causal (its 128-key tiles spill with every feature on)
+from attn_triton.kernels.extend import ExtendConfig, packed_heads
+from attn_triton.kernels.extend_wgmma import extend_wgmma_kernel
+for d, group, causal, tiles in ((128, 4, True, ((64, 4),)), (64, 1, False, ((64, 4),))):
+    for block_n, stages in tiles:
+        cfg = ExtendConfig(wgmma_block_n=block_n, wgmma_stages=stages)
+        consts = dict(GROUP=group, BLOCK_M=128, BLOCK_N=cfg.wgmma_block_n, D=d, BLOCK_D=d, DPE=0, BLOCK_DPE=0, DV=d, BLOCK_DV=d,
+                      SHARE_KV=False, CAUSAL=causal, USE_MASK=False, HAS_WINDOW=True, LOGIT_CAP=True, HAS_SINK=True, STORE_LSE=True,
+                      DOT_PREC="tf32", LAZY=0, STAGES=cfg.wgmma_stages, HEADS=packed_heads(group, 128))  # fmt: skip
+        k = build(extend_wgmma_kernel, "bf16", consts, 4, None, 90, source=GluonASTSource)
+        usage = res_usage(k)
+        assert k.metadata.shared <= 227 * 1024 and not serialized_wgmma(k) and " STACK:0 " in usage, (d, block_n, usage, k.metadata.shared)
+        print("extend hopper", d, block_n, stages, usage, "shared", k.metadata.shared)
 print("compiled")
 """
 
@@ -159,4 +173,4 @@ def test_kernels_compile_for_sm90():
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
-    assert "fp8 decode" in out.stdout and out.stdout.count("mla variant") == 4
+    assert "fp8 decode" in out.stdout and out.stdout.count("mla variant") == 4 and out.stdout.count("extend hopper") == 2

@@ -9,7 +9,10 @@ from triton_determinism_checks import target_rows
 from triton_graph_checks import check_graph_matches_eager
 from triton_helpers import factory
 
+from attn_core.forward_mode import ForwardMode
 from attn_core.testing.harness import AttnCase, assert_case
+from attn_triton.config import hopper_kernels_available
+from attn_triton.kernels.extend import ExtendConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -108,6 +111,24 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[c.describe() for c in CASES])
 def test_case_on_cuda(case):
     assert_case(factory(), case)
+
+
+#: the opt-in Hopper extend kernel (kernels/extend_wgmma.py; 64-key tiles in 4 buffers) on every case above whose
+#: extend launches it takes (16-bit, not MLA, no fp8 cache: `extend.uses_wgmma`; the rest of a step, its decode rows
+#: and tree masks, keeps the other kernels), and an MHA case at head_dim 64 (one head a program)
+HOPPER_EXTEND = ExtendConfig(128, 64, 4, 3, 4, wgmma_block_n=64, wgmma_stages=4)
+HOPPER_CASES = [
+    c for c in CASES if c.mode in (ForwardMode.EXTEND, ForwardMode.MIXED) and c.dtype != "float32" and c.arch != "mla" and not c.kv_dtype
+] + [AttnCase("EXTEND", [(700, 300), (0, 77), (5, 1)], dtype="float16", num_q_heads=16, num_kv_heads=16, head_dim=64, device="cuda")]
+
+
+HOPPER = torch.cuda.is_available() and hopper_kernels_available(torch.device("cuda"))
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs compute capability 9.x")
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=[c.describe() for c in HOPPER_CASES])
+def test_hopper_extend_kernel_case_on_cuda(case):
+    assert_case(factory(extend_config=HOPPER_EXTEND), case)
 
 
 def _cuda_graph_run(fn, replay):

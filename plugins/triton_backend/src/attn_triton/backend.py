@@ -39,7 +39,7 @@ from attn_core.memory.window_pool import SlidingWindowKVPool, window_pool_of
 from attn_core.ops.device_faults import DeviceFaultFlags
 from attn_core.ops.merge_state import merge_state
 from attn_core.probes import triton_interpreter_enabled
-from attn_triton.config import SplitPolicy, decode_config, extend_config, mla_config, verify_config
+from attn_triton.config import SplitPolicy, decode_config, extend_config, hopper_kernels_available, mla_config, verify_config
 from attn_triton.graph import GraphState
 from attn_triton.kernels.decode import DecodeConfig, decode_attention, head_blocks
 from attn_triton.kernels.extend import ExtendConfig, extend_attention
@@ -104,6 +104,12 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
         self.mixed_split = mixed_split
         self.decode_cfg = decode_config or _default_decode(ctx)
         self.extend_cfg = extend_config or _default_extend(ctx)
+        if self.extend_cfg.wgmma_block_n and not hopper_kernels_available(ctx.device):
+            raise InvalidArgumentError(
+                "extend_config.wgmma_block_n",
+                f"0 on {ctx.device}: the Hopper extend kernel needs a CUDA GPU of compute capability 9.x and Triton >= 3.6",
+                self.extend_cfg.wgmma_block_n,
+            )
         self.mla_cfg = mla_config or _default_mla(ctx)
         self.verify_cfg = verify_config or _default_verify(ctx)
         self.ctas_per_sm = 0  # the split policy's programs per SM: the MLA kernel's tiles say (MLAConfig.ctas_per_sm)

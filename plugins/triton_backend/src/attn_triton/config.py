@@ -115,6 +115,17 @@ def decode_config(
     return DecodeConfig(block_n=128, block_h=16, num_warps=8, num_stages=3)
 
 
+def hopper_kernels_available(device: torch.device) -> bool:
+    """Whether the Gluon Hopper kernels (`kernels/mla_wgmma.py`, `kernels/extend_wgmma.py`) can run on
+    `device`: a CUDA (not ROCm) GPU of compute capability 9.x, with Triton >= 3.6 (`gluon_hopper_available`)."""
+    return (
+        device.type == "cuda"
+        and torch.version.hip is None
+        and torch.cuda.get_device_capability(device)[0] == 9
+        and gluon_hopper_available()
+    )
+
+
 def extend_config(head_dim: int, v_head_dim: int, dtype: torch.dtype, device: torch.device, mla: bool) -> ExtendConfig:
     if device.type != "cuda":
         return ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
@@ -128,6 +139,8 @@ def extend_config(head_dim: int, v_head_dim: int, dtype: torch.dtype, device: to
     # H200 sweep (docs/perf.md): 128x64 tiles with 4 warps, 3 stages were fastest on the extend rows;
     # H100 sweep (docs/perf.md, 2026-11-23): lazy rescaling with slack 4 (2^4 bounds p in the bf16/fp16
     # P operand) took 1-4 % off every extend row (the 128x128 fp32 accumulator multiply of most tiles)
+    # The Hopper kernel (kernels/extend_wgmma.py) is opt-in (ExtendConfig.wgmma_block_n): on the H100 it
+    # measured within 1-4 % of this kernel on the extend rows, not faster (docs/perf.md), so it is not chosen
     return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, lazy_rescale=4)
 
 

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attn_core.errors import InvalidArgumentError
 from attn_triton.kernels.common import (
     FAULT_KEY_OFFSETS,
     FAULT_MASK,
@@ -47,17 +48,68 @@ from attn_triton.kernels.common import (
 
 @dataclass(frozen=True)
 class ExtendConfig:
-    """Tile sizes: BLOCK_M queries x BLOCK_N keys per step. `lazy_rescale`: 0 rescales the accumulator on
-    every key tile; K in 1..8 only when some row's max grew by more than K (base 2; `common.lazy_softmax_step`)."""
+    """Tile sizes of the portable kernel: BLOCK_M queries x BLOCK_N keys per step. `lazy_rescale`: 0
+    rescales the accumulator on every key tile; K in 1..8 only when some row's max grew by more than K
+    (base 2; `common.lazy_softmax_step`).
+
+    `wgmma_block_n` > 0 (64 or 128) runs the launches the Hopper kernel takes (`uses_wgmma`;
+    `kernels/extend_wgmma.py`, compute capability 9.x only) on it, with tiles of that many keys in
+    `wgmma_stages` (>= 3) buffers; the rest keep the portable kernel and the tiles above."""
 
     block_m: int = 64
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
     lazy_rescale: int = 0
+    wgmma_block_n: int = 0
+    wgmma_stages: int = 3
 
     def __post_init__(self):
         check_lazy_rescale("ExtendConfig.lazy_rescale", self.lazy_rescale)
+        if self.wgmma_block_n not in (0, 64, 128):
+            raise InvalidArgumentError("ExtendConfig.wgmma_block_n", "0 (portable kernel only), 64 or 128", self.wgmma_block_n)
+        if self.wgmma_block_n and self.wgmma_stages < 3:
+            raise InvalidArgumentError("ExtendConfig.wgmma_stages", ">= 3 K/V buffers", self.wgmma_stages)
+
+
+def packed_heads(group: int, rows: int) -> int:
+    """q heads of one KV head that the Hopper kernel packs into a program's `rows` query rows (rows / heads
+    new tokens each, so every K/V tile it loads serves that many heads): the largest power of two that
+    divides the group size, at most `rows`.
+
+    >>> packed_heads(4, 128), packed_heads(1, 128), packed_heads(6, 128), packed_heads(256, 128)
+    (4, 1, 2, 128)
+    """
+    heads = 1
+    while group % (heads * 2) == 0 and heads * 2 <= rows:
+        heads *= 2
+    return heads
+
+
+def uses_wgmma(config: ExtendConfig, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, v_head_dim: int, plain: bool) -> bool:
+    """Whether a launch runs the Hopper kernel (`kernels/extend_wgmma.py`): the config asks for it, q and
+    the cache are the same 16-bit type, head_dim = v_head_dim is 64 or 128, and the launch is `plain`
+    (no custom mask, no rope split, K and V separate). fp8 caches, float32, other widths, tree masks and
+    absorbed MLA keep the portable kernel.
+
+    >>> cfg = ExtendConfig(128, 64, 4, 3, wgmma_block_n=64)
+    >>> uses_wgmma(cfg, torch.bfloat16, torch.bfloat16, 128, 128, True)
+    True
+    >>> uses_wgmma(cfg, torch.bfloat16, torch.float8_e4m3fn, 128, 128, True)
+    False
+    >>> uses_wgmma(cfg, torch.bfloat16, torch.bfloat16, 256, 256, True)
+    False
+    >>> uses_wgmma(ExtendConfig(), torch.bfloat16, torch.bfloat16, 128, 128, True)
+    False
+    """
+    return (
+        config.wgmma_block_n > 0
+        and dtype in (torch.bfloat16, torch.float16)
+        and kv_dtype == dtype
+        and head_dim == v_head_dim
+        and head_dim in (64, 128)
+        and plain
+    )
 
 
 @triton.jit
@@ -236,8 +288,18 @@ def extend_attention(
     dv = o.shape[2]
     qk_scale, cap_scale = score_scales(sm_scale, logit_cap, k_scale)
     v = k_buf if share_kv else v_buf
-    grid = (hq, triton.cdiv(max_q_len, config.block_m), bs)
-    _extend_kernel[grid](
+    if uses_wgmma(config, q.dtype, k_buf.dtype, d, dv, not use_mask and d_rope == 0 and not share_kv):
+        from attn_triton.kernels.extend_wgmma import WGMMA_BLOCK_M, extend_wgmma_kernel  # Gluon: imported only where it runs
+
+        heads = packed_heads(hq // hkv, WGMMA_BLOCK_M)
+        tokens, grid_h, kernel = WGMMA_BLOCK_M // heads, hq // heads, extend_wgmma_kernel
+        options = dict(BLOCK_M=WGMMA_BLOCK_M, BLOCK_N=config.wgmma_block_n, STAGES=config.wgmma_stages, HEADS=heads, LAZY=0, num_warps=4)
+    else:
+        tokens, grid_h, kernel = config.block_m, hq, _extend_kernel
+        options = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, LAZY=config.lazy_rescale)
+        options.update(num_warps=config.num_warps, num_stages=config.num_stages)
+    grid = (grid_h, triton.cdiv(max_q_len, tokens), bs)
+    kernel[grid](
         q,
         k_buf,
         v,
@@ -268,8 +330,6 @@ def extend_attention(
         o.stride(1),
         lse_out.stride(0) if lse_out is not None else 0,
         GROUP=hq // hkv,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
         D=d,
         BLOCK_D=_pow2(d),
         DPE=d_rope,
@@ -284,7 +344,5 @@ def extend_attention(
         HAS_SINK=sinks is not None,
         STORE_LSE=lse_out is not None,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        LAZY=config.lazy_rescale,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        **options,
     )

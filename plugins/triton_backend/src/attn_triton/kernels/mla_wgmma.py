@@ -57,12 +57,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from attn_triton.kernels.common import FAULT_SLOT
 from attn_triton.kernels.decode import one_split_result
+from attn_triton.kernels.gluon_gather import checked_rows, cta_barrier, gather_to_shared
 from attn_triton.kernels.mla_decode import request_keys, tile_scores
 
-_gather_to_shared = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 # shared_memory_descriptor.reinterpret (3.9) was _reinterpret (3.6)
 _NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
@@ -79,12 +77,7 @@ def _tile_rows(KV_INDICES, FAULT, kv_beg, start, s_hi, num_slots, stride_ks, BLO
     step is reported bad)."""
     n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _LOAD))
     live = n < s_hi
-    slot = gl.load(KV_INDICES + kv_beg + n, mask=live, other=0)
-    slot_ok = (slot >= 0) & (slot < num_slots)
-    gl.store(FAULT + FAULT_SLOT + gl.zeros_like(slot), 1, mask=live & ~slot_ok)
-    ok = live & slot_ok
-    # slot * stride, never a constant in its place: the offsets stay provably 16-divisible (vector copies)
-    return gl.where(ok, slot, 0).to(gl.int64) * stride_ks, ok
+    return checked_rows(gl.load(KV_INDICES + kv_beg + n, mask=live, other=0), live, FAULT, num_slots, stride_ks)
 
 
 @gluon.jit
@@ -95,15 +88,15 @@ def _gather_tile(KV, rows, ok, nope_buf, rope_buf, RANK: gl.constexpr, ROPE: gl.
     # tile loop and held (32 addresses a thread)
     r2 = rows[:, None]
     ok2 = ok[:, None]
-    _gather_to_shared(nope_buf, KV + (r2 + gl.arange(0, RANK, layout=gl.SliceLayout(0, _LOAD))[None, :]), mask=ok2)
+    gather_to_shared(nope_buf, KV + (r2 + gl.arange(0, RANK, layout=gl.SliceLayout(0, _LOAD))[None, :]), mask=ok2)
     if ROPE == 64:
-        _gather_to_shared(rope_buf, KV + (r2 + (RANK + gl.arange(0, ROPE, layout=gl.SliceLayout(0, _LOAD)))[None, :]), mask=ok2)
+        gather_to_shared(rope_buf, KV + (r2 + (RANK + gl.arange(0, ROPE, layout=gl.SliceLayout(0, _LOAD)))[None, :]), mask=ok2)
     else:  # narrower rope: a layout of its own width (no thread copies an element twice)
         ROPE_LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (ROPE // 8), ROPE // 8], [4, 1], [1, 0])
         rows_r = gl.convert_layout(rows, gl.SliceLayout(1, ROPE_LOAD))
         ok_r = gl.convert_layout(ok, gl.SliceLayout(1, ROPE_LOAD))
         cols_r = RANK + gl.arange(0, ROPE, layout=gl.SliceLayout(0, ROPE_LOAD))
-        _gather_to_shared(rope_buf, KV + (rows_r[:, None] + cols_r[None, :]), mask=ok_r[:, None])
+        gather_to_shared(rope_buf, KV + (rows_r[:, None] + cols_r[None, :]), mask=ok_r[:, None])
     async_copy.commit_group()
 
 
@@ -165,7 +158,7 @@ def _own_tile(
     m_s.index(W).store(m_new)
     a_s.index(W).store(alpha)
     fence_async_shared()
-    _cta_barrier()  # this warpgroup's p, max and alpha are all stored
+    cta_barrier()  # this warpgroup's p, max and alpha are all stored
     mbarrier.arrive(p_ready.index(W))
     o = warpgroup_mma_wait(0, deps=[acc])
     if k > 0:
@@ -188,7 +181,7 @@ def _other_tile(
     MMA's accumulator, `_start_scores`). Returns (acc in flight, m, l, W's scores of tile k + 1)."""
     async_copy.wait_group(0)  # tile k + 1, the one group in flight
     fence_async_shared()
-    _cta_barrier()
+    cta_barrier()
     b1 = (k + 1) % 4
     qk = _start_scores(qn_s, qr_s, nope_s.index(b1), rope_s.index(b1), spent)
     rows3, ok3 = _tile_rows(KV_INDICES, FAULT, kv_beg, s_lo + (k + 3) * BLOCK_N, s_hi, num_slots, stride_ks, BLOCK_N)  # read ahead
@@ -297,7 +290,7 @@ def _warpgroup(
     if W == 0:
         async_copy.wait_group(0)
         fence_async_shared()
-        _cta_barrier()
+        cta_barrier()
         mbarrier.arrive(l_ready.index(1))  # q (copied by these threads, waited above) is in shared memory
         qk = _start_scores(qn_s, qr_s, nope_s.index(0), rope_s.index(0), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L))
         _load_tile(KV, KV_INDICES, FAULT, kv_beg, s_lo + 2 * BLOCK_N, s_hi, num_slots, stride_ks, nope_s.index(2), rope_s.index(2),
@@ -341,7 +334,7 @@ def _warpgroup(
 
     # row sums: this warpgroup's plus the other's
     l_s.index(W).store(l_i)
-    _cta_barrier()
+    cta_barrier()
     mbarrier.arrive(l_ready.index(0))
     mbarrier.wait(l_ready.index(0), 0)
     l_i = l_i + l_s.index(1 - W).load(ROW_S)
@@ -452,14 +445,14 @@ def mla_wgmma_kernel(
         q_rows = Q + (q_beg + tq).to(gl.int64) * stride_qt + (offs_mq % num_heads) * stride_qh
         cq = gl.arange(0, RANK, layout=gl.SliceLayout(0, NOPE_LOAD))
         qn_s = gl.allocate_shared_memory(dtype, [BLOCK_H, RANK], QN_SMEM)
-        _gather_to_shared(qn_s, q_rows[:, None] + cq[None, :], mask=q_ok[:, None])
+        gather_to_shared(qn_s, q_rows[:, None] + cq[None, :], mask=q_ok[:, None])
         offs_mr = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ROPE_LOAD))
         tr = offs_mr // num_heads
         qr_ok = (offs_mr < Q_LEN * num_heads) & (tr < q_len)
         qr_rows = Q + (q_beg + tr).to(gl.int64) * stride_qt + (offs_mr % num_heads) * stride_qh + RANK
         cr = gl.arange(0, ROPE, layout=gl.SliceLayout(0, ROPE_LOAD))
         qr_s = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], QR_SMEM)
-        _gather_to_shared(qr_s, qr_rows[:, None] + cr[None, :], mask=qr_ok[:, None])
+        gather_to_shared(qr_s, qr_rows[:, None] + cr[None, :], mask=qr_ok[:, None])
         async_copy.commit_group()  # q lands under warpgroup 0's first tile (its copies: the default partition's threads)
         nope_s = gl.allocate_shared_memory(dtype, [4, BLOCK_N, RANK], NOPE_SMEM)
         rope_s = gl.allocate_shared_memory(dtype, [4, BLOCK_N, ROPE], ROPE_SMEM)
@@ -481,7 +474,7 @@ def mla_wgmma_kernel(
         mbarrier.init(l_ready.index(0), count=2)
         mbarrier.init(l_ready.index(1), count=1)
         fence_async_shared()
-        _cta_barrier()
+        cta_barrier()
         # (the partitions' arguments written out in the call: a tuple built first would turn the constexprs into tensors)
         gl.warp_specialize(
             [

@@ -1,0 +1,416 @@
+"""Extend attention on Hopper's warpgroup MMA, written in Gluon (Triton's explicit-layout dialect): two
+warp-specialized warpgroups share the K/V tiles of one 128-row query block. Opt-in
+(`ExtendConfig.wgmma_block_n`): on the H100 it runs within 1-4 % of the portable kernel, not faster
+(docs/perf.md, "A warp-specialized Hopper extend kernel").
+
+The same work and arguments as `extend._extend_kernel` (module doc there) for the launches it takes
+(`extend.uses_wgmma`: 16-bit q and cache, head_dim = v_head_dim of 64 or 128, no rope split, no shared
+K/V, no custom mask). Program (hb, mb, r) owns 128 query rows of request r: HEADS q heads of one KV head
+(`extend.packed_heads`: 4 for GQA 32/8) times 128 / HEADS new tokens (block mb, from the last, the
+longest under a causal mask), row i being token i // HEADS, head i % HEADS, so every K/V tile loaded
+serves HEADS heads. It runs as two partitions of one warpgroup (4 warps) each (`gl.warp_specialize`);
+warpgroup w owns rows [64 w, 64 w + 64) whole: their row max, row sum and `[64, D]` float32 output.
+
+Key tiles of BLOCK_N keys run through STAGES buffers (tile t in buffer t % STAGES). Warpgroup 0 gathers
+every tile's K rows, warpgroup 1 its V rows, by cp.async by slot (any page size; keys past the block's
+range and slots outside the pool are zero-filled, the latter raising the SLOT fault), STAGES - 2 tiles
+ahead, each thread arriving on the tile's k_ready / v_ready mbarrier when its copies land (no wait);
+the slots are read a tile before the gather. Tiles before the causal diagonal (or the whole range
+without a causal mask) take no masks. Per tile t (t >= 1), each warpgroup:
+
+    scores_t = q_w . K_t^T        [64, BLOCK_N]  issued (q from shared memory)
+    acc += p_{t-1} . V_{t-1}      [64, D]        issued (p from registers)
+    wait scores_t; masks, online-softmax step -> p_t, alpha_t   (runs under the output update)
+    wait the update; acc *= alpha_t
+    gather its half of tile t + STAGES - 2 into tile t - 2's buffer (both warpgroups finished it a
+    tile ago: kv_free)
+
+Synchronisation (mbarriers): k_ready[b] / v_ready[b], 128 arrives (the gathering warpgroup's threads,
+through cp.async), phase (t // STAGES) & 1; k_free[b] / v_free[b], one arrive per warpgroup when its
+scores / output update of the buffer's tile are done.
+
+Shared memory (bf16, D = 128): q 32 KiB, each stage 2 x BLOCK_N x 256 bytes (64 keys: 32 KiB; 4 stages,
+160 KiB). Requires compute capability 9.x; launched with num_warps 4 (the default partition; the worker
+adds 4).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from attn_triton.kernels.common import FAULT_KEY_OFFSETS, FAULT_QUERY_ROWS, offset_range, scale_scores
+from attn_triton.kernels.decode import one_split_result
+from attn_triton.kernels.gluon_gather import checked_rows, cta_barrier, gather_to_shared
+
+#: query rows of a program: one warpgroup MMA's 64 rows for each of the two warpgroups
+WGMMA_BLOCK_M = 128
+
+
+@gluon.jit
+def _slots(KV_INDICES, kv_beg, start, hi, BLOCK_N: gl.constexpr, L: gl.constexpr):
+    """The slots of keys [start, start + BLOCK_N) `[BLOCK_N]` (0 at or past hi), read a tile before their rows
+    are gathered (`_publish`): the load's latency stays off the tile it is issued in."""
+    n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L))
+    return gl.load(KV_INDICES + kv_beg + n, mask=n < hi, other=0)
+
+
+@gluon.jit
+def _gather(buf, BASE, rows, ok, D: gl.constexpr, L: gl.constexpr):
+    """Start the cp.async copy of rows `rows` (element offsets from BASE, `[R]`; rows not `ok` zero-filled)
+    of D channels into `buf` `[R, D]`, as one commit group."""
+    gather_to_shared(buf, BASE + (rows[:, None] + gl.arange(0, D, layout=gl.SliceLayout(0, L))[None, :]), mask=ok[:, None])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _publish(buf, ready, BASE, FAULT, slot, start, hi, num_slots, stride, D: gl.constexpr, BLOCK_N: gl.constexpr, L: gl.constexpr):
+    """Gather the K or V rows of keys [start, start + BLOCK_N) (`slot`, from `_slots`) into `buf`; `ready`
+    completes its phase once every thread's copies have landed (each thread arrives through cp.async's own
+    mbarrier arrive, without waiting). A key at or past hi is not read, nor one whose slot is outside
+    [0, num_slots), which also raises the SLOT fault: their rows are zero-filled."""
+    rows, ok = checked_rows(slot, start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L)) < hi, FAULT, num_slots, stride)
+    _gather(buf, BASE, rows, ok, D, L)
+    async_copy.mbarrier_arrive(ready, increment_count=False)
+
+
+@gluon.jit
+def _scores_step(qk, n, m_ok, q_pos, hi, m_i, l_i, qk_scale, cap_scale, s_scale, window, MASKED: gl.constexpr,
+                 CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, LOGIT_CAP: gl.constexpr):  # fmt: skip
+    """The online-softmax step of one tile's scores qk `[64, BLOCK_N]` (keys `n`), with MASKED the bounds,
+    causal and window masks applied first (a tile every row sees whole needs none): returns (p, alpha, the
+    new row max, the new row sum)."""
+    if LOGIT_CAP:
+        sc = scale_scores(qk, qk_scale, cap_scale, LOGIT_CAP)
+    else:
+        sc = qk
+    if MASKED:
+        ok = (n < hi)[None, :] & m_ok[:, None]
+        if CAUSAL:
+            ok = ok & (n[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            ok = ok & (n[None, :] > q_pos[:, None] - window)
+        sc = gl.where(ok, sc, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(sc, 1) * s_scale)
+    if MASKED:
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:  # every row has a finite score in the tile
+        m_use = m_new
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(sc * s_scale - m_use[:, None])
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _tile(
+    t, qk, p_op, o, m_i, l_i, slot, q_w, k_s, v_s, mine, k_ready, v_ready, k_free, v_free, ready, free, BASE, KV_INDICES, FAULT, kv_beg,
+    lo, hi, num_slots, stride, m_ok, q_pos, qk_scale, cap_scale, s_scale, window, MASKED: gl.constexpr, BLOCK_N: gl.constexpr,
+    D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, LOGIT_CAP: gl.constexpr,
+    S_L: gl.constexpr, P_L: gl.constexpr, ROW_O: gl.constexpr, LD: gl.constexpr,
+):  # fmt: skip
+    """Tile t (t >= 1) of one warpgroup: issue its scores (into the dead `qk`), then tile t - 1's output
+    update p_op . V (onto the rescaled `o`); its softmax step runs under that update; then the update's
+    result rescaled by the step's alpha. Then this warpgroup's half (`mine`) of tile t + STAGES - 2 is
+    gathered (`slot`, read a tile ahead) into tile t - 2's buffer, which both warpgroups finished a tile ago.
+    Returns (qk, p_op, o, m_i, l_i, slot) for tile t + 1."""
+    dtype: gl.constexpr = q_w.dtype
+    b = t % STAGES
+    pb = (t - 1) % STAGES
+    mbarrier.wait(k_ready.index(b), (t // STAGES) & 1)
+    fence_async_shared()
+    qk = warpgroup_mma(q_w, k_s.index(b).permute((1, 0)), qk, use_acc=False, is_async=True)
+    mbarrier.wait(v_ready.index(pb), ((t - 1) // STAGES) & 1)
+    fence_async_shared()
+    acc = warpgroup_mma(p_op, v_s.index(pb), o, is_async=True)
+    qk = warpgroup_mma_wait(1, deps=[qk])
+    mbarrier.arrive(k_free.index(b))
+    n = lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+    p, alpha, m_i, l_i = _scores_step(qk, n, m_ok, q_pos, hi, m_i, l_i, qk_scale, cap_scale, s_scale, window, MASKED, CAUSAL, HAS_WINDOW,
+                                      LOGIT_CAP)  # fmt: skip
+    o, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
+    mbarrier.arrive(v_free.index(pb))
+    o = o * gl.convert_layout(alpha, ROW_O)[:, None]
+    p_op = gl.convert_layout(p.to(dtype), P_L)
+    gb = (t + STAGES - 2) % STAGES
+    mbarrier.wait(free.index(gb), (gl.maximum(t - 2, 0) // STAGES) & 1, pred=t >= 2)  # tile 1: a buffer not used yet
+    _publish(mine.index(gb), ready.index(gb), BASE, FAULT, slot, lo + (t + STAGES - 2) * BLOCK_N, hi, num_slots, stride, D, BLOCK_N, LD)
+    slot = _slots(KV_INDICES, kv_beg, lo + (t + STAGES - 1) * BLOCK_N, hi, BLOCK_N, LD)
+    return qk, p_op, o, m_i, l_i, slot
+
+
+@gluon.jit
+def _warpgroup(
+    W: gl.constexpr,
+    q_s,
+    k_s,
+    v_s,
+    k_ready,
+    v_ready,
+    k_free,
+    v_free,
+    Q,
+    K_HEAD,
+    V_HEAD,
+    OUT,
+    LSE,
+    KV_INDICES,
+    SINKS,
+    FAULT,
+    q_beg,
+    q_len,
+    kv_beg,
+    kv_len,
+    h,
+    mb,
+    lo,
+    full_end,
+    hi,
+    num_slots,
+    qk_scale,
+    cap_scale,
+    v_scale,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_ks,
+    stride_vs,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    D: gl.constexpr,
+    STAGES: gl.constexpr,
+    HEADS: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
+    LOGIT_CAP: gl.constexpr,
+    HAS_SINK: gl.constexpr,
+    STORE_LSE: gl.constexpr,
+):
+    """Warpgroup W's part of a program (module doc): its 64 query rows, and the K (W = 0) or V (W = 1) rows
+    of every tile."""
+    ROWS: gl.constexpr = BLOCK_M // 2
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
+    COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
+    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+    # cp.async layout: 32 channels (64 bytes, four 16-byte copies) a thread, D / 32 threads a row: a thread
+    # handles 2 (D = 128) or 1 (D = 64) of a 64-key tile's rows, so few slots to read and check
+    LD: gl.constexpr = gl.BlockedLayout([1, 32], [32 // (D // 32), D // 32], [4, 1], [1, 0])
+    dtype: gl.constexpr = q_s.dtype
+
+    # this warpgroup's query rows, then its half (K or V) of the first STAGES - 1 tiles
+    q_w = q_s.index(W)
+    rq = W * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LD))
+    tok_q = mb * (BLOCK_M // HEADS) + rq // HEADS
+    q_rows = (q_beg + tok_q).to(gl.int64) * stride_qt + (h + rq % HEADS) * stride_qh
+    _gather(q_w, Q, q_rows, tok_q < q_len, D, LD)
+    if W == 0:
+        mine = k_s
+        ready = k_ready
+        free = k_free
+        BASE = K_HEAD
+        stride = stride_ks
+    else:
+        mine = v_s
+        ready = v_ready
+        free = v_free
+        BASE = V_HEAD
+        stride = stride_vs
+    for i in gl.static_range(STAGES - 2):
+        slot = _slots(KV_INDICES, kv_beg, lo + i * BLOCK_N, hi, BLOCK_N, LD)
+        _publish(mine.index(i), ready.index(i), BASE, FAULT, slot, lo + i * BLOCK_N, hi, num_slots, stride, D, BLOCK_N, LD)
+    slot = _slots(KV_INDICES, kv_beg, lo + (STAGES - 2) * BLOCK_N, hi, BLOCK_N, LD)
+    async_copy.wait_group(STAGES - 2)  # q (the tiles' copies may still be in flight)
+    fence_async_shared()
+    cta_barrier()
+
+    tok = mb * (BLOCK_M // HEADS) + (W * ROWS + gl.arange(0, ROWS, layout=ROW_S)) // HEADS
+    m_ok = tok < q_len
+    q_pos = kv_len - q_len + tok
+    if LOGIT_CAP:
+        s_scale = 1.0
+    else:
+        s_scale = qk_scale
+    n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+
+    # tile 0 (always: with no keys it is zero-filled and fully masked, p = 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    fence_async_shared()
+    qk = warpgroup_mma(q_w, k_s.index(0).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, S_L), use_acc=False)
+    mbarrier.arrive(k_free.index(0))
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, ROW_S)
+    n = lo + gl.arange(0, BLOCK_N, layout=COL_S)
+    l_i = gl.zeros([ROWS], gl.float32, ROW_S)
+    p, alpha, m_i, l_i = _scores_step(qk, n, m_ok, q_pos, hi, m_i, l_i, qk_scale, cap_scale, s_scale, window, True, CAUSAL, HAS_WINDOW,
+                                      LOGIT_CAP)  # fmt: skip
+    p_op = gl.convert_layout(p.to(dtype), P_L)
+    o = gl.zeros([ROWS, D], gl.float32, O_L)
+    _publish(mine.index(STAGES - 2), ready.index(STAGES - 2), BASE, FAULT, slot, lo + (STAGES - 2) * BLOCK_N, hi, num_slots, stride, D,
+             BLOCK_N, LD)  # fmt: skip
+    slot = _slots(KV_INDICES, kv_beg, lo + (STAGES - 1) * BLOCK_N, hi, BLOCK_N, LD)
+
+    # tile t: its scores issued, then tile t - 1's output update; its softmax step runs under that update.
+    # Tiles before n_full are seen whole by every row of the block (no masks), the rest are masked
+    n_full = (full_end - lo) // BLOCK_N
+    for t in range(1, n_full):
+        qk, p_op, o, m_i, l_i, slot = _tile(
+            t, qk, p_op, o, m_i, l_i, slot, q_w, k_s, v_s, mine, k_ready, v_ready, k_free, v_free, ready, free, BASE, KV_INDICES,
+            FAULT, kv_beg, lo, hi, num_slots, stride, m_ok, q_pos, qk_scale, cap_scale, s_scale, window, False, BLOCK_N, D, STAGES, CAUSAL,
+            HAS_WINDOW, LOGIT_CAP, S_L, P_L, ROW_O, LD,
+        )  # fmt: skip
+    for t in range(gl.maximum(n_full, 1), n_tiles):
+        qk, p_op, o, m_i, l_i, slot = _tile(
+            t, qk, p_op, o, m_i, l_i, slot, q_w, k_s, v_s, mine, k_ready, v_ready, k_free, v_free, ready, free, BASE, KV_INDICES,
+            FAULT, kv_beg, lo, hi, num_slots, stride, m_ok, q_pos, qk_scale, cap_scale, s_scale, window, True, BLOCK_N, D, STAGES, CAUSAL,
+            HAS_WINDOW, LOGIT_CAP, S_L, P_L, ROW_O, LD,
+        )  # fmt: skip
+    lb = (gl.maximum(n_tiles, 1) - 1) % STAGES
+    mbarrier.wait(v_ready.index(lb), ((gl.maximum(n_tiles, 1) - 1) // STAGES) & 1)
+    fence_async_shared()
+    o = warpgroup_mma(p_op, v_s.index(lb), o)
+    async_copy.wait_group(0)  # copies issued past the last tile (zero-fills) land before the program ends
+
+    has = l_i > 0.0
+    inv = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
+    lse2 = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
+    r_o = W * ROWS + gl.arange(0, ROWS, layout=ROW_O)
+    tok_o = mb * (BLOCK_M // HEADS) + r_o // HEADS
+    head_o = h + r_o % HEADS
+    ok_o = tok_o < q_len
+    out = o * gl.convert_layout(inv, ROW_O)[:, None]
+    res, lse_e = one_split_result(out, gl.convert_layout(lse2, ROW_O), SINKS, head_o, ok_o, v_scale, HAS_SINK)
+    co = gl.arange(0, D, layout=gl.SliceLayout(0, O_L))
+    o_rows = OUT + (q_beg + tok_o).to(gl.int64)[:, None] * stride_ot + head_o[:, None] * stride_oh
+    gl.store(o_rows + co[None, :], res.to(OUT.dtype.element_ty), mask=ok_o[:, None])
+    if STORE_LSE:
+        gl.store(LSE + (q_beg + tok_o).to(gl.int64) * stride_lt + head_o, lse_e, mask=ok_o)
+
+
+@gluon.jit
+def extend_wgmma_kernel(
+    Q,
+    K,
+    V,
+    OUT,
+    LSE,
+    QO_INDPTR,
+    KV_INDPTR,
+    KV_INDICES,
+    MASK,
+    MASK_INDPTR,
+    SINKS,
+    FAULT,
+    num_tokens,
+    num_indices,
+    num_slots,
+    mask_size,
+    qk_scale,
+    cap_scale,
+    v_scale,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    GROUP: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    D: gl.constexpr,
+    BLOCK_D: gl.constexpr,
+    DPE: gl.constexpr,
+    BLOCK_DPE: gl.constexpr,
+    DV: gl.constexpr,
+    BLOCK_DV: gl.constexpr,
+    SHARE_KV: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    USE_MASK: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
+    LOGIT_CAP: gl.constexpr,
+    HAS_SINK: gl.constexpr,
+    STORE_LSE: gl.constexpr,
+    DOT_PREC: gl.constexpr,
+    LAZY: gl.constexpr,
+    STAGES: gl.constexpr,
+    HEADS: gl.constexpr,
+):
+    gl.static_assert(BLOCK_M == 128, "two warpgroups of 64 rows")
+    gl.static_assert((D == BLOCK_D) & (DV == D) & ((D == 64) | (D == 128)), "head_dim = v_head_dim of 64 or 128")
+    gl.static_assert((DPE == 0) & (not SHARE_KV) & (not USE_MASK) & (LAZY == 0), "extend.uses_wgmma")
+    gl.static_assert(STAGES >= 3, "tiles t - 1 and t in use, t + 1 .. t + STAGES - 2 in flight")
+    dtype: gl.constexpr = K.dtype.element_ty
+    Q_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, D], dtype)
+    KV_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
+
+    h = gl.program_id(0) * HEADS  # the program's first q head
+    mb = gl.num_programs(1) - 1 - gl.program_id(1)
+    r = gl.program_id(2)
+    q_beg, q_len, q_clamped = offset_range(QO_INDPTR, r, num_tokens)
+    kv_beg, kv_len, kv_clamped = offset_range(KV_INDPTR, r, num_indices)
+    if (h == 0) & (gl.program_id(1) == 0):
+        gl.store(FAULT + FAULT_QUERY_ROWS, 1, mask=q_clamped)
+        gl.store(FAULT + FAULT_KEY_OFFSETS, 1, mask=kv_clamped)
+    TOKENS: gl.constexpr = BLOCK_M // HEADS
+    if mb * TOKENS < q_len:
+        q_off = kv_len - q_len  # position of the first new token among the request's keys
+        # key ranges: [lo, full_end) seen whole by every row of the block (no masks), [full_end, hi) masked
+        if CAUSAL:
+            hi = gl.minimum(kv_len, q_off + (mb + 1) * TOKENS)
+            full_end = q_off + mb * TOKENS
+        else:
+            hi = kv_len
+            full_end = kv_len
+        lo = hi * 0
+        if HAS_WINDOW:
+            lo = gl.maximum(q_off + mb * TOKENS - window + 1, 0) // BLOCK_N * BLOCK_N
+            full_end = lo
+        full_end = gl.maximum(full_end // BLOCK_N * BLOCK_N, lo)
+        kv_head = h // GROUP
+        q_s = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, D], Q_SMEM)
+        k_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], KV_SMEM)
+        v_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], KV_SMEM)
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=128)  # every thread of the gathering warpgroup
+            mbarrier.init(v_ready.index(i), count=128)
+            mbarrier.init(k_free.index(i), count=2)  # one arrive per warpgroup
+            mbarrier.init(v_free.index(i), count=2)
+        fence_async_shared()
+        cta_barrier()
+        K_HEAD = K + kv_head * stride_kh
+        V_HEAD = V + kv_head * stride_vh
+        # (the partitions' arguments written out in the call: a tuple built first would turn the constexprs into tensors)
+        gl.warp_specialize(
+            [
+                (_warpgroup, (0,
+                q_s, k_s, v_s, k_ready, v_ready, k_free, v_free, Q, K_HEAD, V_HEAD, OUT, LSE, KV_INDICES, SINKS, FAULT, q_beg, q_len,
+                kv_beg, kv_len, h, mb, lo, full_end, hi, num_slots, qk_scale, cap_scale, v_scale, window, stride_qt, stride_qh, stride_ks,
+                stride_vs, stride_ot, stride_oh, stride_lt, BLOCK_M, BLOCK_N, D, STAGES, HEADS, CAUSAL, HAS_WINDOW, LOGIT_CAP, HAS_SINK,
+                STORE_LSE)),
+                (_warpgroup, (1,
+                q_s, k_s, v_s, k_ready, v_ready, k_free, v_free, Q, K_HEAD, V_HEAD, OUT, LSE, KV_INDICES, SINKS, FAULT, q_beg, q_len,
+                kv_beg, kv_len, h, mb, lo, full_end, hi, num_slots, qk_scale, cap_scale, v_scale, window, stride_qt, stride_qh, stride_ks,
+                stride_vs, stride_ot, stride_oh, stride_lt, BLOCK_M, BLOCK_N, D, STAGES, HEADS, CAUSAL, HAS_WINDOW, LOGIT_CAP, HAS_SINK,
+                STORE_LSE)),
+            ],
+            [4],  # the worker: warpgroup 1 (warpgroup 0 is the default partition, the kernel's num_warps 4)
+            [248],
+        )  # fmt: skip

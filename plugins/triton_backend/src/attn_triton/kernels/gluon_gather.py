@@ -1,0 +1,35 @@
+"""What both Gluon kernels (`mla_wgmma.py`, `extend_wgmma.py`) share: Triton's Gluon names that moved between
+Triton 3.6 (the GPU machine's) and 3.9, and the bounds check of a gathered tile's rows.
+
+- `gather_to_shared(smem, pointers, mask)`: cp.async of a `[R, C]` pointer tensor into shared memory (rows
+  where `mask` is false are zero-filled);
+- `cta_barrier()`: a barrier of the warps that run it (inside a `gl.warp_specialize` partition, of that
+  partition only);
+- `checked_rows`: element offsets of key rows from their slots, with the SLOT fault.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+from attn_triton.kernels.common import FAULT_SLOT
+
+gather_to_shared = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+
+@gluon.jit
+def checked_rows(slot, live, FAULT, num_slots, stride):
+    """(element offsets (int64) `slot * stride` of key rows `[R]`, which rows to read): a key not `live` (past
+    its range) is not read, nor one whose slot is outside [0, num_slots), which also raises the SLOT fault
+    in FAULT (`attn_core.ops.device_faults`); rows not read are zero-filled by the gather.
+
+    Worked example: slots [5, -1, 7, 0], live [T, T, T, F], num_slots 6, stride 1024 -> offsets [5120, 0,
+    0, 0], read [T, F, F, F], and the SLOT fault raised (the slot -1; 7 is past the pool too)."""
+    slot_ok = (slot >= 0) & (slot < num_slots)
+    gl.store(FAULT + FAULT_SLOT + gl.zeros_like(slot), 1, mask=live & ~slot_ok)
+    ok = live & slot_ok
+    # slot * stride, never a constant in its place: the offsets stay provably 16-divisible (vector copies)
+    return gl.where(ok, slot, 0).to(gl.int64) * stride, ok

@@ -1,0 +1,73 @@
+"""The extend kernels' configuration on the CPU: `ExtendConfig`'s checks, which launches the opt-in Hopper
+kernel (`kernels/extend_wgmma.py`) would take (`uses_wgmma`), how many q heads it packs into a program
+(`packed_heads`, against a plain search), and that a backend refuses it where it cannot run. The kernel
+itself is compiled for sm_90 by test_triton_compile_sm90.py and run by the GPU suite."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from triton_helpers import requires_interpreter
+
+from attn_core.errors import InvalidArgumentError
+from attn_core.testing.harness import AttnCase, make_env
+from attn_triton.kernels.extend import ExtendConfig, packed_heads, uses_wgmma
+
+HOPPER = ExtendConfig(128, 64, 4, 3, 4, wgmma_block_n=64, wgmma_stages=4)
+
+
+@pytest.mark.parametrize("field, value", [("wgmma_block_n", 32), ("wgmma_block_n", 256), ("wgmma_stages", 2)])
+def test_config_refuses_bad_hopper_tiles(field, value):
+    kwargs = {"wgmma_block_n": 64, "wgmma_stages": 4, field: value}
+    with pytest.raises(InvalidArgumentError) as err:
+        ExtendConfig(**kwargs)
+    assert err.value.argument == f"ExtendConfig.{field}" and err.value.found == value
+
+
+def test_config_defaults_to_the_portable_kernel_only():
+    assert ExtendConfig().wgmma_block_n == 0
+    assert not uses_wgmma(ExtendConfig(), torch.bfloat16, torch.bfloat16, 128, 128, True)
+    ExtendConfig(wgmma_block_n=0, wgmma_stages=1)  # stages are not checked while the kernel is off
+
+
+@pytest.mark.parametrize(
+    "dtype, kv_dtype, d, dv, plain, takes",
+    [
+        (torch.bfloat16, torch.bfloat16, 128, 128, True, True),
+        (torch.float16, torch.float16, 64, 64, True, True),
+        (torch.float32, torch.float32, 128, 128, True, False),  # no 32-bit warpgroup MMA path
+        (torch.bfloat16, torch.float8_e4m3fn, 128, 128, True, False),  # fp8 caches keep the portable kernel
+        (torch.bfloat16, torch.float16, 128, 128, True, False),
+        (torch.bfloat16, torch.bfloat16, 256, 256, True, False),
+        (torch.bfloat16, torch.bfloat16, 96, 96, True, False),
+        (torch.bfloat16, torch.bfloat16, 192, 128, True, False),  # DeepSeek's non-absorbed prefill shape
+        (torch.bfloat16, torch.bfloat16, 128, 128, False, False),  # custom mask, rope split or absorbed MLA
+    ],
+)
+def test_uses_wgmma(dtype, kv_dtype, d, dv, plain, takes):
+    assert uses_wgmma(HOPPER, dtype, kv_dtype, d, dv, plain) is takes
+
+
+def test_packed_heads_worked_examples():
+    assert [packed_heads(g, 128) for g in (1, 2, 4, 8, 6, 12, 7, 256)] == [1, 2, 4, 8, 2, 4, 1, 128]
+    assert packed_heads(8, 4) == 4
+
+
+def test_packed_heads_random_against_a_plain_search():
+    rng = random.Random(0)
+    for _ in range(300):
+        group, rows = rng.randint(1, 300), rng.choice([1, 2, 4, 8, 16, 32, 64, 128])
+        want = max(h for h in range(1, rows + 1) if group % h == 0 and h & (h - 1) == 0)
+        assert packed_heads(group, rows) == want, (group, rows)
+
+
+@requires_interpreter
+def test_backend_refuses_the_hopper_kernel_where_it_cannot_run():
+    from attn_triton.backend import TritonAttnBackend
+
+    env = make_env(AttnCase("EXTEND", [(3, 4)], dtype="bfloat16", num_q_heads=8, num_kv_heads=2, head_dim=128))
+    with pytest.raises(InvalidArgumentError) as err:
+        TritonAttnBackend(env.ctx, extend_config=HOPPER)
+    assert err.value.argument == "extend_config.wgmma_block_n" and "compute capability 9.x" in err.value.expected
