@@ -17,6 +17,10 @@ hidden; a request whose mask block does not fit is recorded as MASK). Each is re
 (`attn_core.ops.device_faults`), so no offset or slot read from the metadata can make the kernel read
 or write outside its buffers. No fault is stored inside the key loops (a store there could cost the
 loads' software pipelining): slot faults are carried in registers and stored once per program.
+
+`extend_attention` runs this kernel, or, for the launches it takes under the opt-in
+`ExtendConfig.wgmma_block_n` (`uses_wgmma`), the Hopper kernel `extend_wgmma.py` (same arguments and faults;
+programs of 128 rows with the q heads of a KV head packed in: `packed_heads`).
 """
 
 from __future__ import annotations
@@ -293,6 +297,7 @@ def extend_attention(
 
         heads = packed_heads(hq // hkv, WGMMA_BLOCK_M)
         tokens, grid_h, kernel = WGMMA_BLOCK_M // heads, hq // heads, extend_wgmma_kernel
+        # num_warps: the default partition's (the kernel's worker partition adds 4)
         options = dict(BLOCK_M=WGMMA_BLOCK_M, BLOCK_N=config.wgmma_block_n, STAGES=config.wgmma_stages, HEADS=heads, LAZY=0, num_warps=4)
     else:
         tokens, grid_h, kernel = config.block_m, hq, _extend_kernel
