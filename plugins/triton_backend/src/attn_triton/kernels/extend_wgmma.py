@@ -48,6 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from attn_triton.kernels.common import FAULT_KEY_OFFSETS, FAULT_QUERY_ROWS, offset_range, scale_scores
 from attn_triton.kernels.decode import one_split_result
+from attn_triton.kernels.extend import key_ranges
 from attn_triton.kernels.gluon_gather import checked_rows, cta_barrier, gather_to_shared
 
 #: query rows of a program: one warpgroup MMA's 64 rows for each of the two warpgroups
@@ -368,18 +369,8 @@ def extend_wgmma_kernel(
     TOKENS: gl.constexpr = BLOCK_M // HEADS
     if mb * TOKENS < q_len:
         q_off = kv_len - q_len  # position of the first new token among the request's keys
-        # key ranges: [lo, full_end) seen whole by every row of the block (no masks), [full_end, hi) masked
-        if CAUSAL:
-            hi = gl.minimum(kv_len, q_off + (mb + 1) * TOKENS)
-            full_end = q_off + mb * TOKENS
-        else:
-            hi = kv_len
-            full_end = kv_len
-        lo = hi * 0
-        if HAS_WINDOW:
-            lo = gl.maximum(q_off + mb * TOKENS - window + 1, 0) // BLOCK_N * BLOCK_N
-            full_end = lo
-        full_end = gl.maximum(full_end // BLOCK_N * BLOCK_N, lo)
+        # keys [lo, full_end) seen whole by every row of the block (no masks), [full_end, hi) masked
+        lo, full_end, hi = key_ranges(kv_len, q_off, mb * TOKENS, TOKENS, window, BLOCK_N, CAUSAL, HAS_WINDOW, False)
         kv_head = h // GROUP
         q_s = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, D], Q_SMEM)
         k_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], KV_SMEM)
