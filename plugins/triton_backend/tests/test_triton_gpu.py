@@ -114,11 +114,14 @@ def test_case_on_cuda(case):
 
 
 #: the opt-in Hopper extend kernel (kernels/extend_wgmma.py; 64-key tiles in 4 buffers) on every case above whose
-#: extend launches it takes (16-bit, not MLA, no fp8 cache: `extend.uses_wgmma`; the rest of a step, its decode rows
-#: and tree masks, keeps the other kernels), and an MHA case at head_dim 64 (one head a program)
+#: extend launches it takes (16-bit, head_dim 128, not MLA, no fp8 cache: `extend.uses_wgmma`; the rest of a step,
+#: its decode rows and tree masks, keeps the other kernels), and an MHA case at head_dim 64 (one head a program)
 HOPPER_EXTEND = ExtendConfig(128, 64, 4, 3, 4, wgmma_block_n=64, wgmma_stages=4)
 HOPPER_CASES = [
-    c for c in CASES if c.mode in (ForwardMode.EXTEND, ForwardMode.MIXED) and c.dtype != "float32" and c.arch != "mla" and not c.kv_dtype
+    c
+    for c in CASES
+    if c.mode in (ForwardMode.EXTEND, ForwardMode.MIXED) and c.dtype != "float32" and c.arch != "mla" and not c.kv_dtype
+    and c.head_dim == 128
 ] + [AttnCase("EXTEND", [(700, 300), (0, 77), (5, 1)], dtype="float16", num_q_heads=16, num_kv_heads=16, head_dim=64, device="cuda")]
 
 
