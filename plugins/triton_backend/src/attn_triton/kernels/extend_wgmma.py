@@ -210,7 +210,7 @@ def _warpgroup(
     LD: gl.constexpr = gl.BlockedLayout([1, 32], [32 // (D // 32), D // 32], [4, 1], [1, 0])
     dtype: gl.constexpr = q_s.dtype
 
-    # this warpgroup's query rows, then its half (K or V) of the first STAGES - 1 tiles
+    # this warpgroup's query rows, then its half (K or V) of the first STAGES - 2 tiles
     q_w = q_s.index(W)
     rq = W * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LD))
     tok_q = mb * (BLOCK_M // HEADS) + rq // HEADS
