@@ -170,13 +170,16 @@ def fp8_query(q, q_pe, HAS_PE: tl.constexpr):
 
 
 @triton.jit
-def softmax_step(m_i, l_i, acc, s, s_scale, GUARD: tl.constexpr):
-    """One online-softmax step over scores `s` [M, N]: base-2 logits are s * s_scale (s_scale > 0;
-    -inf where masked).
+def softmax_terms(m_i, l_i, s, s_scale, GUARD: tl.constexpr):
+    """The terms of one online-softmax step over scores `s` [M, N] (base-2 logits s * s_scale, s_scale > 0;
+    -inf where masked), for a running max m_i and denominator l_i [M]: returns (the new max, the new
+    denominator, alpha [M] = the factor the accumulator takes, p [M, N]). With GUARD, rows that have seen
+    only -inf keep max -inf and contribute nothing (no NaN); without it every row must hold a finite score
+    (unmasked tiles). Shared by `softmax_step` and the Hopper kernels (`mla_wgmma.py`, `extend_wgmma.py`,
+    which call it from Gluon and rescale their accumulators where their MMAs allow).
 
-    Returns the new running max, denominator, rescaled accumulator and the probabilities `p` [M, N].
-    With GUARD, rows that have seen only -inf keep max -inf and contribute nothing (no NaN); without
-    it every row must hold a finite score (unmasked tiles)."""
+    Worked example (one row, s_scale 1): m_i -inf, l_i 0, s [1, 3] -> max 3, alpha 0, p [0.25, 1], l 1.25;
+    then s [5, -inf] -> max 5, alpha 0.25, p [1, 0], l 0.25 * 1.25 + 1 = 1.3125."""
     m_new = tl.maximum(m_i, tl.max(s, 1) * s_scale)
     if GUARD:
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -184,7 +187,14 @@ def softmax_step(m_i, l_i, acc, s, s_scale, GUARD: tl.constexpr):
         m_use = m_new
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s * s_scale - m_use[:, None])
-    l_new = l_i * alpha + tl.sum(p, 1)
+    return m_new, l_i * alpha + tl.sum(p, 1), alpha, p
+
+
+@triton.jit
+def softmax_step(m_i, l_i, acc, s, s_scale, GUARD: tl.constexpr):
+    """One online-softmax step (`softmax_terms`) with the accumulator `acc` [M, DV] rescaled: returns the
+    new running max, denominator, rescaled accumulator and the probabilities `p` [M, N]."""
+    m_new, l_new, alpha, p = softmax_terms(m_i, l_i, s, s_scale, GUARD)
     return m_new, l_new, acc * alpha[:, None], p
 
 

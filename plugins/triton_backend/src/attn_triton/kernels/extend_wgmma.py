@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from attn_triton.kernels.common import FAULT_KEY_OFFSETS, FAULT_QUERY_ROWS, offset_range, scale_scores
+from attn_triton.kernels.common import FAULT_KEY_OFFSETS, FAULT_QUERY_ROWS, offset_range, scale_scores, softmax_terms
 from attn_triton.kernels.decode import one_split_result
 from attn_triton.kernels.extend import key_ranges
 from attn_triton.kernels.gluon_gather import checked_rows, cta_barrier, gather_to_shared
@@ -99,14 +99,8 @@ def _scores_step(qk, n, m_ok, q_pos, hi, m_i, l_i, qk_scale, cap_scale, s_scale,
         if HAS_WINDOW:
             ok = ok & (n[None, :] > q_pos[:, None] - window)
         sc = gl.where(ok, sc, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(sc, 1) * s_scale)
-    if MASKED:
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    else:  # every row has a finite score in the tile
-        m_use = m_new
-    alpha = gl.exp2(m_i - m_use)
-    p = gl.exp2(sc * s_scale - m_use[:, None])
-    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+    m_new, l_new, alpha, p = softmax_terms(m_i, l_i, sc, s_scale, MASKED)  # unmasked tiles: every score finite
+    return p, alpha, m_new, l_new
 
 
 @gluon.jit

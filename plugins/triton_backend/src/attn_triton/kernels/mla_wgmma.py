@@ -57,6 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from attn_triton.kernels.common import softmax_terms
 from attn_triton.kernels.decode import one_split_result
 from attn_triton.kernels.gluon_gather import checked_rows, cta_barrier, gather_to_shared
 from attn_triton.kernels.mla_decode import request_keys, tile_scores
@@ -147,11 +148,7 @@ def _own_tile(
     n = s_lo + k * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
     sc = tile_scores(scores, n, n < s_hi, t, row_ok, q_pos, mask_beg, kv_len, MASK, mask_size, qk_scale, cap_scale, window,
                      Q_LEN, USE_MASK, HAS_WINDOW, LOGIT_CAP)  # fmt: skip
-    m_new = gl.maximum(m_i, gl.max(sc, 1) * s_scale)
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_use)
-    p = gl.exp2(sc * s_scale - m_use[:, None])
-    l_i = l_i * alpha + gl.sum(p, 1)
+    m_new, l_i, alpha, p = softmax_terms(m_i, l_i, sc, s_scale, True)
     b = k % 4
     p_buf = _p_buf(rope_s, p_s, b, BLOCK_H, BLOCK_N, P_IN_ROPE)
     p_buf.store(p.to(dtype))
