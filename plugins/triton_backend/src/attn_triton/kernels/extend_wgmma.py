@@ -56,6 +56,17 @@ WGMMA_BLOCK_M = 128
 
 
 @gluon.jit
+def _rows(mb, h, W: gl.constexpr, BLOCK_M: gl.constexpr, HEADS: gl.constexpr, L: gl.constexpr):
+    """(new token, q head) `[BLOCK_M // 2]` each, in layout L, of warpgroup W's rows of block mb whose first
+    q head is h: block row i is token mb * (BLOCK_M // HEADS) + i // HEADS of head h + i % HEADS.
+
+    Worked example: BLOCK_M 128, HEADS 4, mb 2, h 8, W 1 -> rows 64..127: tokens 80, 80, 80, 80, 81, ...,
+    95 and heads 8, 9, 10, 11, 8, ..., 11."""
+    r = W * (BLOCK_M // 2) + gl.arange(0, BLOCK_M // 2, layout=L)
+    return mb * (BLOCK_M // HEADS) + r // HEADS, h + r % HEADS
+
+
+@gluon.jit
 def _slots(KV_INDICES, kv_beg, start, hi, BLOCK_N: gl.constexpr, L: gl.constexpr):
     """The slots of keys [start, start + BLOCK_N) `[BLOCK_N]` (0 at or past hi), read a tile before their rows
     are gathered (`_publish`): the load's latency stays off the tile it is issued in."""
@@ -206,9 +217,8 @@ def _warpgroup(
 
     # this warpgroup's query rows, then its half (K or V) of the first STAGES - 2 tiles
     q_w = q_s.index(W)
-    rq = W * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LD))
-    tok_q = mb * (BLOCK_M // HEADS) + rq // HEADS
-    q_rows = (q_beg + tok_q).to(gl.int64) * stride_qt + (h + rq % HEADS) * stride_qh
+    tok_q, head_q = _rows(mb, h, W, BLOCK_M, HEADS, gl.SliceLayout(1, LD))
+    q_rows = (q_beg + tok_q).to(gl.int64) * stride_qt + head_q * stride_qh
     _gather(q_w, Q, q_rows, tok_q < q_len, D, LD)
     if W == 0:
         mine = k_s
@@ -230,7 +240,7 @@ def _warpgroup(
     fence_async_shared()
     cta_barrier()
 
-    tok = mb * (BLOCK_M // HEADS) + (W * ROWS + gl.arange(0, ROWS, layout=ROW_S)) // HEADS
+    tok, _ = _rows(mb, h, W, BLOCK_M, HEADS, ROW_S)
     m_ok = tok < q_len
     q_pos = kv_len - q_len + tok
     if LOGIT_CAP:
@@ -279,9 +289,7 @@ def _warpgroup(
     has = l_i > 0.0
     inv = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
     lse2 = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
-    r_o = W * ROWS + gl.arange(0, ROWS, layout=ROW_O)
-    tok_o = mb * (BLOCK_M // HEADS) + r_o // HEADS
-    head_o = h + r_o % HEADS
+    tok_o, head_o = _rows(mb, h, W, BLOCK_M, HEADS, ROW_O)
     ok_o = tok_o < q_len
     out = o * gl.convert_layout(inv, ROW_O)[:, None]
     res, lse_e = one_split_result(out, gl.convert_layout(lse2, ROW_O), SINKS, head_o, ok_o, v_scale, HAS_SINK)
