@@ -69,8 +69,9 @@ MAX_FOLDED_Q_LEN = 16
 
 
 def gluon_hopper_available(version: str = triton.__version__) -> bool:
-    """Whether this Triton has the Gluon Hopper API that `kernels/mla_wgmma.py` is written against
-    (Triton >= 3.6; `mla_config_for` picks the portable kernel's tiles otherwise).
+    """Whether this Triton has the Gluon Hopper API that the Hopper kernels (`kernels/mla_wgmma.py`,
+    `kernels/extend_wgmma.py`) are written against (Triton >= 3.6; otherwise `mla_config_for` picks the
+    portable kernel's tiles and a backend refuses `ExtendConfig.wgmma_block_n`).
 
     >>> gluon_hopper_available("3.5.1"), gluon_hopper_available("3.6.0")
     (False, True)
