@@ -20,6 +20,12 @@ from triton.compiler import ASTSource
 from attn_triton.config import FP8_DECODE_CONFIG, decode_config, extend_config, mla_config_for, verify_config
 from attn_triton.kernels import decode as de, extend as ex, mla_decode as ml, verify as vf
 
+def tma_desc(dt):  # the Hopper extend kernel's K / V descriptor type (extend_wgmma.kv_descriptors)
+    from triton.experimental.gluon import language as gl
+    from attn_triton.kernels.extend_wgmma import TMA_BOX, TMA_CHANNELS
+    layout = gl.NVMMASharedLayout.get_default_for([TMA_BOX, TMA_CHANNELS], gl.float16)
+    return f"tensordesc<{dt}[{TMA_BOX},{TMA_CHANNELS}],{layout!r}>"
+
 def types_for(fn, dt, kv_dt=None, v_dt=None):
     t = {}
     for n in fn.arg_names:
@@ -29,6 +35,7 @@ def types_for(fn, dt, kv_dt=None, v_dt=None):
         elif n in ("LSE", "SINKS", "PART_O", "PART_LSE"): t[n] = "*fp32"
         elif n == "MASK": t[n] = "*u8"
         elif n == "MASK_INDPTR": t[n] = "*i64"
+        elif n.endswith("_DESC"): t[n] = tma_desc(dt)
         elif n.isupper(): t[n] = "*i32"
         elif n in ("qk_scale", "cap_scale", "v_scale"): t[n] = "fp32"
         else: t[n] = "i32"
@@ -149,16 +156,17 @@ for rank, rope in ((512, 32), (128, 16)):
     k = build(mla_wgmma_kernel, "bf16", consts, ml.WGMMA_WARPS // 2, None, 90, source=GluonASTSource)
     assert k.metadata.shared <= 227 * 1024 and not serialized_wgmma(k), (rank, rope, k.metadata.shared)
     print("mla hopper", rank, rope, "shared", k.metadata.shared)
-# the opt-in Hopper extend kernel (kernels/extend_wgmma.py) with 64-key tiles in 4 buffers, every feature on: GQA 32/8 at head_dim
-# 128 (4 heads packed), causal; head_dim 64, one head a program, non-causal (its 128-key tiles spill with every feature on)
+# the opt-in Hopper extend kernel (kernels/extend_wgmma.py, with its TMA descriptors) with 64-key tiles in 4 buffers, every
+# feature on: GQA 32/8 at head_dim 128 (4 heads packed), causal; head_dim 64, one head a program, non-causal (its 128-key tiles
+# spill with every feature on)
 from attn_triton.kernels.extend import ExtendConfig, packed_heads
-from attn_triton.kernels.extend_wgmma import extend_wgmma_kernel
+from attn_triton.kernels.extend_wgmma import TMA_BOX, extend_wgmma_kernel
 for d, group, causal, tiles in ((128, 4, True, ((64, 4),)), (64, 1, False, ((64, 4),))):
     for block_n, stages in tiles:
         cfg = ExtendConfig(wgmma_block_n=block_n, wgmma_stages=stages)
         consts = dict(GROUP=group, BLOCK_M=128, BLOCK_N=cfg.wgmma_block_n, D=d, BLOCK_D=d, DPE=0, BLOCK_DPE=0, DV=d, BLOCK_DV=d,
                       SHARE_KV=False, CAUSAL=causal, USE_MASK=False, HAS_WINDOW=True, LOGIT_CAP=True, HAS_SINK=True, STORE_LSE=True,
-                      DOT_PREC="tf32", LAZY=0, STAGES=cfg.wgmma_stages, HEADS=packed_heads(group, 128))  # fmt: skip
+                      DOT_PREC="tf32", LAZY=0, STAGES=cfg.wgmma_stages, HEADS=packed_heads(group, 128), BOX=TMA_BOX)  # fmt: skip
         k = build(extend_wgmma_kernel, "bf16", consts, 4, None, 90, source=GluonASTSource)
         usage = res_usage(k)
         assert k.metadata.shared <= 227 * 1024 and not serialized_wgmma(k) and " STACK:0 " in usage, (d, block_n, usage, k.metadata.shared)

@@ -1,6 +1,7 @@
 """The extend kernels' configuration on the CPU: `ExtendConfig`'s checks, which launches the opt-in Hopper
-kernel (`kernels/extend_wgmma.py`) would take (`uses_wgmma`), how many q heads it packs into a program
-(`packed_heads`, against a plain search), and that a backend refuses it where it cannot run. The kernel
+kernel (`kernels/extend_wgmma.py`) would take (`uses_wgmma`, and pools its TMA descriptors can read:
+`tma_compatible`), how many q heads it packs into a program (`packed_heads`, against a plain search), and
+that a backend refuses it where it cannot run. The kernel
 itself is compiled for sm_90 by test_triton_compile_sm90.py and run by the GPU suite."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from triton_helpers import requires_interpreter
 
 from attn_core.errors import InvalidArgumentError
 from attn_core.testing.harness import AttnCase, make_env
-from attn_triton.kernels.extend import ExtendConfig, packed_heads, uses_wgmma
+from attn_triton.kernels.extend import ExtendConfig, packed_heads, tma_compatible, uses_wgmma
 
 HOPPER = ExtendConfig(128, 64, 4, 3, 4, wgmma_block_n=64, wgmma_stages=4)
 
@@ -48,6 +49,18 @@ def test_config_defaults_to_the_portable_kernel_only():
 )
 def test_uses_wgmma(dtype, kv_dtype, d, dv, plain, takes):
     assert uses_wgmma(HOPPER, dtype, kv_dtype, d, dv, plain) is takes
+
+
+def test_tma_compatible_pools():
+    pool = torch.empty(64, 8, 128, dtype=torch.bfloat16)
+    assert tma_compatible(pool)
+    assert tma_compatible(torch.empty(64, 2, 64, dtype=torch.float16))
+    assert tma_compatible(pool[8:])  # a later slot: base still 16-byte aligned
+    assert not tma_compatible(torch.empty(64, 8, 256, dtype=torch.bfloat16)[:, :, :128])  # heads not contiguous
+    assert not tma_compatible(pool.transpose(0, 1))  # slots not the outer dimension
+    assert not tma_compatible(torch.empty(64 * 8 * 128 + 1, dtype=torch.bfloat16)[1:].view(64, 8, 128))  # base 2 bytes off
+    assert not tma_compatible(torch.empty(64, 1, 4, dtype=torch.bfloat16))  # rows of 8 bytes
+    assert not tma_compatible(torch.empty(64, 1024, dtype=torch.bfloat16))  # not [slots, heads, dim]
 
 
 def test_packed_heads_worked_examples():

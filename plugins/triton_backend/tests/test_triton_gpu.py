@@ -122,7 +122,12 @@ HOPPER_CASES = [
     for c in CASES
     if c.mode in (ForwardMode.EXTEND, ForwardMode.MIXED) and c.dtype != "float32" and c.arch != "mla" and not c.kv_dtype
     and c.head_dim == 128
-] + [AttnCase("EXTEND", [(700, 300), (0, 77), (5, 1)], dtype="float16", num_q_heads=16, num_kv_heads=16, head_dim=64, device="cuda")]
+] + [
+    AttnCase("EXTEND", [(700, 300), (0, 77), (5, 1)], dtype="float16", num_q_heads=16, num_kv_heads=16, head_dim=64, device="cuda"),
+    # pages of 64: whole tiles by TMA, each range's last tile gathered
+    AttnCase("EXTEND", [(1000, 300), (2047, 513), (64, 64)], dtype="bfloat16", page_size=64, sliding_window=700, return_lse=True,
+             num_q_heads=32, num_kv_heads=8, head_dim=128, device="cuda"),  # fmt: skip
+]
 
 
 HOPPER = torch.cuda.is_available() and hopper_kernels_available(torch.device("cuda"))

@@ -19,8 +19,9 @@ or write outside its buffers. No fault is stored inside the key loops (a store t
 loads' software pipelining): slot faults are carried in registers and stored once per program.
 
 `extend_attention` runs this kernel, or, for the launches it takes under the opt-in
-`ExtendConfig.wgmma_block_n` (`uses_wgmma`), the Hopper kernel `extend_wgmma.py` (same arguments and faults;
-programs of 128 rows with the q heads of a KV head packed in: `packed_heads`).
+`ExtendConfig.wgmma_block_n` (`uses_wgmma`, pools `tma_compatible`), the Hopper kernel `extend_wgmma.py` (same
+arguments and faults, plus the pools' TMA descriptors; programs of 128 rows with the q heads of a KV head packed
+in: `packed_heads`).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class ExtendConfig:
     rescales the accumulator on every key tile; K in 1..8 only when some row's max grew by more than K
     (base 2; `common.lazy_softmax_step`).
 
-    `wgmma_block_n` > 0 (64 or 128) runs the launches the Hopper kernel takes (`uses_wgmma`;
+    `wgmma_block_n` > 0 (64 or 128) runs the launches the Hopper kernel takes (`uses_wgmma`, `tma_compatible`;
     `kernels/extend_wgmma.py`, compute capability 9.x only) on it, with tiles of that many keys in
     `wgmma_stages` (>= 3) buffers; the rest keep the portable kernel and the tiles above."""
 
@@ -113,6 +114,26 @@ def uses_wgmma(config: ExtendConfig, dtype: torch.dtype, kv_dtype: torch.dtype, 
         and head_dim == v_head_dim
         and head_dim in (64, 128)
         and plain
+    )
+
+
+def tma_compatible(buf: torch.Tensor) -> bool:
+    """Whether a KV pool `[slots, Hkv, D]` can be read by TMA as `[slots, Hkv * D]` (the Hopper kernel's
+    descriptors, `extend_wgmma.kv_descriptors`): the heads of a slot contiguous (strides [s, D, 1]), the
+    base and the row stride 16-byte aligned. Pools as attn-core allocates them are; a pool that is not
+    keeps the portable kernel.
+
+    >>> tma_compatible(torch.empty(64, 8, 128, dtype=torch.bfloat16))
+    True
+    >>> tma_compatible(torch.empty(64, 8, 256, dtype=torch.bfloat16)[:, :, :128])  # heads 256 apart
+    False
+    """
+    return (
+        buf.dim() == 3
+        and buf.stride(2) == 1
+        and buf.stride(1) == buf.shape[2]
+        and buf.stride(0) * buf.element_size() % 16 == 0
+        and buf.data_ptr() % 16 == 0
     )
 
 
@@ -310,13 +331,17 @@ def extend_attention(
     dv = o.shape[2]
     qk_scale, cap_scale = score_scales(sm_scale, logit_cap, k_scale)
     v = k_buf if share_kv else v_buf
-    if uses_wgmma(config, q.dtype, k_buf.dtype, d, dv, not use_mask and d_rope == 0 and not share_kv):
-        from attn_triton.kernels.extend_wgmma import WGMMA_BLOCK_M, extend_wgmma_kernel  # Gluon: imported only where it runs
+    plain = not use_mask and d_rope == 0 and not share_kv
+    if uses_wgmma(config, q.dtype, k_buf.dtype, d, dv, plain) and tma_compatible(k_buf) and tma_compatible(v):
+        # Gluon: imported only where it runs
+        from attn_triton.kernels.extend_wgmma import TMA_BOX, WGMMA_BLOCK_M, extend_wgmma_kernel, kv_descriptors
 
         heads = packed_heads(hq // hkv, WGMMA_BLOCK_M)
         tokens, grid_h, kernel = WGMMA_BLOCK_M // heads, hq // heads, extend_wgmma_kernel
-        # num_warps: the default partition's (the kernel's worker partition adds 4)
-        options = dict(BLOCK_M=WGMMA_BLOCK_M, BLOCK_N=config.wgmma_block_n, STAGES=config.wgmma_stages, HEADS=heads, LAZY=0, num_warps=4)
+        k_desc, v_desc = kv_descriptors(k_buf, v)
+        # num_warps: the default partition's (the kernel's worker partitions add 8)
+        options = dict(BLOCK_M=WGMMA_BLOCK_M, BLOCK_N=config.wgmma_block_n, STAGES=config.wgmma_stages, HEADS=heads, LAZY=0, num_warps=4,
+                       K_DESC=k_desc, V_DESC=v_desc, BOX=TMA_BOX)  # fmt: skip
     else:
         tokens, grid_h, kernel = config.block_m, hq, _extend_kernel
         options = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, LAZY=config.lazy_rescale)

@@ -1,41 +1,46 @@
 """Extend attention on Hopper's warpgroup MMA, written in Gluon (Triton's explicit-layout dialect): two
-warp-specialized warpgroups share the K/V tiles of one 128-row query block. Opt-in
-(`ExtendConfig.wgmma_block_n`): on the H100 it runs within 1-4 % of the portable kernel, not faster
-(docs/perf.md, "A warp-specialized Hopper extend kernel").
+consumer warpgroups share the K/V tiles of one 128-row query block, which a producer partition brings in by
+TMA. Opt-in (`ExtendConfig.wgmma_block_n`; docs/perf.md, "A warp-specialized Hopper extend kernel").
 
-The same work and arguments as `extend._extend_kernel` (module doc there) for the launches it takes
-(`extend.uses_wgmma`: 16-bit q and cache, head_dim = v_head_dim of 64 or 128, no rope split, no shared
-K/V, no custom mask). Program (hb, mb, r) owns 128 query rows of request r: HEADS q heads of one KV head
-(`extend.packed_heads`: 4 for GQA 32/8) times 128 / HEADS new tokens (block mb, from the last, the
-longest under a causal mask), row i being token i // HEADS, head i % HEADS, so every K/V tile loaded
-serves HEADS heads. It runs as two partitions of one warpgroup (4 warps) each (`gl.warp_specialize`);
-warpgroup w owns rows [64 w, 64 w + 64) whole: their row max, row sum and `[64, D]` float32 output.
+The same work and arguments as `extend._extend_kernel` (module doc there), plus the TMA descriptors of the
+K and V pools (`kv_descriptors`), for the launches it takes (`extend.uses_wgmma`: 16-bit q and cache,
+head_dim = v_head_dim of 64 or 128, no rope split, no shared K/V, no custom mask). Program (hb, mb, r) owns
+128 query rows of request r: HEADS q heads of one KV head (`extend.packed_heads`: 4 for GQA 32/8) times
+128 / HEADS new tokens (block mb, from the last, the longest under a causal mask), row i being token
+i // HEADS, head i % HEADS, so every K/V tile loaded serves HEADS heads. Three partitions
+(`gl.warp_specialize`):
 
-Key tiles of BLOCK_N keys run through STAGES buffers (tile t in buffer t % STAGES). Warpgroup 0 gathers
-every tile's K rows, warpgroup 1 its V rows, by cp.async by slot (any page size; keys past the block's
-range and slots outside the pool are zero-filled, the latter raising the SLOT fault), STAGES - 2 tiles
-ahead, each thread arriving on the tile's k_ready / v_ready mbarrier when its copies land (no wait);
-the slots are read a tile before the gather. Tiles before the causal diagonal (or the whole range
-without a causal mask) take no masks. Per tile t (t >= 1), each warpgroup:
+- consumers, warpgroups 0 and 1 (4 warps each): warpgroup w owns rows [64 w, 64 w + 64) whole: their row
+  max, row sum and `[64, D]` float32 output;
+- the producer (4 warps): every tile's K and V rows. It reads a tile's slots a tile ahead, as boxes of
+  TMA_BOX keys. A tile whose keys are all live and whose boxes are each one run of contiguous slots inside
+  the pool (pages of TMA_BOX keys or a multiple, the usual engine layout) comes by TMA: a copy per box and
+  64 channels (`_tma_tile`). Any other tile (the last one of a range, with keys past it; slots that do not
+  run; slots outside the pool) is gathered by cp.async by slot, keys past the range and slots outside the
+  pool zero-filled, the latter raising the SLOT fault (`_gather_tile`). So the result never depends on the
+  page size or on how the engine placed the keys; only the speed does.
+
+Key tiles of BLOCK_N keys run through STAGES buffers (tile t in buffer t % STAGES). Tiles before the
+causal diagonal (or the whole range without a causal mask) take no masks. Per tile t (t >= 1), each
+consumer:
 
     scores_t = q_w . K_t^T        [64, BLOCK_N]  issued (q from shared memory)
     acc += p_{t-1} . V_{t-1}      [64, D]        issued (p from registers)
     wait scores_t; masks, online-softmax step -> p_t, alpha_t   (runs under the output update)
     wait the update; acc *= alpha_t
-    gather its half of tile t + STAGES - 2 into tile t - 2's buffer (both warpgroups finished it a
-    tile ago: kv_free)
 
-Synchronisation (mbarriers): k_ready[b] / v_ready[b], 128 arrives (the gathering warpgroup's threads,
-through cp.async), phase (t // STAGES) & 1; k_free[b] / v_free[b], one arrive per warpgroup when its
-scores / output update of the buffer's tile are done.
+Synchronisation (mbarriers): k_ready[b] / v_ready[b], one arrive (the producer's expect of a TMA tile's
+bytes, or its arrive once a gathered tile's copies land), phase (t // STAGES) & 1; k_free[b] / v_free[b],
+one arrive per consumer when its scores / output update of the buffer's tile are done.
 
 Shared memory (bf16, D = 128): q 32 KiB, each stage 2 x BLOCK_N x 256 bytes (64 keys: 32 KiB; 4 stages,
-160 KiB). Requires compute capability 9.x; launched with num_warps 4 (the default partition; the worker
-adds 4).
+160 KiB). Requires compute capability 9.x; launched with num_warps 4 (the default partition: consumer 0;
+the workers add 8).
 """
 
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -49,10 +54,33 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from attn_triton.kernels.common import FAULT_KEY_OFFSETS, FAULT_QUERY_ROWS, offset_range, scale_scores, softmax_terms
 from attn_triton.kernels.decode import one_split_result
 from attn_triton.kernels.extend import key_ranges
-from attn_triton.kernels.gluon_gather import checked_rows, cta_barrier, gather_to_shared
+from attn_triton.kernels.gluon_gather import checked_rows, cta_barrier, gather_to_shared, reinterpret_shared, tma_load
 
-#: query rows of a program: one warpgroup MMA's 64 rows for each of the two warpgroups
+#: query rows of a program: one warpgroup MMA's 64 rows for each of the two consumer warpgroups
 WGMMA_BLOCK_M = 128
+#: keys one TMA copy brings: a run of contiguous slots (pages of 16 keys, or a multiple, give whole runs)
+TMA_BOX = 16
+#: channels one TMA copy brings: 128 bytes of 16-bit values, the width of the buffers' 128-byte swizzle
+TMA_CHANNELS = 64
+#: registers a thread: the consumer warpgroups, the producer (2 x 128 x 224 + 128 x 56 = 64 K, none spilled)
+_CONSUMER_REGS = gl.constexpr(224)
+_PRODUCER_REGS = gl.constexpr(56)
+
+
+def kv_descriptors(k_buf: torch.Tensor, v_buf: torch.Tensor) -> tuple:
+    """The TMA descriptors of one layer's K and V pools for `extend_wgmma_kernel`: each pool `[slots, Hkv,
+    D]` (heads of a slot contiguous, `extend.tma_compatible`) seen as `[slots, Hkv * D]`, in boxes of TMA_BOX
+    slots x TMA_CHANNELS channels. Made once per launch (host objects; the launcher encodes them).
+
+    Example: a bf16 K pool `[4096, 8, 128]` -> a descriptor of shape [4096, 1024], strides [1024, 1], block
+    [16, 64]; the kernel copies box (slot s, KV head h, half c) from coordinates [s, 128 h + 64 c]."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout.get_default_for([TMA_BOX, TMA_CHANNELS], gl.float16)  # 16-bit: bf16 alike
+    return tuple(
+        TensorDescriptor(buf, [buf.shape[0], buf.shape[1] * buf.shape[2]], [buf.stride(0), 1], [TMA_BOX, TMA_CHANNELS], layout)
+        for buf in (k_buf, v_buf)
+    )
 
 
 @gluon.jit
@@ -67,14 +95,6 @@ def _rows(mb, h, W: gl.constexpr, BLOCK_M: gl.constexpr, HEADS: gl.constexpr, L:
 
 
 @gluon.jit
-def _slots(KV_INDICES, kv_beg, start, hi, BLOCK_N: gl.constexpr, L: gl.constexpr):
-    """The slots of keys [start, start + BLOCK_N) `[BLOCK_N]` (0 at or past hi), read a tile before their rows
-    are gathered (`_publish`): the load's latency stays off the tile it is issued in."""
-    n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L))
-    return gl.load(KV_INDICES + kv_beg + n, mask=n < hi, other=0)
-
-
-@gluon.jit
 def _gather(buf, BASE, rows, ok, D: gl.constexpr, L: gl.constexpr):
     """Start the cp.async copy of rows `rows` (element offsets from BASE, `[R]`; rows not `ok` zero-filled)
     of D channels into `buf` `[R, D]`, as one commit group."""
@@ -83,14 +103,93 @@ def _gather(buf, BASE, rows, ok, D: gl.constexpr, L: gl.constexpr):
 
 
 @gluon.jit
-def _publish(buf, ready, BASE, FAULT, slot, start, hi, num_slots, stride, D: gl.constexpr, BLOCK_N: gl.constexpr, L: gl.constexpr):
-    """Gather the K or V rows of keys [start, start + BLOCK_N) (`slot`, from `_slots`) into `buf`; `ready`
-    completes its phase once every thread's copies have landed (each thread arrives through cp.async's own
-    mbarrier arrive, without waiting). A key at or past hi is not read, nor one whose slot is outside
-    [0, num_slots), which also raises the SLOT fault: their rows are zero-filled."""
-    rows, ok = checked_rows(slot, start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L)) < hi, FAULT, num_slots, stride)
-    _gather(buf, BASE, rows, ok, D, L)
-    async_copy.mbarrier_arrive(ready, increment_count=False)
+def _box_slots(KV_INDICES, kv_beg, start, hi, BLOCK_N: gl.constexpr, BOX: gl.constexpr, L: gl.constexpr):
+    """The slots of keys [start, start + BLOCK_N) `[BLOCK_N // BOX, BOX]` (row j: box j, keys start + j BOX
+    onwards; 0 at or past hi), read a tile before the tile is loaded: the load's latency stays off it."""
+    j = gl.arange(0, BLOCK_N // BOX, layout=gl.SliceLayout(1, L))
+    i = gl.arange(0, BOX, layout=gl.SliceLayout(0, L))
+    n = start + j[:, None] * BOX + i[None, :]
+    return gl.load(KV_INDICES + kv_beg + n, mask=n < hi, other=0)
+
+
+@gluon.jit
+def _runs(slots, num_slots, BOX: gl.constexpr):
+    """(first slot of each box `[NB]`, whether every box of `slots` `[NB, BOX]` is one run of BOX contiguous
+    slots inside the pool [0, num_slots)): a tile TMA can bring box by box.
+
+    Worked example: BOX 4, num_slots 64, slots [[8, 9, 10, 11], [40, 41, 42, 43]] -> ([8, 40], True);
+    [[8, 9, 11, 10], ...] -> False (not a run); [[62, 63, 64, 65], ...] -> False (past the pool)."""
+    base = slots - gl.arange(0, BOX, layout=gl.SliceLayout(0, slots.type.layout))[None, :]
+    first = gl.min(base, 1)
+    ok = (gl.max(base, 1) == first) & (first >= 0) & (first <= num_slots - BOX)
+    return first, gl.min(ok.to(gl.int32), 0) == 1
+
+
+@gluon.jit
+def _tma_tile(chunks, b, t, free, ready, DESC, first, col, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+              BOX: gl.constexpr):  # fmt: skip
+    """Bring the K or V rows of tile t into buffer b by TMA, once its last tile is free: box j (`first`, from
+    `_runs`) of every 64-channel half c (`chunks`: the buffers as `[STAGES * D / 64, BLOCK_N, 64]`) from
+    the descriptor's coordinates [first[j], col + 64 c]; `ready` completes when the tile's bytes land."""
+    NB: gl.constexpr = BLOCK_N // BOX
+    CH: gl.constexpr = D // 64
+    jb = gl.arange(0, NB, layout=first.type.layout)
+    mbarrier.wait(free.index(b), (gl.maximum(t - STAGES, 0) // STAGES) & 1, pred=t >= STAGES)
+    mbarrier.expect(ready.index(b), BLOCK_N * D * chunks.dtype.primitive_bitwidth // 8)
+    for j in gl.static_range(NB):
+        s_j = gl.sum(gl.where(jb == j, first, 0), 0)
+        for c in gl.static_range(CH):
+            tma_load(DESC, [s_j, col + 64 * c], ready.index(b), chunks.index(b * CH + c).slice(j * BOX, BOX))
+
+
+@gluon.jit
+def _gather_tile(k_s, v_s, b, t, k_ready, v_ready, k_free, v_free, K_HEAD, V_HEAD, KV_INDICES, FAULT, kv_beg, start, hi, num_slots,
+                 stride_ks, stride_vs, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """Gather the K and V rows of tile t (keys [start, start + BLOCK_N)) into buffer b by cp.async by slot,
+    once its last tile is free: a key at or past hi is not read, nor one whose slot is outside [0,
+    num_slots), which also raises the SLOT fault; their rows are zero-filled. `k_ready` / `v_ready` complete
+    when every thread's copies have landed (a counted cp.async arrive each, then the one expected arrive)."""
+    # 32 channels (four 16-byte copies) a thread, D / 32 threads a row
+    LD: gl.constexpr = gl.BlockedLayout([1, 32], [32 // (D // 32), D // 32], [4, 1], [1, 0])
+    ph = (gl.maximum(t - STAGES, 0) // STAGES) & 1
+    n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
+    live = n < hi
+    slot = gl.load(KV_INDICES + kv_beg + n, mask=live, other=0)
+    rows, ok = checked_rows(slot, live, FAULT, num_slots, stride_ks)
+    mbarrier.wait(k_free.index(b), ph, pred=t >= STAGES)
+    _gather(k_s.index(b), K_HEAD, rows, ok, D, LD)
+    mbarrier.wait(v_free.index(b), ph, pred=t >= STAGES)
+    _gather(v_s.index(b), V_HEAD, gl.where(ok, slot, 0).to(gl.int64) * stride_vs, ok, D, LD)
+    async_copy.mbarrier_arrive(k_ready.index(b))  # adds one pending arrive a thread, made when its copies land
+    async_copy.mbarrier_arrive(v_ready.index(b))
+    mbarrier.arrive(k_ready.index(b))
+    mbarrier.arrive(v_ready.index(b))
+
+
+@gluon.jit
+def _producer(k_s, v_s, k_ready, v_ready, k_free, v_free, K_DESC, V_DESC, K_HEAD, V_HEAD, KV_INDICES, FAULT, kv_beg, lo, hi, num_slots,
+              col, stride_ks, stride_vs, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, BOX: gl.constexpr):  # fmt: skip
+    """The producer partition (module doc): tiles 0 .. n_tiles - 1 of keys [lo, hi) (one tile at least: with
+    no keys it is zero-filled) into buffers t % STAGES, by TMA or by the gather."""
+    S2: gl.constexpr = gl.BlockedLayout([1, 1], [32 // BOX, BOX], [4, 1], [1, 0])
+    CHUNKS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], k_s.dtype)
+    k_c = reinterpret_shared(k_s, [STAGES * (D // 64), BLOCK_N, 64], CHUNKS)
+    v_c = reinterpret_shared(v_s, [STAGES * (D // 64), BLOCK_N, 64], CHUNKS)
+    n_tiles = gl.maximum(gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N), 1)
+    slots = _box_slots(KV_INDICES, kv_beg, lo, hi, BLOCK_N, BOX, S2)
+    for t in range(n_tiles):
+        b = t % STAGES
+        start = lo + t * BLOCK_N
+        nxt = _box_slots(KV_INDICES, kv_beg, start + BLOCK_N, hi, BLOCK_N, BOX, S2)
+        first, runs = _runs(slots, num_slots, BOX)
+        if (start + BLOCK_N <= hi) & runs:
+            _tma_tile(k_c, b, t, k_free, k_ready, K_DESC, first, col, BLOCK_N, D, STAGES, BOX)
+            _tma_tile(v_c, b, t, v_free, v_ready, V_DESC, first, col, BLOCK_N, D, STAGES, BOX)
+        else:
+            _gather_tile(k_s, v_s, b, t, k_ready, v_ready, k_free, v_free, K_HEAD, V_HEAD, KV_INDICES, FAULT, kv_beg, start, hi, num_slots,
+                         stride_ks, stride_vs, BLOCK_N, D, STAGES)  # fmt: skip
+        slots = nxt
+    async_copy.wait_group(0)  # gathered copies land before the program ends
 
 
 @gluon.jit
@@ -116,21 +215,18 @@ def _scores_step(qk, n, m_ok, q_pos, hi, m_i, l_i, qk_scale, cap_scale, s_scale,
 
 @gluon.jit
 def _tile(
-    t, qk, p_op, o, m_i, l_i, slot, q_w, k_s, v_s, mine, k_ready, v_ready, k_free, v_free, ready, free, BASE, KV_INDICES, FAULT, kv_beg,
-    lo, hi, num_slots, stride, m_ok, q_pos, qk_scale, cap_scale, s_scale, window, MASKED: gl.constexpr, BLOCK_N: gl.constexpr,
-    D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, LOGIT_CAP: gl.constexpr,
-    S_L: gl.constexpr, P_L: gl.constexpr, ROW_O: gl.constexpr, LD: gl.constexpr,
+    t, qk, p_op, o, m_i, l_i, q_w, k_s, v_s, k_ready, v_ready, k_free, v_free, lo, hi, m_ok, q_pos, qk_scale, cap_scale, s_scale,
+    window, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
+    LOGIT_CAP: gl.constexpr, S_L: gl.constexpr, P_L: gl.constexpr, ROW_O: gl.constexpr,
 ):  # fmt: skip
-    """Tile t (t >= 1) of one warpgroup: issue its scores (into the dead `qk`), then tile t - 1's output
+    """Tile t (t >= 1) of one consumer: issue its scores (into the dead `qk`), then tile t - 1's output
     update p_op . V (onto the rescaled `o`); its softmax step runs under that update; then the update's
-    result rescaled by the step's alpha. Then this warpgroup's half (`mine`) of tile t + STAGES - 2 is
-    gathered (`slot`, read a tile ahead) into tile t - 2's buffer, which both warpgroups finished a tile ago.
-    Returns (qk, p_op, o, m_i, l_i, slot) for tile t + 1."""
+    result rescaled by the step's alpha. Returns (qk, p_op, o, m_i, l_i) for tile t + 1."""
     dtype: gl.constexpr = q_w.dtype
     b = t % STAGES
     pb = (t - 1) % STAGES
     mbarrier.wait(k_ready.index(b), (t // STAGES) & 1)
-    fence_async_shared()
+    fence_async_shared()  # a gathered tile was written through the generic proxy (no copies of this thread in flight)
     qk = warpgroup_mma(q_w, k_s.index(b).permute((1, 0)), qk, use_acc=False, is_async=True)
     mbarrier.wait(v_ready.index(pb), ((t - 1) // STAGES) & 1)
     fence_async_shared()
@@ -144,11 +240,7 @@ def _tile(
     mbarrier.arrive(v_free.index(pb))
     o = o * gl.convert_layout(alpha, ROW_O)[:, None]
     p_op = gl.convert_layout(p.to(dtype), P_L)
-    gb = (t + STAGES - 2) % STAGES
-    mbarrier.wait(free.index(gb), (gl.maximum(t - 2, 0) // STAGES) & 1, pred=t >= 2)  # tile 1: a buffer not used yet
-    _publish(mine.index(gb), ready.index(gb), BASE, FAULT, slot, lo + (t + STAGES - 2) * BLOCK_N, hi, num_slots, stride, D, BLOCK_N, LD)
-    slot = _slots(KV_INDICES, kv_beg, lo + (t + STAGES - 1) * BLOCK_N, hi, BLOCK_N, LD)
-    return qk, p_op, o, m_i, l_i, slot
+    return qk, p_op, o, m_i, l_i
 
 
 @gluon.jit
@@ -162,31 +254,23 @@ def _warpgroup(
     k_free,
     v_free,
     Q,
-    K_HEAD,
-    V_HEAD,
     OUT,
     LSE,
-    KV_INDICES,
     SINKS,
-    FAULT,
     q_beg,
     q_len,
-    kv_beg,
     kv_len,
     h,
     mb,
     lo,
     full_end,
     hi,
-    num_slots,
     qk_scale,
     cap_scale,
     v_scale,
     window,
     stride_qt,
     stride_qh,
-    stride_ks,
-    stride_vs,
     stride_ot,
     stride_oh,
     stride_lt,
@@ -201,8 +285,7 @@ def _warpgroup(
     HAS_SINK: gl.constexpr,
     STORE_LSE: gl.constexpr,
 ):
-    """Warpgroup W's part of a program (module doc): its 64 query rows, and the K (W = 0) or V (W = 1) rows
-    of every tile."""
+    """Consumer warpgroup W (module doc): its 64 query rows over every tile."""
     ROWS: gl.constexpr = BLOCK_M // 2
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
@@ -210,33 +293,14 @@ def _warpgroup(
     ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
     COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
     ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
-    # cp.async layout: 32 channels (64 bytes, four 16-byte copies) a thread, D / 32 threads a row: a thread
-    # handles 2 (D = 128) or 1 (D = 64) of a 64-key tile's rows, so few slots to read and check
     LD: gl.constexpr = gl.BlockedLayout([1, 32], [32 // (D // 32), D // 32], [4, 1], [1, 0])
     dtype: gl.constexpr = q_s.dtype
 
-    # this warpgroup's query rows, then its half (K or V) of the first STAGES - 2 tiles
+    # this warpgroup's query rows
     q_w = q_s.index(W)
     tok_q, head_q = _rows(mb, h, W, BLOCK_M, HEADS, gl.SliceLayout(1, LD))
-    q_rows = (q_beg + tok_q).to(gl.int64) * stride_qt + head_q * stride_qh
-    _gather(q_w, Q, q_rows, tok_q < q_len, D, LD)
-    if W == 0:
-        mine = k_s
-        ready = k_ready
-        free = k_free
-        BASE = K_HEAD
-        stride = stride_ks
-    else:
-        mine = v_s
-        ready = v_ready
-        free = v_free
-        BASE = V_HEAD
-        stride = stride_vs
-    for i in gl.static_range(STAGES - 2):
-        slot = _slots(KV_INDICES, kv_beg, lo + i * BLOCK_N, hi, BLOCK_N, LD)
-        _publish(mine.index(i), ready.index(i), BASE, FAULT, slot, lo + i * BLOCK_N, hi, num_slots, stride, D, BLOCK_N, LD)
-    slot = _slots(KV_INDICES, kv_beg, lo + (STAGES - 2) * BLOCK_N, hi, BLOCK_N, LD)
-    async_copy.wait_group(STAGES - 2)  # q (the tiles' copies may still be in flight)
+    _gather(q_w, Q, (q_beg + tok_q).to(gl.int64) * stride_qt + head_q * stride_qh, tok_q < q_len, D, LD)
+    async_copy.wait_group(0)
     fence_async_shared()
     cta_barrier()
 
@@ -261,30 +325,24 @@ def _warpgroup(
                                       LOGIT_CAP)  # fmt: skip
     p_op = gl.convert_layout(p.to(dtype), P_L)
     o = gl.zeros([ROWS, D], gl.float32, O_L)
-    _publish(mine.index(STAGES - 2), ready.index(STAGES - 2), BASE, FAULT, slot, lo + (STAGES - 2) * BLOCK_N, hi, num_slots, stride, D,
-             BLOCK_N, LD)  # fmt: skip
-    slot = _slots(KV_INDICES, kv_beg, lo + (STAGES - 1) * BLOCK_N, hi, BLOCK_N, LD)
 
     # tile t: its scores issued, then tile t - 1's output update; its softmax step runs under that update.
     # Tiles before n_full are seen whole by every row of the block (no masks), the rest are masked
     n_full = (full_end - lo) // BLOCK_N
     for t in range(1, n_full):
-        qk, p_op, o, m_i, l_i, slot = _tile(
-            t, qk, p_op, o, m_i, l_i, slot, q_w, k_s, v_s, mine, k_ready, v_ready, k_free, v_free, ready, free, BASE, KV_INDICES,
-            FAULT, kv_beg, lo, hi, num_slots, stride, m_ok, q_pos, qk_scale, cap_scale, s_scale, window, False, BLOCK_N, D, STAGES, CAUSAL,
-            HAS_WINDOW, LOGIT_CAP, S_L, P_L, ROW_O, LD,
+        qk, p_op, o, m_i, l_i = _tile(
+            t, qk, p_op, o, m_i, l_i, q_w, k_s, v_s, k_ready, v_ready, k_free, v_free, lo, hi, m_ok, q_pos, qk_scale, cap_scale, s_scale,
+            window, False, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, LOGIT_CAP, S_L, P_L, ROW_O,
         )  # fmt: skip
     for t in range(gl.maximum(n_full, 1), n_tiles):
-        qk, p_op, o, m_i, l_i, slot = _tile(
-            t, qk, p_op, o, m_i, l_i, slot, q_w, k_s, v_s, mine, k_ready, v_ready, k_free, v_free, ready, free, BASE, KV_INDICES,
-            FAULT, kv_beg, lo, hi, num_slots, stride, m_ok, q_pos, qk_scale, cap_scale, s_scale, window, True, BLOCK_N, D, STAGES, CAUSAL,
-            HAS_WINDOW, LOGIT_CAP, S_L, P_L, ROW_O, LD,
+        qk, p_op, o, m_i, l_i = _tile(
+            t, qk, p_op, o, m_i, l_i, q_w, k_s, v_s, k_ready, v_ready, k_free, v_free, lo, hi, m_ok, q_pos, qk_scale, cap_scale, s_scale,
+            window, True, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, LOGIT_CAP, S_L, P_L, ROW_O,
         )  # fmt: skip
     lb = (gl.maximum(n_tiles, 1) - 1) % STAGES
     mbarrier.wait(v_ready.index(lb), ((gl.maximum(n_tiles, 1) - 1) // STAGES) & 1)
     fence_async_shared()
     o = warpgroup_mma(p_op, v_s.index(lb), o)
-    async_copy.wait_group(0)  # copies issued past the last tile (zero-fills) land before the program ends
 
     has = l_i > 0.0
     inv = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
@@ -351,11 +409,15 @@ def extend_wgmma_kernel(
     LAZY: gl.constexpr,
     STAGES: gl.constexpr,
     HEADS: gl.constexpr,
+    K_DESC,
+    V_DESC,
+    BOX: gl.constexpr,
 ):
     gl.static_assert(BLOCK_M == 128, "two warpgroups of 64 rows")
     gl.static_assert((D == BLOCK_D) & (DV == D) & ((D == 64) | (D == 128)), "head_dim = v_head_dim of 64 or 128")
     gl.static_assert((DPE == 0) & (not SHARE_KV) & (not USE_MASK) & (LAZY == 0), "extend.uses_wgmma")
     gl.static_assert(STAGES >= 3, "tiles t - 1 and t in use, t + 1 .. t + STAGES - 2 in flight")
+    gl.static_assert((BLOCK_N % BOX == 0) & (BOX <= 32), "whole TMA boxes a tile")
     dtype: gl.constexpr = K.dtype.element_ty
     Q_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, D], dtype)
     KV_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
@@ -382,8 +444,8 @@ def extend_wgmma_kernel(
         k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=128)  # every thread of the gathering warpgroup
-            mbarrier.init(v_ready.index(i), count=128)
+            mbarrier.init(k_ready.index(i), count=1)  # the producer's expect (TMA) or last arrive (gather)
+            mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(k_free.index(i), count=2)  # one arrive per warpgroup
             mbarrier.init(v_free.index(i), count=2)
         fence_async_shared()
@@ -394,16 +456,16 @@ def extend_wgmma_kernel(
         gl.warp_specialize(
             [
                 (_warpgroup, (0,
-                q_s, k_s, v_s, k_ready, v_ready, k_free, v_free, Q, K_HEAD, V_HEAD, OUT, LSE, KV_INDICES, SINKS, FAULT, q_beg, q_len,
-                kv_beg, kv_len, h, mb, lo, full_end, hi, num_slots, qk_scale, cap_scale, v_scale, window, stride_qt, stride_qh, stride_ks,
-                stride_vs, stride_ot, stride_oh, stride_lt, BLOCK_M, BLOCK_N, D, STAGES, HEADS, CAUSAL, HAS_WINDOW, LOGIT_CAP, HAS_SINK,
-                STORE_LSE)),
+                q_s, k_s, v_s, k_ready, v_ready, k_free, v_free, Q, OUT, LSE, SINKS, q_beg, q_len, kv_len, h, mb, lo, full_end, hi,
+                qk_scale, cap_scale, v_scale, window, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, BLOCK_M, BLOCK_N, D, STAGES,
+                HEADS, CAUSAL, HAS_WINDOW, LOGIT_CAP, HAS_SINK, STORE_LSE)),
                 (_warpgroup, (1,
-                q_s, k_s, v_s, k_ready, v_ready, k_free, v_free, Q, K_HEAD, V_HEAD, OUT, LSE, KV_INDICES, SINKS, FAULT, q_beg, q_len,
-                kv_beg, kv_len, h, mb, lo, full_end, hi, num_slots, qk_scale, cap_scale, v_scale, window, stride_qt, stride_qh, stride_ks,
-                stride_vs, stride_ot, stride_oh, stride_lt, BLOCK_M, BLOCK_N, D, STAGES, HEADS, CAUSAL, HAS_WINDOW, LOGIT_CAP, HAS_SINK,
-                STORE_LSE)),
+                q_s, k_s, v_s, k_ready, v_ready, k_free, v_free, Q, OUT, LSE, SINKS, q_beg, q_len, kv_len, h, mb, lo, full_end, hi,
+                qk_scale, cap_scale, v_scale, window, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, BLOCK_M, BLOCK_N, D, STAGES,
+                HEADS, CAUSAL, HAS_WINDOW, LOGIT_CAP, HAS_SINK, STORE_LSE)),
+                (_producer, (k_s, v_s, k_ready, v_ready, k_free, v_free, K_DESC, V_DESC, K_HEAD, V_HEAD, KV_INDICES, FAULT, kv_beg, lo, hi,
+                num_slots, kv_head * D, stride_ks, stride_vs, BLOCK_N, D, STAGES, BOX)),
             ],
-            [4],  # the worker: warpgroup 1 (warpgroup 0 is the default partition, the kernel's num_warps 4)
-            [248],
+            [4, 4],  # the workers: consumer 1, the producer (consumer 0 is the default partition, the kernel's num_warps 4)
+            [_CONSUMER_REGS, _PRODUCER_REGS],
         )  # fmt: skip

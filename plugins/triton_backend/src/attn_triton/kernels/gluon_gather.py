@@ -3,6 +3,9 @@ Triton 3.6 (the GPU machine's) and 3.9, and the bounds check of a gathered tile'
 
 - `gather_to_shared(smem, pointers, mask)`: cp.async of a `[R, C]` pointer tensor into shared memory (rows
   where `mask` is false are zero-filled);
+- `tma_load(desc, coords, mbarrier, smem)`: a TMA copy of one box of a tensor descriptor into shared memory,
+  completing its bytes on the mbarrier;
+- `reinterpret_shared(smem, shape, layout)`: the same shared memory seen with another shape and layout;
 - `cta_barrier()`: a barrier of the warps that run it (inside a `gl.warp_specialize` partition, of that
   partition only);
 - `checked_rows`: element offsets of key rows from their slots, with the SLOT fault.
@@ -13,11 +16,26 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import tma
 
 from attn_triton.kernels.common import FAULT_SLOT
 
 gather_to_shared = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# shared_memory_descriptor.reinterpret (3.9) was _reinterpret (3.6)
+_NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+
+
+@gluon.jit
+def reinterpret_shared(smem, shape: gl.constexpr, layout: gl.constexpr):
+    """`smem` (a shared memory descriptor) seen as `shape` in `layout`, its element type kept: the same bytes,
+    no copy. Example: a `[4, 64, 128]` bf16 buffer of 128-byte swizzled tiles seen as `[8, 64, 64]`, each
+    tile's two 64-channel halves (`extend_wgmma.py`)."""
+    if _NEW_REINTERPRET:
+        return smem.reinterpret(smem.dtype, shape, layout)
+    else:
+        return smem._reinterpret(smem.dtype, shape, layout)
 
 
 @gluon.jit

@@ -59,12 +59,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from attn_triton.kernels.common import softmax_terms
 from attn_triton.kernels.decode import one_split_result
-from attn_triton.kernels.gluon_gather import checked_rows, cta_barrier, gather_to_shared
+from attn_triton.kernels.gluon_gather import checked_rows, cta_barrier, gather_to_shared, reinterpret_shared
 from attn_triton.kernels.mla_decode import request_keys, tile_scores
-
-# shared_memory_descriptor.reinterpret (3.9) was _reinterpret (3.6)
-_NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
-
 
 #: cp.async gather layout: 8 threads a row (64 channels = 128 bytes), 16 rows a pass
 _LOAD = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
@@ -125,10 +121,7 @@ def _p_buf(rope_s, p_s, b, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, P_IN_RO
     bytes, no longer read once its scores are done) or in a ring of its own."""
     if P_IN_ROPE:
         P_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], rope_s.dtype)
-        if _NEW_REINTERPRET:
-            return rope_s.index(b).reinterpret(rope_s.dtype, [BLOCK_H, BLOCK_N], P_SMEM)
-        else:
-            return rope_s.index(b)._reinterpret(rope_s.dtype, [BLOCK_H, BLOCK_N], P_SMEM)
+        return reinterpret_shared(rope_s.index(b), [BLOCK_H, BLOCK_N], P_SMEM)
     else:
         return p_s.index(b)
 
