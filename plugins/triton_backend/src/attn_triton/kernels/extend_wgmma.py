@@ -54,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from attn_triton.kernels.common import FAULT_KEY_OFFSETS, FAULT_QUERY_ROWS, offset_range, scale_scores, softmax_terms
 from attn_triton.kernels.decode import one_split_result
 from attn_triton.kernels.extend import key_ranges
-from attn_triton.kernels.gluon_gather import checked_rows, cta_barrier, gather_to_shared, reinterpret_shared, tma_load
+from attn_triton.kernels.gluon_gather import box_slots, checked_rows, cta_barrier, gather_to_shared, reinterpret_shared, slot_runs, tma_load
 
 #: query rows of a program: one warpgroup MMA's 64 rows for each of the two consumer warpgroups
 WGMMA_BLOCK_M = 128
@@ -100,29 +100,6 @@ def _gather(buf, BASE, rows, ok, D: gl.constexpr, L: gl.constexpr):
     of D channels into `buf` `[R, D]`, as one commit group."""
     gather_to_shared(buf, BASE + (rows[:, None] + gl.arange(0, D, layout=gl.SliceLayout(0, L))[None, :]), mask=ok[:, None])
     async_copy.commit_group()
-
-
-@gluon.jit
-def _box_slots(KV_INDICES, kv_beg, start, hi, BLOCK_N: gl.constexpr, BOX: gl.constexpr, L: gl.constexpr):
-    """The slots of keys [start, start + BLOCK_N) `[BLOCK_N // BOX, BOX]` (row j: box j, keys start + j BOX
-    onwards; 0 at or past hi), read a tile before the tile is loaded: the load's latency stays off it."""
-    j = gl.arange(0, BLOCK_N // BOX, layout=gl.SliceLayout(1, L))
-    i = gl.arange(0, BOX, layout=gl.SliceLayout(0, L))
-    n = start + j[:, None] * BOX + i[None, :]
-    return gl.load(KV_INDICES + kv_beg + n, mask=n < hi, other=0)
-
-
-@gluon.jit
-def _runs(slots, num_slots, BOX: gl.constexpr):
-    """(first slot of each box `[NB]`, whether every box of `slots` `[NB, BOX]` is one run of BOX contiguous
-    slots inside the pool [0, num_slots)): a tile TMA can bring box by box.
-
-    Worked example: BOX 4, num_slots 64, slots [[8, 9, 10, 11], [40, 41, 42, 43]] -> ([8, 40], True);
-    [[8, 9, 11, 10], ...] -> False (not a run); [[62, 63, 64, 65], ...] -> False (past the pool)."""
-    base = slots - gl.arange(0, BOX, layout=gl.SliceLayout(0, slots.type.layout))[None, :]
-    first = gl.min(base, 1)
-    ok = (gl.max(base, 1) == first) & (first >= 0) & (first <= num_slots - BOX)
-    return first, gl.min(ok.to(gl.int32), 0) == 1
 
 
 @gluon.jit
@@ -176,12 +153,12 @@ def _producer(k_s, v_s, k_ready, v_ready, k_free, v_free, K_DESC, V_DESC, K_HEAD
     k_c = reinterpret_shared(k_s, [STAGES * (D // 64), BLOCK_N, 64], CHUNKS)
     v_c = reinterpret_shared(v_s, [STAGES * (D // 64), BLOCK_N, 64], CHUNKS)
     n_tiles = gl.maximum(gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N), 1)
-    slots = _box_slots(KV_INDICES, kv_beg, lo, hi, BLOCK_N, BOX, S2)
+    slots = box_slots(KV_INDICES, kv_beg, lo, hi, BLOCK_N, BOX, S2)
     for t in range(n_tiles):
         b = t % STAGES
         start = lo + t * BLOCK_N
-        nxt = _box_slots(KV_INDICES, kv_beg, start + BLOCK_N, hi, BLOCK_N, BOX, S2)
-        first, runs = _runs(slots, num_slots, BOX)
+        nxt = box_slots(KV_INDICES, kv_beg, start + BLOCK_N, hi, BLOCK_N, BOX, S2)
+        first, runs = slot_runs(slots, num_slots, BOX)
         if (start + BLOCK_N <= hi) & runs:
             _tma_tile(k_c, b, t, k_free, k_ready, K_DESC, first, col, BLOCK_N, D, STAGES, BOX)
             _tma_tile(v_c, b, t, v_free, v_ready, V_DESC, first, col, BLOCK_N, D, STAGES, BOX)

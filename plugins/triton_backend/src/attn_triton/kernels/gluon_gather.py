@@ -8,7 +8,9 @@ Triton 3.6 (the GPU machine's) and 3.9, and the bounds check of a gathered tile'
 - `reinterpret_shared(smem, shape, layout)`: the same shared memory seen with another shape and layout;
 - `cta_barrier()`: a barrier of the warps that run it (inside a `gl.warp_specialize` partition, of that
   partition only);
-- `checked_rows`: element offsets of key rows from their slots, with the SLOT fault.
+- `checked_rows`: element offsets of key rows from their slots, with the SLOT fault;
+- `box_slots` / `slot_runs`: a tile's slots in boxes of keys, and whether each box is one run of
+  contiguous slots (a tile TMA can bring).
 """
 
 from __future__ import annotations
@@ -51,3 +53,31 @@ def checked_rows(slot, live, FAULT, num_slots, stride):
     ok = live & slot_ok
     # slot * stride, never a constant in its place: the offsets stay provably 16-divisible (vector copies)
     return gl.where(ok, slot, 0).to(gl.int64) * stride, ok
+
+
+@gluon.jit
+def box_slots(KV_INDICES, kv_beg, start, hi, BLOCK_N: gl.constexpr, BOX: gl.constexpr, L: gl.constexpr):
+    """The slots of keys [start, start + BLOCK_N) of a request (its slots from KV_INDICES + kv_beg) as
+    `[BLOCK_N // BOX, BOX]` in layout L, row j holding box j (keys start + j BOX onwards), 0 at or past hi.
+    The Hopper kernels' producers read a tile's slots a tile before loading it, so the load's latency stays
+    off the tile.
+
+    Worked example: BOX 4, BLOCK_N 8, start 8, hi 14, the request's slots 100, 101, ... -> [[108, 109,
+    110, 111], [112, 113, 0, 0]]."""
+    j = gl.arange(0, BLOCK_N // BOX, layout=gl.SliceLayout(1, L))
+    i = gl.arange(0, BOX, layout=gl.SliceLayout(0, L))
+    n = start + j[:, None] * BOX + i[None, :]
+    return gl.load(KV_INDICES + kv_beg + n, mask=n < hi, other=0)
+
+
+@gluon.jit
+def slot_runs(slots, num_slots, BOX: gl.constexpr):
+    """(first slot of each box `[NB]`, whether every box of `slots` `[NB, BOX]` (`box_slots`) is one run of
+    BOX contiguous slots inside the pool [0, num_slots)): a tile TMA can bring box by box (`tma_load`).
+
+    Worked example: BOX 4, num_slots 64, slots [[8, 9, 10, 11], [40, 41, 42, 43]] -> ([8, 40], True);
+    [[8, 9, 11, 10], ...] -> False (not a run); [[62, 63, 64, 65], ...] -> False (past the pool)."""
+    base = slots - gl.arange(0, BOX, layout=gl.SliceLayout(0, slots.type.layout))[None, :]
+    first = gl.min(base, 1)
+    ok = (gl.max(base, 1) == first) & (first >= 0) & (first <= num_slots - BOX)
+    return first, gl.min(ok.to(gl.int32), 0) == 1
