@@ -14,7 +14,8 @@ from triton_helpers import requires_interpreter
 
 from attn_core.errors import InvalidArgumentError
 from attn_core.testing.harness import AttnCase, make_env
-from attn_triton.kernels.extend import ExtendConfig, packed_heads, tma_compatible, uses_wgmma
+from attn_triton.kernels.common import tma_compatible
+from attn_triton.kernels.extend import ExtendConfig, packed_heads, uses_wgmma
 
 HOPPER = ExtendConfig(128, 64, 4, 3, 4, wgmma_block_n=64, wgmma_stages=4)
 
@@ -60,7 +61,10 @@ def test_tma_compatible_pools():
     assert not tma_compatible(pool.transpose(0, 1))  # slots not the outer dimension
     assert not tma_compatible(torch.empty(64 * 8 * 128 + 1, dtype=torch.bfloat16)[1:].view(64, 8, 128))  # base 2 bytes off
     assert not tma_compatible(torch.empty(64, 1, 4, dtype=torch.bfloat16))  # rows of 8 bytes
-    assert not tma_compatible(torch.empty(64, 1024, dtype=torch.bfloat16))  # not [slots, heads, dim]
+    assert tma_compatible(torch.empty(64, 1, 576, dtype=torch.bfloat16))  # an MLA latent pool
+    assert tma_compatible(torch.empty(64, 576, dtype=torch.bfloat16))
+    assert not tma_compatible(torch.empty(64, dtype=torch.bfloat16))  # no rows
+    assert not tma_compatible(torch.empty(64, 1024, dtype=torch.bfloat16)[:, :512].as_strided((64, 512), (256, 1)))  # rows overlap
 
 
 def test_packed_heads_worked_examples():

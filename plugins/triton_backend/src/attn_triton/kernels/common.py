@@ -54,6 +54,29 @@ def check_query_rows(
 MAX_LAZY_SLACK = 8
 
 
+def tma_compatible(buf: torch.Tensor) -> bool:
+    """Whether a pool `[slots, ...]` can be read by TMA as `[slots, row]` (the Hopper kernels' descriptors,
+    `extend_wgmma.kv_descriptors`, `mla_wgmma.latent_descriptor`): each slot's row (every dimension after
+    the first) contiguous, rows not overlapping, the base and the row stride 16-byte aligned. Pools as
+    attn-core allocates them are; a pool that is not keeps the portable kernels.
+
+    >>> tma_compatible(torch.empty(64, 8, 128, dtype=torch.bfloat16))  # K / V: [slots, Hkv, D]
+    True
+    >>> tma_compatible(torch.empty(64, 1, 576, dtype=torch.bfloat16))  # an MLA latent pool
+    True
+    >>> tma_compatible(torch.empty(64, 8, 256, dtype=torch.bfloat16)[:, :, :128])  # heads 256 apart
+    False
+    """
+    if buf.dim() < 2:
+        return False
+    stride = 1
+    for i in range(buf.dim() - 1, 0, -1):
+        if buf.shape[i] != 1 and buf.stride(i) != stride:
+            return False
+        stride *= buf.shape[i]
+    return buf.stride(0) >= stride and buf.stride(0) * buf.element_size() % 16 == 0 and buf.data_ptr() % 16 == 0
+
+
 def check_lazy_rescale(name: str, slack: int) -> None:
     """Refuse a kernel config's lazy-rescale slack outside 0 (rescale every tile) .. MAX_LAZY_SLACK, naming
     the field `name`. Example: `check_lazy_rescale("ExtendConfig.lazy_rescale", 9)` raises

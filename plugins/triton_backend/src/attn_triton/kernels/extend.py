@@ -19,7 +19,7 @@ or write outside its buffers. No fault is stored inside the key loops (a store t
 loads' software pipelining): slot faults are carried in registers and stored once per program.
 
 `extend_attention` runs this kernel, or, for the launches it takes under the opt-in
-`ExtendConfig.wgmma_block_n` (`uses_wgmma`, pools `tma_compatible`), the Hopper kernel `extend_wgmma.py` (same
+`ExtendConfig.wgmma_block_n` (`uses_wgmma`, pools `common.tma_compatible`), the Hopper kernel `extend_wgmma.py` (same
 arguments and faults, plus the pools' TMA descriptors; programs of 128 rows with the q heads of a KV head packed
 in: `packed_heads`).
 """
@@ -48,6 +48,7 @@ from attn_triton.kernels.common import (
     finalize,
     offset_range,
     score_scales,
+    tma_compatible,
 )
 
 
@@ -57,7 +58,7 @@ class ExtendConfig:
     rescales the accumulator on every key tile; K in 1..8 only when some row's max grew by more than K
     (base 2; `common.lazy_softmax_step`).
 
-    `wgmma_block_n` > 0 (64 or 128) runs the launches the Hopper kernel takes (`uses_wgmma`, `tma_compatible`;
+    `wgmma_block_n` > 0 (64 or 128) runs the launches the Hopper kernel takes (`uses_wgmma`, `common.tma_compatible`;
     `kernels/extend_wgmma.py`, compute capability 9.x only) on it, with tiles of that many keys in
     `wgmma_stages` (>= 3) buffers; the rest keep the portable kernel and the tiles above."""
 
@@ -114,26 +115,6 @@ def uses_wgmma(config: ExtendConfig, dtype: torch.dtype, kv_dtype: torch.dtype, 
         and head_dim == v_head_dim
         and head_dim in (64, 128)
         and plain
-    )
-
-
-def tma_compatible(buf: torch.Tensor) -> bool:
-    """Whether a KV pool `[slots, Hkv, D]` can be read by TMA as `[slots, Hkv * D]` (the Hopper kernel's
-    descriptors, `extend_wgmma.kv_descriptors`): the heads of a slot contiguous (strides [s, D, 1]), the
-    base and the row stride 16-byte aligned. Pools as attn-core allocates them are; a pool that is not
-    keeps the portable kernel.
-
-    >>> tma_compatible(torch.empty(64, 8, 128, dtype=torch.bfloat16))
-    True
-    >>> tma_compatible(torch.empty(64, 8, 256, dtype=torch.bfloat16)[:, :, :128])  # heads 256 apart
-    False
-    """
-    return (
-        buf.dim() == 3
-        and buf.stride(2) == 1
-        and buf.stride(1) == buf.shape[2]
-        and buf.stride(0) * buf.element_size() % 16 == 0
-        and buf.data_ptr() % 16 == 0
     )
 
 
