@@ -69,7 +69,7 @@ _PRODUCER_REGS = gl.constexpr(56)
 
 def kv_descriptors(k_buf: torch.Tensor, v_buf: torch.Tensor) -> tuple:
     """The TMA descriptors of one layer's K and V pools for `extend_wgmma_kernel`: each pool `[slots, Hkv,
-    D]` (heads of a slot contiguous, `extend.tma_compatible`) seen as `[slots, Hkv * D]`, in boxes of TMA_BOX
+    D]` (heads of a slot contiguous, `common.tma_compatible`) seen as `[slots, Hkv * D]`, in boxes of TMA_BOX
     slots x TMA_CHANNELS channels. Made once per launch (host objects; the launcher encodes them).
 
     Example: a bf16 K pool `[4096, 8, 128]` -> a descriptor of shape [4096, 1024], strides [1024, 1], block
@@ -106,7 +106,7 @@ def _gather(buf, BASE, rows, ok, D: gl.constexpr, L: gl.constexpr):
 def _tma_tile(chunks, b, t, free, ready, DESC, first, col, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
               BOX: gl.constexpr):  # fmt: skip
     """Bring the K or V rows of tile t into buffer b by TMA, once its last tile is free: box j (`first`, from
-    `_runs`) of every 64-channel half c (`chunks`: the buffers as `[STAGES * D / 64, BLOCK_N, 64]`) from
+    `slot_runs`) of every 64-channel half c (`chunks`: the buffers as `[STAGES * D / 64, BLOCK_N, 64]`) from
     the descriptor's coordinates [first[j], col + 64 c]; `ready` completes when the tile's bytes land."""
     NB: gl.constexpr = BLOCK_N // BOX
     CH: gl.constexpr = D // 64
