@@ -62,7 +62,8 @@ WGMMA_BLOCK_M = 128
 TMA_BOX = 16
 #: channels one TMA copy brings: 128 bytes of 16-bit values, the width of the buffers' 128-byte swizzle
 TMA_CHANNELS = 64
-#: registers a thread: the consumer warpgroups, the producer (2 x 128 x 224 + 128 x 56 = 64 K, none spilled)
+#: registers a thread: consumer warpgroup 1 and the producer; consumer 0 (the default partition) gets what is
+#: left, 224 as well (128 x 224 x 2 + 128 x 56 = 64512: the 168 a thread x 384 threads launched with); none spill
 _CONSUMER_REGS = gl.constexpr(224)
 _PRODUCER_REGS = gl.constexpr(56)
 

@@ -82,8 +82,8 @@ from attn_triton.kernels.mla_decode import request_keys, tile_scores
 TMA_BOX = 16
 #: channels one TMA copy brings: 128 bytes of 16-bit values, the width of the buffers' 128-byte swizzle
 TMA_CHANNELS = 64
-#: registers a thread: consumer warpgroup 1 and the producer (the default partition, consumer 0, takes
-#: 256 - the rest: 128 x 232 x 2 + 128 x 40 <= 64 K)
+#: registers a thread: consumer warpgroup 1 and the producer; consumer 0 (the default partition) gets what
+#: is left, 232 as well (128 x 232 x 2 + 128 x 40 = 64512: the 168 a thread x 384 threads launched with)
 _CONSUMER_REGS = gl.constexpr(232)
 _PRODUCER_REGS = gl.constexpr(40)
 
