@@ -116,7 +116,11 @@ def test_case_on_cuda(case):
 #: the opt-in Hopper extend kernel (kernels/extend_wgmma.py; 64-key tiles in 4 buffers) on every case above whose
 #: extend launches it takes (16-bit, head_dim 128, not MLA, no fp8 cache: `extend.uses_wgmma`; the rest of a step,
 #: its decode rows and tree masks, keeps the other kernels), and an MHA case at head_dim 64 (one head a program)
-HOPPER_EXTEND = ExtendConfig(128, 64, 4, 3, 4, wgmma_block_n=64, wgmma_stages=4)
+# the opt-in Hopper kernel's tiles: 64 keys in 4 buffers, 128 keys in 3
+HOPPER_EXTENDS = [
+    ExtendConfig(128, 64, 4, 3, 4, wgmma_block_n=64, wgmma_stages=4),
+    ExtendConfig(128, 64, 4, 3, 4, wgmma_block_n=128, wgmma_stages=3),
+]
 HOPPER_CASES = [
     c
     for c in CASES
@@ -134,9 +138,10 @@ HOPPER = torch.cuda.is_available() and hopper_kernels_available(torch.device("cu
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs compute capability 9.x")
+@pytest.mark.parametrize("config", HOPPER_EXTENDS, ids=lambda c: f"g{c.wgmma_block_n}x{c.wgmma_stages}")
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=[c.describe() for c in HOPPER_CASES])
-def test_hopper_extend_kernel_case_on_cuda(case):
-    assert_case(factory(extend_config=HOPPER_EXTEND), case)
+def test_hopper_extend_kernel_case_on_cuda(case, config):
+    assert_case(factory(extend_config=config), case)
 
 
 def _cuda_graph_run(fn, replay):
