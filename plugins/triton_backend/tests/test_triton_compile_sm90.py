@@ -125,8 +125,8 @@ def build_mla(m, dt, q_len, split, arch):
                   DOT_PREC="ieee" if dt == "fp32" else "tf32", LAZY=m.lazy_rescale)  # fmt: skip
     if ml.uses_wgmma(m, torch.float32 if dt == "fp32" else torch.bfloat16, 512, 64):
         from triton.experimental.gluon._runtime import GluonASTSource
-        from attn_triton.kernels.mla_wgmma import TMA_BOX, mla_wgmma_kernel
-        k = build(mla_wgmma_kernel, dt, consts | dict(BOX=TMA_BOX), ml.WGMMA_WARPS // 2, None, arch, source=GluonASTSource)
+        from attn_triton.kernels.mla_wgmma import mla_wgmma_kernel
+        k = build(mla_wgmma_kernel, dt, consts, ml.WGMMA_WARPS // 2, None, arch, source=GluonASTSource)
         assert not serialized_wgmma(k), (dt, q_len, split)  # the kernel's point is overlapped MMAs (module doc)
         return k
     return build(ml._mla_kernel, dt, consts, m.num_warps, m.num_stages, arch)
@@ -149,10 +149,10 @@ for label, m in (("64x32x8x4:c1:g1 (default)", mla_config_for(torch.bfloat16, 9)
 # the Hopper kernel's narrower latents: p in a ring of its own when rope < 64 (512 + 32 is the largest such)
 m = mla_config_for(torch.bfloat16, 9)
 from triton.experimental.gluon._runtime import GluonASTSource
-from attn_triton.kernels.mla_wgmma import TMA_BOX, mla_wgmma_kernel
+from attn_triton.kernels.mla_wgmma import mla_wgmma_kernel
 for rank, rope in ((512, 32), (128, 16)):
     consts = dict(Q_LEN=4, BLOCK_H=64, BLOCK_N=m.block_n, RANK=rank, BLOCK_R=rank, ROPE=rope, BLOCK_ROPE=rope, SPLIT=False, USE_MASK=True,
-                  HAS_WINDOW=False, LOGIT_CAP=False, HAS_SINK=True, STORE_LSE=True, DOT_PREC="tf32", LAZY=0, BOX=TMA_BOX)  # fmt: skip
+                  HAS_WINDOW=False, LOGIT_CAP=False, HAS_SINK=True, STORE_LSE=True, DOT_PREC="tf32", LAZY=0)  # fmt: skip
     k = build(mla_wgmma_kernel, "bf16", consts, ml.WGMMA_WARPS // 2, None, 90, source=GluonASTSource)
     assert k.metadata.shared <= 227 * 1024 and not serialized_wgmma(k), (rank, rope, k.metadata.shared)
     print("mla hopper", rank, rope, "shared", k.metadata.shared)

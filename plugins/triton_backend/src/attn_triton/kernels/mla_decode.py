@@ -61,7 +61,6 @@ from attn_triton.kernels.common import (
     scale_scores,
     score_scales,
     softmax_step,
-    tma_compatible,
 )
 from attn_triton.kernels.decode import check_split_shapes, merge_splits, one_split_result, split_count, split_range
 
@@ -466,14 +465,12 @@ def mla_attention(
         max_splits = 1
     use_mask = custom_mask is not None and q_len > 1
     qk_scale, cap_scale = score_scales(sm_scale, logit_cap, k_scale)
-    # the Hopper kernel's grid has the requests on y; its producer reads the pool by TMA (common.tma_compatible)
-    if uses_wgmma(config, q.dtype, kv_lora_rank, rope) and bs <= MAX_GRID_Y and tma_compatible(kv_buf):
-        from attn_triton.kernels.mla_wgmma import TMA_BOX, latent_descriptor, mla_wgmma_kernel  # Gluon: imported only where it runs
+    if uses_wgmma(config, q.dtype, kv_lora_rank, rope) and bs <= MAX_GRID_Y:  # its grid has the requests on y
+        from attn_triton.kernels.mla_wgmma import mla_wgmma_kernel  # Gluon: imported only where it runs
 
         block_h = WGMMA_BLOCK_H
         grid = (triton.cdiv(q_len * hq, block_h), bs, max_splits)
-        # num_warps: the default partition's (consumer 0; the workers, consumer 1 and the producer, add 8)
-        kernel, options = mla_wgmma_kernel, dict(num_warps=WGMMA_WARPS // 2, KV_DESC=latent_descriptor(kv_buf), BOX=TMA_BOX)
+        kernel, options = mla_wgmma_kernel, dict(num_warps=WGMMA_WARPS // 2)  # the default partition's warps
     else:
         block_h = rows_per_program(q_len, hq, config)
         grid = (bs, triton.cdiv(q_len * hq, block_h), max_splits)

@@ -1,20 +1,15 @@
 """Absorbed-MLA attention on Hopper's warpgroup MMA, written in Gluon (Triton's explicit-layout dialect):
-two warpgroups that take the key tiles in turn, fed by a producer partition (warp-specialized).
+two warpgroups that take the key tiles in turn (warp-specialized).
 
 The same work and arguments as `mla_decode._mla_kernel` (module doc there: rows are (token, head) pairs
 on M, each latent tile loaded once and used for the scores and the output, decode splits, verify with
-causal or tree masks, window, logit cap, sinks, LSE, bounds and faults), plus the latent pool's TMA
-descriptor (`latent_descriptor`). A program holds BLOCK_H = 64 rows and runs as three partitions of one
-warpgroup (4 warps) each (`gl.warp_specialize`): two consumers and the producer.
+causal or tree masks, window, logit cap, sinks, LSE, bounds and faults). A program holds BLOCK_H = 64
+rows and runs as two partitions of one warpgroup (4 warps) each (`gl.warp_specialize`):
 
-- The producer brings key tile k (BLOCK_N = 32 keys) into buffer k % 4 of four, up to four tiles ahead:
-  by TMA, a copy per box of 16 keys and 64 channels, where the tile's keys are all live and its slots run
-  in contiguous 16-key boxes inside the pool (pages of 16 or a multiple; rope 64); by cp.async by slot
-  otherwise (the last tile of a range, with keys past it zero-filled; any page size; slots outside the
-  pool zero-filled and raising the SLOT fault). The slots are read a tile ahead.
-- Key tiles alternate between the consumer warpgroups: warpgroup w owns tiles k = w, w + 2, ... and
-  computes the tile's whole `[64, 32]` score block (q . latent^T over all kv_lora_rank + rope channels),
-  runs the online-softmax step and publishes p, the new row max and the factor alpha in shared memory.
+- Key tiles of BLOCK_N = 32 alternate between the warpgroups: warpgroup w owns tiles k = w, w + 2, ...
+  It gathers them (cp.async by slot, any page size) into buffer k % 4 of four, computes the tile's whole
+  `[64, 32]` score block (q . latent^T over all kv_lora_rank + rope channels), runs the online-softmax
+  step and publishes p, the new row max and the factor alpha in shared memory.
 - The `[64, kv_lora_rank]` float32 output is split by columns: warpgroup w accumulates columns
   [w R / 2, (w + 1) R / 2) over every tile, its own and the other's (p . latent[:, its columns]).
 - The softmax steps form one chain (tile k's max starts from tile k - 1's), alternating between the
@@ -28,13 +23,12 @@ Per tile k, by its owner w (buffer b = k % 4):
     m, p, alpha = softmax step from tile k - 1's max        -> shared memory, p_ready[w]
     acc_w = acc_w * alpha + p . nope[b][:, w's columns]     [64, R/2]  (both warpgroups, each its half)
 
-Synchronisation (mbarriers): p_ready[w], warpgroup w published a tile (one arrive, phase (k // 2) & 1);
-kv_free[b], both warpgroups finished reading buffer b (one arrive each; the producer then loads tile k + 4
-into it, phase (k // 4) & 1); kv_free[4 + b], tile k landed in buffer b (the producer's expect of a TMA
-tile's bytes, or its arrive once a gathered tile's copies are in; phase (k // 4) & 1); l_ready[0], both
-row sums stored; l_ready[1], q landed (the program gathers it by cp.async in warpgroup 0's threads, under
-that warpgroup's first tile). An odd tile count ends with one tile of keys past s_hi (zero-filled, fully
-masked: p = 0, alpha = 1).
+Synchronisation (mbarriers, one arrive per warpgroup): p_ready[w], warpgroup w published a tile (phase
+(k // 2) & 1); kv_free[b], the non-owner finished reading buffer b (the owner then gathers tile k + 4
+into it, phase (k // 4) & 1); l_ready[0], both row sums stored; l_ready[1], q landed (the program gathers
+it by cp.async in warpgroup 0's threads, under that warpgroup's first tile). Each warpgroup gathers its
+tile k + 3 while the other runs tile k + 1's softmax, two steps before its scores need it. An odd tile
+count ends with one tile of keys past s_hi (zero-filled, fully masked: p = 0, alpha = 1).
 
 Shared memory at DeepSeek's 512 + 64 (bf16): q 72 KiB, four 32-key buffers 144 KiB; a tile's p
 (`[64, 32]`, 4 KiB) is written over its rope columns (`[32, 64]`, read only by its scores) when rope is
@@ -46,14 +40,12 @@ serialize every warpgroup MMA of the kernel, `test_triton_compile_sm90.py` check
 MMA's accumulator is a dead tensor rather than fresh zeros, and warpgroup 1 takes tile 0 before its loop.
 
 Requires compute capability 9.x, q / latent in bfloat16 or float16, kv_lora_rank a power of two in
-64..512 and rope one in 16..64 (`mla_decode.uses_wgmma`; rope narrower than 64 gathers every tile), a
-pool TMA can read (`common.tma_compatible`); launched with num_warps 4 (the default partition, consumer 0;
-the workers add 8) under `MLAConfig.wgmma`.
+64..512 and rope one in 16..64 (`mla_decode.uses_wgmma`); launched with num_warps 4 (the default
+partition; the worker adds 4) under `MLAConfig.wgmma`.
 """
 
 from __future__ import annotations
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -67,40 +59,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from attn_triton.kernels.common import softmax_terms
 from attn_triton.kernels.decode import one_split_result
-from attn_triton.kernels.gluon_gather import (
-    box_slots,
-    checked_rows,
-    cta_barrier,
-    gather_to_shared,
-    reinterpret_shared,
-    slot_runs,
-    tma_load,
-)
+from attn_triton.kernels.gluon_gather import checked_rows, cta_barrier, gather_to_shared, reinterpret_shared
 from attn_triton.kernels.mla_decode import request_keys, tile_scores
-
-#: keys one TMA copy brings: a run of contiguous slots (pages of 16 keys, or a multiple, give whole runs)
-TMA_BOX = 16
-#: channels one TMA copy brings: 128 bytes of 16-bit values, the width of the buffers' 128-byte swizzle
-TMA_CHANNELS = 64
-#: registers a thread: consumer warpgroup 1 and the producer; consumer 0 (the default partition) gets what
-#: is left, 232 as well (128 x 232 x 2 + 128 x 40 = 64512: the 168 a thread x 384 threads launched with)
-_CONSUMER_REGS = gl.constexpr(232)
-_PRODUCER_REGS = gl.constexpr(40)
-
-
-def latent_descriptor(kv_buf: torch.Tensor):
-    """The TMA descriptor of the latent pool for `mla_wgmma_kernel`: `kv_buf` `[slots, ...]` (each slot's row
-    contiguous, `common.tma_compatible`) seen as `[slots, row]` (kv_lora_rank + rope channels), in boxes of
-    TMA_BOX slots x TMA_CHANNELS channels. Made once per launch.
-
-    Example: a bf16 pool `[8192, 1, 576]` -> shape [8192, 576], strides [576, 1], block [16, 64]; the kernel
-    copies box (slot s, 64-channel chunk c) from coordinates [s, 64 c], the rope chunk from [s, 512]."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    row = kv_buf[0].numel()
-    layout = gl.NVMMASharedLayout.get_default_for([TMA_BOX, TMA_CHANNELS], gl.float16)  # 16-bit: bf16 alike
-    return TensorDescriptor(kv_buf, [kv_buf.shape[0], row], [kv_buf.stride(0), 1], [TMA_BOX, TMA_CHANNELS], layout)
-
 
 #: cp.async gather layout: 8 threads a row (64 channels = 128 bytes), 16 rows a pass
 _LOAD = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
@@ -200,24 +160,29 @@ def _own_tile(
 
 @gluon.jit
 def _other_tile(
-    k, acc, l_i, spent, W: gl.constexpr, qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, BLOCK_H: gl.constexpr,
-    BLOCK_N: gl.constexpr, HALF: gl.constexpr, P_IN_ROPE: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr,
+    k, acc, l_i, spent, W: gl.constexpr, qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, KV, KV_INDICES, FAULT, kv_beg,
+    s_lo, s_hi, num_slots, stride_ks, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr,
+    HALF: gl.constexpr, P_IN_ROPE: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr,
 ):  # fmt: skip
     """The other warpgroup's tile k, seen from warpgroup W (its own output update of tile k - 1 in flight):
-    issue the scores of W's next tile k + 1 once it has landed, wait for tile k's p, free the buffer of
-    W's own tile k - 1 (its update done), then take tile k's alpha and issue p . latent[:, W's columns].
-    `spent`: a dead scores tensor (the score MMA's accumulator, `_start_scores`). Returns (acc in flight,
-    m, l, W's scores of tile k + 1)."""
-    b1 = (k + 1) % 4
-    mbarrier.wait(kv_free.index(4 + b1), ((k + 1) // 4) & 1)  # tile k + 1 landed (the producer's copies)
+    issue the scores of W's next tile k + 1 (landed) and read the slots of its tile k + 3, wait for tile
+    k's p, gather tile k + 3 into the buffer of tile k - 1 (once both warpgroups are done with it), then
+    take tile k's alpha and issue p . latent[:, W's columns]. `spent`: a dead scores tensor (the score
+    MMA's accumulator, `_start_scores`). Returns (acc in flight, m, l, W's scores of tile k + 1)."""
+    async_copy.wait_group(0)  # tile k + 1, the one group in flight
     fence_async_shared()
+    cta_barrier()
+    b1 = (k + 1) % 4
     qk = _start_scores(qn_s, qr_s, nope_s.index(b1), rope_s.index(b1), spent)
+    rows3, ok3 = _tile_rows(KV_INDICES, FAULT, kv_beg, s_lo + (k + 3) * BLOCK_N, s_hi, num_slots, stride_ks, BLOCK_N)  # read ahead
     mbarrier.wait(p_ready.index(1 - W), (k // 2) & 1)
     m_i = m_s.index(1 - W).load(gl.SliceLayout(1, S_L))
     l_i = l_i * a_s.index(1 - W).load(gl.SliceLayout(1, S_L))
     o = warpgroup_mma_wait(1, deps=[acc])  # own output update of tile k - 1 (issued before the scores) done
-    if k > 0:
-        mbarrier.arrive(kv_free.index((k - 1) % 4))  # done reading own tile k - 1
+    b3 = (k + 3) % 4
+    if k > 0:  # the other warpgroup finished reading tile k - 1 (this buffer's last tile)
+        mbarrier.wait(kv_free.index(b3), ((k - 1) // 4) & 1)
+    _gather_tile(KV, rows3, ok3, nope_s.index(b3), rope_s.index(b3), RANK, ROPE)
     scores = warpgroup_mma_wait(0, deps=[qk])
     o = o * a_s.index(1 - W).load(gl.SliceLayout(1, O_L))[:, None]
     b = k % 4
@@ -240,12 +205,16 @@ def _warpgroup(
     kv_free,
     p_ready,
     l_ready,
+    KV,
+    KV_INDICES,
     MASK,
     SINKS,
+    FAULT,
     OUT,
     LSE,
     PART_O,
     PART_LSE,
+    kv_beg,
     s_lo,
     s_hi,
     kv_len,
@@ -255,12 +224,14 @@ def _warpgroup(
     hb,
     r,
     s,
+    num_slots,
     mask_size,
     num_heads,
     qk_scale,
     cap_scale,
     v_scale,
     window,
+    stride_ks,
     stride_ot,
     stride_oh,
     stride_lt,
@@ -273,6 +244,7 @@ def _warpgroup(
     BLOCK_H: gl.constexpr,
     BLOCK_N: gl.constexpr,
     RANK: gl.constexpr,
+    ROPE: gl.constexpr,
     SPLIT: gl.constexpr,
     USE_MASK: gl.constexpr,
     HAS_WINDOW: gl.constexpr,
@@ -303,14 +275,16 @@ def _warpgroup(
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, ROW_S)
     l_i = gl.zeros([BLOCK_H], gl.float32, ROW_S)
     acc = warpgroup_mma_init(gl.zeros([BLOCK_H, HALF], gl.float32, O_L))
+    _load_tile(KV, KV_INDICES, FAULT, kv_beg, s_lo + W * BLOCK_N, s_hi, num_slots, stride_ks, nope_s.index(W), rope_s.index(W),
+               BLOCK_N, RANK, ROPE)  # fmt: skip
     if W == 0:
         async_copy.wait_group(0)
         fence_async_shared()
         cta_barrier()
         mbarrier.arrive(l_ready.index(1))  # q (copied by these threads, waited above) is in shared memory
-        mbarrier.wait(kv_free.index(4), 0)
-        fence_async_shared()
         qk = _start_scores(qn_s, qr_s, nope_s.index(0), rope_s.index(0), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L))
+        _load_tile(KV, KV_INDICES, FAULT, kv_beg, s_lo + 2 * BLOCK_N, s_hi, num_slots, stride_ks, nope_s.index(2), rope_s.index(2),
+                   BLOCK_N, RANK, ROPE)  # fmt: skip
         scores = warpgroup_mma_wait(0, deps=[qk])
         for u in range(n_pairs):
             acc, m_i, l_i = _own_tile(
@@ -319,8 +293,8 @@ def _warpgroup(
                 HAS_WINDOW, LOGIT_CAP, P_IN_ROPE, S_L, O_L,
             )  # fmt: skip
             acc, m_i, l_i, scores = _other_tile(
-                2 * u + 1, acc, l_i, scores, W, qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, BLOCK_H, BLOCK_N, HALF,
-                P_IN_ROPE, S_L, O_L,
+                2 * u + 1, acc, l_i, scores, W, qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, KV, KV_INDICES, FAULT, kv_beg,
+                s_lo, s_hi, num_slots, stride_ks, BLOCK_H, BLOCK_N, RANK, ROPE, HALF, P_IN_ROPE, S_L, O_L,
             )  # fmt: skip
     else:
         mbarrier.wait(l_ready.index(1), 0)  # q, gathered by warpgroup 0's threads
@@ -328,7 +302,7 @@ def _warpgroup(
         # back edge coming out of an own tile (ptxas would then serialize every warpgroup MMA)
         acc, m_i, l_i, scores = _other_tile(
             0, acc, l_i, gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L), W, qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free,
-            BLOCK_H, BLOCK_N, HALF, P_IN_ROPE, S_L, O_L,
+            KV, KV_INDICES, FAULT, kv_beg, s_lo, s_hi, num_slots, stride_ks, BLOCK_H, BLOCK_N, RANK, ROPE, HALF, P_IN_ROPE, S_L, O_L,
         )  # fmt: skip
         for u in range(n_pairs - 1):
             acc, m_i, l_i = _own_tile(
@@ -337,8 +311,8 @@ def _warpgroup(
                 HAS_WINDOW, LOGIT_CAP, P_IN_ROPE, S_L, O_L,
             )  # fmt: skip
             acc, m_i, l_i, scores = _other_tile(
-                2 * u + 2, acc, l_i, scores, W, qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, BLOCK_H, BLOCK_N, HALF,
-                P_IN_ROPE, S_L, O_L,
+                2 * u + 2, acc, l_i, scores, W, qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, KV, KV_INDICES, FAULT,
+                kv_beg, s_lo, s_hi, num_slots, stride_ks, BLOCK_H, BLOCK_N, RANK, ROPE, HALF, P_IN_ROPE, S_L, O_L,
             )  # fmt: skip
         acc, m_i, l_i = _own_tile(
             2 * n_pairs - 1, scores, acc, m_i, l_i, W, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, MASK, t, row_ok, q_pos, s_lo,
@@ -346,6 +320,7 @@ def _warpgroup(
             HAS_WINDOW, LOGIT_CAP, P_IN_ROPE, S_L, O_L,
         )  # fmt: skip
     o = warpgroup_mma_wait(0, deps=[acc])
+    async_copy.wait_group(0)  # loads issued past the last tile (zero-fills) land before the program ends
 
     # row sums: this warpgroup's plus the other's
     l_s.index(W).store(l_i)
@@ -376,64 +351,6 @@ def _warpgroup(
         gl.store(o_rows + co[None, :], res.to(OUT.dtype.element_ty), mask=ok_o)
         if STORE_LSE and W == 0:
             gl.store(LSE + (q_beg + to).to(gl.int64) * stride_lt + ho, lse_e, mask=row_ok_o)
-
-
-@gluon.jit
-def _tma_tile(nope_c, rope_s, b, landed, DESC, first, BLOCK_N: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr, BOX: gl.constexpr):
-    """Bring a tile's latent rows into buffer b by TMA: box j (`first`, from `slot_runs`) of every 64-channel
-    chunk c of the nope columns (`nope_c`: the buffers as `[4 * RANK / 64, BLOCK_N, 64]`) from the
-    descriptor's coordinates [first[j], 64 c], and of the rope columns from [first[j], RANK]; `landed`
-    completes when the tile's bytes are in."""
-    jb = gl.arange(0, BLOCK_N // BOX, layout=first.type.layout)
-    CH: gl.constexpr = RANK // 64
-    mbarrier.expect(landed, BLOCK_N * (RANK + ROPE) * nope_c.dtype.primitive_bitwidth // 8)
-    for j in gl.static_range(BLOCK_N // BOX):
-        s_j = gl.sum(gl.where(jb == j, first, 0), 0)
-        for c in gl.static_range(CH):
-            tma_load(DESC, [s_j, 64 * c], landed, nope_c.index(b * CH + c).slice(j * BOX, BOX))
-        tma_load(DESC, [s_j, RANK], landed, rope_s.index(b).slice(j * BOX, BOX))
-
-
-@gluon.jit
-def _gather_landed(KV, KV_INDICES, FAULT, kv_beg, start, s_hi, num_slots, stride_ks, nope_buf, rope_buf, landed, BLOCK_N: gl.constexpr,
-                   RANK: gl.constexpr, ROPE: gl.constexpr):  # fmt: skip
-    """`_load_tile` into one buffer, then `landed` completes when every thread's copies are in (a counted
-    cp.async arrive each, then the one expected arrive)."""
-    _load_tile(KV, KV_INDICES, FAULT, kv_beg, start, s_hi, num_slots, stride_ks, nope_buf, rope_buf, BLOCK_N, RANK, ROPE)
-    async_copy.mbarrier_arrive(landed)  # adds one pending arrive a thread, made when its copies land
-    mbarrier.arrive(landed)
-
-
-@gluon.jit
-def _producer(nope_s, rope_s, kv_free, KV_DESC, KV, KV_INDICES, FAULT, kv_beg, s_lo, s_hi, num_slots, stride_ks, BLOCK_N: gl.constexpr,
-              RANK: gl.constexpr, ROPE: gl.constexpr, BOX: gl.constexpr):  # fmt: skip
-    """The producer partition (module doc): tile k of keys [s_lo, s_hi) into buffer k % 4 once both
-    warpgroups are done with its last tile (kv_free[b]), then kv_free[4 + b] completes when it has landed.
-    By TMA where the tile's keys are all live and its slots run in boxes of BOX keys inside the pool (rope
-    64: one box wide), by the cp.async gather otherwise."""
-    S2: gl.constexpr = gl.BlockedLayout([1, 1], [32 // BOX, BOX], [4, 1], [1, 0])
-    CHUNKS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], nope_s.dtype)
-    nope_c = reinterpret_shared(nope_s, [4 * (RANK // 64), BLOCK_N, 64], CHUNKS)
-    # the tile pairs, and one more: warpgroup 0's last step issues the scores of a tile past them (unused)
-    n_tiles = 2 * gl.maximum(gl.cdiv(gl.cdiv(s_hi - s_lo, BLOCK_N), 2), 1) + 1
-    slots = box_slots(KV_INDICES, kv_beg, s_lo, s_hi, BLOCK_N, BOX, S2)
-    for k in range(n_tiles):
-        b = k % 4
-        start = s_lo + k * BLOCK_N
-        nxt = box_slots(KV_INDICES, kv_beg, start + BLOCK_N, s_hi, BLOCK_N, BOX, S2)
-        first, runs = slot_runs(slots, num_slots, BOX)
-        mbarrier.wait(kv_free.index(b), (gl.maximum(k - 4, 0) // 4) & 1, pred=k >= 4)
-        if ROPE == 64:
-            if (start + BLOCK_N <= s_hi) & runs:
-                _tma_tile(nope_c, rope_s, b, kv_free.index(4 + b), KV_DESC, first, BLOCK_N, RANK, ROPE, BOX)
-            else:
-                _gather_landed(KV, KV_INDICES, FAULT, kv_beg, start, s_hi, num_slots, stride_ks, nope_s.index(b), rope_s.index(b),
-                               kv_free.index(4 + b), BLOCK_N, RANK, ROPE)  # fmt: skip
-        else:  # a narrower rope would need a descriptor of its own width
-            _gather_landed(KV, KV_INDICES, FAULT, kv_beg, start, s_hi, num_slots, stride_ks, nope_s.index(b), rope_s.index(b),
-                           kv_free.index(4 + b), BLOCK_N, RANK, ROPE)  # fmt: skip
-        slots = nxt
-    async_copy.wait_group(0)  # gathered copies land before the program ends
 
 
 @gluon.jit
@@ -488,15 +405,12 @@ def mla_wgmma_kernel(
     STORE_LSE: gl.constexpr,
     DOT_PREC: gl.constexpr,
     LAZY: gl.constexpr,
-    KV_DESC,
-    BOX: gl.constexpr,
 ):
     gl.static_assert(BLOCK_H == 64, "one warpgroup MMA row block")
     gl.static_assert(BLOCK_N == 32, "32-key tiles in four buffers")
     gl.static_assert(BLOCK_R == RANK, "kv_lora_rank a power of two")
     gl.static_assert(BLOCK_ROPE == ROPE, "rope a power of two")
     gl.static_assert(LAZY == 0, "rescales on every tile")
-    gl.static_assert((BLOCK_N % BOX == 0) & (BOX <= 32), "whole TMA boxes a tile")
     dtype: gl.constexpr = KV.dtype.element_ty
     NOPE_LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     ROPE_LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (ROPE // 8), ROPE // 8], [4, 1], [1, 0])
@@ -540,12 +454,11 @@ def mla_wgmma_kernel(
         m_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], ROWS_SMEM)
         a_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], ROWS_SMEM)
         l_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], ROWS_SMEM)
-        kv_free = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())  # [4 + b]: buffer b landed
+        kv_free = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         l_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # [0] row sums, [1] q landed
         for i in gl.static_range(4):
-            mbarrier.init(kv_free.index(i), count=2)
-            mbarrier.init(kv_free.index(4 + i), count=1)  # the producer's expect (TMA) or arrive (cp.async)
+            mbarrier.init(kv_free.index(i), count=1)
         for i in gl.static_range(2):
             mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(l_ready.index(0), count=2)
@@ -556,19 +469,18 @@ def mla_wgmma_kernel(
         gl.warp_specialize(
             [
                 (_warpgroup, (0,
-                qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, l_s, kv_free, p_ready, l_ready, MASK, SINKS, OUT, LSE, PART_O, PART_LSE,
-                s_lo, s_hi, kv_len, q_len, q_beg, mask_beg, hb, r, s, mask_size, num_heads, qk_scale, cap_scale, v_scale, window,
-                stride_ot, stride_oh, stride_lt, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, Q_LEN, BLOCK_H, BLOCK_N, RANK,
+                qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, l_s, kv_free, p_ready, l_ready, KV, KV_INDICES, MASK, SINKS,
+                FAULT, OUT, LSE, PART_O, PART_LSE, kv_beg, s_lo, s_hi, kv_len, q_len, q_beg, mask_beg, hb, r, s,
+                num_slots, mask_size, num_heads, qk_scale, cap_scale, v_scale, window, stride_ks, stride_ot, stride_oh,
+                stride_lt, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, Q_LEN, BLOCK_H, BLOCK_N, RANK, ROPE,
                 SPLIT, USE_MASK, HAS_WINDOW, LOGIT_CAP, HAS_SINK, STORE_LSE, P_IN_ROPE)),
                 (_warpgroup, (1,
-                qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, l_s, kv_free, p_ready, l_ready, MASK, SINKS, OUT, LSE, PART_O, PART_LSE,
-                s_lo, s_hi, kv_len, q_len, q_beg, mask_beg, hb, r, s, mask_size, num_heads, qk_scale, cap_scale, v_scale, window,
-                stride_ot, stride_oh, stride_lt, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, Q_LEN, BLOCK_H, BLOCK_N, RANK,
+                qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, l_s, kv_free, p_ready, l_ready, KV, KV_INDICES, MASK, SINKS,
+                FAULT, OUT, LSE, PART_O, PART_LSE, kv_beg, s_lo, s_hi, kv_len, q_len, q_beg, mask_beg, hb, r, s,
+                num_slots, mask_size, num_heads, qk_scale, cap_scale, v_scale, window, stride_ks, stride_ot, stride_oh,
+                stride_lt, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, Q_LEN, BLOCK_H, BLOCK_N, RANK, ROPE,
                 SPLIT, USE_MASK, HAS_WINDOW, LOGIT_CAP, HAS_SINK, STORE_LSE, P_IN_ROPE)),
-                (_producer, (nope_s, rope_s, kv_free, KV_DESC, KV, KV_INDICES, FAULT, kv_beg, s_lo, s_hi, num_slots, stride_ks, BLOCK_N,
-                RANK, ROPE, BOX)),
             ],
-            [4, 4],
-            [_CONSUMER_REGS, _PRODUCER_REGS],
+            [4],  # the worker: warpgroup 1 (warpgroup 0 is the default partition, the kernel's num_warps 4)
+            [248],  # its registers; the default partition takes 256 (128 x 256 + 128 x 248 <= 64 Ki)
         )  # fmt: skip
-
