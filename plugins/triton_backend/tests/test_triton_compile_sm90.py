@@ -156,7 +156,7 @@ for rank, rope in ((512, 32), (128, 16)):
     k = build(mla_wgmma_kernel, "bf16", consts, ml.WGMMA_WARPS // 2, None, 90, source=GluonASTSource)
     assert k.metadata.shared <= 227 * 1024 and not serialized_wgmma(k), (rank, rope, k.metadata.shared)
     print("mla hopper", rank, rope, "shared", k.metadata.shared)
-# the opt-in Hopper extend kernel (kernels/extend_wgmma.py, with its TMA descriptors) with 64-key tiles in 4 buffers, every
+# the Hopper extend kernel (kernels/extend_wgmma.py, with its TMA descriptors) with 64-key tiles in 4 buffers, every
 # feature on: GQA 32/8 at head_dim 128 (4 heads packed), causal; head_dim 64, one head a program, non-causal (its 128-key tiles
 # spill with every feature on)
 from attn_triton.kernels.extend import ExtendConfig, packed_heads

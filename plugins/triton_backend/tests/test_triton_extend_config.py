@@ -1,4 +1,4 @@
-"""The extend kernels' configuration on the CPU: `ExtendConfig`'s checks, which launches the opt-in Hopper
+"""The extend kernels' configuration on the CPU: `ExtendConfig`'s checks, which launches the Hopper
 kernel (`kernels/extend_wgmma.py`) would take (`uses_wgmma`, and pools its TMA descriptors can read:
 `tma_compatible`), how many q heads it packs into a program (`packed_heads`, against a plain search), and
 that a backend refuses it where it cannot run. The kernel

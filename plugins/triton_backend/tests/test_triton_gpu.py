@@ -113,10 +113,10 @@ def test_case_on_cuda(case):
     assert_case(factory(), case)
 
 
-#: the opt-in Hopper extend kernel (kernels/extend_wgmma.py; 64-key tiles in 4 buffers) on every case above whose
+#: the Hopper extend kernel (kernels/extend_wgmma.py, the SM90 default) under both tile choices on every case above whose
 #: extend launches it takes (16-bit, head_dim 128, not MLA, no fp8 cache: `extend.uses_wgmma`; the rest of a step,
 #: its decode rows and tree masks, keeps the other kernels), and an MHA case at head_dim 64 (one head a program)
-# the opt-in Hopper kernel's tiles: 64 keys in 4 buffers, 128 keys in 3
+# its tiles: 64 keys in 4 buffers, 128 keys in 3 (the default)
 HOPPER_EXTENDS = [
     ExtendConfig(128, 64, 4, 3, 4, wgmma_block_n=64, wgmma_stages=4),
     ExtendConfig(128, 64, 4, 3, 4, wgmma_block_n=128, wgmma_stages=3),

@@ -18,10 +18,10 @@ hidden; a request whose mask block does not fit is recorded as MASK). Each is re
 or write outside its buffers. No fault is stored inside the key loops (a store there could cost the
 loads' software pipelining): slot faults are carried in registers and stored once per program.
 
-`extend_attention` runs this kernel, or, for the launches it takes under the opt-in
-`ExtendConfig.wgmma_block_n` (`uses_wgmma`, pools `common.tma_compatible`), the Hopper kernel `extend_wgmma.py` (same
-arguments and faults, plus the pools' TMA descriptors; programs of 128 rows with the q heads of a KV head packed
-in: `packed_heads`).
+`extend_attention` runs this kernel, or, for the launches it takes under `ExtendConfig.wgmma_block_n` (the SM90
+default; `uses_wgmma`, pools `common.tma_compatible`), the Hopper kernel `extend_wgmma.py` (same arguments and
+faults, plus the pools' TMA descriptors; programs of 128 rows with the q heads of a KV head packed in:
+`packed_heads`).
 """
 
 from __future__ import annotations

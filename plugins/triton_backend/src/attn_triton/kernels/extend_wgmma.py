@@ -1,6 +1,7 @@
 """Extend attention on Hopper's warpgroup MMA, written in Gluon (Triton's explicit-layout dialect): two
 consumer warpgroups share the K/V tiles of one 128-row query block, which a producer partition brings in by
-TMA. Opt-in (`ExtendConfig.wgmma_block_n`; docs/perf.md, "A warp-specialized Hopper extend kernel").
+TMA. The SM90 default with 128-key tiles (`ExtendConfig.wgmma_block_n`, `config.extend_config`; docs/perf.md,
+"The Hopper extend kernel with a producer partition and TMA").
 
 The same work and arguments as `extend._extend_kernel` (module doc there), plus the TMA descriptors of the
 K and V pools (`kv_descriptors`), for the launches it takes (`extend.uses_wgmma`: 16-bit q and cache,
