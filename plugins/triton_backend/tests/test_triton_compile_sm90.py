@@ -17,7 +17,7 @@ import os, subprocess, tempfile
 import triton, triton.backends.nvidia, torch
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from attn_triton.config import FP8_DECODE_CONFIG, decode_config, extend_config, mla_config_for, verify_config
+from attn_triton.config import FP8_DECODE_CONFIG, decode_config, extend_config_for, mla_config_for, verify_config
 from attn_triton.kernels import decode as de, extend as ex, mla_decode as ml, verify as vf
 
 def tma_desc(dt):  # the Hopper extend kernel's K / V descriptor type (extend_wgmma.kv_descriptors)
@@ -72,7 +72,7 @@ for dt, tdt, d, dv, dpe, mla in (("bf16", torch.bfloat16, 128, 128, 0, False), (
     p2 = lambda x: max(16, triton.next_power_of_2(x))
     common = dict(D=d, BLOCK_D=p2(d), DPE=dpe, BLOCK_DPE=p2(dpe) if dpe else 0, DV=dv, BLOCK_DV=p2(dv), SHARE_KV=mla, LOGIT_CAP=True,
                   HAS_WINDOW=True, DOT_PREC="ieee" if dt == "fp32" else "tf32")
-    e = extend_config(d + dpe, dv, tdt, dev, mla)
+    e = extend_config_for(d + dpe, dv, tdt, mla, True)  # SM90's tiles (the Hopper kernel's launches are compiled below)
     build(ex._extend_kernel, dt, dict(GROUP=4, BLOCK_M=e.block_m, BLOCK_N=e.block_n, CAUSAL=False, USE_MASK=True, HAS_SINK=True,
                                       STORE_LSE=True, LAZY=e.lazy_rescale, **common), e.num_warps, e.num_stages)
     c = decode_config(d + dpe, dv, tdt, dev, mla)

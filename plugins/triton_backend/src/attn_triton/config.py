@@ -127,8 +127,21 @@ def hopper_kernels_available(device: torch.device) -> bool:
 
 
 def extend_config(head_dim: int, v_head_dim: int, dtype: torch.dtype, device: torch.device, mla: bool) -> ExtendConfig:
+    """Tiles of the extend kernels on `device` (see `extend_config_for`)."""
     if device.type != "cuda":
-        return ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+        return ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)  # interpreter: small and quick
+    return extend_config_for(head_dim, v_head_dim, dtype, mla, hopper_kernels_available(device))
+
+
+def extend_config_for(head_dim: int, v_head_dim: int, dtype: torch.dtype, mla: bool, hopper: bool) -> ExtendConfig:
+    """Tiles of the extend kernels on a CUDA GPU, `hopper` when the Gluon Hopper kernels can run there
+    (`hopper_kernels_available`).
+
+    >>> extend_config_for(128, 128, torch.bfloat16, False, True).wgmma_block_n  # the Hopper kernel's 128-key tiles
+    128
+    >>> extend_config_for(128, 128, torch.bfloat16, False, False).wgmma_block_n  # the portable kernel only
+    0
+    """
     if mla:
         small = dtype == torch.float32
         return ExtendConfig(block_m=16 if small else 32, block_n=16 if small else 32, num_warps=4, num_stages=1)
@@ -139,11 +152,11 @@ def extend_config(head_dim: int, v_head_dim: int, dtype: torch.dtype, device: to
     # H200 sweep (docs/perf.md): 128x64 tiles with 4 warps, 3 stages were fastest on the extend rows;
     # H100 sweep (docs/perf.md, 2026-11-23): lazy rescaling with slack 4 (2^4 bounds p in the bf16/fp16
     # P operand) took 1-4 % off every extend row (the 128x128 fp32 accumulator multiply of most tiles)
-    if hopper_kernels_available(device):
+    if hopper:
         # SM90: the launches the Hopper kernel takes (kernels/extend_wgmma.py, `extend.uses_wgmma`) run on it with
         # 128-key tiles in 3 buffers (the most that fit beside q): on the H100, in CUDA graphs, 8-12 % faster than
-        # the portable kernel on every extend row, and faster than its 64-key x 4 tiles (docs/perf.md, "A
-        # warp-specialized Hopper extend kernel"); the other launches keep the portable tiles above
+        # the portable kernel on every extend row, and faster than its 64-key x 4 tiles (docs/perf.md, "The Hopper
+        # extend kernel with a producer partition and TMA"); the other launches keep the portable tiles above
         return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, lazy_rescale=4, wgmma_block_n=128, wgmma_stages=3)
     return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, lazy_rescale=4)
 
