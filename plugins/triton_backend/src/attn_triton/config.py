@@ -152,13 +152,12 @@ def extend_config_for(head_dim: int, v_head_dim: int, dtype: torch.dtype, mla: b
     # H200 sweep (docs/perf.md): 128x64 tiles with 4 warps, 3 stages were fastest on the extend rows;
     # H100 sweep (docs/perf.md, 2026-11-23): lazy rescaling with slack 4 (2^4 bounds p in the bf16/fp16
     # P operand) took 1-4 % off every extend row (the 128x128 fp32 accumulator multiply of most tiles)
-    if hopper:
-        # SM90: the launches the Hopper kernel takes (kernels/extend_wgmma.py, `extend.uses_wgmma`) run on it with
-        # 128-key tiles in 3 buffers (the most that fit beside q): on the H100, in CUDA graphs, 8-12 % faster than
-        # the portable kernel on every extend row, and faster than its 64-key x 4 tiles (docs/perf.md, "The Hopper
-        # extend kernel with a producer partition and TMA"); the other launches keep the portable tiles above
-        return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, lazy_rescale=4, wgmma_block_n=128, wgmma_stages=3)
-    return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, lazy_rescale=4)
+    # SM90 (`hopper`): the launches the Hopper kernel takes (kernels/extend_wgmma.py, `extend.uses_wgmma`) run on it
+    # with 128-key tiles in 3 buffers (the most that fit beside q): on the H100, in CUDA graphs, 8-12 % faster than
+    # the portable kernel on every extend row, and faster than its 64-key x 4 tiles (docs/perf.md, "The Hopper
+    # extend kernel with a producer partition and TMA"); the other launches keep the portable tiles
+    wgmma_block_n = 128 if hopper else 0
+    return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, lazy_rescale=4, wgmma_block_n=wgmma_block_n, wgmma_stages=3)
 
 
 def mla_config(dtype: torch.dtype, device: torch.device) -> MLAConfig:
