@@ -20,13 +20,16 @@ from triton.compiler import ASTSource
 from attn_triton.config import FP8_DECODE_CONFIG, decode_config, extend_config_for, mla_config_for, verify_config
 from attn_triton.kernels import decode as de, extend as ex, mla_decode as ml, verify as vf
 
-def tma_desc(dt):  # the Hopper extend kernel's K / V descriptor type (extend_wgmma.kv_descriptors)
+def tma_desc(dt, rows, cols):  # a TMA descriptor type of [rows, cols] boxes (extend_wgmma.kv_descriptors, mla_wgmma.latent_descriptors)
     from triton.experimental.gluon import language as gl
-    from attn_triton.kernels.extend_wgmma import TMA_BOX, TMA_CHANNELS
-    layout = gl.NVMMASharedLayout.get_default_for([TMA_BOX, TMA_CHANNELS], gl.float16)
-    return f"tensordesc<{dt}[{TMA_BOX},{TMA_CHANNELS}],{layout!r}>"
+    layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float16)
+    return f"tensordesc<{dt}[{rows},{cols}],{layout!r}>"
 
-def types_for(fn, dt, kv_dt=None, v_dt=None):
+def mla_descs(rank, rope):  # the Hopper MLA kernel's descriptors: a tile's nope and rope columns
+    from attn_triton.kernels.mla_wgmma import TILE_KEYS
+    return {"NOPE_DESC": (TILE_KEYS, rank), "ROPE_DESC": (TILE_KEYS, rope)}
+
+def types_for(fn, dt, kv_dt=None, v_dt=None, descs=None):
     t = {}
     for n in fn.arg_names:
         if n == "V" and v_dt: t[n] = "*" + v_dt
@@ -35,14 +38,16 @@ def types_for(fn, dt, kv_dt=None, v_dt=None):
         elif n in ("LSE", "SINKS", "PART_O", "PART_LSE"): t[n] = "*fp32"
         elif n == "MASK": t[n] = "*u8"
         elif n == "MASK_INDPTR": t[n] = "*i64"
-        elif n.endswith("_DESC"): t[n] = tma_desc(dt)
+        elif n.endswith("_DESC"):
+            from attn_triton.kernels.extend_wgmma import TMA_BOX, TMA_CHANNELS
+            t[n] = tma_desc(dt, *(descs or {}).get(n, (TMA_BOX, TMA_CHANNELS)))
         elif n.isupper(): t[n] = "*i32"
         elif n in ("qk_scale", "cap_scale", "v_scale"): t[n] = "fp32"
         else: t[n] = "i32"
     return t
 
-def build(fn, dt, consts, cfg_warps, cfg_stages, arch=90, kv_dt=None, v_dt=None, source=ASTSource):
-    types = types_for(fn, dt, kv_dt, v_dt)
+def build(fn, dt, consts, cfg_warps, cfg_stages, arch=90, kv_dt=None, v_dt=None, source=ASTSource, descs=None):
+    types = types_for(fn, dt, kv_dt, v_dt, descs)
     sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
     runtime = [i for i, n in enumerate(fn.arg_names) if n not in consts and (types[n][0] == "*" or n.startswith("stride"))]
     attrs = {(i,): [["tt.divisibility", 16]] for i in runtime}
@@ -126,7 +131,7 @@ def build_mla(m, dt, q_len, split, arch):
     if ml.uses_wgmma(m, torch.float32 if dt == "fp32" else torch.bfloat16, 512, 64):
         from triton.experimental.gluon._runtime import GluonASTSource
         from attn_triton.kernels.mla_wgmma import mla_wgmma_kernel
-        k = build(mla_wgmma_kernel, dt, consts, ml.WGMMA_WARPS // 2, None, arch, source=GluonASTSource)
+        k = build(mla_wgmma_kernel, dt, consts, ml.WGMMA_WARPS // 2, None, arch, source=GluonASTSource, descs=mla_descs(512, 64))
         assert not serialized_wgmma(k), (dt, q_len, split)  # the kernel's point is overlapped MMAs (module doc)
         return k
     return build(ml._mla_kernel, dt, consts, m.num_warps, m.num_stages, arch)
@@ -153,7 +158,7 @@ from attn_triton.kernels.mla_wgmma import mla_wgmma_kernel
 for rank, rope in ((512, 32), (128, 16)):
     consts = dict(Q_LEN=4, BLOCK_H=64, BLOCK_N=m.block_n, RANK=rank, BLOCK_R=rank, ROPE=rope, BLOCK_ROPE=rope, SPLIT=False, USE_MASK=True,
                   HAS_WINDOW=False, LOGIT_CAP=False, HAS_SINK=True, STORE_LSE=True, DOT_PREC="tf32", LAZY=0)  # fmt: skip
-    k = build(mla_wgmma_kernel, "bf16", consts, ml.WGMMA_WARPS // 2, None, 90, source=GluonASTSource)
+    k = build(mla_wgmma_kernel, "bf16", consts, ml.WGMMA_WARPS // 2, None, 90, source=GluonASTSource, descs=mla_descs(rank, rope))
     assert k.metadata.shared <= 227 * 1024 and not serialized_wgmma(k), (rank, rope, k.metadata.shared)
     print("mla hopper", rank, rope, "shared", k.metadata.shared)
 # the Hopper extend kernel (kernels/extend_wgmma.py, with its TMA descriptors) with 64-key tiles in 4 buffers, every

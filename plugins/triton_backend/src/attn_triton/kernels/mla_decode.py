@@ -61,6 +61,7 @@ from attn_triton.kernels.common import (
     scale_scores,
     score_scales,
     softmax_step,
+    tma_compatible,
 )
 from attn_triton.kernels.decode import check_split_shapes, merge_splits, one_split_result, split_count, split_range
 
@@ -465,12 +466,15 @@ def mla_attention(
         max_splits = 1
     use_mask = custom_mask is not None and q_len > 1
     qk_scale, cap_scale = score_scales(sm_scale, logit_cap, k_scale)
-    if uses_wgmma(config, q.dtype, kv_lora_rank, rope) and bs <= MAX_GRID_Y:  # its grid has the requests on y
-        from attn_triton.kernels.mla_wgmma import mla_wgmma_kernel  # Gluon: imported only where it runs
+    # the Hopper kernel's grid has the requests on y; it reads whole tiles of the pool by TMA (common.tma_compatible)
+    if uses_wgmma(config, q.dtype, kv_lora_rank, rope) and bs <= MAX_GRID_Y and tma_compatible(kv_buf):
+        from attn_triton.kernels.mla_wgmma import latent_descriptors, mla_wgmma_kernel  # Gluon: imported only where it runs
 
         block_h = WGMMA_BLOCK_H
         grid = (triton.cdiv(q_len * hq, block_h), bs, max_splits)
-        kernel, options = mla_wgmma_kernel, dict(num_warps=WGMMA_WARPS // 2)  # the default partition's warps
+        nope_desc, rope_desc = latent_descriptors(kv_buf, kv_lora_rank)
+        # num_warps: the default partition's (warpgroup 0; the worker adds 4)
+        kernel, options = mla_wgmma_kernel, dict(num_warps=WGMMA_WARPS // 2, NOPE_DESC=nope_desc, ROPE_DESC=rope_desc)
     else:
         block_h = rows_per_program(q_len, hq, config)
         grid = (bs, triton.cdiv(q_len * hq, block_h), max_splits)

@@ -46,6 +46,7 @@ partition; the worker adds 4) under `MLAConfig.wgmma`.
 
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -59,28 +60,41 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from attn_triton.kernels.common import softmax_terms
 from attn_triton.kernels.decode import one_split_result
-from attn_triton.kernels.gluon_gather import checked_rows, cta_barrier, gather_to_shared, reinterpret_shared
+from attn_triton.kernels.gluon_gather import box_slots, checked_rows, cta_barrier, gather_to_shared, reinterpret_shared, slot_runs, tma_load
 from attn_triton.kernels.mla_decode import request_keys, tile_scores
 
 #: cp.async gather layout: 8 threads a row (64 channels = 128 bytes), 16 rows a pass
 _LOAD = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+#: a tile's 32 slots one a lane, the same in every warp: the TMA check (`slot_runs`) reduces within a warp
+_SLOTS = gl.constexpr(gl.BlockedLayout([1, 1], [1, 32], [1, 4], [1, 0]))
+#: keys of a tile (`mla_decode.WGMMA_BLOCK_N`), the rows of the descriptors' boxes
+TILE_KEYS = 32
 
 
-@gluon.jit
-def _tile_rows(KV_INDICES, FAULT, kv_beg, start, s_hi, num_slots, stride_ks, BLOCK_N: gl.constexpr):
-    """(element offsets (int64) of the latent rows of keys [start, start + BLOCK_N), which rows to read): a
-    key at or past s_hi is not read, nor one whose slot is outside [0, num_slots), which also raises the
-    SLOT fault (its row is then zero-filled and the key scores q . 0 = 0 rather than being left out: the
-    step is reported bad)."""
-    n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _LOAD))
-    live = n < s_hi
-    return checked_rows(gl.load(KV_INDICES + kv_beg + n, mask=live, other=0), live, FAULT, num_slots, stride_ks)
+def latent_descriptors(kv_buf: torch.Tensor, kv_lora_rank: int) -> tuple:
+    """The TMA descriptors of the latent pool for `mla_wgmma_kernel`: `kv_buf` `[slots, 1, kv_lora_rank + rope]`
+    (each slot's row contiguous, `common.tma_compatible`) seen as `[slots, kv_lora_rank + rope]`, one in boxes of
+    a tile's nope columns (TILE_KEYS slots x kv_lora_rank channels), one of its rope columns (TILE_KEYS x rope,
+    from column kv_lora_rank). Made once per launch (host objects; the launcher encodes them); a box wider
+    than the 128-byte swizzle is copied by Triton as that many 64-channel pieces, one operation.
+
+    Example: a bf16 pool `[8192, 1, 576]`, kv_lora_rank 512 -> two descriptors of shape [8192, 576], strides
+    [576, 1], blocks [32, 512] and [32, 64]; the kernel copies the tile whose slots are s .. s + 31 from
+    coordinates [s, 0] and [s, 512]."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    width = kv_buf.shape[-1]
+    shape, strides = [kv_buf.shape[0], width], [kv_buf.stride(0), 1]
+    return tuple(
+        TensorDescriptor(kv_buf, shape, strides, [TILE_KEYS, cols], gl.NVMMASharedLayout.get_default_for([TILE_KEYS, cols], gl.float16))
+        for cols in (kv_lora_rank, width - kv_lora_rank)
+    )  # 16-bit layouts: bf16 alike
 
 
 @gluon.jit
 def _gather_tile(KV, rows, ok, nope_buf, rope_buf, RANK: gl.constexpr, ROPE: gl.constexpr):
-    """Start the cp.async gather of one tile's latent rows (`_tile_rows`; rows not `ok` zero-filled) into
-    one buffer, as one commit group."""
+    """Start the cp.async gather of one tile's latent rows (element offsets `rows` from KV; rows not `ok`
+    zero-filled) into one buffer, as one commit group."""
     # offsets summed before the pointer is formed: `KV + cols` would be loop-invariant, hoisted out of the
     # tile loop and held (32 addresses a thread)
     r2 = rows[:, None]
@@ -98,11 +112,36 @@ def _gather_tile(KV, rows, ok, nope_buf, rope_buf, RANK: gl.constexpr, ROPE: gl.
 
 
 @gluon.jit
-def _load_tile(KV, KV_INDICES, FAULT, kv_beg, start, s_hi, num_slots, stride_ks, nope_buf, rope_buf,
-               BLOCK_N: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr):  # fmt: skip
-    """`_tile_rows` then `_gather_tile`: start loading keys [start, start + BLOCK_N) into one buffer."""
-    rows, ok = _tile_rows(KV_INDICES, FAULT, kv_beg, start, s_hi, num_slots, stride_ks, BLOCK_N)
-    _gather_tile(KV, rows, ok, nope_buf, rope_buf, RANK, ROPE)
+def _tile_plan(KV_INDICES, kv_beg, start, s_hi, num_slots, BLOCK_N: gl.constexpr):
+    """How keys [start, start + BLOCK_N) come in (`_load`): (their slots `[1, BLOCK_N]` in `_SLOTS`, 0 at or
+    past s_hi; the first slot; whether TMA brings the tile: every key live and the slots one run of
+    contiguous slots inside the pool, as in a page of BLOCK_N keys or more). Read a step before the load,
+    so that the index load's latency stays off the softmax chain."""
+    slots = box_slots(KV_INDICES, kv_beg, start, s_hi, BLOCK_N, BLOCK_N, _SLOTS)
+    first, runs = slot_runs(slots, num_slots, BLOCK_N)
+    return slots, gl.max(first, 0), runs & (start + BLOCK_N <= s_hi)
+
+
+@gluon.jit
+def _load(KV, NOPE_DESC, ROPE_DESC, FAULT, slots, first, by_tma, start, s_hi, num_slots, stride_ks, nope_buf, rope_buf, landed,
+          BLOCK_N: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr):  # fmt: skip
+    """Start bringing the tile of keys [start, start + BLOCK_N) (`_tile_plan`) into a buffer; `landed`
+    completes when it is in. By TMA if `by_tma`: two copies, the nope and rope columns of slots first ..
+    first + BLOCK_N - 1 (`latent_descriptors`). Else by the cp.async gather (a counted arrive a thread, made
+    when its copies land, then the one expected arrive): a key at or past s_hi is not read, nor one whose
+    slot is outside [0, num_slots), which also raises the SLOT fault (its row is then zero-filled and the
+    key scores q . 0 = 0 rather than being left out: the step is reported bad)."""
+    if by_tma:
+        mbarrier.expect(landed, BLOCK_N * (RANK + ROPE) * nope_buf.dtype.primitive_bitwidth // 8)
+        tma_load(NOPE_DESC, [first, 0], landed, nope_buf)
+        tma_load(ROPE_DESC, [first, RANK], landed, rope_buf)
+    else:
+        slot = gl.convert_layout(gl.sum(slots, 0), gl.SliceLayout(1, _LOAD))  # [1, BLOCK_N] -> [BLOCK_N], the gather's rows
+        n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _LOAD))
+        rows, ok = checked_rows(slot, n < s_hi, FAULT, num_slots, stride_ks)
+        _gather_tile(KV, rows, ok, nope_buf, rope_buf, RANK, ROPE)
+        async_copy.mbarrier_arrive(landed)  # adds one pending arrive a thread, made when its copies land
+        mbarrier.arrive(landed)
 
 
 @gluon.jit
@@ -160,21 +199,22 @@ def _own_tile(
 
 @gluon.jit
 def _other_tile(
-    k, acc, l_i, spent, W: gl.constexpr, qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, KV, KV_INDICES, FAULT, kv_beg,
-    s_lo, s_hi, num_slots, stride_ks, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr,
-    HALF: gl.constexpr, P_IN_ROPE: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr,
+    k, acc, l_i, spent, W: gl.constexpr, qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, landed, KV, NOPE_DESC,
+    ROPE_DESC, KV_INDICES, FAULT, kv_beg, s_lo, s_hi, num_slots, stride_ks, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+    RANK: gl.constexpr, ROPE: gl.constexpr, HALF: gl.constexpr, P_IN_ROPE: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr,
 ):  # fmt: skip
     """The other warpgroup's tile k, seen from warpgroup W (its own output update of tile k - 1 in flight):
-    issue the scores of W's next tile k + 1 (landed) and read the slots of its tile k + 3, wait for tile
-    k's p, gather tile k + 3 into the buffer of tile k - 1 (once both warpgroups are done with it), then
-    take tile k's alpha and issue p . latent[:, W's columns]. `spent`: a dead scores tensor (the score
-    MMA's accumulator, `_start_scores`). Returns (acc in flight, m, l, W's scores of tile k + 1)."""
-    async_copy.wait_group(0)  # tile k + 1, the one group in flight
-    fence_async_shared()
-    cta_barrier()
+    issue the scores of W's next tile k + 1 once it has landed and read the slots of its tile k + 3, wait
+    for tile k's p, start loading tile k + 3 into the buffer of tile k - 1 (once both warpgroups are done
+    with it; `_load`), then take tile k's alpha and issue p . latent[:, W's columns]. `spent`: a dead
+    scores tensor (the score MMA's accumulator, `_start_scores`). Returns (acc in flight, m, l, W's scores
+    of tile k + 1)."""
     b1 = (k + 1) % 4
+    mbarrier.wait(landed.index(b1), ((k + 1) // 4) & 1)
+    fence_async_shared()  # a gathered tile's copies, before the MMA reads them
     qk = _start_scores(qn_s, qr_s, nope_s.index(b1), rope_s.index(b1), spent)
-    rows3, ok3 = _tile_rows(KV_INDICES, FAULT, kv_beg, s_lo + (k + 3) * BLOCK_N, s_hi, num_slots, stride_ks, BLOCK_N)  # read ahead
+    start3 = s_lo + (k + 3) * BLOCK_N
+    slots3, first3, tma3 = _tile_plan(KV_INDICES, kv_beg, start3, s_hi, num_slots, BLOCK_N)
     mbarrier.wait(p_ready.index(1 - W), (k // 2) & 1)
     m_i = m_s.index(1 - W).load(gl.SliceLayout(1, S_L))
     l_i = l_i * a_s.index(1 - W).load(gl.SliceLayout(1, S_L))
@@ -182,7 +222,8 @@ def _other_tile(
     b3 = (k + 3) % 4
     if k > 0:  # the other warpgroup finished reading tile k - 1 (this buffer's last tile)
         mbarrier.wait(kv_free.index(b3), ((k - 1) // 4) & 1)
-    _gather_tile(KV, rows3, ok3, nope_s.index(b3), rope_s.index(b3), RANK, ROPE)
+    _load(KV, NOPE_DESC, ROPE_DESC, FAULT, slots3, first3, tma3, start3, s_hi, num_slots, stride_ks, nope_s.index(b3), rope_s.index(b3),
+          landed.index(b3), BLOCK_N, RANK, ROPE)  # fmt: skip
     scores = warpgroup_mma_wait(0, deps=[qk])
     o = o * a_s.index(1 - W).load(gl.SliceLayout(1, O_L))[:, None]
     b = k % 4
@@ -203,9 +244,12 @@ def _warpgroup(
     a_s,
     l_s,
     kv_free,
+    landed,
     p_ready,
     l_ready,
     KV,
+    NOPE_DESC,
+    ROPE_DESC,
     KV_INDICES,
     MASK,
     SINKS,
@@ -275,16 +319,20 @@ def _warpgroup(
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, ROW_S)
     l_i = gl.zeros([BLOCK_H], gl.float32, ROW_S)
     acc = warpgroup_mma_init(gl.zeros([BLOCK_H, HALF], gl.float32, O_L))
-    _load_tile(KV, KV_INDICES, FAULT, kv_beg, s_lo + W * BLOCK_N, s_hi, num_slots, stride_ks, nope_s.index(W), rope_s.index(W),
-               BLOCK_N, RANK, ROPE)  # fmt: skip
+    slots, first, by_tma = _tile_plan(KV_INDICES, kv_beg, s_lo + W * BLOCK_N, s_hi, num_slots, BLOCK_N)
+    _load(KV, NOPE_DESC, ROPE_DESC, FAULT, slots, first, by_tma, s_lo + W * BLOCK_N, s_hi, num_slots, stride_ks, nope_s.index(W),
+              rope_s.index(W), landed.index(W), BLOCK_N, RANK, ROPE)  # fmt: skip
     if W == 0:
         async_copy.wait_group(0)
         fence_async_shared()
         cta_barrier()
         mbarrier.arrive(l_ready.index(1))  # q (copied by these threads, waited above) is in shared memory
+        mbarrier.wait(landed.index(0), 0)
+        fence_async_shared()
         qk = _start_scores(qn_s, qr_s, nope_s.index(0), rope_s.index(0), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L))
-        _load_tile(KV, KV_INDICES, FAULT, kv_beg, s_lo + 2 * BLOCK_N, s_hi, num_slots, stride_ks, nope_s.index(2), rope_s.index(2),
-                   BLOCK_N, RANK, ROPE)  # fmt: skip
+        slots, first, by_tma = _tile_plan(KV_INDICES, kv_beg, s_lo + 2 * BLOCK_N, s_hi, num_slots, BLOCK_N)
+        _load(KV, NOPE_DESC, ROPE_DESC, FAULT, slots, first, by_tma, s_lo + 2 * BLOCK_N, s_hi, num_slots, stride_ks, nope_s.index(2),
+              rope_s.index(2), landed.index(2), BLOCK_N, RANK, ROPE)  # fmt: skip
         scores = warpgroup_mma_wait(0, deps=[qk])
         for u in range(n_pairs):
             acc, m_i, l_i = _own_tile(
@@ -293,8 +341,8 @@ def _warpgroup(
                 HAS_WINDOW, LOGIT_CAP, P_IN_ROPE, S_L, O_L,
             )  # fmt: skip
             acc, m_i, l_i, scores = _other_tile(
-                2 * u + 1, acc, l_i, scores, W, qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, KV, KV_INDICES, FAULT, kv_beg,
-                s_lo, s_hi, num_slots, stride_ks, BLOCK_H, BLOCK_N, RANK, ROPE, HALF, P_IN_ROPE, S_L, O_L,
+                2 * u + 1, acc, l_i, scores, W, qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, landed, KV, NOPE_DESC, ROPE_DESC, KV_INDICES,
+                FAULT, kv_beg, s_lo, s_hi, num_slots, stride_ks, BLOCK_H, BLOCK_N, RANK, ROPE, HALF, P_IN_ROPE, S_L, O_L,
             )  # fmt: skip
     else:
         mbarrier.wait(l_ready.index(1), 0)  # q, gathered by warpgroup 0's threads
@@ -302,7 +350,7 @@ def _warpgroup(
         # back edge coming out of an own tile (ptxas would then serialize every warpgroup MMA)
         acc, m_i, l_i, scores = _other_tile(
             0, acc, l_i, gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L), W, qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free,
-            KV, KV_INDICES, FAULT, kv_beg, s_lo, s_hi, num_slots, stride_ks, BLOCK_H, BLOCK_N, RANK, ROPE, HALF, P_IN_ROPE, S_L, O_L,
+            landed, KV, NOPE_DESC, ROPE_DESC, KV_INDICES, FAULT, kv_beg, s_lo, s_hi, num_slots, stride_ks, BLOCK_H, BLOCK_N, RANK, ROPE, HALF, P_IN_ROPE, S_L, O_L,
         )  # fmt: skip
         for u in range(n_pairs - 1):
             acc, m_i, l_i = _own_tile(
@@ -311,8 +359,8 @@ def _warpgroup(
                 HAS_WINDOW, LOGIT_CAP, P_IN_ROPE, S_L, O_L,
             )  # fmt: skip
             acc, m_i, l_i, scores = _other_tile(
-                2 * u + 2, acc, l_i, scores, W, qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, KV, KV_INDICES, FAULT,
-                kv_beg, s_lo, s_hi, num_slots, stride_ks, BLOCK_H, BLOCK_N, RANK, ROPE, HALF, P_IN_ROPE, S_L, O_L,
+                2 * u + 2, acc, l_i, scores, W, qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, landed, KV, NOPE_DESC, ROPE_DESC,
+                KV_INDICES, FAULT, kv_beg, s_lo, s_hi, num_slots, stride_ks, BLOCK_H, BLOCK_N, RANK, ROPE, HALF, P_IN_ROPE, S_L, O_L,
             )  # fmt: skip
         acc, m_i, l_i = _own_tile(
             2 * n_pairs - 1, scores, acc, m_i, l_i, W, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, MASK, t, row_ok, q_pos, s_lo,
@@ -405,6 +453,8 @@ def mla_wgmma_kernel(
     STORE_LSE: gl.constexpr,
     DOT_PREC: gl.constexpr,
     LAZY: gl.constexpr,
+    NOPE_DESC,
+    ROPE_DESC,
 ):
     gl.static_assert(BLOCK_H == 64, "one warpgroup MMA row block")
     gl.static_assert(BLOCK_N == 32, "32-key tiles in four buffers")
@@ -455,10 +505,12 @@ def mla_wgmma_kernel(
         a_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], ROWS_SMEM)
         l_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], ROWS_SMEM)
         kv_free = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        landed = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         l_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # [0] row sums, [1] q landed
         for i in gl.static_range(4):
             mbarrier.init(kv_free.index(i), count=1)
+            mbarrier.init(landed.index(i), count=1)  # the expect of a TMA tile's bytes, or a gather's last arrive
         for i in gl.static_range(2):
             mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(l_ready.index(0), count=2)
@@ -469,13 +521,15 @@ def mla_wgmma_kernel(
         gl.warp_specialize(
             [
                 (_warpgroup, (0,
-                qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, l_s, kv_free, p_ready, l_ready, KV, KV_INDICES, MASK, SINKS,
+                qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, l_s, kv_free, landed, p_ready, l_ready, KV, NOPE_DESC, ROPE_DESC, KV_INDICES,
+                MASK, SINKS,
                 FAULT, OUT, LSE, PART_O, PART_LSE, kv_beg, s_lo, s_hi, kv_len, q_len, q_beg, mask_beg, hb, r, s,
                 num_slots, mask_size, num_heads, qk_scale, cap_scale, v_scale, window, stride_ks, stride_ot, stride_oh,
                 stride_lt, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, Q_LEN, BLOCK_H, BLOCK_N, RANK, ROPE,
                 SPLIT, USE_MASK, HAS_WINDOW, LOGIT_CAP, HAS_SINK, STORE_LSE, P_IN_ROPE)),
                 (_warpgroup, (1,
-                qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, l_s, kv_free, p_ready, l_ready, KV, KV_INDICES, MASK, SINKS,
+                qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, l_s, kv_free, landed, p_ready, l_ready, KV, NOPE_DESC, ROPE_DESC, KV_INDICES,
+                MASK, SINKS,
                 FAULT, OUT, LSE, PART_O, PART_LSE, kv_beg, s_lo, s_hi, kv_len, q_len, q_beg, mask_beg, hb, r, s,
                 num_slots, mask_size, num_heads, qk_scale, cap_scale, v_scale, window, stride_ks, stride_ot, stride_oh,
                 stride_lt, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, Q_LEN, BLOCK_H, BLOCK_N, RANK, ROPE,
