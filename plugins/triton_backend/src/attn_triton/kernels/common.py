@@ -56,7 +56,7 @@ MAX_LAZY_SLACK = 8
 
 def tma_compatible(buf: torch.Tensor) -> bool:
     """Whether a pool `[slots, ...]` can be read by TMA as `[slots, row]` (the Hopper kernels' descriptors,
-    `extend_wgmma.kv_descriptors`, `mla_wgmma.latent_descriptor`): each slot's row (every dimension after
+    `extend_wgmma.kv_descriptors`, `mla_wgmma.latent_descriptors`): each slot's row (every dimension after
     the first) contiguous, rows not overlapping, the base and the row stride 16-byte aligned. Pools as
     attn-core allocates them are; a pool that is not keeps the portable kernels.
 

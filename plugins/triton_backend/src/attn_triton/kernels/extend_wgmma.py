@@ -55,7 +55,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from attn_triton.kernels.common import FAULT_KEY_OFFSETS, FAULT_QUERY_ROWS, offset_range, scale_scores, softmax_terms
 from attn_triton.kernels.decode import one_split_result
 from attn_triton.kernels.extend import key_ranges
-from attn_triton.kernels.gluon_gather import box_slots, checked_rows, cta_barrier, gather_to_shared, reinterpret_shared, slot_runs, tma_load
+from attn_triton.kernels.gluon_gather import (
+    box_slots,
+    checked_rows,
+    cta_barrier,
+    gather_to_shared,
+    pool_descriptor,
+    reinterpret_shared,
+    slot_runs,
+    tma_load,
+)
 
 #: query rows of a program: one warpgroup MMA's 64 rows for each of the two consumer warpgroups
 WGMMA_BLOCK_M = 128
@@ -72,17 +81,11 @@ _PRODUCER_REGS = gl.constexpr(56)
 def kv_descriptors(k_buf: torch.Tensor, v_buf: torch.Tensor) -> tuple:
     """The TMA descriptors of one layer's K and V pools for `extend_wgmma_kernel`: each pool `[slots, Hkv,
     D]` (heads of a slot contiguous, `common.tma_compatible`) seen as `[slots, Hkv * D]`, in boxes of TMA_BOX
-    slots x TMA_CHANNELS channels. Made once per launch (host objects; the launcher encodes them).
+    slots x TMA_CHANNELS channels (`gluon_gather.pool_descriptor`). Made once per launch.
 
     Example: a bf16 K pool `[4096, 8, 128]` -> a descriptor of shape [4096, 1024], strides [1024, 1], block
     [16, 64]; the kernel copies box (slot s, KV head h, half c) from coordinates [s, 128 h + 64 c]."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    layout = gl.NVMMASharedLayout.get_default_for([TMA_BOX, TMA_CHANNELS], gl.float16)  # 16-bit: bf16 alike
-    return tuple(
-        TensorDescriptor(buf, [buf.shape[0], buf.shape[1] * buf.shape[2]], [buf.stride(0), 1], [TMA_BOX, TMA_CHANNELS], layout)
-        for buf in (k_buf, v_buf)
-    )
+    return pool_descriptor(k_buf, TMA_BOX, TMA_CHANNELS), pool_descriptor(v_buf, TMA_BOX, TMA_CHANNELS)
 
 
 @gluon.jit

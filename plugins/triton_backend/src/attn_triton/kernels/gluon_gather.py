@@ -10,11 +10,16 @@ Triton 3.6 (the GPU machine's) and 3.9, and the bounds check of a gathered tile'
   partition only);
 - `checked_rows`: element offsets of key rows from their slots, with the SLOT fault;
 - `box_slots` / `slot_runs`: a tile's slots in boxes of keys, and whether each box is one run of
-  contiguous slots (a tile TMA can bring).
+  contiguous slots (a tile TMA can bring);
+- `pool_descriptor` (host): a pool's TMA descriptor, made per launch.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -25,6 +30,30 @@ from attn_triton.kernels.common import FAULT_SLOT
 gather_to_shared = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@functools.cache
+def _box_layout(rows: int, cols: int):
+    """The shared-memory layout of a `[rows, cols]` box of 16-bit values (bf16 and fp16 alike), made once: it
+    costs more host time than the descriptor itself."""
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float16)
+
+
+def pool_descriptor(buf: torch.Tensor, rows: int, cols: int):
+    """The TMA descriptor of a 16-bit pool `buf` `[slots, ...]` (each slot's row contiguous,
+    `common.tma_compatible`) seen as `[slots, row]` (row: the elements of one slot), in boxes of `rows`
+    slots x `cols` channels. Made per launch (a host object; Triton's launcher encodes it); a box wider than
+    the 128-byte swizzle (64 channels) is copied as that many pieces by one `tma_load`.
+
+    Example: a bf16 K pool `[4096, 8, 128]`, rows 16, cols 64 -> shape [4096, 1024], strides [1024, 1], block
+    [16, 64] (the Hopper extend kernel's box of slot s, KV head h, half c is at [s, 128 h + 64 c]); an MLA
+    latent pool `[8192, 1, 576]`, rows 32, cols 512 -> shape [8192, 576], strides [576, 1], block [32, 512]."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    row = math.prod(buf.shape[1:])
+    return TensorDescriptor(buf, [buf.shape[0], row], [buf.stride(0), 1], [rows, cols], _box_layout(rows, cols))
+
+
 # shared_memory_descriptor.reinterpret (3.9) was _reinterpret (3.6)
 _NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 

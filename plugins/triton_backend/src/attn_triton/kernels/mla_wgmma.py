@@ -3,13 +3,20 @@ two warpgroups that take the key tiles in turn (warp-specialized).
 
 The same work and arguments as `mla_decode._mla_kernel` (module doc there: rows are (token, head) pairs
 on M, each latent tile loaded once and used for the scores and the output, decode splits, verify with
-causal or tree masks, window, logit cap, sinks, LSE, bounds and faults). A program holds BLOCK_H = 64
-rows and runs as two partitions of one warpgroup (4 warps) each (`gl.warp_specialize`):
+causal or tree masks, window, logit cap, sinks, LSE, bounds and faults), plus the latent pool's TMA
+descriptors (`latent_descriptors`). A program holds BLOCK_H = 64 rows and runs as two partitions of one
+warpgroup (4 warps) each (`gl.warp_specialize`):
 
 - Key tiles of BLOCK_N = 32 alternate between the warpgroups: warpgroup w owns tiles k = w, w + 2, ...
-  It gathers them (cp.async by slot, any page size) into buffer k % 4 of four, computes the tile's whole
-  `[64, 32]` score block (q . latent^T over all kv_lora_rank + rope channels), runs the online-softmax
-  step and publishes p, the new row max and the factor alpha in shared memory.
+  It loads them into buffer k % 4 of four (`_load`), computes the tile's whole `[64, 32]` score block
+  (q . latent^T over all kv_lora_rank + rope channels), runs the online-softmax step and publishes p,
+  the new row max and the factor alpha in shared memory.
+- A tile whose keys are all live and whose 32 slots are one run of contiguous slots inside the pool (any
+  tile inside a page of 32 keys or more: the usual engine layout) comes by TMA, two copies (its nope and
+  rope columns) issued by one thread; any other tile (a range's last one, pages of 1 or 16, slots outside
+  the pool) is gathered by cp.async by slot, keys past the range and slots outside the pool zero-filled,
+  the latter raising the SLOT fault. The result does not depend on which; only the speed does: a gather
+  costs its warpgroup ~300 instructions a tile, on the softmax chain.
 - The `[64, kv_lora_rank]` float32 output is split by columns: warpgroup w accumulates columns
   [w R / 2, (w + 1) R / 2) over every tile, its own and the other's (p . latent[:, its columns]).
 - The softmax steps form one chain (tile k's max starts from tile k - 1's), alternating between the
@@ -24,11 +31,13 @@ Per tile k, by its owner w (buffer b = k % 4):
     acc_w = acc_w * alpha + p . nope[b][:, w's columns]     [64, R/2]  (both warpgroups, each its half)
 
 Synchronisation (mbarriers, one arrive per warpgroup): p_ready[w], warpgroup w published a tile (phase
-(k // 2) & 1); kv_free[b], the non-owner finished reading buffer b (the owner then gathers tile k + 4
-into it, phase (k // 4) & 1); l_ready[0], both row sums stored; l_ready[1], q landed (the program gathers
-it by cp.async in warpgroup 0's threads, under that warpgroup's first tile). Each warpgroup gathers its
-tile k + 3 while the other runs tile k + 1's softmax, two steps before its scores need it. An odd tile
-count ends with one tile of keys past s_hi (zero-filled, fully masked: p = 0, alpha = 1).
+(k // 2) & 1); kv_free[b], the non-owner finished reading buffer b (the owner then loads tile k + 4
+into it, phase (k // 4) & 1); landed[b], tile k is in buffer b (the expect of a TMA tile's bytes, or a
+gather's arrive once every thread's copies land; phase (k // 4) & 1); l_ready[0], both row sums stored;
+l_ready[1], q landed (the program gathers it by cp.async in warpgroup 0's threads, under that
+warpgroup's first tile). Each warpgroup starts loading its tile k + 3 while the other runs tile k + 1's
+softmax, two steps before its scores need it (its slots read a step earlier still). An odd tile count
+ends with one tile of keys past s_hi (zero-filled, fully masked: p = 0, alpha = 1).
 
 Shared memory at DeepSeek's 512 + 64 (bf16): q 72 KiB, four 32-key buffers 144 KiB; a tile's p
 (`[64, 32]`, 4 KiB) is written over its rope columns (`[32, 64]`, read only by its scores) when rope is
@@ -40,8 +49,8 @@ serialize every warpgroup MMA of the kernel, `test_triton_compile_sm90.py` check
 MMA's accumulator is a dead tensor rather than fresh zeros, and warpgroup 1 takes tile 0 before its loop.
 
 Requires compute capability 9.x, q / latent in bfloat16 or float16, kv_lora_rank a power of two in
-64..512 and rope one in 16..64 (`mla_decode.uses_wgmma`); launched with num_warps 4 (the default
-partition; the worker adds 4) under `MLAConfig.wgmma`.
+64..512 and rope one in 16..64 (`mla_decode.uses_wgmma`), a pool TMA can read (`common.tma_compatible`);
+launched with num_warps 4 (the default partition; the worker adds 4) under `MLAConfig.wgmma`.
 """
 
 from __future__ import annotations
@@ -60,7 +69,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from attn_triton.kernels.common import softmax_terms
 from attn_triton.kernels.decode import one_split_result
-from attn_triton.kernels.gluon_gather import box_slots, checked_rows, cta_barrier, gather_to_shared, reinterpret_shared, slot_runs, tma_load
+from attn_triton.kernels.gluon_gather import (
+    box_slots,
+    checked_rows,
+    cta_barrier,
+    gather_to_shared,
+    pool_descriptor,
+    reinterpret_shared,
+    slot_runs,
+    tma_load,
+)
 from attn_triton.kernels.mla_decode import request_keys, tile_scores
 
 #: cp.async gather layout: 8 threads a row (64 channels = 128 bytes), 16 rows a pass
@@ -75,20 +93,13 @@ def latent_descriptors(kv_buf: torch.Tensor, kv_lora_rank: int) -> tuple:
     """The TMA descriptors of the latent pool for `mla_wgmma_kernel`: `kv_buf` `[slots, 1, kv_lora_rank + rope]`
     (each slot's row contiguous, `common.tma_compatible`) seen as `[slots, kv_lora_rank + rope]`, one in boxes of
     a tile's nope columns (TILE_KEYS slots x kv_lora_rank channels), one of its rope columns (TILE_KEYS x rope,
-    from column kv_lora_rank). Made once per launch (host objects; the launcher encodes them); a box wider
-    than the 128-byte swizzle is copied by Triton as that many 64-channel pieces, one operation.
+    from column kv_lora_rank); `gluon_gather.pool_descriptor`. Made once per launch.
 
     Example: a bf16 pool `[8192, 1, 576]`, kv_lora_rank 512 -> two descriptors of shape [8192, 576], strides
     [576, 1], blocks [32, 512] and [32, 64]; the kernel copies the tile whose slots are s .. s + 31 from
     coordinates [s, 0] and [s, 512]."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    width = kv_buf.shape[-1]
-    shape, strides = [kv_buf.shape[0], width], [kv_buf.stride(0), 1]
-    return tuple(
-        TensorDescriptor(kv_buf, shape, strides, [TILE_KEYS, cols], gl.NVMMASharedLayout.get_default_for([TILE_KEYS, cols], gl.float16))
-        for cols in (kv_lora_rank, width - kv_lora_rank)
-    )  # 16-bit layouts: bf16 alike
+    rope = kv_buf.shape[-1] - kv_lora_rank
+    return pool_descriptor(kv_buf, TILE_KEYS, kv_lora_rank), pool_descriptor(kv_buf, TILE_KEYS, rope)
 
 
 @gluon.jit
@@ -341,8 +352,9 @@ def _warpgroup(
                 HAS_WINDOW, LOGIT_CAP, P_IN_ROPE, S_L, O_L,
             )  # fmt: skip
             acc, m_i, l_i, scores = _other_tile(
-                2 * u + 1, acc, l_i, scores, W, qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, landed, KV, NOPE_DESC, ROPE_DESC, KV_INDICES,
-                FAULT, kv_beg, s_lo, s_hi, num_slots, stride_ks, BLOCK_H, BLOCK_N, RANK, ROPE, HALF, P_IN_ROPE, S_L, O_L,
+                2 * u + 1, acc, l_i, scores, W, qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, landed, KV, NOPE_DESC,
+                ROPE_DESC, KV_INDICES, FAULT, kv_beg, s_lo, s_hi, num_slots, stride_ks, BLOCK_H, BLOCK_N, RANK, ROPE, HALF, P_IN_ROPE,
+                S_L, O_L,
             )  # fmt: skip
     else:
         mbarrier.wait(l_ready.index(1), 0)  # q, gathered by warpgroup 0's threads
@@ -350,7 +362,8 @@ def _warpgroup(
         # back edge coming out of an own tile (ptxas would then serialize every warpgroup MMA)
         acc, m_i, l_i, scores = _other_tile(
             0, acc, l_i, gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L), W, qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free,
-            landed, KV, NOPE_DESC, ROPE_DESC, KV_INDICES, FAULT, kv_beg, s_lo, s_hi, num_slots, stride_ks, BLOCK_H, BLOCK_N, RANK, ROPE, HALF, P_IN_ROPE, S_L, O_L,
+            landed, KV, NOPE_DESC, ROPE_DESC, KV_INDICES, FAULT, kv_beg, s_lo, s_hi, num_slots, stride_ks, BLOCK_H, BLOCK_N, RANK, ROPE,
+            HALF, P_IN_ROPE, S_L, O_L,
         )  # fmt: skip
         for u in range(n_pairs - 1):
             acc, m_i, l_i = _own_tile(
@@ -359,8 +372,9 @@ def _warpgroup(
                 HAS_WINDOW, LOGIT_CAP, P_IN_ROPE, S_L, O_L,
             )  # fmt: skip
             acc, m_i, l_i, scores = _other_tile(
-                2 * u + 2, acc, l_i, scores, W, qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, landed, KV, NOPE_DESC, ROPE_DESC,
-                KV_INDICES, FAULT, kv_beg, s_lo, s_hi, num_slots, stride_ks, BLOCK_H, BLOCK_N, RANK, ROPE, HALF, P_IN_ROPE, S_L, O_L,
+                2 * u + 2, acc, l_i, scores, W, qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, landed, KV, NOPE_DESC,
+                ROPE_DESC, KV_INDICES, FAULT, kv_beg, s_lo, s_hi, num_slots, stride_ks, BLOCK_H, BLOCK_N, RANK, ROPE, HALF, P_IN_ROPE,
+                S_L, O_L,
             )  # fmt: skip
         acc, m_i, l_i = _own_tile(
             2 * n_pairs - 1, scores, acc, m_i, l_i, W, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, MASK, t, row_ok, q_pos, s_lo,
@@ -522,15 +536,13 @@ def mla_wgmma_kernel(
             [
                 (_warpgroup, (0,
                 qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, l_s, kv_free, landed, p_ready, l_ready, KV, NOPE_DESC, ROPE_DESC, KV_INDICES,
-                MASK, SINKS,
-                FAULT, OUT, LSE, PART_O, PART_LSE, kv_beg, s_lo, s_hi, kv_len, q_len, q_beg, mask_beg, hb, r, s,
+                MASK, SINKS, FAULT, OUT, LSE, PART_O, PART_LSE, kv_beg, s_lo, s_hi, kv_len, q_len, q_beg, mask_beg, hb, r, s,
                 num_slots, mask_size, num_heads, qk_scale, cap_scale, v_scale, window, stride_ks, stride_ot, stride_oh,
                 stride_lt, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, Q_LEN, BLOCK_H, BLOCK_N, RANK, ROPE,
                 SPLIT, USE_MASK, HAS_WINDOW, LOGIT_CAP, HAS_SINK, STORE_LSE, P_IN_ROPE)),
                 (_warpgroup, (1,
                 qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, l_s, kv_free, landed, p_ready, l_ready, KV, NOPE_DESC, ROPE_DESC, KV_INDICES,
-                MASK, SINKS,
-                FAULT, OUT, LSE, PART_O, PART_LSE, kv_beg, s_lo, s_hi, kv_len, q_len, q_beg, mask_beg, hb, r, s,
+                MASK, SINKS, FAULT, OUT, LSE, PART_O, PART_LSE, kv_beg, s_lo, s_hi, kv_len, q_len, q_beg, mask_beg, hb, r, s,
                 num_slots, mask_size, num_heads, qk_scale, cap_scale, v_scale, window, stride_ks, stride_ot, stride_oh,
                 stride_lt, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, Q_LEN, BLOCK_H, BLOCK_N, RANK, ROPE,
                 SPLIT, USE_MASK, HAS_WINDOW, LOGIT_CAP, HAS_SINK, STORE_LSE, P_IN_ROPE)),
