@@ -1,8 +1,9 @@
 """The extend kernels' configuration on the CPU: `ExtendConfig`'s checks, which launches the Hopper
 kernel (`kernels/extend_wgmma.py`) would take (`uses_wgmma`, and pools its TMA descriptors can read:
-`tma_compatible`), how many q heads it packs into a program (`packed_heads`, against a plain search), and
-that a backend refuses it where it cannot run. The kernel
-itself is compiled for sm_90 by test_triton_compile_sm90.py and run by the GPU suite."""
+`tma_compatible`), the TMA descriptors of both Hopper kernels (extend and MLA: `gluon_gather.pool_descriptor`),
+how many q heads it packs into a program (`packed_heads`, against a plain search), and that a backend
+refuses it where it cannot run. The kernels themselves are compiled for sm_90 by
+test_triton_compile_sm90.py and run by the GPU suite."""
 
 from __future__ import annotations
 
@@ -65,6 +66,29 @@ def test_tma_compatible_pools():
     assert tma_compatible(torch.empty(64, 576, dtype=torch.bfloat16))
     assert not tma_compatible(torch.empty(64, dtype=torch.bfloat16))  # no rows
     assert not tma_compatible(torch.empty(64, 1024, dtype=torch.bfloat16)[:, :512].as_strided((64, 512), (256, 1)))  # rows overlap
+
+
+@pytest.mark.parametrize("rank, rope, dtype", [(512, 64, torch.bfloat16), (256, 32, torch.float16), (128, 16, torch.bfloat16)])
+def test_pool_descriptors(rank, rope, dtype):
+    """The pools as the Hopper kernels' TMA sees them, `[slots, row]`, and the boxes each copies: extend a 16-key
+    box of 64 channels, MLA a 32-key tile's nope and rope columns; each box's layout is the one of the
+    shared-memory buffer it fills (16-bit: bf16 and fp16 alike)."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from triton.experimental.gluon import language as gl
+
+    from attn_triton.kernels.extend_wgmma import kv_descriptors
+    from attn_triton.kernels.mla_wgmma import TILE_KEYS, latent_descriptors
+
+    k, v = torch.empty(4096, 8, 128, dtype=dtype), torch.empty(4096, 8, 128, dtype=dtype)
+    kd, vd = kv_descriptors(k, v)
+    assert (kd.shape, kd.strides, kd.block_shape, kd.base is k, vd.base is v) == ([4096, 1024], [1024, 1], [16, 64], True, True)
+    latent = torch.empty(300, 1, rank + rope + 64, dtype=dtype)[:, :, : rank + rope]  # rows padded: stride past the row
+    assert tma_compatible(latent)
+    nope, rope_d = latent_descriptors(latent, rank)
+    assert (nope.shape, nope.strides, nope.base is latent) == ([300, rank + rope], [rank + rope + 64, 1], True)
+    assert (nope.block_shape, rope_d.block_shape) == ([TILE_KEYS, rank], [TILE_KEYS, rope])
+    for desc, cols in ((nope, rank), (rope_d, rope)):
+        assert desc.layout == gl.NVMMASharedLayout.get_default_for([TILE_KEYS, cols], gl.bfloat16)
 
 
 def test_packed_heads_worked_examples():
