@@ -88,8 +88,8 @@ def checked_rows(slot, live, FAULT, num_slots, stride):
 def box_slots(KV_INDICES, kv_beg, start, hi, BLOCK_N: gl.constexpr, BOX: gl.constexpr, L: gl.constexpr):
     """The slots of keys [start, start + BLOCK_N) of a request (its slots from KV_INDICES + kv_beg) as
     `[BLOCK_N // BOX, BOX]` in layout L, row j holding box j (keys start + j BOX onwards), 0 at or past hi.
-    The Hopper kernels' producers read a tile's slots a tile before loading it, so the load's latency stays
-    off the tile.
+    The Hopper kernels read a tile's slots a step before loading it (extend: its producer, a tile ahead; MLA:
+    the tile's warpgroup, a softmax step ahead), so the load's latency stays off the tile.
 
     Worked example: BOX 4, BLOCK_N 8, start 8, hi 14, the request's slots 100, 101, ... -> [[108, 109,
     110, 111], [112, 113, 0, 0]]."""
