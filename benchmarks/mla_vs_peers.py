@@ -1,5 +1,5 @@
 """MLA on one GPU, in one run: attn-flashinfer's `flashinfer_mla` against FlashInfer's MLA wrapper called
-directly on the very plan the backend made, and attn-triton's MLA kernels (absorbed MLA: 128 heads,
+directly on its own plan of the same batch, and attn-triton's MLA kernels (absorbed MLA: 128 heads,
 latent 512 + 64, bf16, page size 64), plus DeepSeek's non-absorbed prefill with a chunked prefix.
 
 Rows: decode bs1 x 8192, bs64 x 4096, bs128 x 2048 keys; verify (TARGET_VERIFY, 4 draft tokens, chain) at
@@ -14,9 +14,11 @@ Per row: per-layer forward time (CUDA events over back-to-back calls, save_kv_ca
 run stores nothing), the direct run, attn-triton's forward, the same three (and every `--mla-tiles`
 variant) timed again inside CUDA graphs (`graph_us`: `iters` calls captured in one graph, replayed;
 on by default, `--no-graphs` skips it), and the host time of one step's metadata
-(`init_forward_metadata`: index launch + lean re-plan) against FlashInfer's own `plan` on the same host
-inputs, with its two parts alone (host offsets + index launch; the lean re-plan) and one forward
-call's host time next to one direct run's (GPU idle). `ATTN_META_PROFILE=1` adds to each absorbed row
+(`init_forward_metadata`: attn-core's validation, then one launch writing the page ids and FlashInfer's
+MLA work list, `attn_flashinfer.mla_works`) against FlashInfer's own `plan` on the same host inputs
+(page ids prebuilt), with parts alone (host offsets + that launch, "page_ids_and_works"; the index launch
+without the work list, "page_list"; FlashInfer's compiled scheduler alone, what the work list replaces,
+"lean_replan") and one forward call's host time next to one direct run's (GPU idle). `ATTN_META_PROFILE=1` adds to each absorbed row
 a cProfile of init_forward_metadata and of one layer's forward ("profile_metadata" / "profile_forward":
 the top functions by own time, per call; printed too). The prefill row (`--no-prefill` skips it) times
 `PrefillPlan.attend` against the same FlashInfer wrappers run by hand (ragged + one ragged per chunk +
@@ -63,6 +65,7 @@ from attn_core.registry import create_backend
 from attn_flashinfer import replan
 from attn_flashinfer.indices import build_page_list
 from attn_flashinfer.mla_backend import FlashInferMLABackend
+from attn_flashinfer.mla_works import build_page_list_with_works
 from attn_triton.kernels.mla_decode import MLAConfig
 
 H, LORA, ROPE, PAGE, DTYPE = 128, 512, 64, 64, torch.bfloat16
@@ -255,12 +258,20 @@ def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int, mla_tile
     pages = pool.get_key_buffer(0).view(-1, PAGE, D)
     ckv, kpe, q_nope, q_pe = pages[..., :LORA], pages[..., LORA:], q[..., :LORA], q[..., LORA:]
     out = torch.empty(T, H, LORA, dtype=DTYPE, device="cuda")
+    # the peer: FlashInfer's wrapper on its own public plan of the same batch (same page ids)
+    fi = BatchMLAPagedAttentionWrapper(backend.workspace, backend="auto")
+    qo, kv = step.qo, step.kv
+
+    def fi_plan():
+        fi.plan(qo.indptr, kv.indptr, kv.indices, kv.kv_lens, H, LORA, ROPE, PAGE, step.causal, SCALE, DTYPE, DTYPE)
+
+    fi_plan()
 
     def ours():
         layer(q, k, None, batch, save_kv_cache=False)
 
     def direct():
-        w.run(q_nope, q_pe, ckv, kpe, out=out)
+        fi.run(q_nope, q_pe, ckv, kpe, out=out)
 
     fns = {"flashinfer_mla": ours, "flashinfer_run": direct}
     ours()
@@ -287,13 +298,7 @@ def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int, mla_tile
                 errors[label + " (graph)"] = f"{type(exc).__name__}: {exc}"[:300]
         g = interleaved(graphed, rounds, lambda f: graph_time_us(f, iters, 3))
 
-    # host time of metadata: ours (index launch + lean re-plan) vs FlashInfer's own plan, same host inputs
-    fi = BatchMLAPagedAttentionWrapper(backend.workspace, backend="auto")
-    qo, kv = step.qo, step.kv
-
-    def fi_plan():
-        fi.plan(qo.indptr, kv.indptr, kv.indices, kv.kv_lens, H, LORA, ROPE, PAGE, step.causal, SCALE, DTYPE, DTYPE)
-
+    # host time of metadata: ours (validation + one launch: page ids and work list) vs FlashInfer's own plan
     def ours_meta():
         backend.init_forward_metadata(batch)
 
@@ -303,13 +308,23 @@ def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int, mla_tile
             backend.host_offsets.get(batch.batch_size), pool.num_slots, backend.device_faults.buffer,
         )  # fmt: skip
 
-    def lean_replan():  # the metadata's plan part alone: the MLA scheduler on the step's host arrays
+    def page_ids_and_works():  # the metadata's launch alone: host offsets + page ids and work list in one launch
+        layout = step.works.layout
+        build_page_list_with_works(
+            ctx.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_cpu, PAGE, scratch,
+            backend.host_offsets.get(batch.batch_size), works_buf, layout, T // batch.batch_size, H, step.causal, pool.num_slots,
+            backend.device_faults.buffer,
+        )  # fmt: skip
+
+    def lean_replan():  # what the work list replaces: FlashInfer's compiled MLA scheduler on the step's host arrays
         replan.mla(w, qo, kv, step.causal, H, LORA)
+
+    works_buf = torch.zeros(step.works.layout.int_bytes // 4, dtype=torch.int32, device="cuda")
 
     scratch = lambda n: backend.scratch.get("seq", n)  # noqa: E731
     h = interleaved({"ours": ours_meta, "fi": fi_plan}, 40 * rounds, lambda f: host_time_us(f, 1))
     # breakdown, and one forward call's host time (GPU idle): shows whether back-to-back calls are host-bound
-    parts = {"page_list": page_list, "lean_replan": lean_replan, "forward": ours, "run": direct}
+    parts = {"page_list": page_list, "page_ids_and_works": page_ids_and_works, "lean_replan": lean_replan, "forward": ours, "run": direct}
     hb = interleaved(parts, 10 * rounds, lambda f: host_time_us(f, 1))
     row = {
         "name": name,
@@ -328,6 +343,8 @@ def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int, mla_tile
         "metadata_over_plan": h["ours"] / h["fi"],
         "kernel": w._backend,
         "metadata_page_list_host_us": hb["page_list"],
+        "metadata_page_ids_and_works_host_us": hb["page_ids_and_works"],
+        "device_work_list": step.works is not None,
         "metadata_lean_replan_host_us": hb["lean_replan"],
         "forward_host_us": hb["forward"],
         "flashinfer_run_host_us": hb["run"],
@@ -432,7 +449,8 @@ def main() -> None:
     cols = ["forward_us", "flashinfer_run_us", "forward_over_run", "triton_forward_us", "triton_over_run", "forward_over_run_graph",
             "triton_over_run_graph", "metadata_host_us",
             "flashinfer_plan_host_us",
-            "metadata_over_plan", "graph_replay_metadata_host_us", "metadata_page_list_host_us", "metadata_lean_replan_host_us",
+            "metadata_over_plan", "graph_replay_metadata_host_us", "metadata_page_list_host_us",
+            "metadata_page_ids_and_works_host_us", "metadata_lean_replan_host_us",
             "forward_host_us", "flashinfer_run_host_us", "unchunked_ragged_us"]  # fmt: skip
     for r in rows:
         vals = ", ".join(f"{c}={r[c]:.3g}" for c in cols if r.get(c) is not None)

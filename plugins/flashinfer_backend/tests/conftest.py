@@ -69,6 +69,7 @@ def mla_factory():
 
         class MLAOnCpu(mla_backend.FlashInferMLABackend):
             capabilities = dataclasses.replace(mla_backend.CAPABILITIES, devices=frozenset({"cuda", "cpu"}))
+            cpu_work_sms = fake.NUM_SM
 
             def __init__(self, ctx, lean_replan: bool = True, **kw):
                 super().__init__(ctx, lean_replan=lean_replan, workspace_bytes=1 << 20, **kw)

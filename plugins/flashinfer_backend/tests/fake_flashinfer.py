@@ -9,9 +9,11 @@ position L - n + i); `logits_soft_cap` c maps a scaled logit s to c * tanh(s / c
 softmax scale and `v_scale` multiplies the output (an fp8 cache).
 `mla.BatchMLAPagedAttentionWrapper` stands in for the MLA paged wrapper of flashinfer 0.6.6, down to the
 internals `replan.mla` / `replan.mla_run` call (`_cached_module.plan` / `.run` with the compiled
-functions' argument lists, `_kv_indices_buf`, `_causal`, `_page_size`, `_sm_scale`): its plan keeps host
-copies of the offsets and key counts as the plan info, its run reads the page ids from `_kv_indices_buf`
-when it runs (natural-log LSE with `return_lse_base_on_e`).
+functions' argument lists, `_kv_indices_buf`, `_causal`, `_page_size`, `_sm_scale`): its plan runs a plain port of
+FlashInfer's MLA scheduler and writes the work list into the int workspace (`mla_schedule`), its run
+executes the work list the int workspace holds on a stand-in GPU of `NUM_SM` multiprocessors, reading
+the page ids from `_kv_indices_buf` when it runs (natural-log LSE with `return_lse_base_on_e`), so a
+work list written elsewhere (`attn_flashinfer.mla_works`, on the device) runs the same way.
 It says nothing about FlashInfer's kernels themselves: the GPU tests (test_gpu.py, test_gpu_mla.py) do.
 """
 
@@ -146,35 +148,156 @@ def _merge_state_in_place(o, lse, o2, lse2):
 cascade = types.SimpleNamespace(merge_state_in_place=_merge_state_in_place)
 
 
+#: the stand-in GPU's multiprocessors, as FlashInfer's MLA scheduler reads them
+NUM_SM = 6
+_MLA_ARRAYS = (  # name, entries ("w": one per work, 16384; "m": one per multiprocessor), in allocation order
+    ("q_indptr", "w"), ("kv_indptr", "w"), ("partial_indptr", "w"), ("m_start", "m"), ("m_end", "m"), ("mp_start", "m"),
+    ("mp_end", "m"), ("m_stride", "m"), ("q_len", "w"), ("kv_len", "w"), ("q_start", "w"), ("kv_start", "w"), ("kv_end", "w"),
+    ("work_indptr", "w"),
+)  # fmt: skip
+
+
+def _mla_offsets(num_sm):
+    """Byte offsets of the MLA int workspace's arrays (16-byte aligned, one after another) and its size."""
+    out, end = {}, 0
+    for name, kind in _MLA_ARRAYS:
+        end = -(-end // 16) * 16
+        out[name] = end
+        end += 4 * (16384 if kind == "w" else num_sm)
+    return out, end
+
+
+def mla_schedule(qo_indptr, kv_indptr, kv_lens, num_heads, causal, num_sm=NUM_SM):
+    """flashinfer 0.6.6's MLA host scheduler (`MLAPlan`), plainly: returns (cluster size, the arrays by
+    name, as Python lists: works cluster by cluster, then the merge entries padded with zeros to num_sm)."""
+    bs = len(kv_lens)
+    qo_lens = [qo_indptr[i + 1] - qo_indptr[i] for i in range(bs)]
+    cs = 2 if sum(n * num_heads for n in qo_lens) // bs > 64 else 1
+    clusters, tile = num_sm // cs, 64 * cs
+
+    def keys(n, kv, t, tiles):  # a tile's keys: causal tiles stop at their last query's keys
+        if not causal or t + 1 == tiles:
+            return kv
+        return max(min(kv - n + -(-((t + 1) * tile) // num_heads), kv), 0)
+
+    tiles = [-(-(n * num_heads) // tile) for n in qo_lens]
+    total = sum(keys(qo_lens[i], kv_lens[i], t, tiles[i]) for i in range(bs) for t in range(tiles[i]))
+    share = max(-(-total // clusters), 1)
+    limit = 32 if share <= 8 else 64 if share <= 16 else 128 if share <= 32 else 192 if share <= 64 else -(-share // 256) * 256
+    load = [(0.0, c) for c in range(clusters)]  # FlashInfer's min-heap of (cost, cluster)
+    per = [[] for _ in range(clusters)]
+    merge, partial_rows = [], 0
+    for i in range(bs):
+        n, packed = qo_lens[i], qo_lens[i] * num_heads
+        for t in reversed(range(tiles[i])):
+            left = keys(n, kv_lens[i], t, tiles[i])
+            split = left > limit
+            rows = min(tile, packed - t * tile)
+            if split:
+                per_entry = -(-rows // max(left * cs // limit, 1))
+                base = qo_indptr[i] * num_heads + t * tile
+                for lo in range(0, rows, per_entry):
+                    end = partial_rows + -(-left // limit) * rows
+                    merge.append((base + lo, base + min(lo + per_entry, rows), partial_rows + lo, end, rows))
+            start, empty = 0, left == 0
+            while left > 0 or empty:
+                load.sort()
+                cost, c = load[0]
+                part = min(left, limit)
+                load[0] = (cost + 2 * tile + part, c)
+                per[c].append((qo_indptr[i], kv_indptr[i], partial_rows if split else -1, n, kv_lens[i], t * tile, start, start + part))
+                if split:
+                    partial_rows += rows
+                left -= part
+                start += part
+                if empty:
+                    break
+    assert len(merge) <= num_sm
+    works = [w for c in range(clusters) for w in per[c]]
+    arrays = {
+        name: [w[k] for w in works]
+        for k, name in enumerate(("q_indptr", "kv_indptr", "partial_indptr", "q_len", "kv_len", "q_start", "kv_start", "kv_end"))
+    }
+    arrays["work_indptr"] = [sum(len(p) for p in per[:c]) for c in range(clusters + 1)]
+    merge += [(0, 0, 0, 0, 0)] * (num_sm - len(merge))
+    for k, name in enumerate(("m_start", "m_end", "mp_start", "mp_end", "m_stride")):
+        arrays[name] = [m[k] for m in merge]
+    return cs, arrays
+
+
 class _MLAModule:
-    """The compiled MLA functions' argument lists (flashinfer 0.6.6's `plan` / `run` of the MLA module)."""
+    """The compiled MLA functions' argument lists and workspace conventions (flashinfer 0.6.6's `plan` /
+    `run` of the MLA module): `plan` writes the work list into the int workspace and returns the 18-number
+    plan info; `run` executes whatever work list the int workspace holds, plainly in float64, as the
+    persistent kernel does (clusters' works, then the merges), and checks that every output row is
+    written exactly once and every partial row inside the partial buffer."""
 
     def plan(self, float_ws, int_ws, pinned_ws, qo_indptr, kv_indptr, kv_lens, num_heads, head_dim_o, causal):
         for a in (qo_indptr, kv_indptr, kv_lens):
             assert a.device.type == "cpu" and a.dtype == torch.int32, "host int32 arrays"
-        return (qo_indptr.clone(), kv_indptr.clone(), kv_lens.clone(), causal)
+        cs, arrays = mla_schedule(qo_indptr.tolist(), kv_indptr.tolist(), kv_lens.tolist(), num_heads, causal)
+        offsets, size = _mla_offsets(NUM_SM)
+        assert int_ws.dtype == torch.uint8 and int_ws.numel() >= size, "an int workspace of the scheduler's size"
+        words = int_ws.view(torch.int32)
+        for name, values in arrays.items():
+            o = offsets[name] // 4
+            words[o : o + len(values)] = torch.tensor(values, dtype=torch.int32)
+        clusters = NUM_SM // cs
+        partial_o = 2 * clusters * 64 * cs * 2 * head_dim_o
+        return (cs, clusters, *offsets.values(), 0, -(-partial_o // 16) * 16)
 
     def run(
         self, float_ws, int_ws, plan_info, q_nope, q_pe, ckv, kpe, kv_indices, out, lse, mask_mode, num_heads, page_size, sm_scale, base_e
     ):
-        qo, kv_indptr, kv_lens, planned_causal = plan_info
-        assert mask_mode == int(planned_causal), "the mask mode of the plan"
-        assert q_nope.shape[0] == int(qo[-1]) and q_nope.shape[1] == num_heads, "q rows as planned"
-        for r in range(qo.numel() - 1):
-            a, b = int(qo[r]), int(qo[r + 1])
-            ids = kv_indices[int(kv_indptr[r]) : int(kv_indptr[r + 1])].long()
-            L = int(kv_lens[r])
-            c = ckv[ids].reshape(-1, ckv.shape[-1])[:L].double()
-            p = kpe[ids].reshape(-1, kpe.shape[-1])[:L].double()
-            s = (torch.einsum("qhd,kd->hqk", q_nope[a:b].double(), c) + torch.einsum("qhd,kd->hqk", q_pe[a:b].double(), p)) * sm_scale
-            n = b - a
-            if mask_mode == 1:
-                ok = torch.arange(L)[None, :] <= torch.arange(n)[:, None] + (L - n)
-                s = s.masked_fill(~ok[None], float("-inf"))
-            ln = torch.logsumexp(s, dim=-1)  # [H, n]
-            out[a:b] = torch.einsum("hqk,kd->qhd", torch.exp(s - ln[..., None]).nan_to_num(0.0), c).to(out.dtype)
-            if lse is not None:
-                lse[a:b] = (ln if base_e else ln * LOG2E).transpose(0, 1).float()
+        cs, clusters = int(plan_info[0]), int(plan_info[1])
+        words = int_ws.view(torch.int32)
+        a = {name: words[int(off) // 4 :] for (name, _), off in zip(_MLA_ARRAYS, plan_info[2:16])}
+        tile, H = 64 * cs, num_heads
+        cap = 2 * clusters * tile  # partial rows the float workspace holds
+        p_o = torch.full((cap, out.shape[-1]), float("nan"), dtype=torch.float64)
+        p_lse = torch.full((cap,), float("nan"), dtype=torch.float64)
+        written = torch.zeros(q_nope.shape[0], H, dtype=torch.int64)
+        fin_o = torch.zeros(q_nope.shape[0], H, out.shape[-1], dtype=torch.float64)
+        fin_lse = torch.zeros(q_nope.shape[0], H, dtype=torch.float64)
+        for y in range(clusters):
+            for w in range(int(a["work_indptr"][y]), int(a["work_indptr"][y + 1])):
+                q0, kvp, part, n, L, q_start, lo, hi = (
+                    int(a[k][w]) for k in ("q_indptr", "kv_indptr", "partial_indptr", "q_len", "kv_len", "q_start", "kv_start", "kv_end")
+                )
+                ids = kv_indices[kvp : kvp + -(-L // page_size)].long()
+                c = ckv[ids].reshape(-1, ckv.shape[-1])[:L].double()
+                pe = kpe[ids].reshape(-1, kpe.shape[-1])[:L].double()
+                for p in range(q_start, min(q_start + tile, n * H)):  # the tile's packed rows (query, head)
+                    qi, h = divmod(p, H)
+                    k = torch.arange(lo, hi)
+                    if mask_mode == 1:
+                        k = k[k <= L - n + qi]
+                    s = (c[k] @ q_nope[q0 + qi, h].double() + pe[k] @ q_pe[q0 + qi, h].double()) * sm_scale
+                    ln = torch.logsumexp(s, 0) if k.numel() else torch.tensor(float("-inf"), dtype=torch.float64)
+                    o = torch.exp(s - ln).nan_to_num(0.0) @ c[k] if k.numel() else torch.zeros(c.shape[-1], dtype=torch.float64)
+                    if part == -1:
+                        fin_o[q0 + qi, h], fin_lse[q0 + qi, h] = o, ln
+                        written[q0 + qi, h] += 1
+                    else:
+                        row = part + p - q_start
+                        assert 0 <= row < cap, "partial rows inside the float workspace's partial buffer"
+                        p_o[row], p_lse[row] = o, ln
+        for m in range(NUM_SM):  # the merge entries
+            start, end, p_start, p_end, stride = (int(a[k][m]) for k in ("m_start", "m_end", "mp_start", "mp_end", "m_stride"))
+            for local in range(end - start):
+                qi, h = divmod(start + local, H)
+                rows = list(range(p_start + local, p_end, stride))
+                assert rows and all(0 <= r < cap for r in rows), "merged partial rows inside the partial buffer"
+                ls = p_lse[rows]
+                top = torch.logsumexp(ls, 0)
+                wts = torch.exp(ls - top).nan_to_num(0.0)
+                fin_o[qi, h] = (wts[:, None] * p_o[rows]).sum(0) / wts.sum() if wts.sum() > 0 else 0.0
+                fin_lse[qi, h] = top
+                written[qi, h] += 1
+        assert bool((written == 1).all()), "every output row written exactly once"
+        out.copy_(fin_o.to(out.dtype))
+        if lse is not None:
+            lse.copy_((fin_lse if base_e else fin_lse * LOG2E).float())
 
 
 class BatchMLAPagedAttentionWrapper:
@@ -182,7 +305,8 @@ class BatchMLAPagedAttentionWrapper:
         self, float_workspace_buffer, use_cuda_graph=False, qo_indptr=None, kv_indptr=None, kv_indices=None, kv_len_arr=None, backend="auto"
     ):
         self._float_workspace_buffer = float_workspace_buffer
-        self._int_workspace_buffer = self._pin_memory_int_workspace_buffer = None
+        self._int_workspace_buffer = torch.zeros(1 << 20, dtype=torch.uint8)
+        self._pin_memory_int_workspace_buffer = torch.zeros(1 << 20, dtype=torch.uint8)
         self._use_cuda_graph = use_cuda_graph
         self._qo_indptr_buf, self._kv_indptr_buf, self._kv_indices_buf, self._kv_len_arr_buf = qo_indptr, kv_indptr, kv_indices, kv_len_arr
         self._backend = "fake"
@@ -214,8 +338,9 @@ class BatchMLAPagedAttentionWrapper:
             self._kv_indices_buf = kv_indices
         self._causal, self._page_size, self._sm_scale = causal, page_size, sm_scale
         self._plan_info = self._cached_module.plan(
-            None, None, None, qo_indptr.cpu(), kv_indptr.cpu(), kv_len_arr.cpu(), num_heads, head_dim_ckv, causal
-        )
+            self._float_workspace_buffer, self._int_workspace_buffer, self._pin_memory_int_workspace_buffer, qo_indptr.cpu(),
+            kv_indptr.cpu(), kv_len_arr.cpu(), num_heads, head_dim_ckv, causal,
+        )  # fmt: skip
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False, return_lse_base_on_e=False):
         out = torch.empty_like(q_nope) if out is None else out

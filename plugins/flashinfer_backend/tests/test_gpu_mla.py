@@ -141,6 +141,35 @@ def test_lean_run_equals_flashinfers_own_run(mode):
 
 
 @requires_gpu
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("page_size", [1, 64])
+@pytest.mark.parametrize("mode", ["DECODE", "TARGET_VERIFY"])
+def test_device_work_list_equals_flashinfers_plan(mode, page_size, heads):
+    """A lean step runs on the work list its page-id launch wrote (`mla_works`), whose layout FlashInfer's
+    own scheduler confirmed (`device_works_off` None); its output and LSE are bitwise those of the same
+    wrapper run on FlashInfer's plan of the same batch (the first, public plan), requests long enough to
+    be split into chunks and merged included; outputs poisoned first."""
+    from attn_flashinfer import mla_plans
+
+    e = 1 if mode == "DECODE" else 4
+    reqs = [(300, e), (17, e), (5000, e), (5, e), (900, e)]
+    backend, batch, layer, q, _, pool = _mla_step(mode, reqs, page_size=page_size, heads=heads, lean_replan=True)
+    step = backend.forward_metadata
+    assert backend.device_works_off is None and step.works is not None
+    w = step.wrappers[float(layer.scaling)]
+    ckv, kpe = mla_plans.latent_views(pool.get_key_buffer(0), page_size, 512)
+    T = q.shape[0]
+    got = []
+    for works in (step.works, None):
+        out = torch.full((T, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+        lse = torch.full((T, heads), float("nan"), dtype=torch.float32, device="cuda")
+        mla_plans.run(w, q[..., :512], q[..., 512:], ckv, kpe, out, lse, True, works)
+        got.append((out, lse))
+    assert not got[0][0].isnan().any() and not got[0][1].isnan().any()
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+
+
+@requires_gpu
 def test_a_table_slot_past_the_pool_is_refused_on_the_device():
     """validation "basic" (no device checks on the host): a req_to_token slot past the KV pool reaches
     the index kernel, which writes the dummy page instead and records the fault; the next poll names

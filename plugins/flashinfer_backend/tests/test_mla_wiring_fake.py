@@ -108,3 +108,42 @@ def test_graph_replays_match_eager_steps(mla_factory, mode):
         (w,) = graph_backend.forward_metadata.wrappers.values()
         assert w._use_cuda_graph and w.public_plans == 1
         release_forward_batch(batch, alloc)
+
+
+@pytest.mark.parametrize(
+    "mode,heads,drafts",
+    [("DECODE", 4, 1), ("TARGET_VERIFY", 4, 3), ("TARGET_VERIFY", 16, 5), ("DRAFT_EXTEND", 16, 2)],
+    ids=["decode", "verify", "verify-clusters-of-2", "draft-extend"],
+)
+def test_device_work_list_steps_equal_flashinfer_planned_steps(mla_factory, mode, heads, drafts):
+    """Lean steps with every request's query count equal run on the work list the page-id launch writes
+    (`mla_works`), not FlashInfer's scheduler: several steps of one backend, batches of other lengths,
+    one with a request long enough to be split into chunks and merged; the stand-in's `run` executes the
+    work list as the kernel does (every output row once) and the outputs equal a backend's on
+    FlashInfer's public plans. A ragged step (different query counts) goes to FlashInfer's scheduler."""
+    from attn_core.batch_builder import release_forward_batch
+    from attn_core.layer import AttentionLayer
+
+    layer = AttentionLayer(0, heads, 1, 576, scaling=192**-0.5, v_head_dim=512)
+    ctx, alloc, new_batch = _world(max_len=1200, rows=4, slots=16 * 200, heads=heads)
+    device, public = mla_factory(ctx), mla_factory(ctx, lean_replan=False)
+    steps = [(50, 3, 20), (1100, 35, 5, 9), (18, 64), (77,)]
+    for step, lens in enumerate(steps):
+        batch = new_batch(mode, [(n, drafts) for n in lens])
+        T = batch.num_tokens
+        g = torch.Generator().manual_seed(step)
+        q, k = torch.randn(T, heads, 576, generator=g).half(), torch.randn(T, 1, 576, generator=g).half()
+        outs = []
+        for backend in (public, device):
+            batch.attn_backend = backend
+            backend.init_forward_metadata(batch)
+            outs.append(layer(q, k, None, batch))
+        assert not outs[1].isnan().any() and torch.equal(outs[1], outs[0]), f"step {step}"
+        used = device.forward_metadata.works is not None
+        assert used == (step > 0), f"step {step}: the work list serves every lean step after the first plan"
+        release_forward_batch(batch, alloc)
+    assert device.device_works_off is None and public.device_works_off is not None
+    batch = new_batch("DRAFT_EXTEND", [(30, 1), (20, 3)])
+    batch.attn_backend = device
+    device.init_forward_metadata(batch)
+    assert device.forward_metadata.works is None

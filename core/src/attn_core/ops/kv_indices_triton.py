@@ -50,9 +50,13 @@ _SLOT = tl.constexpr(int(DeviceFaultKind.SLOT))
 
 
 @triton.jit
-def _keys_in_table(row, start, length, num_rows, width):
+def keys_in_table(row, start, length, num_rows, width):
     """(row ok, start, length) of a request's keys, cut to the table: rows outside [0, num_rows)
-    have no keys, negative starts and lengths count as 0, keys stop at the table's width."""
+    have no keys, negative starts and lengths count as 0, keys stop at the table's width. Elementwise
+    (scalars or blocks of requests); what the index kernel writes for a request, so a kernel fused with it
+    (`write_request_ids`) that needs the same per-request numbers calls this too.
+    Example: num_rows 4, width 100: (row 2, start 0, length 120) -> (True, 0, 100); row 7 -> (False, 0, 0);
+    length -5 -> (True, 0, 0)."""
     row_ok = (row >= 0) & (row < num_rows)
     start = tl.minimum(tl.maximum(start, 0), width)
     length = tl.minimum(tl.maximum(length, 0), width - start)
@@ -60,7 +64,9 @@ def _keys_in_table(row, start, length, num_rows, width):
 
 
 @triton.jit
-def _count(length, PAGE_SIZE: tl.constexpr):
+def id_count(length, PAGE_SIZE: tl.constexpr):
+    """Ids a request of `length` keys gets: its keys (PAGE_SIZE 1) or pages, ceil(length / PAGE_SIZE).
+    Example: length 33, PAGE_SIZE 16 -> 3."""
     if PAGE_SIZE == 1:
         return length
     return (length + PAGE_SIZE - 1) // PAGE_SIZE
@@ -103,9 +109,76 @@ def _build_indices_kernel(
     CHECK_SLOTS: tl.constexpr,
     HAS_FAULT: tl.constexpr,
 ):
-    r = tl.program_id(0)
-    c = tl.program_id(1)
-    num_c = tl.num_programs(1)
+    write_request_ids(
+        tl.program_id(0),
+        tl.program_id(1),
+        tl.num_programs(1),
+        REQ_TO_TOKEN,
+        stride_row,
+        num_rows,
+        width,
+        REQ_POOL_INDICES,
+        KV_LENS,
+        KV_START,
+        KV_INDPTR,
+        KV_INDICES,
+        capacity,
+        LAST_PAGE_LEN,
+        Q_LENS,
+        QO_INDPTR,
+        MASK_INDPTR,
+        num_slots,
+        FAULT,
+        BS_BLOCK,
+        CHUNK,
+        PAGE_SIZE,
+        HAS_START,
+        HAS_INDPTR,
+        HAS_LAST,
+        HAS_Q,
+        HAS_MASK_INDPTR,
+        CHECK_SLOTS,
+        HAS_FAULT,
+    )
+
+
+@triton.jit
+def write_request_ids(
+    r,
+    c,
+    num_c,
+    REQ_TO_TOKEN,
+    stride_row,
+    num_rows,
+    width,
+    REQ_POOL_INDICES,
+    KV_LENS,
+    KV_START,
+    KV_INDPTR,
+    KV_INDICES,
+    capacity,
+    LAST_PAGE_LEN,
+    Q_LENS,
+    QO_INDPTR,
+    MASK_INDPTR,
+    num_slots,
+    FAULT,
+    BS_BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HAS_START: tl.constexpr,
+    HAS_INDPTR: tl.constexpr,
+    HAS_LAST: tl.constexpr,
+    HAS_Q: tl.constexpr,
+    HAS_MASK_INDPTR: tl.constexpr,
+    CHECK_SLOTS: tl.constexpr,
+    HAS_FAULT: tl.constexpr,
+):
+    """What program (r, c) of the index kernel writes (see the module doc): request r's ids (every
+    num_c-th CHUNK of them from the c-th on) and, from c == 0, its entries of the optional arrays and
+    its faults. Public so that a plugin's kernel can build a step's ids in the same launch as its own
+    per-step work (`attn_flashinfer.mla_works`: FlashInfer's MLA work list): call it from the programs
+    r < bs of a grid `[bs + extra, num_c]` with the arguments `kv_indices_triton` passes."""
     offs = tl.arange(0, BS_BLOCK)
     before = offs < r
     rows = tl.load(REQ_POOL_INDICES + offs, mask=before, other=0)
@@ -118,10 +191,10 @@ def _build_indices_kernel(
     else:
         starts = offs * 0
         start_in = length_in * 0
-    _, _, lens = _keys_in_table(rows, starts, lens, num_rows, width)
-    row_ok, start, length = _keys_in_table(row, start_in, length_in, num_rows, width)
-    beg_raw = tl.sum(_count(lens, PAGE_SIZE), 0)
-    end_raw = beg_raw + _count(length, PAGE_SIZE)
+    _, _, lens = keys_in_table(rows, starts, lens, num_rows, width)
+    row_ok, start, length = keys_in_table(row, start_in, length_in, num_rows, width)
+    beg_raw = tl.sum(id_count(lens, PAGE_SIZE), 0)
+    end_raw = beg_raw + id_count(length, PAGE_SIZE)
     beg = tl.minimum(beg_raw, capacity)
     count = tl.minimum(end_raw, capacity) - beg
     if c == 0:

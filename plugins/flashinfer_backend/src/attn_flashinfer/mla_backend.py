@@ -36,6 +36,7 @@ from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 from attn_core.graph_step import CudaGraphStep
 from attn_core.ops.device_faults import DeviceFaultFlags
+from attn_core.probes import triton_interpreter_enabled
 from attn_flashinfer import mla_plans, replan
 from attn_flashinfer.backend import DEFAULT_WORKSPACE_BYTES
 from attn_flashinfer.indices import HostOffsets, PageList, QueryLayout, build_page_list, query_layout
@@ -49,6 +50,7 @@ from attn_flashinfer.mla_steps import (
     refuse_tree_mask,
     uniform_q_len,
 )
+from attn_flashinfer.mla_works import StepWorks, WorkLayout, build_page_list_with_works, cluster_size, fits, work_layout
 from attn_flashinfer.prefill_plan import prefill_lengths
 from attn_flashinfer.scratch import DeviceScratch
 from attn_flashinfer.steps import StepInputs, eager_inputs
@@ -61,6 +63,7 @@ class MLAGraph:
     buffers: MLAGraphBuffers
     wrappers: dict[float, object] = field(default_factory=dict)
     planned_once: set[float] = field(default_factory=set)
+    device_works: Optional[bool] = None  # whether capture ran on the device work list (replays must too)
 
 
 @dataclass
@@ -74,6 +77,7 @@ class MLAStep:
     wrappers: dict[float, object] = field(default_factory=dict)
     graph: Optional[MLAGraph] = None
     kernel_args: Optional[object] = None  # a subclass's own per-step data (trtllm_mla: its block table)
+    works: Optional[StepWorks] = None  # the device work list the layers run on (lean steps), else the wrappers' plans
 
 
 class FlashInferMLABackend(AttentionBackend[MLAStep]):
@@ -84,6 +88,9 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
 
     name = "flashinfer_mla"
     capabilities = CAPABILITIES
+    #: multiprocessors of the stand-in GPU the CPU wiring tests give FlashInfer's MLA scheduler (None: the
+    #: device work list runs on CUDA only; on the CPU it needs this and the Triton interpreter)
+    cpu_work_sms: Optional[int] = None
 
     def __init__(self, ctx, *, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, lean_replan: Optional[bool] = None, **options):
         super().__init__(ctx, **options)  # unknown options, undeclared layouts: typed errors
@@ -109,6 +116,12 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         self._out_heads = (ctx.num_q_heads, ctx.kv_lora_rank)
         self._out_cols = ctx.num_q_heads * ctx.kv_lora_rank
         self._latents: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # layer id -> (pool buffer, ckv, kpe)
+        # the device work list (`mla_works`): per cluster size its layout and FlashInfer's plan info for it
+        # (None: FlashInfer's scheduler disagreed, see `device_works_off`); one work buffer for eager
+        # steps, one for CUDA-graph replays
+        self._work_layouts: dict[int, tuple[WorkLayout, Optional[object]]] = {}
+        self._work_buffers: dict[bool, torch.Tensor] = {}
+        self.device_works_off: Optional[str] = None if self.lean_replan else "lean_replan is off (FlashInfer's public plans)"
 
     def poll_device_fault(self) -> Optional[str]:
         """What the index kernel refused since the last poll (an out-of-range request row, length or
@@ -137,14 +150,82 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
                 return ids
 
         pool = self.ctx.token_to_kv_pool
-        kv = build_page_list(
-            inputs.req_to_token, inputs.req_pool_indices, inputs.seq_lens, inputs.seq_lens_host, self.page_size, out,
-            self.host_offsets.get(inputs.bs), None if pool is None else pool.num_slots, self.device_faults.buffer,
-        )  # fmt: skip
-        step = MLAStep(inputs, qo, kv, causal=not decode, graph=graph)
+        num_slots = None if pool is None else pool.num_slots
+        works = self._work_plan(inputs, qo, graph) if scalings else None
+        if works is None:
+            kv = build_page_list(
+                inputs.req_to_token, inputs.req_pool_indices, inputs.seq_lens, inputs.seq_lens_host, self.page_size, out,
+                self.host_offsets.get(inputs.bs), num_slots, self.device_faults.buffer,
+            )  # fmt: skip
+            step = MLAStep(inputs, qo, kv, causal=not decode, graph=graph)
+        else:
+            layout, info, q_len = works
+            buf = self._work_buffer(graph is not None, layout)
+            kv = build_page_list_with_works(
+                inputs.req_to_token, inputs.req_pool_indices, inputs.seq_lens, inputs.seq_lens_host, self.page_size, out,
+                self.host_offsets.get(inputs.bs), buf, layout, q_len, self.dims.num_heads, not decode, num_slots,
+                self.device_faults.buffer,
+            )  # fmt: skip
+            step = MLAStep(
+                inputs, qo, kv, causal=not decode, graph=graph, works=StepWorks(buf.view(torch.uint8), info, kv.indices, not decode, layout)
+            )
         for scaling in scalings:
             step.wrappers[scaling] = self._planned(step, scaling)
         return step
+
+    def _work_plan(self, inputs: StepInputs, qo: QueryLayout, graph: Optional[MLAGraph]):
+        """(layout, FlashInfer's plan info, queries per request) when this step runs on the device work list
+        (`mla_works`): lean re-plans, every request with the same number of queries, a step the layout
+        `fits`, a layout FlashInfer's own scheduler has confirmed, and for a CUDA-graph step the path its
+        capture took; else None (FlashInfer's scheduler plans the step)."""
+        bs = inputs.bs
+        if self.device_works_off is not None or bs == 0 or (graph is not None and graph.device_works is False):
+            return None
+        q_len = inputs.num_tokens // bs
+        if inputs.q_lens_host is not None and self._uniform_queries.get((bs, q_len)) is not qo:
+            return None
+        cs = cluster_size(inputs.num_tokens, bs, self.dims.num_heads)
+        entry = self._work_layouts.get(cs)
+        if entry is None:
+            entry = self._confirm_layout(cs)
+            if entry is None:
+                return None
+        layout, info = entry
+        if info is None or not fits(bs, q_len, self.dims.num_heads, layout):
+            return None
+        return layout, info, q_len
+
+    def _confirm_layout(self, cs: int) -> Optional[tuple[WorkLayout, Optional[object]]]:
+        """The layout of cluster size `cs` and the plan info FlashInfer's own scheduler gives a wrapper of
+        this backend's dims (a throwaway one, publicly planned for one request of that cluster size, one
+        key in page id 0) if the two agree; else the layout with None (`device_works_off` says why).
+        Runs once per cluster size, outside graph capture (like every public plan)."""
+        if self.device.type == "cuda":
+            num_sm = torch.cuda.get_device_properties(self.device).multi_processor_count
+        elif self.cpu_work_sms is not None and triton_interpreter_enabled():
+            num_sm = self.cpu_work_sms
+        else:
+            self.device_works_off = f"the device work list runs on CUDA (device {self.device})"
+            return None
+        layout = work_layout(num_sm, cs, self.dims.kv_lora_rank, self.dims.dtype.itemsize)
+        q_len = 1 if cs == 1 else -(-65 // self.dims.num_heads)
+        one = torch.ones(1, dtype=torch.int32)
+        keys = PageList(
+            self.page_size, one, torch.tensor([0, 1], dtype=torch.int32), 1, torch.zeros(1, dtype=torch.int32, device=self.device)
+        )
+        w = mla_plans.new_wrapper(self.workspace)
+        mla_plans.plan(w, query_layout(one * q_len), keys, False, self.dims, 1.0, lean=False)
+        reason = layout.verify(w._plan_info)
+        if reason is not None:
+            self.device_works_off = reason
+        entry = self._work_layouts[cs] = (layout, None if reason else w._plan_info)
+        return entry
+
+    def _work_buffer(self, graph: bool, layout: WorkLayout) -> torch.Tensor:
+        buf = self._work_buffers.get(graph)
+        if buf is None:
+            buf = self._work_buffers[graph] = torch.zeros(layout.int_bytes // 4, dtype=torch.int32, device=self.device)
+        return buf
 
     def _scratch_ids(self, pages: int) -> torch.Tensor:
         return self.scratch.get("seq", pages)
@@ -178,7 +259,8 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         if w is None:
             w = pool[scaling] = mla_plans.new_wrapper(self.workspace, None if g is None else g.buffers)
         lean = self.lean_replan and scaling in done
-        mla_plans.plan(w, step.qo, step.kv, step.causal, self.dims, scaling, lean)
+        if not (lean and step.works is not None):  # a device work list needs no plan after the first
+            mla_plans.plan(w, step.qo, step.kv, step.causal, self.dims, scaling, lean)
         done.add(scaling)
         return w
 
@@ -239,6 +321,7 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         inputs = self._graph_step_inputs(step, step.num_tokens, step.seq_lens.cpu())  # capture only: a sync is fine here
         graph = MLAGraph(MLAGraphBuffers(b.qo_indptr[: bs + 1], b.kv_indptr[: bs + 1], b.kv_indices, b.kv_lens[:bs]))
         state = self._new_step(inputs, graph, self.known_scalings)
+        graph.device_works = state.works is not None
         self._graphs[(bs, mode)] = (state, graph)
         self.bind_graph_metadata(state, step)
 
@@ -252,6 +335,8 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
             raise InvalidArgumentError("num_tokens", f"{old.inputs.num_tokens} as captured for bs={bs}", step.num_tokens)
         inputs = self._graph_step_inputs(step, old.inputs.num_tokens, step.host_seq_lens())
         state = self._new_step(inputs, graph, list(old.wrappers))  # the scalings the graph holds kernels of
+        if graph.device_works and state.works is None:  # the graph reads the work buffer this step did not write
+            raise InvalidArgumentError("seq_lens", f"a batch the device work list serves, as the one captured for bs={bs}", None)
         self._graphs[(bs, mode)] = (state, graph)
         self.bind_graph_metadata(state, step)
 
@@ -272,7 +357,7 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         rows = q.shape[0]
         out = q.new_empty((rows, *self._out_heads))
         lse = torch.empty((rows, self.dims.num_heads), dtype=torch.float32, device=q.device) if return_lse else None
-        mla_plans.run(w, q_nope, q_pe, ckv, kpe, out, lse, self.lean_replan)
+        mla_plans.run(w, q_nope, q_pe, ckv, kpe, out, lse, self.lean_replan, self.forward_metadata.works)
         o = out.view(rows, self._out_cols)
         return (o, lse) if return_lse else o
 

@@ -75,12 +75,14 @@ def run(
     out: torch.Tensor,
     lse: Optional[torch.Tensor],
     lean: bool = False,
+    works=None,
 ) -> None:
     """Absorbed MLA of q (q_nope `[T, H, kv_lora_rank]`, q_pe `[T, H, rope]`) over one layer's paged
     latent (`latent_views`) into `out` `[T, H, kv_lora_rank]` and, when `lse` is given, the natural-log
     LSE `[T, H]` float32. `lean`: `replan.mla_run` (the compiled kernel call alone; the caller has
-    shaped `out` / `lse` as `run` would check them)."""
+    shaped `out` / `lse` as `run` would check them), over the step's device work list when `works` is
+    given (`mla_works.StepWorks`; lean steps only)."""
     if lean:
-        replan.mla_run(w, q_nope, q_pe, ckv, kpe, out, lse)
+        replan.mla_run(w, q_nope, q_pe, ckv, kpe, out, lse, works)
         return
     w.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, return_lse=lse is not None, return_lse_base_on_e=True)

@@ -122,25 +122,32 @@ def mla(w, qo: QueryLayout, kv: PageList, causal: bool, num_heads: int, head_dim
     )
 
 
-def mla_run(w, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor, out: torch.Tensor, lse) -> None:
+def mla_run(w, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor, out: torch.Tensor, lse, works=None) -> None:
     """Run a planned MLA paged wrapper the way its public `run` does for these arguments (FA2 or FA3,
     no profiler), without its Python: its shape/dtype/device checks of `out` and `lse` (the backend
     allocates both in the shapes `run` checks for, from q's validated shape) and its argument
     defaulting. The mask mode is the plan's (causal or not), the LSE natural-log based.
     q_nope `[T, H, kv_lora_rank]`, q_pe `[T, H, rope]` (views of one q), ckv / kpe the paged latent,
-    out `[T, H, kv_lora_rank]`, lse float32 `[T, H]` or None."""
+    out `[T, H, kv_lora_rank]`, lse float32 `[T, H]` or None. `works` (`mla_works.StepWorks`): run the
+    step's device work list instead of the wrapper's plan (its int workspace, plan info, page ids and mask
+    mode); the wrapper then gives the compiled module, softmax scale and page size, which its first
+    public plan fixed."""
+    if works is None:
+        int_ws, plan_info, ids, causal = w._int_workspace_buffer, w._plan_info, w._kv_indices_buf, w._causal
+    else:
+        int_ws, plan_info, ids, causal = works.int_ws, works.plan_info, works.kv_indices, works.causal
     w._cached_module.run(
         w._float_workspace_buffer,
-        w._int_workspace_buffer,
-        w._plan_info,
+        int_ws,
+        plan_info,
         q_nope,
         q_pe,
         ckv,
         kpe,
-        w._kv_indices_buf,
+        ids,
         out,
         lse,
-        MASK_CAUSAL if w._causal else MASK_NON_CAUSAL,
+        MASK_CAUSAL if causal else MASK_NON_CAUSAL,
         q_nope.shape[1],
         w._page_size,
         w._sm_scale,
