@@ -120,7 +120,7 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         # (None: FlashInfer's scheduler disagreed, see `device_works_off`); one work buffer for eager
         # steps, one for CUDA-graph replays
         self._work_layouts: dict[int, tuple[WorkLayout, Optional[object]]] = {}
-        self._work_buffers: dict[bool, torch.Tensor] = {}
+        self._work_buffers: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
         self.device_works_off: Optional[str] = None if self.lean_replan else "lean_replan is off (FlashInfer's public plans)"
 
     def poll_device_fault(self) -> Optional[str]:
@@ -160,15 +160,13 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
             step = MLAStep(inputs, qo, kv, causal=not decode, graph=graph)
         else:
             layout, info, q_len = works
-            buf = self._work_buffer(graph is not None, layout)
+            buf, buf_bytes = self._work_buffer(graph is not None, layout)
             kv = build_page_list_with_works(
                 inputs.req_to_token, inputs.req_pool_indices, inputs.seq_lens, inputs.seq_lens_host, self.page_size, out,
                 self.host_offsets.get(inputs.bs), buf, layout, q_len, self.dims.num_heads, not decode, num_slots,
                 self.device_faults.buffer,
             )  # fmt: skip
-            step = MLAStep(
-                inputs, qo, kv, causal=not decode, graph=graph, works=StepWorks(buf.view(torch.uint8), info, kv.indices, not decode, layout)
-            )
+            step = MLAStep(inputs, qo, kv, causal=not decode, graph=graph, works=StepWorks(buf_bytes, info, kv.indices, not decode, layout))
         for scaling in scalings:
             step.wrappers[scaling] = self._planned(step, scaling)
         return step
@@ -221,11 +219,13 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         entry = self._work_layouts[cs] = (layout, None if reason else w._plan_info)
         return entry
 
-    def _work_buffer(self, graph: bool, layout: WorkLayout) -> torch.Tensor:
-        buf = self._work_buffers.get(graph)
-        if buf is None:
-            buf = self._work_buffers[graph] = torch.zeros(layout.int_bytes // 4, dtype=torch.int32, device=self.device)
-        return buf
+    def _work_buffer(self, graph: bool, layout: WorkLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """The eager or the CUDA-graph work buffer (int32) and its bytes (the int workspace FlashInfer's run takes)."""
+        hit = self._work_buffers.get(graph)
+        if hit is None:
+            buf = torch.zeros(layout.int_bytes // 4, dtype=torch.int32, device=self.device)
+            hit = self._work_buffers[graph] = (buf, buf.view(torch.uint8))
+        return hit
 
     def _scratch_ids(self, pages: int) -> torch.Tensor:
         return self.scratch.get("seq", pages)

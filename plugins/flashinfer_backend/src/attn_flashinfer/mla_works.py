@@ -360,8 +360,11 @@ def write_page_ids_and_works(
         raise InvalidArgumentError("works", f"an int32 tensor of at least {layout.int_bytes // 4} entries", (works.dtype, works.numel()))
     if req_to_token.stride(1) != 1:
         raise InvalidArgumentError("req_to_token", "a tensor with contiguous rows", tuple(req_to_token.stride()))
-    cs, nc = layout.cluster_size, layout.num_clusters
-    o = [x // 4 for x in layout.offsets]
+    bs_block = 1 << (bs - 1).bit_length()  # next power of 2 (bs >= 1)
+    key = (id(layout), q_len, num_heads, page_size, causal, bs_block, num_slots is not None, fault is not None)
+    hit = _CONSTEXPRS.get(key)
+    if hit is None or hit[0] is not layout:
+        hit = _CONSTEXPRS[key] = (layout, _constexprs(layout, q_len, num_heads, page_size, causal, bs_block, num_slots, fault))
     _LAUNCH(
         (bs + 1, copy_programs(bs, req_to_token.is_cuda)),
         req_to_token,
@@ -377,7 +380,20 @@ def write_page_ids_and_works(
         works,
         q_len,
         num_heads,
-        BS_BLOCK=1 << (bs - 1).bit_length(),
+        **hit[1],
+    )
+
+
+#: the launch's constexprs and options per (layout id, q_len, num_heads, page_size, causal, bs block, slot
+#: check, fault buffer), with the layout they were made for (made once: this is per-step host time)
+_CONSTEXPRS: dict[tuple, tuple[WorkLayout, dict]] = {}
+
+
+def _constexprs(layout: WorkLayout, q_len: int, num_heads: int, page_size: int, causal: bool, bs_block: int, num_slots, fault) -> dict:
+    cs, nc = layout.cluster_size, layout.num_clusters
+    o = [x // 4 for x in layout.offsets]
+    return dict(
+        BS_BLOCK=bs_block,
         CHUNK=CHUNK,
         PAGE_SIZE=page_size,
         CHECK_SLOTS=num_slots is not None,
