@@ -267,13 +267,25 @@ def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int, mla_tile
 
     fi_plan()
 
+    # the backend with FlashInfer's host scheduler instead of the device work list (its kernel time alone)
+    host_planned = FlashInferMLABackend(ctx, device_works=False)
+    batch.attn_backend = host_planned
+    host_planned.init_forward_metadata(batch)
+    layer(q, k, None, batch, save_kv_cache=False)
+    host_planned.init_forward_metadata(batch)
+
     def ours():
+        batch.attn_backend = backend
+        layer(q, k, None, batch, save_kv_cache=False)
+
+    def ours_host_plan():
+        batch.attn_backend = host_planned
         layer(q, k, None, batch, save_kv_cache=False)
 
     def direct():
         fi.run(q_nope, q_pe, ckv, kpe, out=out)
 
-    fns = {"flashinfer_mla": ours, "flashinfer_run": direct}
+    fns = {"flashinfer_mla": ours, "flashinfer_mla_host_plan": ours_host_plan, "flashinfer_run": direct}
     ours()
     direct()
     errors = {}
@@ -300,6 +312,7 @@ def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int, mla_tile
 
     # host time of metadata: ours (validation + one launch: page ids and work list) vs FlashInfer's own plan
     def ours_meta():
+        batch.attn_backend = backend
         backend.init_forward_metadata(batch)
 
     def page_list():  # the metadata's index part alone, as it builds it: host offsets + one index launch
@@ -336,6 +349,7 @@ def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int, mla_tile
         "triton_tiles_us": {label[len("triton ") :]: us for label, us in t.items() if label.startswith("triton ")} or None,
         "graph_us": g or None,
         "forward_over_run_graph": over_run(g, "flashinfer_mla"),
+        "host_plan_over_run_graph": over_run(g, "flashinfer_mla_host_plan"),
         "triton_over_run_graph": over_run(g, "triton"),
         "triton_tiles_over_run_graph": {label[len("triton ") :]: over_run(g, label) for label in g if label.startswith("triton ")} or None,
         "metadata_host_us": h["ours"],
@@ -449,7 +463,7 @@ def main() -> None:
     cols = ["forward_us", "flashinfer_run_us", "forward_over_run", "triton_forward_us", "triton_over_run", "forward_over_run_graph",
             "triton_over_run_graph", "metadata_host_us",
             "flashinfer_plan_host_us",
-            "metadata_over_plan", "graph_replay_metadata_host_us", "metadata_page_list_host_us",
+            "host_plan_over_run_graph", "metadata_over_plan", "graph_replay_metadata_host_us", "metadata_page_list_host_us",
             "metadata_page_ids_and_works_host_us", "metadata_lean_replan_host_us",
             "forward_host_us", "flashinfer_run_host_us", "unchunked_ragged_us"]  # fmt: skip
     for r in rows:

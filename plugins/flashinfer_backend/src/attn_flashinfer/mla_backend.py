@@ -84,7 +84,9 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
     """FlashInfer's MLA kernels on CUDA, compute capability 8.0 or newer. Options: `workspace_bytes`
     sizes the float workspace (split-KV partial results); `lean_replan` (None: on for the FlashInfer
     versions `replan.py` was verified with) re-plans wrappers without FlashInfer's public `plan` after
-    their first and runs them through the compiled kernel call alone (`replan.mla_run`)."""
+    their first and runs them through the compiled kernel call alone (`replan.mla_run`); `device_works`
+    (default on, with lean re-plans) lets steps whose requests all have the same query count run on a
+    work list their page-id launch writes (`mla_works`) instead of FlashInfer's host scheduler."""
 
     name = "flashinfer_mla"
     capabilities = CAPABILITIES
@@ -92,7 +94,15 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
     #: device work list runs on CUDA only; on the CPU it needs this and the Triton interpreter)
     cpu_work_sms: Optional[int] = None
 
-    def __init__(self, ctx, *, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, lean_replan: Optional[bool] = None, **options):
+    def __init__(
+        self,
+        ctx,
+        *,
+        workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+        lean_replan: Optional[bool] = None,
+        device_works: bool = True,
+        **options,
+    ):
         super().__init__(ctx, **options)  # unknown options, undeclared layouts: typed errors
         check_mla_context(ctx, self.name)
         if workspace_bytes < (1 << 20):
@@ -121,7 +131,11 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         # steps, one for CUDA-graph replays
         self._work_layouts: dict[int, tuple[WorkLayout, Optional[object]]] = {}
         self._work_buffers: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.device_works_off: Optional[str] = None if self.lean_replan else "lean_replan is off (FlashInfer's public plans)"
+        self.device_works_off: Optional[str] = None
+        if not device_works:
+            self.device_works_off = "device_works=False (FlashInfer's scheduler plans every step)"
+        elif not self.lean_replan:
+            self.device_works_off = "lean_replan is off (FlashInfer's public plans)"
 
     def poll_device_fault(self) -> Optional[str]:
         """What the index kernel refused since the last poll (an out-of-range request row, length or
