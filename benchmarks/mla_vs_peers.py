@@ -332,13 +332,14 @@ def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int, mla_tile
     def lean_replan():  # what the work list replaces: FlashInfer's compiled MLA scheduler on the step's host arrays
         replan.mla(w, qo, kv, step.causal, H, LORA)
 
-    works_buf = torch.zeros(step.works.layout.int_bytes // 4, dtype=torch.int32, device="cuda")
+    works_buf = torch.zeros(step.works.layout.buffer_entries, dtype=torch.int32, device="cuda")
 
     scratch = lambda n: backend.scratch.get("seq", n)  # noqa: E731
     h = interleaved({"ours": ours_meta, "fi": fi_plan}, 40 * rounds, lambda f: host_time_us(f, 1))
     # breakdown, and one forward call's host time (GPU idle): shows whether back-to-back calls are host-bound
     parts = {"page_list": page_list, "page_ids_and_works": page_ids_and_works, "lean_replan": lean_replan, "forward": ours, "run": direct}
     hb = interleaved(parts, 10 * rounds, lambda f: host_time_us(f, 1))
+    launch_gpu = statistics.median(gpu_time_us(page_ids_and_works, iters, 3))  # the metadata launch's GPU time
     row = {
         "name": name,
         "forward_us": t["flashinfer_mla"],
@@ -358,6 +359,7 @@ def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int, mla_tile
         "kernel": w._backend,
         "metadata_page_list_host_us": hb["page_list"],
         "metadata_page_ids_and_works_host_us": hb["page_ids_and_works"],
+        "metadata_launch_gpu_us": launch_gpu,
         "device_work_list": step.works is not None,
         "metadata_lean_replan_host_us": hb["lean_replan"],
         "forward_host_us": hb["forward"],
@@ -464,7 +466,7 @@ def main() -> None:
             "triton_over_run_graph", "metadata_host_us",
             "flashinfer_plan_host_us",
             "host_plan_over_run_graph", "metadata_over_plan", "graph_replay_metadata_host_us", "metadata_page_list_host_us",
-            "metadata_page_ids_and_works_host_us", "metadata_lean_replan_host_us",
+            "metadata_page_ids_and_works_host_us", "metadata_launch_gpu_us", "metadata_lean_replan_host_us",
             "forward_host_us", "flashinfer_run_host_us", "unchunked_ragged_us"]  # fmt: skip
     for r in rows:
         vals = ", ".join(f"{c}={r[c]:.3g}" for c in cols if r.get(c) is not None)

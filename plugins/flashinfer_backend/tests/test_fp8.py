@@ -68,4 +68,3 @@ def test_fp8_at_head_dim_64_is_refused_at_construction():
     check_context(ctx(128), "flashinfer")
     check_context(ctx(256), "flashinfer")
     check_context(BackendContext(device="cuda", dtype=torch.bfloat16, num_q_heads=8, num_kv_heads=2, head_dim=64), "flashinfer")
-

@@ -237,7 +237,7 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         """The eager or the CUDA-graph work buffer (int32) and its bytes (the int workspace FlashInfer's run takes)."""
         hit = self._work_buffers.get(graph)
         if hit is None:
-            buf = torch.zeros(layout.int_bytes // 4, dtype=torch.int32, device=self.device)
+            buf = torch.zeros(layout.buffer_entries, dtype=torch.int32, device=self.device)
             hit = self._work_buffers[graph] = (buf, buf.view(torch.uint8))
         return hit
 
