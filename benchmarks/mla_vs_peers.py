@@ -65,7 +65,7 @@ from attn_core.registry import create_backend
 from attn_flashinfer import replan
 from attn_flashinfer.indices import build_page_list
 from attn_flashinfer.mla_backend import FlashInferMLABackend
-from attn_flashinfer.mla_works import build_page_list_with_works
+from attn_flashinfer.mla_works import WorkLaunch, build_page_list_with_works
 from attn_triton.kernels.mla_decode import MLAConfig
 
 H, LORA, ROPE, PAGE, DTYPE = 128, 512, 64, 64, torch.bfloat16
@@ -322,17 +322,16 @@ def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int, mla_tile
         )  # fmt: skip
 
     def page_ids_and_works():  # the metadata's launch alone: host offsets + page ids and work list in one launch
-        layout = step.works.layout
         build_page_list_with_works(
             ctx.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_cpu, PAGE, scratch,
-            backend.host_offsets.get(batch.batch_size), works_buf, layout, T // batch.batch_size, H, step.causal, pool.num_slots,
-            backend.device_faults.buffer,
+            backend.host_offsets.get(batch.batch_size), launch, pool.num_slots, backend.device_faults.buffer,
         )  # fmt: skip
 
     def lean_replan():  # what the work list replaces: FlashInfer's compiled MLA scheduler on the step's host arrays
         replan.mla(w, qo, kv, step.causal, H, LORA)
 
     works_buf = torch.zeros(step.works.layout.buffer_entries, dtype=torch.int32, device="cuda")
+    launch = WorkLaunch(step.works.layout, batch.batch_size, T // batch.batch_size, H, PAGE, step.causal, works_buf, True, True)
 
     scratch = lambda n: backend.scratch.get("seq", n)  # noqa: E731
     h = interleaved({"ours": ours_meta, "fi": fi_plan}, 40 * rounds, lambda f: host_time_us(f, 1))

@@ -50,10 +50,21 @@ from attn_flashinfer.mla_steps import (
     refuse_tree_mask,
     uniform_q_len,
 )
-from attn_flashinfer.mla_works import StepWorks, WorkLayout, build_page_list_with_works, cluster_size, fits, work_layout
+from attn_flashinfer.mla_works import StepWorks, WorkLaunch, WorkLayout, build_page_list_with_works, cluster_size, fits, work_layout
 from attn_flashinfer.prefill_plan import prefill_lengths
 from attn_flashinfer.scratch import DeviceScratch
 from attn_flashinfer.steps import StepInputs, eager_inputs
+
+
+@dataclass
+class WorkPlan:
+    """The device work list of one step shape: its launch, FlashInfer's plan info for its layout, the work
+    buffer's bytes (FlashInfer's int workspace) and the last step's `StepWorks` (reused while it holds)."""
+
+    launch: WorkLaunch
+    info: object
+    int_ws: torch.Tensor
+    works: Optional[StepWorks] = None
 
 
 @dataclass
@@ -131,6 +142,7 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         # steps, one for CUDA-graph replays
         self._work_layouts: dict[int, tuple[WorkLayout, Optional[object]]] = {}
         self._work_buffers: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._work_launches: dict[tuple, Optional[WorkPlan]] = {}  # (graph, bs, q_len, decode) -> plan; None: not served
         self.device_works_off: Optional[str] = None
         if not device_works:
             self.device_works_off = "device_works=False (FlashInfer's scheduler plans every step)"
@@ -165,29 +177,29 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
 
         pool = self.ctx.token_to_kv_pool
         num_slots = None if pool is None else pool.num_slots
-        works = self._work_plan(inputs, qo, graph) if scalings else None
-        if works is None:
+        plan = self._work_plan(inputs, qo, graph) if scalings else None
+        if plan is None:
             kv = build_page_list(
                 inputs.req_to_token, inputs.req_pool_indices, inputs.seq_lens, inputs.seq_lens_host, self.page_size, out,
                 self.host_offsets.get(inputs.bs), num_slots, self.device_faults.buffer,
             )  # fmt: skip
             step = MLAStep(inputs, qo, kv, causal=not decode, graph=graph)
         else:
-            layout, info, q_len = works
-            buf, buf_bytes = self._work_buffer(graph is not None, layout)
             kv = build_page_list_with_works(
                 inputs.req_to_token, inputs.req_pool_indices, inputs.seq_lens, inputs.seq_lens_host, self.page_size, out,
-                self.host_offsets.get(inputs.bs), buf, layout, q_len, self.dims.num_heads, not decode, num_slots,
-                self.device_faults.buffer,
+                self.host_offsets.get(inputs.bs), plan.launch, num_slots, self.device_faults.buffer,
             )  # fmt: skip
-            step = MLAStep(inputs, qo, kv, causal=not decode, graph=graph, works=StepWorks(buf_bytes, info, kv.indices, not decode, layout))
+            works = plan.works
+            if works is None or works.kv_indices is not kv.indices:  # the same object step after step while the ids' buffer stays
+                works = plan.works = StepWorks(plan.int_ws, plan.info, kv.indices, not decode, plan.launch.layout)
+            step = MLAStep(inputs, qo, kv, causal=not decode, graph=graph, works=works)
         for scaling in scalings:
             step.wrappers[scaling] = self._planned(step, scaling)
         return step
 
-    def _work_plan(self, inputs: StepInputs, qo: QueryLayout, graph: Optional[MLAGraph]):
-        """(layout, FlashInfer's plan info, queries per request) when this step runs on the device work list
-        (`mla_works`): lean re-plans, every request with the same number of queries, a step the layout
+    def _work_plan(self, inputs: StepInputs, qo: QueryLayout, graph: Optional[MLAGraph]) -> Optional[WorkPlan]:
+        """The device work list's launch for this step's shape (made once per shape) when the step runs on
+        it (`mla_works`): lean re-plans, every request with the same number of queries, a step the layout
         `fits`, a layout FlashInfer's own scheduler has confirmed, and for a CUDA-graph step the path its
         capture took; else None (FlashInfer's scheduler plans the step)."""
         bs = inputs.bs
@@ -196,16 +208,27 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         q_len = inputs.num_tokens // bs
         if inputs.q_lens_host is not None and self._uniform_queries.get((bs, q_len)) is not qo:
             return None
-        cs = cluster_size(inputs.num_tokens, bs, self.dims.num_heads)
+        key = (graph is not None, bs, q_len, inputs.q_lens_host is None)
+        plan = self._work_launches.get(key, False)
+        if plan is False:
+            plan = self._work_launches[key] = self._new_work_plan(graph is not None, bs, q_len, causal=inputs.q_lens_host is not None)
+        return plan
+
+    def _new_work_plan(self, graph: bool, bs: int, q_len: int, causal: bool) -> Optional[WorkPlan]:
+        heads = self.dims.num_heads
+        cs = cluster_size(bs * q_len, bs, heads)
         entry = self._work_layouts.get(cs)
         if entry is None:
             entry = self._confirm_layout(cs)
             if entry is None:
                 return None
         layout, info = entry
-        if info is None or not fits(bs, q_len, self.dims.num_heads, layout):
+        if info is None or not fits(bs, q_len, heads, layout):
             return None
-        return layout, info, q_len
+        buf, buf_bytes = self._work_buffer(graph, layout)
+        pool = self.ctx.token_to_kv_pool
+        launch = WorkLaunch(layout, bs, q_len, heads, self.page_size, causal, buf, pool is not None, True)
+        return WorkPlan(launch, info, buf_bytes)
 
     def _confirm_layout(self, cs: int) -> Optional[tuple[WorkLayout, Optional[object]]]:
         """The layout of cluster size `cs` and the plan info FlashInfer's own scheduler gives a wrapper of

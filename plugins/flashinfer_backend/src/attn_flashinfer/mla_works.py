@@ -385,6 +385,59 @@ def _page_ids_and_works_kernel(
 _LAUNCH = CachedLaunch(_page_ids_and_works_kernel)
 
 
+class WorkLaunch:
+    """The launch of `write_page_ids_and_works` for one step shape, its checks and constexprs done once:
+    `bs` requests of `q_len` queries and `num_heads` heads at `page_size`, causal or not, the work list
+    into `works` (int32, at least `layout.buffer_entries` entries) laid out as `layout`; slots checked
+    when `check_slots`, refusals recorded when `has_fault`. The step must `fits` the layout. Calling it
+    launches: (req_to_token, req_pool_indices `[bs]`, kv_lens `[bs]` device int32, ids, capacity,
+    num_slots, fault)."""
+
+    def __init__(self, layout: WorkLayout, bs: int, q_len: int, num_heads: int, page_size: int, causal: bool, works: torch.Tensor,
+                 check_slots: bool, has_fault: bool) -> None:  # fmt: skip
+        if not fits(bs, q_len, num_heads, layout):
+            raise InvalidArgumentError("bs/q_len", "a step the device work list serves (mla_works.fits)", (bs, q_len))
+        if works.dtype != torch.int32 or works.numel() < layout.buffer_entries:
+            raise InvalidArgumentError(
+                "works", f"an int32 tensor of at least {layout.buffer_entries} entries", (works.dtype, works.numel())
+            )
+        self.layout, self.bs, self.q_len, self.num_heads, self.works = layout, bs, q_len, num_heads, works
+        self.grid = (bs + 1, copy_programs(bs, works.is_cuda))
+        self.constexprs = _constexprs(layout, q_len, num_heads, page_size, causal, 1 << (bs - 1).bit_length(), check_slots, has_fault)
+
+    def __call__(
+        self,
+        req_to_token: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        kv_lens: torch.Tensor,
+        ids: torch.Tensor,
+        capacity: int,
+        num_slots: Optional[int],
+        fault: Optional[torch.Tensor],
+    ) -> None:
+        if req_pool_indices.shape[0] != self.bs:
+            raise InvalidArgumentError("req_pool_indices", f"{self.bs} requests (the launch's batch size)", req_pool_indices.shape[0])
+        if req_to_token.stride(1) != 1:
+            raise InvalidArgumentError("req_to_token", "a tensor with contiguous rows", tuple(req_to_token.stride()))
+        _LAUNCH(
+            self.grid,
+            req_to_token,
+            req_to_token.stride(0),
+            req_to_token.shape[0],
+            req_to_token.shape[1],
+            req_pool_indices,
+            kv_lens,
+            ids,
+            min(capacity, ids.shape[0]),
+            num_slots if num_slots is not None else 0,
+            fault if fault is not None else ids,
+            self.works,
+            self.q_len,
+            self.num_heads,
+            **self.constexprs,
+        )
+
+
 def write_page_ids_and_works(
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
@@ -404,52 +457,23 @@ def write_page_ids_and_works(
     `capacity` of them; `attn_core.ops.kv_indices_triton` semantics, slots checked against `num_slots`,
     refusals in `fault`) and FlashInfer's MLA work list for `q_len` queries a request, `num_heads` heads
     over those ids into `works` (int32, at least `layout.buffer_entries` entries), laid out as `layout`.
-    The step must `fits` the layout."""
-    bs = req_pool_indices.shape[0]
-    if not fits(bs, q_len, num_heads, layout):
-        raise InvalidArgumentError("bs/q_len", "a step the device work list serves (mla_works.fits)", (bs, q_len))
-    if works.dtype != torch.int32 or works.numel() < layout.buffer_entries:
-        raise InvalidArgumentError("works", f"an int32 tensor of at least {layout.buffer_entries} entries", (works.dtype, works.numel()))
-    if req_to_token.stride(1) != 1:
-        raise InvalidArgumentError("req_to_token", "a tensor with contiguous rows", tuple(req_to_token.stride()))
-    bs_block = 1 << (bs - 1).bit_length()  # next power of 2 (bs >= 1)
-    key = (id(layout), q_len, num_heads, page_size, causal, bs_block, num_slots is not None, fault is not None)
-    hit = _CONSTEXPRS.get(key)
-    if hit is None or hit[0] is not layout:
-        hit = _CONSTEXPRS[key] = (layout, _constexprs(layout, q_len, num_heads, page_size, causal, bs_block, num_slots, fault))
-    _LAUNCH(
-        (bs + 1, copy_programs(bs, req_to_token.is_cuda)),
-        req_to_token,
-        req_to_token.stride(0),
-        req_to_token.shape[0],
-        req_to_token.shape[1],
-        req_pool_indices,
-        kv_lens,
-        ids,
-        min(capacity, ids.shape[0]),
-        num_slots if num_slots is not None else 0,
-        fault if fault is not None else ids,
-        works,
-        q_len,
-        num_heads,
-        **hit[1],
-    )
+    The step must `fits` the layout. (A step loop keeps a `WorkLaunch` per step shape instead.)"""
+    launch = WorkLaunch(
+        layout, req_pool_indices.shape[0], q_len, num_heads, page_size, causal, works, num_slots is not None, fault is not None
+    )  # fmt: skip
+    launch(req_to_token, req_pool_indices, kv_lens, ids, capacity, num_slots, fault)
 
 
-#: the launch's constexprs and options per (layout id, q_len, num_heads, page_size, causal, bs block, slot
-#: check, fault buffer), with the layout they were made for (made once: this is per-step host time)
-_CONSTEXPRS: dict[tuple, tuple[WorkLayout, dict]] = {}
-
-
-def _constexprs(layout: WorkLayout, q_len: int, num_heads: int, page_size: int, causal: bool, bs_block: int, num_slots, fault) -> dict:
+def _constexprs(layout: WorkLayout, q_len: int, num_heads: int, page_size: int, causal: bool, bs_block: int, check_slots: bool,
+                has_fault: bool) -> dict:  # fmt: skip
     cs, nc = layout.cluster_size, layout.num_clusters
     o = [x // 4 for x in layout.offsets]
     return dict(
         BS_BLOCK=bs_block,
         CHUNK=CHUNK,
         PAGE_SIZE=page_size,
-        CHECK_SLOTS=num_slots is not None,
-        HAS_FAULT=fault is not None,
+        CHECK_SLOTS=check_slots,
+        HAS_FAULT=has_fault,
         NC=nc,
         NUM_SM=layout.num_sm,
         NT=tiles_per_request(q_len, num_heads, cs),
@@ -488,21 +512,15 @@ def build_page_list_with_works(
     page_size: int,
     out: Callable[[int], torch.Tensor],
     host_indptr: tuple[np.ndarray, torch.Tensor],
-    works: torch.Tensor,
-    layout: WorkLayout,
-    q_len: int,
-    num_heads: int,
-    causal: bool,
+    launch: WorkLaunch,
     num_slots: Optional[int] = None,
     fault: Optional[torch.Tensor] = None,
 ) -> PageList:
     """`attn_flashinfer.indices.build_page_list`, with FlashInfer's MLA work list for the step written
-    by the same launch (`write_page_ids_and_works`)."""
+    by the same launch (`launch`, a `WorkLaunch` of this step's shape)."""
     lens_t = kv_lens_host if kv_lens_host.dtype == torch.int32 else kv_lens_host.to(torch.int32)
     indptr, indptr_t = host_indptr
     total = page_offsets(lens_t.numpy(), page_size, indptr)
     ids = out(total)
-    write_page_ids_and_works(
-        req_to_token, req_pool_indices, kv_lens, ids, total, works, layout, q_len, num_heads, page_size, causal, num_slots, fault
-    )  # fmt: skip
+    launch(req_to_token, req_pool_indices, kv_lens, ids, total, num_slots, fault)
     return PageList(page_size, lens_t, indptr_t, total, ids)
