@@ -352,33 +352,42 @@ def _schedule(
     tl.store(WORKS + M_STRIDE + s, s * 0, mask=unused)
 
 
+#: the same numbers as Triton constants (globals a kernel reads must be)
+_MAX_W = tl.constexpr(MAX_WORKS)
+_E_BLOCK = tl.constexpr(E_BLOCK)
+_CHUNK = tl.constexpr(CHUNK)
+
+
+# No value or alignment specialization, few constexprs (each is an argument of every launch): the array
+# offsets follow from NUM_SM in the kernel, as `work_layout` computes them on the host (in int32 entries:
+# FlashInfer's work arrays hold MAX_WORKS, its merge arrays NUM_SM rounded up to 4; then the scratch).
 @triton.jit(
     do_not_specialize=["stride_row", "num_rows", "width", "capacity", "num_slots", "q_len", "num_heads"],
     do_not_specialize_on_alignment=["REQ_TO_TOKEN", "REQ_POOL_INDICES", "KV_LENS", "KV_INDICES", "FAULT", "WORKS"],
 )  # fmt: skip
 def _page_ids_and_works_kernel(
     REQ_TO_TOKEN, stride_row, num_rows, width, REQ_POOL_INDICES, KV_LENS, KV_INDICES, capacity, num_slots, FAULT, WORKS, q_len, num_heads,
-    BS_BLOCK: tl.constexpr, CHUNK: tl.constexpr, PAGE_SIZE: tl.constexpr, CHECK_SLOTS: tl.constexpr, HAS_FAULT: tl.constexpr,
-    NC: tl.constexpr, NUM_SM: tl.constexpr, NT: tl.constexpr, CTQ: tl.constexpr, CS: tl.constexpr, CAUSAL: tl.constexpr,
-    E_BLOCK: tl.constexpr, NC_BLOCK: tl.constexpr, SM_BLOCK: tl.constexpr, MAX_W: tl.constexpr, SCR_COST: tl.constexpr,
-    SCR_CLUSTER: tl.constexpr, Q_INDPTR: tl.constexpr, KV_INDPTR: tl.constexpr, PARTIAL: tl.constexpr, M_START: tl.constexpr,
-    M_END: tl.constexpr, MP_START: tl.constexpr, MP_END: tl.constexpr, M_STRIDE: tl.constexpr, Q_LEN: tl.constexpr,
-    KV_LEN: tl.constexpr, Q_START: tl.constexpr, KV_START: tl.constexpr, KV_END: tl.constexpr, WORK_INDPTR: tl.constexpr,
+    BS_BLOCK: tl.constexpr, PAGE_SIZE: tl.constexpr, CHECK_SLOTS: tl.constexpr, HAS_FAULT: tl.constexpr, NUM_SM: tl.constexpr,
+    NT: tl.constexpr, CS: tl.constexpr, CTQ: tl.constexpr, CAUSAL: tl.constexpr, NC_BLOCK: tl.constexpr, SM_BLOCK: tl.constexpr,
 ):  # fmt: skip
+    W: tl.constexpr = _MAX_W
+    A: tl.constexpr = (NUM_SM + 3) // 4 * 4
+    NC: tl.constexpr = NUM_SM // CS
+    M0: tl.constexpr = 3 * W
+    L0: tl.constexpr = 5 * A
     r = tl.program_id(0)
     bs = tl.num_programs(0) - 1
     if r < bs:
         write_request_ids(
             r, tl.program_id(1), tl.num_programs(1), REQ_TO_TOKEN, stride_row, num_rows, width, REQ_POOL_INDICES, KV_LENS,
             KV_INDICES, KV_INDICES, KV_INDICES, capacity, KV_INDICES, KV_INDICES, KV_INDICES, KV_INDICES, num_slots, FAULT,
-            BS_BLOCK, CHUNK, PAGE_SIZE, False, False, False, False, False, CHECK_SLOTS, HAS_FAULT,
+            BS_BLOCK, _CHUNK, PAGE_SIZE, False, False, False, False, False, CHECK_SLOTS, HAS_FAULT,
         )  # fmt: skip
     elif tl.program_id(1) == 0:
         _schedule(
             bs, q_len, num_heads, REQ_POOL_INDICES, KV_LENS, num_rows, width, capacity, WORKS, NC, NUM_SM, NT, CTQ, CS, CAUSAL,
-            PAGE_SIZE, E_BLOCK, NC_BLOCK, SM_BLOCK, MAX_W, SCR_COST, SCR_CLUSTER, Q_INDPTR, KV_INDPTR, PARTIAL, M_START, M_END,
-            MP_START, MP_END,
-            M_STRIDE, Q_LEN, KV_LEN, Q_START, KV_START, KV_END, WORK_INDPTR,
+            PAGE_SIZE, _E_BLOCK, NC_BLOCK, SM_BLOCK, W, 9 * W + L0, 10 * W + L0, 0, W, 2 * W, M0, M0 + A, M0 + 2 * A, M0 + 3 * A,
+            M0 + 4 * A, M0 + L0, 4 * W + L0, 5 * W + L0, 6 * W + L0, 7 * W + L0, 8 * W + L0,
         )  # fmt: skip
 
 
@@ -466,40 +475,22 @@ def write_page_ids_and_works(
 
 def _constexprs(layout: WorkLayout, q_len: int, num_heads: int, page_size: int, causal: bool, bs_block: int, check_slots: bool,
                 has_fault: bool) -> dict:  # fmt: skip
-    cs, nc = layout.cluster_size, layout.num_clusters
-    o = [x // 4 for x in layout.offsets]
+    w, a = MAX_WORKS, -(-layout.num_sm // 4) * 4
+    kernel = (0, w, 2 * w, *(3 * w + k * a for k in range(6)), *(k * w + 5 * a for k in range(4, 9)))  # the kernel's arithmetic
+    if tuple(o // 4 for o in layout.offsets) != kernel or layout.int_bytes // 4 != 9 * w + 5 * a:
+        raise InvalidArgumentError("layout", "FlashInfer 0.6.6's MLA workspace layout (work_layout)", layout.offsets)
     return dict(
         BS_BLOCK=bs_block,
-        CHUNK=CHUNK,
         PAGE_SIZE=page_size,
         CHECK_SLOTS=check_slots,
         HAS_FAULT=has_fault,
-        NC=nc,
         NUM_SM=layout.num_sm,
-        NT=tiles_per_request(q_len, num_heads, cs),
-        CTQ=CTA_TILE_Q * cs,
-        CS=cs,
+        NT=tiles_per_request(q_len, num_heads, layout.cluster_size),
+        CS=layout.cluster_size,
+        CTQ=CTA_TILE_Q * layout.cluster_size,
         CAUSAL=causal,
-        E_BLOCK=E_BLOCK,
-        NC_BLOCK=triton.next_power_of_2(nc + 1),
+        NC_BLOCK=triton.next_power_of_2(layout.num_clusters + 1),
         SM_BLOCK=triton.next_power_of_2(layout.num_sm),
-        MAX_W=MAX_WORKS,
-        SCR_COST=layout.int_bytes // 4,
-        SCR_CLUSTER=layout.int_bytes // 4 + MAX_WORKS,
-        Q_INDPTR=o[0],
-        KV_INDPTR=o[1],
-        PARTIAL=o[2],
-        M_START=o[3],
-        M_END=o[4],
-        MP_START=o[5],
-        MP_END=o[6],
-        M_STRIDE=o[7],
-        Q_LEN=o[8],
-        KV_LEN=o[9],
-        Q_START=o[10],
-        KV_START=o[11],
-        KV_END=o[12],
-        WORK_INDPTR=o[13],
         num_warps=4,
     )
 
