@@ -31,9 +31,10 @@ walked from the last tile to the first) and tile t:
   on the assignment, only the time.
 
 These are FlashInfer 0.6.6's conventions (`include/flashinfer/attention/scheduler.cuh`), read from its
-source and checked on a GPU: the backend compares `work_plan_info` with the plan info FlashInfer's own
-scheduler returns before it uses the device path (`WorkLayout.verify`), and the GPU tests compare
-outputs with FlashInfer's plan. Importing this module imports Triton, not FlashInfer.
+source and checked on a GPU: the backend compares `work_layout`'s plan info with the one FlashInfer's
+own scheduler returns before it uses the device path (`WorkLayout.verify`, once per cluster size), and
+the GPU tests compare outputs with FlashInfer's plan (bitwise equal). Importing this module imports
+Triton, not FlashInfer.
 """
 
 from __future__ import annotations
