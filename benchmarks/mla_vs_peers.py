@@ -65,7 +65,7 @@ from attn_core.registry import create_backend
 from attn_flashinfer import replan
 from attn_flashinfer.indices import build_page_list
 from attn_flashinfer.mla_backend import FlashInferMLABackend
-from attn_flashinfer.mla_works import WorkLaunch, build_page_list_with_works
+from attn_flashinfer.mla_works import WorkLaunch
 from attn_triton.kernels.mla_decode import MLAConfig
 
 H, LORA, ROPE, PAGE, DTYPE = 128, 512, 64, 64, torch.bfloat16
@@ -322,9 +322,9 @@ def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int, mla_tile
         )  # fmt: skip
 
     def page_ids_and_works():  # the metadata's launch alone: host offsets + page ids and work list in one launch
-        build_page_list_with_works(
+        build_page_list(
             ctx.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_cpu, PAGE, scratch,
-            backend.host_offsets.get(batch.batch_size), launch, pool.num_slots, backend.device_faults.buffer,
+            backend.host_offsets.get(batch.batch_size), pool.num_slots, backend.device_faults.buffer, launch,
         )  # fmt: skip
 
     def lean_replan():  # what the work list replaces: FlashInfer's compiled MLA scheduler on the step's host arrays

@@ -111,11 +111,15 @@ def build_page_list(
     host_indptr: Optional[tuple[np.ndarray, torch.Tensor]] = None,
     num_slots: Optional[int] = None,
     fault: Optional[torch.Tensor] = None,
+    launch: Optional[Callable[..., None]] = None,
 ) -> PageList:
     """Keys `req_to_token[row, : kv_len]` of each request as a `PageList`: host offsets (numpy), page
     ids by one index launch (`attn_core.ops.kv_indices.build_kv_indices`) into `out(num_pages)` (a device
     int32 buffer of at least that many entries: a reused scratch buffer, a CUDA-graph buffer), which is
-    the list's `indices` as it is (no view of its first `num_pages` entries).
+    the list's `indices` as it is (no view of its first `num_pages` entries). `launch`: a launch that
+    writes the ids and more in one go, called as `launch(req_to_token, req_pool_indices, kv_lens, ids,
+    num_pages, num_slots, fault)` in place of the index launch (`mla_works.WorkLaunch`: the ids and
+    FlashInfer's MLA work list).
 
     kv_lens: device int32 `[bs]`, the same numbers as `kv_lens_host` (nothing is copied back).
     host_indptr: where the offsets go, a numpy int32 `[bs+1]` array and the torch tensor sharing its
@@ -131,10 +135,14 @@ def build_page_list(
     else:
         indptr, indptr_t = host_indptr
     total = page_offsets(lens_t.numpy(), page_size, indptr)
-    ids = build_kv_indices(
-        req_to_token, req_pool_indices, kv_lens, total, page_size=page_size, out=out(total), num_slots=num_slots, fault=fault,
-        whole_out=True,
-    )  # fmt: skip
+    if launch is not None:
+        ids = out(total)
+        launch(req_to_token, req_pool_indices, kv_lens, ids, total, num_slots, fault)
+    else:
+        ids = build_kv_indices(
+            req_to_token, req_pool_indices, kv_lens, total, page_size=page_size, out=out(total), num_slots=num_slots, fault=fault,
+            whole_out=True,
+        )  # fmt: skip
     return PageList(page_size, lens_t, indptr_t, total, ids)
 
 

@@ -50,7 +50,7 @@ from attn_flashinfer.mla_steps import (
     refuse_tree_mask,
     uniform_q_len,
 )
-from attn_flashinfer.mla_works import StepWorks, WorkLaunch, WorkLayout, build_page_list_with_works, cluster_size, fits, work_layout
+from attn_flashinfer.mla_works import StepWorks, WorkLaunch, WorkLayout, cluster_size, fits, work_layout
 from attn_flashinfer.prefill_plan import prefill_lengths
 from attn_flashinfer.scratch import DeviceScratch
 from attn_flashinfer.steps import StepInputs, eager_inputs
@@ -185,9 +185,9 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
             )  # fmt: skip
             step = MLAStep(inputs, qo, kv, causal=not decode, graph=graph)
         else:
-            kv = build_page_list_with_works(
+            kv = build_page_list(
                 inputs.req_to_token, inputs.req_pool_indices, inputs.seq_lens, inputs.seq_lens_host, self.page_size, out,
-                self.host_offsets.get(inputs.bs), plan.launch, num_slots, self.device_faults.buffer,
+                self.host_offsets.get(inputs.bs), num_slots, self.device_faults.buffer, plan.launch,
             )  # fmt: skip
             works = plan.works
             if works is None or works.kv_indices is not kv.indices:  # the same object step after step while the ids' buffer stays

@@ -40,9 +40,8 @@ Triton, not FlashInfer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -50,7 +49,6 @@ import triton.language as tl
 from attn_core.errors import InvalidArgumentError
 from attn_core.ops.kv_indices_triton import CHUNK, copy_programs, id_count, keys_in_table, write_request_ids
 from attn_core.ops.triton_launch import CachedLaunch
-from attn_flashinfer.indices import PageList, page_offsets
 
 #: FlashInfer 0.6.6's MLA scheduler: query rows per CTA, capacity of the per-work arrays
 CTA_TILE_Q = 64
@@ -494,25 +492,3 @@ def _constexprs(layout: WorkLayout, q_len: int, num_heads: int, page_size: int, 
         SM_BLOCK=triton.next_power_of_2(layout.num_sm),
         num_warps=4,
     )
-
-
-def build_page_list_with_works(
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    kv_lens: torch.Tensor,
-    kv_lens_host: torch.Tensor,
-    page_size: int,
-    out: Callable[[int], torch.Tensor],
-    host_indptr: tuple[np.ndarray, torch.Tensor],
-    launch: WorkLaunch,
-    num_slots: Optional[int] = None,
-    fault: Optional[torch.Tensor] = None,
-) -> PageList:
-    """`attn_flashinfer.indices.build_page_list`, with FlashInfer's MLA work list for the step written
-    by the same launch (`launch`, a `WorkLaunch` of this step's shape)."""
-    lens_t = kv_lens_host if kv_lens_host.dtype == torch.int32 else kv_lens_host.to(torch.int32)
-    indptr, indptr_t = host_indptr
-    total = page_offsets(lens_t.numpy(), page_size, indptr)
-    ids = out(total)
-    launch(req_to_token, req_pool_indices, kv_lens, ids, total, num_slots, fault)
-    return PageList(page_size, lens_t, indptr_t, total, ids)
