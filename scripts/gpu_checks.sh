@@ -4,7 +4,7 @@
 # its prebuilt kernels from .fi-cache/aot.tar.xz when present). Logs go to $OUT (default ./gpu-out).
 #   bash scripts/gpu_checks.sh [tests | tests-core tests-triton tests-fi check] [bench] [triton-bench] [verify-bench] [fi-bench] [fi-window] [mla-bench] [mla] [engine] [multi-gpu]   (default: tests bench;
 #   bench = every benchmark; mla = attn-triton's MLA kernel alone: its GPU tests and the MLA benchmark without the prefill row;
-#   BENCH_ONLY=meta limits the Triton benchmark's rows; FP8_CONFIGS="n,h,w,s;..." the fp8 decode tiles swept in its fp8 row)
+#   BENCH_ONLY=meta limits the Triton benchmark's rows; FP8_CONFIGS="n,h,w,s[,v[,k]];..." the fp8 decode tiles swept in its fp8 row)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -73,11 +73,12 @@ if want mla; then  # issue 15: the MLA kernel at 512 + 64 x 128 heads (oracle, t
   python3 benchmarks/mla_vs_peers.py --no-prefill --mla-tiles "${MLA_TILES:-32x64x8x2:c1,64x32x8x2,32x64x4x3:c2}" --json "$OUT/mla_vs_peers_triton.json" 2>&1 | tee "$OUT/mla_vs_peers_triton.log" || rc=1
 fi
 if want bench || want triton-bench; then
-  # FP8_CONFIGS: fp8 decode tiles timed next to the default in the fp8 row (issue 16; "" for none). EXTEND_CONFIGS: the
+  # FP8_CONFIGS: fp8 decode tiles timed next to the default in the fp8 row (issue 16; "" for none; the default list:
+  # the opt-in kernel whose warps split the keys, sixth field key_warps, and the former default tile). EXTEND_CONFIGS: the
   # extend rows' tiles (each row reports the fastest, the sweep lists each): the SM90 default (the Hopper kernel,
   # kernels/extend_wgmma.py, 128-key tiles in 3 buffers) and the portable kernel alone
   python3 benchmarks/triton_vs_peers.py --reps 20 --no-torch-native --only "${BENCH_ONLY:-decode,extend,verify,mixed,meta,fp8}" \
-    --fp8-configs "${FP8_CONFIGS-128,16,4,2;128,16,8,2;64,16,4,3;128,16,8,2,0}" \
+    --fp8-configs "${FP8_CONFIGS-16,16,4,5,1,4;16,16,4,3,1,4;16,16,2,5,1,2;16,16,8,5,1,8;32,16,2,1,1,2;64,16,4,2}" \
     --extend-configs "${EXTEND_CONFIGS-128,64,4,3,4,128,3;128,64,4,3,4}" --out "$OUT/triton_vs_peers.json" 2>&1 | tee "$OUT/triton_vs_peers.log" || rc=1
 elif want verify-bench; then  # issue 15: MHA verify rows only (attn-triton verify / extend kernel / FlashInfer prefill, copy bandwidth)
   python3 benchmarks/triton_vs_peers.py --reps 20 --no-torch-native --only verify --out "$OUT/triton_verify.json" 2>&1 | tee "$OUT/triton_verify.log" || rc=1
