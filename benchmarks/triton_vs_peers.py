@@ -440,8 +440,8 @@ def parse_configs(text: Optional[str], cls):
     """The kernel tile configs of a `--decode-configs` / `--extend-configs` value: items split by ";",
     each four comma-separated ints passed positionally to `cls` (a fifth is DecodeConfig's `fp8_v_words`,
     0 or 1, and a sixth its `key_warps`, or ExtendConfig's `lazy_rescale`, 0..8; ExtendConfig's sixth and
-    seventh are `wgmma_block_n` and `wgmma_stages`, the opt-in Hopper kernel's tiles); `[None]` (the kernel's
-    own choice) when `text` is empty or None.
+    seventh are `wgmma_block_n` and `wgmma_stages`, the Hopper kernel's tiles, and an eighth `wgmma_regs`, its
+    consumers' registers a thread); `[None]` (the kernel's own choice) when `text` is empty or None.
 
     Example: `parse_configs("64,16,4,3;32,16,4,4", DecodeConfig)` →
     `[DecodeConfig(64, 16, 4, 3), DecodeConfig(32, 16, 4, 4)]`; `parse_configs(None, DecodeConfig)` → `[None]`.
@@ -879,7 +879,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-flashinfer", action="store_true")
     p.add_argument("--decode-configs", default=None, help='"block_n,block_h,warps,stages;..."')
     p.add_argument(
-        "--extend-configs", default=None, help='"block_m,block_n,warps,stages[,lazy[,wgmma_block_n,wgmma_stages]];..."'
+        "--extend-configs", default=None, help='"block_m,block_n,warps,stages[,lazy[,wgmma_block_n,wgmma_stages[,wgmma_regs]]];..."'
     )
     p.add_argument("--verify-configs", default=None, help='"block_m_max,block_n,warps,stages;..."')
     p.add_argument(

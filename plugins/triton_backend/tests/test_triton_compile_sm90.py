@@ -176,13 +176,14 @@ for rank, rope in ((512, 32), (128, 16)):
 # feature on: GQA 32/8 at head_dim 128 (4 heads packed), causal; head_dim 64, one head a program, non-causal (its 128-key tiles
 # spill with every feature on)
 from attn_triton.kernels.extend import ExtendConfig, packed_heads
-from attn_triton.kernels.extend_wgmma import TMA_BOX, extend_wgmma_kernel
-for d, group, causal, tiles in ((128, 4, True, ((64, 4),)), (64, 1, False, ((64, 4),))):
-    for block_n, stages in tiles:
-        cfg = ExtendConfig(wgmma_block_n=block_n, wgmma_stages=stages)
+from attn_triton.kernels.extend_wgmma import TMA_BOX, extend_wgmma_kernel, producer_regs
+for d, group, causal, tiles in ((128, 4, True, ((64, 4, 224), (64, 4, 208))), (64, 1, False, ((64, 4, 224),))):
+    for block_n, stages, regs in tiles:  # (the register splits ExtendConfig.wgmma_regs offers: the default and one other)
+        cfg = ExtendConfig(wgmma_block_n=block_n, wgmma_stages=stages, wgmma_regs=regs)
         consts = dict(GROUP=group, BLOCK_M=128, BLOCK_N=cfg.wgmma_block_n, D=d, BLOCK_D=d, DPE=0, BLOCK_DPE=0, DV=d, BLOCK_DV=d,
                       SHARE_KV=False, CAUSAL=causal, USE_MASK=False, HAS_WINDOW=True, LOGIT_CAP=True, HAS_SINK=True, STORE_LSE=True,
-                      DOT_PREC="tf32", LAZY=0, STAGES=cfg.wgmma_stages, HEADS=packed_heads(group, 128), BOX=TMA_BOX)  # fmt: skip
+                      DOT_PREC="tf32", LAZY=0, STAGES=cfg.wgmma_stages, HEADS=packed_heads(group, 128), BOX=TMA_BOX,
+                      CONSUMER_REGS=cfg.wgmma_regs, PRODUCER_REGS=producer_regs(cfg.wgmma_regs))  # fmt: skip
         k = build(extend_wgmma_kernel, "bf16", consts, 4, None, 90, source=GluonASTSource)
         usage = res_usage(k)
         assert k.metadata.shared <= 227 * 1024 and not serialized_wgmma(k) and " STACK:0 " in usage, (d, block_n, usage, k.metadata.shared)
@@ -201,5 +202,5 @@ def test_kernels_compile_for_sm90():
         "fp8 decode" in out.stdout
         and out.stdout.count("fp8 key-split decode") == 3
         and out.stdout.count("mla variant") == 4
-        and out.stdout.count("extend hopper") == 2
+        and out.stdout.count("extend hopper") == 3
     )

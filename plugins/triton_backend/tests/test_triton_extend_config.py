@@ -21,12 +21,26 @@ from attn_triton.kernels.extend import ExtendConfig, packed_heads, uses_wgmma
 HOPPER = ExtendConfig(128, 64, 4, 3, 4, wgmma_block_n=64, wgmma_stages=4)
 
 
-@pytest.mark.parametrize("field, value", [("wgmma_block_n", 32), ("wgmma_block_n", 256), ("wgmma_stages", 2)])
+@pytest.mark.parametrize(
+    "field, value",
+    [("wgmma_block_n", 32), ("wgmma_block_n", 256), ("wgmma_stages", 2), ("wgmma_regs", 212), ("wgmma_regs", 160), ("wgmma_regs", 248)],
+)
 def test_config_refuses_bad_hopper_tiles(field, value):
     kwargs = {"wgmma_block_n": 64, "wgmma_stages": 4, field: value}
     with pytest.raises(InvalidArgumentError) as err:
         ExtendConfig(**kwargs)
     assert err.value.argument == f"ExtendConfig.{field}" and err.value.found == value
+
+
+def test_register_splits_fill_the_pool():
+    """Each consumer warpgroup's registers and the producer's rest fill the 168 a thread the kernel's 384
+    threads launch with, for every split ExtendConfig accepts (the default 224 / 56, then 216 / 72, 208 / 88)."""
+    from attn_triton.kernels.extend_wgmma import producer_regs
+
+    assert [producer_regs(c) for c in (224, 216, 208)] == [56, 72, 88]
+    for regs in range(168, 241, 8):
+        assert 128 * (2 * ExtendConfig(wgmma_regs=regs).wgmma_regs + producer_regs(regs)) == 384 * 168
+        assert producer_regs(regs) % 8 == 0 and producer_regs(regs) >= 24
 
 
 def test_config_defaults_to_the_portable_kernel_only():

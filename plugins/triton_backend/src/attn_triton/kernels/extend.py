@@ -60,7 +60,9 @@ class ExtendConfig:
 
     `wgmma_block_n` > 0 (64 or 128) runs the launches the Hopper kernel takes (`uses_wgmma`, `common.tma_compatible`;
     `kernels/extend_wgmma.py`, compute capability 9.x only) on it, with tiles of that many keys in
-    `wgmma_stages` (>= 3) buffers; the rest keep the portable kernel and the tiles above."""
+    `wgmma_stages` (>= 3) buffers and `wgmma_regs` registers a thread for each consumer warpgroup (a
+    multiple of 8 in 168..240; the producer gets the rest, `extend_wgmma.producer_regs`); the rest keep
+    the portable kernel and the tiles above."""
 
     block_m: int = 64
     block_n: int = 64
@@ -69,6 +71,7 @@ class ExtendConfig:
     lazy_rescale: int = 0
     wgmma_block_n: int = 0
     wgmma_stages: int = 3
+    wgmma_regs: int = 224
 
     def __post_init__(self):
         check_lazy_rescale("ExtendConfig.lazy_rescale", self.lazy_rescale)
@@ -76,6 +79,10 @@ class ExtendConfig:
             raise InvalidArgumentError("ExtendConfig.wgmma_block_n", "0 (portable kernel only), 64 or 128", self.wgmma_block_n)
         if self.wgmma_block_n and self.wgmma_stages < 3:
             raise InvalidArgumentError("ExtendConfig.wgmma_stages", ">= 3 K/V buffers", self.wgmma_stages)
+        if self.wgmma_regs % 8 or not 168 <= self.wgmma_regs <= 240:
+            raise InvalidArgumentError(
+                "ExtendConfig.wgmma_regs", "a multiple of 8 in 168..240 (registers a consumer thread)", self.wgmma_regs
+            )
 
 
 def packed_heads(group: int, rows: int) -> int:
@@ -315,14 +322,15 @@ def extend_attention(
     plain = not use_mask and d_rope == 0 and not share_kv
     if uses_wgmma(config, q.dtype, k_buf.dtype, d, dv, plain) and tma_compatible(k_buf) and tma_compatible(v):
         # Gluon: imported only where it runs
-        from attn_triton.kernels.extend_wgmma import TMA_BOX, WGMMA_BLOCK_M, extend_wgmma_kernel, kv_descriptors
+        from attn_triton.kernels.extend_wgmma import TMA_BOX, WGMMA_BLOCK_M, extend_wgmma_kernel, kv_descriptors, producer_regs
 
         heads = packed_heads(hq // hkv, WGMMA_BLOCK_M)
         tokens, grid_h, kernel = WGMMA_BLOCK_M // heads, hq // heads, extend_wgmma_kernel
         k_desc, v_desc = kv_descriptors(k_buf, v)
         # num_warps: the default partition's (the kernel's worker partitions add 8)
         options = dict(BLOCK_M=WGMMA_BLOCK_M, BLOCK_N=config.wgmma_block_n, STAGES=config.wgmma_stages, HEADS=heads, LAZY=0, num_warps=4,
-                       K_DESC=k_desc, V_DESC=v_desc, BOX=TMA_BOX)  # fmt: skip
+                       K_DESC=k_desc, V_DESC=v_desc, BOX=TMA_BOX, CONSUMER_REGS=config.wgmma_regs,
+                       PRODUCER_REGS=producer_regs(config.wgmma_regs))  # fmt: skip
     else:
         tokens, grid_h, kernel = config.block_m, hq, _extend_kernel
         options = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, LAZY=config.lazy_rescale)

@@ -72,10 +72,16 @@ WGMMA_BLOCK_M = 128
 TMA_BOX = 16
 #: channels one TMA copy brings: 128 bytes of 16-bit values, the width of the buffers' 128-byte swizzle
 TMA_CHANNELS = 64
-#: registers a thread: consumer warpgroup 1 and the producer; consumer 0 (the default partition) gets what is
-#: left, 224 as well (128 x 224 x 2 + 128 x 56 = 64512: the 168 a thread x 384 threads launched with); none spill
-_CONSUMER_REGS = gl.constexpr(224)
-_PRODUCER_REGS = gl.constexpr(56)
+#: registers a thread the kernel's 3 warpgroups share: 168 a thread x 384 threads launched with
+REGISTER_POOL = 3 * 168
+
+
+def producer_regs(consumer_regs: int) -> int:
+    """Registers a thread of the producer partition when each consumer warpgroup takes `consumer_regs`
+    (`ExtendConfig.wgmma_regs`): what the pool leaves, REGISTER_POOL - 2 x consumer_regs (consumer 0, the
+    default partition, gets what the workers leave, the same as consumer 1). Example: 224 -> 56 (the default:
+    128 x 224 x 2 + 128 x 56 = 64512; none spill), 216 -> 72, 208 -> 88."""
+    return REGISTER_POOL - 2 * consumer_regs
 
 
 def kv_descriptors(k_buf: torch.Tensor, v_buf: torch.Tensor) -> tuple:
@@ -394,6 +400,8 @@ def extend_wgmma_kernel(
     K_DESC,
     V_DESC,
     BOX: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
 ):
     gl.static_assert(BLOCK_M == 128, "two warpgroups of 64 rows")
     gl.static_assert((D == BLOCK_D) & (DV == D) & ((D == 64) | (D == 128)), "head_dim = v_head_dim of 64 or 128")
@@ -449,5 +457,5 @@ def extend_wgmma_kernel(
                 num_slots, kv_head * D, stride_ks, stride_vs, BLOCK_N, D, STAGES, BOX)),
             ],
             [4, 4],  # the workers: consumer 1, the producer (consumer 0 is the default partition, the kernel's num_warps 4)
-            [_CONSUMER_REGS, _PRODUCER_REGS],
+            [CONSUMER_REGS, PRODUCER_REGS],
         )  # fmt: skip
