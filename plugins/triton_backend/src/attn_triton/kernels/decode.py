@@ -154,10 +154,7 @@ def _decode_split_kernel(
     n_split = split_count(kv_len, min_split_len, max_splits)
     if s >= n_split:
         return
-    kv_head = hb // HEAD_BLOCKS
-    in_group = (hb % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
-    heads = kv_head * GROUP + in_group
-    h_ok = (in_group < GROUP) & (heads < num_q_heads)
+    kv_head, heads, h_ok = program_heads(hb, num_q_heads, GROUP, HEAD_BLOCKS, BLOCK_H)
 
     lo = 0
     if HAS_WINDOW:
@@ -223,6 +220,32 @@ def _decode_split_kernel(
 
     tl.store(FAULT + FAULT_SLOT + offs_n * 0, 1, mask=bad_slots)  # one address: a flag, no reduction
     out, lse2 = finalize(m_i, l_i, acc)
+    store_split_result(
+        out, lse2, r, s, heads, h_ok, offs_dv, PART_O, PART_LSE, SINKS, OUT, LSE, v_scale, stride_pb, stride_ph, stride_ps, stride_lb,
+        stride_lh, stride_ob, stride_oh, stride_eb, DV, SPLIT, HAS_SINK, STORE_LSE,
+    )  # fmt: skip
+
+
+@triton.jit
+def program_heads(hb, num_q_heads, GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The q heads of a stage-1 program's head block hb (grid axis 1: KV head x HEAD_BLOCKS blocks of BLOCK_H
+    heads of its GQA group): (its KV head, the heads `[BLOCK_H]`, which are real `[BLOCK_H]`). Example: GROUP
+    4, HEAD_BLOCKS 1, BLOCK_H 16, hb 3 -> KV head 3, heads 12 .. 27, the first 4 real."""
+    kv_head = hb // HEAD_BLOCKS
+    in_group = (hb % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + in_group
+    return kv_head, heads, (in_group < GROUP) & (heads < num_q_heads)
+
+
+@triton.jit
+def store_split_result(
+    out, lse2, r, s, heads, h_ok, offs_dv, PART_O, PART_LSE, SINKS, OUT, LSE, v_scale, stride_pb, stride_ph, stride_ps, stride_lb,
+    stride_lh, stride_ob, stride_oh, stride_eb, DV: tl.constexpr, SPLIT: tl.constexpr, HAS_SINK: tl.constexpr, STORE_LSE: tl.constexpr,
+):  # fmt: skip
+    """A stage-1 program's result for request r, split s, its `heads` `[M]` (real where `h_ok`): out `[M,
+    BLOCK_DV]` normalized, lse2 `[M]` base 2. With SPLIT, into the merge's scratch (PART_O / PART_LSE); else
+    the request's one split is final: `one_split_result` (sink, v_scale) into OUT and, with STORE_LSE, the
+    natural-log LSE into LSE. Shared by `_decode_split_kernel` and `decode_fp8_split`'s kernel."""
     if SPLIT:
         po = PART_O + r.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + s * stride_ps + offs_dv[None, :]
         tl.store(po, out, mask=h_ok[:, None] & (offs_dv[None, :] < DV))

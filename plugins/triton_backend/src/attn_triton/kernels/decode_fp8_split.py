@@ -49,7 +49,7 @@ from attn_triton.kernels.common import (
     offset_range,
     scale_scores,
 )
-from attn_triton.kernels.decode import one_split_result, split_count, split_range
+from attn_triton.kernels.decode import program_heads, split_count, split_range, store_split_result
 
 
 @triton.jit
@@ -141,10 +141,7 @@ def decode_fp8_key_split_kernel(
     n_split = split_count(kv_len, min_split_len, max_splits)
     if s >= n_split:
         return
-    kv_head = hb // HEAD_BLOCKS
-    in_group = (hb % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
-    heads = kv_head * GROUP + in_group
-    h_ok = (in_group < GROUP) & (heads < num_q_heads)
+    kv_head, heads, h_ok = program_heads(hb, num_q_heads, GROUP, HEAD_BLOCKS, BLOCK_H)
 
     lo = 0
     if HAS_WINDOW:
@@ -196,13 +193,7 @@ def decode_fp8_key_split_kernel(
     tl.store(FAULT + FAULT_SLOT + keys * 0, 1, mask=bad_slots)  # one address: a flag, no reduction
     m_i, l_i, acc = merge_warp_states(m_i, l_i, acc)
     out, lse2 = finalize(m_i, l_i, acc)
-    if SPLIT:
-        po = PART_O + r.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + s * stride_ps + offs_dv[None, :]
-        tl.store(po, out, mask=h_ok[:, None] & (offs_dv[None, :] < DV))
-        tl.store(PART_LSE + r.to(tl.int64) * stride_lb + heads * stride_lh + s, lse2, mask=h_ok)
-    else:
-        out, lse_e = one_split_result(out, lse2, SINKS, heads, h_ok, v_scale, HAS_SINK)
-        o_rows = OUT + r.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :]
-        tl.store(o_rows, out.to(OUT.dtype.element_ty), mask=h_ok[:, None] & (offs_dv[None, :] < DV))
-        if STORE_LSE:
-            tl.store(LSE + r.to(tl.int64) * stride_eb + heads, lse_e, mask=h_ok)
+    store_split_result(
+        out, lse2, r, s, heads, h_ok, offs_dv, PART_O, PART_LSE, SINKS, OUT, LSE, v_scale, stride_pb, stride_ph, stride_ps, stride_lb,
+        stride_lh, stride_ob, stride_oh, stride_eb, DV, SPLIT, HAS_SINK, STORE_LSE,
+    )  # fmt: skip
