@@ -22,11 +22,11 @@ from attn_flashinfer.mla_works import (
     CTA_TILE_Q,
     MAX_WORKS,
     WORK_ARRAYS,
+    WorkLaunch,
     cluster_size,
     fits,
     tiles_per_request,
     work_layout,
-    write_page_ids_and_works,
 )
 
 pytestmark = pytest.mark.skipif(not triton_interpreter_enabled(), reason="runs the Triton kernel under TRITON_INTERPRET=1")
@@ -78,7 +78,8 @@ def _run(kv_lens: list[int], q_len: int, heads: int, causal: bool, page_size: in
         0, layout.num_clusters, (layout.buffer_entries - layout.int_bytes // 4,)
     )  # stale scratch
     fault = torch.zeros(16, dtype=torch.int32)
-    write_page_ids_and_works(r2t, pool_rows, dev, ids, capacity, works, layout, q_len, heads, page_size, causal, 4000 * page_size, fault)
+    launch = WorkLaunch(layout, bs, q_len, heads, page_size, causal, works, True, True)
+    launch(r2t, pool_rows, dev, ids, capacity, 4000 * page_size, fault)
     want_ids = build_kv_indices(r2t, pool_rows, host, capacity, page_size=page_size)
     indptr = [0]
     for p in pages:

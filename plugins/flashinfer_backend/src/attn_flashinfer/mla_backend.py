@@ -178,21 +178,16 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         pool = self.ctx.token_to_kv_pool
         num_slots = None if pool is None else pool.num_slots
         plan = self._work_plan(inputs, qo, graph) if scalings else None
-        if plan is None:
-            kv = build_page_list(
-                inputs.req_to_token, inputs.req_pool_indices, inputs.seq_lens, inputs.seq_lens_host, self.page_size, out,
-                self.host_offsets.get(inputs.bs), num_slots, self.device_faults.buffer,
-            )  # fmt: skip
-            step = MLAStep(inputs, qo, kv, causal=not decode, graph=graph)
-        else:
-            kv = build_page_list(
-                inputs.req_to_token, inputs.req_pool_indices, inputs.seq_lens, inputs.seq_lens_host, self.page_size, out,
-                self.host_offsets.get(inputs.bs), num_slots, self.device_faults.buffer, plan.launch,
-            )  # fmt: skip
+        kv = build_page_list(
+            inputs.req_to_token, inputs.req_pool_indices, inputs.seq_lens, inputs.seq_lens_host, self.page_size, out,
+            self.host_offsets.get(inputs.bs), num_slots, self.device_faults.buffer, None if plan is None else plan.launch,
+        )  # fmt: skip
+        works = None
+        if plan is not None:
             works = plan.works
             if works is None or works.kv_indices is not kv.indices:  # the same object step after step while the ids' buffer stays
                 works = plan.works = StepWorks(plan.int_ws, plan.info, kv.indices, not decode, plan.launch.layout)
-            step = MLAStep(inputs, qo, kv, causal=not decode, graph=graph, works=works)
+        step = MLAStep(inputs, qo, kv, causal=not decode, graph=graph, works=works)
         for scaling in scalings:
             step.wrappers[scaling] = self._planned(step, scaling)
         return step

@@ -214,7 +214,8 @@ def _emit(
     """Walk the works in their order (request by request, tile by tile, chunk by chunk; w = 0, 1, ...).
     PHASE 0: write work w's cost at SCR_COST + w. PHASE 1: write work w's fields at its place in its
     cluster's list (cluster from SCR_CLUSTER + w, place `work_indptr[cluster] + w // NC`: round w // NC
-    of the assignment gave the cluster one work), and the merge entries. Returns the merge entry count."""
+    of the assignment gave the cluster one work), and the merge entries. Returns (the work count, the merge
+    entry count)."""
     w_run = tl.sum(tl.zeros([E_BLOCK], tl.int32), 0)
     p_run = w_run
     m_run = w_run
@@ -275,7 +276,7 @@ def _emit(
         w_run += tl.sum(w_req, 0)
         p_run += tl.sum(p_req, 0)
         m_run += tl.sum(m_req, 0)
-    return m_run
+    return w_run, m_run
 
 
 @triton.jit
@@ -299,19 +300,12 @@ def _schedule(
             eff, _, _, _, _, _ = _tile(kv_len, q_len, num_heads, 1, NT - 1 - k, NT, CTQ, CS, CAUSAL)
             total += tl.sum(tl.where(ok, eff, 0).to(tl.int64), 0)
     lim = _chunk_limit(tl.maximum(tl.cdiv(total, NC), 1))
-    # pass 2: every work's cost, in order
-    _emit(
+    # pass 2: every work's cost, in order, and the number of works
+    n_works, _ = _emit(
         bs, q_len, num_heads, lim, REQ_POOL_INDICES, KV_LENS, num_rows, width, capacity, WORKS, NC, NUM_SM, NT, CTQ, CS, CAUSAL,
         PAGE_SIZE, E_BLOCK, MAX_W, SCR_COST, SCR_CLUSTER, Q_INDPTR, KV_INDPTR, PARTIAL, M_START, M_END, MP_START, MP_END,
         M_STRIDE, Q_LEN, KV_LEN, Q_START, KV_START, KV_END, WORK_INDPTR, 0,
     )  # fmt: skip
-    n_works = tl.sum(tl.zeros([E_BLOCK], tl.int32), 0)
-    raw = n_works
-    for blk in range(0, bs, E_BLOCK):
-        i, ok, beg, kv_len, raw = _request_keys(blk, bs, raw, REQ_POOL_INDICES, KV_LENS, num_rows, width, capacity, PAGE_SIZE, E_BLOCK)
-        for k in tl.static_range(NT):
-            _, works, _, _, _, _ = _tile(kv_len, q_len, num_heads, lim, NT - 1 - k, NT, CTQ, CS, CAUSAL)
-            n_works += tl.sum(tl.where(ok, works, 0), 0)
     n_works = tl.minimum(n_works, MAX_W)
     tl.debug_barrier()
     # pass 3: rounds of NC works in order; in each, the costliest work goes to the least loaded cluster,
@@ -336,7 +330,7 @@ def _schedule(
     tl.store(WORKS + WORK_INDPTR + lane, lane * (n_works // NC) + tl.cumsum(got, 0) - got, mask=lane <= NC)
     tl.debug_barrier()
     # pass 4: the works at their places, the merge entries
-    m_run = _emit(
+    _, m_run = _emit(
         bs, q_len, num_heads, lim, REQ_POOL_INDICES, KV_LENS, num_rows, width, capacity, WORKS, NC, NUM_SM, NT, CTQ, CS, CAUSAL,
         PAGE_SIZE, E_BLOCK, MAX_W, SCR_COST, SCR_CLUSTER, Q_INDPTR, KV_INDPTR, PARTIAL, M_START, M_END, MP_START, MP_END,
         M_STRIDE, Q_LEN, KV_LEN, Q_START, KV_START, KV_END, WORK_INDPTR, 1,
@@ -394,12 +388,14 @@ _LAUNCH = CachedLaunch(_page_ids_and_works_kernel)
 
 
 class WorkLaunch:
-    """The launch of `write_page_ids_and_works` for one step shape, its checks and constexprs done once:
-    `bs` requests of `q_len` queries and `num_heads` heads at `page_size`, causal or not, the work list
-    into `works` (int32, at least `layout.buffer_entries` entries) laid out as `layout`; slots checked
-    when `check_slots`, refusals recorded when `has_fault`. The step must `fits` the layout. Calling it
-    launches: (req_to_token, req_pool_indices `[bs]`, kv_lens `[bs]` device int32, ids, capacity,
-    num_slots, fault)."""
+    """One launch writing a step's page ids and its MLA work list, for one step shape, its checks and
+    constexprs done once. Made for `bs` requests of `q_len` queries and `num_heads` heads at `page_size`,
+    causal or not, the work list into `works` (int32, at least `layout.buffer_entries` entries) laid out
+    as `layout`; slots checked when `check_slots`, refusals recorded when `has_fault`; the step must
+    `fits` the layout. Called with (req_to_token, req_pool_indices `[bs]`, kv_lens `[bs]` device int32,
+    ids, capacity, num_slots, fault), it writes the page ids into `ids` (`attn_core.ops.kv_indices_triton`
+    semantics: at most `capacity`, slots checked against `num_slots`, refusals in `fault`) and the work list
+    over them in the same launch."""
 
     def __init__(self, layout: WorkLayout, bs: int, q_len: int, num_heads: int, page_size: int, causal: bool, works: torch.Tensor,
                  check_slots: bool, has_fault: bool) -> None:  # fmt: skip
@@ -444,32 +440,6 @@ class WorkLaunch:
             self.num_heads,
             **self.constexprs,
         )
-
-
-def write_page_ids_and_works(
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    kv_lens: torch.Tensor,
-    ids: torch.Tensor,
-    capacity: int,
-    works: torch.Tensor,
-    layout: WorkLayout,
-    q_len: int,
-    num_heads: int,
-    page_size: int,
-    causal: bool,
-    num_slots: Optional[int] = None,
-    fault: Optional[torch.Tensor] = None,
-) -> None:
-    """One launch: the page ids of `bs = req_pool_indices.shape[0]` requests into `ids` (at most
-    `capacity` of them; `attn_core.ops.kv_indices_triton` semantics, slots checked against `num_slots`,
-    refusals in `fault`) and FlashInfer's MLA work list for `q_len` queries a request, `num_heads` heads
-    over those ids into `works` (int32, at least `layout.buffer_entries` entries), laid out as `layout`.
-    The step must `fits` the layout. (A step loop keeps a `WorkLaunch` per step shape instead.)"""
-    launch = WorkLaunch(
-        layout, req_pool_indices.shape[0], q_len, num_heads, page_size, causal, works, num_slots is not None, fault is not None
-    )  # fmt: skip
-    launch(req_to_token, req_pool_indices, kv_lens, ids, capacity, num_slots, fault)
 
 
 def _constexprs(layout: WorkLayout, q_len: int, num_heads: int, page_size: int, causal: bool, bs_block: int, check_slots: bool,
