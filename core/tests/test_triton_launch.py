@@ -255,3 +255,46 @@ def test_repeated_tensor_arguments_share_one_lookup():
     assert types == ("int32", "i32", "int32", "int32", "int64", "int32") and ptrs == (4096, 3, 4096, 4096, 8192, 4096)
     cpu = FakeTensor(is_cuda=False, dtype="int32", address=16)
     assert launch._types_and_pointers((t, cpu), FakeTensor)[1] is None
+
+
+def test_bound_launch_goes_direct_after_the_parents_entry(gpu_like):
+    """`bind`: the first call compiles through the parent, the second launches from the parent's cache (and
+    keeps its entry), later calls go straight to the launcher with the bound grid (3-D) and constexprs; a
+    new argument type compiles again through the parent; the parent turned off sends every call its way."""
+    k = FakeKernel()
+    run = launch.CachedLaunch(k)
+    bound = run.bind((4, 2), A=3, B=False, num_warps=4)
+    a = FakeTensor(is_cuda=True, get_device=lambda: 0, dtype="int32", address=4096)
+    bound(a, 5)
+    assert k.log[-1] == ("jit", (4, 2), (a, 5), (("A", 3), ("B", False), ("num_warps", 4)))
+    run._runtime, run._stream_of = SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None), lambda device: 99
+    key = next(iter(run.compiled))
+    run.compiled[key] = (DirectCompiled(k.log), run.compiled[key][1])
+    bound(a, 6)  # from the parent's cache
+    assert k.log[-1] == ("direct", (4, 2, 1, 99, "fn-handle", "packed", None, None, None, 4096, 6, 3, False)) and bound._entries
+    a.address = 8192
+    bound(a, 7)  # the bound path: the same launch, the new address
+    assert k.log[-1] == ("direct", (4, 2, 1, 99, "fn-handle", "packed", None, None, None, 8192, 7, 3, False))
+    n = len(k.log)
+    bound(a, 2**40)  # an int needing 64 bits: another binary, compiled by the parent
+    assert len(k.log) == n + 1 and k.log[-1][0] == "jit"
+    cpu = FakeTensor(is_cuda=False, get_device=lambda: -1, dtype="int32", address=16)
+    bound(cpu, 7)  # off the GPU: the normal launcher
+    assert k.log[-1] == ("jit", (4, 2), (cpu, 7), (("A", 3), ("B", False), ("num_warps", 4)))
+    run._turn_off("a test")
+    bound(a, 7)
+    assert k.log[-1][0] == "jit" and not run.compiled
+
+
+def test_bound_launch_rejected_by_the_handle_falls_back(gpu_like):
+    k = FakeKernel()
+    run = launch.CachedLaunch(k)
+    bound = run.bind((1,), A=1)
+    a = FakeTensor(is_cuda=True, get_device=lambda: 0, dtype="int32", address=4096)
+    bound(a)
+    bound(a)
+    key = next(iter(run.compiled))
+    bound._entries[(0, ("int32",))] = (FakeCompiled(k.log, fail=True), run.compiled[key][1])
+    run._stream_of = None  # the compiled handle is called (and rejects the call)
+    bound(a)
+    assert k.log[-1] == ("jit", (1,), (a,), (("A", 1),)) and not run.enabled

@@ -203,3 +203,22 @@ def test_graph_relocation_check_catches_stale_and_moved_graph_metadata():
         _relocation(_CaptureTimeReplay)()
     with pytest.raises(KitFailure, match="graph metadata buffers moved"):
         _relocation(_ReallocatingReplay)()
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_host_length_stats_equal_a_plain_loop(dtype):
+    """Both sides of SMALL_HOST_BATCH (the list path and the numpy path), against a loop over the values;
+    int32 lengths whose sum passes 2**31 do not wrap."""
+    from attn_core.validation import SMALL_HOST_BATCH, host_length_stats
+
+    gen = torch.Generator().manual_seed(3)
+    for bs in (1, 2, SMALL_HOST_BATCH - 1, SMALL_HOST_BATCH, SMALL_HOST_BATCH + 1, 40, 300):
+        for high in (5, 2**31 - 1):
+            t = torch.randint(0, high, (bs,), generator=gen, dtype=dtype)
+            lo = hi = int(t[0])
+            total = 0
+            for i in range(bs):
+                v = int(t[i])
+                lo, hi, total = min(lo, v), max(hi, v), total + v
+            got = host_length_stats(t)
+            assert got == (lo, hi, total) and all(type(x) is int for x in got), (bs, high)

@@ -10,6 +10,7 @@ import torch
 from attn_core.batch_builder import build_forward_batch
 from attn_core.memory import PagedTokenAllocator, ReqToTokenPool
 from attn_core.ops.kv_indices import last_page_len_from_lens, page_indptr_from_lens
+from attn_core.validation import SMALL_HOST_BATCH
 from attn_flashinfer.indices import (
     HostOffsets,
     build_page_list,
@@ -155,7 +156,7 @@ def test_page_list_worked_example():
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 def test_page_offsets_match_attn_core(page_size):
     gen = torch.Generator().manual_seed(page_size)
-    for bs in (0, 1, 5, 33):
+    for bs in (0, 1, 5, SMALL_HOST_BATCH, SMALL_HOST_BATCH + 1, 33):  # the list path and the numpy path
         lens = torch.randint(0, 300, (bs,), generator=gen, dtype=torch.int32)
         out = np.full(bs + 1, -7, dtype=np.int32)
         total = page_offsets(lens.numpy(), page_size, out)

@@ -168,21 +168,38 @@ class CachedLaunch:
             self.kernel[grid](*args, **kwargs)
             return
         device = args[0].get_device()
+        hit = self._entry(device, types, kwargs)
+        if hit is None:
+            names = tuple(kwargs)
+            if self._names is None:
+                self._names = names
+            constexprs = tuple(v for k, v in kwargs.items() if k not in ("num_warps", "num_stages"))
+            self.compiled[self._key(device, types, kwargs)] = (self.kernel[grid](*args, **kwargs), constexprs)
+            return
+        self._launch_or_fall_back(hit, tuple(grid) + (1,) * (3 - len(grid)), device, launch_args, grid, args, kwargs)
+
+    def bind(self, grid: tuple[int, ...], **kwargs) -> "BoundLaunch":
+        """The launches of one call site whose grid, constexprs and options (`kwargs`, as `__call__` takes
+        them) never change: `launch.bind((n,), BLOCK=64, num_warps=4)(*args)` launches like
+        `launch((n,), *args, BLOCK=64, num_warps=4)` with less host work per call (`BoundLaunch`)."""
+        return BoundLaunch(self, grid, kwargs)
+
+    def _key(self, device: int, types: tuple, kwargs: dict) -> tuple:
         # constexpr / option values; their names too unless they are the names of the first call
         # (hashing the names per call costs ~1 µs: a call site passes the same names every time)
         names, values = tuple(kwargs), tuple(kwargs.values())
-        key = (device, types, values) if names == self._names else (device, types, names, values)
-        hit = self.compiled.get(key)
-        if hit is None:
-            if self._names is None:
-                self._names = names
-                key = (device, types, values)
-            constexprs = tuple(v for k, v in kwargs.items() if k not in ("num_warps", "num_stages"))
-            self.compiled[key] = (self.kernel[grid](*args, **kwargs), constexprs)
-            return
+        return (device, types, values) if names == self._names else (device, types, names, values)
+
+    def _entry(self, device: int, types: tuple, kwargs: dict) -> Optional[tuple[Any, tuple]]:
+        """(compiled kernel, constexpr values) of a call with these argument types and keywords, or None
+        before its first (compiling) call."""
+        return self.compiled.get(self._key(device, types, kwargs))
+
+    def _launch_or_fall_back(self, hit: tuple[Any, tuple], grid3: tuple[int, int, int], device: int, launch_args: tuple,
+                             grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:  # fmt: skip
         compiled, constexprs = hit
         try:
-            self._launch(compiled, tuple(grid) + (1,) * (3 - len(grid)), device, launch_args + constexprs)
+            self._launch(compiled, grid3, device, launch_args + constexprs)
         except (TypeError, ValueError) as exc:  # the launcher rejects the arguments before launching (another ABI)
             self._turn_off(f"the compiled handle rejected a call ({type(exc).__name__}: {exc})")
             self.kernel[grid](*args, **kwargs)
@@ -204,6 +221,45 @@ class CachedLaunch:
         stream = stream_of(device)
         compiled.run(grid[0], grid[1], grid[2], stream, function, compiled.packed_metadata, None, None,
                      exit_hook if _hooked(exit_hook) else None, *args)  # fmt: skip
+
+
+class BoundLaunch:
+    """`CachedLaunch.bind(grid, **kwargs)`: launches of `kernel[grid](*args, **kwargs)` for one fixed grid
+    and fixed constexprs / options, called with the runtime arguments alone (`bound(*args)`).
+
+    Per call: one pass over the arguments (`_types_and_pointers`: their types, tensors' addresses), a dict
+    look-up by (device, types), then the compiled kernel's launcher (`CachedLaunch._launch`). What
+    `CachedLaunch.__call__` adds per call is left out: the keywords' names and values in the cache key and
+    the grid padded to 3-D (~3 µs a launch on the H100 host, docs/perf.md). Everything else is the parent's:
+    a call whose types it has not seen yet (the first, compiling) goes through `parent(grid, *args,
+    **kwargs)` and keeps the parent's compiled entry; while the parent's shortcut is off (another Triton,
+    the interpreter, a rejected call), the tensors are off the GPU or `pointers_as_ints` is False, every
+    call goes through the parent; so does a call whose first argument is not a CUDA tensor (the device
+    comes from it)."""
+
+    def __init__(self, parent: CachedLaunch, grid: tuple[int, ...], kwargs: dict) -> None:
+        self.parent, self.grid, self.kwargs = parent, tuple(grid), kwargs
+        self._grid3 = self.grid + (1,) * (3 - len(self.grid))
+        self._entries: dict[tuple, tuple[Any, tuple]] = {}  # (device, types) -> the parent's compiled entry
+
+    def __call__(self, *args) -> None:
+        p = self.parent
+        if p.off_reason is not None or p._tensor_type is None or not p.pointers_as_ints or not getattr(args[0], "is_cuda", False):
+            p(self.grid, *args, **self.kwargs)  # the gates (the first call passes them), the fallbacks
+            return
+        types, launch_args = _types_and_pointers(args, p._tensor_type)
+        if launch_args is None:
+            p(self.grid, *args, **self.kwargs)
+            return
+        device = args[0].get_device()
+        hit = self._entries.get((device, types))
+        if hit is None:
+            p(self.grid, *args, **self.kwargs)
+            hit = p._entry(device, types, self.kwargs)
+            if hit is not None:
+                self._entries[(device, types)] = hit
+            return
+        p._launch_or_fall_back(hit, self._grid3, device, launch_args, self.grid, args, self.kwargs)
 
 
 def _hooked(hook) -> bool:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from attn_core.ops.kv_indices import build_kv_indices
+from attn_core.validation import SMALL_HOST_BATCH
 
 #: (batch size, page count) -> device int32 buffers for (page ids, indptr or None, last_page_len or None)
 DeviceOut = Callable[[int, int], tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]]
@@ -80,8 +81,16 @@ def page_offsets(lens: np.ndarray, page_size: int, out: np.ndarray) -> int:
     """Write the page offsets of requests with `lens` keys (numpy int32 `[bs]`) into `out` (numpy
     int32 `[bs+1]`: 0, then the running sum of ceil(len / page_size)) and return the page count.
 
-    Example: lens [5, 2, 0], page_size 4 -> out [0, 2, 3, 3], returns 3."""
+    Up to `SMALL_HOST_BATCH` requests the sum runs over a Python list (~0.6 µs at bs 1 on a desktop core,
+    against ~4 µs for the numpy ops at any size). Example: lens [5, 2, 0], page_size 4 -> out [0, 2, 3, 3],
+    returns 3."""
     out[0] = 0
+    if lens.shape[0] <= SMALL_HOST_BATCH:
+        total = 0
+        for i, n in enumerate(lens.tolist(), 1):
+            total += (n + page_size - 1) // page_size
+            out[i] = total
+        return total
     if page_size == 1:
         lens.cumsum(out=out[1:])
     else:

@@ -408,6 +408,7 @@ class WorkLaunch:
         self.layout, self.bs, self.q_len, self.num_heads, self.works = layout, bs, q_len, num_heads, works
         self.grid = (bs + 1, copy_programs(bs, works.is_cuda))
         self.constexprs = _constexprs(layout, q_len, num_heads, page_size, causal, 1 << (bs - 1).bit_length(), check_slots, has_fault)
+        self._launch = _LAUNCH.bind(self.grid, **self.constexprs)
 
     def __call__(
         self,
@@ -423,8 +424,7 @@ class WorkLaunch:
             raise InvalidArgumentError("req_pool_indices", f"{self.bs} requests (the launch's batch size)", req_pool_indices.shape[0])
         if req_to_token.stride(1) != 1:
             raise InvalidArgumentError("req_to_token", "a tensor with contiguous rows", tuple(req_to_token.stride()))
-        _LAUNCH(
-            self.grid,
+        self._launch(
             req_to_token,
             req_to_token.stride(0),
             req_to_token.shape[0],
@@ -438,7 +438,6 @@ class WorkLaunch:
             self.works,
             self.q_len,
             self.num_heads,
-            **self.constexprs,
         )
 
 

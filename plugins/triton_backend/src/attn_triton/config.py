@@ -156,8 +156,11 @@ def extend_config_for(head_dim: int, v_head_dim: int, dtype: torch.dtype, mla: b
     # with 128-key tiles in 3 buffers (the most that fit beside q): on the H100, in CUDA graphs, 8-12 % faster than
     # the portable kernel on every extend row, and faster than its 64-key x 4 tiles (docs/perf.md, "The Hopper
     # extend kernel with a producer partition and TMA"); the other launches keep the portable tiles
+    # the (consumer, producer) register split: 208 / 88 a thread beat 224 / 56 and 216 / 72 on every extend row of an H100
+    # sweep (4-10 %; docs/perf.md, "The Hopper extend kernel's register split")
     wgmma_block_n = 128 if hopper else 0
-    return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, lazy_rescale=4, wgmma_block_n=wgmma_block_n, wgmma_stages=3)
+    return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, lazy_rescale=4, wgmma_block_n=wgmma_block_n, wgmma_stages=3,
+                        wgmma_regs=208)  # fmt: skip
 
 
 def mla_config(dtype: torch.dtype, device: torch.device) -> MLAConfig:
