@@ -178,7 +178,7 @@ class CachedLaunch:
             return
         self._launch_or_fall_back(hit, tuple(grid) + (1,) * (3 - len(grid)), device, launch_args, grid, args, kwargs)
 
-    def bind(self, grid: tuple[int, ...], **kwargs) -> "BoundLaunch":
+    def bind(self, grid: tuple[int, ...], **kwargs) -> BoundLaunch:
         """The launches of one call site whose grid, constexprs and options (`kwargs`, as `__call__` takes
         them) never change: `launch.bind((n,), BLOCK=64, num_warps=4)(*args)` launches like
         `launch((n,), *args, BLOCK=64, num_warps=4)` with less host work per call (`BoundLaunch`)."""
