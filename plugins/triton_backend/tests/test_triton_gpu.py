@@ -11,7 +11,7 @@ from triton_helpers import factory
 
 from attn_core.forward_mode import ForwardMode
 from attn_core.testing.harness import AttnCase, assert_case
-from attn_triton.config import hopper_kernels_available
+from attn_triton.config import extend_config_for, hopper_kernels_available
 from attn_triton.kernels.extend import ExtendConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -116,10 +116,10 @@ def test_case_on_cuda(case):
 #: the Hopper extend kernel (kernels/extend_wgmma.py, the SM90 default) under both tile choices on every case above whose
 #: extend launches it takes (16-bit, head_dim 128, not MLA, no fp8 cache: `extend.uses_wgmma`; the rest of a step,
 #: its decode rows and tree masks, keeps the other kernels), and an MHA case at head_dim 64 (one head a program)
-# its tiles: 64 keys in 4 buffers, 128 keys in 3 (the default)
+# its tiles: 64 keys in 4 buffers (consumers at 224 registers a thread), 128 keys in 3 at 208 (the default)
 HOPPER_EXTENDS = [
     ExtendConfig(128, 64, 4, 3, 4, wgmma_block_n=64, wgmma_stages=4),
-    ExtendConfig(128, 64, 4, 3, 4, wgmma_block_n=128, wgmma_stages=3),
+    extend_config_for(128, 128, torch.bfloat16, False, True),
 ]
 HOPPER_CASES = [
     c
@@ -138,7 +138,7 @@ HOPPER = torch.cuda.is_available() and hopper_kernels_available(torch.device("cu
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs compute capability 9.x")
-@pytest.mark.parametrize("config", HOPPER_EXTENDS, ids=lambda c: f"g{c.wgmma_block_n}x{c.wgmma_stages}")
+@pytest.mark.parametrize("config", HOPPER_EXTENDS, ids=lambda c: f"g{c.wgmma_block_n}x{c.wgmma_stages}r{c.wgmma_regs}")
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=[c.describe() for c in HOPPER_CASES])
 def test_hopper_extend_kernel_case_on_cuda(case, config):
     assert_case(factory(extend_config=config), case)

@@ -79,8 +79,8 @@ REGISTER_POOL = 3 * 168
 def producer_regs(consumer_regs: int) -> int:
     """Registers a thread of the producer partition when each consumer warpgroup takes `consumer_regs`
     (`ExtendConfig.wgmma_regs`): what the pool leaves, REGISTER_POOL - 2 x consumer_regs (consumer 0, the
-    default partition, gets what the workers leave, the same as consumer 1). Example: 224 -> 56 (the default:
-    128 x 224 x 2 + 128 x 56 = 64512; none spill), 216 -> 72, 208 -> 88."""
+    default partition, gets what the workers leave, the same as consumer 1). Example: 224 -> 56 (128 x 224 x 2
+    + 128 x 56 = 64512), 216 -> 72, 208 -> 88 (the SM90 default, `config.extend_config_for`)."""
     return REGISTER_POOL - 2 * consumer_regs
 
 
