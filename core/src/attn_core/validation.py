@@ -189,8 +189,8 @@ def _check_host(b: ForwardBatch, width: int, device: torch.device) -> int:
             raise InvalidBatchError("forward_batch.seq_lens_sum", "0 tokens for an empty batch", (b.seq_lens_sum, T))
         return 0
 
-    # the lengths: numpy reductions over the host copies (a numpy call costs about a third of a torch
-    # op's fixed dispatch time on these [bs] tensors; the sums accumulate in int64)
+    # the lengths: min / max / sum of the host copy (`host_length_stats`: a list for small batches, numpy
+    # reductions above, no int32 wrap-around); the other host copies by numpy reductions
     lo, hi, total = host_length_stats(seq)
     if lo < (1 if decode else 0):
         raise InvalidBatchError("forward_batch.seq_lens_cpu", f"lengths >= {1 if decode else 0} for {mode.name}", lo)

@@ -230,8 +230,8 @@ class BoundLaunch:
     Per call: one pass over the arguments (`_types_and_pointers`: their types, tensors' addresses), a dict
     look-up by (device, types), then the compiled kernel's launcher (`CachedLaunch._launch`). What
     `CachedLaunch.__call__` adds per call is left out: the keywords' names and values in the cache key and
-    the grid padded to 3-D (~4 µs of a launch with 11 constexprs on the H100 host, docs/perf.md). Everything else is the parent's:
-    a call whose types it has not seen yet (the first, compiling) goes through `parent(grid, *args,
+    the grid padded to 3-D (~4 µs of a launch with 11 constexprs on the H100 host, docs/perf.md).
+    Everything else is the parent's: a call whose types it has not seen yet (the first, compiling) goes through `parent(grid, *args,
     **kwargs)` and keeps the parent's compiled entry; while the parent's shortcut is off (another Triton,
     the interpreter, a rejected call), the tensors are off the GPU or `pointers_as_ints` is False, every
     call goes through the parent; so does a call whose first argument is not a CUDA tensor (the device
