@@ -10,9 +10,7 @@ decode rows rotate among several independent KV sets so that L2 cannot hold the 
 per-layer k_scale / v_scale, attn-triton fp8 against attn-triton bf16 (same shapes) and FlashInfer's fp8
 decode (kv_data_type fp8, run with k_scale / v_scale), each checked against the float64 reference on the
 dequantized cache; `--fp8-configs` adds attn-triton fp8 rows with other stage-1 tiles (same format as
-`--decode-configs`: "n,h,w,s[,v[,k]]", v 0 reads V byte-wise, k > 0 runs the kernel whose k warps split the
-keys, n keys per warp per step, k a multiple of w: `DecodeConfig.key_warps`, kernels/decode_fp8_split.py,
-where 5 stages keep two steps in flight, 3 one), timed in the same run next to the default. It also measures the host time of
+`--decode-configs`: "n,h,w,s[,v]", v 0 reads V byte-wise), timed in the same run next to the default. It also measures the host time of
 attn-triton's `init_forward_metadata` (no host-device sync allowed: checked with torch's sync debug mode)
 and of FlashInfer's plan at batch 1, 64 and 256, with its parts in
 the JSON's "metadata" rows: attn-core's `check_forward_batch` alone, `build_forward_metadata` alone, the
@@ -439,7 +437,7 @@ def work_of(kind: str, w: Workload) -> float:
 def parse_configs(text: Optional[str], cls):
     """The kernel tile configs of a `--decode-configs` / `--extend-configs` value: items split by ";",
     each four comma-separated ints passed positionally to `cls` (a fifth is DecodeConfig's `fp8_v_words`,
-    0 or 1, and a sixth its `key_warps`, or ExtendConfig's `lazy_rescale`, 0..8; ExtendConfig's sixth and
+    0 or 1, or ExtendConfig's `lazy_rescale`, 0..8; ExtendConfig's sixth and
     seventh are `wgmma_block_n` and `wgmma_stages`, the Hopper kernel's tiles, and an eighth `wgmma_regs`, its
     consumers' registers a thread); `[None]` (the kernel's own choice) when `text` is empty or None.
 
@@ -554,11 +552,8 @@ def run_fp8_row(args, gen: torch.Generator, l2: int) -> RowResult:
 
 def fp8_config_label(cfg) -> str:
     """A `--fp8-configs` entry as it is named in the fp8 table: `DecodeConfig(128, 16, 8, 2)` → "128,16,8,2";
-    V read byte-wise (`fp8_v_words` False) adds ",0"; warps splitting the keys (`key_warps` k) add ",v,k":
-    `DecodeConfig(16, 16, 4, 5, True, 4)` → "16,16,4,5,1,4"."""
+    V read byte-wise (`fp8_v_words` False) adds ",0"."""
     label = f"{cfg.block_n},{cfg.block_h},{cfg.num_warps},{cfg.num_stages}"
-    if cfg.key_warps:
-        return label + f",{int(bool(cfg.fp8_v_words))},{cfg.key_warps}"
     return label + ("" if cfg.fp8_v_words else ",0")
 
 
@@ -885,7 +880,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--fp8-configs",
         default=None,
-        help='extra fp8 decode rows: "block_n,block_h,warps,stages[,v_words[,key_warps]];..." (key_warps k > 0: k warps split the keys)',
+        help='extra fp8 decode rows: "block_n,block_h,warps,stages[,v_words];..."',
     )
     p.add_argument("--waves", default=None, help="comma list of split-policy waves to sweep")
     p.add_argument(

@@ -4,7 +4,7 @@
 # its prebuilt kernels from .fi-cache/aot.tar.xz when present). Logs go to $OUT (default ./gpu-out).
 #   bash scripts/gpu_checks.sh [tests | tests-core tests-triton tests-fi check] [bench] [triton-bench] [verify-bench] [fi-bench] [fi-window] [mla-bench] [mla] [engine] [multi-gpu]   (default: tests bench;
 #   bench = every benchmark; mla = attn-triton's MLA kernel alone: its GPU tests and the MLA benchmark without the prefill row;
-#   BENCH_ONLY=meta limits the Triton benchmark's rows; FP8_CONFIGS="n,h,w,s[,v[,k]];..." the fp8 decode tiles swept in its fp8 row)
+#   BENCH_ONLY=meta limits the Triton benchmark's rows; FP8_CONFIGS="n,h,w,s[,v];..." the fp8 decode tiles swept in its fp8 row)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -74,12 +74,12 @@ if want mla; then  # issue 15: the MLA kernel at 512 + 64 x 128 heads (oracle, t
 fi
 if want bench || want triton-bench; then
   # FP8_CONFIGS: fp8 decode tiles timed next to the default in the fp8 row (issue 16; "" for none; the default list:
-  # the former default tile and the two fastest of the opt-in kernel whose warps split the keys, sixth field key_warps).
+  # the former default tile, and 32-key tiles with 1 warp and 4 stages, the fastest of the 32-key sweeps).
   # EXTEND_CONFIGS: the extend rows' tiles (each row reports the fastest, the sweep lists each): the SM90 default (the
   # Hopper kernel, kernels/extend_wgmma.py, 128-key tiles in 3 buffers, its consumers at 208 registers a thread:
   # ExtendConfig.wgmma_regs), the same at 224 (the former default) and the portable kernel alone
   python3 benchmarks/triton_vs_peers.py --reps 20 --no-torch-native --only "${BENCH_ONLY:-decode,extend,verify,mixed,meta,fp8}" \
-    --fp8-configs "${FP8_CONFIGS-64,16,4,2;16,16,2,5,1,2;16,16,4,5,1,4}" \
+    --fp8-configs "${FP8_CONFIGS-64,16,4,2;32,16,1,4}" \
     --extend-configs "${EXTEND_CONFIGS-128,64,4,3,4,128,3,208;128,64,4,3,4,128,3,224;128,64,4,3,4}" --out "$OUT/triton_vs_peers.json" 2>&1 | tee "$OUT/triton_vs_peers.log" || rc=1
 elif want verify-bench; then  # issue 15: MHA verify rows only (attn-triton verify / extend kernel / FlashInfer prefill, copy bandwidth)
   python3 benchmarks/triton_vs_peers.py --reps 20 --no-torch-native --only verify --out "$OUT/triton_verify.json" 2>&1 | tee "$OUT/triton_verify.log" || rc=1

@@ -102,17 +102,6 @@ for dt, tdt, d, dv, dpe, mla in (("bf16", torch.bfloat16, 128, 128, 0, False), (
         # on the H100's Triton 3.6: docs/perf.md)
         k4 = build(de._decode_split_kernel, dt, fp8, 4, 2, kv_dt="u8", v_dt="i32")
         assert "ld.shared.b8" not in k4.asm["ptx"] and "ld.shared.u8" not in k4.asm["ptx"], "fp8 decode: byte-wise shared-memory reads"
-        # the opt-in kernel whose warps split the keys (kernels/decode_fp8_split.py, DecodeConfig.key_warps = W warps): 4 x 16-key
-        # tiles with 3 stages (one step in flight: the slot load takes a stage of its own) and 5 (two), 2 x 32-key tiles with one
-        # stage (from 2 stages on they spill); no F2F converts, no spills
-        from attn_triton.kernels.decode_fp8_split import decode_fp8_key_split_kernel
-        split8 = {n: v for n, v in fp8.items() if n not in ("DPE", "BLOCK_DPE", "SHARE_KV", "DOT_PREC", "KV_FP8")}
-        for w, kn, stages in ((4, 16, 3), (4, 16, 5), (2, 32, 1)):
-            k = build(decode_fp8_key_split_kernel, dt, {**split8, "KEY_WARPS": w, "BLOCK_N": kn}, w, stages, kv_dt="u8", v_dt="i32")
-            ptx, usage = k.asm["ptx"], res_usage(k)
-            assert "prmt.b32" in ptx and "e4m3x2" not in ptx and "cvt.bf16.f16" not in ptx, ("key split: F2F conversions", w, kn)
-            assert " LOCAL:0 " in usage and " STACK:0 " in usage, (w, kn, stages, usage)
-            print("fp8 key-split decode", f"{kn},16,{w},{stages},1,{w}", usage, "shared", k.metadata.shared)
     build(de._decode_merge_kernel, dt, dict(SPLITS_BLOCK=32, DV=dv, BLOCK_DV=p2(dv), HAS_SINK=True, STORE_LSE=True), 2, 1)
     if not mla:  # the MHA verify kernel on SM90 and SM80 tiles: 4 heads x 8 drafts, and 4 x 16 (the 64-row cap)
         for arch in (90, 80):
@@ -200,7 +189,6 @@ def test_kernels_compile_for_sm90():
     assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
     assert (
         "fp8 decode" in out.stdout
-        and out.stdout.count("fp8 key-split decode") == 3
         and out.stdout.count("mla variant") == 4
         and out.stdout.count("extend hopper") == 3
     )

@@ -60,15 +60,6 @@ class DecodeConfig:
     num_stages: int = 2
     #: fp8 cache: read V as int32 words (`e4m3_words_as_f16`) when its layout allows (`fits_words`)
     fp8_v_words: bool = True
-    #: fp8 cache under fp16/bf16 q, no MLA / rope part: W > 0 runs `decode_fp8_split` (W warps each take their
-    #: own key tiles of block_n keys, a power of two, a multiple of num_warps: num_warps = W places one warp per
-    #: tile); 0 (and every other layer) the kernel above
-    key_warps: int = 0
-
-    def __post_init__(self):
-        w = self.key_warps
-        if w < 0 or w & (w - 1) or (w and w % self.num_warps):
-            raise InvalidArgumentError("DecodeConfig.key_warps", f"0 or a power of two that is a multiple of num_warps {self.num_warps}", w)
 
 
 @triton.jit
@@ -245,7 +236,7 @@ def store_split_result(
     """A stage-1 program's result for request r, split s, its `heads` `[M]` (real where `h_ok`): out `[M,
     BLOCK_DV]` normalized, lse2 `[M]` base 2. With SPLIT, into the merge's scratch (PART_O / PART_LSE); else
     the request's one split is final: `one_split_result` (sink, v_scale) into OUT and, with STORE_LSE, the
-    natural-log LSE into LSE. Shared by `_decode_split_kernel` and `decode_fp8_split`'s kernel."""
+    natural-log LSE into LSE."""
     if SPLIT:
         po = PART_O + r.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + s * stride_ps + offs_dv[None, :]
         tl.store(po, out, mask=h_ok[:, None] & (offs_dv[None, :] < DV))
@@ -391,8 +382,6 @@ def decode_attention(
     with max_splits 1: one launch then, stage 1 writes `o`); fault: the
     int32 fault buffer (`attn_core.ops.device_faults`); lse_out `[bs, Hq]` float32 natural log.
     The last `d_rope` channels of q/k form a second dot product (MLA's rope part).
-    Stage 1 is `_decode_split_kernel`, or with `config.key_warps` > 0 over an fp8 cache under fp16/bf16 q,
-    neither `share_kv` nor `d_rope`, the kernel whose warps split the keys (`decode_fp8_split`).
     """
     bs, hq, d_total = q.shape
     if bs == 0:
@@ -473,20 +462,15 @@ def decode_attention(
         num_stages=config.num_stages,
     )
     grid = (bs, hkv * hblocks, max_splits)
-    if config.key_warps and kv_fp8 and not share_kv and d_rope == 0:  # the warps split the keys (`decode_fp8_split`)
-        from attn_triton.kernels.decode_fp8_split import decode_fp8_key_split_kernel  # it imports this module's helpers
-
-        decode_fp8_key_split_kernel[grid](*args, KEY_WARPS=config.key_warps, **consts)
-    else:
-        _decode_split_kernel[grid](
-            *args,
-            DPE=d_rope,
-            BLOCK_DPE=_pow2(d_rope) if d_rope else 0,
-            SHARE_KV=share_kv,
-            DOT_PREC="ieee" if fp32 else "tf32",
-            KV_FP8=kv_fp8,
-            **consts,
-        )
+    _decode_split_kernel[grid](
+        *args,
+        DPE=d_rope,
+        BLOCK_DPE=_pow2(d_rope) if d_rope else 0,
+        SHARE_KV=share_kv,
+        DOT_PREC="ieee" if fp32 else "tf32",
+        KV_FP8=kv_fp8,
+        **consts,
+    )
     if split:
         merge_splits(
             part_o, part_lse, kv_indptr, kv_indices.shape[0], max_splits, min_split_len, o, sinks=sinks, lse_out=lse_out, v_scale=v_scale
