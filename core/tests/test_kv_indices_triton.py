@@ -210,3 +210,15 @@ def test_gpu_run_matches_the_interpreter_checks():
     for page_size in (1, 2):
         case = [x.cuda() for x in long_case(80, page_size)]
         check_all_outputs(kvt.kv_indices_triton, *case, page_size, 1)
+
+
+def test_table_arguments_refuse_rows_that_are_not_contiguous():
+    from attn_core.errors import InvalidArgumentError
+    from attn_core.ops.kv_indices_triton import table_arguments
+
+    table = torch.zeros(8, 4096, dtype=torch.int32)
+    got = table_arguments(table)
+    assert got[0] is table and got[1:] == (4096, 8, 4096)
+    assert table_arguments(table[2:5])[1:] == (4096, 3, 4096)  # a row range: still contiguous rows
+    with pytest.raises(InvalidArgumentError, match="req_to_token"):
+        table_arguments(table.t())

@@ -251,6 +251,15 @@ def copy_programs(bs: int, on_gpu: bool) -> int:
     return max(1, min(32, 512 // max(bs, 1))) if on_gpu else 1
 
 
+def table_arguments(req_to_token: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """The request table as `write_request_ids` takes it (REQ_TO_TOKEN, stride_row, num_rows, width), after
+    checking its rows are contiguous (`InvalidArgumentError` otherwise). Example: a `[8, 4096]` int32
+    table -> (the table, 4096, 8, 4096)."""
+    if req_to_token.stride(1) != 1:
+        raise InvalidArgumentError("req_to_token", "a tensor with contiguous rows", tuple(req_to_token.stride()))
+    return req_to_token, req_to_token.stride(0), req_to_token.shape[0], req_to_token.shape[1]
+
+
 def kv_indices_triton(
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
@@ -284,15 +293,10 @@ def kv_indices_triton(
         if kv_indptr is not None:
             kv_indptr.zero_()
         return
-    if req_to_token.stride(1) != 1:
-        raise InvalidArgumentError("req_to_token", "a tensor with contiguous rows", tuple(req_to_token.stride()))
     dummy = kv_indices
     _LAUNCH(
         (bs, copy_programs(bs, req_to_token.is_cuda)),
-        req_to_token,
-        req_to_token.stride(0),
-        req_to_token.shape[0],
-        req_to_token.shape[1],
+        *table_arguments(req_to_token),
         req_pool_indices,
         kv_lens,
         kv_start if kv_start is not None else dummy,

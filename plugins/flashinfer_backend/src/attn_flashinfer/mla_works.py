@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from attn_core.errors import InvalidArgumentError
-from attn_core.ops.kv_indices_triton import CHUNK, copy_programs, id_count, keys_in_table, write_request_ids
+from attn_core.ops.kv_indices_triton import CHUNK, copy_programs, id_count, keys_in_table, table_arguments, write_request_ids
 from attn_core.ops.triton_launch import CachedLaunch
 
 #: FlashInfer 0.6.6's MLA scheduler: query rows per CTA, capacity of the per-work arrays
@@ -422,13 +422,8 @@ class WorkLaunch:
     ) -> None:
         if req_pool_indices.shape[0] != self.bs:
             raise InvalidArgumentError("req_pool_indices", f"{self.bs} requests (the launch's batch size)", req_pool_indices.shape[0])
-        if req_to_token.stride(1) != 1:
-            raise InvalidArgumentError("req_to_token", "a tensor with contiguous rows", tuple(req_to_token.stride()))
         self._launch(
-            req_to_token,
-            req_to_token.stride(0),
-            req_to_token.shape[0],
-            req_to_token.shape[1],
+            *table_arguments(req_to_token),
             req_pool_indices,
             kv_lens,
             ids,
