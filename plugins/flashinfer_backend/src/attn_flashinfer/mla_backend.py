@@ -138,9 +138,9 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         self._out_cols = ctx.num_q_heads * ctx.kv_lora_rank
         self._latents: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # layer id -> (pool buffer, ckv, kpe)
         # the device work list (`mla_works`): per cluster size its layout and FlashInfer's plan info for it
-        # (None: FlashInfer's scheduler disagreed, see `device_works_off`); one work buffer for eager
-        # steps, one for CUDA-graph replays
-        self._work_layouts: dict[int, tuple[WorkLayout, Optional[object]]] = {}
+        # (confirmed; a disagreement turns the device path off, `device_works_off`); one work buffer for
+        # eager steps, one for CUDA-graph replays
+        self._work_layouts: dict[int, tuple[WorkLayout, object]] = {}
         self._work_buffers: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
         self._work_launches: dict[tuple, Optional[WorkPlan]] = {}  # (graph, bs, q_len, decode) -> plan; None: not served
         self.device_works_off: Optional[str] = None
@@ -212,24 +212,23 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
     def _new_work_plan(self, graph: bool, bs: int, q_len: int, causal: bool) -> Optional[WorkPlan]:
         heads = self.dims.num_heads
         cs = cluster_size(bs * q_len, bs, heads)
-        entry = self._work_layouts.get(cs)
+        entry = self._work_layouts.get(cs) or self._confirm_layout(cs)
         if entry is None:
-            entry = self._confirm_layout(cs)
-            if entry is None:
-                return None
+            return None
         layout, info = entry
-        if info is None or not fits(bs, q_len, heads, layout):
+        if not fits(bs, q_len, heads, layout):
             return None
         buf, buf_bytes = self._work_buffer(graph, layout)
         pool = self.ctx.token_to_kv_pool
         launch = WorkLaunch(layout, bs, q_len, heads, self.page_size, causal, buf, pool is not None, True)
         return WorkPlan(launch, info, buf_bytes)
 
-    def _confirm_layout(self, cs: int) -> Optional[tuple[WorkLayout, Optional[object]]]:
+    def _confirm_layout(self, cs: int) -> Optional[tuple[WorkLayout, object]]:
         """The layout of cluster size `cs` and the plan info FlashInfer's own scheduler gives a wrapper of
         this backend's dims (a throwaway one, publicly planned for one request of that cluster size, one
-        key in page id 0) if the two agree; else the layout with None (`device_works_off` says why).
-        Runs once per cluster size, outside graph capture (like every public plan)."""
+        key in page id 0) if the two agree (kept per cluster size); else None, with `device_works_off`
+        saying why (no later step asks again). Runs once per cluster size, outside graph capture (like
+        every public plan)."""
         if self.device.type == "cuda":
             num_sm = torch.cuda.get_device_properties(self.device).multi_processor_count
         elif self.cpu_work_sms is not None and triton_interpreter_enabled():
@@ -248,7 +247,8 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         reason = layout.verify(w._plan_info)
         if reason is not None:
             self.device_works_off = reason
-        entry = self._work_layouts[cs] = (layout, None if reason else w._plan_info)
+            return None
+        entry = self._work_layouts[cs] = (layout, w._plan_info)
         return entry
 
     def _work_buffer(self, graph: bool, layout: WorkLayout) -> tuple[torch.Tensor, torch.Tensor]:
