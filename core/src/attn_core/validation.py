@@ -197,11 +197,12 @@ def _check_host(b: ForwardBatch, width: int, device: torch.device) -> int:
     if total != b.seq_lens_sum:
         raise InvalidBatchError("forward_batch.seq_lens_sum", f"sum(seq_lens_cpu) = {total}", b.seq_lens_sum)
     longest = hi
+    seq_np = None if enc is None and q_lens is None else seq.numpy()
     if enc is not None:
         enc_np = enc.numpy()
         if int(_MIN(enc_np)) < 0:
             raise InvalidBatchError("forward_batch.encoder_lens_cpu", "lengths >= 0", int(_MIN(enc_np)))
-        longest = int(_MAX(seq.numpy().astype(np.int64) + enc_np))
+        longest = int(_MAX(seq_np.astype(np.int64) + enc_np))
     if longest > width:
         raise InvalidBatchError("forward_batch.seq_lens", f"encoder + decoder lengths <= the req_to_token width {width}", longest)
     if q_lens is not None:
@@ -210,7 +211,7 @@ def _check_host(b: ForwardBatch, width: int, device: torch.device) -> int:
             found = (q_lens.tolist(), prefix.tolist())
             raise InvalidBatchError("forward_batch.extend_seq_lens_cpu", "extend and prefix lengths >= 0", found)
         # seq - extend (not extend + prefix): both >= 0 here, so no int32 wrap-around
-        if _ANY(seq.numpy() - q_np != prefix_np):
+        if _ANY(seq_np - q_np != prefix_np):
             found = (q_lens.tolist(), prefix.tolist(), seq.tolist())
             raise InvalidBatchError("forward_batch.extend_seq_lens_cpu", "prefix + extend lengths == seq_lens per request", found)
         q_total = int(_SUM(q_np, dtype=np.int64))
