@@ -64,11 +64,14 @@ def res_usage(k):  # cuobjdump's resource line of a compiled kernel: REG (per th
         out = subprocess.run([tool, "-res-usage", cub.name], capture_output=True, text=True, check=True).stdout
     return out.strip().splitlines()[-1].strip()
 
-def serialized_wgmma(k):  # whether ptxas serialized the warpgroup MMAs (a wait after every one of them; C7515)
+def sass_of(k):  # the SASS of a compiled kernel (nvdisasm)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cub:
         cub.write(k.asm["cubin"]); cub.flush()
         tool = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "nvdisasm")
-        sass = subprocess.run([tool, "-c", cub.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([tool, "-c", cub.name], capture_output=True, text=True, check=True).stdout
+
+def serialized_wgmma(k):  # whether ptxas serialized the warpgroup MMAs (a wait after every one of them; C7515)
+    sass = sass_of(k)
     mmas, waits = sass.count("HGMMA."), sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0")
     return mmas == 0 or waits * 4 > mmas
 
@@ -176,6 +179,8 @@ for d, group, causal, tiles in ((128, 4, True, ((64, 4, 224), (64, 4, 208))), (6
         k = build(extend_wgmma_kernel, "bf16", consts, 4, None, 90, source=GluonASTSource)
         usage = res_usage(k)
         assert k.metadata.shared <= 227 * 1024 and not serialized_wgmma(k) and " STACK:0 " in usage, (d, block_n, usage, k.metadata.shared)
+        # p goes to the output update's operand two values a register in order (extend_wgmma._mma_operand): no byte permutes
+        assert sass_of(k).count("PRMT") == 0, (d, block_n, "p's 16-bit pairs permuted")
         print("extend hopper", d, block_n, stages, usage, "shared", k.metadata.shared)
 print("compiled")
 """

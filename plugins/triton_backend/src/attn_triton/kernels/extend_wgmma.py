@@ -27,8 +27,13 @@ consumer:
 
     scores_t = q_w . K_t^T        [64, BLOCK_N]  issued (q from shared memory)
     acc += p_{t-1} . V_{t-1}      [64, D]        issued (p from registers)
-    wait scores_t; masks, online-softmax step -> p_t, alpha_t   (runs under the output update)
+    wait scores_t; masks, online-softmax step -> p_t, alpha_t   (meant to run under the output update)
     wait the update; acc *= alpha_t
+
+As compiled (ptxas, Triton 3.6 and 3.9), the step does not overlap the update: ptxas reuses the registers of
+the update's operand p_{t-1} for the step's temporaries (or for p_t) and so waits for the update first; the
+other consumer's MMAs fill the tensor cores meanwhile (docs/perf.md, "The Hopper extend kernel: the operand
+conversion and the producer's box coordinates").
 
 Synchronisation (mbarriers): k_ready[b] / v_ready[b], one arrive (the producer's expect of a TMA tile's
 bytes, or its arrive once a gathered tile's copies land), phase (t // STAGES) & 1; k_free[b] / v_free[b],
@@ -159,7 +164,11 @@ def _producer(k_s, v_s, k_ready, v_ready, k_free, v_free, K_DESC, V_DESC, K_HEAD
               col, stride_ks, stride_vs, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, BOX: gl.constexpr):  # fmt: skip
     """The producer partition (module doc): tiles 0 .. n_tiles - 1 of keys [lo, hi) (one tile at least: with
     no keys it is zero-filled) into buffers t % STAGES, by TMA or by the gather."""
-    S2: gl.constexpr = gl.BlockedLayout([1, 1], [32 // BOX, BOX], [4, 1], [1, 0])
+    # a tile's slots `[BLOCK_N // BOX, BOX]`: the boxes along the lanes of every warp, a box's slots across the 4 warps, so
+    # the run check crosses warps once a tile while each of the tile's 2 x BLOCK_N // BOX box coordinates (`_tma_tile`)
+    # is picked within a warp (boxes across warps: a shared-memory round trip and two barriers each; 3-5 % of the
+    # extend rows, docs/perf.md)
+    S2: gl.constexpr = gl.BlockedLayout([1, 1], [BLOCK_N // BOX, 32 // (BLOCK_N // BOX)], [1, 4], [1, 0])
     CHUNKS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], k_s.dtype)
     k_c = reinterpret_shared(k_s, [STAGES * (D // 64), BLOCK_N, 64], CHUNKS)
     v_c = reinterpret_shared(v_s, [STAGES * (D // 64), BLOCK_N, 64], CHUNKS)
@@ -202,6 +211,20 @@ def _scores_step(qk, n, m_ok, q_pos, hi, m_i, l_i, qk_scale, cap_scale, s_scale,
 
 
 @gluon.jit
+def _mma_operand(p, dtype: gl.constexpr, P_L: gl.constexpr):
+    """p `[64, BLOCK_N]` float32 (the MMA accumulator's layout) as the output update's A operand: dtype (16-bit)
+    in layout P_L, rounded to nearest. Two values a register by PTX (`cvt.rn.{bf16,f16}x2.f32`, the first value in
+    the low half), not by `p.to(dtype)`: LLVM folds that cast through the loop's phi, so p crossed the loop as 64
+    float32 registers, and the conversion packed each pair the other way round (a PRMT a register each tile; the
+    compile test checks there are none). Example: p [[1.0, 0.5, ...]] -> the same values in bf16."""
+    if dtype == gl.bfloat16:
+        q = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.bfloat16, is_pure=True, pack=2)
+    else:
+        q = gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.float16, is_pure=True, pack=2)
+    return gl.convert_layout(q, P_L)
+
+
+@gluon.jit
 def _tile(
     t, qk, p_op, o, m_i, l_i, q_w, k_s, v_s, k_ready, v_ready, k_free, v_free, lo, hi, m_ok, q_pos, qk_scale, cap_scale, s_scale,
     window, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
@@ -227,7 +250,7 @@ def _tile(
     o, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
     mbarrier.arrive(v_free.index(pb))
     o = o * gl.convert_layout(alpha, ROW_O)[:, None]
-    p_op = gl.convert_layout(p.to(dtype), P_L)
+    p_op = _mma_operand(p, dtype, P_L)
     return qk, p_op, o, m_i, l_i
 
 
@@ -311,7 +334,7 @@ def _warpgroup(
     l_i = gl.zeros([ROWS], gl.float32, ROW_S)
     p, alpha, m_i, l_i = _scores_step(qk, n, m_ok, q_pos, hi, m_i, l_i, qk_scale, cap_scale, s_scale, window, True, CAUSAL, HAS_WINDOW,
                                       LOGIT_CAP)  # fmt: skip
-    p_op = gl.convert_layout(p.to(dtype), P_L)
+    p_op = _mma_operand(p, dtype, P_L)
     o = gl.zeros([ROWS, D], gl.float32, O_L)
 
     # tile t: its scores issued, then tile t - 1's output update; its softmax step runs under that update.
