@@ -103,28 +103,6 @@ def test_case(case):
     assert_case(small_split_factory(), case)
 
 
-#: fp8 decode with two KV heads a program (`DecodeConfig.kv_heads`): GQA 2 / 4 / 8 (the last fills the 16 rows),
-#: window, sinks, LSE, several splits, two steps; 3 KV heads (odd: one a program) and float32 q (no fp8 words) keep one
-PAIRED_FP8 = [
-    AttnCase("DECODE", [(100, 1), (15, 1), (33, 1)], page_size=16, dtype="float16", kv_dtype=FP8, return_lse=True),
-    AttnCase("DECODE", [(70, 1), (1, 1), (0, 1)], dtype="float16", kv_dtype=FP8, num_q_heads=16, num_kv_heads=4, sinks=True),
-    AttnCase("DECODE", [(60, 1), (9, 1)], page_size=16, dtype="float16", kv_dtype=FP8, num_q_heads=16, num_kv_heads=2,
-             sliding_window=20, return_lse=True, steps=((0,), (1,))),  # fmt: skip
-    AttnCase("DECODE", [(50, 1), (4, 1)], dtype="float16", kv_dtype=FP8, num_q_heads=6, num_kv_heads=3),
-    AttnCase("DECODE", [(40, 1), (7, 1)], page_size=16, kv_dtype=FP8),
-]
-
-
-@pytest.mark.parametrize("case", PAIRED_FP8, ids=[c.describe() for c in PAIRED_FP8])
-def test_fp8_decode_two_kv_heads_a_program(case):
-    from triton_helpers import SMALL_SPLITS, factory
-
-    from attn_triton.kernels.decode import DecodeConfig
-
-    paired = DecodeConfig(block_n=16, block_h=16, num_warps=1, num_stages=1, kv_heads=2)
-    assert_case(factory(decode_config=paired, split_policy=SMALL_SPLITS), case)
-
-
 # the kit's own tiny CPU profile, trimmed further: the interpreter is slow
 _PROFILE = replace(
     profile_for("cpu", quick=True),

@@ -41,7 +41,7 @@ from attn_core.ops.merge_state import merge_state
 from attn_core.probes import triton_interpreter_enabled
 from attn_triton.config import SplitPolicy, decode_config, extend_config, hopper_kernels_available, mla_config, verify_config
 from attn_triton.graph import GraphState
-from attn_triton.kernels.decode import DecodeConfig, decode_attention, decode_programs
+from attn_triton.kernels.decode import DecodeConfig, decode_attention, head_blocks
 from attn_triton.kernels.extend import ExtendConfig, extend_attention
 from attn_triton.kernels.mla_decode import MAX_FOLDED_Q_LEN, MLAConfig, mla_attention, programs_per_request
 from attn_triton.kernels.verify import VerifyConfig, verify_attention, verify_q_len
@@ -113,14 +113,11 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
         self.mla_cfg = mla_config or _default_mla(ctx)
         self.verify_cfg = verify_config or _default_verify(ctx)
         self.ctas_per_sm = 0  # the split policy's programs per SM: the MLA kernel's tiles say (MLAConfig.ctas_per_sm)
-        # programs of one request's decode split along the head axis (the split policy counts them)
         if self.is_mla and _mla_kernel_takes(ctx.dtype, ctx.kv_dtype or ctx.dtype):
-            self.decode_programs = programs_per_request(ctx.num_q_heads, self.mla_cfg)
+            self.heads_per_kv_block = programs_per_request(ctx.num_q_heads, self.mla_cfg)
             self.ctas_per_sm = self.mla_cfg.ctas_per_sm
         else:
-            fp8_words = is_fp8(ctx.kv_dtype or ctx.dtype) and ctx.dtype != torch.float32 and not self.is_mla and self.decode_cfg.fp8_v_words
-            group = ctx.num_q_heads // ctx.num_kv_heads
-            self.decode_programs = decode_programs(self.decode_cfg, group, ctx.num_kv_heads, fp8_words)
+            self.heads_per_kv_block = head_blocks(ctx.num_q_heads // ctx.num_kv_heads, self.decode_cfg)
         if ctx.device.type == "cuda":
             self.num_sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
         else:
@@ -139,7 +136,7 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
         if splits is None:
             det = self.ctx.deterministic
             p = self.split_policy
-            ms = p.max_splits(bs, self.decode_programs, self.num_sms, det, self.ctas_per_sm)
+            ms = p.max_splits(bs, self.ctx.num_kv_heads * self.heads_per_kv_block, self.num_sms, det, self.ctas_per_sm)
             splits = self._splits[bs] = Splits(ms, p.min_len(det))
         return splits
 

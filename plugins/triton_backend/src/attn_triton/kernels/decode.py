@@ -60,13 +60,6 @@ class DecodeConfig:
     num_stages: int = 2
     #: fp8 cache: read V as int32 words (`e4m3_words_as_f16`) when its layout allows (`fits_words`)
     fp8_v_words: bool = True
-    #: fp8 cache: KV heads a program reads (1 or 2; `kv_heads_per_program` says when 2 applies): two adjacent
-    #: heads' rows of a slot are one run of 2 x head_dim bytes, where one head's is half that
-    kv_heads: int = 1
-
-    def __post_init__(self):
-        if self.kv_heads not in (1, 2):
-            raise InvalidArgumentError("DecodeConfig.kv_heads", "1 or 2 KV heads a program", self.kv_heads)
 
 
 @triton.jit
@@ -142,7 +135,6 @@ def _decode_split_kernel(
     SPLIT: tl.constexpr,
     HAS_SINK: tl.constexpr,
     STORE_LSE: tl.constexpr,
-    PAIR: tl.constexpr,
 ):
     r = tl.program_id(0)
     hb = tl.program_id(1)
@@ -153,9 +145,7 @@ def _decode_split_kernel(
     n_split = split_count(kv_len, min_split_len, max_splits)
     if s >= n_split:
         return
-    # PAIR KV heads a program (fp8 only): its rows are the q heads of both, row i of KV head kv_head + i // GROUP
-    kv_head, heads, h_ok = program_heads(hb, num_q_heads, GROUP * PAIR, HEAD_BLOCKS, BLOCK_H)
-    kv_head = kv_head * PAIR
+    kv_head, heads, h_ok = program_heads(hb, num_q_heads, GROUP, HEAD_BLOCKS, BLOCK_H)
 
     lo = 0
     if HAS_WINDOW:
@@ -166,17 +156,7 @@ def _decode_split_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_n = tl.arange(0, BLOCK_N)
     q_row = Q + r.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
-    if PAIR > 1:  # block-diagonal q `[BLOCK_H, PAIR * BLOCK_D]`: row i holds its q in its KV head's columns
-        offs_d = tl.arange(0, PAIR * BLOCK_D)
-        d_in = offs_d % BLOCK_D
-        own = (offs_d // BLOCK_D)[None, :] == ((heads % (GROUP * PAIR)) // GROUP)[:, None]
-        q = tl.load(q_row + d_in[None, :], mask=h_ok[:, None] & (d_in[None, :] < D) & own, other=0.0)
-        k_cols = (offs_d // BLOCK_D) * stride_kh + d_in  # both heads' rows of a slot
-        k_dok = d_in < D
-    else:
-        q = tl.load(q_row + offs_d[None, :], mask=h_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        k_cols = offs_d
-        k_dok = offs_d < D
+    q = tl.load(q_row + offs_d[None, :], mask=h_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     if BLOCK_DPE > 0:
         offs_dpe = tl.arange(0, BLOCK_DPE)
         q_pe = tl.load(q_row + D + offs_dpe[None, :], mask=h_ok[:, None] & (offs_dpe[None, :] < DPE), other=0.0)
@@ -190,13 +170,13 @@ def _decode_split_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, PAIR * BLOCK_DV], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
     bad_slots = offs_n < 0
     for start in range(s_lo, s_hi, BLOCK_N):
         n = start + offs_n
         n_ok = n < s_hi
         slot, n_ok, bad_slots = load_slots(KV_INDICES, kv_beg, n, n_ok, num_slots, bad_slots)
-        k = tl.load(k_head + slot[:, None] * stride_ks + k_cols[None, :], mask=n_ok[:, None] & k_dok[None, :], other=0.0)
+        k = tl.load(k_head + slot[:, None] * stride_ks + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
         if KV_FP8:
             k = e4m3_as_f16(k, FP8_PTX)
         qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
@@ -218,13 +198,11 @@ def _decode_split_kernel(
         if SHARE_KV:
             v = k
         else:
-            if V_WORDS:  # fp8 V as int32 words (stride_vs, stride_vh in words): see `e4m3_words_as_f16`
-                offs_w = tl.arange(0, PAIR * BLOCK_DV // 4)
-                w_in = offs_w % (BLOCK_DV // 4)
-                v_ok = n_ok[:, None] & (w_in[None, :] < DV // 4)
-                v_cols = (offs_w // (BLOCK_DV // 4)) * stride_vh + w_in
-                vw = tl.load(v_head + slot[:, None] * stride_vs + v_cols[None, :], mask=v_ok, other=0)
-                v = e4m3_words_as_f16(vw, BLOCK_N, PAIR * BLOCK_DV, FP8_PTX)
+            if V_WORDS:  # fp8 V as int32 words (stride_vs in words): see `e4m3_words_as_f16`
+                offs_w = tl.arange(0, BLOCK_DV // 4)
+                v_ok = n_ok[:, None] & (offs_w[None, :] < DV // 4)
+                vw = tl.load(v_head + slot[:, None] * stride_vs + offs_w[None, :], mask=v_ok, other=0)
+                v = e4m3_words_as_f16(vw, BLOCK_N, BLOCK_DV, FP8_PTX)
             else:
                 v = tl.load(v_head + slot[:, None] * stride_vs + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
                 if KV_FP8:
@@ -232,10 +210,6 @@ def _decode_split_kernel(
         acc += tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
 
     tl.store(FAULT + FAULT_SLOT + offs_n * 0, 1, mask=bad_slots)  # one address: a flag, no reduction
-    if PAIR > 1:  # row i's output: its KV head's columns of acc `[BLOCK_H, PAIR * BLOCK_DV]`
-        acc3 = tl.reshape(acc, [BLOCK_H, PAIR, BLOCK_DV])
-        own = tl.arange(0, PAIR)[None, :, None] == ((heads % (GROUP * PAIR)) // GROUP)[:, None, None]
-        acc = tl.sum(tl.where(own, acc3, 0.0), 1)
     out, lse2 = finalize(m_i, l_i, acc)
     store_split_result(
         out, lse2, r, s, heads, h_ok, offs_dv, PART_O, PART_LSE, SINKS, OUT, LSE, v_scale, stride_pb, stride_ph, stride_ps, stride_lb,
@@ -375,23 +349,6 @@ def head_blocks(group: int, config: DecodeConfig) -> int:
     return triton.cdiv(group, head_block(group, config))
 
 
-def kv_heads_per_program(config: DecodeConfig, group: int, hkv: int, fp8_words: bool) -> int:
-    """KV heads one stage-1 program reads: `config.kv_heads` where two apply, else 1. Two apply to a cache
-    read as fp8 words with its own V and no rope part (`fp8_words`), an even number of KV heads, and both
-    heads' q rows in one block (2 x group <= block_h). Example: block_h 16, kv_heads 2, GQA 32/8 over fp8
-    words -> 2; the same with 4 KV heads of 8 q heads each (group 8: 16 rows) -> 2; group 16 -> 1."""
-    two = config.kv_heads == 2 and fp8_words and hkv % 2 == 0 and 2 * group <= config.block_h
-    return 2 if two else 1
-
-
-def decode_programs(config: DecodeConfig, group: int, hkv: int, fp8_words: bool) -> int:
-    """Stage-1 programs of one request's split along the head axis (the split policy counts them): KV heads
-    over `kv_heads_per_program`, times `head_blocks`. Example: GQA 32/8, block_h 16 -> 8; with two KV heads a
-    program -> 4."""
-    pair = kv_heads_per_program(config, group, hkv, fp8_words)
-    return hkv // pair * head_blocks(group * pair, config)
-
-
 def decode_attention(
     q: torch.Tensor,
     k_buf: torch.Tensor,
@@ -434,6 +391,8 @@ def decode_attention(
     group = hq // hkv
     d = d_total - d_rope
     dv = o.shape[2]
+    block_h = head_block(group, config)
+    hblocks = head_blocks(group, config)
     # fp8 cache under fp16/bf16 q: the kernel reads raw bytes and dots fp16 tiles of value / 256
     # (`e4m3_as_f16`); under float32 q it converts fp8 to float32 (ieee dots, float32 accuracy)
     kv_fp8 = is_fp8(k_buf.dtype) and q.dtype != torch.float32
@@ -445,9 +404,6 @@ def decode_attention(
     v_words = kv_fp8 and not share_kv and config.fp8_v_words and fits_words(v)
     if v_words:
         v = v.view(torch.int32)
-    pair = kv_heads_per_program(config, group, hkv, v_words and d_rope == 0)
-    block_h = head_block(group * pair, config)
-    hblocks = head_blocks(group * pair, config)
     fp32 = q.dtype == torch.float32
     split = max_splits > 1  # else stage 1 writes o (and lse_out) itself: no merge launch
     args = (
@@ -502,11 +458,10 @@ def decode_attention(
         SPLIT=split,
         HAS_SINK=sinks is not None,
         STORE_LSE=lse_out is not None,
-        PAIR=pair,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    grid = (bs, hkv // pair * hblocks, max_splits)
+    grid = (bs, hkv * hblocks, max_splits)
     _decode_split_kernel[grid](
         *args,
         DPE=d_rope,
