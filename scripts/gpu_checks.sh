@@ -81,6 +81,8 @@ if want bench || want triton-bench; then
   python3 benchmarks/triton_vs_peers.py --reps 20 --no-torch-native --only "${BENCH_ONLY:-decode,extend,verify,mixed,meta,fp8}" \
     --fp8-configs "${FP8_CONFIGS-64,16,4,2;32,16,1,4}" \
     --extend-configs "${EXTEND_CONFIGS-128,64,4,3,4,128,3,208;128,64,4,3,4,128,3,224;128,64,4,3,4}" --out "$OUT/triton_vs_peers.json" 2>&1 | tee "$OUT/triton_vs_peers.log" || rc=1
+  # the decode kernel by the width of a KV head's row of a slot (128- against 256-byte runs: the fp8 row's question)
+  python3 benchmarks/decode_row_width.py --json "$OUT/decode_row_width.json" 2>&1 | tee "$OUT/decode_row_width.log" || rc=1
 elif want verify-bench; then  # issue 15: MHA verify rows only (attn-triton verify / extend kernel / FlashInfer prefill, copy bandwidth)
   python3 benchmarks/triton_vs_peers.py --reps 20 --no-torch-native --only verify --out "$OUT/triton_verify.json" 2>&1 | tee "$OUT/triton_verify.log" || rc=1
 fi
