@@ -9,17 +9,17 @@ the default decode tile of each cache dtype from `attn_triton.config.decode_conf
 - bf16, 16 KV heads x 64: 128-byte runs, the same bytes;
 - bf16, 8 KV heads x 64: 128-byte runs, half the bytes (the fp8 row's bytes);
 - fp8 (e4m3), 8 KV heads x 128: the fp8 row itself.
-Each: `decode_attention` launched 20 times in one CUDA graph, median of --reps replays; TB/s counts the K and V
-bytes read. A CUDA GPU is required; the numbers are in docs/perf.md ("fp8 KV cache decode").
+Each: `decode_attention` launched 20 times in one CUDA graph, median of --reps replays (`triton_vs_peers.time_graph`);
+TB/s counts the K and V bytes read. A CUDA GPU is required; the numbers are in docs/perf.md ("fp8 KV cache decode").
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
+from triton_vs_peers import time_graph
 
 from attn_triton.config import decode_config
 from attn_triton.kernels.decode import decode_attention
@@ -56,24 +56,9 @@ def time_row(bs: int, ctx: int, hkv: int, d: int, kv_dtype: torch.dtype, reps: i
     def launch():
         decode_attention(q, k, v, o, kv_indptr, kv_indices, 1, ctx, part_o, part_lse, fault, sm_scale=d**-0.5, config=cfg)
 
-    launch()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(LAUNCHES):
-            launch()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / LAUNCHES)
+    us = time_graph([launch], LAUNCHES, reps)
     if int(fault.sum()):
         raise RuntimeError(f"the kernel raised device faults {fault.tolist()}")
-    us = statistics.median(times)
     nbytes = 2 * bs * ctx * hkv * d * k.element_size()
     return {"us": us, "bytes": nbytes, "tb_s": nbytes / us / 1e6, "tile": str(cfg)}
 
