@@ -70,8 +70,7 @@ def sass_of(k):  # the SASS of a compiled kernel (nvdisasm)
         tool = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "nvdisasm")
         return subprocess.run([tool, "-c", cub.name], capture_output=True, text=True, check=True).stdout
 
-def serialized_wgmma(k):  # whether ptxas serialized the warpgroup MMAs (a wait after every one of them; C7515)
-    sass = sass_of(k)
+def serialized_wgmma(sass):  # whether ptxas serialized the warpgroup MMAs of a kernel's SASS (a wait after every one; C7515)
     mmas, waits = sass.count("HGMMA."), sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0")
     return mmas == 0 or waits * 4 > mmas
 
@@ -135,7 +134,7 @@ def build_mla(m, dt, q_len, split, arch):
         from triton.experimental.gluon._runtime import GluonASTSource
         from attn_triton.kernels.mla_wgmma import mla_wgmma_kernel
         k = build(mla_wgmma_kernel, dt, consts, ml.WGMMA_WARPS // 2, None, arch, source=GluonASTSource, descs=mla_descs(512, 64))
-        assert not serialized_wgmma(k), (dt, q_len, split)  # the kernel's point is overlapped MMAs (module doc)
+        assert not serialized_wgmma(sass_of(k)), (dt, q_len, split)  # the kernel's point is overlapped MMAs (module doc)
         return k
     return build(ml._mla_kernel, dt, consts, m.num_warps, m.num_stages, arch)
 
@@ -162,7 +161,7 @@ for rank, rope in ((512, 32), (128, 16)):
     consts = dict(Q_LEN=4, BLOCK_H=64, BLOCK_N=m.block_n, RANK=rank, BLOCK_R=rank, ROPE=rope, BLOCK_ROPE=rope, SPLIT=False, USE_MASK=True,
                   HAS_WINDOW=False, LOGIT_CAP=False, HAS_SINK=True, STORE_LSE=True, DOT_PREC="tf32", LAZY=0)  # fmt: skip
     k = build(mla_wgmma_kernel, "bf16", consts, ml.WGMMA_WARPS // 2, None, 90, source=GluonASTSource, descs=mla_descs(rank, rope))
-    assert k.metadata.shared <= 227 * 1024 and not serialized_wgmma(k), (rank, rope, k.metadata.shared)
+    assert k.metadata.shared <= 227 * 1024 and not serialized_wgmma(sass_of(k)), (rank, rope, k.metadata.shared)
     print("mla hopper", rank, rope, "shared", k.metadata.shared)
 # the Hopper extend kernel (kernels/extend_wgmma.py, with its TMA descriptors) with 64-key tiles in 4 buffers, every
 # feature on: GQA 32/8 at head_dim 128 (4 heads packed), causal; head_dim 64, one head a program, non-causal (its 128-key tiles
@@ -177,10 +176,10 @@ for d, group, causal, tiles in ((128, 4, True, ((64, 4, 224), (64, 4, 208))), (6
                       DOT_PREC="tf32", LAZY=0, STAGES=cfg.wgmma_stages, HEADS=packed_heads(group, 128), BOX=TMA_BOX,
                       CONSUMER_REGS=cfg.wgmma_regs, PRODUCER_REGS=producer_regs(cfg.wgmma_regs))  # fmt: skip
         k = build(extend_wgmma_kernel, "bf16", consts, 4, None, 90, source=GluonASTSource)
-        usage = res_usage(k)
-        assert k.metadata.shared <= 227 * 1024 and not serialized_wgmma(k) and " STACK:0 " in usage, (d, block_n, usage, k.metadata.shared)
+        usage, sass = res_usage(k), sass_of(k)
+        assert k.metadata.shared <= 227 * 1024 and not serialized_wgmma(sass) and " STACK:0 " in usage, (d, block_n, usage, k.metadata.shared)
         # p goes to the output update's operand two values a register in order (extend_wgmma._mma_operand): no byte permutes
-        assert sass_of(k).count("PRMT") == 0, (d, block_n, "p's 16-bit pairs permuted")
+        assert sass.count("PRMT") == 0, (d, block_n, "p's 16-bit pairs permuted")
         print("extend hopper", d, block_n, stages, usage, "shared", k.metadata.shared)
 print("compiled")
 """
