@@ -177,7 +177,8 @@ for d, group, causal, tiles in ((128, 4, True, ((64, 4, 224), (64, 4, 208))), (6
                       CONSUMER_REGS=cfg.wgmma_regs, PRODUCER_REGS=producer_regs(cfg.wgmma_regs))  # fmt: skip
         k = build(extend_wgmma_kernel, "bf16", consts, 4, None, 90, source=GluonASTSource)
         usage, sass = res_usage(k), sass_of(k)
-        assert k.metadata.shared <= 227 * 1024 and not serialized_wgmma(sass) and " STACK:0 " in usage, (d, block_n, usage, k.metadata.shared)
+        shared = k.metadata.shared
+        assert shared <= 227 * 1024 and not serialized_wgmma(sass) and " STACK:0 " in usage, (d, block_n, usage, shared)
         # p goes to the output update's operand two values a register in order (extend_wgmma._mma_operand): no byte permutes
         assert sass.count("PRMT") == 0, (d, block_n, "p's 16-bit pairs permuted")
         print("extend hopper", d, block_n, stages, usage, "shared", k.metadata.shared)
