@@ -21,6 +21,7 @@ import json
 import torch
 from triton_vs_peers import time_graph
 
+from attn_core.ops.device_faults import DeviceFaultFlags
 from attn_triton.config import decode_config
 from attn_triton.kernels.decode import decode_attention
 
@@ -50,15 +51,16 @@ def time_row(bs: int, ctx: int, hkv: int, d: int, kv_dtype: torch.dtype, reps: i
     o = torch.empty_like(q)
     part_o = torch.empty(bs, hkv * GROUP, 1, d, device=dev, dtype=torch.float32)
     part_lse = torch.empty(bs, hkv * GROUP, 1, device=dev, dtype=torch.float32)
-    fault = torch.zeros(8, device=dev, dtype=torch.int32)
+    faults = DeviceFaultFlags(dev)
     cfg = decode_config(d, d, torch.bfloat16, dev, False, kv_dtype)
 
     def launch():
-        decode_attention(q, k, v, o, kv_indptr, kv_indices, 1, ctx, part_o, part_lse, fault, sm_scale=d**-0.5, config=cfg)
+        decode_attention(q, k, v, o, kv_indptr, kv_indices, 1, ctx, part_o, part_lse, faults.buffer, sm_scale=d**-0.5, config=cfg)
 
     us = time_graph([launch], LAUNCHES, reps)
-    if int(fault.sum()):
-        raise RuntimeError(f"the kernel raised device faults {fault.tolist()}")
+    refused = faults.poll()
+    if refused:
+        raise RuntimeError(f"the kernel refused part of its input: {refused}")
     nbytes = 2 * bs * ctx * hkv * d * k.element_size()
     return {"us": us, "bytes": nbytes, "tb_s": nbytes / us / 1e6, "tile": str(cfg)}
 
