@@ -231,8 +231,9 @@ def _tile(
     LOGIT_CAP: gl.constexpr, S_L: gl.constexpr, P_L: gl.constexpr, ROW_O: gl.constexpr,
 ):  # fmt: skip
     """Tile t (t >= 1) of one consumer: issue its scores (into the dead `qk`), then tile t - 1's output
-    update p_op . V (onto the rescaled `o`); its softmax step runs under that update; then the update's
-    result rescaled by the step's alpha. Returns (qk, p_op, o, m_i, l_i) for tile t + 1."""
+    update p_op . V (onto the rescaled `o`); its softmax step is placed under that update (as compiled, ptxas
+    waits for the update first: module doc); then the update's result rescaled by the step's alpha. Returns
+    (qk, p_op, o, m_i, l_i) for tile t + 1."""
     dtype: gl.constexpr = q_w.dtype
     b = t % STAGES
     pb = (t - 1) % STAGES
@@ -337,7 +338,7 @@ def _warpgroup(
     p_op = _mma_operand(p, dtype, P_L)
     o = gl.zeros([ROWS, D], gl.float32, O_L)
 
-    # tile t: its scores issued, then tile t - 1's output update; its softmax step runs under that update.
+    # tile t: its scores issued, then tile t - 1's output update; its softmax step is placed under that update.
     # Tiles before n_full are seen whole by every row of the block (no masks), the rest are masked
     n_full = (full_end - lo) // BLOCK_N
     for t in range(1, n_full):
