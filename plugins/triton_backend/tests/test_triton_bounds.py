@@ -120,13 +120,21 @@ def test_decode_negative_and_too_long_lengths(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_decode_slot_past_the_pool(dtype):
+@pytest.mark.parametrize(
+    "n, bad, max_splits",
+    [
+        (12, {2: SLOTS + 3, 5: -2}, 3),  # one tail tile (16-key tiles)
+        (32, {2: SLOTS + 3, 21: -2, 28: 10**6}, 3),  # whole tiles in two splits: the unmasked steps' redo
+        (31, {5: SLOTS, 20: -1}, 1),  # one split: a whole tile's bad slot sends it back over all keys; the tail's is masked
+    ],
+)
+def test_decode_slot_past_the_pool(dtype, n, bad, max_splits):
     pool = Pool(dtype, 3)
-    pool.r2t[4, 2] = SLOTS + 3  # past the pool: the canary region
-    pool.r2t[4, 5] = -2
-    q, o, fault = decode_run(pool, [4, 6], [12, 10], 22, dtype)
+    for key, slot in bad.items():
+        pool.r2t[4, key] = slot  # past the pool (the canary region) or negative
+    q, o, fault = decode_run(pool, [4, 6], [n, 10], n + 10, dtype, max_splits)
     assert flags(fault) == {K.SLOT}
-    check_decode_row(pool, q, o, 0, 4, 12, dtype, skip=(2, 5))  # the bad keys are masked out
+    check_decode_row(pool, q, o, 0, 4, n, dtype, skip=tuple(bad))  # the bad keys are masked out
     check_decode_row(pool, q, o, 1, 6, 10, dtype)
 
 

@@ -14,10 +14,14 @@ Splits of request r cover [lo, kv_len) in equal BLOCK_N-aligned chunks, where lo
 sliding-window layers; the split layout depends only on the request's own length, and stage 2 sums
 splits in a fixed order, which makes deterministic mode batch-invariant.
 
+A program takes its whole BLOCK_N-key tiles first with no per-key masks, then the tail (a partial tile)
+with them (`decode_tile`).
+
 Bounds: kv_indptr entries are clamped into [0, len(kv_indices)] (KEY_OFFSETS) and a slot outside
-[0, slots of k_buf) is not read (the key is masked out; SLOT);
-both are recorded in the fault buffer (`attn_core.ops.device_faults`), so no index read from the
-metadata can make the kernel read outside its buffers.
+[0, slots of k_buf) is not read (the key is masked out; SLOT: an unmasked tile reads slot 0 in its place,
+and the program then redoes its keys with masked steps); both are recorded in the fault buffer
+(`attn_core.ops.device_faults`), so no index read from the metadata can make the kernel read outside its
+buffers.
 """
 
 from __future__ import annotations
@@ -157,8 +161,8 @@ def _decode_split_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     q_row = Q + r.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
     q = tl.load(q_row + offs_d[None, :], mask=h_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    offs_dpe = tl.arange(0, BLOCK_DPE if BLOCK_DPE > 0 else 16)
     if BLOCK_DPE > 0:
-        offs_dpe = tl.arange(0, BLOCK_DPE)
         q_pe = tl.load(q_row + D + offs_dpe[None, :], mask=h_ok[:, None] & (offs_dpe[None, :] < DPE), other=0.0)
     else:
         q_pe = q
@@ -172,42 +176,26 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
     bad_slots = offs_n < 0
-    for start in range(s_lo, s_hi, BLOCK_N):
-        n = start + offs_n
-        n_ok = n < s_hi
-        slot, n_ok, bad_slots = load_slots(KV_INDICES, kv_beg, n, n_ok, num_slots, bad_slots)
-        k = tl.load(k_head + slot[:, None] * stride_ks + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        if KV_FP8:
-            k = e4m3_as_f16(k, FP8_PTX)
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
-        if BLOCK_DPE > 0:
-            k_pe = tl.load(
-                k_head + slot[:, None] * stride_ks + D + offs_dpe[None, :], mask=n_ok[:, None] & (offs_dpe[None, :] < DPE), other=0.0
-            )
-            if KV_FP8:
-                k_pe = e4m3_as_f16(k_pe, FP8_PTX)
-            qk += tl.dot(q_pe, tl.trans(k_pe.to(q.dtype)), input_precision=DOT_PREC)
-        if LOGIT_CAP:
-            sc = scale_scores(qk, qk_scale, cap_scale, LOGIT_CAP)
-            s_scale = 1.0
-        else:
-            sc = qk
-            s_scale = qk_scale
-        sc = tl.where(n_ok[None, :], sc, float("-inf"))
-        m_i, l_i, acc, p = softmax_step(m_i, l_i, acc, sc, s_scale, True)
-        if SHARE_KV:
-            v = k
-        else:
-            if V_WORDS:  # fp8 V as int32 words (stride_vs in words): see `e4m3_words_as_f16`
-                offs_w = tl.arange(0, BLOCK_DV // 4)
-                v_ok = n_ok[:, None] & (offs_w[None, :] < DV // 4)
-                vw = tl.load(v_head + slot[:, None] * stride_vs + offs_w[None, :], mask=v_ok, other=0)
-                v = e4m3_words_as_f16(vw, BLOCK_N, BLOCK_DV, FP8_PTX)
-            else:
-                v = tl.load(v_head + slot[:, None] * stride_vs + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-                if KV_FP8:
-                    v = e4m3_as_f16(v, FP8_PTX)
-        acc += tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
+    # whole tiles first, with no per-key masks (`decode_tile`); a slot outside the pool there is not read (slot 0
+    # is, in its place) and sends the program back over its range with masked steps, which leave that key out
+    full_hi = tl.where(num_slots > 0, s_lo + (s_hi - s_lo) // BLOCK_N * BLOCK_N, s_lo)
+    for start in range(s_lo, full_hi, BLOCK_N):
+        m_i, l_i, acc, bad_slots = decode_tile(
+            q, q_pe, m_i, l_i, acc, bad_slots, start, s_hi, offs_n, offs_d, offs_dpe, offs_dv, k_head, v_head, KV_INDICES, kv_beg,
+            num_slots, qk_scale, cap_scale, stride_ks, stride_vs, BLOCK_N, D, BLOCK_DPE, DPE, DV, BLOCK_DV, SHARE_KV, LOGIT_CAP,
+            DOT_PREC, KV_FP8, FP8_PTX, V_WORDS, False,
+        )  # fmt: skip
+    redo = tl.max(bad_slots.to(tl.int32), 0) > 0
+    if redo | (full_hi < s_hi):  # a tail (or a redo): skipped whole, not a loop of no steps, on the common path
+        m_i = tl.where(redo, float("-inf"), m_i)
+        l_i = tl.where(redo, 0.0, l_i)
+        acc = tl.where(redo, 0.0, acc)
+        for start in range(tl.where(redo, s_lo, full_hi), s_hi, BLOCK_N):
+            m_i, l_i, acc, bad_slots = decode_tile(
+                q, q_pe, m_i, l_i, acc, bad_slots, start, s_hi, offs_n, offs_d, offs_dpe, offs_dv, k_head, v_head, KV_INDICES, kv_beg,
+                num_slots, qk_scale, cap_scale, stride_ks, stride_vs, BLOCK_N, D, BLOCK_DPE, DPE, DV, BLOCK_DV, SHARE_KV, LOGIT_CAP,
+                DOT_PREC, KV_FP8, FP8_PTX, V_WORDS, True,
+            )  # fmt: skip
 
     tl.store(FAULT + FAULT_SLOT + offs_n * 0, 1, mask=bad_slots)  # one address: a flag, no reduction
     out, lse2 = finalize(m_i, l_i, acc)
@@ -215,6 +203,66 @@ def _decode_split_kernel(
         out, lse2, r, s, heads, h_ok, offs_dv, PART_O, PART_LSE, SINKS, OUT, LSE, v_scale, stride_pb, stride_ph, stride_ps, stride_lb,
         stride_lh, stride_ob, stride_oh, stride_eb, DV, SPLIT, HAS_SINK, STORE_LSE,
     )  # fmt: skip
+
+
+@triton.jit
+def decode_tile(
+    q, q_pe, m_i, l_i, acc, bad_slots, start, s_hi, offs_n, offs_d, offs_dpe, offs_dv, k_head, v_head, KV_INDICES, kv_beg, num_slots,
+    qk_scale, cap_scale, stride_ks, stride_vs, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_DPE: tl.constexpr, DPE: tl.constexpr,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, SHARE_KV: tl.constexpr, LOGIT_CAP: tl.constexpr, DOT_PREC: tl.constexpr,
+    KV_FP8: tl.constexpr, FP8_PTX: tl.constexpr, V_WORDS: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """One step of stage 1 over keys [start, start + BLOCK_N) of the program's range: the online-softmax
+    state (m_i, l_i `[M]`, acc `[M, BLOCK_DV]`) taken further by that tile, and `bad_slots` `[BLOCK_N]` or-ed
+    with the keys whose slot lies outside [0, num_slots). MASKED: keys at or past s_hi and bad slots are
+    left out of the scores (-inf), as a partial tile needs. Not MASKED (a whole tile, start + BLOCK_N <=
+    s_hi, and num_slots > 0): no score is masked, so no per-key mask moves from the loads' layout to the
+    scores' (the masked step's layout conversions cost 6 barriers and ~20 % of the instructions of an fp8
+    step as compiled for sm_90); a bad slot is still never read (slot 0 is read in its place), and the
+    caller must redo the range MASKED, from a fresh state, when `bad_slots` comes back set."""
+    n = start + offs_n
+    if MASKED:
+        n_ok = n < s_hi
+        slot, n_ok, bad_slots = load_slots(KV_INDICES, kv_beg, n, n_ok, num_slots, bad_slots)
+    else:  # a slot outside the pool reads slot 0 instead (num_slots > 0 here); the redo leaves that key out
+        raw = tl.load(KV_INDICES + kv_beg + n)
+        in_pool = raw.to(tl.uint32, bitcast=True) < num_slots.to(tl.uint32)  # negatives wrap past any pool
+        bad_slots = bad_slots | ~in_pool
+        slot = tl.where(in_pool, raw, 0).to(tl.int64)
+        n_ok = offs_n >= 0
+    k = tl.load(k_head + slot[:, None] * stride_ks + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    if KV_FP8:
+        k = e4m3_as_f16(k, FP8_PTX)
+    qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
+    if BLOCK_DPE > 0:
+        pe_ok = n_ok[:, None] & (offs_dpe[None, :] < DPE)
+        k_pe = tl.load(k_head + slot[:, None] * stride_ks + D + offs_dpe[None, :], mask=pe_ok, other=0.0)
+        if KV_FP8:
+            k_pe = e4m3_as_f16(k_pe, FP8_PTX)
+        qk += tl.dot(q_pe, tl.trans(k_pe.to(q.dtype)), input_precision=DOT_PREC)
+    if LOGIT_CAP:
+        sc = scale_scores(qk, qk_scale, cap_scale, LOGIT_CAP)
+        s_scale = 1.0
+    else:
+        sc = qk
+        s_scale = qk_scale
+    if MASKED:
+        sc = tl.where(n_ok[None, :], sc, float("-inf"))
+    m_i, l_i, acc, p = softmax_step(m_i, l_i, acc, sc, s_scale, MASKED)
+    if SHARE_KV:
+        v = k
+    else:
+        if V_WORDS:  # fp8 V as int32 words (stride_vs in words): see `e4m3_words_as_f16`
+            offs_w = tl.arange(0, BLOCK_DV // 4)
+            v_ok = n_ok[:, None] & (offs_w[None, :] < DV // 4)
+            vw = tl.load(v_head + slot[:, None] * stride_vs + offs_w[None, :], mask=v_ok, other=0)
+            v = e4m3_words_as_f16(vw, BLOCK_N, BLOCK_DV, FP8_PTX)
+        else:
+            v = tl.load(v_head + slot[:, None] * stride_vs + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            if KV_FP8:
+                v = e4m3_as_f16(v, FP8_PTX)
+    acc += tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
+    return m_i, l_i, acc, bad_slots
 
 
 @triton.jit
