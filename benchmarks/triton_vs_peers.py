@@ -11,8 +11,9 @@ per-layer k_scale / v_scale, attn-triton fp8 against attn-triton bf16 (same shap
 decode (kv_data_type fp8, run with k_scale / v_scale), each checked against the float64 reference on the
 dequantized cache and timed interleaved with the others (`time_graphs_interleaved`); `--fp8-configs` adds
 attn-triton fp8 rows with other stage-1 tiles (same format as `--decode-configs`: "n,h,w,s[,v]", v 0 reads V
-byte-wise), timed in the same run next to the default. It also measures the host time of attn-triton's `init_forward_metadata` (no host-device sync allowed: checked with torch's sync debug mode)
-and of FlashInfer's plan at batch 1, 64 and 256, with its parts in
+byte-wise), timed in the same run next to the default. It also measures the host time of attn-triton's
+`init_forward_metadata` (no host-device sync allowed: checked with torch's sync debug mode) and of
+FlashInfer's plan at batch 1, 64 and 256, with its parts in
 the JSON's "metadata" rows: attn-core's `check_forward_batch` alone, `build_forward_metadata` alone, the
 index buffer's allocation (`new_kv`, what attn-triton allocated per step before `IndexScratch`), and one
 index-kernel launch five ways: Triton's normal launcher; CachedLaunch handing the compiled handle the
