@@ -286,8 +286,9 @@ def check(w: Workload, out: torch.Tensor) -> float:
     return worst
 
 
-def time_graph(fns: list[Callable], calls: int, reps: int) -> float:
-    """Median µs per call: `calls` rounds over `fns` captured in one CUDA graph, replayed `reps` times."""
+def capture_rounds(fns: list[Callable], calls: int) -> torch.cuda.CUDAGraph:
+    """One CUDA graph of `calls` rounds over `fns` (each run once on a side stream first, as capture needs),
+    replayed once before it is returned."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -300,6 +301,12 @@ def time_graph(fns: list[Callable], calls: int, reps: int) -> float:
             for f in fns:
                 f()
     graph.replay()
+    return graph
+
+
+def time_graph(fns: list[Callable], calls: int, reps: int) -> float:
+    """Median µs per call: `calls` rounds over `fns` captured in one CUDA graph, replayed `reps` times."""
+    graph = capture_rounds(fns, calls)
     torch.cuda.synchronize()
     return _median_events(graph.replay, reps) / (calls * len(fns))
 
@@ -310,20 +317,7 @@ def time_graphs_interleaved(groups: dict[str, list[Callable]], calls: int, reps:
     starting one group later, so no implementation is always timed first or after the same neighbour.
     Returns the median µs per call of each group. Example: groups {"a": [f], "b": [g]}, reps 4 replays
     a b, b a, a b, b a."""
-    graphs = {}
-    for name, fns in groups.items():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for f in fns:
-                f()
-        torch.cuda.current_stream().wait_stream(stream)
-        graphs[name] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[name]):
-            for _ in range(calls):
-                for f in fns:
-                    f()
-        graphs[name].replay()
+    graphs = {name: capture_rounds(fns, calls) for name, fns in groups.items()}
     torch.cuda.synchronize()
     names = list(graphs)
     samples: dict[str, list[float]] = {n: [] for n in names}
