@@ -106,6 +106,20 @@ def scale_scores(qk, qk_scale, cap_scale, LOGIT_CAP: tl.constexpr):
     return t * cap_scale
 
 
+@triton.jit
+def tile_logits(qk, qk_scale, cap_scale, LOGIT_CAP: tl.constexpr):
+    """A tile's raw q·k `[M, N]` as what `softmax_step` takes: (scores, their scale to base-2 logits). Under a
+    logit cap, the capped logits (`scale_scores`) and 1; without one, the raw scores and qk_scale, which the
+    softmax folds in with one FMA a score. Example: no cap, qk_scale 0.125 → (qk, 0.125)."""
+    if LOGIT_CAP:
+        sc = scale_scores(qk, qk_scale, cap_scale, LOGIT_CAP)
+        s_scale = 1.0
+    else:
+        sc = qk
+        s_scale = qk_scale
+    return sc, s_scale
+
+
 #: an e4m3 byte moved bit for bit into an fp16 (`e4m3_as_f16`) reads as its e4m3 value / 256: kernels fold
 #: this factor into k_scale / v_scale on the host (`fp8_unit_scales`)
 E4M3_AS_F16_UNIT = 256.0
@@ -359,12 +373,7 @@ def attend_tile(
         else:
             k_pe = tl.load(pe_ptr, mask=offs_dpe[None, :] < DPE, other=0.0)
         qk += tl.dot(q_pe, tl.trans(k_pe.to(q.dtype)), input_precision=DOT_PREC)
-    if LOGIT_CAP:
-        sc = scale_scores(qk, qk_scale, cap_scale, LOGIT_CAP)
-        s_scale = 1.0
-    else:
-        sc = qk
-        s_scale = qk_scale
+    sc, s_scale = tile_logits(qk, qk_scale, cap_scale, LOGIT_CAP)
     if MASKED:
         ok = n_ok[None, :] & m_ok[:, None]
         if CAUSAL:

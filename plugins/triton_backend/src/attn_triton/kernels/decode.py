@@ -48,9 +48,9 @@ from attn_triton.kernels.common import (
     fp8_unit_scales,
     load_slots,
     offset_range,
-    scale_scores,
     score_scales,
     softmax_step,
+    tile_logits,
 )
 
 
@@ -240,12 +240,7 @@ def decode_tile(
         if KV_FP8:
             k_pe = e4m3_as_f16(k_pe, FP8_PTX)
         qk += tl.dot(q_pe, tl.trans(k_pe.to(q.dtype)), input_precision=DOT_PREC)
-    if LOGIT_CAP:
-        sc = scale_scores(qk, qk_scale, cap_scale, LOGIT_CAP)
-        s_scale = 1.0
-    else:
-        sc = qk
-        s_scale = qk_scale
+    sc, s_scale = tile_logits(qk, qk_scale, cap_scale, LOGIT_CAP)
     if MASKED:
         sc = tl.where(n_ok[None, :], sc, float("-inf"))
     m_i, l_i, acc, p = softmax_step(m_i, l_i, acc, sc, s_scale, MASKED)
