@@ -100,8 +100,8 @@ for dt, tdt, d, dv, dpe, mla in (("bf16", torch.bfloat16, 128, 128, 0, False), (
         assert " LOCAL:0 " in usage and " STACK:0 " in usage, usage  # spills would live in local memory
         print("fp8 decode", usage, "shared", k.metadata.shared)
         # V read as int32 words keeps the p.v dot off byte-wise shared-memory reads with 4 warps (the 2-warp
-        # default reads some K bytes one at a time as Triton 3.9 lays it out, and was still the fastest tile
-        # on the H100's Triton 3.6: docs/perf.md)
+        # default's byte-wise reads are its key masks' layout conversions, which only its masked steps, the
+        # tail and a redo, have: docs/perf.md, "Whole tiles without per-key masks")
         k4 = build(de._decode_split_kernel, dt, fp8, 4, 2, kv_dt="u8", v_dt="i32")
         assert "ld.shared.b8" not in k4.asm["ptx"] and "ld.shared.u8" not in k4.asm["ptx"], "fp8 decode: byte-wise shared-memory reads"
     build(de._decode_merge_kernel, dt, dict(SPLITS_BLOCK=32, DV=dv, BLOCK_DV=p2(dv), HAS_SINK=True, STORE_LSE=True), 2, 1)

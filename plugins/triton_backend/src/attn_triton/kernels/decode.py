@@ -161,7 +161,7 @@ def _decode_split_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     q_row = Q + r.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
     q = tl.load(q_row + offs_d[None, :], mask=h_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    offs_dpe = tl.arange(0, BLOCK_DPE if BLOCK_DPE > 0 else 16)
+    offs_dpe = tl.arange(0, BLOCK_DPE if BLOCK_DPE > 0 else 16)  # unread without a rope part (BLOCK_DPE 0)
     if BLOCK_DPE > 0:
         q_pe = tl.load(q_row + D + offs_dpe[None, :], mask=h_ok[:, None] & (offs_dpe[None, :] < DPE), other=0.0)
     else:
