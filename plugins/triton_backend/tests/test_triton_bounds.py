@@ -188,6 +188,39 @@ def test_extend_hostile_lengths_and_rows(dtype):
     assert relative_error(o[5:7], ref) <= tolerance(dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("bad", [{5: SLOTS + 3}, {5: SLOTS + 3, 20: -2}])
+def test_extend_slot_past_the_pool(dtype, bad):
+    """Extend, 8 new tokens after 24 (16-key tiles): a slot past the pool in keys [0, 16), which every row sees
+    whole (unmasked: the dummy slot 0, zeros, is read in its place, `common.whole_tile_slots`), and one in the
+    causal diagonal's tile (masked out); each recorded as SLOT, nothing read outside the pool."""
+    from attn_triton.kernels.extend import ExtendConfig, extend_attention
+    from attn_triton.metadata import KVIndex, fill_kv
+
+    pool = Pool(dtype, 6)
+    row, seq, ext = 2, 32, 8
+    for key, slot in bad.items():
+        pool.r2t[row, key] = slot
+    fault = torch.zeros(len(K), dtype=torch.int32)
+    kv = KVIndex(torch.empty(2, dtype=torch.int32), torch.empty(seq, dtype=torch.int32))
+    qo = torch.empty(2, dtype=torch.int32)
+    fill_kv(kv, pool.r2t, torch.tensor([row]), torch.tensor([seq], dtype=torch.int32), fault,
+            q_lens=torch.tensor([ext], dtype=torch.int32), qo_indptr=qo)  # fmt: skip
+    q = torch.randn(ext, HQ, D, generator=pool.gen).to(dtype)
+    o_whole, o = inside((ext, HQ, D), float("nan"), dtype)
+    cfg = ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+    extend_attention(q, pool.k, pool.v, o, qo, kv.indptr, kv.indices, ext, fault, sm_scale=0.3, config=cfg)
+    assert flags(fault) == {K.SLOT}
+    assert o_whole[:PAD].isnan().all() and o_whole[PAD + ext :].isnan().all(), "wrote outside o"
+    assert not o.isnan().any(), "a NaN (a slot past the pool) reached the output"
+    cols = [j for j in range(seq) if j != 20 or 20 not in bad]  # the masked tile's bad key is left out
+    slots = pool.r2t[row, cols].long()
+    slots[cols.index(5)] = 0  # the whole tile's bad key reads the dummy slot
+    start = seq - ext - (20 in bad)  # the queries' positions among the keys left
+    ref, _ = reference_attention(q, pool.k[slots], pool.v[slots], q_positions=torch.arange(start, start + ext), scale=0.3)
+    assert relative_error(o, ref) <= tolerance(dtype)
+
+
 def test_backend_replay_with_bad_rows_reports_through_poll():
     """The backend's CUDA-graph replay path (no host checks): a row past the table and a negative
     length are refused on the device and `poll_device_fault()` names them, once."""

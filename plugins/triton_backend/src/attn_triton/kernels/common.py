@@ -284,6 +284,18 @@ def load_slots(KV_INDICES, kv_beg, n, n_ok, num_slots, bad_slots):
 
 
 @triton.jit
+def whole_tile_slots(KV_INDICES, kv_beg, n, num_slots, bad_slots):
+    """`load_slots` for a whole tile (every key `n` inside the request, num_slots > 0), with no per-key mask:
+    returns (slot int64, bad_slots | the keys whose slot lies outside [0, num_slots)), where such a slot is
+    replaced by slot 0, so it is never read; the caller leaves or redoes those keys. One unsigned compare a
+    key: a negative slot wraps past any pool. Example: slots [5, -1, 900] of a 300-slot pool -> [5, 0, 0],
+    bad [F, T, T]."""
+    raw = tl.load(KV_INDICES + kv_beg + n)
+    in_pool = raw.to(tl.uint32, bitcast=True) < num_slots.to(tl.uint32)
+    return tl.where(in_pool, raw, 0).to(tl.int64), bad_slots | ~in_pool
+
+
+@triton.jit
 def offset_range(INDPTR, r, size):
     """(begin, length, clamped) of CSR entry r, its offsets INDPTR[r], INDPTR[r+1] clamped so that
     0 <= begin <= end <= size; `clamped` says whether either offset was out of range."""
@@ -352,17 +364,10 @@ def attend_tile(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     if MASKED:
-        n_ok = n < kv_len
-        slot = tl.load(KV_INDICES + kv_beg + n, mask=n_ok, other=0).to(tl.int64)
-        slot_ok = (slot >= 0) & (slot < num_slots)
-        bad_slots |= n_ok & ~slot_ok
-        n_ok = n_ok & slot_ok
+        slot, n_ok, bad_slots = load_slots(KV_INDICES, kv_beg, n, n < kv_len, num_slots, bad_slots)
         k = tl.load(k_head + slot[:, None] * stride_ks + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     else:
-        slot = tl.load(KV_INDICES + kv_beg + n).to(tl.int64)
-        slot_ok = (slot >= 0) & (slot < num_slots)
-        bad_slots |= ~slot_ok
-        slot = tl.where(slot_ok, slot, 0)
+        slot, bad_slots = whole_tile_slots(KV_INDICES, kv_beg, n, num_slots, bad_slots)
         k = tl.load(k_head + slot[:, None] * stride_ks + offs_d[None, :], mask=offs_d[None, :] < D, other=0.0)
     qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
     if BLOCK_DPE > 0:

@@ -51,6 +51,7 @@ from attn_triton.kernels.common import (
     score_scales,
     softmax_step,
     tile_logits,
+    whole_tile_slots,
 )
 
 
@@ -224,11 +225,8 @@ def decode_tile(
     if MASKED:
         n_ok = n < s_hi
         slot, n_ok, bad_slots = load_slots(KV_INDICES, kv_beg, n, n_ok, num_slots, bad_slots)
-    else:  # a slot outside the pool reads slot 0 instead (num_slots > 0 here); the redo leaves that key out
-        raw = tl.load(KV_INDICES + kv_beg + n)
-        in_pool = raw.to(tl.uint32, bitcast=True) < num_slots.to(tl.uint32)  # negatives wrap past any pool
-        bad_slots = bad_slots | ~in_pool
-        slot = tl.where(in_pool, raw, 0).to(tl.int64)
+    else:  # slot 0 in place of a slot outside the pool (the redo leaves that key out); n_ok all true
+        slot, bad_slots = whole_tile_slots(KV_INDICES, kv_beg, n, num_slots, bad_slots)
         n_ok = offs_n >= 0
     k = tl.load(k_head + slot[:, None] * stride_ks + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     if KV_FP8:
