@@ -10,7 +10,7 @@ the default decode tile of each cache dtype from `attn_triton.config.decode_conf
 - bf16, 8 KV heads x 64: 128-byte runs, half the bytes (the fp8 row's bytes);
 - fp8 (e4m3), 8 KV heads x 128: the fp8 row itself.
 Each: `decode_attention` launched 20 times in one CUDA graph, median of --reps replays (`triton_vs_peers.time_graph`);
-TB/s counts the K and V bytes read. A CUDA GPU is required; the numbers are in docs/perf.md ("fp8 KV cache decode").
+TB/s counts the K and V bytes read. A CUDA GPU is required; the numbers are in docs/dev/perf-notebook.md ("fp8 KV cache decode").
 """
 
 from __future__ import annotations

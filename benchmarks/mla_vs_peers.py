@@ -36,7 +36,7 @@ FlashInfer in the same run. Spelling: `BHxBNxWxS` (block_h x block_n x num_warps
 by options joined with ':' — `cK` (MLAConfig.ctas_per_sm = K: wave-aware decode splits for K programs per
 SM; one split runs without the merge launch), `lK` (lazy_rescale = K: the accumulator is rescaled only when
 a row's max grew by more than K, base 2), `g1` (wgmma: the Hopper kernel `kernels/mla_wgmma.py`, tiles
-64x32x8x4 only). E.g. (the SM90 default is 64x32x8x4:c1:g1; docs/perf.md, "The warp-specialized Hopper MLA
+64x32x8x4 only). E.g. (the SM90 default is 64x32x8x4:c1:g1; docs/dev/perf-notebook.md, "The warp-specialized Hopper MLA
 kernel")
 
     python benchmarks/mla_vs_peers.py --no-prefill --mla-tiles 64x32x8x4:g1,32x64x4x3:c2:l8 --json out.json

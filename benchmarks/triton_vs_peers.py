@@ -570,7 +570,7 @@ def run_fp8_row(args, gen: torch.Generator, l2: int) -> RowResult:
             groups[name] = fns
         except Exception as exc:  # reported, not fatal: the other columns still print
             print(f"  {name} failed: {exc!r:.300}", flush=True)
-    # interleaved: in one run the same launch read ~2.5 % slower timed first than timed later (docs/perf.md)
+    # interleaved: in one run the same launch read ~2.5 % slower timed first than timed later (docs/dev/perf-notebook.md)
     for name, us in time_graphs_interleaved(groups, 20, args.reps).items():
         res.times_us[name], res.timing[name] = us, "cuda graph, interleaved"
     del loads, groups

@@ -23,7 +23,7 @@ from attn_core.batch import ForwardBatch
 from attn_core.batch_utils import query_lens
 from attn_core.errors import InvalidArgumentError
 
-#: defaults of `use_cascade_attention` (the prefix and query-length bounds from the H200 run in docs/perf.md,
+#: defaults of `use_cascade_attention` (the prefix and query-length bounds from the H200 run in docs/dev/perf-notebook.md,
 #: "Cascade attention": 64 decodes over a 4096-token prefix 0.89x, over 32768 tokens 1.14x; 64 requests of
 #: 256 new tokens over 4096 0.86x)
 MIN_PREFIX = 16384

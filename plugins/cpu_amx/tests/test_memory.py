@@ -1,6 +1,6 @@
 """Peak extra memory of a step (metadata + one layer's forward) does not grow with the cached context.
 
-Bound (docs/perf.md): per call at most threads x scratch (fixed by head dims; under 1 MiB per thread at
+Bound (docs/dev/perf-notebook.md): per call at most threads x scratch (fixed by head dims; under 1 MiB per thread at
 head_dim 128) + max_splits x tokens x q heads x (Dv + 1) x 4 bytes of split partials + the output; none
 of it depends on how many tokens are cached. Measured as the process's peak resident memory during the
 step (glibc told to mmap every block >= 64 KiB, so freed memory leaves the RSS; the high-water mark

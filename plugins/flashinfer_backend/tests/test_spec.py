@@ -34,7 +34,7 @@ def test_capabilities_name_what_the_backend_does():
 
 
 def test_window_pool_and_chunked_local_are_declared_and_nothing_is_listed_unverified():
-    """Everything declared has passed its GPU tests (docs/gpu-runs.md, session of 2026-11-23)."""
+    """Everything declared has passed its GPU tests (docs/dev/gpu-runs.md, session of 2026-11-23)."""
     assert {Feature.SLIDING_WINDOW_POOL, Feature.CHUNKED_LOCAL_ATTENTION} <= spec.CAPABILITIES.features
     assert spec.SPEC.unverified is None
 

@@ -101,7 +101,7 @@ for dt, tdt, d, dv, dpe, mla in (("bf16", torch.bfloat16, 128, 128, 0, False), (
         print("fp8 decode", usage, "shared", k.metadata.shared)
         # V read as int32 words keeps the p.v dot off byte-wise shared-memory reads with 4 warps (the 2-warp
         # default's byte-wise reads are its key masks' layout conversions, which only its masked steps, the
-        # tail and a redo, have: docs/perf.md, "Whole tiles without per-key masks")
+        # tail and a redo, have: docs/dev/perf-notebook.md, "Whole tiles without per-key masks")
         k4 = build(de._decode_split_kernel, dt, fp8, 4, 2, kv_dt="u8", v_dt="i32")
         assert "ld.shared.b8" not in k4.asm["ptx"] and "ld.shared.u8" not in k4.asm["ptx"], "fp8 decode: byte-wise shared-memory reads"
     build(de._decode_merge_kernel, dt, dict(SPLITS_BLOCK=32, DV=dv, BLOCK_DV=p2(dv), HAS_SINK=True, STORE_LSE=True), 2, 1)
@@ -147,7 +147,7 @@ for arch, dt, tdt in ((90, "bf16", torch.bfloat16), (80, "bf16", torch.bfloat16)
         print("mla", arch, dt, "split" if split else "verify", "shared", k.metadata.shared)
 # the SM90 default (the Hopper kernel) and the former default on the portable kernel (benchmarks/mla_vs_peers.py
 # --mla-tiles spelling) on sm_90: registers, spills (STACK) and shared memory printed for the occupancy reasoning of
-# docs/perf.md; MLAConfig.ctas_per_sm programs per SM need that many times the shared memory within the SM's 228 KiB
+# docs/dev/perf-notebook.md; MLAConfig.ctas_per_sm programs per SM need that many times the shared memory within the SM's 228 KiB
 for label, m in (("64x32x8x4:c1:g1 (default)", mla_config_for(torch.bfloat16, 9)), ("32x64x4x3:c2:l8", ml.MLAConfig(32, 64, 4, 3, 2, 8))):
     for split, q_len in ((True, 1), (False, 4)):
         k = build_mla(m, "bf16", q_len, split, 90)

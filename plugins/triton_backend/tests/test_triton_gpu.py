@@ -209,7 +209,7 @@ def test_mla_kernel_matches_torch_native(case):
 
 def _mla_variants():
     """The MLA kernels' variants besides the SM90 default (the Hopper kernel `kernels/mla_wgmma.py`,
-    64x32x8x4:c1:g1, which the other MLA tests run; docs/perf.md "MLA kernel variants"): the portable
+    64x32x8x4:c1:g1, which the other MLA tests run; docs/dev/perf-notebook.md "MLA kernel variants"): the portable
     kernel at the former SM90 default and at the 64-row tile, the Hopper kernel with SplitPolicy splits
     (merged), and, with a split policy capped at one split, the decode that finalizes in the kernel (no
     merge launch) at every batch size, on both kernels."""

@@ -12,7 +12,7 @@ handle when a launch hook is set.
 Calling the compiled handle relies on Triton's internal launcher ABI, so the shortcut is gated:
 
 - it is on only for the Triton versions it was verified with on a GPU (`VERIFIED_TRITON`, see
-  docs/gpu-runs.md); another version uses the normal launcher and says so once in the log
+  docs/dev/gpu-runs.md); another version uses the normal launcher and says so once in the log
   (`ATTN_TRITON_CACHED_LAUNCH=force` tries the shortcut anyway);
 - `ATTN_TRITON_CACHED_LAUNCH=0` turns it off;
 - under the interpreter, and for CPU tensors, every call uses the normal launcher;
@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 from attn_core.probes import triton_interpreter_enabled
 
-#: (major, minor) Triton versions whose compiled-handle call was verified on a GPU (docs/gpu-runs.md)
+#: (major, minor) Triton versions whose compiled-handle call was verified on a GPU (docs/dev/gpu-runs.md)
 VERIFIED_TRITON = ((3, 6),)
 #: the switch: "1" (default: on for verified versions), "0" (off), "force" (on for any version)
 ENV_SWITCH = "ATTN_TRITON_CACHED_LAUNCH"
@@ -210,7 +210,7 @@ class CachedLaunch:
         stream, builds the launch metadata for the enter hook and calls `compiled.run(grid..., stream,
         function, packed_metadata, metadata, enter_hook, exit_hook, *args)`; with no enter hook set this
         makes that call itself, with the device known from the first tensor argument and no metadata
-        (~3 µs less per launch on the H100 host, docs/perf.md). With an enter hook (a profiler wants
+        (~3 µs less per launch on the H100 host, docs/dev/perf-notebook.md). With an enter hook (a profiler wants
         Triton's launch metadata), or an object without those handles, the compiled handle is called."""
         rt, stream_of = self._runtime, self._stream_of
         function = getattr(compiled, "function", None)
@@ -230,7 +230,7 @@ class BoundLaunch:
     Per call: one pass over the arguments (`_types_and_pointers`: their types, tensors' addresses), a dict
     look-up by (device, types), then the compiled kernel's launcher (`CachedLaunch._launch`). What
     `CachedLaunch.__call__` adds per call is left out: the keywords' names and values in the cache key and
-    the grid padded to 3-D (~4 µs of a launch with 11 constexprs on the H100 host, docs/perf.md).
+    the grid padded to 3-D (~4 µs of a launch with 11 constexprs on the H100 host, docs/dev/perf-notebook.md).
     Everything else is the parent's: a call whose types it has not seen yet (the first, compiling) goes through `parent(grid, *args,
     **kwargs)` and keeps the parent's compiled entry; while the parent's shortcut is off (another Triton,
     the interpreter, a rejected call), the tensors are off the GPU or `pointers_as_ints` is False, every

@@ -117,7 +117,7 @@ class FlashInferBackend(AttentionBackend[Union[Step, mixed.SplitStep]]):
     """FlashInfer (FA2 kernels) on CUDA, compute capability 8.0 or newer. Options: `workspace_bytes`
     sizes the shared float workspace; `lean_replan` (None: on for the FlashInfer versions `replan.py`
     was verified with) re-plans eager wrappers without FlashInfer's public `plan` after their first;
-    `mixed_split` (default False: docs/perf.md "MIXED steps") runs a MIXED step's one-token decodes through
+    `mixed_split` (default False: docs/dev/perf-notebook.md "MIXED steps") runs a MIXED step's one-token decodes through
     the decode wrapper and its other requests through the prefill plan (`mixed.py`)."""
 
     name = "flashinfer"

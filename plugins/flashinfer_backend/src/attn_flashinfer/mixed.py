@@ -1,6 +1,6 @@
 """MIXED steps split by request kind: one-token decodes through the decode wrapper, the rest through the
 prefill plan (option `mixed_split`, off by default: on an H200 1.79× faster with few decodes next to long-prefix
-chunks, 0.98× with 64 decodes next to one chunk; docs/perf.md "MIXED steps").
+chunks, 0.98× with 64 decodes next to one chunk; docs/dev/perf-notebook.md "MIXED steps").
 
 Unsplit, a MIXED step plans the whole batch like an extend (ragged over the new tokens, plus paged over
 the cached prefixes merged by LSE; paged over the whole sequence for window layers with a prefix), so a

@@ -13,13 +13,13 @@ from attn_core.spec import BackendSpec
 #: FlashInfer's FA2 kernels need Ampere or newer.
 MIN_COMPUTE_CAPABILITY = (8, 0)
 
-#: Declared = verified on a GPU against the float64 reference (docs/gpu-runs.md). K/V in the query's
+#: Declared = verified on a GPU against the float64 reference (docs/dev/gpu-runs.md). K/V in the query's
 #: dtype (no `Feature.MIXED_KV_DTYPE`: the base class refuses a mix), or an fp8 (float8_e4m3fn) cache
 #: with per-layer k_scale / v_scale under either q dtype (FlashInfer's fp8 decode / paged prefill paths;
 #: `attn_flashinfer.fp8`; tests/test_gpu.py's fp8 checks).
 #: `Feature.SLIDING_WINDOW_POOL` (window layers read their keys as window slots: `window_kv.py`) and
 #: `Feature.CHUNKED_LOCAL_ATTENTION` (virtual requests: `local_kv.py`; tests/test_gpu.py's window_pool /
-#: chunked_local checks). All verified on an H100 (docs/gpu-runs.md, 2026-11-23).
+#: chunked_local checks). All verified on an H100 (docs/dev/gpu-runs.md, 2026-11-23).
 CAPABILITIES = Capabilities(
     devices=frozenset({"cuda"}),
     q_dtypes=frozenset({"bfloat16", "float16"}),

@@ -71,7 +71,7 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
     Options (tests and tuning): `split_policy` (decode splits), `decode_config` / `extend_config` /
     `mla_config` / `verify_config` (tile sizes; defaults from `attn_triton.config`), `mixed_split` (MIXED
     steps: decodes through the decode kernel, the rest through the extend kernel, `attn_triton.mixed`;
-    default True: 1.24-3.7x faster on an H100, docs/perf.md "MIXED steps"; False keeps one extend launch).
+    default True: 1.24-3.7x faster on an H100, docs/dev/perf-notebook.md "MIXED steps"; False keeps one extend launch).
 
     Absorbed MLA with a KV pool of the q dtype runs DECODE, and TARGET_VERIFY / DRAFT_EXTEND steps whose
     requests all have the same 2..16 new tokens, on the MLA kernel (`kernels/mla_decode.py`); other

@@ -21,7 +21,7 @@ from attn_triton.kernels.verify import VerifyConfig
 #: fp8 (e4m3) cache, fp16/bf16 q, head dim <= 128. Why: a key tile is half the bytes of bf16's, and the kernel
 #: turns each byte into fp16 with 1.5 integer ops (`e4m3_as_f16`; V read as int32 words) before the same two
 #: fp16 dots, so what bounds a program is its latency: the row is bound by the bytes each SM keeps in flight.
-#: H100 sweep (docs/perf.md, "fp8 KV cache decode", 16 tiles in three runs): 64-key tiles with 2 warps and 3
+#: H100 sweep (docs/dev/perf-notebook.md, "fp8 KV cache decode", 16 tiles in three runs): 64-key tiles with 2 warps and 3
 #: stages were fastest (225-229 us at bs64 x 4096 against 254-256 us for the former 4-warp, 2-stage tile and
 #: 247-250 us for FlashInfer's fp8 decode): as compiled for sm_90 by Triton 3.6, 192 registers and 54 KiB of
 #: shared memory, 4 programs an SM, each with three 64-key K/V tiles in flight per 2 warps; a fourth stage
@@ -111,7 +111,7 @@ def decode_config(
         return DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=2)
     if dtype == torch.float32:
         return DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=2)
-    # H200 sweep (docs/perf.md): 128-key tiles, 8 warps, 3 stages won on every docs/design.md §8 decode row
+    # H200 sweep (docs/dev/perf-notebook.md): 128-key tiles, 8 warps, 3 stages won on every docs/design.md §8 decode row
     return DecodeConfig(block_n=128, block_h=16, num_warps=8, num_stages=3)
 
 
@@ -149,15 +149,15 @@ def extend_config_for(head_dim: int, v_head_dim: int, dtype: torch.dtype, mla: b
         return ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     if dtype == torch.float32:
         return ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
-    # H200 sweep (docs/perf.md): 128x64 tiles with 4 warps, 3 stages were fastest on the extend rows;
-    # H100 sweep (docs/perf.md, 2026-11-23): lazy rescaling with slack 4 (2^4 bounds p in the bf16/fp16
+    # H200 sweep (docs/dev/perf-notebook.md): 128x64 tiles with 4 warps, 3 stages were fastest on the extend rows;
+    # H100 sweep (docs/dev/perf-notebook.md, 2026-11-23): lazy rescaling with slack 4 (2^4 bounds p in the bf16/fp16
     # P operand) took 1-4 % off every extend row (the 128x128 fp32 accumulator multiply of most tiles)
     # SM90 (`hopper`): the launches the Hopper kernel takes (kernels/extend_wgmma.py, `extend.uses_wgmma`) run on it
     # with 128-key tiles in 3 buffers (the most that fit beside q): on the H100, in CUDA graphs, 8-12 % faster than
-    # the portable kernel on every extend row, and faster than its 64-key x 4 tiles (docs/perf.md, "The Hopper
+    # the portable kernel on every extend row, and faster than its 64-key x 4 tiles (docs/dev/perf-notebook.md, "The Hopper
     # extend kernel with a producer partition and TMA"); the other launches keep the portable tiles
     # the (consumer, producer) register split: 208 / 88 a thread beat 224 / 56 and 216 / 72 on every extend row of an H100
-    # sweep (4-10 %; docs/perf.md, "The Hopper extend kernel's register split")
+    # sweep (4-10 %; docs/dev/perf-notebook.md, "The Hopper extend kernel's register split")
     wgmma_block_n = 128 if hopper else 0
     return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, lazy_rescale=4, wgmma_block_n=wgmma_block_n, wgmma_stages=3,
                         wgmma_regs=208)  # fmt: skip
@@ -184,7 +184,7 @@ def mla_config_for(dtype: torch.dtype, major: int, hip: bool = False) -> MLAConf
     warpgroups that take 32-key tiles in turn (each computes its tiles' whole score blocks and softmax
     steps while the other's tensor-core work runs) and split the accumulator by columns (128 registers
     a thread, no spills); q and four latent buffers in shared memory (221 KiB: 1 program per SM, hence
-    the wave-aware splits for 1 program per SM). On an H100 (docs/perf.md, "The warp-specialized Hopper
+    the wave-aware splits for 1 program per SM). On an H100 (docs/dev/perf-notebook.md, "The warp-specialized Hopper
     MLA kernel"; CUDA graphs, attn-triton over FlashInfer's MLA run at 128 heads, 512 + 64, bf16, page 64)
     it took 0.93 / 1.28 / 1.25 / 1.26 x at bs1 x 8192 / bs64 x 4096 / bs128 x 2048 / verify with 4
     drafts, where its predecessor (64 x 64-key tiles, both warpgroups in the same phase, the scores
@@ -224,7 +224,7 @@ def verify_config(
 
     The kernel streams each request's K/V once per KV head with a 16..64-row tile, the shape of the
     decode kernel's GQA tile (memory-bound, small M), so the GPU choices start from the decode sweep.
-    On an H100 they read K/V at 99 % / 83 % of the copy bandwidth with 4 / 8 drafts (docs/perf.md); no
+    On an H100 they read K/V at 99 % / 83 % of the copy bandwidth with 4 / 8 drafts (docs/dev/perf-notebook.md); no
     other verify tile has been swept (`benchmarks/triton_vs_peers.py --only verify --verify-configs`)."""
     if device.type != "cuda":
         # interpreter: 16-row tiles make the tests cut groups into head blocks; tiny tiles keep CPU runs fast

@@ -2,7 +2,7 @@
 
 On by default (`TritonAttnBackend(ctx, mixed_split=False)` turns it off): on an H100 the split step took
 1/3.7 of the unsplit time at 64 decodes × 4096 + one 512-token chunk and 1/1.24 at 4 × 4096 + 2 × 2048
-(docs/perf.md "MIXED steps"). Unsplit, a MIXED step runs every request through the extend kernel,
+(docs/dev/perf-notebook.md "MIXED steps"). Unsplit, a MIXED step runs every request through the extend kernel,
 whose programs take one q head and a block of query rows each: a one-token decode fills one row of a
 `block_m`-row tile and its K/V is read once per q head. Split, the decodes go to the split-KV decode
 kernel (one program per KV head reads each K/V tile once for the whole GQA group, and long contexts are

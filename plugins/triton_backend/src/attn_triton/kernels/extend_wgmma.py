@@ -1,6 +1,6 @@
 """Extend attention on Hopper's warpgroup MMA, written in Gluon (Triton's explicit-layout dialect): two
 consumer warpgroups share the K/V tiles of one 128-row query block, which a producer partition brings in by
-TMA. The SM90 default with 128-key tiles (`ExtendConfig.wgmma_block_n`, `config.extend_config`; docs/perf.md,
+TMA. The SM90 default with 128-key tiles (`ExtendConfig.wgmma_block_n`, `config.extend_config`; docs/dev/perf-notebook.md,
 "The Hopper extend kernel with a producer partition and TMA").
 
 The same work and arguments as `extend._extend_kernel` (module doc there), plus the TMA descriptors of the
@@ -32,7 +32,7 @@ consumer:
 
 As compiled (ptxas, Triton 3.6 and 3.9), the step does not overlap the update: ptxas reuses the registers of
 the update's operand p_{t-1} for the step's temporaries (or for p_t) and so waits for the update first; the
-other consumer's MMAs fill the tensor cores meanwhile (docs/perf.md, "The Hopper extend kernel: the operand
+other consumer's MMAs fill the tensor cores meanwhile (docs/dev/perf-notebook.md, "The Hopper extend kernel: the operand
 conversion and the producer's box coordinates").
 
 Synchronisation (mbarriers): k_ready[b] / v_ready[b], one arrive (the producer's expect of a TMA tile's
@@ -167,7 +167,7 @@ def _producer(k_s, v_s, k_ready, v_ready, k_free, v_free, K_DESC, V_DESC, K_HEAD
     # a tile's slots `[BLOCK_N // BOX, BOX]`: the boxes along the lanes of every warp, a box's slots across the 4 warps, so
     # the run check crosses warps once a tile while each of the tile's 2 x BLOCK_N // BOX box coordinates (`_tma_tile`)
     # is picked within a warp (boxes across warps: a shared-memory round trip and two barriers each; 3-5 % of the
-    # extend rows, docs/perf.md)
+    # extend rows, docs/dev/perf-notebook.md)
     S2: gl.constexpr = gl.BlockedLayout([1, 1], [BLOCK_N // BOX, 32 // (BLOCK_N // BOX)], [1, 4], [1, 0])
     CHUNKS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], k_s.dtype)
     k_c = reinterpret_shared(k_s, [STAGES * (D // 64), BLOCK_N, 64], CHUNKS)
