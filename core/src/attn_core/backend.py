@@ -10,6 +10,14 @@ once, then per captured batch size `capture_cuda_graph_metadata(step)` before ca
 `attn_core.graph_step.CudaGraphStep`, and both make their metadata current with
 `bind_graph_metadata(metadata, step)`. SGLang's positional `init_forward_metadata_capture_cuda_graph` /
 `init_forward_metadata_replay_cuda_graph` stay as the public entry points that build the step.
+
+Safe by default (docs/engine-authors.md, "What attn checks, when, and what it costs"): on the CPU the
+batch validation runs every check ("full") whatever `ctx.validation` says; on an accelerator "basic"
+checks the host copies and the step check (`attn_core.ops.step_checks`, one launch, no sync) checks the
+device tensors, so that the step's K/V writes go only to the batch's own slots (`CheckedSlots`); what it
+refuses is recorded in the fault word (`self.device_faults`), copied to pinned host memory without a
+sync at the end of the step's metadata, and raised as a `DeviceFaultError` by the next
+`init_forward_metadata` / graph replay, or by `raise_device_faults()`.
 """
 
 from __future__ import annotations
@@ -23,13 +31,23 @@ import torch
 from attn_core.batch import ForwardBatch, SpecInfo
 from attn_core.capabilities import Capabilities, Feature
 from attn_core.context import BackendContext
-from attn_core.errors import DeviceIndexError, IncompatibleBackendError, InvalidArgumentError, StaleMetadataError, UnsupportedFeatureError
+from attn_core.errors import (
+    DeviceIndexError,
+    GraphShapeError,
+    IncompatibleBackendError,
+    InvalidArgumentError,
+    StaleMetadataError,
+    UnsupportedFeatureError,
+)
 from attn_core.forward_mode import ForwardMode
 from attn_core.graph_step import CudaGraphStep
 from attn_core.layer import AttentionLayer
 from attn_core.memory.pools import KVPool
 from attn_core.memory.window_pool import window_pool_of
-from attn_core.validation import FULL, check_forward_batch, check_forward_dtypes, check_kv_pool
+from attn_core.ops.device_faults import DeviceFault, DeviceFaultFlags, DeviceFaultKind
+from attn_core.ops.kv_write import CheckedSlots, guard_slots
+from attn_core.ops.step_checks import check_step, step_tensors
+from attn_core.validation import FULL, check_forward_batch, check_forward_dtypes, check_kv_pool, effective_level
 
 Output = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
@@ -100,35 +118,131 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         self.forward_metadata = None
         # the batch (or GraphBatchKey) forward_metadata was built for; None: no metadata
         self._metadata_for: Union[ForwardBatch, GraphBatchKey, None] = None
+        #: the fault word the step check and this backend's kernels record into (`attn_core.ops.device_faults`);
+        #: a backend may replace it in its own __init__ with another `DeviceFaultFlags` of its device
+        self.device_faults = DeviceFaultFlags(ctx.device)
+        #: steps this backend made metadata for (init_forward_metadata and graph replays), the number a
+        #: `DeviceFaultError` names
+        self.step_count = 0
+        # the bound step's checked write slots (out_cache_loc, encoder_out_cache_loc), see `write_slots`
+        self._write_slots: Optional[CheckedSlots] = None
+        self._encoder_slots: Optional[CheckedSlots] = None
+        self._slot_scratch: Optional[torch.Tensor] = None
+        # (mode, bs) -> (num_tokens, draft tokens) of every graph shape captured (`capture_graph_step`)
+        self._graph_shapes: dict[tuple[ForwardMode, int], tuple[Optional[int], int]] = {}
 
     # ---- per-step metadata -------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Once per step: validate `forward_batch`, build its metadata (`build_forward_metadata`, skipped
         for the no-token modes, whose metadata is None), make it current for this batch object.
 
-        Raises `UnsupportedFeatureError` for a mode the backend does not declare, `InvalidBatchError`
-        (naming the field) for a malformed batch, `DeviceIndexError` (validation "full") when
-        `poll_device_fault` reports an out-of-range index met by an earlier kernel. On any error the
-        previous metadata is dropped, so a later `forward` raises `StaleMetadataError`.
+        Raises `DeviceFaultError` when the fault word holds what an earlier step's device checks or
+        kernels refused (read from its pinned host copy: no sync), `UnsupportedFeatureError` for a mode
+        the backend does not declare, `InvalidBatchError` (naming the field) for a malformed batch,
+        `StaleRequestError` for a batch of `build_step` whose requests changed since,
+        `DeviceIndexError` (validation "full") when `poll_device_fault` reports an out-of-range index
+        met by an earlier kernel. On any error the previous metadata is dropped, so a later `forward`
+        raises `StaleMetadataError`; nothing has been written.
+
+        On the CPU every check is "full" (`attn_core.validation.effective_level`); on an accelerator at
+        "basic" the step check (`attn_core.ops.step_checks`) runs on the device before the backend's
+        build, and the fault word's host copy is refreshed after it (see the module docstring).
         """
         self.forward_metadata = None
         self._metadata_for = None
+        self._write_slots = self._encoder_slots = None
+        self.raise_pending_fault()
         b = forward_batch
         if b.forward_mode not in self.capabilities.forward_modes:
             raise UnsupportedFeatureError(self.name, f"forward mode {b.forward_mode.name}")
-        level = self.ctx.validation
-        check_forward_batch(b, self.req_to_token(b), self.kv_pool(b), self.ctx, level=level)
+        level = effective_level(self.ctx)
+        r2t, pool = self.req_to_token(b), self.kv_pool(b)
+        check_forward_batch(b, r2t, pool, self.ctx, level=level)
         if b.cascade_prefix_len:
             from attn_core.cascade import check_cascade_prefix  # here: attn_core.cascade imports the wrappers package
 
-            check_cascade_prefix(b)
+            check_cascade_prefix(b, r2t if level == FULL else None)
         if level == FULL:
             fault = self.poll_device_fault()
             if fault is not None:
                 raise DeviceIndexError(fault)
+        self.step_count += 1
+        if not b.forward_mode.is_no_tokens():
+            self._check_step(b, r2t, pool, level)
         metadata = None if b.forward_mode.is_no_tokens() else self.build_forward_metadata(b)
+        self.device_faults.snapshot(self.step_count)
         self.forward_metadata = metadata
         self._metadata_for = b
+
+    def _check_step(self, b: ForwardBatch, r2t: torch.Tensor, pool: KVPool, level: str) -> None:
+        """The bound step's write slots: at "full" the batch's own (already checked on the host); else the
+        step check's allowed slots (`attn_core.ops.step_checks`), written into a scratch buffer reused
+        across steps, and the encoder slots guarded (range only, `guard_slots`)."""
+        n = pool.num_slots
+        enc = b.encoder_out_cache_loc
+        if level == FULL:
+            self._write_slots = CheckedSlots(b.out_cache_loc, n)
+            self._encoder_slots = None if enc is None else CheckedSlots(enc, n)
+            return
+        T = b.out_cache_loc.shape[0]
+        if self._slot_scratch is None or self._slot_scratch.shape[0] < T:
+            self._slot_scratch = torch.empty(max(T, 64) * 5 // 4, dtype=torch.int64, device=self.device)
+        safe = self._slot_scratch[:T]
+        check_step(step_tensors(b, r2t, n), safe, self.device_faults.buffer)
+        self._write_slots = CheckedSlots(safe, n)
+        if enc is not None:
+            guarded = guard_slots(enc, n, self.device_faults.buffer, DeviceFaultKind.ENCODER_SLOT)
+            self._encoder_slots = CheckedSlots(guarded, n)
+
+    # ---- device faults (no sync unless said) ---------------------------------------------------
+    def read_device_fault(self) -> Optional[DeviceFault]:
+        """What the fault word's last host copy holds (None: nothing), without a sync: the host copy is
+        taken at the end of every step's metadata (and graph replay metadata), after the step check and
+        the metadata kernels. A fault read here is cleared. On the CPU the word is read directly."""
+        return self.device_faults.read_snapshot()
+
+    def raise_pending_fault(self) -> None:
+        """Raise `DeviceFaultError` for what `read_device_fault()` returns (no sync); called first thing
+        by `init_forward_metadata` and every graph replay."""
+        fault = self.read_device_fault()
+        if fault is not None:
+            raise fault.error()
+
+    def raise_device_faults(self) -> None:
+        """An engine's explicit check after a step: wait for the device (one sync), read and clear the
+        fault word, and raise `DeviceFaultError` for anything the step check, the metadata kernels or
+        the layers' kernels refused so far (also what raw-slot writes through the context's KV pool
+        recorded in the pool's own word). Does nothing when all is well. Not during graph capture."""
+        fault = self.device_faults.poll_fault(self.step_count)
+        pool = self.ctx.token_to_kv_pool
+        if fault is None and pool is not None and getattr(pool, "_device_faults", None) is not None:
+            fault = pool.device_faults.poll_fault(self.step_count)
+        if fault is not None:
+            raise fault.error()
+
+    def write_slots(self, forward_batch: ForwardBatch, layer: Optional[AttentionLayer] = None) -> Union[CheckedSlots, torch.Tensor]:
+        """The slots the step's new K/V go to, for a backend that writes them itself instead of through
+        `save_kv` (attn-ascend's operator): the step's checked `out_cache_loc` (`encoder_out_cache_loc`
+        for a cross-attention layer) when `forward_batch` is the bound batch; in a CUDA-graph batch the
+        batch's own slots guarded on the device (`guard_slots`: refusals to the dummy slot 0, recorded
+        in the fault word; captured with the graph, no replay cost). A `CheckedSlots` or an int64 tensor."""
+        cross = layer is not None and layer.is_cross_attention
+        if forward_batch is self._metadata_for and self._write_slots is not None:
+            slots = self._encoder_slots if cross else self._write_slots
+        else:
+            slots = forward_batch.encoder_out_cache_loc if cross else forward_batch.out_cache_loc
+        if slots is None:
+            raise InvalidArgumentError("forward_batch.encoder_out_cache_loc", "the new encoder tokens' slots, to write their K/V", None)
+        if isinstance(slots, CheckedSlots):
+            return slots
+        loc = slots
+        n = self.kv_pool(forward_batch).num_slots
+        kind = DeviceFaultKind.ENCODER_SLOT if cross else DeviceFaultKind.WRITE_SLOT
+        if loc.device.type == "cpu":
+            from attn_core.ops.kv_write import check_host_slots
+
+            return CheckedSlots(check_host_slots(loc, n, "forward_batch.out_cache_loc"), n)
+        return CheckedSlots(guard_slots(loc, n, self.device_faults.buffer, kind), n)
 
     @abc.abstractmethod
     def build_forward_metadata(self, forward_batch: ForwardBatch) -> MetadataT:
@@ -147,8 +261,8 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
     def poll_device_fault(self) -> Optional[str]:
         """A description of an out-of-range index a kernel of this backend met since the last poll (and
         clear it), or None. Called by `init_forward_metadata` at validation "full" (it may synchronize).
-        The default, for backends without a device fault flag, returns None."""
-        return None
+        The default reads `self.device_faults` (one sync on an accelerator)."""
+        return self.device_faults.poll()
 
     # ---- CUDA graphs ---------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -307,12 +421,14 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         return pool
 
     def save_kv(self, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer: AttentionLayer, forward_batch: ForwardBatch) -> KVPool:
-        """Write the step's new K/V (when given) to their slots: `out_cache_loc`, or `encoder_out_cache_loc`
-        for a cross-attention layer; fp8 pools quantize with the layer's k_scale / v_scale. Returns the pool."""
+        """Write the step's new K/V (when given) to their slots, through the pool's `set_kv_buffer` (the
+        one checked write, `attn_core.ops.kv_write`): `write_slots(forward_batch, layer)`, i.e. the step's
+        checked `out_cache_loc` (or `encoder_out_cache_loc` for a cross-attention layer), so no K/V lands
+        outside the batch's legal slots; fp8 pools quantize with the layer's k_scale / v_scale. Returns
+        the pool."""
         pool = self.kv_pool(forward_batch)
         if k is not None:
-            loc = forward_batch.encoder_out_cache_loc if layer.is_cross_attention else forward_batch.out_cache_loc
-            pool.set_kv_buffer(layer, loc, k, v, layer.k_scale, layer.v_scale)
+            pool.set_kv_buffer(layer, self.write_slots(forward_batch, layer), k, v, layer.k_scale, layer.v_scale)
         return pool
 
     # ---- validation (host-side metadata only, no device sync) ----------------------------------

@@ -15,7 +15,7 @@ attention sinks or cross attention do not split this way; backends run them unsp
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -87,11 +87,13 @@ def use_cascade_attention(
     return (bs - 1) * cascade_prefix_len >= min_saving_ratio * tokens
 
 
-def check_cascade_prefix(batch: ForwardBatch) -> int:
+def check_cascade_prefix(batch: ForwardBatch, req_to_token: Optional[torch.Tensor] = None) -> int:
     """`batch.cascade_prefix_len` after the host checks every backend applies: an int >= 0, at most each
     request's cached prefix (its first new token comes after the shared keys), no encoder tokens and no
-    verify custom mask with a nonzero value. Reads host data only. (That the first P slots of every
-    request are the same is the engine's promise: `shared_prefix_len` computes it from the rows.)"""
+    verify custom mask with a nonzero value. With `req_to_token` (validation "full", and always on the
+    CPU) also that every request's first P slots are the first request's (one comparison of the rows;
+    on an accelerator at "basic" the step check does it on the device, `attn_core.ops.step_checks`,
+    fault CASCADE). Raises `InvalidArgumentError` naming `forward_batch.cascade_prefix_len`."""
     p = batch.cascade_prefix_len
     if isinstance(p, bool) or not isinstance(p, int) or p < 0:
         raise InvalidArgumentError("forward_batch.cascade_prefix_len", "an int >= 0", p)
@@ -110,6 +112,16 @@ def check_cascade_prefix(batch: ForwardBatch) -> int:
     spec = batch.spec_info
     if batch.forward_mode.is_target_verify() and spec is not None and spec.custom_mask is not None:
         raise InvalidArgumentError("forward_batch.cascade_prefix_len", "0 for a verify step with a custom mask", p)
+    if req_to_token is not None:
+        rows = batch.req_pool_indices.to(torch.int64)
+        ok = (rows >= 0) & (rows < req_to_token.shape[0])  # the batch validation refused bad rows already
+        prefix = req_to_token[rows.clamp(0, req_to_token.shape[0] - 1), :p]
+        differ = ((prefix != prefix[:1]).any(1) & ok).nonzero()
+        if differ.numel():
+            i = int(differ[0])
+            raise InvalidArgumentError(
+                "forward_batch.cascade_prefix_len", f"a prefix every request shares (request {i}'s first {p} slots differ)", p
+            )
     return p
 
 

@@ -174,3 +174,41 @@ class DeviceIndexError(AttnError, IndexError):
     trusted. Raised from a backend's `poll_device_fault()` report (checked by `validation="full"`); the
     message names the kind of index that was bad and the buffer it was checked against.
     """
+
+
+class DeviceFaultError(DeviceIndexError):
+    """Device-side checks of an earlier step found bad input (issue 36's "safe by default" path: no host
+    sync). On a GPU the default validation cannot read the batch's device tensors without a sync, so the
+    per-step kernels check them where they read them (request rows, lengths against the host totals,
+    offsets, every new token's slot against the pool and `req_to_token`), drop the K/V writes they refuse
+    (a refused token writes the reserved dummy slot 0, never another slot) and record the fault in the
+    backend's fault word, which is copied to pinned host memory without a sync. The next
+    `init_forward_metadata` (or `AttentionBackend.raise_device_faults()`) raises this error.
+
+    Attributes: `step` (the backend's step counter of the step whose kernels recorded it, `None` when not
+    known), `argument` (the field, e.g. "forward_batch.out_cache_loc"), `request` (the first offending
+    request's index in its batch, None when the check could not tell), `kinds` (every fault kind
+    recorded, as `attn_core.ops.device_faults.DeviceFaultKind` names) and `description`.
+    """
+
+    def __init__(self, step, argument: str, request, kinds: Sequence[str], description: str):
+        self.step = step
+        self.argument = argument
+        self.request = request
+        self.kinds = list(kinds)
+        self.description = description
+        when = "an earlier step" if step is None else f"step {step}"
+        who = "" if request is None else f" (first offending request: {request})"
+        super().__init__(f"{argument}: device checks of {when} refused it{who}: {description}")
+
+
+class StaleRequestError(InvalidBatchError):
+    """A batch built by `build_step` from a `Request` handle that was freed, truncated or forked past
+    since (its K/V would land in slots the allocator already handed back, or overwrite tokens another
+    request now reads). `argument` names the batch's request (e.g. "forward_batch.requests[1]")."""
+
+
+class GraphShapeError(InvalidArgumentError):
+    """A CUDA-graph replay whose shape differs from what was captured (batch size bucket, tokens per
+    request, draft count, mode): replaying it would read or write past the captured buffers, so it is
+    refused before any replay. `argument` names the mismatching input."""

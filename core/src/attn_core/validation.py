@@ -7,11 +7,16 @@ Levels (`BackendContext.validation`):
 - "basic" (the default): every check that reads only Python numbers, tensor metadata (dtype, shape,
   device) and the batch's host copies (`seq_lens_cpu`, `extend_*_cpu`, `encoder_lens_cpu`). No device
   work and no host-device sync; a handful of small CPU reductions (measured cost: docs/dev/perf-notebook.md).
+  On an accelerator the device tensors are then checked on the device by the step check
+  (`attn_core.ops.step_checks`, one launch, no sync; faults surface at the next step as
+  `DeviceFaultError`).
 - "full": "basic", then the device tensors too: one device-to-host copy of the batch's index tensors
   and of a few counts computed on the device (one sync per step, in `init_forward_metadata`, never in
   `forward`), and the backend's `poll_device_fault()`. Its device work gathers the batch's table rows up
   to the longest request (bs x max(seq_lens) entries, a few bytes each, freed at once). Tests and the conformance kit use it; an engine
   may turn it on to debug a crash or a wrong answer.
+- On the CPU (the context's device), "basic" runs "full" (`effective_level`): the device tensors *are*
+  host memory, there is no sync to avoid, so every batch gets every check before any write.
 
 Accepted integer widths (one rule for every backend):
 
@@ -38,7 +43,8 @@ Rules ("basic" unless marked full):
   table, `out_cache_loc` (and `encoder_out_cache_loc`) lie in [1, num_slots) (slot 0 is the reserved
   dummy) without duplicates, every new token's `out_cache_loc` is the slot `req_to_token` gives its
   position (a slot of another request or position is refused), and every key a request attends to has
-  a slot in [1, num_slots) (a key the engine never wrote reads slot 0).
+  a slot in [1, num_slots) (a key the engine never wrote reads slot 0), and no two requests share a
+  `req_to_token` row.
 """
 
 from __future__ import annotations
@@ -57,6 +63,13 @@ FULL = "full"
 VALIDATION_LEVELS = (BASIC, FULL)
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def effective_level(ctx) -> str:
+    """The level a step of a backend on `ctx` is validated at: "full" on a CPU device (no sync to
+    avoid), the context's `validation` elsewhere. `effective_level(BackendContext(device="cpu", ...))`
+    is "full" whatever `validation` says."""
+    return FULL if ctx.device.type == "cpu" else ctx.validation
 # the reductions of the host copies (ufunc.reduce skips the Python layers of ndarray.min/max/sum)
 _MIN, _MAX, _SUM, _ANY = np.minimum.reduce, np.maximum.reduce, np.add.reduce, np.logical_or.reduce
 #: batches of at most this many requests reduce their host lengths as a Python list (see `host_length_stats`)
@@ -289,7 +302,9 @@ def _check_device(b: ForwardBatch, r2t: torch.Tensor, num_slots: int, longest: i
 
     rpi_h, seq_h, loc_h, (bad_keys_h, foreign_h) = take(bs), take(bs), take(T), take(2).tolist()
     if int(rpi_h.min()) < 0 or int(rpi_h.max()) >= rows:
-        raise InvalidBatchError("forward_batch.req_pool_indices", f"rows in [0, {rows})", rpi_h.tolist())
+        raise InvalidBatchError("forward_batch.req_pool_indices", f"rows in [0, {rows})", _quote(rpi_h.tolist()))
+    if torch.unique(rpi_h).numel() != bs:
+        raise InvalidBatchError("forward_batch.req_pool_indices", "a distinct req_to_token row per request", _quote(rpi_h.tolist()))
     _same("seq_lens", seq_h, b.seq_lens_cpu)
     if b.encoder_lens is not None:
         _same("encoder_lens", take(bs), b.encoder_lens_cpu)
@@ -310,9 +325,19 @@ def _check_device(b: ForwardBatch, r2t: torch.Tensor, num_slots: int, longest: i
         raise InvalidBatchError("forward_batch.out_cache_loc", expected, f"{foreign_h} tokens with another slot")
 
 
+def _quote(values: list, limit: int = 16) -> str:
+    """A list for an error message, cut after `limit` entries. Example: _quote([1, 2, 3], 2) is "[1, 2, ...]"."""
+    if len(values) <= limit:
+        return str(values)
+    return str(values[:limit])[:-1] + ", ...]"
+
+
 def _same(name: str, device_copy: torch.Tensor, host_copy: torch.Tensor) -> None:
     if not torch.equal(device_copy, host_copy.to(torch.int64)):
-        raise InvalidBatchError(f"forward_batch.{name}", f"the values of its host copy {host_copy.tolist()}", device_copy.tolist())
+        bad = int((device_copy != host_copy.to(torch.int64)).nonzero()[0]) if device_copy.shape == host_copy.shape else None
+        where = "" if bad is None else f" (first differing request {bad})"
+        expected = f"the values of its host copy {_quote(host_copy.tolist())}{where}"
+        raise InvalidBatchError(f"forward_batch.{name}", expected, _quote(device_copy.tolist()))
 
 
 def _check_slots(name: str, slots: torch.Tensor, num_slots: int) -> None:

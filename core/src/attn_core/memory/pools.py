@@ -10,6 +10,11 @@ Layouts (docs/design.md §3):
 - `MLATokenToKVPool`: per layer one latent buffer `[num_slots, 1, kv_lora_rank + qk_rope_head_dim]`;
   the "value" is its first kv_lora_rank channels (a view).
 num_slots = size + page_size: page 0 (slot 0 onwards) is the reserved padding dummy.
+
+Every `set_kv_buffer` writes through `attn_core.ops.kv_write.write_kv`: a slot outside [1, num_slots) is
+never written where it points (on the CPU: `InvalidArgumentError` before any write; on an accelerator:
+written to the dummy slot 0 and recorded in the pool's `device_faults`), and slots a step check already
+passed (`CheckedSlots`) are written with no further work.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ from typing import Optional, Union
 import torch
 
 from attn_core.errors import InvalidArgumentError, KVCacheError
-from attn_core.memory.fp8 import check_scale, is_fp8, quantize_kv
+from attn_core.memory.fp8 import check_scale, is_fp8
+from attn_core.ops.device_faults import DeviceFaultFlags
+from attn_core.ops.kv_write import SlotIds, write_kv
 
 Device = Union[str, torch.device]
 
@@ -118,6 +125,20 @@ class _KVPoolBase:
         self.layer_num = layer_num
         self.device = torch.device(device)
         self.num_slots = size + page_size
+        self._device_faults: Optional[DeviceFaultFlags] = None
+
+    @property
+    def device_faults(self) -> DeviceFaultFlags:
+        """The fault word of writes made through this pool with raw slot tensors on an accelerator (slots
+        outside [1, num_slots) go to the dummy slot 0 and are recorded here); backends write pre-checked
+        slots and record their own faults. Read it with `poll()` / `poll_fault()` (one sync)."""
+        if self._device_faults is None:
+            self._device_faults = DeviceFaultFlags(self.device)
+        return self._device_faults
+
+    def _fault_word(self, loc) -> Optional[torch.Tensor]:
+        """The fault word a raw-slot write on an accelerator records into (None on the CPU, which raises)."""
+        return None if self.device.type == "cpu" or not isinstance(loc, torch.Tensor) else self.device_faults.buffer
 
     def _check_layer(self, layer_id: int) -> int:
         if not 0 <= layer_id < self.layer_num:
@@ -127,12 +148,7 @@ class _KVPoolBase:
     def _view(self, buf: torch.Tensor) -> torch.Tensor:
         return buf if self.store_dtype == self.dtype else buf.view(self.dtype)
 
-    def _store(self, x: torch.Tensor, scale: Optional[float]) -> torch.Tensor:
-        """x quantized for this pool (`attn_core.memory.fp8.quantize_kv`), as the store dtype."""
-        x = quantize_kv(x, self.dtype, scale)
-        return x if self.store_dtype == self.dtype else x.view(self.store_dtype)
-
-    def _check_rows(self, name: str, x: torch.Tensor, loc: torch.Tensor, tail: tuple[int, ...]) -> torch.Tensor:
+    def _check_rows(self, name: str, x: torch.Tensor, loc: SlotIds, tail: tuple[int, ...]) -> torch.Tensor:
         if loc.dim() != 1:
             raise InvalidArgumentError("loc", "a 1-D tensor of slot ids", tuple(loc.shape))
         if x.dim() == 2 and x.shape[1] == _prod(tail):
@@ -189,25 +205,23 @@ class MHATokenToKVPool(_KVPoolBase):
     def set_kv_buffer(
         self,
         layer,
-        loc: torch.Tensor,
+        loc: SlotIds,
         cache_k: torch.Tensor,
         cache_v: torch.Tensor,
         k_scale: Optional[float] = None,
         v_scale: Optional[float] = None,
     ) -> None:
-        """Write K/V of `loc.numel()` tokens (`[T, Hkv, D]` or `[T, Hkv*D]`) to slots `loc`; an fp8 pool
+        """Write K/V of `loc.numel()` tokens (`[T, Hkv, D]` or `[T, Hkv*D]`) to slots `loc` (a 1-D int
+        tensor, or a step's `CheckedSlots`) through `write_kv` (see the module docstring); an fp8 pool
         stores e4m3(x / scale) saturated (`attn_core.memory.fp8.quantize_kv`; None means 1)."""
         lid = self._check_layer(_layer_id(layer))
         k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
         cache_k = self._check_rows("cache_k", cache_k, loc, (self.head_num, self.head_dim))
         cache_v = self._check_rows("cache_v", cache_v, loc, (self.head_num, self.v_head_dim))
-        if self.kv_layout == "NHD":
-            self.k_buffer[lid][loc] = self._store(cache_k, k_scale)
-            self.v_buffer[lid][loc] = self._store(cache_v, v_scale)
-        else:
-            page, off = torch.div(loc, self.page_size, rounding_mode="floor"), loc % self.page_size
-            self.k_buffer[lid][page, :, off] = self._store(cache_k, k_scale)
-            self.v_buffer[lid][page, :, off] = self._store(cache_v, v_scale)
+        write_kv(
+            self._view(self.k_buffer[lid]), self._view(self.v_buffer[lid]), loc, cache_k, cache_v, k_scale=k_scale,
+            v_scale=v_scale, layout=self.kv_layout, page_size=self.page_size, fault=self._fault_word(loc),
+        )  # fmt: skip
 
 
 class MLATokenToKVPool(_KVPoolBase):
@@ -246,20 +260,21 @@ class MLATokenToKVPool(_KVPoolBase):
     def set_kv_buffer(
         self,
         layer,
-        loc: torch.Tensor,
+        loc: SlotIds,
         cache_k: torch.Tensor,
         cache_v: Optional[torch.Tensor] = None,
         k_scale: Optional[float] = None,
         v_scale: Optional[float] = None,
     ) -> None:
-        """Write latent rows `[T, 1, kv_lora_rank + qk_rope_head_dim]` to slots `loc` (cache_v is ignored:
-        the value is part of the latent; an fp8 pool stores e4m3(latent / k_scale) saturated)."""
+        """Write latent rows `[T, 1, kv_lora_rank + qk_rope_head_dim]` to slots `loc` through `write_kv`
+        (cache_v is ignored: the value is part of the latent; an fp8 pool stores e4m3(latent / k_scale)
+        saturated)."""
         lid = self._check_layer(_layer_id(layer))
         k_scale = check_scale("k_scale", k_scale)
         cache_k = self._check_rows("cache_k", cache_k, loc, (1, self.head_dim))
-        self.kv_buffer[lid][loc] = self._store(cache_k, k_scale)
+        write_kv(self._view(self.kv_buffer[lid]), None, loc, cache_k, k_scale=k_scale, fault=self._fault_word(loc))
 
-    def set_mla_kv_buffer(self, layer, loc: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor) -> None:
+    def set_mla_kv_buffer(self, layer, loc: SlotIds, k_nope: torch.Tensor, k_rope: torch.Tensor) -> None:
         """Write the latent from its two parts `[T, 1, kv_lora_rank]` and `[T, 1, qk_rope_head_dim]`."""
         self.set_kv_buffer(
             layer, loc, torch.cat([k_nope.reshape(-1, 1, self.kv_lora_rank), k_rope.reshape(-1, 1, self.qk_rope_head_dim)], dim=-1)

@@ -29,6 +29,7 @@ import torch
 from attn_core.errors import InvalidArgumentError, KVCacheError
 from attn_core.memory.allocator import IntSeq, PagedTokenAllocator, _as_list
 from attn_core.memory.pools import MHATokenToKVPool
+from attn_core.ops.kv_write import CheckedSlots, SlotIds, slot_ids
 
 Device = Union[str, torch.device]
 
@@ -219,12 +220,21 @@ class SlidingWindowKVPool:
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
 
-    def set_kv_buffer(self, layer, loc: torch.Tensor, cache_k, cache_v, k_scale=None, v_scale=None) -> None:
-        """Write K/V of the tokens at full slots `loc` (window layers: at their window slots)."""
+    @property
+    def device_faults(self):
+        """The fault word of raw-slot writes through this pool (the full pool's; see `MHATokenToKVPool`)."""
+        return self.full.device_faults
+
+    def set_kv_buffer(self, layer, loc: SlotIds, cache_k, cache_v, k_scale=None, v_scale=None) -> None:
+        """Write K/V of the tokens at full slots `loc` (window layers: at their window slots). The full
+        slots are checked first (`attn_core.ops.kv_write.slot_ids`: a slot outside the full pool is never
+        translated), so the window slots come out checked: a refused token writes the dummy slot 0."""
         lid = layer if isinstance(layer, int) else layer.layer_id
         pool, k = self._locate(lid)
         if lid in self.window_layers:
-            loc = self.window_slots(loc).long()
+            fault = self.full._fault_word(loc)
+            full = slot_ids(loc, self.num_slots, fault)
+            loc = CheckedSlots(self.window_slots(full).long(), self.window_pool.num_slots)
         pool.set_kv_buffer(k, loc, cache_k, cache_v, k_scale, v_scale)
 
 

@@ -1,0 +1,257 @@
+"""The step check of `attn_core.ops.step_checks` as one Triton kernel (its CUDA path; the interpreter
+runs it on CPU tensors for the tests, which compare it with `check_step_torch`).
+
+Grid `[bs]`: program r loads the whole batch's rows and lengths (masked block loads, O(bs)) for the
+prefix sums, totals and the duplicate-row test, checks request r, its keys' slots (chunks of CHUNK table
+entries) and its new tokens' slots, and writes their allowed slots. The last program zeroes the allowed
+slots of tokens no request covers. Every load is masked or its index clamped: the check itself cannot
+read out of bounds whatever the batch holds. Importing this module imports Triton.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from attn_core.ops.device_faults import FIRST_REQUEST_BASE, NUM_FAULT_KINDS, DeviceFaultKind
+from attn_core.ops.step_checks import StepTensors
+from attn_core.ops.triton_launch import CachedLaunch
+
+CHUNK = 256
+
+_NK = tl.constexpr(NUM_FAULT_KINDS)
+_BASE = tl.constexpr(FIRST_REQUEST_BASE)
+_ROW = tl.constexpr(int(DeviceFaultKind.REQUEST_ROW))
+_DUP = tl.constexpr(int(DeviceFaultKind.DUPLICATE_ROW))
+_LENGTH = tl.constexpr(int(DeviceFaultKind.LENGTH))
+_WIDTH = tl.constexpr(int(DeviceFaultKind.TABLE_WIDTH))
+_EXT = tl.constexpr(int(DeviceFaultKind.EXTEND_LENS))
+_START = tl.constexpr(int(DeviceFaultKind.START_LOC))
+_MASK = tl.constexpr(int(DeviceFaultKind.MASK_INDPTR))
+_KEY = tl.constexpr(int(DeviceFaultKind.KEY_SLOT))
+_CASC = tl.constexpr(int(DeviceFaultKind.CASCADE))
+_SEQ_TOTAL = tl.constexpr(int(DeviceFaultKind.SEQ_TOTAL))
+_EXT_TOTAL = tl.constexpr(int(DeviceFaultKind.EXTEND_TOTAL))
+_WSLOT = tl.constexpr(int(DeviceFaultKind.WRITE_SLOT))
+_WOWNER = tl.constexpr(int(DeviceFaultKind.WRITE_OWNER))
+
+
+@triton.jit
+def flag_request(FAULT, kind, r, bad):
+    """Flag `kind` in the fault word and offer request r as its first offender, where `bad` (scalar)."""
+    tl.store(FAULT + kind, 1, mask=bad)
+    tl.atomic_max(FAULT + _NK + kind, r * -1 + _BASE, mask=bad)
+
+
+@triton.jit(
+    do_not_specialize=["stride_row", "num_rows", "width", "bs", "num_tokens", "seq_total", "num_slots", "cascade_len"],
+    do_not_specialize_on_alignment=[
+        "REQ_TO_TOKEN", "REQ_POOL_INDICES", "SEQ_LENS", "ENC_LENS", "Q_LENS", "PREFIX_LENS", "START_LOC", "MASK_INDPTR",
+        "OUT_CACHE_LOC", "SAFE", "FAULT",
+    ],
+)  # fmt: skip
+def _step_check_kernel(
+    REQ_TO_TOKEN,
+    stride_row,
+    num_rows,
+    width,
+    REQ_POOL_INDICES,
+    SEQ_LENS,
+    ENC_LENS,
+    Q_LENS,
+    PREFIX_LENS,
+    START_LOC,
+    MASK_INDPTR,
+    OUT_CACHE_LOC,
+    SAFE,
+    FAULT,
+    bs,
+    num_tokens,
+    seq_total,
+    num_slots,
+    cascade_len,
+    BS_BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    MIN_SEQ: tl.constexpr,
+    HAS_ENC: tl.constexpr,
+    HAS_Q: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
+    HAS_START: tl.constexpr,
+    HAS_MASK_INDPTR: tl.constexpr,
+    HAS_WRITE: tl.constexpr,
+    HAS_SEQ_TOTAL: tl.constexpr,
+    CHECK_DUP: tl.constexpr,
+    CHECK_KEYS: tl.constexpr,
+    HAS_CASCADE: tl.constexpr,
+):
+    r = tl.program_id(0)
+    offs = tl.arange(0, BS_BLOCK)
+    inb = offs < bs
+    before = offs < r
+    rows_all = tl.load(REQ_POOL_INDICES + offs, mask=inb, other=0).to(tl.int64)
+    seq_all = tl.load(SEQ_LENS + offs, mask=inb, other=0).to(tl.int64)
+    if HAS_Q:
+        q_all = tl.load(Q_LENS + offs, mask=inb, other=0).to(tl.int64)
+    else:
+        q_all = inb.to(tl.int64)
+    qc_all = tl.maximum(q_all, 0)
+    q_beg = tl.sum(tl.where(before, qc_all, 0), 0)
+    q_total = tl.sum(qc_all, 0)
+
+    row = tl.load(REQ_POOL_INDICES + r).to(tl.int64)
+    seq = tl.load(SEQ_LENS + r).to(tl.int64)
+    enc = seq * 0
+    if HAS_ENC:
+        enc = tl.load(ENC_LENS + r).to(tl.int64)
+    q = seq * 0 + 1
+    if HAS_Q:
+        q = tl.load(Q_LENS + r).to(tl.int64)
+    qc = tl.maximum(q, 0)
+
+    never = r < 0  # a False of the scalar mask type
+    row_bad = (row < 0) | (row >= num_rows)
+    dup = never
+    if CHECK_DUP:
+        dup = tl.sum(tl.where(before & (rows_all == row), 1, 0), 0) > 0
+    len_bad = (seq < MIN_SEQ) | (enc < 0) | (q < 0)
+    width_bad = (len_bad == 0) & (enc + seq > width)
+    ext_bad = q > seq
+    if HAS_PREFIX:
+        ext_bad = ext_bad | (tl.load(PREFIX_LENS + r).to(tl.int64) != seq - q)
+    start_bad = never
+    if HAS_START:
+        start_bad = tl.load(START_LOC + r).to(tl.int64) != q_beg
+    mask_bad = never
+    if HAS_MASK_INDPTR:
+        sizes = qc_all * tl.maximum(seq_all, 0)
+        m_beg = tl.sum(tl.where(before, sizes, 0), 0)
+        mask_bad = tl.load(MASK_INDPTR + r).to(tl.int64) != m_beg
+        if r == bs - 1:
+            mask_bad = mask_bad | (tl.load(MASK_INDPTR + bs).to(tl.int64) != tl.sum(sizes, 0))
+    shape_ok = (row_bad | len_bad | width_bad) == 0
+    safe_row = tl.where(row_bad, 0, row)
+    n_keys = tl.where(shape_ok, enc + seq, 0).to(tl.int32)
+    src = REQ_TO_TOKEN + safe_row * stride_row
+
+    key_bad = never
+    if CHECK_KEYS:
+        for i in range(0, n_keys, CHUNK):
+            o = i + tl.arange(0, CHUNK)
+            m = o < n_keys
+            slots = tl.load(src + o, mask=m, other=1)
+            key_bad = key_bad | (tl.max((m & ((slots < 1) | (slots >= num_slots))).to(tl.int32), 0) > 0)
+    casc_bad = never
+    if HAS_CASCADE:
+        row0 = tl.load(REQ_POOL_INDICES).to(tl.int64)
+        src0 = REQ_TO_TOKEN + tl.where((row0 < 0) | (row0 >= num_rows), 0, row0) * stride_row
+        p = tl.minimum(cascade_len, width)
+        shared = tl.minimum(n_keys, p).to(tl.int32)
+        casc_bad = n_keys < p
+        if r > 0:
+            for i in range(0, shared, CHUNK):
+                o = i + tl.arange(0, CHUNK)
+                m = o < shared
+                mine = tl.load(src + o, mask=m, other=0)
+                theirs = tl.load(src0 + o, mask=m, other=0)
+                casc_bad = casc_bad | (tl.max((m & (mine != theirs)).to(tl.int32), 0) > 0)
+
+    req_bad = row_bad | dup | len_bad | width_bad | ext_bad | start_bad | mask_bad | key_bad | casc_bad
+    flag_request(FAULT, _ROW, r, row_bad)
+    flag_request(FAULT, _DUP, r, dup)
+    flag_request(FAULT, _LENGTH, r, len_bad)
+    flag_request(FAULT, _WIDTH, r, width_bad)
+    flag_request(FAULT, _EXT, r, ext_bad)
+    flag_request(FAULT, _START, r, start_bad)
+    flag_request(FAULT, _MASK, r, mask_bad)
+    flag_request(FAULT, _KEY, r, key_bad)
+    flag_request(FAULT, _CASC, r, casc_bad)
+
+    step_bad = q_total != num_tokens
+    if HAS_SEQ_TOTAL:
+        seq_sum = tl.sum(seq_all, 0)
+        step_bad = step_bad | (seq_sum != seq_total)
+        if r == 0:
+            tl.store(FAULT + _SEQ_TOTAL, 1, mask=seq_sum != seq_total)
+    if r == 0:
+        tl.store(FAULT + _EXT_TOTAL, 1, mask=q_total != num_tokens)
+
+    if HAS_WRITE:
+        q_eff = tl.minimum(qc, tl.maximum(num_tokens - q_beg, 0)).to(tl.int32)
+        first_col = enc + seq - q
+        slot_bad = never
+        owner_bad = never
+        for i in range(0, q_eff, CHUNK):
+            o = i + tl.arange(0, CHUNK)
+            m = o < q_eff
+            t = q_beg + o
+            loc = tl.load(OUT_CACHE_LOC + t, mask=m, other=0).to(tl.int64)
+            col = first_col + o
+            col_ok = (col >= 0) & (col < tl.where(shape_ok, width, 0))  # a vector mask (no scalar & vector)
+            expect = tl.load(src + col, mask=m & col_ok, other=-1).to(tl.int64)
+            in_pool = (loc >= 1) & (loc < num_slots)
+            owned = col_ok & (loc == expect)
+            slot_bad = slot_bad | (tl.max((m & ~in_pool).to(tl.int32), 0) > 0)
+            owner_bad = owner_bad | (tl.max((m & in_pool & ~owned).to(tl.int32), 0) > 0)
+            good = in_pool & owned & (tl.where((req_bad | step_bad) == 0, 1, 0) + o * 0 > 0)
+            tl.store(SAFE + t, tl.where(good, loc, 0), mask=m)
+        flag_request(FAULT, _WSLOT, r, slot_bad)
+        flag_request(FAULT, _WOWNER, r, owner_bad & (req_bad == 0))
+        if r == bs - 1:
+            for i in range(tl.minimum(q_total, num_tokens).to(tl.int32), num_tokens, CHUNK):
+                o = i + tl.arange(0, CHUNK)
+                tl.store(SAFE + o, tl.zeros([CHUNK], dtype=tl.int64), mask=o < num_tokens)
+
+
+def check_step_triton(s: StepTensors, safe: Optional[torch.Tensor], fault: torch.Tensor) -> None:
+    """`attn_core.ops.step_checks.check_step_torch`'s results in one launch (see the module docstring).
+    `safe`: int64, at least `s.num_tokens` entries (only the first num_tokens are written)."""
+    bs, T = s.batch_size, s.num_tokens
+    write = s.out_cache_loc is not None and safe is not None
+    if bs == 0:
+        if write and T:
+            safe[:T] = 0
+        return
+    r2t = s.req_to_token
+    dummy = s.seq_lens
+    _LAUNCH(
+        (bs,),
+        r2t,
+        r2t.stride(0),
+        r2t.shape[0],
+        r2t.shape[1],
+        s.req_pool_indices,
+        s.seq_lens,
+        s.encoder_lens if s.encoder_lens is not None else dummy,
+        s.q_lens if s.q_lens is not None else dummy,
+        s.prefix_lens if s.prefix_lens is not None else dummy,
+        s.start_loc if s.start_loc is not None else dummy,
+        s.mask_indptr if s.mask_indptr is not None else dummy,
+        s.out_cache_loc if write else dummy,
+        safe if write else fault,
+        fault,
+        bs,
+        T,
+        s.seq_total if s.seq_total is not None else 0,
+        s.num_slots,
+        s.cascade_len,
+        BS_BLOCK=max(16, 1 << (bs - 1).bit_length()),
+        CHUNK=CHUNK,
+        MIN_SEQ=1 if s.decode else 0,
+        HAS_ENC=s.encoder_lens is not None,
+        HAS_Q=s.q_lens is not None,
+        HAS_PREFIX=s.prefix_lens is not None,
+        HAS_START=s.start_loc is not None,
+        HAS_MASK_INDPTR=s.mask_indptr is not None,
+        HAS_WRITE=write,
+        HAS_SEQ_TOTAL=s.seq_total is not None,
+        CHECK_DUP=s.check_dup,
+        CHECK_KEYS=s.check_keys,
+        HAS_CASCADE=s.cascade_len > 0,
+        num_warps=4,
+    )
+
+
+_LAUNCH = CachedLaunch(_step_check_kernel)

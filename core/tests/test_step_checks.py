@@ -1,0 +1,194 @@
+"""The step check (`attn_core.ops.step_checks`): the torch reference against hand-made expectations, and
+the Triton kernel (interpreter, CPU tensors) against the torch reference on random spoiled batches."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from attn_core.batch_builder import build_forward_batch
+from attn_core.memory import MHATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
+from attn_core.ops.device_faults import FAULT_WORDS, DeviceFault, DeviceFaultKind
+from attn_core.ops.step_checks import StepTensors, check_step_torch
+
+K = DeviceFaultKind
+
+
+def _batch(mode: str, reqs, page_size: int = 4, seed: int = 0):
+    ps = page_size
+    pages = sum(-(-(p + e) // ps) for p, e in reqs) + 3
+    r2t = ReqToTokenPool(len(reqs) + 2, max(p + e for p, e in reqs) + ps)
+    kv = MHATokenToKVPool(pages * ps, ps, torch.float32, 1, 8, 1)
+    b = build_forward_batch(
+        mode, reqs, req_to_token_pool=r2t, allocator=PagedTokenAllocator(pages * ps, ps), token_to_kv_pool=kv,
+        generator=torch.Generator().manual_seed(seed),
+    )  # fmt: skip
+    return b, r2t, kv
+
+
+def _tensors(b, r2t, kv, **changes) -> StepTensors:
+    decode = b.forward_mode.is_decode()
+    s = StepTensors(
+        req_to_token=r2t.req_to_token,
+        req_pool_indices=b.req_pool_indices.clone(),
+        seq_lens=b.seq_lens.clone(),
+        num_tokens=b.num_tokens,
+        num_slots=kv.num_slots,
+        q_lens=None if decode else b.extend_seq_lens.clone(),
+        prefix_lens=None if decode else b.extend_prefix_lens.clone(),
+        start_loc=None if decode else b.extend_start_loc.clone(),
+        out_cache_loc=b.out_cache_loc.clone(),
+        seq_total=b.seq_lens_sum,
+        decode=decode,
+    )
+    for k, v in changes.items():
+        setattr(s, k, v)
+    return s
+
+
+def _run(s: StepTensors):
+    fault = torch.zeros(FAULT_WORDS, dtype=torch.int32)
+    safe = torch.full((s.num_tokens,), -7, dtype=torch.int64)
+    check_step_torch(s, safe, fault)
+    return DeviceFault.from_words(fault.tolist()), safe
+
+
+def test_valid_batches_pass_with_every_slot_allowed():
+    for mode, reqs in (("DECODE", [(5, 1), (9, 1), (1, 1)]), ("EXTEND", [(0, 7), (6, 3), (4, 0)]), ("MIXED", [(3, 1), (0, 5)])):
+        b, r2t, kv = _batch(mode, reqs)
+        fault, safe = _run(_tensors(b, r2t, kv))
+        assert fault is None, (mode, fault)
+        assert torch.equal(safe, b.out_cache_loc.to(torch.int64))
+
+
+def test_bad_row_drops_only_that_requests_writes_and_names_it():
+    b, r2t, kv = _batch("DECODE", [(5, 1), (9, 1), (2, 1)])
+    rpi = b.req_pool_indices.clone()
+    rpi[1] = -1
+    fault, safe = _run(_tensors(b, r2t, kv, req_pool_indices=rpi))
+    assert fault.kinds[0] == K.REQUEST_ROW and fault.first[K.REQUEST_ROW] == 1
+    assert fault.argument == "forward_batch.req_pool_indices" and fault.request == 1
+    want = b.out_cache_loc.clone().to(torch.int64)
+    want[1] = 0
+    assert torch.equal(safe, want)
+
+
+@pytest.mark.parametrize(
+    "what, kind, culprit",
+    [
+        ("slot -1", K.WRITE_SLOT, 0),
+        ("slot past the pool", K.WRITE_SLOT, 2),
+        ("duplicate slot", K.WRITE_OWNER, 1),
+        ("foreign slot", K.WRITE_OWNER, 2),
+        ("duplicate row", K.DUPLICATE_ROW, 1),
+        ("device seq_len longer", K.KEY_SLOT, 0),
+        ("key slot past the pool", K.KEY_SLOT, 1),
+    ],
+)
+def test_decode_faults(what, kind, culprit):
+    b, r2t, kv = _batch("DECODE", [(5, 1), (9, 1), (3, 1)])
+    s = _tensors(b, r2t, kv)
+    loc, rpi, seq = s.out_cache_loc, s.req_pool_indices, s.seq_lens
+    if what == "slot -1":
+        loc[0] = -1
+    elif what == "slot past the pool":
+        loc[2] = kv.num_slots
+    elif what == "duplicate slot":
+        loc[1] = loc[0]
+    elif what == "foreign slot":
+        loc[2] = r2t.req_to_token[int(rpi[0]), 0]
+    elif what == "duplicate row":
+        rpi[1] = rpi[0]
+    elif what == "device seq_len longer":
+        seq[0] += 1
+        s.seq_total = None  # the host total is not known: only the ownership of the new token tells
+    elif what == "key slot past the pool":
+        r2t.req_to_token[int(rpi[1]), 0] = kv.num_slots + 3
+    fault, safe = _run(s)
+    assert fault is not None and kind in fault.kinds, (what, fault)
+    assert fault.first.get(kind) == culprit, (what, fault)
+    assert int(safe[culprit]) == 0
+    others = [i for i in range(3) if i != culprit and (what != "duplicate row" or i != 0)]
+    for i in others:
+        assert int(safe[i]) == int(b.out_cache_loc[i]), (what, i)
+
+
+def test_extend_totals_and_offsets():
+    b, r2t, kv = _batch("EXTEND", [(0, 4), (5, 3), (2, 2)])
+    s = _tensors(b, r2t, kv)
+    s.start_loc[2] += 1
+    fault, safe = _run(s)
+    assert fault.kinds == (K.START_LOC,) and fault.first[K.START_LOC] == 2
+    assert safe[7:].tolist() == [0, 0] and torch.equal(safe[:7], b.out_cache_loc[:7].to(torch.int64))
+    s = _tensors(b, r2t, kv)
+    s.q_lens[0] += 1  # the device extend lengths no longer sum to the step's tokens: every write dropped
+    fault, safe = _run(s)
+    assert K.EXTEND_TOTAL in fault.kinds and not safe.any()
+    s = _tensors(b, r2t, kv)
+    s.seq_lens[1] += 2
+    s.prefix_lens[1] += 2
+    fault, safe = _run(s)
+    assert K.SEQ_TOTAL in fault.kinds and not safe.any()
+
+
+def _spoil(rng: random.Random, s: StepTensors, r2t, kv) -> str:
+    bs, T = s.batch_size, s.num_tokens
+    what = rng.choice(["none", "row", "rowdup", "seq", "q", "prefix", "start", "loc", "locdup", "table", "total", "cascade"])
+    r = rng.randrange(bs)
+    if what == "row":
+        s.req_pool_indices[r] = rng.choice([-1, r2t.req_to_token.shape[0], 10**6])
+    elif what == "rowdup" and bs > 1:
+        s.req_pool_indices[r] = s.req_pool_indices[(r + 1) % bs]
+    elif what == "seq":
+        s.seq_lens[r] += rng.choice([-50, -1, 1, 3, 10**5])
+    elif what == "q" and s.q_lens is not None:
+        s.q_lens[r] += rng.choice([-9, -1, 1, 2])
+    elif what == "prefix" and s.prefix_lens is not None:
+        s.prefix_lens[r] += rng.choice([-1, 1])
+    elif what == "start" and s.start_loc is not None:
+        s.start_loc[r] += rng.choice([-1, 1])
+    elif what == "loc" and T:
+        s.out_cache_loc[rng.randrange(T)] = rng.choice([-1, 0, kv.num_slots, kv.num_slots + 7, 10**9, rng.randrange(kv.num_slots)])
+    elif what == "locdup" and T > 1:
+        i, j = rng.sample(range(T), 2)
+        s.out_cache_loc[i] = s.out_cache_loc[j]
+    elif what == "table":
+        row = int(s.req_pool_indices[r]) % r2t.req_to_token.shape[0]
+        r2t.req_to_token[row, rng.randrange(r2t.req_to_token.shape[1])] = rng.choice([0, -3, kv.num_slots])
+    elif what == "total":
+        s.seq_total += rng.choice([-1, 1])
+    elif what == "cascade":
+        s.cascade_len = rng.choice([1, 2, 4, 100])
+    return what
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernel runs on CPU tensors under TRITON_INTERPRET=1")
+def test_triton_kernel_matches_torch_on_random_spoiled_batches():
+    from attn_core.ops.step_checks_triton import check_step_triton
+
+    rng = random.Random(3)
+    for trial in range(40):
+        mode = rng.choice(["DECODE", "EXTEND", "MIXED"])
+        bs = rng.randint(1, 6)
+        if mode == "DECODE":
+            reqs = [(rng.randint(1, 20), 1) for _ in range(bs)]
+        else:
+            reqs = [(rng.randint(0, 12), rng.randint(0 if i else 1, 6)) for i in range(bs)]
+            if mode == "MIXED":
+                reqs[0] = (rng.randint(1, 9), 1)
+        b, r2t, kv = _batch(mode, reqs, page_size=rng.choice([1, 4]), seed=trial)
+        s = _tensors(b, r2t, kv, check_dup=rng.random() < 0.8, check_keys=rng.random() < 0.8)
+        what = _spoil(rng, s, r2t, kv)
+        f_ref = torch.zeros(FAULT_WORDS, dtype=torch.int32)
+        safe_ref = torch.full((s.num_tokens,), -7, dtype=torch.int64)
+        check_step_torch(s, safe_ref, f_ref)
+        f_k = torch.zeros(FAULT_WORDS, dtype=torch.int32)
+        safe_k = torch.full((s.num_tokens,), -7, dtype=torch.int64)
+        check_step_triton(s, safe_k, f_k)
+        assert f_k.tolist() == f_ref.tolist(), (trial, mode, what, reqs)
+        assert torch.equal(safe_k, safe_ref), (trial, mode, what, reqs)
+        if what == "none":
+            assert not f_ref.any() and torch.equal(safe_ref, b.out_cache_loc.to(torch.int64)), (trial, mode, reqs)
