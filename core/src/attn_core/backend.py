@@ -157,6 +157,8 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
             raise UnsupportedFeatureError(self.name, f"forward mode {b.forward_mode.name}")
         level = effective_level(self.ctx)
         r2t, pool = self.req_to_token(b), self.kv_pool(b)
+        if b.request_guard is not None:
+            b.request_guard.check()
         check_forward_batch(b, r2t, pool, self.ctx, level=level)
         if b.cascade_prefix_len:
             from attn_core.cascade import check_cascade_prefix  # here: attn_core.cascade imports the wrappers package
@@ -270,6 +272,43 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         `max_num_tokens` tokens)."""
         raise UnsupportedFeatureError(self.name, "CUDA graphs")
 
+    def capture_graph_step(self, step: CudaGraphStep) -> None:
+        """Capture-time metadata for the graph batch `step` (`capture_cuda_graph_metadata`), its shape
+        remembered so every replay is checked against it (`replay_graph_step`). The entry point of the
+        graph runner, the draft wrapper, the kit and SGLang's `init_forward_metadata_capture_cuda_graph`."""
+        self.capture_cuda_graph_metadata(step)
+        nd = step.spec_info.num_draft_tokens if step.spec_info is not None else 0
+        self._graph_shapes[(step.forward_mode, step.bs)] = (step.num_tokens, nd)
+
+    def check_graph_shape(self, step: CudaGraphStep) -> None:
+        """`GraphShapeError` unless `step` has a shape captured by `capture_graph_step`: its (mode, bs)
+        bucket, its token count (tokens per request) and its draft count. A backend whose graphs were
+        captured some other way (none recorded) is not checked here."""
+        if not self._graph_shapes:
+            return
+        key = (step.forward_mode, step.bs)
+        if key not in self._graph_shapes:
+            sizes = sorted(bs for mode, bs in self._graph_shapes if mode is step.forward_mode)
+            raise GraphShapeError("bs", f"a batch size captured for {step.forward_mode.name} ({sizes})", step.bs)
+        tokens, nd = self._graph_shapes[key]
+        got_nd = step.spec_info.num_draft_tokens if step.spec_info is not None else 0
+        if got_nd != nd:
+            raise GraphShapeError("spec_info.num_draft_tokens", f"{nd} draft tokens per request, as captured", got_nd)
+        if step.num_tokens is not None and tokens is not None and step.num_tokens != tokens:
+            raise GraphShapeError("num_tokens", f"{tokens} tokens ({tokens // step.bs} per request), as captured", step.num_tokens)
+
+    def replay_graph_step(self, step: CudaGraphStep) -> None:
+        """Every graph replay's metadata goes through here (the graph runner, the draft wrapper, the kit,
+        SGLang's `init_forward_metadata_replay_cuda_graph`): raise what the fault word's host copy holds
+        (`DeviceFaultError`, no sync), refuse a shape that was not captured (`GraphShapeError`), refresh
+        the graph buffers (`replay_cuda_graph_metadata`), then queue the fault word's host copy (no sync),
+        which the next replay or step reads."""
+        self.raise_pending_fault()
+        self.check_graph_shape(step)
+        self.step_count += 1
+        self.replay_cuda_graph_metadata(step)
+        self.device_faults.snapshot(self.step_count)
+
     def init_forward_metadata_capture_cuda_graph(
         self,
         bs: int,
@@ -281,8 +320,8 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         spec_info: Optional[SpecInfo],
     ) -> None:
         """SGLang's capture entry point: the arguments as a `CudaGraphStep`, passed to
-        `capture_cuda_graph_metadata`."""
-        self.capture_cuda_graph_metadata(
+        `capture_graph_step` (`capture_cuda_graph_metadata`, the shape remembered)."""
+        self.capture_graph_step(
             CudaGraphStep(
                 forward_mode=forward_mode,
                 bs=bs,
@@ -306,8 +345,8 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         seq_lens_cpu: Optional[torch.Tensor],
     ) -> None:
         """SGLang's replay entry point: the arguments as a `CudaGraphStep`, passed to
-        `replay_cuda_graph_metadata`."""
-        self.replay_cuda_graph_metadata(
+        `replay_graph_step` (fault word read, shape checked, `replay_cuda_graph_metadata`)."""
+        self.replay_graph_step(
             CudaGraphStep(
                 forward_mode=forward_mode,
                 bs=bs,

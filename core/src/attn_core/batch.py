@@ -70,6 +70,9 @@ class ForwardBatch:
     #: same slots (a shared cached prefix) and backends declaring Feature.CASCADE attend to them once for
     #: all queries; 0: off. Host int; at most every request's cached prefix.
     cascade_prefix_len: int = 0
+    #: the requests a `build_step` batch was built from (`attn_core.requests.RequestGuard`): the backend
+    #: refuses the batch once one of them changed (`StaleRequestError`); None for batches built otherwise
+    request_guard: object = None
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,14 @@ backend's `replay_cuda_graph_metadata` before every replay. On a CPU (or with
 `use_cuda_graph=False`) the same capture / replay metadata calls run and the layers run eagerly on
 the static buffers instead of a graph replay, so the logic is testable anywhere. Padding follows
 `attn_core.graph_step.graph_padding`.
+
+Every `run` validates the batch as `init_forward_metadata` does (a graph replay is an entry point like
+any other): on the CPU every check at once (typed errors, nothing written); on a GPU the host checks,
+then the step check (`attn_core.ops.step_checks`) reads the batch's device tensors and writes the
+static `out_cache_loc` buffer the captured layers write through, with every refused token's slot the
+dummy 0 (one launch, in place of the plain copy of `out_cache_loc`; no sync); its faults surface at the
+next replay or step as `DeviceFaultError`. A replay whose shape differs from the capture (batch size
+bucket, tokens per request, draft count, inputs) is refused with `GraphShapeError`.
 """
 
 from __future__ import annotations
@@ -18,10 +26,14 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from attn_core.batch import ForwardBatch, SpecInfo
-from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.errors import GraphShapeError, InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 from attn_core.graph_step import CudaGraphStep, GraphPadding, graph_padding, graph_tokens_per_request
+from attn_core.ops.step_checks import check_step, step_tensors
 from attn_core.positions import positions_from_lens
+from attn_core.validation import FULL, check_forward_batch, effective_level
+
+InputShapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 LayerOutput = Union[torch.Tensor, tuple[torch.Tensor, ...]]
 #: run_layers(forward_batch, inputs) -> per-token output(s) `[num_tokens, ...]`; inputs maps each name of
@@ -33,8 +45,14 @@ class CudaGraphRunner:
     """Graphs of `run_layers` over `backend` for each size in `batch_sizes`.
 
     Captures DECODE, and TARGET_VERIFY too when the backend's graph level covers it and
-    `num_draft_tokens` (default: the context's speculative_num_draft_tokens) is > 0. `input_shapes`
-    names the per-token inputs of `run_layers`: name -> (shape after the token dim, dtype).
+    `num_draft_tokens` (default: the context's speculative_num_draft_tokens) is > 0.
+
+    `input_shapes` names the per-token inputs of `run_layers`: a dict name (str) -> (shape after the
+    token dimension: a tuple of ints >= 1, dtype: a `torch.dtype`); e.g. `{"x": ((4096,), torch.bfloat16)}`
+    makes a static `[max_tokens, 4096]` bfloat16 buffer that `run` fills from `inputs["x"]` (`[tokens,
+    4096]`, bfloat16, on the context's device). Anything else is refused at construction
+    (`InvalidArgumentError` naming `input_shapes[...]`), and an input of another shape, dtype or device at
+    `run` with `GraphShapeError` naming `inputs[...]`.
     Outputs of `run` are views into static buffers, valid until the next `run`.
     """
 
@@ -43,14 +61,13 @@ class CudaGraphRunner:
         backend,
         batch_sizes: Sequence[int],
         run_layers: RunLayers,
-        input_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+        input_shapes: InputShapes,
         *,
         num_draft_tokens: Optional[int] = None,
         use_cuda_graph: Optional[bool] = None,
     ):
-        sizes = sorted(set(int(b) for b in batch_sizes))
-        if not sizes or sizes[0] < 1:
-            raise InvalidArgumentError("batch_sizes", "a non-empty list of positive batch sizes", list(batch_sizes))
+        sizes = _batch_sizes(batch_sizes)
+        input_shapes = check_input_shapes(input_shapes)
         level = backend.capabilities.cuda_graph
         if not level.covers(ForwardMode.DECODE):
             raise UnsupportedFeatureError(backend.name, "CUDA graphs")
@@ -165,7 +182,7 @@ class CudaGraphRunner:
         self._write_padding(mode, pad, 0)
         seq_cpu = torch.full((bs,), pad.seq_len, dtype=torch.int32)
         tokens = pad.num_tokens
-        self.backend.capture_cuda_graph_metadata(self._graph_step(mode, bs, None))
+        self.backend.capture_graph_step(self._graph_step(mode, bs, None))
         if not self.use_cuda_graph:
             self._graphs[(mode, bs)] = (None, None)
             return
@@ -187,13 +204,25 @@ class CudaGraphRunner:
             return None
         return self._padding(mode, bs, self.batch_sizes).padded_bs
 
+    def _check_inputs(self, inputs: dict[str, torch.Tensor], tokens: int) -> None:
+        if not isinstance(inputs, dict) or set(inputs) != set(self.inputs):
+            found = sorted(inputs) if isinstance(inputs, dict) else type(inputs).__name__
+            raise GraphShapeError("inputs", f"tensors named {sorted(self.inputs)} (the captured inputs)", found)
+        for name, buf in self.inputs.items():
+            x = inputs[name]
+            want = (tokens, *buf.shape[1:])
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != want or x.dtype != buf.dtype or x.device != buf.device:
+                found = (tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise GraphShapeError(f"inputs[{name!r}]", f"a {buf.dtype} tensor of shape {want} on {buf.device}", found)
+
     def run(self, forward_batch: ForwardBatch, inputs: dict[str, torch.Tensor]) -> LayerOutput:
         """Run `forward_batch` (DECODE or TARGET_VERIFY, its pools the context's) through the graph of
-        the next captured size; returns the real rows of the layers' output(s)."""
+        the next captured size; returns the real rows of the layers' output(s). Validates the batch
+        first (see the module docstring): typed errors, nothing written."""
         b = forward_batch
         mode, bs = b.forward_mode, b.batch_size
         if self.captured_size(mode, bs) is None:
-            raise InvalidArgumentError(
+            raise GraphShapeError(
                 "forward_batch", f"a batch of 1..{self.batch_sizes[-1]} requests in a captured mode {self.modes}", (mode.name, bs)
             )
         pad = self._padding(mode, bs, self.batch_sizes)
@@ -202,11 +231,23 @@ class CudaGraphRunner:
             if getattr(b, pool) is not None and getattr(b, pool) is not getattr(self.ctx, pool):
                 raise InvalidArgumentError(f"forward_batch.{pool}", "the backend context's pool (graphs read it)", "another pool")
         tokens = bs * per
-        if set(inputs) != set(self.inputs):
-            raise InvalidArgumentError("inputs", f"tensors named {sorted(self.inputs)}", sorted(inputs))
+        self._check_inputs(inputs, tokens)
+        if mode.is_target_verify():
+            spec = b.spec_info
+            if spec is None or spec.custom_mask is None or spec.num_draft_tokens != per or b.extend_num_tokens != tokens:
+                found = None if spec is None else (spec.num_draft_tokens, b.extend_num_tokens)
+                raise GraphShapeError("forward_batch.spec_info", f"a custom mask and {per} draft tokens per request, as captured", found)
+        if b.request_guard is not None:
+            b.request_guard.check()
+        level = effective_level(self.ctx)
+        r2t, kv_pool = self.ctx.req_to_token_pool.req_to_token, self.ctx.token_to_kv_pool
+        check_forward_batch(b, r2t, kv_pool, self.ctx, level=level)
         self.req_pool_indices[:bs] = b.req_pool_indices
         self.seq_lens[:bs] = b.seq_lens
-        self.out_cache_loc[:tokens] = b.out_cache_loc
+        if level == FULL:
+            self.out_cache_loc[:tokens] = b.out_cache_loc
+        else:  # the step check writes the allowed slots into the static buffer the captured layers read
+            check_step(step_tensors(b, r2t, kv_pool.num_slots), self.out_cache_loc[:tokens], self.backend.device_faults.buffer)
         if b.positions is None:  # the engine's RoPE positions are optional: derive them from the lengths
             self.positions[:tokens] = positions_from_lens(b.seq_lens - per, torch.full_like(b.seq_lens, per), tokens)
         else:
@@ -216,8 +257,6 @@ class CudaGraphRunner:
         mask_end = 0
         if mode.is_target_verify():
             spec = b.spec_info
-            if spec is None or spec.custom_mask is None or spec.num_draft_tokens != per or b.extend_num_tokens != tokens:
-                raise InvalidArgumentError("forward_batch.spec_info", f"a custom mask and {per} draft tokens per request", spec)
             mask_end = per * b.seq_lens_sum
             if spec.custom_mask.numel() != mask_end or mask_end > self.spec_info.custom_mask.numel():
                 raise InvalidArgumentError(
@@ -227,7 +266,7 @@ class CudaGraphRunner:
             self.spec_info.mask_indptr[: bs + 1] = spec.mask_indptr
         self._write_padding(mode, pad, mask_end)
         seq_cpu = torch.cat([b.seq_lens_cpu, torch.full((gbs - bs,), pad.seq_len, dtype=b.seq_lens_cpu.dtype)])
-        self.backend.replay_cuda_graph_metadata(self._graph_step(mode, gbs, seq_cpu))
+        self.backend.replay_graph_step(self._graph_step(mode, gbs, seq_cpu))
         graph, out = self._graphs[(mode, gbs)]
         if graph is not None:
             graph.replay()
@@ -236,3 +275,49 @@ class CudaGraphRunner:
         if isinstance(out, tuple):
             return tuple(o[:tokens] for o in out)
         return out[:tokens]
+
+
+def _batch_sizes(batch_sizes) -> list[int]:
+    """The captured sizes, sorted and distinct: a non-empty sequence of ints >= 1 (`InvalidArgumentError`
+    naming `batch_sizes` otherwise). Example: [4, 1, 2, 2] -> [1, 2, 4]."""
+    try:
+        sizes = sorted({int(b) for b in batch_sizes if not isinstance(b, bool) and int(b) == b})
+        ok = len(sizes) == len(set(batch_sizes)) and bool(sizes) and sizes[0] >= 1
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise InvalidArgumentError("batch_sizes", "a non-empty list of positive integer batch sizes", _short(batch_sizes))
+    return sizes
+
+
+def check_input_shapes(input_shapes: object) -> InputShapes:
+    """`input_shapes` of `CudaGraphRunner` checked: a dict of str names to (shape, dtype), the shape a
+    tuple (or list) of ints >= 1 (the per-token dimensions after the token dimension; () for one value a
+    token), the dtype a `torch.dtype`. Returns it with shapes as tuples; raises `InvalidArgumentError`
+    naming `input_shapes` or `input_shapes[name]`.
+
+    Example: `check_input_shapes({"x": ([64], torch.float32)})` is `{"x": ((64,), torch.float32)}`;
+    `{"x": ((64,), "float32")}` raises ("input_shapes['x']: expected (shape, dtype) with a torch.dtype ...")."""
+    if not isinstance(input_shapes, dict):
+        raise InvalidArgumentError("input_shapes", "a dict of input name -> (shape after the token dim, torch.dtype)", type(input_shapes).__name__)
+    out: InputShapes = {}
+    for name, spec in input_shapes.items():
+        if not isinstance(name, str) or not name:
+            raise InvalidArgumentError("input_shapes", "non-empty str names", _short(name))
+        where = f"input_shapes[{name[:40]!r}]"
+        expected = "(shape, dtype) with a shape of ints >= 1 and a torch.dtype, e.g. ((4096,), torch.bfloat16)"
+        if not isinstance(spec, (tuple, list)) or len(spec) != 2:
+            raise InvalidArgumentError(where, expected, _short(spec))
+        shape, dtype = spec
+        if not isinstance(shape, (tuple, list)) or not isinstance(dtype, torch.dtype):
+            raise InvalidArgumentError(where, expected, _short(spec))
+        if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape):
+            raise InvalidArgumentError(where, expected, _short(spec))
+        out[name] = (tuple(shape), dtype)
+    return out
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters (error messages quote user values briefly)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

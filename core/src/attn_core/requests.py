@@ -18,6 +18,13 @@ Conventions:
 Pages shared by several requests are reference-counted here; a page goes back to the allocator (through
 its public `free`, with the slots the last holder owns in it) when its last holder is freed.
 
+Stale batches: every change of a request's tokens (a step built for it, `truncate`, `fork` of it,
+`free`) moves its row's *generation* on. A batch built by `build_step` remembers the generation of each
+of its requests (`RequestGuard`), and the backend's `init_forward_metadata` refuses it with
+`StaleRequestError` once any of them moved on: a freed request's K/V would land in slots the allocator
+already handed back, a truncated one's at positions it no longer owns. Token counts are integers:
+`truncate(req, 2.5)` or 2.5 new tokens raise `InvalidArgumentError` (never silently 2).
+
 Worked example (page_size 4): request A runs an 6-token prompt: slots [4, 5, 6, 7, 8, 9] (pages 1, 2).
 `fork(A, 6)` gives B with kv_len 4 sharing page 1 (slots 4..7); B's next 2 prompt tokens get page 3
 (slots 12, 13). Freeing A frees page 2; page 1 is freed with B.
@@ -26,11 +33,31 @@ Worked example (page_size 4): request A runs an 6-token prompt: slots [4, 5, 6, 
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from attn_core.errors import InvalidArgumentError, KVCacheError
+from attn_core.errors import InvalidArgumentError, KVCacheError, StaleRequestError
+
+
+def token_count(name: str, value: object, minimum: int = 0) -> int:
+    """`value` as a Python int >= `minimum`, or `InvalidArgumentError` naming `name`: a count of tokens is
+    an integer (int, numpy or 0-d integer tensor), never a float or a bool. Example: token_count("n", 3)
+    is 3; token_count("n", 2.5) raises ("n: expected an integer >= 0, found 2.5")."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_floating_point and value.dtype != torch.bool:
+        value = int(value)
+    if isinstance(value, (bool, np.bool_)):
+        n = None
+    else:
+        try:
+            n = operator.index(value)
+        except TypeError:
+            n = None
+    if n is None or n < minimum:
+        raise InvalidArgumentError(name, f"an integer >= {minimum}", value)
+    return n
 
 
 @dataclass(eq=False)
@@ -66,6 +93,12 @@ class RequestPool:
         self._live: dict[int, Request] = {}  # row -> request
         self._page_refs: dict[int, int] = {}  # page -> number of requests holding it
         self._ids = itertools.count()
+        #: generation of each row (host int64 `[rows]`): moves on whenever the row's request changes
+        self.generations = np.zeros(req_to_token_pool.size, dtype=np.int64)
+
+    def _touch(self, req: Request) -> None:
+        """The request's tokens changed: batches built before now are stale."""
+        self.generations[req.row] += 1
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def add(self) -> Request:
@@ -82,10 +115,12 @@ class RequestPool:
         their whole pages (copies nothing). Its `kv_len` is num_tokens rounded down to a page multiple;
         the engine runs the prompt from there on as new tokens."""
         self.check_live(parent, "parent")
+        num_tokens = token_count("num_tokens", num_tokens)
         if not 0 <= num_tokens <= parent.kv_len:
             raise InvalidArgumentError("num_tokens", f"0..{parent.kv_len} (the parent's kv_len)", num_tokens)
         shared = num_tokens // self.page_size * self.page_size
         child = self.add()
+        self._touch(parent)
         if shared:
             slots = parent.slots[:shared]
             self.req_to_token_pool.write(child.row, 0, torch.tensor(slots, dtype=torch.int64))
@@ -99,12 +134,14 @@ class RequestPool:
         """Drop the request's tokens kv_len.. (e.g. rejected draft tokens); their slots become spares
         its next tokens reuse. Raises when a dropped token sits in a page another request shares."""
         self.check_live(req)
+        kv_len = token_count("kv_len", kv_len)
         if not 0 <= kv_len <= req.kv_len:
             raise InvalidArgumentError("kv_len", f"0..{req.kv_len} (the request's kv_len)", kv_len)
         shared = [s for s in req.slots[kv_len : req.kv_len] if self._page_refs[s // self.page_size] > 1]
         if shared:
             raise InvalidArgumentError("kv_len", "a length that keeps every token of pages shared with a fork", kv_len)
         req.kv_len = kv_len
+        self._touch(req)
 
     def free(self, req: Request) -> None:
         """Return the request's row and every page no other request holds."""
@@ -121,6 +158,7 @@ class RequestPool:
             self.allocator.free(torch.tensor([s for s in req.slots if s // ps in gone], dtype=torch.int64))
         self.req_to_token_pool.free(req.row)
         del self._live[req.row]
+        self._touch(req)
         req.slots, req.kv_len = [], 0
 
     # ---- slots for a step -------------------------------------------------------------------------
@@ -130,9 +168,10 @@ class RequestPool:
         kv_len.., and kv_len advanced. Returns the new slots int64 `[sum(counts)]` on the host, in
         request order (a step's `out_cache_loc`)."""
         max_len = self.req_to_token_pool.max_context_len
+        counts = [token_count(f"counts[{i}]", n) for i, n in enumerate(counts)]
         prefix, seq, last, spare_used = [], [], [], []
         for i, (r, n) in enumerate(zip(reqs, counts)):
-            if n < 0 or r.kv_len + n > max_len:
+            if r.kv_len + n > max_len:
                 raise InvalidArgumentError(f"counts[{i}]", f"0..{max_len - r.kv_len} (max_context_len {max_len} - kv_len)", n)
             take = min(n, len(r.slots) - r.kv_len)
             spare_used.append(take)
@@ -161,6 +200,7 @@ class RequestPool:
             rows += [r.row] * n
             cols += range(r.kv_len, r.kv_len + n)
             r.kv_len += n
+            self._touch(r)
             out += new
         slots = torch.tensor(out, dtype=torch.int64)
         if out:
@@ -179,3 +219,27 @@ class RequestPool:
     def num_requests(self) -> int:
         """Running requests."""
         return len(self._live)
+
+    def guard(self, reqs: list[Request]) -> RequestGuard:
+        """A `RequestGuard` of these (live) requests as they are now: a batch built from them carries it."""
+        rows = np.fromiter((r.row for r in reqs), dtype=np.int64, count=len(reqs))
+        return RequestGuard(self, rows, self.generations[rows].copy())
+
+
+@dataclass(frozen=True, eq=False)
+class RequestGuard:
+    """The requests a batch was built from, as row generations (`RequestPool.generations`) at build time.
+    `check()` raises `StaleRequestError` naming the first request (its index in the batch) whose row has
+    moved on since: freed, truncated, forked or given another step. One numpy comparison of `[bs]`
+    arrays per step (a few microseconds at any batch size); no device work."""
+
+    pool: RequestPool
+    rows: np.ndarray
+    generations: np.ndarray
+
+    def check(self) -> None:
+        now = self.pool.generations[self.rows]
+        if not np.array_equal(now, self.generations):
+            i = int(np.flatnonzero(now != self.generations)[0])
+            expected = "a batch whose requests are as it was built (not freed, truncated, forked or stepped since)"
+            raise StaleRequestError(f"forward_batch.requests[{i}]", expected, f"request in row {int(self.rows[i])} changed since")

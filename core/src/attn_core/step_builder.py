@@ -16,7 +16,7 @@ from attn_core.batch import ForwardBatch, SpecInfo
 from attn_core.errors import InvalidArgumentError
 from attn_core.forward_mode import ForwardMode
 from attn_core.positions import extend_start_loc_from_lens, positions_from_lens
-from attn_core.requests import Request, RequestPool
+from attn_core.requests import Request, RequestPool, token_count
 
 #: the modes `build_step` builds; the plain three are inferred, the speculative two are asked for.
 STEP_MODES = (ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
@@ -63,19 +63,22 @@ def build_step(
     `chain_verify_mask`) and DRAFT_EXTEND are asked for. Raises `InvalidArgumentError` for bad work
     (nothing allocated) and `KVCacheError` when slots run out (nothing changes).
 
+    The batch remembers its requests as they are now (`batch.request_guard`): once one of them is freed,
+    truncated, forked or given another step, `init_forward_metadata` refuses the batch
+    (`StaleRequestError`). New token counts must be integers >= 1 (`InvalidArgumentError` naming
+    `work[i] new_tokens`; 2.5 is refused, not run as 2).
+
     Worked example: requests A (kv_len 5) and B (new), work [(A, 1), (B, 3)] -> MIXED, seq_lens [6, 3],
     extend_prefix_lens [5, 0], extend_seq_lens [1, 3], extend_start_loc [0, 1], positions [5, 0, 1, 2].
     """
     reqs = [r for r, _ in work]
-    counts = [int(n) for _, n in work]
     if not reqs:
         raise InvalidArgumentError("work", "at least one (request, new_tokens) pair", 0)
+    counts = [token_count(f"work[{i}] new_tokens", n, minimum=1) for i, (_, n) in enumerate(work)]
     for i, r in enumerate(reqs):
         requests.check_live(r, f"work[{i}]")
     if len({id(r) for r in reqs}) != len(reqs):
-        raise InvalidArgumentError("work", "each request at most once", [r.rid for r in reqs])
-    if min(counts) < 1:
-        raise InvalidArgumentError("work", "new_tokens >= 1 for every request", counts)
+        raise InvalidArgumentError("work", "each request at most once", [r.rid for r in reqs][:16])
     prefix = [r.kv_len for r in reqs]
     mode = step_mode(prefix, counts) if mode is None else ForwardMode.parse(mode)
     if mode not in STEP_MODES:
@@ -106,6 +109,7 @@ def build_step(
         req_to_token_pool=requests.req_to_token_pool,
         token_to_kv_pool=requests.token_to_kv_pool,
         attn_backend=attn_backend,
+        request_guard=requests.guard(reqs),
     )
     if mode.is_extend():
         batch.extend_prefix_lens, batch.extend_prefix_lens_cpu = lens[0], lens_cpu[0]

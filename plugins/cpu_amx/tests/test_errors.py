@@ -73,15 +73,18 @@ def test_forward_needs_the_metadata_of_its_batch():
 
 
 def test_slot_out_of_range_is_a_kv_cache_error():
-    """Validation "full" (the kit's) refuses it in core; at "basic" the C++ slot check still does."""
+    """Core's validation refuses it (on the CPU at any level: "basic" runs every "full" check); behind
+    it, the C++ slot check of the backend's own metadata build still does."""
     env, backend, layer, inputs = ready()
     row = int(env.batch.req_pool_indices[0])
     env.req_to_token_pool.req_to_token[row, 2] = env.kv_pool.num_slots + 5
     with pytest.raises(InvalidBatchError, match="req_to_token_pool"):
         backend.init_forward_metadata(env.batch)
     basic = CpuAmxBackend(dataclasses.replace(env.ctx, validation="basic"))
-    with pytest.raises(KVCacheError, match="slot"):
+    with pytest.raises(InvalidBatchError, match="req_to_token_pool"):
         basic.init_forward_metadata(env.batch)
+    with pytest.raises(KVCacheError, match="slot"):
+        basic.build_forward_metadata(env.batch)
 
 
 def test_unsupported_layer_features_refused():

@@ -126,10 +126,11 @@ class HybridAttnBackend(AttentionBackend[AttentionBackend]):
             b.init_cuda_graph_state(max_bs, max_num_tokens)
 
     def capture_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
-        self._graph_backend(step.forward_mode).capture_cuda_graph_metadata(step)
+        self._graph_backend(step.forward_mode).capture_graph_step(step)
 
     def replay_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
-        self._graph_backend(step.forward_mode).replay_cuda_graph_metadata(step)
+        # the child's replay entry: its fault word is read and its host copy refreshed too
+        self._graph_backend(step.forward_mode).replay_graph_step(step)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return self.decode.get_cuda_graph_seq_len_fill_value()

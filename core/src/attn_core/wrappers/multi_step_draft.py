@@ -33,6 +33,13 @@ Worked example (P = 4, topk = 2, num_steps = 2): the request in row 7 has L = 6 
     step 0: seq_lens [7, 7], positions [6, 6], out_cache_loc [50, 54]
     step 1: seq_lens [8, 8], positions [7, 7], out_cache_loc [51, 55]
 Without the copy (needs_page_aligned_draft_kv False) both rows start [20, 21, 22, 23, 40, 41].
+
+Checks (both paths): the requests' tensors are checked on the host (shapes, dtypes, devices, host
+lengths) before anything is built; on the CPU (and at validation "full") also their values: rows in the
+table and distinct, device lengths equal to the host copy, every cached key with a slot in the pool;
+on an accelerator at "basic" the rows are clamped into the table on the device (a row outside it reads
+row 0 and is recorded in the first step backend's fault word, REQUEST_ROW, raised as `DeviceFaultError`
+at its next step) and each step backend's own step check guards the draft slots. Nothing wraps around.
 """
 
 from __future__ import annotations
@@ -46,10 +53,13 @@ from attn_core.backend import AttentionBackend
 from attn_core.batch import ForwardBatch
 from attn_core.capabilities import Feature
 from attn_core.context import BackendContext
-from attn_core.errors import InvalidArgumentError, KVCacheError, UnsupportedFeatureError
+from attn_core.errors import GraphShapeError, InvalidArgumentError, KVCacheError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 from attn_core.graph_step import CudaGraphStep, GraphPadding, graph_padding
 from attn_core.memory import ReqToTokenPool, window_pool_of
+from attn_core.ops.device_faults import DeviceFaultKind
+from attn_core.ops.kv_write import record_first
+from attn_core.validation import FULL, effective_level
 
 StepFactory = Callable[[BackendContext, int], AttentionBackend]
 
@@ -165,6 +175,7 @@ class MultiStepDraftBackend:
         """Rows 0..bs*topk-1, columns 0..width-1 of the draft table (fixed shapes, no host sync)."""
         bs = rpi.shape[0]
         dev = loc.device
+        rpi = self._rows_in_table(rpi, r2t)
         L = seq_lens.to(torch.int64)[:, None, None]
         r = self._tail_len(seq_lens.to(torch.int64), valid)[:, None, None]
         col = torch.arange(width, device=dev, dtype=torch.int64)[None, None, :]
@@ -179,6 +190,7 @@ class MultiStepDraftBackend:
         if not self.page_aligned:
             return
         ps, dev = self.page_size, loc.device
+        rpi = self._rows_in_table(rpi, r2t)
         L = seq_lens.to(torch.int64)
         r = self._tail_len(L, valid)
         i = torch.arange(ps - 1, device=dev, dtype=torch.int64)
@@ -189,6 +201,52 @@ class MultiStepDraftBackend:
         src = src[:, None, :].expand_as(dst).reshape(-1)
         dst = dst.reshape(-1)  # masked entries copy dummy slot 0 onto itself
         _copy_kv_slots(pool, dst, src)
+
+    def _rows_in_table(self, rpi: torch.Tensor, r2t: torch.Tensor) -> torch.Tensor:
+        """Request rows clamped into the table (int64): a row outside it reads row 0, never wraps; on an
+        accelerator the refusal is recorded (REQUEST_ROW, first request) in the first step backend's
+        fault word (device ops, no sync; rows were checked on the host already on the CPU)."""
+        rpi = rpi.to(torch.int64)
+        bad = (rpi < 0) | (rpi >= r2t.shape[0])
+        if rpi.device.type != "cpu":
+            record_first(self.backends[0].device_faults.buffer, DeviceFaultKind.REQUEST_ROW, bad)
+        return torch.where(bad, torch.zeros_like(rpi), rpi)
+
+    def _check_requests(self, req_pool_indices, seq_lens, seq_lens_cpu, r2t: torch.Tensor, num_slots: int) -> None:
+        """The requests' tensors: shapes, dtypes, devices and host lengths always (no device work); on the
+        CPU or at validation "full" their values too (rows in the table and distinct, device lengths equal
+        to the host copy, a slot in [1, num_slots) for every cached key). `InvalidArgumentError` naming
+        the argument."""
+        bs = seq_lens_cpu.shape[0] if isinstance(seq_lens_cpu, torch.Tensor) and seq_lens_cpu.dim() == 1 else -1
+        dev = self.ctx.device
+        for name, x, dtypes, where in (
+            ("req_pool_indices", req_pool_indices, (torch.int32, torch.int64), dev),
+            ("seq_lens", seq_lens, (torch.int32,), dev),
+            ("seq_lens_cpu", seq_lens_cpu, (torch.int32, torch.int64), torch.device("cpu")),
+        ):
+            if not isinstance(x, torch.Tensor) or x.shape != (bs,) or x.dtype not in dtypes or x.device != where:
+                found = (x.dtype, tuple(x.shape), x.device) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise InvalidArgumentError(name, f"a {[str(d) for d in dtypes]} tensor of shape ({bs},) on {where}", found)
+        if not 1 <= bs <= self.ctx.max_batch_size:
+            raise InvalidArgumentError("seq_lens", f"1..{self.ctx.max_batch_size} requests", bs)
+        lo, hi = int(seq_lens_cpu.min()), int(seq_lens_cpu.max())
+        if lo < 0 or hi > self.ctx.max_context_len or hi > r2t.shape[1]:
+            limit = min(self.ctx.max_context_len, r2t.shape[1])
+            raise InvalidArgumentError("seq_lens_cpu", f"cached lengths in 0..{limit} (max_context_len, the table width)", (lo, hi))
+        if effective_level(self.ctx) != FULL:
+            return
+        rows = req_pool_indices.cpu().to(torch.int64)
+        if int(rows.min()) < 0 or int(rows.max()) >= r2t.shape[0] or rows.unique().numel() != bs:
+            raise InvalidArgumentError("req_pool_indices", f"distinct rows in [0, {r2t.shape[0]})", rows.tolist()[:16])
+        if not torch.equal(seq_lens.cpu().to(torch.int64), seq_lens_cpu.to(torch.int64)):
+            raise InvalidArgumentError("seq_lens", f"the values of seq_lens_cpu {seq_lens_cpu.tolist()[:16]}", seq_lens.cpu().tolist()[:16])
+        cols = torch.arange(max(hi, 1))
+        table = r2t.cpu()[rows][:, : max(hi, 1)].to(torch.int64)
+        visible = cols[None, :] < seq_lens_cpu.to(torch.int64)[:, None]
+        bad = visible & ((table < 1) | (table >= num_slots))
+        if bad.any():
+            r = int(bad.any(1).nonzero()[0])
+            raise InvalidArgumentError("req_to_token_pool", f"a slot in [1, {num_slots}) for every cached key of request {r}", "a key without one")
 
     def _step_batch(self, s: int, n_rows: int, rows, seq_lens, positions, out_cache_loc, host_lens: torch.Tensor, pool) -> ForwardBatch:
         step_cpu = (host_lens.to(torch.int32) + s + 1).repeat_interleave(self.topk)
@@ -260,18 +318,13 @@ class MultiStepDraftBackend:
         """Build the draft table (and the tail copies) and every step's metadata for requests with
         `seq_lens` (L_b, int32 `[bs]`, host copy `seq_lens_cpu`) cached tokens; returns the step batches.
         Pools default to the context's."""
-        bs = seq_lens_cpu.shape[0]
-        if not 1 <= bs <= self.ctx.max_batch_size or req_pool_indices.shape != (bs,) or seq_lens.shape != (bs,):
-            raise InvalidArgumentError(
-                "seq_lens", f"1..{self.ctx.max_batch_size} requests, with req_pool_indices and seq_lens of that length", bs
-            )
-        if int(seq_lens_cpu.max()) > self.ctx.max_context_len:
-            raise InvalidArgumentError("seq_lens", f"<= max_context_len={self.ctx.max_context_len}", int(seq_lens_cpu.max()))
         r2t_pool = req_to_token_pool or self.ctx.req_to_token_pool
         pool = token_to_kv_pool or self.ctx.token_to_kv_pool
         if r2t_pool is None or pool is None:
             raise InvalidArgumentError("req_to_token_pool/token_to_kv_pool", "pools given or in the context", None)
         r2t = r2t_pool.req_to_token
+        self._check_requests(req_pool_indices, seq_lens, seq_lens_cpu, r2t, pool.num_slots)
+        bs = seq_lens_cpu.shape[0]
         loc = self._loc(out_cache_loc, bs)
         if self.check_layout:
             self._check_slots(r2t, req_pool_indices, seq_lens_cpu, loc)
@@ -371,7 +424,7 @@ class MultiStepDraftBackend:
         self._stage(pad, empty, empty.to(torch.int32), empty)
         batches = self._graph_step_batches(bs, torch.full((bs,), pad.prefix_len, dtype=torch.int32))
         for s, b in enumerate(batches):
-            self.backends[s].capture_cuda_graph_metadata(CudaGraphStep.from_batch(b, with_host_lens=False))
+            self.backends[s].capture_graph_step(CudaGraphStep.from_batch(b, with_host_lens=False))
         self._captured.add(bs)
         return batches
 
@@ -389,7 +442,10 @@ class MultiStepDraftBackend:
         self._require_graph(bs)
         n = req_pool_indices.shape[0]
         if bs not in self._captured or not 1 <= n <= bs or seq_lens.shape != (n,):
-            raise InvalidArgumentError("bs", f"a captured size {sorted(self._captured)} >= the {n} requests given", bs)
+            raise GraphShapeError("bs", f"a captured size {sorted(self._captured)} >= the {n} requests given", bs)
+        if seq_lens_cpu is not None:
+            self._check_requests(req_pool_indices, seq_lens, seq_lens_cpu, self.ctx.req_to_token_pool.req_to_token,
+                                 self.ctx.token_to_kv_pool.num_slots)
         pad = self._padding(n, bs)
         L = self._stage(pad, req_pool_indices, seq_lens, out_cache_loc)
         if seq_lens_cpu is None:
@@ -398,7 +454,7 @@ class MultiStepDraftBackend:
             host = torch.cat([seq_lens_cpu.to(torch.int32), torch.full((bs - n,), pad.prefix_len, dtype=torch.int32)])
         batches = self._graph_step_batches(bs, host)
         for s, b in enumerate(batches):
-            self.backends[s].replay_cuda_graph_metadata(CudaGraphStep.from_batch(b))
+            self.backends[s].replay_graph_step(CudaGraphStep.from_batch(b))
         return batches
 
 

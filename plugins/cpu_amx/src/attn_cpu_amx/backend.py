@@ -26,6 +26,7 @@ from attn_core.backend import AttentionBackend
 from attn_core.batch import ForwardBatch
 from attn_core.context import dtype_name
 from attn_core.errors import BackendUnavailableError, InvalidArgumentError, KVCacheError, UnsupportedFeatureError
+from attn_core.memory.pools import kv_scales
 from attn_cpu_amx import isa as cpu_isa
 from attn_cpu_amx.build import load_kernels
 from attn_cpu_amx.spec import CAPABILITIES, MAX_HEAD_DIM
@@ -119,6 +120,7 @@ class CpuAmxBackend(AttentionBackend[_Metadata]):
         meta: _Metadata = self.forward_metadata
         if sinks is not None and (sinks.device.type != "cpu" or not sinks.dtype.is_floating_point):
             raise InvalidArgumentError("sinks", "a floating-point CPU tensor", (sinks.device, sinks.dtype))
+        k_scale, v_scale = kv_scales(layer, self.kv_pool(batch))  # core's scale check (typed error), before any write
         pool = self.save_kv(k, v, layer, batch) if save_kv_cache else self.kv_pool(batch)
         T, hq = q.shape[0], layer.num_q_heads
         out = torch.empty((T, hq, layer.v_head_dim), dtype=q.dtype)
@@ -139,8 +141,8 @@ class CpuAmxBackend(AttentionBackend[_Metadata]):
                 meta.mask,
                 meta.mask_indptr,
                 None if sinks is None else sinks.to(torch.float32).contiguous(),
-                layer.scaling * (layer.k_scale or 1.0),
-                layer.v_scale or 1.0,
+                layer.scaling * k_scale,
+                v_scale,
                 layer.logit_cap,
                 layer.sliding_window_size or 0,
                 self._path_id,

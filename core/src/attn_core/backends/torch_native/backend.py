@@ -11,6 +11,14 @@ window, translate to the dummy slot and are masked). K/V are read by slot from e
 over the shared keys) and suffix pass (each request over keys cascade_prefix_len … seq_len-1); plain
 causal layers run both and merge them by LSE. In CUDA-graph mode the widths are fixed
 (W = max_context_len) and replay rewrites the tables in place.
+
+Bounds: every gather clamps its indices (request rows into the table, columns into its width, key
+slots into the pool, query rows into the step's tokens), so a batch the host checks could not see
+through (device tensors on a GPU at validation "basic", a graph replay) never reads out of bounds: a
+request row outside the table gives that request no keys, a slot outside the pool reads nothing (the
+key is masked), and the step check (`attn_core.ops.step_checks`) or, in graph replays, these builds
+record the fault. Masked keys add exactly nothing: V entries that are not finite are zeroed before the
+P·V product and a query that *sees* such a key gets NaN (so 0 · Inf never turns a masked key into NaN).
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ from attn_core.forward_mode import ForwardMode
 from attn_core.graph_step import CudaGraphStep
 from attn_core.memory.pools import kv_scales, token_rows
 from attn_core.memory.window_pool import window_pool_of
+from attn_core.ops.device_faults import DeviceFaultKind
+from attn_core.ops.kv_write import record_first
 from attn_core.ops.merge_state import merge_state
 
 
@@ -74,23 +84,37 @@ def _build_metadata(
     spec_info: Optional[SpecInfo],
     use_custom_mask: bool,
     kv_start: int = 0,
+    num_slots: Optional[int] = None,
+    fault: Optional[torch.Tensor] = None,
 ) -> _Metadata:
     """The padded tables of the module docstring; with `kv_start` s each request's keys are its
-    decoder keys s … seq_len-1 (positions counted from s)."""
+    decoder keys s … seq_len-1 (positions counted from s). Every gather is clamped (see the module
+    docstring); with `fault`, request rows outside the table and key slots outside [0, num_slots) are
+    recorded in that fault word (device ops, no sync)."""
     dev = req_to_token.device
     max_col = req_to_token.shape[1] - 1
-    rows = req_pool_indices.to(torch.int64)[:, None]
-    seq = seq_lens.to(torch.int64) - kv_start
+    rows_in = req_pool_indices.to(torch.int64)
+    row_ok = (rows_in >= 0) & (rows_in < req_to_token.shape[0])
+    record_first(fault, DeviceFaultKind.REQUEST_ROW, ~row_ok)
+    rows = torch.where(row_ok, rows_in, 0)[:, None]
+    seq = torch.where(row_ok, seq_lens.to(torch.int64), 0) - kv_start
     qi = torch.arange(q_width, device=dev)
-    q_valid = qi[None, :] < q_lens.to(torch.int64)[:, None]
-    q_rows = torch.where(q_valid, q_start.to(torch.int64)[:, None] + qi, num_tokens)
+    q_valid = (qi[None, :] < q_lens.to(torch.int64)[:, None]) & row_ok[:, None]
+    q_rows = q_start.to(torch.int64)[:, None] + qi
+    q_valid = q_valid & (q_rows >= 0) & (q_rows < num_tokens)
+    q_rows = torch.where(q_valid, q_rows, num_tokens)
     q_pos = (seq - q_lens.to(torch.int64))[:, None] + qi
 
     kj = torch.arange(width, device=dev)
     kv_valid = kj[None, :] < seq[:, None]
     enc = torch.zeros_like(seq) if encoder_lens is None else encoder_lens.to(torch.int64)
-    cols = (enc[:, None] + kv_start + kj).clamp(max=max_col)
-    slots = torch.where(kv_valid, req_to_token[rows, cols].to(torch.int64), 0)
+    cols = (enc[:, None] + kv_start + kj).clamp(0, max_col)
+    slots = req_to_token[rows, cols].to(torch.int64)
+    if num_slots is not None:
+        in_pool = (slots >= 0) & (slots < num_slots)
+        record_first(fault, DeviceFaultKind.SLOT, (kv_valid & ~in_pool).any(1))
+        kv_valid = kv_valid & in_pool
+    slots = torch.where(kv_valid, slots, 0)
     allowed = kv_valid[:, None, :] & q_valid[:, :, None]
     if use_custom_mask:
         mask, indptr = spec_info.custom_mask, spec_info.mask_indptr.to(torch.int64)
@@ -103,7 +127,10 @@ def _build_metadata(
     if encoder_lens is not None:
         ej = torch.arange(encoder_width, device=dev)
         e_valid = ej[None, :] < enc[:, None]
-        e_slots = torch.where(e_valid, req_to_token[rows, ej.clamp(max=max_col)[None, :]].to(torch.int64), 0)
+        e_slots = req_to_token[rows, ej.clamp(max=max_col)[None, :]].to(torch.int64)
+        if num_slots is not None:
+            e_valid = e_valid & (e_slots >= 0) & (e_slots < num_slots)
+        e_slots = torch.where(e_valid, e_slots, 0)
         meta.cross_keys = _KeyTable(e_slots, e_valid[:, None, :] & q_valid[:, :, None])
     return meta
 
@@ -112,7 +139,8 @@ def _prefix_metadata(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
     """A cascade's prefix pass: all `num_tokens` queries as one group over the first request's first
     `p` key slots (shared by every request), every key visible to every query."""
     dev = req_to_token.device
-    slots = req_to_token[req_pool_indices[:1].to(torch.int64), :p].to(torch.int64)  # [1, p]
+    row = req_pool_indices[:1].to(torch.int64).clamp(0, req_to_token.shape[0] - 1)
+    slots = req_to_token[row, :p].to(torch.int64)  # [1, p]
     q_rows = torch.arange(num_tokens, device=dev)[None, :]
     allowed = torch.ones((1, num_tokens, p), dtype=torch.bool, device=dev)
     return _Metadata(num_tokens=num_tokens, q_rows=q_rows, q_pos=q_rows + p, self_keys=_KeyTable(slots, allowed))
@@ -154,6 +182,7 @@ class TorchNativeBackend(AttentionBackend[_Metadata]):
             encoder_width=max(int(b.encoder_lens_cpu.max()), 1) if b.encoder_lens_cpu is not None else 0,
             spec_info=b.spec_info,
             use_custom_mask=_has_custom_mask(b.forward_mode, b.spec_info),
+            num_slots=self.kv_pool(b).num_slots,
         )
         meta = _build_metadata(**args)
         p = b.cascade_prefix_len
@@ -188,6 +217,8 @@ class TorchNativeBackend(AttentionBackend[_Metadata]):
             encoder_width=width,
             spec_info=step.spec_info,
             use_custom_mask=_has_custom_mask(mode, step.spec_info),
+            num_slots=self.ctx.token_to_kv_pool.num_slots if self.ctx.token_to_kv_pool is not None else None,
+            fault=self.device_faults.buffer,
         )
 
     def capture_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
@@ -272,9 +303,15 @@ def _attention(q, keys, vals, allowed, meta: _Metadata, layer, sinks, return_lse
     width = keys.shape[1]
 
     keys = keys.to(cd)
-    # padding reads the dummy slot, whose contents are garbage: zero those values so 0 * garbage is 0
-    vals = vals.to(cd).masked_fill(~allowed.any(dim=1)[:, :, None, None], 0.0)
+    # masked keys add nothing whatever their values (0 · Inf would be NaN): V entries that are not finite
+    # are zeroed, and a query that sees such a key is given NaN below (its output is not finite either way)
+    vals = vals.to(cd)
+    finite = torch.isfinite(vals)
+    bad_key = ~finite.all(dim=-1)  # [bs, W, Hkv]
+    vals = torch.where(finite, vals, torch.zeros((), dtype=cd, device=vals.device))
     keys, vals = keys * scales[0], vals * scales[1]  # dequantize: x = stored · scale
+    # [bs, Hkv, Lq]: the query rows that see a key whose V was not finite
+    sees_bad = torch.einsum("bqw,bwk->bkq", allowed.to(torch.float32), bad_key.to(torch.float32)) > 0
     q_pad = torch.cat([q.to(cd), q.new_zeros((1, hq, d), dtype=cd)])
     qb = q_pad[meta.q_rows].view(bs, q_width, hkv, group, d)
     sink = None if sinks is None else sinks.to(cd).view(1, hkv, group, 1)
@@ -297,6 +334,8 @@ def _attention(q, keys, vals, allowed, meta: _Metadata, layer, sinks, return_lse
         if sink is not None:
             denom = denom + torch.exp(sink - m)
         o = torch.einsum("bkgqw,bwkd->bqkgd", e, vals)
+        poisoned = sees_bad[:, :, c0:c1].permute(0, 2, 1)[:, :, :, None, None]  # [bs, q, Hkv, 1, 1]
+        o = o.masked_fill(poisoned, float("nan"))
         inv = torch.where(denom > 0, 1.0 / denom, torch.zeros_like(denom)).permute(0, 3, 1, 2)
         rows = meta.q_rows[:, c0:c1].reshape(-1)
         out.index_copy_(0, rows, (o * inv[..., None]).reshape(-1, hkv, group, dv))

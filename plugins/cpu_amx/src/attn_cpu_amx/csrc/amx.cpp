@@ -9,6 +9,10 @@
 // Per group of up to MG rows (q rows packed once per item as qa [rows, D]):
 //   s [MG, BK] = Q K^T on tiles; row-wise softmax into P (bf16) with a lazy max; rows whose max moved
 //   are rescaled; o += P V on tiles loaded from and stored to o.
+// Masked keys add nothing whatever their V: a tile product adds P * V for every key of the block, and
+// 0 * Inf is NaN, so staging zeroes V entries that are not finite (bf16 exponent all ones) and marks
+// their keys (vbad); a row that sees a marked key is poisoned (its output NaN, as its true value is not
+// finite), every other row is exact.
 #include <cmath>
 #include <cstring>
 
@@ -142,7 +146,8 @@ inline __m512 exp2_small(__m512 y) {
 // not (or on the row's first block) is the block max taken and alpha = 2^(mx_old - mx_new) set.
 // Row sums accumulate lane-wise in lsum [rows, 16] (reduced by `finish`). Padding rows get P = 0.
 template <int BK>
-inline void softmax_rows(const float* s, uint16_t* pb, float* lsum, Work& w, int r0, int M, int MP, bool full, float pre, float cap) {
+inline void softmax_rows(const float* s, uint16_t* pb, float* lsum, uint8_t* poison, uint64_t vbad, Work& w, int r0, int M, int MP,
+                         bool full, float pre, float cap) {
   constexpr int NV = BK / 16;
   const __m512 ninf = _mm512_set1_ps(-INFINITY);
   const __m512 vpre = _mm512_set1_ps(pre);
@@ -167,6 +172,10 @@ inline void softmax_rows(const float* s, uint16_t* pb, float* lsum, Work& w, int
           km[v] &= _mm_test_epi8_mask(bytes, bytes);
         }
       }
+    }
+    if (vbad != 0) {  // does this row see a key whose V was not finite?
+      for (int v = 0; v < NV; ++v)
+        if (km[v] & static_cast<__mmask16>(vbad >> (16 * v))) poison[r] = 1;
     }
     for (int v = 0; v < NV; ++v) {
       x[v] = _mm512_mul_ps(_mm512_loadu_ps(s + m * BK + 16 * v), vpre);
@@ -215,10 +224,13 @@ struct AmxOps {
     float* s;      // [MG, BK] scores of a group
     uint16_t* pb;  // [MG, BK] P of a group
     float* lsum;   // [kMaxRows, 16] lane-wise row sums
+    uint8_t* poison;  // [kMaxRows] rows that saw a key whose V was not finite
+    uint64_t* vbad;   // [1] keys of the staged block whose V was not finite (bit j: key j)
   };
   static size_t extra_bytes(const Params& p) {
     return align64(static_cast<size_t>(kMaxRows) * p.d * 2) + align64(static_cast<size_t>(BK) * p.d * 2) +
-           align64(static_cast<size_t>(BK) * p.dv * 2) + align64(MG * BK * 4) + align64(MG * BK * 2) + align64(kMaxRows * 16 * 4);
+           align64(static_cast<size_t>(BK) * p.dv * 2) + align64(MG * BK * 4) + align64(MG * BK * 2) + align64(kMaxRows * 16 * 4) +
+           align64(kMaxRows) + align64(8);
   }
   static Ext ext(const Params& p, Work& w) {
     Ext e;
@@ -234,6 +246,10 @@ struct AmxOps {
     e.pb = reinterpret_cast<uint16_t*>(s);
     s += align64(MG * BK * 2);
     e.lsum = reinterpret_cast<float*>(s);
+    s += align64(kMaxRows * 16 * 4);
+    e.poison = reinterpret_cast<uint8_t*>(s);
+    s += align64(kMaxRows);
+    e.vbad = reinterpret_cast<uint64_t*>(s);
     return e;
   }
 
@@ -255,12 +271,19 @@ struct AmxOps {
     for (int m = 0; m < R; ++m) std::memcpy(e.qa + static_cast<int64_t>(m) * D, w.qrows[m], static_cast<size_t>(D) * 2);
     for (int m = R; m < RP; ++m) std::memset(e.qa + static_cast<int64_t>(m) * D, 0, static_cast<size_t>(D) * 2);
     std::memset(e.lsum, 0, static_cast<size_t>(R) * 16 * 4);
+    std::memset(e.poison, 0, static_cast<size_t>(R));
   }
 
-  // Row sums: w.l = the lanes of lsum.
+  // Row sums: w.l = the lanes of lsum; rows that saw a key whose V was not finite get a NaN output.
   static void finish(const Params& p, Work& w) {
     const Ext e = ext(p, w);
-    for (int m = 0; m < w.rows; ++m) w.l[m] = _mm512_reduce_add_ps(_mm512_loadu_ps(e.lsum + m * 16));
+    for (int m = 0; m < w.rows; ++m) {
+      w.l[m] = _mm512_reduce_add_ps(_mm512_loadu_ps(e.lsum + m * 16));
+      if (e.poison[m]) {
+        float* o = w.o + static_cast<int64_t>(m) * p.dv;
+        for (int c = 0; c < p.dv; ++c) o[c] = NAN;
+      }
+    }
   }
 
   // K^T and V of the block in VNNI pairs (zeros for keys outside [ulo, uhi)).
@@ -288,6 +311,8 @@ struct AmxOps {
                                             2, 33, 1, 32, 0);
     const __m512i hi_idx = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24, 55, 23, 54, 22, 53, 21, 52, 20, 51,
                                             19, 50, 18, 49, 17, 48, 16);
+    const __m512i exp_bits = _mm512_set1_epi16(0x7F80);  // a bf16 with every exponent bit set: Inf or NaN
+    uint64_t vbad = 0;
     for (int r = 0; r < BK / 2; ++r) {
       const int j = 2 * r;
       uint16_t* dst = e.vp + static_cast<int64_t>(r) * DV * 2;
@@ -299,12 +324,21 @@ struct AmxOps {
       const uint16_t* v0 = in0 ? vbase + static_cast<int64_t>(slots[j]) * p.v_slot_stride : kZeroBf16;
       const uint16_t* v1 = in1 ? vbase + static_cast<int64_t>(slots[j + 1]) * p.v_slot_stride : kZeroBf16;
       for (int c = 0; c < DV; c += 32) {
-        const __m512i a = _mm512_loadu_si512(v0 + c);
-        const __m512i b = _mm512_loadu_si512(v1 + c);
+        __m512i a = _mm512_loadu_si512(v0 + c);
+        __m512i b = _mm512_loadu_si512(v1 + c);
+        const __mmask32 na = _mm512_cmpeq_epi16_mask(_mm512_and_si512(a, exp_bits), exp_bits);
+        const __mmask32 nb = _mm512_cmpeq_epi16_mask(_mm512_and_si512(b, exp_bits), exp_bits);
+        if (na | nb) {  // not finite: zero it (a masked key adds exactly 0) and mark the key
+          a = _mm512_maskz_mov_epi16(static_cast<__mmask32>(~na), a);
+          b = _mm512_maskz_mov_epi16(static_cast<__mmask32>(~nb), b);
+          if (na) vbad |= uint64_t{1} << j;
+          if (nb) vbad |= uint64_t{1} << (j + 1);
+        }
         _mm512_storeu_si512(dst + 2 * c, _mm512_permutex2var_epi16(a, lo_idx, b));
         _mm512_storeu_si512(dst + 2 * c + 32, _mm512_permutex2var_epi16(a, hi_idx, b));
       }
     }
+    *e.vbad = vbad;
   }
 
   static void group(const Params& p, Work& w, int r0, int M, int ulo, int uhi, bool full) {
@@ -324,7 +358,7 @@ struct AmxOps {
         tile_block_any<false>(na, 2, a, D * 2, 32, b, BK * 4, static_cast<int64_t>(32) * BK, D / 32, c, BK * 4);
       }
     }
-    softmax_rows<BK>(e.s, e.pb, e.lsum, w, r0, M, MP, full, p.scale * (p.cap > 0.f ? 1.f : kLog2e), p.cap);
+    softmax_rows<BK>(e.s, e.pb, e.lsum, e.poison, *e.vbad, w, r0, M, MP, full, p.scale * (p.cap > 0.f ? 1.f : kLog2e), p.cap);
     // o = o * alpha (rows whose max moved), then o += P V on tiles loaded from and stored to o
     for (int m = 0; m < M; ++m) {
       const float al = w.alpha[r0 + m];

@@ -143,6 +143,8 @@ inline void qk_dot_2x8(const float* q0, const float* q1, const float* kb, int BK
 }
 
 // o[r, dc ..] = o[r, dc ..] * alpha[r] + sum_j pt[j, r] V[j, dc ..] for rows r < nr (<= 4), 16*NZ channels.
+// A key with P = 0 for a row (masked for it) is not added to that row at all (a masked fmadd), so a V
+// that is not finite never turns 0 * V into NaN for a row that does not see it.
 template <int NZ>
 inline void pv_tile(float* o, int DV, int nr, const float* alpha, const float* pt, int MP, const float* const* vrow, int dc, int ulo, int uhi) {
   __m512 acc[4][NZ];
@@ -157,7 +159,8 @@ inline void pv_tile(float* o, int DV, int nr, const float* alpha, const float* p
     const float* pp = pt + j * MP;
     for (int r = 0; r < 4; ++r) {
       const __m512 pr = _mm512_set1_ps(pp[r]);
-      for (int z = 0; z < NZ; ++z) acc[r][z] = _mm512_fmadd_ps(v[z], pr, acc[r][z]);
+      const __mmask16 seen = pp[r] != 0.f ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>(0);
+      for (int z = 0; z < NZ; ++z) acc[r][z] = _mm512_mask3_fmadd_ps(v[z], pr, acc[r][z], seen);
     }
   }
   for (int r = 0; r < nr; ++r)
