@@ -299,7 +299,8 @@ def check_input_shapes(input_shapes: object) -> InputShapes:
     Example: `check_input_shapes({"x": ([64], torch.float32)})` is `{"x": ((64,), torch.float32)}`;
     `{"x": ((64,), "float32")}` raises ("input_shapes['x']: expected (shape, dtype) with a torch.dtype ...")."""
     if not isinstance(input_shapes, dict):
-        raise InvalidArgumentError("input_shapes", "a dict of input name -> (shape after the token dim, torch.dtype)", type(input_shapes).__name__)
+        expected = "a dict of input name -> (shape after the token dim, torch.dtype)"
+        raise InvalidArgumentError("input_shapes", expected, type(input_shapes).__name__)
     out: InputShapes = {}
     for name, spec in input_shapes.items():
         if not isinstance(name, str) or not name:

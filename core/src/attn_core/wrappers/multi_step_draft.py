@@ -246,7 +246,8 @@ class MultiStepDraftBackend:
         bad = visible & ((table < 1) | (table >= num_slots))
         if bad.any():
             r = int(bad.any(1).nonzero()[0])
-            raise InvalidArgumentError("req_to_token_pool", f"a slot in [1, {num_slots}) for every cached key of request {r}", "a key without one")
+            expected = f"a slot in [1, {num_slots}) for every cached key of request {r}"
+            raise InvalidArgumentError("req_to_token_pool", expected, "a key without one")
 
     def _step_batch(self, s: int, n_rows: int, rows, seq_lens, positions, out_cache_loc, host_lens: torch.Tensor, pool) -> ForwardBatch:
         step_cpu = (host_lens.to(torch.int32) + s + 1).repeat_interleave(self.topk)

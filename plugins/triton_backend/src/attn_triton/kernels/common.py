@@ -274,6 +274,20 @@ def finalize(m_i, l_i, acc):
 
 
 @triton.jit
+def finite_values(v, ok):
+    """A masked tile's values `v` [N, DV] with every entry that is not finite (Inf, NaN) set to 0, and
+    `seen` [M] int32: 1 for the rows of `ok` [M, N] (which row sees which key) that see a key whose
+    values held one. The tile's P·V then adds exactly nothing for a key a row does not see (p = 0 times
+    a zero, never 0 · Inf = NaN), and the caller gives a row that does see one NaN (its output is not
+    finite in exact arithmetic either). Example: v rows [1, 2], [inf, 0]; ok [[T, F], [T, T]] ->
+    v [[1, 2], [0, 0]], seen [0, 1]."""
+    finite = tl.abs(v.to(tl.float32)) < float("inf")  # False for NaN too
+    bad_key = tl.max(tl.where(finite, 0, 1), 1)
+    seen = tl.max(tl.where(ok & (bad_key[None, :] != 0), 1, 0), 1)
+    return tl.where(finite, v, tl.zeros_like(v)), seen
+
+
+@triton.jit
 def load_slots(KV_INDICES, kv_beg, n, n_ok, num_slots, bad_slots):
     """Slots (int64) of keys `n` of the request whose CSR entries start at `kv_beg`, read where `n_ok`;
     returns (slot, n_ok and the slot inside [0, num_slots), bad_slots | the keys whose slot is not):
@@ -359,6 +373,9 @@ def attend_tile(
     KV_INDICES[kv_beg + n] (slots of `k_head` / `v_head`, one KV head). Shared by the extend kernel
     (rows = tokens of one q head) and the verify kernel (rows = q heads x draft tokens of one KV head).
     LAZY > 0 rescales the accumulator lazily (`lazy_softmax_step` with that slack), else on every tile.
+    In MASKED tiles a key a row does not see adds exactly nothing to it whatever its V holds
+    (`finite_values`: V entries that are not finite are zeroed, a row that sees one gets NaN); unmasked
+    tiles are seen whole by every row.
     Returns (acc, m_i, l_i, bad_slots | the tile's slots outside [0, num_slots))."""
     n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -401,5 +418,11 @@ def attend_tile(
             v = tl.load(v_head + slot[:, None] * stride_vs + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
         else:
             v = tl.load(v_head + slot[:, None] * stride_vs + offs_dv[None, :], mask=offs_dv[None, :] < DV, other=0.0)
-    acc += tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
+    v = v.to(q.dtype)
+    if MASKED:
+        v, seen = finite_values(v, ok)
+        acc += tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)
+        acc = tl.where(seen[:, None] != 0, float("nan"), acc)
+    else:
+        acc += tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)
     return acc, m_i, l_i, bad_slots

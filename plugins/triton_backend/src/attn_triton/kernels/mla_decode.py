@@ -55,6 +55,7 @@ from attn_triton.kernels.common import (
     FAULT_SLOT,
     check_lazy_rescale,
     finalize,
+    finite_values,
     lazy_softmax_step,
     load_slots,
     offset_range,
@@ -302,7 +303,12 @@ def _mla_kernel(
             m_i, l_i, acc, p = lazy_softmax_step(m_i, l_i, acc, sc, s_scale, LAZY)
         else:
             m_i, l_i, acc, p = softmax_step(m_i, l_i, acc, sc, s_scale, True)
-        acc = tl.dot(p.to(q_nope.dtype), latent, acc, input_precision=DOT_PREC)
+        if Q_LEN > 1:  # rows see different keys: a key a row does not see adds exactly nothing (`finite_values`)
+            v_lat, seen = finite_values(latent, sc != float("-inf"))
+            acc = tl.dot(p.to(q_nope.dtype), v_lat, acc, input_precision=DOT_PREC)
+            acc = tl.where(seen[:, None] != 0, float("nan"), acc)
+        else:
+            acc = tl.dot(p.to(q_nope.dtype), latent, acc, input_precision=DOT_PREC)
 
     tl.store(FAULT + FAULT_SLOT + offs_n * 0, 1, mask=bad_slots)  # one address: a flag, no reduction
     if SPLIT:
