@@ -534,6 +534,9 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
             sinks = extras.get("sinks")
             if sinks is not None:
                 self.require(Feature.SINKS, "attention sinks")
+                if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point or sinks.device != self.device:
+                    found = (sinks.dtype, sinks.device) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+                    raise InvalidArgumentError("sinks", f"a floating-point tensor on {self.device}", found)
                 if tuple(sinks.shape) != (layer.num_q_heads,):
                     raise InvalidArgumentError("sinks", f"shape ({layer.num_q_heads},)", tuple(sinks.shape))
         if mode.is_target_verify() and batch.spec_info is not None and batch.spec_info.custom_mask is not None:

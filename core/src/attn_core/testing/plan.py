@@ -17,7 +17,8 @@ from attn_core.forward_mode import ForwardMode
 from attn_core.testing.compose import Draw, compose_requests
 from attn_core.testing.graphs import graph_case_check, graph_relocation_check
 from attn_core.testing.harness import AttnCase, run_case
-from attn_core.testing.hostile import hostile_cases, hostile_check
+from attn_core.testing.hostile import HOSTILE_MODES, hostile_cases, hostile_check
+from attn_core.testing.hostile_steps import engine_path_checks
 from attn_core.testing.lightness import spec_import_check, spec_matches_class_check
 from attn_core.testing.negative import bad_input_checks, no_token_check, refusal_check, refused_or_correct_check
 from attn_core.testing.outcome import Check, KitFailure
@@ -496,13 +497,25 @@ class PlanBuilder:
                 self.add(f"refuse-arch-{arch}", refused_or_correct_check(target, case, f"attention arch {arch}"), case.describe())
 
     def add_hostile_checks(self) -> None:
-        """The hostile-batch section (`attn_core.testing.hostile`), on the declared modes it needs."""
-        modes = self.base.modes
+        """The hostile-batch section (`attn_core.testing.hostile`), on the declared modes it needs, in both
+        validation modes: `hostile-<name>` at "full", `hostile-basic-<name>` at the default "basic"; and
+        its engine-path part (`attn_core.testing.hostile_steps`: stale requests, the graph runner, graph
+        replays, the draft wrapper)."""
+        caps, modes = self.caps, self.base.modes
         other = next((d for d in _DTYPE_ORDER if d != self.base.dtype), None)
-        verify = ForwardMode.TARGET_VERIFY in modes and self.caps.supports(Feature.CUSTOM_MASK)
-        for hostile in hostile_cases(ForwardMode.DECODE in modes, ForwardMode.EXTEND in modes, verify, other):
-            case = self.case(hostile.mode, self.fixed_requests(hostile.mode))
-            self.add(f"hostile-{hostile.name}", hostile_check(self.target, case, hostile), f"{hostile.what}: {case.describe()}")
+        paged = next((ps for ps in self.page_sizes() if ps > 1), None)
+        enc = self.encoder_requests(ForwardMode.EXTEND) if Feature.CROSS_ATTENTION in caps.features else None
+        cascade = self.p.max_prefix // 2 + 1 if Feature.CASCADE in caps.features and self.base.arch == ARCH_MHA else 0
+        for hostile in hostile_cases(modes, caps.features, caps.archs, other, paged, enc, cascade):
+            kw = dict(hostile.case)
+            reqs = kw.pop("requests", None) or self.fixed_requests(hostile.mode)
+            case = self.case(hostile.mode, reqs, **kw)
+            for validation in HOSTILE_MODES:
+                cid = f"hostile-{hostile.name}" if validation == "full" else f"hostile-{validation}-{hostile.name}"
+                self.add(cid, hostile_check(self.target, case, hostile, validation), f"{hostile.what}: {case.describe()}")
+        for name, what, mode, check in engine_path_checks(self.target, caps, modes):
+            case = self.case(mode, self.fixed_requests(mode), cuda_graph_level=int(caps.cuda_graph))
+            self.add(f"hostile-{name}", check(self.target, case), f"{what}: {case.describe()}")
 
 
 def _undeclared(candidates: tuple[int, ...], declared) -> Optional[int]:
