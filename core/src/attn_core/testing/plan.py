@@ -20,6 +20,7 @@ from attn_core.testing.harness import AttnCase, run_case
 from attn_core.testing.hostile import HOSTILE_MODES, hostile_cases, hostile_check
 from attn_core.testing.hostile_steps import engine_path_checks
 from attn_core.testing.lightness import spec_import_check, spec_matches_class_check
+from attn_core.testing.masked import masked_nonfinite_check
 from attn_core.testing.negative import bad_input_checks, no_token_check, refusal_check, refused_or_correct_check
 from attn_core.testing.outcome import Check, KitFailure
 from attn_core.testing.profile import KitProfile
@@ -174,6 +175,7 @@ class PlanBuilder:
         self.add_graph_checks()
         self.add_negative_checks()
         self.add_hostile_checks()
+        self.add_masked_checks()
         return self.checks
 
     def add_spec_checks(self) -> None:
@@ -516,6 +518,21 @@ class PlanBuilder:
         for name, what, mode, check in engine_path_checks(self.target, caps, modes):
             case = self.case(mode, self.fixed_requests(mode), cuda_graph_level=int(caps.cuda_graph))
             self.add(f"hostile-{name}", check(self.target, case), f"{what}: {case.describe()}")
+
+
+    def add_masked_checks(self) -> None:
+        """Masked keys add nothing whatever their values (`attn_core.testing.masked`): Inf / NaN in the
+        K / V of new tokens earlier tokens must not see (extend-like modes, verify masks), and with a
+        sliding window in the cached keys older than every window (DECODE)."""
+        if self.base.kv_dtype in FP8_KV_DTYPES:
+            return  # e4m3 has no Inf: the check runs on a 16/32-bit cache
+        for mode in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY):
+            if mode in self.base.modes:
+                case = self.case(mode, self.fixed_requests(mode))
+                self.add(f"masked_nonfinite-{mode.name}", masked_nonfinite_check(self.target, case), case.describe())
+        if Feature.SLIDING_WINDOW in self.caps.features and ForwardMode.DECODE in self.base.modes:
+            case = self.case(ForwardMode.DECODE, self.fixed_requests(ForwardMode.DECODE), sliding_window=self.p.windows[0])
+            self.add("masked_nonfinite-window-DECODE", masked_nonfinite_check(self.target, case, window_keys=True), case.describe())
 
 
 def _undeclared(candidates: tuple[int, ...], declared) -> Optional[int]:

@@ -36,7 +36,9 @@ def reference_attention(
     every key; a window W further keeps keys with j >= q_positions[i] - W + 1, a chunk size C (chunked
     local attention) keys with j >= (q_positions[i] // C) * C. Returns the output
     `[Lq, Hq, Dv]` and natural-log LSE `[Lq, Hq]` (the sink joins the denominator), both float64 on
-    the CPU. A query that sees no key (and has no sink) gets output 0 and LSE -inf.
+    the CPU. A query that sees no key (and has no sink) gets output 0 and LSE -inf. A key a query does
+    not see adds exactly nothing to it, whatever its values (a V of Inf or NaN included); a query that
+    sees such a V gets the float64 sum over its visible keys (Inf or NaN).
     """
     dev = q.device
     q, k, v = q.to(dev, torch.float64), k.to(dev, torch.float64), v.to(dev, torch.float64)
@@ -77,11 +79,27 @@ def reference_attention(
         denom = w.sum(dim=-1)
         if sink is not None:
             denom = denom + torch.exp(sink - m_safe)
-        o = torch.einsum("hqk,hkd->qhd", w, vh)
-        seen = denom > 0
+        o = _weighted_values(w, vh, visible[i0:i1])
+        seen = denom != 0  # NaN (a visible key's NaN score or value) is "seen": the output is NaN
         out[i0:i1] = torch.where(seen.T[..., None], o / denom.T.clamp_min(1e-300)[..., None], 0.0)
         lse[i0:i1] = torch.where(seen, m_safe + torch.log(denom), float("-inf")).T
     return out.cpu(), lse.cpu()
+
+
+def _weighted_values(w: torch.Tensor, vh: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """sum over visible keys of w · v: w `[Hq, n, Lk]` (0 where not visible), vh `[Hq, Lk, Dv]`, visible
+    `[n, Lk]` -> `[n, Hq, Dv]`. One einsum when every value is finite; otherwise the non-finite values
+    are left out of it (0 · Inf would be NaN for queries that do not see them) and the rows that see one
+    are summed key by key over their visible keys alone."""
+    finite = torch.isfinite(vh)
+    if bool(finite.all()):
+        return torch.einsum("hqk,hkd->qhd", w, vh)
+    o = torch.einsum("hqk,hkd->qhd", w, torch.where(finite, vh, torch.zeros_like(vh)))
+    bad_key = ~finite.all(-1)  # [Hq, Lk]
+    for h, i in (visible[None] & bad_key[:, None, :]).any(-1).nonzero().tolist():
+        keys = visible[i]
+        o[i, h] = (w[h, i, keys][:, None] * vh[h, keys]).sum(0)
+    return o
 
 
 def tolerance(dtype: torch.dtype) -> float:
