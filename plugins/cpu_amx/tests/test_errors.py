@@ -235,3 +235,17 @@ def test_kernel_check_messages_parse():
     e = kernel_check_error("req_rows: expected a contiguous CPU Long tensor of 3 elements, found 2\nException raised from ...")
     assert (e.argument, e.found) == ("req_rows", "2")
     assert kernel_check_error("expected CPU tensors").argument == "cpu_amx kernel arguments"
+
+
+@pytest.mark.parametrize("name, value", [("v_scale", 0.0), ("k_scale", -0.5), ("k_scale", float("nan"))])
+@pytest.mark.parametrize("save", [False, True])
+def test_scales_are_read_through_the_core_check(name, value, save):
+    """A v_scale of 0 is not 1 and a negative k_scale is not used as given: `kv_scales` refuses both,
+    naming the scale, before any write (issue 36: the backend read `layer.k_scale or 1.0`)."""
+    env, backend, layer, inputs = ready()
+    backend.init_forward_metadata(env.batch)
+    setattr(layer, name, value)
+    before = pool_state(env)
+    with pytest.raises(InvalidArgumentError, match=name):
+        layer(inputs["q"], inputs["k"], inputs["v"], env.batch, save_kv_cache=save)
+    assert_pool_unchanged(env, before)

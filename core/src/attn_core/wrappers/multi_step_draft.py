@@ -203,13 +203,12 @@ class MultiStepDraftBackend:
         _copy_kv_slots(pool, dst, src)
 
     def _rows_in_table(self, rpi: torch.Tensor, r2t: torch.Tensor) -> torch.Tensor:
-        """Request rows clamped into the table (int64): a row outside it reads row 0, never wraps; on an
-        accelerator the refusal is recorded (REQUEST_ROW, first request) in the first step backend's
-        fault word (device ops, no sync; rows were checked on the host already on the CPU)."""
+        """Request rows clamped into the table (int64): a row outside it reads row 0, never wraps, and the
+        refusal is recorded (REQUEST_ROW, first request) in the first step backend's fault word (device
+        ops, no sync; on the CPU the rows were checked on the host before)."""
         rpi = rpi.to(torch.int64)
         bad = (rpi < 0) | (rpi >= r2t.shape[0])
-        if rpi.device.type != "cpu":
-            record_first(self.backends[0].device_faults.buffer, DeviceFaultKind.REQUEST_ROW, bad)
+        record_first(self.backends[0].device_faults.buffer, DeviceFaultKind.REQUEST_ROW, bad)
         return torch.where(bad, torch.zeros_like(rpi), rpi)
 
     def _check_requests(self, req_pool_indices, seq_lens, seq_lens_cpu, r2t: torch.Tensor, num_slots: int) -> None:
