@@ -139,7 +139,7 @@ class AscendBackend(AttentionBackend[AscendMetadata]):
     def _write_kv(self, k, v, layer, batch: ForwardBatch) -> None:
         """New K/V of the step into their slots through the reshape-and-cache operator."""
         key_cache, value_cache = self._block_views(batch, layer.layer_id)
-        slots = batch.out_cache_loc.to(torch.int32)
+        slots = self.write_slots(batch, layer).slots.to(torch.int32)  # the step's checked slots (refusals: the dummy 0)
         if self.ctx.is_mla:
             rank = self.ctx.kv_lora_rank
             k, v = k[..., :rank], k[..., rank:]
