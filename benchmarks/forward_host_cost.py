@@ -24,6 +24,17 @@ bind), `check_forward_batch` (attn-core's validation alone), `build_forward_meta
 part alone: split parameters, index buffer, the stubbed launch's argument handling, scratch views).
 On the GPU the launch itself and the allocation are measured by `triton_vs_peers.py --only meta`.
 
+Step rows (`--steps`; issue 36's "host time per step unchanged within 5 %", the safe-by-default checks'
+cost): one whole decode step as an engine issues it, real kernels, on `--device` (cuda on a GPU machine):
+`init_forward_metadata(batch)` then `layer(q, k, v, batch)` for `--layers` layers (32; GQA 32 q / 8 kv
+heads, head_dim 128, bf16, page size 16, `--context` 1024 tokens per request), at batch 1 and 256, for
+`--step-backends` (triton by default; torch_native too on the CPU), eager and, on cuda, through
+`CudaGraphRunner.run` (CUDA graphs). Timed with `attn_core.bench.timing.time_host_issue`: the host time
+of one step with the device drained before it and not waited for inside it (median of `--step-runs`),
+i.e. what the engine's thread spends issuing the step. Before/after: the same `--baseline-src` machinery
+(give the older attn-triton too: `--baseline-src /tmp/base/core/src:/tmp/base/plugins/triton_backend/src`).
+  path "host µs / step (eager)" and "host µs / step (graph)".
+
 Timed paths per row (calls interleaved round-robin, `--groups` samples of `--calls` back-to-back calls
 each, the median sample / calls reported, in µs):
   layer()           `layer(q, k, v, batch)`: what a model's forward calls
@@ -39,6 +50,8 @@ drift of a shared machine over both).
 
   python benchmarks/forward_host_cost.py [--calls 200] [--groups 200] [--json out.json] [--no-meta]
   python benchmarks/forward_host_cost.py --baseline-src /tmp/base/core/src [--rounds 5] [--groups 60]
+  python benchmarks/forward_host_cost.py --steps --device cuda [--no-layer-rows] [--no-meta]
+      [--baseline-src /tmp/base/core/src:/tmp/base/plugins/triton_backend/src --rounds 3]
 """
 
 from __future__ import annotations
@@ -177,6 +190,72 @@ def make_meta_row(bs: int) -> dict[str, Callable[[], object]]:
     }
 
 
+STEP_BATCHES = (1, 256)
+
+
+def make_step_rows(backend_name: str, bs: int, layers: int, context: int, device: str) -> dict[str, Callable[[], object]]:
+    """One decode step of `bs` requests of `context` tokens over `layers` layers on `backend_name`, real
+    kernels: eager (`init_forward_metadata` then every layer) and, on cuda, through `CudaGraphRunner.run`.
+    Public APIs only (the same calls work on the baseline tree)."""
+    from attn_core.capabilities import CudaGraphLevel
+    from attn_core.graph_runner import CudaGraphRunner
+    from attn_core.registry import create_backend
+
+    dev = torch.device(device)
+    dtype = torch.bfloat16
+    pages = bs * (-(-context // PAGE)) + 1
+    kv_pool = MHATokenToKVPool(pages * PAGE, PAGE, dtype, HKV, D, layers, device=dev)
+    req_pool = ReqToTokenPool(bs, context + PAGE, device=dev)
+    batch = build_forward_batch(
+        "DECODE", [(context - 1, 1)] * bs, req_to_token_pool=req_pool, allocator=PagedTokenAllocator(pages * PAGE, PAGE),
+        token_to_kv_pool=kv_pool,
+    )  # fmt: skip
+    graphs = dev.type == "cuda"
+    ctx = BackendContext(
+        device=dev, dtype=dtype, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PAGE, max_batch_size=bs,
+        max_context_len=req_pool.max_context_len, req_to_token_pool=req_pool, token_to_kv_pool=kv_pool,
+        cuda_graph=CudaGraphLevel.UNIFORM_SINGLE_TOKEN_DECODE if graphs else CudaGraphLevel.NEVER,
+    )  # fmt: skip
+    backend = create_backend(backend_name, ctx)
+    batch.attn_backend = backend
+    model = [AttentionLayer(i, HQ, HKV, D) for i in range(layers)]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(bs, h, D, generator=gen).to(dtype).to(dev) for h in (HQ, HKV, HKV))
+
+    def eager():
+        backend.init_forward_metadata(batch)
+        for layer in model:
+            layer(q, k, v, batch)
+
+    rows = {"host µs / step (eager)": eager}
+    if graphs:
+
+        def run_layers(b, inputs):
+            out = None
+            for layer in model:
+                out = layer(inputs["q"], inputs["k"], inputs["v"], b)
+            return out
+
+        shapes = {"q": ((HQ, D), dtype), "k": ((HKV, D), dtype), "v": ((HKV, D), dtype)}
+        runner = CudaGraphRunner(backend, [bs], run_layers, shapes)
+        inputs = {"q": q, "k": k, "v": v}
+        rows["host µs / step (graph)"] = lambda: runner.run(batch, inputs)
+    return rows
+
+
+def _this_trees_timer():
+    """`attn_core.bench.timing.time_host_issue` of this checkout (loaded from its file), so that a
+    `--baseline-src` process, whose attn_core is the older tree, times with the same timer."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "core", "src", "attn_core", "bench", "timing.py")
+    spec = importlib.util.spec_from_file_location("_attn_bench_timing_of_this_tree", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.time_host_issue
+
+
 def _stubbed_launch(grid, *args, **kwargs) -> None:
     """Stands in for the index kernel's launcher in the metadata rows: takes the call, launches nothing."""
 
@@ -244,9 +323,22 @@ def main() -> None:
     ap.add_argument("--baseline-src", default=None, help="also time the attn_core under this directory; print ratios")
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds with --baseline-src")
     ap.add_argument("--no-meta", action="store_true", help="skip the attn-triton metadata rows")
+    ap.add_argument("--steps", action="store_true", help="also time whole decode steps with real kernels (see the docstring)")
+    ap.add_argument("--no-layer-rows", action="store_true", help="skip the per-layer rows (with --steps)")
+    ap.add_argument("--device", default="cpu", help="device of the step rows (cuda on a GPU machine)")
+    ap.add_argument("--layers", type=int, default=32, help="layers of a step row")
+    ap.add_argument("--context", type=int, default=1024, help="tokens per request of a step row")
+    ap.add_argument("--step-runs", type=int, default=200, help="timed steps per step row")
+    ap.add_argument("--step-backends", default=None, help="comma-separated backends of the step rows (default: triton; cpu adds torch_native)")
     args = ap.parse_args()
     if args.baseline_src:
-        compare(args.baseline_src, args.rounds, args.calls, args.groups, args.json, ("--no-meta",) if args.no_meta else ())
+        extra = ("--no-meta",) if args.no_meta else ()
+        if args.steps:
+            extra += ("--steps", "--device", args.device, "--layers", str(args.layers), "--context", str(args.context),
+                      "--step-runs", str(args.step_runs))  # fmt: skip
+            extra += ("--no-layer-rows",) if args.no_layer_rows else ()
+            extra += ("--step-backends", args.step_backends) if args.step_backends else ()
+        compare(args.baseline_src, args.rounds, args.calls, args.groups, args.json, extra)
         return
     torch.set_num_threads(1)
     report = {
@@ -258,11 +350,26 @@ def main() -> None:
         "rows": {},
     }
     print(f"attn_core from {attn_core.__file__}; torch {torch.__version__}, python {platform.python_version()}")
-    print(f"{'row':18} {'layer() µs':>11} {'backend.forward µs':>19} {'stub alone µs':>14}")
-    for title, (mode, requests, mla) in ROWS.items():
-        med = sample(make_row(mode, requests, mla), args.calls, args.groups)
-        report["rows"][title] = med
-        print(f"{title:18} {med['layer()']:11.2f} {med['backend.forward']:19.2f} {med['stub alone']:14.2f}", flush=True)
+    if not (args.steps and args.no_layer_rows):
+        print(f"{'row':18} {'layer() µs':>11} {'backend.forward µs':>19} {'stub alone µs':>14}")
+        for title, (mode, requests, mla) in ROWS.items():
+            med = sample(make_row(mode, requests, mla), args.calls, args.groups)
+            report["rows"][title] = med
+            print(f"{title:18} {med['layer()']:11.2f} {med['backend.forward']:19.2f} {med['stub alone']:14.2f}", flush=True)
+    if args.steps:
+        time_host_issue = _this_trees_timer()
+        default = "triton" if args.device.startswith("cuda") else "torch_native"
+        names = (args.step_backends or default).split(",")
+        dev = torch.device(args.device)
+        report["device"] = torch.cuda.get_device_name(dev) if dev.type == "cuda" else report["machine"]
+        print(f"step rows on {report['device']}: {args.layers} layers, context {args.context}, host µs per step (median of {args.step_runs})")
+        for name in names:
+            for bs in STEP_BATCHES:
+                title = f"step {name} bs{bs}"
+                paths = make_step_rows(name, bs, args.layers, args.context, args.device)
+                med = {path: time_host_issue(fn, dev, args.step_runs).median_us for path, fn in paths.items()}
+                report["rows"][title] = med
+                print(f"{title:26} " + "  ".join(f"{p} {t:9.1f}" for p, t in med.items()), flush=True)
     if not args.no_meta:
         print(f"{'row':26} {'init_forward_metadata µs':>25} {'check_forward_batch µs':>23} {'build_forward_metadata µs':>26}")
         for title, bs in META_ROWS.items():

@@ -69,3 +69,21 @@ def time_host(fn: Callable[[], object], device: torch.device, runs: int) -> Timi
         sync()
         times.append((time.perf_counter() - t) * 1e6)
     return _summary(times)
+
+
+def time_host_issue(fn: Callable[[], object], device: torch.device, runs: int) -> Timing:
+    """Host time of `fn()` alone: the time the host spends issuing its work, with the device drained
+    before each call (not timed) and not waited for inside the timed span (on the CPU: plain wall clock).
+    What a step costs the engine's thread when the GPU keeps up: per-step host overheads (validation,
+    metadata, launches, copies) compared before and after a change."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    times = []
+    for _ in range(runs):
+        sync()
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e6)
+    sync()
+    return _summary(times)
