@@ -2,7 +2,7 @@
 # Every GPU check of the project in one command, for a machine with a CUDA GPU and torch + triton
 # installed (the lent H100/H200 machine: no network; FlashInfer comes from wheels carried in .whl/ and
 # its prebuilt kernels from .fi-cache/aot.tar.xz when present). Logs go to $OUT (default ./gpu-out).
-#   bash scripts/gpu_checks.sh [tests | tests-core tests-triton tests-fi check] [bench] [triton-bench] [verify-bench] [fi-bench] [fi-window] [mla-bench] [mla] [engine] [multi-gpu]   (default: tests bench;
+#   bash scripts/gpu_checks.sh [tests | tests-core tests-triton tests-fi check] [bench] [triton-bench] [verify-bench] [fi-bench] [fi-window] [mla-bench] [mla] [engine] [multi-gpu] [hostile] [hostile-memcheck] [hostile-bench]   (default: tests bench;
 #   bench = every benchmark; mla = attn-triton's MLA kernel alone: its GPU tests and the MLA benchmark without the prefill row;
 #   BENCH_ONLY=meta limits the Triton benchmark's rows; FP8_CONFIGS="n,h,w,s[,v];..." the fp8 decode tiles swept in its fp8 row)
 set -uo pipefail
@@ -64,6 +64,26 @@ if want multi-gpu; then  # needs 2 GPUs (nvidia-h200-x2): DCP decode attention (
     python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/dcp_decode.py --device cuda --backend $b --json "$OUT/dcp_decode_$b.json" \
       2>&1 | tee -a "$OUT/multi_gpu.log" || rc=1
   done
+fi
+if want hostile; then  # issue 36: the hostile section at the default validation on cuda (torch_native, triton, flashinfer), a fault one step late with the context usable, no sync
+  python3 -m pytest -q -p no:cacheprovider -m gpu core/tests/test_safe_default_gpu.py 2>&1 | tee "$OUT/hostile_gpu.log" || rc=1
+fi
+if want hostile-memcheck; then  # issue 36: the device-side hostile cases under compute-sanitizer memcheck (no error may be reported)
+  sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer /opt/nvidia/*/compute-sanitizer 2>/dev/null | head -1)
+  if [ -z "$sanitizer" ]; then
+    echo "hostile-memcheck: compute-sanitizer not found on this machine (CUDA toolkit not installed): NOT RUN" | tee "$OUT/hostile_memcheck.log"; rc=1
+  else
+    export ATTN_HOSTILE_SELECT=${HOSTILE_SELECT:-hostile-basic-row_,hostile-basic-slot_,hostile-basic-table_slot,hostile-basic-key_never,hostile-basic-seq_lens_device,hostile-basic-extend_device,hostile-basic-extend_start,hostile-basic-extend_row,hostile-basic-extend_last,hostile-basic-verify_mask_indptr,hostile-graph_run,hostile-draft}
+    "$sanitizer" --tool memcheck --error-exitcode 9 --print-limit 20 python3 -m pytest -q -p no:cacheprovider -m gpu core/tests/test_safe_default_gpu.py \
+      -k "hostile_section and (triton or flashinfer)" 2>&1 | tee "$OUT/hostile_memcheck.log" || rc=1
+    unset ATTN_HOSTILE_SELECT
+  fi
+fi
+if want hostile-bench; then  # issue 36: host time per decode step (32 layers, bs 1 and 256, eager and CUDA graphs) before/after; base tree in $BASE_SRC (default scratch/base)
+  base=${BASE_SRC:-scratch/base}
+  args=(--steps --device cuda --no-layer-rows --no-meta --json "$OUT/forward_host_cost_steps.json")
+  if [ -d "$base/core/src" ]; then args+=(--baseline-src "$base/core/src:$base/plugins/triton_backend/src" --rounds "${ROUNDS:-3}" --step-runs "${STEP_RUNS:-100}"); fi
+  python3 benchmarks/forward_host_cost.py "${args[@]}" 2>&1 | tee "$OUT/forward_host_cost_steps.log" || rc=1
 fi
 if want fi-window; then  # issue 18: attn-flashinfer's sliding-window KV pool and chunked local attention (kit checks + two-step cases), unverified until this passes
   python3 -m pytest -q -p no:cacheprovider -m gpu plugins/flashinfer_backend/tests/test_gpu.py -k "window_pool or chunked_local" 2>&1 | tee "$OUT/fi_window_local.log" || rc=1

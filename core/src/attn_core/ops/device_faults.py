@@ -183,7 +183,9 @@ class DeviceFaultFlags:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self.buffer = torch.zeros(FAULT_WORDS, dtype=torch.int32, device=self.device)
-        self._host: Optional[torch.Tensor] = None  # pinned snapshot (CUDA only)
+        self._host: Optional[torch.Tensor] = None  # the host copy (accelerators only)
+        if self.device.type == "cuda":  # pinned now, not in a step: a truly asynchronous copy, no allocation per step
+            self._host = torch.zeros(FAULT_WORDS, dtype=torch.int32, pin_memory=True)
         self._host_step: Optional[int] = None  # the step the host copy's snapshot is blamed on
         self._host_valid = False  # a snapshot was queued since the last clear
 

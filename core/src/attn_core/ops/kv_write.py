@@ -36,7 +36,6 @@ from typing import Optional, Union
 import torch
 
 from attn_core.errors import InvalidArgumentError
-from attn_core.memory.fp8 import is_fp8, quantize_kv
 from attn_core.ops.device_faults import FIRST_REQUEST_BASE, NUM_FAULT_KINDS, DeviceFaultKind
 
 LAYOUTS = ("NHD", "HND")
@@ -137,8 +136,21 @@ def num_cache_slots(cache: torch.Tensor, layout: str = "NHD") -> int:
     raise InvalidArgumentError("layout", f"one of {list(LAYOUTS)} (HND caches are [pages, H, page, D])", (layout, tuple(cache.shape)))
 
 
+_FP8 = None
+
+
+def _fp8():
+    """`attn_core.memory.fp8`, imported at the first write (the memory package imports this module)."""
+    global _FP8
+    if _FP8 is None:
+        from attn_core.memory import fp8
+
+        _FP8 = fp8
+    return _FP8
+
+
 def _scatter(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, layout: str, page_size: int) -> None:
-    if is_fp8(cache.dtype):  # index_put does not take float8 everywhere: raw bytes
+    if cache.dtype.itemsize == 1 and cache.dtype.is_floating_point:  # fp8: index_put does not take it everywhere: raw bytes
         cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
     if layout == "NHD":
         cache[slots] = rows
@@ -167,9 +179,10 @@ def write_kv(
     recorded in on an accelerator. Shapes are the caller's to check (the pools do)."""
     num_slots = num_cache_slots(k_cache, layout)
     ids = slot_ids(slots, num_slots, fault)
-    _scatter(k_cache, ids, quantize_kv(k, k_cache.dtype, k_scale), layout, page_size)
+    quantize = _fp8().quantize_kv
+    _scatter(k_cache, ids, quantize(k, k_cache.dtype, k_scale), layout, page_size)
     if v_cache is not None and v is not None:
-        _scatter(v_cache, ids, quantize_kv(v, v_cache.dtype, v_scale), layout, page_size)
+        _scatter(v_cache, ids, quantize(v, v_cache.dtype, v_scale), layout, page_size)
 
 
 __all__ = [
