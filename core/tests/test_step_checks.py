@@ -83,7 +83,8 @@ def test_bad_row_drops_only_that_requests_writes_and_names_it():
         ("slot past the pool", K.WRITE_SLOT, 2),
         ("duplicate slot", K.WRITE_OWNER, 1),
         ("foreign slot", K.WRITE_OWNER, 2),
-        ("duplicate row", K.DUPLICATE_ROW, 1),
+        ("duplicate row", K.KEY_SLOT, 1),
+        ("duplicate row and length", K.DUPLICATE_ROW, 1),
         ("device seq_len longer", K.KEY_SLOT, 0),
         ("key slot past the pool", K.KEY_SLOT, 1),
     ],
@@ -100,8 +101,11 @@ def test_decode_faults(what, kind, culprit):
         loc[1] = loc[0]
     elif what == "foreign slot":
         loc[2] = r2t.req_to_token[int(rpi[0]), 0]
-    elif what == "duplicate row":
+    elif what == "duplicate row":  # request 1 reads request 0's row at its own length: its slot is not the row's
         rpi[1] = rpi[0]
+    elif what == "duplicate row and length":  # request 1 is request 0 again: one slot written twice
+        rpi[1], seq[1], loc[1] = rpi[0], seq[0], loc[0]
+        s.seq_total = None
     elif what == "device seq_len longer":
         seq[0] += 1
         s.seq_total = None  # the host total is not known: only the ownership of the new token tells
@@ -111,7 +115,7 @@ def test_decode_faults(what, kind, culprit):
     assert fault is not None and kind in fault.kinds, (what, fault)
     assert fault.first.get(kind) == culprit, (what, fault)
     assert int(safe[culprit]) == 0
-    others = [i for i in range(3) if i != culprit and (what != "duplicate row" or i != 0)]
+    others = [i for i in range(3) if i != culprit]
     for i in others:
         assert int(safe[i]) == int(b.out_cache_loc[i]), (what, i)
 

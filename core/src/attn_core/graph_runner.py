@@ -21,6 +21,7 @@ bucket, tokens per request, draft count, inputs) is refused with `GraphShapeErro
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -241,13 +242,14 @@ class CudaGraphRunner:
             b.request_guard.check()
         level = effective_level(self.ctx)
         r2t, kv_pool = self.ctx.req_to_token_pool.req_to_token, self.ctx.token_to_kv_pool
-        check_forward_batch(b, r2t, kv_pool, self.ctx, level=level)
+        check_forward_batch(b, r2t, kv_pool, self.ctx, level=level, padding_seq_len=pad.seq_len)
         self.req_pool_indices[:bs] = b.req_pool_indices
         self.seq_lens[:bs] = b.seq_lens
         if level == FULL:
             self.out_cache_loc[:tokens] = b.out_cache_loc
         else:  # the step check writes the allowed slots into the static buffer the captured layers read
-            check_step(step_tensors(b, r2t, kv_pool.num_slots), self.out_cache_loc[:tokens], self.backend.device_faults.buffer)
+            s = dataclasses.replace(step_tensors(b, r2t, kv_pool.num_slots), pad_seq_len=pad.seq_len)  # graph padding rows allowed
+            check_step(s, self.out_cache_loc[:tokens], self.backend.device_faults.buffer)
         if b.positions is None:  # the engine's RoPE positions are optional: derive them from the lengths
             self.positions[:tokens] = positions_from_lens(b.seq_lens - per, torch.full_like(b.seq_lens, per), tokens)
         else:

@@ -43,8 +43,9 @@ Rules ("basic" unless marked full):
   table, `out_cache_loc` (and `encoder_out_cache_loc`) lie in [1, num_slots) (slot 0 is the reserved
   dummy) without duplicates, every new token's `out_cache_loc` is the slot `req_to_token` gives its
   position (a slot of another request or position is refused), and every key a request attends to has
-  a slot in [1, num_slots) (a key the engine never wrote reads slot 0), and no two requests share a
-  `req_to_token` row.
+  a slot in [1, num_slots) (a key the engine never wrote reads slot 0). (A row may appear twice, as
+  decode context parallelism's local batches read one request at two lengths; each token still writes
+  only its own position's slot, once.)
 """
 
 from __future__ import annotations
@@ -90,10 +91,15 @@ def host_length_stats(lengths: torch.Tensor) -> tuple[int, int, int]:
     return int(_MIN(a)), int(_MAX(a)), int(_SUM(a, dtype=np.int64))
 
 
-def check_forward_batch(b: ForwardBatch, req_to_token: torch.Tensor, kv_pool, ctx, level: str = BASIC) -> None:
+def check_forward_batch(
+    b: ForwardBatch, req_to_token: torch.Tensor, kv_pool, ctx, level: str = BASIC, padding_seq_len: Optional[int] = None
+) -> None:
     """Raise `InvalidBatchError` (naming the field) unless batch `b` follows the rules of the module
     docstring for a backend on `ctx.device` with this request table and KV pool. `level` "basic"
-    costs no device sync; "full" costs one."""
+    costs no device sync; "full" costs one. `padding_seq_len` (CUDA-graph runs only): requests in row 0
+    with that seq_len are graph padding rows (`graph_padding`, as a graph-shaped DCP step carries them),
+    exempt from the duplicate-row and key checks (they read row 0), and any token whose slot is the
+    dummy 0 may write it (padding rows, tokens another DCP rank stores): a write there harms nothing."""
     if not isinstance(b.batch_size, int) or b.batch_size < 0:
         raise InvalidBatchError("forward_batch.batch_size", "an int >= 0", b.batch_size)
     if b.forward_mode.is_no_tokens():
@@ -101,7 +107,7 @@ def check_forward_batch(b: ForwardBatch, req_to_token: torch.Tensor, kv_pool, ct
     _check_pools(req_to_token, kv_pool, ctx)
     longest = _check_host(b, req_to_token.shape[1], ctx.device)
     if level == FULL:
-        _check_device(b, req_to_token, kv_pool.num_slots, longest)
+        _check_device(b, req_to_token, kv_pool.num_slots, longest, padding_seq_len)
 
 
 def check_forward_dtypes(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], ctx) -> None:
@@ -254,7 +260,7 @@ def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _check_device(b: ForwardBatch, r2t: torch.Tensor, num_slots: int, longest: int) -> None:
+def _check_device(b: ForwardBatch, r2t: torch.Tensor, num_slots: int, longest: int, padding_seq_len: Optional[int] = None) -> None:
     """One device-to-host copy of the batch's index tensors and of two counts computed on the device
     (keys reading a slot outside [1, num_slots); new tokens whose slot is not the table's), then host
     comparisons against the batch's host copies (checked by `_check_host`; `longest` is what it
@@ -271,17 +277,20 @@ def _check_device(b: ForwardBatch, r2t: torch.Tensor, num_slots: int, longest: i
     enc = b.encoder_lens.to(i64) if b.encoder_lens is not None else torch.zeros_like(seq)
     q_lens = torch.ones_like(seq) if b.forward_mode.is_decode() else b.extend_seq_lens.to(i64)
     table = r2t[:, :width][rpi.clamp(0, rows - 1)]  # [bs, width]
-    # keys each request attends to: columns [0, enc + seq) of its row
+    pad = (rpi == 0) & (seq == padding_seq_len) if padding_seq_len is not None else torch.zeros_like(rpi, dtype=torch.bool)
+    # keys each request attends to: columns [0, enc + seq) of its row (graph padding rows: none checked)
     cols = torch.arange(width, device=dev)
-    visible = cols[None, :] < (enc + seq)[:, None]
+    visible = (cols[None, :] < (enc + seq)[:, None]) & ~pad[:, None]
     bad_keys = (visible & ((table < 1) | (table >= num_slots))).sum()
     # new token t of request r (its i-th) sits at column enc + seq - q_len + i
     ends = torch.cumsum(q_lens.clamp(min=0), 0)
     t = torch.arange(T, device=dev)
     req = torch.searchsorted(ends, t, right=True).clamp(max=bs - 1)
     col = ((enc + seq - q_lens)[req] + t - (ends - q_lens.clamp(min=0))[req]).clamp(0, width - 1)
-    foreign = (table[req, col].to(i64) != b.out_cache_loc.to(i64)).sum()
-    parts = [rpi, seq, b.out_cache_loc.to(i64), bad_keys[None], foreign[None]]
+    loc = b.out_cache_loc.to(i64)
+    pad_tok = (loc == 0) & (padding_seq_len is not None)  # graph runs: a token may write the dummy slot
+    foreign = ((table[req, col].to(i64) != loc) & ~pad_tok).sum()
+    parts = [rpi, seq, loc, bad_keys[None], foreign[None], pad.to(i64), pad_tok.to(i64)]
     if b.encoder_lens is not None:
         parts.append(enc)
     if not b.forward_mode.is_decode():
@@ -301,10 +310,9 @@ def _check_device(b: ForwardBatch, r2t: torch.Tensor, num_slots: int, longest: i
         return head
 
     rpi_h, seq_h, loc_h, (bad_keys_h, foreign_h) = take(bs), take(bs), take(T), take(2).tolist()
+    pad_h, pad_tok_h = take(bs).bool(), take(T).bool()
     if int(rpi_h.min()) < 0 or int(rpi_h.max()) >= rows:
         raise InvalidBatchError("forward_batch.req_pool_indices", f"rows in [0, {rows})", _quote(rpi_h.tolist()))
-    if torch.unique(rpi_h).numel() != bs:
-        raise InvalidBatchError("forward_batch.req_pool_indices", "a distinct req_to_token row per request", _quote(rpi_h.tolist()))
     _same("seq_lens", seq_h, b.seq_lens_cpu)
     if b.encoder_lens is not None:
         _same("encoder_lens", take(bs), b.encoder_lens_cpu)
@@ -312,7 +320,7 @@ def _check_device(b: ForwardBatch, r2t: torch.Tensor, num_slots: int, longest: i
         _same("extend_seq_lens", take(bs), b.extend_seq_lens_cpu)
         _same("extend_prefix_lens", take(bs), b.extend_prefix_lens_cpu)
         _same("extend_start_loc", take(bs), _exclusive_cumsum(b.extend_seq_lens_cpu)[:-1])
-    _check_slots("out_cache_loc", loc_h, num_slots)
+    _check_slots("out_cache_loc", loc_h[~pad_tok_h], num_slots)
     if enc_loc is not None:
         _check_slots("encoder_out_cache_loc", take(enc_loc.shape[0]), num_slots)
     if has_mask:

@@ -76,7 +76,7 @@ FAULT_DESCRIPTIONS: dict[DeviceFaultKind, str] = {
     DeviceFaultKind.KEY_OFFSETS: "key offsets: kv_indptr outside the kv_indices buffer",
     DeviceFaultKind.QUERY_ROWS: "query rows: qo_indptr outside the step's tokens",
     DeviceFaultKind.MASK: "mask: custom-mask offsets past the end of spec_info.custom_mask",
-    DeviceFaultKind.DUPLICATE_ROW: "duplicate row: one req_to_token row for two requests of the batch",
+    DeviceFaultKind.DUPLICATE_ROW: "duplicate row: two requests of the batch at one req_to_token row and length (one slot written twice)",
     DeviceFaultKind.SEQ_TOTAL: "seq_lens total: the device seq_lens do not sum to the host seq_lens_sum",
     DeviceFaultKind.EXTEND_TOTAL: "extend total: the device extend_seq_lens do not sum to the step's tokens",
     DeviceFaultKind.EXTEND_LENS: "extend lengths: extend_prefix_lens + extend_seq_lens != seq_lens, or a length outside 0..seq_len",

@@ -5,7 +5,9 @@ cost a sync per step. The step check reads them where they live, in one launch p
 (`AttentionBackend.init_forward_metadata`, `CudaGraphRunner.run`), before any K/V write:
 
 per request r (row = req_pool_indices[r], its keys at columns 0 .. enc + seq - 1 of that row):
-- REQUEST_ROW: row outside [0, rows); DUPLICATE_ROW: row used by an earlier request of the batch;
+- REQUEST_ROW: row outside [0, rows); DUPLICATE_ROW: row and seq_len both those of an earlier request of
+  the batch (their new tokens would write one slot twice; one row at two lengths is allowed: decode
+  context parallelism's local batches read a request so);
 - LENGTH: seq_lens < 0 (DECODE: < 1), encoder_lens < 0 or extend_seq_lens < 0; TABLE_WIDTH: enc + seq
   past the table's width; EXTEND_LENS: extend_seq_lens > seq_lens or extend_prefix_lens != seq - extend;
 - START_LOC: extend_start_loc[r] != the sum of the extend lengths before r; MASK_INDPTR: mask_indptr[r]
@@ -55,7 +57,8 @@ class StepTensors:
     `q_lens` / `prefix_lens` / `start_loc` `[bs]` (extend-like modes; None in DECODE: one token each);
     `mask_indptr` `[bs + 1]` or None; `out_cache_loc` `[num_tokens]` or None (no write check);
     host numbers: `num_tokens`, `seq_total` (None: not checked), `num_slots`, `cascade_len` (0: none),
-    `decode` (seq_lens >= 1), `check_dup` (rows distinct), `check_keys` (every key's slot)."""
+    `decode` (seq_lens >= 1), `check_dup` (rows distinct), `check_keys` (every key's slot), `pad_seq_len`
+    (graph padding rows, see the field)."""
 
     req_to_token: torch.Tensor
     req_pool_indices: torch.Tensor
@@ -73,6 +76,10 @@ class StepTensors:
     decode: bool = True
     check_dup: bool = True
     check_keys: bool = True
+    #: CUDA-graph runs: requests in row 0 with this seq_len are graph padding rows (`graph_padding`; a
+    #: graph-shaped DCP step carries them), exempt from the duplicate-row and key checks, and any token
+    #: whose slot is the dummy 0 may write it (padding rows, tokens another DCP rank stores; -1: neither)
+    pad_seq_len: int = -1
 
     @property
     def batch_size(self) -> int:
@@ -127,10 +134,12 @@ def check_step_torch(s: StepTensors, safe: Optional[torch.Tensor], fault: torch.
     idx = torch.arange(bs, device=dev)
 
     row_bad = (row < 0) | (row >= rows)
+    pad = (row == 0) & (seq == s.pad_seq_len)
     dup = torch.zeros(bs, dtype=torch.bool, device=dev)
     if s.check_dup:
         earlier = idx[None, :] < idx[:, None]
-        dup = ((row[:, None] == row[None, :]) & earlier).any(1)
+        same = (row[:, None] == row[None, :]) & (seq[:, None] == seq[None, :])
+        dup = (same & earlier & ~pad[:, None] & ~pad[None, :]).any(1)
     len_bad = (seq < (1 if s.decode else 0)) | (enc < 0) | (q < 0)
     width_bad = ~len_bad & (enc + seq > width)
     ext_bad = q > seq
@@ -154,7 +163,7 @@ def check_step_torch(s: StepTensors, safe: Optional[torch.Tensor], fault: torch.
         table = s.req_to_token[safe_row]  # [bs, width]
         if s.check_keys:
             visible = cols[None, :] < n_keys[:, None]
-            key_bad = (visible & ((table < 1) | (table >= s.num_slots))).any(1)
+            key_bad = (visible & ((table < 1) | (table >= s.num_slots))).any(1) & ~pad
         if s.cascade_len:
             p = min(s.cascade_len, width)
             shared = cols[None, :p] < torch.minimum(n_keys, torch.full_like(n_keys, p))[:, None]
@@ -184,8 +193,9 @@ def check_step_torch(s: StepTensors, safe: Optional[torch.Tensor], fault: torch.
     col = (enc + seq - q)[r] + (t - beg[r])
     col_ok = covered & shape_ok[r] & (col >= 0) & (col < width)
     expect = s.req_to_token[safe_row[r], col.clamp(0, max(width - 1, 0))].to(i64)
-    in_pool = (loc >= 1) & (loc < s.num_slots)
-    owned = col_ok & (loc == expect)
+    pad_tok = (loc == 0) & (s.pad_seq_len >= 0)  # graph runs: a token may write the dummy slot (stays 0)
+    in_pool = ((loc >= 1) & (loc < s.num_slots)) | pad_tok
+    owned = (col_ok & (loc == expect)) | pad_tok
     slot_bad = covered & ~in_pool
     owner_bad = covered & in_pool & ~owned & ~req_bad[r]
     per_request = torch.zeros(bs, dtype=torch.int32, device=dev)

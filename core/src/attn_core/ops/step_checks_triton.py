@@ -47,7 +47,7 @@ def flag_request(FAULT, kind, r, bad):
 
 
 @triton.jit(
-    do_not_specialize=["stride_row", "num_rows", "width", "bs", "num_tokens", "seq_total", "num_slots", "cascade_len"],
+    do_not_specialize=["stride_row", "num_rows", "width", "bs", "num_tokens", "seq_total", "num_slots", "cascade_len", "pad_seq"],
     do_not_specialize_on_alignment=[
         "REQ_TO_TOKEN", "REQ_POOL_INDICES", "SEQ_LENS", "ENC_LENS", "Q_LENS", "PREFIX_LENS", "START_LOC", "MASK_INDPTR",
         "OUT_CACHE_LOC", "SAFE", "FAULT",
@@ -73,6 +73,7 @@ def _step_check_kernel(
     seq_total,
     num_slots,
     cascade_len,
+    pad_seq,
     BS_BLOCK: tl.constexpr,
     CHUNK: tl.constexpr,
     MIN_SEQ: tl.constexpr,
@@ -113,9 +114,12 @@ def _step_check_kernel(
 
     never = r < 0  # a False of the scalar mask type
     row_bad = (row < 0) | (row >= num_rows)
+    pad = (row == 0) & (seq == pad_seq)  # a graph padding row (pad_seq -1: none)
     dup = never
     if CHECK_DUP:
-        dup = tl.sum(tl.where(before & (rows_all == row), 1, 0), 0) > 0
+        pad_all = (rows_all == 0) & (seq_all == pad_seq)
+        same = (rows_all == row) & (seq_all == seq)
+        dup = (tl.sum(tl.where(before & same & (pad_all == 0), 1, 0), 0) > 0) & (pad == 0)
     len_bad = (seq < MIN_SEQ) | (enc < 0) | (q < 0)
     width_bad = (len_bad == 0) & (enc + seq > width)
     ext_bad = q > seq
@@ -143,6 +147,7 @@ def _step_check_kernel(
             m = o < n_keys
             slots = tl.load(src + o, mask=m, other=1)
             key_bad = key_bad | (tl.max((m & ((slots < 1) | (slots >= num_slots))).to(tl.int32), 0) > 0)
+        key_bad = key_bad & (pad == 0)
     casc_bad = never
     if HAS_CASCADE:
         row0 = tl.load(REQ_POOL_INDICES).to(tl.int64)
@@ -191,8 +196,9 @@ def _step_check_kernel(
             col = first_col + o
             col_ok = (col >= 0) & (col < tl.where(shape_ok, width, 0))  # a vector mask (no scalar & vector)
             expect = tl.load(src + col, mask=m & col_ok, other=-1).to(tl.int64)
-            in_pool = (loc >= 1) & (loc < num_slots)
-            owned = col_ok & (loc == expect)
+            pad_tok = (loc == 0) & (o * 0 + pad_seq >= 0)  # graph runs: a token may write the dummy slot
+            in_pool = ((loc >= 1) & (loc < num_slots)) | pad_tok
+            owned = (col_ok & (loc == expect)) | pad_tok
             slot_bad = slot_bad | (tl.max((m & ~in_pool).to(tl.int32), 0) > 0)
             owner_bad = owner_bad | (tl.max((m & in_pool & ~owned).to(tl.int32), 0) > 0)
             good = in_pool & owned & (tl.where((req_bad | step_bad) == 0, 1, 0) + o * 0 > 0)
@@ -237,6 +243,7 @@ def check_step_triton(s: StepTensors, safe: Optional[torch.Tensor], fault: torch
         s.seq_total if s.seq_total is not None else 0,
         s.num_slots,
         s.cascade_len,
+        s.pad_seq_len,
         BS_BLOCK=max(16, 1 << (bs - 1).bit_length()),
         CHUNK=CHUNK,
         MIN_SEQ=1 if s.decode else 0,
