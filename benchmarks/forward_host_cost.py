@@ -116,7 +116,11 @@ def make_row(mode: str, requests: list[tuple[int, int]], mla: bool) -> dict[str,
         hq, hkv, d, dv, arch = HQ, HKV, D, D, {}
     req_pool = ReqToTokenPool(len(requests), max(p + e for p, e in requests) + PAGE)
     batch = build_forward_batch(
-        mode, requests, req_to_token_pool=req_pool, allocator=PagedTokenAllocator(pages * PAGE, PAGE), token_to_kv_pool=kv_pool
+        mode,
+        requests,
+        req_to_token_pool=req_pool,
+        allocator=PagedTokenAllocator(pages * PAGE, PAGE),
+        token_to_kv_pool=kv_pool,
     )
     ctx = BackendContext(
         device="cpu",
@@ -167,7 +171,11 @@ def make_meta_row(bs: int) -> dict[str, Callable[[], object]]:
     kv_pool = MHATokenToKVPool(pages * PAGE, PAGE, torch.float16, HKV, D, 1)
     req_pool = ReqToTokenPool(bs, META_CONTEXT + PAGE)
     batch = build_forward_batch(
-        "DECODE", requests, req_to_token_pool=req_pool, allocator=PagedTokenAllocator(pages * PAGE, PAGE), token_to_kv_pool=kv_pool
+        "DECODE",
+        requests,
+        req_to_token_pool=req_pool,
+        allocator=PagedTokenAllocator(pages * PAGE, PAGE),
+        token_to_kv_pool=kv_pool,
     )
     ctx = BackendContext(
         device="cpu",
@@ -193,7 +201,9 @@ def make_meta_row(bs: int) -> dict[str, Callable[[], object]]:
 STEP_BATCHES = (1, 256)
 
 
-def make_step_rows(backend_name: str, bs: int, layers: int, context: int, device: str) -> dict[str, Callable[[], object]]:
+def make_step_rows(
+    backend_name: str, bs: int, layers: int, context: int, device: str
+) -> dict[str, Callable[[], object]]:
     """One decode step of `bs` requests of `context` tokens over `layers` layers on `backend_name`, real
     kernels: eager (`init_forward_metadata` then every layer) and, on cuda, through `CudaGraphRunner.run`.
     Public APIs only (the same calls work on the baseline tree)."""
@@ -207,15 +217,26 @@ def make_step_rows(backend_name: str, bs: int, layers: int, context: int, device
     kv_pool = MHATokenToKVPool(pages * PAGE, PAGE, dtype, HKV, D, layers, device=dev)
     req_pool = ReqToTokenPool(bs, context + PAGE, device=dev)
     batch = build_forward_batch(
-        "DECODE", [(context - 1, 1)] * bs, req_to_token_pool=req_pool, allocator=PagedTokenAllocator(pages * PAGE, PAGE),
+        "DECODE",
+        [(context - 1, 1)] * bs,
+        req_to_token_pool=req_pool,
+        allocator=PagedTokenAllocator(pages * PAGE, PAGE),
         token_to_kv_pool=kv_pool,
-    )  # fmt: skip
+    )
     graphs = dev.type == "cuda"
     ctx = BackendContext(
-        device=dev, dtype=dtype, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PAGE, max_batch_size=bs,
-        max_context_len=req_pool.max_context_len, req_to_token_pool=req_pool, token_to_kv_pool=kv_pool,
+        device=dev,
+        dtype=dtype,
+        num_q_heads=HQ,
+        num_kv_heads=HKV,
+        head_dim=D,
+        page_size=PAGE,
+        max_batch_size=bs,
+        max_context_len=req_pool.max_context_len,
+        req_to_token_pool=req_pool,
+        token_to_kv_pool=kv_pool,
         cuda_graph=CudaGraphLevel.UNIFORM_SINGLE_TOKEN_DECODE if graphs else CudaGraphLevel.NEVER,
-    )  # fmt: skip
+    )
     backend = create_backend(backend_name, ctx)
     batch.attn_backend = backend
     model = [AttentionLayer(i, HQ, HKV, D) for i in range(layers)]
@@ -248,7 +269,9 @@ def _this_trees_timer():
     `--baseline-src` process, whose attn_core is the older tree, times with the same timer."""
     import importlib.util
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "core", "src", "attn_core", "bench", "timing.py")
+    path = os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "..", "core", "src", "attn_core", "bench", "timing.py"
+    )
     spec = importlib.util.spec_from_file_location("_attn_bench_timing_of_this_tree", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
@@ -284,13 +307,25 @@ def run_tree(src: str | None, calls: int, groups: int, extra: tuple[str, ...] = 
         env["PYTHONPATH"] = src
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--calls", str(calls), "--groups", str(groups), "--json", out, *extra]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--calls",
+            str(calls),
+            "--groups",
+            str(groups),
+            "--json",
+            out,
+            *extra,
+        ]
         subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
         with open(out) as f:
             return json.load(f)["rows"]
 
 
-def compare(baseline_src: str, rounds: int, calls: int, groups: int, json_path: str | None, extra: tuple[str, ...] = ()) -> None:
+def compare(
+    baseline_src: str, rounds: int, calls: int, groups: int, json_path: str | None, extra: tuple[str, ...] = ()
+) -> None:
     """Baseline and this tree, alternating in fresh processes; medians over rounds and their ratio."""
     runs: dict[str, list[dict]] = {"baseline": [], "this tree": []}
     for _ in range(rounds):
@@ -308,7 +343,11 @@ def compare(baseline_src: str, rounds: int, calls: int, groups: int, json_path: 
             print(f"{row:26} {path:22} {before:9.2f} {now:10.2f} {before / now:6.2f}")
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"date": _now(), "baseline_src": baseline_src, "rounds": rounds, "median_us": med, "runs": runs}, f, indent=1)
+            json.dump(
+                {"date": _now(), "baseline_src": baseline_src, "rounds": rounds, "median_us": med, "runs": runs},
+                f,
+                indent=1,
+            )
 
 
 def _now() -> str:
@@ -323,19 +362,34 @@ def main() -> None:
     ap.add_argument("--baseline-src", default=None, help="also time the attn_core under this directory; print ratios")
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds with --baseline-src")
     ap.add_argument("--no-meta", action="store_true", help="skip the attn-triton metadata rows")
-    ap.add_argument("--steps", action="store_true", help="also time whole decode steps with real kernels (see the docstring)")
+    ap.add_argument(
+        "--steps", action="store_true", help="also time whole decode steps with real kernels (see the docstring)"
+    )
     ap.add_argument("--no-layer-rows", action="store_true", help="skip the per-layer rows (with --steps)")
     ap.add_argument("--device", default="cpu", help="device of the step rows (cuda on a GPU machine)")
     ap.add_argument("--layers", type=int, default=32, help="layers of a step row")
     ap.add_argument("--context", type=int, default=1024, help="tokens per request of a step row")
     ap.add_argument("--step-runs", type=int, default=200, help="timed steps per step row")
-    ap.add_argument("--step-backends", default=None, help="comma-separated backends of the step rows (default: triton; cpu adds torch_native)")
+    ap.add_argument(
+        "--step-backends",
+        default=None,
+        help="comma-separated backends of the step rows (default: triton; cpu adds torch_native)",
+    )
     args = ap.parse_args()
     if args.baseline_src:
         extra = ("--no-meta",) if args.no_meta else ()
         if args.steps:
-            extra += ("--steps", "--device", args.device, "--layers", str(args.layers), "--context", str(args.context),
-                      "--step-runs", str(args.step_runs))  # fmt: skip
+            extra += (
+                "--steps",
+                "--device",
+                args.device,
+                "--layers",
+                str(args.layers),
+                "--context",
+                str(args.context),
+                "--step-runs",
+                str(args.step_runs),
+            )
             extra += ("--no-layer-rows",) if args.no_layer_rows else ()
             extra += ("--step-backends", args.step_backends) if args.step_backends else ()
         compare(args.baseline_src, args.rounds, args.calls, args.groups, args.json, extra)
@@ -355,14 +409,18 @@ def main() -> None:
         for title, (mode, requests, mla) in ROWS.items():
             med = sample(make_row(mode, requests, mla), args.calls, args.groups)
             report["rows"][title] = med
-            print(f"{title:18} {med['layer()']:11.2f} {med['backend.forward']:19.2f} {med['stub alone']:14.2f}", flush=True)
+            print(
+                f"{title:18} {med['layer()']:11.2f} {med['backend.forward']:19.2f} {med['stub alone']:14.2f}",
+                flush=True,
+            )
     if args.steps:
         time_host_issue = _this_trees_timer()
         default = "triton" if args.device.startswith("cuda") else "torch_native"
         names = (args.step_backends or default).split(",")
         dev = torch.device(args.device)
         report["device"] = torch.cuda.get_device_name(dev) if dev.type == "cuda" else report["machine"]
-        print(f"step rows on {report['device']}: {args.layers} layers, context {args.context}, host µs per step (median of {args.step_runs})")
+        where = f"{report['device']}: {args.layers} layers, context {args.context}"
+        print(f"step rows on {where}, host µs per step (median of {args.step_runs})")
         for name in names:
             for bs in STEP_BATCHES:
                 title = f"step {name} bs{bs}"
@@ -371,7 +429,8 @@ def main() -> None:
                 report["rows"][title] = med
                 print(f"{title:26} " + "  ".join(f"{p} {t:9.1f}" for p, t in med.items()), flush=True)
     if not args.no_meta:
-        print(f"{'row':26} {'init_forward_metadata µs':>25} {'check_forward_batch µs':>23} {'build_forward_metadata µs':>26}")
+        heads = f"{'init_forward_metadata µs':>25} {'check_forward_batch µs':>23} {'build_forward_metadata µs':>26}"
+        print(f"{'row':26} {heads}")
         for title, bs in META_ROWS.items():
             med = sample(make_meta_row(bs), args.calls, args.groups)
             report["rows"][title] = med

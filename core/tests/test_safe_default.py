@@ -45,7 +45,12 @@ def _level_is_the_contexts(ctx) -> str:
 def device_path(monkeypatch):
     """The default mode as an accelerator runs it, on CPU tensors: no full validation at "basic", the step
     check (its torch path) and the fault word instead."""
-    for module in (attn_core.validation, attn_core.backend, attn_core.graph_runner, attn_core.wrappers.multi_step_draft):
+    for module in (
+        attn_core.validation,
+        attn_core.backend,
+        attn_core.graph_runner,
+        attn_core.wrappers.multi_step_draft,
+    ):
         monkeypatch.setattr(module, "effective_level", _level_is_the_contexts)
 
 
@@ -75,22 +80,41 @@ def test_default_mode_device_path_hostile_section_torch_native(device_path):
     assert not failed, failed
     late = [cid for cid, o in outcomes.items() if "(next step)" in (o.message or "")]
     # the device-side faults went the no-sync way: one step late, named
-    for name in ("row_negative", "row_duplicate", "slot_minus_one", "slot_foreign", "slot_duplicate", "key_never_written"):
+    for name in (
+        "row_negative",
+        "row_duplicate",
+        "slot_minus_one",
+        "slot_foreign",
+        "slot_duplicate",
+        "key_never_written",
+    ):
         assert f"hostile-basic-{name}" in late, (name, outcomes[f"hostile-basic-{name}"].message)
     assert "DeviceFaultError" in outcomes["hostile-graph_run_slot_minus_one"].message
     assert "DeviceFaultError" in outcomes["hostile-basic-slot_foreign"].message
     assert "first offending request: 1" in outcomes["hostile-basic-slot_foreign"].message
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton step check on CPU tensors needs TRITON_INTERPRET=1")
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton step check on CPU tensors needs TRITON_INTERPRET=1"
+)
 def test_default_mode_device_path_with_the_triton_step_check(device_path, monkeypatch):
     """The same on the step check's Triton kernel (the CUDA path), under the interpreter."""
     from attn_core.ops.step_checks_triton import check_step_triton
 
     for module in (attn_core.backend, attn_core.graph_runner):
         monkeypatch.setattr(module, "check_step", check_step_triton)
-    select = [f"hostile-basic-{n}" for n in ("row_negative", "row_duplicate", "slot_foreign", "seq_lens_device_differs",
-                                               "extend_device_differs", "extend_start_loc_differs", "verify_mask_indptr_differs")]
+    select = [
+        f"hostile-basic-{n}"
+        for n in (
+            "row_negative",
+            "row_duplicate",
+            "slot_foreign",
+            "seq_lens_device_differs",
+            "extend_device_differs",
+            "extend_start_loc_differs",
+            "verify_mask_indptr_differs",
+        )
+    ]
     select.append("hostile-graph_run_slot_minus_one")
     outcomes = _outcomes("torch_native", select)
     assert len(outcomes) == len(select)
@@ -111,7 +135,9 @@ def test_refused_writes_go_to_the_dummy_slot_and_the_fault_is_raised_at_the_next
     i = layer_inputs(env, 0, torch.Generator().manual_seed(1))
     make_layer(env.case, 0)(i["q"], i["k"], i["v"], env.batch)
     after = env.kv_pool.get_key_buffer(0)
-    assert torch.equal(after[foreign].nan_to_num(3.0), before[foreign].nan_to_num(3.0)), "another request's key was overwritten"
+    assert torch.equal(after[foreign].nan_to_num(3.0), before[foreign].nan_to_num(3.0)), (
+        "another request's key was overwritten"
+    )
     assert torch.equal(after[good[0]], i["k"][0]) and torch.equal(after[good[1]], i["k"][1])
     with pytest.raises(DeviceFaultError) as err:
         backend.init_forward_metadata(env.batch)
@@ -214,8 +240,17 @@ def _engine(page_size: int = 4):
     kv = MHATokenToKVPool(64, page_size, torch.float32, 2, 8, 1)
     rows = ReqToTokenPool(4, 32)
     requests = RequestPool(rows, PagedTokenAllocator(64, page_size), kv)
-    ctx = BackendContext(device="cpu", dtype=torch.float32, num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=page_size,
-                         req_to_token_pool=rows, token_to_kv_pool=kv, max_context_len=32)  # fmt: skip
+    ctx = BackendContext(
+        device="cpu",
+        dtype=torch.float32,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        page_size=page_size,
+        req_to_token_pool=rows,
+        token_to_kv_pool=kv,
+        max_context_len=32,
+    )
     return requests, create_backend("torch_native", ctx)
 
 
@@ -285,7 +320,11 @@ def test_runner_input_shapes_are_checked(shapes):
 def test_runner_refuses_inputs_of_another_shape_and_validates_the_batch():
     env, backend, run_layers = _runner_env()
     c, dt = env.case, torch.float32
-    shapes = {"q": ((c.num_q_heads, c.head_dim), dt), "k": ((c.num_kv_heads, c.head_dim), dt), "v": ((c.num_kv_heads, c.head_dim), dt)}
+    shapes = {
+        "q": ((c.num_q_heads, c.head_dim), dt),
+        "k": ((c.num_kv_heads, c.head_dim), dt),
+        "v": ((c.num_kv_heads, c.head_dim), dt),
+    }
     runner = CudaGraphRunner(backend, [2], run_layers, shapes)
     i = layer_inputs(env, 0, torch.Generator().manual_seed(0))
     with pytest.raises(GraphShapeError, match=r"inputs\['q'\]"):

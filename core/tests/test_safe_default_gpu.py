@@ -112,8 +112,17 @@ def test_step_check_triton_equals_torch_on_cuda():
 
 def _triton_step_env(bs: int = 4):
     _usable("triton")
-    case = AttnCase("DECODE", tuple((n, 1) for n in (300, 17, 64, 129)[:bs]), num_q_heads=8, num_kv_heads=2, head_dim=64,
-                    page_size=16, dtype="float16", device="cuda", num_layers=2)  # fmt: skip
+    case = AttnCase(
+        "DECODE",
+        tuple((n, 1) for n in (300, 17, 64, 129)[:bs]),
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=16,
+        dtype="float16",
+        device="cuda",
+        num_layers=2,
+    )
     env = make_env(case)
     env.ctx = dataclasses.replace(env.ctx, validation="basic")
     backend = ac.create_backend("triton", env.ctx)
@@ -136,7 +145,9 @@ def test_a_bad_slot_is_raised_one_step_late_and_the_context_stays_usable():
     torch.cuda.synchronize()
     for lid in range(2):
         after = env.kv_pool.get_key_buffer(lid)
-        assert torch.equal(after[victim].nan_to_num(3.0), before[lid][victim].nan_to_num(3.0)), "another token's K was overwritten"
+        assert torch.equal(after[victim].nan_to_num(3.0), before[lid][victim].nan_to_num(3.0)), (
+            "another token's K was overwritten"
+        )
     b.out_cache_loc.copy_(clean_loc)
     with pytest.raises(ac.DeviceFaultError) as err:
         backend.init_forward_metadata(b)
@@ -168,7 +179,9 @@ def test_default_mode_step_and_graph_run_do_not_sync():
     torch.cuda.synchronize()
     backend.raise_device_faults()  # nothing was refused
 
-    graph_backend = ac.create_backend("triton", dataclasses.replace(env.ctx, cuda_graph=ac.CudaGraphLevel.UNIFORM_SINGLE_TOKEN_DECODE))
+    graph_backend = ac.create_backend(
+        "triton", dataclasses.replace(env.ctx, cuda_graph=ac.CudaGraphLevel.UNIFORM_SINGLE_TOKEN_DECODE)
+    )
     dt = torch.float16
     shapes = {"q": ((8, 64), dt), "k": ((2, 64), dt), "v": ((2, 64), dt)}
 

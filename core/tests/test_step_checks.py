@@ -23,9 +23,13 @@ def _batch(mode: str, reqs, page_size: int = 4, seed: int = 0):
     r2t = ReqToTokenPool(len(reqs) + 2, max(p + e for p, e in reqs) + ps)
     kv = MHATokenToKVPool(pages * ps, ps, torch.float32, 1, 8, 1)
     b = build_forward_batch(
-        mode, reqs, req_to_token_pool=r2t, allocator=PagedTokenAllocator(pages * ps, ps), token_to_kv_pool=kv,
+        mode,
+        reqs,
+        req_to_token_pool=r2t,
+        allocator=PagedTokenAllocator(pages * ps, ps),
+        token_to_kv_pool=kv,
         generator=torch.Generator().manual_seed(seed),
-    )  # fmt: skip
+    )
     return b, r2t, kv
 
 
@@ -57,7 +61,11 @@ def _run(s: StepTensors):
 
 
 def test_valid_batches_pass_with_every_slot_allowed():
-    for mode, reqs in (("DECODE", [(5, 1), (9, 1), (1, 1)]), ("EXTEND", [(0, 7), (6, 3), (4, 0)]), ("MIXED", [(3, 1), (0, 5)])):
+    for mode, reqs in (
+        ("DECODE", [(5, 1), (9, 1), (1, 1)]),
+        ("EXTEND", [(0, 7), (6, 3), (4, 0)]),
+        ("MIXED", [(3, 1), (0, 5)]),
+    ):
         b, r2t, kv = _batch(mode, reqs)
         fault, safe = _run(_tensors(b, r2t, kv))
         assert fault is None, (mode, fault)
@@ -140,7 +148,9 @@ def test_extend_totals_and_offsets():
 
 def _spoil(rng: random.Random, s: StepTensors, r2t, kv) -> str:
     bs, T = s.batch_size, s.num_tokens
-    what = rng.choice(["none", "row", "rowdup", "seq", "q", "prefix", "start", "loc", "locdup", "table", "total", "cascade"])
+    what = rng.choice(
+        ["none", "row", "rowdup", "seq", "q", "prefix", "start", "loc", "locdup", "table", "total", "cascade"]
+    )
     r = rng.randrange(bs)
     if what == "row":
         s.req_pool_indices[r] = rng.choice([-1, r2t.req_to_token.shape[0], 10**6])
@@ -155,7 +165,9 @@ def _spoil(rng: random.Random, s: StepTensors, r2t, kv) -> str:
     elif what == "start" and s.start_loc is not None:
         s.start_loc[r] += rng.choice([-1, 1])
     elif what == "loc" and T:
-        s.out_cache_loc[rng.randrange(T)] = rng.choice([-1, 0, kv.num_slots, kv.num_slots + 7, 10**9, rng.randrange(kv.num_slots)])
+        s.out_cache_loc[rng.randrange(T)] = rng.choice(
+            [-1, 0, kv.num_slots, kv.num_slots + 7, 10**9, rng.randrange(kv.num_slots)]
+        )
     elif what == "locdup" and T > 1:
         i, j = rng.sample(range(T), 2)
         s.out_cache_loc[i] = s.out_cache_loc[j]
@@ -169,7 +181,9 @@ def _spoil(rng: random.Random, s: StepTensors, r2t, kv) -> str:
     return what
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernel runs on CPU tensors under TRITON_INTERPRET=1")
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernel runs on CPU tensors under TRITON_INTERPRET=1"
+)
 def test_triton_kernel_matches_torch_on_random_spoiled_batches():
     from attn_core.ops.step_checks_triton import check_step_triton
 

@@ -222,7 +222,7 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         if fault is not None:
             raise fault.error()
 
-    def write_slots(self, forward_batch: ForwardBatch, layer: Optional[AttentionLayer] = None) -> Union[CheckedSlots, torch.Tensor]:
+    def write_slots(self, forward_batch: ForwardBatch, layer: Optional[AttentionLayer] = None) -> CheckedSlots:
         """The slots the step's new K/V go to, for a backend that writes them itself instead of through
         `save_kv` (attn-ascend's operator): the step's checked `out_cache_loc` (`encoder_out_cache_loc`
         for a cross-attention layer) when `forward_batch` is the bound batch; in a CUDA-graph batch the
@@ -234,7 +234,8 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         else:
             slots = forward_batch.encoder_out_cache_loc if cross else forward_batch.out_cache_loc
         if slots is None:
-            raise InvalidArgumentError("forward_batch.encoder_out_cache_loc", "the new encoder tokens' slots, to write their K/V", None)
+            expected = "the new encoder tokens' slots, to write their K/V"
+            raise InvalidArgumentError("forward_batch.encoder_out_cache_loc", expected, None)
         if isinstance(slots, CheckedSlots):
             return slots
         loc = slots
@@ -295,7 +296,8 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         if got_nd != nd:
             raise GraphShapeError("spec_info.num_draft_tokens", f"{nd} draft tokens per request, as captured", got_nd)
         if step.num_tokens is not None and tokens is not None and step.num_tokens != tokens:
-            raise GraphShapeError("num_tokens", f"{tokens} tokens ({tokens // step.bs} per request), as captured", step.num_tokens)
+            expected = f"{tokens} tokens ({tokens // step.bs} per request), as captured"
+            raise GraphShapeError("num_tokens", expected, step.num_tokens)
 
     def replay_graph_step(self, step: CudaGraphStep) -> None:
         """Every graph replay's metadata goes through here (the graph runner, the draft wrapper, the kit,
@@ -534,7 +536,8 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
             sinks = extras.get("sinks")
             if sinks is not None:
                 self.require(Feature.SINKS, "attention sinks")
-                if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point or sinks.device != self.device:
+                tensor = isinstance(sinks, torch.Tensor)
+                if not tensor or not sinks.dtype.is_floating_point or sinks.device != self.device:
                     found = (sinks.dtype, sinks.device) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
                     raise InvalidArgumentError("sinks", f"a floating-point tensor on {self.device}", found)
                 if tuple(sinks.shape) != (layer.num_q_heads,):

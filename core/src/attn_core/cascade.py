@@ -120,7 +120,7 @@ def check_cascade_prefix(batch: ForwardBatch, req_to_token: Optional[torch.Tenso
         if differ.numel():
             i = int(differ[0])
             raise InvalidArgumentError(
-                "forward_batch.cascade_prefix_len", f"a prefix every request shares (request {i}'s first {p} slots differ)", p
+                "forward_batch.cascade_prefix_len", f"a prefix every request shares (request {i}'s first {p} differ)", p
             )
     return p
 

@@ -212,9 +212,11 @@ class CudaGraphRunner:
         for name, buf in self.inputs.items():
             x = inputs[name]
             want = (tokens, *buf.shape[1:])
-            if not isinstance(x, torch.Tensor) or tuple(x.shape) != want or x.dtype != buf.dtype or x.device != buf.device:
-                found = (tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else type(x).__name__
-                raise GraphShapeError(f"inputs[{name!r}]", f"a {buf.dtype} tensor of shape {want} on {buf.device}", found)
+            tensor = isinstance(x, torch.Tensor)
+            if not tensor or tuple(x.shape) != want or x.dtype != buf.dtype or x.device != buf.device:
+                found = (tuple(x.shape), x.dtype, x.device) if tensor else type(x).__name__
+                expected = f"a {buf.dtype} tensor of shape {want} on {buf.device}"
+                raise GraphShapeError(f"inputs[{name!r}]", expected, found)
 
     def run(self, forward_batch: ForwardBatch, inputs: dict[str, torch.Tensor]) -> LayerOutput:
         """Run `forward_batch` (DECODE or TARGET_VERIFY, its pools the context's) through the graph of
@@ -235,9 +237,11 @@ class CudaGraphRunner:
         self._check_inputs(inputs, tokens)
         if mode.is_target_verify():
             spec = b.spec_info
-            if spec is None or spec.custom_mask is None or spec.num_draft_tokens != per or b.extend_num_tokens != tokens:
-                found = None if spec is None else (spec.num_draft_tokens, b.extend_num_tokens)
-                raise GraphShapeError("forward_batch.spec_info", f"a custom mask and {per} draft tokens per request, as captured", found)
+            drafts = None if spec is None else spec.num_draft_tokens
+            if spec is None or spec.custom_mask is None or drafts != per or b.extend_num_tokens != tokens:
+                found = None if spec is None else (drafts, b.extend_num_tokens)
+                expected = f"a custom mask and {per} draft tokens per request, as captured"
+                raise GraphShapeError("forward_batch.spec_info", expected, found)
         if b.request_guard is not None:
             b.request_guard.check()
         level = effective_level(self.ctx)
@@ -248,7 +252,8 @@ class CudaGraphRunner:
         if level == FULL:
             self.out_cache_loc[:tokens] = b.out_cache_loc
         else:  # the step check writes the allowed slots into the static buffer the captured layers read
-            s = dataclasses.replace(step_tensors(b, r2t, kv_pool.num_slots), pad_seq_len=pad.seq_len)  # graph padding rows allowed
+            # graph padding rows (and dummy-slot writes) allowed, as graph-shaped DCP batches carry them
+            s = dataclasses.replace(step_tensors(b, r2t, kv_pool.num_slots), pad_seq_len=pad.seq_len)
             check_step(s, self.out_cache_loc[:tokens], self.backend.device_faults.buffer)
         if b.positions is None:  # the engine's RoPE positions are optional: derive them from the lengths
             self.positions[:tokens] = positions_from_lens(b.seq_lens - per, torch.full_like(b.seq_lens, per), tokens)
@@ -288,7 +293,8 @@ def _batch_sizes(batch_sizes) -> list[int]:
     except (TypeError, ValueError):
         ok = False
     if not ok:
-        raise InvalidArgumentError("batch_sizes", "a non-empty list of positive integer batch sizes", _short(batch_sizes))
+        expected = "a non-empty list of positive integer batch sizes"
+        raise InvalidArgumentError("batch_sizes", expected, _short(batch_sizes))
     return sizes
 
 

@@ -46,8 +46,9 @@ def token_count(name: str, value: object, minimum: int = 0) -> int:
     """`value` as a Python int >= `minimum`, or `InvalidArgumentError` naming `name`: a count of tokens is
     an integer (int, numpy or 0-d integer tensor), never a float or a bool. Example: token_count("n", 3)
     is 3; token_count("n", 2.5) raises ("n: expected an integer >= 0, found 2.5")."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_floating_point and value.dtype != torch.bool:
-        value = int(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        if not value.dtype.is_floating_point and value.dtype != torch.bool:
+            value = int(value)
     if isinstance(value, (bool, np.bool_)):
         n = None
     else:
@@ -242,4 +243,5 @@ class RequestGuard:
         if not np.array_equal(now, self.generations):
             i = int(np.flatnonzero(now != self.generations)[0])
             expected = "a batch whose requests are as it was built (not freed, truncated, forked or stepped since)"
-            raise StaleRequestError(f"forward_batch.requests[{i}]", expected, f"request in row {int(self.rows[i])} changed since")
+            found = f"request in row {int(self.rows[i])} changed since"
+            raise StaleRequestError(f"forward_batch.requests[{i}]", expected, found)

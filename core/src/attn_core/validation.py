@@ -260,7 +260,9 @@ def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _check_device(b: ForwardBatch, r2t: torch.Tensor, num_slots: int, longest: int, padding_seq_len: Optional[int] = None) -> None:
+def _check_device(
+    b: ForwardBatch, r2t: torch.Tensor, num_slots: int, longest: int, padding_seq_len: Optional[int] = None
+) -> None:
     """One device-to-host copy of the batch's index tensors and of two counts computed on the device
     (keys reading a slot outside [1, num_slots); new tokens whose slot is not the table's), then host
     comparisons against the batch's host copies (checked by `_check_host`; `longest` is what it
@@ -277,7 +279,7 @@ def _check_device(b: ForwardBatch, r2t: torch.Tensor, num_slots: int, longest: i
     enc = b.encoder_lens.to(i64) if b.encoder_lens is not None else torch.zeros_like(seq)
     q_lens = torch.ones_like(seq) if b.forward_mode.is_decode() else b.extend_seq_lens.to(i64)
     table = r2t[:, :width][rpi.clamp(0, rows - 1)]  # [bs, width]
-    pad = (rpi == 0) & (seq == padding_seq_len) if padding_seq_len is not None else torch.zeros_like(rpi, dtype=torch.bool)
+    pad = torch.zeros_like(rpi, dtype=torch.bool) if padding_seq_len is None else (rpi == 0) & (seq == padding_seq_len)
     # keys each request attends to: columns [0, enc + seq) of its row (graph padding rows: none checked)
     cols = torch.arange(width, device=dev)
     visible = (cols[None, :] < (enc + seq)[:, None]) & ~pad[:, None]
@@ -290,7 +292,7 @@ def _check_device(b: ForwardBatch, r2t: torch.Tensor, num_slots: int, longest: i
     loc = b.out_cache_loc.to(i64)
     pad_tok = (loc == 0) & (padding_seq_len is not None)  # graph runs: a token may write the dummy slot
     foreign = ((table[req, col].to(i64) != loc) & ~pad_tok).sum()
-    parts = [rpi, seq, loc, bad_keys[None], foreign[None], pad.to(i64), pad_tok.to(i64)]
+    parts = [rpi, seq, loc, bad_keys[None], foreign[None], pad_tok.to(i64)]
     if b.encoder_lens is not None:
         parts.append(enc)
     if not b.forward_mode.is_decode():
@@ -310,7 +312,7 @@ def _check_device(b: ForwardBatch, r2t: torch.Tensor, num_slots: int, longest: i
         return head
 
     rpi_h, seq_h, loc_h, (bad_keys_h, foreign_h) = take(bs), take(bs), take(T), take(2).tolist()
-    pad_h, pad_tok_h = take(bs).bool(), take(T).bool()
+    pad_tok_h = take(T).bool()  # graph runs: tokens writing the dummy slot (exempt from the slot checks)
     if int(rpi_h.min()) < 0 or int(rpi_h.max()) >= rows:
         raise InvalidBatchError("forward_batch.req_pool_indices", f"rows in [0, {rows})", _quote(rpi_h.tolist()))
     _same("seq_lens", seq_h, b.seq_lens_cpu)
@@ -342,7 +344,8 @@ def _quote(values: list, limit: int = 16) -> str:
 
 def _same(name: str, device_copy: torch.Tensor, host_copy: torch.Tensor) -> None:
     if not torch.equal(device_copy, host_copy.to(torch.int64)):
-        bad = int((device_copy != host_copy.to(torch.int64)).nonzero()[0]) if device_copy.shape == host_copy.shape else None
+        same_shape = device_copy.shape == host_copy.shape
+        bad = int((device_copy != host_copy.to(torch.int64)).nonzero()[0]) if same_shape else None
         where = "" if bad is None else f" (first differing request {bad})"
         expected = f"the values of its host copy {_quote(host_copy.tolist())}{where}"
         raise InvalidBatchError(f"forward_batch.{name}", expected, _quote(device_copy.tolist()))

@@ -11,8 +11,9 @@ from attn_core.testing import ConformanceSuite
 
 #: the kit's masked-values check (issue 36) tests the operator's arithmetic, which here is the emulation's
 MASKED_VALUES_SKIP = {
-    "masked_nonfinite-*": "what torch_npu's fused-infer operator does with Inf/NaN in masked keys' values is unknown (never run "
-    "on NPU hardware); the emulation multiplies them by a zero probability (0 * Inf = NaN), as a dense operator may"
+    "masked_nonfinite-*": "what torch_npu's fused-infer operator does with Inf/NaN in masked keys' values is unknown "
+    "(never run on NPU hardware); the emulation multiplies them by a zero probability (0 * Inf = NaN), as a dense "
+    "operator may"
 }
 
 

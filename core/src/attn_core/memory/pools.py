@@ -218,10 +218,10 @@ class MHATokenToKVPool(_KVPoolBase):
         k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
         cache_k = self._check_rows("cache_k", cache_k, loc, (self.head_num, self.head_dim))
         cache_v = self._check_rows("cache_v", cache_v, loc, (self.head_num, self.v_head_dim))
-        write_kv(
-            self._view(self.k_buffer[lid]), self._view(self.v_buffer[lid]), loc, cache_k, cache_v, k_scale=k_scale,
-            v_scale=v_scale, layout=self.kv_layout, page_size=self.page_size, fault=self._fault_word(loc),
-        )  # fmt: skip
+        k_buf, v_buf = self._view(self.k_buffer[lid]), self._view(self.v_buffer[lid])
+        fault = self._fault_word(loc)
+        write_kv(k_buf, v_buf, loc, cache_k, cache_v, k_scale=k_scale, v_scale=v_scale, layout=self.kv_layout,
+                 page_size=self.page_size, fault=fault)
 
 
 class MLATokenToKVPool(_KVPoolBase):

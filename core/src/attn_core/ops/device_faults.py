@@ -66,7 +66,9 @@ class DeviceFaultKind(enum.IntEnum):
 #: what each kind means, in the words `describe_device_faults` reports
 FAULT_DESCRIPTIONS: dict[DeviceFaultKind, str] = {
     DeviceFaultKind.REQUEST_ROW: "request row: req_pool_indices outside the req_to_token table's rows",
-    DeviceFaultKind.LENGTH: "length: a negative (DECODE: zero) seq_lens / encoder_lens / extend_seq_lens entry on the device",
+    DeviceFaultKind.LENGTH: (
+        "length: a negative (DECODE: zero) seq_lens / encoder_lens / extend_seq_lens entry on the device"
+    ),
     DeviceFaultKind.TABLE_WIDTH: "table width: kv_start + kv length past the req_to_token table's width",
     DeviceFaultKind.INDEX_CAPACITY: (
         "index capacity: the device lengths need more key ids than the index buffer holds "
@@ -76,10 +78,14 @@ FAULT_DESCRIPTIONS: dict[DeviceFaultKind, str] = {
     DeviceFaultKind.KEY_OFFSETS: "key offsets: kv_indptr outside the kv_indices buffer",
     DeviceFaultKind.QUERY_ROWS: "query rows: qo_indptr outside the step's tokens",
     DeviceFaultKind.MASK: "mask: custom-mask offsets past the end of spec_info.custom_mask",
-    DeviceFaultKind.DUPLICATE_ROW: "duplicate row: two requests of the batch at one req_to_token row and length (one slot written twice)",
+    DeviceFaultKind.DUPLICATE_ROW: (
+        "duplicate row: two requests of the batch at one req_to_token row and length (one slot written twice)"
+    ),
     DeviceFaultKind.SEQ_TOTAL: "seq_lens total: the device seq_lens do not sum to the host seq_lens_sum",
     DeviceFaultKind.EXTEND_TOTAL: "extend total: the device extend_seq_lens do not sum to the step's tokens",
-    DeviceFaultKind.EXTEND_LENS: "extend lengths: extend_prefix_lens + extend_seq_lens != seq_lens, or a length outside 0..seq_len",
+    DeviceFaultKind.EXTEND_LENS: (
+        "extend lengths: extend_prefix_lens + extend_seq_lens != seq_lens, or a length outside 0..seq_len"
+    ),
     DeviceFaultKind.START_LOC: "extend_start_loc: not the prefix sums of extend_seq_lens",
     DeviceFaultKind.MASK_INDPTR: "mask_indptr: not the prefix sums of q_len * seq_len",
     DeviceFaultKind.WRITE_SLOT: "write slot: an out_cache_loc slot outside [1, num_slots) (its K/V write dropped)",
@@ -89,7 +95,9 @@ FAULT_DESCRIPTIONS: dict[DeviceFaultKind, str] = {
     ),
     DeviceFaultKind.KEY_SLOT: "key slot: a key the request attends to has no slot in [1, num_slots) in req_to_token",
     DeviceFaultKind.CASCADE: "cascade: a request whose first cascade_prefix_len slots are not the first request's",
-    DeviceFaultKind.ENCODER_SLOT: "encoder slot: an encoder_out_cache_loc slot outside [1, num_slots) (its K/V write dropped)",
+    DeviceFaultKind.ENCODER_SLOT: (
+        "encoder slot: an encoder_out_cache_loc slot outside [1, num_slots) (its K/V write dropped)"
+    ),
 }
 
 #: the batch field each kind blames (the `argument` of the `DeviceFaultError`)

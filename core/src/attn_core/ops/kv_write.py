@@ -87,8 +87,12 @@ def record_first(fault: Optional[torch.Tensor], kind: DeviceFaultKind, bad_reque
     fault[at] = torch.maximum(fault[at], code)
 
 
-def guard_slots(loc: torch.Tensor, num_slots: int, fault: Optional[torch.Tensor] = None,
-                kind: DeviceFaultKind = DeviceFaultKind.WRITE_SLOT) -> torch.Tensor:
+def guard_slots(
+    loc: torch.Tensor,
+    num_slots: int,
+    fault: Optional[torch.Tensor] = None,
+    kind: DeviceFaultKind = DeviceFaultKind.WRITE_SLOT,
+) -> torch.Tensor:
     """`loc` (int `[T]`) as int64 with every entry outside [0, num_slots) replaced by the dummy slot 0,
     the refusal recorded in `fault` under `kind`: a few elementwise device ops, no sync, graph-capturable.
     Example: guard_slots(tensor([3, -1, 9]), 6) -> [3, 0, 0]."""
@@ -120,7 +124,9 @@ def slot_ids(slots: SlotIds, num_slots: int, fault: Optional[torch.Tensor] = Non
             raise InvalidArgumentError(name, f"slots checked for a cache of {num_slots} slots", slots.num_slots)
         return slots.slots
     if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
-        raise InvalidArgumentError(name, "a 1-D int32/int64 tensor of slot ids", getattr(slots, "shape", type(slots).__name__))
+        raise InvalidArgumentError(
+            name, "a 1-D int32/int64 tensor of slot ids", getattr(slots, "shape", type(slots).__name__)
+        )
     if slots.device.type == "cpu":
         return check_host_slots(slots, num_slots, name)
     return guard_slots(slots, num_slots, fault)
@@ -133,7 +139,9 @@ def num_cache_slots(cache: torch.Tensor, layout: str = "NHD") -> int:
         return cache.shape[0]
     if layout == "HND" and cache.dim() == 4:
         return cache.shape[0] * cache.shape[2]
-    raise InvalidArgumentError("layout", f"one of {list(LAYOUTS)} (HND caches are [pages, H, page, D])", (layout, tuple(cache.shape)))
+    raise InvalidArgumentError(
+        "layout", f"one of {list(LAYOUTS)} (HND caches are [pages, H, page, D])", (layout, tuple(cache.shape))
+    )
 
 
 _FP8 = None
@@ -150,7 +158,9 @@ def _fp8():
 
 
 def _scatter(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, layout: str, page_size: int) -> None:
-    if cache.dtype.itemsize == 1 and cache.dtype.is_floating_point:  # fp8: index_put does not take it everywhere: raw bytes
+    if (
+        cache.dtype.itemsize == 1 and cache.dtype.is_floating_point
+    ):  # fp8: index_put does not take it everywhere: raw bytes
         cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
     if layout == "NHD":
         cache[slots] = rows

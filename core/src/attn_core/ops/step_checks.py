@@ -172,10 +172,16 @@ def check_step_torch(s: StepTensors, safe: Optional[torch.Tensor], fault: torch.
             casc_bad = casc_bad | ((idx == 0) & (n_keys < p))
     req_bad = row_bad | dup | len_bad | width_bad | ext_bad | start_bad | mask_bad | key_bad | casc_bad
     for kind, bad in (
-        (K.REQUEST_ROW, row_bad), (K.DUPLICATE_ROW, dup), (K.LENGTH, len_bad), (K.TABLE_WIDTH, width_bad),
-        (K.EXTEND_LENS, ext_bad), (K.START_LOC, start_bad), (K.MASK_INDPTR, mask_bad), (K.KEY_SLOT, key_bad),
+        (K.REQUEST_ROW, row_bad),
+        (K.DUPLICATE_ROW, dup),
+        (K.LENGTH, len_bad),
+        (K.TABLE_WIDTH, width_bad),
+        (K.EXTEND_LENS, ext_bad),
+        (K.START_LOC, start_bad),
+        (K.MASK_INDPTR, mask_bad),
+        (K.KEY_SLOT, key_bad),
         (K.CASCADE, casc_bad),
-    ):  # fmt: skip
+    ):
         record_first(fault, kind, bad)
     step_bad = ends[-1] != T
     record_fault(fault, K.EXTEND_TOTAL, step_bad.reshape(1))

@@ -47,12 +47,31 @@ def flag_request(FAULT, kind, r, bad):
 
 
 @triton.jit(
-    do_not_specialize=["stride_row", "num_rows", "width", "bs", "num_tokens", "seq_total", "num_slots", "cascade_len", "pad_seq"],
-    do_not_specialize_on_alignment=[
-        "REQ_TO_TOKEN", "REQ_POOL_INDICES", "SEQ_LENS", "ENC_LENS", "Q_LENS", "PREFIX_LENS", "START_LOC", "MASK_INDPTR",
-        "OUT_CACHE_LOC", "SAFE", "FAULT",
+    do_not_specialize=[
+        "stride_row",
+        "num_rows",
+        "width",
+        "bs",
+        "num_tokens",
+        "seq_total",
+        "num_slots",
+        "cascade_len",
+        "pad_seq",
     ],
-)  # fmt: skip
+    do_not_specialize_on_alignment=[
+        "REQ_TO_TOKEN",
+        "REQ_POOL_INDICES",
+        "SEQ_LENS",
+        "ENC_LENS",
+        "Q_LENS",
+        "PREFIX_LENS",
+        "START_LOC",
+        "MASK_INDPTR",
+        "OUT_CACHE_LOC",
+        "SAFE",
+        "FAULT",
+    ],
+)
 def _step_check_kernel(
     REQ_TO_TOKEN,
     stride_row,

@@ -29,7 +29,15 @@ import torch
 from attn_core import validation as _validation
 from attn_core.errors import AttnError, DeviceFaultError
 from attn_core.forward_mode import ForwardMode
-from attn_core.testing.harness import AttnCase, CaseEnv, compare_layer, forward_extras, layer_inputs, make_env, make_layer
+from attn_core.testing.harness import (
+    AttnCase,
+    CaseEnv,
+    compare_layer,
+    forward_extras,
+    layer_inputs,
+    make_env,
+    make_layer,
+)
 from attn_core.testing.negative import _same, _snapshot
 from attn_core.testing.outcome import KitFailure
 from attn_core.testing.reference import tolerance
@@ -266,9 +274,14 @@ def _sinks_elsewhere(env):
 
 
 def hostile_cases(
-    modes, features=frozenset(), archs=frozenset({"mha"}), other_dtype: Optional[str] = None, paged: Optional[int] = None,
-    encoder_requests=None, cascade_prefix: int = 0,
-) -> list[HostileCase]:  # fmt: skip
+    modes,
+    features=frozenset(),
+    archs=frozenset({"mha"}),
+    other_dtype: Optional[str] = None,
+    paged: Optional[int] = None,
+    encoder_requests=None,
+    cascade_prefix: int = 0,
+) -> list[HostileCase]:
     """The cases for a backend declaring forward `modes`, `features` (`Feature` values or members),
     `archs`, whose context dtype differs from `other_dtype` (a torch dtype name); `paged`: a declared
     page size > 1 (for the in-page slot case); `encoder_requests`: the plan's encoder-decoder requests
@@ -282,70 +295,160 @@ def hostile_cases(
     if decode:
         cases += [
             HostileCase("row_negative", "req_pool_indices of -1", D, _poke("req_pool_indices", 0, lambda e: -1)),
-            HostileCase("row_past_table", "req_pool_indices one past the table", D, _poke("req_pool_indices", 1, _rows)),
+            HostileCase(
+                "row_past_table", "req_pool_indices one past the table", D, _poke("req_pool_indices", 1, _rows)
+            ),
             HostileCase("row_huge", "req_pool_indices of 10**6", D, _poke("req_pool_indices", 0, lambda e: 10**6)),
             HostileCase("row_duplicate", "one req_to_token row for two requests", D, _row_duplicate),
-            HostileCase("seq_lens_past_table", "a seq_len past the req_to_token width", D, lambda e: _set_len(e, 0, _width(e) + 1)),
+            HostileCase(
+                "seq_lens_past_table",
+                "a seq_len past the req_to_token width",
+                D,
+                lambda e: _set_len(e, 0, _width(e) + 1),
+            ),
             HostileCase("seq_lens_zero_decode", "a DECODE seq_len of 0", D, lambda e: _set_len(e, 1, 0)),
             HostileCase("seq_lens_int64", "int64 seq_lens", D, _seq_lens_int64),
-            HostileCase("seq_lens_device_differs", "device seq_lens longer than seq_lens_cpu", D, _device_seq_len_longer),
+            HostileCase(
+                "seq_lens_device_differs", "device seq_lens longer than seq_lens_cpu", D, _device_seq_len_longer
+            ),
             HostileCase("seq_lens_sum_short", "seq_lens_sum smaller than the lengths", D, _host_sum_short),
             HostileCase("slot_minus_one", "out_cache_loc of -1", D, _poke("out_cache_loc", 0, lambda e: -1)),
             HostileCase("slot_zero", "out_cache_loc of the dummy slot 0", D, _poke("out_cache_loc", 0, lambda e: 0)),
-            HostileCase("slot_past_pool", "out_cache_loc one past the pool", D, _poke("out_cache_loc", 0, lambda e: e.kv_pool.num_slots)),
+            HostileCase(
+                "slot_past_pool",
+                "out_cache_loc one past the pool",
+                D,
+                _poke("out_cache_loc", 0, lambda e: e.kv_pool.num_slots),
+            ),
             HostileCase("slot_last_past_pool", "the last out_cache_loc one past the pool", D, _last_slot_past_pool),
             HostileCase("slot_duplicate", "two tokens writing one slot", D, _poke("out_cache_loc", 1, _first_slot)),
-            HostileCase("slot_foreign", "out_cache_loc of another request's key", D, _poke("out_cache_loc", 1, _first_key_of_request_0)),
+            HostileCase(
+                "slot_foreign",
+                "out_cache_loc of another request's key",
+                D,
+                _poke("out_cache_loc", 1, _first_key_of_request_0),
+            ),
             HostileCase("table_slot_past_pool", "a req_to_token slot past the pool", D, _table_slot_past_pool),
             HostileCase("key_never_written", "seq_lens covering a key the engine never wrote", D, _unwritten_key),
             HostileCase("stale_other_batch", "forward with a batch other than the metadata's", D, _other_batch),
             HostileCase("stale_no_metadata", "forward before any init_forward_metadata", D, _no_metadata),
             HostileCase("stale_previous_step", "forward on the previous step's batch", D, _metadata_of_another_step),
-            HostileCase("scale_negative_no_save", "a negative k_scale, save_kv_cache=False", D, _layers_with(k_scale=-0.5)),
+            HostileCase(
+                "scale_negative_no_save", "a negative k_scale, save_kv_cache=False", D, _layers_with(k_scale=-0.5)
+            ),
             HostileCase("scale_zero_no_save", "a v_scale of 0, save_kv_cache=False", D, _layers_with(v_scale=0.0)),
             HostileCase("scale_nan", "a NaN k_scale", D, _layers_with(k_scale=float("nan"))),
         ]
         if paged:
-            cases.append(HostileCase("slot_in_page", "out_cache_loc at another offset of its page", D, _slot_in_page, (("page_size", paged),)))
+            cases.append(
+                HostileCase(
+                    "slot_in_page",
+                    "out_cache_loc at another offset of its page",
+                    D,
+                    _slot_in_page,
+                    (("page_size", paged),),
+                )
+            )
         if "mla" in archs and "mha" in archs:
-            cases.append(HostileCase("mla_slot_duplicate", "an MLA latent slot written twice", D,
-                                     _poke("out_cache_loc", 1, _first_slot), (("arch", "mla"),)))  # fmt: skip
+            cases.append(
+                HostileCase(
+                    "mla_slot_duplicate",
+                    "an MLA latent slot written twice",
+                    D,
+                    _poke("out_cache_loc", 1, _first_slot),
+                    (("arch", "mla"),),
+                )
+            )
         if "sinks" in feats:
-            cases.append(HostileCase("sinks_other_device", "sinks on another device than q", D, _sinks_elsewhere, (("sinks", True),)))
+            cases.append(
+                HostileCase(
+                    "sinks_other_device", "sinks on another device than q", D, _sinks_elsewhere, (("sinks", True),)
+                )
+            )
         if other_dtype is not None:
             cases.append(HostileCase("q_other_dtype", f"q in {other_dtype}", D, _q_in(other_dtype)))
     if extend:
         cases += [
             HostileCase("extend_negative", "a negative extend length", E, _negative_extend),
             HostileCase("extend_not_summing", "extend lengths not summing to the token count", E, _extend_not_summing),
-            HostileCase("extend_device_differs", "device extend lengths other than their host copies", E, _extend_device_differs),
-            HostileCase("extend_start_loc_differs", "extend_start_loc other than the lengths' offsets", E, _start_loc_differs),
-            HostileCase("extend_fields_missing", "an EXTEND batch without extend_seq_lens", E, _set("extend_seq_lens", lambda e: None)),
-            HostileCase("extend_cpu_missing", "an EXTEND batch without its host copy", E, _set("extend_prefix_lens_cpu", lambda e: None)),
-            HostileCase("extend_row_negative", "req_pool_indices of -1 (EXTEND)", E, _poke("req_pool_indices", 1, lambda e: -1)),
-            HostileCase("extend_slot_foreign", "another request's slot (EXTEND)", E, _poke("out_cache_loc", 0, _first_key_of_request_1)),
-            HostileCase("extend_last_slot_past_pool", "the last slot one past the pool (EXTEND)", E, _last_slot_past_pool),
+            HostileCase(
+                "extend_device_differs", "device extend lengths other than their host copies", E, _extend_device_differs
+            ),
+            HostileCase(
+                "extend_start_loc_differs", "extend_start_loc other than the lengths' offsets", E, _start_loc_differs
+            ),
+            HostileCase(
+                "extend_fields_missing",
+                "an EXTEND batch without extend_seq_lens",
+                E,
+                _set("extend_seq_lens", lambda e: None),
+            ),
+            HostileCase(
+                "extend_cpu_missing",
+                "an EXTEND batch without its host copy",
+                E,
+                _set("extend_prefix_lens_cpu", lambda e: None),
+            ),
+            HostileCase(
+                "extend_row_negative", "req_pool_indices of -1 (EXTEND)", E, _poke("req_pool_indices", 1, lambda e: -1)
+            ),
+            HostileCase(
+                "extend_slot_foreign",
+                "another request's slot (EXTEND)",
+                E,
+                _poke("out_cache_loc", 0, _first_key_of_request_1),
+            ),
+            HostileCase(
+                "extend_last_slot_past_pool", "the last slot one past the pool (EXTEND)", E, _last_slot_past_pool
+            ),
         ]
         if "cross_attention" in feats and encoder_requests:
             enc = (("requests", tuple(encoder_requests)),)
             cases += [
-                HostileCase("encoder_lens_differs", "device encoder_lens other than encoder_lens_cpu", E, _encoder_lens_differs, enc),
-                HostileCase("encoder_slot_minus_one", "encoder_out_cache_loc of -1", E, _encoder_slot_minus_one,
-                            enc + (("cross_attention", True),)),  # fmt: skip
+                HostileCase(
+                    "encoder_lens_differs",
+                    "device encoder_lens other than encoder_lens_cpu",
+                    E,
+                    _encoder_lens_differs,
+                    enc,
+                ),
+                HostileCase(
+                    "encoder_slot_minus_one",
+                    "encoder_out_cache_loc of -1",
+                    E,
+                    _encoder_slot_minus_one,
+                    enc + (("cross_attention", True),),
+                ),
             ]
         if "cascade" in feats and cascade_prefix:
-            casc = (("cascade_prefix", cascade_prefix), ("requests", ((cascade_prefix + 3, 2), (cascade_prefix + 1, 1))))
-            cases.append(HostileCase("cascade_not_shared", "a cascade prefix the requests do not share", E, _cascade_not_shared, casc))
+            casc = (
+                ("cascade_prefix", cascade_prefix),
+                ("requests", ((cascade_prefix + 3, 2), (cascade_prefix + 1, 1))),
+            )
+            cases.append(
+                HostileCase(
+                    "cascade_not_shared", "a cascade prefix the requests do not share", E, _cascade_not_shared, casc
+                )
+            )
     if verify_mask:
         cases += [
             HostileCase("verify_mask_short", "a verify mask one entry short", V, _short_mask),
-            HostileCase("verify_mask_indptr_differs", "mask_indptr other than the masks' offsets", V, _mask_indptr_differs),
+            HostileCase(
+                "verify_mask_indptr_differs", "mask_indptr other than the masks' offsets", V, _mask_indptr_differs
+            ),
         ]
     return cases
 
 
-def _forward_all(backend, env: CaseEnv, batch, q_dtype: Optional[torch.dtype] = None, layer_changes: Optional[dict] = None,
-                 save_kv_cache: bool = True, sinks_device: Optional[str] = None):  # fmt: skip
+def _forward_all(
+    backend,
+    env: CaseEnv,
+    batch,
+    q_dtype: Optional[torch.dtype] = None,
+    layer_changes: Optional[dict] = None,
+    save_kv_cache: bool = True,
+    sinks_device: Optional[str] = None,
+):
     gen = torch.Generator().manual_seed(env.case.seed + 7)
     for lid in range(env.case.num_layers):
         layer = make_layer(env.case, lid)
@@ -356,7 +459,9 @@ def _forward_all(backend, env: CaseEnv, batch, q_dtype: Optional[torch.dtype] = 
             inputs["q"] = inputs["q"].to(q_dtype)
         if sinks_device is not None and inputs["sinks"] is not None:
             inputs["sinks"] = torch.zeros(inputs["sinks"].shape, dtype=inputs["sinks"].dtype, device=sinks_device)
-        backend.forward(inputs["q"], inputs["k"], inputs["v"], layer, batch, save_kv_cache, **forward_extras(env.case, inputs))
+        backend.forward(
+            inputs["q"], inputs["k"], inputs["v"], layer, batch, save_kv_cache, **forward_extras(env.case, inputs)
+        )
 
 
 def _default_call(backend, env: CaseEnv):
@@ -382,8 +487,10 @@ def clone_batch(batch):
 
     out = dataclasses.replace(batch, **{f.name: c(getattr(batch, f.name)) for f in dataclasses.fields(batch)})
     if batch.spec_info is not None:
-        out.spec_info = dataclasses.replace(batch.spec_info, **{f.name: c(getattr(batch.spec_info, f.name))
-                                                                for f in dataclasses.fields(batch.spec_info)})  # fmt: skip
+        out.spec_info = dataclasses.replace(
+            batch.spec_info,
+            **{f.name: c(getattr(batch.spec_info, f.name)) for f in dataclasses.fields(batch.spec_info)},
+        )
     return out
 
 
@@ -392,7 +499,11 @@ def allocator_state(allocator) -> tuple:
     step: nothing a step does may change it. Example: a fresh `PagedTokenAllocator(64, 16)` gives
     ((3, 2, 1), <owned mask>, ...)."""
     parts = []
-    for a in (getattr(allocator, "full", None), getattr(allocator, "window_alloc", None)) if hasattr(allocator, "full") else (allocator,):
+    for a in (
+        (getattr(allocator, "full", None), getattr(allocator, "window_alloc", None))
+        if hasattr(allocator, "full")
+        else (allocator,)
+    ):
         parts.append(tuple(getattr(a, "_free_pages", ())))
         owned = getattr(a, "_owned", None)
         parts.append(None if owned is None else owned.clone())
@@ -405,14 +516,20 @@ def _same_state(a: tuple, b: tuple) -> bool:
     return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
 
 
-def _pool_changed_outside(before: list[torch.Tensor], after: list[torch.Tensor], pool, legal: torch.Tensor) -> list[int]:
+def _pool_changed_outside(
+    before: list[torch.Tensor], after: list[torch.Tensor], pool, legal: torch.Tensor
+) -> list[int]:
     """Slots outside `legal` (the batch's own slots and the dummy 0) whose K/V changed, in either layout."""
     from attn_core.testing.harness import token_major
 
     bad: set[int] = set()
     for x, y in zip(before, after):
         x, y = token_major(pool, x), token_major(pool, y)
-        diff = (torch.nan_to_num(x.double(), nan=12345.0) != torch.nan_to_num(y.double(), nan=12345.0)).reshape(x.shape[0], -1).any(-1)
+        diff = (
+            (torch.nan_to_num(x.double(), nan=12345.0) != torch.nan_to_num(y.double(), nan=12345.0))
+            .reshape(x.shape[0], -1)
+            .any(-1)
+        )
         diff[legal.to(diff.device)] = False
         bad |= set(diff.nonzero().flatten().tolist())
     return sorted(bad)
@@ -442,7 +559,9 @@ def _good_step(backend, env: CaseEnv, batch) -> float:
     return worst
 
 
-def hostile_check(target: KitTarget, case: AttnCase, hostile: HostileCase, validation: str = "full") -> Callable[[], str]:
+def hostile_check(
+    target: KitTarget, case: AttnCase, hostile: HostileCase, validation: str = "full"
+) -> Callable[[], str]:
     """A check: build `case` (the context at `validation`), spoil its batch, run one step; then a good
     step (see the module docstring for what passes in each mode)."""
 
@@ -459,7 +578,11 @@ def hostile_check(target: KitTarget, case: AttnCase, hostile: HostileCase, valid
         if clean.encoder_out_cache_loc is not None:
             legal = torch.cat([legal, clean.encoder_out_cache_loc.to(torch.int64).cpu()])
         call = hostile.spoil(env) or _default_call
-        before, table, alloc = _snapshot(env), env.req_to_token_pool.req_to_token.clone(), allocator_state(env.allocator)
+        before, table, alloc = (
+            _snapshot(env),
+            env.req_to_token_pool.req_to_token.clone(),
+            allocator_state(env.allocator),
+        )
         where = f"{hostile.what} (validation {validation!r})\n  case: {case.describe()}"
         late = False
         try:
@@ -481,17 +604,23 @@ def hostile_check(target: KitTarget, case: AttnCase, hostile: HostileCase, valid
             raise KitFailure(f"{where}: no typed error at the step nor at the next one")
         except AttnError as exc:
             if late and not isinstance(exc, DeviceFaultError):
-                raise KitFailure(f"{where}: the next step raised {type(exc).__name__} (expected DeviceFaultError): {exc}") from None
+                raise KitFailure(
+                    f"{where}: the next step raised {type(exc).__name__} (expected DeviceFaultError): {exc}"
+                ) from None
             if not _argument_of(exc):
                 raise KitFailure(f"{where}: {type(exc).__name__} names no argument: {exc}") from None
             after = _snapshot(env)
             if not late:
                 if not _same(before, after):
-                    raise KitFailure(f"{where}: raised {type(exc).__name__} but only after writing to the KV pool") from None
+                    raise KitFailure(
+                        f"{where}: raised {type(exc).__name__} but only after writing to the KV pool"
+                    ) from None
             else:
                 outside = _pool_changed_outside(before, after, env.kv_pool, legal)
                 if outside:
-                    raise KitFailure(f"{where}: K/V written outside the batch's slots {outside[:8]} before {type(exc).__name__}") from None
+                    raise KitFailure(
+                        f"{where}: K/V written outside the batch's slots {outside[:8]} before {type(exc).__name__}"
+                    ) from None
             if not torch.equal(env.req_to_token_pool.req_to_token, table if not late else table_before_spoil):
                 raise KitFailure(f"{where}: the request table changed") from None
             if not _same_state(alloc, allocator_state(env.allocator)):

@@ -66,18 +66,27 @@ def _inputs(env: CaseEnv, batch) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(env.case.seed + 5)
     c, pool = env.case, env.kv_pool
     dt, dev, T = getattr(torch, c.dtype), pool.device, batch.num_tokens
-    shapes = {"q": (c.num_q_heads, pool.head_dim), "k": (pool.head_num, pool.head_dim), "v": (pool.head_num, pool.v_head_dim)}
+    shapes = {
+        "q": (c.num_q_heads, pool.head_dim),
+        "k": (pool.head_num, pool.head_dim),
+        "v": (pool.head_num, pool.v_head_dim),
+    }
     return {n: torch.randn(T, *s, generator=gen).to(dt).to(dev) for n, s in shapes.items()}
 
 
 def _runner(backend, env: CaseEnv, bs: int, num_draft_tokens: Optional[int] = None) -> CudaGraphRunner:
     c, pool, dt = env.case, env.kv_pool, getattr(torch, env.case.dtype)
-    shapes = {"q": ((c.num_q_heads, pool.head_dim), dt), "k": ((pool.head_num, pool.head_dim), dt),
-              "v": ((pool.head_num, pool.v_head_dim), dt)}  # fmt: skip
+    shapes = {
+        "q": ((c.num_q_heads, pool.head_dim), dt),
+        "k": ((pool.head_num, pool.head_dim), dt),
+        "v": ((pool.head_num, pool.v_head_dim), dt),
+    }
     return CudaGraphRunner(backend, [bs], _run_layers(c), shapes, num_draft_tokens=num_draft_tokens)
 
 
-def _expect(env: CaseEnv, backend, attempt: Callable[[], object], what: str, errors=(AttnError,), next_step=None, clean=None) -> str:
+def _expect(
+    env: CaseEnv, backend, attempt: Callable[[], object], what: str, errors=(AttnError,), next_step=None, clean=None
+) -> str:
     """Run `attempt` (the hostile call); it must raise one of `errors` at once, or, on an accelerator at
     "basic", `next_step()` (a good call after a device wait) must raise `DeviceFaultError`. Then the pool,
     table and allocator must be as the module docstring says, and a good step (on `clean`, default a copy
@@ -103,9 +112,13 @@ def _expect(env: CaseEnv, backend, attempt: Callable[[], object], what: str, err
         raise KitFailure(f"{where}: no typed error at the step nor at the next one")
     except AttnError as exc:
         if late and not isinstance(exc, DeviceFaultError):
-            raise KitFailure(f"{where}: the next step raised {type(exc).__name__}, not DeviceFaultError: {exc}") from None
+            raise KitFailure(
+                f"{where}: the next step raised {type(exc).__name__}, not DeviceFaultError: {exc}"
+            ) from None
         if not late and not isinstance(exc, errors):
-            raise KitFailure(f"{where}: expected {[e.__name__ for e in errors]}, got {type(exc).__name__}: {exc}") from None
+            raise KitFailure(
+                f"{where}: expected {[e.__name__ for e in errors]}, got {type(exc).__name__}: {exc}"
+            ) from None
         if not _argument_of(exc):
             raise KitFailure(f"{where}: {type(exc).__name__} names no argument: {exc}") from None
         after = _snapshot(env)
@@ -114,7 +127,9 @@ def _expect(env: CaseEnv, backend, attempt: Callable[[], object], what: str, err
         outside = _pool_changed_outside(before, after, env.kv_pool, legal) if late else []
         if outside:
             raise KitFailure(f"{where}: K/V written outside the batch's slots {outside[:8]}") from None
-        if not torch.equal(env.req_to_token_pool.req_to_token, table) or not _same_state(alloc, allocator_state(env.allocator)):
+        if not torch.equal(env.req_to_token_pool.req_to_token, table) or not _same_state(
+            alloc, allocator_state(env.allocator)
+        ):
             raise KitFailure(f"{where}: the request table or the allocator changed") from None
         message = f"{type(exc).__name__}{' (next step)' if late else ''}: {exc}"
     clean.attn_backend = backend
@@ -133,10 +148,17 @@ def stale_request_check(target: KitTarget, case: AttnCase) -> Callable[[], str]:
         env = _basic_env(case)
         ps, pool = case.page_size, env.kv_pool
         rows = ReqToTokenPool(4, 8 * ps, env.ctx.device)
-        kv = MHATokenToKVPool(16 * ps, ps, pool.dtype, pool.head_num, pool.head_dim, 1, env.ctx.device, pool.v_head_dim, pool.kv_layout)
+        kv = MHATokenToKVPool(
+            16 * ps, ps, pool.dtype, pool.head_num, pool.head_dim, 1, env.ctx.device, pool.v_head_dim, pool.kv_layout
+        )
         requests = RequestPool(rows, PagedTokenAllocator(16 * ps, ps), kv)
-        ctx = dataclasses.replace(env.ctx, req_to_token_pool=rows, token_to_kv_pool=kv, max_context_len=8 * ps,
-                                  forward_modes=frozenset({ForwardMode.DECODE}))  # fmt: skip
+        ctx = dataclasses.replace(
+            env.ctx,
+            req_to_token_pool=rows,
+            token_to_kv_pool=kv,
+            max_context_len=8 * ps,
+            forward_modes=frozenset({ForwardMode.DECODE}),
+        )
         backend = target.factory(ctx)
         a, b = requests.add(), requests.add()
         requests.extend([a, b], [3, 2])  # cached tokens (their K/V do not matter here)
@@ -150,7 +172,9 @@ def stale_request_check(target: KitTarget, case: AttnCase) -> Callable[[], str]:
             if not all(torch.equal(x.nan_to_num(1.0), y.nan_to_num(1.0)) for x, y in zip(before, after)):
                 raise KitFailure("a stale batch wrote to the KV pool") from None
             return f"{type(exc).__name__}: {exc}"
-        raise KitFailure(f"a batch run after one of its requests was freed: no StaleRequestError\n  case: {case.describe()}")
+        raise KitFailure(
+            f"a batch run after one of its requests was freed: no StaleRequestError\n  case: {case.describe()}"
+        )
 
     return run
 
@@ -173,7 +197,9 @@ def _graph_check(spoil: Callable[[CaseEnv], None], what: str) -> Check:
                 env.req_to_token_pool.req_to_token.copy_(table)
                 runner.run(clean, _inputs(env, clean))
 
-            return _expect(env, backend, lambda: runner.run(env.batch, inputs), what, next_step=next_step, clean=clone_batch(clean))
+            return _expect(
+                env, backend, lambda: runner.run(env.batch, inputs), what, next_step=next_step, clean=clone_batch(clean)
+            )
 
         return run
 
@@ -202,9 +228,16 @@ def verify_drafts_check(target: KitTarget, case: AttnCase) -> Callable[[], str]:
         backend = target.factory(env.ctx)
         nd = env.batch.spec_info.num_draft_tokens
         runner = _runner(backend, env, env.batch.batch_size, num_draft_tokens=nd - 1)
-        inputs = {n: x[: env.batch.batch_size * (nd - 1)] for n, x in _inputs(env, env.batch).items()}  # the captured shape
-        return _expect(env, backend, lambda: runner.run(env.batch, inputs), f"a verify graph of {nd - 1} drafts run with {nd}",
-                       errors=(GraphShapeError,))  # fmt: skip
+        inputs = {
+            n: x[: env.batch.batch_size * (nd - 1)] for n, x in _inputs(env, env.batch).items()
+        }  # the captured shape
+        return _expect(
+            env,
+            backend,
+            lambda: runner.run(env.batch, inputs),
+            f"a verify graph of {nd - 1} drafts run with {nd}",
+            errors=(GraphShapeError,),
+        )
 
     return run
 
@@ -225,7 +258,9 @@ def replay_unknown_bs_check(target: KitTarget, case: AttnCase) -> Callable[[], s
                 bs + 1, rows, lens, bs + 1, None, ForwardMode.DECODE, None, torch.ones(bs + 1, dtype=torch.int32)
             )
 
-        return _expect(env, backend, attempt, f"a graph replay of {bs + 1} requests (captured: {bs})", errors=(GraphShapeError,))
+        return _expect(
+            env, backend, attempt, f"a graph replay of {bs + 1} requests (captured: {bs})", errors=(GraphShapeError,)
+        )
 
     return run
 
@@ -251,7 +286,9 @@ def draft_row_check(target: KitTarget, case: AttnCase) -> Callable[[], str]:
         def attempt():
             call(bad_rows)
 
-        result = _expect(env, backend, attempt, "a draft round with a request row of -1", next_step=lambda: call(b.req_pool_indices))
+        result = _expect(
+            env, backend, attempt, "a draft round with a request row of -1", next_step=lambda: call(b.req_pool_indices)
+        )
         return result
 
     return run
@@ -266,13 +303,26 @@ def engine_path_checks(target: KitTarget, caps, modes) -> list[tuple[str, str, F
         out.append(("stale_freed_request", "a batch run after one of its requests was freed", D, stale_request_check))
     if D in modes and mha and caps.cuda_graph >= CudaGraphLevel.UNIFORM_SINGLE_TOKEN_DECODE:
         out += [
-            ("graph_run_slot_minus_one", "CudaGraphRunner.run with out_cache_loc -1", D, _graph_check(_slot_minus_one, "graph run, slot -1")),
-            ("graph_run_row_past_table", "CudaGraphRunner.run with a row past the table", D,
-             _graph_check(_row_past_table, "graph run, row past the table")),
-            ("graph_run_seq_past_table", "CudaGraphRunner.run with a seq_len past the table width", D,
-             _graph_check(_seq_past_table, "graph run, seq_len past the table")),
+            (
+                "graph_run_slot_minus_one",
+                "CudaGraphRunner.run with out_cache_loc -1",
+                D,
+                _graph_check(_slot_minus_one, "graph run, slot -1"),
+            ),
+            (
+                "graph_run_row_past_table",
+                "CudaGraphRunner.run with a row past the table",
+                D,
+                _graph_check(_row_past_table, "graph run, row past the table"),
+            ),
+            (
+                "graph_run_seq_past_table",
+                "CudaGraphRunner.run with a seq_len past the table width",
+                D,
+                _graph_check(_seq_past_table, "graph run, seq_len past the table"),
+            ),
             ("graph_replay_unknown_bs", "a graph replay of a batch size never captured", D, replay_unknown_bs_check),
-        ]  # fmt: skip
+        ]
     if V in modes and mha and caps.cuda_graph >= CudaGraphLevel.UNIFORM_BATCH and caps.supports(Feature.CUSTOM_MASK):
         out.append(("graph_verify_drafts", "a verify graph replayed with another draft count", V, verify_drafts_check))
     if D in modes and mha:

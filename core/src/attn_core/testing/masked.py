@@ -63,7 +63,9 @@ def _poison_old_keys(env: CaseEnv, lid: int, window: int, batch, requests) -> in
     count = 0
     for row, i in zip(rows, requests):
         r = env.case.requests[i]
-        old = r.prefix_len - window + 1  # positions < old are outside every query's window (the first query at prefix_len)
+        old = (
+            r.prefix_len - window + 1
+        )  # positions < old are outside every query's window (the first query at prefix_len)
         if old <= 0:
             continue
         slots = layer_slots(env, lid, r2t[row, r.encoder_len : r.encoder_len + old].long())
@@ -119,7 +121,8 @@ def masked_nonfinite_check(target: KitTarget, case: AttnCase, window_keys: bool 
             other_rows += int((~ref_ok).sum())
         if not poisoned or not finite_rows:
             raise KitFailure(f"the case poisons no key a query does not see (kit bug)\n  case: {case.describe()}")
-        return f"{poisoned} keys poisoned; {finite_rows} rows exact (max rel err {worst:.2g}), {other_rows} rows non-finite as in the reference"
+        exact = f"{finite_rows} rows exact (max rel err {worst:.2g})"
+        return f"{poisoned} keys poisoned; {exact}, {other_rows} rows non-finite as in the reference"
 
     return run
 

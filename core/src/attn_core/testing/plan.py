@@ -514,7 +514,8 @@ class PlanBuilder:
             case = self.case(hostile.mode, reqs, **kw)
             for validation in HOSTILE_MODES:
                 cid = f"hostile-{hostile.name}" if validation == "full" else f"hostile-{validation}-{hostile.name}"
-                self.add(cid, hostile_check(self.target, case, hostile, validation), f"{hostile.what}: {case.describe()}")
+                check = hostile_check(self.target, case, hostile, validation)
+                self.add(cid, check, f"{hostile.what}: {case.describe()}")
         for name, what, mode, check in engine_path_checks(self.target, caps, modes):
             case = self.case(mode, self.fixed_requests(mode), cuda_graph_level=int(caps.cuda_graph))
             self.add(f"hostile-{name}", check(self.target, case), f"{what}: {case.describe()}")
@@ -531,8 +532,10 @@ class PlanBuilder:
                 case = self.case(mode, self.fixed_requests(mode))
                 self.add(f"masked_nonfinite-{mode.name}", masked_nonfinite_check(self.target, case), case.describe())
         if Feature.SLIDING_WINDOW in self.caps.features and ForwardMode.DECODE in self.base.modes:
-            case = self.case(ForwardMode.DECODE, self.fixed_requests(ForwardMode.DECODE), sliding_window=self.p.windows[0])
-            self.add("masked_nonfinite-window-DECODE", masked_nonfinite_check(self.target, case, window_keys=True), case.describe())
+            D = ForwardMode.DECODE
+            case = self.case(D, self.fixed_requests(D), sliding_window=self.p.windows[0])
+            check = masked_nonfinite_check(self.target, case, window_keys=True)
+            self.add("masked_nonfinite-window-DECODE", check, case.describe())
 
 
 def _undeclared(candidates: tuple[int, ...], declared) -> Optional[int]:

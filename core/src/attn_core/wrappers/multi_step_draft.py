@@ -225,20 +225,23 @@ class MultiStepDraftBackend:
         ):
             if not isinstance(x, torch.Tensor) or x.shape != (bs,) or x.dtype not in dtypes or x.device != where:
                 found = (x.dtype, tuple(x.shape), x.device) if isinstance(x, torch.Tensor) else type(x).__name__
-                raise InvalidArgumentError(name, f"a {[str(d) for d in dtypes]} tensor of shape ({bs},) on {where}", found)
+                expected = f"a {[str(d) for d in dtypes]} tensor of shape ({bs},) on {where}"
+                raise InvalidArgumentError(name, expected, found)
         if not 1 <= bs <= self.ctx.max_batch_size:
             raise InvalidArgumentError("seq_lens", f"1..{self.ctx.max_batch_size} requests", bs)
         lo, hi = int(seq_lens_cpu.min()), int(seq_lens_cpu.max())
         if lo < 0 or hi > self.ctx.max_context_len or hi > r2t.shape[1]:
             limit = min(self.ctx.max_context_len, r2t.shape[1])
-            raise InvalidArgumentError("seq_lens_cpu", f"cached lengths in 0..{limit} (max_context_len, the table width)", (lo, hi))
+            expected = f"cached lengths in 0..{limit} (max_context_len, the table width)"
+            raise InvalidArgumentError("seq_lens_cpu", expected, (lo, hi))
         if effective_level(self.ctx) != FULL:
             return
         rows = req_pool_indices.cpu().to(torch.int64)
         if int(rows.min()) < 0 or int(rows.max()) >= r2t.shape[0] or rows.unique().numel() != bs:
             raise InvalidArgumentError("req_pool_indices", f"distinct rows in [0, {r2t.shape[0]})", rows.tolist()[:16])
         if not torch.equal(seq_lens.cpu().to(torch.int64), seq_lens_cpu.to(torch.int64)):
-            raise InvalidArgumentError("seq_lens", f"the values of seq_lens_cpu {seq_lens_cpu.tolist()[:16]}", seq_lens.cpu().tolist()[:16])
+            expected = f"the values of seq_lens_cpu {seq_lens_cpu.tolist()[:16]}"
+            raise InvalidArgumentError("seq_lens", expected, seq_lens.cpu().tolist()[:16])
         cols = torch.arange(max(hi, 1))
         table = r2t.cpu()[rows][:, : max(hi, 1)].to(torch.int64)
         visible = cols[None, :] < seq_lens_cpu.to(torch.int64)[:, None]

@@ -146,8 +146,8 @@ inline __m512 exp2_small(__m512 y) {
 // not (or on the row's first block) is the block max taken and alpha = 2^(mx_old - mx_new) set.
 // Row sums accumulate lane-wise in lsum [rows, 16] (reduced by `finish`). Padding rows get P = 0.
 template <int BK>
-inline void softmax_rows(const float* s, uint16_t* pb, float* lsum, uint8_t* poison, uint64_t vbad, Work& w, int r0, int M, int MP,
-                         bool full, float pre, float cap) {
+inline void softmax_rows(const float* s, uint16_t* pb, float* lsum, uint8_t* poison, uint64_t vbad, Work& w, int r0,
+                         int M, int MP, bool full, float pre, float cap) {
   constexpr int NV = BK / 16;
   const __m512 ninf = _mm512_set1_ps(-INFINITY);
   const __m512 vpre = _mm512_set1_ps(pre);
@@ -229,8 +229,8 @@ struct AmxOps {
   };
   static size_t extra_bytes(const Params& p) {
     return align64(static_cast<size_t>(kMaxRows) * p.d * 2) + align64(static_cast<size_t>(BK) * p.d * 2) +
-           align64(static_cast<size_t>(BK) * p.dv * 2) + align64(MG * BK * 4) + align64(MG * BK * 2) + align64(kMaxRows * 16 * 4) +
-           align64(kMaxRows) + align64(8);
+           align64(static_cast<size_t>(BK) * p.dv * 2) + align64(MG * BK * 4) + align64(MG * BK * 2) +
+           align64(kMaxRows * 16 * 4) + align64(kMaxRows) + align64(8);
   }
   static Ext ext(const Params& p, Work& w) {
     Ext e;
@@ -311,7 +311,7 @@ struct AmxOps {
                                             2, 33, 1, 32, 0);
     const __m512i hi_idx = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24, 55, 23, 54, 22, 53, 21, 52, 20, 51,
                                             19, 50, 18, 49, 17, 48, 16);
-    const __m512i exp_bits = _mm512_set1_epi16(0x7F80);  // a bf16 with every exponent bit set: Inf or NaN
+    const __m512i exp_bits = _mm512_set1_epi16(0x7F80);  // every exponent bit set: Inf or NaN
     uint64_t vbad = 0;
     for (int r = 0; r < BK / 2; ++r) {
       const int j = 2 * r;
@@ -358,7 +358,8 @@ struct AmxOps {
         tile_block_any<false>(na, 2, a, D * 2, 32, b, BK * 4, static_cast<int64_t>(32) * BK, D / 32, c, BK * 4);
       }
     }
-    softmax_rows<BK>(e.s, e.pb, e.lsum, e.poison, *e.vbad, w, r0, M, MP, full, p.scale * (p.cap > 0.f ? 1.f : kLog2e), p.cap);
+    const float pre = p.scale * (p.cap > 0.f ? 1.f : kLog2e);
+    softmax_rows<BK>(e.s, e.pb, e.lsum, e.poison, *e.vbad, w, r0, M, MP, full, pre, p.cap);
     // o = o * alpha (rows whose max moved), then o += P V on tiles loaded from and stored to o
     for (int m = 0; m < M; ++m) {
       const float al = w.alpha[r0 + m];
