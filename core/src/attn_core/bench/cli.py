@@ -85,22 +85,21 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from attn_core.bench.report import Progress, document, table, write_json
     from attn_core.bench.runner import run_bench
     from attn_core.bench.workloads import model_for, standard_workloads
+    from attn_core.cli import fail, unavailable_here
     from attn_core.errors import AttnError
 
     if args.plot and (problem := _check_plot_dependency()):
-        print(f"attn-core bench: {problem}", file=sys.stderr)
-        return 2
+        return fail("bench", problem)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("attn-core bench: no CUDA device visible to torch", file=sys.stderr)
-        return 2
+        return fail("bench", "no CUDA device visible to torch")
     names, baseline = _backend_names(args, device.type)
-    try:
+    try:  # every backend named on the command line must run here: one line and exit 2 before any timing
         for name in names:
-            registry.default_registry().resolve(name)
+            if (unavailable := unavailable_here(name)) is not None:
+                return fail("bench", unavailable)
     except AttnError as exc:
-        print(f"attn-core bench: {exc}", file=sys.stderr)
-        return 2
+        return fail("bench", exc)
     size = args.size if args.size != "auto" else ("full" if device.type == "cuda" else "small")
     model = model_for(size, args.dtype, args.page_size)
     workloads = standard_workloads(args.workload, size)
