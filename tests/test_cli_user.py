@@ -101,8 +101,14 @@ def test_version_names_core_and_plugins():
 
 @pytest.mark.parametrize(
     "argv",
-    [["check", "N" * 100_000], ["bench", "N" * 5000, "--device", "cpu"], ["explain", "--dtype", "d" * 5000], ["list", "--json=" + "j" * 500],
-     ["check", "torch_native", "--option", "o" * 5000], ["explain", "--mode", "m" * 5000]],
+    [
+        ["check", "N" * 100_000],
+        ["bench", "N" * 5000, "--device", "cpu"],
+        ["explain", "--dtype", "d" * 5000],
+        ["list", "--json=" + "j" * 500],
+        ["check", "torch_native", "--option", "o" * 5000],
+        ["explain", "--mode", "m" * 5000],
+    ],
     ids=["check-name", "bench-name", "dtype", "unknown-flag-value", "option", "mode"],
 )
 def test_error_lines_quote_at_most_80_characters(argv, capsys):
