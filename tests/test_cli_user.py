@@ -175,3 +175,17 @@ def test_debug_paths_report_each_layer_call(capsys):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "attn path: torch_native layer 0 DECODE (2 tokens): gather + einsum" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_every_public_error_class_is_in_the_docs():
+    """Each `AttnError` subclass exported from attn_core is named in README.md or docs/ (with when it is
+    raised: docs/errors.md lists them)."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    docs = "".join(p.read_text(encoding="utf-8") for p in [root / "README.md", *sorted((root / "docs").rglob("*.md"))])
+    errors = [n for n in dir(ac) if isinstance(getattr(ac, n), type) and issubclass(getattr(ac, n), ac.AttnError)]
+    assert len(errors) >= 20
+    missing = [n for n in errors if not re.search(rf"`{n}`", docs)]
+    assert not missing, f"public error classes named in no doc: {missing}"
