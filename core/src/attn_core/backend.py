@@ -478,7 +478,10 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         the pool."""
         pool = self.kv_pool(forward_batch)
         if k is not None:
-            pool.set_kv_buffer(layer, self.write_slots(forward_batch, layer), k, v, layer.k_scale, layer.v_scale)
+            slots = self._write_slots  # the common case first: the bound step's self-attention slots
+            if slots is None or forward_batch is not self._metadata_for or layer.is_cross_attention:
+                slots = self.write_slots(forward_batch, layer)
+            pool.set_kv_buffer(layer, slots, k, v, layer.k_scale, layer.v_scale)
         return pool
 
     # ---- validation (host-side metadata only, no device sync) ----------------------------------

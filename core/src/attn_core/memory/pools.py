@@ -11,10 +11,10 @@ Layouts (docs/design.md §3):
   the "value" is its first kv_lora_rank channels (a view).
 num_slots = size + page_size: page 0 (slot 0 onwards) is the reserved padding dummy.
 
-Every `set_kv_buffer` writes through `attn_core.ops.kv_write.write_kv`: a slot outside [1, num_slots) is
-never written where it points (on the CPU: `InvalidArgumentError` before any write; on an accelerator:
-written to the dummy slot 0 and recorded in the pool's `device_faults`), and slots a step check already
-passed (`CheckedSlots`) are written with no further work.
+Every `set_kv_buffer` writes through `attn_core.ops.kv_write` (`slot_ids`, then `scatter_rows`): a slot
+outside the pool is never written where it points (on the CPU: `InvalidArgumentError` before any write;
+on an accelerator: written to the dummy slot 0 and recorded in the pool's `device_faults`), and slots a
+step check already passed (`CheckedSlots`) are written with no further work (one type check a call).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from typing import Optional, Union
 import torch
 
 from attn_core.errors import InvalidArgumentError, KVCacheError
-from attn_core.memory.fp8 import check_scale, is_fp8
+from attn_core.memory.fp8 import check_scale, is_fp8, quantize_kv
 from attn_core.ops.device_faults import DeviceFaultFlags
-from attn_core.ops.kv_write import SlotIds, write_kv
+from attn_core.ops.kv_write import CheckedSlots, SlotIds, scatter_rows, slot_ids
 
 Device = Union[str, torch.device]
 
@@ -140,6 +140,17 @@ class _KVPoolBase:
         """The fault word a raw-slot write on an accelerator records into (None on the CPU, which raises)."""
         return None if self.device.type == "cpu" or not isinstance(loc, torch.Tensor) else self.device_faults.buffer
 
+    def _slots(self, loc: SlotIds) -> torch.Tensor:
+        """The slot ids a write of this pool uses (`attn_core.ops.kv_write.slot_ids`): a step's
+        `CheckedSlots` as they are, raw slots checked (CPU) or guarded (accelerators)."""
+        if type(loc) is CheckedSlots and loc.num_slots == self.num_slots:
+            return loc.slots
+        return slot_ids(loc, self.num_slots, self._fault_word(loc))
+
+    def _store(self, x: torch.Tensor, scale: Optional[float]) -> torch.Tensor:
+        """x quantized for this pool (`attn_core.memory.fp8.quantize_kv`), in the pool's dtype."""
+        return quantize_kv(x, self.dtype, scale)
+
     def _check_layer(self, layer_id: int) -> int:
         if not 0 <= layer_id < self.layer_num:
             raise InvalidArgumentError("layer_id", f"0 <= layer_id < {self.layer_num}", layer_id)
@@ -212,16 +223,16 @@ class MHATokenToKVPool(_KVPoolBase):
         v_scale: Optional[float] = None,
     ) -> None:
         """Write K/V of `loc.numel()` tokens (`[T, Hkv, D]` or `[T, Hkv*D]`) to slots `loc` (a 1-D int
-        tensor, or a step's `CheckedSlots`) through `write_kv` (see the module docstring); an fp8 pool
+        tensor, or a step's `CheckedSlots`) through `attn_core.ops.kv_write` (see the module docstring); an fp8 pool
         stores e4m3(x / scale) saturated (`attn_core.memory.fp8.quantize_kv`; None means 1)."""
         lid = self._check_layer(_layer_id(layer))
         k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
-        cache_k = self._check_rows("cache_k", cache_k, loc, (self.head_num, self.head_dim))
-        cache_v = self._check_rows("cache_v", cache_v, loc, (self.head_num, self.v_head_dim))
-        k_buf, v_buf = self._view(self.k_buffer[lid]), self._view(self.v_buffer[lid])
-        fault = self._fault_word(loc)
-        write_kv(k_buf, v_buf, loc, cache_k, cache_v, k_scale=k_scale, v_scale=v_scale, layout=self.kv_layout,
-                 page_size=self.page_size, fault=fault)
+        slots = self._slots(loc)
+        cache_k = self._check_rows("cache_k", cache_k, slots, (self.head_num, self.head_dim))
+        cache_v = self._check_rows("cache_v", cache_v, slots, (self.head_num, self.v_head_dim))
+        layout, ps = self.kv_layout, self.page_size
+        scatter_rows(self._view(self.k_buffer[lid]), slots, self._store(cache_k, k_scale), layout, ps)
+        scatter_rows(self._view(self.v_buffer[lid]), slots, self._store(cache_v, v_scale), layout, ps)
 
 
 class MLATokenToKVPool(_KVPoolBase):
@@ -266,13 +277,14 @@ class MLATokenToKVPool(_KVPoolBase):
         k_scale: Optional[float] = None,
         v_scale: Optional[float] = None,
     ) -> None:
-        """Write latent rows `[T, 1, kv_lora_rank + qk_rope_head_dim]` to slots `loc` through `write_kv`
+        """Write latent rows `[T, 1, kv_lora_rank + qk_rope_head_dim]` to slots `loc` through `attn_core.ops.kv_write`
         (cache_v is ignored: the value is part of the latent; an fp8 pool stores e4m3(latent / k_scale)
         saturated)."""
         lid = self._check_layer(_layer_id(layer))
         k_scale = check_scale("k_scale", k_scale)
-        cache_k = self._check_rows("cache_k", cache_k, loc, (1, self.head_dim))
-        write_kv(self._view(self.kv_buffer[lid]), None, loc, cache_k, k_scale=k_scale, fault=self._fault_word(loc))
+        slots = self._slots(loc)
+        cache_k = self._check_rows("cache_k", cache_k, slots, (1, self.head_dim))
+        scatter_rows(self._view(self.kv_buffer[lid]), slots, self._store(cache_k, k_scale))
 
     def set_mla_kv_buffer(self, layer, loc: SlotIds, k_nope: torch.Tensor, k_rope: torch.Tensor) -> None:
         """Write the latent from its two parts `[T, 1, kv_lora_rank]` and `[T, 1, qk_rope_head_dim]`."""

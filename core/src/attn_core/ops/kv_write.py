@@ -1,8 +1,9 @@
 """The one K/V write of attn-core: new tokens' K/V into their slots of a paged cache, never outside it.
 
-Every K/V write goes through `write_kv`: `set_kv_buffer` of every core pool, and through it every
-backend's `save_kv` (and any engine-owned pool that wraps its own cache tensors: `write_kv` takes plain
-tensors, strided views included). Slot 0 is the reserved dummy: page 0 is never handed out, so it is
+Every K/V write goes through this module: `write_kv` (plain cache tensors, strided views of an
+engine-owned tensor included) and, for the pools' per-layer path, its two halves `slot_ids` (the check)
+and `scatter_rows` (the write): `set_kv_buffer` of every core pool, and through it every backend's
+`save_kv`. Slot 0 is the reserved dummy: page 0 is never handed out, so it is
 where writes that must land somewhere harmless go (CUDA-graph padding rows, tokens another rank stores,
 refused tokens). A slot outside the cache is never written where it points, never wrapped:
 
@@ -144,23 +145,14 @@ def num_cache_slots(cache: torch.Tensor, layout: str = "NHD") -> int:
     )
 
 
-_FP8 = None
-
-
-def _fp8():
-    """`attn_core.memory.fp8`, imported at the first write (the memory package imports this module)."""
-    global _FP8
-    if _FP8 is None:
-        from attn_core.memory import fp8
-
-        _FP8 = fp8
-    return _FP8
-
-
-def _scatter(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, layout: str, page_size: int) -> None:
-    if (
-        cache.dtype.itemsize == 1 and cache.dtype.is_floating_point
-    ):  # fp8: index_put does not take it everywhere: raw bytes
+def scatter_rows(
+    cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, layout: str = "NHD", page_size: int = 1
+) -> None:
+    """cache's rows of `slots` (int64 `[T]`, already checked: `slot_ids`) = `rows` (`[T, H, D]` in the
+    cache's dtype; an fp8 cache and its rows are written as raw bytes, which index_put takes everywhere).
+    The scatter alone: one index_put, no check. Example: NHD cache `[8, 2, 4]`, slots [3, 5] -> cache[3],
+    cache[5] = rows[0], rows[1]; HND `[2, 2, 4, 4]` (page 4) -> cache[0, :, 3], cache[1, :, 1]."""
+    if cache.dtype.itemsize == 1 and cache.dtype.is_floating_point:
         cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
     if layout == "NHD":
         cache[slots] = rows
@@ -187,12 +179,13 @@ def write_kv(
     `[T]` or `CheckedSlots`; k `[T, H, D]` / v `[T, H, Dv]` in any float dtype, quantized to the cache's
     dtype with k_scale / v_scale (`quantize_kv`; None means 1); fault: the fault word refusals are
     recorded in on an accelerator. Shapes are the caller's to check (the pools do)."""
+    from attn_core.memory.fp8 import quantize_kv  # here: the memory package imports this module
+
     num_slots = num_cache_slots(k_cache, layout)
     ids = slot_ids(slots, num_slots, fault)
-    quantize = _fp8().quantize_kv
-    _scatter(k_cache, ids, quantize(k, k_cache.dtype, k_scale), layout, page_size)
+    scatter_rows(k_cache, ids, quantize_kv(k, k_cache.dtype, k_scale), layout, page_size)
     if v_cache is not None and v is not None:
-        _scatter(v_cache, ids, quantize(v, v_cache.dtype, v_scale), layout, page_size)
+        scatter_rows(v_cache, ids, quantize_kv(v, v_cache.dtype, v_scale), layout, page_size)
 
 
 __all__ = [
@@ -204,6 +197,7 @@ __all__ = [
     "num_cache_slots",
     "record_fault",
     "record_first",
+    "scatter_rows",
     "slot_ids",
     "write_kv",
 ]
