@@ -117,9 +117,13 @@ def test_steps_the_split_does_not_serve_stay_unsplit(case):
     assert isinstance(made[0].forward_metadata, ExtendMetadata)
 
 
-def test_out_of_range_slot_is_flagged_not_read():
+def test_out_of_range_slot_is_flagged_not_read(monkeypatch):
     """A decode's req_to_token entry past the pool (no host check sees device tables at the basic
-    validation level): the split step's index launch refuses it and the poll names it."""
+    validation level on a GPU; emulated here, where the CPU would validate fully): the split step's
+    index launch refuses it and the poll names it."""
+    import attn_core.backend
+
+    monkeypatch.setattr(attn_core.backend, "effective_level", lambda ctx: ctx.validation)
     kv = ac.MHATokenToKVPool(size=64, page_size=1, dtype=torch.float32, head_num=2, head_dim=16, layer_num=1, device="cpu")
     rows = ac.ReqToTokenPool(size=4, max_context_len=32, device="cpu")
     requests = ac.RequestPool(rows, ac.PagedTokenAllocator(64, 1), kv)
