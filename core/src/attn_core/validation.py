@@ -285,10 +285,14 @@ def _check_device(
     visible = (cols[None, :] < (enc + seq)[:, None]) & ~pad[:, None]
     bad_keys = (visible & ((table < 1) | (table >= num_slots))).sum()
     # new token t of request r (its i-th) sits at column enc + seq - q_len + i
-    ends = torch.cumsum(q_lens.clamp(min=0), 0)
     t = torch.arange(T, device=dev)
-    req = torch.searchsorted(ends, t, right=True).clamp(max=bs - 1)
-    col = ((enc + seq - q_lens)[req] + t - (ends - q_lens.clamp(min=0))[req]).clamp(0, width - 1)
+    if b.forward_mode.is_decode():  # one token each: token r is request r's
+        req, first = t, t
+    else:  # the host copy gives the token count of each request (checked to sum to T): no sync
+        q_host = b.extend_seq_lens_cpu.to(i64)
+        req = torch.repeat_interleave(torch.arange(bs, device=dev), q_host.to(dev), output_size=T)
+        first = (torch.cumsum(q_host, 0) - q_host).to(dev)[req]
+    col = ((enc + seq - q_lens)[req] + t - first).clamp(0, width - 1)
     loc = b.out_cache_loc.to(i64)
     pad_tok = (loc == 0) & (padding_seq_len is not None)  # graph runs: a token may write the dummy slot
     foreign = ((table[req, col].to(i64) != loc) & ~pad_tok).sum()
