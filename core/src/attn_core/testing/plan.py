@@ -531,6 +531,11 @@ class PlanBuilder:
             if mode in self.base.modes:
                 case = self.case(mode, self.fixed_requests(mode))
                 self.add(f"masked_nonfinite-{mode.name}", masked_nonfinite_check(self.target, case), case.describe())
+        half = "float16"  # kernels often take other paths in 16 bits (tensor-core tiles); bf16: the same paths
+        if ForwardMode.EXTEND in self.base.modes and half in self.caps.q_dtypes and half != self.base.dtype:
+            kv = half if half in self.caps.kv_dtypes else self.base.kv_dtype
+            case = self.case(ForwardMode.EXTEND, self.fixed_requests(ForwardMode.EXTEND), dtype=half, kv_dtype=kv)
+            self.add(f"masked_nonfinite-{half}-EXTEND", masked_nonfinite_check(self.target, case), case.describe())
         if Feature.SLIDING_WINDOW in self.caps.features and ForwardMode.DECODE in self.base.modes:
             D = ForwardMode.DECODE
             case = self.case(D, self.fixed_requests(D), sliding_window=self.p.windows[0])
