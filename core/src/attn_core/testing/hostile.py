@@ -559,11 +559,78 @@ def _good_step(backend, env: CaseEnv, batch) -> float:
     return worst
 
 
+def judge_step(
+    env: CaseEnv,
+    backend,
+    attempt: Callable[[], object],
+    where: str,
+    clean,
+    *,
+    next_step: Optional[Callable[[], object]] = None,
+    errors: tuple = (AttnError,),
+    table_to_restore: Optional[torch.Tensor] = None,
+) -> str:
+    """Run `attempt` (a hostile step) and judge it (module docstring): it must raise one of `errors` at
+    once, naming the argument, with the pool, the table and the allocator unchanged; or, on an
+    accelerator at "basic" (never on the CPU, never at "full"), `next_step()` (a good call, after a device
+    wait) must raise `DeviceFaultError`, with no K/V written outside `clean`'s slots and the dummy slot.
+    Then a good step on `clean` (the table first restored to `table_to_restore`, when given) must match
+    the reference. Returns the check's detail line; raises `KitFailure`."""
+    legal = [clean.out_cache_loc.to(torch.int64).cpu(), torch.zeros(1, dtype=torch.int64)]
+    if clean.encoder_out_cache_loc is not None:
+        legal.append(clean.encoder_out_cache_loc.to(torch.int64).cpu())
+    r2t = env.req_to_token_pool.req_to_token
+    before, table, alloc = _snapshot(env), r2t.clone(), allocator_state(env.allocator)
+    late = False
+    try:
+        try:
+            attempt()
+        except AttnError:
+            raise
+        except Exception as exc:
+            raise KitFailure(f"{where}: expected a typed AttnError, got {type(exc).__name__}: {exc}") from exc
+        if _validation.effective_level(env.ctx) == _validation.FULL or next_step is None:
+            changed = "" if _same(before, _snapshot(env)) else " and the KV pool changed"
+            raise KitFailure(f"{where}: accepted without an error{changed}")
+        late = True  # the default mode on an accelerator: the fault surfaces at the next step, at the latest
+        if env.ctx.device.type == "cuda":
+            torch.cuda.synchronize()  # what an engine's read of its sampled tokens does
+        if table_to_restore is not None:
+            r2t.copy_(table_to_restore)
+        next_step()
+        raise KitFailure(f"{where}: no typed error at the step nor at the next one")
+    except AttnError as exc:
+        name = type(exc).__name__
+        if late and not isinstance(exc, DeviceFaultError):
+            raise KitFailure(f"{where}: the next step raised {name} (expected DeviceFaultError): {exc}") from None
+        if not late and not isinstance(exc, errors):
+            raise KitFailure(f"{where}: expected {[e.__name__ for e in errors]}, got {name}: {exc}") from None
+        if not _argument_of(exc):
+            raise KitFailure(f"{where}: {name} names no argument: {exc}") from None
+        after = _snapshot(env)
+        if not late and not _same(before, after):
+            raise KitFailure(f"{where}: raised {name} but only after writing to the KV pool") from None
+        outside = _pool_changed_outside(before, after, env.kv_pool, torch.cat(legal)) if late else []
+        if outside:
+            raise KitFailure(f"{where}: K/V written outside the batch's slots {outside[:8]} before {name}") from None
+        want = table if not late or table_to_restore is None else table_to_restore
+        if not torch.equal(r2t, want):
+            raise KitFailure(f"{where}: the request table changed") from None
+        if not _same_state(alloc, allocator_state(env.allocator)):
+            raise KitFailure(f"{where}: the allocator changed") from None
+        message = f"{name}{' (next step)' if late else ''}: {exc}"
+    if table_to_restore is not None:
+        r2t.copy_(table_to_restore)
+    clean.attn_backend = backend
+    err = _good_step(backend, env, clean)
+    return f"{message}; then a good step: rel err {err:.2g}"
+
+
 def hostile_check(
     target: KitTarget, case: AttnCase, hostile: HostileCase, validation: str = "full"
 ) -> Callable[[], str]:
-    """A check: build `case` (the context at `validation`), spoil its batch, run one step; then a good
-    step (see the module docstring for what passes in each mode)."""
+    """A check: build `case` (the context at `validation`), spoil its batch, run one step, judge it
+    (`judge_step`; see the module docstring for what passes in each mode)."""
 
     def run() -> str:
         env = make_env(case)
@@ -573,62 +640,17 @@ def hostile_check(
         env.batch.attn_backend = backend
         _separate_host_copies(env.batch)
         clean = clone_batch(env.batch)
-        table_before_spoil = env.req_to_token_pool.req_to_token.clone()
-        legal = torch.cat([clean.out_cache_loc.to(torch.int64).cpu(), torch.zeros(1, dtype=torch.int64)])
-        if clean.encoder_out_cache_loc is not None:
-            legal = torch.cat([legal, clean.encoder_out_cache_loc.to(torch.int64).cpu()])
+        table = env.req_to_token_pool.req_to_token.clone()
         call = hostile.spoil(env) or _default_call
-        before, table, alloc = (
-            _snapshot(env),
-            env.req_to_token_pool.req_to_token.clone(),
-            allocator_state(env.allocator),
-        )
         where = f"{hostile.what} (validation {validation!r})\n  case: {case.describe()}"
-        late = False
-        try:
-            try:
-                call(backend, env)
-            except AttnError:
-                raise
-            except Exception as exc:
-                raise KitFailure(f"{where}: expected a typed AttnError, got {type(exc).__name__}: {exc}") from exc
-            if _validation.effective_level(env.ctx) == _validation.FULL:  # "full", and any level on the CPU
-                changed = "" if _same(before, _snapshot(env)) else " and the KV pool changed"
-                raise KitFailure(f"{where}: accepted without an error{changed}")
-            # the default mode on an accelerator: the fault surfaces at the next step, at the latest
-            late = True
-            if env.ctx.device.type == "cuda":
-                torch.cuda.synchronize()  # what an engine's read of its sampled tokens does
-            env.req_to_token_pool.req_to_token.copy_(table_before_spoil)
-            backend.init_forward_metadata(clean)
-            raise KitFailure(f"{where}: no typed error at the step nor at the next one")
-        except AttnError as exc:
-            if late and not isinstance(exc, DeviceFaultError):
-                raise KitFailure(
-                    f"{where}: the next step raised {type(exc).__name__} (expected DeviceFaultError): {exc}"
-                ) from None
-            if not _argument_of(exc):
-                raise KitFailure(f"{where}: {type(exc).__name__} names no argument: {exc}") from None
-            after = _snapshot(env)
-            if not late:
-                if not _same(before, after):
-                    raise KitFailure(
-                        f"{where}: raised {type(exc).__name__} but only after writing to the KV pool"
-                    ) from None
-            else:
-                outside = _pool_changed_outside(before, after, env.kv_pool, legal)
-                if outside:
-                    raise KitFailure(
-                        f"{where}: K/V written outside the batch's slots {outside[:8]} before {type(exc).__name__}"
-                    ) from None
-            if not torch.equal(env.req_to_token_pool.req_to_token, table if not late else table_before_spoil):
-                raise KitFailure(f"{where}: the request table changed") from None
-            if not _same_state(alloc, allocator_state(env.allocator)):
-                raise KitFailure(f"{where}: the allocator changed") from None
-            message = f"{type(exc).__name__}{' (next step)' if late else ''}: {exc}"
-        env.req_to_token_pool.req_to_token.copy_(table_before_spoil)
-        clean.attn_backend = backend
-        err = _good_step(backend, env, clean)
-        return f"{message}; then a good step: rel err {err:.2g}"
+        return judge_step(
+            env,
+            backend,
+            lambda: call(backend, env),
+            where,
+            clean,
+            next_step=lambda: backend.init_forward_metadata(clean),
+            table_to_restore=table,
+        )
 
     return run

@@ -21,22 +21,12 @@ from typing import Callable, Optional
 
 import torch
 
-from attn_core import validation as _validation
 from attn_core.capabilities import ARCH_MHA, CudaGraphLevel, Feature
-from attn_core.errors import AttnError, DeviceFaultError, GraphShapeError, StaleRequestError
+from attn_core.errors import AttnError, GraphShapeError, StaleRequestError
 from attn_core.forward_mode import ForwardMode
 from attn_core.graph_runner import CudaGraphRunner
 from attn_core.testing.harness import AttnCase, CaseEnv, make_env, make_layer
-from attn_core.testing.hostile import (
-    _argument_of,
-    _good_step,
-    _pool_changed_outside,
-    _same_state,
-    _separate_host_copies,
-    allocator_state,
-    clone_batch,
-)
-from attn_core.testing.negative import _same, _snapshot
+from attn_core.testing.hostile import _separate_host_copies, clone_batch, judge_step
 from attn_core.testing.outcome import KitFailure
 from attn_core.testing.target import KitTarget
 
@@ -84,57 +74,12 @@ def _runner(backend, env: CaseEnv, bs: int, num_draft_tokens: Optional[int] = No
     return CudaGraphRunner(backend, [bs], _run_layers(c), shapes, num_draft_tokens=num_draft_tokens)
 
 
-def _expect(
-    env: CaseEnv, backend, attempt: Callable[[], object], what: str, errors=(AttnError,), next_step=None, clean=None
-) -> str:
-    """Run `attempt` (the hostile call); it must raise one of `errors` at once, or, on an accelerator at
-    "basic", `next_step()` (a good call after a device wait) must raise `DeviceFaultError`. Then the pool,
-    table and allocator must be as the module docstring says, and a good step (on `clean`, default a copy
-    of the env's batch) must match the reference."""
+def _expect(env: CaseEnv, backend, attempt, what: str, errors=(AttnError,), next_step=None, clean=None) -> str:
+    """`attn_core.testing.hostile.judge_step` of `attempt` (a good step on `clean`, default a copy of the
+    env's batch, follows)."""
     clean = clone_batch(env.batch) if clean is None else clean
-    legal = torch.cat([clean.out_cache_loc.to(torch.int64).cpu(), torch.zeros(1, dtype=torch.int64)])
-    before, table, alloc = _snapshot(env), env.req_to_token_pool.req_to_token.clone(), allocator_state(env.allocator)
     where = f"{what}\n  case: {env.case.describe()}"
-    late = False
-    try:
-        try:
-            attempt()
-        except AttnError:
-            raise
-        except Exception as exc:
-            raise KitFailure(f"{where}: expected a typed AttnError, got {type(exc).__name__}: {exc}") from exc
-        if _validation.effective_level(env.ctx) == _validation.FULL or next_step is None:
-            raise KitFailure(f"{where}: accepted without an error")
-        late = True
-        if env.ctx.device.type == "cuda":
-            torch.cuda.synchronize()
-        next_step()
-        raise KitFailure(f"{where}: no typed error at the step nor at the next one")
-    except AttnError as exc:
-        if late and not isinstance(exc, DeviceFaultError):
-            raise KitFailure(
-                f"{where}: the next step raised {type(exc).__name__}, not DeviceFaultError: {exc}"
-            ) from None
-        if not late and not isinstance(exc, errors):
-            raise KitFailure(
-                f"{where}: expected {[e.__name__ for e in errors]}, got {type(exc).__name__}: {exc}"
-            ) from None
-        if not _argument_of(exc):
-            raise KitFailure(f"{where}: {type(exc).__name__} names no argument: {exc}") from None
-        after = _snapshot(env)
-        if not late and not _same(before, after):
-            raise KitFailure(f"{where}: raised {type(exc).__name__} after writing to the KV pool") from None
-        outside = _pool_changed_outside(before, after, env.kv_pool, legal) if late else []
-        if outside:
-            raise KitFailure(f"{where}: K/V written outside the batch's slots {outside[:8]}") from None
-        if not torch.equal(env.req_to_token_pool.req_to_token, table) or not _same_state(
-            alloc, allocator_state(env.allocator)
-        ):
-            raise KitFailure(f"{where}: the request table or the allocator changed") from None
-        message = f"{type(exc).__name__}{' (next step)' if late else ''}: {exc}"
-    clean.attn_backend = backend
-    err = _good_step(backend, env, clean)
-    return f"{message}; then a good step: rel err {err:.2g}"
+    return judge_step(env, backend, attempt, where, clean, next_step=next_step, errors=errors)
 
 
 def stale_request_check(target: KitTarget, case: AttnCase) -> Callable[[], str]:
