@@ -40,50 +40,13 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from attn_core.ops.device_faults import DeviceFaultKind as K
 from attn_core.ops.kv_write import record_fault, record_first
-
-
-@dataclass
-class StepTensors:
-    """The device tensors the step check reads (all on one device; lengths int32, indices int32/int64).
-
-    `req_to_token` `[rows, width]`; `req_pool_indices`, `seq_lens` `[bs]`; `encoder_lens` `[bs]` or None;
-    `q_lens` / `prefix_lens` / `start_loc` `[bs]` (extend-like modes; None in DECODE: one token each);
-    `mask_indptr` `[bs + 1]` or None; `out_cache_loc` `[num_tokens]` or None (no write check);
-    host numbers: `num_tokens`, `seq_total` (None: not checked), `num_slots`, `cascade_len` (0: none),
-    `decode` (seq_lens >= 1), `check_dup` (rows distinct), `check_keys` (every key's slot), `pad_seq_len`
-    (graph padding rows, see the field)."""
-
-    req_to_token: torch.Tensor
-    req_pool_indices: torch.Tensor
-    seq_lens: torch.Tensor
-    num_tokens: int
-    num_slots: int
-    encoder_lens: Optional[torch.Tensor] = None
-    q_lens: Optional[torch.Tensor] = None
-    prefix_lens: Optional[torch.Tensor] = None
-    start_loc: Optional[torch.Tensor] = None
-    mask_indptr: Optional[torch.Tensor] = None
-    out_cache_loc: Optional[torch.Tensor] = None
-    seq_total: Optional[int] = None
-    cascade_len: int = 0
-    decode: bool = True
-    check_dup: bool = True
-    check_keys: bool = True
-    #: CUDA-graph runs: requests in row 0 with this seq_len are graph padding rows (`graph_padding`; a
-    #: graph-shaped DCP step carries them), exempt from the duplicate-row and key checks, and any token
-    #: whose slot is the dummy 0 may write it (padding rows, tokens another DCP rank stores; -1: neither)
-    pad_seq_len: int = -1
-
-    @property
-    def batch_size(self) -> int:
-        return self.req_pool_indices.shape[0]
+from attn_core.ops.step_tensors import StepTensors
 
 
 def step_tensors(batch, req_to_token: torch.Tensor, num_slots: int, *, check_dup: bool = True) -> StepTensors:

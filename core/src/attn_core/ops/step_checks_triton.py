@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from attn_core.ops.device_faults import FIRST_REQUEST_BASE, NUM_FAULT_KINDS, DeviceFaultKind
-from attn_core.ops.step_checks import StepTensors
+from attn_core.ops.step_tensors import StepTensors
 from attn_core.ops.triton_launch import CachedLaunch
 
 CHUNK = 256
