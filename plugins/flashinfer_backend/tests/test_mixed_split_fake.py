@@ -54,7 +54,9 @@ def test_kit_mixed_checks_with_the_split(factory, monkeypatch):
     real = mixed.forward
     monkeypatch.setattr(mixed, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     plan = make_plan(factory, device="cpu", quick=True, options={"mixed_split": True})
-    checks = [c for c in plan.checks if "MIXED" in c.id and plan.skip_reason(c.id) is None]
+    # masked_nonfinite-*: a check of the kernels' arithmetic with Inf/NaN in masked keys, which the fake
+    # FlashInfer computes densely (it emulates the API, not the kernels); the GPU run checks the real one
+    checks = [c for c in plan.checks if "MIXED" in c.id and not c.id.startswith("masked_nonfinite") and plan.skip_reason(c.id) is None]
     assert len(checks) >= 3, [c.id for c in plan.checks]
     for check in checks:
         outcome = execute(check)
