@@ -39,10 +39,9 @@ from attn_core import (
     MHATokenToKVPool,
     PagedTokenAllocator,
     ReqToTokenPool,
-    RequestPool,
-    build_step,
     create_backend,
 )
+from attn_core.batch_builder import build_forward_batch
 from attn_core.bench.timing import host_times_us, interleave
 from attn_core.testing.reference import relative_error
 
@@ -62,11 +61,10 @@ class Row:
         pages = -(-total // PAGE) + len(requests) + 1
         self.kv_pool = MHATokenToKVPool(pages * PAGE, PAGE, dtype, HKV, D, 1)
         self.req_pool = ReqToTokenPool(len(requests), max(p + e for p, e in requests) + PAGE)
-        # as an engine builds it: every request's cached tokens in a first step, then the step itself
-        pool = RequestPool(self.req_pool, PagedTokenAllocator(pages * PAGE, PAGE), self.kv_pool)
-        handles = [pool.add() for _ in requests]
-        build_step(pool, [(h, cached) for h, (cached, _) in zip(handles, requests)])
-        self.batch = build_step(pool, [(h, new) for h, (_, new) in zip(handles, requests)], mode=mode)
+        allocator = PagedTokenAllocator(pages * PAGE, PAGE)
+        self.batch = build_forward_batch(
+            mode, requests, req_to_token_pool=self.req_pool, allocator=allocator, token_to_kv_pool=self.kv_pool
+        )
         # scatter pages: page p -> perm[p] (page 0, the reserved dummy, stays)
         perm = torch.cat([torch.zeros(1, dtype=torch.int64), 1 + torch.randperm(pages, generator=gen)])
         r2t = self.req_pool.req_to_token

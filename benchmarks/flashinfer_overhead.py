@@ -40,26 +40,15 @@ from attn_core import (
     MHATokenToKVPool,
     PagedTokenAllocator,
     ReqToTokenPool,
-    RequestPool,
-    build_step,
     create_backend,
 )
+from attn_core.batch_builder import build_forward_batch
 from attn_core.bench.timing import event_times_us, host_times_us, interleave
 from attn_core.ops.kv_indices import kv_indices_from_req_to_token, last_page_len_from_lens, page_indptr_from_lens
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 WORKSPACE_BYTES = 128 << 20  # the peers' FlashInfer workspace (attn-flashinfer's default size)
-
-
-def new_step(mode: str, reqs: list[tuple[int, int]], rows: ReqToTokenPool, allocator: PagedTokenAllocator, pool):
-    """One step of `reqs` ((cached, new) token counts) in `mode`, built as an engine builds it: every
-    request's cached tokens in a first step (the pool's contents stand for their K/V), then the step itself
-    through `attn_core.build_step`."""
-    requests = RequestPool(rows, allocator, pool)
-    handles = [requests.add() for _ in reqs]
-    build_step(requests, [(h, cached) for h, (cached, _) in zip(handles, reqs)])
-    return build_step(requests, [(h, new) for h, (_, new) in zip(handles, reqs)], mode=mode)
 
 
 def setup(mode: str, reqs: list[tuple[int, int]], validation: str = "basic"):
@@ -70,7 +59,8 @@ def setup(mode: str, reqs: list[tuple[int, int]], validation: str = "basic"):
     kv_pool.get_key_buffer(0).normal_()
     kv_pool.get_value_buffer(0).normal_()
     req_pool = ReqToTokenPool(len(reqs), max_len, "cuda")
-    batch = new_step(mode, reqs, req_pool, PagedTokenAllocator(size, PAGE, "cuda"), kv_pool)
+    alloc = PagedTokenAllocator(size, PAGE, "cuda")
+    batch = build_forward_batch(mode, reqs, req_to_token_pool=req_pool, allocator=alloc, token_to_kv_pool=kv_pool)
     ctx = BackendContext(
         device="cuda",
         dtype=DTYPE,
@@ -211,6 +201,8 @@ def bench(name: str, mode: str, reqs, iters: int, rounds: int, validation: str =
     }
     if decode:  # CUDA-graph replay metadata: index launch into the graph's buffers + re-plan
         bs = batch.batch_size
+        replay_args = (bs, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_sum, None, batch.forward_mode, None)
+        replay_args += (batch.seq_lens_cpu,)
         for key, graph_backend in (
             ("", backend),
             ("_public_plan", create_backend("flashinfer", ctx, lean_replan=False)),
@@ -220,17 +212,8 @@ def bench(name: str, mode: str, reqs, iters: int, rounds: int, validation: str =
                 bs, bs, batch.req_pool_indices, batch.seq_lens, None, batch.forward_mode, None
             )
 
-            def replay_meta(b=graph_backend):
-                b.init_forward_metadata_replay_cuda_graph(
-                    bs,
-                    batch.req_pool_indices,
-                    batch.seq_lens,
-                    batch.seq_lens_sum,
-                    None,
-                    batch.forward_mode,
-                    None,
-                    batch.seq_lens_cpu,
-                )
+            def replay_meta(b=graph_backend):  # the SGLang-named entry point, the batch's own fields
+                b.init_forward_metadata_replay_cuda_graph(*replay_args)
 
             replay_meta()
             res[f"graph_replay_metadata{key}_host_us"] = statistics.median(host_time_us(replay_meta, 20 * rounds))

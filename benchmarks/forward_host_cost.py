@@ -56,10 +56,9 @@ from attn_core import (
     MLATokenToKVPool,
     PagedTokenAllocator,
     ReqToTokenPool,
-    RequestPool,
-    build_step,
     get_backend_class,
 )
+from attn_core.batch_builder import build_forward_batch
 from attn_core.bench.timing import host_times_us, interleave
 
 HQ, HKV, D, PAGE, DTYPE = 32, 8, 128, 16, torch.bfloat16
@@ -100,11 +99,10 @@ def make_row(mode: str, requests: list[tuple[int, int]], mla: bool) -> dict[str,
         kv_pool = MHATokenToKVPool(pages * PAGE, PAGE, DTYPE, HKV, D, 1)
         hq, hkv, d, dv, arch = HQ, HKV, D, D, {}
     req_pool = ReqToTokenPool(len(requests), max(p + e for p, e in requests) + PAGE)
-    # as an engine builds it: every request's cached tokens in a first step, then the step itself
-    pool = RequestPool(req_pool, PagedTokenAllocator(pages * PAGE, PAGE), kv_pool)
-    handles = [pool.add() for _ in requests]
-    build_step(pool, [(h, cached) for h, (cached, _) in zip(handles, requests)])
-    batch = build_step(pool, [(h, new) for h, (_, new) in zip(handles, requests)], mode=mode)
+    allocator = PagedTokenAllocator(pages * PAGE, PAGE)
+    batch = build_forward_batch(
+        mode, requests, req_to_token_pool=req_pool, allocator=allocator, token_to_kv_pool=kv_pool
+    )
     ctx = BackendContext(
         device="cpu",
         dtype=DTYPE,

@@ -63,11 +63,10 @@ from attn_core import (
     MLATokenToKVPool,
     PagedTokenAllocator,
     ReqToTokenPool,
-    RequestPool,
-    build_step,
     create_backend,
     merge_state,
 )
+from attn_core.batch_builder import build_forward_batch
 from attn_core.bench.timing import event_times_us, graph_times_us, host_times_us, interleave
 from attn_core.ops.kv_indices import kv_indices_from_req_to_token, page_indptr_from_lens
 from attn_triton.config import MLAConfig
@@ -126,14 +125,12 @@ def interleaved(fns: dict, rounds: int, measure) -> dict:
 def new_step(
     mode: str, reqs, rows: ReqToTokenPool, allocator: PagedTokenAllocator, pool: MLATokenToKVPool, backend=None
 ):
-    """One step of `reqs` ((cached, new) token counts) in `mode`, built as an engine builds it: every request's
-    cached tokens in a first step (its slots allocated and its row written; the pool's contents stand for
-    their latents), then the step itself through `attn_core.build_step`. Verify steps run their drafts as a
-    chain without a custom mask (FlashInfer's MLA kernels run verify causally)."""
-    requests = RequestPool(rows, allocator, pool)
-    handles = [requests.add() for _ in reqs]
-    build_step(requests, [(h, cached) for h, (cached, _) in zip(handles, reqs)])
-    batch = build_step(requests, [(h, new) for h, (_, new) in zip(handles, reqs)], mode=mode, attn_backend=backend)
+    """One step of `reqs` ((cached, new) token counts) in `mode` over fresh request rows (attn-core's batch
+    fixture: the cached tokens get slots too; the pool's contents stand for their latents). Verify steps
+    run their drafts as a chain without a custom mask (FlashInfer's MLA kernels run verify causally)."""
+    batch = build_forward_batch(
+        mode, reqs, req_to_token_pool=rows, allocator=allocator, token_to_kv_pool=pool, attn_backend=backend
+    )
     if batch.spec_info is not None:
         batch.spec_info.custom_mask = None
         batch.spec_info.mask_indptr = None
@@ -377,17 +374,10 @@ def bench_absorbed(
             bs, bs, batch.req_pool_indices, batch.seq_lens, None, batch.forward_mode, None
         )
 
+        replay_args = (bs, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_sum, None, batch.forward_mode, None)
+
         def replay_meta():  # the engine-facing (SGLang-named) entry point
-            backend.init_forward_metadata_replay_cuda_graph(
-                bs,
-                batch.req_pool_indices,
-                batch.seq_lens,
-                batch.seq_lens_sum,
-                None,
-                batch.forward_mode,
-                None,
-                batch.seq_lens_cpu,
-            )
+            backend.init_forward_metadata_replay_cuda_graph(*replay_args, batch.seq_lens_cpu)
 
         replay_meta()
         row["graph_replay_metadata_host_us"] = statistics.median(host_time_us(replay_meta, 20 * rounds))
