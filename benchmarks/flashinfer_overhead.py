@@ -106,15 +106,20 @@ def interleaved(a, b, rounds: int, measure) -> tuple[float, float]:
     return statistics.median(samples["a"]), statistics.median(samples["b"])
 
 
-def paged_inputs(batch, lens: torch.Tensor, lens_cpu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(page offsets, page ids, last-page lengths) of the first `lens` keys of every request of `batch`,
-    built from its request rows with attn-core's public index ops (FlashInfer's paged inputs)."""
-    indptr = page_indptr_from_lens(lens, PAGE)
-    pages = int(page_indptr_from_lens(lens_cpu, PAGE)[-1])
+def paged_inputs(batch, lens: torch.Tensor, lens_cpu: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """FlashInfer's paged inputs for the first `lens` keys of every request of `batch`, as the backend hands
+    them to its plans (so FlashInfer's plan copies nothing back from the device): page offsets, last-page
+    lengths and key counts on the host (int32, from the `*_cpu` lengths), the page ids on the device (built
+    from the batch's request rows with attn-core's public index ops). Returns (indptr, indices, last, kv_lens)."""
+    indptr = page_indptr_from_lens(lens_cpu, PAGE)
     indices = kv_indices_from_req_to_token(
-        batch.req_to_token_pool.req_to_token, batch.req_pool_indices, indptr, pages, page_size=PAGE
+        batch.req_to_token_pool.req_to_token,
+        batch.req_pool_indices,
+        page_indptr_from_lens(lens, PAGE),
+        int(indptr[-1]),
+        page_size=PAGE,
     )
-    return indptr, indices, last_page_len_from_lens(lens, PAGE)
+    return indptr, indices, last_page_len_from_lens(lens_cpu, PAGE), lens_cpu.to(torch.int32)
 
 
 def bench(name: str, mode: str, reqs, iters: int, rounds: int, validation: str = "basic") -> dict:
@@ -142,8 +147,7 @@ def bench(name: str, mode: str, reqs, iters: int, rounds: int, validation: str =
         non_blocking=True,
     )
     if decode:
-        indptr, indices, last = paged_inputs(batch, batch.seq_lens, batch.seq_lens_cpu)
-        kv_lens = batch.seq_lens.to(torch.int32)
+        indptr, indices, last, kv_lens = paged_inputs(batch, batch.seq_lens, batch.seq_lens_cpu)
         w = BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True, backend="fa2")
 
         def fi_plan():
@@ -152,10 +156,8 @@ def bench(name: str, mode: str, reqs, iters: int, rounds: int, validation: str =
         def direct():
             w.run(q3, pages)
     else:
-        indptr, indices, last = paged_inputs(batch, batch.extend_prefix_lens, batch.extend_prefix_lens_cpu)
-        kv_lens = batch.extend_prefix_lens.to(torch.int32)
-        qo = torch.zeros(batch.batch_size + 1, dtype=torch.int32, device="cuda")
-        qo[1:] = batch.extend_seq_lens.cumsum(0)
+        indptr, indices, last, kv_lens = paged_inputs(batch, batch.extend_prefix_lens, batch.extend_prefix_lens_cpu)
+        qo = page_indptr_from_lens(batch.extend_seq_lens_cpu, 1)  # query offsets, host int32
         wr = BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend="fa2")
         wp = BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
 

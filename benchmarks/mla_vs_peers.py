@@ -164,21 +164,23 @@ def setup(mode: str, reqs):
 
 
 def flashinfer_inputs(batch) -> dict:
-    """FlashInfer's MLA plan inputs for `batch`, built with attn-core's public index ops from the batch's
-    request rows: query offsets, page offsets and page ids of every request's keys, key counts, causal."""
-    seq_lens = batch.seq_lens.to(torch.int32)
-    q_lens = batch.extend_seq_lens if batch.extend_seq_lens is not None else torch.ones_like(seq_lens)
-    qo_indptr = torch.zeros(batch.batch_size + 1, dtype=torch.int32, device=seq_lens.device)
-    qo_indptr[1:] = q_lens.cumsum(0)
-    kv_indptr = page_indptr_from_lens(seq_lens, PAGE)
-    pages = int(page_indptr_from_lens(batch.seq_lens_cpu, PAGE)[-1])
-    r2t = batch.req_to_token_pool.req_to_token
-    kv_indices = kv_indices_from_req_to_token(r2t, batch.req_pool_indices, kv_indptr, pages, page_size=PAGE)
+    """FlashInfer's MLA plan inputs for `batch`, as the backend hands them to its plans (so FlashInfer's plan
+    copies nothing back from the device): query offsets, page offsets and key counts on the host (int32,
+    from the `*_cpu` lengths), the page ids on the device (built from the batch's request rows with
+    attn-core's public index ops), and whether the queries are causal."""
+    seq_lens_cpu = batch.seq_lens_cpu.to(torch.int32)
+    q_lens_cpu = batch.extend_seq_lens_cpu if batch.extend_seq_lens_cpu is not None else torch.ones_like(seq_lens_cpu)
+    qo_indptr = page_indptr_from_lens(q_lens_cpu, 1)
+    kv_indptr = page_indptr_from_lens(seq_lens_cpu, PAGE)
+    r2t, rows, pages = batch.req_to_token_pool.req_to_token, batch.req_pool_indices, int(kv_indptr[-1])
+    kv_indices = kv_indices_from_req_to_token(
+        r2t, rows, page_indptr_from_lens(batch.seq_lens, PAGE), pages, page_size=PAGE
+    )
     return dict(
         qo_indptr=qo_indptr,
         kv_indptr=kv_indptr,
         kv_indices=kv_indices,
-        kv_lens=seq_lens,
+        kv_lens=seq_lens_cpu,
         causal=not batch.forward_mode.is_decode(),
     )
 

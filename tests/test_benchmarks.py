@@ -7,6 +7,7 @@ is checked by `scripts/gpu_checks.sh bench` (and its named parts) on a GPU machi
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import runpy
@@ -15,6 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+import attn_core
+from attn_core.batch_builder import build_forward_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
@@ -191,3 +196,68 @@ def test_cpu_vs_peers_runs_on_the_cpu(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["row"], r["dtype"]) for r in rows] == [("decode bs16 ctx2048", "float32")]
     assert rows[0]["median_ms"]["cpu_amx"] > 0 and rows[0]["median_ms"]["gather+sdpa"] > 0
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _plain_pages(batch, lens, page: int) -> tuple[list[int], list[int], list[int]]:
+    """Page offsets, page ids and last-page lengths of the first `lens` keys of each request, by a loop."""
+    indptr, ids, last = [0], [], []
+    for r, n in enumerate(int(x) for x in lens):
+        pages = -(-n // page)
+        indptr.append(indptr[-1] + pages)
+        row = batch.req_to_token_pool.req_to_token[int(batch.req_pool_indices[r])]
+        ids += [int(row[j * page]) // page for j in range(pages)]
+        last.append(n - (pages - 1) * page if pages else 0)
+    return indptr, ids, last
+
+
+def _fixture_parts(reqs: list[tuple[int, int]], page: int, mla: bool = False):
+    """(request rows, allocator, KV pool) on the CPU sized for `reqs`, as the GPU scripts size them."""
+    size = page * (sum(-(-(p + e) // page) for p, e in reqs) + 2)
+    rows = attn_core.ReqToTokenPool(len(reqs), max(p + e for p, e in reqs) + page)
+    if mla:
+        pool = attn_core.MLATokenToKVPool(size, page, torch.bfloat16, 512, 64, 1)
+    else:
+        pool = attn_core.MHATokenToKVPool(size, page, torch.bfloat16, 8, 128, 1)
+    return rows, attn_core.PagedTokenAllocator(size, page), pool
+
+
+@pytest.mark.parametrize("mode,reqs", [("DECODE", [(95, 1), (16, 1), (0, 1)]), ("EXTEND", [(40, 9), (0, 7), (33, 3)])])
+def test_flashinfer_overhead_hands_flashinfer_the_batchs_pages(mode, reqs):
+    """The FlashInfer peer's plan inputs: offsets, last-page lengths and key counts on the host, page ids
+    of the batch's own rows (on the batch's device), equal to a plain loop over the request rows."""
+    bench = _load("flashinfer_overhead")
+    rows, allocator, pool = _fixture_parts(reqs, bench.PAGE)
+    batch = build_forward_batch(mode, reqs, req_to_token_pool=rows, allocator=allocator, token_to_kv_pool=pool)
+    lens_cpu, lens = (
+        (batch.seq_lens_cpu, batch.seq_lens)
+        if mode == "DECODE"
+        else (batch.extend_prefix_lens_cpu, batch.extend_prefix_lens)
+    )
+    indptr, ids, last, kv_lens = bench.paged_inputs(batch, lens, lens_cpu)
+    assert (indptr.tolist(), ids.tolist(), last.tolist()) == _plain_pages(batch, lens_cpu, bench.PAGE)
+    assert kv_lens.tolist() == lens_cpu.tolist()
+    assert all(t.device.type == "cpu" and t.dtype == torch.int32 for t in (indptr, last, kv_lens))
+
+
+@pytest.mark.parametrize("mode,reqs", [("DECODE", [(200, 1), (5, 1)]), ("TARGET_VERIFY", [(130, 4), (60, 4)])])
+def test_mla_vs_peers_hands_flashinfer_the_batchs_pages(mode, reqs):
+    bench = _load("mla_vs_peers")
+    batch = bench.new_step(mode, reqs, *_fixture_parts(reqs, bench.PAGE, mla=True))
+    got = bench.flashinfer_inputs(batch)
+    indptr, ids, _ = _plain_pages(batch, batch.seq_lens_cpu, bench.PAGE)
+    assert got["kv_indptr"].tolist() == indptr and got["kv_indices"].tolist() == ids
+    assert got["kv_lens"].tolist() == batch.seq_lens_cpu.tolist()
+    new = [n for _, n in reqs]
+    assert got["qo_indptr"].tolist() == [sum(new[:i]) for i in range(len(new) + 1)]
+    assert got["causal"] == (mode != "DECODE")
+    assert batch.spec_info is None or batch.spec_info.custom_mask is None  # verify runs as a causal chain
+    assert all(
+        t.device.type == "cpu" and t.dtype == torch.int32 for t in (got["kv_indptr"], got["kv_lens"], got["qo_indptr"])
+    )
