@@ -167,7 +167,8 @@ def flashinfer_inputs(batch) -> dict:
     """FlashInfer's MLA plan inputs for `batch`, as the backend hands them to its plans (so FlashInfer's plan
     copies nothing back from the device): query offsets, page offsets and key counts on the host (int32,
     from the `*_cpu` lengths), the page ids on the device (built from the batch's request rows with
-    attn-core's public index ops), and whether the queries are causal."""
+    attn-core's public index ops), and whether the queries are causal; keyed by the names of FlashInfer's
+    `BatchMLAPagedAttentionWrapper.plan` (0.6.6 and 0.7 alike)."""
     seq_lens_cpu = batch.seq_lens_cpu.to(torch.int32)
     q_lens_cpu = batch.extend_seq_lens_cpu if batch.extend_seq_lens_cpu is not None else torch.ones_like(seq_lens_cpu)
     qo_indptr = page_indptr_from_lens(q_lens_cpu, 1)
@@ -176,13 +177,8 @@ def flashinfer_inputs(batch) -> dict:
     kv_indices = kv_indices_from_req_to_token(
         r2t, rows, page_indptr_from_lens(batch.seq_lens, PAGE), pages, page_size=PAGE
     )
-    return dict(
-        qo_indptr=qo_indptr,
-        kv_indptr=kv_indptr,
-        kv_indices=kv_indices,
-        kv_lens=seq_lens_cpu,
-        causal=not batch.forward_mode.is_decode(),
-    )
+    causal = not batch.forward_mode.is_decode()
+    return dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_len_arr=seq_lens_cpu, causal=causal)
 
 
 def triton_forward(ctx, mode: str, reqs, pool, layer, q, k, **options):
@@ -275,20 +271,16 @@ def bench_absorbed(
     fi = BatchMLAPagedAttentionWrapper(torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda"), backend="auto")
     plan_in = flashinfer_inputs(batch)
 
-    def fi_plan():
+    def fi_plan():  # by keyword: FlashInfer 0.7 deprecates positional MLA arguments (same names in 0.6.6)
         fi.plan(
-            plan_in["qo_indptr"],
-            plan_in["kv_indptr"],
-            plan_in["kv_indices"],
-            plan_in["kv_lens"],
-            H,
-            LORA,
-            ROPE,
-            PAGE,
-            plan_in["causal"],
-            SCALE,
-            DTYPE,
-            DTYPE,
+            **plan_in,
+            num_heads=H,
+            head_dim_ckv=LORA,
+            head_dim_kpe=ROPE,
+            page_size=PAGE,
+            sm_scale=SCALE,
+            q_data_type=DTYPE,
+            kv_data_type=DTYPE,
         )
 
     fi_plan()
@@ -309,7 +301,7 @@ def bench_absorbed(
         layer(q, k, None, batch, save_kv_cache=False)
 
     def direct():
-        fi.run(q_nope, q_pe, ckv, kpe, out=out)
+        fi.run(q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv, kpe_cache=kpe, out=out)
 
     fns = {"flashinfer_mla": ours, "flashinfer_mla_host_plan": ours_host_plan, "flashinfer_run": direct}
     ours()

@@ -253,11 +253,12 @@ def test_mla_vs_peers_hands_flashinfer_the_batchs_pages(mode, reqs):
     got = bench.flashinfer_inputs(batch)
     indptr, ids, _ = _plain_pages(batch, batch.seq_lens_cpu, bench.PAGE)
     assert got["kv_indptr"].tolist() == indptr and got["kv_indices"].tolist() == ids
-    assert got["kv_lens"].tolist() == batch.seq_lens_cpu.tolist()
+    assert got["kv_len_arr"].tolist() == batch.seq_lens_cpu.tolist()
     new = [n for _, n in reqs]
     assert got["qo_indptr"].tolist() == [sum(new[:i]) for i in range(len(new) + 1)]
     assert got["causal"] == (mode != "DECODE")
     assert batch.spec_info is None or batch.spec_info.custom_mask is None  # verify runs as a causal chain
     assert all(
-        t.device.type == "cpu" and t.dtype == torch.int32 for t in (got["kv_indptr"], got["kv_lens"], got["qo_indptr"])
+        t.device.type == "cpu" and t.dtype == torch.int32
+        for t in (got["kv_indptr"], got["kv_len_arr"], got["qo_indptr"])
     )
