@@ -69,6 +69,8 @@ from attn_core import (
 from attn_core.bench.timing import event_times_us, graph_times_us, host_times_us, interleave, interleaved_graph_times_us
 from attn_core.memory.fp8 import is_fp8
 from attn_core.testing.reference import reference_attention, relative_error
+from attn_core.validation import check_forward_batch
+from attn_triton.config import DecodeConfig, ExtendConfig, SplitPolicy, VerifyConfig
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -446,8 +448,6 @@ def parse_configs(text: Optional[str], cls):
 
 
 def run_row(kind: str, spec: tuple, args, gen: torch.Generator, l2: int) -> RowResult:
-    from attn_triton.config import DecodeConfig, ExtendConfig, SplitPolicy, VerifyConfig
-
     loads = row_workloads(kind, spec, gen, l2)
     res = RowResult(spec[0], kind, work_of(kind, loads[0]))
     calls = 3 if kind == "extend" else 20
@@ -521,7 +521,6 @@ def run_fp8_row(args, gen: torch.Generator, l2: int) -> RowResult:
     of K and V read (1 byte per element)."""
     _, bs, ctx = FP8_ROW
     res = RowResult(f"fp8 {FP8_ROW[0]}", "decode", float(bs * ctx * HKV * D * 2))
-    from attn_triton.config import DecodeConfig, SplitPolicy
 
     impls = [("attn-triton fp8", FP8, triton_impl), ("attn-triton bf16", DTYPE, triton_impl)]
     tiles = parse_configs(args.fp8_configs, DecodeConfig) if args.fp8_configs else []
@@ -666,7 +665,6 @@ def _warm_backend(w: Workload, validation: str):
 
 
 def _metadata_row(bs: int, ctx_len: int, n: int, gen: torch.Generator) -> dict:
-    from attn_core.validation import check_forward_batch
 
     w, backend = _warm_decode_backend(bs, ctx_len, gen)
     torch.cuda.synchronize()
