@@ -94,10 +94,11 @@ def paged(w, qo: QueryLayout, kv: PagedKV, key: LayerKey, dims: Dims, causal: bo
 
 
 def ragged(w, qo: QueryLayout, key: LayerKey, dims: Dims) -> None:
-    """Re-plan an eager ragged prefill wrapper: each request's new tokens, causal over themselves."""
+    """Re-plan an eager ragged prefill wrapper: each request's new tokens over themselves, causal unless
+    the key's layer is encoder-only (`key.causal`)."""
     w._qo_indptr_buf = w._kv_indptr_buf = w._o_indptr_buf = w._v_indptr_buf = qo.indptr_dev
-    w._causal = True
-    _schedule(w, qo, qo.indptr, qo.lens, 1, True, key, dims)
+    w._causal = key.causal
+    _schedule(w, qo, qo.indptr, qo.lens, 1, key.causal, key, dims)
 
 
 def mla(w, qo: QueryLayout, kv: PageList, causal: bool, num_heads: int, head_dim_ckv: int) -> None:
