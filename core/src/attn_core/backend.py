@@ -315,6 +315,12 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         self.ragged_metadata = self.build_ragged_metadata(ragged)
         self._ragged_for = ragged
 
+    @property
+    def current_ragged_batch(self) -> Optional[RaggedBatch]:
+        """The `RaggedBatch` the current ragged metadata was built for (None: none), so that callers
+        sharing a backend across layers (`attn_core.VisionAttention`) build it once per batch."""
+        return self._ragged_for
+
     def build_ragged_metadata(self, ragged: RaggedBatch) -> object:
         """What every `forward_ragged` call over `ragged` (validated) needs, built once: index arrays, a
         vendor plan. The default, for backends that need nothing: None."""
