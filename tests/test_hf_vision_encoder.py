@@ -91,8 +91,15 @@ def test_siglip_tower_through_the_ragged_op(backend):
     model, expected, embeds = _siglip(device)
     lens = [e.shape[0] for e in embeds]
     assert lens == [16, 15, 12, 1]
-    ctx = ac.BackendContext(device=device, dtype=torch.float32, num_q_heads=2, num_kv_heads=2, head_dim=80, forward_modes=frozenset(),
-                            features=frozenset({ac.Feature.RAGGED}))  # fmt: skip
+    ctx = ac.BackendContext(
+        device=device,
+        dtype=torch.float32,
+        num_q_heads=2,
+        num_kv_heads=2,
+        head_dim=80,
+        forward_modes=frozenset(),
+        features=frozenset({ac.Feature.RAGGED}),
+    )
     _Step.backend = ac.create_backend(backend, ctx)
     _Step.ragged = ac.ragged_batch(lens, device)
     _Step.backend.init_ragged_metadata(_Step.ragged)
@@ -113,7 +120,9 @@ class _VisionAttentionLayer(torch.nn.Module):
         e, heads = hf_attn.embed_dim, hf_attn.num_heads
         self.attn = ac.VisionAttention(e, heads, backend=backend, device=hf_attn.q_proj.weight.device)
         with torch.no_grad():
-            self.attn.qkv_proj.weight.copy_(torch.cat([hf_attn.q_proj.weight, hf_attn.k_proj.weight, hf_attn.v_proj.weight]))
+            self.attn.qkv_proj.weight.copy_(
+                torch.cat([hf_attn.q_proj.weight, hf_attn.k_proj.weight, hf_attn.v_proj.weight])
+            )
             self.attn.qkv_proj.bias.copy_(torch.cat([hf_attn.q_proj.bias, hf_attn.k_proj.bias, hf_attn.v_proj.bias]))
             self.attn.proj.weight.copy_(hf_attn.out_proj.weight)
             self.attn.proj.bias.copy_(hf_attn.out_proj.bias)
@@ -137,7 +146,9 @@ def test_siglip_tower_with_vision_attention(backend):
 
 
 # ---- BERT through the paged path ------------------------------------------------------------------
-def _paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, forward_batch=None, attn_layers=None, **_):
+def _paged_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, forward_batch=None, attn_layers=None, **_
+):
     """HF attention implementation "attn_paged": HF's q/k/v `[1, heads, T, D]` through an attn layer."""
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
     out = attn_layers[module.layer_idx](q, k, v, forward_batch)
@@ -155,8 +166,14 @@ def test_bert_encoder_through_the_paged_non_causal_path(backend):
     freed; every sequence's output equals HF's eager forward of it alone."""
     device = _device(backend)
     torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=97, hidden_size=64, num_attention_heads=2, num_hidden_layers=2, intermediate_size=96,
-                                  max_position_embeddings=64)  # fmt: skip
+    cfg = transformers.BertConfig(
+        vocab_size=97,
+        hidden_size=64,
+        num_attention_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=96,
+        max_position_embeddings=64,
+    )
     cfg._attn_implementation = "eager"
     model = transformers.BertModel(cfg, add_pooling_layer=False).to(device).eval()
     lengths = [9, 17, 4, 12, 1]
@@ -165,12 +182,26 @@ def test_bert_encoder_through_the_paged_non_causal_path(backend):
         expected = [model(input_ids=s[None]).last_hidden_state[0] for s in seqs]
 
     heads, d, page = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads, 4
-    kv = ac.MHATokenToKVPool(size=256, page_size=page, dtype=torch.float32, head_num=heads, head_dim=d, layer_num=2, device=device)
+    kv = ac.MHATokenToKVPool(
+        size=256, page_size=page, dtype=torch.float32, head_num=heads, head_dim=d, layer_num=2, device=device
+    )
     rows = ac.ReqToTokenPool(size=4, max_context_len=64, device=device)
     requests = ac.RequestPool(rows, ac.PagedTokenAllocator(256, page), kv)
-    ctx = ac.BackendContext(device=device, dtype=torch.float32, num_q_heads=heads, num_kv_heads=heads, head_dim=d, page_size=page,
-                            max_batch_size=4, max_context_len=64, req_to_token_pool=rows, token_to_kv_pool=kv, validation="full",
-                            features=frozenset({ac.Feature.NON_CAUSAL}), forward_modes={"extend"})  # fmt: skip
+    ctx = ac.BackendContext(
+        device=device,
+        dtype=torch.float32,
+        num_q_heads=heads,
+        num_kv_heads=heads,
+        head_dim=d,
+        page_size=page,
+        max_batch_size=4,
+        max_context_len=64,
+        req_to_token_pool=rows,
+        token_to_kv_pool=kv,
+        validation="full",
+        features=frozenset({ac.Feature.NON_CAUSAL}),
+        forward_modes={"extend"},
+    )
     backend_obj = ac.create_backend(backend, ctx)
     layers = [ac.AttentionLayer(i, heads, heads, d, attn_type="encoder_only") for i in range(2)]
     model.set_attn_implementation("attn_paged")
@@ -186,8 +217,13 @@ def test_bert_encoder_through_the_paged_non_causal_path(backend):
             backend_obj.init_forward_metadata(batch)
             ids = torch.cat([seqs[i] for i in step])[None]
             with torch.no_grad():
-                out = model(input_ids=ids, position_ids=batch.positions[None], token_type_ids=torch.zeros_like(ids),
-                            forward_batch=batch, attn_layers=layers).last_hidden_state[0]  # fmt: skip
+                out = model(
+                    input_ids=ids,
+                    position_ids=batch.positions[None],
+                    token_type_ids=torch.zeros_like(ids),
+                    forward_batch=batch,
+                    attn_layers=layers,
+                ).last_hidden_state[0]
             for i, got in zip(step, out.split([lengths[i] for i in step])):
                 assert _rel(got, expected[i]) <= TOLERANCE, f"sequence {i}"
             for i, snapshot in kept.items():  # cached requests' K/V untouched by later steps

@@ -30,7 +30,15 @@ def _batch_with_spans(requests, spans, mode="EXTEND"):
 
 @pytest.mark.parametrize(
     "span, ok",
-    [((2, 10), True), ((0, 6), True), ((12, 20), True), ((0, 0), True), ((6, 6), True), ((5, 11), False), ((9, 11), False)],
+    [
+        ((2, 10), True),
+        ((0, 6), True),
+        ((12, 20), True),
+        ((0, 0), True),
+        ((6, 6), True),
+        ((5, 11), False),
+        ((9, 11), False),
+    ],
 )
 def test_span_rule_of_one_request(span, ok):
     """Request with 6 cached and 4 new tokens (queries at 6..9, keys 0..9): a span holding a query must end
@@ -74,7 +82,9 @@ def test_span_visible_worked_example():
 def test_span_mask_equals_a_plain_loop():
     seq, q_lens, spans = [9, 4, 6, 1], [4, 4, 0, 1], [(2, 9), (1, 3), (0, 6), (0, 1)]
     total = sum(s * q for s, q in zip(seq, q_lens))
-    got = bidirectional_span_mask(torch.tensor(spans, dtype=torch.int32), torch.tensor(seq), torch.tensor(q_lens), total)
+    got = bidirectional_span_mask(
+        torch.tensor(spans, dtype=torch.int32), torch.tensor(seq), torch.tensor(q_lens), total
+    )
     want = []
     for L, n, (a, b) in zip(seq, q_lens, spans):
         for i in range(n):
@@ -142,14 +152,19 @@ def _as_decoder(layer):
 @pytest.mark.parametrize("broken, prefix", [(_CausalEncoder, "non_causal-"), (_SpansIgnored, "bidirectional_span-")])
 def test_kit_catches_wrong_visibility(broken, prefix):
     plan = make_plan(broken, device="cpu", quick=True)
-    outcomes = [execute(c) for c in plan.checks if c.id.startswith(prefix) and "DECODE" not in c.id and "decoder_layers" not in c.id]
+    outcomes = [
+        execute(c)
+        for c in plan.checks
+        if c.id.startswith(prefix) and "DECODE" not in c.id and "decoder_layers" not in c.id
+    ]
     assert outcomes and all(o.status == "failed" for o in outcomes), [(o.check_id, o.status) for o in outcomes]
     good = make_plan(TorchNativeBackend, device="cpu", quick=True)
     assert all(execute(c).status == "passed" for c in good.checks if c.id.startswith(prefix))
 
 
 def test_undeclared_features_are_refused_before_any_write():
-    """A backend without NON_CAUSAL / BIDIRECTIONAL_SPAN: the kit's refusal checks pass (typed error, pool untouched)."""
+    """A backend without NON_CAUSAL / BIDIRECTIONAL_SPAN: the kit's refusal checks pass (typed error, pool
+    untouched)."""
 
     class Plain(TorchNativeBackend):
         capabilities = dataclasses.replace(
@@ -178,7 +193,13 @@ def test_capabilities_match_ragged_only_contexts_on_ragged_head_dims():
         features=frozenset({Feature.RAGGED}),
         ragged_head_dims=frozenset({64, 80, 128}),
     )
-    ragged_only = dict(device_type="cpu", q_dtype="float32", kv_dtype="float32", features=frozenset({Feature.RAGGED}), forward_modes=frozenset())
+    ragged_only = dict(
+        device_type="cpu",
+        q_dtype="float32",
+        kv_dtype="float32",
+        features=frozenset({Feature.RAGGED}),
+        forward_modes=frozenset(),
+    )
     assert caps.mismatches(Requirements(head_dim=80, **ragged_only)) == []
     assert caps.mismatches(Requirements(head_dim=72, **ragged_only)) == ["ragged head_dim 72 not in [64, 80, 128]"]
     paged = dict(ragged_only, forward_modes=Requirements().forward_modes)

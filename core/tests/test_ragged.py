@@ -48,7 +48,9 @@ def test_check_ragged_batch():
     for field, batch in bad.items():
         with pytest.raises(InvalidBatchError, match=field):
             check_ragged_batch(batch, dev)
-    start = dataclasses.replace(good, cu_seqlens=torch.tensor([1, 3, 8], dtype=torch.int32), cu_seqlens_cpu=torch.tensor([1, 3, 8]))
+    start = dataclasses.replace(
+        good, cu_seqlens=torch.tensor([1, 3, 8], dtype=torch.int32), cu_seqlens_cpu=torch.tensor([1, 3, 8])
+    )
     with pytest.raises(InvalidBatchError, match="0, then"):
         check_ragged_batch(start, dev)
     with pytest.raises(InvalidArgumentError, match="RaggedBatch"):
@@ -56,7 +58,9 @@ def test_check_ragged_batch():
 
 
 def _ctx(**kw):
-    base = dict(device="cpu", dtype=torch.float32, num_q_heads=4, num_kv_heads=2, head_dim=24, forward_modes=frozenset())
+    base = dict(
+        device="cpu", dtype=torch.float32, num_q_heads=4, num_kv_heads=2, head_dim=24, forward_modes=frozenset()
+    )
     return BackendContext(**{**base, **kw, "features": frozenset({Feature.RAGGED, Feature.LSE_OUTPUT})})
 
 
@@ -131,7 +135,9 @@ def test_kit_catches_broken_ragged_ops(broken):
     numeric = [c for c in plan.checks if c.id.startswith("ragged-") and "bad_input" not in c.id]
     outcomes = [execute(c) for c in numeric]
     failed = [o.check_id for o in outcomes if o.status == "failed"]
-    assert len(failed) >= len(numeric) - 1, [(o.check_id, o.status) for o in outcomes]  # ragged-long: one row per sequence may agree
+    assert len(failed) >= len(numeric) - 1, [
+        (o.check_id, o.status) for o in outcomes
+    ]  # ragged-long: one row per sequence may agree
 
 
 def test_kit_refuses_where_undeclared():

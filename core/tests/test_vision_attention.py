@@ -90,7 +90,15 @@ def test_packed_images_every_option(backend):
     GQA, per-head q/k norm, rotary position embeddings and a custom softmax scale."""
     dev = _skip_unavailable(backend)
     lens = (7, 1, 12, 0, 5)
-    m = _module(dev, num_heads=4, head_dim=40, num_kv_heads=2, qk_normalization_by_head_size=True, softmax_scale=0.2, backend=backend)
+    m = _module(
+        dev,
+        num_heads=4,
+        head_dim=40,
+        num_kv_heads=2,
+        qk_normalization_by_head_size=True,
+        softmax_scale=0.2,
+        backend=backend,
+    )
     x = torch.randn(sum(lens), 80, device=dev)
     angles = torch.randn(sum(lens), 20, device=dev)
     rotary = (angles.cos(), angles.sin())
@@ -124,7 +132,9 @@ def test_layers_share_one_backend_and_plan_once_per_batch():
     """Three layers by name share one backend; an offsets tensor shared by the layers is turned into one
     RaggedBatch whose metadata is built once; a new tensor, once more."""
     layers = [_module("cpu") for _ in range(3)]
-    backend = vision_backend("torch_native", device="cpu", dtype=torch.float32, num_heads=2, num_kv_heads=2, head_dim=40)
+    backend = vision_backend(
+        "torch_native", device="cpu", dtype=torch.float32, num_heads=2, num_kv_heads=2, head_dim=40
+    )
     assert layers[0].attention_backend(torch.device("cpu"), torch.float32) is backend
     calls = []
     original = backend.init_ragged_metadata

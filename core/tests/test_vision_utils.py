@@ -14,13 +14,22 @@ from attn_core.errors import InvalidArgumentError  # noqa: E402
 
 
 def _siglip(hidden=96, heads=6):
-    vision = dict(hidden_size=hidden, num_attention_heads=heads, intermediate_size=64, num_hidden_layers=1, image_size=32, patch_size=8)
-    return transformers.SiglipConfig(vision_config=vision, text_config=dict(hidden_size=32, num_attention_heads=2, num_hidden_layers=1))
+    vision = dict(
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        image_size=32,
+        patch_size=8,
+    )
+    return transformers.SiglipConfig(
+        vision_config=vision, text_config=dict(hidden_size=32, num_attention_heads=2, num_hidden_layers=1)
+    )
 
 
 @pytest.mark.parametrize("tp_size, dummy", [(1, 0), (2, 0), (3, 0), (4, 2), (5, 4), (8, 2)])
 def test_update_config_on_a_multimodal_config(tp_size, dummy):
-    """6 heads of 16: the fewest zero heads making the count a multiple of tp_size (4 → 8 heads, 5 → 10, 8 → 8)."""
+    """6 heads of 16: the fewest zero heads making the count a multiple of tp_size (4 → 8, 5 → 10, 8 → 8)."""
     cfg = _siglip()
     update_vit_attn_dummy_heads_config(cfg, tp_size)
     assert (cfg.vision_config.head_dim, cfg.vision_config.num_dummy_heads) == (16, dummy)
@@ -55,7 +64,9 @@ def test_pad_fused_qkv_separate_projections_proj_and_norms():
     assert w.shape == (384, 96)
     torch.testing.assert_close(w, torch.cat([wq, zeros, wk, zeros, wv, zeros]), rtol=0, atol=0)
     b = pad_vit_attn_dummy_heads(cfg, "vision_model.encoder.layers.0.attn.qkv_proj.bias", torch.cat([bq, bk, bv]))
-    torch.testing.assert_close(b, torch.cat([bq, torch.zeros(32), bk, torch.zeros(32), bv, torch.zeros(32)]), rtol=0, atol=0)
+    torch.testing.assert_close(
+        b, torch.cat([bq, torch.zeros(32), bk, torch.zeros(32), bv, torch.zeros(32)]), rtol=0, atol=0
+    )
 
     for name, x in (("q_proj", wq), ("k_proj", wk), ("v_proj", wv)):
         padded = pad_vit_attn_dummy_heads(cfg, f"encoder.layers.3.attn.{name}.weight", x)

@@ -100,7 +100,9 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, position_embeddings) -> tuple
     if cos.shape[-1] * 2 == d:
         cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
     if tuple(cos.shape) != (q.shape[0], d) or tuple(sin.shape) != (q.shape[0], d):
-        raise InvalidArgumentError("position_embeddings", f"(cos, sin) of shape ({q.shape[0]}, {d}) or half that", tuple(cos.shape))
+        raise InvalidArgumentError(
+            "position_embeddings", f"(cos, sin) of shape ({q.shape[0]}, {d}) or half that", tuple(cos.shape)
+        )
     cos, sin = cos[:, None, :].to(q.dtype), sin[:, None, :].to(q.dtype)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
@@ -177,14 +179,20 @@ class VisionAttention(nn.Module):
         if projection_size is None:
             projection_size = num_heads * head_dim
         if head_dim < 1 or projection_size != num_heads * head_dim:
-            raise InvalidArgumentError("projection_size", f"num_heads x head_dim = {num_heads} x {head_dim}", projection_size)
+            raise InvalidArgumentError(
+                "projection_size", f"num_heads x head_dim = {num_heads} x {head_dim}", projection_size
+            )
         kv = num_heads if num_kv_heads is None else num_kv_heads
         if kv < 1 or num_heads % kv:
             raise InvalidArgumentError("num_kv_heads", f"a divisor of num_heads={num_heads}", num_kv_heads)
         if num_dummy_heads < 0 or (num_dummy_heads and kv != num_heads):
-            raise InvalidArgumentError("num_dummy_heads", ">= 0 (and 0 with num_kv_heads != num_heads)", num_dummy_heads)
+            raise InvalidArgumentError(
+                "num_dummy_heads", ">= 0 (and 0 with num_kv_heads != num_heads)", num_dummy_heads
+            )
         if qk_normalization and qk_normalization_by_head_size:
-            raise InvalidArgumentError("qk_normalization", "one of qk_normalization, qk_normalization_by_head_size", True)
+            raise InvalidArgumentError(
+                "qk_normalization", "one of qk_normalization, qk_normalization_by_head_size", True
+            )
         if not 0.0 <= dropout < 1.0:
             raise InvalidArgumentError("dropout", "in [0, 1)", dropout)
         if softmax_scale is not None and not softmax_scale > 0:
@@ -217,8 +225,8 @@ class VisionAttention(nn.Module):
     def extra_repr(self) -> str:
         backend = self.backend if isinstance(self.backend, str) else self.backend.name
         return (
-            f"embed_dim={self.embed_dim}, heads={self.num_heads}+{self.num_dummy_heads} dummy, kv_heads={self.num_kv_heads}, "
-            f"head_dim={self.head_dim}, backend={backend}"
+            f"embed_dim={self.embed_dim}, heads={self.num_heads}+{self.num_dummy_heads} dummy, "
+            f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, backend={backend}"
         )
 
     # ---- the attention backend ---------------------------------------------------------------------
@@ -238,11 +246,15 @@ class VisionAttention(nn.Module):
         want = (self.heads, self.kv_heads, self.head_dim, dtype, torch.device(device).type)
         got = (ctx.num_q_heads, ctx.num_kv_heads, ctx.head_dim, ctx.dtype, ctx.device.type)
         if want != got:
-            raise InvalidArgumentError("backend", f"a context of (heads, kv heads, head_dim, dtype, device) {want}", got)
+            raise InvalidArgumentError(
+                "backend", f"a context of (heads, kv heads, head_dim, dtype, device) {want}", got
+            )
         return self.backend
 
     # ---- the token layout --------------------------------------------------------------------------
-    def _layout(self, x: torch.Tensor, cu_seqlens, backend: AttentionBackend) -> tuple[torch.Tensor, RaggedBatch, Optional[torch.Tensor]]:
+    def _layout(
+        self, x: torch.Tensor, cu_seqlens, backend: AttentionBackend
+    ) -> tuple[torch.Tensor, RaggedBatch, Optional[torch.Tensor]]:
         """(tokens `[N, E]` as packed rows, the ragged batch over the attended rows, the attended rows'
         indices into the N rows: None when every row is attended)."""
         if x.dim() == 2 or (x.dim() == 3 and self.flatten_batch):
@@ -261,7 +273,9 @@ class VisionAttention(nn.Module):
         ragged = self._ragged(cu_seqlens, backend)
         lens = ragged.seq_lens_cpu
         if lens.shape[0] != b or (b and int(lens.max()) > s):
-            raise InvalidArgumentError("cu_seqlens", f"{b} images of at most {s} patches (x is {tuple(x.shape)})", lens.tolist())
+            raise InvalidArgumentError(
+                "cu_seqlens", f"{b} images of at most {s} patches (x is {tuple(x.shape)})", lens.tolist()
+            )
         rows = torch.cat([torch.arange(int(n)) + i * s for i, n in enumerate(lens.tolist())]) if b else torch.zeros(0)
         return tokens, ragged, rows.to(torch.int64).to(x.device, non_blocking=True)
 
@@ -287,7 +301,9 @@ class VisionAttention(nn.Module):
         if x.shape[-1] != self.embed_dim:
             raise InvalidArgumentError("x", f"a last dim of embed_dim={self.embed_dim}", tuple(x.shape))
         if self.training and self.dropout > 0:
-            raise InvalidArgumentError("dropout", "0 in training mode (attention dropout is not served: call .eval())", self.dropout)
+            raise InvalidArgumentError(
+                "dropout", "0 in training mode (attention dropout is not served: call .eval())", self.dropout
+            )
         backend = self.attention_backend(x.device, self.qkv_proj.weight.dtype)
         tokens, ragged, rows = self._layout(x, cu_seqlens, backend)
         attended = tokens if rows is None else tokens.index_select(0, rows)
@@ -296,7 +312,11 @@ class VisionAttention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_normalization:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.reshape(T, self.heads, self.head_dim), k.reshape(T, self.kv_heads, self.head_dim), v.reshape(T, self.kv_heads, -1)
+        q, k, v = (
+            q.reshape(T, self.heads, self.head_dim),
+            k.reshape(T, self.kv_heads, self.head_dim),
+            v.reshape(T, self.kv_heads, -1),
+        )
         if self.qk_normalization_by_head_size:
             q, k = self.q_norm(q), self.k_norm(k)
         if position_embeddings is not None:

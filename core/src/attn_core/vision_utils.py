@@ -69,15 +69,21 @@ def pad_vit_attn_dummy_heads(config, name: str, loaded_weight: torch.Tensor) -> 
         return loaded_weight
     if module == "qkv_proj":
         if loaded_weight.shape[0] % 3:
-            raise InvalidArgumentError(name, "a fused [q | k | v] tensor (first dim a multiple of 3)", tuple(loaded_weight.shape))
+            raise InvalidArgumentError(
+                name, "a fused [q | k | v] tensor (first dim a multiple of 3)", tuple(loaded_weight.shape)
+            )
         return torch.cat([_pad_heads(x, head_dim, dummy, name) for x in loaded_weight.chunk(3, dim=0)], dim=0)
     if module in ("q_proj", "k_proj", "v_proj"):
         return _pad_heads(loaded_weight, head_dim, dummy, name)
-    if module in ("q_norm", "k_norm") and param == "weight" and loaded_weight.numel() != head_dim:  # not a per-head norm
+    if (
+        module in ("q_norm", "k_norm") and param == "weight" and loaded_weight.numel() != head_dim
+    ):  # not a per-head norm
         return _pad_heads(loaded_weight, head_dim, dummy, name)
     if module == "proj" and param == "weight":
         if loaded_weight.dim() != 2 or loaded_weight.shape[1] % head_dim:
-            raise InvalidArgumentError(name, f"[out, heads x head_dim] with head_dim={head_dim}", tuple(loaded_weight.shape))
+            raise InvalidArgumentError(
+                name, f"[out, heads x head_dim] with head_dim={head_dim}", tuple(loaded_weight.shape)
+            )
         return torch.cat([loaded_weight, loaded_weight.new_zeros((loaded_weight.shape[0], dummy * head_dim))], dim=1)
     return loaded_weight
 

@@ -13,7 +13,9 @@ import importlib.util
 
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is not None, reason="the real flashinfer is installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("flashinfer") is not None, reason="the real flashinfer is installed"
+)
 
 SELECTED = ("non_causal", "bidirectional_span", "ragged")
 

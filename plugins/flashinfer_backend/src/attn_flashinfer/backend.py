@@ -90,7 +90,8 @@ class Step:
     window_pool: Optional[SlidingWindowKVPool] = None  # the step's pool, when it is a sliding-window one
     local: Optional[LocalKeys] = None  # chunked local layers' queries and keys, built on first use
     tag: str = ""  # prefix of its scratch buffers' names (a split MIXED step's decode sub-step: "decode:")
-    span_mask: Optional[torch.Tensor] = None  # bidirectional layers' visibility (`attn_core.bidirectional`), built on first use
+    #: bidirectional layers' visibility (`attn_core.bidirectional`), built on first use
+    span_mask: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -302,13 +303,15 @@ class FlashInferBackend(AttentionBackend[Union[Step, mixed.SplitStep]]):
             return Plan(page_size=kv.page_size, decode=self._planned(step, key, "decode", kv))
         if key.span:  # causal plus the step's spans: the paged pass over the whole sequence under their mask
             kv = self._paged_kv(step, "seq")
-            return Plan(page_size=kv.page_size, paged=self._planned(step, key, "paged", kv, causal=False, mask=self._span_mask(step)))
+            paged = self._planned(step, key, "paged", kv, causal=False, mask=self._span_mask(step))
+            return Plan(page_size=kv.page_size, paged=paged)
         if key.cross:
             kv = self._paged_kv(step, "cross")
             return Plan(page_size=kv.page_size, paged=self._planned(step, key, "paged", kv, causal=False))
         if x.mode.is_target_verify():
             kv = self._paged_kv(step, "seq")
-            paged = self._planned(step, key, "paged", kv, causal=x.custom_mask is None and key.causal, mask=x.custom_mask)
+            causal = x.custom_mask is None and key.causal
+            paged = self._planned(step, key, "paged", kv, causal=causal, mask=x.custom_mask)
             return Plan(page_size=kv.page_size, paged=paged)
         if step.has_prefix and key.window_left >= 0:
             kv = self._paged_kv(step, "seq")
