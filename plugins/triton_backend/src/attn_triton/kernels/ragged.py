@@ -17,7 +17,8 @@ Softmax in base 2 (`common.softmax_terms`), the score scale folded into one FMA,
 the accumulators (`RaggedConfig.lazy_rescale`, as `common.lazy_softmax_step`) optional; the LSE leaves in
 natural log. Bounds: cu_seqlens is clamped into the T rows (`common.offset_range`), a clamped offset
 recorded as QUERY_ROWS in the fault buffer (`attn_core.ops.device_faults`), so no offset can make the
-kernel read or write outside q / k / v / out.
+kernel read or write outside q / k / v / out. Key offsets inside a sequence are int32 unless max_seqlen
+times the row stride reaches 2^31 (`OFF64`).
 """
 
 from __future__ import annotations
@@ -63,18 +64,20 @@ class RaggedConfig:
 
 
 def ragged_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> RaggedConfig:
-    """Default tiles: small ones under the CPU interpreter; on a GPU 128 x 64 tiles, 4 warps, 3 stages and
-    lazy rescaling (slack 4) in 16 bits (the extend kernel's tuned portable tiles, docs/dev/perf-notebook.md),
-    64 x 32 for float32 or head dims past 128.
+    """Default tiles: small ones under the CPU interpreter; on a GPU in 16 bits 128 x 64 tiles, 8 warps (two
+    warpgroups of 64 rows), 3 stages and lazy rescaling (slack 4): compiled for sm_90 they use warpgroup MMAs
+    without spills at head dims up to 128 (4 warps spill at d96 and d128: tests/test_triton_compile_sm90.py);
+    64 x 32 with 4 warps for float32 or head dims past 128. Not yet timed on a GPU: benchmarks/ragged_vs_peers.py
+    sweeps the alternatives.
 
     >>> ragged_config(80, torch.bfloat16, torch.device("cuda"))
-    RaggedConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, lazy_rescale=4)
+    RaggedConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, lazy_rescale=4)
     """
     if device.type != "cuda":
         return RaggedConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
     if dtype == torch.float32 or head_dim > 128:
         return RaggedConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
-    return RaggedConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, lazy_rescale=4)
+    return RaggedConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, lazy_rescale=4)
 
 
 def split_head_dim(head_dim: int) -> tuple[int, int]:
@@ -106,12 +109,13 @@ def _online_softmax(m_i, l_i, acc1, acc2, s, s_scale, MASKED: tl.constexpr, HAS_
             l_i = l_i * alpha
             m_i = m_new
         p = tl.exp2(s * s_scale - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
-        return m_i, l_i + tl.sum(p, 1), acc1, acc2, p
-    m_new, l_new, alpha, p = softmax_terms(m_i, l_i, s, s_scale, MASKED)
-    acc1 = acc1 * alpha[:, None]
-    if HAS_D2:
-        acc2 = acc2 * alpha[:, None]
-    return m_new, l_new, acc1, acc2, p
+        l_i = l_i + tl.sum(p, 1)
+    else:
+        m_i, l_i, alpha, p = softmax_terms(m_i, l_i, s, s_scale, MASKED)
+        acc1 = acc1 * alpha[:, None]
+        if HAS_D2:
+            acc2 = acc2 * alpha[:, None]
+    return m_i, l_i, acc1, acc2, p
 
 
 @triton.jit
@@ -140,12 +144,19 @@ def _key_tile(
     CAUSAL: tl.constexpr,
     DOT_PREC: tl.constexpr,
     LAZY: tl.constexpr,
+    OFF64: tl.constexpr,
 ):
     """Attend the keys start … start+BLOCK_N-1 of the sequence (n rows; k_rows / v_rows point at its first
     key's row of this KV head): MASKED loads only keys < n (and, CAUSAL, hides keys after each row)."""
     key = start + offs_n
-    k_ptr1 = k_rows + key.to(tl.int64)[:, None] * stride_kt + offs_d1[None, :]
-    v_ptr1 = v_rows + key.to(tl.int64)[:, None] * stride_vt + offs_d1[None, :]
+    if OFF64:
+        k_off = key.to(tl.int64)[:, None] * stride_kt
+        v_off = key.to(tl.int64)[:, None] * stride_vt
+    else:
+        k_off = key[:, None] * stride_kt
+        v_off = key[:, None] * stride_vt
+    k_ptr1 = k_rows + k_off + offs_d1[None, :]
+    v_ptr1 = v_rows + v_off + offs_d1[None, :]
     d1_ok = offs_d1[None, :] < D
     if MASKED:
         n_ok = key < n
@@ -156,7 +167,7 @@ def _key_tile(
         k1 = tl.load(k_ptr1)
     qk = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC)
     if D2 > 0:
-        k_ptr2 = k_rows + key.to(tl.int64)[:, None] * stride_kt + offs_d2[None, :]
+        k_ptr2 = k_rows + k_off + offs_d2[None, :]
         d2_ok = offs_d2[None, :] < D
         if MASKED:
             k2 = tl.load(k_ptr2, mask=n_ok[:, None] & d2_ok, other=0.0)
@@ -177,7 +188,7 @@ def _key_tile(
         v1 = tl.load(v_ptr1)
     acc1 += tl.dot(p.to(q1.dtype), v1, input_precision=DOT_PREC)
     if D2 > 0:
-        v_ptr2 = v_rows + key.to(tl.int64)[:, None] * stride_vt + offs_d2[None, :]
+        v_ptr2 = v_rows + v_off + offs_d2[None, :]
         if MASKED:
             v2 = tl.load(v_ptr2, mask=n_ok[:, None] & (offs_d2[None, :] < D), other=0.0)
         else:
@@ -217,6 +228,8 @@ def _ragged_kernel(
     STORE_LSE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     LAZY: tl.constexpr,
+    OFF64: tl.constexpr,
+    ALIGN8: tl.constexpr,
 ):
     mb = tl.program_id(0)
     h = tl.program_id(1)
@@ -233,13 +246,17 @@ def _ragged_kernel(
     offs_d2 = D1 + tl.arange(0, D2P)
     m_ok = offs_m < n
     rows = (beg + offs_m).to(tl.int64)
-    q_ptr = Q + rows[:, None] * stride_qt + h * stride_qh
+    q_head, k_head, v_head, o_head = h * stride_qh, kv_head * stride_kh, kv_head * stride_vh, h * stride_oh
+    if ALIGN8:  # head strides are multiples of 8 elements (a d72 head: 144 bytes): 16-byte loads stay legal
+        q_head, k_head = tl.multiple_of(q_head, 8), tl.multiple_of(k_head, 8)
+        v_head, o_head = tl.multiple_of(v_head, 8), tl.multiple_of(o_head, 8)
+    q_ptr = Q + rows[:, None] * stride_qt + q_head
     q1 = tl.load(q_ptr + offs_d1[None, :], mask=m_ok[:, None] & (offs_d1[None, :] < D), other=0.0)
     q2 = q1
     if D2 > 0:
         q2 = tl.load(q_ptr + offs_d2[None, :], mask=m_ok[:, None] & (offs_d2[None, :] < D), other=0.0)
-    k_rows = K + beg.to(tl.int64) * stride_kt + kv_head * stride_kh
-    v_rows = V + beg.to(tl.int64) * stride_vt + kv_head * stride_vh
+    k_rows = K + beg.to(tl.int64) * stride_kt + k_head
+    v_rows = V + beg.to(tl.int64) * stride_vt + v_head
 
     if CAUSAL:
         hi = tl.minimum(n, (mb + 1) * BLOCK_M)
@@ -277,6 +294,7 @@ def _ragged_kernel(
             CAUSAL,
             DOT_PREC,
             LAZY,
+            OFF64,
         )
     for start in range(full_end, hi, BLOCK_N):
         acc1, acc2, m_i, l_i = _key_tile(
@@ -304,10 +322,11 @@ def _ragged_kernel(
             CAUSAL,
             DOT_PREC,
             LAZY,
+            OFF64,
         )
 
     out1, lse2 = finalize(m_i, l_i, acc1)
-    o_ptr = OUT + rows[:, None] * stride_ot + h * stride_oh
+    o_ptr = OUT + rows[:, None] * stride_ot + o_head
     tl.store(o_ptr + offs_d1[None, :], out1.to(OUT.dtype.element_ty), mask=m_ok[:, None] & (offs_d1[None, :] < D))
     if D2 > 0:
         out2, _ = finalize(m_i, l_i, acc2)
@@ -376,6 +395,8 @@ def ragged_attention(
         STORE_LSE=lse_out is not None,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         LAZY=config.lazy_rescale,
+        OFF64=max_seqlen * max(k.stride(0), v.stride(0)) >= 2**31,
+        ALIGN8=all(x % 8 == 0 for x in (q.stride(1), k.stride(1), v.stride(1), o.stride(1))),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
