@@ -2,7 +2,7 @@
 # Every GPU check of the project in one command, for a machine with a CUDA GPU and torch + triton
 # installed (the lent H100/H200 machine: no network; FlashInfer comes from wheels carried in .whl/ and
 # its prebuilt kernels from .fi-cache/aot.tar.xz when present). Logs go to $OUT (default ./gpu-out).
-#   bash scripts/gpu_checks.sh [tests | tests-core tests-triton tests-fi check] [bench] [triton-bench] [verify-bench] [fi-bench] [fi-window] [mla-bench] [mla] [engine] [multi-gpu]   (default: tests bench;
+#   bash scripts/gpu_checks.sh [tests | tests-core tests-triton tests-fi check] [bench] [triton-bench] [verify-bench] [fi-bench] [fi-window] [mla-bench] [mla] [engine] [multi-gpu] [vision] [vision-bench]   (default: tests bench;
 #   bench = every benchmark; mla = attn-triton's MLA kernel alone: its GPU tests and the MLA benchmark without the prefill row;
 #   BENCH_ONLY=meta limits the Triton benchmark's rows; FP8_CONFIGS="n,h,w,s[,v];..." the fp8 decode tiles swept in its fp8 row)
 set -uo pipefail
@@ -91,6 +91,14 @@ if want bench || want fi-bench; then
 fi
 if want bench || want mla-bench; then
   python3 benchmarks/mla_vs_peers.py --json "$OUT/mla_vs_peers.json" 2>&1 | tee "$OUT/mla_vs_peers.log" || rc=1
+fi
+if want vision; then  # issue 40: non-causal / span / ragged kit checks on cuda (triton, flashinfer), the vision-tower shape, the HF towers (SigLIP, BERT; transformers wheels in .whl/)
+  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/triton_backend/tests/test_triton_ragged_gpu.py plugins/flashinfer_backend/tests/test_ragged_gpu.py \
+    2>&1 | tee "$OUT/vision_gpu.log" || rc=1
+  python3 -m pytest -q -p no:cacheprovider tests/test_hf_vision_encoder.py 2>&1 | tee -a "$OUT/vision_gpu.log" || rc=1
+fi
+if want bench || want vision-bench; then  # issue 40: the ragged op, 16 heads x d80 x 4 images, attn-triton (tile sweep) vs FlashInfer / FA4 (RAGGED_DIMS: head dims)
+  python3 benchmarks/ragged_vs_peers.py --head-dims "${RAGGED_DIMS:-80}" --json "$OUT/ragged_vs_peers.json" 2>&1 | tee "$OUT/ragged_vs_peers.log" || rc=1
 fi
 if want bench || want cascade-bench; then
   python3 benchmarks/cascade_attention.py --backend triton --out "$OUT/cascade_attention.json" 2>&1 | tee "$OUT/cascade_attention.log" || rc=1
