@@ -24,6 +24,7 @@ from transformers import AttentionInterface, AttentionMaskInterface  # noqa: E40
 
 import attn_core as ac  # noqa: E402
 from attn_core.probes import triton_interpreter_enabled  # noqa: E402
+from attn_core.ragged import ragged_context  # noqa: E402
 
 BACKENDS = ["torch_native", "triton"]
 IMAGE_SIZES = [(32, 32), (24, 40), (48, 16), (8, 8)]  # patch 8: 16, 15, 12 and 1 patches
@@ -91,16 +92,7 @@ def test_siglip_tower_through_the_ragged_op(backend):
     model, expected, embeds = _siglip(device)
     lens = [e.shape[0] for e in embeds]
     assert lens == [16, 15, 12, 1]
-    ctx = ac.BackendContext(
-        device=device,
-        dtype=torch.float32,
-        num_q_heads=2,
-        num_kv_heads=2,
-        head_dim=80,
-        forward_modes=frozenset(),
-        features=frozenset({ac.Feature.RAGGED}),
-    )
-    _Step.backend = ac.create_backend(backend, ctx)
+    _Step.backend = ac.create_backend(backend, ragged_context(device, torch.float32, 2, 2, 80))
     _Step.ragged = ac.ragged_batch(lens, device)
     _Step.backend.init_ragged_metadata(_Step.ragged)
     model.set_attn_implementation("attn_ragged")

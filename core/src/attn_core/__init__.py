@@ -54,6 +54,7 @@ _EXPORTS = {
     "RaggedBatch": "attn_core.ragged",
     "ragged_batch": "attn_core.ragged",
     "ragged_batch_from_cu_seqlens": "attn_core.ragged",
+    "ragged_context": "attn_core.ragged",
     "VisionAttention": "attn_core.vision",
     "vision_backend": "attn_core.vision",
     "update_vit_attn_dummy_heads_config": "attn_core.vision_utils",

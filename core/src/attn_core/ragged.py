@@ -20,6 +20,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from attn_core.capabilities import Feature
+from attn_core.context import BackendContext
 from attn_core.errors import InvalidArgumentError, InvalidBatchError
 
 
@@ -52,6 +54,32 @@ class RaggedBatch:
     @property
     def device(self) -> torch.device:
         return self.cu_seqlens.device
+
+
+def ragged_context(
+    device: Union[str, torch.device],
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    return_lse: bool = False,
+    validation: str = "basic",
+) -> BackendContext:
+    """A context for the ragged op alone (a vision tower's): `Feature.RAGGED` (and `Feature.LSE_OUTPUT` with
+    `return_lse`), no paged forward mode, no pools, so backends match it on `Capabilities.ragged_head_dims`.
+
+    Example: `create_backend("triton", ragged_context("cuda", torch.bfloat16, 16, 16, 80))`."""
+    features = {Feature.RAGGED} | ({Feature.LSE_OUTPUT} if return_lse else set())
+    return BackendContext(
+        device=device,
+        dtype=dtype,
+        num_q_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        forward_modes=frozenset(),
+        features=frozenset(features),
+        validation=validation,
+    )
 
 
 def ragged_batch(
@@ -148,4 +176,11 @@ def ragged_heads(
     raise InvalidArgumentError(name, f"shape ({rows}, {heads}, {dim}) or ({rows}, {heads * dim})", tuple(x.shape))
 
 
-__all__ = ["RaggedBatch", "check_ragged_batch", "ragged_batch", "ragged_batch_from_cu_seqlens", "ragged_heads"]
+__all__ = [
+    "RaggedBatch",
+    "check_ragged_batch",
+    "ragged_batch",
+    "ragged_batch_from_cu_seqlens",
+    "ragged_context",
+    "ragged_heads",
+]

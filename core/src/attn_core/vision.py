@@ -36,10 +36,8 @@ import torch
 from torch import nn
 
 from attn_core.backend import AttentionBackend
-from attn_core.capabilities import Feature
-from attn_core.context import BackendContext
 from attn_core.errors import InvalidArgumentError
-from attn_core.ragged import RaggedBatch, ragged_batch, ragged_batch_from_cu_seqlens
+from attn_core.ragged import RaggedBatch, ragged_batch, ragged_batch_from_cu_seqlens, ragged_context
 
 #: q `[T, Hq, D]`, k `[T, Hkv, D]`, the forward's `position_embeddings` -> (q, k)
 PositionEmbeddingApplier = Callable[[torch.Tensor, torch.Tensor, object], tuple[torch.Tensor, torch.Tensor]]
@@ -67,15 +65,7 @@ def vision_backend(
     if backend is None:
         from attn_core.registry import create_backend
 
-        ctx = BackendContext(
-            device=device,
-            dtype=dtype,
-            num_q_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            forward_modes=frozenset(),
-            features=frozenset({Feature.RAGGED}),
-        )
+        ctx = ragged_context(device, dtype, num_heads, num_kv_heads, head_dim)
         backend = _SHARED[key] = create_backend(name, ctx, **options)
     return backend
 

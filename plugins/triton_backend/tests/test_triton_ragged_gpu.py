@@ -9,52 +9,31 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attn_core.testing.ragged_checks import RaggedCase, run_ragged_case
+from attn_core.testing import ConformanceSuite
+from attn_core.testing.ragged_checks import run_ragged_case, vision_tower_case
 from attn_core.testing.target import resolve_target
 from attn_triton.kernels.ragged import RaggedConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 PREFIXES = ("non_causal", "bidirectional_span", "bad_input-bidirectional", "ragged", "refuse-ragged")
-VISION_LENS = (1024, 2304, 3136, 4096)
 #: the tiles benchmarks/ragged_vs_peers.py times by default (block_m, block_n, warps, stages, lazy)
 BENCH_TILES = ((128, 64, 4, 3, 4), (128, 128, 8, 3, 4), (128, 64, 8, 2, 4), (64, 64, 4, 3, 0), (128, 64, 8, 3, 0))
 
 
-def _kit_checks():
-    if not torch.cuda.is_available():
-        return [pytest.param(None, id="kit", marks=pytest.mark.skip(reason="needs a CUDA GPU"))]
-    from attn_core.testing.kit import make_plan
+class TestNonCausalAndRaggedKitOnCuda(ConformanceSuite):
+    """The kit's checks of issue 40 (`only`), on CUDA."""
 
-    plan = make_plan("triton", device="cuda", quick=True)
-    return [pytest.param(c, id=c.id) for c in plan.checks if c.id.startswith(PREFIXES)]
-
-
-@pytest.mark.parametrize("check", _kit_checks())
-def test_kit_noncausal_and_ragged_checks(check):
-    from attn_core.testing.outcome import execute
-
-    outcome = execute(check)
-    assert outcome.status == "passed", outcome.message
-
-
-def _vision(head_dim: int, dtype: str, **kw) -> RaggedCase:
-    fields = dict(
-        steps=(VISION_LENS,),
-        num_q_heads=16,
-        num_kv_heads=16,
-        head_dim=head_dim,
-        dtype=dtype,
-        device="cuda",
-        num_layers=1,
-    )
-    return RaggedCase(**{**fields, **kw})
+    backend = "triton"
+    device = "cuda"
+    quick = True
+    only = PREFIXES
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("head_dim", [64, 72, 80, 96, 128])
 def test_vision_tower_shape(head_dim, dtype):
-    run_ragged_case(resolve_target("triton"), _vision(head_dim, dtype))
+    run_ragged_case(resolve_target("triton"), vision_tower_case(head_dim, dtype))
 
 
 @pytest.mark.parametrize(
@@ -63,7 +42,7 @@ def test_vision_tower_shape(head_dim, dtype):
     ids=["causal", "lse", "causal-lse"],
 )
 def test_vision_tower_shape_causal_and_lse(kw):
-    run_ragged_case(resolve_target("triton"), _vision(80, "bfloat16", **kw))
+    run_ragged_case(resolve_target("triton"), vision_tower_case(80, "bfloat16", **kw))
 
 
 @pytest.mark.parametrize("tiles", BENCH_TILES, ids=[",".join(map(str, t)) for t in BENCH_TILES])
@@ -71,4 +50,4 @@ def test_benchmark_tiles_are_correct(tiles):
     bm, bn, w, s, lazy = tiles
     cfg = RaggedConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s, lazy_rescale=lazy)
     target = resolve_target("triton", options={"ragged_config": cfg})
-    run_ragged_case(target, _vision(80, "bfloat16", steps=((1024, 3136, 1, 37),), return_lse=True))
+    run_ragged_case(target, vision_tower_case(80, "bfloat16", steps=((1024, 3136, 1, 37),), return_lse=True))

@@ -20,7 +20,7 @@ import torch
 from attn_core.capabilities import Feature
 from attn_core.context import BackendContext
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
-from attn_core.ragged import RaggedBatch, ragged_batch
+from attn_core.ragged import RaggedBatch, ragged_batch, ragged_context
 from attn_core.testing.outcome import Check, KitFailure
 from attn_core.testing.profile import KitProfile
 from attn_core.testing.reference import reference_attention, relative_error, tolerance
@@ -56,17 +56,23 @@ class RaggedCase:
         return " ".join(parts)
 
     def context(self) -> BackendContext:
-        """A ragged-only context: no pools, no paged forward mode, `Feature.RAGGED` asked for."""
-        return BackendContext(
-            device=self.device,
-            dtype=getattr(torch, self.dtype),
-            num_q_heads=self.num_q_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            forward_modes=frozenset(),
-            features=frozenset({Feature.RAGGED} | ({Feature.LSE_OUTPUT} if self.return_lse else set())),
-            validation="full",
+        """A ragged-only context (`attn_core.ragged.ragged_context`), validation "full"."""
+        dtype = getattr(torch, self.dtype)
+        return ragged_context(
+            self.device, dtype, self.num_q_heads, self.num_kv_heads, self.head_dim, self.return_lse, "full"
         )
+
+
+#: a vision tower's packed images (patch counts of 448² to 896² pictures at patch 14, and one in between)
+VISION_TOWER_LENS = (1024, 2304, 3136, 4096)
+
+
+def vision_tower_case(head_dim: int, dtype: str, device: str = "cuda", **kw) -> RaggedCase:
+    """A `RaggedCase` at a vision tower's size: 16 heads, the images of `VISION_TOWER_LENS`, one layer."""
+    fields = dict(
+        steps=(VISION_TOWER_LENS,), num_q_heads=16, num_kv_heads=16, head_dim=head_dim, dtype=dtype, device=device
+    )
+    return RaggedCase(**{**fields, "num_layers": 1, **kw})
 
 
 def packed_inputs(
