@@ -17,8 +17,9 @@ Softmax in base 2 (`common.softmax_terms`), the score scale folded into one FMA,
 the accumulators (`RaggedConfig.lazy_rescale`, as `common.lazy_softmax_step`) optional; the LSE leaves in
 natural log. Bounds: cu_seqlens is clamped into the T rows (`common.offset_range`), a clamped offset
 recorded as QUERY_ROWS in the fault buffer (`attn_core.ops.device_faults`), so no offset can make the
-kernel read or write outside q / k / v / out. Key offsets inside a sequence are int32 unless max_seqlen
-times the row stride reaches 2^31 (`OFF64`).
+kernel read or write outside q / k / v / out; so is a sequence longer than the grid covers (a device
+cu_seqlens that disagrees with the host's max_seqlen: its rows past the grid stay unwritten). Key offsets
+inside a sequence are int32 unless max_seqlen times the row stride reaches 2^31 (`OFF64`).
 """
 
 from __future__ import annotations
@@ -236,7 +237,8 @@ def _ragged_kernel(
     s = tl.program_id(2)
     beg, n, clamped = offset_range(CU_SEQLENS, s, num_tokens)
     if (mb == 0) & (h == 0):
-        tl.store(FAULT + FAULT_QUERY_ROWS, 1, mask=clamped)
+        # offsets outside the T rows, or a sequence longer than the grid's max_seqlen (rows left unwritten)
+        tl.store(FAULT + FAULT_QUERY_ROWS, 1, mask=clamped | (n > tl.num_programs(0) * BLOCK_M))
     if mb * BLOCK_M >= n:
         return
     kv_head = h // GROUP
