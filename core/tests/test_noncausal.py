@@ -205,5 +205,8 @@ def test_capabilities_match_ragged_only_contexts_on_ragged_head_dims():
     paged = dict(ragged_only, forward_modes=Requirements().forward_modes)
     assert caps.mismatches(Requirements(head_dim=80, **paged)) == ["mha head_dim 80 not in [64, 128]"]
     assert caps.mismatches(Requirements(head_dim=64, **paged)) == []
+    paged_only = dataclasses.replace(caps, page_sizes=frozenset({16}), kv_layouts=frozenset({"HND"}))
+    assert paged_only.mismatches(Requirements(head_dim=80, **ragged_only)) == []  # no pages, no layout
+    assert len(paged_only.mismatches(Requirements(head_dim=64, **paged))) == 2
     no_ragged = dataclasses.replace(caps, features=frozenset())
     assert "features ['ragged'] not supported" in no_ragged.mismatches(Requirements(head_dim=64, **ragged_only))

@@ -145,16 +145,17 @@ class Capabilities:
             out.append(f"KV dtype {req.kv_dtype} with q dtype {req.q_dtype}: mixed dtypes not supported ({Feature.MIXED_KV_DTYPE.value})")
         dims = self.mla_head_dims if req.arch == ARCH_MLA else self.head_dims
         ragged = Feature.RAGGED in req.features
-        if dims is not None and req.head_dim not in dims and (req.forward_modes or not ragged):
+        paged = bool(req.forward_modes) or not ragged  # a ragged-only context has no pages, layout or paged head dims
+        if dims is not None and req.head_dim not in dims and paged:
             out.append(f"{req.arch} head_dim {req.head_dim} not in {_ranges(dims)}")
         if ragged and Feature.RAGGED in self.features and self.ragged_head_dims is not None:
             if req.head_dim not in self.ragged_head_dims:
                 out.append(f"ragged head_dim {req.head_dim} not in {_ranges(self.ragged_head_dims)}")
-        if self.page_sizes is not None and req.page_size not in self.page_sizes:
+        if self.page_sizes is not None and req.page_size not in self.page_sizes and paged:
             out.append(f"page_size {req.page_size} not in {sorted(self.page_sizes)}")
         if req.arch not in self.archs:
             out.append(f"attention arch {req.arch!r} not in {sorted(self.archs)}")
-        if req.kv_layout not in self.kv_layouts:
+        if req.kv_layout not in self.kv_layouts and paged:
             out.append(f"kv_layout {req.kv_layout} not in {sorted(self.kv_layouts)}")
         if Feature.SLIDING_WINDOW_POOL in req.features and Feature.SLIDING_WINDOW_POOL not in self.features:
             out.append("a sliding-window KV pool (feature sliding_window_pool) not supported")

@@ -19,7 +19,7 @@ import torch
 
 from attn_core.capabilities import Feature
 from attn_core.context import BackendContext
-from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.errors import IncompatibleBackendError, InvalidArgumentError, UnsupportedFeatureError
 from attn_core.ragged import RaggedBatch, ragged_batch, ragged_context
 from attn_core.testing.outcome import Check, KitFailure
 from attn_core.testing.profile import KitProfile
@@ -148,14 +148,15 @@ def random_lengths(rng: random.Random, count: int, longest: int) -> tuple[int, .
 
 
 def _expect_error(case: RaggedCase, target: KitTarget, errors: tuple, what: str, attempt: Callable) -> str:
-    backend = target.factory(case.context())
+    """A backend built for `case` (its construction inside the check), then `attempt(backend, batch, q, k, v)`:
+    one of `errors` must be raised."""
     gen = torch.Generator().manual_seed(case.seed)
     lens = case.steps[0]
     batch = ragged_batch(lens, case.device, causal=case.causal)
     q, k, v = packed_inputs(case, sum(lens), gen)
     names = " or ".join(e.__name__ for e in errors)
     try:
-        attempt(backend, batch, q, k, v)
+        attempt(target.factory(case.context()), batch, q, k, v)
     except errors as exc:
         return f"{type(exc).__name__}: {exc}"
     except Exception as exc:
@@ -257,7 +258,8 @@ class RaggedPlan:
                     backend.init_ragged_metadata(batch)
                     return backend.ragged_attention(q, k, v, batch)
 
-                return _expect_error(case, self.target, (UnsupportedFeatureError,), "undeclared ragged op", attempt)
+                refusals = (UnsupportedFeatureError, IncompatibleBackendError)
+                return _expect_error(case, self.target, refusals, "undeclared ragged op", attempt)
 
             return [Check("refuse-ragged", refuse, case.describe())]
 

@@ -44,7 +44,7 @@ from attn_triton.graph import GraphState
 from attn_triton.kernels.decode import DecodeConfig, decode_attention, head_blocks
 from attn_triton.kernels.extend import ExtendConfig, extend_attention
 from attn_triton.kernels.mla_decode import MAX_FOLDED_Q_LEN, MLAConfig, mla_attention, programs_per_request
-from attn_triton.kernels.ragged import RaggedConfig, attend_ragged, ragged_config
+from attn_triton.kernels.ragged import RaggedConfig, attend_ragged, ragged_config, ragged_tiles
 from attn_triton.kernels.verify import VerifyConfig, verify_attention, verify_q_len
 from attn_triton.metadata import (
     CascadeKeys,
@@ -522,10 +522,14 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
         )
         return merge_state(o_p, lse_p, o_suffix, lse_suffix)
 
+    def build_ragged_metadata(self, ragged) -> torch.Tensor:
+        """The varlen kernel's work list for the batch (`kernels/ragged.ragged_tiles`), once per batch."""
+        return ragged_tiles(ragged.seq_lens_cpu.tolist(), self.ragged_cfg.block_m, ragged.causal, self.device)
+
     def forward_ragged(self, q, k, v, ragged, *, scaling, return_lse):
         """The ragged op on the varlen kernel (`kernels/ragged.py`)."""
-        fault = self.device_faults.buffer
-        return attend_ragged(q, k, v, ragged, fault, sm_scale=scaling, config=self.ragged_cfg, return_lse=return_lse)
+        fault, cfg, tiles = self.device_faults.buffer, self.ragged_cfg, self.ragged_metadata
+        return attend_ragged(q, k, v, ragged, fault, sm_scale=scaling, config=cfg, tiles=tiles, return_lse=return_lse)
 
     # ---- helpers (host-side checks only; no device sync) -----------------------------------
     def _metadata(self, kind: type):

@@ -1,9 +1,11 @@
 """The ragged op's kernel (`attn_core.ragged`): packed sequences without a KV cache, each attending to
 its own rows only; non-causal by default (vision towers, encoders), causal on request.
 
-Grid `[m_blocks, Hq, num_seqs]`; program (mb, h, s) owns BLOCK_M rows of sequence s for q head h and
-loops over the sequence's key rows BLOCK_N at a time, read straight from the packed k / v (contiguous
-rows: no gather). Programs past a shorter sequence's end return at once. Non-causal: every key tile but
+Grid `[tiles, Hq]` over a work list built once per batch on the host (`ragged_tiles`: one entry per live
+block of BLOCK_M rows of a sequence, the most keys first, so the long programs start first and no program
+is spent past a short sequence's end); program (t, h) owns tile t's rows for q head h and loops over its
+sequence's key rows BLOCK_N at a time, read straight from the packed k / v (contiguous rows: no gather);
+the blocks of one sequence and head run next to each other, their K/V shared in L2. Non-causal: every key tile but
 the sequence's last is whole and runs unmasked; causal: the tiles before the block's first row run
 unmasked, the diagonal ones masked.
 
@@ -25,7 +27,7 @@ inside a sequence are int32 unless max_seqlen times the row stride reaches 2^31 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import triton
@@ -206,8 +208,10 @@ def _ragged_kernel(
     OUT,
     LSE,
     CU_SEQLENS,
+    TILES,
     FAULT,
     num_tokens,
+    num_tiles,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -232,13 +236,15 @@ def _ragged_kernel(
     OFF64: tl.constexpr,
     ALIGN8: tl.constexpr,
 ):
-    mb = tl.program_id(0)
+    t = tl.program_id(0)
     h = tl.program_id(1)
-    s = tl.program_id(2)
+    s = tl.load(TILES + t)  # the tile's sequence, m block, and the m blocks the host gave that sequence
+    mb = tl.load(TILES + num_tiles + t)
+    blocks = tl.load(TILES + 2 * num_tiles + t)
     beg, n, clamped = offset_range(CU_SEQLENS, s, num_tokens)
     if (mb == 0) & (h == 0):
-        # offsets outside the T rows, or a sequence longer than the grid's max_seqlen (rows left unwritten)
-        tl.store(FAULT + FAULT_QUERY_ROWS, 1, mask=clamped | (n > tl.num_programs(0) * BLOCK_M))
+        # offsets outside the T rows, or a sequence longer than its tiles cover (rows left unwritten)
+        tl.store(FAULT + FAULT_QUERY_ROWS, 1, mask=clamped | (n > blocks * BLOCK_M))
     if mb * BLOCK_M >= n:
         return
     kv_head = h // GROUP
@@ -337,6 +343,30 @@ def _ragged_kernel(
         tl.store(LSE + rows * stride_lt + h, lse2 * LN2_K, mask=m_ok)
 
 
+def ragged_tiles(
+    seq_lens: Sequence[int], block_m: int, causal: bool, device: Union[str, torch.device] = "cpu"
+) -> torch.Tensor:
+    """The kernel's work list: int32 `[3, tiles]` on `device` — per live program its sequence, its m block
+    and its sequence's number of m blocks — the most keys first (non-causal: its sequence's length; causal:
+    up to its last row), ties in sequence order, so the longest programs start first and short ones fill the
+    tail (no program of the grid is spent on a block past its sequence's end).
+
+    >>> ragged_tiles([100, 0, 300], 128, False).tolist()
+    [[2, 2, 2, 0], [0, 1, 2, 0], [3, 3, 3, 1]]
+    >>> ragged_tiles([300], 128, True).tolist()
+    [[0, 0, 0], [2, 1, 0], [3, 3, 3]]
+    """
+    tiles = []
+    for i, n in enumerate(seq_lens):
+        blocks = -(-int(n) // block_m)
+        for mb in range(blocks):
+            keys = min(int(n), (mb + 1) * block_m) if causal else int(n)
+            tiles.append((-keys, i, mb, blocks))
+    tiles.sort()
+    table = torch.tensor([[t[1] for t in tiles], [t[2] for t in tiles], [t[3] for t in tiles]], dtype=torch.int32)
+    return table.reshape(3, len(tiles)).to(device, non_blocking=True)
+
+
 def ragged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -344,6 +374,7 @@ def ragged_attention(
     o: torch.Tensor,
     cu_seqlens: torch.Tensor,
     max_seqlen: int,
+    tiles: torch.Tensor,
     fault: torch.Tensor,
     *,
     sm_scale: float,
@@ -355,12 +386,13 @@ def ragged_attention(
 
     q `[T, Hq, D]`, k / v `[T, Hkv, D]` (any row and head strides; channels contiguous), o `[T, Hq, D]`;
     sequence i owns rows cu_seqlens[i] … cu_seqlens[i+1]-1 (cu_seqlens int32 `[n + 1]` on the device);
-    `max_seqlen` (host int) sizes the grid; lse_out `[T, Hq]` float32 natural log; fault: the int32 fault
-    buffer (`attn_core.ops.device_faults`). Heads of q, k and v must have the same D (v_head_dim = head_dim)."""
+    `max_seqlen` the longest (host int); `tiles` the work list `ragged_tiles` made for these lengths with
+    `config.block_m` and `causal`; lse_out `[T, Hq]` float32 natural log; fault: the int32 fault buffer
+    (`attn_core.ops.device_faults`). Heads of q, k and v must have the same D (v_head_dim = head_dim)."""
     T, hq, d = q.shape
     hkv = k.shape[1]
-    n = cu_seqlens.shape[0] - 1
-    if T == 0 or n <= 0 or max_seqlen <= 0:
+    num_tiles = tiles.shape[1]
+    if T == 0 or num_tiles == 0 or max_seqlen <= 0:
         return
     if (
         tuple(v.shape) != tuple(k.shape)
@@ -372,7 +404,7 @@ def ragged_attention(
     if not sm_scale > 0:
         raise InvalidArgumentError("sm_scale", "> 0", sm_scale)
     d1, d2 = split_head_dim(d)
-    grid = (triton.cdiv(max_seqlen, config.block_m), hq, n)
+    grid = (num_tiles, hq)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1))
     _ragged_kernel[grid](
         q,
@@ -381,8 +413,10 @@ def ragged_attention(
         o,
         lse_out if lse_out is not None else o,
         cu_seqlens,
+        tiles,
         fault,
         T,
+        num_tiles,
         sm_scale * LOG2E,
         *strides,
         lse_out.stride(0) if lse_out is not None else 0,
@@ -413,10 +447,14 @@ def attend_ragged(
     *,
     sm_scale: float,
     config: RaggedConfig,
+    tiles: Optional[torch.Tensor] = None,
     return_lse: bool = False,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The ragged op of `attn_core.ragged` on this kernel: q `[T, Hq, D]`, k / v `[T, Hkv, D]` (views with
-    any row / head strides) → `[T, Hq·D]` in q's dtype (and the natural-log LSE `[T, Hq]` float32)."""
+    any row / head strides) → `[T, Hq·D]` in q's dtype (and the natural-log LSE `[T, Hq]` float32). `tiles`:
+    the batch's work list (`ragged_tiles`, built once per batch by the backend), else made here."""
+    if tiles is None:
+        tiles = ragged_tiles(ragged.seq_lens_cpu.tolist(), config.block_m, ragged.causal, q.device)
     T, hq, d = q.shape
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     o = q.new_empty((T, hq, d))
@@ -428,6 +466,7 @@ def attend_ragged(
         o,
         ragged.cu_seqlens,
         ragged.max_seqlen,
+        tiles,
         fault,
         sm_scale=sm_scale,
         config=config,
@@ -438,4 +477,4 @@ def attend_ragged(
     return (o, lse) if return_lse else o
 
 
-__all__ = ["RaggedConfig", "attend_ragged", "ragged_attention", "ragged_config", "split_head_dim"]
+__all__ = ["RaggedConfig", "attend_ragged", "ragged_attention", "ragged_config", "ragged_tiles", "split_head_dim"]
