@@ -25,7 +25,8 @@ as a ViT block makes them. Per head dim (`--head-dims`) the script
    peer time / attn-triton time of the fastest correct peer (FlashInfer's or FA4's): the target is >= 0.9.
 
   python benchmarks/ragged_vs_peers.py [--head-dims 80,128] [--lens 1024,2304,3136,4096] [--heads 16]
-      [--dtype bfloat16] [--configs "128,64,4,3,4;128,128,8,3,4"] [--rounds 3] [--budget 0.5] [--json FILE]
+      [--dtype bfloat16] [--configs "128,64,4,3,4;128,128,8,3,4"] [--flashinfer-backends fa2,fa3] [--rounds 3]
+      [--budget 0.5] [--json FILE]
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def _attn_impls(name, backend_name, options, ragged, q, k, v, heads, d, dtype, d
     return [Impl(name, lambda: backend.ragged_attention(q, k, v, ragged).view(T, heads, d), peer)]
 
 
-def _flashinfer_impls(ragged, q, k, v, heads, d, dtype, device) -> list[Impl]:
+def _flashinfer_impls(ragged, q, k, v, heads, d, dtype, device, kernel_backends) -> list[Impl]:
     try:
         import flashinfer
     except ImportError as exc:
@@ -111,7 +112,7 @@ def _flashinfer_impls(ragged, q, k, v, heads, d, dtype, device) -> list[Impl]:
     qp, kp, vp = (_padded_to(x, width) for x in (q, k, v))
     indptr = ragged.cu_seqlens_cpu.to(torch.int32)
     out = []
-    for kernels in ("fa2", "fa3"):
+    for kernels in kernel_backends:
         name = f"flashinfer-{kernels}"
         try:
             ws = torch.zeros(256 << 20, dtype=torch.uint8, device=device)
@@ -206,7 +207,7 @@ def run_row(d: int, args, device: torch.device) -> dict:
         options = {"ragged_config": RaggedConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s, lazy_rescale=lazy)}
         impls += _attn_impls(f"attn-triton {spec}", "triton", options, ragged, q, k, v, heads, d, dtype, device)
     impls += _attn_impls("attn-flashinfer", "flashinfer", {}, ragged, q, k, v, heads, d, dtype, device)
-    impls += _flashinfer_impls(ragged, q, k, v, heads, d, dtype, device)
+    impls += _flashinfer_impls(ragged, q, k, v, heads, d, dtype, device, args.flashinfer_backends)
     impls += _fa4_impls(ragged, q, k, v, heads, d, dtype, device)
     impls.append(_sdpa_impl(lens, q, k, v, d))
 
@@ -281,6 +282,12 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument(
         "--configs", default=DEFAULT_CONFIGS, help='attn-triton tiles "block_m,block_n,warps,stages,lazy;..."'
+    )
+    p.add_argument(
+        "--flashinfer-backends",
+        default="fa2,fa3",
+        type=lambda s: [x for x in s.split(",") if x],
+        help="FlashInfer kernel backends timed as peers (fa3: SM90 only; each may JIT-compile once)",
     )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--budget", type=float, default=0.5, help="seconds of timing per implementation per round")

@@ -122,8 +122,9 @@ if want vision; then  # issue 40: non-causal / span / ragged kit checks on cuda 
     2>&1 | tee "$OUT/vision_gpu.log" || rc=1
   python3 -m pytest -q -p no:cacheprovider tests/test_hf_vision_encoder.py 2>&1 | tee -a "$OUT/vision_gpu.log" || rc=1
 fi
-if want bench || want vision-bench; then  # issue 40: the ragged op, 16 heads x d80 x 4 images, attn-triton (tile sweep) vs FlashInfer / FA4 (RAGGED_DIMS: head dims)
-  python3 benchmarks/ragged_vs_peers.py --head-dims "${RAGGED_DIMS:-80}" --json "$OUT/ragged_vs_peers.json" 2>&1 | tee "$OUT/ragged_vs_peers.log" || rc=1
+if want bench || want vision-bench; then  # issue 40: the ragged op, 16 heads x d80 x 4 images, attn-triton (tile sweep) vs FlashInfer / FA4 (RAGGED_DIMS: head dims; RAGGED_FI: FlashInfer kernels)
+  python3 benchmarks/ragged_vs_peers.py --head-dims "${RAGGED_DIMS:-80}" --flashinfer-backends "${RAGGED_FI:-fa2,fa3}" \
+    --json "$OUT/ragged_vs_peers.json" 2>&1 | tee "$OUT/ragged_vs_peers.log" || rc=1
 fi
 if want bench || want cascade-bench; then
   python3 benchmarks/cascade_attention.py --backend triton --out "$OUT/cascade_attention.json" 2>&1 | tee "$OUT/cascade_attention.log" || rc=1
