@@ -2,8 +2,9 @@
 # Every GPU check of the project in one command, for a machine with a CUDA GPU and torch + triton
 # installed (the lent H100/H200 machine: no network; FlashInfer comes from wheels carried in .whl/ and
 # its prebuilt kernels from .fi-cache/aot.tar.xz when present). Logs go to $OUT (default ./gpu-out).
-#   bash scripts/gpu_checks.sh [tests | tests-core tests-triton tests-fi check] [bench] [triton-bench] [verify-bench] [fi-bench] [fi-window] [mla-bench] [cascade-bench] [mla] [engine] [multi-gpu] [fi-kit fi-tests fi-speed]   (default: tests bench;
+#   bash scripts/gpu_checks.sh [tests | tests-core tests-triton tests-fi check] [bench] [triton-bench] [verify-bench] [fi-bench] [fi-window] [mla-bench] [cascade-bench] [mla] [engine] [multi-gpu] [fi-kit fi-tests fi-speed] [vision | vision-triton vision-fi vision-hf] [vision-bench]   (default: tests bench;
 #   fi-kit / fi-tests / fi-speed = attn-flashinfer per FlashInfer release: FI_SITE=/tmp/site07 for 0.7.2.post1, see scripts/gpu_fi07_wheels.sh;
+#   vision = issue 40's GPU tests (non-causal / span / ragged checks, the vision-tower shape, HF towers); vision-bench = benchmarks/ragged_vs_peers.py;
 #   bench = every benchmark; mla = attn-triton's MLA kernel alone: its GPU tests and the MLA benchmark without the prefill row;
 #   BENCH_ONLY=meta limits the Triton benchmark's rows; FP8_CONFIGS="n,h,w,s[,v];..." the fp8 decode tiles swept in its fp8 row)
 set -uo pipefail
@@ -40,10 +41,12 @@ if want tests || want tests-core; then
   python3 -m pytest -q -p no:cacheprovider -m gpu core/tests tests 2>&1 | tee "$OUT/pytest_gpu_core.log" || rc=1
 fi
 if want tests || want tests-triton; then
-  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/triton_backend/tests 2>&1 | tee "$OUT/pytest_gpu_triton.log" || rc=1
+  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/triton_backend/tests --ignore=plugins/triton_backend/tests/test_triton_ragged_gpu.py \
+    2>&1 | tee "$OUT/pytest_gpu_triton.log" || rc=1  # (the ragged / non-causal suite: part vision-triton)
 fi
 if want tests || want tests-fi; then
-  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/flashinfer_backend/tests plugins/trtllm_mla/tests 2>&1 | tee "$OUT/pytest_gpu_fi.log" || rc=1
+  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/flashinfer_backend/tests plugins/trtllm_mla/tests \
+    --ignore=plugins/flashinfer_backend/tests/test_ragged_gpu.py 2>&1 | tee "$OUT/pytest_gpu_fi.log" || rc=1  # (part vision-fi)
 fi
 if want tests || want check; then
   for b in torch_native triton; do
@@ -84,7 +87,8 @@ if want fi-kit; then
   done
 fi
 if want fi-tests; then
-  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/flashinfer_backend/tests 2>&1 | tee "$OUT/fi_${fiv}_pytest_gpu.log" || rc=1
+  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/flashinfer_backend/tests --ignore=plugins/flashinfer_backend/tests/test_ragged_gpu.py \
+    2>&1 | tee "$OUT/fi_${fiv}_pytest_gpu.log" || rc=1
 fi
 if want fi-speed; then
   python3 benchmarks/flashinfer_overhead.py --rounds 8 --json "$OUT/fi_${fiv}_overhead.json" 2>&1 | tee "$OUT/fi_${fiv}_overhead.log" || rc=1
@@ -113,6 +117,22 @@ if want bench || want fi-bench; then
 fi
 if want bench || want mla-bench; then
   python3 benchmarks/mla_vs_peers.py --json "$OUT/mla_vs_peers.json" 2>&1 | tee "$OUT/mla_vs_peers.log" || rc=1
+fi
+# issue 40 (vision = vision-triton vision-fi vision-hf, each within one 600 s call): the kit's non-causal / span / ragged
+# checks on cuda and the vision-tower shape (16 heads x 4 images of 1024-4096 patches) for triton and flashinfer, and the
+# HF towers (SigLIP over packed images, an encoder-only BERT over the paged path; transformers wheels in .whl/)
+if want vision || want vision-triton; then
+  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/triton_backend/tests/test_triton_ragged_gpu.py 2>&1 | tee "$OUT/vision_triton.log" || rc=1
+fi
+if want vision || want vision-fi; then
+  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/flashinfer_backend/tests/test_ragged_gpu.py 2>&1 | tee "$OUT/vision_fi.log" || rc=1
+fi
+if want vision || want vision-hf; then
+  python3 -m pytest -q -p no:cacheprovider tests/test_hf_vision_encoder.py 2>&1 | tee "$OUT/vision_hf.log" || rc=1
+fi
+if want bench || want vision-bench; then  # issue 40: the ragged op, 16 heads x d80 x 4 images, attn-triton (tile sweep) vs FlashInfer / FA4 (RAGGED_DIMS: head dims; RAGGED_FI: FlashInfer kernels)
+  python3 benchmarks/ragged_vs_peers.py --head-dims "${RAGGED_DIMS:-80}" --flashinfer-backends "${RAGGED_FI:-fa2,fa3}" \
+    --json "$OUT/ragged_vs_peers.json" 2>&1 | tee "$OUT/ragged_vs_peers.log" || rc=1
 fi
 if want bench || want cascade-bench; then
   python3 benchmarks/cascade_attention.py --backend triton --out "$OUT/cascade_attention.json" 2>&1 | tee "$OUT/cascade_attention.log" || rc=1
