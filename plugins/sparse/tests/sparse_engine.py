@@ -117,16 +117,22 @@ class SparseEngine:
         *,
         variants: bool = False,
         extras: Callable[[dict], dict] = lambda x: {},
+        runner: Optional[ac.CudaGraphRunner] = None,
     ) -> list[float]:
-        """One step: returns each layer's output error; asserts outputs, LSEs and pool writes."""
+        """One step, eager or (`runner`, DECODE steps) through a graph runner from `graph_runner`: returns each
+        layer's output error; asserts outputs, LSEs and pool writes."""
         batch = self.build(work)
-        self.backend.init_forward_metadata(batch)
         inputs = self.random_inputs(batch.num_tokens, variants)
         before = [b.clone() for b in self.buffers()]
-        results = [layer(x["q"], x["k"], x["v"], batch, return_lse=True, **extras(x)) for layer, x in zip(self.layers, inputs)]
+        if runner is None:
+            self.backend.init_forward_metadata(batch)
+            results = [layer(x["q"], x["k"], x["v"], batch, return_lse=True, **extras(x)) for layer, x in zip(self.layers, inputs)]
+        else:
+            flat = runner.run(batch, {f"{name}{lid}": t for lid, x in enumerate(inputs) for name, t in x.items()})
+            results = [(flat[2 * lid], flat[2 * lid + 1]) for lid in range(len(self.layers))]
         assert self.backend.poll_device_fault() is None
         self.modes.append(batch.forward_mode.name)
-        self.check_writes(batch, inputs, before)
+        self.check_writes(batch, inputs, before, padding=runner is not None)
         errors = []
         tol = tolerance(self.dtype)
         for lid, ((out, lse), x) in enumerate(zip(results, inputs)):
@@ -145,6 +151,25 @@ class SparseEngine:
                 t += n
         return errors
 
+    def graph_runner(self, sizes: Sequence[int], variants: bool) -> ac.CudaGraphRunner:
+        """A `CudaGraphRunner` over every layer (inputs q{l}, k{l}, v{l} and, with `variants`, q_succ{l},
+        q_inter{l}; outputs each layer's output and LSE), capturing DECODE for `sizes` (real graphs on cuda)."""
+        hq, hkv, d = self.shape
+        shapes = {}
+        for lid in range(len(self.layers)):
+            shapes.update({f"q{lid}": ((hq, d), self.dtype), f"k{lid}": ((hkv, d), self.dtype), f"v{lid}": ((hkv, d), self.dtype)})
+            if variants:
+                shapes.update({f"q_succ{lid}": ((hq, d), self.dtype), f"q_inter{lid}": ((hq, d), self.dtype)})
+
+        def run_layers(batch, x):
+            outs = []
+            for lid, layer in enumerate(self.layers):
+                extra = {"q_succ": x[f"q_succ{lid}"], "q_inter": x[f"q_inter{lid}"]} if variants else {}
+                outs += list(layer(x[f"q{lid}"], x[f"k{lid}"], x[f"v{lid}"], batch, return_lse=True, **extra))
+            return tuple(outs)
+
+        return ac.CudaGraphRunner(self.backend, sizes, run_layers, shapes)
+
     def reference_step(self, lid: int, batch, work, x: dict, reference: Reference) -> tuple[torch.Tensor, torch.Tensor]:
         outs, lses, t = [], [], 0
         layer = self.layers[lid]
@@ -159,7 +184,9 @@ class SparseEngine:
             t += n
         return torch.cat(outs), torch.cat(lses)
 
-    def check_writes(self, batch, inputs: list[dict], before: list[torch.Tensor]) -> None:
+    def check_writes(self, batch, inputs: list[dict], before: list[torch.Tensor], padding: bool = False) -> None:
+        """New K/V (and labels) at out_cache_loc, every other slot as before; with graph `padding`, slot 0 (the
+        dummy the padding rows write) is not compared."""
         loc = batch.out_cache_loc.cpu()
         labels = isinstance(self.pool, DoubleSparseKVPool)
         per_layer = 3 if labels else 2
@@ -173,6 +200,7 @@ class SparseEngine:
                 assert torch.equal(buf[loc], want.cpu().to(buf.dtype)), f"layer {lid} buffer {j}: new tokens not at out_cache_loc"
                 keep = torch.ones(buf.shape[0], dtype=torch.bool)
                 keep[loc] = False
+                keep[0] = keep[0] and not padding
                 assert nan_equal(buf[keep], old[keep]), f"layer {lid} buffer {j}: written outside out_cache_loc"
 
     def free(self, name: str) -> None:

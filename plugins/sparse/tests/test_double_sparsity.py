@@ -108,3 +108,21 @@ def test_gqa_group_of_three_and_one_split(poisoned_empty):
     run_schedule(engine, ds_reference(9, 20, chans, margins), schedule)
     finite = torch.cat(margins)
     assert torch.isfinite(finite).sum() == 2 * 6 and float(finite[torch.isfinite(finite)].min()) > 1e-4
+
+
+def test_decode_through_the_graph_runner(poisoned_empty):
+    """DECODE steps through `CudaGraphRunner` (captured for 1, 2, 4 requests; on a CPU the runner replays
+    eagerly on its static buffers): padded batches, a request crossing the threshold (b: 21 -> 22 keys),
+    top-k and dense requests in one graph, against the reference."""
+    chans = channels(2, seed=11)
+    margins: list = []
+    make = partial(DoubleSparsityBackend, heavy_token_num=10, sparse_decode_threshold=22, split_policy=SMALL_SPLITS)
+    engine = SparseEngine(make, page_size=16, heavy_channels=chans, cuda_graph=1, max_context_len=96, seed=12)
+    reference = ds_reference(10, 22, chans, margins)
+    engine.step([("a", 30), ("b", 20), ("c", 5)], reference)
+    runner = engine.graph_runner([1, 2, 4], variants=False)
+    for work in ([("a", 1), ("b", 1), ("c", 1)], [("b", 1), ("a", 1)], [("c", 1), ("a", 1), ("b", 1)], [("c", 1)]):
+        engine.step(work, reference, runner=runner)
+    sparse = torch.cat(margins)
+    assert torch.isfinite(sparse).sum() == 2 * 4 * (1 + 2 + 2), "a, then a and b, then a and b go top-k"
+    assert float(sparse[torch.isfinite(sparse)].min()) > 1e-4

@@ -166,3 +166,16 @@ def test_position_rule_keeps_true_distances_inside_a_chunk_and_the_local_window(
                 d_rule = (min(qi + L, chunk_size) if part[i, j] == 1 else min(2 * L - 1, chunk_size)) - kj
                 at_rule = float(rope(raw_q[i : i + 1], torch.tensor([d_rule]))[0, 0] @ raw_k[j, 0].double())
                 assert abs(got - at_rule) < 1e-9, (i, j)
+
+
+def test_decode_through_the_graph_runner(poisoned_empty):
+    """DECODE steps through `CudaGraphRunner` (captured for 1, 2, 4 requests; on a CPU the runner replays
+    eagerly on its static buffers), requests in their first, second and fourth chunks, against the
+    reference."""
+    make = partial(DualChunkBackend, chunk_size=10, local_size=2, split_policy=SMALL_SPLITS)
+    engine = SparseEngine(make, page_size=1, cuda_graph=1, max_context_len=64, seed=13)
+    reference = dc_reference(8)
+    engine.step([("a", 29), ("b", 10), ("c", 3)], reference, variants=True, extras=variants)
+    runner = engine.graph_runner([1, 2, 4], variants=True)
+    for work in ([("a", 1), ("b", 1), ("c", 1)], [("b", 1), ("a", 1)], [("c", 1), ("a", 1), ("b", 1)], [("c", 1)]):
+        engine.step(work, reference, variants=True, runner=runner)

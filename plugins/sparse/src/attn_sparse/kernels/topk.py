@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attn_core.errors import InvalidArgumentError
 from attn_sparse.kernels.ranged import dot_precision
 from attn_sparse.plan import StepPlan
 
@@ -152,6 +153,8 @@ def label_scores(
     layer's heavy channels), labels the layer's label buffer `[slots, Hkv, C]`."""
     bs, hq = q.shape[0], q.shape[1]
     hkv, c = labels.shape[1], labels.shape[2]
+    if tuple(channels.shape) != (hkv, c):
+        raise InvalidArgumentError("channels", f"the label buffer's (heads, channels) = {(hkv, c)}", tuple(channels.shape))
     width = keys.shape[2]
     if bs == 0 or width == 0:
         return
