@@ -44,6 +44,7 @@ class SparseEngine:
         cuda_graph: int = 0,
         seed: int = 0,
         device: str = "cpu",
+        integer_heavy_channels: bool = False,
     ):
         shape = dict(size=slots, page_size=page_size, dtype=dtype, head_num=num_kv_heads, head_dim=head_dim, layer_num=num_layers)
         if heavy_channels is not None:
@@ -75,6 +76,7 @@ class SparseEngine:
             for i in range(num_layers)
         ]
         self.dtype, self.device = dtype, device
+        self.integer_heavy_channels = integer_heavy_channels and heavy_channels is not None
         self.shape = (num_q_heads, num_kv_heads, head_dim)
         self.gen = torch.Generator().manual_seed(seed)
         self.by_name: dict[str, ac.Request] = {}
@@ -97,12 +99,29 @@ class SparseEngine:
             return torch.randn(T, h, d, generator=self.gen).to(self.dtype).to(self.device)
 
         layers = []
-        for _ in self.layers:
+        for lid in range(len(self.layers)):
             x = {"q": rand(hq), "k": rand(hkv), "v": rand(hkv)}
+            if self.integer_heavy_channels:
+                self.integer_channels(lid, x)
             if variants:
                 x["q_succ"], x["q_inter"] = rand(hq), rand(hq)
             layers.append(x)
         return layers
+
+    def integer_channels(self, lid: int, x: dict) -> None:
+        """Small random integers on layer `lid`'s heavy channels of q and k: the approximate scores are then
+        exact in every dtype and kernel (no rounding can reorder keys), with many exact ties, which the
+        position rule breaks."""
+        hq, hkv, _ = self.shape
+        chans = self.pool.heavy_channels[lid].cpu()
+        for h in range(hq):
+            idx = chans[h // (hq // hkv)].to(self.device)
+            for name, head in (("q", h), ("k", h // (hq // hkv))):
+                if name == "k" and h % (hq // hkv):
+                    continue
+                t = x[name]
+                ints = torch.randint(-3, 4, (t.shape[0], idx.shape[0]), generator=self.gen).to(t)
+                t[:, head, idx] = ints
 
     def build(self, work: Sequence[tuple[str, int]]) -> ac.ForwardBatch:
         for name, _ in work:

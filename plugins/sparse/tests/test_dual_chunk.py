@@ -49,8 +49,7 @@ SCHEDULE = [
 ]
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("page_size, dtype", [(1, torch.float32), (16, torch.float16)])
 def test_steps_over_several_chunks(page_size, dtype, poisoned_empty):
     make = partial(DualChunkBackend, chunk_size=11, local_size=3, split_policy=SMALL_SPLITS)
     engine = SparseEngine(make, page_size=page_size, dtype=dtype, seed=10 + page_size)
