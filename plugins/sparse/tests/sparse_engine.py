@@ -12,8 +12,10 @@ from typing import Callable, Optional, Sequence
 import torch
 
 import attn_core as ac
-from attn_core.testing.reference import relative_error, tolerance
+from attn_core.forward_mode import ForwardMode
+from attn_core.testing.reference import reference_attention, relative_error, tolerance
 from attn_sparse.double_sparsity.pool import DoubleSparseKVPool
+from attn_sparse.testing.reference import double_sparsity_reference, dual_chunk_reference
 
 #: reference(layer, mode, q, q_succ, q_inter, keys, values, positions) -> (out [n, Hq, Dv], lse [n, Hq]) of one
 #: request's n new tokens, given its keys and values (history and new tokens, `[L, Hkv, D]`)
@@ -46,7 +48,9 @@ class SparseEngine:
         device: str = "cpu",
         integer_heavy_channels: bool = False,
     ):
-        shape = dict(size=slots, page_size=page_size, dtype=dtype, head_num=num_kv_heads, head_dim=head_dim, layer_num=num_layers)
+        shape = dict(
+            size=slots, page_size=page_size, dtype=dtype, head_num=num_kv_heads, head_dim=head_dim, layer_num=num_layers
+        )
         if heavy_channels is not None:
             self.pool = DoubleSparseKVPool(**shape, heavy_channels=heavy_channels, device=device)
         else:
@@ -72,7 +76,9 @@ class SparseEngine:
         )
         self.backend = make_backend(self.ctx)
         self.layers = [
-            ac.AttentionLayer(i, num_q_heads, num_kv_heads, head_dim, scaling=1.1 / head_dim**0.5, logit_cap=1.5 * (i % 2))
+            ac.AttentionLayer(
+                i, num_q_heads, num_kv_heads, head_dim, scaling=1.1 / head_dim**0.5, logit_cap=1.5 * (i % 2)
+            )
             for i in range(num_layers)
         ]
         self.dtype, self.device = dtype, device
@@ -145,7 +151,10 @@ class SparseEngine:
         before = [b.clone() for b in self.buffers()]
         if runner is None:
             self.backend.init_forward_metadata(batch)
-            results = [layer(x["q"], x["k"], x["v"], batch, return_lse=True, **extras(x)) for layer, x in zip(self.layers, inputs)]
+            results = [
+                layer(x["q"], x["k"], x["v"], batch, return_lse=True, **extras(x))
+                for layer, x in zip(self.layers, inputs)
+            ]
         else:
             flat = runner.run(batch, {f"{name}{lid}": t for lid, x in enumerate(inputs) for name, t in x.items()})
             results = [(flat[2 * lid], flat[2 * lid + 1]) for lid in range(len(self.layers))]
@@ -160,13 +169,18 @@ class SparseEngine:
             err = relative_error(out.reshape(-1, hq, d), ref_o)
             lse_err = float((lse.double().cpu() - ref_l).abs().max())
             assert err <= tol, f"{batch.forward_mode.name} step {work}, layer {lid}: output rel err {err:.3g} > {tol:g}"
-            assert lse_err <= max(tol, 1e-4), f"{batch.forward_mode.name} step {work}, layer {lid}: LSE err {lse_err:.3g}"
+            assert lse_err <= max(tol, 1e-4), (
+                f"{batch.forward_mode.name} step {work}, layer {lid}: LSE err {lse_err:.3g}"
+            )
             errors.append(err)
         for lid, x in enumerate(inputs):  # the step's tokens join each request's history
             t = 0
             for name, n in work:
                 k, v = self.history.get((name, lid), (x["k"][:0].cpu(), x["v"][:0].cpu()))
-                self.history[(name, lid)] = (torch.cat([k, x["k"][t : t + n].cpu()]), torch.cat([v, x["v"][t : t + n].cpu()]))
+                self.history[(name, lid)] = (
+                    torch.cat([k, x["k"][t : t + n].cpu()]),
+                    torch.cat([v, x["v"][t : t + n].cpu()]),
+                )
                 t += n
         return errors
 
@@ -176,7 +190,9 @@ class SparseEngine:
         hq, hkv, d = self.shape
         shapes = {}
         for lid in range(len(self.layers)):
-            shapes.update({f"q{lid}": ((hq, d), self.dtype), f"k{lid}": ((hkv, d), self.dtype), f"v{lid}": ((hkv, d), self.dtype)})
+            shapes.update(
+                {f"q{lid}": ((hq, d), self.dtype), f"k{lid}": ((hkv, d), self.dtype), f"v{lid}": ((hkv, d), self.dtype)}
+            )
             if variants:
                 shapes.update({f"q_succ{lid}": ((hq, d), self.dtype), f"q_inter{lid}": ((hq, d), self.dtype)})
 
@@ -197,7 +213,9 @@ class SparseEngine:
             keys, vals = torch.cat([k, x["k"][t : t + n].cpu()]), torch.cat([v, x["v"][t : t + n].cpu()])
             positions = torch.arange(keys.shape[0] - n, keys.shape[0])
             rows = {name_: x[name_][t : t + n].cpu() for name_ in ("q", "q_succ", "q_inter") if name_ in x}
-            o, lse = reference(layer, batch.forward_mode, rows["q"], rows.get("q_succ"), rows.get("q_inter"), keys, vals, positions)
+            o, lse = reference(
+                layer, batch.forward_mode, rows["q"], rows.get("q_succ"), rows.get("q_inter"), keys, vals, positions
+            )
             outs.append(o)
             lses.append(lse)
             t += n
@@ -216,7 +234,9 @@ class SparseEngine:
                 new.append(torch.stack([x["k"][:, g, ch[g]] for g in range(ch.shape[0])], dim=1))
             for j, want in enumerate(new):
                 buf, old = self.buffers()[lid * per_layer + j].cpu(), before[lid * per_layer + j].cpu()
-                assert torch.equal(buf[loc], want.cpu().to(buf.dtype)), f"layer {lid} buffer {j}: new tokens not at out_cache_loc"
+                assert torch.equal(buf[loc], want.cpu().to(buf.dtype)), (
+                    f"layer {lid} buffer {j}: new tokens not at out_cache_loc"
+                )
                 keep = torch.ones(buf.shape[0], dtype=torch.bool)
                 keep[loc] = False
                 keep[0] = keep[0] and not padding
@@ -226,3 +246,52 @@ class SparseEngine:
         self.requests.free(self.by_name.pop(name))
         for lid in range(len(self.layers)):
             self.history.pop((name, lid), None)
+
+
+def ds_reference(heavy: int, threshold: int, chans: torch.Tensor, margins: list) -> Reference:
+    """Double sparsity's reference for `SparseEngine.step`: DECODE steps by `double_sparsity_reference`
+    (appending each token's per-head margins to `margins`: inf where dense), extend-like steps dense."""
+
+    def reference(layer, mode, q, q_succ, q_inter, keys, vals, positions):
+        if mode != ForwardMode.DECODE:  # extend-like steps are dense
+            return reference_attention(
+                q, keys, vals, q_positions=positions, scale=layer.scaling, logit_cap=layer.logit_cap
+            )
+        r = double_sparsity_reference(
+            q[0],
+            keys,
+            vals,
+            chans[layer.layer_id],
+            scale=layer.scaling,
+            heavy_token_num=heavy,
+            sparse_decode_threshold=threshold,
+            logit_cap=layer.logit_cap,
+        )
+        margins.append(r.margins)
+        return r.out[None], r.lse[None]
+
+    return reference
+
+
+def dc_reference(chunk_len: int) -> Reference:
+    """Dual chunk's reference for `SparseEngine.step` (`dual_chunk_reference`)."""
+
+    def reference(layer, mode, q, q_succ, q_inter, keys, vals, positions):
+        return dual_chunk_reference(
+            q,
+            q_succ,
+            q_inter,
+            keys,
+            vals,
+            q_positions=positions,
+            chunk_len=chunk_len,
+            scale=layer.scaling,
+            logit_cap=layer.logit_cap,
+        )
+
+    return reference
+
+
+def variants(x: dict) -> dict:
+    """The forward extras carrying a layer's q_succ and q_inter (`SparseEngine.step`'s `extras`)."""
+    return {"q_succ": x["q_succ"], "q_inter": x["q_inter"]}

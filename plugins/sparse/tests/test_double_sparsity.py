@@ -10,13 +10,10 @@ from functools import partial
 
 import pytest
 import torch
-from sparse_engine import SparseEngine
+from sparse_engine import SparseEngine, ds_reference
 
-from attn_core.forward_mode import ForwardMode
-from attn_core.testing.reference import reference_attention
 from attn_sparse.config import SplitPolicy
 from attn_sparse.double_sparsity.backend import DoubleSparsityBackend
-from attn_sparse.testing.reference import double_sparsity_reference
 
 SMALL_SPLITS = SplitPolicy(min_split_keys=8, max_splits=3, target_programs=64)
 HKV, D, C = 2, 32, 6
@@ -24,21 +21,9 @@ HKV, D, C = 2, 32, 6
 
 def channels(num_layers: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.stack([torch.stack([torch.randperm(D, generator=gen)[:C] for _ in range(HKV)]) for _ in range(num_layers)])
-
-
-def ds_reference(heavy: int, threshold: int, chans: torch.Tensor, margins: list):
-    def reference(layer, mode, q, q_succ, q_inter, keys, vals, positions):
-        if mode != ForwardMode.DECODE:  # extend-like steps are dense
-            return reference_attention(q, keys, vals, q_positions=positions, scale=layer.scaling, logit_cap=layer.logit_cap)
-        r = double_sparsity_reference(
-            q[0], keys, vals, chans[layer.layer_id], scale=layer.scaling, heavy_token_num=heavy,
-            sparse_decode_threshold=threshold, logit_cap=layer.logit_cap,
-        )
-        margins.append(r.margins)
-        return r.out[None], r.lse[None]
-
-    return reference
+    return torch.stack(
+        [torch.stack([torch.randperm(D, generator=gen)[:C] for _ in range(HKV)]) for _ in range(num_layers)]
+    )
 
 
 #: (name, new tokens) steps: prefills in chunks, decodes, a MIXED step, a request leaving and one joining
@@ -73,7 +58,9 @@ def test_steps_top_k_below_the_length_threshold_on_both_sides(page_size, dtype, 
     chans = channels(2, seed=1)
     margins: list = []
     make = partial(DoubleSparsityBackend, heavy_token_num=12, sparse_decode_threshold=31, split_policy=SMALL_SPLITS)
-    engine = SparseEngine(make, page_size=page_size, dtype=dtype, heavy_channels=chans, seed=page_size, integer_heavy_channels=integer)
+    engine = SparseEngine(
+        make, page_size=page_size, dtype=dtype, heavy_channels=chans, seed=page_size, integer_heavy_channels=integer
+    )
     run_schedule(engine, ds_reference(12, 31, chans, margins))
     assert engine.modes == ["EXTEND", "EXTEND", "DECODE", "DECODE", "MIXED", "DECODE", "DECODE"]
     sparse = torch.cat(margins)
@@ -123,7 +110,9 @@ def test_decode_through_the_graph_runner(poisoned_empty):
     chans = channels(2, seed=11)
     margins: list = []
     make = partial(DoubleSparsityBackend, heavy_token_num=10, sparse_decode_threshold=22, split_policy=SMALL_SPLITS)
-    engine = SparseEngine(make, page_size=16, heavy_channels=chans, cuda_graph=1, max_context_len=96, seed=12, integer_heavy_channels=True)
+    engine = SparseEngine(
+        make, page_size=16, heavy_channels=chans, cuda_graph=1, max_context_len=96, seed=12, integer_heavy_channels=True
+    )
     reference = ds_reference(10, 22, chans, margins)
     engine.step([("a", 30), ("b", 20), ("c", 5)], reference)
     runner = engine.graph_runner([1, 2, 4], variants=False)

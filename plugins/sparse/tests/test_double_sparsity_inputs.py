@@ -18,7 +18,9 @@ from attn_sparse.double_sparsity.pool import DoubleSparseKVPool
 
 
 def test_pool_worked_example_and_layout():
-    pool = DoubleSparseKVPool(16, 1, torch.float32, head_num=1, head_dim=8, layer_num=2, heavy_channels=[[[6, 1]], [[0, 7]]])
+    pool = DoubleSparseKVPool(
+        16, 1, torch.float32, head_num=1, head_dim=8, layer_num=2, heavy_channels=[[[6, 1]], [[0, 7]]]
+    )
     pool.set_kv_buffer(0, torch.tensor([5]), torch.arange(10.0, 18.0).view(1, 1, 8), torch.zeros(1, 1, 8))
     assert pool.get_label_buffer(0)[5, 0].tolist() == [16.0, 11.0]
     assert pool.get_label_buffer(0).shape == (pool.num_slots, 1, 2) and pool.heavy_channels.dtype == torch.int64
@@ -42,7 +44,9 @@ def test_labels_follow_the_kv_through_reuse_of_freed_slots():
     requests.free(a)
     b = requests.add()
     batch = ac.build_step(requests, [(b, 6)])
-    assert set(batch.out_cache_loc.tolist()) & set(slots_a.tolist()), "the allocator should hand the freed pages out again"
+    assert set(batch.out_cache_loc.tolist()) & set(slots_a.tolist()), (
+        "the allocator should hand the freed pages out again"
+    )
     for lid in range(2):
         k = torch.randn(6, 1, 4)
         pool.set_kv_buffer(layer[lid], batch.out_cache_loc, k, torch.randn(6, 1, 4))
@@ -128,7 +132,9 @@ def test_a_context_that_may_go_sparse_needs_the_label_cache():
     with pytest.raises(InvalidArgumentError, match="ctx.token_to_kv_pool"):
         SparseEngine(partial(DoubleSparsityBackend, heavy_token_num=4, sparse_decode_threshold=16), page_size=1)
     chans = torch.zeros(2, 2, 3, dtype=torch.long)
-    engine = SparseEngine(partial(DoubleSparsityBackend, heavy_token_num=4, sparse_decode_threshold=16), page_size=1, heavy_channels=chans)
+    engine = SparseEngine(
+        partial(DoubleSparsityBackend, heavy_token_num=4, sparse_decode_threshold=16), page_size=1, heavy_channels=chans
+    )
     plain = ac.MHATokenToKVPool(size=1024, page_size=1, dtype=torch.float32, head_num=2, head_dim=32, layer_num=2)
     engine.requests.token_to_kv_pool = plain  # an engine mixing up its pools
     batch = engine.build([("a", 20)])

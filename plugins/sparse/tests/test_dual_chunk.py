@@ -10,28 +10,15 @@ from functools import partial
 
 import pytest
 import torch
-from sparse_engine import SparseEngine, nan_equal
+from sparse_engine import SparseEngine, dc_reference, nan_equal, variants
 
 from attn_core.errors import InvalidArgumentError
 from attn_sparse.config import SplitPolicy
 from attn_sparse.dual_chunk.backend import DualChunkBackend
 from attn_sparse.dual_chunk.positions import chunk_length, dual_chunk_positions
-from attn_sparse.testing.reference import dual_chunk_part, dual_chunk_reference
+from attn_sparse.testing.reference import dual_chunk_part
 
 SMALL_SPLITS = SplitPolicy(min_split_keys=8, max_splits=3, target_programs=64)
-
-
-def dc_reference(chunk_len: int):
-    def reference(layer, mode, q, q_succ, q_inter, keys, vals, positions):
-        return dual_chunk_reference(
-            q, q_succ, q_inter, keys, vals, q_positions=positions, chunk_len=chunk_len, scale=layer.scaling, logit_cap=layer.logit_cap
-        )
-
-    return reference
-
-
-def variants(x: dict) -> dict:
-    return {"q_succ": x["q_succ"], "q_inter": x["q_inter"]}
 
 
 #: chunk_len 8 (chunk_size 11, local_size 3): prefill chunks of 13 and 17 tokens cross chunk boundaries, a
@@ -157,7 +144,9 @@ def test_position_rule_keeps_true_distances_inside_a_chunk_and_the_local_window(
     for i in range(n):
         for j in range(i + 1):
             got = float(q_var[int(part[i, j])][i, 0] @ k[j])
-            true = float(rope(raw_q[i : i + 1], torch.tensor([i]))[0, 0] @ rope(raw_k[j : j + 1], torch.tensor([j]))[0, 0])
+            true = float(
+                rope(raw_q[i : i + 1], torch.tensor([i]))[0, 0] @ rope(raw_k[j : j + 1], torch.tensor([j]))[0, 0]
+            )
             qi, kj = i % L, j % L
             if part[i, j] == 0 or (part[i, j] == 1 and qi <= local_size):
                 assert abs(got - true) < 1e-9, (i, j)

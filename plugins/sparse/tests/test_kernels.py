@@ -72,7 +72,9 @@ def test_negative_and_signed_zero_scores_order_as_floats():
     q = torch.ones(1, 1, 16)
     labels = torch.full((n + 1, 1, 1), float("nan"))
     labels[1:, 0, 0] = values
-    plan = SimpleNamespace(kv_indptr=torch.tensor([0, n], dtype=torch.int32), kv_indices=torch.arange(1, n + 1, dtype=torch.int32))
+    plan = SimpleNamespace(
+        kv_indptr=torch.tensor([0, n], dtype=torch.int32), kv_indices=torch.arange(1, n + 1, dtype=torch.int32)
+    )
     channels = torch.tensor([[0]])
     sparse = torch.ones(1, dtype=torch.int8)
     keys = torch.empty(1, 1, n, dtype=torch.int32)

@@ -46,7 +46,9 @@ def test_probe_reasons(monkeypatch):
     monkeypatch.setattr(spec, "gpu_device_present", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert spec.probe().startswith("needs a CUDA GPU (torch ")
-    monkeypatch.setattr(spec, "module_missing", lambda m, hint: f"{m} not installed ({hint})" if m == "triton" else None)
+    monkeypatch.setattr(
+        spec, "module_missing", lambda m, hint: f"{m} not installed ({hint})" if m == "triton" else None
+    )
     assert spec.probe() == "triton not installed (pip install attn-sparse)"
 
 
@@ -79,7 +81,12 @@ def test_declared_capabilities_and_priority(monkeypatch):
     assert DOUBLE_SPARSITY.load() is DoubleSparsityBackend and DUAL_CHUNK.load() is DualChunkBackend
     assert DoubleSparsityBackend.capabilities is CAPABILITIES is DualChunkBackend.capabilities
     assert CAPABILITIES.cuda_graph == ac.CudaGraphLevel.UNIFORM_SINGLE_TOKEN_DECODE
-    assert CAPABILITIES.forward_modes == {ac.ForwardMode.EXTEND, ac.ForwardMode.DECODE, ac.ForwardMode.MIXED, ac.ForwardMode.IDLE}
+    assert CAPABILITIES.forward_modes == {
+        ac.ForwardMode.EXTEND,
+        ac.ForwardMode.DECODE,
+        ac.ForwardMode.MIXED,
+        ac.ForwardMode.IDLE,
+    }
     assert DOUBLE_SPARSITY.priority < 0 and DUAL_CHUNK.priority < 0
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     ctx = ac.BackendContext("cpu", torch.float16, 4, 2, 64)

@@ -40,7 +40,9 @@ def check_device(name: str, device: torch.device) -> None:
         return
     if device.type == "cpu":
         if not triton_interpreter_enabled():
-            raise BackendUnavailableError(name, "CPU tensors need the Triton interpreter (set TRITON_INTERPRET=1 before importing triton)")
+            raise BackendUnavailableError(
+                name, "CPU tensors need the Triton interpreter (set TRITON_INTERPRET=1 before importing triton)"
+            )
         return
     raise InvalidArgumentError("ctx.device", "a cuda device (or cpu under TRITON_INTERPRET=1)", device)
 
@@ -85,10 +87,14 @@ class PlannedBackend(AttentionBackend[MetadataT]):
         """Buffers for DECODE graphs of up to `max_bs` requests of up to the context's max_context_len keys."""
         pool = self.ctx.token_to_kv_pool
         if pool is None:
-            raise InvalidArgumentError("ctx.token_to_kv_pool", "the KV pool the graphs will read (CUDA graphs need it)", None)
+            raise InvalidArgumentError(
+                "ctx.token_to_kv_pool", "the KV pool the graphs will read (CUDA graphs need it)", None
+            )
         if max_bs < 1:
             raise InvalidArgumentError("max_bs", ">= 1", max_bs)
-        self.graph_plans = GraphPlans(max_bs, self.ctx.max_context_len, self.plan_shape(pool.num_slots), self.ctx.device)
+        self.graph_plans = GraphPlans(
+            max_bs, self.ctx.max_context_len, self.plan_shape(pool.num_slots), self.ctx.device
+        )
 
     def graph_plan(self, step: CudaGraphStep) -> StepPlan:
         """The plan of graph size `step.bs`, refreshed in place for `step` (capture and replay)."""
@@ -97,7 +103,9 @@ class PlannedBackend(AttentionBackend[MetadataT]):
         if self.graph_plans is None:
             raise InvalidArgumentError("init_cuda_graph_state", "called before capture/replay", None)
         if step.bs > self.graph_plans.max_bs:
-            raise InvalidArgumentError("bs", f"at most the max_bs {self.graph_plans.max_bs} of init_cuda_graph_state", step.bs)
+            raise InvalidArgumentError(
+                "bs", f"at most the max_bs {self.graph_plans.max_bs} of init_cuda_graph_state", step.bs
+            )
         return self.graph_plans.capture(step, self.req_to_token())
 
     # ---- output ----------------------------------------------------------------------------------

@@ -55,7 +55,9 @@ class SplitPolicy:
         """
         if programs >= self.target_programs:
             return 1
-        return max(1, min(self.max_splits, cdiv(max_keys, self.min_split_keys), cdiv(self.target_programs, max(programs, 1))))
+        return max(
+            1, min(self.max_splits, cdiv(max_keys, self.min_split_keys), cdiv(self.target_programs, max(programs, 1)))
+        )
 
 
 @dataclass(frozen=True)

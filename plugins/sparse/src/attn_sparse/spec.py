@@ -29,6 +29,9 @@ CAPABILITIES = Capabilities(
 )
 
 
+INTERPRETER_NOTE = "CPU tensors run only under the Triton interpreter"
+
+
 def probe() -> Optional[str]:
     """None when the kernels can run here (a CUDA GPU, or the Triton interpreter), else why not."""
     reason = module_missing("triton", "pip install attn-sparse") or module_missing("torch", "pip install torch")
@@ -37,18 +40,22 @@ def probe() -> Optional[str]:
     if triton_interpreter_enabled():
         return None
     if not gpu_device_present():
-        return "needs a CUDA GPU (none on this machine); CPU tensors run only under the Triton interpreter (set TRITON_INTERPRET=1)"
+        return f"needs a CUDA GPU (none on this machine); {INTERPRETER_NOTE} (set TRITON_INTERPRET=1)"
     import torch
 
     if torch.cuda.is_available() and not torch.version.hip:
         return None
-    build = f"ROCm {torch.version.hip}" if torch.version.hip else (f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only")
-    return f"needs a CUDA GPU (torch {torch.__version__}, {build} build); CPU tensors run only under the Triton interpreter"
+    build = (
+        f"ROCm {torch.version.hip}"
+        if torch.version.hip
+        else (f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only")
+    )
+    return f"needs a CUDA GPU (torch {torch.__version__}, {build} build); {INTERPRETER_NOTE}"
 
 
 DOUBLE_SPARSITY = BackendSpec(
     name="double_sparsity",
-    summary="Double sparsity: decode over the top-k keys by a heavy-channel label cache (dense below a length threshold)",
+    summary="Double sparsity: decode over the top-k keys scored by a heavy-channel label cache (dense when short)",
     capabilities=CAPABILITIES,
     distribution="attn-sparse",
     backend_class="attn_sparse.double_sparsity.backend:DoubleSparsityBackend",

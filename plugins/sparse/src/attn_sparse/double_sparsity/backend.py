@@ -169,7 +169,15 @@ class DoubleSparsityBackend(PlannedBackend[DoubleSparsityMetadata]):
         plan, lid = meta.plan, layer.layer_id
         k_buf, v_buf = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
         bs, hq, dv = q.shape[0], q.shape[1], v_buf.shape[2]
-        label_scores(q, pool.heavy_channels[lid], pool.get_label_buffer(lid), plan, meta.sparse, meta.keys, kernel_tiles(q.is_cuda).block_n)
+        label_scores(
+            q,
+            pool.heavy_channels[lid],
+            pool.get_label_buffer(lid),
+            plan,
+            meta.sparse,
+            meta.keys,
+            kernel_tiles(q.is_cuda).block_n,
+        )
         select_topk(meta.keys, plan, meta.sparse, self.heavy_token_num, meta.selected)
         # every (request, head, split) of the partials is written once: top-k requests by the selected-key
         # kernel, the others by the dense kernel (which skips the top-k requests)
@@ -177,12 +185,31 @@ class DoubleSparsityBackend(PlannedBackend[DoubleSparsityMetadata]):
         partial_lse = torch.empty((bs, hq, plan.splits), dtype=torch.float32, device=q.device)
         scale, cap = layer.scaling, layer.logit_cap
         selected_attention(
-            q, k_buf, v_buf, meta.selected, plan, meta.sparse, self.heavy_token_num,
-            scale=scale, logit_cap=cap, partial_o=partial_o, partial_lse=partial_lse,
+            q,
+            k_buf,
+            v_buf,
+            meta.selected,
+            plan,
+            meta.sparse,
+            self.heavy_token_num,
+            scale=scale,
+            logit_cap=cap,
+            partial_o=partial_o,
+            partial_lse=partial_lse,
         )
         launch_ranged(
-            q, k_buf, v_buf, plan, part=CAUSAL, chunk_len=1, scale=scale, logit_cap=cap,
-            out=partial_o, lse=partial_lse, splits=plan.splits, skip=meta.sparse,
+            q,
+            k_buf,
+            v_buf,
+            plan,
+            part=CAUSAL,
+            chunk_len=1,
+            scale=scale,
+            logit_cap=cap,
+            out=partial_o,
+            lse=partial_lse,
+            splits=plan.splits,
+            skip=meta.sparse,
         )
         out = torch.empty((bs, hq, dv), dtype=q.dtype, device=q.device)
         lse = torch.empty((bs, hq), dtype=torch.float32, device=q.device) if return_lse else None
@@ -192,7 +219,15 @@ class DoubleSparsityBackend(PlannedBackend[DoubleSparsityMetadata]):
     def _dense(self, q, pool, layer, return_lse: bool):
         lid = layer.layer_id
         out, lse = attend(
-            q, pool.get_key_buffer(lid), pool.get_value_buffer(lid), self.forward_metadata.plan,
-            part=CAUSAL, chunk_len=1, scale=layer.scaling, logit_cap=layer.logit_cap, out_dtype=q.dtype, want_lse=return_lse,
+            q,
+            pool.get_key_buffer(lid),
+            pool.get_value_buffer(lid),
+            self.forward_metadata.plan,
+            part=CAUSAL,
+            chunk_len=1,
+            scale=layer.scaling,
+            logit_cap=layer.logit_cap,
+            out_dtype=q.dtype,
+            want_lse=return_lse,
         )
         return self.finish(out, lse, return_lse)

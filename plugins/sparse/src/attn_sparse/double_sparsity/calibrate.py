@@ -30,7 +30,9 @@ def select_heavy_channels(q: torch.Tensor, k: torch.Tensor, num_channels: int, m
     if mode not in MODES:
         raise InvalidArgumentError("mode", f"one of {MODES}", mode)
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[0] < 1:
-        raise InvalidArgumentError("q/k", "samples [N, Hq, D] and [N, Hkv, D] with the same N >= 1 and D", (tuple(q.shape), tuple(k.shape)))
+        raise InvalidArgumentError(
+            "q/k", "samples [N, Hq, D] and [N, Hkv, D] with the same N >= 1 and D", (tuple(q.shape), tuple(k.shape))
+        )
     n, hq, d = q.shape
     hkv = k.shape[1]
     if hq % hkv:

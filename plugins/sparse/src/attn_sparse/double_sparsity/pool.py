@@ -44,13 +44,16 @@ class DoubleSparseKVPool(MHATokenToKVPool):
         kv_layout: str = "NHD",
     ):
         if is_fp8(dtype):
-            raise InvalidArgumentError("dtype", "a 16- or 32-bit float KV dtype (the label cache has no fp8 scales)", dtype)
+            raise InvalidArgumentError(
+                "dtype", "a 16- or 32-bit float KV dtype (the label cache has no fp8 scales)", dtype
+            )
         channels = check_heavy_channels(heavy_channels, layer_num, head_num, head_dim)
         super().__init__(size, page_size, dtype, head_num, head_dim, layer_num, device, v_head_dim, kv_layout)
         self.heavy_channels = channels.to(self.device, torch.int64).contiguous()
         self.heavy_channel_num = channels.shape[2]
         self.label_buffer = [
-            torch.zeros((self.num_slots, head_num, self.heavy_channel_num), dtype=dtype, device=self.device) for _ in range(layer_num)
+            torch.zeros((self.num_slots, head_num, self.heavy_channel_num), dtype=dtype, device=self.device)
+            for _ in range(layer_num)
         ]
 
     def get_label_buffer(self, layer_id: int) -> torch.Tensor:
@@ -85,12 +88,18 @@ def check_heavy_channels(channels, layer_num: int, head_num: int, head_dim: int)
         try:
             channels = torch.as_tensor(channels)
         except (TypeError, ValueError, RuntimeError):
-            raise InvalidArgumentError("heavy_channels", "an integer tensor [layer_num, head_num, C]", type(channels).__name__) from None
+            raise InvalidArgumentError(
+                "heavy_channels", "an integer tensor [layer_num, head_num, C]", type(channels).__name__
+            ) from None
     if channels.dtype.is_floating_point or channels.dtype.is_complex or channels.dtype == torch.bool:
         raise InvalidArgumentError("heavy_channels", "an integer tensor", channels.dtype)
     if channels.dim() != 3 or tuple(channels.shape[:2]) != (layer_num, head_num) or channels.shape[2] < 1:
-        raise InvalidArgumentError("heavy_channels", f"shape ({layer_num}, {head_num}, C) with C >= 1", tuple(channels.shape))
+        raise InvalidArgumentError(
+            "heavy_channels", f"shape ({layer_num}, {head_num}, C) with C >= 1", tuple(channels.shape)
+        )
     host = channels.cpu()
     if bool(((host < 0) | (host >= head_dim)).any()):
-        raise InvalidArgumentError("heavy_channels", f"channel indices in [0, {head_dim})", (int(host.min()), int(host.max())))
+        raise InvalidArgumentError(
+            "heavy_channels", f"channel indices in [0, {head_dim})", (int(host.min()), int(host.max()))
+        )
     return channels

@@ -79,7 +79,9 @@ class DualChunkBackend(PlannedBackend[DualChunkMetadata]):
         **options,
     ):
         if chunk_size is None:
-            raise InvalidArgumentError("chunk_size", "the model's dual_chunk_attention_config chunk_size (an int >= 1)", None)
+            raise InvalidArgumentError(
+                "chunk_size", "the model's dual_chunk_attention_config chunk_size (an int >= 1)", None
+            )
         self.chunk_size, self.local_size = chunk_size, local_size
         self.chunk_len = chunk_length(chunk_size, local_size)
         super().__init__(ctx, split_policy=split_policy, **options)
@@ -129,12 +131,16 @@ class DualChunkBackend(PlannedBackend[DualChunkMetadata]):
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         args = dict(chunk_len=self.chunk_len, scale=layer.scaling, logit_cap=layer.logit_cap)
         if meta.parts == (INTRA,):
-            out, lse = attend(queries[INTRA], k_buf, v_buf, meta.plan, part=INTRA, out_dtype=q.dtype, want_lse=return_lse, **args)
+            out, lse = attend(
+                queries[INTRA], k_buf, v_buf, meta.plan, part=INTRA, out_dtype=q.dtype, want_lse=return_lse, **args
+            )
             return self.finish(out, lse, return_lse)
         out = lse = None
         for part in meta.parts:
-            o, l = attend(queries[part], k_buf, v_buf, meta.plan, part=part, out_dtype=torch.float32, want_lse=True, **args)
-            out, lse = (o, l) if out is None else merge_state(out, lse, o, l)
+            o, o_lse = attend(
+                queries[part], k_buf, v_buf, meta.plan, part=part, out_dtype=torch.float32, want_lse=True, **args
+            )
+            out, lse = (o, o_lse) if out is None else merge_state(out, lse, o, o_lse)
         return self.finish(out.to(q.dtype), lse, return_lse)
 
     def _variant(self, part: int, x: Optional[torch.Tensor], shape: torch.Size) -> torch.Tensor:
@@ -143,7 +149,9 @@ class DualChunkBackend(PlannedBackend[DualChunkMetadata]):
         T, hq, d = shape
         if x is None:
             reach = self.chunk_len * (1 if part == SUCC else 2)
-            raise InvalidArgumentError(name, f"the rotary-embedded {name} (a query of this step may sit at position >= {reach})", None)
+            raise InvalidArgumentError(
+                name, f"the rotary-embedded {name} (a query of this step may sit at position >= {reach})", None
+            )
         if not isinstance(x, torch.Tensor):
             raise InvalidArgumentError(name, f"a tensor of shape ({T}, {hq}, {d}) or ({T}, {hq * d})", type(x).__name__)
         if x.dtype != self.ctx.dtype or x.device != self.device:
@@ -153,4 +161,3 @@ class DualChunkBackend(PlannedBackend[DualChunkMetadata]):
         if tuple(x.shape) != (T, hq, d):
             raise InvalidArgumentError(name, f"shape ({T}, {hq}, {d}) or ({T}, {hq * d})", tuple(x.shape))
         return unit_stride(x)
-

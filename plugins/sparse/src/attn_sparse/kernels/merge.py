@@ -24,7 +24,7 @@ def _merge_splits_kernel(
     PL,
     stride_lt,
     stride_lh,
-    O,
+    OUT,
     stride_ot,
     stride_oh,
     LSE,
@@ -52,9 +52,12 @@ def _merge_splits_kernel(
         other=0.0,
     )
     out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(O + t * stride_ot + h * stride_oh + d, out.to(O.dtype.element_ty), mask=d < v_dim)
+    tl.store(OUT + t * stride_ot + h * stride_oh + d, out.to(OUT.dtype.element_ty), mask=d < v_dim)
     if STORE_LSE:
-        tl.store(LSE + t * stride_et + h * stride_eh, tl.where(total > 0, m_use + tl.log(tl.where(total > 0, total, 1.0)), float("-inf")))
+        tl.store(
+            LSE + t * stride_et + h * stride_eh,
+            tl.where(total > 0, m_use + tl.log(tl.where(total > 0, total, 1.0)), float("-inf")),
+        )
 
 
 def merge_splits(

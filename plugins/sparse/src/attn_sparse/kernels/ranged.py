@@ -74,19 +74,50 @@ def capped_logits(qk, qk_scale, cap_log2, HAS_CAP: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_slots", "num_tokens", "chunk_len"])
 def _ranged_attention_kernel(
-    Q, stride_qt, stride_qh,
-    K, stride_ks, stride_kh,
-    V, stride_vs, stride_vh,
-    KV_INDPTR, KV_INDICES, num_slots,
-    TILE_REQ, TILE_TOK,
-    Q_START, Q_LEN, SEQ_LEN, SKIP,
-    O, stride_ot, stride_oh, stride_os,
-    LSE, stride_lt, stride_lh,
-    num_tokens, group, head_dim, v_dim,
-    qk_scale, cap_log2, chunk_len,
-    PART: tl.constexpr, SLICES: tl.constexpr, HPS: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HAS_CAP: tl.constexpr, HAS_SKIP: tl.constexpr, STORE_LSE: tl.constexpr,
+    Q,
+    stride_qt,
+    stride_qh,
+    K,
+    stride_ks,
+    stride_kh,
+    V,
+    stride_vs,
+    stride_vh,
+    KV_INDPTR,
+    KV_INDICES,
+    num_slots,
+    TILE_REQ,
+    TILE_TOK,
+    Q_START,
+    Q_LEN,
+    SEQ_LEN,
+    SKIP,
+    OUT,
+    stride_ot,
+    stride_oh,
+    stride_os,
+    LSE,
+    stride_lt,
+    stride_lh,
+    num_tokens,
+    group,
+    head_dim,
+    v_dim,
+    qk_scale,
+    cap_log2,
+    chunk_len,
+    PART: tl.constexpr,
+    SLICES: tl.constexpr,
+    HPS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
+    STORE_LSE: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -139,7 +170,11 @@ def _ranged_attention_kernel(
         n_ok = n < s_hi
         slot = tl.load(KV_INDICES + kv_beg + n, mask=n_ok, other=0)
         slot = tl.where((slot >= 0) & (slot < num_slots), slot, 0).to(tl.int64)
-        k = tl.load(k_base + slot[:, None] * stride_ks + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < head_dim), other=0.0)
+        k = tl.load(
+            k_base + slot[:, None] * stride_ks + offs_d[None, :],
+            mask=n_ok[:, None] & (offs_d[None, :] < head_dim),
+            other=0.0,
+        )
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         s = capped_logits(qk, qk_scale, cap_log2, HAS_CAP)
         visible = (n[None, :] >= lo[:, None]) & (n[None, :] < hi[:, None]) & n_ok[None, :]
@@ -149,15 +184,19 @@ def _ranged_attention_kernel(
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + slot[:, None] * stride_vs + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < v_dim), other=0.0)
+        v = tl.load(
+            v_base + slot[:, None] * stride_vs + offs_dv[None, :],
+            mask=n_ok[:, None] & (offs_dv[None, :] < v_dim),
+            other=0.0,
+        )
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
     seen = l_i > 0
     denom = tl.where(seen, l_i, 1.0)
     out = acc / denom[:, None]
-    o_ptr = O + row64[:, None] * stride_ot + head64[:, None] * stride_oh + split * stride_os + offs_dv[None, :]
-    tl.store(o_ptr, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < v_dim))
+    o_ptr = OUT + row64[:, None] * stride_ot + head64[:, None] * stride_oh + split * stride_os + offs_dv[None, :]
+    tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < v_dim))
     if STORE_LSE:
         lse = tl.where(seen, (m_i + tl.log2(denom)) * LN2, float("-inf"))
         tl.store(LSE + row64 * stride_lt + head64 * stride_lh + split, lse, mask=row_ok)
@@ -221,19 +260,50 @@ def launch_ranged(
     split_stride = out.stride(2) if splits > 1 else 0
     lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     _ranged_attention_kernel[(plan.num_tiles, hkv * geo.slices, splits)](
-        q, q.stride(0), q.stride(1),
-        k_buf, k_buf.stride(0), k_buf.stride(1),
-        v_buf, v_buf.stride(0), v_buf.stride(1),
-        plan.kv_indptr, plan.kv_indices, k_buf.shape[0],
-        plan.tile_req, plan.tile_tok,
-        plan.q_start, plan.q_len, plan.seq_len, skip if skip is not None else plan.q_len,
-        out, out.stride(0), out.stride(1), split_stride,
-        lse if lse is not None else out, *lse_strides,
-        q.shape[0], hq // hkv, d, dv,
-        qk_scale, cap_log2, max(int(chunk_len), 1),
-        PART=part, SLICES=geo.slices, HPS=geo.heads_per_slice, BLOCK_T=geo.block_t,
-        BLOCK_M=geo.block_m, BLOCK_N=tiles.block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        q,
+        q.stride(0),
+        q.stride(1),
+        k_buf,
+        k_buf.stride(0),
+        k_buf.stride(1),
+        v_buf,
+        v_buf.stride(0),
+        v_buf.stride(1),
+        plan.kv_indptr,
+        plan.kv_indices,
+        k_buf.shape[0],
+        plan.tile_req,
+        plan.tile_tok,
+        plan.q_start,
+        plan.q_len,
+        plan.seq_len,
+        skip if skip is not None else plan.q_len,
+        out,
+        out.stride(0),
+        out.stride(1),
+        split_stride,
+        lse if lse is not None else out,
+        *lse_strides,
+        q.shape[0],
+        hq // hkv,
+        d,
+        dv,
+        qk_scale,
+        cap_log2,
+        max(int(chunk_len), 1),
+        PART=part,
+        SLICES=geo.slices,
+        HPS=geo.heads_per_slice,
+        BLOCK_T=geo.block_t,
+        BLOCK_M=geo.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-        NUM_SPLITS=splits, HAS_CAP=logit_cap > 0, HAS_SKIP=skip is not None, STORE_LSE=lse is not None,
-        DOT_PREC=dot_precision(q.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        NUM_SPLITS=splits,
+        HAS_CAP=logit_cap > 0,
+        HAS_SKIP=skip is not None,
+        STORE_LSE=lse is not None,
+        DOT_PREC=dot_precision(q.dtype),
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )

@@ -78,14 +78,22 @@ def _selected_attention_kernel(
         n_ok = n < s_hi
         slot = tl.load(sel + n, mask=n_ok, other=0)
         slot = tl.where((slot >= 0) & (slot < num_slots), slot, 0).to(tl.int64)
-        k = tl.load(k_base + slot[:, None] * stride_ks + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < head_dim), other=0.0)
+        k = tl.load(
+            k_base + slot[:, None] * stride_ks + offs_d[None, :],
+            mask=n_ok[:, None] & (offs_d[None, :] < head_dim),
+            other=0.0,
+        )
         s = capped_logits(tl.sum(k.to(tl.float32) * q[None, :], 1), qk_scale, cap_log2, HAS_CAP)
         s = tl.where(n_ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use)
-        v = tl.load(v_base + slot[:, None] * stride_vs + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < v_dim), other=0.0)
+        v = tl.load(
+            v_base + slot[:, None] * stride_vs + offs_dv[None, :],
+            mask=n_ok[:, None] & (offs_dv[None, :] < v_dim),
+            other=0.0,
+        )
         acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
         l_i = l_i * alpha + tl.sum(p, 0)
         m_i = m_new

@@ -68,15 +68,23 @@ def _label_scores_kernel(
     g_ok = g < group
     head = (kvh * group + g).to(tl.int64)
     q_lab = tl.load(
-        Q + r.to(tl.int64) * stride_qb + head[:, None] * stride_qh + ch[None, :], mask=g_ok[:, None] & c_ok[None, :], other=0.0
+        Q + r.to(tl.int64) * stride_qb + head[:, None] * stride_qh + ch[None, :],
+        mask=g_ok[:, None] & c_ok[None, :],
+        other=0.0,
     )
     slot = tl.load(KV_INDICES + kv_beg + n, mask=n_ok, other=0)
     slot = tl.where((slot >= 0) & (slot < num_slots), slot, 0).to(tl.int64)
-    lab = tl.load(LAB + slot[:, None] * stride_ls + kvh * stride_lh + c[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0.0)
+    lab = tl.load(
+        LAB + slot[:, None] * stride_ls + kvh * stride_lh + c[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0.0
+    )
     score = tl.dot(q_lab, tl.trans(lab.to(q_lab.dtype)), input_precision=DOT_PREC) + 0.0  # + 0.0: -0.0 becomes +0.0
     bits = score.to(tl.int32, bitcast=True)
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    tl.store(KEYS + r.to(tl.int64) * stride_kb + head[:, None] * stride_kh + n[None, :], key, mask=g_ok[:, None] & n_ok[None, :])
+    tl.store(
+        KEYS + r.to(tl.int64) * stride_kb + head[:, None] * stride_kh + n[None, :],
+        key,
+        mask=g_ok[:, None] & n_ok[None, :],
+    )
 
 
 @triton.jit(do_not_specialize=["width", "top_k"])
@@ -154,7 +162,9 @@ def label_scores(
     bs, hq = q.shape[0], q.shape[1]
     hkv, c = labels.shape[1], labels.shape[2]
     if tuple(channels.shape) != (hkv, c):
-        raise InvalidArgumentError("channels", f"the label buffer's (heads, channels) = {(hkv, c)}", tuple(channels.shape))
+        raise InvalidArgumentError(
+            "channels", f"the label buffer's (heads, channels) = {(hkv, c)}", tuple(channels.shape)
+        )
     width = keys.shape[2]
     if bs == 0 or width == 0:
         return
