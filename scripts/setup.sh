@@ -13,6 +13,7 @@ $VPIP install -q --upgrade pip
 $VPIP install -q torch==2.13.0
 $VPIP install -q "triton==3.9.0" "numpy>=2" "pluggy>=1.3" "pytest>=8" "hypothesis>=6.100" "matplotlib>=3.7" "ruff>=0.6" "build" "ninja" "setuptools>=68" "wheel"
 $VPIP install -q -e core
+# every plugin editable (attn-sparse, plugins/sparse, included: its kernels need the Triton installed above)
 for p in plugins/*/; do
   [ -f "$p/pyproject.toml" ] || continue
   case "$p" in

@@ -51,6 +51,8 @@ KNOWN_BACKENDS: dict[str, str] = {
     "ascend": "attn-ascend",
     "cpu_amx": "attn-cpu-amx",
     "intel_amx": "attn-cpu-amx",
+    "double_sparsity": "attn-sparse",
+    "dual_chunk": "attn-sparse",
 }
 
 
