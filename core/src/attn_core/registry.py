@@ -63,6 +63,7 @@ SOURCE_FOLDERS: dict[str, str] = {
     "attn-trtllm-mla": "plugins/trtllm_mla",
     "attn-ascend": "plugins/ascend",
     "attn-cpu-amx": "plugins/cpu_amx",
+    "attn-sparse": "plugins/sparse",
 }
 
 
