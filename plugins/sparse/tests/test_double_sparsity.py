@@ -79,8 +79,8 @@ def test_top_k_at_least_the_sequence_is_dense(poisoned_empty):
     margins: list = []
     make = partial(DoubleSparsityBackend, heavy_token_num=100, sparse_decode_threshold=8, split_policy=SMALL_SPLITS)
     engine = SparseEngine(make, page_size=16, heavy_channels=chans, seed=3)
-    run_schedule(engine, ds_reference(100, 8, chans, margins))
-    assert all(not torch.isfinite(m).any() for m in margins)
+    run_schedule(engine, ds_reference(100, 8, chans, margins), SCHEDULE[:3])
+    assert margins and all(not torch.isfinite(m).any() for m in margins)
 
 
 def test_threshold_above_every_request_is_dense_over_a_plain_pool(poisoned_empty):
@@ -88,7 +88,7 @@ def test_threshold_above_every_request_is_dense_over_a_plain_pool(poisoned_empty
     label cache) is accepted and every step is dense attention."""
     make = partial(DoubleSparsityBackend, heavy_token_num=4, sparse_decode_threshold=1000, split_policy=SMALL_SPLITS)
     engine = SparseEngine(make, page_size=1, seed=4)
-    run_schedule(engine, ds_reference(4, 1000, torch.zeros(2, HKV, 1, dtype=torch.long), []))
+    run_schedule(engine, ds_reference(4, 1000, torch.zeros(2, HKV, 1, dtype=torch.long), []), SCHEDULE[:3])
 
 
 def test_gqa_group_of_three_and_one_split(poisoned_empty):
