@@ -3,7 +3,8 @@
 # installed (the lent H100/H200 machine: no network; FlashInfer comes from wheels carried in .whl/ and
 # its prebuilt kernels from .fi-cache/aot.tar.xz when present). Logs go to $OUT (default ./gpu-out).
 #   bash scripts/gpu_checks.sh [tests | tests-core tests-triton tests-fi check] [bench] [triton-bench] [verify-bench] [fi-bench] [fi-window] [mla-bench] [mla] [engine] [multi-gpu] [fi-kit fi-tests fi-speed]
-#        [sparse-kit] [sparse-tests] [sparse-bench]   (default: tests bench; sparse-* = attn-sparse's kit on cuda, its GPU tests, its benchmark;
+#        [sparse-kit = sparse-kit-ds sparse-kit-dc] [sparse-tests] [sparse-bench]   (default: tests bench;
+#   sparse-* = attn-sparse: the kit on cuda for double_sparsity / dual_chunk, its GPU tests, its benchmark;
 #   fi-kit / fi-tests / fi-speed = attn-flashinfer per FlashInfer release: FI_SITE=/tmp/site07 for 0.7.2.post1, see scripts/gpu_fi07_wheels.sh;
 #   bench = every benchmark; mla = attn-triton's MLA kernel alone: its GPU tests and the MLA benchmark without the prefill row;
 #   BENCH_ONLY=meta limits the Triton benchmark's rows; FP8_CONFIGS="n,h,w,s[,v];..." the fp8 decode tiles swept in its fp8 row)
@@ -37,7 +38,7 @@ fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 rc=0
-# `tests` = tests-core tests-triton tests-fi check sparse-kit sparse-tests; the parts fit one 600 s device call each
+# `tests` = tests-core tests-triton tests-fi check sparse-kit-ds sparse-kit-dc sparse-tests; the parts fit one 600 s device call each
 if want tests || want tests-core; then
   python3 -m pytest -q -p no:cacheprovider -m gpu core/tests tests 2>&1 | tee "$OUT/pytest_gpu_core.log" || rc=1
 fi
@@ -121,8 +122,11 @@ fi
 if want bench || want cascade-bench; then
   python3 benchmarks/cascade_attention.py --backend triton --out "$OUT/cascade_attention.json" 2>&1 | tee "$OUT/cascade_attention.log" || rc=1
 fi
-if want tests || want sparse-kit; then  # issue 41: attn-core's kit on cuda for double_sparsity and dual_chunk (their dense regimes)
-  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/sparse/tests/test_gpu_kit.py 2>&1 | tee "$OUT/sparse_kit.log" || rc=1
+if want tests || want sparse-kit || want sparse-kit-ds; then  # issue 41: attn-core's kit on cuda, double_sparsity (dense regime)
+  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/sparse/tests/test_gpu_kit.py -k DoubleSparsity 2>&1 | tee "$OUT/sparse_kit_ds.log" || rc=1
+fi
+if want tests || want sparse-kit || want sparse-kit-dc; then  # issue 41: attn-core's kit on cuda, dual_chunk (dense regime)
+  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/sparse/tests/test_gpu_kit.py -k DualChunk 2>&1 | tee "$OUT/sparse_kit_dc.log" || rc=1
 fi
 if want tests || want sparse-tests; then  # issue 41: both backends' sparse regimes on cuda (bf16/fp16, real CUDA graphs) against float64
   python3 -m pytest -q -p no:cacheprovider -m gpu plugins/sparse/tests/test_gpu.py 2>&1 | tee "$OUT/sparse_gpu.log" || rc=1

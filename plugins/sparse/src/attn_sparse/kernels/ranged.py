@@ -72,7 +72,7 @@ def capped_logits(qk, qk_scale, cap_log2, HAS_CAP: tl.constexpr):
     return qk * qk_scale
 
 
-@triton.jit(do_not_specialize=["num_slots", "num_tokens", "chunk_len"])
+@triton.jit(do_not_specialize=["num_slots", "num_tokens", "chunk_len", "num_splits"])
 def _ranged_attention_kernel(
     Q,
     stride_qt,
@@ -106,6 +106,7 @@ def _ranged_attention_kernel(
     qk_scale,
     cap_log2,
     chunk_len,
+    num_splits,
     PART: tl.constexpr,
     SLICES: tl.constexpr,
     HPS: tl.constexpr,
@@ -114,7 +115,6 @@ def _ranged_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     HAS_CAP: tl.constexpr,
     HAS_SKIP: tl.constexpr,
     STORE_LSE: tl.constexpr,
@@ -146,7 +146,7 @@ def _ranged_attention_kernel(
     hi = tl.where(row_ok, tl.minimum(hi, kv_len), 0)
     t_lo = tl.min(lo, 0)
     t_hi = tl.max(hi, 0)
-    per = (tl.maximum(t_hi - t_lo, 0) + NUM_SPLITS - 1) // NUM_SPLITS
+    per = (tl.maximum(t_hi - t_lo, 0) + num_splits - 1) // num_splits
     s_lo = t_lo + split * per
     s_hi = tl.minimum(s_lo + per, t_hi)
 
@@ -291,6 +291,7 @@ def launch_ranged(
         qk_scale,
         cap_log2,
         max(int(chunk_len), 1),
+        splits,
         PART=part,
         SLICES=geo.slices,
         HPS=geo.heads_per_slice,
@@ -299,7 +300,6 @@ def launch_ranged(
         BLOCK_N=tiles.block_n,
         BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-        NUM_SPLITS=splits,
         HAS_CAP=logit_cap > 0,
         HAS_SKIP=skip is not None,
         STORE_LSE=lse is not None,

@@ -1,7 +1,7 @@
 """Exact attention of one DECODE query per (request, q head) over the keys `select_topk` chose for it.
 
 Program (r, h, s) reads the slots `selected[r, h, :count]` (count = min(top_k, kv_len[r])), takes the s-th of
-`NUM_SPLITS` equal parts of them, and writes the part's float32 output and natural-log LSE into the partial
+`num_splits` equal parts of them, and writes the part's float32 output and natural-log LSE into the partial
 buffers `merge_splits` reads (an empty part: output 0, LSE -inf). Only requests flagged in `sparse` are
 worked on. One query row per program, so the scores are elementwise products summed in float32 (no
 `tl.dot`, whose tiles need 16 rows). Slots outside [0, num_slots) read slot 0 instead.
@@ -17,7 +17,7 @@ from attn_sparse.kernels.ranged import LN2, capped_logits, kernel_tiles, score_s
 from attn_sparse.plan import StepPlan
 
 
-@triton.jit(do_not_specialize=["num_slots", "top_k"])
+@triton.jit(do_not_specialize=["num_slots", "top_k", "num_splits"])
 def _selected_attention_kernel(
     Q,
     stride_qb,
@@ -47,7 +47,7 @@ def _selected_attention_kernel(
     v_dim,
     qk_scale,
     cap_log2,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
@@ -60,7 +60,7 @@ def _selected_attention_kernel(
         return
     kvh = h // group
     count = tl.minimum(top_k, tl.load(KV_INDPTR + r + 1) - tl.load(KV_INDPTR + r))
-    per = (tl.maximum(count, 0) + NUM_SPLITS - 1) // NUM_SPLITS
+    per = (tl.maximum(count, 0) + num_splits - 1) // num_splits
     s_lo = split * per
     s_hi = tl.minimum(s_lo + per, count)
     offs_d = tl.arange(0, BLOCK_D)
@@ -154,7 +154,7 @@ def selected_attention(
         dv,
         qk_scale,
         cap_log2,
-        NUM_SPLITS=splits,
+        splits,
         BLOCK_N=kernel_tiles(q.is_cuda).block_n,
         BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)),
