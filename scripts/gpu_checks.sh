@@ -2,7 +2,9 @@
 # Every GPU check of the project in one command, for a machine with a CUDA GPU and torch + triton
 # installed (the lent H100/H200 machine: no network; FlashInfer comes from wheels carried in .whl/ and
 # its prebuilt kernels from .fi-cache/aot.tar.xz when present). Logs go to $OUT (default ./gpu-out).
-#   bash scripts/gpu_checks.sh [tests | tests-core tests-triton tests-fi check] [bench] [triton-bench] [verify-bench] [fi-bench] [fi-window] [mla-bench] [cascade-bench] [mla] [engine] [multi-gpu] [fi-kit fi-tests fi-speed] [vision | vision-triton vision-fi vision-hf] [vision-bench]   (default: tests bench;
+#   bash scripts/gpu_checks.sh [tests | tests-core tests-triton tests-fi check] [bench] [triton-bench] [verify-bench] [fi-bench] [fi-window] [mla-bench] [cascade-bench] [mla] [engine] [multi-gpu] [fi-kit fi-tests fi-speed] [vision | vision-triton vision-fi vision-hf] [vision-bench]
+#        [sparse-kit = sparse-kit-ds sparse-kit-dc] [sparse-tests] [sparse-bench]   (default: tests bench;
+#   sparse-* = attn-sparse: the kit on cuda for double_sparsity / dual_chunk, its GPU tests, its benchmark;
 #   fi-kit / fi-tests / fi-speed = attn-flashinfer per FlashInfer release: FI_SITE=/tmp/site07 for 0.7.2.post1, see scripts/gpu_fi07_wheels.sh;
 #   vision = issue 40's GPU tests (non-causal / span / ragged checks, the vision-tower shape, HF towers); vision-bench = benchmarks/ragged_vs_peers.py;
 #   bench = every benchmark; mla = attn-triton's MLA kernel alone: its GPU tests and the MLA benchmark without the prefill row;
@@ -23,7 +25,8 @@ else
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   fi
-  python3 -m pip install -q --no-deps --no-build-isolation -e core -e plugins/triton_backend -e plugins/flashinfer_backend -e plugins/trtllm_mla || exit 1
+  python3 -m pip install -q --no-deps --no-build-isolation -e core -e plugins/triton_backend -e plugins/flashinfer_backend -e plugins/trtllm_mla \
+    -e plugins/sparse || exit 1
   if ls .fi-cache/aot*.tar.xz >/dev/null 2>&1 && python3 -c "import flashinfer" 2>/dev/null; then  # each holds aot/<module>/
     for t in .fi-cache/aot*.tar.xz; do tar -C /tmp -xJf "$t" || exit 1; done
     python3 plugins/flashinfer_backend/tools/jit_cache.py install /tmp/aot || exit 1
@@ -36,7 +39,7 @@ fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 rc=0
-# `tests` = tests-core tests-triton tests-fi check; the parts fit one 600 s device call each
+# `tests` = tests-core tests-triton tests-fi check sparse-kit-ds sparse-kit-dc sparse-tests; the parts fit one 600 s device call each
 if want tests || want tests-core; then
   python3 -m pytest -q -p no:cacheprovider -m gpu core/tests tests 2>&1 | tee "$OUT/pytest_gpu_core.log" || rc=1
 fi
@@ -136,5 +139,17 @@ if want bench || want vision-bench; then  # issue 40: the ragged op, 16 heads x 
 fi
 if want bench || want cascade-bench; then
   python3 benchmarks/cascade_attention.py --backend triton --out "$OUT/cascade_attention.json" 2>&1 | tee "$OUT/cascade_attention.log" || rc=1
+fi
+if want tests || want sparse-kit || want sparse-kit-ds; then  # issue 41: attn-core's kit on cuda, double_sparsity (dense regime)
+  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/sparse/tests/test_gpu_kit.py -k DoubleSparsity 2>&1 | tee "$OUT/sparse_kit_ds.log" || rc=1
+fi
+if want tests || want sparse-kit || want sparse-kit-dc; then  # issue 41: attn-core's kit on cuda, dual_chunk (dense regime)
+  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/sparse/tests/test_gpu_kit.py -k DualChunk 2>&1 | tee "$OUT/sparse_kit_dc.log" || rc=1
+fi
+if want tests || want sparse-tests; then  # issue 41: both backends' sparse regimes on cuda (bf16/fp16, real CUDA graphs) against float64
+  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/sparse/tests/test_gpu.py 2>&1 | tee "$OUT/sparse_gpu.log" || rc=1
+fi
+if want bench || want sparse-bench; then  # issue 41: double sparsity decode at 32k (heavy 1024) and dual chunk decode / prefill vs dense attn-triton
+  python3 benchmarks/sparse_attention.py --json "$OUT/sparse_attention.json" 2>&1 | tee "$OUT/sparse_attention.log" || rc=1
 fi
 exit $rc
