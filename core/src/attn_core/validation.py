@@ -6,7 +6,7 @@ Levels (`BackendContext.validation`):
 
 - "basic" (the default): every check that reads only Python numbers, tensor metadata (dtype, shape,
   device) and the batch's host copies (`seq_lens_cpu`, `extend_*_cpu`, `encoder_lens_cpu`). No device
-  work and no host-device sync; a handful of small CPU reductions (measured cost: docs/dev/perf-notebook.md).
+  work and no host-device sync; a handful of small CPU reductions (measured cost: docs/performance.md).
   On an accelerator the device tensors are then checked on the device by the step check
   (`attn_core.ops.step_checks`, one launch, no sync; faults surface at the next step as
   `DeviceFaultError`).
