@@ -43,7 +43,7 @@ from attn_core.errors import (
 from attn_core.forward_mode import ForwardMode
 from attn_core.graph_step import CudaGraphStep
 from attn_core.layer import AttentionLayer, AttentionType
-from attn_core.memory.pools import KVPool
+from attn_core.memory.pools import KVPool, kv_scales
 from attn_core.memory.window_pool import window_pool_of
 from attn_core.ops.device_faults import DeviceFault, DeviceFaultFlags, DeviceFaultKind
 from attn_core.ops.kv_write import CheckedSlots, guard_slots
@@ -629,6 +629,8 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
                 )
         self._check_layer(layer)
         self._check_window_pool(layer, batch)
+        if layer.k_scale is not None or layer.v_scale is not None:  # core's scale check, for every backend alike
+            kv_scales(layer, self.kv_pool(batch))
         if extras:
             if extras.get("return_lse"):
                 self.require(Feature.LSE_OUTPUT, "return_lse")

@@ -140,9 +140,11 @@ class _KVPoolBase:
         """The fault word a raw-slot write on an accelerator records into (None on the CPU, which raises)."""
         return None if self.device.type == "cpu" or not isinstance(loc, torch.Tensor) else self.device_faults.buffer
 
-    def _slots(self, loc: SlotIds) -> torch.Tensor:
-        """The slot ids a write of this pool uses (`attn_core.ops.kv_write.slot_ids`): a step's
-        `CheckedSlots` as they are, raw slots checked (CPU) or guarded (accelerators)."""
+    def resolve_slots(self, loc: SlotIds) -> torch.Tensor:
+        """The slot ids (a tensor) a write of this pool uses for `loc` (`attn_core.ops.kv_write.slot_ids`):
+        a step's `CheckedSlots` as they are, raw slots checked (CPU: `InvalidArgumentError`) or guarded
+        (accelerators: outside the pool -> the dummy slot 0, recorded in `device_faults`). A subclass that
+        writes per-slot data of its own next to the K/V indexes it with these."""
         if type(loc) is CheckedSlots and loc.num_slots == self.num_slots:
             return loc.slots
         return slot_ids(loc, self.num_slots, self._fault_word(loc))
@@ -227,7 +229,7 @@ class MHATokenToKVPool(_KVPoolBase):
         stores e4m3(x / scale) saturated (`attn_core.memory.fp8.quantize_kv`; None means 1)."""
         lid = self._check_layer(_layer_id(layer))
         k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
-        slots = self._slots(loc)
+        slots = self.resolve_slots(loc)
         cache_k = self._check_rows("cache_k", cache_k, slots, (self.head_num, self.head_dim))
         cache_v = self._check_rows("cache_v", cache_v, slots, (self.head_num, self.v_head_dim))
         layout, ps = self.kv_layout, self.page_size
@@ -282,7 +284,7 @@ class MLATokenToKVPool(_KVPoolBase):
         saturated)."""
         lid = self._check_layer(_layer_id(layer))
         k_scale = check_scale("k_scale", k_scale)
-        slots = self._slots(loc)
+        slots = self.resolve_slots(loc)
         cache_k = self._check_rows("cache_k", cache_k, slots, (1, self.head_dim))
         scatter_rows(self._view(self.kv_buffer[lid]), slots, self._store(cache_k, k_scale))
 

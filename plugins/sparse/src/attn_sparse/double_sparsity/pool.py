@@ -77,7 +77,9 @@ class DoubleSparseKVPool(MHATokenToKVPool):
         lid = layer if isinstance(layer, int) else layer.layer_id
         keys = cache_k.reshape(-1, self.head_num, self.head_dim).to(self.dtype)
         index = self.heavy_channels[lid].unsqueeze(0).expand(keys.shape[0], -1, -1)
-        self.label_buffer[lid][loc] = torch.gather(keys, 2, index)
+        # the slots the K/V went to (a step's checked slots, or raw ones checked / guarded): attn-core's
+        # one checked write (attn_core.ops.kv_write)
+        self.label_buffer[lid][self.resolve_slots(loc)] = torch.gather(keys, 2, index)
 
 
 def check_heavy_channels(channels, layer_num: int, head_num: int, head_dim: int) -> torch.Tensor:

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attn_core.ops.masked_values_triton import finite_values
 from attn_sparse.plan import StepPlan
 
 CAUSAL, INTRA, SUCC, INTER = 0, 1, 2, 3
@@ -189,7 +190,10 @@ def _ranged_attention_kernel(
             mask=n_ok[:, None] & (offs_dv[None, :] < v_dim),
             other=0.0,
         )
+        # a key a row does not see adds exactly nothing, whatever its V holds (no 0 * Inf): attn-core's helper
+        v, sees_bad = finite_values(v, visible & row_ok[:, None])
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        acc = tl.where(sees_bad[:, None] != 0, float("nan"), acc)
         m_i = m_new
 
     seen = l_i > 0

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from attn_core.errors import InvalidArgumentError
 from attn_core.ops.device_faults import DeviceFaultKind
+from attn_core.ops.masked_values_triton import finite_values  # noqa: F401  (re-exported for the kernels)
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -274,20 +275,6 @@ def finalize(m_i, l_i, acc):
 
 
 @triton.jit
-def finite_values(v, ok):
-    """A masked tile's values `v` [N, DV] with every entry that is not finite (Inf, NaN) set to 0, and
-    `seen` [M] int32: 1 for the rows of `ok` [M, N] (which row sees which key) that see a key whose
-    values held one. The tile's P·V then adds exactly nothing for a key a row does not see (p = 0 times
-    a zero, never 0 · Inf = NaN), and the caller gives a row that does see one NaN (its output is not
-    finite in exact arithmetic either). Example: v rows [1, 2], [inf, 0]; ok [[T, F], [T, T]] ->
-    v [[1, 2], [0, 0]], seen [0, 1]."""
-    finite = tl.abs(v.to(tl.float32)) < float("inf")  # False for NaN too
-    bad_key = tl.max(tl.where(finite, 0, 1), 1)
-    seen = tl.max(tl.where(ok & (bad_key[None, :] != 0), 1, 0), 1)
-    return tl.where(finite, v, tl.zeros_like(v)), seen
-
-
-@triton.jit
 def load_slots(KV_INDICES, kv_beg, n, n_ok, num_slots, bad_slots):
     """Slots (int64) of keys `n` of the request whose CSR entries start at `kv_beg`, read where `n_ok`;
     returns (slot, n_ok and the slot inside [0, num_slots), bad_slots | the keys whose slot is not):
@@ -374,7 +361,8 @@ def attend_tile(
     (rows = tokens of one q head) and the verify kernel (rows = q heads x draft tokens of one KV head).
     LAZY > 0 rescales the accumulator lazily (`lazy_softmax_step` with that slack), else on every tile.
     In MASKED tiles a key a row does not see adds exactly nothing to it whatever its V holds
-    (`finite_values`: V entries that are not finite are zeroed, a row that sees one gets NaN); unmasked
+    (`attn_core.ops.masked_values_triton.finite_values`: V entries that are not finite are zeroed, a row
+    that sees one gets NaN); unmasked
     tiles are seen whole by every row.
     Returns (acc, m_i, l_i, bad_slots | the tile's slots outside [0, num_slots))."""
     n = start + tl.arange(0, BLOCK_N)
