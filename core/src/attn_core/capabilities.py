@@ -80,6 +80,9 @@ class Requirements:
     forward_modes: frozenset[ForwardMode] = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE})
     cuda_graph: CudaGraphLevel = CudaGraphLevel.NEVER
     kv_layout: str = "NHD"
+    #: the KV pool wraps tensors the engine allocated (`attn_core.memory.EngineKVPool`: strided views, any
+    #: strides with the last dimension contiguous) instead of attn's own dense buffers
+    engine_kv: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,9 @@ class Capabilities:
     """Class-level data describing a backend. `None` in head_dims / mla_head_dims / page_sizes means
     any value. `head_dims` applies to MHA (q/k head_dim); `mla_head_dims` to MLA's latent width
     (kv_lora_rank + qk_rope_head_dim). `kv_layouts`: the KV pool layouts read ("NHD", "HND": see
-    `attn_core.memory.pools`)."""
+    `attn_core.memory.pools`). `engine_kv_layouts`: the layouts in which the backend reads and writes an
+    engine-owned KV pool (`attn_core.memory.EngineKVPool`: K and V as strided views of tensors the engine
+    allocated, e.g. halves of one fused tensor) in place, taking the buffers' strides as they are."""
 
     devices: frozenset[str]
     q_dtypes: frozenset[str]
@@ -103,6 +108,7 @@ class Capabilities:
     max_compute_capability: Optional[tuple[int, int]] = None
     cpu_isa: frozenset[str] = field(default_factory=frozenset)
     kv_layouts: frozenset[str] = frozenset({"NHD"})
+    engine_kv_layouts: frozenset[str] = frozenset()
 
     def supports(self, feature: Feature) -> bool:
         return feature in self.features
@@ -139,6 +145,8 @@ class Capabilities:
             out.append(f"attention arch {req.arch!r} not in {sorted(self.archs)}")
         if req.kv_layout not in self.kv_layouts:
             out.append(f"kv_layout {req.kv_layout} not in {sorted(self.kv_layouts)}")
+        if req.engine_kv and req.kv_layout not in self.engine_kv_layouts:
+            out.append(f"an engine-owned KV pool in layout {req.kv_layout} (engine_kv_layouts {sorted(self.engine_kv_layouts)})")
         if Feature.SLIDING_WINDOW_POOL in req.features and Feature.SLIDING_WINDOW_POOL not in self.features:
             out.append("a sliding-window KV pool (feature sliding_window_pool) not supported")
         if layout_only:
