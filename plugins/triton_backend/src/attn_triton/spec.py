@@ -46,6 +46,8 @@ CAPABILITIES = Capabilities(
         }
     ),
     cuda_graph=CudaGraphLevel.UNIFORM_BATCH,
+    #: engine-owned KV pools read in place through their strides (`attn_core.memory.EngineKVPool`)
+    engine_kv_layouts=frozenset({"NHD"}),
 )
 
 
