@@ -22,12 +22,19 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed here (bash scripts/setup.sh --vllm makes .venv-vllm)"
+    importlib.util.find_spec("vllm") is None,
+    reason="vLLM is not installed here (bash scripts/setup.sh --vllm makes .venv-vllm)",
 )
 
 RUN = Path(__file__).with_name("vllm_run.py")
 NUM_LAYERS = 2
-ENGINE = {"block_size": 32, "max_model_len": 256, "max_num_seqs": 2, "max_num_batched_tokens": 32, "enable_prefix_caching": True}
+ENGINE = {
+    "block_size": 32,
+    "max_model_len": 256,
+    "max_num_seqs": 2,
+    "max_num_batched_tokens": 32,
+    "enable_prefix_caching": True,
+}
 
 
 def _prompts() -> tuple[list[list[int]], list[int]]:
@@ -88,9 +95,23 @@ def run_engine(tmp: Path, model: Path, backend, prompts=PROMPTS, max_tokens=MAX_
     """One engine run in a fresh process (see vllm_run.py)."""
     tag = f"{backend or 'vllm'}-{len(list(tmp.glob('*.json')))}"
     spec, out = tmp / f"spec-{tag}.json", tmp / f"out-{tag}.json"
-    spec.write_text(json.dumps({"model": str(model), "backend": backend, "llm": {**ENGINE, **llm}, "prompts": prompts, "max_tokens": max_tokens}))
+    spec.write_text(
+        json.dumps(
+            {
+                "model": str(model),
+                "backend": backend,
+                "llm": {**ENGINE, **llm},
+                "prompts": prompts,
+                "max_tokens": max_tokens,
+            }
+        )
+    )
     proc = subprocess.run(
-        [sys.executable, str(RUN), str(spec), str(out)], env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=900
+        [sys.executable, str(RUN), str(spec), str(out)],
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     if proc.returncode != 0 or not out.exists():
         raise AssertionError(f"vLLM run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")

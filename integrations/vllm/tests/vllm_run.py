@@ -21,14 +21,17 @@ def _caches_kept(llm) -> bool:
     their caches (storage identity: attn read and wrote vLLM's cache, no copy of it)."""
     import gc
 
-    from attn_core import EngineKVPool
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention import Attention
+
+    from attn_core import EngineKVPool
 
     found = get_layers_from_vllm_config(llm.llm_engine.vllm_config, Attention)
     layers = {layer.kv_cache.untyped_storage().data_ptr() for layer in found.values()}
     pools = [o for o in gc.get_objects() if isinstance(o, EngineKVPool)]
-    wrapped = {t.untyped_storage().data_ptr() for pool in pools for t in pool.engine_tensors[0] + pool.engine_tensors[1]}
+    wrapped = {
+        t.untyped_storage().data_ptr() for pool in pools for t in pool.engine_tensors[0] + pool.engine_tensors[1]
+    }
     return bool(layers) and wrapped == layers
 
 

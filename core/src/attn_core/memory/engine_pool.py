@@ -49,7 +49,7 @@ def has_internal_overlap(x: torch.Tensor) -> bool:
     """Whether two index tuples of `x` may reach one memory element: sorted by stride, some dimension's
     stride is smaller than the span of the dimensions inside it (dimensions of size 1 are ignored).
 
-    Example: `torch.empty(4, 2, 8)` has none; `torch.empty(4, 8).as_strided((4, 2, 8), (8, 4, 1))` has
+    Example: `torch.empty(4, 2, 8)` has none; `torch.empty(40).as_strided((4, 2, 8), (8, 4, 1))` has
     (the two middle rows 4 elements apart each hold 8).
     """
     dims = sorted((s, n) for s, n in zip(x.stride(), x.shape) if n > 1)

@@ -25,13 +25,6 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 import torch
-from attn_core import AttentionLayer, EngineBatches, EngineKVPool, create_backend
-from attn_core.backend import AttentionBackend as AttnBackend
-from attn_core.batch import ForwardBatch
-from attn_core.capabilities import Feature
-from attn_core.context import BackendContext, dtype_name
-from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
-from attn_core.registry import default_registry
 from vllm.config import get_current_vllm_config, get_layers_from_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
@@ -47,6 +40,13 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
+from attn_core import AttentionLayer, EngineBatches, EngineKVPool, create_backend
+from attn_core.backend import AttentionBackend as AttnBackend
+from attn_core.batch import ForwardBatch
+from attn_core.capabilities import Feature
+from attn_core.context import BackendContext, dtype_name
+from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.registry import default_registry
 from attn_vllm import VALIDATION_ENV
 from attn_vllm.selection import VLLM_MODES, backend_for, engine_layouts, requirements
 from attn_vllm.stats import STATS
@@ -141,7 +141,9 @@ class AttnVllmImpl(AttentionImpl):
         if kv_sharing_target_layer_name is not None:
             raise UnsupportedFeatureError(ENGINE, "KV cache sharing between layers through attn")
         if kv_cache_dtype != "auto":
-            raise UnsupportedFeatureError(ENGINE, f"kv_cache_dtype {kv_cache_dtype!r} through attn (the model dtype only)")
+            raise UnsupportedFeatureError(
+                ENGINE, f"kv_cache_dtype {kv_cache_dtype!r} through attn (the model dtype only)"
+            )
         self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
         self.scale = float(scale)
         self.sliding_window = sliding_window if sliding_window and sliding_window > 0 else None
@@ -190,7 +192,9 @@ class AttnVllmImpl(AttentionImpl):
         STATS.attention_calls += 1
         return output
 
-    def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
+    def do_kv_cache_update(
+        self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ):
         """Write the step's new K/V into vLLM's cache: attn's write step (`save_kv`) at the step's slots."""
         m = _step_metadata(layer.layer_name)
         if m is None:
@@ -225,7 +229,9 @@ class AttnVllmMetadata:
         pool wraps (`InvalidArgumentError` naming kv_cache otherwise: attn never reads a copy)."""
         lid, alayer = self.layers[name]
         if not self.pool.is_view_of(lid, kv_cache):
-            raise InvalidArgumentError(f"kv_cache of {name}", "the cache the attn pool wraps (vLLM's own, never copied)", "other memory")
+            raise InvalidArgumentError(
+                f"kv_cache of {name}", "the cache the attn pool wraps (vLLM's own, never copied)", "other memory"
+            )
         STATS.cache_checks += 1
         return alayer
 
@@ -262,7 +268,9 @@ class AttnVllmMetadataBuilder(AttentionMetadataBuilder[AttnVllmMetadata]):
             raise InvalidArgumentError("attn backends", "one attn backend per KV-cache group", sorted(backends))
         pool = EngineKVPool.from_fused([found[n].kv_cache for n in names], kv_order="HND")
         sched, model = self.vllm_config.scheduler_config, self.vllm_config.model_config
-        batches = EngineBatches(pool, max_requests=sched.max_num_seqs, max_context_len=model.max_model_len, device=self.device)
+        batches = EngineBatches(
+            pool, max_requests=sched.max_num_seqs, max_context_len=model.max_model_len, device=self.device
+        )
         windows = [i.sliding_window for i in impls if i.sliding_window]
         ctx = BackendContext(
             device=self.device,
@@ -297,7 +305,9 @@ class AttnVllmMetadataBuilder(AttentionMetadataBuilder[AttnVllmMetadata]):
         STATS.pools.append(pool.describe())
         return _GroupState(pool, batches, backend, layers)
 
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False) -> AttnVllmMetadata:
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> AttnVllmMetadata:
         st = self._state = self._state or self._setup()
         cm = common_attn_metadata
         seq_cpu = cm.seq_lens_cpu_upper_bound if cm.seq_lens_cpu_upper_bound is not None else cm.seq_lens.cpu()

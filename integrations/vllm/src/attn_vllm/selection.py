@@ -16,7 +16,6 @@ from typing import Optional
 from attn_core.capabilities import Capabilities, Feature, Requirements
 from attn_core.forward_mode import ForwardMode
 from attn_core.registry import default_registry
-
 from attn_vllm import BACKEND_ENV
 
 #: the step modes vLLM's scheduler produces (chunked prefill mixes decodes and prefill chunks)

@@ -46,8 +46,10 @@ CAPABILITIES = Capabilities(
         }
     ),
     cuda_graph=CudaGraphLevel.UNIFORM_BATCH,
-    #: engine-owned KV pools read in place through their strides (`attn_core.memory.EngineKVPool`)
-    engine_kv_layouts=frozenset({"NHD"}),
+    #: K/V addressed through page, token and head strides (`kernels.common.paged_strides`): attn's pools in
+    #: either layout and engine-owned ones (`attn_core.memory.EngineKVPool`) read in place
+    kv_layouts=frozenset({"NHD", "HND"}),
+    engine_kv_layouts=frozenset({"NHD", "HND"}),
 )
 
 
