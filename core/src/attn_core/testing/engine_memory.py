@@ -166,7 +166,8 @@ class EngineCase:
         w = f" window={self.sliding_window}" if self.sliding_window else ""
         return (
             f"engine layout {self.layout} ({ENGINE_LAYOUTS[self.layout].what}) "
-            f"heads={self.num_q_heads}/{self.num_kv_heads} d={self.head_dim} page={self.page_size} {self.dtype} on {self.device}, K/V written by {self.write_by}{w}"
+            f"heads={self.num_q_heads}/{self.num_kv_heads} d={self.head_dim} page={self.page_size} {self.dtype} "
+            f"on {self.device}, K/V written by {self.write_by}{w}"
         )
 
 
