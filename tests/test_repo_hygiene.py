@@ -92,3 +92,29 @@ def test_dtype_name_is_public_and_round_trips():
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.int32):
         name = attn_core.dtype_name(dtype)
         assert "torch" not in name and getattr(torch, name) is dtype
+
+
+INTEGRATIONS = sorted(p.name for p in (ROOT / "integrations").iterdir() if (p / "pyproject.toml").exists())
+
+
+@pytest.mark.parametrize("integration", INTEGRATIONS)
+def test_integrations_import_no_private_attn_core_names(integration):
+    offenders = []
+    for path in sorted((ROOT / "integrations" / integration).rglob("*.py")):
+        source = path.read_text(encoding="utf-8")
+        offenders += [f"{path.relative_to(ROOT)}: {imp}" for imp in _private_core_imports(source)]
+    assert not offenders, "integrations use public attn_core names only:\n" + "\n".join(offenders)
+
+
+def test_attn_core_never_imports_an_integration():
+    """attn-core stays free of the engines it is integrated into (integrations/ depend on it, not back)."""
+    names = [f"attn_{name}" for name in INTEGRATIONS]
+    offenders = []
+    for path in sorted((ROOT / "core" / "src").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            else:
+                mods = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{path.relative_to(ROOT)}: {m}" for m in mods if m.split(".")[0] in names + ["vllm"]]
+    assert not offenders, offenders

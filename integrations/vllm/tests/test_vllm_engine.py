@@ -141,32 +141,27 @@ def check_attn_run(res: dict, backend: str, layers: int = NUM_LAYERS) -> None:
     assert all(p.startswith("EngineKVPool") for p in st["pools"]), st["pools"]
 
 
-@pytest.mark.parametrize("backend", ["torch_native", "cpu_amx"])
-def test_gqa_llama_matches_vllm_and_transformers(llama, workdir, backend):
+@pytest.mark.parametrize("backend,layout", [("torch_native", None), ("cpu_amx", "LBHNC")])
+def test_gqa_llama_matches_vllm_and_transformers(llama, workdir, backend, layout):
+    """torch_native on the layout vLLM resolves for it (LBNHC: an NHD view of each cache), cpu_amx on vLLM's
+    CPU layout LBHNC (an HND view)."""
     assert llama["vllm"]["tokens"] == llama["hf"], "vLLM's own CPU backend disagrees with transformers"
-    res = run_engine(workdir, llama["path"], backend)
+    env = {"VLLM_KV_CACHE_LAYOUT": layout} if layout else {}
+    res = run_engine(workdir, llama["path"], backend, env=env)
     assert res["tokens"] == llama["hf"]
     assert res["tokens"] == llama["vllm"]["tokens"]
     check_attn_run(res, backend)
+    view = "HND" if layout == "LBHNC" else "NHD"
+    assert all(p.startswith(f"EngineKVPool {view}") for p in res["stats"]["pools"]), res["stats"]["pools"]
     modes = res["stats"]["modes"]
     assert {"EXTEND", "DECODE", "MIXED"} <= set(modes), modes  # chunked prefill beside running decodes
     assert res["cached"][3] >= 64, res["cached"]  # the prompt sharing two blocks hit vLLM's prefix cache
-
-
-def test_hnd_layout(llama, workdir):
-    """vLLM's LBHNC layout (pages head-major: an HND view of each layer's cache) on torch_native."""
-    res = run_engine(workdir, llama["path"], "torch_native", env={"VLLM_KV_CACHE_LAYOUT": "LBHNC"})
-    assert res["tokens"] == llama["hf"]
-    check_attn_run(res, "torch_native")
-    assert all(p.startswith("EngineKVPool HND") for p in res["stats"]["pools"]), res["stats"]["pools"]
 
 
 def test_sliding_window_mistral(workdir):
     path = save_model(workdir / "mistral", "mistral")
     prompts, max_tokens = PROMPTS[:3], MAX_TOKENS[:3]
     hf = hf_tokens(path, prompts, max_tokens)
-    own = run_engine(workdir, path, None, prompts, max_tokens)
-    assert own["tokens"] == hf, "vLLM's own CPU backend disagrees with transformers"
     for backend in ("torch_native", "cpu_amx"):
         res = run_engine(workdir, path, backend, prompts, max_tokens)
         assert res["tokens"] == hf, backend

@@ -147,7 +147,8 @@ ENGINE_LAYOUTS: dict[str, EngineLayout] = _layouts()
 @dataclass(frozen=True)
 class EngineCase:
     """One engine-owned-memory run: the layout, shapes, dtype, device and how new K/V are written
-    ("save_kv": attn's write step then forward(save_kv_cache=False); "forward": forward writes them)."""
+    ("save_kv": attn's write step, then forward(q, k, v, save_kv_cache=False), k/v the new tokens' values
+    already in the cache; "forward": forward writes them)."""
 
     layout: str
     num_q_heads: int = 4
@@ -321,7 +322,7 @@ def run_engine_case(factory: Callable, case: EngineCase) -> str:
             before = w.raw.clone()
             if case.write_by == "save_kv":
                 w.backend.save_kv(k, v, layer, batch)
-                res = w.backend.forward(q, None, None, layer, batch, save_kv_cache=False, out=out[:T])
+                res = w.backend.forward(q, k, v, layer, batch, save_kv_cache=False, out=out[:T])
             else:
                 res = w.backend.forward(q, k, v, layer, batch, out=out[:T])
             where = f"step {si} ({batch.forward_mode.name}) layer {lid}: {case.describe()}"

@@ -188,7 +188,7 @@ class AttnVllmImpl(AttentionImpl):
         alayer = m.layer(layer.layer_name, kv_cache)
         T = m.batch.num_tokens
         extras = {} if self.sinks is None else {"sinks": self.sinks.to(torch.float32)}
-        m.backend.forward(query[:T], None, None, alayer, m.batch, save_kv_cache=False, out=output[:T], **extras)
+        m.backend.forward(query[:T], key[:T], value[:T], alayer, m.batch, save_kv_cache=False, out=output[:T], **extras)
         STATS.attention_calls += 1
         return output
 
