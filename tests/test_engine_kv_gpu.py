@@ -80,3 +80,27 @@ def test_engine_kv_kit_section_on_cuda(backend):
     case = EngineCase("vllm_lbhnc", num_q_heads=16, num_kv_heads=4, head_dim=128, dtype="bfloat16", device="cuda")
     for name, check in engine_hostile_checks(target, case).items():
         print(name, check())
+
+
+def test_engine_batches_build_without_a_host_sync():
+    """`EngineBatches.build` on CUDA tensors (indices unchecked, as an engine runs it) makes no host-device
+    sync: torch's sync debug mode turns any into an error."""
+    pool = ac.EngineKVPool.from_fused([torch.zeros(64, 4, 16, 256, dtype=torch.bfloat16, device="cuda")])
+    steps = ac.EngineBatches(pool, max_requests=8, max_context_len=512)
+    qsl_cpu, seq_cpu = torch.tensor([0, 1, 9], dtype=torch.int32), torch.tensor([40, 8], dtype=torch.int32)
+    tensors = dict(
+        query_start_loc=qsl_cpu.cuda(),
+        seq_lens=seq_cpu.cuda(),
+        block_table=torch.tensor([[5, 9, 3], [7, 0, 0]], dtype=torch.int32, device="cuda"),
+        slot_mapping=torch.tensor([3 * 16 + 7, *range(7 * 16, 7 * 16 + 8)], device="cuda"),
+    )
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        batch = steps.build(**tensors, query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_cpu, check_indices=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert batch.forward_mode is ac.ForwardMode.MIXED and batch.num_tokens == 9
+    assert steps.req_to_token_pool.req_to_token[0, :40].tolist() == [
+        b * 16 + i for b in (5, 9, 3) for i in range(16)
+    ][:40]

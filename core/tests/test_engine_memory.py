@@ -293,3 +293,74 @@ def test_kit_engine_section_catches_broken_backends(cls, message):
 @pytest.mark.parametrize("layout", sorted(ENGINE_LAYOUTS))
 def test_every_engine_layout_on_torch_native_with_bf16(layout):
     run_engine_case(lambda ctx: ac.create_backend("torch_native", ctx), EngineCase(layout, dtype="bfloat16", seed=3))
+
+
+@pytest.mark.parametrize("backend", ["torch_native", "triton"])
+def test_engine_batches_through_the_graph_metadata_path(backend):
+    """CUDA-graph capture / replay metadata (the calls a graph runner makes; on the CPU without capture)
+    over engine batches: the graph metadata reads the persistent table `EngineBatches.build` refreshes in
+    place, and each replayed DECODE step equals the eager step and the float64 reference."""
+    if backend == "triton":
+        from attn_core.probes import triton_interpreter_enabled
+
+        if not triton_interpreter_enabled():
+            pytest.skip("attn-triton on CPU tensors needs TRITON_INTERPRET=1")
+    from attn_core.graph_step import CudaGraphStep
+    from attn_core.testing.reference import reference_attention, relative_error
+
+    torch.manual_seed(0)
+    H, HKV, D, P = 4, 2, 32, 4
+    pool = ac.EngineKVPool.from_fused([torch.full((16, HKV, P, 2 * D), float("nan"))], kv_order="HND")
+    steps = ac.EngineBatches(pool, max_requests=4, max_context_len=32)
+    ctx = ac.BackendContext(
+        device="cpu",
+        dtype=torch.float32,
+        num_q_heads=H,
+        num_kv_heads=HKV,
+        head_dim=D,
+        page_size=P,
+        max_batch_size=4,
+        max_context_len=32,
+        req_to_token_pool=steps.req_to_token_pool,
+        token_to_kv_pool=pool,
+        cuda_graph=ac.CudaGraphLevel.UNIFORM_SINGLE_TOKEN_DECODE,
+        forward_modes={"extend", "decode"},
+    )
+    graph, eager = ac.create_backend(backend, ctx), ac.create_backend(backend, ctx)
+    layer = ac.AttentionLayer(0, H, HKV, D)
+    tables = torch.tensor([[5, 9, 2], [11, 3, 7]], dtype=torch.int32)  # scattered pages
+
+    def step(q_lens, seq):
+        qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        pos = [torch.arange(s - n, s) for s, n in zip(seq, q_lens)]
+        slots = torch.cat([tables[r][p // P] * P + p % P for r, p in enumerate(pos)])
+        s = torch.tensor(seq, dtype=torch.int32)
+        tensors = dict(query_start_loc=qsl, seq_lens=s, block_table=tables, slot_mapping=slots)
+        return steps.build(**tensors, query_start_loc_cpu=qsl, seq_lens_cpu=s), pos
+
+    prefill, _ = step([5, 3], [5, 3])  # prefill the two requests eagerly
+    prefill.attn_backend = eager
+    eager.init_forward_metadata(prefill)
+    k, v = torch.randn(8, HKV, D), torch.randn(8, HKV, D)
+    eager.forward(torch.randn(8, H, D), k, v, layer, prefill)
+    history = [[k[:5], v[:5]], [k[5:], v[5:]]]
+    graph.init_cuda_graph_state(4, 4)
+    rows, lens = torch.zeros(2, dtype=torch.int64), torch.ones(2, dtype=torch.int32)
+    graph.capture_cuda_graph_metadata(CudaGraphStep(forward_mode=ac.ForwardMode.DECODE, bs=2, req_pool_indices=rows, seq_lens=lens))
+    seq = [5, 3]
+    for _ in range(4):
+        seq = [s + 1 for s in seq]
+        batch, pos = step([1, 1], seq)
+        assert batch.forward_mode is ac.ForwardMode.DECODE
+        q, k, v = torch.randn(2, H, D), torch.randn(2, HKV, D), torch.randn(2, HKV, D)
+        graph.init_forward_metadata_replay_cuda_graph(
+            2, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_sum, None, ac.ForwardMode.DECODE, None, batch.seq_lens_cpu
+        )
+        out_graph = graph.forward(q, k, v, layer, batch).clone()
+        eager.init_forward_metadata(batch)
+        out_eager = eager.forward(q, k, v, layer, batch, save_kv_cache=False)
+        assert torch.equal(out_graph, out_eager)
+        for r in range(2):
+            history[r] = [torch.cat([history[r][0], k[r : r + 1]]), torch.cat([history[r][1], v[r : r + 1]])]
+            ref, _ = reference_attention(q[r : r + 1], *history[r], q_positions=pos[r], scale=layer.scaling)
+            assert relative_error(out_graph[r : r + 1].view(1, H, D), ref) <= 1e-5

@@ -85,7 +85,10 @@ class EngineBatches:
             raise InvalidArgumentError("max_context_len", ">= 1", max_context_len)
         self.kv_pool = kv_pool
         self.page_size = kv_pool.page_size
-        self.device = torch.device(device) if device is not None else kv_pool.device
+        dev = torch.device(device) if device is not None else kv_pool.device
+        if dev.type == "cuda" and dev.index is None:  # tensors report their index: compare like with like
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.device = dev
         width = -(-max_context_len // self.page_size) * self.page_size
         self.req_to_token_pool = ReqToTokenPool(max_requests, width, self.device)
         self.max_requests = max_requests

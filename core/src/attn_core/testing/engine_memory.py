@@ -235,6 +235,8 @@ class EngineWorld:
             if len(item) == 4:
                 src, nblocks = item[2], item[3]
                 n = nblocks * self.case.page_size
+                if n > self.lens[src]:
+                    raise ValueError(f"{name} shares {n} tokens of {src}, which has {self.lens[src]} cached")
                 self.blocks[name] = list(self.blocks[src][:nblocks])
                 self.lens[name] = n
                 self.cache[name] = [(k[:n].clone(), v[:n].clone()) for k, v in self.cache[src]]
@@ -466,8 +468,12 @@ def engine_hostile_checks(target: KitTarget, case: EngineCase) -> dict[str, Call
 
 
 def engine_page_size(page_sizes) -> int:
-    """The page size the engine cases use: 16 where declared (or any), else the largest declared."""
-    return 16 if page_sizes is None or 16 in page_sizes else max(page_sizes)
+    """The page size the engine cases use: 16 where declared (or any), else the largest declared below 16,
+    else the smallest declared (`ENGINE_STEPS` shares one whole page of a 24-token request)."""
+    if page_sizes is None or 16 in page_sizes:
+        return 16
+    below = [p for p in page_sizes if p < 16]
+    return max(below) if below else min(page_sizes)
 
 
 __all__ = [
