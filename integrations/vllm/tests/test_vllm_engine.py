@@ -3,7 +3,8 @@
 Tiny random models are saved here; each engine runs in its own process (`vllm_run.py`). Requests of
 different lengths queue behind `max_num_seqs=2`, a 32-token budget chunks the prefills (MIXED steps:
 decodes beside prefill chunks), one prompt shares two whole blocks with another (prefix caching), and a
-70-token prompt spans three 32-token blocks. Greedy tokens with attn's torch_native and cpu_amx (and
+70-token prompt spans three 32-token blocks; a Mistral has a sliding window, a gpt-oss sinks and two
+KV-cache groups. Greedy tokens with attn's torch_native and cpu_amx (and
 triton under the Triton interpreter on a short case) must equal vLLM's own CPU backend and
 `transformers`' `generate`; attn's counters must show every step's attention ran through attn, every
 layer's K/V written by attn, and vLLM's cache never copied. Runs in `.venv-vllm` (scripts/setup.sh
@@ -53,10 +54,18 @@ PROMPTS, MAX_TOKENS = _prompts()
 
 
 def save_model(path: Path, kind: str, head_dim: int = 32) -> Path:
-    """A tiny random model saved with `save_pretrained` (float32): "llama" (GQA 4/2 heads) or "mistral"
-    (the same with a 16-token sliding window)."""
+    """A tiny random model saved with `save_pretrained` (float32): "llama" (GQA 4/2 heads), "mistral" (the
+    same with a 16-token sliding window on every layer) or "gpt_oss" (attention sinks, random, on every
+    layer; a 16-token window on layer 0, full attention on layer 1: two KV-cache groups in vLLM; 4 experts)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    from transformers import (
+        GptOssConfig,
+        GptOssForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+    )
 
     torch.manual_seed(0)
     common = dict(
@@ -72,6 +81,15 @@ def save_model(path: Path, kind: str, head_dim: int = 32) -> Path:
     )
     if kind == "mistral":
         model = MistralForCausalLM(MistralConfig(sliding_window=16, **common))
+    elif kind == "gpt_oss":
+        layer_types = ["sliding_attention", "full_attention"]
+        config = GptOssConfig(
+            num_local_experts=4, num_experts_per_tok=2, sliding_window=16, layer_types=layer_types, **common
+        )
+        model = GptOssForCausalLM(config).float()
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_()
     else:
         model = LlamaForCausalLM(LlamaConfig(**common))
     model.save_pretrained(path)
@@ -130,11 +148,12 @@ def llama(workdir) -> dict:
     return {"path": path, "hf": hf_tokens(path, PROMPTS, MAX_TOKENS), "vllm": run_engine(workdir, path, None)}
 
 
-def check_attn_run(res: dict, backend: str, layers: int = NUM_LAYERS) -> None:
-    """attn ran every step's attention and K/V writes, in place in vLLM's cache."""
+def check_attn_run(res: dict, backend: str, groups: int = 1) -> None:
+    """attn ran every step's attention and K/V writes, in place in vLLM's cache (`groups` KV-cache groups,
+    one metadata build each per step, the model's layers split evenly among them)."""
     st = res["stats"]
-    assert st["backends"] == [backend]
-    assert st["steps"] > 0 and st["attention_calls"] == st["steps"] * layers, st
+    assert st["backends"] == [backend] and len(st["pools"]) == groups, st
+    assert st["steps"] > 0 and st["attention_calls"] == st["steps"] * NUM_LAYERS // groups, st
     assert st["kv_writes"] == st["attention_calls"], st
     assert st["cache_checks"] == 2 * st["attention_calls"], st  # one identity check per write and per attention call
     assert res["caches"], "the attn pools do not wrap the memory vLLM's layers hold"
@@ -161,11 +180,22 @@ def test_gqa_llama_matches_vllm_and_transformers(llama, workdir, backend, layout
 def test_sliding_window_mistral(workdir):
     path = save_model(workdir / "mistral", "mistral")
     prompts, max_tokens = PROMPTS[:3], MAX_TOKENS[:3]
-    hf = hf_tokens(path, prompts, max_tokens)
-    for backend in ("torch_native", "cpu_amx"):
-        res = run_engine(workdir, path, backend, prompts, max_tokens)
-        assert res["tokens"] == hf, backend
-        check_attn_run(res, backend)
+    res = run_engine(workdir, path, "cpu_amx", prompts, max_tokens)
+    assert res["tokens"] == hf_tokens(path, prompts, max_tokens)
+    check_attn_run(res, "cpu_amx")
+
+
+@pytest.mark.parametrize("backend", ["torch_native", "cpu_amx"])
+def test_sinks_and_hybrid_windows_gpt_oss(workdir, backend):
+    """Attention sinks on every layer, a window on one layer and full attention on the other (vLLM makes a
+    KV-cache group of each, so two attn pools and backends), against `generate`."""
+    path = workdir / "gpt_oss"
+    if not path.exists():
+        save_model(path, "gpt_oss")
+    prompts, max_tokens = PROMPTS[:3], MAX_TOKENS[:3]
+    res = run_engine(workdir, path, backend, prompts, max_tokens)
+    assert res["tokens"] == hf_tokens(path, prompts, max_tokens)
+    check_attn_run(res, backend, groups=2)
 
 
 def test_triton_interpreter_short(llama, workdir):
