@@ -165,7 +165,8 @@ def test_gqa_llama_matches_vllm_and_transformers(llama, workdir, backend, layout
     """torch_native on the layout vLLM resolves for it (LBNHC: an NHD view of each cache), cpu_amx on vLLM's
     CPU layout LBHNC (an HND view)."""
     assert llama["vllm"]["tokens"] == llama["hf"], "vLLM's own CPU backend disagrees with transformers"
-    env = {"VLLM_KV_CACHE_LAYOUT": layout} if layout else {}
+    # torch_native under attn's full batch validation (the device tensors of every step checked too)
+    env = {"VLLM_KV_CACHE_LAYOUT": layout} if layout else {"ATTN_VLLM_VALIDATION": "full"}
     res = run_engine(workdir, llama["path"], backend, env=env)
     assert res["tokens"] == llama["hf"]
     assert res["tokens"] == llama["vllm"]["tokens"]
