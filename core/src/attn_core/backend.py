@@ -22,6 +22,7 @@ import torch
 
 from attn_core.batch import ForwardBatch, SpecInfo
 from attn_core.capabilities import Capabilities, Feature
+from attn_core.cascade import check_cascade_prefix
 from attn_core.context import BackendContext
 from attn_core.errors import DeviceIndexError, IncompatibleBackendError, InvalidArgumentError, StaleMetadataError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
@@ -119,8 +120,6 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         level = self.ctx.validation
         check_forward_batch(b, self.req_to_token(b), self.kv_pool(b), self.ctx, level=level)
         if b.cascade_prefix_len:
-            from attn_core.cascade import check_cascade_prefix  # here: attn_core.cascade imports the wrappers package
-
             check_cascade_prefix(b)
         if level == FULL:
             fault = self.poll_device_fault()

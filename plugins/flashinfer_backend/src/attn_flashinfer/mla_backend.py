@@ -32,6 +32,7 @@ import torch
 
 from attn_core.backend import AttentionBackend
 from attn_core.batch import ForwardBatch
+from attn_core.chunked_prefill import prefill_lengths
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 from attn_core.graph_step import CudaGraphStep
@@ -51,7 +52,6 @@ from attn_flashinfer.mla_steps import (
     uniform_q_len,
 )
 from attn_flashinfer.mla_works import StepWorks, WorkLaunch, WorkLayout, cluster_size, fits, work_layout
-from attn_flashinfer.prefill_plan import prefill_lengths
 from attn_flashinfer.scratch import DeviceScratch
 from attn_flashinfer.steps import StepInputs, eager_inputs
 

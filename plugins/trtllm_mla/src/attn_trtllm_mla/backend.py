@@ -20,10 +20,10 @@ from typing import Optional
 import torch
 
 from attn_core.batch import ForwardBatch
+from attn_core.chunked_prefill import ChunkedPrefillPlan
 from attn_core.errors import UnsupportedFeatureError
 from attn_flashinfer.mla_backend import FlashInferMLABackend, MLAGraph, MLAStep
 from attn_flashinfer.mla_steps import uniform_q_len
-from attn_flashinfer.prefill_plan import ChunkedPrefillPlan
 from attn_flashinfer.steps import StepInputs
 from attn_trtllm_mla import kernel
 from attn_trtllm_mla.args import decode_kwargs, fold_scales

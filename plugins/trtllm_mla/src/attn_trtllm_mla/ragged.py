@@ -36,8 +36,8 @@ import torch
 
 from attn_core.batch import ForwardBatch
 from attn_core.chunk_plan import Partial, PrefixChunk, chunk_slots, plan_prefix_chunks
+from attn_core.chunked_prefill import ChunkedPrefillPlan, prefill_lengths
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
-from attn_flashinfer.prefill_plan import ChunkedPrefillPlan, prefill_lengths
 from attn_trtllm_mla.args import Scales, fold_scales
 
 #: (qk_head_dim, v_head_dim) pairs the ragged kernel builds (DeepSeek's 192/128, and 128/128).
