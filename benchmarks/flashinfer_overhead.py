@@ -150,14 +150,14 @@ def bench(name: str, mode: str, reqs, iters: int, rounds: int, validation: str =
     common = dict(window_left=-1, logits_soft_cap=None, sm_scale=layer.scaling, q_data_type=DTYPE, kv_data_type=DTYPE, non_blocking=True)
     if plan.decode is not None:
         kv = step.kv["seq"]
-        w = BatchDecodeWithPagedKVCacheWrapper(backend.workspace, "NHD", use_tensor_cores=True, backend="fa2")
+        w = BatchDecodeWithPagedKVCacheWrapper(backend.planner.workspace, "NHD", use_tensor_cores=True, backend="fa2")
 
         def fi_plan():
             w.plan(kv.indptr, kv.indices, kv.last_page_len, HQ, HKV, D, PAGE, seq_lens=kv.kv_lens, **common)
     else:
         kv, qo = step.kv["prefix"], step.qo.indptr
-        wr = BatchPrefillWithRaggedKVCacheWrapper(backend.workspace, "NHD", backend="fa2")
-        wp = BatchPrefillWithPagedKVCacheWrapper(backend.workspace, "NHD", backend="fa2")
+        wr = BatchPrefillWithRaggedKVCacheWrapper(backend.planner.workspace, "NHD", backend="fa2")
+        wp = BatchPrefillWithPagedKVCacheWrapper(backend.planner.workspace, "NHD", backend="fa2")
 
         def fi_plan():
             wr.plan(qo, qo, HQ, HKV, D, causal=True, **common)
@@ -192,9 +192,9 @@ def bench(name: str, mode: str, reqs, iters: int, rounds: int, validation: str =
 
         replay_meta()
         res["graph_replay_metadata_host_us"] = statistics.median(host_time_us(replay_meta, 20 * rounds))
-        backend.lean_replan = False
+        backend.planner.lean_replan = False
         res["graph_replay_metadata_public_plan_host_us"] = statistics.median(host_time_us(replay_meta, 20 * rounds))
-        backend.lean_replan = True
+        backend.planner.lean_replan = True
     backend.init_forward_metadata(batch)
     res["breakdown_host_us"] = breakdown(backend, batch, backend.forward_metadata, backend.forward_metadata.plans[key], fi_plan)
     return res
@@ -207,7 +207,7 @@ def breakdown(backend, batch, step, plan, fi_plan) -> dict:
     from attn_flashinfer.indices import build_paged_kv, query_layout
 
     which = "seq" if plan.decode is not None else "prefix"
-    kv, qo, key, dims = step.kv[which], step.qo, next(iter(step.plans)), backend.dims
+    kv, qo, key, dims = step.kv[which], step.qo, next(iter(step.plans)), backend.planner.dims
     lens_dev = batch.seq_lens if which == "seq" else batch.extend_prefix_lens
     lens_cpu = batch.seq_lens_cpu if which == "seq" else batch.extend_prefix_lens_cpu
     r2t, rpi, total, bs = batch.req_to_token_pool.req_to_token, batch.req_pool_indices, kv.num_pages, batch.batch_size
@@ -218,9 +218,9 @@ def breakdown(backend, batch, step, plan, fi_plan) -> dict:
         return kvi.kv_indices_from_req_to_token(r2t, rpi, indptr, total, page_size=PAGE)
 
     def public_plans():
-        backend.lean_replan = False
+        backend.planner.lean_replan = False
         backend.init_forward_metadata(batch)
-        backend.lean_replan = True
+        backend.planner.lean_replan = True
 
     def lean():
         if plan.decode is not None:

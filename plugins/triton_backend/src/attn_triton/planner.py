@@ -198,16 +198,18 @@ class StepPlanner:
                 return ExtendPath(ln, qo_indptr, max_q_len, keys, custom_mask=mask, mask_indptr=mask_indptr)
             return ExtendPath(ln, qo_indptr, max_q_len, keys, custom_mask=mask, mask_indptr=mask_indptr, verify_len=same)
 
-        cascade_path = None
+        cascade_path = local_path = None
         if cascade is not None:
             suffix = ExtendPath(ln, qo_indptr, max_q_len, cascade.suffix, custom_mask=mask, mask_indptr=mask_indptr)
             cascade_path = CascadePath(ln, cascade, suffix)
+        if local is not None:
+            local_path = ExtendPath(ln, local.qo_indptr, local.max_q_len, local.kv, custom_mask=mask, mask_indptr=mask_indptr)
         return StepPlan(
             False,
             kv,
             over(kv),
             cross=None if cross is None else ExtendPath(ln, qo_indptr, max_q_len, cross, causal=False),
-            local=None if local is None else ExtendPath(ln, local.qo_indptr, local.max_q_len, local.kv, custom_mask=mask, mask_indptr=mask_indptr),
+            local=local_path,
             chunk=self.ctx.attention_chunk_size,
             window=None if window_kv is None else over(window_kv),
             window_pool=window_pool,

@@ -56,7 +56,7 @@ RaggedKernel = Callable[[dict], tuple[torch.Tensor, torch.Tensor]]
 def uses_ragged_kernel(kernel: Optional[str], qk_head_dim: int, v_head_dim: int) -> bool:
     """Whether DeepSeek's prefill goes through TRT-LLM's ragged prefill: on the trtllm-gen kernels
     (`kernel.kernel_for`: compute capability 10.x, bf16) for the head dims it builds; otherwise the
-    parent's FlashInfer ragged wrappers serve. Examples: ("trtllm-gen", 192, 128) -> True;
+    fallback's FlashInfer ragged wrappers serve. Examples: ("trtllm-gen", 192, 128) -> True;
     ("trtllm-gen", 192, 64) -> False; (None, 192, 128) -> False."""
     return kernel == "trtllm-gen" and (qk_head_dim, v_head_dim) in RAGGED_HEAD_DIMS
 
