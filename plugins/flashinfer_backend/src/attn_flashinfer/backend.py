@@ -218,6 +218,11 @@ class FlashInferBackend(AttentionBackend[Union[Step, mixed.SplitStep]]):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache, **extras)
 
+    def describe_path(self, layer, forward_batch) -> Optional[str]:
+        """The wrappers `layer` runs in this step (its plan's `path`)."""
+        step = self.forward_metadata
+        return None if step is None else step.plan_of(layer).path
+
     def _forward(self, q, k, v, layer, batch, save_kv_cache, return_lse=False):
         scales = kv_scales(layer, self.ctx.token_to_kv_pool)  # typed error for a bad scale, before any write
         plan = self.forward_metadata.plan_of(layer)

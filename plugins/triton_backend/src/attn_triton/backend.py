@@ -175,6 +175,12 @@ class TritonAttnBackend(AttentionBackend[StepPlan]):
         k_buf, v_buf = self._save_and_buffers(q, k, v, layer, forward_batch, save_kv_cache, sinks)
         return path.run(q, k_buf, v_buf, layer, sinks, return_lse)
 
+    def describe_path(self, layer, forward_batch) -> Optional[str]:
+        """The kernels `layer` runs in this step (`plans.StepPlan.describe`; a cascade step's layer called
+        with sinks runs unsplit, which this, not knowing the call's sinks, does not say)."""
+        plan = self.forward_metadata
+        return None if plan is None else plan.describe(layer)
+
     def _plan(self, decode: bool) -> StepPlan:
         plan = self.forward_metadata
         if plan is None or plan.decode is not decode:
