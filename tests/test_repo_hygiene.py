@@ -129,13 +129,14 @@ def _foreign_subclasses(source: str, own: str, foreign: set[str]) -> list[str]:
     m` then `class D(m.C)`."""
     tree = ast.parse(source)
     names, modules = set(), set()  # local names bound to another plugin's classes / modules
+    others = foreign - {own}
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] in foreign - {own}:
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] in others:
             for a in node.names:
                 (names if a.name[:1].isupper() else modules).add(a.asname or a.name)
         elif isinstance(node, ast.Import):
             for a in node.names:
-                if a.name.split(".")[0] in foreign - {own}:
+                if a.name.split(".")[0] in others:
                     modules.add(a.asname or a.name.split(".")[0])
     found = []
     for node in ast.walk(tree):
@@ -153,21 +154,30 @@ def _foreign_subclasses(source: str, own: str, foreign: set[str]) -> list[str]:
 
 def test_the_plugin_scans_find_what_they_must():
     foreign = {"attn_a", "attn_b"}
-    src = "from attn_b.backend import _Step, Public\nimport attn_b._impl\nfrom attn_b._x import y\nfrom attn_a.m import _own\n"
+    src = (
+        "from attn_b.backend import _Step, Public\nimport attn_b._impl\nfrom attn_b._x import y\n"
+        "from attn_a.m import _own\n"
+    )
     assert _foreign_private_imports(src, "attn_a", foreign) == [
         "from attn_b.backend import _Step",
         "attn_b._impl",
         "from attn_b._x import ...",
     ]
     sub = (
-        "from attn_b.backend import Base\nimport attn_b.mla as mla\nfrom attn_b import plans\nfrom attn_a.x import Own\n"
-        "class A(Base): ...\nclass B(mla.Backend): ...\nclass C(plans.Plan): ...\nclass D(Own): ...\nclass E(object): ...\n"
+        "from attn_b.backend import Base\nimport attn_b.mla as mla\nfrom attn_b import plans\n"
+        "from attn_a.x import Own\n"
+        "class A(Base): ...\nclass B(mla.Backend): ...\nclass C(plans.Plan): ...\n"
+        "class D(Own): ...\nclass E(object): ...\n"
     )
-    assert _foreign_subclasses(sub, "attn_a", foreign) == ["class A(Base)", "class B(mla.Backend)", "class C(plans.Plan)"]
+    want = ["class A(Base)", "class B(mla.Backend)", "class C(plans.Plan)"]
+    assert _foreign_subclasses(sub, "attn_a", foreign) == want
     assert _foreign_private_imports("from attn_b.backend import Public\n", "attn_a", foreign) == []
 
 
-@pytest.mark.parametrize("plugin", sorted(p.name for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").exists()))
+PLUGINS = sorted(p.name for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").exists())
+
+
+@pytest.mark.parametrize("plugin", PLUGINS)
 def test_plugins_use_no_private_name_and_no_class_of_another_plugin(plugin):
     """A plugin may use another plugin's public names (attn-trtllm-mla holds attn-flashinfer's MLA backend
     through its documented extension point) but none of its `_`-prefixed names (in any of its files), and

@@ -40,7 +40,9 @@ class GraphCaptures(Generic[E]):
 
     def __init__(self, name: str, max_bs: int, max_num_tokens: int, modes: Iterable[ForwardMode] = DECODE_AND_VERIFY):
         if max_bs < 1 or max_num_tokens < max_bs:
-            raise InvalidArgumentError("max_bs/max_num_tokens", "max_bs >= 1 and max_num_tokens >= max_bs", (max_bs, max_num_tokens))
+            raise InvalidArgumentError(
+                "max_bs/max_num_tokens", "max_bs >= 1 and max_num_tokens >= max_bs", (max_bs, max_num_tokens)
+            )
         self.name = name
         self.max_bs = max_bs
         self.max_num_tokens = max_num_tokens

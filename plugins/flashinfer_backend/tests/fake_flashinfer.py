@@ -368,8 +368,13 @@ mla = types.SimpleNamespace(BatchMLAPagedAttentionWrapper=BatchMLAPagedAttention
 
 #: the modules that import flashinfer (re-imported over the stand-in while it is installed)
 USERS = (
-    "attn_flashinfer.plans", "attn_flashinfer.planner", "attn_flashinfer.mixed", "attn_flashinfer.backend", "attn_flashinfer.mla_plans",
-    "attn_flashinfer.mla_prefill", "attn_flashinfer.mla_backend",
+    "attn_flashinfer.plans",
+    "attn_flashinfer.planner",
+    "attn_flashinfer.mixed",
+    "attn_flashinfer.backend",
+    "attn_flashinfer.mla_plans",
+    "attn_flashinfer.mla_prefill",
+    "attn_flashinfer.mla_backend",
 )
 
 
@@ -382,7 +387,7 @@ def installed(users: tuple[str, ...] = ()):
     spec.loader.exec_module(fake)
     replaced = ("flashinfer", "flashinfer.cascade", "flashinfer.mla", *USERS, *users)
     saved = {name: sys.modules.pop(name, None) for name in replaced}
-    sys.modules["flashinfer"], sys.modules["flashinfer.cascade"], sys.modules["flashinfer.mla"] = fake, fake.cascade, fake.mla
+    sys.modules.update({"flashinfer": fake, "flashinfer.cascade": fake.cascade, "flashinfer.mla": fake.mla})
     try:
         yield fake
     finally:

@@ -26,7 +26,8 @@ requires_gpu = pytest.mark.skipif(REASON is not None, reason=f"flashinfer backen
 
 
 class TestConformanceOnCuda(ConformanceSuite):
-    """attn-core's conformance kit on cuda at the quick sizes (skipped, with the probe's reason, where the backend cannot run)."""
+    """attn-core's conformance kit on cuda at the quick sizes (skipped, with the probe's reason, where the
+    backend cannot run)."""
 
     backend = "flashinfer"
     device = "cuda"
@@ -438,4 +439,5 @@ def test_lean_replans_match_flashinfers_own_plan(page_size, monkeypatch):
                 assert w._qo_indptr_last == want[name]._qo_indptr_last, f"step {s} ({mode.name}) {name}: q rows"
         release_forward_batch(batch, alloc)
     assert len(lean_calls) > 10  # the sequence did re-plan lean
-    assert not {id(w) for w in lean_calls} & {id(w) for w in public.planner._eager_wrappers.values()}  # lean_replan=False did not
+    public_wrappers = {id(w) for w in public.planner._eager_wrappers.values()}
+    assert not {id(w) for w in lean_calls} & public_wrappers  # lean_replan=False did not

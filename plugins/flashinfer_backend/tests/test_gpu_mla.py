@@ -43,7 +43,8 @@ requires_lean_mla = pytest.mark.skipif(_lean_mla_reason() is not None, reason=st
 
 
 class TestConformanceOnCuda(ConformanceSuite):
-    """attn-core's conformance kit on cuda at the quick sizes (skipped, with the probe's reason, where the backend cannot run)."""
+    """attn-core's conformance kit on cuda at the quick sizes (skipped, with the probe's reason, where the
+    backend cannot run)."""
 
     backend = "flashinfer_mla"
     device = "cuda"

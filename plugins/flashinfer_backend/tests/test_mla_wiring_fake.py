@@ -201,7 +201,8 @@ def test_composed_backend_passes_the_kit_graph_and_step_checks(mla_factory):
     from attn_core.testing.outcome import execute
 
     plan = make_plan(_composed(mla_factory), device="cpu", quick=True)
-    checks = [c for c in plan.checks if c.id.split("-")[0] in ("graph", "mode", "steps") and plan.skip_reason(c.id) is None]
+    kinds = ("graph", "mode", "steps")
+    checks = [c for c in plan.checks if c.id.split("-")[0] in kinds and plan.skip_reason(c.id) is None]
     assert any(c.id.startswith("graph-") for c in checks), [c.id for c in plan.checks]
     for check in checks:
         outcome = execute(check)

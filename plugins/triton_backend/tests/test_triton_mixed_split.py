@@ -150,7 +150,8 @@ def test_engine_steps_split_and_unsplit_agree(page_size, dtype):
         for s in (True, False)
     ]
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    seen = compare_over_steps(worlds, MIXED_STEPS, seed=page_size, tol=tol, observe=lambda w: type(w.backend.forward_metadata.plain))
+    path_kind = lambda w: type(w.backend.forward_metadata.plain)  # noqa: E731
+    seen = compare_over_steps(worlds, MIXED_STEPS, seed=page_size, tol=tol, observe=path_kind)
     assert [mode for mode, _, _ in seen] == ["EXTEND", "MIXED", "MIXED", "MIXED", "DECODE", "MIXED"]
     assert all((split, unsplit) == (MixedPath, ExtendPath) for mode, split, unsplit in seen if mode == "MIXED")
 

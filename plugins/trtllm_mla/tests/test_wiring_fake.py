@@ -11,18 +11,36 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-import torch
 
 from attn_core.testing.harness import AttnCase, assert_case
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is not None, reason="the real flashinfer is installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("flashinfer") is not None, reason="the real flashinfer is installed"
+)
 
-MLA = dict(arch="mla", kv_lora_rank=512, qk_rope_head_dim=64, head_dim=576, num_kv_heads=1, num_q_heads=4, dtype="bfloat16", device="cpu")
+MLA = dict(
+    arch="mla",
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    head_dim=576,
+    num_kv_heads=1,
+    num_q_heads=4,
+    dtype="bfloat16",
+    device="cpu",
+)
 
 #: (case, q_len of each TRT-LLM call it makes per layer and step; empty: the fallback serves it)
 CASES = {
-    "decode": (AttnCase("DECODE", [(40, 1), (0, 1), (90, 1), (3, 1), (64, 1)], page_size=32, steps=((0, 1), (2, 3, 4)), **MLA), 1),
-    "verify-chain": (AttnCase("TARGET_VERIFY", [(33, 3), (5, 3), (60, 3)], page_size=64, custom_mask=False, steps=((0,), (1, 2)), **MLA), 3),
+    "decode": (
+        AttnCase("DECODE", [(40, 1), (0, 1), (90, 1), (3, 1), (64, 1)], page_size=32, steps=((0, 1), (2, 3, 4)), **MLA),
+        1,
+    ),
+    "verify-chain": (
+        AttnCase(
+            "TARGET_VERIFY", [(33, 3), (5, 3), (60, 3)], page_size=64, custom_mask=False, steps=((0,), (1, 2)), **MLA
+        ),
+        3,
+    ),
     "draft-extend-uniform": (AttnCase("DRAFT_EXTEND", [(20, 2), (7, 2), (31, 2)], page_size=32, **MLA), 2),
     "draft-extend-ragged": (AttnCase("DRAFT_EXTEND", [(20, 1), (7, 3), (31, 2)], page_size=32, **MLA), None),
     "extend-prefix": (AttnCase("EXTEND", [(0, 9), (13, 5), (6, 1)], page_size=32, steps=((0, 1), (2,)), **MLA), None),

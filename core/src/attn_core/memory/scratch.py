@@ -46,7 +46,9 @@ class DeviceScratch:
             buf = self._bufs[name] = torch.empty(max(self.min_entries, 2 * n), dtype=dtype, device=self.device)
         return buf
 
-    def carve(self, name: str, n: int, key: Hashable, make: Callable[[torch.Tensor], V], dtype: torch.dtype = torch.int32) -> V:
+    def carve(
+        self, name: str, n: int, key: Hashable, make: Callable[[torch.Tensor], V], dtype: torch.dtype = torch.int32
+    ) -> V:
         """`make(buffer)` for buffer `name` of at least `n` entries, made once per `key` (e.g. a batch
         size) and handed out again while the buffer stays the same object.
 

@@ -32,12 +32,16 @@ def check_merge_args(
         raise InvalidArgumentError("o_a", f"a float dtype among {_FLOAT_DTYPES}", o_a.dtype)
     T, H, _ = o_a.shape
     if o_b.shape != o_a.shape or o_b.dtype != o_a.dtype:
-        raise InvalidArgumentError("o_b", f"shape {tuple(o_a.shape)} and dtype {o_a.dtype} like o_a", (tuple(o_b.shape), o_b.dtype))
+        raise InvalidArgumentError(
+            "o_b", f"shape {tuple(o_a.shape)} and dtype {o_a.dtype} like o_a", (tuple(o_b.shape), o_b.dtype)
+        )
     for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
         if tuple(lse.shape) != (T, H) or lse.dtype != torch.float32:
             raise InvalidArgumentError(name, f"float32 of shape ({T}, {H})", (tuple(lse.shape), lse.dtype))
     if out is not None and (out.shape != o_a.shape or out.dtype != o_a.dtype):
-        raise InvalidArgumentError("out", f"shape {tuple(o_a.shape)} and dtype {o_a.dtype}", (tuple(out.shape), out.dtype))
+        raise InvalidArgumentError(
+            "out", f"shape {tuple(o_a.shape)} and dtype {o_a.dtype}", (tuple(out.shape), out.dtype)
+        )
     if out_lse is not None and (tuple(out_lse.shape) != (T, H) or out_lse.dtype != torch.float32):
         raise InvalidArgumentError("out_lse", f"float32 of shape ({T}, {H})", (tuple(out_lse.shape), out_lse.dtype))
     for name, t in (("o_b", o_b), ("lse_a", lse_a), ("lse_b", lse_b), ("out", out), ("out_lse", out_lse)):

@@ -109,7 +109,8 @@ class AscendBackend(AttentionBackend[AscendMetadata]):
         cols = pages_for(max_len, self.page_size)
         if cols > tables.shape[1]:
             raise InvalidArgumentError("seq_lens", f"<= max_context_len {self.ctx.max_context_len}", max_len)
-        page_table_from_req_to_token(self.req_to_token(), step.req_pool_indices, step.seq_lens, self.page_size, tables.shape[1], out=tables)
+        r2t, width = self.req_to_token(), tables.shape[1]
+        page_table_from_req_to_token(r2t, step.req_pool_indices, step.seq_lens, self.page_size, width, out=tables)
         q_cumsum = [t * (i + 1) for i in range(bs)]
         return AscendMetadata(tables, torch.tensor(seq, dtype=torch.int32), seq, q_cumsum, graph_mode=True)
 

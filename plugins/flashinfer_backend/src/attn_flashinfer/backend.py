@@ -144,9 +144,10 @@ class FlashInferBackend(AttentionBackend[Union[Step, mixed.SplitStep]]):
         dev, ctx = self.device, self.ctx
 
         def index_buffers(page_size: int) -> dict:
+            pages = max_bs * pages_for(ctx.max_context_len, page_size)
             return dict(
                 kv_indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),
-                kv_indices=torch.zeros(max_bs * pages_for(ctx.max_context_len, page_size), dtype=torch.int32, device=dev),
+                kv_indices=torch.zeros(pages, dtype=torch.int32, device=dev),
                 last_page_len=torch.zeros(max_bs, dtype=torch.int32, device=dev),
             )
 

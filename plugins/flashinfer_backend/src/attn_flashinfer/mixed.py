@@ -69,7 +69,8 @@ class SplitStep:
         key = planner.layer_key(layer, None)
         plan = self.plans.get(key)
         if plan is None:
-            plan = self.plans[key] = MixedPlan(self, planner.plan_for(self.decode, key), planner.plan_for(self.prefill, key))
+            decode, prefill = planner.plan_for(self.decode, key), planner.plan_for(self.prefill, key)
+            plan = self.plans[key] = MixedPlan(self, decode, prefill)
         return plan
 
 

@@ -72,7 +72,7 @@ from attn_flashinfer.mla_prefill import PrefillPlan, PrefillWrappers
 from attn_flashinfer.mla_spec import CAPABILITIES
 from attn_flashinfer.mla_steps import MLADims, MLAGraphBuffers, check_capacity, check_mla_context, refuse_tree_mask
 from attn_flashinfer.mla_works import StepWorks, WorkLaunch, WorkLayout, cluster_size, fits, work_layout
-from attn_flashinfer.steps import StepInputs, eager_inputs
+from attn_flashinfer.steps import StepInputs, eager_inputs, refuse_while_capturing
 
 
 @dataclass
@@ -353,10 +353,7 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         scaling = float(layer.scaling)
         w = step.wrappers.get(scaling)
         if w is None:
-            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise InvalidArgumentError(
-                    "layer", "layer scalings met before CUDA-graph capture (run the captured batch once eagerly first)", scaling
-                )
+            refuse_while_capturing(self.device, "layer scalings", scaling)
             w = step.wrappers[scaling] = self._planned(step, scaling)
             self.known_scalings[scaling] = None
         return w
@@ -365,10 +362,11 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         self.graphs = GraphCaptures(self.name, max_bs, max_num_tokens)
         dev = self.device
+        pages = max_bs * pages_for(self.ctx.max_context_len, self.page_size)
         self._graph_buffers = MLAGraphBuffers(
             qo_indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),
             kv_indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),
-            kv_indices=torch.zeros(max_bs * pages_for(self.ctx.max_context_len, self.page_size), dtype=torch.int32, device=dev),
+            kv_indices=torch.zeros(pages, dtype=torch.int32, device=dev),
             kv_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
         )
 
@@ -412,7 +410,8 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         inputs = self._graph_step_inputs(step, old.inputs.num_tokens, step.host_seq_lens())
         state = self._new_step(inputs, graph, list(old.wrappers))  # the scalings the graph holds kernels of
         if graph.device_works and state.works is None:  # the graph reads the work buffer this step did not write
-            raise InvalidArgumentError("seq_lens", f"a batch the device work list serves, as the one captured for bs={step.bs}", None)
+            expected = f"a batch the device work list serves, as the one captured for bs={step.bs}"
+            raise InvalidArgumentError("seq_lens", expected, None)
         graphs.update(step, (state, graph))
         return state
 

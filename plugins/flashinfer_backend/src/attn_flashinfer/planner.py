@@ -27,10 +27,17 @@ from attn_core.layer import AttentionLayer
 from attn_core.memory.scratch import DeviceScratch
 from attn_core.memory.window_pool import SlidingWindowKVPool
 from attn_flashinfer import plans
-from attn_flashinfer.indices import PagedKV, QueryLayout, any_positive, build_paged_kv, query_layout, self_attention_page_size
+from attn_flashinfer.indices import (
+    PagedKV,
+    QueryLayout,
+    any_positive,
+    build_paged_kv,
+    query_layout,
+    self_attention_page_size,
+)
 from attn_flashinfer.local_kv import LocalKeys, build_local_decode_kv, build_local_extend, local_page_size
 from attn_flashinfer.plans import Plan
-from attn_flashinfer.steps import Dims, GraphBuffers, LayerKey, StepInputs
+from attn_flashinfer.steps import Dims, GraphBuffers, LayerKey, StepInputs, refuse_while_capturing
 from attn_flashinfer.window_kv import build_window_kv
 
 
@@ -108,7 +115,9 @@ class StepPlanner:
         if inputs.q_lens_host is None:
             qo = self._decode_query_layout(inputs.bs)
         elif graph is None:
-            qo = query_layout(inputs.q_lens_host, self.scratch.get(tag + "qo", inputs.bs + 1)[: inputs.bs + 1], inputs.q_lens)
+            qo = query_layout(
+                inputs.q_lens_host, self.scratch.get(tag + "qo", inputs.bs + 1)[: inputs.bs + 1], inputs.q_lens
+            )
         else:  # graph wrappers copy the offsets into their own buffers
             qo = query_layout(inputs.q_lens_host)
         step = Step(self, inputs, qo, has_prefix, graph=graph, window_pool=window_pool, tag=tag)
@@ -125,12 +134,15 @@ class StepPlanner:
         if key.chunk and key.chunk != self.ctx.attention_chunk_size:
             raise InvalidArgumentError(
                 f"layer {layer.layer_id} attention_chunk_size",
-                f"the context's attention_chunk_size ({self.ctx.attention_chunk_size}), for which the step's metadata is built",
+                f"the context's attention_chunk_size ({self.ctx.attention_chunk_size}), "
+                "for which the step's metadata is built",
                 key.chunk,
             )
         if window_pool is not None and window_pool.is_window_layer(layer.layer_id):
             if key.cross:
-                raise UnsupportedFeatureError(self.name, f"a cross-attention layer in a sliding-window KV pool (layer {layer.layer_id})")
+                raise UnsupportedFeatureError(
+                    self.name, f"a cross-attention layer in a sliding-window KV pool (layer {layer.layer_id})"
+                )
             key = replace(key, window_pool=True)
         return key
 
@@ -138,10 +150,7 @@ class StepPlanner:
         """The step's plan of `key`, made now (and remembered for later steps) when first met."""
         plan = step.plans.get(key)
         if plan is None:
-            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise InvalidArgumentError(
-                    "layer", "layer settings met before CUDA-graph capture (run the captured batch once eagerly first)", key
-                )
+            refuse_while_capturing(self.device, "layer settings", key)
             plan = step.plans[key] = self._make_plan(step, key)
             write_device(step)
             self.known_keys[key] = None
@@ -167,14 +176,24 @@ class StepPlanner:
         x = step.inputs
         if which == "window":
             kv = step.kv[which] = build_window_kv(
-                step.window_pool, x.req_to_token, x.req_pool_indices, x.seq_lens, x.seq_lens_host, x.q_lens, x.q_lens_host,
-                x.encoder_lens, out=partial(self._scratch_layout, step.tag + which), fault=self.fault,
+                step.window_pool,
+                x.req_to_token,
+                x.req_pool_indices,
+                x.seq_lens,
+                x.seq_lens_host,
+                x.q_lens,
+                x.q_lens_host,
+                x.encoder_lens,
+                out=partial(self._scratch_layout, step.tag + which),
+                fault=self.fault,
             )
             return kv
         graph = step.graph.buffers.get(which) if step.graph is not None else None
         if which == "cross":
             if x.encoder_lens is None:
-                raise InvalidArgumentError("forward_batch.encoder_lens", "encoder lengths for a cross-attention layer", None)
+                raise InvalidArgumentError(
+                    "forward_batch.encoder_lens", "encoder lengths for a cross-attention layer", None
+                )
             lens, lens_host, page_size, start = x.encoder_lens, x.encoder_lens_host, self.page_size, None
         else:  # the batch's encoder tokens (if any) come first in each row: then per-token keys
             page_size, start = self_attention_page_size(self.page_size, x.encoder_lens is not None), x.encoder_lens
@@ -188,8 +207,16 @@ class StepPlanner:
 
         pool = self.ctx.token_to_kv_pool
         kv = build_paged_kv(
-            x.req_to_token, x.req_pool_indices, lens, lens_host, page_size, kv_start=start, out=out, defer=graph is None,
-            num_slots=None if pool is None else pool.num_slots, fault=self.fault,
+            x.req_to_token,
+            x.req_pool_indices,
+            lens,
+            lens_host,
+            page_size,
+            kv_start=start,
+            out=out,
+            defer=graph is None,
+            num_slots=None if pool is None else pool.num_slots,
+            fault=self.fault,
         )
         step.kv[which] = kv
         return kv
@@ -199,21 +226,37 @@ class StepPlanner:
         scratch buffer; the page ids start 16-byte aligned. The views are kept per batch size while the
         buffer lasts (slicing a device tensor costs microseconds of host time per step)."""
         head = -(-(2 * bs + 1) // 4) * 4
-        return self.scratch.carve(which, head + pages, bs, lambda buf: (buf[head:], buf[: bs + 1], buf[bs + 1 : 2 * bs + 1]))
+        return self.scratch.carve(
+            which, head + pages, bs, lambda buf: (buf[head:], buf[: bs + 1], buf[bs + 1 : 2 * bs + 1])
+        )
 
     def _local_keys(self, step: Step) -> LocalKeys:
         """The step's chunked-local queries and keys (`local_kv.py`), built on first use, written at once."""
         if step.local is None:
             x, chunk, pool = step.inputs, self.ctx.attention_chunk_size, self.ctx.token_to_kv_pool
             ps = local_page_size(chunk, self.page_size, x.encoder_lens is not None)
-            kw = dict(out=partial(self._scratch_layout, "local"), num_slots=None if pool is None else pool.num_slots, fault=self.fault)
+            kw = dict(
+                out=partial(self._scratch_layout, "local"),
+                num_slots=None if pool is None else pool.num_slots,
+                fault=self.fault,
+            )
             if x.mode.is_decode():
-                kv = build_local_decode_kv(chunk, x.req_to_token, x.req_pool_indices, x.seq_lens, x.seq_lens_host, ps, x.encoder_lens, **kw)
+                kv = build_local_decode_kv(
+                    chunk, x.req_to_token, x.req_pool_indices, x.seq_lens, x.seq_lens_host, ps, x.encoder_lens, **kw
+                )
                 step.local = LocalKeys(None, kv)
             else:  # at most one virtual request per query row
                 qo_out = self.scratch.get("local_qo", x.num_tokens + 1)
                 step.local = build_local_extend(
-                    chunk, x.req_to_token, x.req_pool_indices, x.q_lens_host, x.seq_lens_host, ps, x.encoder_lens, qo_out=qo_out, **kw
+                    chunk,
+                    x.req_to_token,
+                    x.req_pool_indices,
+                    x.q_lens_host,
+                    x.seq_lens_host,
+                    ps,
+                    x.encoder_lens,
+                    qo_out=qo_out,
+                    **kw,
                 )
         return step.local
 
@@ -223,17 +266,23 @@ class StepPlanner:
         if key.chunk:  # chunked local: decode from each chunk start, else causal paged over virtual requests
             local = self._local_keys(step)
             if x.mode.is_decode():
-                return Plan("decode (chunked local)", local.kv.page_size, decode=self._planned(step, key, "decode", local.kv))
+                return Plan(
+                    "decode (chunked local)", local.kv.page_size, decode=self._planned(step, key, "decode", local.kv)
+                )
             paged = self._planned(step, key, "paged", local.kv, causal=True, qo=local.qo)
             return Plan("paged causal (chunked local)", local.kv.page_size, paged=paged)
         if key.window_pool:  # per-token keys inside the window: decode, else causal paged prefill
             kv = self._paged_kv(step, "window")
             if x.mode.is_decode():
                 return Plan("decode (window pool)", kv.page_size, decode=self._planned(step, key, "decode", kv))
-            return Plan("paged causal (window pool)", kv.page_size, paged=self._planned(step, key, "paged", kv, causal=True))
+            return Plan(
+                "paged causal (window pool)", kv.page_size, paged=self._planned(step, key, "paged", kv, causal=True)
+            )
         if x.mode.is_decode():
             kv = self._paged_kv(step, "cross" if key.cross else "seq")
-            return Plan("decode (cross)" if key.cross else "decode", kv.page_size, decode=self._planned(step, key, "decode", kv))
+            return Plan(
+                "decode (cross)" if key.cross else "decode", kv.page_size, decode=self._planned(step, key, "decode", kv)
+            )
         if key.cross:
             kv = self._paged_kv(step, "cross")
             return Plan("paged (cross)", kv.page_size, paged=self._planned(step, key, "paged", kv, causal=False))

@@ -56,7 +56,8 @@ class Plan:
     def check_new_kv(self, k: Optional[torch.Tensor], mode_name: str) -> None:
         """A typed error when the plan has a ragged pass (which reads the new tokens' K/V) and `k` is None."""
         if self.ragged is not None and k is None:
-            raise InvalidArgumentError("k", f"the new tokens' keys and values for {mode_name} (the ragged pass reads them)", None)
+            expected = f"the new tokens' keys and values for {mode_name} (the ragged pass reads them)"
+            raise InvalidArgumentError("k", expected, None)
 
     def run(
         self,

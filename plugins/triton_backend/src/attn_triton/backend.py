@@ -10,11 +10,12 @@ carry the same 1..16 tokens the verify kernel (tokens folded with the q heads of
 other mode the extend kernel, except absorbed MLA, whose DECODE and same-length (2..16 tokens)
 TARGET_VERIFY / DRAFT_EXTEND steps run the MLA kernel (`kernels/mla_decode.py`); MIXED steps split
 (`mixed.py`). CUDA graphs (DECODE, TARGET_VERIFY) read persistent buffers that replay refreshes
-(`graph.py`); their plans are built once, at capture. With `ctx.deterministic` the decode split layout depends only on each request's
-own length (batch-invariant outputs; the verify kernel has no splits). With `ctx.attention_chunk_size` C
-the step's metadata also holds the keys of chunked local layers: in DECODE each request's keys from its chunk start, in the other modes the step
-split into virtual requests (`attn_core.local_attention`), served by the same kernels; CUDA graphs and
-TARGET_VERIFY custom masks are refused together with chunked local attention. With a
+(`graph.py`); their plans are built once, at capture. With `ctx.deterministic` the decode split layout
+depends only on each request's own length (batch-invariant outputs; the verify kernel has no splits).
+With `ctx.attention_chunk_size` C the step's metadata also holds the keys of chunked local layers: in
+DECODE each request's keys from its chunk start, in the other modes the step split into virtual requests
+(`attn_core.local_attention`), served by the same kernels; CUDA graphs and TARGET_VERIFY custom masks are
+refused together with chunked local attention. With a
 `SlidingWindowKVPool` the window layers read a second key index: each request's keys from the oldest one
 inside the pool's window, translated to window slots (CUDA graphs and custom masks refused there too).
 A cascade step (`attn_core.cascade`) adds the shared prefix's keys and each request's keys after it:
@@ -119,7 +120,8 @@ class TritonAttnBackend(AttentionBackend[StepPlan]):
             fault=self.device_faults.buffer,
             pool=ctx.token_to_kv_pool,
         )
-        self.planner = StepPlanner(ctx, launch, split_policy or SplitPolicy(), programs, num_sms, ctas_per_sm, mla_kernel)
+        policy = split_policy or SplitPolicy()
+        self.planner = StepPlanner(ctx, launch, policy, programs, num_sms, ctas_per_sm, mla_kernel)
         self.graph: Optional[GraphState] = None
 
     # ---- metadata: the step's plan ---------------------------------------------------------------
@@ -185,9 +187,8 @@ class TritonAttnBackend(AttentionBackend[StepPlan]):
         plan = self.forward_metadata
         if plan is None or plan.decode is not decode:
             want = "DECODE" if decode else "an extend-like mode"
-            raise InvalidArgumentError(
-                "forward_metadata", f"metadata built for {want} (call init_forward_metadata on this batch)", type(plan).__name__
-            )
+            expected = f"metadata built for {want} (call init_forward_metadata on this batch)"
+            raise InvalidArgumentError("forward_metadata", expected, type(plan).__name__)
         return plan
 
     def _save_and_buffers(self, q, k, v, layer, b: ForwardBatch, save_kv_cache: bool, sinks):

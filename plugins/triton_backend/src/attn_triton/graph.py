@@ -43,7 +43,9 @@ class GraphState:
     """Buffers for batches of up to `max_bs` requests and `max_num_tokens` tokens, and the captures;
     `req_to_token()` gives the request table the replays read (the backend's)."""
 
-    def __init__(self, planner: StepPlanner, req_to_token: Callable[[], torch.Tensor], max_bs: int, max_num_tokens: int):
+    def __init__(
+        self, planner: StepPlanner, req_to_token: Callable[[], torch.Tensor], max_bs: int, max_num_tokens: int
+    ):
         ctx = planner.ctx
         self.captures: GraphCaptures[Captured] = GraphCaptures("triton", max_bs, max_num_tokens)
         self.planner, self.req_to_token = planner, req_to_token
@@ -83,7 +85,9 @@ class GraphState:
             qo_indptr = self.qo_indptr[: bs + 1]
             mask = self.mask if use_mask else None
             mask_indptr = self.mask_indptr[: bs + 1] if use_mask else None
-            plan = planner.extend_step(step.forward_mode, bs, step.num_tokens, qo_indptr, per_req, kv, cross, mask, mask_indptr)
+            plan = planner.extend_step(
+                step.forward_mode, bs, step.num_tokens, qo_indptr, per_req, kv, cross, mask, mask_indptr
+            )
             entry = Captured(plan, kv, cross, qo_indptr, self.q_lens[:bs], per_req, mask, mask_indptr)
         self.captures.add(step, entry)
         self._refresh(entry, step)
@@ -99,13 +103,17 @@ class GraphState:
         r2t, fault = self.req_to_token(), self.planner.launch.fault
         rpi, lens = step.req_pool_indices, _int32(step.seq_lens)
         enc = None if step.encoder_lens is None else _int32(step.encoder_lens)
-        fill_kv(c.kv, r2t, rpi, lens, fault, kv_start=enc, q_lens=c.q_lens, qo_indptr=c.qo_indptr, mask_indptr=c.mask_indptr)
+        fill_kv(
+            c.kv, r2t, rpi, lens, fault, kv_start=enc, q_lens=c.q_lens, qo_indptr=c.qo_indptr, mask_indptr=c.mask_indptr
+        )
         if c.cross is not None:
             fill_kv(c.cross, r2t, rpi, enc, fault)
         if c.mask is not None:
             mask = step.spec_info.custom_mask if step.spec_info is not None else None
             if mask is None or mask.dtype != torch.bool or mask.numel() > c.mask.numel():
-                raise InvalidArgumentError("spec_info.custom_mask", f"a bool mask of at most {c.mask.numel()} entries", mask)
+                raise InvalidArgumentError(
+                    "spec_info.custom_mask", f"a bool mask of at most {c.mask.numel()} entries", mask
+                )
             n = mask.numel()
             if step.seq_lens_cpu is not None:  # copy only the entries this batch's layout reaches
                 n = min(n, c.max_q_len * step.seq_lens_sum)

@@ -126,8 +126,20 @@ def launch_extend(
         )
     else:
         extend_attention(
-            q_in, k_buf, v_buf, o, qo_indptr, keys.indptr, keys.indices, max_q_len, ln.fault,
-            config=ln.extend, causal=causal, d_rope=ln.d_rope, share_kv=ln.share_kv, **common,
+            q_in,
+            k_buf,
+            v_buf,
+            o,
+            qo_indptr,
+            keys.indptr,
+            keys.indices,
+            max_q_len,
+            ln.fault,
+            config=ln.extend,
+            causal=causal,
+            d_rope=ln.d_rope,
+            share_kv=ln.share_kv,
+            **common,
         )
     return o, lse
 
@@ -198,8 +210,19 @@ def merge_prefix_pass(
     """A cascade's prefix pass (every query of the step, as one non-causal group, over the shared keys:
     one extend launch) merged by LSE with the suffix pass's result `[T, Hq, Dv]` / `[T, Hq]`."""
     o_p, lse_p = launch_extend(
-        ln, q, k_buf, v_buf, layer, cascade.qo_indptr, cascade.prefix, q.shape[0],
-        causal=False, custom_mask=None, mask_indptr=None, sinks=None, want_lse=True,
+        ln,
+        q,
+        k_buf,
+        v_buf,
+        layer,
+        cascade.qo_indptr,
+        cascade.prefix,
+        q.shape[0],
+        causal=False,
+        custom_mask=None,
+        mask_indptr=None,
+        sinks=None,
+        want_lse=True,
     )
     return merge_state(o_p, lse_p, o_suffix, lse_suffix)
 

@@ -110,10 +110,14 @@ def main_kv(scratch: DeviceScratch, bs: int, total: int) -> KVIndex:
 
     Example: with a 1024-entry buffer, `main_kv(s, 2, 10)` gives indptr `[3]` and indices `[1021]`;
     `main_kv(s, 2, 12)` the same views again."""
-    return scratch.carve("kv", bs + 1 + max(total, 1), bs, lambda buf: KVIndex(indptr=buf[: bs + 1], indices=buf[bs + 1 :]))
+    return scratch.carve(
+        "kv", bs + 1 + max(total, 1), bs, lambda buf: KVIndex(indptr=buf[: bs + 1], indices=buf[bs + 1 :])
+    )
 
 
-def split_views(scratch: DeviceScratch, bs: int, max_splits: int, num_q_heads: int, v_head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def split_views(
+    scratch: DeviceScratch, bs: int, max_splits: int, num_q_heads: int, v_head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode splits' float32 scratch for `bs` requests with up to `max_splits` splits each:
     part_o `[bs, Hq, max_splits, Dv]` and part_lse `[bs, Hq, max_splits]`, contiguous views of the
     buffers "split_o" / "split_lse" of `scratch` (shared by every layer and step: they run in stream
@@ -121,9 +125,15 @@ def split_views(scratch: DeviceScratch, bs: int, max_splits: int, num_q_heads: i
     hq, dv, ms = num_q_heads, v_head_dim, max_splits
     key = (bs, ms)
     part_o = scratch.carve(
-        "split_o", bs * hq * ms * dv, key, lambda b: torch.as_strided(b, (bs, hq, ms, dv), (hq * ms * dv, ms * dv, dv, 1)), torch.float32
+        "split_o",
+        bs * hq * ms * dv,
+        key,
+        lambda b: torch.as_strided(b, (bs, hq, ms, dv), (hq * ms * dv, ms * dv, dv, 1)),
+        torch.float32,
     )
-    part_lse = scratch.carve("split_lse", bs * hq * ms, key, lambda b: torch.as_strided(b, (bs, hq, ms), (hq * ms, ms, 1)), torch.float32)
+    part_lse = scratch.carve(
+        "split_lse", bs * hq * ms, key, lambda b: torch.as_strided(b, (bs, hq, ms), (hq * ms, ms, 1)), torch.float32
+    )
     return part_o, part_lse
 
 
@@ -188,5 +198,14 @@ def local_extend(chunk: int, b: ForwardBatch, r2t: torch.Tensor, fault: torch.Te
     col = dev[1] if b.encoder_lens is None else dev[1] + b.encoder_lens[req]
     kv = new_kv(n, vb.num_keys, device)
     qo_indptr = torch.empty(n + 1, dtype=torch.int32, device=device)
-    fill_kv(kv, r2t, b.req_pool_indices[req], dev[2], fault, kv_start=col.to(torch.int32), q_lens=dev[3], qo_indptr=qo_indptr)
+    fill_kv(
+        kv,
+        r2t,
+        b.req_pool_indices[req],
+        dev[2],
+        fault,
+        kv_start=col.to(torch.int32),
+        q_lens=dev[3],
+        qo_indptr=qo_indptr,
+    )
     return LocalExtend(qo_indptr, vb.max_q_len, kv)

@@ -68,7 +68,11 @@ class MixedPath:
         rows: RowOrder,
     ):
         self.ln, self.num_decodes, self.decode_kv, self.split = ln, num_decodes, decode_kv, split
-        self.prefill_qo_indptr, self.prefill_kv, self.prefill_max_q_len = prefill_qo_indptr, prefill_kv, prefill_max_q_len
+        self.prefill_qo_indptr, self.prefill_kv, self.prefill_max_q_len = (
+            prefill_qo_indptr,
+            prefill_kv,
+            prefill_max_q_len,
+        )
         self.rows = rows
 
     def run(self, q, k_buf, v_buf, layer: AttentionLayer, sinks: Optional[torch.Tensor], return_lse: bool):
@@ -79,12 +83,25 @@ class MixedPath:
             qs = qs.contiguous()
         # the extend part (a no-op launch when every request is a decode) allocates the decode-first output
         o, lse = launch_extend(
-            self.ln, qs, k_buf, v_buf, layer, self.prefill_qo_indptr, self.prefill_kv, self.prefill_max_q_len,
-            causal=True, custom_mask=None, mask_indptr=None, sinks=sinks, want_lse=return_lse,
+            self.ln,
+            qs,
+            k_buf,
+            v_buf,
+            layer,
+            self.prefill_qo_indptr,
+            self.prefill_kv,
+            self.prefill_max_q_len,
+            causal=True,
+            custom_mask=None,
+            mask_indptr=None,
+            sinks=sinks,
+            want_lse=return_lse,
         )
         nd, s = self.num_decodes, self.split
         lse_d = None if lse is None else lse[:nd]
-        launch_decode(self.ln, qs[:nd], k_buf, v_buf, o[:nd], lse_d, layer, self.decode_kv, s.splits, s.part_o, s.part_lse, sinks)
+        launch_decode(
+            self.ln, qs[:nd], k_buf, v_buf, o[:nd], lse_d, layer, self.decode_kv, s.splits, s.part_o, s.part_lse, sinks
+        )
         o = self.rows.scatter_tokens(o)
         lse = None if lse is None else self.rows.scatter_tokens(lse)
         o = o.view(q.shape[0], layer.num_q_heads * layer.v_head_dim)
@@ -94,7 +111,12 @@ class MixedPath:
 def plan_mixed(planner: StepPlanner, b: ForwardBatch, r2t: torch.Tensor, has_window_pool: bool) -> Optional[StepPlan]:
     """The split plan of MIXED batch `b`, or None where the step keeps the unsplit path (see the module
     docstring). One host→device copy (only for a batch not decode-first) and one index launch."""
-    if b.encoder_lens is not None or b.cascade_prefix_len or planner.ctx.attention_chunk_size is not None or has_window_pool:
+    if (
+        b.encoder_lens is not None
+        or b.cascade_prefix_len
+        or planner.ctx.attention_chunk_size is not None
+        or has_window_pool
+    ):
         return None
     split = decode_first_split(b)
     nd = split.num_decodes

@@ -71,14 +71,18 @@ class StepPlanner:
         splits = self._splits.get(bs)
         if splits is None:
             det, p = self.ctx.deterministic, self.split_policy
-            ms = p.max_splits(bs, self.ctx.num_kv_heads * self.programs_per_request, self.num_sms, det, self.ctas_per_sm)
+            ms = p.max_splits(
+                bs, self.ctx.num_kv_heads * self.programs_per_request, self.num_sms, det, self.ctas_per_sm
+            )
             splits = self._splits[bs] = Splits(ms, p.min_len(det))
         return splits
 
     def decode_keys(self, bs: int, scratch: Optional[DeviceScratch] = None) -> DecodeKeys:
         """The splits of `bs` decodes and their scratch views (in `scratch`, default the eager one)."""
         splits = self.decode_splits(bs)
-        part_o, part_lse = split_views(scratch or self.scratch, bs, splits.max_splits, self.ctx.num_q_heads, self.ctx.v_head_dim)
+        part_o, part_lse = split_views(
+            scratch or self.scratch, bs, splits.max_splits, self.ctx.num_q_heads, self.ctx.v_head_dim
+        )
         return DecodeKeys(splits, part_o, part_lse)
 
     # ---- eager steps ----------------------------------------------------------------------------------
@@ -114,25 +118,48 @@ class StepPlanner:
         mask_indptr = torch.empty(bs + 1, dtype=torch.int64, device=dev) if mask is not None else None
         kv = main_kv(self.scratch, bs, b.seq_lens_sum)
         fill_kv(
-            kv, r2t, b.req_pool_indices, b.seq_lens, fault, kv_start=b.encoder_lens, q_lens=b.extend_seq_lens,
-            qo_indptr=qo_indptr, mask_indptr=mask_indptr, capacity=b.seq_lens_sum,
+            kv,
+            r2t,
+            b.req_pool_indices,
+            b.seq_lens,
+            fault,
+            kv_start=b.encoder_lens,
+            q_lens=b.extend_seq_lens,
+            qo_indptr=qo_indptr,
+            mask_indptr=mask_indptr,
+            capacity=b.seq_lens_sum,
         )
         cross = cross_kv(b, r2t, fault) if b.encoder_lens is not None else None
         max_q = int(b.extend_seq_lens_cpu.max()) if bs else 0
         local = None
         if self.ctx.attention_chunk_size is not None:
             if mask is not None:
-                raise UnsupportedFeatureError("triton", "chunked local attention together with a custom mask (TARGET_VERIFY)")
+                raise UnsupportedFeatureError(
+                    "triton", "chunked local attention together with a custom mask (TARGET_VERIFY)"
+                )
             local = local_extend(self.ctx.attention_chunk_size, b, r2t, fault)
         window = None
         if pool is not None:
             if mask is not None:
-                raise UnsupportedFeatureError("triton", "a sliding-window KV pool together with a custom mask (TARGET_VERIFY)")
+                raise UnsupportedFeatureError(
+                    "triton", "a sliding-window KV pool together with a custom mask (TARGET_VERIFY)"
+                )
             window = window_kv(b, r2t, pool, fault)
         cascade = cascade_keys(b, r2t, fault) if b.cascade_prefix_len else None
         return self.extend_step(
-            b.forward_mode, bs, b.num_tokens, qo_indptr, max_q, kv, cross, mask, mask_indptr,
-            local=local, window_kv=window, window_pool=pool, cascade=cascade,
+            b.forward_mode,
+            bs,
+            b.num_tokens,
+            qo_indptr,
+            max_q,
+            kv,
+            cross,
+            mask,
+            mask_indptr,
+            local=local,
+            window_kv=window,
+            window_pool=pool,
+            cascade=cascade,
         )
 
     # ---- plans from key indices (eager steps and CUDA-graph captures) --------------------------------
@@ -196,14 +223,18 @@ class StepPlanner:
                 if self.mla_kernel and same is not None and 2 <= same <= MAX_FOLDED_Q_LEN:
                     return MLAPath(ln, keys, same, qo_indptr=qo_indptr, custom_mask=mask, mask_indptr=mask_indptr)
                 return ExtendPath(ln, qo_indptr, max_q_len, keys, custom_mask=mask, mask_indptr=mask_indptr)
-            return ExtendPath(ln, qo_indptr, max_q_len, keys, custom_mask=mask, mask_indptr=mask_indptr, verify_len=same)
+            return ExtendPath(
+                ln, qo_indptr, max_q_len, keys, custom_mask=mask, mask_indptr=mask_indptr, verify_len=same
+            )
 
         cascade_path = local_path = None
         if cascade is not None:
             suffix = ExtendPath(ln, qo_indptr, max_q_len, cascade.suffix, custom_mask=mask, mask_indptr=mask_indptr)
             cascade_path = CascadePath(ln, cascade, suffix)
         if local is not None:
-            local_path = ExtendPath(ln, local.qo_indptr, local.max_q_len, local.kv, custom_mask=mask, mask_indptr=mask_indptr)
+            local_path = ExtendPath(
+                ln, local.qo_indptr, local.max_q_len, local.kv, custom_mask=mask, mask_indptr=mask_indptr
+            )
         return StepPlan(
             False,
             kv,

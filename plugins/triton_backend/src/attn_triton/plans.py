@@ -46,7 +46,9 @@ class Path(Protocol):
 
     path: str
 
-    def run(self, q, k_buf, v_buf, layer: AttentionLayer, sinks: Optional[torch.Tensor], return_lse: bool) -> Output: ...
+    def run(
+        self, q, k_buf, v_buf, layer: AttentionLayer, sinks: Optional[torch.Tensor], return_lse: bool
+    ) -> Output: ...
 
 
 @dataclass(frozen=True)
@@ -104,10 +106,20 @@ class MLAPath:
     def run(self, q, k_buf, v_buf, layer, sinks, return_lse):
         s = self.split
         return launch_mla(
-            self.ln, q, k_buf, layer, self.keys, sinks, return_lse, q_len=self.q_len,
-            splits=None if s is None else s.splits, part_o=None if s is None else s.part_o,
-            part_lse=None if s is None else s.part_lse, qo_indptr=self.qo_indptr,
-            custom_mask=self.custom_mask, mask_indptr=self.mask_indptr,
+            self.ln,
+            q,
+            k_buf,
+            layer,
+            self.keys,
+            sinks,
+            return_lse,
+            q_len=self.q_len,
+            splits=None if s is None else s.splits,
+            part_o=None if s is None else s.part_o,
+            part_lse=None if s is None else s.part_lse,
+            qo_indptr=self.qo_indptr,
+            custom_mask=self.custom_mask,
+            mask_indptr=self.mask_indptr,
         )
 
 
@@ -133,8 +145,19 @@ class ExtendPath:
 
     def attend(self, q, k_buf, v_buf, layer, sinks, want_lse: bool):
         return launch_extend(
-            self.ln, q, k_buf, v_buf, layer, self.qo_indptr, self.keys, self.max_q_len, causal=self.causal,
-            custom_mask=self.custom_mask, mask_indptr=self.mask_indptr, sinks=sinks, want_lse=want_lse,
+            self.ln,
+            q,
+            k_buf,
+            v_buf,
+            layer,
+            self.qo_indptr,
+            self.keys,
+            self.max_q_len,
+            causal=self.causal,
+            custom_mask=self.custom_mask,
+            mask_indptr=self.mask_indptr,
+            sinks=sinks,
+            want_lse=want_lse,
             verify_len=self.verify_len,
         )
 
@@ -204,7 +227,9 @@ class StepPlan:
             return self.window
         if layer.is_cross_attention:
             if self.cross is None:
-                raise InvalidArgumentError("forward_batch.encoder_lens", "encoder lengths for a cross-attention layer", None)
+                raise InvalidArgumentError(
+                    "forward_batch.encoder_lens", "encoder lengths for a cross-attention layer", None
+                )
             return self.cross
         return self.plain
 

@@ -103,4 +103,5 @@ def padded_width(max_seq_len: int, page_size: int) -> int:
 def check_width(max_seq_len: int, page_size: int, width: int) -> None:
     """A typed error when `max_seq_len` keys do not fit `width` pages of `page_size`."""
     if pages_for(max_seq_len, page_size) > width:
-        raise InvalidArgumentError("seq_lens", f"at most {width * page_size} keys (the block table's width)", max_seq_len)
+        expected = f"at most {width * page_size} keys (the block table's width)"
+        raise InvalidArgumentError("seq_lens", expected, max_seq_len)

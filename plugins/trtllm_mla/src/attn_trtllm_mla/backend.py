@@ -76,8 +76,18 @@ class TrtPlan:
         bs = self.block_table.shape[0]
         out = q.new_empty((bs, q.shape[1], be.kv_lora_rank)) if self.q_len == 1 else None
         kw = decode_kwargs(
-            q, latent, be.page_size, be.kv_lora_rank, be.qk_rope_head_dim, self.block_table, self.seq_lens,
-            self.max_seq_len, self.q_len, fold_scales(layer.scaling, None, layer.k_scale), be.trt_workspace, out,
+            q,
+            latent,
+            be.page_size,
+            be.kv_lora_rank,
+            be.qk_rope_head_dim,
+            self.block_table,
+            self.seq_lens,
+            self.max_seq_len,
+            self.q_len,
+            fold_scales(layer.scaling, None, layer.k_scale),
+            be.trt_workspace,
+            out,
         )
         o = kernel.decode(kw, be.kernel)  # [bs, H, rank] (q_len 1) or [bs, q_len, H, rank]
         return o.reshape(q.shape[0], q.shape[1] * be.kv_lora_rank)  # [T, H * Dv], T = bs * q_len (may be 0)
@@ -111,7 +121,9 @@ class TRTLLMMLABackend(AttentionBackend[Union[TrtPlan, MLAStep]]):
         found = [f for f in (self.device_faults.poll(), self.fallback.poll_device_fault()) if f]
         return "; ".join(found) if found else None
 
-    def trt_q_len(self, mode: ForwardMode, bs: int, num_tokens: int, q_lens_host: Optional[torch.Tensor]) -> Optional[int]:
+    def trt_q_len(
+        self, mode: ForwardMode, bs: int, num_tokens: int, q_lens_host: Optional[torch.Tensor]
+    ) -> Optional[int]:
         """The query count of a step TRT-LLM's decode serves (DECODE: 1; TARGET_VERIFY / DRAFT_EXTEND whose
         requests all carry the same, at least one: `q_lens_host` their host counts, None in a CUDA-graph
         batch, whose requests all carry num_tokens // bs), else None. Host data only.
@@ -140,11 +152,20 @@ class TRTLLMMLABackend(AttentionBackend[Union[TrtPlan, MLAStep]]):
         table = self._block_table(self.req_to_token(b), b.req_pool_indices, b.seq_lens)
         return TrtPlan(self, table, b.seq_lens.to(torch.int32), longest, q_len)
 
-    def _block_table(self, r2t: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, out: Optional[torch.Tensor] = None):
+    def _block_table(
+        self, r2t: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, out: Optional[torch.Tensor] = None
+    ):
         pool = self.ctx.token_to_kv_pool
         return page_table_from_req_to_token(
-            r2t, rows, seq_lens, self.page_size, self.width, pad=PAD, out=out,
-            num_slots=None if pool is None else pool.num_slots, fault=self.device_faults.buffer,
+            r2t,
+            rows,
+            seq_lens,
+            self.page_size,
+            self.width,
+            pad=PAD,
+            out=out,
+            num_slots=None if pool is None else pool.num_slots,
+            fault=self.device_faults.buffer,
         )
 
     # ---- CUDA graphs ---------------------------------------------------------------------------------
@@ -162,7 +183,9 @@ class TRTLLMMLABackend(AttentionBackend[Union[TrtPlan, MLAStep]]):
         if q_len is None:
             plan = self.fallback.capture_step(step)
         else:
-            plan = TrtPlan(self, self._graph_table[: step.bs], self._graph_seq_lens[: step.bs], self.width * self.page_size, q_len)
+            plan = TrtPlan(
+                self, self._graph_table[: step.bs], self._graph_seq_lens[: step.bs], self.width * self.page_size, q_len
+            )
             self._refresh(plan, step, step.seq_lens.cpu())  # capture only: a sync is fine here
         self.bind_graph_metadata(graphs.add(step, plan), step)
 
@@ -192,7 +215,12 @@ class TRTLLMMLABackend(AttentionBackend[Union[TrtPlan, MLAStep]]):
 
     # ---- DeepSeek's prefill path ---------------------------------------------------------------------
     def plan_prefill(
-        self, forward_batch: ForwardBatch, chunk_capacity: int, scaling: float, qk_head_dim: int = 192, v_head_dim: int = 128
+        self,
+        forward_batch: ForwardBatch,
+        chunk_capacity: int,
+        scaling: float,
+        qk_head_dim: int = 192,
+        v_head_dim: int = 128,
     ) -> ChunkedPrefillPlan:
         """The fallback's `plan_prefill` (same arguments, same `attend`), on TRT-LLM's ragged prefill when
         `ragged.uses_ragged_kernel` says so; its workspace is the decode kernels' (calls are serial on the
@@ -200,7 +228,13 @@ class TRTLLMMLABackend(AttentionBackend[Union[TrtPlan, MLAStep]]):
         if not uses_ragged_kernel(self.kernel, qk_head_dim, v_head_dim):
             return self.fallback.plan_prefill(forward_batch, chunk_capacity, scaling, qk_head_dim, v_head_dim)
         return plan_ragged_prefill(
-            forward_batch, self.req_to_token(forward_batch), chunk_capacity, num_heads=self.ctx.num_q_heads,
-            qk_head_dim=qk_head_dim, v_head_dim=v_head_dim, scaling=scaling, workspace=self.trt_workspace,
+            forward_batch,
+            self.req_to_token(forward_batch),
+            chunk_capacity,
+            num_heads=self.ctx.num_q_heads,
+            qk_head_dim=qk_head_dim,
+            v_head_dim=v_head_dim,
+            scaling=scaling,
+            workspace=self.trt_workspace,
             run=kernel.ragged_prefill,
         )

@@ -407,7 +407,15 @@ def attend_tile(
 
 @triton.jit
 def key_ranges(
-    kv_len, q_off, first, tokens, window, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_MASK: tl.constexpr
+    kv_len,
+    q_off,
+    first,
+    tokens,
+    window,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    USE_MASK: tl.constexpr,
 ):
     """(lo, full_end, hi): the keys a block of `tokens` new tokens sees, the first of them new token `first`
     (at position q_off + first among the request's kv_len keys). Keys [lo, full_end) are seen by every row

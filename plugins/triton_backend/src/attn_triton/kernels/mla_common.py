@@ -14,9 +14,25 @@ from attn_triton.kernels.decode import split_count, split_range
 
 @triton.jit
 def request_keys(
-    QO_INDPTR, KV_INDPTR, MASK_INDPTR, FAULT, r, first, s, num_tokens, num_indices, mask_size, min_split_len, max_splits, window,
-    Q_LEN: tl.constexpr, USE_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+    QO_INDPTR,
+    KV_INDPTR,
+    MASK_INDPTR,
+    FAULT,
+    r,
+    first,
+    s,
+    num_tokens,
+    num_indices,
+    mask_size,
+    min_split_len,
+    max_splits,
+    window,
+    Q_LEN: tl.constexpr,
+    USE_MASK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """What a program of either MLA kernel (`mla_decode.py`'s and the Hopper kernel `mla_wgmma.py`, which
     calls it from Gluon) takes of request r: (q_beg, q_len, kv_beg, kv_len, mask_beg, s_lo, s_hi, n_split). Its
     query rows (q_len 1 at row r in a DECODE launch, else from QO_INDPTR) and keys (KV_INDPTR), both
@@ -56,9 +72,24 @@ def request_keys(
 
 @triton.jit
 def tile_scores(
-    qk, n, n_ok, t, row_ok, q_pos, mask_beg, kv_len, MASK, mask_size, qk_scale, cap_scale, window,
-    Q_LEN: tl.constexpr, USE_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, LOGIT_CAP: tl.constexpr,
-):  # fmt: skip
+    qk,
+    n,
+    n_ok,
+    t,
+    row_ok,
+    q_pos,
+    mask_beg,
+    kv_len,
+    MASK,
+    mask_size,
+    qk_scale,
+    cap_scale,
+    window,
+    Q_LEN: tl.constexpr,
+    USE_MASK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    LOGIT_CAP: tl.constexpr,
+):
     """Scores of one key tile `[BLOCK_H, BLOCK_N]` of either MLA kernel (`mla_decode.py`'s and the Hopper
     kernel `mla_wgmma.py`, which calls it from Gluon): raw q·k, or base-2 logits under a logit cap
     (`common.scale_scores`); -inf where the key is out of the tile's range or pool (`n_ok [BLOCK_N]`), the
