@@ -132,15 +132,15 @@ class MLAStep:
         be = self.backend
         if layer.k_scale not in (None, 1.0) or layer.v_scale not in (None, 1.0):
             raise UnsupportedFeatureError(be.name, f"k_scale/v_scale (layer {layer.layer_id}): quantized KV caches")
-        w = be._wrapper_of(self, layer)
+        w = be.wrapper_of(self, layer)
         pool = be.save_kv(k, v, layer, batch) if save_kv_cache else be.kv_pool(batch)
-        ckv, kpe = be._latent_views(pool, layer.layer_id)
-        q_nope, q_pe = q.split_with_sizes(be._q_split, 2)
+        ckv, kpe = be.latent_views(pool, layer.layer_id)
+        q_nope, q_pe = q.split_with_sizes(be.q_split, 2)
         rows = q.shape[0]
-        out = q.new_empty((rows, *be._out_heads))
+        out = q.new_empty((rows, *be.out_heads))
         lse = torch.empty((rows, be.dims.num_heads), dtype=torch.float32, device=q.device) if return_lse else None
         mla_plans.run(w, q_nope, q_pe, ckv, kpe, out, lse, be.lean_replan, self.works)
-        o = out.view(rows, be._out_cols)
+        o = out.view(rows, be.out_cols)
         return (o, lse) if return_lse else o
 
 
@@ -185,10 +185,10 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         self._graph_buffers: Optional[MLAGraphBuffers] = None
         self.graphs: Optional[GraphCaptures[tuple[MLAStep, MLAGraph]]] = None
         self._prefill = PrefillWrappers(self.workspace)
-        # per-call constants of forward: q's split, the output's trailing shape and its 2-D width
-        self._q_split = (ctx.kv_lora_rank, ctx.qk_rope_head_dim)
-        self._out_heads = (ctx.num_q_heads, ctx.kv_lora_rank)
-        self._out_cols = ctx.num_q_heads * ctx.kv_lora_rank
+        # per-call constants of a layer call (`MLAStep.run`): q's split, the output's trailing shape, its 2-D width
+        self.q_split = (ctx.kv_lora_rank, ctx.qk_rope_head_dim)
+        self.out_heads = (ctx.num_q_heads, ctx.kv_lora_rank)
+        self.out_cols = ctx.num_q_heads * ctx.kv_lora_rank
         self._latents: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # layer id -> (pool buffer, ckv, kpe)
         # the device work list (`mla_works`): per cluster size its layout and FlashInfer's plan info for it
         # (confirmed; a disagreement turns the device path off, `device_works_off`); one work buffer for
@@ -349,7 +349,9 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         done.add(scaling)
         return w
 
-    def _wrapper_of(self, step: MLAStep, layer):
+    def wrapper_of(self, step: MLAStep, layer):
+        """The wrapper `step` planned for `layer`'s scaling, planned now (and remembered for later steps)
+        when the scaling is met first (a typed error inside a CUDA-graph capture)."""
         scaling = float(layer.scaling)
         w = step.wrappers.get(scaling)
         if w is None:
@@ -428,7 +430,7 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, return_lse=False):
         return self.forward_metadata.run(q, k, v, layer, forward_batch, save_kv_cache, return_lse)
 
-    def _latent_views(self, pool, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def latent_views(self, pool, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's paged ckv / kpe views (`mla_plans.latent_views`), made once per layer and pool
         buffer (remade when the pool hands out another buffer for the layer)."""
         buf = pool.get_key_buffer(layer_id)
