@@ -62,9 +62,9 @@ class DecodeKeys:
 
 
 class DecodePath:
-    """The split-KV decode kernel over `keys` (one query per request); with `lse_always` (a cascade's
-    suffix pass) the LSE is computed whatever the caller asks, and the raw (o `[T, Hq, Dv]`, lse) pair is
-    returned by `attend`."""
+    """The split-KV decode kernel over `keys` (one query per request) with the step's splits and scratch.
+    `attend` returns the raw (o `[T, Hq, Dv]`, LSE or None) pair (a cascade's suffix pass asks for the LSE
+    whatever the caller wants); `run` the layer's output."""
 
     path = "decode"
 
