@@ -123,8 +123,14 @@ PATHS = {
     "extend-fresh": (AttnCase("EXTEND", [(0, 9), (0, 5)], **BASE), "ragged"),
     "extend-prefix": (AttnCase("EXTEND", [(0, 9), (13, 5)], page_size=4, **BASE), "ragged + paged prefix"),
     "extend-prefix-window": (AttnCase("EXTEND", [(0, 9), (13, 5)], sliding_window=4, **BASE), "paged causal (window)"),
-    "verify-chain": (AttnCase("TARGET_VERIFY", [(17, 3), (2, 3)], page_size=4, custom_mask=False, **BASE), "paged causal"),
-    "chunked-local-decode": (AttnCase("DECODE", [(20, 1), (7, 1)], attention_chunk_size=8, **BASE), "decode (chunked local)"),
+    "verify-chain": (
+        AttnCase("TARGET_VERIFY", [(17, 3), (2, 3)], page_size=4, custom_mask=False, **BASE),
+        "paged causal",
+    ),
+    "chunked-local-decode": (
+        AttnCase("DECODE", [(20, 1), (7, 1)], attention_chunk_size=8, **BASE),
+        "decode (chunked local)",
+    ),
 }
 
 

@@ -29,7 +29,11 @@ STEPS = {
     "extend": (AttnCase("EXTEND", [(9, 5), (0, 7)]), ExtendPath, "extend"),
     "mixed": (AttnCase("MIXED", [(9, 5), (30, 1)]), MixedPath, "extend+decode (mixed split)"),
     "mla-decode": (AttnCase("DECODE", [(9, 1), (30, 1)], **MLA), MLAPath, "mla-decode"),
-    "mla-verify": (AttnCase("TARGET_VERIFY", [(9, 3), (30, 3)], custom_mask=False, **MLA), MLAPath, "mla-verify (q_len 3)"),
+    "mla-verify": (
+        AttnCase("TARGET_VERIFY", [(9, 3), (30, 3)], custom_mask=False, **MLA),
+        MLAPath,
+        "mla-verify (q_len 3)",
+    ),
     "mla-extend": (AttnCase("EXTEND", [(9, 3), (30, 2)], **MLA), ExtendPath, "extend"),
 }
 

@@ -53,10 +53,11 @@ from attn_core.memory.pools import kv_scales
 from attn_core.memory.window_pool import window_pool_of
 from attn_core.ops.device_faults import DeviceFaultFlags
 from attn_core.ops.kv_indices import pages_for
-from attn_flashinfer import mixed, replan
+from attn_flashinfer import mixed, plans, replan
 from attn_flashinfer.indices import self_attention_page_size
 from attn_flashinfer.local_kv import local_page_size
 from attn_flashinfer.planner import GraphWrappers, Step, StepPlanner
+from attn_flashinfer.ragged import RaggedPlan, plan_ragged_op, run_ragged_op
 from attn_flashinfer.spec import CAPABILITIES
 from attn_flashinfer.steps import (
     GraphBuffers,
@@ -109,6 +110,7 @@ class FlashInferBackend(AttentionBackend[Union[Step, mixed.SplitStep]]):
         self.planner = StepPlanner(self.name, ctx, workspace, lean, self.device_faults.buffer)
         self._graph_buffers: Optional[dict[str, GraphBuffers]] = None
         self.graphs: Optional[GraphCaptures[tuple[Step, GraphWrappers]]] = None
+        self._ragged_wrappers: dict[float, object] = {}  # the ragged op's wrappers, by softmax scale
 
     def poll_device_fault(self) -> Optional[str]:
         """What the index kernel refused since the last poll (an out-of-range request row, length,
@@ -128,7 +130,7 @@ class FlashInferBackend(AttentionBackend[Union[Step, mixed.SplitStep]]):
             check_local_step(inputs, self.kv_layout, self.page_size, key_page_size, self.name)
         planner, keys = self.planner, self.planner.known_keys
         split = None
-        if self.mixed_split and window_pool is None and chunk is None:
+        if self.mixed_split and window_pool is None and chunk is None and forward_batch.bidirectional_spans is None:
             split = mixed.served_split(forward_batch, inputs)
         if split is not None:
             rows = split.to_device(self.device)
@@ -218,6 +220,22 @@ class FlashInferBackend(AttentionBackend[Union[Step, mixed.SplitStep]]):
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache, **extras)
+
+    # ---- the ragged op (attn_core.ragged; `ragged.py`) -------------------------------------------
+    def build_ragged_metadata(self, ragged) -> RaggedPlan:
+        return RaggedPlan(ragged)
+
+    def forward_ragged(self, q, k, v, ragged, *, scaling, return_lse):
+        """FlashInfer's ragged prefill wrapper, planned once per (batch, scaling) (`ragged.py`)."""
+        plan = self.ragged_metadata
+        wrapper = plan.wrappers.get(scaling)
+        if wrapper is None:
+            wrapper = self._ragged_wrappers.get(scaling)
+            if wrapper is None:
+                wrapper = self._ragged_wrappers[scaling] = plans.new_ragged_wrapper(self.planner.workspace)
+            plan_ragged_op(wrapper, ragged, self.planner.dims, scaling)
+            plan.wrappers[scaling] = wrapper
+        return run_ragged_op(wrapper, q, k, v, return_lse)
 
     def describe_path(self, layer, forward_batch) -> Optional[str]:
         """The wrappers `layer` runs in this step (its plan's `path`)."""

@@ -21,6 +21,7 @@ from typing import Iterable, Optional
 
 import torch
 
+from attn_core.bidirectional import bidirectional_span_mask
 from attn_core.context import BackendContext
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.layer import AttentionLayer
@@ -64,11 +65,14 @@ class Step:
     window_pool: Optional[SlidingWindowKVPool] = None  # the step's pool, when it is a sliding-window one
     local: Optional[LocalKeys] = None  # chunked local layers' queries and keys, built on first use
     tag: str = ""  # prefix of its scratch buffers' names (a split MIXED step's decode sub-step: "decode:")
+    #: bidirectional layers' visibility (`attn_core.bidirectional`), built on first use
+    span_mask: Optional[torch.Tensor] = None
 
     def plan_of(self, layer: AttentionLayer) -> Plan:
         """The plan `layer` runs in this step (typed errors for a layer the step cannot serve, before any
         plan or KV write)."""
-        return self.planner.plan_for(self, self.planner.layer_key(layer, self.window_pool))
+        key = self.planner.layer_key(layer, self.window_pool, self.inputs.spans is not None)
+        return self.planner.plan_for(self, key)
 
 
 def write_device(step: Step) -> None:
@@ -127,10 +131,15 @@ class StepPlanner:
         write_device(step)
         return step
 
-    def layer_key(self, layer: AttentionLayer, window_pool: Optional[SlidingWindowKVPool]) -> LayerKey:
-        """The `LayerKey` of `layer` in a step over `window_pool` (None: none), or a typed error for a
-        layer the step cannot serve (before any plan or KV write)."""
+    def layer_key(
+        self, layer: AttentionLayer, window_pool: Optional[SlidingWindowKVPool], has_spans: bool = False
+    ) -> LayerKey:
+        """The `LayerKey` of `layer` in a step over `window_pool` (None: none) and with bidirectional spans
+        or not (a bidirectional layer without spans is a causal one), or a typed error for a layer the step
+        cannot serve (before any plan or KV write)."""
         key = LayerKey.of(layer)
+        if key.span and not has_spans:
+            key = replace(key, span=False)
         if key.chunk and key.chunk != self.ctx.attention_chunk_size:
             raise InvalidArgumentError(
                 f"layer {layer.layer_id} attention_chunk_size",
@@ -280,25 +289,42 @@ class StepPlanner:
             )
         if x.mode.is_decode():
             kv = self._paged_kv(step, "cross" if key.cross else "seq")
-            return Plan(
-                "decode (cross)" if key.cross else "decode", kv.page_size, decode=self._planned(step, key, "decode", kv)
-            )
+            decode = self._planned(step, key, "decode", kv)
+            return Plan("decode (cross)" if key.cross else "decode", kv.page_size, decode=decode)
+        if key.span:  # causal plus the step's spans: the paged pass over the whole sequence under their mask
+            kv = self._paged_kv(step, "seq")
+            paged = self._planned(step, key, "paged", kv, causal=False, mask=self._span_mask(step))
+            return Plan("paged (bidirectional spans mask)", kv.page_size, paged=paged)
         if key.cross:
             kv = self._paged_kv(step, "cross")
             return Plan("paged (cross)", kv.page_size, paged=self._planned(step, key, "paged", kv, causal=False))
         if x.mode.is_target_verify():
             kv = self._paged_kv(step, "seq")
-            paged = self._planned(step, key, "paged", kv, causal=x.custom_mask is None, mask=x.custom_mask)
-            return Plan("paged (tree mask)" if x.custom_mask is not None else "paged causal", kv.page_size, paged=paged)
+            causal = x.custom_mask is None and key.causal
+            paged = self._planned(step, key, "paged", kv, causal=causal, mask=x.custom_mask)
+            path = "paged causal" if causal else "paged (non-causal)"
+            if x.custom_mask is not None:
+                path = "paged (tree mask)"
+            return Plan(path, kv.page_size, paged=paged)
         if step.has_prefix and key.window_left >= 0:
             kv = self._paged_kv(step, "seq")
             return Plan("paged causal (window)", kv.page_size, paged=self._planned(step, key, "paged", kv, causal=True))
         ragged = self._planned(step, key, "ragged")
+        ragged_path = "ragged" if key.causal else "ragged (non-causal)"
         if not step.has_prefix:
-            return Plan("ragged", ragged=ragged)
+            return Plan(ragged_path, ragged=ragged)
         kv = self._paged_kv(step, "prefix")
         paged = self._planned(step, key, "paged", kv, causal=False)
-        return Plan("ragged + paged prefix", kv.page_size, ragged=ragged, paged=paged)
+        return Plan(f"{ragged_path} + paged prefix", kv.page_size, ragged=ragged, paged=paged)
+
+    def _span_mask(self, step: Step) -> torch.Tensor:
+        """The step's bidirectional-span visibility as FlashInfer's custom mask (per request a bool
+        `[q_len, seq_len]`, `attn_core.bidirectional.bidirectional_span_mask`), built on the device once."""
+        if step.span_mask is None:
+            x = step.inputs
+            total = int((x.q_lens_host.to(torch.int64) * x.seq_lens_host.to(torch.int64)).sum())
+            step.span_mask = bidirectional_span_mask(x.spans, x.seq_lens, x.q_lens, total)
+        return step.span_mask
 
     def _wrapper(self, step: Step, key: LayerKey, role: str):
         """The wrapper of (key, role): eager ones are reused across steps, graph-mode ones belong to

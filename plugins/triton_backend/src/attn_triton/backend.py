@@ -44,6 +44,7 @@ from attn_triton.graph import GraphState
 from attn_triton.kernels.decode import DecodeConfig, head_blocks
 from attn_triton.kernels.extend import ExtendConfig
 from attn_triton.kernels.mla_decode import MLAConfig, programs_per_request
+from attn_triton.kernels.ragged import RaggedConfig, attend_ragged, ragged_config, ragged_tiles
 from attn_triton.kernels.verify import VerifyConfig
 from attn_triton.launchers import Launch
 from attn_triton.mixed import plan_mixed
@@ -83,6 +84,7 @@ class TritonAttnBackend(AttentionBackend[StepPlan]):
         mixed_split: bool = True,
         mla_config: Optional[MLAConfig] = None,
         verify_config: Optional[VerifyConfig] = None,
+        ragged_config: Optional[RaggedConfig] = None,
         **options,
     ):
         super().__init__(ctx, **options)
@@ -100,6 +102,7 @@ class TritonAttnBackend(AttentionBackend[StepPlan]):
                 extend_cfg.wgmma_block_n,
             )
         mla_cfg = mla_config or _default_mla(ctx)
+        self.ragged_cfg = ragged_config or _default_ragged(ctx)
         mla_kernel = ctx.is_mla and _mla_kernel_takes(ctx.dtype, ctx.kv_dtype or ctx.dtype)
         ctas_per_sm = 0  # the split policy's programs per SM: the MLA kernel's tiles say (MLAConfig.ctas_per_sm)
         if mla_kernel:
@@ -128,7 +131,7 @@ class TritonAttnBackend(AttentionBackend[StepPlan]):
     def build_forward_metadata(self, forward_batch: ForwardBatch) -> StepPlan:
         b = forward_batch
         r2t, pool = self.req_to_token(b), self.kv_pool(b)
-        if b.forward_mode.is_mixed() and self.mixed_split:
+        if b.forward_mode.is_mixed() and self.mixed_split and b.bidirectional_spans is None:
             plan = plan_mixed(self.planner, b, r2t, window_pool_of(pool) is not None)
             if plan is not None:
                 return plan
@@ -177,6 +180,16 @@ class TritonAttnBackend(AttentionBackend[StepPlan]):
         k_buf, v_buf = self._save_and_buffers(q, k, v, layer, forward_batch, save_kv_cache, sinks)
         return path.run(q, k_buf, v_buf, layer, sinks, return_lse)
 
+    # ---- the ragged op (attn_core.ragged) ---------------------------------------------------------
+    def build_ragged_metadata(self, ragged) -> torch.Tensor:
+        """The varlen kernel's work list for the batch (`kernels/ragged.ragged_tiles`), once per batch."""
+        return ragged_tiles(ragged.seq_lens_cpu.tolist(), self.ragged_cfg.block_m, ragged.causal, self.device)
+
+    def forward_ragged(self, q, k, v, ragged, *, scaling, return_lse):
+        """The ragged op on the varlen kernel (`kernels/ragged.py`)."""
+        fault, cfg, tiles = self.device_faults.buffer, self.ragged_cfg, self.ragged_metadata
+        return attend_ragged(q, k, v, ragged, fault, sm_scale=scaling, config=cfg, tiles=tiles, return_lse=return_lse)
+
     def describe_path(self, layer, forward_batch) -> Optional[str]:
         """The kernels `layer` runs in this step (`plans.StepPlan.describe`; a cascade step's layer called
         with sinks runs unsplit, which this, not knowing the call's sinks, does not say)."""
@@ -208,6 +221,10 @@ def _default_extend(ctx: BackendContext) -> ExtendConfig:
 
 def _default_mla(ctx: BackendContext) -> MLAConfig:
     return mla_config(ctx.dtype, ctx.device)
+
+
+def _default_ragged(ctx: BackendContext) -> RaggedConfig:
+    return ragged_config(ctx.head_dim, ctx.dtype, ctx.device)
 
 
 def _mla_kernel_takes(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:

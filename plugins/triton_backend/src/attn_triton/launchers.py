@@ -100,10 +100,12 @@ def launch_extend(
     sinks: Optional[torch.Tensor],
     want_lse: bool,
     verify_len: Optional[int] = None,
+    spans: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """One extend-kernel launch: output `[T, Hq, Dv]` and LSE `[T, Hq]` (None unless `want_lse`). With
     `verify_len` (every request has that many tokens: `kernels.verify.verify_q_len`) the verify kernel
-    runs instead, its tokens folded with the q heads of each KV head."""
+    runs instead, its tokens folded with the q heads of each KV head. `spans`: the batch's bidirectional
+    spans (int32 `[bs, 2]`, `attn_core.bidirectional`) for a bidirectional layer's causal launch."""
     k_scale, v_scale = kv_scales(layer, ln.pool)
     T, hq, dv = q.shape[0], layer.num_q_heads, layer.v_head_dim
     o = q.new_empty((T, hq, dv))
@@ -139,6 +141,7 @@ def launch_extend(
             causal=causal,
             d_rope=ln.d_rope,
             share_kv=ln.share_kv,
+            spans=spans,
             **common,
         )
     return o, lse

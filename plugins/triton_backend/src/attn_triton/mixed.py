@@ -91,7 +91,7 @@ class MixedPath:
             self.prefill_qo_indptr,
             self.prefill_kv,
             self.prefill_max_q_len,
-            causal=True,
+            causal=layer.attn_type != "encoder_only",
             custom_mask=None,
             mask_indptr=None,
             sinks=sinks,

@@ -160,6 +160,7 @@ class StepPlanner:
             window_kv=window,
             window_pool=pool,
             cascade=cascade,
+            spans=b.bidirectional_spans,
         )
 
     # ---- plans from key indices (eager steps and CUDA-graph captures) --------------------------------
@@ -209,12 +210,14 @@ class StepPlanner:
         window_kv: Optional[KVIndex] = None,
         window_pool: Optional[SlidingWindowKVPool] = None,
         cascade: Optional[CascadeKeys] = None,
+        spans: Optional[torch.Tensor] = None,
     ) -> StepPlan:
         """An extend-like step's plan: `bs` requests, `num_tokens` query rows (offsets `qo_indptr`, the
-        longest `max_q_len`), the TARGET_VERIFY mask (uint8) and its int64 offsets if any. The step's
-        own key sets (main and window) take the folded kernels when every request carries the same
-        tokens (`verify_q_len`): the MLA kernel for 2..16 with absorbed MLA, else the verify kernel; cross
-        (non-causal, no mask), local and cascade layers the extend kernel."""
+        longest `max_q_len`), the TARGET_VERIFY mask (uint8) and its int64 offsets if any, the batch's
+        bidirectional spans (int32 `[bs, 2]`) if any. The step's own key sets (main and window) take the
+        folded kernels when every request carries the same tokens (`verify_q_len`): the MLA kernel for
+        2..16 with absorbed MLA, else the verify kernel; cross (non-causal, no mask), local, cascade,
+        encoder-only (non-causal) and bidirectional layers the extend kernel."""
         ln = self.launch
         same = verify_q_len(mode, bs, num_tokens, max_q_len)
 
@@ -235,6 +238,14 @@ class StepPlanner:
             local_path = ExtendPath(
                 ln, local.qo_indptr, local.max_q_len, local.kv, custom_mask=mask, mask_indptr=mask_indptr
             )
+        common = dict(custom_mask=mask, mask_indptr=mask_indptr)
+        noncausal = ExtendPath(ln, qo_indptr, max_q_len, kv, causal=False, path="extend (non-causal)", **common)
+        spans_path = None
+        if spans is not None:
+            spans = spans.contiguous()
+            spans_path = ExtendPath(
+                ln, qo_indptr, max_q_len, kv, spans=spans, path="extend (bidirectional spans)", **common
+            )
         return StepPlan(
             False,
             kv,
@@ -245,6 +256,8 @@ class StepPlanner:
             window=None if window_kv is None else over(window_kv),
             window_pool=window_pool,
             cascade=cascade_path,
+            noncausal=noncausal,
+            spans=spans_path,
         )
 
 

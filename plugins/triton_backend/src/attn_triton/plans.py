@@ -4,10 +4,11 @@ call then runs.
 A `StepPlan` (the backend's per-step metadata) holds one *path* per kind of layer the step can serve:
 `plain` (self attention over the step's keys), and where the step has them `cross` (encoder tokens),
 `local` (chunked local layers of the context's chunk size), `window` (window layers kept in a
-`SlidingWindowKVPool`) and `cascade` (layers that split into a shared-prefix pass and a suffix pass,
-`attn_core.cascade`). `path_for(layer, sinks)` picks a layer's path with a few attribute tests (typed
-errors for a layer the step cannot serve, before any KV write); the path's `run` makes the launches
-(`launchers.py`). Every path carries `path`, a short name of the kernels it runs (e.g. "decode",
+`SlidingWindowKVPool`), `cascade` (layers that split into a shared-prefix pass and a suffix pass,
+`attn_core.cascade`) and, in extend-like steps, `noncausal` (encoder-only layers) and `spans`
+(bidirectional layers of a batch with spans, `attn_core.bidirectional`). `path_for(layer, sinks)` picks
+a layer's path with a few attribute tests (typed errors for a layer the step cannot serve, before any KV
+write); the path's `run` makes the launches (`launchers.py`). Every path carries `path`, a short name of the kernels it runs (e.g. "decode",
 "verify", "mla-decode", "extend+decode (mixed split)", "cascade: decode + extend prefix").
 
 Which kernel a path runs is decided when the plan is built, from the step (mode, batch size, tokens,
@@ -16,8 +17,8 @@ longest query) and the context (MLA, the pool's dtype):
   kernel (`MLAPath`, q_len 1, the same splits).
 - extend-like: MHA/GQA TARGET_VERIFY / DRAFT_EXTEND steps whose requests all carry the same 1..16 tokens
   (`kernels.verify.verify_q_len`) the verify kernel, absorbed MLA with 2..16 such tokens the MLA kernel
-  (folded), every other step the extend kernel (`ExtendPath`). Cross, local and cascade layers always take
-  the extend kernel (the decode kernel in DECODE).
+  (folded), every other step the extend kernel (`ExtendPath`). Cross, local, cascade, encoder-only and
+  bidirectional layers always take the extend kernel (the decode kernel in DECODE).
 - MIXED with the split on: `mixed.MixedPath` (decodes through the decode kernel, the rest through the
   extend kernel).
 """
@@ -124,8 +125,9 @@ class MLAPath:
 
 
 class ExtendPath:
-    """The extend kernel (queries `qo_indptr` / `max_q_len` over `keys`), or with `verify_len` (every
-    request carries that many tokens) the verify kernel."""
+    """The extend kernel (queries `qo_indptr` / `max_q_len` over `keys`; non-causal for cross and
+    encoder-only layers; with `spans`, a bidirectional layer's spans), or with `verify_len` (every request
+    carries that many tokens) the verify kernel."""
 
     def __init__(
         self,
@@ -138,10 +140,13 @@ class ExtendPath:
         custom_mask: Optional[torch.Tensor] = None,
         mask_indptr: Optional[torch.Tensor] = None,
         verify_len: Optional[int] = None,
+        spans: Optional[torch.Tensor] = None,
+        path: Optional[str] = None,
     ):
         self.ln, self.qo_indptr, self.max_q_len, self.keys = ln, qo_indptr, max_q_len, keys
         self.causal, self.custom_mask, self.mask_indptr, self.verify_len = causal, custom_mask, mask_indptr, verify_len
-        self.path = "extend" if verify_len is None else f"verify (q_len {verify_len})"
+        self.spans = spans
+        self.path = path or ("extend" if verify_len is None else f"verify (q_len {verify_len})")
 
     def attend(self, q, k_buf, v_buf, layer, sinks, want_lse: bool):
         return launch_extend(
@@ -159,6 +164,7 @@ class ExtendPath:
             sinks=sinks,
             want_lse=want_lse,
             verify_len=self.verify_len,
+            spans=self.spans,
         )
 
     def run(self, q, k_buf, v_buf, layer, sinks, return_lse):
@@ -185,7 +191,9 @@ class CascadePath:
 
 class StepPlan:
     """One step's plan: `decode` (a DECODE step's plan; else extend-like) and its paths (see the module
-    docstring). `kv`: the step's main key index (what `plain` reads; tests and benchmarks read it)."""
+    docstring; extend-like steps also hold `noncausal`, the extend kernel without a causal mask for
+    encoder-only layers, and, when the batch has bidirectional spans, `spans` for its bidirectional
+    layers). `kv`: the step's main key index (what `plain` reads; tests and benchmarks read it)."""
 
     def __init__(
         self,
@@ -199,10 +207,13 @@ class StepPlan:
         window: Optional[Path] = None,
         window_pool: Optional[SlidingWindowKVPool] = None,
         cascade: Optional[Path] = None,
+        noncausal: Optional[Path] = None,
+        spans: Optional[Path] = None,
     ):
         self.decode, self.kv, self.plain = decode, kv, plain
         self.cross, self.local, self.chunk = cross, local, chunk
         self.window, self.window_pool, self.cascade = window, window_pool, cascade
+        self.noncausal, self.spans = noncausal, spans
 
     @property
     def path(self) -> str:
@@ -231,6 +242,12 @@ class StepPlan:
                     "forward_batch.encoder_lens", "encoder lengths for a cross-attention layer", None
                 )
             return self.cross
+        kind = layer.attn_type  # only plain self-attention layers have another kind than "decoder"
+        if kind != "decoder":
+            if kind == "encoder_only" and self.noncausal is not None:
+                return self.noncausal
+            if kind == "decoder_bidirectional" and self.spans is not None:
+                return self.spans
         return self.plain
 
     def describe(self, layer: AttentionLayer, sinks: Optional[torch.Tensor] = None) -> str:
