@@ -8,8 +8,9 @@ A `StepPlan` (the backend's per-step metadata) holds one *path* per kind of laye
 `attn_core.cascade`) and, in extend-like steps, `noncausal` (encoder-only layers) and `spans`
 (bidirectional layers of a batch with spans, `attn_core.bidirectional`). `path_for(layer, sinks)` picks
 a layer's path with a few attribute tests (typed errors for a layer the step cannot serve, before any KV
-write); the path's `run` makes the launches (`launchers.py`). Every path carries `path`, a short name of the kernels it runs (e.g. "decode",
-"verify", "mla-decode", "extend+decode (mixed split)", "cascade: decode + extend prefix").
+write); the path's `run` makes the launches (`launchers.py`). Every path carries `path`, a short name of
+the kernels it runs (e.g. "decode", "verify (q_len 4)", "mla-decode", "extend+decode (mixed split)",
+"cascade: decode + extend prefix").
 
 Which kernel a path runs is decided when the plan is built, from the step (mode, batch size, tokens,
 longest query) and the context (MLA, the pool's dtype):
