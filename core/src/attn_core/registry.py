@@ -52,6 +52,8 @@ KNOWN_BACKENDS: dict[str, str] = {
     "ascend": "attn-ascend",
     "cpu_amx": "attn-cpu-amx",
     "intel_amx": "attn-cpu-amx",
+    "double_sparsity": "attn-sparse",
+    "dual_chunk": "attn-sparse",
 }
 #: Where a clone of the attn repository holds each distribution (install hints: `errors.install_hint`).
 SOURCE_FOLDERS: dict[str, str] = {
@@ -61,6 +63,7 @@ SOURCE_FOLDERS: dict[str, str] = {
     "attn-trtllm-mla": "plugins/trtllm_mla",
     "attn-ascend": "plugins/ascend",
     "attn-cpu-amx": "plugins/cpu_amx",
+    "attn-sparse": "plugins/sparse",
 }
 
 

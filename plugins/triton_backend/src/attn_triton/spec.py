@@ -43,6 +43,9 @@ CAPABILITIES = Capabilities(
             Feature.CHUNKED_LOCAL_ATTENTION,
             Feature.SLIDING_WINDOW_POOL,
             Feature.CASCADE,
+            Feature.RAGGED,
+            Feature.NON_CAUSAL,
+            Feature.BIDIRECTIONAL_SPAN,
         }
     ),
     cuda_graph=CudaGraphLevel.UNIFORM_BATCH,
@@ -50,6 +53,9 @@ CAPABILITIES = Capabilities(
     #: either layout and engine-owned ones (`attn_core.memory.EngineKVPool`) read in place
     kv_layouts=frozenset({"NHD", "HND"}),
     engine_kv_layouts=frozenset({"NHD", "HND"}),
+    #: the ragged op's varlen kernel (`kernels/ragged.py`): the same head dims, split into a power-of-two
+    #: part and a remainder (d72 / d80 / d96 of ViTs without padding to 128)
+    ragged_head_dims=HEAD_DIMS,
 )
 
 

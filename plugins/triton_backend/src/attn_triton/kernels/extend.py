@@ -46,6 +46,7 @@ from attn_triton.kernels.common import (
     check_lazy_rescale,
     check_query_rows,
     finalize,
+    key_ranges,
     offset_range,
     paged_strides,
     score_scales,
@@ -127,37 +128,6 @@ def uses_wgmma(config: ExtendConfig, dtype: torch.dtype, kv_dtype: torch.dtype, 
 
 
 @triton.jit
-def key_ranges(
-    kv_len, q_off, first, tokens, window, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_MASK: tl.constexpr
-):
-    """(lo, full_end, hi): the keys a block of `tokens` new tokens sees, the first of them new token `first`
-    (at position q_off + first among the request's kv_len keys). Keys [lo, full_end) are seen by every row
-    of the block (no masks needed), keys [full_end, hi) need masks; lo and full_end are multiples of BLOCK_N.
-    Causal: the block's last row sees keys up to q_off + first + tokens - 1, its first row up to q_off +
-    first. A window W starts the range at the first row's oldest key (q_off + first - W + 1, rounded down)
-    and masks every tile, as do custom masks. Shared by both extend kernels (`extend_wgmma.py` calls it
-    from Gluon).
-
-    Worked example: kv_len 1000, q_off 600 (400 new tokens), first 128, tokens 128, BLOCK_N 64, causal:
-    hi = min(1000, 856) = 856, full_end = 728 rounded down = 704, lo = 0; with a window of 100, lo = 629 // 64
-    * 64 = 576 and full_end = 576."""
-    if CAUSAL:
-        hi = tl.minimum(kv_len, q_off + first + tokens)
-        full_end = q_off + first
-    else:
-        hi = kv_len
-        full_end = kv_len
-    lo = hi * 0
-    if HAS_WINDOW:
-        lo = tl.maximum(q_off + first - window + 1, 0) // BLOCK_N * BLOCK_N
-        full_end = lo
-    if USE_MASK:
-        full_end = lo
-    full_end = tl.maximum(full_end // BLOCK_N * BLOCK_N, lo)
-    return lo, full_end, hi
-
-
-@triton.jit
 def _extend_kernel(
     Q,
     K,
@@ -206,6 +176,8 @@ def _extend_kernel(
     STORE_LSE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     LAZY: tl.constexpr,
+    SPANS,
+    HAS_SPAN: tl.constexpr,
     stride_kp,
     stride_vp,
     PAGE: tl.constexpr,
@@ -244,6 +216,12 @@ def _extend_kernel(
     v_head = V + kv_head * stride_vh
 
     lo, full_end, hi = key_ranges(kv_len, q_off, mb * BLOCK_M, BLOCK_M, window, BLOCK_N, CAUSAL, HAS_WINDOW, USE_MASK)
+    if HAS_SPAN:  # bidirectional span [a, b) of the request: its queries see keys up to b - 1 (attn_core.bidirectional)
+        span_a = tl.load(SPANS + 2 * r)
+        span_b = tl.load(SPANS + 2 * r + 1)
+        in_span = (q_pos >= span_a) & (q_pos < span_b)
+        q_pos = tl.where(in_span, span_b - 1, q_pos)  # the causal limit of each row (no window with spans)
+        hi = tl.minimum(kv_len, tl.maximum(hi, tl.max(tl.where(in_span & m_ok, span_b, 0), 0)))
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -303,6 +281,7 @@ def extend_attention(
     v_scale: float = 1.0,
     d_rope: int = 0,
     share_kv: bool = False,
+    spans: Optional[torch.Tensor] = None,
 ) -> None:
     """Attention of every request's new tokens into `o` (and `lse_out`).
 
@@ -312,7 +291,8 @@ def extend_attention(
     Causal: the new token i of request r sits at position kv_len - q_len + i. `custom_mask` (uint8, per
     request a row-major `[q_len, kv_len]` block starting at mask_indptr[r]) replaces the causal mask.
     lse_out `[T, Hq]` float32 natural log. `max_q_len` (host int) sizes the grid. fault: the int32
-    fault buffer (`attn_core.ops.device_faults`).
+    fault buffer (`attn_core.ops.device_faults`). `spans` (int32 `[bs, 2]`, causal launches without a
+    window): request r's queries at positions in [a, b) also see the keys up to b - 1 (`attn_core.bidirectional`).
     """
     T, hq, d_total = q.shape
     bs = qo_indptr.shape[0] - 1
@@ -325,7 +305,7 @@ def extend_attention(
     dv = o.shape[2]
     qk_scale, cap_scale = score_scales(sm_scale, logit_cap, k_scale)
     v = k_buf if share_kv else v_buf
-    plain = not use_mask and d_rope == 0 and not share_kv
+    plain = not use_mask and d_rope == 0 and not share_kv and spans is None
     num_slots, page, k_page, k_token = paged_strides(k_buf)
     _, _, v_page, v_token = paged_strides(v)
     if page == 1 and uses_wgmma(config, q.dtype, k_buf.dtype, d, dv, plain) and tma_compatible(k_buf) and tma_compatible(v):
@@ -344,6 +324,7 @@ def extend_attention(
         options = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, LAZY=config.lazy_rescale)
         options.update(PAGE=page, stride_kp=k_page, stride_vp=v_page)  # K/V addressing (`common.paged_strides`)
         options.update(num_warps=config.num_warps, num_stages=config.num_stages)
+        options.update(SPANS=spans if spans is not None else qo_indptr, HAS_SPAN=spans is not None)
     grid = (grid_h, triton.cdiv(max_q_len, tokens), bs)
     kernel[grid](
         q,
