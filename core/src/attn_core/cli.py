@@ -124,7 +124,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    """For a request, every discovered backend with "usable" or every reason it is not."""
+    """For a request, every discovered backend with "usable" or every reason it is not, then the selection:
+    which backend each phase (prefill, decode) goes to and the declared measurement behind it."""
     req = requirements_from_args(args)
     print("request: " + _describe_request(req))
     rows = [("NAME", "DISTRIBUTION", "USABLE")]
@@ -138,6 +139,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
         rows.append((report.name, report.distribution, f"no: {first}"))
         rows += [("", "", f"    {r}") for r in rest]
     _print_table(rows)
+    if usable:
+        selection = registry.explain_selection(req)
+        print(f"selected: {selection.name}")
+        for line in selection.describe():
+            print(f"  {line}")
     return 0 if usable else 1
 
 
