@@ -53,6 +53,7 @@ KNOWN_BACKENDS: dict[str, str] = {
     "ascend": "attn-ascend",
     "cpu_amx": "attn-cpu-amx",
     "intel_amx": "attn-cpu-amx",
+    "fa4": "attn-flashattention",
 }
 
 
