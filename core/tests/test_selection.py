@@ -14,7 +14,11 @@ from attn_core.forward_mode import ForwardMode
 from attn_core.selection import DECODE, PREFILL, PhasePriority, hybrid_name, parse_hybrid_name, phase_of, phases_of
 from attn_core.spec import BackendSpec
 
-CUDA = Capabilities(devices=frozenset({"cuda"}), q_dtypes=frozenset({"bfloat16"}), kv_dtypes=frozenset({"bfloat16"}))
+CUDA = Capabilities(
+    devices=frozenset({"cuda"}),
+    q_dtypes=frozenset({"bfloat16", "float16"}),
+    kv_dtypes=frozenset({"bfloat16", "float16"}),
+)
 CPU = Capabilities(devices=frozenset({"cpu"}), q_dtypes=frozenset({"float32"}), kv_dtypes=frozenset({"float32"}))
 EVIDENCE = "docs/dev/perf-notebook.md (test)"
 HOPPER = dict(min_compute_capability=(9, 0), max_compute_capability=(9, 0))
@@ -177,3 +181,14 @@ def test_create_backend_builds_the_hybrid():
     assert backend.prefill is not backend.decode
     with pytest.raises(InvalidArgumentError, match="options"):
         r.create_backend(name, ctx, mixed_split=True)
+
+
+def test_q_dtype_condition():
+    bf16_only = _spec(
+        "pf16", priority=5, phases=[PhasePriority(PREFILL, 40, EVIDENCE, q_dtypes=frozenset({"bfloat16"}))]
+    )
+    r = _registry(bf16_only, DECODE_FAST)
+    assert r.select_backend(_cuda()) == "hybrid(prefill=pf16,decode=dec)"  # the requests above are bfloat16
+    fp16 = Requirements(device_type="cuda", compute_capability=(9, 0), q_dtype="float16", kv_dtype="float16")
+    assert r.select_backend(fp16) == "dec"
+    assert bf16_only.phase_priorities[0].condition() == "cuda, q bfloat16"

@@ -83,6 +83,7 @@ class PhasePriority:
       None: unbounded). A request without a compute capability matches no bounded entry.
     - `cpu_isa`: CPU flags (as /proc/cpuinfo names them) that must all be present; a request without CPU
       flags matches no entry that names some.
+    - `q_dtypes`: the query dtypes it was measured with ("bfloat16", ...; empty: any).
 
     Example: `PhasePriority("prefill", 40, "docs/performance.md#fa4", min_compute_capability=(9, 0),
     max_compute_capability=(9, 0))` holds for a request on a cuda device of compute capability 9.0 only.
@@ -95,6 +96,7 @@ class PhasePriority:
     min_compute_capability: Optional[tuple[int, int]] = None
     max_compute_capability: Optional[tuple[int, int]] = None
     cpu_isa: frozenset[str] = frozenset()
+    q_dtypes: frozenset[str] = frozenset()
 
     def holds(self, req: Requirements) -> bool:
         """Whether this entry applies to a request on `req`'s device."""
@@ -110,10 +112,10 @@ class PhasePriority:
                 return False
         if self.cpu_isa and (req.cpu_flags is None or not self.cpu_isa <= req.cpu_flags):
             return False
-        return True
+        return not self.q_dtypes or req.q_dtype in self.q_dtypes
 
     def condition(self) -> str:
-        """Where it holds, in words: "cuda, compute capability 9.0", "cpu with avx512f", "cpu"."""
+        """Where it holds, in words: "cuda, compute capability 9.0", "cpu with avx512f", "cpu, q bfloat16"."""
         parts = [self.device]
         lo, hi = self.min_compute_capability, self.max_compute_capability
         if lo is not None and hi is not None:
@@ -128,6 +130,8 @@ class PhasePriority:
             parts.append(f"compute capability <= {_cc(hi)}")
         if self.cpu_isa:
             parts.append("with " + " ".join(sorted(self.cpu_isa)))
+        if self.q_dtypes:
+            parts.append("q " + "/".join(sorted(self.q_dtypes)))
         return ", ".join(parts)
 
 
@@ -157,8 +161,10 @@ def phase_priority_problems(entries: object) -> list[str]:
             cc = getattr(e, name)
             if cc is not None and not (isinstance(cc, tuple) and len(cc) == 2 and all(type(v) is int for v in cc)):
                 out.append(f"{where}.{name}: expected None or a (major, minor) tuple of int, found {cc!r}")
-        if not (isinstance(e.cpu_isa, frozenset) and all(isinstance(f, str) for f in e.cpu_isa)):
-            out.append(f"{where}.cpu_isa: expected a frozenset of str, found {e.cpu_isa!r}")
+        for name in ("cpu_isa", "q_dtypes"):
+            value = getattr(e, name)
+            if not (isinstance(value, frozenset) and all(isinstance(f, str) for f in value)):
+                out.append(f"{where}.{name}: expected a frozenset of str, found {value!r}")
     return out
 
 

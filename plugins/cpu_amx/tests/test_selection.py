@@ -14,15 +14,16 @@ from attn_core.capabilities import Requirements
 from attn_cpu_amx import isa, spec
 
 
-def _select(flags) -> str:
+def _select(flags, dtype="bfloat16") -> str:
     r = reg.Registry(use_entry_points=False)
     r.register(dataclasses.replace(spec.SPEC, probe_fn=lambda: None))
     r.register(TORCH_NATIVE)
-    return r.select_backend(Requirements(device_type="cpu", cpu_flags=frozenset(flags), q_dtype="bfloat16", kv_dtype="bfloat16"))
+    return r.select_backend(Requirements(device_type="cpu", cpu_flags=frozenset(flags), q_dtype=dtype, kv_dtype=dtype))
 
 
 def test_avx2_cpu_prefills_on_torch_native_and_decodes_on_cpu_amx():
     assert _select({"avx", "avx2", "fma"}) == "hybrid(prefill=torch_native,decode=cpu_amx)"
+    assert _select({"avx", "avx2", "fma"}, "float32") == "cpu_amx"  # measured faster than torch_native in float32
 
 
 def test_avx512_and_amx_cpus_run_cpu_amx_alone():

@@ -40,12 +40,18 @@ CAPABILITIES = Capabilities(
 
 #: where each phase should go (attn_core.selection), from `attn-core bench cpu_amx --vs torch_native`
 #: (docs/dev/perf-notebook.md, "attn-cpu-amx by kernel path: which phases it should serve"): every path
-#: decodes faster than torch_native (the spec's priority 20 stands); at prefill/extend the portable C++
-#: path (CPUs without AVX-512, or ATTN_CPU_AMX_ISA=portable) is slower than torch_native, the AVX-512
-#: and AMX paths faster
+#: decodes faster than torch_native (the spec's priority 20 stands); at bf16 prefill/extend the portable
+#: C++ path (CPUs without AVX-512, or ATTN_CPU_AMX_ISA=portable) is slower than torch_native, the AVX-512
+#: and AMX paths faster (float32 on the portable path measured faster than torch_native: it keeps 20)
 _EVIDENCE = "docs/dev/perf-notebook.md, 'attn-cpu-amx by kernel path: which phases it should serve'"
 PHASE_PRIORITIES = (
-    PhasePriority(PREFILL, -10, _EVIDENCE + ": portable path 0.15-0.54x torch_native on the extend/prefill rows", device="cpu"),
+    PhasePriority(
+        PREFILL,
+        -10,
+        _EVIDENCE + ": portable path, bf16, 0.15-0.54x torch_native on the extend/prefill rows",
+        device="cpu",
+        q_dtypes=frozenset({"bfloat16"}),
+    ),
 ) + (
     ()
     if requested_path() == "portable"
