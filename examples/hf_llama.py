@@ -32,18 +32,39 @@ inside the graph; the collectives captured on NCCL).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from transformers import AttentionInterface, AttentionMaskInterface, LlamaConfig, LlamaForCausalLM
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-import attn_core as ac
-from attn_core.dcp import DCP_GRAPH_INPUTS, DcpLayout, DcpRequestPool, DcpStep, build_dcp_step, dcp_decode_attention
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (defined before the heavy imports below, so that `--help` answers at once)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backend", default="torch_native")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--jobs", type=int, default=16)
+    ap.add_argument("--max-new", type=int, default=32)
+    ap.add_argument("--attn-dtype", default="float32", help="KV cache and attention dtype (flashinfer: float16)")
+    ap.add_argument("--graphs", action="store_true", help="decode steps in CUDA graphs (attention share not measured then)")
+    ap.add_argument("--tp", action="store_true", help="tensor parallelism over the torchrun ranks (gloo on the CPU, NCCL on GPUs)")
+    ap.add_argument("--dcp", action="store_true", help="decode context parallelism over the torchrun ranks (serve_dcp)")
+    ap.add_argument("--check", action="store_true", help="compare every request's tokens with transformers' greedy generate and say so")
+    return ap
+
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
+    build_parser().parse_args()  # prints the help and exits before torch and transformers load
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from transformers import AttentionInterface, AttentionMaskInterface, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
+
+import attn_core as ac  # noqa: E402
+from attn_core.dcp import DCP_GRAPH_INPUTS, DcpLayout, DcpRequestPool, DcpStep, build_dcp_step, dcp_decode_attention  # noqa: E402
 
 
 def tiny_llama(seed: int = 0, layers: int = 2, device: str = "cpu", heads: tuple[int, int] = (2, 1)) -> LlamaForCausalLM:
@@ -340,18 +361,24 @@ def demo_jobs(seed: int = 0, n: int = 8, max_new: int = 8) -> list[Job]:
     return jobs
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--backend", default="torch_native")
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--jobs", type=int, default=16)
-    ap.add_argument("--max-new", type=int, default=32)
-    ap.add_argument("--attn-dtype", default="float32", help="KV cache and attention dtype (flashinfer: float16)")
-    ap.add_argument("--graphs", action="store_true", help="decode steps in CUDA graphs (attention share not measured then)")
-    ap.add_argument("--tp", action="store_true", help="tensor parallelism over the torchrun ranks (gloo on the CPU, NCCL on GPUs)")
-    ap.add_argument("--dcp", action="store_true", help="decode context parallelism over the torchrun ranks (serve_dcp)")
-    args = ap.parse_args()
+def check_against_generate(model, jobs: list[Job]) -> list[int]:
+    """The indices of the jobs whose tokens differ from `transformers`' own greedy `generate` of the same
+    prompt (eager attention, its own KV cache); empty when every one is equal."""
+    differ = []
+    for i, j in enumerate(jobs):
+        ids = torch.tensor([j.prompt], device=model.device)
+        gen = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=j.max_new, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
+        if gen[0, len(j.prompt) :].tolist() != j.out:
+            differ.append(i)
+    return differ
+
+
+def main() -> int:
+    from attn_core.progress import working
+
+    args = build_parser().parse_args()
     group = None
     if args.tp or args.dcp:
         dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
@@ -359,17 +386,20 @@ def main() -> None:
         if args.device.startswith("cuda"):
             args.device = f"cuda:{dist.get_rank() % torch.cuda.device_count()}"
             torch.cuda.set_device(args.device)
-    engine = Engine(tiny_llama(device=args.device, heads=(8, 2) if args.tp else (2, 1)), args.backend, args.page_size, max_running=8,
+    model = tiny_llama(device=args.device, heads=(8, 2) if args.tp else (2, 1))
+    engine = Engine(model, args.backend, args.page_size, max_running=8,
                     token_budget=64, attn_dtype=getattr(torch, args.attn_dtype), graph_sizes=(1, 2, 4, 8) if args.graphs else (),
                     tp_group=group if args.tp else None, dcp_group=group if args.dcp else None)
     serve = engine.serve_dcp if args.dcp else engine.serve
-    serve(demo_jobs(n=args.jobs, max_new=args.max_new))  # warm-up: kernel compilation, lazy allocations
+    with working(f"warm-up: {args.jobs} requests through {args.backend} (kernel compilation, lazy allocations)"):
+        serve(demo_jobs(n=args.jobs, max_new=args.max_new))
     engine.attn_seconds, jobs = 0.0, demo_jobs(n=args.jobs, max_new=args.max_new)
-    t0 = time.perf_counter()
-    serve(jobs)
-    if args.device != "cpu":
-        torch.cuda.synchronize()
-    secs = time.perf_counter() - t0
+    with working(f"timed run: {args.jobs} requests, {args.max_new} new tokens each"):
+        t0 = time.perf_counter()
+        serve(jobs)
+        if args.device != "cpu":
+            torch.cuda.synchronize()
+        secs = time.perf_counter() - t0
     tokens = sum(len(j.prompt) + len(j.out) for j in jobs)
     share = "n/a" if args.graphs else f"{100 * engine.attn_seconds / secs:.0f}%"
     parallel = f" {'DCP' if args.dcp else 'TP'}={dist.get_world_size()}" if group is not None else ""
@@ -377,10 +407,20 @@ def main() -> None:
         rank = dist.get_rank()
         dist.destroy_process_group()
         if rank:
-            return
+            return 0
     print(f"{args.backend}{parallel} page {args.page_size}{' graphs' if args.graphs else ''}: {tokens} tokens in {secs:.2f} s = "
           f"{tokens / secs:.0f} tokens/s; attention {share} of the time")
+    if args.check and group is None:
+        with working("checking every request's tokens against transformers' generate"):
+            differ = check_against_generate(model, jobs)
+        if differ:
+            print(f"check: {len(differ)} of {len(jobs)} requests differ from transformers' generate (jobs {differ})")
+            return 1
+        print(f"check: all {len(jobs)} requests equal transformers' generate ({sum(len(j.out) for j in jobs)} tokens)")
+    elif args.check:
+        print("check: skipped under --tp / --dcp (rank 0 holds a slice of the model)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

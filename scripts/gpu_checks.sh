@@ -2,7 +2,8 @@
 # Every GPU check of the project in one command, for a machine with a CUDA GPU and torch + triton
 # installed (the lent H100/H200 machine: no network; FlashInfer comes from wheels carried in .whl/ and
 # its prebuilt kernels from .fi-cache/aot.tar.xz when present). Logs go to $OUT (default ./gpu-out).
-#   bash scripts/gpu_checks.sh [tests | tests-core tests-triton tests-fi check] [bench] [triton-bench] [verify-bench] [fi-bench] [fi-window] [mla-bench] [mla] [engine] [multi-gpu]   (default: tests bench;
+#   bash scripts/gpu_checks.sh [tests | tests-core tests-triton tests-fi check] [bench] [triton-bench] [verify-bench] [fi-bench] [fi-window] [mla-bench] [mla] [engine] [multi-gpu] [fi-kit fi-tests fi-speed]   (default: tests bench;
+#   fi-kit / fi-tests / fi-speed = attn-flashinfer per FlashInfer release: FI_SITE=/tmp/site07 for 0.7.2.post1, see scripts/gpu_fi07_wheels.sh;
 #   bench = every benchmark; mla = attn-triton's MLA kernel alone: its GPU tests and the MLA benchmark without the prefill row;
 #   BENCH_ONLY=meta limits the Triton benchmark's rows; FP8_CONFIGS="n,h,w,s[,v];..." the fp8 decode tiles swept in its fp8 row)
 # FlashAttention-4 (attn-flashattention, issue 38) has parts of its own, each fitting one device call; its wheels come in
@@ -99,6 +100,29 @@ if want multi-gpu; then  # needs 2 GPUs (nvidia-h200-x2): DCP decode attention (
     python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/dcp_decode.py --device cuda --backend $b --json "$OUT/dcp_decode_$b.json" \
       2>&1 | tee -a "$OUT/multi_gpu.log" || rc=1
   done
+fi
+# issue 39: attn-flashinfer with each supported FlashInfer release. Without FI_SITE: the one set up above (0.6.6 from
+# .whl/); with FI_SITE=/tmp/site07 (scripts/gpu_fi07_wheels.sh): 0.7.2.post1 ahead of it. Logs are named by the
+# version. fi-kit: the kit on cuda for both backends; fi-tests: attn-flashinfer's GPU tests (lean against public
+# plans, graphs); fi-speed: the speed rows (our forward and metadata against FlashInfer's own calls).
+if [ -n "${FI_SITE:-}" ] && { want fi-kit || want fi-tests || want fi-speed; }; then
+  [ -d "$FI_SITE" ] || { echo "FI_SITE=$FI_SITE missing (scripts/gpu_fi07_wheels.sh)"; exit 1; }
+  export PYTHONPATH=$FI_SITE${PYTHONPATH:+:$PYTHONPATH}
+fi
+if want fi-kit || want fi-tests || want fi-speed; then
+  fiv=$(python3 -c "import flashinfer; print(flashinfer.__version__)" 2>/dev/null || echo none)
+  echo "flashinfer-python $fiv" | tee -a "$OUT/device.txt"
+fi
+if want fi-kit; then
+  for b in flashinfer flashinfer_mla; do
+    python3 -m attn_core.cli check "$b" --device cuda --quick 2>&1 | tee "$OUT/fi_${fiv}_check_$b.log" || rc=1
+  done
+fi
+if want fi-tests; then
+  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/flashinfer_backend/tests 2>&1 | tee "$OUT/fi_${fiv}_pytest_gpu.log" || rc=1
+fi
+if want fi-speed; then
+  python3 benchmarks/flashinfer_overhead.py --rounds 8 --json "$OUT/fi_${fiv}_overhead.json" 2>&1 | tee "$OUT/fi_${fiv}_overhead.log" || rc=1
 fi
 if want fi-window; then  # issue 18: attn-flashinfer's sliding-window KV pool and chunked local attention (kit checks + two-step cases), unverified until this passes
   python3 -m pytest -q -p no:cacheprovider -m gpu plugins/flashinfer_backend/tests/test_gpu.py -k "window_pool or chunked_local" 2>&1 | tee "$OUT/fi_window_local.log" || rc=1

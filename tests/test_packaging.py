@@ -231,3 +231,32 @@ def test_trtllm_mla_installs_next_to_attn_flashinfer_without_pulling_flashinfer(
     loaded = run(venv["py"], "-c", probe, env=venv["env"]).stdout
     assert "'flashinfer'" not in loaded and "attn_flashinfer.mla_backend" not in loaded, loaded
     venv["pip"]("uninstall", "-y", "-q", "attn-trtllm-mla", "attn-flashinfer")
+
+
+def doc_files(doc: Path) -> dict[str, str]:
+    """The files a doc spells out: every fenced block right after an `<!-- file: PATH ... -->` line,
+    by PATH."""
+    text = doc.read_text(encoding="utf-8")
+    found = re.findall(r"^<!-- file: (\S+)[^\n]*-->\n```[a-z]*\n(.*?)^```", text, re.M | re.S)
+    return {path: body for path, body in found}
+
+
+def test_plugin_authors_doc_snippet_installs_and_passes_the_kit(venv, tmp_path):
+    """docs/plugin-authors.md's own pyproject.toml (complete: version, [build-system]) and starter files,
+    extracted from the doc, built as a wheel, installed next to attn-core: found by name, and the kit passes."""
+    files = doc_files(ROOT / "docs" / "plugin-authors.md")
+    assert {"pyproject.toml", "src/attn_mybackend/spec.py", "src/attn_mybackend/backend.py", "tests/test_conformance.py"} <= set(files)
+    project = tmp_path / "attn-mybackend"
+    for path, body in files.items():
+        (project / path).parent.mkdir(parents=True, exist_ok=True)
+        (project / path).write_text(body, encoding="utf-8")
+    (project / "src" / "attn_mybackend" / "__init__.py").write_text("", encoding="utf-8")
+    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", venv["wheels"], project)
+    venv["pip"]("install", "-q", "--find-links", venv["wheels"], "attn-mybackend")
+    try:
+        listing = attn(venv, "list").stdout
+        assert re.search(r"^mybackend\s+attn-mybackend\s+0\.1\.0\s+available", listing, re.M), listing
+        out = attn(venv, "check", "mybackend", "--quick", "--device", "cpu").stdout
+        assert re.search(r"^check: \d+ passed, 0 failed, 0 skipped", out, re.M), out
+    finally:
+        venv["pip"]("uninstall", "-y", "-q", "attn-mybackend")

@@ -109,6 +109,8 @@ def test_not_installed_unknown_and_suggestion():
     with pytest.raises(BackendNotInstalledError, match="pip install attn-flashinfer") as e:
         r.resolve("flashinfer")
     assert e.value.pip_command == "pip install attn-flashinfer"
+    assert e.value.source_command == "pip install ./plugins/flashinfer_backend"
+    assert "pip install ./plugins/flashinfer_backend" in str(e.value)
     with pytest.raises(UnknownBackendError, match="did you mean 'torch_native'") as e:
         r.resolve("torch_natve")
     assert "triton" in e.value.known
@@ -131,7 +133,9 @@ def test_unavailable_incompatible_and_no_backend():
     with pytest.raises(NoBackendError, match="gpu_only: needs CUDA"):
         r.select_backend(bf16)
     report = {row.name: row for row in r.explain(bf16)}
-    assert not report["fp32_only"].usable and report["triton"].reasons == ("not installed (pip install attn-triton)",)
+    assert not report["fp32_only"].usable and report["triton"].reasons == (
+        "not installed (pip install attn-triton (from a clone of the attn repository: pip install ./plugins/triton_backend))",
+    )
 
 
 def test_priority_and_aliases():

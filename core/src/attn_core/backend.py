@@ -235,6 +235,15 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         False and save that copy; its branch rows then point at the request's own last page."""
         return True
 
+    def describe_path(self, layer: AttentionLayer, forward_batch: ForwardBatch) -> Optional[str]:
+        """Which path and kernel the last `forward` of `layer` on this step took, in words, for the debug
+        switch (`attn_core.debug_paths`, `ATTN_DEBUG_PATHS=1`); asked only while it is on, after the call.
+        The default reads the `path` string of the step's metadata or of its plans
+        (`debug_paths.metadata_path`); a backend whose path depends on the layer overrides it."""
+        from attn_core.debug_paths import metadata_path
+
+        return metadata_path(self.forward_metadata)
+
     # ---- the per-layer call -------------------------------------------------------------------
     def forward(
         self,
@@ -251,7 +260,7 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         every other mode to `forward_extend`."""
         bound = self._metadata_for
         if bound is not forward_batch and not (isinstance(bound, GraphBatchKey) and bound.matches(forward_batch)):
-            raise StaleMetadataError(_bound_description(bound), _batch_description(forward_batch))
+            raise StaleMetadataError(_bound_description(bound), _batch_difference(bound, forward_batch))
         mode = forward_batch.forward_mode
         if mode.is_no_tokens():
             o = q.new_empty((0, layer.num_q_heads * layer.v_head_dim))
@@ -422,8 +431,35 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         return q, k, v
 
 
-def _batch_description(batch: ForwardBatch) -> str:
-    return f"another batch ({batch.forward_mode.name}, {batch.batch_size} requests)"
+def _batch_facts(batch) -> dict[str, object]:
+    """What `StaleMetadataError` compares: mode, requests, tokens and the sum of seq_lens (host values)."""
+    return {
+        "mode": batch.forward_mode.name,
+        "requests": batch.batch_size,
+        "tokens": getattr(batch, "num_tokens", "?"),
+        "seq_lens_sum": getattr(batch, "seq_lens_sum", "?"),
+    }
+
+
+def _batch_difference(bound: Union[ForwardBatch, GraphBatchKey, None], batch: ForwardBatch) -> str:
+    """The batch `forward` got, and what differs from the one the metadata is for: "another batch:
+    tokens 4 (metadata: 7), seq_lens_sum 812 (metadata: 815)", or, when every compared value is equal,
+    that it is another object with the same shape (the check is by identity)."""
+    got = _batch_facts(batch)
+    if bound is None:
+        return "a batch ({})".format(", ".join(f"{k} {v}" for k, v in got.items()))
+    if isinstance(bound, GraphBatchKey):
+        want = {"mode": bound.forward_mode.name, "requests": bound.batch_size}
+    else:
+        want = _batch_facts(bound)
+    differs = [f"{k} {got[k]} (metadata: {want[k]})" for k in want if got[k] != want[k]]
+    if differs:
+        return "another batch: " + ", ".join(differs)
+    same = ", ".join(f"{k} {got[k]}" for k in want)
+    return (
+        f"another ForwardBatch object with the same {same}; the check is by identity: "
+        "call init_forward_metadata with the very batch object passed to forward"
+    )
 
 
 def _bound_description(bound: Union[ForwardBatch, GraphBatchKey, None]) -> str:
@@ -451,3 +487,9 @@ def _heads_view(name: str, x: torch.Tensor, rows: int, heads: int, dim: int) -> 
     if h is None:
         raise InvalidArgumentError(name, f"shape ({rows}, {heads}, {dim}) or ({rows}, {heads * dim})", tuple(x.shape))
     return h
+
+
+# `ATTN_DEBUG_PATHS=1`: report every layer call's path from the start (attn_core.debug_paths)
+from attn_core import debug_paths as _debug_paths  # noqa: E402  (needs AttentionBackend defined)
+
+_debug_paths._from_environment()

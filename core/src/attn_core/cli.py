@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+import textwrap
 from typing import Optional, Sequence
 
 from attn_core import registry
@@ -18,6 +20,7 @@ from attn_core.bench.cli import add_bench_arguments
 from attn_core.capabilities import ARCH_MHA, ARCH_MLA, CudaGraphLevel, Feature, Requirements
 from attn_core.cli_args import (
     ArgumentParser,
+    clip_quoted,
     compute_capability,
     device_arg,
     device_or_auto,
@@ -25,41 +28,92 @@ from attn_core.cli_args import (
     forward_mode_name,
     positive_int,
 )
-from attn_core.errors import AttnError
+from attn_core.errors import AttnError, BackendUnavailableError, quote
 from attn_core.forward_mode import ForwardMode
 
 #: exit status when the command could not do its job (unknown backend, not installed, cannot run here)
 EXIT_CANNOT_RUN = 2
 
 
-def cmd_list(args: argparse.Namespace) -> int:
-    """One row per discovered backend: name, distribution, version, available here or why not,
-    key capabilities."""
-    rows = [("NAME", "DISTRIBUTION", "VERSION", "STATUS", "CAPABILITIES")]
+def fail(command: str, problem: object) -> int:
+    """Print `attn-core COMMAND: PROBLEM` on stderr (one line; quoted user values cut to ~80 characters,
+    `cli_args.clip_quoted`) and return `EXIT_CANNOT_RUN`."""
+    print(f"attn-core {command}: {clip_quoted(str(problem))}", file=sys.stderr)
+    return EXIT_CANNOT_RUN
+
+
+def unavailable_here(name: str) -> Optional[BackendUnavailableError]:
+    """The registry's verdict on backend `name` for `check`, `bench` and `explain NAME`: None when it can
+    run here, else the typed error `create_backend` would raise, whose message is the one line every
+    command prints ("attention backend 'flashinfer' cannot run here: <the probe's reason>"). Raises the
+    registry's own errors (unknown, not installed, failed to load)."""
+    entry = registry.default_registry().resolve(name)
+    reason = entry.probe()
+    return BackendUnavailableError(entry.name, reason) if reason else None
+
+
+def list_rows(probe: bool = True) -> list[dict]:
+    """One record per discovered backend (and per known backend not installed): name, distribution,
+    version, state ("available", "unavailable", "not probed", "failed", "not installed"), reason, what
+    the backend found here (info), registry notes, its unverified paths and a capability summary. What
+    `list` prints and `list --json` writes."""
+    rows: list[dict] = []
     entries = registry.list_backends()
-    for entry in entries if args.probe else ():
+    for entry in entries if probe else ():
         entry.start_probe()  # all probes run at once: a hanging one costs one time limit in all
     for entry in entries:
+        row = dict(name=entry.name, distribution=entry.distribution, version=entry.version, state="failed", reason=None, info=None)
+        row.update(notes=list(entry.notes), unverified=None, capabilities=None)
         if entry.ok:
-            reason = entry.probe() if args.probe else None
-            status = "available" if not reason else f"unavailable: {reason}"
-            info = entry.info() if args.probe and not reason else None
-            if info:
-                status = f"available ({info})"
-            if entry.notes:
-                status += f" ({'; '.join(entry.notes)})"
-            caps = entry.spec.capabilities.summary()
-            if entry.spec.unverified:
-                status = f"{status} [unverified: {entry.spec.unverified}]"
+            reason = entry.probe() if probe else None
+            row["state"] = "not probed" if not probe else "unavailable" if reason else "available"
+            row["reason"] = reason
+            row["info"] = entry.info() if probe and not reason else None
+            row["unverified"] = entry.spec.unverified or None
+            row["capabilities"] = entry.spec.capabilities.summary()
         else:
-            status, caps = f"failed: {entry.error}", "-"
-        rows.append((entry.name, entry.distribution, entry.version or "-", status, caps))
-    installed = {r[0] for r in rows}
+            row["reason"] = str(entry.error)
+        rows.append(row)
+    installed = {r["name"] for r in rows}
     aliases = registry.default_registry().aliases()
     for name, dist in registry.KNOWN_BACKENDS.items():
         if name not in installed and name not in aliases:
-            rows.append((name, dist, "-", f"not installed (pip install {dist})", "-"))
-    _print_table(rows)
+            reason = registry.not_installed_reason(dist)
+            row = dict(name=name, distribution=dist, version=None, state="not installed", reason=reason, info=None)
+            rows.append({**row, "notes": [], "unverified": None, "capabilities": None})
+    return rows
+
+
+def _status(row: dict) -> str:
+    """The STATUS cell of a `list_rows` record."""
+    state, reason = row["state"], row["reason"]
+    if state == "not installed":
+        status = reason
+    elif state in ("unavailable", "failed"):
+        status = f"{state}: {reason}"
+    else:
+        status = f"{state} ({row['info']})" if row["info"] else state
+    if row["notes"]:
+        status += f" ({'; '.join(row['notes'])})"
+    if row["unverified"]:
+        status += f" [unverified: {row['unverified']}]"
+    return status
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    """One row per discovered backend: name, distribution, version, available here or why not,
+    key capabilities. Lines are wrapped to the terminal's width (`COLUMNS`) when there is one."""
+    rows = list_rows(args.probe)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    table = [("NAME", "DISTRIBUTION", "VERSION", "STATUS", "CAPABILITIES")]
+    table += [(r["name"], r["distribution"], r["version"] or "-", _status(r), r["capabilities"] or "-") for r in rows]
+    width = shutil.get_terminal_size((0, 0)).columns
+    if width > 0:
+        _print_wrapped(table, width)
+    else:
+        _print_table(table)
     return 0
 
 
@@ -69,6 +123,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     from attn_core.testing.kit import make_plan, run_plan
 
     try:
+        if (unavailable := unavailable_here(args.name)) is not None:
+            return fail("check", unavailable)
         plan = make_plan(
             args.name,
             device=args.device,
@@ -78,12 +134,10 @@ def cmd_check(args: argparse.Namespace) -> int:
             skip={pattern: "skipped with --skip" for pattern in args.skip},
         )
     except AttnError as exc:
-        print(f"attn-core check: {exc}", file=sys.stderr)
-        return EXIT_CANNOT_RUN
+        return fail("check", exc)
     target = plan.target
     if plan.unavailable:
-        print(f"attn-core check: backend {target.name!r} cannot run here: {plan.unavailable}", file=sys.stderr)
-        return EXIT_CANNOT_RUN
+        return fail("check", BackendUnavailableError(target.name, plan.unavailable))
     if args.list:
         for check in plan.checks:
             print(f"{check.id}  {check.description}".rstrip())
@@ -110,8 +164,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     seconds = sum(o.seconds for o in outcomes)
     print(f"check: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped in {seconds:.1f}s")
     if not outcomes:
-        print(f"attn-core check: no check matches {args.k}", file=sys.stderr)
-        return EXIT_CANNOT_RUN
+        return fail("check", f"no check matches {args.k}")
     return 1 if counts["failed"] else 0
 
 
@@ -125,12 +178,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     """For a request, every discovered backend with "usable" or every reason it is not, then the selection:
-    which backend each phase (prefill, decode) goes to and the declared measurement behind it."""
+    which backend each phase (prefill, decode) goes to and the declared measurement behind it (with NAME:
+    that backend only, no selection; exit status 2 with the registry's one line when it cannot run here)."""
+    if args.name is not None:
+        try:
+            if (unavailable := unavailable_here(args.name)) is not None:
+                return fail("explain", unavailable)
+        except AttnError as exc:
+            return fail("explain", exc)
     req = requirements_from_args(args)
     print("request: " + _describe_request(req))
     rows = [("NAME", "DISTRIBUTION", "USABLE")]
     usable = 0
-    for report in registry.explain(req):
+    reports = registry.explain(req)
+    if args.name is not None:
+        wanted = registry.default_registry().resolve(args.name).name
+        reports = [r for r in reports if r.name == wanted]
+    for report in reports:
         if report.usable:
             usable += 1
             rows.append((report.name, report.distribution, "usable"))
@@ -139,7 +203,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         rows.append((report.name, report.distribution, f"no: {first}"))
         rows += [("", "", f"    {r}") for r in rest]
     _print_table(rows)
-    if usable:
+    if usable and args.name is None:
         selection = registry.explain_selection(req)
         print(f"selected: {selection.name}")
         for line in selection.describe():
@@ -148,6 +212,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def add_explain_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", nargs="?", help="only this backend (default: every discovered backend)")
     p.add_argument(
         "--device", type=device_or_auto, default="auto", help="cpu, cuda (or another device type); auto: cuda when torch sees one, else cpu"
     )
@@ -225,11 +290,49 @@ def _print_table(rows: Sequence[Sequence[str]]) -> None:
         print(f"{head}  {r[-1]}".rstrip())
 
 
+def _print_wrapped(rows: Sequence[Sequence[str]], width: int) -> None:
+    """`list`'s table within `width` columns: NAME, DISTRIBUTION and VERSION as columns, STATUS wrapped
+    beside them, the capabilities on indented lines below each row."""
+    widths = [max(len(str(r[i])) for r in rows) for i in range(3)]
+    indent = sum(widths) + 2 * len(widths)
+    status_width = max(24, width - indent)
+    for i, r in enumerate(rows):
+        head = "  ".join(str(c).ljust(w) for c, w in zip(r, widths)) + "  "
+        lines = textwrap.wrap(str(r[3]), status_width, break_on_hyphens=False, break_long_words=False) or [""]
+        print((head + lines[0]).rstrip())
+        for line in lines[1:]:
+            print(" " * indent + line)
+        if i and r[4] != "-":
+            caps = f"capabilities: {r[4]}".replace(",", ", ")
+            for line in textwrap.wrap(caps, max(24, width - 4), break_on_hyphens=False, break_long_words=False):
+                print("    " + line)
+
+
+class _VersionAction(argparse.Action):
+    """`attn-core --version`: attn-core's version and every installed backend distribution's (discovery
+    only: no probe, no torch)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import attn_core
+
+        print(f"attn-core {attn_core.__version__}")
+        dists: dict[str, tuple[str, list[str]]] = {}
+        for entry in registry.list_backends():
+            if entry.distribution != registry.CORE_DISTRIBUTION:
+                dists.setdefault(entry.distribution, (entry.version or "-", []))[1].append(entry.name)
+        for dist, (version, names) in sorted(dists.items()):
+            print(f"{dist} {version} ({', '.join(names)})")
+        parser.exit(0)
+
+
 def _option(text: str) -> tuple[str, object]:
     """KEY=VALUE with VALUE read as JSON when it parses (numbers, true/false), else as a string."""
     key, sep, value = text.partition("=")
     if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {quote(text)}")
     try:
         return key, json.loads(value)
     except json.JSONDecodeError:
@@ -241,13 +344,15 @@ def build_parser() -> argparse.ArgumentParser:
         prog="attn-core",
         description="Discover, check and benchmark attention backends of the attn project.",
     )
+    parser.add_argument("--version", action=_VersionAction, help="print the versions of attn-core and of the installed backends")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser(
         "list",
         help="list discovered backends: distribution, version, availability here, capabilities",
         description=cmd_list.__doc__,
     )
-    p.add_argument("--no-probe", dest="probe", action="store_false", help="do not probe availability (no torch import)")
+    p.add_argument("--no-probe", dest="probe", action="store_false", help='do not probe availability (no torch import): "not probed"')
+    p.add_argument("--json", action="store_true", help="print the rows as JSON (every field, no wrapping)")
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("check", help="run the conformance kit on a backend", description=cmd_check.__doc__)

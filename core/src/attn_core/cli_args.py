@@ -15,8 +15,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 from typing import NoReturn, Optional
+
+from attn_core.errors import QUOTE_LIMIT, quote
 
 #: the dtype names the command line accepts (torch attribute names; capabilities use the same names)
 DTYPE_NAMES = (
@@ -35,12 +38,24 @@ DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16"
 DEVICE_TYPES = ("cpu", "cuda", "xpu", "npu", "mps")
 
 
+#: a single-quoted value longer than QUOTE_LIMIT, starting and ending with a non-space (so the text between
+#: two short quoted values never matches)
+_QUOTED = re.compile(r"'([^'\s][^'\n]{" + str(QUOTE_LIMIT - 1) + r",}[^'\s])'")
+
+
+def clip_quoted(message: str, limit: int = QUOTE_LIMIT) -> str:
+    """`message` with every single-quoted value longer than `limit` characters cut to `limit` and its
+    length (argparse quotes the raw value in its own messages): "invalid choice: 'xxx…' (5000
+    characters)"; a short message comes back unchanged."""
+    return _QUOTED.sub(lambda m: m.group(0) if m.group(1).endswith("…") else quote(m.group(1), limit), message)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """An `argparse.ArgumentParser` whose usage errors are one line on stderr (`PROG: error: ...`,
-    with a pointer to `--help`) and exit status 2."""
+    with a pointer to `--help`; a quoted value cut to ~80 characters) and exit status 2."""
 
     def error(self, message: str) -> NoReturn:
-        sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        sys.stderr.write(f"{self.prog}: error: {clip_quoted(message)} (see {self.prog} --help)\n")
         sys.exit(2)
 
 
@@ -49,7 +64,7 @@ def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {quote(text)}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
     return value
@@ -60,9 +75,9 @@ def positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {quote(text)}") from None
     if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {quote(text)}")
     return value
 
 
@@ -72,7 +87,7 @@ def dtype_arg(text: str) -> str:
     name = text.strip().lower().removeprefix("torch.")
     name = DTYPE_ALIASES.get(name, name)
     if name not in DTYPE_NAMES:
-        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; expected one of {', '.join(DTYPE_NAMES)}")
+        raise argparse.ArgumentTypeError(f"unknown dtype {quote(text)}; expected one of {', '.join(DTYPE_NAMES)}")
     return name
 
 
@@ -80,7 +95,7 @@ def device_arg(text: str, types: tuple[str, ...] = DEVICE_TYPES) -> str:
     """A device `TYPE` or `TYPE:INDEX` with TYPE in `types`, e.g. "cpu", "cuda", "cuda:1"."""
     kind, sep, index = text.partition(":")
     if kind not in types or (sep and not index.isdigit()):
-        raise argparse.ArgumentTypeError(f"unknown device {text!r}; expected one of {', '.join(types)} (an index may follow: cuda:1)")
+        raise argparse.ArgumentTypeError(f"unknown device {quote(text)}; expected one of {', '.join(types)} (an index may follow: cuda:1)")
     return text
 
 
@@ -99,7 +114,7 @@ def compute_capability(text: str) -> tuple[int, int]:
     """ "MAJOR.MINOR" (or "MAJOR") of a CUDA compute capability: `compute_capability("9.0") == (9, 0)`."""
     major, _, minor = text.partition(".")
     if not major.isdigit() or (minor and not minor.isdigit()):
-        raise argparse.ArgumentTypeError(f"expected MAJOR.MINOR (e.g. 9.0), got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected MAJOR.MINOR (e.g. 9.0), got {quote(text)}")
     return int(major), int(minor or 0)
 
 
@@ -111,7 +126,7 @@ def forward_mode_name(text: str) -> str:
         return ForwardMode.parse(text).name
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"unknown forward mode {text!r}; expected one of {', '.join(m.name for m in ForwardMode)}"
+            f"unknown forward mode {quote(text)}; expected one of {', '.join(m.name for m in ForwardMode)}"
         ) from None
 
 
@@ -131,5 +146,5 @@ def writable_file(text: str) -> str:
     elif not os.path.exists(text) and not os.access(folder, os.W_OK | os.X_OK):
         problem = f"folder {folder} is not writable"
     if problem:
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {problem}")
+        raise argparse.ArgumentTypeError(f"cannot write {quote(text)}: {problem}")
     return text

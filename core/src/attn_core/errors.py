@@ -6,7 +6,21 @@ Kept free of torch so the registry can raise them during discovery.
 from __future__ import annotations
 
 import difflib
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
+
+#: at most this many characters of a user-supplied value are quoted in a message (`quote`)
+QUOTE_LIMIT = 80
+
+
+def quote(value: object, limit: int = QUOTE_LIMIT) -> str:
+    """`repr(value)` for a message, cut to `limit` characters of the value with how long it was, so that
+    a 100,000-character name is not echoed back: `quote("abc") == "'abc'"`,
+    `quote("x" * 100) == "'" + "x" * 80 + "…' (100 characters)"`."""
+    if isinstance(value, str) and len(value) > limit:
+        head = repr(value[:limit])
+        return f"{head[:-1]}…{head[-1]} ({len(value)} characters)"
+    text = repr(value)
+    return text if len(text) <= limit + 2 else text[: limit + 1] + f"… ({len(text)} characters)"
 
 
 class AttnError(Exception):
@@ -65,23 +79,35 @@ class UnknownBackendError(RegistryError, KeyError):
     def __init__(self, name: str, known: Iterable[str]):
         self.name = name
         self.known = sorted(set(known))
-        close = difflib.get_close_matches(name, self.known, n=1)
+        close = difflib.get_close_matches(name, self.known, n=1) if len(name) <= QUOTE_LIMIT else []
         self.suggestion = close[0] if close else None
         hint = f"; did you mean {self.suggestion!r}?" if self.suggestion else ""
-        super().__init__(f"unknown attention backend {name!r} (known: {', '.join(self.known)}){hint}")
+        super().__init__(f"unknown attention backend {quote(name)} (known: {', '.join(self.known)}){hint}")
 
     def __str__(self) -> str:  # KeyError would quote the message
         return self.args[0]
 
 
-class BackendNotInstalledError(RegistryError):
-    """A known backend whose distribution is not installed."""
+def install_hint(distribution: str, source: Optional[str] = None) -> str:
+    """How to install `distribution`: the package name, and where the attn repository holds it (`source`,
+    a folder of the repository) the command that installs it from a clone:
+    `install_hint("attn-triton", "plugins/triton_backend")` → "pip install attn-triton (from a clone of the
+    attn repository: pip install ./plugins/triton_backend)"."""
+    hint = f"pip install {distribution}"
+    return f"{hint} (from a clone of the attn repository: pip install ./{source})" if source else hint
 
-    def __init__(self, name: str, distribution: str):
+
+class BackendNotInstalledError(RegistryError):
+    """A known backend whose distribution is not installed. `pip_command` names the package;
+    `source_command` installs it from a clone of the attn repository (None where the repository does not
+    hold it)."""
+
+    def __init__(self, name: str, distribution: str, source: Optional[str] = None):
         self.name = name
         self.distribution = distribution
         self.pip_command = f"pip install {distribution}"
-        super().__init__(f"attention backend {name!r} is not installed: {self.pip_command}")
+        self.source_command = f"pip install ./{source}" if source else None
+        super().__init__(f"attention backend {name!r} is not installed: {install_hint(distribution, source)}")
 
 
 class BackendUnavailableError(RegistryError):

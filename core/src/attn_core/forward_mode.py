@@ -25,6 +25,14 @@ class ForwardMode(enum.IntEnum):
     DUMMY_FIRST = enum.auto()
     SPLIT_PREFILL = enum.auto()
 
+    def __str__(self) -> str:
+        """The name: `str(ForwardMode.DECODE) == "DECODE"` (an IntEnum would print 2)."""
+        return self.name
+
+    def __format__(self, spec: str) -> str:
+        """`f"{mode}"` is the name; a numeric format spec formats the value (`f"{mode:d}"` == "2")."""
+        return self.name.__format__(spec) if not spec or spec[-1:] not in "bcdoxXneEfFgG%" else int(self).__format__(spec)
+
     def is_extend(self) -> bool:
         """Every mode whose new tokens go through the extend (multi-token) path."""
         return self in _EXTEND_LIKE

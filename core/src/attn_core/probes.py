@@ -110,7 +110,7 @@ def cpu_flags() -> frozenset[str]:
 
 
 def module_missing(module: str, install_hint: str) -> Optional[str]:
-    """Reason when `module` cannot be imported, e.g. "triton not installed (pip install attn-triton)"."""
+    """Reason when `module` cannot be imported, e.g. "triton not installed (pip install triton)"."""
     if importlib.util.find_spec(module) is None:
         return f"{module} not installed ({install_hint})"
     return None

@@ -35,6 +35,7 @@ from attn_core.errors import (
     InvalidSpecError,
     NoBackendError,
     UnknownBackendError,
+    install_hint,
 )
 from attn_core.probes import TimedCheck
 from attn_core.selection import DECODE, PREFILL, PhaseChoice, Selection, choose, parse_hybrid_name, phases_of
@@ -55,6 +56,23 @@ KNOWN_BACKENDS: dict[str, str] = {
     "intel_amx": "attn-cpu-amx",
     "fa4": "attn-flashattention",
 }
+#: Where a clone of the attn repository holds each distribution (install hints: `errors.install_hint`).
+SOURCE_FOLDERS: dict[str, str] = {
+    "attn-core": "core",
+    "attn-triton": "plugins/triton_backend",
+    "attn-flashinfer": "plugins/flashinfer_backend",
+    "attn-trtllm-mla": "plugins/trtllm_mla",
+    "attn-ascend": "plugins/ascend",
+    "attn-cpu-amx": "plugins/cpu_amx",
+    "attn-flashattention": "plugins/flashattention",
+}
+
+
+def not_installed_reason(distribution: str) -> str:
+    """The one line `list` and `explain` show for a known backend whose distribution is missing:
+    "not installed (pip install attn-triton (from a clone of the attn repository: pip install
+    ./plugins/triton_backend))"."""
+    return f"not installed ({install_hint(distribution, SOURCE_FOLDERS.get(distribution))})"
 
 
 @dataclass
@@ -304,7 +322,7 @@ class Registry:
         entry = entries.get(key)
         if entry is None:
             if name in KNOWN_BACKENDS:
-                raise BackendNotInstalledError(name, KNOWN_BACKENDS[name])
+                raise BackendNotInstalledError(name, KNOWN_BACKENDS[name], SOURCE_FOLDERS.get(KNOWN_BACKENDS[name]))
             raise UnknownBackendError(name, [n for n in entries if _is_backend_name(n)] + list(self._aliases) + list(KNOWN_BACKENDS))
         if entry.error is not None:
             raise entry.error
@@ -369,7 +387,7 @@ class Registry:
             rows.append(BackendReport(name, e.distribution, not reasons, tuple(reasons)))
         for name, dist in KNOWN_BACKENDS.items():
             if name not in entries and name not in self._aliases and name not in self._ambiguous:
-                rows.append(BackendReport(name, dist, False, (f"not installed (pip install {dist})",)))
+                rows.append(BackendReport(name, dist, False, (not_installed_reason(dist),)))
         return rows
 
     def _create_hybrid(self, parts: tuple[str, str], ctx, options: dict):

@@ -29,7 +29,7 @@ class BackendSpec:
     """Name, capabilities and where to find the class, readable without importing the backend.
 
     `backend_class` is "module:Class"; `probe` returns None when the backend can run on this machine,
-    else the reason ("needs CUDA", "triton not installed (pip install attn-triton)"); it may import
+    else the reason ("needs CUDA", "triton not installed (pip install triton)"); it may import
     torch but should be quick. `info_fn` (optional, same rules) describes what an available backend
     found here, e.g. the CPU ISA and kernel path; `attn-core list` shows it next to "available".
     `priority` orders `select_backend`'s default choice (higher first); `phase_priorities` replace it for

@@ -7,6 +7,7 @@ request's keys are read from its pages (`indptr`, page ids, `last_page_len`); ca
 position L - n + i); `logits_soft_cap` c maps a scaled logit s to c * tanh(s / c); the LSE is base 2;
 `run` writes into `out` / `lse` when given (and returns them); the paged wrappers' `k_scale` joins the
 softmax scale and `v_scale` multiplies the output (an fp8 cache).
+Its `plan` / `run` take keyword arguments only (0.7 deprecates positional ones; 0.6.6 takes both).
 `mla.BatchMLAPagedAttentionWrapper` stands in for the MLA paged wrapper of flashinfer 0.6.6, down to the
 internals `replan.mla` / `replan.mla_run` call (`_cached_module.plan` / `.run` with the compiled
 functions' argument lists, `_kv_indices_buf`, `_causal`, `_page_size`, `_sm_scale`): its plan runs a plain port of
@@ -312,8 +313,9 @@ class BatchMLAPagedAttentionWrapper:
         self._backend = "fake"
         self.public_plans = 0
 
-    def plan(
+    def plan(  # keyword-only: FlashInfer 0.7 deprecates positional MLA arguments, so the backend passes none
         self,
+        *,
         qo_indptr,
         kv_indptr,
         kv_indices,
@@ -342,7 +344,7 @@ class BatchMLAPagedAttentionWrapper:
             kv_indptr.cpu(), kv_len_arr.cpu(), num_heads, head_dim_ckv, causal,
         )  # fmt: skip
 
-    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False, return_lse_base_on_e=False):
+    def run(self, *, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False, return_lse_base_on_e=False):
         out = torch.empty_like(q_nope) if out is None else out
         assert out.shape == q_nope.shape, "out shaped as q_nope"
         if return_lse and lse is None:

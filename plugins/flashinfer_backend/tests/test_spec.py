@@ -52,7 +52,7 @@ def _fake_find_spec(monkeypatch, flashinfer_present: bool):
 
 def test_probe_without_flashinfer(monkeypatch):
     _fake_find_spec(monkeypatch, False)
-    assert spec.probe() == "flashinfer-python not installed (pip install attn-flashinfer)"
+    assert spec.probe() == "flashinfer-python not installed (pip install 'flashinfer-python>=0.6.6,<0.8'; a CUDA build of torch first)"
 
 
 def test_probe_without_cuda(monkeypatch):

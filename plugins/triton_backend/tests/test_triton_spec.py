@@ -31,7 +31,7 @@ def test_probe_without_triton(monkeypatch):
     import attn_triton.spec as spec
 
     monkeypatch.setattr(spec, "module_missing", lambda m, hint: f"{m} not installed ({hint})" if m == "triton" else None)
-    assert spec.probe() == "triton not installed (pip install attn-triton)"
+    assert spec.probe() == "triton not installed (pip install triton)"
 
 
 def test_probe_without_gpu(monkeypatch):

@@ -11,6 +11,7 @@ import argparse
 import sys
 from typing import Optional
 
+from attn_core.bench.timing import SPREAD_THRESHOLD
 from attn_core.bench.workloads import KINDS
 from attn_core.cli_args import bench_device, dtype_arg, positive_float, positive_int, writable_file
 
@@ -28,6 +29,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=positive_int, default=1, help="KV page size (default 1)")
     p.add_argument("--budget", type=positive_float, default=None, help="seconds of timed calls per measurement (default 0.5 GPU, 0.3 CPU)")
     p.add_argument("--json", type=writable_file, metavar="FILE", help="write every number, the device, versions and date as JSON")
+    p.add_argument(
+        "--spread",
+        type=positive_float,
+        default=SPREAD_THRESHOLD,
+        metavar="FRACTION",
+        help=f"flag rows whose interquartile range exceeds this fraction of the median (default {SPREAD_THRESHOLD})",
+    )
     p.add_argument(
         "--plot",
         type=writable_file,
@@ -82,25 +90,25 @@ def run_bench_command(args: argparse.Namespace) -> int:
     import torch
 
     from attn_core import registry
-    from attn_core.bench.report import Progress, document, table, write_json
+    from attn_core.bench.report import Progress, document, run_warnings, table, write_json
     from attn_core.bench.runner import run_bench
+    from attn_core.bench.timing import load_warning
     from attn_core.bench.workloads import model_for, standard_workloads
+    from attn_core.cli import fail, unavailable_here
     from attn_core.errors import AttnError
 
     if args.plot and (problem := _check_plot_dependency()):
-        print(f"attn-core bench: {problem}", file=sys.stderr)
-        return 2
+        return fail("bench", problem)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("attn-core bench: no CUDA device visible to torch", file=sys.stderr)
-        return 2
+        return fail("bench", "no CUDA device visible to torch")
     names, baseline = _backend_names(args, device.type)
-    try:
+    try:  # every backend named on the command line must run here: one line and exit 2 before any timing
         for name in names:
-            registry.default_registry().resolve(name)
+            if (unavailable := unavailable_here(name)) is not None:
+                return fail("bench", unavailable)
     except AttnError as exc:
-        print(f"attn-core bench: {exc}", file=sys.stderr)
-        return 2
+        return fail("bench", exc)
     size = args.size if args.size != "auto" else ("full" if device.type == "cuda" else "small")
     model = model_for(size, args.dtype, args.page_size)
     workloads = standard_workloads(args.workload, size)
@@ -110,18 +118,28 @@ def run_bench_command(args: argparse.Namespace) -> int:
         f"{model.dtype}, page {model.page_size}): {', '.join(names)}",
         flush=True,
     )
-    rows = run_bench(names, workloads, model, device, budget, progress=Progress(), baseline=baseline)
+    load_notes = [note for note in (load_warning(),) if note]
+    for note in load_notes:
+        print(f"warning: {note}: the times below may not be trustworthy", file=sys.stderr, flush=True)
+    rows = run_bench(names, workloads, model, device, budget, progress=Progress(), baseline=baseline, spread_threshold=args.spread)
+    load_notes += [note for note in (load_warning(),) if note]
+    warnings = run_warnings(rows, load_notes, args.spread)
     print(table(rows, names[baseline] if baseline is not None else None))
+    for line in warnings:
+        print(f"warning: {line}")
     if args.json:
         versions = {}
         for e in registry.list_backends():
             if e.name in names:
                 versions[e.name] = {"distribution": e.distribution, "version": e.version}
-        write_json(args.json, document(rows, model, device, size, sys.argv, {"backends": versions}))
+        doc = document(rows, model, device, size, sys.argv, {"backends": versions}, warnings, args.spread)
+        write_json(args.json, doc)
         print(f"wrote {args.json}")
     if args.plot:
         from attn_core.bench.plot import plot_times
 
-        plot_times(rows, args.plot, title=f"attn-core bench on {device} ({size} shapes, {model.dtype}, page {model.page_size})")
+        title = f"attn-core bench on {device} ({size} shapes, {model.dtype}, page {model.page_size})"
+        reference = names[baseline] if baseline is not None else None
+        plot_times(rows, args.plot, title=title, reference=reference, warnings=warnings)
         print(f"wrote {args.plot}")
     return 1 if any(r.status in ("wrong", "error") for r in rows) else 0

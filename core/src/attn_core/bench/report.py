@@ -31,17 +31,27 @@ def _throughput(r: BenchRow) -> str:
     return f"{r.gbps:.2f} GB/s, {r.tflops:.3f} TFLOP/s"
 
 
+def _spread(r: BenchRow) -> str:
+    """The SPREAD cell: "±4%" (half the interquartile range over the median), "±63% NOISY" past the threshold."""
+    if r.spread is None:
+        return "-"
+    return f"±{50 * r.spread:.0f}%" + (" NOISY" if r.noisy else "")
+
+
 def table(rows: Sequence[BenchRow], baseline: Optional[str]) -> str:
-    """The human-readable result table, one line per (shape, backend)."""
-    head = ["SHAPE", "BACKEND", "MEDIAN", "THROUGHPUT", "METADATA/STEP", f"SPEEDUP VS {baseline}" if baseline else "SPEEDUP", "CHECK"]
+    """The human-readable result table, one line per (shape, backend): min / median / max per call,
+    the spread (NOISY past the threshold), throughput, metadata time, speedup and the reference check."""
+    speedup = f"SPEEDUP VS {baseline}" if baseline else "SPEEDUP"
+    head = ["SHAPE", "BACKEND", "MIN", "MEDIAN", "MAX", "SPREAD", "THROUGHPUT", "METADATA/STEP", speedup, "CHECK"]
     lines = [head]
     for r in rows:
         check = "-" if r.rel_error is None else f"ok ({r.rel_error:.1e})" if r.status == "ok" else "WRONG"
         speed = "-" if r.speedup_vs_baseline is None else f"{r.speedup_vs_baseline:.2f}x"
         if r.status in ("skipped", "error"):
-            lines.append([r.workload, r.backend, r.status, r.note, "", "", ""])
+            lines.append([r.workload, r.backend, r.status, r.note] + [""] * (len(head) - 4))
             continue
-        lines.append([r.workload, r.backend, _fmt_time(r.median_us), _throughput(r), _fmt_time(r.metadata_us), speed, check])
+        times = [_fmt_time(r.min_us), _fmt_time(r.median_us), _fmt_time(r.max_us), _spread(r)]
+        lines.append([r.workload, r.backend, *times, _throughput(r), _fmt_time(r.metadata_us), speed, check])
     measured = [line for line in lines if line[2] not in ("skipped", "error")]
     widths = [max(len(line[i]) for line in measured) for i in range(len(head))]
     widths[:2] = [max(len(line[i]) for line in lines) for i in range(2)]
@@ -60,8 +70,34 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
-def document(rows: Sequence[BenchRow], model: BenchModel, device: torch.device, size: str, argv: Sequence[str], versions: dict) -> dict:
-    """Every number of the run with the device, software versions and date (the `--json` file)."""
+def run_warnings(rows: Sequence[BenchRow], load_notes: Sequence[str], threshold: float) -> list[str]:
+    """Why this run's numbers should not be trusted, one line each: the machine's load (`load_notes`,
+    from `timing.load_warning` before and after the run) and the rows whose spread passed `threshold`."""
+    out = list(dict.fromkeys(load_notes))
+    timed = [r for r in rows if r.status == "ok" and r.spread is not None]
+    noisy = [r for r in timed if r.noisy]
+    if noisy:
+        out.append(
+            f"{len(noisy)} of {len(timed)} rows have a spread over ±{50 * threshold:.0f}% (marked NOISY): "
+            "their medians and speedups are not to be trusted"
+        )
+    if out:
+        out.append("rerun on a quiet machine before comparing these numbers")
+    return out
+
+
+def document(
+    rows: Sequence[BenchRow],
+    model: BenchModel,
+    device: torch.device,
+    size: str,
+    argv: Sequence[str],
+    versions: dict,
+    warnings: Sequence[str] = (),
+    spread_threshold: Optional[float] = None,
+) -> dict:
+    """Every number of the run with the device, software versions and date (the `--json` file), the
+    spread threshold rows were flagged against and the run's warnings."""
     import attn_core
 
     dev = {"type": device.type, "name": device_name(device)}
@@ -77,6 +113,9 @@ def document(rows: Sequence[BenchRow], model: BenchModel, device: torch.device, 
         "size": size,
         "model": model.__dict__,
         "timing": "CUDA events per call, median after warm-up, layers rotated" if device.type == "cuda" else "wall clock per call, median",
+        "spread": "interquartile range / median of the per-call times; rows above spread_threshold are noisy",
+        "spread_threshold": spread_threshold,
+        "warnings": list(warnings),
         "rows": [r.to_json() for r in rows],
     }
 

@@ -48,6 +48,7 @@ from types import ModuleType
 from typing import Callable, Iterator, Optional
 
 from attn_core.errors import BackendLoadError
+from attn_core.progress import working
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "portable.cpp", "avx512.cpp", "amx.cpp")
@@ -237,7 +238,8 @@ def ensure_built(compile: Compile = compile_kernels) -> BuildInfo:
                     shutil.rmtree(stale, ignore_errors=True)
                 scratch = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=directory))  # mode 0700
                 try:
-                    _publish(compile(module_name(), scratch), library)
+                    with working(f"attn-cpu-amx: compiling the C++ kernels (first use, about 25-60 s; cached in {directory})"):
+                        _publish(compile(module_name(), scratch), library)
                 finally:
                     shutil.rmtree(scratch, ignore_errors=True)
                 compiled = True

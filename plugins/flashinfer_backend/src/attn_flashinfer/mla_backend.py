@@ -121,7 +121,7 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         self.dims = MLADims(ctx.num_q_heads, ctx.kv_lora_rank, ctx.qk_rope_head_dim, ctx.dtype)
         self.page_size = ctx.page_size
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=ctx.device)
-        self.lean_replan = replan.verified(flashinfer.__version__) if lean_replan is None else bool(lean_replan)
+        self.lean_replan = replan.mla_verified(flashinfer.__version__) if lean_replan is None else bool(lean_replan)
         self.scratch = DeviceScratch(self.device)
         self.known_scalings: dict[float, None] = {}  # insertion-ordered set
         self._eager_wrappers: dict[float, object] = {}

@@ -42,19 +42,19 @@ def plan(w: BatchMLAPagedAttentionWrapper, qo: QueryLayout, kv: PageList, causal
     if lean:
         replan.mla(w, qo, kv, causal, dims.num_heads, dims.kv_lora_rank)
         return
-    w.plan(
-        qo.indptr,
-        kv.indptr,
-        kv.indices,
-        kv.kv_lens,
-        dims.num_heads,
-        dims.kv_lora_rank,
-        dims.qk_rope_head_dim,
-        kv.page_size,
-        causal,
-        scaling,
-        dims.dtype,
-        dims.dtype,
+    w.plan(  # by keyword: FlashInfer 0.7 deprecates positional MLA arguments (same names in 0.6.6)
+        qo_indptr=qo.indptr,
+        kv_indptr=kv.indptr,
+        kv_indices=kv.indices,
+        kv_len_arr=kv.kv_lens,
+        num_heads=dims.num_heads,
+        head_dim_ckv=dims.kv_lora_rank,
+        head_dim_kpe=dims.qk_rope_head_dim,
+        page_size=kv.page_size,
+        causal=causal,
+        sm_scale=scaling,
+        q_data_type=dims.dtype,
+        kv_data_type=dims.dtype,
     )
 
 
@@ -85,4 +85,6 @@ def run(
     if lean:
         replan.mla_run(w, q_nope, q_pe, ckv, kpe, out, lse, works)
         return
-    w.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, return_lse=lse is not None, return_lse_base_on_e=True)
+    w.run(
+        q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv, kpe_cache=kpe, out=out, lse=lse, return_lse=lse is not None, return_lse_base_on_e=True
+    )

@@ -49,7 +49,7 @@ CAPABILITIES = Capabilities(
 def flashinfer_missing() -> Optional[str]:
     """Reason when the `flashinfer` package (distribution flashinfer-python) cannot be imported."""
     if importlib.util.find_spec("flashinfer") is None:
-        return "flashinfer-python not installed (pip install attn-flashinfer)"
+        return "flashinfer-python not installed (pip install 'flashinfer-python>=0.6.6,<0.8'; a CUDA build of torch first)"
     return None
 
 

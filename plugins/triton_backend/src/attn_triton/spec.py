@@ -51,7 +51,7 @@ CAPABILITIES = Capabilities(
 
 def probe() -> Optional[str]:
     """None when the backend can run here, else why not."""
-    reason = module_missing("triton", "pip install attn-triton") or module_missing("torch", "pip install torch")
+    reason = module_missing("triton", "pip install triton") or module_missing("torch", "pip install torch")
     if reason:
         return reason
     if triton_interpreter_enabled():

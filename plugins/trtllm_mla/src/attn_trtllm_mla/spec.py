@@ -54,7 +54,7 @@ def _flashinfer_missing() -> Optional[str]:
     import importlib.util
 
     if importlib.util.find_spec("flashinfer") is None:
-        return "flashinfer-python not installed (pip install attn-flashinfer)"
+        return "flashinfer-python not installed (pip install 'flashinfer-python>=0.6.6,<0.8'; a CUDA build of torch first)"
     return None
 
 

@@ -27,6 +27,7 @@ from attn_core.cascade import splits_into_cascade
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 from attn_core.graph_step import CudaGraphStep
+from attn_core.layer import AttentionLayer
 from attn_core.memory.pools import kv_scales, token_rows
 from attn_core.memory.window_pool import window_pool_of
 from attn_core.ops.merge_state import merge_state
@@ -206,6 +207,30 @@ class TorchNativeBackend(AttentionBackend[_Metadata]):
         self.bind_graph_metadata(meta, step)
 
     # ---- attention ---------------------------------------------------------------------------
+    def describe_path(self, layer: AttentionLayer, forward_batch: ForwardBatch) -> str:
+        """The path `_forward` takes for `layer` on this step (`attn_core.debug_paths`): the cascade's two
+        passes merged by LSE, or one gather of each request's key slots with the masks that apply, the
+        compute dtype and how many query chunks the score budget (`max_score_bytes`) splits it into."""
+        meta: _Metadata = self.forward_metadata
+        if meta is None:
+            return "no tokens: empty output"
+        cd = "float64" if self.ctx.dtype in (torch.float32, torch.float64) else "float32"
+        if meta.cascade is not None and splits_into_cascade(layer):
+            return f"cascade: shared-prefix pass + per-request suffix pass (gather + einsum, {cd}), merged by LSE"
+        keys = meta.cross_keys if layer.is_cross_attention else meta.self_keys
+        masks = ["encoder keys" if layer.is_cross_attention else "causal self keys"]
+        if layer.sliding_window_size is not None and not layer.is_cross_attention:
+            masks.append(f"window {layer.sliding_window_size}")
+        if layer.attention_chunk_size is not None:
+            masks.append(f"chunked local {layer.attention_chunk_size}")
+        window_pool = window_pool_of(self.ctx.token_to_kv_pool)
+        if window_pool is not None and window_pool.is_window_layer(layer.layer_id):
+            masks.append("slots translated to the window pool")
+        bs, q_width = meta.q_rows.shape
+        width = keys.slots.shape[1] if keys is not None else 0
+        chunks = -(-q_width // max(1, self.max_score_bytes // max(1, bs * layer.num_q_heads * width * 4)))
+        return f"gather + einsum over each request's key slots ({', '.join(masks)}; {cd}; {chunks} query chunk(s) of {q_width})"
+
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache, **extras)
 
