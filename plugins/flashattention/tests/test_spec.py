@@ -4,6 +4,7 @@ here, and where the declared phase priorities put prefill and decode next to att
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 from importlib import metadata
@@ -40,16 +41,21 @@ def test_probe_reasons_in_order(monkeypatch):
 
 
 def test_attn_core_list_shows_fa4_and_why_not_here():
-    """On this CPU machine (no flash-attn-4: it is a CUDA package) `attn-core list` names fa4 and the reason."""
+    """On this CPU machine (no flash-attn-4: it is a CUDA package) `attn-core list` names fa4 and the reason,
+    in its table and in its JSON."""
     out = subprocess.run(
         [sys.executable, "-m", "attn_core.cli", "list"], capture_output=True, text=True, check=True
     ).stdout
-    row = next(line for line in out.splitlines() if line.startswith("fa4 "))
-    assert "attn-flashattention" in row
+    assert any(line.startswith("fa4 ") and "attn-flashattention" in line for line in out.splitlines()), out
+    rows = json.loads(
+        subprocess.run([sys.executable, "-m", "attn_core.cli", "list", "--json"], capture_output=True, text=True).stdout
+    )
+    row = next(r for r in rows if r["name"] == "fa4")
+    assert row["distribution"] == "attn-flashattention" and row["unverified"] == spec.UNVERIFIED
     try:
         metadata.version("flash-attn-4")
     except metadata.PackageNotFoundError:
-        assert "unavailable: not installed: pip install flash-attn-4" in row
+        assert (row["state"], row["reason"]) == ("unavailable", "not installed: pip install flash-attn-4")
 
 
 def _hopper(modes=(ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED), cc=(9, 0)):
