@@ -204,3 +204,21 @@ def test_verify_replay_rewrites_every_window_list_before_the_layers_run():
     assert set(lists) == {None, 3}
     table, counts = backend.forward_metadata.tree.build(3)
     assert torch.equal(lists[3].page_table, table) and torch.equal(lists[3].seqused_k, counts)
+
+
+def test_debug_paths_name_the_fa4_call():
+    from attn_core import debug_paths
+
+    env = make_env(AttnCase("TARGET_VERIFY", [(10, 2)], sliding_window=4, **BASE))
+    backend = Backend(env.ctx)
+    batch = env.batches[0]
+    batch.attn_backend = backend
+    backend.init_forward_metadata(batch)
+    q, k = torch.randn(2, 4, 64).bfloat16(), torch.randn(2, 2, 64).bfloat16()
+    with debug_paths.recording() as calls:
+        ac.AttentionLayer(0, 4, 2, 64, sliding_window_size=4)(q, k, k, batch)
+    assert (
+        calls[0].backend == "fa4"
+        and calls[0].path.startswith("FA4 varlen, one sequence per query")
+        and "window 4" in calls[0].path
+    )

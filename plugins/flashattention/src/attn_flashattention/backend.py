@@ -250,6 +250,18 @@ class FlashAttention4Backend(AttentionBackend[Fa4Step]):
             return step.tree.keys(window, out=self._tree_buffers(window, step.num_tokens)), None
         return step.tree.lists[window], None
 
+    def describe_path(self, layer, forward_batch: ForwardBatch) -> str:
+        """The FA4 call a layer makes in this step (`attn_core.debug_paths`, `ATTN_DEBUG_PATHS=1`)."""
+        step = self.forward_metadata
+        if step is None:
+            return "no tokens: no FA4 call"
+        window = "" if layer.sliding_window_size is None else f", window {layer.sliding_window_size}"
+        if layer.is_cross_attention:
+            return "FA4 varlen over each request's encoder tokens (paged, not causal)"
+        if step.tree is not None:
+            return f"FA4 varlen, one sequence per query over the keys its verify mask shows (per token{window})"
+        return f"FA4 varlen over each request's keys (page {step.seq.page_size}, causal{window})"
+
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache, **extras)
 
