@@ -172,7 +172,7 @@ fi
 if asked fa4-engine; then
   python3 -m pytest -q -p no:cacheprovider -m gpu plugins/flashattention/tests/test_gpu_engine.py 2>&1 | tee "$OUT/fa4_engine.log" || rc=1
   for b in fa4 "hybrid(prefill=fa4,decode=triton)"; do
-    python3 examples/hf_llama.py --device cuda --backend "$b" --attn-dtype float16 2>&1 | tee -a "$OUT/fa4_engine_tps.log" || rc=1
+    python3 examples/hf_llama.py --device cuda --backend "$b" --attn-dtype float16 --check 2>&1 | tee -a "$OUT/fa4_engine_tps.log" || rc=1
   done
 fi
 if asked fa4-bench; then
