@@ -55,6 +55,8 @@ KNOWN_BACKENDS: dict[str, str] = {
     "cpu_amx": "attn-cpu-amx",
     "intel_amx": "attn-cpu-amx",
     "fa4": "attn-flashattention",
+    "double_sparsity": "attn-sparse",
+    "dual_chunk": "attn-sparse",
 }
 #: Where a clone of the attn repository holds each distribution (install hints: `errors.install_hint`).
 SOURCE_FOLDERS: dict[str, str] = {
@@ -65,6 +67,7 @@ SOURCE_FOLDERS: dict[str, str] = {
     "attn-ascend": "plugins/ascend",
     "attn-cpu-amx": "plugins/cpu_amx",
     "attn-flashattention": "plugins/flashattention",
+    "attn-sparse": "plugins/sparse",
 }
 
 
