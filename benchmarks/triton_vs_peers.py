@@ -820,8 +820,6 @@ FA4_HYBRID = "hybrid(prefill=fa4,decode=triton)"  # what select_backend names on
 
 def backend_impl(name: str, w: Workload) -> Callable[[], torch.Tensor]:
     """Backend `name` (a composed name too) made by `create_backend` on the workload's batch, K/V as cached."""
-    from attn_core import create_backend
-
     backend = create_backend(name, make_context(w))
     backend.init_forward_metadata(w.batch)
     w.batch.attn_backend = backend
