@@ -20,7 +20,6 @@ from attn_core.bench.cli import add_bench_arguments
 from attn_core.capabilities import ARCH_MHA, ARCH_MLA, CudaGraphLevel, Feature, Requirements
 from attn_core.cli_args import (
     ArgumentParser,
-    clip_quoted,
     compute_capability,
     device_arg,
     device_or_auto,
@@ -28,28 +27,9 @@ from attn_core.cli_args import (
     forward_mode_name,
     positive_int,
 )
+from attn_core.cli_verdicts import fail, unavailable_here
 from attn_core.errors import AttnError, BackendUnavailableError, quote
 from attn_core.forward_mode import ForwardMode
-
-#: exit status when the command could not do its job (unknown backend, not installed, cannot run here)
-EXIT_CANNOT_RUN = 2
-
-
-def fail(command: str, problem: object) -> int:
-    """Print `attn-core COMMAND: PROBLEM` on stderr (one line; quoted user values cut to ~80 characters,
-    `cli_args.clip_quoted`) and return `EXIT_CANNOT_RUN`."""
-    print(f"attn-core {command}: {clip_quoted(str(problem))}", file=sys.stderr)
-    return EXIT_CANNOT_RUN
-
-
-def unavailable_here(name: str) -> Optional[BackendUnavailableError]:
-    """The registry's verdict on backend `name` for `check`, `bench` and `explain NAME`: None when it can
-    run here, else the typed error `create_backend` would raise, whose message is the one line every
-    command prints ("attention backend 'flashinfer' cannot run here: <the probe's reason>"). Raises the
-    registry's own errors (unknown, not installed, failed to load)."""
-    entry = registry.default_registry().resolve(name)
-    reason = entry.probe()
-    return BackendUnavailableError(entry.name, reason) if reason else None
 
 
 def list_rows(probe: bool = True) -> list[dict]:
