@@ -46,6 +46,9 @@ _EXPORTS = {
     "get_backend_class": "attn_core.registry",
     "create_backend": "attn_core.registry",
     "select_backend": "attn_core.registry",
+    "explain_selection": "attn_core.registry",
+    "PhasePriority": "attn_core.selection",
+    "Selection": "attn_core.selection",
     "explain": "attn_core.registry",
     "register_backend": "attn_core.registry",
     # torch-backed
@@ -81,6 +84,8 @@ _EXPORTS = {
     "PageTailError": "attn_core.memory",
     "MHATokenToKVPool": "attn_core.memory",
     "MLATokenToKVPool": "attn_core.memory",
+    "EngineKVPool": "attn_core.memory",
+    "EngineBatches": "attn_core.engine_batch",
     "merge_state": "attn_core.ops.merge_state",
     "HybridAttnBackend": "attn_core.wrappers.hybrid",
     "TboAttnBackend": "attn_core.wrappers.tbo",

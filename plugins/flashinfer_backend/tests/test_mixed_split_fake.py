@@ -51,8 +51,8 @@ def test_kit_mixed_checks_with_the_split(factory, monkeypatch):
 
     mixed = importlib.import_module("attn_flashinfer.mixed")
     calls = []
-    real = mixed.forward
-    monkeypatch.setattr(mixed, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = mixed.MixedPlan.run
+    monkeypatch.setattr(mixed.MixedPlan, "run", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     plan = make_plan(factory, device="cpu", quick=True, options={"mixed_split": True})
     # masked_nonfinite-*: a check of the kernels' arithmetic with Inf/NaN in masked keys, which the fake
     # FlashInfer computes densely (it emulates the API, not the kernels); the GPU run checks the real one

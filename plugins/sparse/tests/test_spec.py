@@ -53,7 +53,17 @@ def test_probe_reasons(monkeypatch):
     assert spec.probe() == "triton not installed (pip install attn-sparse)"
 
 
-def test_every_command_gives_the_same_reason(monkeypatch, capsys):
+@pytest.fixture
+def fresh_registry():
+    """The default registry caches each backend's probe per process: forget it before and after."""
+    from attn_core.registry import refresh
+
+    refresh()
+    yield
+    refresh()
+
+
+def test_every_command_gives_the_same_reason(monkeypatch, capsys, fresh_registry):
     """Without the interpreter or a GPU: the registry's probe, `attn-core list` and construction agree."""
     import attn_sparse.spec as spec
     from attn_core.cli import main

@@ -46,7 +46,9 @@ from attn_triton.kernels.common import (
     check_lazy_rescale,
     check_query_rows,
     finalize,
+    key_ranges,
     offset_range,
+    paged_strides,
     score_scales,
     tma_compatible,
 )
@@ -126,37 +128,6 @@ def uses_wgmma(config: ExtendConfig, dtype: torch.dtype, kv_dtype: torch.dtype, 
 
 
 @triton.jit
-def key_ranges(
-    kv_len, q_off, first, tokens, window, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_MASK: tl.constexpr
-):
-    """(lo, full_end, hi): the keys a block of `tokens` new tokens sees, the first of them new token `first`
-    (at position q_off + first among the request's kv_len keys). Keys [lo, full_end) are seen by every row
-    of the block (no masks needed), keys [full_end, hi) need masks; lo and full_end are multiples of BLOCK_N.
-    Causal: the block's last row sees keys up to q_off + first + tokens - 1, its first row up to q_off +
-    first. A window W starts the range at the first row's oldest key (q_off + first - W + 1, rounded down)
-    and masks every tile, as do custom masks. Shared by both extend kernels (`extend_wgmma.py` calls it
-    from Gluon).
-
-    Worked example: kv_len 1000, q_off 600 (400 new tokens), first 128, tokens 128, BLOCK_N 64, causal:
-    hi = min(1000, 856) = 856, full_end = 728 rounded down = 704, lo = 0; with a window of 100, lo = 629 // 64
-    * 64 = 576 and full_end = 576."""
-    if CAUSAL:
-        hi = tl.minimum(kv_len, q_off + first + tokens)
-        full_end = q_off + first
-    else:
-        hi = kv_len
-        full_end = kv_len
-    lo = hi * 0
-    if HAS_WINDOW:
-        lo = tl.maximum(q_off + first - window + 1, 0) // BLOCK_N * BLOCK_N
-        full_end = lo
-    if USE_MASK:
-        full_end = lo
-    full_end = tl.maximum(full_end // BLOCK_N * BLOCK_N, lo)
-    return lo, full_end, hi
-
-
-@triton.jit
 def _extend_kernel(
     Q,
     K,
@@ -207,6 +178,9 @@ def _extend_kernel(
     LAZY: tl.constexpr,
     SPANS,
     HAS_SPAN: tl.constexpr,
+    stride_kp,
+    stride_vp,
+    PAGE: tl.constexpr,
 ):
     h = tl.program_id(0)
     mb = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -256,14 +230,16 @@ def _extend_kernel(
     for start in range(lo, full_end, BLOCK_N):
         acc, m_i, l_i, bad_slots = attend_tile(
             acc, m_i, l_i, q, q_pe, start, kv_len, q_pos, offs_m, m_ok, k_head, v_head, KV_INDICES, kv_beg, num_slots, FAULT,
-            stride_ks, stride_vs, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
+            stride_ks, stride_vs, stride_kp, stride_vp, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
             BLOCK_N, D, BLOCK_D, DPE, BLOCK_DPE, DV, BLOCK_DV, SHARE_KV, False, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC, LAZY,
+            PAGE,
         )  # fmt: skip
     for start in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i, bad_slots = attend_tile(
             acc, m_i, l_i, q, q_pe, start, kv_len, q_pos, offs_m, m_ok, k_head, v_head, KV_INDICES, kv_beg, num_slots, FAULT,
-            stride_ks, stride_vs, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
+            stride_ks, stride_vs, stride_kp, stride_vp, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
             BLOCK_N, D, BLOCK_D, DPE, BLOCK_DPE, DV, BLOCK_DV, SHARE_KV, True, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC, LAZY,
+            PAGE,
         )  # fmt: skip
 
     tl.store(FAULT + FAULT_SLOT + tl.arange(0, BLOCK_N) * 0, 1, mask=bad_slots)  # one address: a flag, no reduction
@@ -330,7 +306,9 @@ def extend_attention(
     qk_scale, cap_scale = score_scales(sm_scale, logit_cap, k_scale)
     v = k_buf if share_kv else v_buf
     plain = not use_mask and d_rope == 0 and not share_kv and spans is None
-    if uses_wgmma(config, q.dtype, k_buf.dtype, d, dv, plain) and tma_compatible(k_buf) and tma_compatible(v):
+    num_slots, page, k_page, k_token = paged_strides(k_buf)
+    _, _, v_page, v_token = paged_strides(v)
+    if page == 1 and uses_wgmma(config, q.dtype, k_buf.dtype, d, dv, plain) and tma_compatible(k_buf) and tma_compatible(v):
         # Gluon: imported only where it runs
         from attn_triton.kernels.extend_wgmma import TMA_BOX, WGMMA_BLOCK_M, extend_wgmma_kernel, kv_descriptors, producer_regs
 
@@ -344,6 +322,7 @@ def extend_attention(
     else:
         tokens, grid_h, kernel = config.block_m, hq, _extend_kernel
         options = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, LAZY=config.lazy_rescale)
+        options.update(PAGE=page, stride_kp=k_page, stride_vp=v_page)  # K/V addressing (`common.paged_strides`)
         options.update(num_warps=config.num_warps, num_stages=config.num_stages)
         options.update(SPANS=spans if spans is not None else qo_indptr, HAS_SPAN=spans is not None)
     grid = (grid_h, triton.cdiv(max_q_len, tokens), bs)
@@ -362,7 +341,7 @@ def extend_attention(
         fault,
         T,
         kv_indices.shape[0],
-        k_buf.shape[0],
+        num_slots,
         custom_mask.numel() if use_mask else 0,
         qk_scale,
         cap_scale,
@@ -370,9 +349,9 @@ def extend_attention(
         int(window or 0),
         q.stride(0),
         q.stride(1),
-        k_buf.stride(0),
+        k_token,
         k_buf.stride(1),
-        v.stride(0),
+        v_token,
         v.stride(1),
         o.stride(0),
         o.stride(1),
