@@ -48,7 +48,7 @@ from attn_core.layer import AttentionLayer, AttentionType
 from attn_core.memory.pools import KVPool, kv_scales
 from attn_core.memory.window_pool import window_pool_of
 from attn_core.ops.device_faults import DeviceFault, DeviceFaultFlags, DeviceFaultKind
-from attn_core.ops.kv_write import CheckedSlots, guard_slots
+from attn_core.ops.kv_write import CheckedSlots, check_host_slots, guard_slots
 from attn_core.ops.step_checks import check_step, step_tensors
 from attn_core.ragged import RaggedBatch, check_ragged_batch, ragged_heads
 from attn_core.validation import FULL, check_forward_batch, check_forward_dtypes, check_kv_pool, effective_level
@@ -235,7 +235,8 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         `save_kv` (attn-ascend's operator): the step's checked `out_cache_loc` (`encoder_out_cache_loc`
         for a cross-attention layer) when `forward_batch` is the bound batch; in a CUDA-graph batch the
         batch's own slots guarded on the device (`guard_slots`: refusals to the dummy slot 0, recorded
-        in the fault word; captured with the graph, no replay cost). A `CheckedSlots` or an int64 tensor."""
+        in the fault word; captured with the graph, no replay cost), on the CPU range-checked at once
+        (`InvalidArgumentError`). Always a `CheckedSlots` (its `.slots`: int64 `[T]`)."""
         cross = layer is not None and layer.is_cross_attention
         if forward_batch is self._metadata_for and self._write_slots is not None:
             slots = self._encoder_slots if cross else self._write_slots
@@ -250,8 +251,6 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         n = self.kv_pool(forward_batch).num_slots
         kind = DeviceFaultKind.ENCODER_SLOT if cross else DeviceFaultKind.WRITE_SLOT
         if loc.device.type == "cpu":
-            from attn_core.ops.kv_write import check_host_slots
-
             return CheckedSlots(check_host_slots(loc, n, "forward_batch.out_cache_loc"), n)
         return CheckedSlots(guard_slots(loc, n, self.device_faults.buffer, kind), n)
 

@@ -16,3 +16,8 @@ class TestConformance(ConformanceSuite):
     backend = emulated_backend_class()
     device = "cpu"
     quick = True
+    #: the kit's masked-values check (issue 36) tests the kernel's arithmetic, which here is the emulation's
+    skip = {
+        "masked_nonfinite-*": "what FA4's kernels do with Inf/NaN in masked keys' values is the GPU run's to say "
+        "(tests/test_gpu.py); the CPU emulation of FA4's documented forward computes P.V densely (0 * Inf = NaN)"
+    }

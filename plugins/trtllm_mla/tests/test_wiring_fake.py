@@ -61,13 +61,16 @@ def test_steps_match_the_reference_on_the_right_kernels(trt_factory, name):
     assert all(b.poll_device_fault() is None for b in made)
 
 
-def test_block_table_refuses_a_slot_outside_the_pool(trt_factory):
-    """A request row whose slot is past the pool (which validation "basic", the default, does not read):
-    the TRT-LLM step's table pads it (the kernel never reads there) and the backend's poll reports the slot
-    fault."""
+def test_block_table_refuses_a_slot_outside_the_pool(trt_factory, monkeypatch):
+    """A request row whose slot is past the pool (which validation "basic", the default, does not read on a
+    GPU; emulated here, where the CPU would validate fully): the TRT-LLM step's table pads it (the kernel
+    never reads there) and the backend's poll reports the slot fault."""
     import dataclasses
 
+    import attn_core.backend
     from attn_core.testing.harness import make_env
+
+    monkeypatch.setattr(attn_core.backend, "effective_level", lambda ctx: ctx.validation)
 
     env = make_env(AttnCase("DECODE", [(40, 1), (5, 1)], page_size=32, **MLA))
     backend = trt_factory(dataclasses.replace(env.ctx, validation="basic"))
@@ -97,7 +100,9 @@ def test_conformance_kit_on_the_stand_ins(trt_factory):
     assert plan.unavailable is None, plan.unavailable
     ran = 0
     for check in plan.checks:
-        if plan.skip_reason(check.id) is not None:
+        # masked_nonfinite-*: the kernels' arithmetic with Inf/NaN in masked keys, which the stand-ins compute
+        # densely (they emulate the APIs, not the kernels); the GPU run checks the real ones (issue 36)
+        if plan.skip_reason(check.id) is not None or check.id.startswith("masked_nonfinite"):
             continue
         outcome = execute(check)
         assert outcome.status in ("passed", "skipped"), f"{check.id}: {outcome.message}"

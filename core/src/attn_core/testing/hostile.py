@@ -262,6 +262,13 @@ def _layers_with(**changes) -> Spoil:
     return spoil
 
 
+def _zero_scale(env):
+    """A scale of 0 on every layer, save_kv_cache=False: v_scale (the one cpu_amx turned into 1.0), or on
+    an MLA case k_scale (an MLA latent is read with k_scale alone: its v_scale means nothing)."""
+    name = "k_scale" if env.case.arch == "mla" else "v_scale"
+    return _layers_with(**{name: 0.0})(env)
+
+
 def _sinks_elsewhere(env):
     """Sinks on another device than q (the meta device on a CPU machine, the CPU on an accelerator)."""
 
@@ -336,7 +343,7 @@ def hostile_cases(
             HostileCase(
                 "scale_negative_no_save", "a negative k_scale, save_kv_cache=False", D, _layers_with(k_scale=-0.5)
             ),
-            HostileCase("scale_zero_no_save", "a v_scale of 0, save_kv_cache=False", D, _layers_with(v_scale=0.0)),
+            HostileCase("scale_zero_no_save", "a scale of 0 (MLA: k_scale), save_kv_cache=False", D, _zero_scale),
             HostileCase("scale_nan", "a NaN k_scale", D, _layers_with(k_scale=float("nan"))),
         ]
         if paged:
