@@ -17,7 +17,9 @@ def test_the_reason_costs_no_torch_import(tmp_path):
         f"print(needs_rocm({str(tmp_path / 'kfd')!r}))\n"
         "print('torch' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout.splitlines()
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.splitlines()
     assert out == [f"{NEEDS_ROCM} (no AMD GPU device on this machine)", "False"]
 
 

@@ -23,12 +23,16 @@ from attn_core.errors import BackendUnavailableError
 #: tokens per partition of the paged decode kernel (its `partition_size`)
 PARTITION_SIZE = 256
 #: operators attn-aiter calls: (module, name)
-OPERATORS = (("aiter", "paged_attention_ragged"), ("aiter", "flash_attn_varlen_func"), ("aiter.mla", "mla_decode_fwd"),
-             ("aiter.mla", "mla_prefill_fwd"))  # fmt: skip
+OPERATORS = (
+    ("aiter", "paged_attention_ragged"),
+    ("aiter", "flash_attn_varlen_func"),
+    ("aiter.mla", "mla_decode_fwd"),
+    ("aiter.mla", "mla_prefill_fwd"),
+)
 
 
 def missing_operators() -> str:
-    """"" when `aiter` and `aiter.mla` import with every operator of `OPERATORS`, else what is wrong
+    """ "" when `aiter` and `aiter.mla` import with every operator of `OPERATORS`, else what is wrong
     (e.g. "aiter has no paged_attention_ragged, ..." for PyPI's unrelated `aiter` package)."""
     try:
         mods = {name: importlib.import_module(name) for name in ("aiter", "aiter.mla")}
@@ -60,16 +64,46 @@ class AiterOps:
             self._unit_scale[device] = torch.ones(1, dtype=torch.float32, device=device)
         return self._unit_scale[device]
 
-    def paged_decode(self, out, workspace, query, key_cache, value_cache, *, scale, kv_indptr, page_ids, last_page_lens, page_size,
-                     max_partitions) -> None:  # fmt: skip
+    def paged_decode(
+        self,
+        out,
+        workspace,
+        query,
+        key_cache,
+        value_cache,
+        *,
+        scale,
+        kv_indptr,
+        page_ids,
+        last_page_lens,
+        page_size,
+        max_partitions,
+    ) -> None:
         """out `[bs, H, D]` = decode attention of query `[bs, H, D]` over NHD caches `[pages, page_size,
         Hkv, D]`: request b reads pages `page_ids[kv_indptr[b]:kv_indptr[b + 1]]`, its last one filled to
         `last_page_lens[b]` (int32); `workspace` holds `plans.decode_workspace_bytes(...)` bytes."""
         one = self.unit_scale(query.device)
         self.aiter.paged_attention_ragged(
-            out, workspace, query, key_cache, value_cache, scale, kv_indptr, page_ids, last_page_lens, page_size, max_partitions,
-            None, "auto", "NHD", 0.0, one, one, None, PARTITION_SIZE,
-        )  # fmt: skip
+            out,
+            workspace,
+            query,
+            key_cache,
+            value_cache,
+            scale,
+            kv_indptr,
+            page_ids,
+            last_page_lens,
+            page_size,
+            max_partitions,
+            None,
+            "auto",
+            "NHD",
+            0.0,
+            one,
+            one,
+            None,
+            PARTITION_SIZE,
+        )
 
     def varlen_prefill(self, q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale) -> torch.Tensor:
         """`[total_q, H, Dv]`: sequence b's queries over its keys (int32 cumulative lengths), causal from
@@ -78,11 +112,19 @@ class AiterOps:
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=scale, causal=True
         )
 
-    def mla_decode(self, q, kv_buffer, out, *, qo_indptr, kv_indptr, kv_indices, last_page_lens, max_seqlen_q, scale) -> None:
+    def mla_decode(
+        self, q, kv_buffer, out, *, qo_indptr, kv_indptr, kv_indices, last_page_lens, max_seqlen_q, scale
+    ) -> None:
         """out `[total_q, H, Dv]` = absorbed MLA of q `[total_q, H, D]` over `kv_buffer` `[pages, page, 1,
         D]` (1..4 queries per sequence, causal from the bottom right)."""
-        self.mla.mla_decode_fwd(q, kv_buffer, out, qo_indptr, kv_indptr, kv_indices, last_page_lens, max_seqlen_q, sm_scale=scale)
+        self.mla.mla_decode_fwd(
+            q, kv_buffer, out, qo_indptr, kv_indptr, kv_indices, last_page_lens, max_seqlen_q, sm_scale=scale
+        )
 
-    def mla_prefill(self, q, kv_buffer, out, *, qo_indptr, kv_indptr, kv_indices, last_page_lens, max_seqlen_q, scale) -> None:
+    def mla_prefill(
+        self, q, kv_buffer, out, *, qo_indptr, kv_indptr, kv_indices, last_page_lens, max_seqlen_q, scale
+    ) -> None:
         """As `mla_decode`, on the absorbed prefill kernel (up to `plans.MLA_PREFILL_MAX_Q` queries per sequence)."""
-        self.mla.mla_prefill_fwd(q, kv_buffer, out, qo_indptr, kv_indptr, kv_indices, last_page_lens, max_seqlen_q, sm_scale=scale)
+        self.mla.mla_prefill_fwd(
+            q, kv_buffer, out, qo_indptr, kv_indptr, kv_indices, last_page_lens, max_seqlen_q, sm_scale=scale
+        )

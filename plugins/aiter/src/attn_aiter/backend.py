@@ -63,10 +63,14 @@ class AiterBackend(AttentionBackend[AiterMetadata]):
         super().__init__(ctx, **options)
         if ctx.is_mla:
             if ctx.num_q_heads > 128:
-                raise IncompatibleBackendError(self.name, [f"{ctx.num_q_heads} query heads (AITER's MLA kernels serve up to 128)"])
+                raise IncompatibleBackendError(
+                    self.name, [f"{ctx.num_q_heads} query heads (AITER's MLA kernels serve up to 128)"]
+                )
             self.mla_heads = mla_padded_heads(ctx.num_q_heads)
         elif ctx.v_head_dim != ctx.head_dim:
-            raise IncompatibleBackendError(self.name, [f"v_head_dim {ctx.v_head_dim} != head_dim {ctx.head_dim} (paged decode)"])
+            raise IncompatibleBackendError(
+                self.name, [f"v_head_dim {ctx.v_head_dim} != head_dim {ctx.head_dim} (paged decode)"]
+            )
         self.ops = AiterOps(*load_aiter(self.name))
         self.page_size = ctx.page_size
         self._graph: Optional[dict] = None
@@ -102,8 +106,15 @@ class AiterBackend(AttentionBackend[AiterMetadata]):
         indptr = torch.empty(bs + 1, dtype=torch.int32, device=self.device)
         last = torch.empty(bs, dtype=torch.int32, device=self.device)
         total = sum(pages_for(n, p) for n in seq)
-        ids = build_kv_indices(self.req_to_token(b), b.req_pool_indices, b.seq_lens, total, page_size=p, indptr_out=indptr,
-                               last_page_len_out=last)  # fmt: skip
+        ids = build_kv_indices(
+            self.req_to_token(b),
+            b.req_pool_indices,
+            b.seq_lens,
+            total,
+            page_size=p,
+            indptr_out=indptr,
+            last_page_len_out=last,
+        )
         parts = partitions_for(max(seq))
         size = decode_workspace_bytes(bs, self.ctx.num_q_heads, parts, self.ctx.head_dim, self._itemsize())
         return PagedDecodePlan(indptr, ids, last, parts, torch.empty(size, dtype=torch.uint8, device=self.device))
@@ -117,7 +128,11 @@ class AiterBackend(AttentionBackend[AiterMetadata]):
         if not keep:
             return AiterMetadata(PATHS["prefill"], None)
         kernel = mla_kernel_for(ql)
-        pieces = [(r, n, k) for r, (n, k) in enumerate(zip(ql, kl))] if kernel == "decode" else query_pieces(ql, kl, MLA_PREFILL_MAX_Q)
+        pieces = (
+            [(r, n, k) for r, (n, k) in enumerate(zip(ql, kl))]
+            if kernel == "decode"
+            else query_pieces(ql, kl, MLA_PREFILL_MAX_Q)
+        )
         owners = [keep[r] for r, _, _ in pieces]
         pq, pk = [n for _, n, _ in pieces], [k for _, _, k in pieces]
         qo, kv, lens, owner = to_device([offsets(pq), offsets(pk), pk, owners], self.device)
@@ -170,10 +185,21 @@ class AiterBackend(AttentionBackend[AiterMetadata]):
         page = 1 if mla else self.page_size
         indptr, last = g["kv_indptr"][: bs + 1], g["last"][:bs]
         total = sum(pages_for(n, page) for n in seq)
-        build_kv_indices(self.req_to_token(), step.req_pool_indices, step.seq_lens, total, page_size=page, out=g["ids"],
-                         indptr_out=indptr, last_page_len_out=last, whole_out=True)  # fmt: skip
+        build_kv_indices(
+            self.req_to_token(),
+            step.req_pool_indices,
+            step.seq_lens,
+            total,
+            page_size=page,
+            out=g["ids"],
+            indptr_out=indptr,
+            last_page_len_out=last,
+            whole_out=True,
+        )
         if mla:
-            return AiterMetadata(PATHS["decode"], MlaPlan("decode", g["qo_indptr"][: bs + 1], indptr, g["ids"], last, 1))
+            return AiterMetadata(
+                PATHS["decode"], MlaPlan("decode", g["qo_indptr"][: bs + 1], indptr, g["ids"], last, 1)
+            )
         return AiterMetadata(PAGED_DECODE, PagedDecodePlan(indptr, g["ids"], last, g["partitions"], g["workspace"]))
 
     # ---- forward -------------------------------------------------------------------------------
@@ -188,9 +214,19 @@ class AiterBackend(AttentionBackend[AiterMetadata]):
         key_cache = pool.get_key_buffer(layer.layer_id).view(-1, p, hkv, d)
         value_cache = pool.get_value_buffer(layer.layer_id).view(-1, p, hkv, d)
         out = q.new_empty(q.shape)
-        self.ops.paged_decode(out, plan.workspace, q.contiguous(), key_cache, value_cache, scale=scale, kv_indptr=plan.kv_indptr,
-                              page_ids=plan.page_ids, last_page_lens=plan.last_page_lens, page_size=p,
-                              max_partitions=plan.max_partitions)  # fmt: skip
+        self.ops.paged_decode(
+            out,
+            plan.workspace,
+            q.contiguous(),
+            key_cache,
+            value_cache,
+            scale=scale,
+            kv_indptr=plan.kv_indptr,
+            page_ids=plan.page_ids,
+            last_page_lens=plan.last_page_lens,
+            page_size=p,
+            max_partitions=plan.max_partitions,
+        )
         return _scaled(out, out_scale).reshape(q.shape[0], -1)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):
@@ -205,8 +241,16 @@ class AiterBackend(AttentionBackend[AiterMetadata]):
         scale, out_scale = fold_kv_scales(layer.scaling, *kv_scales(layer, pool))
         keys = pool.get_key_buffer(layer.layer_id).index_select(0, plan.kv_slots)
         values = pool.get_value_buffer(layer.layer_id).index_select(0, plan.kv_slots)
-        out = self.ops.varlen_prefill(q.contiguous(), keys, values, cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k,
-                                      max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k, scale=scale)  # fmt: skip
+        out = self.ops.varlen_prefill(
+            q.contiguous(),
+            keys,
+            values,
+            cu_seqlens_q=plan.cu_seqlens_q,
+            cu_seqlens_k=plan.cu_seqlens_k,
+            max_seqlen_q=plan.max_seqlen_q,
+            max_seqlen_k=plan.max_seqlen_k,
+            scale=scale,
+        )
         return _scaled(out, out_scale).reshape(q.shape[0], -1)
 
     def _mla_forward(self, q: torch.Tensor, layer, pool) -> torch.Tensor:
@@ -223,8 +267,17 @@ class AiterBackend(AttentionBackend[AiterMetadata]):
         out = q.new_empty((t, hp, dv))
         latent = pool.get_key_buffer(layer.layer_id).view(-1, 1, 1, d)
         call = self.ops.mla_decode if plan.kernel == "decode" else self.ops.mla_prefill
-        call(qp, latent, out, qo_indptr=plan.qo_indptr, kv_indptr=plan.kv_indptr, kv_indices=plan.kv_indices,
-             last_page_lens=plan.last_page_lens, max_seqlen_q=plan.max_seqlen_q, scale=scale)  # fmt: skip
+        call(
+            qp,
+            latent,
+            out,
+            qo_indptr=plan.qo_indptr,
+            kv_indptr=plan.kv_indptr,
+            kv_indices=plan.kv_indices,
+            last_page_lens=plan.last_page_lens,
+            max_seqlen_q=plan.max_seqlen_q,
+            scale=scale,
+        )
         return _scaled(out[:, :h], out_scale).reshape(t, h * dv)
 
 

@@ -134,7 +134,7 @@ def query_pieces(q_lens: list[int], kv_lens: list[int], max_q: int) -> list[tupl
 
 
 def mla_kernel_for(q_lens: list[int]) -> str:
-    """"decode" when every request has the same 1..MLA_DECODE_MAX_Q queries, else "prefill".
+    """ "decode" when every request has the same 1..MLA_DECODE_MAX_Q queries, else "prefill".
     Examples: [1, 1] -> "decode"; [3, 3] -> "decode"; [5, 5] -> "prefill"; [1, 2] -> "prefill"."""
     first = q_lens[0] if q_lens else 0
     return "decode" if 0 < first <= MLA_DECODE_MAX_Q and all(n == first for n in q_lens) else "prefill"

@@ -17,7 +17,7 @@ from attn_core.spec import BackendSpec
 
 #: what `attn-core list` says about how far this backend is verified
 UNVERIFIED = (
-    "never ran on hardware: verified only against an emulation of AITER's documented operators "
+    "its AITER calls never ran on hardware: verified only against an emulation of AITER's documented operators "
     "(paged_attention_ragged, flash_attn_varlen_func, mla_decode_fwd, mla_prefill_fwd), not on an AMD GPU"
 )
 #: the install command (AITER is the `amd-aiter` package on PyPI; its import name is `aiter`)

@@ -62,6 +62,8 @@ def emulated_backend_class(device: str = "cpu", archs: Optional[frozenset[str]] 
     from attn_aiter.backend import AiterBackend
 
     caps = AiterBackend.capabilities
-    caps = dataclasses.replace(caps, devices=frozenset({device}), archs=caps.archs if archs is None else frozenset(archs))
+    caps = dataclasses.replace(
+        caps, devices=frozenset({device}), archs=caps.archs if archs is None else frozenset(archs)
+    )
     name = "EmulatedAiter" + ("" if archs is None else "_" + "_".join(sorted(archs)))
     return type(name, (AiterBackend,), {"capabilities": caps, "__module__": __name__})
