@@ -50,6 +50,8 @@ KNOWN_BACKENDS: dict[str, str] = {
     "flashinfer": "attn-flashinfer",
     "trtllm_mla": "attn-trtllm-mla",
     "ascend": "attn-ascend",
+    "aiter": "attn-aiter",
+    "wave": "attn-wave",
     "cpu_amx": "attn-cpu-amx",
     "intel_amx": "attn-cpu-amx",
 }
@@ -60,6 +62,8 @@ SOURCE_FOLDERS: dict[str, str] = {
     "attn-flashinfer": "plugins/flashinfer_backend",
     "attn-trtllm-mla": "plugins/trtllm_mla",
     "attn-ascend": "plugins/ascend",
+    "attn-aiter": "plugins/aiter",
+    "attn-wave": "plugins/wave",
     "attn-cpu-amx": "plugins/cpu_amx",
 }
 
