@@ -6,11 +6,10 @@ writes checked slot by slot. The plans, block tables, workspaces, scales and gra
 
 from __future__ import annotations
 
+from attn_core.testing import ConformanceSuite
 from attn_trtllm_mla.cutlass_backend import CutlassMLABackend
 from attn_trtllm_mla.mha_backend import TrtllmMHABackend
 from attn_trtllm_mla.testing.blackwell_stand_ins import cpu_backend_class, cutlass_mla_vendor, trtllm_mha_vendor
-
-from attn_core.testing import ConformanceSuite
 
 
 class TestTrtllmMHAConformance(ConformanceSuite):

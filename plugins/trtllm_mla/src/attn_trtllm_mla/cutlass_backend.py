@@ -54,9 +54,13 @@ class CutlassMLABackend(AttentionBackend[CutlassPlan]):
     def __init__(self, ctx, **options):
         super().__init__(ctx, **options)
         if ctx.num_q_heads > MAX_HEADS:
-            raise IncompatibleBackendError(self.name, [f"{ctx.num_q_heads} query heads (the kernel serves up to {MAX_HEADS})"])
+            raise IncompatibleBackendError(
+                self.name, [f"{ctx.num_q_heads} query heads (the kernel serves up to {MAX_HEADS})"]
+            )
         if (ctx.kv_lora_rank, ctx.qk_rope_head_dim) != (512, 64):
-            raise IncompatibleBackendError(self.name, [f"latent {ctx.kv_lora_rank} + {ctx.qk_rope_head_dim} (512 + 64 only)"])
+            raise IncompatibleBackendError(
+                self.name, [f"latent {ctx.kv_lora_rank} + {ctx.qk_rope_head_dim} (512 + 64 only)"]
+            )
         self._graph: Optional[dict] = None
 
     def build_forward_metadata(self, forward_batch: ForwardBatch) -> CutlassPlan:
@@ -73,8 +77,11 @@ class CutlassMLABackend(AttentionBackend[CutlassPlan]):
         """A page table `[max_bs, pages of max_context_len]`, and the workspace for that width and batch."""
         width = pages_for(self.ctx.max_context_len, PAGE_SIZE)
         size = self.vendor.workspace_size(width * PAGE_SIZE, max_bs)
-        self._graph = dict(max_bs=max_bs, table=torch.zeros(max_bs, width, dtype=torch.int32, device=self.device),
-                           workspace=torch.empty(size, dtype=torch.uint8, device=self.device))
+        self._graph = dict(
+            max_bs=max_bs,
+            table=torch.zeros(max_bs, width, dtype=torch.int32, device=self.device),
+            workspace=torch.empty(size, dtype=torch.uint8, device=self.device),
+        )
 
     def capture_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
         self.bind_graph_metadata(self._graph_metadata(step), step)
@@ -90,8 +97,9 @@ class CutlassMLABackend(AttentionBackend[CutlassPlan]):
             raise UnsupportedFeatureError(self.name, f"CUDA graphs of {step.forward_mode.name} (DECODE only)")
         if step.bs > g["max_bs"]:
             raise InvalidArgumentError("bs", f"<= the graph state's max_bs {g['max_bs']}", step.bs)
-        table = block_tables(self.req_to_token(), step.req_pool_indices, step.seq_lens, PAGE_SIZE, g["table"].shape[1],
-                             out=g["table"])
+        table = block_tables(
+            self.req_to_token(), step.req_pool_indices, step.seq_lens, PAGE_SIZE, g["table"].shape[1], out=g["table"]
+        )
         return CutlassPlan(table, step.seq_lens, g["workspace"])
 
     # ---- forward -------------------------------------------------------------------------------
@@ -102,8 +110,9 @@ class CutlassMLABackend(AttentionBackend[CutlassPlan]):
         rank = self.ctx.kv_lora_rank
         cache = pool.get_key_buffer(layer.layer_id).view(-1, PAGE_SIZE, q.shape[2])
         scales = fold_scales(layer.scaling, None, kv_scales(layer, pool)[0])
-        out = self.vendor.decode(q[..., :rank], q[..., rank:], cache, plan.seq_lens, plan.page_table, plan.workspace,
-                                 scales.bmm1)
+        out = self.vendor.decode(
+            q[..., :rank], q[..., rank:], cache, plan.seq_lens, plan.page_table, plan.workspace, scales.bmm1
+        )
         out = out if scales.bmm2 == 1.0 else out * scales.bmm2
         return out.reshape(q.shape[0], -1)
 

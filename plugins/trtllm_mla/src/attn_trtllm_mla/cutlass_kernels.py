@@ -22,5 +22,13 @@ def decode(q_nope, q_pe, cache, seq_lens, page_table, workspace, sm_scale: float
     cache `[pages, 128, 576]`, int32 key counts `[B]` and page table `[B, block_num]`."""
     from sgl_kernel import cutlass_mla_decode
 
-    return cutlass_mla_decode(q_nope=q_nope, q_pe=q_pe, kv_c_and_k_pe_cache=cache, seq_lens=seq_lens, page_table=page_table,
-                              workspace=workspace, sm_scale=sm_scale, num_kv_splits=NUM_KV_SPLITS)
+    return cutlass_mla_decode(
+        q_nope=q_nope,
+        q_pe=q_pe,
+        kv_c_and_k_pe_cache=cache,
+        seq_lens=seq_lens,
+        page_table=page_table,
+        workspace=workspace,
+        sm_scale=sm_scale,
+        num_kv_splits=NUM_KV_SPLITS,
+    )

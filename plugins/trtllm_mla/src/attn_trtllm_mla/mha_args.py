@@ -62,24 +62,74 @@ def _check_query(q: torch.Tensor, rows: int) -> None:
         raise InvalidArgumentError("q", f"a [{rows}, heads, head_dim] tensor", tuple(q.shape))
 
 
-def decode_kwargs(q, kv_cache, workspace, block_tables, seq_lens, *, max_seq_len: int, scales: tuple[float, float],
-                  window: int, q_len: int, sinks: Optional[torch.Tensor]) -> dict:
+def decode_kwargs(
+    q,
+    kv_cache,
+    workspace,
+    block_tables,
+    seq_lens,
+    *,
+    max_seq_len: int,
+    scales: tuple[float, float],
+    window: int,
+    q_len: int,
+    sinks: Optional[torch.Tensor],
+) -> dict:
     """Keyword arguments of `trtllm_batch_decode_with_kv_cache` for q `[bs * q_len, Hq, D]` over the HND pair
     `kv_cache`, block tables int32 `[bs, width]` and key counts int32 `[bs]`."""
     _check_query(q, block_tables.shape[0] * q_len)
-    return dict(query=q, kv_cache=kv_cache, workspace_buffer=workspace, block_tables=block_tables, seq_lens=seq_lens,
-                max_seq_len=max_seq_len, bmm1_scale=scales[0], bmm2_scale=scales[1], window_left=window, sinks=sinks,
-                out_dtype=q.dtype, q_len_per_req=q_len)
+    return dict(
+        query=q,
+        kv_cache=kv_cache,
+        workspace_buffer=workspace,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        max_seq_len=max_seq_len,
+        bmm1_scale=scales[0],
+        bmm2_scale=scales[1],
+        window_left=window,
+        sinks=sinks,
+        out_dtype=q.dtype,
+        q_len_per_req=q_len,
+    )
 
 
-def context_kwargs(q, kv_cache, workspace, block_tables, seq_lens, *, cum_seq_lens_q, cum_seq_lens_kv, max_q_len: int,
-                   max_kv_len: int, scales: tuple[float, float], window: int, sinks: Optional[torch.Tensor]) -> dict:
+def context_kwargs(
+    q,
+    kv_cache,
+    workspace,
+    block_tables,
+    seq_lens,
+    *,
+    cum_seq_lens_q,
+    cum_seq_lens_kv,
+    max_q_len: int,
+    max_kv_len: int,
+    scales: tuple[float, float],
+    window: int,
+    sinks: Optional[torch.Tensor],
+) -> dict:
     """Keyword arguments of `trtllm_batch_context_with_kv_cache` for the n requests of the plan: q `[T, Hq, D]`
     (T = cum_seq_lens_q[-1], known on the host as the q rows), block tables `[n, width]`, key counts `[n]`."""
     n = block_tables.shape[0]
     if cum_seq_lens_q.shape[0] != n + 1 or cum_seq_lens_kv.shape[0] != n + 1:
-        raise InvalidArgumentError("cum_seq_lens_q", f"{n + 1} offsets", (cum_seq_lens_q.shape[0], cum_seq_lens_kv.shape[0]))
-    return dict(query=q, kv_cache=kv_cache, workspace_buffer=workspace, block_tables=block_tables, seq_lens=seq_lens,
-                max_q_len=max_q_len, max_kv_len=max_kv_len, bmm1_scale=scales[0], bmm2_scale=scales[1], batch_size=n,
-                cum_seq_lens_q=cum_seq_lens_q, cum_seq_lens_kv=cum_seq_lens_kv, window_left=window, sinks=sinks,
-                out_dtype=q.dtype)
+        raise InvalidArgumentError(
+            "cum_seq_lens_q", f"{n + 1} offsets", (cum_seq_lens_q.shape[0], cum_seq_lens_kv.shape[0])
+        )
+    return dict(
+        query=q,
+        kv_cache=kv_cache,
+        workspace_buffer=workspace,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        max_q_len=max_q_len,
+        max_kv_len=max_kv_len,
+        bmm1_scale=scales[0],
+        bmm2_scale=scales[1],
+        batch_size=n,
+        cum_seq_lens_q=cum_seq_lens_q,
+        cum_seq_lens_kv=cum_seq_lens_kv,
+        window_left=window,
+        sinks=sinks,
+        out_dtype=q.dtype,
+    )

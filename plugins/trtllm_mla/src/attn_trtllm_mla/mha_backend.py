@@ -75,8 +75,15 @@ class TrtllmMHABackend(AttentionBackend[MhaMetadata]):
             rows = rows[torch.tensor(keep, dtype=torch.long).to(rows.device)]
         lens = dev[2 * n + 2 :]
         table = block_tables(r2t, rows, lens, p, pages_for(max(kl), p))
-        plan = MhaPlan("context", table, lens, max(kl), cum_seq_lens_q=dev[: n + 1], cum_seq_lens_kv=dev[n + 1 : 2 * n + 2],
-                       max_q_len=max(ql))
+        plan = MhaPlan(
+            "context",
+            table,
+            lens,
+            max(kl),
+            cum_seq_lens_q=dev[: n + 1],
+            cum_seq_lens_kv=dev[n + 1 : 2 * n + 2],
+            max_q_len=max(ql),
+        )
         return MhaMetadata(CONTEXT_PATH, plan)
 
     # ---- CUDA graphs (DECODE, TARGET_VERIFY) -------------------------------------------------------
@@ -113,7 +120,9 @@ class TrtllmMHABackend(AttentionBackend[MhaMetadata]):
         if q_len is None:
             raise InvalidArgumentError("bs", f"a batch size captured for {mode.name}", bs)
         width = g["table"].shape[1]
-        table = block_tables(self.req_to_token(), step.req_pool_indices, step.seq_lens, self.page_size, width, out=g["table"])
+        table = block_tables(
+            self.req_to_token(), step.req_pool_indices, step.seq_lens, self.page_size, width, out=g["table"]
+        )
         seq_lens = g["seq_lens"][:bs]
         seq_lens.copy_(step.seq_lens)
         return MhaMetadata(DECODE_PATH, MhaPlan("decode", table, seq_lens, width * self.page_size, q_len=q_len))
@@ -138,13 +147,33 @@ class TrtllmMHABackend(AttentionBackend[MhaMetadata]):
         sinks = None if sinks is None else sinks.float()
         q = q.contiguous()
         if plan.kernel == "decode":
-            kw = decode_kwargs(q, kv_cache, self.workspace, plan.block_tables, plan.seq_lens, max_seq_len=plan.max_seq_len,
-                               scales=scales, window=window, q_len=plan.q_len, sinks=sinks)
+            kw = decode_kwargs(
+                q,
+                kv_cache,
+                self.workspace,
+                plan.block_tables,
+                plan.seq_lens,
+                max_seq_len=plan.max_seq_len,
+                scales=scales,
+                window=window,
+                q_len=plan.q_len,
+                sinks=sinks,
+            )
             out = self.vendor.decode(kw)
         else:
-            kw = context_kwargs(q, kv_cache, self.workspace, plan.block_tables, plan.seq_lens,
-                                cum_seq_lens_q=plan.cum_seq_lens_q, cum_seq_lens_kv=plan.cum_seq_lens_kv,
-                                max_q_len=plan.max_q_len, max_kv_len=plan.max_seq_len, scales=scales, window=window,
-                                sinks=sinks)
+            kw = context_kwargs(
+                q,
+                kv_cache,
+                self.workspace,
+                plan.block_tables,
+                plan.seq_lens,
+                cum_seq_lens_q=plan.cum_seq_lens_q,
+                cum_seq_lens_kv=plan.cum_seq_lens_kv,
+                max_q_len=plan.max_q_len,
+                max_kv_len=plan.max_seq_len,
+                scales=scales,
+                window=window,
+                sinks=sinks,
+            )
             out = self.vendor.context(kw)
         return out.reshape(q.shape[0], -1)

@@ -51,8 +51,14 @@ def pages_for(tokens: int, page_size: int) -> int:
     return max(1, -(-tokens // page_size))
 
 
-def block_tables(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, page_size: int, width: int,
-                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def block_tables(
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    width: int,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """attn-core's block table of `rows` with `seq_lens` keys, `[len(rows), width]` int32, written into the
     first rows of `out` (a CUDA graph's fixed buffer) when given."""
     table = page_table_from_req_to_token(req_to_token, rows, seq_lens, page_size, width)

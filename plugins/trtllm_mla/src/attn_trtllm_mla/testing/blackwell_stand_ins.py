@@ -98,7 +98,10 @@ def _check_common(kw: dict, documented: frozenset, ws: _Workspaces) -> tuple:
     _need(set(kw) <= documented, f"arguments outside the documented signature: {sorted(set(kw) - documented)}")
     q, (kc, vc) = kw["query"], kw["kv_cache"]
     _need(q.dim() == 3, "query must be [tokens, heads, head_dim]")
-    _need(kc.dim() == 4 and kc.shape == vc.shape and kc.shape[3] == q.shape[2], "kv_cache must be two HND [pages, Hkv, page, D]")
+    _need(
+        kc.dim() == 4 and kc.shape == vc.shape and kc.shape[3] == q.shape[2],
+        "kv_cache must be two HND [pages, Hkv, page, D]",
+    )
     _need(kc.dtype == q.dtype == vc.dtype, "query and caches must share a dtype")
     _need(q.shape[1] % kc.shape[1] == 0, "query heads must be a multiple of KV heads")
     _need(not (kc.shape[1] == 1 and kc.stride(1) == kc.stride(2)), "degenerate stride on the size-1 head dimension")
@@ -155,7 +158,9 @@ def trtllm_context(kw: dict) -> torch.Tensor:
 
 
 # ---- CUTLASS MLA (sgl-kernel) ----------------------------------------------------------------------------
-def cutlass_mla_get_workspace_size(max_seq_len: int, num_batches: int, sm_count: int = 0, num_kv_splits: int = 1) -> int:
+def cutlass_mla_get_workspace_size(
+    max_seq_len: int, num_batches: int, sm_count: int = 0, num_kv_splits: int = 1
+) -> int:
     """The stand-in's workspace size: 1 KiB per (request, 128-token block of max_seq_len) plus 4 KiB."""
     _need(max_seq_len > 0 and num_batches > 0, "max_seq_len and num_batches must be > 0")
     return num_batches * math.ceil(max_seq_len / 128) * 1024 + 4096
@@ -171,12 +176,16 @@ def cutlass_mla_decode(q_nope, q_pe, kv_c_and_k_pe_cache, seq_lens, page_table, 
     _need(h <= 128, f"at most 128 heads, got {h}")
     _need(page_table.dim() == 2 and page_table.shape[0] == bq, "page_table must be [B, block_num]")
     block_num = page_table.shape[1]
-    _need(block_num > 0 and block_num % (128 // page) == 0 and 128 % page == 0, f"block_num {block_num} for page {page}")
+    _need(
+        block_num > 0 and block_num % (128 // page) == 0 and 128 % page == 0, f"block_num {block_num} for page {page}"
+    )
     _need(q_nope.dtype in (torch.float16, torch.bfloat16), "fp16 / bf16 only")
     _need(q_nope.dtype == q_pe.dtype == kv_c_and_k_pe_cache.dtype, "q_nope, q_pe, cache share a dtype")
     _need(seq_lens.dtype == torch.int32 and page_table.dtype == torch.int32, "seq_lens and page_table must be int32")
     need = cutlass_mla_get_workspace_size(block_num * page, bq, 0, num_kv_splits)
-    _need(workspace.dtype == torch.uint8 and workspace.numel() >= need, f"workspace of {workspace.numel()} B < {need} B")
+    _need(
+        workspace.dtype == torch.uint8 and workspace.numel() >= need, f"workspace of {workspace.numel()} B < {need} B"
+    )
     q = torch.cat([q_nope, q_pe], -1)
     out = torch.zeros(bq, h, 512, dtype=torch.float64)
     cache = kv_c_and_k_pe_cache.unsqueeze(1)  # [pages, 1, page, 576]: one KV head, HND
@@ -201,8 +210,12 @@ def trtllm_mha_vendor() -> SimpleNamespace:
         calls.append("context")
         return trtllm_context(kw)
 
-    return SimpleNamespace(decode=decode, context=context, calls=calls,
-                           new_workspace=lambda device: torch.zeros(1024, dtype=torch.uint8, device=device))
+    return SimpleNamespace(
+        decode=decode,
+        context=context,
+        calls=calls,
+        new_workspace=lambda device: torch.zeros(1024, dtype=torch.uint8, device=device),
+    )
 
 
 def cutlass_mla_vendor() -> SimpleNamespace:
@@ -213,13 +226,21 @@ def cutlass_mla_vendor() -> SimpleNamespace:
         calls.append(tuple(page_table.shape))
         return cutlass_mla_decode(q_nope, q_pe, cache, seq_lens, page_table, workspace, sm_scale)
 
-    return SimpleNamespace(decode=decode, workspace_size=lambda max_seq_len, bs: cutlass_mla_get_workspace_size(max_seq_len, bs),
-                           calls=calls)
+    return SimpleNamespace(
+        decode=decode,
+        workspace_size=lambda max_seq_len, bs: cutlass_mla_get_workspace_size(max_seq_len, bs),
+        calls=calls,
+    )
 
 
 def cpu_backend_class(backend_class: type, vendor: SimpleNamespace) -> type:
     """`backend_class` declaring the CPU (the test-only device shim) and calling `vendor` instead of the GPU
     kernels; everything else - plans, block tables, workspaces, scales, graph buffers - is the real class's."""
-    caps = dataclasses.replace(backend_class.capabilities, devices=frozenset({"cpu"}), min_compute_capability=None,
-                               max_compute_capability=None)
-    return type("CPU" + backend_class.__name__, (backend_class,), {"capabilities": caps, "vendor": vendor, "__module__": __name__})
+    caps = dataclasses.replace(
+        backend_class.capabilities, devices=frozenset({"cpu"}), min_compute_capability=None, max_compute_capability=None
+    )
+    return type(
+        "CPU" + backend_class.__name__,
+        (backend_class,),
+        {"capabilities": caps, "vendor": vendor, "__module__": __name__},
+    )
