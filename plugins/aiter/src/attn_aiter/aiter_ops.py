@@ -6,7 +6,7 @@ GPU; on the CPU the tests install the emulation as the `aiter` package (`testing
 - `paged_decode`: `aiter.paged_attention_ragged` (MHA/GQA DECODE over NHD pages, CSR page lists);
 - `varlen_prefill`: `aiter.flash_attn_varlen_func` (MHA/GQA extend-like steps over gathered K/V, causal
   from the bottom right);
-- `mla_decode` / `mla_prefill`: `aiter.mla.mla_decode_fwd` / `mla_prefill_fwd` (absorbed MLA over the
+- `mla`: `aiter.mla.mla_decode_fwd` / `mla_prefill_fwd` (absorbed MLA over the
   latent pool viewed as pages of one token). `sm_scale` goes by keyword: the two documented forms of
   `mla_decode_fwd` place it differently.
 """
@@ -54,7 +54,7 @@ class AiterOps:
     """Calls into AITER with the argument layout each operator documents."""
 
     def __init__(self, aiter: ModuleType, mla: ModuleType):
-        self.aiter, self.mla = aiter, mla
+        self.aiter, self.mla_module = aiter, mla
         self._unit_scale: dict[torch.device, torch.Tensor] = {}
 
     def unit_scale(self, device: torch.device) -> torch.Tensor:
@@ -112,19 +112,11 @@ class AiterOps:
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=scale, causal=True
         )
 
-    def mla_decode(
-        self, q, kv_buffer, out, *, qo_indptr, kv_indptr, kv_indices, last_page_lens, max_seqlen_q, scale
+    def mla(
+        self, kernel: str, q, kv_buffer, out, *, qo_indptr, kv_indptr, kv_indices, last_page_lens, max_seqlen_q, scale
     ) -> None:
-        """out `[total_q, H, Dv]` = absorbed MLA of q `[total_q, H, D]` over `kv_buffer` `[pages, page, 1,
-        D]` (1..4 queries per sequence, causal from the bottom right)."""
-        self.mla.mla_decode_fwd(
-            q, kv_buffer, out, qo_indptr, kv_indptr, kv_indices, last_page_lens, max_seqlen_q, sm_scale=scale
-        )
-
-    def mla_prefill(
-        self, q, kv_buffer, out, *, qo_indptr, kv_indptr, kv_indices, last_page_lens, max_seqlen_q, scale
-    ) -> None:
-        """As `mla_decode`, on the absorbed prefill kernel (up to `plans.MLA_PREFILL_MAX_Q` queries per sequence)."""
-        self.mla.mla_prefill_fwd(
-            q, kv_buffer, out, qo_indptr, kv_indptr, kv_indices, last_page_lens, max_seqlen_q, sm_scale=scale
-        )
+        """out `[total_q, H, Dv]` = absorbed MLA of q `[total_q, H, D]` over `kv_buffer` `[pages, page, 1, D]`,
+        causal from the bottom right: `kernel` "decode" (`mla_decode_fwd`, 1..4 queries per sequence) or
+        "prefill" (`mla_prefill_fwd`, up to `plans.MLA_PREFILL_MAX_Q`)."""
+        fn = self.mla_module.mla_decode_fwd if kernel == "decode" else self.mla_module.mla_prefill_fwd
+        fn(q, kv_buffer, out, qo_indptr, kv_indptr, kv_indices, last_page_lens, max_seqlen_q, sm_scale=scale)

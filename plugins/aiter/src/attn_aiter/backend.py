@@ -266,8 +266,8 @@ class AiterBackend(AttentionBackend[AiterMetadata]):
         qp = q.contiguous() if hp == h else torch.cat([q, q.new_zeros(t, hp - h, d)], 1)
         out = q.new_empty((t, hp, dv))
         latent = pool.get_key_buffer(layer.layer_id).view(-1, 1, 1, d)
-        call = self.ops.mla_decode if plan.kernel == "decode" else self.ops.mla_prefill
-        call(
+        self.ops.mla(
+            plan.kernel,
             qp,
             latent,
             out,

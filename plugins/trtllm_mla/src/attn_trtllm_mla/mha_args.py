@@ -57,6 +57,22 @@ def hnd_view(buf: torch.Tensor, page_size: int) -> torch.Tensor:
     return view
 
 
+def _common(q, kv_cache, workspace, block_tables, seq_lens, scales, window, sinks) -> dict:
+    """The keyword arguments both kernels take alike."""
+    return dict(
+        query=q,
+        kv_cache=kv_cache,
+        workspace_buffer=workspace,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        bmm1_scale=scales[0],
+        bmm2_scale=scales[1],
+        window_left=window,
+        sinks=sinks,
+        out_dtype=q.dtype,
+    )
+
+
 def _check_query(q: torch.Tensor, rows: int) -> None:
     if q.dim() != 3 or q.shape[0] != rows:
         raise InvalidArgumentError("q", f"a [{rows}, heads, head_dim] tensor", tuple(q.shape))
@@ -78,20 +94,8 @@ def decode_kwargs(
     """Keyword arguments of `trtllm_batch_decode_with_kv_cache` for q `[bs * q_len, Hq, D]` over the HND pair
     `kv_cache`, block tables int32 `[bs, width]` and key counts int32 `[bs]`."""
     _check_query(q, block_tables.shape[0] * q_len)
-    return dict(
-        query=q,
-        kv_cache=kv_cache,
-        workspace_buffer=workspace,
-        block_tables=block_tables,
-        seq_lens=seq_lens,
-        max_seq_len=max_seq_len,
-        bmm1_scale=scales[0],
-        bmm2_scale=scales[1],
-        window_left=window,
-        sinks=sinks,
-        out_dtype=q.dtype,
-        q_len_per_req=q_len,
-    )
+    common = _common(q, kv_cache, workspace, block_tables, seq_lens, scales, window, sinks)
+    return dict(common, max_seq_len=max_seq_len, q_len_per_req=q_len)
 
 
 def context_kwargs(
@@ -116,20 +120,12 @@ def context_kwargs(
         raise InvalidArgumentError(
             "cum_seq_lens_q", f"{n + 1} offsets", (cum_seq_lens_q.shape[0], cum_seq_lens_kv.shape[0])
         )
+    common = _common(q, kv_cache, workspace, block_tables, seq_lens, scales, window, sinks)
     return dict(
-        query=q,
-        kv_cache=kv_cache,
-        workspace_buffer=workspace,
-        block_tables=block_tables,
-        seq_lens=seq_lens,
+        common,
         max_q_len=max_q_len,
         max_kv_len=max_kv_len,
-        bmm1_scale=scales[0],
-        bmm2_scale=scales[1],
         batch_size=n,
         cum_seq_lens_q=cum_seq_lens_q,
         cum_seq_lens_kv=cum_seq_lens_kv,
-        window_left=window,
-        sinks=sinks,
-        out_dtype=q.dtype,
     )
