@@ -9,7 +9,8 @@ Peers, same pool, same batch, same backend object kind: `plain` (cascade_prefix_
 reads the whole prefix) and `cascade` (cascade_prefix_len = prefix: the prefix once for all queries +
 per-request suffix + LSE merge). Metadata is built once per row outside the timed region; the timed
 call is one layer's `forward(..., save_kv_cache=False)` after one call that wrote the step's own keys.
-The two outputs are compared (relative error printed); `use_cascade_attention`'s answer for the row is printed next to the measured ratio.
+The two outputs are compared (relative error printed); `use_cascade_attention`'s answer for the row is
+printed next to the measured ratio.
 
   python benchmarks/cascade_attention.py [--backend triton] [--requests 64] [--prefix 4096] [--suffix 256]
       [--rows decode,extend] [--budget 2.0] [--out cascade.json]

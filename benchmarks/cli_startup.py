@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from attn_core.bench.timing import host_times_us
+
 
 def attn_core_command() -> list[str]:
     """The installed `attn-core` script beside this interpreter (else `python -m attn_core.cli`)."""
@@ -37,12 +39,11 @@ def attn_core_command() -> list[str]:
 
 def time_runs(cmd: list[str], runs: int, env: dict) -> list[float]:
     """Wall-clock seconds of `runs` fresh processes of `cmd` (output discarded; a failure raises)."""
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
+
+    def run() -> None:
         subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, env=env)
-        times.append(time.perf_counter() - t0)
-    return times
+
+    return [us * 1e-6 for us in host_times_us(run, runs)]
 
 
 def sources_of(rev: str, into: str) -> str:
@@ -71,7 +72,9 @@ def main() -> None:
         ("peer: python -c pass", [sys.executable, "-c", "pass"]),
         ('peer: python -c "import torch"', [sys.executable, "-c", "import torch"]),
     ]
-    print(f"{platform.node()} · {platform.processor() or platform.machine()} · {os.cpu_count()} cpus · Python {platform.python_version()}")
+    print(
+        f"{platform.node()} · {platform.processor() or platform.machine()} · {os.cpu_count()} cpus · Python {platform.python_version()}"
+    )
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · {args.runs} runs each\n")
     runs = [(label, cmd, env) for label, cmd in commands]
     with tempfile.TemporaryDirectory() as tmp:

@@ -23,22 +23,26 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
 import statistics
-import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from attn_core.backends.torch_native.backend import TorchNativeBackend
+from attn_core import (
+    AttentionLayer,
+    BackendContext,
+    MHATokenToKVPool,
+    PagedTokenAllocator,
+    ReqToTokenPool,
+    create_backend,
+)
 from attn_core.batch_builder import build_forward_batch
-from attn_core.context import BackendContext
-from attn_core.layer import AttentionLayer
-from attn_core.memory import MHATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
-from attn_core.registry import create_backend
+from attn_core.bench.timing import host_times_us, interleave
 from attn_core.testing.reference import relative_error
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
@@ -67,7 +71,7 @@ class Row:
         r2t.copy_((perm[r2t.long() // PAGE] * PAGE + r2t.long() % PAGE).to(torch.int32))
         loc = self.batch.out_cache_loc
         self.batch.out_cache_loc = perm[loc // PAGE] * PAGE + loc % PAGE
-        for buf in (self.kv_pool.k_buffer[0], self.kv_pool.v_buffer[0]):
+        for buf in (self.kv_pool.get_key_buffer(0), self.kv_pool.get_value_buffer(0)):
             buf.copy_(torch.randn(buf.shape, generator=gen).to(dtype))
         T = self.batch.num_tokens
         self.q = torch.randn(T, HQ, D, generator=gen).to(dtype)
@@ -115,28 +119,25 @@ class Row:
         return call
 
 
-def bench(
-    calls: dict[str, Callable[[], torch.Tensor]], reps: int, clock: Callable[[], float] = time.perf_counter
-) -> dict[str, list[float]]:
-    """Seconds per call by `clock` (wall time; `time.thread_time`: the calling thread's CPU time): two
-    warm-up calls each, then `reps` rounds, peers interleaved."""
+def bench(calls: dict[str, Callable[[], torch.Tensor]], reps: int) -> dict[str, list[float]]:
+    """Wall seconds per call: two warm-up calls each, then `reps` rounds, peers interleaved."""
     for fn in calls.values():
         fn()
         fn()
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(reps):
-        for name, fn in calls.items():
-            t = clock()
-            fn()
-            times[name].append(clock() - t)
-    return times
+    measures = {name: (lambda f=fn: host_times_us(f, 1, "cpu")) for name, fn in calls.items()}
+    return {name: [us * 1e-6 for us in samples] for name, samples in interleave(measures, reps).items()}
 
 
 def cpu_description() -> dict:
     from attn_cpu_amx import isa
 
     flags = sorted(f for f in isa.cpu_flags() if f in isa.AMX_FLAGS)
-    return {"model": isa.cpu_model(), "flags": flags, "runnable_paths": list(isa.runnable_paths()), "cpus": os.cpu_count()}
+    return {
+        "model": isa.cpu_model(),
+        "flags": flags,
+        "runnable_paths": list(isa.runnable_paths()),
+        "cpus": os.cpu_count(),
+    }
 
 
 def main() -> None:
@@ -163,7 +164,9 @@ def main() -> None:
         "kernel_build_compiled": build.last_build().compiled,
         "rows": [],
     }
-    print(f"CPU {report['cpu']['model']}, flags {' '.join(report['cpu']['flags'])}, {report['threads']} threads, torch {torch.__version__}")
+    print(
+        f"CPU {report['cpu']['model']}, flags {' '.join(report['cpu']['flags'])}, {report['threads']} threads, torch {torch.__version__}"
+    )
     header = f"{'row':28} {'dtype':9} {'path':7} {'cpu_amx ms':>11} {'native ms':>10} {'gath+sdpa ms':>12} {'x native':>9} {'x sdpa':>7}"
     header += "  rel err amx/sdpa"
     print(header)
@@ -174,10 +177,10 @@ def main() -> None:
             row = Row(mode, requests, dtype)
             options = {} if args.isa is None else {"isa": args.isa}
             amx = create_backend("cpu_amx", row.ctx, **options)
-            native = TorchNativeBackend(row.ctx)
-            t0 = time.perf_counter()
+            native = create_backend("torch_native", row.ctx)
+            first_step = functools.partial(amx.init_forward_metadata, row.batch)
+            meta_us = host_times_us(first_step, 1, "cpu")[0]  # the first step's metadata, cold
             amx_call = row.backend_call(amx)
-            meta_us = (time.perf_counter() - t0) * 1e6
             calls = {"cpu_amx": amx_call, "gather+sdpa": row.gather_sdpa_call()}
             errs = {}
             if not args.no_torch_native:

@@ -25,40 +25,47 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
 import attn_core as ac
+from attn_core.bench.timing import time_host
 from attn_core.dcp import DCP_GRAPH_INPUTS, DcpLayout, DcpRequestPool, DcpStep, build_dcp_step, dcp_decode_attention
 
 
 def timed(fn, reps: int, device: torch.device) -> float:
-    """Median seconds of fn() over reps calls after 3 warm-up calls (device-synchronized)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = []
-    for i in range(reps + 3):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median seconds of fn() over reps calls after 3 warm-up calls, each call timed from a synchronized
+    device to its work done (`attn_core.bench.timing.time_host`, which makes the third warm-up call)."""
+    fn()
+    fn()
+    return time_host(fn, device, reps).median_us * 1e-6
 
 
 def setup(args, device, tokens_per_request: int):
     """A KV pool, request pool and backend for `args.bs` requests of up to tokens_per_request local tokens."""
     dtype, ps = getattr(torch, args.dtype), args.page_size
     slots = args.bs * (-(-tokens_per_request // ps) + 1) * ps
-    kv = ac.MHATokenToKVPool(size=slots, page_size=ps, dtype=dtype, head_num=args.kv_heads, head_dim=128, layer_num=1, device=device)
+    kv = ac.MHATokenToKVPool(
+        size=slots, page_size=ps, dtype=dtype, head_num=args.kv_heads, head_dim=128, layer_num=1, device=device
+    )
     rows = ac.ReqToTokenPool(size=args.bs, max_context_len=args.ctx + 1, device=device)
     requests = ac.RequestPool(rows, ac.PagedTokenAllocator(slots, ps), kv)
-    ctx = ac.BackendContext(device=device, dtype=dtype, num_q_heads=args.q_heads, num_kv_heads=args.kv_heads, head_dim=128, page_size=ps,
-                            max_batch_size=args.bs, max_context_len=args.ctx + 1, req_to_token_pool=rows, token_to_kv_pool=kv,
-                            forward_modes={"extend", "decode"}, features={ac.Feature.LSE_OUTPUT})
+    ctx = ac.BackendContext(
+        device=device,
+        dtype=dtype,
+        num_q_heads=args.q_heads,
+        num_kv_heads=args.kv_heads,
+        head_dim=128,
+        page_size=ps,
+        max_batch_size=args.bs,
+        max_context_len=args.ctx + 1,
+        req_to_token_pool=rows,
+        token_to_kv_pool=kv,
+        forward_modes={"extend", "decode"},
+        features={ac.Feature.LSE_OUTPUT},
+    )
     return kv, requests, ac.create_backend(args.backend, ctx)
 
 
@@ -96,8 +103,11 @@ def main() -> None:
         reqs = [requests.add() for _ in range(args.bs)]
         for r in reqs:
             b = ac.build_step(requests, [(r, args.ctx)])
-            kv.set_kv_buffer(layer, b.out_cache_loc, *(torch.randn(args.ctx, args.kv_heads, 128, generator=g, device=device).to(dtype)
-                                                       for _ in range(2)))
+            kv.set_kv_buffer(
+                layer,
+                b.out_cache_loc,
+                *(torch.randn(args.ctx, args.kv_heads, 128, generator=g, device=device).to(dtype) for _ in range(2)),
+            )
         step = ac.build_step(requests, [(r, 1) for r in reqs], attn_backend=backend)
         backend.init_forward_metadata(step)
         q = torch.randn(args.bs, args.q_heads, 128, generator=g, device=device).to(dtype)
@@ -130,39 +140,59 @@ def main() -> None:
         "all_to_all": lambda: (gather(gathered, q), dist.all_to_all_single(recv, send)),
     }
     for exchange, coll in collectives.items():
-        rows[f"dcp_{exchange}_s"] = timed(lambda ex=exchange: dcp_decode_attention(q, layer, step, exchange=ex), args.reps, device)
+        rows[f"dcp_{exchange}_s"] = timed(
+            lambda ex=exchange: dcp_decode_attention(q, layer, step, exchange=ex), args.reps, device
+        )
         rows[f"collective_{exchange}_s"] = timed(coll, args.reps, device)
     # graph-shaped: the next decode step (one more token per request) through a runner per exchange
     graph_step = build_dcp_step(pool, [(r, 1) for r in reqs], attn_backend=backend, graph_shaped=True)
     new_kv = torch.randn(args.bs, args.kv_heads, 128, generator=g, device=device).to(dtype)
-    shapes = {"q": ((h_rank, 128), dtype), "k": ((args.kv_heads, 128), dtype), "v": ((args.kv_heads, 128), dtype), **DCP_GRAPH_INPUTS}
+    shapes = {
+        "q": ((h_rank, 128), dtype),
+        "k": ((args.kv_heads, 128), dtype),
+        "v": ((args.kv_heads, 128), dtype),
+        **DCP_GRAPH_INPUTS,
+    }
     inputs = {"q": q, "k": new_kv, "v": new_kv, **graph_step.graph_inputs()}
     for exchange in collectives:
+
         def run_layers(batch, x, ex=exchange):
             s = DcpStep.from_graph_batch(batch, x)
             s.save_kv(layer, x["k"], x["v"])
             return dcp_decode_attention(x["q"], layer, s, exchange=ex)
 
         runner = ac.CudaGraphRunner(backend, [args.bs], run_layers, shapes)  # every rank captures here
-        rows[f"dcp_{exchange}_graph_s"] = timed(lambda r=runner: r.run(graph_step.local_batch, inputs), args.reps, device)
+        rows[f"dcp_{exchange}_graph_s"] = timed(
+            lambda r=runner: r.run(graph_step.local_batch, inputs), args.reps, device
+        )
         del runner
     rows["dcp_kv_tokens_per_rank"] = sum(r.kv_len for r in reqs)
     bytes_per_token = 2 * args.kv_heads * 128 * dtype.itemsize
     result = [None] * world
     dist.all_gather_object(result, rows)
     if rank == 0:
-        out = dict(command=vars(args), world=world, device=torch.cuda.get_device_name(device) if cuda else "cpu",
-                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), kv_bytes_per_token=bytes_per_token, ranks=result)
+        out = dict(
+            command=vars(args),
+            world=world,
+            device=torch.cuda.get_device_name(device) if cuda else "cpu",
+            date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            kv_bytes_per_token=bytes_per_token,
+            ranks=result,
+        )
         single = result[0]["single_s"]
         for exchange in ("all_gather", "all_to_all"):
             slow = max(r[f"dcp_{exchange}_s"] for r in result)
             share = max(r[f"collective_{exchange}_s"] for r in result) / slow
             graph = max(r[f"dcp_{exchange}_graph_s"] for r in result)
-            print(f"DCP={world} {exchange}: {slow * 1e6:.0f} us vs single {single * 1e6:.0f} us ({single / slow:.2f}x); "
-                  f"collectives {100 * share:.0f}% of the step; graph-shaped through the graph runner {graph * 1e6:.0f} us "
-                  f"({single / graph:.2f}x)")
-        print(f"KV tokens per rank: single {result[0]['single_kv_tokens']}, DCP {[r['dcp_kv_tokens_per_rank'] for r in result]} "
-              f"({bytes_per_token} bytes each)")
+            print(
+                f"DCP={world} {exchange}: {slow * 1e6:.0f} us vs single {single * 1e6:.0f} us ({single / slow:.2f}x); "
+                f"collectives {100 * share:.0f}% of the step; graph-shaped through the graph runner {graph * 1e6:.0f} us "
+                f"({single / graph:.2f}x)"
+            )
+        print(
+            f"KV tokens per rank: single {result[0]['single_kv_tokens']}, DCP {[r['dcp_kv_tokens_per_rank'] for r in result]} "
+            f"({bytes_per_token} bytes each)"
+        )
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=1)

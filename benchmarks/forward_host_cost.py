@@ -14,15 +14,8 @@ Rows:
   mla decode bs1    absorbed MLA as in `mla_vs_peers.py` (128 heads, latent 512 + 64): DECODE, 1 request
                     (2047 cached + 1 new), q `[1, 128, 576]`, k `[1, 1, 576]`, v None, save_kv_cache=False
 
-Metadata rows (attn-triton's per-step `init_forward_metadata`, issue 11's "≤ 50 µs at decode bs256"),
-on CPU tensors under the Triton interpreter with the one index-kernel launch stubbed out (the stub
-takes the launch's arguments and returns), so the time is the host work around the launch:
-  triton meta decode bs1 / bs64 / bs256    DECODE, 64-token contexts (63 cached + 1 new), seq_lens_cpu
-                                           given as engines do, validation "basic" (the default)
-Timed paths: `init_forward_metadata` (the whole step: attn-core's validation, the backend's build, the
-bind), `check_forward_batch` (attn-core's validation alone), `build_forward_metadata` (the backend's
-part alone: split parameters, index buffer, the stubbed launch's argument handling, scratch views).
-On the GPU the launch itself and the allocation are measured by `triton_vs_peers.py --only meta`.
+The per-step metadata (`init_forward_metadata`) is measured on the GPU by `triton_vs_peers.py --only meta`
+(with its two parts: attn-core's validation and the backend's build).
 
 Timed paths per row (calls interleaved round-robin, `--groups` samples of `--calls` back-to-back calls
 each, the median sample / calls reported, in µs):
@@ -31,13 +24,12 @@ each, the median sample / calls reported, in µs):
   stub alone        the stubbed `forward_decode` / `forward_extend` called directly (the floor)
 
 Before/after a change to attn-core: `--baseline-src DIR` (a `core/src` of the older tree, e.g. from
-`git archive <base> core/src | tar -x -C /tmp/base`; for the metadata rows also the older attn-triton:
-`--baseline-src /tmp/base/core/src:/tmp/base/plugins/triton_backend/src`, put on PYTHONPATH as given)
-times both trees in fresh processes, alternating baseline / this tree `--rounds` times, and prints per
-row and path the median over rounds of each and the ratio baseline / this tree (alternating spreads the
-drift of a shared machine over both).
+`git archive <base> core/src | tar -x -C /tmp/base`, put on PYTHONPATH as given) times both trees in
+fresh processes, alternating baseline / this tree `--rounds` times, and prints per row and path the
+median over rounds of each and the ratio baseline / this tree (alternating spreads the drift of a
+shared machine over both).
 
-  python benchmarks/forward_host_cost.py [--calls 200] [--groups 200] [--json out.json] [--no-meta]
+  python benchmarks/forward_host_cost.py [--calls 200] [--groups 200] [--json out.json]
   python benchmarks/forward_host_cost.py --baseline-src /tmp/base/core/src [--rounds 5] [--groups 60]
 """
 
@@ -52,17 +44,22 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Callable
 
 import torch
 
 import attn_core
-from attn_core.backends.torch_native.backend import TorchNativeBackend
+from attn_core import (
+    AttentionLayer,
+    BackendContext,
+    MHATokenToKVPool,
+    MLATokenToKVPool,
+    PagedTokenAllocator,
+    ReqToTokenPool,
+    get_backend_class,
+)
 from attn_core.batch_builder import build_forward_batch
-from attn_core.context import BackendContext
-from attn_core.layer import AttentionLayer
-from attn_core.memory import MHATokenToKVPool, MLATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
+from attn_core.bench.timing import host_times_us, interleave
 
 HQ, HKV, D, PAGE, DTYPE = 32, 8, 128, 16, torch.bfloat16
 MLA_HQ, MLA_LORA, MLA_ROPE = 128, 512, 64
@@ -74,7 +71,7 @@ ROWS = {  # title: (mode, requests, MLA)
 }
 
 
-class StubbedKernels(TorchNativeBackend):
+class StubbedKernels(get_backend_class("torch_native")):
     """torch_native with its per-layer work replaced by returning a preallocated output."""
 
     name = "torch_native_stubbed"
@@ -102,8 +99,9 @@ def make_row(mode: str, requests: list[tuple[int, int]], mla: bool) -> dict[str,
         kv_pool = MHATokenToKVPool(pages * PAGE, PAGE, DTYPE, HKV, D, 1)
         hq, hkv, d, dv, arch = HQ, HKV, D, D, {}
     req_pool = ReqToTokenPool(len(requests), max(p + e for p, e in requests) + PAGE)
+    allocator = PagedTokenAllocator(pages * PAGE, PAGE)
     batch = build_forward_batch(
-        mode, requests, req_to_token_pool=req_pool, allocator=PagedTokenAllocator(pages * PAGE, PAGE), token_to_kv_pool=kv_pool
+        mode, requests, req_to_token_pool=req_pool, allocator=allocator, token_to_kv_pool=kv_pool
     )
     ctx = BackendContext(
         device="cpu",
@@ -136,68 +134,17 @@ def make_row(mode: str, requests: list[tuple[int, int]], mla: bool) -> dict[str,
     }
 
 
-META_ROWS = {"triton meta decode bs1": 1, "triton meta decode bs64": 64, "triton meta decode bs256": 256}
-META_CONTEXT = 64
-
-
-def make_meta_row(bs: int) -> dict[str, Callable[[], object]]:
-    """The three timed calls of one metadata row: attn-triton on CPU tensors (Triton interpreter) over a
-    DECODE batch of `bs` requests of META_CONTEXT tokens, the index-kernel launch stubbed."""
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton's first import: CPU tensors need it
-    import attn_core.ops.kv_indices_triton as kvt
-    from attn_core.validation import check_forward_batch
-    from attn_triton.backend import TritonAttnBackend
-
-    kvt._LAUNCH = _stubbed_launch
-    requests = [(META_CONTEXT - 1, 1)] * bs
-    pages = bs * (-(-META_CONTEXT // PAGE)) + 1
-    kv_pool = MHATokenToKVPool(pages * PAGE, PAGE, torch.float16, HKV, D, 1)
-    req_pool = ReqToTokenPool(bs, META_CONTEXT + PAGE)
-    batch = build_forward_batch(
-        "DECODE", requests, req_to_token_pool=req_pool, allocator=PagedTokenAllocator(pages * PAGE, PAGE), token_to_kv_pool=kv_pool
-    )
-    ctx = BackendContext(
-        device="cpu",
-        dtype=torch.float16,
-        num_q_heads=HQ,
-        num_kv_heads=HKV,
-        head_dim=D,
-        page_size=PAGE,
-        max_batch_size=bs,
-        max_context_len=req_pool.max_context_len,
-        req_to_token_pool=req_pool,
-        token_to_kv_pool=kv_pool,
-    )
-    backend = TritonAttnBackend(ctx)
-    r2t = req_pool.req_to_token
-    return {
-        "init_forward_metadata": lambda: backend.init_forward_metadata(batch),
-        "check_forward_batch": lambda: check_forward_batch(batch, r2t, kv_pool, ctx),
-        "build_forward_metadata": lambda: backend.build_forward_metadata(batch),
-    }
-
-
-def _stubbed_launch(grid, *args, **kwargs) -> None:
-    """Stands in for the index kernel's launcher in the metadata rows: takes the call, launches nothing."""
-
-
 def sample(calls: dict[str, Callable[[], object]], n: int, groups: int) -> dict[str, float]:
     """Median µs per call of each entry: `groups` rounds, each timing `n` back-to-back calls of every
     entry in turn (interleaved, so drift hits all alike)."""
     for fn in calls.values():
         for _ in range(n):
             fn()
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(groups):
-        for name, fn in calls.items():
-            t = time.perf_counter()
-            for _ in range(n):
-                fn()
-            times[name].append((time.perf_counter() - t) / n)
-    return {name: statistics.median(ts) * 1e6 for name, ts in times.items()}
+    measures = {name: (lambda f=fn: host_times_us(f, 1, "cpu", iters=n)) for name, fn in calls.items()}
+    return {name: statistics.median(us) for name, us in interleave(measures, groups).items()}
 
 
-def run_tree(src: str | None, calls: int, groups: int, extra: tuple[str, ...] = ()) -> dict[str, dict[str, float]]:
+def run_tree(src: str | None, calls: int, groups: int) -> dict[str, dict[str, float]]:
     """One fresh process timing the attn_core under `src` (None: the installed one): its rows."""
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
@@ -205,18 +152,18 @@ def run_tree(src: str | None, calls: int, groups: int, extra: tuple[str, ...] = 
         env["PYTHONPATH"] = src
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--calls", str(calls), "--groups", str(groups), "--json", out, *extra]
+        cmd = [sys.executable, os.path.abspath(__file__), "--calls", str(calls), "--groups", str(groups), "--json", out]
         subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
         with open(out) as f:
             return json.load(f)["rows"]
 
 
-def compare(baseline_src: str, rounds: int, calls: int, groups: int, json_path: str | None, extra: tuple[str, ...] = ()) -> None:
+def compare(baseline_src: str, rounds: int, calls: int, groups: int, json_path: str | None) -> None:
     """Baseline and this tree, alternating in fresh processes; medians over rounds and their ratio."""
     runs: dict[str, list[dict]] = {"baseline": [], "this tree": []}
     for _ in range(rounds):
-        runs["baseline"].append(run_tree(baseline_src, calls, groups, extra))
-        runs["this tree"].append(run_tree(None, calls, groups, extra))
+        runs["baseline"].append(run_tree(baseline_src, calls, groups))
+        runs["this tree"].append(run_tree(None, calls, groups))
     med = {
         label: {row: {path: statistics.median(r[row][path] for r in rs) for path in rs[0][row]} for row in rs[0]}
         for label, rs in runs.items()
@@ -229,7 +176,11 @@ def compare(baseline_src: str, rounds: int, calls: int, groups: int, json_path: 
             print(f"{row:26} {path:22} {before:9.2f} {now:10.2f} {before / now:6.2f}")
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"date": _now(), "baseline_src": baseline_src, "rounds": rounds, "median_us": med, "runs": runs}, f, indent=1)
+            json.dump(
+                {"date": _now(), "baseline_src": baseline_src, "rounds": rounds, "median_us": med, "runs": runs},
+                f,
+                indent=1,
+            )
 
 
 def _now() -> str:
@@ -243,10 +194,9 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--baseline-src", default=None, help="also time the attn_core under this directory; print ratios")
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds with --baseline-src")
-    ap.add_argument("--no-meta", action="store_true", help="skip the attn-triton metadata rows")
     args = ap.parse_args()
     if args.baseline_src:
-        compare(args.baseline_src, args.rounds, args.calls, args.groups, args.json, ("--no-meta",) if args.no_meta else ())
+        compare(args.baseline_src, args.rounds, args.calls, args.groups, args.json)
         return
     torch.set_num_threads(1)
     report = {
@@ -263,13 +213,6 @@ def main() -> None:
         med = sample(make_row(mode, requests, mla), args.calls, args.groups)
         report["rows"][title] = med
         print(f"{title:18} {med['layer()']:11.2f} {med['backend.forward']:19.2f} {med['stub alone']:14.2f}", flush=True)
-    if not args.no_meta:
-        print(f"{'row':26} {'init_forward_metadata µs':>25} {'check_forward_batch µs':>23} {'build_forward_metadata µs':>26}")
-        for title, bs in META_ROWS.items():
-            med = sample(make_meta_row(bs), args.calls, args.groups)
-            report["rows"][title] = med
-            paths = ("init_forward_metadata", "check_forward_batch", "build_forward_metadata")
-            print(f"{title:26} {med[paths[0]]:25.2f} {med[paths[1]]:23.2f} {med[paths[2]]:26.2f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -10,20 +10,24 @@ attn-triton runs its MLA kernel (`attn_triton/kernels/mla_decode.py`) on the dec
 drafts of every request folded into the kernel's M dimension, on the verify row; `triton_over_run` is
 its time over FlashInfer's direct run on the same pages (issue 15's ratios).
 
+The peer: FlashInfer's `BatchMLAPagedAttentionWrapper` planned by its own public `plan` on the same batch
+(the page ids and lengths computed from the batch's request rows with attn-core's public index ops, as an
+engine calling FlashInfer directly would hand them) and run on the same pages.
+
 Per row: per-layer forward time (CUDA events over back-to-back calls, save_kv_cache=False as FlashInfer's
-run stores nothing), the direct run, attn-triton's forward, the same three (and every `--mla-tiles`
-variant) timed again inside CUDA graphs (`graph_us`: `iters` calls captured in one graph, replayed;
-on by default, `--no-graphs` skips it), and the host time of one step's metadata
+run stores nothing) of flashinfer_mla, of flashinfer_mla with `device_works=False` (FlashInfer's host
+scheduler instead of the device work list), the direct run and attn-triton's forward; the same (and every
+`--mla-tiles` variant) timed again inside CUDA graphs (`graph_us`: `iters` calls captured in one graph,
+replayed; on by default, `--no-graphs` skips it); the host time of one step's metadata
 (`init_forward_metadata`: attn-core's validation, then one launch writing the page ids and FlashInfer's
-MLA work list, `attn_flashinfer.mla_works`) against FlashInfer's own `plan` on the same host inputs
-(page ids prebuilt), with parts alone (host offsets + that launch, "page_ids_and_works"; the index launch
-without the work list, "page_list"; FlashInfer's compiled scheduler alone, what the work list replaces,
-"lean_replan") and one forward call's host time next to one direct run's (GPU idle). `ATTN_META_PROFILE=1` adds to each absorbed row
-a cProfile of init_forward_metadata and of one layer's forward ("profile_metadata" / "profile_forward":
-the top functions by own time, per call; printed too). The prefill row (`--no-prefill` skips it) times
-`PrefillPlan.attend` against the same FlashInfer wrappers run by hand (ragged + one ragged per chunk +
-attn-core's merge_state) and against one causal ragged pass over the whole sequence (what chunking
-trades for bounded memory).
+MLA work list) against FlashInfer's own `plan` on the same host inputs (page ids prebuilt); one forward
+call's host time next to one direct run's (GPU idle); and for DECODE the CUDA-graph replay metadata.
+`ATTN_META_PROFILE=1` adds to each absorbed row a cProfile of init_forward_metadata and of one layer's
+forward ("profile_metadata" / "profile_forward": the top functions by own time, per call; printed too).
+The prefill row (`--no-prefill` skips it) times `PrefillPlan.attend` (`plan_prefill`) against the plan's
+FlashInfer wrappers run by hand (ragged + one ragged per chunk + attn-core's merge_state) and against one
+causal ragged pass over the whole sequence (what chunking trades for bounded memory). Every timing goes
+through `attn_core.bench.timing`; the backends are made with `attn_core.create_backend`.
 
 Back-to-back eager calls are host-bound where the kernels are short (bs1: attn-triton's eager forward
 spends ~200 us of host time per call, FlashInfer's ~100 us, against ~25-40 us of GPU time), so the
@@ -50,40 +54,32 @@ import json
 import os
 import pstats
 import statistics
-import time
 
 import torch
-from flashinfer import BatchPrefillWithRaggedKVCacheWrapper
-from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
+from attn_core import (
+    AttentionLayer,
+    BackendContext,
+    MLATokenToKVPool,
+    PagedTokenAllocator,
+    ReqToTokenPool,
+    create_backend,
+    merge_state,
+)
 from attn_core.batch_builder import build_forward_batch
-from attn_core.context import BackendContext
-from attn_core.layer import AttentionLayer
-from attn_core.memory import MLATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
-from attn_core.ops.merge_state import merge_state
-from attn_core.registry import create_backend
-from attn_flashinfer import replan
-from attn_flashinfer.indices import build_page_list
-from attn_flashinfer.mla_backend import FlashInferMLABackend
-from attn_flashinfer.mla_works import WorkLaunch
-from attn_triton.kernels.mla_decode import MLAConfig
+from attn_core.bench.timing import event_times_us, graph_times_us, host_times_us, interleave
+from attn_core.ops.kv_indices import kv_indices_from_req_to_token, page_indptr_from_lens
+from attn_triton.config import MLAConfig
 
 H, LORA, ROPE, PAGE, DTYPE = 128, 512, 64, 64, torch.bfloat16
 D = LORA + ROPE
 SCALE = 192**-0.5
+WORKSPACE_BYTES = 128 << 20  # the peers' FlashInfer workspace (attn-flashinfer's default size)
 
 
 def gpu_time_us(fn, iters: int, reps: int) -> list[float]:
-    out = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        out.append(start.elapsed_time(end) * 1000.0 / iters)
-    return out
+    """Per-call µs of `fn` run `iters` times back to back between two CUDA events, `reps` samples."""
+    return event_times_us(fn, reps, iters)
 
 
 def graph_time_us(fn, iters: int, reps: int) -> list[float]:
@@ -91,37 +87,12 @@ def graph_time_us(fn, iters: int, reps: int) -> list[float]:
 
     `fn` must launch only graph-safe work (metadata built before); it runs twice on a side stream
     first (warm-up: compiles, allocator pools), then is captured once."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        out.append(start.elapsed_time(end) * 1000.0 / iters)
-    return out
+    return graph_times_us([fn], iters, reps, warmup=2)
 
 
 def host_time_us(fn, reps: int) -> list[float]:
-    out = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e6)
+    """Host µs of single calls of `fn`, each started with the GPU idle."""
+    out = host_times_us(fn, reps, "cuda")
     torch.cuda.synchronize()
     return out
 
@@ -139,47 +110,83 @@ def host_profile(fn, calls: int = 2000, top: int = 25) -> list[str]:
     torch.cuda.synchronize()
     stats = pstats.Stats(prof).stats
     rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-    return [f"{tt / calls * 1e6:8.2f} | {ct / calls * 1e6:8.2f} | {pstats.func_std_string(f)}" for f, (_, _, tt, ct, _) in rows]
+    return [
+        f"{tt / calls * 1e6:8.2f} | {ct / calls * 1e6:8.2f} | {pstats.func_std_string(f)}"
+        for f, (_, _, tt, ct, _) in rows
+    ]
 
 
 def interleaved(fns: dict, rounds: int, measure) -> dict:
     """Median of `measure(fn)` per name, the functions alternated `rounds` times (drift hits all)."""
-    samples = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            samples[name] += measure(fn)
+    samples = interleave({name: (lambda f=fn: measure(f)) for name, fn in fns.items()}, rounds)
     return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def new_step(
+    mode: str, reqs, rows: ReqToTokenPool, allocator: PagedTokenAllocator, pool: MLATokenToKVPool, backend=None
+):
+    """One step of `reqs` ((cached, new) token counts) in `mode` over fresh request rows (attn-core's batch
+    fixture: the cached tokens get slots too; the pool's contents stand for their latents). Verify steps
+    run their drafts as a chain without a custom mask (FlashInfer's MLA kernels run verify causally)."""
+    batch = build_forward_batch(
+        mode, reqs, req_to_token_pool=rows, allocator=allocator, token_to_kv_pool=pool, attn_backend=backend
+    )
+    if batch.spec_info is not None:
+        batch.spec_info.custom_mask = None
+        batch.spec_info.mask_indptr = None
+    return batch
 
 
 def setup(mode: str, reqs):
     size = PAGE * (sum(-(-(p + e) // PAGE) for p, e in reqs) + 2)
     max_len = max(p + e for p, e in reqs) + PAGE
     pool = MLATokenToKVPool(size, PAGE, DTYPE, LORA, ROPE, 1, "cuda")
-    pool.kv_buffer[0].normal_()
+    pool.get_key_buffer(0).normal_()
     r2t = ReqToTokenPool(len(reqs), max_len, "cuda")
-    alloc = PagedTokenAllocator(size, PAGE, "cuda")
-    batch = build_forward_batch(mode, reqs, req_to_token_pool=r2t, allocator=alloc, token_to_kv_pool=pool)
-    if batch.spec_info is not None:
-        batch.spec_info.custom_mask = None  # chains: FlashInfer's MLA kernels run verify causally
-        batch.spec_info.mask_indptr = None
+    batch = new_step(mode, reqs, r2t, PagedTokenAllocator(size, PAGE, "cuda"), pool)
     ctx = BackendContext(
-        device="cuda", dtype=DTYPE, num_q_heads=H, num_kv_heads=1, head_dim=D, attention_arch="mla", kv_lora_rank=LORA,
-        qk_rope_head_dim=ROPE, page_size=PAGE, max_batch_size=len(reqs), max_context_len=max_len, req_to_token_pool=r2t,
-        token_to_kv_pool=pool, forward_modes=frozenset({mode}),
-    )  # fmt: skip
+        device="cuda",
+        dtype=DTYPE,
+        num_q_heads=H,
+        num_kv_heads=1,
+        head_dim=D,
+        attention_arch="mla",
+        kv_lora_rank=LORA,
+        qk_rope_head_dim=ROPE,
+        page_size=PAGE,
+        max_batch_size=len(reqs),
+        max_context_len=max_len,
+        req_to_token_pool=r2t,
+        token_to_kv_pool=pool,
+        forward_modes=frozenset({mode}),
+    )
     return ctx, batch, pool
+
+
+def flashinfer_inputs(batch) -> dict:
+    """FlashInfer's MLA plan inputs for `batch`, as the backend hands them to its plans (so FlashInfer's plan
+    copies nothing back from the device): query offsets, page offsets and key counts on the host (int32,
+    from the `*_cpu` lengths), the page ids on the device (built from the batch's request rows with
+    attn-core's public index ops), and whether the queries are causal; keyed by the names of FlashInfer's
+    `BatchMLAPagedAttentionWrapper.plan` (0.6.6 and 0.7 alike)."""
+    seq_lens_cpu = batch.seq_lens_cpu.to(torch.int32)
+    q_lens_cpu = batch.extend_seq_lens_cpu if batch.extend_seq_lens_cpu is not None else torch.ones_like(seq_lens_cpu)
+    qo_indptr = page_indptr_from_lens(q_lens_cpu, 1)
+    kv_indptr = page_indptr_from_lens(seq_lens_cpu, PAGE)
+    r2t, rows, pages = batch.req_to_token_pool.req_to_token, batch.req_pool_indices, int(kv_indptr[-1])
+    kv_indices = kv_indices_from_req_to_token(
+        r2t, rows, page_indptr_from_lens(batch.seq_lens, PAGE), pages, page_size=PAGE
+    )
+    causal = not batch.forward_mode.is_decode()
+    return dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_len_arr=seq_lens_cpu, causal=causal)
 
 
 def triton_forward(ctx, mode: str, reqs, pool, layer, q, k, **options):
     """attn-triton's forward on the same pool (its own request rows, the same pages in the same order),
     as a closure; `options` go to the backend (e.g. `mla_config`)."""
     triton = create_backend("triton", ctx, **options)
-    tbatch = build_forward_batch(mode, reqs, req_to_token_pool=ReqToTokenPool(len(reqs), ctx.max_context_len, "cuda"),
-                                 allocator=PagedTokenAllocator(pool.size, PAGE, "cuda"), token_to_kv_pool=pool)  # fmt: skip
-    if tbatch.spec_info is not None:
-        tbatch.spec_info.custom_mask = None
-        tbatch.spec_info.mask_indptr = None
-    tbatch.attn_backend = triton
+    rows = ReqToTokenPool(len(reqs), ctx.max_context_len, "cuda")
+    tbatch = new_step(mode, reqs, rows, PagedTokenAllocator(pool.size, PAGE, "cuda"), pool, backend=triton)
     triton.init_forward_metadata(tbatch)
 
     def forward():
@@ -242,33 +249,44 @@ def over_run(times: dict, label: str):
     return None
 
 
-def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int, mla_tiles: list[MLAConfig], graphs: bool = True) -> dict:
+def bench_absorbed(
+    name: str, mode: str, reqs, iters: int, rounds: int, mla_tiles: list[MLAConfig], graphs: bool = True
+) -> dict:
     ctx, batch, pool = setup(mode, reqs)
     layer = AttentionLayer(0, H, 1, D, scaling=SCALE, v_head_dim=LORA)
     T = batch.num_tokens
     q = torch.randn(T, H, D, dtype=DTYPE, device="cuda")
     k = torch.randn(T, 1, D, dtype=DTYPE, device="cuda")
-    backend = FlashInferMLABackend(ctx)
+    backend = create_backend("flashinfer_mla", ctx)
     batch.attn_backend = backend
     backend.init_forward_metadata(batch)
     layer(q, k, None, batch)  # first step: learns the layer's scaling, stores the new latents
     backend.init_forward_metadata(batch)  # planned up front, lean
-    step = backend.forward_metadata
-    w = step.wrappers[SCALE]
     pages = pool.get_key_buffer(0).view(-1, PAGE, D)
     ckv, kpe, q_nope, q_pe = pages[..., :LORA], pages[..., LORA:], q[..., :LORA], q[..., LORA:]
     out = torch.empty(T, H, LORA, dtype=DTYPE, device="cuda")
     # the peer: FlashInfer's wrapper on its own public plan of the same batch (same page ids)
-    fi = BatchMLAPagedAttentionWrapper(backend.workspace, backend="auto")
-    qo, kv = step.qo, step.kv
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
-    def fi_plan():
-        fi.plan(qo.indptr, kv.indptr, kv.indices, kv.kv_lens, H, LORA, ROPE, PAGE, step.causal, SCALE, DTYPE, DTYPE)
+    fi = BatchMLAPagedAttentionWrapper(torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda"), backend="auto")
+    plan_in = flashinfer_inputs(batch)
+
+    def fi_plan():  # by keyword: FlashInfer 0.7 deprecates positional MLA arguments (same names in 0.6.6)
+        fi.plan(
+            **plan_in,
+            num_heads=H,
+            head_dim_ckv=LORA,
+            head_dim_kpe=ROPE,
+            page_size=PAGE,
+            sm_scale=SCALE,
+            q_data_type=DTYPE,
+            kv_data_type=DTYPE,
+        )
 
     fi_plan()
 
     # the backend with FlashInfer's host scheduler instead of the device work list (its kernel time alone)
-    host_planned = FlashInferMLABackend(ctx, device_works=False)
+    host_planned = create_backend("flashinfer_mla", ctx, device_works=False)
     batch.attn_backend = host_planned
     host_planned.init_forward_metadata(batch)
     layer(q, k, None, batch, save_kv_cache=False)
@@ -283,7 +301,7 @@ def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int, mla_tile
         layer(q, k, None, batch, save_kv_cache=False)
 
     def direct():
-        fi.run(q_nope, q_pe, ckv, kpe, out=out)
+        fi.run(q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv, kpe_cache=kpe, out=out)
 
     fns = {"flashinfer_mla": ours, "flashinfer_mla_host_plan": ours_host_plan, "flashinfer_run": direct}
     ours()
@@ -315,30 +333,9 @@ def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int, mla_tile
         batch.attn_backend = backend
         backend.init_forward_metadata(batch)
 
-    def page_list():  # the metadata's index part alone, as it builds it: host offsets + one index launch
-        build_page_list(
-            ctx.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_cpu, PAGE, scratch,
-            backend.host_offsets.get(batch.batch_size), pool.num_slots, backend.device_faults.buffer,
-        )  # fmt: skip
-
-    def page_ids_and_works():  # the metadata's launch alone: host offsets + page ids and work list in one launch
-        build_page_list(
-            ctx.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_cpu, PAGE, scratch,
-            backend.host_offsets.get(batch.batch_size), pool.num_slots, backend.device_faults.buffer, launch,
-        )  # fmt: skip
-
-    def lean_replan():  # what the work list replaces: FlashInfer's compiled MLA scheduler on the step's host arrays
-        replan.mla(w, qo, kv, step.causal, H, LORA)
-
-    works_buf = torch.zeros(step.works.layout.buffer_entries, dtype=torch.int32, device="cuda")
-    launch = WorkLaunch(step.works.layout, batch.batch_size, T // batch.batch_size, H, PAGE, step.causal, works_buf, True, True)
-
-    scratch = lambda n: backend.scratch.get("seq", n)  # noqa: E731
     h = interleaved({"ours": ours_meta, "fi": fi_plan}, 40 * rounds, lambda f: host_time_us(f, 1))
-    # breakdown, and one forward call's host time (GPU idle): shows whether back-to-back calls are host-bound
-    parts = {"page_list": page_list, "page_ids_and_works": page_ids_and_works, "lean_replan": lean_replan, "forward": ours, "run": direct}
-    hb = interleaved(parts, 10 * rounds, lambda f: host_time_us(f, 1))
-    launch_gpu = statistics.median(gpu_time_us(page_ids_and_works, iters, 3))  # the metadata launch's GPU time
+    # one forward call's host time (GPU idle) against one direct run's: whether back-to-back calls are host-bound
+    hb = interleaved({"forward": ours, "run": direct}, 10 * rounds, lambda f: host_time_us(f, 1))
     row = {
         "name": name,
         "forward_us": t["flashinfer_mla"],
@@ -346,21 +343,19 @@ def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int, mla_tile
         "forward_over_run": t["flashinfer_mla"] / t["flashinfer_run"],
         "triton_forward_us": t.get("triton"),
         "triton_over_run": t["triton"] / t["flashinfer_run"] if "triton" in t else None,
-        "triton_tiles_us": {label[len("triton ") :]: us for label, us in t.items() if label.startswith("triton ")} or None,
+        "triton_tiles_us": {label[len("triton ") :]: us for label, us in t.items() if label.startswith("triton ")}
+        or None,
         "graph_us": g or None,
         "forward_over_run_graph": over_run(g, "flashinfer_mla"),
         "host_plan_over_run_graph": over_run(g, "flashinfer_mla_host_plan"),
         "triton_over_run_graph": over_run(g, "triton"),
-        "triton_tiles_over_run_graph": {label[len("triton ") :]: over_run(g, label) for label in g if label.startswith("triton ")} or None,
+        "triton_tiles_over_run_graph": {
+            label[len("triton ") :]: over_run(g, label) for label in g if label.startswith("triton ")
+        }
+        or None,
         "metadata_host_us": h["ours"],
         "flashinfer_plan_host_us": h["fi"],
         "metadata_over_plan": h["ours"] / h["fi"],
-        "kernel": w._backend,
-        "metadata_page_list_host_us": hb["page_list"],
-        "metadata_page_ids_and_works_host_us": hb["page_ids_and_works"],
-        "metadata_launch_gpu_us": launch_gpu,
-        "device_work_list": step.works is not None,
-        "metadata_lean_replan_host_us": hb["lean_replan"],
         "forward_host_us": hb["forward"],
         "flashinfer_run_host_us": hb["run"],
     }
@@ -369,12 +364,14 @@ def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int, mla_tile
     if mode == "DECODE":  # CUDA-graph replay metadata: index launch into the graph's buffers + lean re-plan
         bs = batch.batch_size
         backend.init_cuda_graph_state(bs, bs)
-        backend.init_forward_metadata_capture_cuda_graph(bs, bs, batch.req_pool_indices, batch.seq_lens, None, batch.forward_mode, None)
+        backend.init_forward_metadata_capture_cuda_graph(
+            bs, bs, batch.req_pool_indices, batch.seq_lens, None, batch.forward_mode, None
+        )
+
+        replay_args = (bs, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_sum, None, batch.forward_mode, None)
 
         def replay_meta():  # the engine-facing (SGLang-named) entry point
-            backend.init_forward_metadata_replay_cuda_graph(
-                bs, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_sum, None, batch.forward_mode, None, batch.seq_lens_cpu
-            )
+            backend.init_forward_metadata_replay_cuda_graph(*replay_args, batch.seq_lens_cpu)
 
         replay_meta()
         row["graph_replay_metadata_host_us"] = statistics.median(host_time_us(replay_meta, 20 * rounds))
@@ -385,15 +382,20 @@ def bench_absorbed(name: str, mode: str, reqs, iters: int, rounds: int, mla_tile
     return row
 
 
-def bench_prefill(iters: int, rounds: int, bs: int = 4, new: int = 1024, prefix: int = 3072, capacity: int = 4096) -> dict:
+def bench_prefill(
+    iters: int, rounds: int, bs: int = 4, new: int = 1024, prefix: int = 3072, capacity: int = 4096
+) -> dict:
     ctx, batch, pool = setup("EXTEND", [(prefix, new)] * bs)
-    backend = FlashInferMLABackend(ctx)
+    backend = create_backend("flashinfer_mla", ctx)
     plan = backend.plan_prefill(batch, capacity, scaling=SCALE)
     T = batch.num_tokens
     q, k = (torch.randn(T, H, 192, dtype=DTYPE, device="cuda") for _ in range(2))
     v = torch.randn(T, H, 128, dtype=DTYPE, device="cuda")
     chunk_kv = [
-        (torch.randn(c.num_tokens, H, 192, dtype=DTYPE, device="cuda"), torch.randn(c.num_tokens, H, 128, dtype=DTYPE, device="cuda"))
+        (
+            torch.randn(c.num_tokens, H, 192, dtype=DTYPE, device="cuda"),
+            torch.randn(c.num_tokens, H, 128, dtype=DTYPE, device="cuda"),
+        )
         for c in plan.chunk_plan.chunks
     ]
 
@@ -406,7 +408,11 @@ def bench_prefill(iters: int, rounds: int, bs: int = 4, new: int = 1024, prefix:
             o2, s2 = w.run(q, kc, vc, return_lse=True)
             merge_state(o, s, o2, s2, out=o, out_lse=s)
 
-    whole = BatchPrefillWithRaggedKVCacheWrapper(backend.workspace, "NHD", backend="fa2")
+    from flashinfer import BatchPrefillWithRaggedKVCacheWrapper
+
+    whole = BatchPrefillWithRaggedKVCacheWrapper(
+        torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda"), "NHD", backend="fa2"
+    )
     qo = torch.arange(0, T + 1, new, dtype=torch.int32)
     kvp = torch.arange(0, bs * (prefix + new) + 1, prefix + new, dtype=torch.int32)
     whole.plan(qo, kvp, H, H, 192, head_dim_vo=128, causal=True, sm_scale=SCALE, q_data_type=DTYPE, kv_data_type=DTYPE)
@@ -446,6 +452,8 @@ def main() -> None:
     ap.add_argument("--rows", default="", help="comma-separated subset of rows: bs1,bs64,bs128,verify (default all)")
     args = ap.parse_args()
     tiles = parse_tiles(args.mla_tiles)
+    if not torch.cuda.is_available():
+        raise SystemExit("mla_vs_peers.py needs a CUDA GPU (and flashinfer-python)")
     absorbed = {
         "bs1": ("decode bs1 x 8192", "DECODE", [(8191, 1)]),
         "bs64": ("decode bs64 x 4096", "DECODE", [(4095, 1)] * 64),
@@ -461,12 +469,23 @@ def main() -> None:
     if not args.no_prefill:
         rows.append(bench_prefill(args.iters, args.rounds))
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    cols = ["forward_us", "flashinfer_run_us", "forward_over_run", "triton_forward_us", "triton_over_run", "forward_over_run_graph",
-            "triton_over_run_graph", "metadata_host_us",
-            "flashinfer_plan_host_us",
-            "host_plan_over_run_graph", "metadata_over_plan", "graph_replay_metadata_host_us", "metadata_page_list_host_us",
-            "metadata_page_ids_and_works_host_us", "metadata_launch_gpu_us", "metadata_lean_replan_host_us",
-            "forward_host_us", "flashinfer_run_host_us", "unchunked_ragged_us"]  # fmt: skip
+    cols = [
+        "forward_us",
+        "flashinfer_run_us",
+        "forward_over_run",
+        "triton_forward_us",
+        "triton_over_run",
+        "forward_over_run_graph",
+        "triton_over_run_graph",
+        "metadata_host_us",
+        "flashinfer_plan_host_us",
+        "host_plan_over_run_graph",
+        "metadata_over_plan",
+        "graph_replay_metadata_host_us",
+        "forward_host_us",
+        "flashinfer_run_host_us",
+        "unchunked_ragged_us",
+    ]
     for r in rows:
         vals = ", ".join(f"{c}={r[c]:.3g}" for c in cols if r.get(c) is not None)
         if r.get("triton_tiles_us"):
@@ -474,7 +493,9 @@ def main() -> None:
         if r.get("graph_us"):
             vals += ", graph: " + ", ".join(f"{k}={v:.3g} us" for k, v in r["graph_us"].items())
         if r.get("triton_tiles_over_run_graph"):
-            vals += ", tiles over run (graph): " + ", ".join(f"{k}={v:.3g}" for k, v in r["triton_tiles_over_run_graph"].items())
+            vals += ", tiles over run (graph): " + ", ".join(
+                f"{k}={v:.3g}" for k, v in r["triton_tiles_over_run_graph"].items()
+            )
         print(f"{r['name']}: {vals}" + (f" [{r['triton_error']}]" if r.get("triton_error") else ""))
     if args.json:
         with open(args.json, "w") as f:

@@ -13,13 +13,10 @@ dequantized cache and timed interleaved with the others (`time_graphs_interleave
 attn-triton fp8 rows with other stage-1 tiles (same format as `--decode-configs`: "n,h,w,s[,v]", v 0 reads V
 byte-wise), timed in the same run next to the default. It also measures the host time of attn-triton's
 `init_forward_metadata` (no host-device sync allowed: checked with torch's sync debug mode) and of
-FlashInfer's plan at batch 1, 64 and 256, with its parts in
-the JSON's "metadata" rows: attn-core's `check_forward_batch` alone, `build_forward_metadata` alone, the
-index buffer's allocation (`new_kv`, what attn-triton allocated per step before `IndexScratch`), and one
-index-kernel launch five ways: Triton's normal launcher; CachedLaunch handing the compiled handle the
-tensors; CachedLaunch handing it their addresses (the default); the compiled handle called with
-those arguments prebuilt; the handle's launcher (`compiled.run`) called with everything prebuilt.
-`ATTN_META_PROFILE=1` adds each row's cProfile of init_forward_metadata ("profile_top", printed too).
+FlashInfer's plan at batch 1, 64 and 256, with its two parts in the JSON's "metadata" rows: attn-core's
+`check_forward_batch` alone and the backend's `build_forward_metadata` alone, and the same step at
+validation "full". `ATTN_META_PROFILE=1` adds each row's cProfile of init_forward_metadata ("profile_top",
+printed too).
 The "mixed" rows time a MIXED step (64 decodes x 4096 keys + one 512-token prefill chunk, decodes first;
 and 4 decodes + two 2048-token chunks): attn-triton unsplit (`mixed_split=False`: every request through the
 extend kernel) and split (the default: decodes through the decode kernel, the chunks through the extend
@@ -36,10 +33,13 @@ copy bandwidth (a plain torch copy of a 2 GiB buffer, bytes read + written per s
 
   python benchmarks/triton_vs_peers.py [--out FILE] [--only decode,extend,verify,mixed,meta,fp8] [--no-torch-native]
       [--decode-configs "64,16,4,3;32,16,4,4"] [--extend-configs "128,64,8,3;128,128,8,3"] [--waves 1,2,4]
-      [--verify-configs "64,128,8,3;64,64,4,3"] [--fp8-configs "128,16,8,2;128,16,8,2,0;16,16,4,5,1,4"] [--fp8-waves 1,8]
+      [--verify-configs "64,128,8,3;64,64,4,3"] [--fp8-configs "128,16,8,2;128,16,8,2,0;16,16,4,5,1,4"]
+      [--fp8-waves 1,8]
 
 FlashInfer is used through its own API (BatchDecodeWithPagedKVCacheWrapper with tensor cores,
-BatchPrefillWithPagedKVCacheWrapper, causal), planned once per batch outside the timed region.
+BatchPrefillWithPagedKVCacheWrapper, causal), planned once per batch outside the timed region. The attn
+backends are made with `attn_core.create_backend` and driven through the public contract only; every
+timing goes through `attn_core.bench.timing`.
 """
 
 from __future__ import annotations
@@ -57,13 +57,20 @@ from typing import Callable, Optional
 
 import torch
 
-from attn_core.batch import ForwardBatch
-from attn_core.context import BackendContext
-from attn_core.forward_mode import ForwardMode
-from attn_core.layer import AttentionLayer
-from attn_core.memory import MHATokenToKVPool, ReqToTokenPool
-from attn_core.memory.fp8 import is_fp8, quantize_kv
+from attn_core import (
+    AttentionLayer,
+    BackendContext,
+    ForwardBatch,
+    ForwardMode,
+    MHATokenToKVPool,
+    ReqToTokenPool,
+    create_backend,
+)
+from attn_core.bench.timing import event_times_us, graph_times_us, host_times_us, interleave, interleaved_graph_times_us
+from attn_core.memory.fp8 import is_fp8
 from attn_core.testing.reference import reference_attention, relative_error
+from attn_core.validation import check_forward_batch
+from attn_triton.config import DecodeConfig, ExtendConfig, SplitPolicy, VerifyConfig
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -125,18 +132,24 @@ def _new_token_slots(rows: ReqToTokenPool, kv_lens: list[int], q_lens: list[int]
 
 
 def make_workload(
-    kv_lens: list[int], q_lens: list[int], decode: bool, gen: torch.Generator, mixed: bool = False, kv_dtype: torch.dtype = DTYPE
+    kv_lens: list[int],
+    q_lens: list[int],
+    decode: bool,
+    gen: torch.Generator,
+    mixed: bool = False,
+    kv_dtype: torch.dtype = DTYPE,
 ) -> Workload:
     dev = torch.device("cuda")
     bs = len(kv_lens)
     n_pages = [-(-n // PAGE) for n in kv_lens]
     total_pages = sum(n_pages)
     pool = MHATokenToKVPool(total_pages * PAGE, PAGE, kv_dtype, HKV, D, 1, dev)
-    if is_fp8(kv_dtype):  # random normal K/V quantized as set_kv_buffer stores them
-        for buf, scale in ((pool.k_buffer[0], FP8_K_SCALE), (pool.v_buffer[0], FP8_V_SCALE)):
-            x = torch.empty(buf.shape, dtype=torch.float32, device=dev).normal_(generator=gen)
-            buf.copy_(quantize_kv(x, kv_dtype, scale).view(torch.uint8))
-            del x
+    if is_fp8(kv_dtype):  # random normal K/V in every slot, quantized by the pool's own write (e4m3(x / scale))
+        shape = pool.get_key_buffer(0).shape
+        k, v = (torch.empty(shape, dtype=torch.float32, device=dev).normal_(generator=gen) for _ in range(2))
+        every_slot = torch.arange(shape[0], device=dev)
+        pool.set_kv_buffer(FP8_LAYER, every_slot, k, v, k_scale=FP8_K_SCALE, v_scale=FP8_V_SCALE)
+        del k, v, every_slot
     else:
         pool.get_key_buffer(0).normal_(generator=gen)
         pool.get_value_buffer(0).normal_(generator=gen)
@@ -214,13 +227,9 @@ def triton_impl(
 ) -> Callable[[], torch.Tensor]:
     """attn-triton on the workload's batch; `mode` runs a copy of the batch in another forward mode
     (a verify batch as EXTEND: the extend kernel on the same queries and keys)."""
-    from attn_triton.backend import TritonAttnBackend
-
     batch = w.batch if mode is None else replace(w.batch, forward_mode=mode)
-    backend = TritonAttnBackend(
-        make_context(w), decode_config=decode_cfg, extend_config=extend_cfg, verify_config=verify_cfg, split_policy=policy,
-        mixed_split=mixed_split,
-    )
+    configs = dict(decode_config=decode_cfg, extend_config=extend_cfg, verify_config=verify_cfg, split_policy=policy)
+    backend = create_backend("triton", make_context(w), mixed_split=mixed_split, **configs)
     backend.init_forward_metadata(batch)
     batch.attn_backend = backend
     layer = layer_of(w)
@@ -228,9 +237,7 @@ def triton_impl(
 
 
 def torch_native_impl(w: Workload) -> Callable[[], torch.Tensor]:
-    from attn_core.backends.torch_native.backend import TorchNativeBackend
-
-    backend = TorchNativeBackend(make_context(w))
+    backend = create_backend("torch_native", make_context(w))
     backend.init_forward_metadata(w.batch)
     return lambda: backend.forward(w.q, None, None, LAYER, w.batch, save_kv_cache=False)
 
@@ -238,9 +245,7 @@ def torch_native_impl(w: Workload) -> Callable[[], torch.Tensor]:
 def flashinfer_backend_impl(w: Workload, mixed_split: bool = False) -> Callable[[], torch.Tensor]:
     """The attn-flashinfer backend on the workload's batch (its ragged pass reads the new tokens' K/V:
     given as the pool holds them, nothing is written)."""
-    from attn_flashinfer.backend import FlashInferBackend
-
-    backend = FlashInferBackend(make_context(w), mixed_split=mixed_split)
+    backend = create_backend("flashinfer", make_context(w), mixed_split=mixed_split)
     backend.init_forward_metadata(w.batch)
     w.batch.attn_backend = backend
     slots = w.batch.out_cache_loc
@@ -259,7 +264,9 @@ def flashinfer_impl(w: Workload) -> Callable[[], torch.Tensor]:
         wrapper.plan(w.page_indptr, w.page_indices, w.last_page_len, HQ, HKV, D, PAGE, **common)
     else:
         wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
-        wrapper.plan(w.qo_indptr, w.page_indptr, w.page_indices, w.last_page_len, HQ, HKV, D, PAGE, causal=True, **common)
+        wrapper.plan(
+            w.qo_indptr, w.page_indptr, w.page_indices, w.last_page_len, HQ, HKV, D, PAGE, causal=True, **common
+        )
     pages = w.pages()
     if is_fp8(w.pool.dtype):  # FlashInfer folds k_scale into the softmax scale and scales the output by v_scale
         return lambda: wrapper.run(w.q, pages, k_scale=FP8_K_SCALE, v_scale=FP8_V_SCALE)
@@ -281,54 +288,27 @@ def check(w: Workload, out: torch.Tensor) -> float:
         take = min(ql, 64)
         q0 = int(w.qo_indptr[r]) + ql - take
         pos = torch.arange(n - take, n)
-        ref, _ = reference_attention(w.q[q0 : q0 + take], k_buf[slots], v_buf[slots], q_positions=pos, scale=LAYER.scaling)
+        ref, _ = reference_attention(
+            w.q[q0 : q0 + take], k_buf[slots], v_buf[slots], q_positions=pos, scale=LAYER.scaling
+        )
         worst = max(worst, relative_error(out[q0 : q0 + take], ref))
     return worst
 
 
-def capture_rounds(fns: list[Callable], calls: int) -> torch.cuda.CUDAGraph:
-    """One CUDA graph of `calls` rounds over `fns` (each run once on a side stream first, as capture needs),
-    replayed once before it is returned."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            for f in fns:
-                f()
-    graph.replay()
-    return graph
-
-
 def time_graph(fns: list[Callable], calls: int, reps: int) -> float:
     """Median µs per call: `calls` rounds over `fns` captured in one CUDA graph, replayed `reps` times."""
-    graph = capture_rounds(fns, calls)
-    torch.cuda.synchronize()
-    return _median_events(graph.replay, reps) / (calls * len(fns))
+    return statistics.median(graph_times_us(fns, calls, reps))
 
 
 def time_graphs_interleaved(groups: dict[str, list[Callable]], calls: int, reps: int) -> dict[str, float]:
-    """`time_graph` for several implementations at once, their replays interleaved: one CUDA graph per
-    group (`calls` rounds over its fns), then `reps` rounds that replay every graph once, each round
-    starting one group later, so no implementation is always timed first or after the same neighbour.
-    Returns the median µs per call of each group. Example: groups {"a": [f], "b": [g]}, reps 4 replays
-    a b, b a, a b, b a."""
-    graphs = {name: capture_rounds(fns, calls) for name, fns in groups.items()}
-    torch.cuda.synchronize()
-    names = list(graphs)
-    samples: dict[str, list[float]] = {n: [] for n in names}
-    for rep in range(reps):
-        for i in range(len(names)):
-            name = names[(rep + i) % len(names)]
-            samples[name].append(_median_events(graphs[name].replay, 1))
-    return {n: statistics.median(samples[n]) / (calls * len(groups[n])) for n in names}
+    """`time_graph` for several implementations at once, their replays interleaved (each round starting one
+    group later: `attn_core.bench.timing.interleaved_graph_times_us`); the median µs per call of each group."""
+    return {name: statistics.median(us) for name, us in interleaved_graph_times_us(groups, calls, reps).items()}
 
 
 def time_eager(fns: list[Callable], calls: int, reps: int) -> float:
+    """Median µs per call of `calls` eager rounds over `fns` between two CUDA events, `reps` samples."""
+
     def run():
         for _ in range(calls):
             for f in fns:
@@ -336,19 +316,7 @@ def time_eager(fns: list[Callable], calls: int, reps: int) -> float:
 
     run()
     torch.cuda.synchronize()
-    return _median_events(run, reps) / (calls * len(fns))
-
-
-def _median_events(run: Callable, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0)
-    return statistics.median(times)
+    return statistics.median(event_times_us(run, reps)) / (calls * len(fns))
 
 
 @dataclass
@@ -372,7 +340,9 @@ class RowResult:
         return t / f if t and f else None
 
 
-def row_workloads(kind: str, spec: tuple, gen: torch.Generator, l2_bytes: int, kv_dtype: torch.dtype = DTYPE) -> list[Workload]:
+def row_workloads(
+    kind: str, spec: tuple, gen: torch.Generator, l2_bytes: int, kv_dtype: torch.dtype = DTYPE
+) -> list[Workload]:
     if kind == "verify":
         _, bs, ctx, drafts = spec
         w = make_workload([ctx] * bs, [drafts] * bs, False, gen)
@@ -478,11 +448,6 @@ def parse_configs(text: Optional[str], cls):
 
 
 def run_row(kind: str, spec: tuple, args, gen: torch.Generator, l2: int) -> RowResult:
-    from attn_triton.config import SplitPolicy
-    from attn_triton.kernels.decode import DecodeConfig
-    from attn_triton.kernels.extend import ExtendConfig
-    from attn_triton.kernels.verify import VerifyConfig
-
     loads = row_workloads(kind, spec, gen, l2)
     res = RowResult(spec[0], kind, work_of(kind, loads[0]))
     calls = 3 if kind == "extend" else 20
@@ -491,7 +456,14 @@ def run_row(kind: str, spec: tuple, args, gen: torch.Generator, l2: int) -> RowR
     if kind == "decode":
         for cfg in parse_configs(args.decode_configs, DecodeConfig):
             for waves in args.waves or [None]:
-                variants.append((cfg, None, None if waves is None else SplitPolicy(waves=waves, min_split_len=args.min_split_len), None))
+                variants.append(
+                    (
+                        cfg,
+                        None,
+                        None if waves is None else SplitPolicy(waves=waves, min_split_len=args.min_split_len),
+                        None,
+                    )
+                )
     elif kind == "verify":
         variants = [(None, None, None, cfg) for cfg in parse_configs(args.verify_configs, VerifyConfig)]
     else:
@@ -549,16 +521,18 @@ def run_fp8_row(args, gen: torch.Generator, l2: int) -> RowResult:
     of K and V read (1 byte per element)."""
     _, bs, ctx = FP8_ROW
     res = RowResult(f"fp8 {FP8_ROW[0]}", "decode", float(bs * ctx * HKV * D * 2))
-    from attn_triton.config import SplitPolicy
-    from attn_triton.kernels.decode import DecodeConfig
 
     impls = [("attn-triton fp8", FP8, triton_impl), ("attn-triton bf16", DTYPE, triton_impl)]
     tiles = parse_configs(args.fp8_configs, DecodeConfig) if args.fp8_configs else []
     for cfg in ([None] if args.fp8_waves else []) + tiles:
         for waves in args.fp8_waves or [None]:
             policy = None if waves is None else SplitPolicy(waves=waves, min_split_len=args.min_split_len)
-            label = ("default" if cfg is None else fp8_config_label(cfg)) + ("" if waves is None else f" waves {waves:g}")
-            impls.append((f"{FP8_SWEEP_PREFIX}{label}", FP8, functools.partial(triton_impl, decode_cfg=cfg, policy=policy)))
+            label = ("default" if cfg is None else fp8_config_label(cfg)) + (
+                "" if waves is None else f" waves {waves:g}"
+            )
+            impls.append(
+                (f"{FP8_SWEEP_PREFIX}{label}", FP8, functools.partial(triton_impl, decode_cfg=cfg, policy=policy))
+            )
     if not args.no_flashinfer:
         impls.append(("flashinfer fp8", FP8, flashinfer_impl))
     loads = {dt: row_workloads("decode", FP8_ROW, gen, l2, dt) for dt in (FP8, DTYPE)}  # one cache a dtype, for all
@@ -570,7 +544,8 @@ def run_fp8_row(args, gen: torch.Generator, l2: int) -> RowResult:
             groups[name] = fns
         except Exception as exc:  # reported, not fatal: the other columns still print
             print(f"  {name} failed: {exc!r:.300}", flush=True)
-    # interleaved: in one run the same launch read ~2.5 % slower timed first than timed later (docs/dev/perf-notebook.md)
+    # interleaved: in one run the same launch read ~2.5 % slower timed first than timed later
+    # (docs/dev/perf-notebook.md, the fp8 section)
     for name, us in time_graphs_interleaved(groups, 20, args.reps).items():
         res.times_us[name], res.timing[name] = us, "cuda graph, interleaved"
     del loads, groups
@@ -622,20 +597,23 @@ def _host_us(fn: Callable, n: int, idle: bool = True) -> list[float]:
     """Host µs of `n` calls of `fn`, each started with the GPU idle (`idle`: a device sync before each
     call, outside the timed region, as for FlashInfer's plan below). Back-to-back calls without it time
     the GPU once its queue fills: the index kernel of a large batch can take longer than its launch."""
-    samples = []
-    for _ in range(n):
-        if idle:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter_ns()
-        fn()
-        samples.append((time.perf_counter_ns() - t0) / 1000.0)
-    return samples
+    return host_times_us(fn, n, "cuda", idle=idle)
+
+
+def _p90(samples: list[float]) -> float:
+    """The 90th percentile of `samples` (the sample at index int(0.9 n) of the sorted list).
+
+    >>> _p90([float(i) for i in range(10)])
+    9.0
+    """
+    return sorted(samples)[int(0.9 * len(samples))]
 
 
 def metadata_host_times(batch_sizes=(1, 64, 256), ctx_len: int = 4096, n: int = 300) -> list[dict]:
     """Host µs of init_forward_metadata (DECODE; median and p90 of `n` calls) and of FlashInfer's
     decode plan. A second pass runs the calls under torch's sync debug mode "error", so any
-    host-device sync raises. Also the parts: one index-kernel launch and one torch.empty."""
+    host-device sync raises. Also its two parts (attn-core's validation, the backend's build) and the
+    step at validation "full"."""
     gen = torch.Generator(device="cuda").manual_seed(7)
     interleaved = _metadata_interleaved(batch_sizes, ctx_len, gen)
     out = []
@@ -662,14 +640,11 @@ def _metadata_interleaved(batch_sizes, ctx_len: int, gen: torch.Generator, round
     steps = {}
     for bs in batch_sizes:
         w, backend = _warm_decode_backend(bs, ctx_len, gen)
-        steps[bs] = (backend, w.batch)
-    samples = {bs: [] for bs in batch_sizes}
-    for _ in range(rounds):
-        for bs, (backend, batch) in steps.items():
-            samples[bs] += _host_us(functools.partial(backend.init_forward_metadata, batch), calls)
+        steps[bs] = functools.partial(backend.init_forward_metadata, w.batch)
+    samples = interleave({bs: functools.partial(_host_us, step, calls) for bs, step in steps.items()}, rounds)
     torch.cuda.synchronize()
     return {
-        bs: {"attn_triton_us_interleaved_median": statistics.median(v), "attn_triton_us_interleaved_p90": sorted(v)[int(0.9 * len(v))]}
+        bs: {"attn_triton_us_interleaved_median": statistics.median(v), "attn_triton_us_interleaved_p90": _p90(v)}
         for bs, v in samples.items()
     }
 
@@ -677,20 +652,19 @@ def _metadata_interleaved(batch_sizes, ctx_len: int, gen: torch.Generator, round
 def _warm_decode_backend(bs: int, ctx_len: int, gen: torch.Generator):
     """(workload, attn-triton backend) of a DECODE step of `bs` requests with `ctx_len` keys each, the
     step's metadata built 20 times first (compiles, scratch sizes)."""
-    from attn_triton.backend import TritonAttnBackend
-
     w = make_workload([ctx_len] * bs, [1] * bs, True, gen)
-    backend = TritonAttnBackend(make_context(w))
+    return w, _warm_backend(w, "basic")
+
+
+def _warm_backend(w: Workload, validation: str):
+    """attn-triton over `w` at batch validation level `validation`, its step's metadata built 20 times."""
+    backend = create_backend("triton", make_context(w, validation=validation))
     for _ in range(20):
         backend.init_forward_metadata(w.batch)
-    return w, backend
+    return backend
 
 
 def _metadata_row(bs: int, ctx_len: int, n: int, gen: torch.Generator) -> dict:
-    import attn_core.ops.kv_indices_triton as kvt
-    from attn_core.validation import check_forward_batch
-    from attn_triton.backend import TritonAttnBackend
-    from attn_triton.metadata import new_kv
 
     w, backend = _warm_decode_backend(bs, ctx_len, gen)
     torch.cuda.synchronize()
@@ -704,51 +678,23 @@ def _metadata_row(bs: int, ctx_len: int, n: int, gen: torch.Generator) -> dict:
         sync = f"SYNC: {exc!r:.100}"
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    kv = backend.forward_metadata.kv
-
-    def launch_once():  # the step's one index-kernel launch, as the build makes it
-        kvt.kv_indices_triton(
-            w.rows.req_to_token, w.batch.req_pool_indices, w.batch.seq_lens, kv.indices, kv_indptr=kv.indptr,
-            fault=backend.device_faults.buffer,
-        )  # fmt: skip
-
-    launch = _host_us(launch_once, n)
-    kvt._LAUNCH.pointers_as_ints = False  # the compiled handle given the tensors, as before (one driver call each)
-    launch_tensors = _host_us(launch_once, n)
-    kvt._LAUNCH.pointers_as_ints = True
-    floors = _launch_floors(kvt, launch_once, n)
     # the parts of init_forward_metadata: attn-core's batch validation alone, the backend's build alone
-    ctx, r2t = backend.ctx, backend.req_to_token(w.batch)
-    validation = _host_us(lambda: check_forward_batch(w.batch, r2t, w.pool, ctx), n)
+    ctx = make_context(w)
+    validation = _host_us(lambda: check_forward_batch(w.batch, w.rows.req_to_token, w.pool, ctx), n)
     build = _host_us(lambda: backend.build_forward_metadata(w.batch), n)
-    new_kv_us = _host_us(lambda: new_kv(bs, w.batch.seq_lens_sum, w.batch.seq_lens.device), n)
     profile = _metadata_profile(backend, w.batch) if os.environ.get("ATTN_META_PROFILE") else None
-    kvt._LAUNCH.off_reason = "benchmark: the normal launcher, for comparison"
-    plain = _host_us(lambda: backend.init_forward_metadata(w.batch), n)
-    plain_launch = _host_us(launch_once, n)
-    kvt._LAUNCH.off_reason = None
-    full = TritonAttnBackend(make_context(w, validation="full"))  # + the device checks: one sync per step
-    for _ in range(20):
-        full.init_forward_metadata(w.batch)
+    full = _warm_backend(w, "full")  # + the device checks: one sync per step
     full_samples = _host_us(lambda: full.init_forward_metadata(w.batch), n)
-    empty = _host_us(lambda: torch.empty(bs * ctx_len, dtype=torch.int32, device="cuda"), n)
     torch.cuda.synchronize()
     row = {
         "bs": bs,
         "attn_triton_us_median": statistics.median(samples),
-        "attn_triton_us_p90": sorted(samples)[int(0.9 * n)],
-        "index_kernel_launch_us_median": statistics.median(launch),
-        "without_cached_launch_us_median": statistics.median(plain),
-        "index_kernel_plain_launch_us_median": statistics.median(plain_launch),
-        "index_kernel_launch_tensor_args_us_median": statistics.median(launch_tensors),
+        "attn_triton_us_p90": _p90(samples),
         "check_forward_batch_us_median": statistics.median(validation),
         "build_forward_metadata_us_median": statistics.median(build),
-        "new_kv_us_median": statistics.median(new_kv_us),
-        "torch_empty_us_median": statistics.median(empty),
         "validation_full_us_median": statistics.median(full_samples),
         "sync": sync,
     }
-    row.update(floors)
     if profile is not None:
         row["profile_top"] = profile
     try:
@@ -757,66 +703,16 @@ def _metadata_row(bs: int, ctx_len: int, n: int, gen: torch.Generator) -> dict:
         ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
         args = (w.page_indptr, w.page_indices, w.last_page_len, HQ, HKV, D, PAGE)
-        fi = []
-        for i in range(60):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter_ns()
+
+        def plan():
             wrapper.plan(*args, q_data_type=DTYPE, kv_data_type=DTYPE)
-            if i >= 10:
-                fi.append((time.perf_counter_ns() - t0) / 1000.0)
-        row["flashinfer_plan_us_median"] = statistics.median(fi)
+
+        for _ in range(10):  # warm-up
+            plan()
+        row["flashinfer_plan_us_median"] = statistics.median(_host_us(plan, 50))
     except Exception as exc:
         row["flashinfer_plan_error"] = repr(exc)[:200]
     return row
-
-
-class _Recorder:
-    """Stands in for a compiled handle for one call: records the grid and arguments CachedLaunch hands
-    it, then launches through the real handle."""
-
-    def __init__(self, compiled):
-        self.compiled, self.seen = compiled, None
-
-    def __getitem__(self, grid):
-        def runner(*args):
-            self.seen = (grid, args)
-            self.compiled[grid](*args)
-
-        return runner
-
-
-def _launch_floors(kvt, launch_once: Callable, n: int) -> dict:
-    """What one index-kernel launch costs below CachedLaunch (GPU idle before each call), with the
-    arguments CachedLaunch built for `launch_once`'s call recorded once and replayed as they are:
-    "handle_call" `compiled[grid](*args)` (Triton's runner: current device and stream, launch hooks,
-    the launcher) and "run_direct" `compiled.run(...)` with the stream and handles looked up once (the
-    launcher alone). Their difference to index_kernel_launch_us_median is the Python work per call
-    that prebuilt arguments would save."""
-    cached = kvt._LAUNCH.compiled
-    if not cached:
-        return {"launch_floor_error": f"no compiled handle (cached launch {kvt._LAUNCH.off_reason})"}
-    try:
-        import triton
-
-        before = dict(cached)
-        recorders = {key: (_Recorder(c), constexprs) for key, (c, constexprs) in cached.items()}
-        cached.update(recorders)
-        launch_once()
-        cached.update(before)
-        rec = next(r for r, _ in recorders.values() if r.seen is not None)
-        grid, args = rec.seen
-        compiled = rec.compiled
-        handle = compiled[grid]
-        out = {"index_kernel_handle_call_us_median": statistics.median(_host_us(lambda: handle(*args), n))}
-        stream = torch.cuda.current_stream().cuda_stream
-        rt = triton.knobs.runtime
-        run, fn, meta = compiled.run, compiled.function, compiled.packed_metadata
-        enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
-        direct = _host_us(lambda: run(grid[0], grid[1], grid[2], stream, fn, meta, None, enter, leave, *args), n)
-        out["index_kernel_run_direct_us_median"] = statistics.median(direct)
-        return out
-    except Exception as exc:  # a probe of Triton internals: report, never fail the run
-        return {"launch_floor_error": repr(exc)[:200]}
 
 
 def _metadata_profile(backend, batch, calls: int = 2000, top: int = 25) -> list[str]:
@@ -834,7 +730,10 @@ def _metadata_profile(backend, batch, calls: int = 2000, top: int = 25) -> list[
         prof.disable()
     stats = pstats.Stats(prof).stats
     rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-    return [f"{tt / calls * 1e6:8.2f} | {ct / calls * 1e6:8.2f} | {pstats.func_std_string(f)}" for f, (_, _, tt, ct, _) in rows]
+    return [
+        f"{tt / calls * 1e6:8.2f} | {ct / calls * 1e6:8.2f} | {pstats.func_std_string(f)}"
+        for f, (_, _, tt, ct, _) in rows
+    ]
 
 
 def copy_bandwidth_tb_s(nbytes: int = 2 << 30, reps: int = 20) -> float:
@@ -844,7 +743,7 @@ def copy_bandwidth_tb_s(nbytes: int = 2 << 30, reps: int = 20) -> float:
     dst = torch.empty_like(src)
     dst.copy_(src)
     torch.cuda.synchronize()
-    us = _median_events(lambda: dst.copy_(src), reps)
+    us = statistics.median(event_times_us(lambda: dst.copy_(src), reps))
     return 2 * nbytes / (us * 1e-6) / 1e12
 
 
@@ -853,7 +752,9 @@ def print_verify_table(rows: list[RowResult], copy_tb_s: float) -> str:
     impls = ["attn-triton", "attn-triton extend kernel", "flashinfer"]
     lines = [
         f"measured copy bandwidth (read + write): {copy_tb_s:.2f} TB/s",
-        "| row | " + " | ".join(f"{i} µs (TB/s, % of copy)" for i in impls) + f" | triton/FI time | ≥ {VERIFY_AIM:.0%} of copy |",
+        "| row | "
+        + " | ".join(f"{i} µs (TB/s, % of copy)" for i in impls)
+        + f" | triton/FI time | ≥ {VERIFY_AIM:.0%} of copy |",
         "|---|" + "---|" * (len(impls) + 2),
     ]
     for r in rows:
@@ -868,7 +769,16 @@ def print_verify_table(rows: list[RowResult], copy_tb_s: float) -> str:
 
 
 def print_table(rows: list[RowResult]) -> str:
-    cols = ["attn-triton µs", "FlashInfer µs", "torch_native µs", "triton/FI time", "attn-triton rate", "FlashInfer rate", "target", "ok"]
+    cols = [
+        "attn-triton µs",
+        "FlashInfer µs",
+        "torch_native µs",
+        "triton/FI time",
+        "attn-triton rate",
+        "FlashInfer rate",
+        "target",
+        "ok",
+    ]
     head = f"| {'row':28s} | " + " | ".join(cols) + " |"
     lines = [head, "|" + "---|" * 9]
     for r in rows:
@@ -881,7 +791,11 @@ def print_table(rows: list[RowResult]) -> str:
         else:
             target = f"≥ {EXTEND_AIM}× rate (floor {EXTEND_FLOOR})"
             speed = None if ratio is None else 1.0 / ratio
-            ok = "-" if speed is None else ("yes" if speed >= EXTEND_AIM else ("floor" if speed >= EXTEND_FLOOR else "no"))
+            ok = (
+                "-"
+                if speed is None
+                else ("yes" if speed >= EXTEND_AIM else ("floor" if speed >= EXTEND_FLOOR else "no"))
+            )
 
         def fmt(x, spec=".1f"):
             return "-" if x is None else format(x, spec)
@@ -902,7 +816,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-flashinfer", action="store_true")
     p.add_argument("--decode-configs", default=None, help='"block_n,block_h,warps,stages;..."')
     p.add_argument(
-        "--extend-configs", default=None, help='"block_m,block_n,warps,stages[,lazy[,wgmma_block_n,wgmma_stages[,wgmma_regs]]];..."'
+        "--extend-configs",
+        default=None,
+        help='"block_m,block_n,warps,stages[,lazy[,wgmma_block_n,wgmma_stages[,wgmma_regs]]];..."',
     )
     p.add_argument("--verify-configs", default=None, help='"block_m_max,block_n,warps,stages;..."')
     p.add_argument(
@@ -997,7 +913,11 @@ def main(argv=None) -> int:
     if bad:
         print(f"ACCURACY FAILURES (rel err > 2e-2): {bad}")
     with open(args.out, "w") as f:
-        json.dump({"info": info, "rows": [asdict(r) for r in rows + mixed_rows], "metadata": meta, "table": table}, f, indent=1)
+        json.dump(
+            {"info": info, "rows": [asdict(r) for r in rows + mixed_rows], "metadata": meta, "table": table},
+            f,
+            indent=1,
+        )
     return 1 if bad else 0
 
 

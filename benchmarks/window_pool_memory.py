@@ -101,7 +101,9 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--v-head-dim", type=int, default=None)
     p.add_argument("--dtype-bytes", type=int, default=2)
-    p.add_argument("--window-layer-fraction", type=float, default=5 / 6, help="share of layers with a window (5 of 6: Gemma-3)")
+    p.add_argument(
+        "--window-layer-fraction", type=float, default=5 / 6, help="share of layers with a window (5 of 6: Gemma-3)"
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
     args.v_head_dim = args.v_head_dim or args.head_dim

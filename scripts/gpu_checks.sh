@@ -2,8 +2,11 @@
 # Every GPU check of the project in one command, for a machine with a CUDA GPU and torch + triton
 # installed (the lent H100/H200 machine: no network; FlashInfer comes from wheels carried in .whl/ and
 # its prebuilt kernels from .fi-cache/aot.tar.xz when present). Logs go to $OUT (default ./gpu-out).
-#   bash scripts/gpu_checks.sh [tests | tests-core tests-triton tests-fi check] [bench] [triton-bench] [verify-bench] [fi-bench] [fi-window] [mla-bench] [mla] [engine] [multi-gpu] [vendors] [fi-kit fi-tests fi-speed]   (default: tests bench;
+#   bash scripts/gpu_checks.sh [tests | tests-core tests-triton tests-fi check] [bench] [triton-bench] [verify-bench] [fi-bench] [fi-window] [mla-bench] [cascade-bench] [mla] [engine] [multi-gpu] [vendors] [fi-kit fi-tests fi-speed] [vision | vision-triton vision-fi vision-hf] [vision-bench]
+#        [sparse-kit = sparse-kit-ds sparse-kit-dc] [sparse-tests] [sparse-bench]   (default: tests bench;
+#   sparse-* = attn-sparse: the kit on cuda for double_sparsity / dual_chunk, its GPU tests, its benchmark;
 #   fi-kit / fi-tests / fi-speed = attn-flashinfer per FlashInfer release: FI_SITE=/tmp/site07 for 0.7.2.post1, see scripts/gpu_fi07_wheels.sh;
+#   vision = issue 40's GPU tests (non-causal / span / ragged checks, the vision-tower shape, HF towers); vision-bench = benchmarks/ragged_vs_peers.py;
 #   bench = every benchmark; mla = attn-triton's MLA kernel alone: its GPU tests and the MLA benchmark without the prefill row;
 #   BENCH_ONLY=meta limits the Triton benchmark's rows; FP8_CONFIGS="n,h,w,s[,v];..." the fp8 decode tiles swept in its fp8 row)
 set -uo pipefail
@@ -22,7 +25,8 @@ else
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   fi
-  python3 -m pip install -q --no-deps --no-build-isolation -e core -e plugins/triton_backend -e plugins/flashinfer_backend -e plugins/trtllm_mla || exit 1
+  python3 -m pip install -q --no-deps --no-build-isolation -e core -e plugins/triton_backend -e plugins/flashinfer_backend -e plugins/trtllm_mla \
+    -e plugins/sparse || exit 1
   if ls .fi-cache/aot*.tar.xz >/dev/null 2>&1 && python3 -c "import flashinfer" 2>/dev/null; then  # each holds aot/<module>/
     for t in .fi-cache/aot*.tar.xz; do tar -C /tmp -xJf "$t" || exit 1; done
     python3 plugins/flashinfer_backend/tools/jit_cache.py install /tmp/aot || exit 1
@@ -35,15 +39,17 @@ fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 rc=0
-# `tests` = tests-core tests-triton tests-fi check; the parts fit one 600 s device call each
+# `tests` = tests-core tests-triton tests-fi check sparse-kit-ds sparse-kit-dc sparse-tests; the parts fit one 600 s device call each
 if want tests || want tests-core; then
   python3 -m pytest -q -p no:cacheprovider -m gpu core/tests tests 2>&1 | tee "$OUT/pytest_gpu_core.log" || rc=1
 fi
 if want tests || want tests-triton; then
-  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/triton_backend/tests 2>&1 | tee "$OUT/pytest_gpu_triton.log" || rc=1
+  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/triton_backend/tests --ignore=plugins/triton_backend/tests/test_triton_ragged_gpu.py \
+    2>&1 | tee "$OUT/pytest_gpu_triton.log" || rc=1  # (the ragged / non-causal suite: part vision-triton)
 fi
 if want tests || want tests-fi; then
-  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/flashinfer_backend/tests plugins/trtllm_mla/tests 2>&1 | tee "$OUT/pytest_gpu_fi.log" || rc=1
+  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/flashinfer_backend/tests plugins/trtllm_mla/tests \
+    --ignore=plugins/flashinfer_backend/tests/test_ragged_gpu.py 2>&1 | tee "$OUT/pytest_gpu_fi.log" || rc=1  # (part vision-fi)
 fi
 if want tests || want check; then
   for b in torch_native triton; do
@@ -84,7 +90,8 @@ if want fi-kit; then
   done
 fi
 if want fi-tests; then
-  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/flashinfer_backend/tests 2>&1 | tee "$OUT/fi_${fiv}_pytest_gpu.log" || rc=1
+  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/flashinfer_backend/tests --ignore=plugins/flashinfer_backend/tests/test_ragged_gpu.py \
+    2>&1 | tee "$OUT/fi_${fiv}_pytest_gpu.log" || rc=1
 fi
 if want fi-speed; then
   python3 benchmarks/flashinfer_overhead.py --rounds 8 --json "$OUT/fi_${fiv}_overhead.json" 2>&1 | tee "$OUT/fi_${fiv}_overhead.log" || rc=1
@@ -105,8 +112,6 @@ if want bench || want triton-bench; then
   python3 benchmarks/triton_vs_peers.py --reps 20 --no-torch-native --only "${BENCH_ONLY:-decode,extend,verify,mixed,meta,fp8}" \
     --fp8-configs "${FP8_CONFIGS-64,16,4,2;32,16,1,4}" \
     --extend-configs "${EXTEND_CONFIGS-128,64,4,3,4,128,3,208;128,64,4,3,4,128,3,224;128,64,4,3,4}" --out "$OUT/triton_vs_peers.json" 2>&1 | tee "$OUT/triton_vs_peers.log" || rc=1
-  # the decode kernel by the width of a KV head's row of a slot (128- against 256-byte runs: the fp8 row's question)
-  python3 benchmarks/decode_row_width.py --json "$OUT/decode_row_width.json" 2>&1 | tee "$OUT/decode_row_width.log" || rc=1
 elif want verify-bench; then  # issue 15: MHA verify rows only (attn-triton verify / extend kernel / FlashInfer prefill, copy bandwidth)
   python3 benchmarks/triton_vs_peers.py --reps 20 --no-torch-native --only verify --out "$OUT/triton_verify.json" 2>&1 | tee "$OUT/triton_verify.log" || rc=1
 fi
@@ -124,7 +129,35 @@ if want vendors; then  # issue 43: backends for hardware the lent machines lack 
   python3 -m pytest -q -rs -p no:cacheprovider -m gpu plugins/trtllm_mla/tests/test_blackwell_gpu.py plugins/aiter/tests/test_gpu.py \
     plugins/wave/tests/test_gpu.py 2>&1 | tee "$OUT/vendors_gpu.log" || rc=1
 fi
+# issue 40 (vision = vision-triton vision-fi vision-hf, each within one 600 s call): the kit's non-causal / span / ragged
+# checks on cuda and the vision-tower shape (16 heads x 4 images of 1024-4096 patches) for triton and flashinfer, and the
+# HF towers (SigLIP over packed images, an encoder-only BERT over the paged path; transformers wheels in .whl/)
+if want vision || want vision-triton; then
+  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/triton_backend/tests/test_triton_ragged_gpu.py 2>&1 | tee "$OUT/vision_triton.log" || rc=1
+fi
+if want vision || want vision-fi; then
+  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/flashinfer_backend/tests/test_ragged_gpu.py 2>&1 | tee "$OUT/vision_fi.log" || rc=1
+fi
+if want vision || want vision-hf; then
+  python3 -m pytest -q -p no:cacheprovider tests/test_hf_vision_encoder.py 2>&1 | tee "$OUT/vision_hf.log" || rc=1
+fi
+if want bench || want vision-bench; then  # issue 40: the ragged op, 16 heads x d80 x 4 images, attn-triton (tile sweep) vs FlashInfer / FA4 (RAGGED_DIMS: head dims; RAGGED_FI: FlashInfer kernels)
+  python3 benchmarks/ragged_vs_peers.py --head-dims "${RAGGED_DIMS:-80}" --flashinfer-backends "${RAGGED_FI:-fa2,fa3}" \
+    --json "$OUT/ragged_vs_peers.json" 2>&1 | tee "$OUT/ragged_vs_peers.log" || rc=1
+fi
 if want bench || want cascade-bench; then
   python3 benchmarks/cascade_attention.py --backend triton --out "$OUT/cascade_attention.json" 2>&1 | tee "$OUT/cascade_attention.log" || rc=1
+fi
+if want tests || want sparse-kit || want sparse-kit-ds; then  # issue 41: attn-core's kit on cuda, double_sparsity (dense regime)
+  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/sparse/tests/test_gpu_kit.py -k DoubleSparsity 2>&1 | tee "$OUT/sparse_kit_ds.log" || rc=1
+fi
+if want tests || want sparse-kit || want sparse-kit-dc; then  # issue 41: attn-core's kit on cuda, dual_chunk (dense regime)
+  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/sparse/tests/test_gpu_kit.py -k DualChunk 2>&1 | tee "$OUT/sparse_kit_dc.log" || rc=1
+fi
+if want tests || want sparse-tests; then  # issue 41: both backends' sparse regimes on cuda (bf16/fp16, real CUDA graphs) against float64
+  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/sparse/tests/test_gpu.py 2>&1 | tee "$OUT/sparse_gpu.log" || rc=1
+fi
+if want bench || want sparse-bench; then  # issue 41: double sparsity decode at 32k (heavy 1024) and dual chunk decode / prefill vs dense attn-triton
+  python3 benchmarks/sparse_attention.py --json "$OUT/sparse_attention.json" 2>&1 | tee "$OUT/sparse_attention.log" || rc=1
 fi
 exit $rc

@@ -20,6 +20,7 @@ $VPIP install -q "triton==3.9.0" "numpy>=2" "pluggy>=1.3" "pytest>=8" "hypothesi
 say "installing attn-core and every plugin, editable"
 say "(pip may print 'ERROR: ... dependency resolver ... flashinfer-python' here or below: expected, attn-flashinfer is installed without it on purpose)"
 $VPIP install -q -e core
+# every plugin editable (attn-sparse, plugins/sparse, included: its kernels need the Triton installed above)
 for p in plugins/*/; do
   [ -f "$p/pyproject.toml" ] || continue
   case "$p" in

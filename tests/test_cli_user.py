@@ -83,14 +83,37 @@ def test_list_without_probes_says_not_probed_and_json_has_every_field(grounded, 
     assert set(rows["grounded"]) == {"name", "distribution", "version", "state", "reason", "info", "notes", "unverified", "capabilities"}
 
 
+def _list_on_a_terminal(columns: int) -> str:
+    """`attn-core list` with its stdout on a pseudo-terminal `columns` wide; what it printed."""
+    import pty
+
+    leader, follower = pty.openpty()
+    env = {**os.environ, "COLUMNS": str(columns)}
+    proc = subprocess.Popen([sys.executable, "-m", "attn_core.cli", "list"], stdout=follower, stderr=subprocess.DEVNULL,
+                            env=env)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the follower side closed: the process is done writing
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    proc.wait(timeout=120)
+    os.close(leader)
+    return b"".join(chunks).decode().replace("\r\n", "\n")
+
+
 def test_list_wraps_to_the_terminal_width():
-    env = {**os.environ, "COLUMNS": "90"}
-    out = subprocess.run([sys.executable, "-m", "attn_core.cli", "list"], capture_output=True, text=True, env=env, timeout=120).stdout
+    out = _list_on_a_terminal(90)
     assert out.startswith("NAME") and max(len(line) for line in out.splitlines()) <= 90, out
     assert any(line.strip().startswith("capabilities: ") for line in out.splitlines())
+    # not a terminal (piped, captured): one full line per backend, whatever COLUMNS says
     wide = subprocess.run([sys.executable, "-m", "attn_core.cli", "list"], capture_output=True, text=True, timeout=120,
-                          env={k: v for k, v in os.environ.items() if k != "COLUMNS"}).stdout
-    assert "capabilities: " not in wide  # not a terminal: one full line per backend
+                          env={**os.environ, "COLUMNS": "90"}).stdout
+    assert "capabilities: " not in wide and any(len(line) > 90 for line in wide.splitlines())
 
 
 def test_version_names_core_and_plugins():

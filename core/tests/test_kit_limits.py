@@ -22,6 +22,7 @@ def test_bf16_is_skipped_only_for_triton_kernels_on_the_cpu_interpreter(monkeypa
     assert environment_skips("attn-triton", BF16, "cpu") == {
         "dtype-bfloat16-*": BF16_INTERPRETER_REASON,
         "fp8_kv-*-dtype-bfloat16-*": BF16_INTERPRETER_REASON,
+        "ragged-dtype-bfloat16": BF16_INTERPRETER_REASON,
     }
     assert runs_in_triton_interpreter("attn-triton", "cpu") and not runs_in_triton_interpreter("attn-triton", "cuda:0")
     assert environment_skips("attn-triton", BF16, "cuda") == {}

@@ -21,14 +21,16 @@ from typing import ClassVar, Generic, Optional, TypeVar, Union
 import torch
 
 from attn_core.batch import ForwardBatch, SpecInfo
+from attn_core.bidirectional import check_bidirectional_spans
 from attn_core.capabilities import Capabilities, Feature
 from attn_core.context import BackendContext
 from attn_core.errors import DeviceIndexError, IncompatibleBackendError, InvalidArgumentError, StaleMetadataError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 from attn_core.graph_step import CudaGraphStep
-from attn_core.layer import AttentionLayer
+from attn_core.layer import AttentionLayer, AttentionType
 from attn_core.memory.pools import KVPool
 from attn_core.memory.window_pool import window_pool_of
+from attn_core.ragged import RaggedBatch, check_ragged_batch, ragged_heads
 from attn_core.validation import FULL, check_forward_batch, check_forward_dtypes, check_kv_pool
 
 Output = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
@@ -100,6 +102,9 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         self.forward_metadata = None
         # the batch (or GraphBatchKey) forward_metadata was built for; None: no metadata
         self._metadata_for: Union[ForwardBatch, GraphBatchKey, None] = None
+        #: the ragged op's metadata (`build_ragged_metadata`) and the `RaggedBatch` it was built for
+        self.ragged_metadata: object = None
+        self._ragged_for: Optional[RaggedBatch] = None
 
     # ---- per-step metadata -------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -122,6 +127,9 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
             from attn_core.cascade import check_cascade_prefix  # here: attn_core.cascade imports the wrappers package
 
             check_cascade_prefix(b)
+        if b.bidirectional_spans is not None or b.bidirectional_spans_cpu is not None:
+            self.require(Feature.BIDIRECTIONAL_SPAN, "bidirectional spans (forward_batch.bidirectional_spans)")
+            check_bidirectional_spans(b, self.device, full=level == FULL)
         if level == FULL:
             fault = self.poll_device_fault()
             if fault is not None:
@@ -300,6 +308,83 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         """EXTEND, MIXED, TARGET_VERIFY, DRAFT_EXTEND (and SPLIT_PREFILL where declared): q `[T, Hq, D]`,
         k/v `[T, Hkv, D]` / `[T, Hkv, Dv]` (or None), validated; returns `[T, Hq*Dv]` (and LSE)."""
 
+    # ---- the ragged op (Feature.RAGGED; attn_core.ragged) ---------------------------------------
+    def init_ragged_metadata(self, ragged: RaggedBatch) -> None:
+        """Once per ragged step (one vision-tower forward, say), before its layers: refuse the op unless
+        `Feature.RAGGED` is declared (`UnsupportedFeatureError`; an MLA context too), validate `ragged`
+        (`attn_core.ragged.check_ragged_batch`, at the context's validation level: `InvalidBatchError`),
+        build its metadata (`build_ragged_metadata`) and make it current for this batch object. On any
+        error the previous ragged metadata is dropped. Independent of the paged path's metadata."""
+        self.ragged_metadata = None
+        self._ragged_for = None
+        self.require(Feature.RAGGED, "the ragged op (ragged_attention)")
+        if self.ctx.is_mla:
+            raise UnsupportedFeatureError(self.name, "the ragged op on an MLA context")
+        check_ragged_batch(ragged, self.device, full=self.ctx.validation == FULL)
+        self.ragged_metadata = self.build_ragged_metadata(ragged)
+        self._ragged_for = ragged
+
+    @property
+    def current_ragged_batch(self) -> Optional[RaggedBatch]:
+        """The `RaggedBatch` the current ragged metadata was built for (None: none), so that callers
+        sharing a backend across layers (`attn_core.VisionAttention`) build it once per batch."""
+        return self._ragged_for
+
+    def build_ragged_metadata(self, ragged: RaggedBatch) -> object:
+        """What every `forward_ragged` call over `ragged` (validated) needs, built once: index arrays, a
+        vendor plan. The default, for backends that need nothing: None."""
+        return None
+
+    def ragged_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ragged: RaggedBatch,
+        *,
+        scaling: Optional[float] = None,
+        return_lse: bool = False,
+    ) -> Output:
+        """Attention of packed sequences, each over its own rows only (`attn_core.ragged`): q `[T, Hq, D]`
+        or `[T, Hq·D]`, k `[T, Hkv, D]`, v `[T, Hkv, Dv]` (heads and dims as in the context, its dtype and
+        device), T = ragged.num_tokens; scores scaled by `scaling` (default D^-0.5); non-causal unless
+        `ragged.causal`. Returns `[T, Hq·Dv]` in q's dtype (and the natural-log LSE `[T, Hq]` float32
+        with `return_lse`). `init_ragged_metadata(ragged)` first (else `StaleMetadataError`); bad
+        arguments raise `InvalidArgumentError` naming them, before any kernel.
+
+        Example: `ragged = attn_core.ragged.ragged_batch([3, 5], "cuda")`, `backend.init_ragged_metadata(ragged)`,
+        then per layer `backend.ragged_attention(q, k, v, ragged)` with q/k/v of 8 rows."""
+        if self._ragged_for is not ragged:
+            bound = "init_ragged_metadata(ragged) called for this RaggedBatch before ragged_attention"
+            found = "another RaggedBatch" if self._ragged_for is not None else "no ragged metadata"
+            raise StaleMetadataError(bound, found, argument="ragged")
+        ctx, dev, T = self.ctx, self.device, ragged.num_tokens
+        q = ragged_heads("q", q, T, ctx.num_q_heads, ctx.head_dim, ctx.dtype, dev)
+        k = ragged_heads("k", k, T, ctx.num_kv_heads, ctx.head_dim, ctx.dtype, dev)
+        v = ragged_heads("v", v, T, ctx.num_kv_heads, ctx.v_head_dim, ctx.dtype, dev)
+        if return_lse:
+            self.require(Feature.LSE_OUTPUT, "return_lse")
+        scale = ctx.head_dim**-0.5 if scaling is None else scaling
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+            raise InvalidArgumentError("scaling", "None or a float > 0", scaling)
+        return self.forward_ragged(q, k, v, ragged, scaling=float(scale), return_lse=bool(return_lse))
+
+    def forward_ragged(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ragged: RaggedBatch,
+        *,
+        scaling: float,
+        return_lse: bool,
+    ) -> Output:
+        """The ragged op, for backends declaring `Feature.RAGGED` (called by `ragged_attention`, never
+        directly): q `[T, Hq, D]`, k `[T, Hkv, D]`, v `[T, Hkv, Dv]` validated, `self.ragged_metadata`
+        built for `ragged`; returns `[T, Hq·Dv]` in q's dtype (and the LSE `[T, Hq]` float32 with
+        `return_lse`), without host synchronization. The default refuses."""
+        raise UnsupportedFeatureError(self.name, "the ragged op (ragged_attention)")
+
     # ---- the pools (shared by every backend) --------------------------------------------------
     def req_to_token(self, forward_batch: Optional[ForwardBatch] = None) -> torch.Tensor:
         """The request→slot table: the batch's pool, else the context's (graph capture/replay pass no batch)."""
@@ -341,6 +426,8 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
             self.require(Feature.CHUNKED_LOCAL_ATTENTION, f"attention_chunk_size={layer.attention_chunk_size} (layer {layer.layer_id})")
         if layer.is_cross_attention:
             self.require(Feature.CROSS_ATTENTION, f"cross attention (layer {layer.layer_id})")
+        if layer.attn_type is AttentionType.ENCODER_ONLY:
+            self.require(Feature.NON_CAUSAL, f"non-causal (encoder-only) attention (layer {layer.layer_id})")
         if layer.num_kv_heads != ctx.num_kv_heads or layer.num_q_heads != ctx.num_q_heads:
             raise InvalidArgumentError(
                 "layer heads", f"q/kv heads {ctx.num_q_heads}/{ctx.num_kv_heads} as in the context", (layer.num_q_heads, layer.num_kv_heads)

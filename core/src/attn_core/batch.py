@@ -13,6 +13,10 @@ Conventions (every backend relies on them):
 - `positions` is the engine's: the position of every new token, its input to RoPE (which the engine
   applies to q and k before calling attention). No backend reads it; it may be None. `build_step`
   fills it (`attn_core.positions_from_lens`).
+- `bidirectional_spans[r] = (a, b)`: request r's decoder positions a … b-1 see each other in layers of
+  `attn_type="decoder_bidirectional"` (every other position stays causal); (0, 0) for none. The span's
+  keys must all be in the step (b <= seq_len) whenever one of its positions is a query of the step,
+  so chunked prefill must not cut a span (`attn_core.bidirectional`).
 """
 
 from __future__ import annotations
@@ -70,6 +74,10 @@ class ForwardBatch:
     #: same slots (a shared cached prefix) and backends declaring Feature.CASCADE attend to them once for
     #: all queries; 0: off. Host int; at most every request's cached prefix.
     cascade_prefix_len: int = 0
+    #: per-request bidirectional spans, int32 `[bs, 2]` on the device, and their host copy (CPU, int32 or
+    #: int64); both None: none (see the module docstring and `attn_core.bidirectional`)
+    bidirectional_spans: Optional[torch.Tensor] = None
+    bidirectional_spans_cpu: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:

@@ -32,6 +32,16 @@ class Feature(str, enum.Enum):
     #: dtype, `FP8_KV_DTYPES`, needs no such flag: declaring it in kv_dtypes means reading it under every
     #: declared q dtype)
     MIXED_KV_DTYPE = "mixed_kv_dtype"
+    #: the ragged, non-paged op `AttentionBackend.ragged_attention` (packed q/k/v with cu_seqlens, each
+    #: sequence attending only within itself: vision towers, encoders), at the head dims of
+    #: `Capabilities.ragged_head_dims`; undeclared, the op raises `UnsupportedFeatureError`
+    RAGGED = "ragged"
+    #: encoder-only layers (`AttentionLayer(attn_type="encoder_only")`): every query of a request sees
+    #: every key of its request in the step, the paged path's causal mask off
+    NON_CAUSAL = "non_causal"
+    #: per-request bidirectional spans (`ForwardBatch.bidirectional_spans`) on
+    #: `AttentionLayer(attn_type="decoder_bidirectional")` layers: positions [a, b) see each other
+    BIDIRECTIONAL_SPAN = "bidirectional_span"
 
     def __str__(self) -> str:
         return self.value
@@ -87,7 +97,9 @@ class Capabilities:
     """Class-level data describing a backend. `None` in head_dims / mla_head_dims / page_sizes means
     any value. `head_dims` applies to MHA (q/k head_dim); `mla_head_dims` to MLA's latent width
     (kv_lora_rank + qk_rope_head_dim). `kv_layouts`: the KV pool layouts read ("NHD", "HND": see
-    `attn_core.memory.pools`)."""
+    `attn_core.memory.pools`). `ragged_head_dims`: the head dims the ragged op (`Feature.RAGGED`) serves
+    (None = any); a context that asks for the ragged op alone (`Feature.RAGGED` and no forward mode: a
+    vision tower) is matched on these instead of `head_dims`."""
 
     devices: frozenset[str]
     q_dtypes: frozenset[str]
@@ -103,6 +115,7 @@ class Capabilities:
     max_compute_capability: Optional[tuple[int, int]] = None
     cpu_isa: frozenset[str] = field(default_factory=frozenset)
     kv_layouts: frozenset[str] = frozenset({"NHD"})
+    ragged_head_dims: Optional[frozenset[int]] = None
 
     def supports(self, feature: Feature) -> bool:
         return feature in self.features
@@ -131,13 +144,18 @@ class Capabilities:
         if req.kv_dtype != req.q_dtype and req.kv_dtype not in FP8_KV_DTYPES and Feature.MIXED_KV_DTYPE not in self.features:
             out.append(f"KV dtype {req.kv_dtype} with q dtype {req.q_dtype}: mixed dtypes not supported ({Feature.MIXED_KV_DTYPE.value})")
         dims = self.mla_head_dims if req.arch == ARCH_MLA else self.head_dims
-        if dims is not None and req.head_dim not in dims:
+        ragged = Feature.RAGGED in req.features
+        paged = bool(req.forward_modes) or not ragged  # a ragged-only context has no pages, layout or paged head dims
+        if dims is not None and req.head_dim not in dims and paged:
             out.append(f"{req.arch} head_dim {req.head_dim} not in {_ranges(dims)}")
-        if self.page_sizes is not None and req.page_size not in self.page_sizes:
+        if ragged and Feature.RAGGED in self.features and self.ragged_head_dims is not None:
+            if req.head_dim not in self.ragged_head_dims:
+                out.append(f"ragged head_dim {req.head_dim} not in {_ranges(self.ragged_head_dims)}")
+        if self.page_sizes is not None and req.page_size not in self.page_sizes and paged:
             out.append(f"page_size {req.page_size} not in {sorted(self.page_sizes)}")
         if req.arch not in self.archs:
             out.append(f"attention arch {req.arch!r} not in {sorted(self.archs)}")
-        if req.kv_layout not in self.kv_layouts:
+        if req.kv_layout not in self.kv_layouts and paged:
             out.append(f"kv_layout {req.kv_layout} not in {sorted(self.kv_layouts)}")
         if Feature.SLIDING_WINDOW_POOL in req.features and Feature.SLIDING_WINDOW_POOL not in self.features:
             out.append("a sliding-window KV pool (feature sliding_window_pool) not supported")

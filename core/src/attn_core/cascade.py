@@ -118,5 +118,8 @@ def splits_into_cascade(layer) -> bool:
     logit cap allowed); other layers run unsplit.
 
     Example: `AttentionLayer(0, 8, 2, 64)` → True; the same with `sliding_window_size=128`, with
-    `attention_chunk_size=256` or with `is_cross_attention=True` → False."""
+    `attention_chunk_size=256`, with `is_cross_attention=True` or with an `attn_type` other than
+    "decoder" (encoder-only, bidirectional spans) → False."""
+    if getattr(layer, "attn_type", "decoder") != "decoder":
+        return False
     return not (layer.is_cross_attention or layer.sliding_window_size is not None or layer.attention_chunk_size is not None)

@@ -102,14 +102,15 @@ def _status(row: dict) -> str:
 
 def cmd_list(args: argparse.Namespace) -> int:
     """One row per discovered backend: name, distribution, version, available here or why not,
-    key capabilities. Lines are wrapped to the terminal's width (`COLUMNS`) when there is one."""
+    key capabilities. Lines are wrapped to the terminal's width (`COLUMNS`) when stdout is a terminal; piped
+    or captured output keeps one line per backend (what scripts and `grep` read)."""
     rows = list_rows(args.probe)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     table = [("NAME", "DISTRIBUTION", "VERSION", "STATUS", "CAPABILITIES")]
     table += [(r["name"], r["distribution"], r["version"] or "-", _status(r), r["capabilities"] or "-") for r in rows]
-    width = shutil.get_terminal_size((0, 0)).columns
+    width = shutil.get_terminal_size((0, 0)).columns if sys.stdout.isatty() else 0
     if width > 0:
         _print_wrapped(table, width)
     else:

@@ -63,10 +63,11 @@ class InvalidBatchError(InvalidArgumentError):
 class StaleMetadataError(InvalidArgumentError):
     """`forward` was called with a batch other than the one the backend's current metadata was built for
     (`init_forward_metadata` not called for this step, or called for another batch since, e.g. by another
-    thread sharing the backend). Checked by identity, so it costs no device work and is graph-safe."""
+    thread sharing the backend). Checked by identity, so it costs no device work and is graph-safe. The
+    ragged op raises it too (argument "ragged"), for a `RaggedBatch` other than that of `init_ragged_metadata`."""
 
-    def __init__(self, expected: str, found: object):
-        super().__init__("forward_batch", expected, found)
+    def __init__(self, expected: str, found: object, argument: str = "forward_batch"):
+        super().__init__(argument, expected, found)
 
 
 class RegistryError(AttnError):

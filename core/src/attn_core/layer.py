@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
-from typing import Optional
+import enum
+from typing import Optional, Union
 
 import torch
 
 from attn_core.errors import InvalidArgumentError
+
+
+class AttentionType(str, enum.Enum):
+    """How a layer's queries see the keys of their own request (SGLang's names).
+
+    - DECODER: causal, a query at position p sees the keys at positions <= p;
+    - DECODER_BIDIRECTIONAL: causal, except inside the batch's per-request bidirectional span [a, b)
+      (`ForwardBatch.bidirectional_spans`), whose positions see each other (an image's tokens in a
+      multimodal prefix-LM); a batch without spans runs it causally; `Feature.BIDIRECTIONAL_SPAN`;
+    - ENCODER_ONLY: non-causal, every query sees every key its request has in the step (encoder-only
+      embedding / reranker models); `Feature.NON_CAUSAL`.
+    """
+
+    DECODER = "decoder"
+    DECODER_BIDIRECTIONAL = "decoder_bidirectional"
+    ENCODER_ONLY = "encoder_only"
 
 
 class AttentionLayer(torch.nn.Module):
@@ -17,6 +34,9 @@ class AttentionLayer(torch.nn.Module):
     only (see `attn_core.local_attention`); it excludes a sliding window and cross attention.
     `logit_cap` c > 0 maps scaled scores s to c·tanh(s/c). Cross-attention layers attend to the
     request's encoder keys without a causal mask. `k_scale` / `v_scale` dequantize an fp8 KV cache.
+    `attn_type` (`AttentionType` or its value) makes a self-attention layer non-causal (encoder-only) or
+    bidirectional inside the batch's spans; either excludes a sliding window, a chunk size and cross
+    attention.
     """
 
     def __init__(
@@ -33,6 +53,7 @@ class AttentionLayer(torch.nn.Module):
         k_scale: Optional[float] = None,
         v_scale: Optional[float] = None,
         attention_chunk_size: Optional[int] = None,
+        attn_type: Union[AttentionType, str] = AttentionType.DECODER,
     ):
         super().__init__()
         if layer_id < 0:
@@ -52,6 +73,16 @@ class AttentionLayer(torch.nn.Module):
                 raise InvalidArgumentError(
                     "attention_chunk_size", "None for a sliding-window or cross-attention layer", attention_chunk_size
                 )
+        try:
+            attn_type = AttentionType(attn_type)
+        except ValueError:
+            raise InvalidArgumentError("attn_type", f"one of {[t.value for t in AttentionType]}", attn_type) from None
+        others = dict(sliding_window_size=sliding_window_size, attention_chunk_size=attention_chunk_size)
+        restricted = any(x is not None for x in others.values()) or is_cross_attention
+        if attn_type is not AttentionType.DECODER and restricted:
+            expected = f"'decoder' for a sliding-window, chunked local or cross layer, not {attn_type.value!r}"
+            raise InvalidArgumentError("attn_type", expected, {**others, "cross": is_cross_attention})
+        self.attn_type = attn_type
         self.layer_id = layer_id
         self.num_q_heads = num_q_heads
         self.num_kv_heads = num_kv_heads
@@ -78,4 +109,5 @@ class AttentionLayer(torch.nn.Module):
             f"layer_id={self.layer_id}, q_heads={self.num_q_heads}, kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, v_head_dim={self.v_head_dim}, logit_cap={self.logit_cap}, "
             f"window={self.sliding_window_size}, chunk={self.attention_chunk_size}, cross={self.is_cross_attention}"
+            + ("" if self.attn_type is AttentionType.DECODER else f", attn_type={self.attn_type.value}")
         )

@@ -54,6 +54,8 @@ KNOWN_BACKENDS: dict[str, str] = {
     "wave": "attn-wave",
     "cpu_amx": "attn-cpu-amx",
     "intel_amx": "attn-cpu-amx",
+    "double_sparsity": "attn-sparse",
+    "dual_chunk": "attn-sparse",
 }
 #: Where a clone of the attn repository holds each distribution (install hints: `errors.install_hint`).
 SOURCE_FOLDERS: dict[str, str] = {
@@ -65,6 +67,7 @@ SOURCE_FOLDERS: dict[str, str] = {
     "attn-aiter": "plugins/aiter",
     "attn-wave": "plugins/wave",
     "attn-cpu-amx": "plugins/cpu_amx",
+    "attn-sparse": "plugins/sparse",
 }
 
 

@@ -118,6 +118,7 @@ def capabilities_problems(caps: object, field_name: str = "capabilities") -> lis
         _cc_problem("min_compute_capability", caps.min_compute_capability),
         _cc_problem("max_compute_capability", caps.max_compute_capability),
         _set_problem("cpu_isa", caps.cpu_isa, str),
+        _set_problem("ragged_head_dims", caps.ragged_head_dims, int, optional=True),
     ]
     return [f"{field_name}.{problem}" for problem in checks if problem]
 

@@ -6,7 +6,7 @@ Levels (`BackendContext.validation`):
 
 - "basic" (the default): every check that reads only Python numbers, tensor metadata (dtype, shape,
   device) and the batch's host copies (`seq_lens_cpu`, `extend_*_cpu`, `encoder_lens_cpu`). No device
-  work and no host-device sync; a handful of small CPU reductions (measured cost: docs/dev/perf-notebook.md).
+  work and no host-device sync; a handful of small CPU reductions (measured cost: docs/performance.md).
 - "full": "basic", then the device tensors too: one device-to-host copy of the batch's index tensors
   and of a few counts computed on the device (one sync per step, in `init_forward_metadata`, never in
   `forward`), and the backend's `poll_device_fault()`. Its device work gathers the batch's table rows up

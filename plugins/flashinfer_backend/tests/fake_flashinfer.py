@@ -6,7 +6,9 @@ request's keys are read from its pages (`indptr`, page ids, `last_page_len`); ca
 `window_left` are placed relative to the *end* of the request's keys (query i of n over L keys sits at
 position L - n + i); `logits_soft_cap` c maps a scaled logit s to c * tanh(s / c); the LSE is base 2;
 `run` writes into `out` / `lse` when given (and returns them); the paged wrappers' `k_scale` joins the
-softmax scale and `v_scale` multiplies the output (an fp8 cache).
+softmax scale and `v_scale` multiplies the output (an fp8 cache); a paged prefill plan's `custom_mask`
+(per request a row-major bool `[q_len, kv_len]`, concatenated) replaces the causal mask; the ragged wrapper
+runs only at head dims that are multiples of 64, as FlashInfer's FA2 prefill kernels (flashinfer#4299).
 Its `plan` / `run` take keyword arguments only (0.7 deprecates positional ones; 0.6.6 takes both).
 `mla.BatchMLAPagedAttentionWrapper` stands in for the MLA paged wrapper of flashinfer 0.6.6, down to the
 internals `replan.mla` / `replan.mla_run` call (`_cached_module.plan` / `.run` with the compiled
@@ -57,8 +59,9 @@ def _pages_keys(pages, indptr, indices, last, r, ps, layout):
     return k[:length].double(), v[:length].double()
 
 
-def _attend(w, q, k, v, causal, k_scale=1.0, v_scale=1.0):
-    """q `[n, Hq, D]` over k/v `[L, Hkv, D]` (float64): output `[n, Hq, D]`, base-2 LSE `[n, Hq]`."""
+def _attend(w, q, k, v, causal, k_scale=1.0, v_scale=1.0, mask=None):
+    """q `[n, Hq, D]` over k/v `[L, Hkv, D]` (float64): output `[n, Hq, D]`, base-2 LSE `[n, Hq]`; `mask`
+    (bool `[n, L]`) replaces the causal mask when given."""
     n, hq, _ = q.shape
     L, hkv = k.shape[0], k.shape[1]
     kk, vv = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1) * v_scale
@@ -68,7 +71,9 @@ def _attend(w, q, k, v, causal, k_scale=1.0, v_scale=1.0):
     pos_q = torch.arange(n)[:, None] + (L - n)
     pos_k = torch.arange(L)[None, :]
     ok = torch.ones(n, L, dtype=torch.bool)
-    if causal:
+    if mask is not None:
+        ok &= mask
+    elif causal:
         ok &= pos_k <= pos_q
     if w.window_left >= 0:
         ok &= pos_k >= pos_q - w.window_left
@@ -103,8 +108,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
 
 class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
     def plan(self, qo_indptr, indptr, indices, last_page_len, hq, hkv, d, page_size, custom_mask=None, causal=False, **kw):
-        if custom_mask is not None:
-            raise NotImplementedError("the fake models no custom mask")
+        self.mask = None if custom_mask is None else custom_mask.cpu().to(torch.bool)
         self._common(kw)
         self.qo, self.causal = qo_indptr.cpu(), causal
         self.indptr, self.indices, self.last, self.ps = indptr.cpu(), indices, last_page_len.cpu(), page_size
@@ -113,20 +117,28 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         assert q.shape[0] == int(self.qo[-1]), "q rows as planned"
         o = torch.zeros(q.shape, dtype=torch.float64)
         l2 = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
+        at = 0  # a custom mask: per request a row-major bool [q_len, kv_len], concatenated
         for r in range(self.qo.numel() - 1):
             a, b = int(self.qo[r]), int(self.qo[r + 1])
             k, v = _pages_keys(pages, self.indptr, self.indices, self.last, r, self.ps, self.kv_layout)
-            o[a:b], l2[a:b] = _attend(self, q[a:b], k, v, self.causal, k_scale, v_scale)
+            mask = None
+            if self.mask is not None:
+                mask = self.mask[at : at + (b - a) * k.shape[0]].view(b - a, k.shape[0])
+                at += (b - a) * k.shape[0]
+            o[a:b], l2[a:b] = _attend(self, q[a:b], k, v, self.causal, k_scale, v_scale, mask)
+        assert self.mask is None or at == self.mask.numel(), "a custom mask of sum(q_len * kv_len) entries"
         return _result(o, l2, q, out, lse, return_lse)
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
     def plan(self, qo_indptr, kv_indptr, hq, hkv, d, causal=False, **kw):
         self._common(kw)
-        self.qo, self.kv, self.causal = qo_indptr.cpu(), kv_indptr.cpu(), causal
+        self.qo, self.kv, self.causal, self.head_dim = qo_indptr.cpu(), kv_indptr.cpu(), causal, d
 
     def run(self, q, k, v, return_lse=False, out=None, lse=None):
         assert q.shape[0] == int(self.qo[-1]) and k.shape[0] == int(self.kv[-1]), "q / k rows as planned"
+        assert q.shape[-1] == k.shape[-1] == v.shape[-1] == self.head_dim, "q / k / v at the planned head dim"
+        assert self.head_dim % 64 == 0, "FA2 prefill kernels serve head dims that are multiples of 64 (flashinfer#4299)"
         o = torch.zeros(q.shape, dtype=torch.float64)
         l2 = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
         for r in range(self.qo.numel() - 1):

@@ -81,7 +81,11 @@ for dt, tdt, d, dv, dpe, mla in (("bf16", torch.bfloat16, 128, 128, 0, False), (
                   HAS_WINDOW=True, DOT_PREC="ieee" if dt == "fp32" else "tf32")
     e = extend_config_for(d + dpe, dv, tdt, mla, True)  # SM90's tiles (the Hopper kernel's launches are compiled below)
     build(ex._extend_kernel, dt, dict(GROUP=4, BLOCK_M=e.block_m, BLOCK_N=e.block_n, CAUSAL=False, USE_MASK=True, HAS_SINK=True,
-                                      STORE_LSE=True, LAZY=e.lazy_rescale, **common), e.num_warps, e.num_stages)
+                                      STORE_LSE=True, LAZY=e.lazy_rescale, HAS_SPAN=False, **common), e.num_warps, e.num_stages)
+    if not mla:  # causal with bidirectional spans (attn_core.bidirectional; no window with spans)
+        spans = dict(GROUP=4, BLOCK_M=e.block_m, BLOCK_N=e.block_n, CAUSAL=True, USE_MASK=False, HAS_SINK=True,
+                     STORE_LSE=True, LAZY=e.lazy_rescale, HAS_SPAN=True, **{**common, "HAS_WINDOW": False})
+        build(ex._extend_kernel, dt, spans, e.num_warps, e.num_stages)
     c = decode_config(d + dpe, dv, tdt, dev, mla)
     no_fp8 = dict(KV_FP8=False, FP8_PTX=False, V_WORDS=False)
     for split in (True, False):  # stage 1 of a merged launch, and one split finishing its rows (sink, LSE) itself
@@ -182,6 +186,25 @@ for d, group, causal, tiles in ((128, 4, True, ((64, 4, 224), (64, 4, 208))), (6
         # p goes to the output update's operand two values a register in order (extend_wgmma._mma_operand): no byte permutes
         assert sass.count("PRMT") == 0, (d, block_n, "p's 16-bit pairs permuted")
         print("extend hopper", d, block_n, stages, usage, "shared", k.metadata.shared)
+# the ragged op's varlen kernel (kernels/ragged.py) at the ViT head dims with its SM90 default tiles: warpgroup MMAs,
+# not serialized, no spills; the tiles benchmarks/ragged_vs_peers.py sweeps within the shared memory of an H100 / H200
+from attn_triton.kernels import ragged as rg
+default = rg.ragged_config(80, torch.bfloat16, dev)
+for d in (64, 72, 80, 96, 128):
+    d1, d2 = rg.split_head_dim(d)
+    for causal in (False, True):
+        consts = dict(GROUP=1, BLOCK_M=default.block_m, BLOCK_N=default.block_n, D=d, D1=d1, D2=d2, D2P=max(d2, 16),
+                      CAUSAL=causal, STORE_LSE=True, DOT_PREC="tf32", LAZY=default.lazy_rescale, OFF64=False, ALIGN8=True)
+        k = build(rg._ragged_kernel, "bf16", consts, default.num_warps, default.num_stages)
+        usage, sass = res_usage(k), sass_of(k)
+        assert " STACK:0 " in usage and "HGMMA." in sass and not serialized_wgmma(sass), (d, causal, usage)
+        print("ragged", d, causal, usage, "shared", k.metadata.shared)
+for bm, bn, w, st, lazy in ((128, 64, 4, 3, 4), (128, 128, 8, 3, 4), (128, 64, 8, 2, 4), (64, 64, 4, 3, 0), (128, 64, 8, 3, 0)):
+    consts = dict(GROUP=1, BLOCK_M=bm, BLOCK_N=bn, D=80, D1=64, D2=16, D2P=16, CAUSAL=False, STORE_LSE=False,
+                  DOT_PREC="tf32", LAZY=lazy, OFF64=True, ALIGN8=False)
+    k = build(rg._ragged_kernel, "bf16", consts, w, st)
+    assert k.metadata.shared <= 227 * 1024, (bm, bn, w, st, k.metadata.shared)
+    print("ragged tiles", (bm, bn, w, st, lazy), res_usage(k), "shared", k.metadata.shared)
 print("compiled")
 """
 
@@ -196,4 +219,5 @@ def test_kernels_compile_for_sm90():
         "fp8 decode" in out.stdout
         and out.stdout.count("mla variant") == 4
         and out.stdout.count("extend hopper") == 3
+        and out.stdout.count("ragged tiles") == 5
     )

@@ -93,11 +93,18 @@ class AttnCase:
     #: first request's; the others' own slots for them stay poisoned) and the batch says so through
     #: `cascade_prefix_len` (one step, no encoder tokens, every prefix_len >= cascade_prefix)
     cascade_prefix: int = 0
+    #: every layer's `AttentionLayer.attn_type`: "decoder", "encoder_only" (non-causal) or
+    #: "decoder_bidirectional" (causal plus the batch's spans)
+    attn_type: str = "decoder"
+    #: one bidirectional span (a, b) per request (decoder positions), given to every step's batch as
+    #: `bidirectional_spans`; empty: the batches carry none
+    spans: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "mode", ForwardMode.parse(self.mode))
         object.__setattr__(self, "requests", tuple(r if isinstance(r, RequestShape) else RequestShape(*r) for r in self.requests))
         object.__setattr__(self, "steps", tuple(tuple(int(i) for i in s) for s in self.steps))
+        object.__setattr__(self, "spans", tuple((int(a), int(b)) for a, b in self.spans))
 
     def step_requests(self) -> list[tuple[int, ...]]:
         """Request indices of each step."""
@@ -129,6 +136,10 @@ class AttnCase:
             parts.append(f"kv_layout={self.kv_layout}")
         if self.cascade_prefix:
             parts.append(f"cascade_prefix={self.cascade_prefix}")
+        if self.attn_type != "decoder":
+            parts.append(f"attn_type={self.attn_type}")
+        if self.spans:
+            parts.append(f"spans={[list(s) for s in self.spans]}")
         if self.mode.is_target_verify() and not self.custom_mask:
             parts.append("no custom mask")
         if self.steps:
@@ -153,6 +164,10 @@ class AttnCase:
             f.add(Feature.LSE_OUTPUT)
         if self.mode.is_target_verify() and self.custom_mask:
             f.add(Feature.CUSTOM_MASK)
+        if self.attn_type == "encoder_only":
+            f.add(Feature.NON_CAUSAL)
+        if self.spans:
+            f.add(Feature.BIDIRECTIONAL_SPAN)
         return frozenset(f)
 
 
@@ -246,6 +261,10 @@ def make_env(case: AttnCase) -> CaseEnv:
                 allocator.release_out_of_window(req_pool.req_to_token[row, :prefix].cpu(), prefix)
     if case.cascade_prefix:
         _share_prefix(case, req_pool, batches)
+    if case.spans:
+        for batch, idx in zip(batches, case.step_requests()):
+            host = torch.tensor([case.spans[i] for i in idx], dtype=torch.int64).reshape(len(idx), 2)
+            batch.bidirectional_spans, batch.bidirectional_spans_cpu = host.to(dev, torch.int32), host
     env = CaseEnv(case, ctx, req_pool, allocator, kv_pool, batches[0], batches)
     _fill_cache(env, gen)
     return env
@@ -432,6 +451,7 @@ def make_layer(case: AttnCase, layer_id: int) -> AttentionLayer:
         sliding_window_size=None if case.window_even_layers_only and layer_id % 2 else case.sliding_window,
         is_cross_attention=case.cross_attention,
         attention_chunk_size=None if case.chunk_even_layers_only and layer_id % 2 else case.attention_chunk_size,
+        attn_type=case.attn_type,
         **_fp8_scales(case, layer_id),
     )
 
@@ -500,12 +520,15 @@ def reference_for_layer(
                 v = k[..., : case.kv_lora_rank]
             else:
                 v = torch.cat([env.cached_v[lid][i], cache.v(inputs["v"][start : start + n])])
+            span = case.spans[i] if case.spans and case.attn_type == "decoder_bidirectional" else None
             o, lse = reference_attention(
                 q,
                 k,
                 v,
                 q_positions=positions,
                 scale=layer.scaling,
+                causal=case.attn_type != "encoder_only",
+                bidirectional_span=span,
                 window=layer.sliding_window_size,
                 logit_cap=layer.logit_cap,
                 sinks=inputs["sinks"],

@@ -68,11 +68,13 @@ def environment_skips(distribution: Optional[str], q_dtypes: Collection[str], de
 
     Example: `environment_skips("attn-triton", {"float16", "bfloat16"}, "cpu")` under
     `TRITON_INTERPRET=1` gives {"dtype-bfloat16-*": BF16_INTERPRETER_REASON, "fp8_kv-*-dtype-bfloat16-*":
-    BF16_INTERPRETER_REASON} (bf16 queries over an fp8 cache too); on "cuda", {}."""
+    BF16_INTERPRETER_REASON, "ragged-dtype-bfloat16": BF16_INTERPRETER_REASON} (bf16 queries over an
+    fp8 cache, and the ragged op's bf16 check, too); on "cuda", {}."""
     skips: dict[str, str] = {}
     if "bfloat16" in q_dtypes and runs_in_triton_interpreter(distribution, device):
         skips["dtype-bfloat16-*"] = BF16_INTERPRETER_REASON
         skips["fp8_kv-*-dtype-bfloat16-*"] = BF16_INTERPRETER_REASON
+        skips["ragged-dtype-bfloat16"] = BF16_INTERPRETER_REASON
     return skips
 
 

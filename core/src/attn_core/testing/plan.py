@@ -20,8 +20,10 @@ from attn_core.testing.harness import AttnCase, run_case
 from attn_core.testing.hostile import hostile_cases, hostile_check
 from attn_core.testing.lightness import spec_import_check, spec_matches_class_check
 from attn_core.testing.negative import bad_input_checks, no_token_check, refusal_check, refused_or_correct_check
+from attn_core.testing.noncausal_checks import add_noncausal_checks
 from attn_core.testing.outcome import Check, KitFailure
 from attn_core.testing.profile import KitProfile
+from attn_core.testing.ragged_checks import ragged_checks
 from attn_core.testing.target import KitTarget
 
 TOKEN_MODES = (
@@ -170,6 +172,8 @@ class PlanBuilder:
         self.add_variant_checks()
         self.add_fp8_checks()
         self.add_feature_checks()
+        add_noncausal_checks(self)
+        self.checks += ragged_checks(self.target, self.p, self.base.dtype, self.seed)
         self.add_graph_checks()
         self.add_negative_checks()
         self.add_hostile_checks()

@@ -28,12 +28,14 @@ def reference_attention(
     sinks: Optional[torch.Tensor] = None,
     mask: Optional[torch.Tensor] = None,
     chunk_size: Optional[int] = None,
+    bidirectional_span: Optional[tuple[int, int]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one request.
 
     q `[Lq, Hq, D]`, k `[Lk, Hkv, D]`, v `[Lk, Hkv, Dv]`; key j sits at position j, query i at
     `q_positions[i]`. Visibility: `mask[i, j]` when given, else j <= q_positions[i] when causal, else
-    every key; a window W further keeps keys with j >= q_positions[i] - W + 1, a chunk size C (chunked
+    every key; with `bidirectional_span` (a, b) and causal, a query at a <= p < b also sees the keys at
+    a <= j < b; a window W further keeps keys with j >= q_positions[i] - W + 1, a chunk size C (chunked
     local attention) keys with j >= (q_positions[i] // C) * C. Returns the output
     `[Lq, Hq, Dv]` and natural-log LSE `[Lq, Hq]` (the sink joins the denominator), both float64 on
     the CPU. A query that sees no key (and has no sink) gets output 0 and LSE -inf.
@@ -52,6 +54,11 @@ def reference_attention(
         visible = mask.to(dev, torch.bool).clone()
     elif causal:
         visible = key_pos[None, :] <= pos[:, None]
+        if bidirectional_span is not None:
+            a, b = bidirectional_span
+            query_inside = (pos >= a) & (pos < b)
+            key_inside = (key_pos >= a) & (key_pos < b)
+            visible |= query_inside[:, None] & key_inside[None, :]
     else:
         visible = torch.ones(lq, lk, dtype=torch.bool, device=dev)
     if window is not None:

@@ -36,7 +36,8 @@ def _setting(config, option: str, env: str, attr: Any) -> Any:
 class ConformanceSuite:
     """Subclass it in a plugin's tests, set `backend` (a registry name, a `BackendSpec` or an
     `AttentionBackend` subclass) and optionally `skip` ({check-id glob: reason}), `options`
-    (constructor options), `device`, `quick`, `seed`."""
+    (constructor options), `device`, `quick`, `seed`, `only` (check-id prefixes: run those checks alone,
+    e.g. `("ragged-",)`, and no hypothesis test unless a prefix starts with "hypothesis")."""
 
     backend: ClassVar[Union[str, BackendSpec, type, None]] = None
     skip: ClassVar[Mapping[str, str]] = {}
@@ -44,6 +45,7 @@ class ConformanceSuite:
     device: ClassVar[Optional[str]] = None
     quick: ClassVar[Optional[bool]] = None
     seed: ClassVar[int] = 0
+    only: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def kit_plan(cls, config=None):
@@ -64,10 +66,10 @@ class ConformanceSuite:
         import pytest
 
         plan = type(self).kit_plan(metafunc.config)
+        only = type(self).only
         if "kit_check" in metafunc.fixturenames:
-            params = [
-                pytest.param(c, id=c.id, marks=[pytest.mark.skip(reason=r)] if (r := plan.skip_reason(c.id)) else []) for c in plan.checks
-            ]
+            checks = [c for c in plan.checks if not only or c.id.startswith(tuple(only))]
+            params = [pytest.param(c, id=c.id, marks=[pytest.mark.skip(reason=r)] if (r := plan.skip_reason(c.id)) else []) for c in checks]
             if plan.unavailable:
                 params = [pytest.param(None, id="unavailable", marks=pytest.mark.skip(reason=plan.unavailable))]
             metafunc.parametrize("kit_check", params)
@@ -75,6 +77,8 @@ class ConformanceSuite:
             from attn_core.testing.plan import choose_base
 
             modes = [] if plan.unavailable else list(choose_base(plan.target, plan.profile).modes)
+            if only and not any(o.startswith("hypothesis") for o in only):
+                modes = []
             params = [
                 pytest.param(m, id=m.name, marks=[pytest.mark.skip(reason=r)] if (r := plan.skip_reason(f"hypothesis-{m.name}")) else [])
                 for m in modes

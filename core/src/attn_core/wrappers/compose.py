@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional, Sequence
 
-from attn_core.capabilities import Capabilities, CudaGraphLevel
+from attn_core.capabilities import Capabilities, CudaGraphLevel, Feature
 from attn_core.errors import InvalidArgumentError
 
 #: BackendContext fields that fix how K/V sit in the cache; composed backends must agree on all of them.
@@ -61,7 +61,8 @@ def _min_cc(a, b):
 
 def intersect_capabilities(caps: Sequence[Capabilities]) -> Capabilities:
     """What every one of `caps` can do: sets intersected, the lowest CUDA-graph level, the narrowest
-    compute-capability range, the union of required CPU features."""
+    compute-capability range, the union of required CPU features. `Feature.RAGGED` is dropped: the ragged
+    op takes no `ForwardBatch` to route, so a composed backend does not serve it (call a child's)."""
     out = caps[0]
     for c in caps[1:]:
         out = replace(
@@ -80,4 +81,4 @@ def intersect_capabilities(caps: Sequence[Capabilities]) -> Capabilities:
             cpu_isa=out.cpu_isa | c.cpu_isa,
             kv_layouts=out.kv_layouts & c.kv_layouts,
         )
-    return out
+    return replace(out, features=out.features - {Feature.RAGGED})

@@ -5,7 +5,7 @@ verify mask) and checks every visible slot once. Per layer `forward` writes the 
 and calls one C++ kernel that plans work items (request x KV head x token block, KV-split when there
 are too few items for the threads), runs them on torch's thread pool and merges the splits by LSE.
 A MIXED step is one call too: running its decodes and its prefill chunks as two calls measured no
-faster (the work items are the same either way; docs/dev/perf-notebook.md "MIXED steps", benchmarks/mixed_split.py).
+faster (the work items are the same either way; docs/dev/perf-notebook.md "MIXED steps").
 
 Extra memory of one call (independent of the cached context length):
     threads x scratch (fixed by the head dims, under 1 MiB per thread at head_dim 128)

@@ -46,6 +46,7 @@ import torch
 
 from attn_core.backend import AttentionBackend
 from attn_core.batch import ForwardBatch
+from attn_core.bidirectional import bidirectional_span_mask
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 from attn_core.graph_step import CudaGraphStep
@@ -56,6 +57,7 @@ from attn_flashinfer import mixed, plans, replan
 from attn_flashinfer.indices import PagedKV, QueryLayout, any_positive, build_paged_kv, query_layout, self_attention_page_size
 from attn_flashinfer.local_kv import LocalKeys, build_local_decode_kv, build_local_extend, local_page_size
 from attn_flashinfer.plans import Plan
+from attn_flashinfer.ragged import RaggedPlan, plan_ragged_op, run_ragged_op
 from attn_flashinfer.scratch import DeviceScratch
 from attn_flashinfer.spec import CAPABILITIES
 from attn_flashinfer.steps import (
@@ -88,6 +90,8 @@ class Step:
     window_pool: Optional[SlidingWindowKVPool] = None  # the step's pool, when it is a sliding-window one
     local: Optional[LocalKeys] = None  # chunked local layers' queries and keys, built on first use
     tag: str = ""  # prefix of its scratch buffers' names (a split MIXED step's decode sub-step: "decode:")
+    #: bidirectional layers' visibility (`attn_core.bidirectional`), built on first use
+    span_mask: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -156,6 +160,7 @@ class FlashInferBackend(AttentionBackend[Union[Step, mixed.SplitStep]]):
         self._graph_buffers: Optional[dict[str, GraphBuffers]] = None
         self._graphs: dict[tuple[int, ForwardMode], tuple[Step, _GraphState]] = {}
         self.device_faults = DeviceFaultFlags(ctx.device)
+        self._ragged_wrappers: dict[float, object] = {}  # the ragged op's wrappers, by softmax scale
 
     def poll_device_fault(self) -> Optional[str]:
         """What the index kernel refused since the last poll (an out-of-range request row, length,
@@ -174,7 +179,7 @@ class FlashInferBackend(AttentionBackend[Union[Step, mixed.SplitStep]]):
             key_page_size = local_page_size(chunk, self.page_size, inputs.encoder_lens is not None)
             check_local_step(inputs, self.kv_layout, self.page_size, key_page_size, self.name)
         split = None
-        if self.mixed_split and window_pool is None and chunk is None:
+        if self.mixed_split and window_pool is None and chunk is None and forward_batch.bidirectional_spans is None:
             split = mixed.served_split(forward_batch, inputs)
         if split is not None:
             rows = split.to_device(self.device)
@@ -296,12 +301,17 @@ class FlashInferBackend(AttentionBackend[Union[Step, mixed.SplitStep]]):
         if x.mode.is_decode():
             kv = self._paged_kv(step, "cross" if key.cross else "seq")
             return Plan(page_size=kv.page_size, decode=self._planned(step, key, "decode", kv))
+        if key.span:  # causal plus the step's spans: the paged pass over the whole sequence under their mask
+            kv = self._paged_kv(step, "seq")
+            paged = self._planned(step, key, "paged", kv, causal=False, mask=self._span_mask(step))
+            return Plan(page_size=kv.page_size, paged=paged)
         if key.cross:
             kv = self._paged_kv(step, "cross")
             return Plan(page_size=kv.page_size, paged=self._planned(step, key, "paged", kv, causal=False))
         if x.mode.is_target_verify():
             kv = self._paged_kv(step, "seq")
-            paged = self._planned(step, key, "paged", kv, causal=x.custom_mask is None, mask=x.custom_mask)
+            causal = x.custom_mask is None and key.causal
+            paged = self._planned(step, key, "paged", kv, causal=causal, mask=x.custom_mask)
             return Plan(page_size=kv.page_size, paged=paged)
         if step.has_prefix and key.window_left >= 0:
             kv = self._paged_kv(step, "seq")
@@ -339,6 +349,15 @@ class FlashInferBackend(AttentionBackend[Union[Step, mixed.SplitStep]]):
         done.add((key, role))
         return w
 
+    def _span_mask(self, step: Step) -> torch.Tensor:
+        """The step's bidirectional-span visibility as FlashInfer's custom mask (per request a bool
+        `[q_len, seq_len]`, `attn_core.bidirectional.bidirectional_span_mask`), built on the device once."""
+        if step.span_mask is None:
+            x = step.inputs
+            total = int((x.q_lens_host.to(torch.int64) * x.seq_lens_host.to(torch.int64)).sum())
+            step.span_mask = bidirectional_span_mask(x.spans, x.seq_lens, x.q_lens, total)
+        return step.span_mask
+
     def _local_keys(self, step: Step) -> LocalKeys:
         """The step's chunked-local queries and keys (`local_kv.py`), built on first use, written at once."""
         if step.local is None:
@@ -359,10 +378,13 @@ class FlashInferBackend(AttentionBackend[Union[Step, mixed.SplitStep]]):
                 )
         return step.local
 
-    def _layer_key(self, layer, window_pool: Optional[SlidingWindowKVPool]) -> LayerKey:
-        """The `LayerKey` of `layer` in a step over `window_pool` (None: none), or a typed error for a
-        layer the step cannot serve (before any plan or KV write)."""
+    def _layer_key(self, layer, window_pool: Optional[SlidingWindowKVPool], has_spans: bool = False) -> LayerKey:
+        """The `LayerKey` of `layer` in a step over `window_pool` (None: none) and with bidirectional spans
+        or not (a bidirectional layer without spans is a causal one), or a typed error for a layer the step
+        cannot serve (before any plan or KV write)."""
         key = LayerKey.of(layer)
+        if key.span and not has_spans:
+            key = replace(key, span=False)
         if key.chunk and key.chunk != self.ctx.attention_chunk_size:
             raise InvalidArgumentError(
                 f"layer {layer.layer_id} attention_chunk_size",
@@ -481,6 +503,22 @@ class FlashInferBackend(AttentionBackend[Union[Step, mixed.SplitStep]]):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache, **extras)
 
+    # ---- the ragged op (attn_core.ragged; `ragged.py`) -------------------------------------------
+    def build_ragged_metadata(self, ragged) -> RaggedPlan:
+        return RaggedPlan(ragged)
+
+    def forward_ragged(self, q, k, v, ragged, *, scaling, return_lse):
+        """FlashInfer's ragged prefill wrapper, planned once per (batch, scaling) (`ragged.py`)."""
+        plan = self.ragged_metadata
+        wrapper = plan.wrappers.get(scaling)
+        if wrapper is None:
+            wrapper = self._ragged_wrappers.get(scaling)
+            if wrapper is None:
+                wrapper = self._ragged_wrappers[scaling] = plans.new_ragged_wrapper(self.workspace)
+            plan_ragged_op(wrapper, ragged, self.dims, scaling)
+            plan.wrappers[scaling] = wrapper
+        return run_ragged_op(wrapper, q, k, v, return_lse)
+
     @staticmethod
     def _check_new_kv(plan: Plan, k, batch) -> None:
         if plan.ragged is not None and k is None:
@@ -494,7 +532,7 @@ class FlashInferBackend(AttentionBackend[Union[Step, mixed.SplitStep]]):
         if isinstance(step, mixed.SplitStep):
             o, lse = mixed.forward(self, step, q, k, v, layer, batch, save_kv_cache, return_lse, scales)
         else:
-            plan = self._plan_for(step, self._layer_key(layer, step.window_pool))
+            plan = self._plan_for(step, self._layer_key(layer, step.window_pool, step.inputs.spans is not None))
             self._check_new_kv(plan, k, batch)
             pool = self.save_kv(k, v, layer, batch) if save_kv_cache else self.kv_pool(batch)
             k_cache, v_cache = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)

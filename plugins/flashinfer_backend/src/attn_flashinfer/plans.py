@@ -152,12 +152,14 @@ def plan_paged(
 
 
 def plan_ragged(w: BatchPrefillWithRaggedKVCacheWrapper, qo: QueryLayout, key: LayerKey, dims: Dims, lean: bool) -> None:
-    """Plan the ragged pass: each request's new tokens attend causally to the new tokens themselves."""
+    """Plan the ragged pass: each request's new tokens attend to the new tokens themselves, causally unless
+    the key's layer is encoder-only (`key.causal`)."""
     if lean:
         replan.ragged(w, qo, key, dims)
         return
     common = _common(key, dims, ragged_kv_dtype(dims))
-    w.plan(qo.indptr, qo.indptr, dims.num_q_heads, dims.num_kv_heads, dims.head_dim, causal=True, non_blocking=True, **common)
+    hq, hkv, d = dims.num_q_heads, dims.num_kv_heads, dims.head_dim
+    w.plan(qo.indptr, qo.indptr, hq, hkv, d, causal=key.causal, non_blocking=True, **common)
 
 
 def run(

@@ -204,12 +204,13 @@ def paged(w, qo: QueryLayout, kv: PagedKV, key: LayerKey, dims: Dims, causal: bo
 
 
 def ragged(w, qo: QueryLayout, key: LayerKey, dims: Dims, internals: Optional[Internals] = None) -> None:
-    """Re-plan an eager ragged prefill wrapper: each request's new tokens, causal over themselves."""
+    """Re-plan an eager ragged prefill wrapper: each request's new tokens over themselves, causal unless
+    the key's layer is encoder-only (`key.causal`)."""
     internals = internals or installed()
     _record_plan_state(w, qo, internals)
     w._qo_indptr_buf = w._kv_indptr_buf = w._o_indptr_buf = w._v_indptr_buf = qo.indptr_dev
-    w._causal = True
-    _schedule(w, qo, qo.indptr, qo.lens, 1, True, key, dims, internals)
+    w._causal = key.causal
+    _schedule(w, qo, qo.indptr, qo.lens, 1, key.causal, key, dims, internals)
 
 
 def _require_mla(internals: Optional[Internals]) -> None:

@@ -20,6 +20,11 @@ MIN_COMPUTE_CAPABILITY = (8, 0)
 #: `Feature.SLIDING_WINDOW_POOL` (window layers read their keys as window slots: `window_kv.py`) and
 #: `Feature.CHUNKED_LOCAL_ATTENTION` (virtual requests: `local_kv.py`; tests/test_gpu.py's window_pool /
 #: chunked_local checks). All verified on an H100 (docs/dev/gpu-runs.md, 2026-11-23).
+#: `Feature.RAGGED` (the ragged op on the ragged prefill wrapper, `ragged.py`; head dims that are not 64 /
+#: 128 / 256 zero-padded to the next of them), `Feature.NON_CAUSAL` (encoder-only layers: non-causal ragged /
+#: paged plans) and `Feature.BIDIRECTIONAL_SPAN` (one paged pass under the spans' custom mask): checked on the
+#: CPU through tests/fake_flashinfer.py (FlashInfer's documented semantics); the GPU kit (tests/test_gpu.py)
+#: runs their checks on a GPU.
 CAPABILITIES = Capabilities(
     devices=frozenset({"cuda"}),
     q_dtypes=frozenset({"bfloat16", "float16"}),
@@ -38,11 +43,15 @@ CAPABILITIES = Capabilities(
             Feature.SPEC_TOPK_GT1,
             Feature.SLIDING_WINDOW_POOL,
             Feature.CHUNKED_LOCAL_ATTENTION,
+            Feature.RAGGED,
+            Feature.NON_CAUSAL,
+            Feature.BIDIRECTIONAL_SPAN,
         }
     ),
     cuda_graph=CudaGraphLevel.UNIFORM_BATCH,
     kv_layouts=frozenset({"NHD", "HND"}),  # HND: verified on the GPU only (the kit's kv_layout-HND checks in tests/test_gpu.py)
     min_compute_capability=MIN_COMPUTE_CAPABILITY,
+    ragged_head_dims=frozenset(range(8, 257, 8)),
 )
 
 

@@ -23,7 +23,9 @@ class LayerKey:
     """Layer settings FlashInfer fixes at plan time. window_left = W - 1 for a window of W keys
     (-1: full attention); logit_cap 0 = off; cross: attends to the encoder tokens; window_pool: a window
     layer whose K/V live in a `SlidingWindowKVPool` (its keys: `window_kv.build_window_kv`); chunk: the
-    attention_chunk_size of a chunked local layer (0: none; its keys: `local_kv.py`)."""
+    attention_chunk_size of a chunked local layer (0: none; its keys: `local_kv.py`); causal: False for an
+    encoder-only layer (`attn_type="encoder_only"`); span: a bidirectional layer of a step with spans
+    (`attn_core.bidirectional`: one masked paged pass)."""
 
     window_left: int
     logit_cap: float
@@ -31,13 +33,18 @@ class LayerKey:
     cross: bool
     window_pool: bool = False
     chunk: int = 0
+    causal: bool = True
+    span: bool = False
 
     @classmethod
     def of(cls, layer) -> LayerKey:
         cross = bool(layer.is_cross_attention)
         window = layer.sliding_window_size
         left = -1 if window is None or cross else window - 1
-        return cls(left, float(layer.logit_cap), float(layer.scaling), cross, chunk=int(layer.attention_chunk_size or 0))
+        causal = layer.attn_type != "encoder_only"
+        span = layer.attn_type == "decoder_bidirectional"
+        chunk = int(layer.attention_chunk_size or 0)
+        return cls(left, float(layer.logit_cap), float(layer.scaling), cross, chunk=chunk, causal=causal, span=span)
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,7 @@ class StepInputs:
     encoder_lens: Optional[torch.Tensor] = None
     encoder_lens_host: Optional[torch.Tensor] = None
     custom_mask: Optional[torch.Tensor] = None  # TARGET_VERIFY: flattened bool, request after request
+    spans: Optional[torch.Tensor] = None  # int32 [bs, 2] bidirectional spans (`attn_core.bidirectional`), eager steps
 
 
 #: smallest head dim served over an fp8 KV cache (see `check_context`)
@@ -143,6 +151,7 @@ def eager_inputs(b: ForwardBatch, r2t: torch.Tensor) -> StepInputs:
         encoder_lens=b.encoder_lens,
         encoder_lens_host=b.encoder_lens_cpu,
         custom_mask=custom_mask,
+        spans=b.bidirectional_spans,
     )
 
 

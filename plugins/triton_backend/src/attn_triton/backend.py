@@ -44,6 +44,7 @@ from attn_triton.graph import GraphState
 from attn_triton.kernels.decode import DecodeConfig, decode_attention, head_blocks
 from attn_triton.kernels.extend import ExtendConfig, extend_attention
 from attn_triton.kernels.mla_decode import MAX_FOLDED_Q_LEN, MLAConfig, mla_attention, programs_per_request
+from attn_triton.kernels.ragged import RaggedConfig, attend_ragged, ragged_config, ragged_tiles
 from attn_triton.kernels.verify import VerifyConfig, verify_attention, verify_q_len
 from attn_triton.metadata import (
     CascadeKeys,
@@ -91,6 +92,7 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
         mixed_split: bool = True,
         mla_config: Optional[MLAConfig] = None,
         verify_config: Optional[VerifyConfig] = None,
+        ragged_config: Optional[RaggedConfig] = None,
         **options,
     ):
         super().__init__(ctx, **options)
@@ -112,6 +114,7 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
             )
         self.mla_cfg = mla_config or _default_mla(ctx)
         self.verify_cfg = verify_config or _default_verify(ctx)
+        self.ragged_cfg = ragged_config or _default_ragged(ctx)
         self.ctas_per_sm = 0  # the split policy's programs per SM: the MLA kernel's tiles say (MLAConfig.ctas_per_sm)
         if self.is_mla and _mla_kernel_takes(ctx.dtype, ctx.kv_dtype or ctx.dtype):
             self.heads_per_kv_block = programs_per_request(ctx.num_q_heads, self.mla_cfg)
@@ -145,7 +148,7 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
         r2t = self.req_to_token(b)
         if b.forward_mode.is_decode():
             return self._decode_metadata(b, r2t)
-        if b.forward_mode.is_mixed() and self.mixed_split:
+        if b.forward_mode.is_mixed() and self.mixed_split and b.bidirectional_spans is None:
             mixed = build_mixed_metadata(self, b, r2t)
             if mixed is not None:
                 return mixed
@@ -389,7 +392,8 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
         k_buf, v_buf = self._save_and_buffers(q, k, v, layer, forward_batch, save_kv_cache, sinks)
         cross = layer.is_cross_attention
         b = forward_batch
-        plain = not (cross or cascade is not None or layer.attention_chunk_size is not None)
+        causal, spans = _causal_and_spans(layer, b)
+        plain = causal and spans is None and not (cascade is not None or layer.attention_chunk_size is not None)
         # one host-only rule (`verify_q_len`) picks the folded kernels: MLA's for 2..16 tokens, else verify's
         same_q_len = verify_q_len(b.forward_mode, b.batch_size, q.shape[0], max_q_len) if plain else None
         if self.is_mla:
@@ -404,7 +408,8 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
             qo_indptr,
             keys,
             max_q_len,
-            causal=not cross,
+            causal=causal,
+            spans=spans,
             custom_mask=None if cross else meta.custom_mask,
             mask_indptr=None if cross else meta.mask_indptr,
             sinks=sinks,
@@ -418,7 +423,7 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
 
     def _extend(
         self, q, k_buf, v_buf, layer, qo_indptr, keys: KVIndex, max_q_len, *, causal, custom_mask, mask_indptr, sinks, want_lse,
-        verify_len=None,
+        verify_len=None, spans=None,
     ):  # fmt: skip
         """One extend-kernel launch: output `[T, Hq, Dv]` and LSE `[T, Hq]` (None unless `want_lse`).
         With `verify_len` (every request has that many tokens: `verify_q_len`) the verify kernel runs
@@ -445,7 +450,7 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
         else:
             extend_attention(
                 q_in, k_buf, v_buf, o, qo_indptr, keys.indptr, keys.indices, max_q_len, fault,
-                config=self.extend_cfg, causal=causal, d_rope=self.d_rope, share_kv=self.is_mla, **common,
+                config=self.extend_cfg, causal=causal, d_rope=self.d_rope, share_kv=self.is_mla, spans=spans, **common,
             )  # fmt: skip
         return o, lse
 
@@ -517,6 +522,15 @@ class TritonAttnBackend(AttentionBackend[Union[DecodeMetadata, ExtendMetadata, M
         )
         return merge_state(o_p, lse_p, o_suffix, lse_suffix)
 
+    def build_ragged_metadata(self, ragged) -> torch.Tensor:
+        """The varlen kernel's work list for the batch (`kernels/ragged.ragged_tiles`), once per batch."""
+        return ragged_tiles(ragged.seq_lens_cpu.tolist(), self.ragged_cfg.block_m, ragged.causal, self.device)
+
+    def forward_ragged(self, q, k, v, ragged, *, scaling, return_lse):
+        """The ragged op on the varlen kernel (`kernels/ragged.py`)."""
+        fault, cfg, tiles = self.device_faults.buffer, self.ragged_cfg, self.ragged_metadata
+        return attend_ragged(q, k, v, ragged, fault, sm_scale=scaling, config=cfg, tiles=tiles, return_lse=return_lse)
+
     # ---- helpers (host-side checks only; no device sync) -----------------------------------
     def _metadata(self, kind: type):
         meta = self.forward_metadata
@@ -564,6 +578,22 @@ def _default_extend(ctx: BackendContext) -> ExtendConfig:
 
 def _default_mla(ctx: BackendContext) -> MLAConfig:
     return mla_config(ctx.dtype, ctx.device)
+
+
+def _default_ragged(ctx: BackendContext) -> RaggedConfig:
+    return ragged_config(ctx.head_dim, ctx.dtype, ctx.device)
+
+
+def _causal_and_spans(layer: AttentionLayer, b: ForwardBatch) -> tuple[bool, Optional[torch.Tensor]]:
+    """(causal, spans) of a self-attention extend launch: encoder-only layers are not causal; bidirectional
+    layers of a batch with spans pass its `[bs, 2]` spans to the kernel (`attn_core.bidirectional`)."""
+    if layer.is_cross_attention:
+        return False, None
+    if layer.attn_type == "encoder_only":
+        return False, None
+    if layer.attn_type == "decoder_bidirectional" and b.bidirectional_spans is not None:
+        return True, b.bidirectional_spans.contiguous()
+    return True, None
 
 
 def _mla_kernel_takes(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:

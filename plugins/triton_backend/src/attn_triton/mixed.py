@@ -136,7 +136,7 @@ def forward_mixed(
         meta.prefill_qo_indptr,
         meta.prefill_kv,
         meta.prefill_max_q_len,
-        causal=True,
+        causal=layer.attn_type != "encoder_only",
         custom_mask=None,
         mask_indptr=None,
         sinks=sinks,

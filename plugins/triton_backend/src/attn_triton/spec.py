@@ -43,9 +43,15 @@ CAPABILITIES = Capabilities(
             Feature.CHUNKED_LOCAL_ATTENTION,
             Feature.SLIDING_WINDOW_POOL,
             Feature.CASCADE,
+            Feature.RAGGED,
+            Feature.NON_CAUSAL,
+            Feature.BIDIRECTIONAL_SPAN,
         }
     ),
     cuda_graph=CudaGraphLevel.UNIFORM_BATCH,
+    #: the ragged op's varlen kernel (`kernels/ragged.py`): the same head dims, split into a power-of-two
+    #: part and a remainder (d72 / d80 / d96 of ViTs without padding to 128)
+    ragged_head_dims=HEAD_DIMS,
 )
 
 

@@ -15,19 +15,21 @@ causal layers run both and merge them by LSE. In CUDA-graph mode the widths are 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Optional
 
 import torch
 
 from attn_core.backend import AttentionBackend
+from attn_core.backends.torch_native.ragged import dense_ragged_attention
 from attn_core.backends.torch_native.spec import CAPABILITIES
 from attn_core.batch import ForwardBatch, SpecInfo
+from attn_core.bidirectional import span_visible
 from attn_core.cascade import splits_into_cascade
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 from attn_core.graph_step import CudaGraphStep
-from attn_core.layer import AttentionLayer
+from attn_core.layer import AttentionLayer, AttentionType
 from attn_core.memory.pools import kv_scales, token_rows
 from attn_core.memory.window_pool import window_pool_of
 from attn_core.ops.merge_state import merge_state
@@ -48,6 +50,12 @@ class _Metadata:
     cross_keys: Optional[_KeyTable] = None
     #: cascade steps (`attn_core.cascade`): (prefix pass, suffix pass) metadata
     cascade: Optional[tuple[_Metadata, _Metadata]] = None
+    #: [bs] int64 keys of each request in self_keys (non-causal and bidirectional layers' visibility)
+    kv_lens: Optional[torch.Tensor] = None
+    #: [bs, 2] int64 bidirectional spans of the batch (`attn_core.bidirectional`), None without
+    spans: Optional[torch.Tensor] = None
+    #: a TARGET_VERIFY custom mask decides the self-attention visibility of every layer
+    custom_mask: bool = False
 
 
 def _copy_into(dst, src) -> None:
@@ -56,7 +64,7 @@ def _copy_into(dst, src) -> None:
         a, b = getattr(dst, f.name), getattr(src, f.name)
         if isinstance(a, torch.Tensor):
             a.copy_(b)
-        elif f.name != "num_tokens" and a is not None:
+        elif is_dataclass(a):
             _copy_into(a, b)
 
 
@@ -99,7 +107,9 @@ def _build_metadata(
         allowed = allowed & mask[flat.clamp(0, max(mask.numel() - 1, 0))]
     else:
         allowed = allowed & (kj[None, None, :] <= q_pos[:, :, None])
-    meta = _Metadata(num_tokens=num_tokens, q_rows=q_rows, q_pos=q_pos, self_keys=_KeyTable(slots, allowed))
+    self_keys = _KeyTable(slots, allowed)
+    meta = _Metadata(num_tokens=num_tokens, q_rows=q_rows, q_pos=q_pos, self_keys=self_keys, kv_lens=seq)
+    meta.custom_mask = use_custom_mask
 
     if encoder_lens is not None:
         ej = torch.arange(encoder_width, device=dev)
@@ -157,6 +167,8 @@ class TorchNativeBackend(AttentionBackend[_Metadata]):
             use_custom_mask=_has_custom_mask(b.forward_mode, b.spec_info),
         )
         meta = _build_metadata(**args)
+        if b.bidirectional_spans is not None:
+            meta.spans = b.bidirectional_spans.to(torch.int64)
         p = b.cascade_prefix_len
         if p:
             suffix = _build_metadata(**{**args, "width": max(b.max_seq_len - p, 1)}, kv_start=p)
@@ -246,6 +258,8 @@ class TorchNativeBackend(AttentionBackend[_Metadata]):
         if keys is None:
             raise InvalidArgumentError("forward_batch.encoder_lens", "encoder lengths for a cross-attention layer", None)
         allowed = keys.allowed
+        if not layer.is_cross_attention and not meta.custom_mask:
+            allowed = _attn_type_visibility(layer.attn_type, allowed, meta)
         if layer.sliding_window_size is not None and not layer.is_cross_attention:
             kj = torch.arange(allowed.shape[-1], device=allowed.device)
             allowed = allowed & (kj[None, None, :] > meta.q_pos[:, :, None] - layer.sliding_window_size)
@@ -262,6 +276,10 @@ class TorchNativeBackend(AttentionBackend[_Metadata]):
         vals = token_rows(v_buf, slots, pool.kv_layout, pool.page_size)
         return _attention(q, keys, vals, allowed, meta, layer, sinks, return_lse, self.max_score_bytes, kv_scales(layer, pool))
 
+    # ---- the ragged op ----------------------------------------------------------------------------
+    def forward_ragged(self, q, k, v, ragged, *, scaling, return_lse):
+        return dense_ragged_attention(q, k, v, ragged, scaling, return_lse, self.max_score_bytes)
+
     def _cascade(self, q, layer, pool, passes: tuple[_Metadata, _Metadata], return_lse: bool):
         """Prefix pass (every query over the shared keys) and suffix pass (each request over its own
         keys), merged by LSE."""
@@ -277,6 +295,20 @@ class TorchNativeBackend(AttentionBackend[_Metadata]):
         o, lse = merge_state(o_p, lse_p, o_s, lse_s)
         o = o.flatten(1)  # [T, H * Dv] (T may be 0)
         return (o, lse) if return_lse else o
+
+
+def _attn_type_visibility(attn_type: AttentionType, causal: torch.Tensor, meta: _Metadata) -> torch.Tensor:
+    """Self-attention visibility `[bs, Lq, W]` of a layer of `attn_type`: `causal` (the metadata's) for
+    decoder layers and for bidirectional ones without spans; every valid key for encoder-only layers;
+    causal plus the request's span (`attn_core.bidirectional.span_visible`) for bidirectional ones."""
+    if attn_type is AttentionType.DECODER or (attn_type is AttentionType.DECODER_BIDIRECTIONAL and meta.spans is None):
+        return causal
+    kj = torch.arange(causal.shape[-1], device=causal.device)
+    valid = (kj[None, None, :] < meta.kv_lens[:, None, None]) & (meta.q_rows < meta.num_tokens)[:, :, None]
+    if attn_type is AttentionType.ENCODER_ONLY:
+        return valid
+    a, b = meta.spans[:, 0, None, None], meta.spans[:, 1, None, None]
+    return valid & span_visible(meta.q_pos[:, :, None], kj[None, None, :], a, b)
 
 
 def _has_custom_mask(mode: ForwardMode, spec_info: Optional[SpecInfo]) -> bool:

@@ -26,6 +26,9 @@ CAPABILITIES = Capabilities(
             Feature.SLIDING_WINDOW_POOL,
             Feature.CASCADE,
             Feature.MIXED_KV_DTYPE,
+            Feature.RAGGED,
+            Feature.NON_CAUSAL,
+            Feature.BIDIRECTIONAL_SPAN,
         }
     ),
     cuda_graph=CudaGraphLevel.UNIFORM_BATCH,

@@ -205,6 +205,8 @@ def _extend_kernel(
     STORE_LSE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     LAZY: tl.constexpr,
+    SPANS,
+    HAS_SPAN: tl.constexpr,
 ):
     h = tl.program_id(0)
     mb = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -240,6 +242,12 @@ def _extend_kernel(
     v_head = V + kv_head * stride_vh
 
     lo, full_end, hi = key_ranges(kv_len, q_off, mb * BLOCK_M, BLOCK_M, window, BLOCK_N, CAUSAL, HAS_WINDOW, USE_MASK)
+    if HAS_SPAN:  # bidirectional span [a, b) of the request: its queries see keys up to b - 1 (attn_core.bidirectional)
+        span_a = tl.load(SPANS + 2 * r)
+        span_b = tl.load(SPANS + 2 * r + 1)
+        in_span = (q_pos >= span_a) & (q_pos < span_b)
+        q_pos = tl.where(in_span, span_b - 1, q_pos)  # the causal limit of each row (no window with spans)
+        hi = tl.minimum(kv_len, tl.maximum(hi, tl.max(tl.where(in_span & m_ok, span_b, 0), 0)))
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -297,6 +305,7 @@ def extend_attention(
     v_scale: float = 1.0,
     d_rope: int = 0,
     share_kv: bool = False,
+    spans: Optional[torch.Tensor] = None,
 ) -> None:
     """Attention of every request's new tokens into `o` (and `lse_out`).
 
@@ -306,7 +315,8 @@ def extend_attention(
     Causal: the new token i of request r sits at position kv_len - q_len + i. `custom_mask` (uint8, per
     request a row-major `[q_len, kv_len]` block starting at mask_indptr[r]) replaces the causal mask.
     lse_out `[T, Hq]` float32 natural log. `max_q_len` (host int) sizes the grid. fault: the int32
-    fault buffer (`attn_core.ops.device_faults`).
+    fault buffer (`attn_core.ops.device_faults`). `spans` (int32 `[bs, 2]`, causal launches without a
+    window): request r's queries at positions in [a, b) also see the keys up to b - 1 (`attn_core.bidirectional`).
     """
     T, hq, d_total = q.shape
     bs = qo_indptr.shape[0] - 1
@@ -319,7 +329,7 @@ def extend_attention(
     dv = o.shape[2]
     qk_scale, cap_scale = score_scales(sm_scale, logit_cap, k_scale)
     v = k_buf if share_kv else v_buf
-    plain = not use_mask and d_rope == 0 and not share_kv
+    plain = not use_mask and d_rope == 0 and not share_kv and spans is None
     if uses_wgmma(config, q.dtype, k_buf.dtype, d, dv, plain) and tma_compatible(k_buf) and tma_compatible(v):
         # Gluon: imported only where it runs
         from attn_triton.kernels.extend_wgmma import TMA_BOX, WGMMA_BLOCK_M, extend_wgmma_kernel, kv_descriptors, producer_regs
@@ -335,6 +345,7 @@ def extend_attention(
         tokens, grid_h, kernel = config.block_m, hq, _extend_kernel
         options = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, LAZY=config.lazy_rescale)
         options.update(num_warps=config.num_warps, num_stages=config.num_stages)
+        options.update(SPANS=spans if spans is not None else qo_indptr, HAS_SPAN=spans is not None)
     grid = (grid_h, triton.cdiv(max_q_len, tokens), bs)
     kernel[grid](
         q,
