@@ -32,7 +32,7 @@ from typing import Callable, Optional
 import torch
 
 import attn_core as ac
-from attn_core.bench.timing import time_calls
+from attn_core.bench.timing import capture_graph, time_calls
 from attn_core.graph_step import CudaGraphStep
 from attn_core.testing.reference import relative_error
 from attn_sparse.double_sparsity.pool import DoubleSparseKVPool
@@ -116,14 +116,7 @@ def measure(
     if graphs:
         backend.init_cuda_graph_state(batch.batch_size, batch.batch_size)
         backend.capture_cuda_graph_metadata(CudaGraphStep.from_batch(batch))
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            call()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            call()
+        graph = capture_graph([call], calls=1)
         backend.replay_cuda_graph_metadata(CudaGraphStep.from_batch(batch))  # as an engine does before each replay
         graph_us = time_calls(lambda _i: graph.replay(), dev, budget).median_us
     return out.float(), eager, graph_us

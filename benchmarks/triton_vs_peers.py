@@ -31,7 +31,13 @@ kernel on the same batch run as EXTEND (the path verify took before), and FlashI
 (causal); the rate is the bytes of K and V read per second, and the run also measures the device's
 copy bandwidth (a plain torch copy of a 2 GiB buffer, bytes read + written per second) to compare with.
 
-  python benchmarks/triton_vs_peers.py [--out FILE] [--only decode,extend,verify,mixed,meta,fp8] [--no-torch-native]
+FlashAttention-4 rows (`--only fa4`, issue 38): every decode and extend row for fa4 through attn
+(`create_backend("fa4")`), FA4's own `flash_attn_varlen_func` on the same pool pages and lengths, attn-triton and
+the hybrid the selection names on compute capability 9.0 (`hybrid(prefill=fa4,decode=triton)`), each checked
+against float64, timed in CUDA graphs with replays interleaved; aims: fa4 <= 1.03 x FA4's time on the extend
+rows, the hybrid <= 1.03 x the faster of its parts on every row.
+
+  python benchmarks/triton_vs_peers.py [--out FILE] [--only decode,extend,verify,mixed,meta,fp8,fa4] [--no-torch-native]
       [--decode-configs "64,16,4,3;32,16,4,4"] [--extend-configs "128,64,8,3;128,128,8,3"] [--waves 1,2,4]
       [--verify-configs "64,128,8,3;64,64,4,3"] [--fp8-configs "128,16,8,2;128,16,8,2,0;16,16,4,5,1,4"]
       [--fp8-waves 1,8]
@@ -808,6 +814,76 @@ def print_table(rows: list[RowResult]) -> str:
     return "\n".join(lines)
 
 
+# ---- FlashAttention-4 (attn-flashattention, issue 38): fa4 through attn, FA4 itself, the hybrid ----------
+FA4_HYBRID = "hybrid(prefill=fa4,decode=triton)"  # what select_backend names on compute capability 9.0
+
+
+def backend_impl(name: str, w: Workload) -> Callable[[], torch.Tensor]:
+    """Backend `name` (a composed name too) made by `create_backend` on the workload's batch, K/V as cached."""
+    backend = create_backend(name, make_context(w))
+    backend.init_forward_metadata(w.batch)
+    w.batch.attn_backend = backend
+    return lambda: backend.forward(w.q, None, None, LAYER, w.batch, save_kv_cache=False)
+
+
+def fa4_direct_impl(w: Workload) -> Callable[[], torch.Tensor]:
+    """FlashAttention-4's own `flash_attn_varlen_func` on the same pool pages, queries and lengths, its page
+    table made here from the workload's page list (planned nothing: FA4 has no plan)."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    indptr = w.page_indptr.tolist()
+    table = torch.zeros(len(w.kv_lens), max(b - a for a, b in zip(indptr, indptr[1:])), dtype=torch.int32, device="cuda")
+    for r, (a, b) in enumerate(zip(indptr, indptr[1:])):
+        table[r, : b - a] = w.page_indices[a:b]
+    k, v = w.pages()
+    args = dict(cu_seqlens_q=w.qo_indptr, max_seqlen_q=max(w.q_lens), seqused_k=w.batch.seq_lens, page_table=table)
+    return lambda: flash_attn_varlen_func(w.q, k, v, softmax_scale=LAYER.scaling, causal=True, **args)[0]
+
+
+def run_fa4_row(kind: str, spec: tuple, args, gen: torch.Generator, l2: int) -> RowResult:
+    """One decode or extend row: fa4 through attn, FA4 called directly, attn-triton and the hybrid, each
+    checked against the float64 reference, then timed in CUDA graphs with their replays interleaved."""
+    loads = row_workloads(kind, spec, gen, l2)
+    res = RowResult(spec[0], f"fa4 {kind}", work_of(kind, loads[0]))
+    impls = {"fa4": lambda w: backend_impl("fa4", w), "FA4 direct": fa4_direct_impl}
+    impls.update({"attn-triton": lambda w: backend_impl("triton", w), "hybrid": lambda w: backend_impl(FA4_HYBRID, w)})
+    groups = {}
+    for name, make in impls.items():
+        try:
+            groups[name] = [make(w) for w in loads]
+            res.errors[name] = check(loads[0], groups[name][0]())
+        except Exception as exc:
+            groups.pop(name, None)
+            print(f"  {name} failed: {exc!r:.300}", flush=True)
+    res.times_us.update(time_graphs_interleaved(groups, 3 if kind == "extend" else 20, args.reps))
+    res.timing.update({name: "cuda graph" for name in groups})
+    return res
+
+
+def print_fa4_table(rows: list[RowResult]) -> str:
+    """fa4 through attn against FA4 itself (aim: <= 1.03 x its time on every prefill/extend row) and the
+    hybrid against the faster of its two parts (aim: <= 1.03 x on every row)."""
+    lines = [
+        "| row | fa4 µs | FA4 direct µs | fa4 / FA4 time | attn-triton µs | hybrid µs | hybrid / faster part | fa4 rate |",
+        "|" + "---|" * 8,
+    ]
+
+    def fmt(x, spec=".1f"):
+        return "-" if x is None else format(x, spec)
+
+    for r in rows:
+        t = r.times_us
+        a, d, tri, h = t.get("fa4"), t.get("FA4 direct"), t.get("attn-triton"), t.get("hybrid")
+        parts = [x for x in (a, tri) if x]
+        best = min(parts) if len(parts) == 2 else None
+        unit = "TFLOP/s" if r.kind.endswith("extend") else "TB/s"
+        lines.append(
+            f"| {r.name} | {fmt(a)} | {fmt(d)} | {fmt(a / d if a and d else None, '.3f')} | {fmt(tri)} | {fmt(h)} "
+            f"| {fmt(h / best if h and best else None, '.3f')} | {fmt(r.rate('fa4'), '.1f')} {unit} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "triton_vs_peers.json"))
@@ -883,6 +959,11 @@ def main(argv=None) -> int:
         mixed_rows.append(r)
         print(f"{r.name}: {r.times_us} errors {r.errors}", flush=True)
         torch.cuda.empty_cache()
+    fa4_rows = []
+    for kind, spec in ([("decode", s) for s in DECODE_ROWS] + [("extend", s) for s in EXTEND_ROWS]) if "fa4" in only else []:
+        fa4_rows.append(run_fa4_row(kind, spec, args, gen, l2))
+        print(f"{fa4_rows[-1].name} (fa4): {fa4_rows[-1].times_us} errors {fa4_rows[-1].errors}", flush=True)
+        torch.cuda.empty_cache()
     fp8 = run_fp8_row(args, gen, l2) if "fp8" in only else None
     meta = metadata_host_times() if "meta" in only else []
     table = print_table([r for r in rows if r.kind != "verify"])
@@ -895,6 +976,9 @@ def main(argv=None) -> int:
         print(f"{fp8.name}: {fp8.times_us} errors {fp8.errors}", flush=True)
         table += "\n\n" + print_fp8_table(fp8)
         rows.append(fp8)
+    if fa4_rows:
+        table += "\n\n" + print_fa4_table(fa4_rows)
+        rows += fa4_rows
     bad = {r.name: e for r in rows + mixed_rows for e in r.errors.values() if e > 2e-2}
     print(table)
     if meta:

@@ -9,6 +9,9 @@
 #   vision = issue 40's GPU tests (non-causal / span / ragged checks, the vision-tower shape, HF towers); vision-bench = benchmarks/ragged_vs_peers.py;
 #   bench = every benchmark; mla = attn-triton's MLA kernel alone: its GPU tests and the MLA benchmark without the prefill row;
 #   BENCH_ONLY=meta limits the Triton benchmark's rows; FP8_CONFIGS="n,h,w,s[,v];..." the fp8 decode tiles swept in its fp8 row)
+# FlashAttention-4 (attn-flashattention, issue 38) has parts of its own, each fitting one device call; its wheels come in
+# three calls (scripts/fa4_wheels.sh): fa4-wheels-1 (carry .fa4/a), fa4-wheels-2 (carry .fa4/b), then fa4-install (carry
+# .fa4/c) with any of fa4-tests fa4-kit fa4-check fa4-engine fa4-bench in the same or later calls (GPU_CHECKS_READY=1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -16,7 +19,11 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 what=" ${*:-tests bench} "
 want() { [[ "$what" == *" $1 "* || "$what" == *" all "* ]]; }
+asked() { [[ "$what" == *" $1 "* ]]; }  # parts that run only when named (not by "all"): FlashAttention-4's
 # GPU_CHECKS_READY=1: setup already done by an earlier call on this machine (parts run side by side)
+if asked fa4-wheels-1 || asked fa4-wheels-2; then
+  GPU_CHECKS_READY=${GPU_CHECKS_READY:-1}  # these calls only move wheel pieces: no setup
+fi
 if [ -n "${GPU_CHECKS_READY:-}" ]; then
   [ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   [ -d /tmp/fiws ] && export FLASHINFER_WORKSPACE_BASE=/tmp/fiws
@@ -26,7 +33,7 @@ else
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   fi
   python3 -m pip install -q --no-deps --no-build-isolation -e core -e plugins/triton_backend -e plugins/flashinfer_backend -e plugins/trtllm_mla \
-    -e plugins/sparse || exit 1
+    -e plugins/sparse -e plugins/flashattention || exit 1
   if ls .fi-cache/aot*.tar.xz >/dev/null 2>&1 && python3 -c "import flashinfer" 2>/dev/null; then  # each holds aot/<module>/
     for t in .fi-cache/aot*.tar.xz; do tar -C /tmp -xJf "$t" || exit 1; done
     python3 plugins/flashinfer_backend/tools/jit_cache.py install /tmp/aot || exit 1
@@ -35,6 +42,33 @@ else
     mkdir -p /tmp/fiws && export FLASHINFER_WORKSPACE_BASE=/tmp/fiws
     for t in .fi-cache/*_fi.tgz; do tar -C /tmp/fiws -xzf "$t" || exit 1; done
   fi
+fi
+# ---- FlashAttention-4: its wheels in three calls, then its install (scripts/fa4_wheels.sh says why) ----
+if asked fa4-wheels-1; then
+  rm -rf /tmp/fa4 && mkdir -p /tmp/fa4 && cp .fa4/a/* /tmp/fa4/ || exit 1
+  ls -la /tmp/fa4; exit 0
+fi
+if asked fa4-wheels-2; then
+  [ -d /tmp/fa4 ] || { echo "fa4-wheels-2: /tmp/fa4 is missing (the machine was given back): start again with fa4-wheels-1"; exit 1; }
+  cp .fa4/b/* /tmp/fa4/ || exit 1
+  for sum in /tmp/fa4/*.whl.sha256; do
+    whl=${sum%.sha256}
+    cat "$whl".part0 "$whl".part1 > "$whl" && rm "$whl".part0 "$whl".part1 || exit 1
+    [ "$(sha256sum "$whl" | awk '{print $1}')" = "$(cat "$sum")" ] || { echo "fa4-wheels-2: $whl does not match its checksum"; exit 1; }
+    echo "rejoined $(basename "$whl")"
+  done
+  exit 0
+fi
+if asked fa4-install || asked fa4-tests || asked fa4-kit || asked fa4-check || asked fa4-engine || asked fa4-bench; then
+  if asked fa4-install; then
+    ls /tmp/fa4/nvidia_cutlass_dsl_libs_cu13-*.whl >/dev/null 2>&1 || { echo "fa4-install: /tmp/fa4 lacks the rejoined wheel: run fa4-wheels-1 and -2 first"; exit 1; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /tmp/fa4/*.whl .fa4/c/*.whl || exit 1
+    python3 -m pip install -q --no-deps --no-build-isolation -e core -e plugins/triton_backend -e plugins/flashattention || exit 1
+  fi
+  case ":${PYTHONPATH:-}:" in *:/tmp/site:*) ;; *) export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} ;; esac
+  export PYTHONPATH=$PYTHONPATH:/tmp/site/nvidia_cutlass_dsl/dsl_packages  # what the wheel's .pth file would add
+  export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4-kernels  # compiled kernels kept between calls
+  python3 -c "import flash_attn.cute as f, importlib.metadata as m; print('flash-attn-4', m.version('flash-attn-4'), f.flash_attn_varlen_func.__name__)" || exit 1
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
@@ -159,5 +193,29 @@ if want tests || want sparse-tests; then  # issue 41: both backends' sparse regi
 fi
 if want bench || want sparse-bench; then  # issue 41: double sparsity decode at 32k (heavy 1024) and dual chunk decode / prefill vs dense attn-triton
   python3 benchmarks/sparse_attention.py --json "$OUT/sparse_attention.json" 2>&1 | tee "$OUT/sparse_attention.log" || rc=1
+fi
+# FlashAttention-4 (issue 38). fa4-tests: the plugin's GPU tests but its kit (random batches over two steps, CUDA graphs
+# with tree masks and windows equal to eager, no host sync inside forward, the CPU emulation against FA4 itself);
+# fa4-kit: the kit's quick plan as pytest; fa4-check: the kit's whole plan (FA4_CHECK_ARGS, e.g. "-k graph", narrows it);
+# fa4-engine: the example engine on fa4 and on the selected hybrid (prefill fa4, decode triton) against generate, and its
+# tokens/s (needs transformers from .whl/); fa4-bench: the prefill/extend rows with fa4 through attn, FA4 called directly
+# and the hybrid (benchmarks/triton_vs_peers.py --only fa4).
+if asked fa4-tests; then
+  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/flashattention/tests -k "not conformance_kit and not engine" 2>&1 | tee "$OUT/fa4_gpu.log" || rc=1
+fi
+if asked fa4-kit; then
+  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/flashattention/tests/test_gpu.py -k conformance_kit 2>&1 | tee "$OUT/fa4_kit.log" || rc=1
+fi
+if asked fa4-check; then
+  python3 -m attn_core.cli check fa4 --device cuda ${FA4_CHECK_ARGS:-} 2>&1 | tee "$OUT/check_fa4.log" || rc=1
+fi
+if asked fa4-engine; then
+  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/flashattention/tests/test_gpu_engine.py 2>&1 | tee "$OUT/fa4_engine.log" || rc=1
+  for b in fa4 "hybrid(prefill=fa4,decode=triton)"; do
+    python3 examples/hf_llama.py --device cuda --backend "$b" --attn-dtype float16 --check 2>&1 | tee -a "$OUT/fa4_engine_tps.log" || rc=1
+  done
+fi
+if asked fa4-bench; then
+  python3 benchmarks/triton_vs_peers.py --reps 20 --no-torch-native --only fa4 --out "$OUT/fa4_vs_peers.json" 2>&1 | tee "$OUT/fa4_vs_peers.log" || rc=1
 fi
 exit $rc

@@ -2,7 +2,9 @@
 # Create .venv with the CPU build of torch 2.13.0 (a file already on disk; never a CUDA build), the
 # pinned Triton for the CPU interpreter, and every attn distribution installed editable.
 # flashinfer-python is deliberately NOT installed: it is CUDA-only and ~300 MB (its plugin, and
-# attn-trtllm-mla which depends on it, are installed with --no-deps; their GPU tests skip here).
+# attn-trtllm-mla which depends on it, are installed with --no-deps; their GPU tests skip here). The same
+# for flash-attn-4 (FlashAttention-4, CUDA only): attn-flashattention goes in with --no-deps and its CPU
+# tests run over an emulation of FA4's forward.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -24,7 +26,7 @@ $VPIP install -q -e core
 for p in plugins/*/; do
   [ -f "$p/pyproject.toml" ] || continue
   case "$p" in
-    plugins/flashinfer_backend/ | plugins/trtllm_mla/) $VPIP install -q --no-deps -e "$p" ;;
+    plugins/flashinfer_backend/ | plugins/trtllm_mla/ | plugins/flashattention/) $VPIP install -q --no-deps -e "$p" ;;
     *) $VPIP install -q -e "$p" ;;
   esac
 done
@@ -36,6 +38,7 @@ $VPIP install -q "transformers==5.23.0" -c .venv/torch-pin.txt
 .venv/bin/python -c "import torch; assert not torch.version.cuda, 'a CUDA torch was installed'; print('torch', torch.__version__)"
 # attn-ascend's torch-npu is an optional extra (it pins its own torch): never in the CPU environment
 .venv/bin/python -c "import importlib.util as u; assert u.find_spec('torch_npu') is None, 'torch-npu was installed'"
+.venv/bin/python -c "import importlib.util as u; assert u.find_spec('flash_attn') is None, 'flash-attn(-4) was installed'"
 # attn-aiter's AITER (amd-aiter) and attn-wave's wave-lang are ROCm-only extras: never in the CPU environment
 .venv/bin/python -c "import importlib.util as u; assert not any(u.find_spec(m) for m in ('aiter', 'wave_lang')), 'a ROCm vendor package was installed'"
 say "done: .venv is ready (attn-core list shows the backends usable here)"

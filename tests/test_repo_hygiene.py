@@ -1,5 +1,6 @@
 """The repository stands on its own and keeps its layering: the design document is in the repo and every
-reference to it names a section that exists; plugins import no private attn_core name."""
+reference to it names a section that exists; plugins import no private attn_core name, no private name of
+another plugin, and subclass no class of another plugin."""
 
 from __future__ import annotations
 
@@ -92,3 +93,103 @@ def test_dtype_name_is_public_and_round_trips():
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.int32):
         name = attn_core.dtype_name(dtype)
         assert "torch" not in name and getattr(torch, name) is dtype
+
+
+# ---- plugins stand on public ground: no other plugin's private names, no other plugin's classes as bases ----
+def _plugin_packages() -> dict[str, str]:
+    """Top-level package name -> plugin directory, for every plugin distribution under plugins/."""
+    out = {}
+    for plugin in (p for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").exists()):
+        for pkg in (plugin / "src").glob("*/__init__.py"):
+            out[pkg.parent.name] = plugin.name
+    return out
+
+
+def _foreign_private_imports(source: str, own: str, foreign: set[str]) -> list[str]:
+    """Imports in `source` (a module of package `own`) of a `_`-prefixed name or module of another
+    plugin's package (`foreign`)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0:
+            top = (node.module or "").split(".")[0]
+            if top in foreign and top != own:
+                found += [f"from {node.module} import {a.name}" for a in node.names if _private(a.name)]
+                found += [f"from {node.module} import ..." for part in node.module.split(".") if _private(part)]
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                parts = a.name.split(".")
+                if parts[0] in foreign and parts[0] != own and any(_private(p) for p in parts):
+                    found.append(a.name)
+    return found
+
+
+def _foreign_subclasses(source: str, own: str, foreign: set[str]) -> list[str]:
+    """Classes in `source` (a module of package `own`) with a base class imported from another plugin's
+    package: `from attn_x.m import C` then `class D(C)`, or `import attn_x.m as m` / `from attn_x import
+    m` then `class D(m.C)`."""
+    tree = ast.parse(source)
+    names, modules = set(), set()  # local names bound to another plugin's classes / modules
+    others = foreign - {own}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] in others:
+            for a in node.names:
+                (names if a.name[:1].isupper() else modules).add(a.asname or a.name)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] in others:
+                    modules.add(a.asname or a.name.split(".")[0])
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for base in node.bases:
+                root = base
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if (isinstance(base, ast.Name) and base.id in names) or (
+                    isinstance(base, ast.Attribute) and isinstance(root, ast.Name) and root.id in modules
+                ):
+                    found.append(f"class {node.name}({ast.unparse(base)})")
+    return found
+
+
+def test_the_plugin_scans_find_what_they_must():
+    foreign = {"attn_a", "attn_b"}
+    src = (
+        "from attn_b.backend import _Step, Public\nimport attn_b._impl\nfrom attn_b._x import y\n"
+        "from attn_a.m import _own\n"
+    )
+    assert _foreign_private_imports(src, "attn_a", foreign) == [
+        "from attn_b.backend import _Step",
+        "attn_b._impl",
+        "from attn_b._x import ...",
+    ]
+    sub = (
+        "from attn_b.backend import Base\nimport attn_b.mla as mla\nfrom attn_b import plans\n"
+        "from attn_a.x import Own\n"
+        "class A(Base): ...\nclass B(mla.Backend): ...\nclass C(plans.Plan): ...\n"
+        "class D(Own): ...\nclass E(object): ...\n"
+    )
+    want = ["class A(Base)", "class B(mla.Backend)", "class C(plans.Plan)"]
+    assert _foreign_subclasses(sub, "attn_a", foreign) == want
+    assert _foreign_private_imports("from attn_b.backend import Public\n", "attn_a", foreign) == []
+
+
+PLUGINS = sorted(p.name for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").exists())
+
+
+@pytest.mark.parametrize("plugin", PLUGINS)
+def test_plugins_use_no_private_name_and_no_class_of_another_plugin(plugin):
+    """A plugin may use another plugin's public names (attn-trtllm-mla holds attn-flashinfer's MLA backend
+    through its documented extension point) but none of its `_`-prefixed names (in any of its files), and
+    its shipped code (src/) subclasses no class of another plugin (its tests may build stand-ins)."""
+    packages = _plugin_packages()
+    own = {pkg for pkg, p in packages.items() if p == plugin}
+    foreign = set(packages)
+    offenders = []
+    for path in sorted((ROOT / "plugins" / plugin).rglob("*.py")):
+        source = path.read_text(encoding="utf-8")
+        for pkg in own or {""}:
+            offenders += [f"{path.relative_to(ROOT)}: {imp}" for imp in _foreign_private_imports(source, pkg, foreign)]
+            if "src" in path.relative_to(ROOT / "plugins" / plugin).parts:
+                offenders += [f"{path.relative_to(ROOT)}: {cls}" for cls in _foreign_subclasses(source, pkg, foreign)]
+    assert not offenders, "plugins build on each other's public, documented ground only:\n" + "\n".join(offenders)

@@ -21,8 +21,10 @@ import pytest
 pytestmark = pytest.mark.packaging
 
 ROOT = Path(__file__).resolve().parents[1]
-DISTRIBUTIONS = ("attn_core", "attn_triton", "attn_flashinfer", "attn_trtllm_mla", "attn_cpu_amx", "attn_ascend", "attn_sparse",
-                 "attn_aiter", "attn_wave")
+DISTRIBUTIONS = (
+    "attn_core", "attn_triton", "attn_flashinfer", "attn_trtllm_mla", "attn_cpu_amx", "attn_ascend", "attn_sparse", "attn_flashattention",
+    "attn_aiter", "attn_wave",
+)
 
 
 def run(*cmd, ok: bool = True, timeout: float = 900, **kw) -> subprocess.CompletedProcess:

@@ -13,9 +13,9 @@ from attn_core.capabilities import CudaGraphLevel
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 from attn_core.graph_runner import CudaGraphRunner
+from attn_core.tbo_split import TboSplit, split_forward_batch
 from attn_core.testing.harness import AttnCase, layer_inputs, make_env, make_layer, reference_for_layer
 from attn_core.testing.reference import relative_error, tolerance
-from attn_core.wrappers.tbo_split import TboSplit, split_forward_batch
 
 
 class Setup:

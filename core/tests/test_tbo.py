@@ -16,10 +16,10 @@ from attn_core.forward_mode import ForwardMode
 from attn_core.graph_runner import CudaGraphRunner
 from attn_core.graph_step import CudaGraphStep
 from attn_core.memory import MHATokenToKVPool
+from attn_core.tbo_split import TboSplit, compute_tbo_split, split_batch, split_forward_batch
 from attn_core.testing.harness import AttnCase, layer_inputs, make_env, make_layer, reference_for_layer
 from attn_core.testing.reference import relative_error, tolerance
 from attn_core.wrappers.tbo import TboAttnBackend
-from attn_core.wrappers.tbo_split import TboSplit, compute_tbo_split, split_batch, split_forward_batch
 
 
 def _tbo(ctx, allow_cut=True):

@@ -43,6 +43,9 @@ _EXPORTS = {
     "get_backend_class": "attn_core.registry",
     "create_backend": "attn_core.registry",
     "select_backend": "attn_core.registry",
+    "explain_selection": "attn_core.registry",
+    "PhasePriority": "attn_core.selection",
+    "Selection": "attn_core.selection",
     "explain": "attn_core.registry",
     "register_backend": "attn_core.registry",
     # torch-backed

@@ -20,9 +20,11 @@ from typing import ClassVar, Generic, Optional, TypeVar, Union
 
 import torch
 
+from attn_core import debug_paths
 from attn_core.batch import ForwardBatch, SpecInfo
 from attn_core.bidirectional import check_bidirectional_spans
 from attn_core.capabilities import Capabilities, Feature
+from attn_core.cascade import check_cascade_prefix
 from attn_core.context import BackendContext
 from attn_core.errors import DeviceIndexError, IncompatibleBackendError, InvalidArgumentError, StaleMetadataError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
@@ -124,8 +126,6 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         level = self.ctx.validation
         check_forward_batch(b, self.req_to_token(b), self.kv_pool(b), self.ctx, level=level)
         if b.cascade_prefix_len:
-            from attn_core.cascade import check_cascade_prefix  # here: attn_core.cascade imports the wrappers package
-
             check_cascade_prefix(b)
         if b.bidirectional_spans is not None or b.bidirectional_spans_cpu is not None:
             self.require(Feature.BIDIRECTIONAL_SPAN, "bidirectional spans (forward_batch.bidirectional_spans)")
@@ -248,9 +248,7 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         switch (`attn_core.debug_paths`, `ATTN_DEBUG_PATHS=1`); asked only while it is on, after the call.
         The default reads the `path` string of the step's metadata or of its plans
         (`debug_paths.metadata_path`); a backend whose path depends on the layer overrides it."""
-        from attn_core.debug_paths import metadata_path
-
-        return metadata_path(self.forward_metadata)
+        return debug_paths.metadata_path(self.forward_metadata)
 
     # ---- the per-layer call -------------------------------------------------------------------
     def forward(
@@ -577,6 +575,4 @@ def _heads_view(name: str, x: torch.Tensor, rows: int, heads: int, dim: int) -> 
 
 
 # `ATTN_DEBUG_PATHS=1`: report every layer call's path from the start (attn_core.debug_paths)
-from attn_core import debug_paths as _debug_paths  # noqa: E402  (needs AttentionBackend defined)
-
-_debug_paths._from_environment()
+debug_paths.attach(AttentionBackend)

@@ -18,7 +18,7 @@ import torch
 
 from attn_core.batch import ForwardBatch
 from attn_core.errors import InvalidArgumentError
-from attn_core.wrappers.tbo_split import TboSplit, split_forward_batch
+from attn_core.tbo_split import TboSplit, split_forward_batch
 
 BatchOrLens = Union[ForwardBatch, Sequence[int]]
 
@@ -217,7 +217,7 @@ def slice_batch(batch: ForwardBatch, start: int, end: int) -> ForwardBatch:
     (q/k/v rows, `out_cache_loc`, `positions`) cut at those requests' token boundaries,
     `extend_start_loc` and a verify mask's `mask_indptr` rebased to 0, `seq_lens_sum` and
     `extend_num_tokens` recomputed. Tensors are views of the parent's where no value changes. Built
-    on the two-batch-overlap splitter (`attn_core.wrappers.tbo_split`), cutting at request boundaries.
+    on the two-batch-overlap splitter (`attn_core.tbo_split`), cutting at request boundaries.
 
     Worked example: an EXTEND batch with query lengths `[2, 3, 4]`, seq_lens `[5, 3, 10]`:
     `slice_batch(b, 1, 3)` holds requests 1 and 2 (seq_lens `[3, 10]`, extend_seq_lens `[3, 4]`,
@@ -263,7 +263,35 @@ def uniform_query_len(batch: BatchOrLens) -> Optional[int]:
     give None.
     """
     lens = query_lens(batch)
-    return lens[0] if lens and all(n == lens[0] for n in lens) else None
+    return shared_query_len(len(lens), sum(lens), longest=max(lens, default=0))
+
+
+def shared_query_len(
+    batch_size: int, num_tokens: int, *, longest: Optional[int] = None, lens: Optional[torch.Tensor] = None
+) -> Optional[int]:
+    """The number of new tokens every one of `batch_size` requests carries, when they all carry the same,
+    else None (and None for no request); from host numbers only, for per-step code (`uniform_query_len`
+    takes a batch or a list). 0 when every request carries none: callers that need tokens test the
+    result's truth.
+
+    With `longest` (the longest request's count, which the caller often has already) the rule is O(1):
+    the counts are all equal exactly when num_tokens == batch_size * longest (none exceeds the longest,
+    so equality of the sum forces all of them); a CUDA-graph batch, every request padded to the captured
+    count, passes the same test. With `lens` (host int tensor `[batch_size]`) each count is compared. A
+    DECODE step, where the caller has no lengths at all, carries 1 each (`shared_query_len(bs, bs,
+    longest=1)`).
+
+    Examples: (3, 12, longest=4) -> 4; (3, 10, longest=4) -> None (counts 4, 4, 2);
+    (2, 6, lens=[3, 3]) -> 3; (2, 3, lens=[1, 2]) -> None; (2, 0, longest=0) -> 0; (0, 0, longest=0) -> None.
+    """
+    if batch_size < 1 or num_tokens % batch_size:
+        return None
+    n = num_tokens // batch_size
+    if longest is not None:
+        return n if longest == n else None
+    if lens is None:
+        raise InvalidArgumentError("lens", "the host query lengths when `longest` is not given", None)
+    return n if bool((lens.numpy() == n).all()) else None
 
 
 def reshape_query_for_uniform_batch(query: torch.Tensor, batch_size: int) -> torch.Tensor:

@@ -20,7 +20,6 @@ from attn_core.bench.cli import add_bench_arguments
 from attn_core.capabilities import ARCH_MHA, ARCH_MLA, CudaGraphLevel, Feature, Requirements
 from attn_core.cli_args import (
     ArgumentParser,
-    clip_quoted,
     compute_capability,
     device_arg,
     device_or_auto,
@@ -28,28 +27,9 @@ from attn_core.cli_args import (
     forward_mode_name,
     positive_int,
 )
+from attn_core.cli_verdicts import fail, unavailable_here
 from attn_core.errors import AttnError, BackendUnavailableError, quote
 from attn_core.forward_mode import ForwardMode
-
-#: exit status when the command could not do its job (unknown backend, not installed, cannot run here)
-EXIT_CANNOT_RUN = 2
-
-
-def fail(command: str, problem: object) -> int:
-    """Print `attn-core COMMAND: PROBLEM` on stderr (one line; quoted user values cut to ~80 characters,
-    `cli_args.clip_quoted`) and return `EXIT_CANNOT_RUN`."""
-    print(f"attn-core {command}: {clip_quoted(str(problem))}", file=sys.stderr)
-    return EXIT_CANNOT_RUN
-
-
-def unavailable_here(name: str) -> Optional[BackendUnavailableError]:
-    """The registry's verdict on backend `name` for `check`, `bench` and `explain NAME`: None when it can
-    run here, else the typed error `create_backend` would raise, whose message is the one line every
-    command prints ("attention backend 'flashinfer' cannot run here: <the probe's reason>"). Raises the
-    registry's own errors (unknown, not installed, failed to load)."""
-    entry = registry.default_registry().resolve(name)
-    reason = entry.probe()
-    return BackendUnavailableError(entry.name, reason) if reason else None
 
 
 def list_rows(probe: bool = True) -> list[dict]:
@@ -178,8 +158,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    """For a request, every discovered backend with "usable" or every reason it is not (with NAME: that
-    backend only; exit status 2 with the registry's one line when it cannot run here)."""
+    """For a request, every discovered backend with "usable" or every reason it is not, then the selection:
+    which backend each phase (prefill, decode) goes to and the declared measurement behind it (with NAME:
+    that backend only, no selection; exit status 2 with the registry's one line when it cannot run here)."""
     if args.name is not None:
         try:
             if (unavailable := unavailable_here(args.name)) is not None:
@@ -203,6 +184,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
         rows.append((report.name, report.distribution, f"no: {first}"))
         rows += [("", "", f"    {r}") for r in rest]
     _print_table(rows)
+    if usable and args.name is None:
+        selection = registry.explain_selection(req)
+        print(f"selected: {selection.name}")
+        for line in selection.describe():
+            print(f"  {line}")
     return 0 if usable else 1
 
 

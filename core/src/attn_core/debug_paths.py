@@ -48,6 +48,9 @@ class PathRecord:
 
 _original: Optional[Callable] = None
 _sinks: list[Callable[[PathRecord], None]] = []
+#: the class whose `forward` the switch wraps: `AttentionBackend`, handed over by `attach` when
+#: `attn_core.backend` loads (this module imports nothing of it, so the two form no import circle)
+_target: Optional[type] = None
 
 
 def enabled() -> bool:
@@ -62,13 +65,23 @@ def _printer(stream: Optional[TextIO] = None) -> Callable[[PathRecord], None]:
     return emit
 
 
+def attach(backend_class: type) -> None:
+    """Called once by `attn_core.backend` with `AttentionBackend`: the class the switch wraps. Turns the
+    switch on at once when `ATTN_DEBUG_PATHS` asks for it, or when `enable` / `recording` ran before the
+    class was loaded."""
+    global _target
+    _target = backend_class
+    if os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on") and not _sinks:
+        _sinks.append(_printer())
+    if _sinks:
+        _install()
+
+
 def _install() -> None:
     global _original
-    from attn_core.backend import AttentionBackend
-
-    if _original is not None:
+    if _original is not None or _target is None:  # not loaded yet: `attach` installs it
         return
-    _original = plain = AttentionBackend.forward
+    _original = plain = _target.forward
 
     def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):
         out = plain(self, q, k, v, layer, forward_batch, save_kv_cache, **extras)
@@ -81,15 +94,13 @@ def _install() -> None:
 
     forward.__doc__ = plain.__doc__
     forward.__wrapped__ = plain
-    AttentionBackend.forward = forward
+    _target.forward = forward
 
 
 def _uninstall() -> None:
     global _original
-    from attn_core.backend import AttentionBackend
-
-    if _original is not None and not _sinks:
-        AttentionBackend.forward = _original
+    if _original is not None and not _sinks and _target is not None:
+        _target.forward = _original
         _original = None
 
 
@@ -138,8 +149,3 @@ def metadata_path(metadata: object) -> Optional[str]:
         if found:
             return "; ".join(dict.fromkeys(found))
     return None
-
-
-def _from_environment() -> None:
-    if os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on"):
-        enable()

@@ -31,12 +31,14 @@ from attn_core.errors import (
     DuplicateBackendError,
     HookPluginError,
     IncompatibleBackendError,
+    InvalidArgumentError,
     InvalidSpecError,
     NoBackendError,
     UnknownBackendError,
     install_hint,
 )
 from attn_core.probes import TimedCheck
+from attn_core.selection import DECODE, PREFILL, PhaseChoice, Selection, choose, parse_hybrid_name, phases_of
 from attn_core.spec import API_VERSION, BackendSpec, spec_problems
 
 ENTRY_POINT_GROUP = "attn_core.backends"
@@ -54,6 +56,7 @@ KNOWN_BACKENDS: dict[str, str] = {
     "wave": "attn-wave",
     "cpu_amx": "attn-cpu-amx",
     "intel_amx": "attn-cpu-amx",
+    "fa4": "attn-flashattention",
     "double_sparsity": "attn-sparse",
     "dual_chunk": "attn-sparse",
 }
@@ -67,6 +70,7 @@ SOURCE_FOLDERS: dict[str, str] = {
     "attn-aiter": "plugins/aiter",
     "attn-wave": "plugins/wave",
     "attn-cpu-amx": "plugins/cpu_amx",
+    "attn-flashattention": "plugins/flashattention",
     "attn-sparse": "plugins/sparse",
 }
 
@@ -362,6 +366,9 @@ class Registry:
         return entry
 
     def create_backend(self, name: str, ctx, **options):
+        parts = parse_hybrid_name(name)
+        if parts is not None:
+            return self._create_hybrid(parts, ctx, options)
         entry = self.check(name, ctx)
         backend = self.get_backend_class(entry.name)(ctx, **options)
         self._call_hook("attn_core_backend_selected", name=entry.name, requirements=self._requirements(ctx))
@@ -390,19 +397,44 @@ class Registry:
                 rows.append(BackendReport(name, dist, False, (not_installed_reason(dist),)))
         return rows
 
-    def select_backend(self, request, prefer: Sequence[str] = ()) -> str:
-        """The name of the best usable backend: the first of `prefer` that is usable, else the usable
-        one of highest priority. Raises `NoBackendError` with every reason when none is."""
+    def _create_hybrid(self, parts: tuple[str, str], ctx, options: dict):
+        """`HybridAttnBackend(prefill=..., decode=...)` of a `hybrid(prefill=A,decode=B)` name: each part
+        checked and created like a name of its own (no options: give each part's through a
+        `HybridAttnBackend` built by hand)."""
+        if options:
+            want = "none for a composed backend (build HybridAttnBackend by hand to pass options)"
+            raise InvalidArgumentError("options", want, sorted(options))
+        prefill, decode = (self.create_backend(p, ctx) for p in parts)
+        from attn_core.wrappers.hybrid import HybridAttnBackend  # torch import only when one is built
+
+        return HybridAttnBackend(prefill=prefill, decode=decode)
+
+    def explain_selection(self, request, prefer: Sequence[str] = ()) -> Selection:
+        """The backend of each phase (prefill, decode) `request` needs, among the usable ones
+        (`attn_core.selection.choose`: per phase the highest priority the specs declare for this device),
+        or the first of `prefer` that is usable (a backend name, or a `hybrid(prefill=A,decode=B)` name
+        whose parts both are). Raises `NoBackendError` with every reason when no backend is usable."""
         reports = {r.name: r for r in self.explain(request)}
-        for name in prefer:
+
+        def usable(name: str) -> Optional[str]:
             key = self._aliases.get(name, name)
-            if key in reports and reports[key].usable:
-                return key
-        usable = [self.entries()[r.name] for r in reports.values() if r.usable]
-        if not usable:
+            return key if key in reports and reports[key].usable else None
+
+        for name in prefer:
+            parts = parse_hybrid_name(name)
+            keys = [usable(p) for p in parts] if parts is not None else [usable(name)]
+            if all(keys):
+                return _fixed_selection(self._requirements(request), keys)
+        specs = [self.entries()[r.name].spec for r in reports.values() if r.usable]
+        if not specs:
             raise NoBackendError([(r.name, r.reasons) for r in reports.values()])
-        best = sorted(usable, key=lambda e: (-e.spec.priority, e.name))[0]
-        return best.name
+        return choose(specs, self._requirements(request))
+
+    def select_backend(self, request, prefer: Sequence[str] = ()) -> str:
+        """The name `create_backend` takes for `request`: the first of `prefer` that is usable, else the
+        usable backend of highest priority, or `hybrid(prefill=A,decode=B)` when the fastest prefill and
+        decode backends differ (`explain_selection`). Raises `NoBackendError` with every reason when none is."""
+        return self.explain_selection(request, prefer).name
 
     def list_backends(self) -> list[BackendEntry]:
         return list(self.entries().values())
@@ -411,6 +443,15 @@ class Registry:
         """Every alias in force: alias → backend name (refused aliases are in the entries' `notes`)."""
         self.entries()
         return dict(self._aliases)
+
+
+def _fixed_selection(req: Requirements, keys: list[str]) -> Selection:
+    """The selection of a preferred name: its one backend for every phase, or a preferred hybrid's parts."""
+    phases = phases_of(req.forward_modes) or (DECODE,)
+    by_phase = {PREFILL: keys[0], DECODE: keys[-1]}
+    if len(keys) > 1 and len(phases) < 2:
+        phases = (PREFILL, DECODE)  # a preferred hybrid stays one
+    return Selection(tuple(PhaseChoice(p, by_phase[p], None) for p in phases))
 
 
 def _failed(entry: BackendEntry, error: AttnError) -> BackendEntry:
@@ -490,8 +531,14 @@ def create_backend(name: str, ctx, **options):
 
 
 def select_backend(request, prefer: Iterable[str] = ()) -> str:
-    """Name of the best backend for `request` (a `BackendContext` or `Requirements`)."""
+    """Name of the best backend for `request` (a `BackendContext` or `Requirements`): one backend, or
+    `hybrid(prefill=A,decode=B)` where the fastest prefill and decode backends differ."""
     return _default.select_backend(request, tuple(prefer))
+
+
+def explain_selection(request, prefer: Iterable[str] = ()) -> Selection:
+    """Which backend each phase of `request` goes to, and why (`Selection.describe()`)."""
+    return _default.explain_selection(request, tuple(prefer))
 
 
 def explain(request) -> list[BackendReport]:

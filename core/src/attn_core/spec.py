@@ -18,6 +18,7 @@ from typing import Callable, Optional
 from attn_core.capabilities import Capabilities, CudaGraphLevel, Feature
 from attn_core.errors import BackendLoadError
 from attn_core.forward_mode import ForwardMode
+from attn_core.selection import PhasePriority, phase_priority_problems
 
 #: Version of the backend API (the contract in `attn_core.backend`). Plugins must match the major.
 API_VERSION = "1.0"
@@ -31,7 +32,9 @@ class BackendSpec:
     else the reason ("needs CUDA", "triton not installed (pip install triton)"); it may import
     torch but should be quick. `info_fn` (optional, same rules) describes what an available backend
     found here, e.g. the CPU ISA and kernel path; `attn-core list` shows it next to "available".
-    `priority` orders `select_backend`'s default choice (higher first). `unverified` (optional) says
+    `priority` orders `select_backend`'s default choice (higher first); `phase_priorities` replace it for
+    one phase (prefill or decode) on the devices where a measurement says so (`attn_core.selection`:
+    each entry names its evidence). `unverified` (optional) says
     what of the backend has never run on hardware (e.g. a kernel path for a GPU nobody could test on);
     `attn-core list` shows it whatever the probe says.
     """
@@ -47,6 +50,7 @@ class BackendSpec:
     probe_fn: Optional[Callable[[], Optional[str]]] = field(default=None, compare=False)
     info_fn: Optional[Callable[[], Optional[str]]] = field(default=None, compare=False)
     unverified: Optional[str] = None
+    phase_priorities: tuple[PhasePriority, ...] = ()
 
     def load(self) -> type:
         """Import and return the backend class."""
@@ -155,5 +159,6 @@ def spec_problems(spec: object) -> list[str]:
             problems.append(f"{name}: expected None or a callable, found {value!r}")
     if spec.unverified is not None and not isinstance(spec.unverified, str):
         problems.append(f"unverified: expected None or a str, found {spec.unverified!r}")
+    problems += phase_priority_problems(spec.phase_priorities)
     problems += capabilities_problems(spec.capabilities)
     return [p for p in problems if p]

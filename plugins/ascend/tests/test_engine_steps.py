@@ -14,7 +14,7 @@ from attn_core.context import BackendContext
 from attn_core.forward_mode import ForwardMode
 from attn_core.layer import AttentionLayer
 from attn_core.memory import MHATokenToKVPool, MLATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
-from attn_core.ops.kv_indices import extend_start_loc_from_lens, positions_from_lens
+from attn_core.positions import extend_start_loc_from_lens, positions_from_lens
 from attn_core.testing.reference import reference_attention, relative_error
 
 PAGE = 16

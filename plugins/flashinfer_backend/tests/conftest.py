@@ -6,41 +6,21 @@ Tests using them skip where the real flashinfer is importable (their module's `p
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
 import importlib.util
 import pathlib
-import sys
 
 import pytest
 
-_REPLACED = (
-    "flashinfer", "flashinfer.cascade", "flashinfer.mla", "attn_flashinfer.plans", "attn_flashinfer.mixed", "attn_flashinfer.backend",
-    "attn_flashinfer.mla_plans", "attn_flashinfer.mla_prefill", "attn_flashinfer.mla_backend",
-)  # fmt: skip
 
-
-@contextlib.contextmanager
 def _over_the_stand_in():
-    """The stand-in installed as `flashinfer` (and the modules importing it re-imported over it) while
-    the block runs; sys.modules restored after."""
+    """`fake_flashinfer.installed()`: the stand-in as `flashinfer` while the block runs."""
     path = pathlib.Path(__file__).with_name("fake_flashinfer.py")
-    spec = importlib.util.spec_from_file_location("fake_flashinfer", path)
-    fake = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fake)
-    saved = {name: sys.modules.pop(name, None) for name in _REPLACED}
-    sys.modules["flashinfer"], sys.modules["flashinfer.cascade"], sys.modules["flashinfer.mla"] = fake, fake.cascade, fake.mla
-    try:
-        yield fake
-    finally:
-        package = sys.modules["attn_flashinfer"]
-        for name in _REPLACED:
-            sys.modules.pop(name, None)
-            if saved[name] is not None:
-                sys.modules[name] = saved[name]
-            elif name.startswith("attn_flashinfer.") and hasattr(package, name.split(".")[1]):
-                delattr(package, name.split(".")[1])  # a later import sees flashinfer missing again
+    spec = importlib.util.spec_from_file_location("fake_flashinfer_loader", path)
+    loader = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loader)
+    return loader.installed()
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,17 @@ executes the work list the int workspace holds on a stand-in GPU of `NUM_SM` mul
 the page ids from `_kv_indices_buf` when it runs (natural-log LSE with `return_lse_base_on_e`), so a
 work list written elsewhere (`attn_flashinfer.mla_works`, on the device) runs the same way.
 It says nothing about FlashInfer's kernels themselves: the GPU tests (test_gpu.py, test_gpu_mla.py) do.
+`installed(...)` puts a fresh copy of this stand-in in place of `flashinfer` while a block runs (this
+plugin's conftest and attn-trtllm-mla's CPU wiring tests use it).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import math
+import pathlib
+import sys
 import types
 
 import torch
@@ -370,3 +376,37 @@ class BatchMLAPagedAttentionWrapper:
 
 
 mla = types.SimpleNamespace(BatchMLAPagedAttentionWrapper=BatchMLAPagedAttentionWrapper)
+
+
+#: the modules that import flashinfer (re-imported over the stand-in while it is installed)
+USERS = (
+    "attn_flashinfer.plans",
+    "attn_flashinfer.planner",
+    "attn_flashinfer.mixed",
+    "attn_flashinfer.backend",
+    "attn_flashinfer.mla_plans",
+    "attn_flashinfer.mla_prefill",
+    "attn_flashinfer.mla_backend",
+)
+
+
+@contextlib.contextmanager
+def installed(users: tuple[str, ...] = ()):
+    """A fresh copy of this stand-in installed as `flashinfer` (and the modules in USERS + `users`, which
+    import it, re-imported over it) while the block runs; sys.modules restored after. Yields the copy."""
+    spec = importlib.util.spec_from_file_location("fake_flashinfer", pathlib.Path(__file__))
+    fake = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fake)
+    replaced = ("flashinfer", "flashinfer.cascade", "flashinfer.mla", *USERS, *users)
+    saved = {name: sys.modules.pop(name, None) for name in replaced}
+    sys.modules.update({"flashinfer": fake, "flashinfer.cascade": fake.cascade, "flashinfer.mla": fake.mla})
+    try:
+        yield fake
+    finally:
+        for name in replaced:
+            sys.modules.pop(name, None)
+            package, _, attr = name.rpartition(".")
+            if saved[name] is not None:
+                sys.modules[name] = saved[name]
+            elif package in sys.modules and hasattr(sys.modules[package], attr):
+                delattr(sys.modules[package], attr)  # a later import sees flashinfer missing again

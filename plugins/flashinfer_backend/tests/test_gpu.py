@@ -13,6 +13,7 @@ import torch
 
 from attn_core.capabilities import CudaGraphLevel
 from attn_core.forward_mode import ForwardMode
+from attn_core.testing import ConformanceSuite
 from attn_core.testing.compose import compose_requests
 from attn_core.testing.graphs import graph_case_check
 from attn_core.testing.harness import AttnCase, assert_case
@@ -24,23 +25,13 @@ REASON = SPEC.probe()
 requires_gpu = pytest.mark.skipif(REASON is not None, reason=f"flashinfer backend cannot run here: {REASON}")
 
 
-def _kit_checks():
-    if REASON is not None:
-        return [pytest.param(None, id="kit", marks=pytest.mark.skip(reason=f"flashinfer backend cannot run here: {REASON}"))]
-    from attn_core.testing.kit import make_plan
+class TestConformanceOnCuda(ConformanceSuite):
+    """attn-core's conformance kit on cuda at the quick sizes (skipped, with the probe's reason, where the
+    backend cannot run)."""
 
-    plan = make_plan("flashinfer", device="cuda", quick=True)
-    return [pytest.param(c, id=c.id) for c in plan.checks]
-
-
-@pytest.mark.parametrize("check", _kit_checks())
-def test_conformance_kit(check):
-    from attn_core.testing.outcome import execute
-
-    outcome = execute(check)
-    if outcome.status == "skipped":
-        pytest.skip(outcome.message)
-    assert outcome.status == "passed", outcome.message
+    backend = "flashinfer"
+    device = "cuda"
+    quick = True
 
 
 def _factory():
@@ -422,7 +413,7 @@ def test_lean_replans_match_flashinfers_own_plan(page_size, monkeypatch):
     )  # fmt: skip
     layers = [AttentionLayer(0, hq, hkv, d), AttentionLayer(1, hq, hkv, d, sliding_window_size=200, logit_cap=30.0)]
     lean, public = FlashInferBackend(ctx), FlashInferBackend(ctx, lean_replan=False)
-    assert lean.lean_replan, "lean re-plans are off for this FlashInfer version: nothing to test"
+    assert lean.planner.lean_replan, "lean re-plans are off for this FlashInfer version: nothing to test"
     modes = [ForwardMode.EXTEND] + [rng.choice(LEAN_MODES) for _ in range(9)] + [ForwardMode.TARGET_VERIFY, ForwardMode.EXTEND]
     for s, mode in enumerate(modes):
         reqs = compose_requests(rng.randint, mode, profile_for("cuda", True))
@@ -448,4 +439,5 @@ def test_lean_replans_match_flashinfers_own_plan(page_size, monkeypatch):
                 assert w._qo_indptr_last == want[name]._qo_indptr_last, f"step {s} ({mode.name}) {name}: q rows"
         release_forward_batch(batch, alloc)
     assert len(lean_calls) > 10  # the sequence did re-plan lean
-    assert not {id(w) for w in lean_calls} & {id(w) for w in public._eager_wrappers.values()}  # lean_replan=False did not
+    public_wrappers = {id(w) for w in public.planner._eager_wrappers.values()}
+    assert not {id(w) for w in lean_calls} & public_wrappers  # lean_replan=False did not

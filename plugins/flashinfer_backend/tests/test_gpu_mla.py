@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from attn_core.forward_mode import ForwardMode
+from attn_core.testing import ConformanceSuite
 from attn_core.testing.compose import compose_requests
 from attn_core.testing.harness import AttnCase, assert_case
 from attn_core.testing.profile import profile_for
@@ -41,23 +42,13 @@ def _lean_mla_reason():
 requires_lean_mla = pytest.mark.skipif(_lean_mla_reason() is not None, reason=str(_lean_mla_reason()))
 
 
-def _kit_checks():
-    if REASON is not None:
-        return [pytest.param(None, id="kit", marks=pytest.mark.skip(reason=f"flashinfer_mla backend cannot run here: {REASON}"))]
-    from attn_core.testing.kit import make_plan
+class TestConformanceOnCuda(ConformanceSuite):
+    """attn-core's conformance kit on cuda at the quick sizes (skipped, with the probe's reason, where the
+    backend cannot run)."""
 
-    plan = make_plan("flashinfer_mla", device="cuda", quick=True)
-    return [pytest.param(c, id=c.id) for c in plan.checks]
-
-
-@pytest.mark.parametrize("check", _kit_checks())
-def test_conformance_kit(check):
-    from attn_core.testing.outcome import execute
-
-    outcome = execute(check)
-    if outcome.status == "skipped":
-        pytest.skip(outcome.message)
-    assert outcome.status == "passed", outcome.message
+    backend = "flashinfer_mla"
+    device = "cuda"
+    quick = True
 
 
 def _factory(**options):

@@ -3,19 +3,16 @@ lengths checked against the pool's layout for batches built by the real allocato
 
 import random
 
-import numpy as np
 import pytest
 import torch
 
 from attn_core.batch_builder import build_forward_batch
 from attn_core.memory import PagedTokenAllocator, ReqToTokenPool
 from attn_core.ops.kv_indices import last_page_len_from_lens, page_indptr_from_lens
-from attn_core.validation import SMALL_HOST_BATCH
 from attn_flashinfer.indices import (
     HostOffsets,
     build_page_list,
     build_paged_kv,
-    page_offsets,
     paged_kv_host,
     query_layout,
     self_attention_page_size,
@@ -151,17 +148,6 @@ def test_page_list_worked_example():
     assert kv.indptr.tolist() == [0, 2, 3] and kv.num_pages == 3 and kv.page_size == 4
     assert kv.indices is buf and kv.indices[: kv.num_pages].tolist() == [5, 2, 3] and buf[3:].eq(-1).all()
     assert kv.kv_lens.dtype == kv.indptr.dtype == torch.int32
-
-
-@pytest.mark.parametrize("page_size", [1, 16, 64])
-def test_page_offsets_match_attn_core(page_size):
-    gen = torch.Generator().manual_seed(page_size)
-    for bs in (0, 1, 5, SMALL_HOST_BATCH, SMALL_HOST_BATCH + 1, 33):  # the list path and the numpy path
-        lens = torch.randint(0, 300, (bs,), generator=gen, dtype=torch.int32)
-        out = np.full(bs + 1, -7, dtype=np.int32)
-        total = page_offsets(lens.numpy(), page_size, out)
-        want = page_indptr_from_lens(lens, page_size)
-        assert out.tolist() == want.tolist() and total == int(want[-1])
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])

@@ -51,8 +51,8 @@ def test_kit_mixed_checks_with_the_split(factory, monkeypatch):
 
     mixed = importlib.import_module("attn_flashinfer.mixed")
     calls = []
-    real = mixed.forward
-    monkeypatch.setattr(mixed, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = mixed.MixedPlan.run
+    monkeypatch.setattr(mixed.MixedPlan, "run", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     plan = make_plan(factory, device="cpu", quick=True, options={"mixed_split": True})
     checks = [c for c in plan.checks if "MIXED" in c.id and plan.skip_reason(c.id) is None]
     assert len(checks) >= 3, [c.id for c in plan.checks]

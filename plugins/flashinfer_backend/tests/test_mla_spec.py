@@ -13,8 +13,7 @@ from attn_core.batch import SpecInfo
 from attn_core.capabilities import ARCH_MLA, CudaGraphLevel, Feature, Requirements
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
-from attn_flashinfer.mla_steps import check_capacity, check_mla_context, refuse_tree_mask, uniform_q_len
-from attn_flashinfer.scratch import DeviceScratch
+from attn_flashinfer.mla_steps import check_capacity, check_mla_context, refuse_tree_mask
 
 
 def test_spec_module_imports_neither_torch_nor_flashinfer():
@@ -102,23 +101,3 @@ def test_capacity_check():
     check_capacity("ids", 10, 10)
     with pytest.raises(InvalidArgumentError, match="at most 10"):
         check_capacity("ids", 11, 10)
-
-
-def test_device_scratch_grows_by_doubling_and_reuses():
-    s = DeviceScratch(torch.device("cpu"))
-    a = s.get("seq", 10)
-    assert a.shape[0] == 1024 and a.dtype == torch.int32
-    assert s.get("seq", 1024) is a
-    b = s.get("seq", 5000)
-    assert b.shape[0] == 10000 and s.get("seq", 7) is b
-    assert s.get("qo", 3) is not b
-
-
-@pytest.mark.parametrize(
-    ("lens", "bs", "T", "want"),
-    [(None, 4, 4, 1), ([3, 3], 2, 6, 3), ([1, 2], 2, 3, None), ([2, 2], 2, 5, None), ([], 0, 0, None), ([4], 1, 4, 4),
-     ([4, 4, 0, 8], 4, 16, None), ([0, 0], 2, 0, None)],
-)  # fmt: skip
-def test_uniform_q_len(lens, bs, T, want):
-    for dtype in (torch.int32, torch.int64):
-        assert uniform_q_len(None if lens is None else torch.tensor(lens, dtype=dtype), bs, T) == want

@@ -147,3 +147,63 @@ def test_device_work_list_steps_equal_flashinfer_planned_steps(mla_factory, mode
     batch.attn_backend = device
     device.init_forward_metadata(batch)
     assert device.forward_metadata.works is None
+
+
+def _composed(mla_factory):
+    """A backend that holds a `FlashInferMLABackend` and hands it every step through the public extension
+    point (no subclass): plans from `build_forward_metadata` / `capture_step` / `replay_step`, layers run
+    by the plan's `run`, graph state, faults and prefill forwarded (what attn-trtllm-mla relies on)."""
+    from attn_core.backend import AttentionBackend
+
+    class Composed(AttentionBackend):
+        name = "composed_mla"
+        capabilities = mla_factory.capabilities
+
+        def __init__(self, ctx, **options):
+            super().__init__(ctx)
+            self.fallback = mla_factory(ctx, **options)
+
+        def build_forward_metadata(self, forward_batch):
+            return self.fallback.build_forward_metadata(forward_batch)
+
+        def init_cuda_graph_state(self, max_bs, max_num_tokens):
+            self.fallback.init_cuda_graph_state(max_bs, max_num_tokens)
+
+        def capture_cuda_graph_metadata(self, step):
+            self.bind_graph_metadata(self.fallback.capture_step(step), step)
+
+        def replay_cuda_graph_metadata(self, step):
+            self.bind_graph_metadata(self.fallback.replay_step(step), step)
+
+        def poll_device_fault(self):
+            return self.fallback.poll_device_fault()
+
+        def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, return_lse=False):
+            return self.forward_metadata.run(q, k, v, layer, forward_batch, save_kv_cache, return_lse)
+
+        def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, return_lse=False):
+            return self.forward_metadata.run(q, k, v, layer, forward_batch, save_kv_cache, return_lse)
+
+    return Composed
+
+
+@pytest.mark.parametrize("name", ["decode", "verify-uniform", "extend-prefix", "mixed"])
+def test_composed_backend_steps_match_the_reference(mla_factory, name):
+    """The public extension point, eager: every plan comes from `build_forward_metadata` and runs by
+    `MLAStep.run`, over several steps of one composed backend."""
+    assert_case(_composed(mla_factory), CASES[name])
+
+
+def test_composed_backend_passes_the_kit_graph_and_step_checks(mla_factory):
+    """The public extension point under CUDA-graph capture / replay (`capture_step` / `replay_step`, the
+    kit's graph checks: metadata calls only on the CPU) and the kit's mode and step checks."""
+    from attn_core.testing.kit import make_plan
+    from attn_core.testing.outcome import execute
+
+    plan = make_plan(_composed(mla_factory), device="cpu", quick=True)
+    kinds = ("graph", "mode", "steps")
+    checks = [c for c in plan.checks if c.id.split("-")[0] in kinds and plan.skip_reason(c.id) is None]
+    assert any(c.id.startswith("graph-") for c in checks), [c.id for c in plan.checks]
+    for check in checks:
+        outcome = execute(check)
+        assert outcome.status == "passed", f"{check.id}: {outcome.message}"

@@ -116,3 +116,61 @@ def test_hnd_pool_with_chunks_off_the_pages_is_refused(factory):
     env = make_env(AttnCase("EXTEND", [(0, 13), (9, 10)], page_size=4, attention_chunk_size=5, kv_layout="HND", **BASE))
     with pytest.raises(UnsupportedFeatureError, match="HND at page_size 4"):
         factory(env.ctx).init_forward_metadata(env.batch)
+
+
+PATHS = {
+    "decode": (AttnCase("DECODE", [(20, 1), (7, 1)], **BASE), "decode"),
+    "extend-fresh": (AttnCase("EXTEND", [(0, 9), (0, 5)], **BASE), "ragged"),
+    "extend-prefix": (AttnCase("EXTEND", [(0, 9), (13, 5)], page_size=4, **BASE), "ragged + paged prefix"),
+    "extend-prefix-window": (AttnCase("EXTEND", [(0, 9), (13, 5)], sliding_window=4, **BASE), "paged causal (window)"),
+    "verify-chain": (
+        AttnCase("TARGET_VERIFY", [(17, 3), (2, 3)], page_size=4, custom_mask=False, **BASE),
+        "paged causal",
+    ),
+    "chunked-local-decode": (
+        AttnCase("DECODE", [(20, 1), (7, 1)], attention_chunk_size=8, **BASE),
+        "decode (chunked local)",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(PATHS))
+def test_each_layer_reports_its_plans_path(factory, name):
+    """The plan a layer runs is made once per step per layer setting (`Step.plan_of` hands the same
+    object to every layer of that setting), and its `path` is what attn-core's debug switch reports."""
+    import torch
+
+    from attn_core import debug_paths
+    from attn_core.testing.harness import layer_inputs, make_env, make_layer
+
+    case, path = PATHS[name]
+    env = make_env(case)
+    backend = factory(env.ctx)
+    env.batch.attn_backend = backend
+    backend.init_forward_metadata(env.batch)
+    layers = [make_layer(case, i) for i in range(2)]
+    gen = torch.Generator().manual_seed(0)
+    with debug_paths.recording() as calls:
+        for layer in layers:
+            x = layer_inputs(env, layer.layer_id, gen)
+            backend.forward(x["q"], x["k"], x["v"], layer, env.batch)
+    assert [c.path for c in calls] == [path, path]
+    step = backend.forward_metadata
+    assert step.plan_of(layers[0]) is step.plan_of(layers[1])
+
+
+def test_a_split_mixed_layer_reports_both_plans(factory):
+    import torch
+
+    from attn_core import debug_paths
+    from attn_core.testing.harness import layer_inputs, make_env, make_layer
+
+    env = make_env(AttnCase("MIXED", [(20, 1), (9, 6), (0, 5)], page_size=4, **BASE))
+    backend = factory(env.ctx, mixed_split=True)
+    env.batch.attn_backend = backend
+    backend.init_forward_metadata(env.batch)
+    layer = make_layer(env.case, 0)
+    x = layer_inputs(env, 0, torch.Generator().manual_seed(0))
+    with debug_paths.recording() as calls:
+        backend.forward(x["q"], x["k"], x["v"], layer, env.batch)
+    assert [c.path for c in calls] == ["decode + ragged + paged prefix (mixed split)"]

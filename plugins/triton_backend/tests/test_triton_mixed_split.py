@@ -20,8 +20,8 @@ import attn_core as ac
 from attn_core.errors import InvalidArgumentError
 from attn_core.testing.engine_steps import MIXED_STEPS, EngineWorld, compare_over_steps
 from attn_core.testing.harness import AttnCase, assert_case
-from attn_triton.metadata import ExtendMetadata
-from attn_triton.mixed import MixedMetadata
+from attn_triton.mixed import MixedPath
+from attn_triton.plans import ExtendPath
 
 pytestmark = requires_interpreter
 
@@ -62,7 +62,7 @@ CASES = [
 def test_split_case(case):
     made = []
     assert_case(recording(made), case)  # the default
-    assert isinstance(made[0].forward_metadata, MixedMetadata)
+    assert isinstance(made[0].forward_metadata.plain, MixedPath)
 
 
 @pytest.mark.parametrize("case", CASES[:3], ids=[c.describe() for c in CASES[:3]])
@@ -70,7 +70,7 @@ def test_unsplit_case(case):
     """`mixed_split=False` keeps one extend launch for the whole MIXED step."""
     made = []
     assert_case(recording(made, mixed_split=False), case)
-    assert isinstance(made[0].forward_metadata, ExtendMetadata)
+    assert isinstance(made[0].forward_metadata.plain, ExtendPath)
 
 
 def random_mixed_case(seed: int) -> AttnCase:
@@ -99,7 +99,7 @@ def test_random_mixed_batches(seed):
     case = random_mixed_case(seed)
     made = []
     assert_case(recording(made, mixed_split=True), case)
-    assert isinstance(made[0].forward_metadata, MixedMetadata), case.describe()
+    assert isinstance(made[0].forward_metadata.plain, MixedPath), case.describe()
 
 
 @pytest.mark.parametrize(
@@ -114,7 +114,7 @@ def test_random_mixed_batches(seed):
 def test_steps_the_split_does_not_serve_stay_unsplit(case):
     made = []
     assert_case(recording(made, mixed_split=True), case)
-    assert isinstance(made[0].forward_metadata, ExtendMetadata)
+    assert isinstance(made[0].forward_metadata.plain, ExtendPath)
 
 
 def test_out_of_range_slot_is_flagged_not_read():
@@ -137,7 +137,7 @@ def test_out_of_range_slot_is_flagged_not_read():
     step = ac.build_step(requests, [(b, 3), (a, 1)], attn_backend=backend)
     rows.req_to_token[a.row, 2] = 10**6
     backend.init_forward_metadata(step)
-    assert isinstance(backend.forward_metadata, MixedMetadata)
+    assert isinstance(backend.forward_metadata.plain, MixedPath)
     layer(torch.randn(4, 4, 16), torch.randn(4, 2, 16), torch.randn(4, 2, 16), step)
     assert backend.poll_device_fault() is not None
 
@@ -150,9 +150,10 @@ def test_engine_steps_split_and_unsplit_agree(page_size, dtype):
         for s in (True, False)
     ]
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    seen = compare_over_steps(worlds, MIXED_STEPS, seed=page_size, tol=tol, observe=lambda w: type(w.backend.forward_metadata))
+    path_kind = lambda w: type(w.backend.forward_metadata.plain)  # noqa: E731
+    seen = compare_over_steps(worlds, MIXED_STEPS, seed=page_size, tol=tol, observe=path_kind)
     assert [mode for mode, _, _ in seen] == ["EXTEND", "MIXED", "MIXED", "MIXED", "DECODE", "MIXED"]
-    assert all((split, unsplit) == (MixedMetadata, ExtendMetadata) for mode, split, unsplit in seen if mode == "MIXED")
+    assert all((split, unsplit) == (MixedPath, ExtendPath) for mode, split, unsplit in seen if mode == "MIXED")
 
 
 def test_kit_mixed_checks_pass_unsplit():

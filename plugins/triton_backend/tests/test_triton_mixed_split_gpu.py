@@ -9,7 +9,7 @@ from triton_helpers import factory
 
 import attn_core as ac
 from attn_core.testing.harness import AttnCase, assert_case
-from attn_triton.mixed import MixedMetadata
+from attn_triton.mixed import MixedPath
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -31,7 +31,7 @@ def test_split_case_on_gpu(case):
         return made[-1]
 
     assert_case(make, case)
-    assert isinstance(made[0].forward_metadata, MixedMetadata)
+    assert isinstance(made[0].forward_metadata.plain, MixedPath)
 
 
 @pytest.mark.parametrize("work", [[(0, 1), (1, 1), (2, 64)], [(2, 64), (0, 1), (1, 1)]], ids=["decode-first", "decodes last"])
@@ -59,6 +59,6 @@ def test_split_step_does_not_sync(work):
         out = layer(*qkv, step)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert isinstance(backend.forward_metadata, MixedMetadata)
+    assert isinstance(backend.forward_metadata.plain, MixedPath)
     assert out.shape == (66, 32 * 128) and bool(torch.isfinite(out).all())
     assert backend.poll_device_fault() is None

@@ -101,7 +101,7 @@ ENGINE_CASES = [(torch.float32, 16, "default"), (torch.float16, 1, "default"), (
 
 @pytest.mark.parametrize("dtype,page_size,kernel", ENGINE_CASES)
 def test_mla_engine_rounds(dtype, page_size, kernel, monkeypatch):
-    import attn_triton.backend as tb
+    import attn_triton.launchers as tb
 
     calls = []
     real = tb.mla_attention
@@ -146,7 +146,7 @@ def test_mla_wave_split_policy_through_the_backend(deterministic):
     eng = Engine(torch.float32, 16, window=24, gen=gen, mla_config=WAVES)
     eng.backend.ctx.deterministic = deterministic
     for bs in (1, 2, 3, 8):
-        got = eng.backend.decode_splits(bs).max_splits
+        got = eng.backend.planner.decode_splits(bs).max_splits
         want = SMALL_SPLITS.deterministic_max_splits if deterministic else wave_splits(bs, 4, SMALL_SPLITS.cap, SMALL_SPLITS.waves)
         assert got == want, (bs, got, want)
     assert [wave_splits(bs, 4, 8, 64.0) for bs in (1, 2, 3, 8)] == [4, 2, 4, 1]  # 1, 2, 3, 8 programs on 4 slots

@@ -1,49 +1,50 @@
-"""SplitScratch: the decode split scratch hands out the same views per (bs, max_splits) until it grows,
-and views handed out before a growth keep their own memory. IndexScratch: the step's key index reuses
-one buffer across steps (views per batch size), and the index kernel stays inside the step's keys."""
+"""The Triton backend's scratch (attn-core's `DeviceScratch`): the decode split views per (bs, max_splits)
+and the step's key index views per batch size are handed out again until the buffers grow, and views
+handed out before a growth keep their own memory; engine-style steps reuse one index buffer, and the
+index kernel stays inside the step's keys."""
 
 import torch
 from triton_helpers import requires_interpreter
 
-from attn_triton.metadata import SplitScratch
+from attn_core.memory.scratch import DeviceScratch
+from attn_triton.metadata import main_kv, split_views
 
 
-def test_views_shape_reuse_and_growth():
+def test_split_views_shape_reuse_and_growth():
     hq, dv = 3, 5
-    s = SplitScratch(hq, dv, torch.device("cpu"))
-    o, lse = s.views(4, 2)
+    s = DeviceScratch(torch.device("cpu"), min_entries=16)
+    o, lse = split_views(s, 4, 2, hq, dv)
     assert o.shape == (4, hq, 2, dv) and lse.shape == (4, hq, 2)
-    assert o.is_contiguous() and lse.is_contiguous()
-    again = s.views(4, 2)
+    assert o.is_contiguous() and lse.is_contiguous() and o.dtype == lse.dtype == torch.float32
+    again = split_views(s, 4, 2, hq, dv)
     assert again[0] is o and again[1] is lse  # no per-step view construction
     o.fill_(7.0)
-    small = s.views(2, 2)  # fits: the same memory, a different shape
+    small = split_views(s, 2, 2, hq, dv)  # fits: the same memory, a different shape
     assert small[0].data_ptr() == o.data_ptr() and small[0].shape == (2, hq, 2, dv)
-    big_o, big_lse = s.views(64, 4)  # grows: new buffers, fresh views
+    big_o, big_lse = split_views(s, 64, 4, hq, dv)  # grows: new buffers, fresh views
     assert big_o.shape == (64, hq, 4, dv) and big_lse.shape == (64, hq, 4)
     assert big_o.data_ptr() != o.data_ptr()
     big_o.fill_(-1.0)
     assert bool((o == 7.0).all())  # an earlier step's views still own the old buffer
-    after = s.views(4, 2)
+    after = split_views(s, 4, 2, hq, dv)
     assert after[0] is not o and after[0].data_ptr() == big_o.data_ptr()  # views of the grown buffer
 
 
-def test_index_scratch_views_per_batch_size_and_growth():
-    from attn_triton.metadata import IndexScratch
-
-    s = IndexScratch(torch.device("cpu"))
-    a = s.kv(2, 10)
-    assert a.indptr.shape == (3,) and a.indices.shape == (13,)  # the rest of the 16-entry buffer: room for 10
-    assert a.indices.data_ptr() == a.indptr.data_ptr() + 3 * 4 and s.capacity == 16
-    assert s.kv(2, 12) is a  # fits: the same views, no per-step view construction
-    zero = s.kv(3, 0)
-    assert zero.indptr.shape == (4,) and zero.indices.shape == (12,) and zero.indptr.data_ptr() == a.indptr.data_ptr()
+def test_main_kv_views_per_batch_size_and_growth():
+    s = DeviceScratch(torch.device("cpu"), min_entries=16)
+    a = main_kv(s, 2, 10)
+    assert a.indptr.shape == (3,) and a.indices.shape == (23,)  # the rest of a 26-entry buffer: room for 10
+    assert a.indices.data_ptr() == a.indptr.data_ptr() + 3 * 4
+    assert main_kv(s, 2, 12) is a  # fits: the same views, no per-step view construction
+    zero = main_kv(s, 3, 0)
+    assert zero.indptr.shape == (4,) and zero.indices.shape == (22,) and zero.indptr.data_ptr() == a.indptr.data_ptr()
     a.indices.fill_(5)
-    c = s.kv(4, 40)  # grows by a quarter more than asked
-    assert s.capacity == 56 and c.indptr.data_ptr() != a.indptr.data_ptr() and c.indices.shape == (51,)
+    c = main_kv(s, 4, 40)  # grows to twice what was asked
+    assert c.indptr.data_ptr() != a.indptr.data_ptr() and c.indices.shape == (2 * 45 - 5,)
     c.indices.fill_(-1)
     assert bool((a.indices == 5).all())  # an earlier step's views keep the old buffer
-    assert s.kv(2, 10) is not a and s.kv(2, 10).indptr.data_ptr() == c.indptr.data_ptr()  # views of the grown buffer
+    again = main_kv(s, 2, 10)
+    assert again is not a and again.indptr.data_ptr() == c.indptr.data_ptr()  # views of the grown buffer
 
 
 @requires_interpreter
@@ -74,7 +75,8 @@ def test_decode_steps_reuse_the_index_buffer_and_stay_inside_it():
     big = step([(40, 1)] * 5)
     backend.init_forward_metadata(big)
     kv = backend.forward_metadata.kv
-    buf = backend._index_scratch.buffer
+    buf = backend.planner.scratch.get("kv", 1)  # the step's index buffer (asking for 1 entry never grows it)
+    assert kv.indptr.data_ptr() == buf.data_ptr()
     assert kv.indices.shape[0] >= big.seq_lens_sum
     for r in range(5):  # each request's keys are its table row
         row = int(big.req_pool_indices[r])
@@ -90,7 +92,8 @@ def test_decode_steps_reuse_the_index_buffer_and_stay_inside_it():
     buf.fill_(-7)
     backend.init_forward_metadata(small)
     kv = backend.forward_metadata.kv
-    assert backend._index_scratch.buffer is buf  # reused; the kernel is held to the host sum (capacity 23)
+    assert backend.planner.scratch.get("kv", 1) is buf and kv.indptr.data_ptr() == buf.data_ptr()  # reused
+    # the kernel is held to the host sum (capacity 23)
     end = 3 + 23
     assert bool((buf[end:] == -7).all()), "the index kernel wrote past the step's keys"
     assert kv.indptr.tolist() == [0, 20, 23]
@@ -101,7 +104,7 @@ def test_decode_steps_reuse_the_index_buffer_and_stay_inside_it():
 
 @requires_interpreter
 def test_plain_decode_steps_of_one_size_share_a_metadata_object_with_fresh_indices():
-    """Decode steps of the same batch size hand out the same metadata object (only the index contents
+    """Decode steps of the same batch size hand out the same plan object (only the index contents
     change), each step's indices are its own table rows, and a step of another size gets its own."""
     from attn_core.batch_builder import build_forward_batch
     from attn_core.context import BackendContext

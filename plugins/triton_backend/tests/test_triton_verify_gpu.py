@@ -23,7 +23,7 @@ GQA = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, device="cuda", num_laye
 @pytest.mark.parametrize("drafts", [4, 8])
 @pytest.mark.parametrize("mode,tree", [("TARGET_VERIFY", False), ("TARGET_VERIFY", True), ("DRAFT_EXTEND", False)])
 def test_verify_matches_torch_native_on_cuda(drafts, mode, tree, monkeypatch):
-    import attn_triton.backend as tb
+    import attn_triton.launchers as tb
 
     calls = []
     real = tb.verify_attention

@@ -80,7 +80,7 @@ class Engine:
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_speculative_rounds_of_the_same_requests(page_size, monkeypatch):
-    import attn_triton.backend as tb
+    import attn_triton.launchers as tb
 
     calls = {"verify": 0, "extend": 0}
 

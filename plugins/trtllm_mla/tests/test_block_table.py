@@ -1,5 +1,6 @@
-"""Block tables in TensorRT-LLM's layout: the worked example, random batches against a plain loop,
-writes into a fixed (CUDA-graph) buffer, widths and errors. CPU only."""
+"""Block tables in TensorRT-LLM's layout (attn-core's `page_table_from_req_to_token` padded with `PAD`, at
+the width `args.padded_width` gives): the worked example, random batches against a plain loop, writes into
+a fixed (CUDA-graph) buffer, widths and errors. CPU only."""
 
 import random
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from attn_core.errors import InvalidArgumentError
-from attn_trtllm_mla.block_table import PAD, build_block_table, check_width, padded_width
+from attn_core.ops.kv_indices import page_table_from_req_to_token
+from attn_trtllm_mla.args import PAD, check_width, padded_width
 
 
 def test_worked_example():
@@ -15,7 +17,8 @@ def test_worked_example():
     r2t[2, :70] = torch.cat([torch.arange(320, 352), torch.arange(96, 128), torch.arange(640, 646)]).to(torch.int32)
     r2t[0, :5] = torch.arange(32, 37, dtype=torch.int32)
     assert padded_width(70, 32) == 4
-    table = build_block_table(r2t, torch.tensor([2, 0]), torch.tensor([70, 5], dtype=torch.int32), 32, 4)
+    lens = torch.tensor([70, 5], dtype=torch.int32)
+    table = page_table_from_req_to_token(r2t, torch.tensor([2, 0]), lens, 32, 4, pad=PAD)
     assert table.dtype == torch.int32 and table.tolist() == [[10, 3, 20, -1], [1, -1, -1, -1]]
 
 
@@ -54,10 +57,11 @@ def test_random_batches_match_a_plain_loop(seed):
         mine = [pages.pop() for _ in range(-(-n // page))]
         r2t[row, :n] = torch.tensor([mine[t // page] * page + t % page for t in range(n)], dtype=torch.int32)
     width = padded_width(max(lens), page)
-    got = build_block_table(r2t, torch.tensor(rows), torch.tensor(lens, dtype=torch.int32), page, width)
+    rows_t, lens_t = torch.tensor(rows), torch.tensor(lens, dtype=torch.int32)
+    got = page_table_from_req_to_token(r2t, rows_t, lens_t, page, width, pad=PAD)
     assert got.tolist() == _loop_table(r2t, rows, lens, page, width)
     buf = torch.full((rows_n + 2, width), 123, dtype=torch.int32)  # a CUDA graph's fixed buffer
-    view = build_block_table(r2t, torch.tensor(rows), torch.tensor(lens, dtype=torch.int32), page, width, out=buf)
+    view = page_table_from_req_to_token(r2t, rows_t, lens_t, page, width, pad=PAD, out=buf)
     assert view.data_ptr() == buf.data_ptr() and buf[:bs].tolist() == got.tolist() and (buf[bs:] == 123).all()
 
 

@@ -7,29 +7,19 @@ from __future__ import annotations
 
 import pytest
 
+from attn_core.testing import ConformanceSuite
 from attn_trtllm_mla.spec import SPEC
 
 pytestmark = pytest.mark.gpu
 REASON = SPEC.probe()
 
 
-def _kit_checks():
-    if REASON is not None:
-        return [pytest.param(None, id="kit", marks=pytest.mark.skip(reason=f"trtllm_mla cannot run here: {REASON}"))]
-    from attn_core.testing.kit import make_plan
+class TestConformanceOnCuda(ConformanceSuite):
+    """attn-core's conformance kit on cuda at the quick sizes (skipped, with the probe's reason: no Blackwell GPU)."""
 
-    plan = make_plan("trtllm_mla", device="cuda", quick=True)
-    return [pytest.param(c, id=c.id) for c in plan.checks]
-
-
-@pytest.mark.parametrize("check", _kit_checks())
-def test_conformance_kit(check):
-    from attn_core.testing.outcome import execute
-
-    outcome = execute(check)
-    if outcome.status == "skipped":
-        pytest.skip(outcome.message)
-    assert outcome.status == "passed", outcome.message
+    backend = "trtllm_mla"
+    device = "cuda"
+    quick = True
 
 
 # ---- DeepSeek's prefill on TRT-LLM's ragged kernel (compute capability 10.x) ------------------------

@@ -94,7 +94,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from attn_core.bench.runner import run_bench
     from attn_core.bench.timing import load_warning
     from attn_core.bench.workloads import model_for, standard_workloads
-    from attn_core.cli import fail, unavailable_here
+    from attn_core.cli_verdicts import fail, unavailable_here
     from attn_core.errors import AttnError
 
     if args.plot and (problem := _check_plot_dependency()):

@@ -1,4 +1,5 @@
-"""Triton kernel of `merge_state` (see `attn_core.ops.merge_state` for the math and conventions).
+"""Triton kernel of `merge_state` (see `attn_core.ops.merge_state` for the math and conventions;
+the argument checks are `attn_core.ops.merge_state_torch`'s).
 
 One program per (token, head) merges the two `[D]` rows in float32. Importing this module imports
 Triton; with `TRITON_INTERPRET=1` set before the import the kernel runs on CPU tensors (used by the
@@ -14,7 +15,7 @@ import triton
 import triton.language as tl
 
 from attn_core.errors import InvalidArgumentError
-from attn_core.ops.merge_state import check_merge_args
+from attn_core.ops.merge_state_torch import check_merge_args
 
 
 @triton.jit

@@ -17,7 +17,7 @@ class KitTarget:
     when it came through an entry point, the "module:attr" of its spec (for the import-light check)."""
 
     name: str
-    backend_class: type
+    backend_class: Optional[type]  # None: not loaded, the backend cannot run here (its probe says why)
     capabilities: Capabilities
     options: Mapping[str, Any] = field(default_factory=dict)
     spec: Optional[BackendSpec] = None
@@ -35,7 +35,9 @@ class KitTarget:
 
 def resolve_target(backend: Union[str, BackendSpec, type], options: Optional[Mapping[str, Any]] = None, registry=None) -> KitTarget:
     """Resolve `backend` (a registry name, a spec or an `AttentionBackend` subclass). Raises the
-    registry's typed errors (unknown, not installed, load failure, API mismatch, duplicate)."""
+    registry's typed errors (unknown, not installed, load failure, API mismatch, duplicate), except that a
+    class that fails to load where the spec's probe says the backend cannot run here (its vendor library
+    missing, say) resolves without a class: the plan is then unavailable with the probe's reason."""
     from attn_core.backend import AttentionBackend
 
     options = dict(options or {})
@@ -45,14 +47,24 @@ def resolve_target(backend: Union[str, BackendSpec, type], options: Optional[Map
 
             registry = default_registry()
         entry = registry.resolve(backend)
-        cls = registry.get_backend_class(entry.name)
+        cls = _load_unless_unavailable(lambda: registry.get_backend_class(entry.name), entry.spec)
         source = entry.source if ":" in entry.source else None
         return KitTarget(entry.name, cls, entry.spec.capabilities, options, entry.spec, source)
     if isinstance(backend, BackendSpec):
-        cls = backend.load()
-        if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
+        cls = _load_unless_unavailable(backend.load, backend)
+        if cls is not None and not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
             raise BackendLoadError(backend.name, backend.backend_class, TypeError("not an AttentionBackend subclass"))
         return KitTarget(backend.name, cls, backend.capabilities, options, backend, None)
     if isinstance(backend, type) and issubclass(backend, AttentionBackend):
         return KitTarget(backend.name or backend.__name__, backend, backend.capabilities, options)
     raise TypeError(f"expected a backend name, a BackendSpec or an AttentionBackend subclass, got {backend!r}")
+
+
+def _load_unless_unavailable(load, spec: BackendSpec) -> Optional[type]:
+    """`load()`, or None when it raises `BackendLoadError` while `spec`'s probe gives a reason."""
+    try:
+        return load()
+    except BackendLoadError:
+        if TimedCheck(spec.probe).result(probe_timeout()) is None:
+            raise
+        return None

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from attn_ascend.metadata import AscendMetadata, host_metadata, page_table, pages_for
+from attn_ascend.metadata import AscendMetadata, host_metadata
 from attn_ascend.npu_ops import NpuOps, load_torch_npu
 from attn_ascend.spec import CAPABILITIES
 from attn_core.backend import AttentionBackend
@@ -29,6 +29,7 @@ from attn_core.batch import ForwardBatch
 from attn_core.errors import IncompatibleBackendError, InvalidArgumentError, UnsupportedFeatureError
 from attn_core.forward_mode import ForwardMode
 from attn_core.graph_step import CudaGraphStep
+from attn_core.ops.kv_indices import page_table_from_req_to_token, pages_for
 
 #: side of the compressed causal mask the fused-infer operator takes with sparse_mode 3
 CAUSAL_MASK_SIZE = 2048
@@ -65,10 +66,12 @@ class AscendBackend(AttentionBackend[AscendMetadata]):
         seq = [int(n) for n in b.seq_lens_cpu.tolist()]
         q = [1] * b.batch_size if b.forward_mode.is_decode() else [int(n) for n in b.extend_seq_lens_cpu.tolist()]
         keep, seq_kept, q_cumsum = host_metadata(seq, q)
-        rows = b.req_pool_indices
+        rows, lens = b.req_pool_indices, b.seq_lens
         if len(keep) < len(q):
-            rows = rows[torch.tensor(keep, dtype=torch.long).to(rows.device)]
-        tables = page_table(self.req_to_token(b), rows, max(seq_kept, default=0), self.page_size)
+            kept = torch.tensor(keep, dtype=torch.long).to(rows.device)
+            rows, lens = rows[kept], lens[kept]
+        cols = pages_for(max(seq_kept, default=0), self.page_size)
+        tables = page_table_from_req_to_token(self.req_to_token(b), rows, lens, self.page_size, cols)
         return AscendMetadata(tables, torch.tensor(seq_kept, dtype=torch.int32), seq_kept, q_cumsum)
 
     # ---- NPU graph mode ------------------------------------------------------------------------
@@ -106,8 +109,8 @@ class AscendBackend(AttentionBackend[AscendMetadata]):
         cols = pages_for(max_len, self.page_size)
         if cols > tables.shape[1]:
             raise InvalidArgumentError("seq_lens", f"<= max_context_len {self.ctx.max_context_len}", max_len)
-        tables[:, :cols].copy_(page_table(self.req_to_token(), step.req_pool_indices, max_len, self.page_size))
-        tables[:, cols:].zero_()
+        r2t, width = self.req_to_token(), tables.shape[1]
+        page_table_from_req_to_token(r2t, step.req_pool_indices, step.seq_lens, self.page_size, width, out=tables)
         q_cumsum = [t * (i + 1) for i in range(bs)]
         return AscendMetadata(tables, torch.tensor(seq, dtype=torch.int32), seq, q_cumsum, graph_mode=True)
 

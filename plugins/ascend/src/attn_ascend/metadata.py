@@ -2,7 +2,8 @@
 
 The operators take sequence lengths on the host (ATB PagedAttention's context_lens is a CPU int32
 tensor; the fused-infer operator's actual_seq_lengths[_kv] are int lists), so metadata keeps them as
-host data built from the batch's `_cpu` fields; `forward` never reads a device tensor back.
+host data built from the batch's `_cpu` fields; `forward` never reads a device tensor back. Block tables
+and page counts are attn-core's (`attn_core.ops.kv_indices.page_table_from_req_to_token`, `pages_for`).
 """
 
 from __future__ import annotations
@@ -30,23 +31,6 @@ class AscendMetadata:
     seq_lens: list[int]
     q_cumsum: list[int]
     graph_mode: bool = False
-
-
-def pages_for(tokens: int, page_size: int) -> int:
-    """Pages holding `tokens` tokens. Example: pages_for(129, 128) == 2, pages_for(0, 16) == 0."""
-    return -(-tokens // page_size)
-
-
-def page_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, max_len: int, page_size: int) -> torch.Tensor:
-    """Block table of the requests in rows `req_pool_indices` of `req_to_token` (int32 slot ids
-    `[max_reqs, max_context_len]`): page id = slot of each page's first token // page_size, for the
-    first `max_len` tokens. Returns int32 `[len(req_pool_indices), pages_for(max_len, page_size)]` on
-    req_to_token's device (entries past a request's own length are whatever its row holds there).
-
-    Example: page_size 2, row [8, 9, 4, 5, 6, 7], max_len 5 -> first slots of pages 8, 4, 6 -> [[4, 2, 3]].
-    """
-    cols = req_to_token[req_pool_indices.long(), : pages_for(max_len, page_size) * page_size : page_size]
-    return torch.div(cols, page_size, rounding_mode="floor").to(torch.int32)
 
 
 def host_metadata(seq_lens: list[int], q_lens: list[int]) -> tuple[list[int], list[int], list[int]]:

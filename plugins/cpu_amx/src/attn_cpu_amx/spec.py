@@ -7,7 +7,9 @@ from typing import Optional
 from attn_core.capabilities import ARCH_MHA, Capabilities, CudaGraphLevel, Feature
 from attn_core.forward_mode import ForwardMode
 from attn_core.probes import first_reason, module_missing
+from attn_core.selection import PREFILL, PhasePriority
 from attn_core.spec import BackendSpec
+from attn_cpu_amx.isa import AVX512_FLAGS, requested_path
 
 MAX_HEAD_DIM = 256
 
@@ -33,6 +35,35 @@ CAPABILITIES = Capabilities(
         {Feature.SLIDING_WINDOW, Feature.LOGIT_CAP, Feature.SINKS, Feature.CUSTOM_MASK, Feature.LSE_OUTPUT, Feature.MIXED_KV_DTYPE}
     ),
     cuda_graph=CudaGraphLevel.NEVER,
+)
+
+
+#: where each phase should go (attn_core.selection), from `attn-core bench cpu_amx --vs torch_native`
+#: (docs/dev/perf-notebook.md, "attn-cpu-amx by kernel path: which phases it should serve"): every path
+#: decodes faster than torch_native (the spec's priority 20 stands); at bf16 prefill/extend the portable
+#: C++ path (CPUs without AVX-512, or ATTN_CPU_AMX_ISA=portable) is slower than torch_native, the AVX-512
+#: and AMX paths faster (float32 on the portable path measured faster than torch_native: it keeps 20)
+_EVIDENCE = "docs/dev/perf-notebook.md, 'attn-cpu-amx by kernel path: which phases it should serve'"
+PHASE_PRIORITIES = (
+    PhasePriority(
+        PREFILL,
+        -10,
+        _EVIDENCE + ": portable path, bf16, 0.15-0.54x torch_native on the extend/prefill rows",
+        device="cpu",
+        q_dtypes=frozenset({"bfloat16"}),
+    ),
+) + (
+    ()
+    if requested_path() == "portable"
+    else (
+        PhasePriority(
+            PREFILL,
+            20,
+            _EVIDENCE + ": AVX-512 path 4.1-9.1x torch_native on the extend/prefill rows (AMX: 20.9-28.2x, issue 7)",
+            device="cpu",
+            cpu_isa=AVX512_FLAGS,
+        ),
+    )
 )
 
 
@@ -69,6 +100,7 @@ SPEC = BackendSpec(
     backend_class="attn_cpu_amx.backend:CpuAmxBackend",
     aliases=("intel_amx",),
     priority=20,
+    phase_priorities=PHASE_PRIORITIES,
     probe_fn=probe,
     info_fn=info,
 )

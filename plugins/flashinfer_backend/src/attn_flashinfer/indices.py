@@ -22,8 +22,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from attn_core.ops.kv_indices import build_kv_indices
-from attn_core.validation import SMALL_HOST_BATCH
+from attn_core.ops.kv_indices import build_kv_indices, host_last_page_lens, host_page_offsets
 
 #: (batch size, page count) -> device int32 buffers for (page ids, indptr or None, last_page_len or None)
 DeviceOut = Callable[[int, int], tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]]
@@ -57,45 +56,18 @@ class PagedKV:
 
 def paged_kv_host(kv_lens_host: torch.Tensor, page_size: int) -> PagedKV:
     """Host side of a `PagedKV` (no device arrays yet): kv_lens int32, indptr int32 `[bs+1]`,
-    last_page_len int32 `[bs]`, the longest request and the page count.
-
-    The numbers of attn_core's `page_indptr_from_lens` / `last_page_len_from_lens` (tests check they
-    agree), computed with a handful of numpy ops: this runs on the host every step before FlashInfer's
-    plan, where each torch op would cost several times more. last = min((len + P - 1) % P + 1, len)
-    (0 for an empty request, else 1..P)."""
+    last_page_len int32 `[bs]`, the longest request and the page count: attn-core's host page arithmetic
+    (`host_page_offsets`, `host_last_page_lens`), a handful of numpy ops, since this runs on the host every
+    step before FlashInfer's plan, where each torch op would cost several times more."""
     lens_t = kv_lens_host if kv_lens_host.dtype == torch.int32 else kv_lens_host.to(torch.int32)
     lens = lens_t.numpy()
     bs = lens.shape[0]
     packed = np.empty(2 * bs + 1, dtype=np.int32)  # one allocation for both arrays
     indptr, last = packed[: bs + 1], packed[bs + 1 :]
-    page_offsets(lens, page_size, indptr)
-    if page_size == 1:
-        np.minimum(lens, 1, out=last)
-    else:
-        np.minimum((lens + (page_size - 1)) % page_size + 1, lens, out=last)
+    total = host_page_offsets(lens, page_size, indptr)
+    host_last_page_lens(lens, page_size, last)
     max_len = int(lens.max()) if bs else 0
-    return PagedKV(page_size, lens_t, torch.from_numpy(indptr), torch.from_numpy(last), max_len, int(indptr[bs]))
-
-
-def page_offsets(lens: np.ndarray, page_size: int, out: np.ndarray) -> int:
-    """Write the page offsets of requests with `lens` keys (numpy int32 `[bs]`) into `out` (numpy
-    int32 `[bs+1]`: 0, then the running sum of ceil(len / page_size)) and return the page count.
-
-    Up to `SMALL_HOST_BATCH` requests the sum runs over a Python list (~0.6 µs at bs 1 on a desktop core,
-    against ~4 µs for the numpy ops at any size). Example: lens [5, 2, 0], page_size 4 -> out [0, 2, 3, 3],
-    returns 3."""
-    out[0] = 0
-    if lens.shape[0] <= SMALL_HOST_BATCH:
-        total = 0
-        for i, n in enumerate(lens.tolist(), 1):
-            total += (n + page_size - 1) // page_size
-            out[i] = total
-        return total
-    if page_size == 1:
-        lens.cumsum(out=out[1:])
-    else:
-        ((lens + (page_size - 1)) // page_size).cumsum(out=out[1:])
-    return int(out[-1])
+    return PagedKV(page_size, lens_t, torch.from_numpy(indptr), torch.from_numpy(last), max_len, total)
 
 
 @dataclass
@@ -143,7 +115,7 @@ def build_page_list(
         indptr_t = torch.from_numpy(indptr)
     else:
         indptr, indptr_t = host_indptr
-    total = page_offsets(lens_t.numpy(), page_size, indptr)
+    total = host_page_offsets(lens_t.numpy(), page_size, indptr)
     if launch is not None:
         ids = out(total)
         launch(req_to_token, req_pool_indices, kv_lens, ids, total, num_slots, fault)

@@ -29,24 +29,24 @@ sliding-window KV pool (window-pool layers read their own key lists); chunked lo
 does not declare `Feature.CASCADE`). fp8 KV caches are served: the decode part runs exactly as in a
 DECODE step (the cache's dtype, `k_scale` / `v_scale` at run), the extend part as unsplit. MIXED steps
 are never captured in CUDA graphs (`capture_cuda_graph_metadata` refuses them), so the split is eager
-only; nothing here waits for the device.
+only; nothing here waits for the device. The sub-steps are the planner's (`planner.StepPlanner`); per
+layer, `SplitStep.plan_of(layer)` gives a `MixedPlan` of the layer's two plans, which `run` runs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
 from attn_core.batch import ForwardBatch
 from attn_core.batch_utils import DecodeFirstSplit, RowOrder, decode_first_split
 from attn_core.forward_mode import ForwardMode
-from attn_flashinfer import plans
-from attn_flashinfer.steps import StepInputs
-
-if TYPE_CHECKING:
-    from attn_flashinfer.backend import FlashInferBackend, Step
+from attn_core.layer import AttentionLayer
+from attn_flashinfer.planner import Step
+from attn_flashinfer.plans import LN2, Plan
+from attn_flashinfer.steps import LayerKey, StepInputs
 
 
 @dataclass
@@ -60,6 +60,62 @@ class SplitStep:
     rows: RowOrder
     decode: Step
     prefill: Step
+    plans: dict[LayerKey, MixedPlan] = field(default_factory=dict)
+
+    def plan_of(self, layer: AttentionLayer) -> MixedPlan:
+        """The layer's plans in both sub-steps (typed errors for a layer the step cannot serve, before any
+        plan or KV write)."""
+        planner = self.decode.planner
+        key = planner.layer_key(layer, None)
+        plan = self.plans.get(key)
+        if plan is None:
+            decode, prefill = planner.plan_for(self.decode, key), planner.plan_for(self.prefill, key)
+            plan = self.plans[key] = MixedPlan(self, decode, prefill)
+        return plan
+
+
+@dataclass
+class MixedPlan:
+    """One layer's plans in a split MIXED step: `decode` over the decodes, `extend` over the rest."""
+
+    step: SplitStep
+    decode: Plan
+    extend: Plan
+
+    @property
+    def path(self) -> str:
+        return f"{self.decode.path} + {self.extend.path} (mixed split)"
+
+    def check_new_kv(self, k: Optional[torch.Tensor], mode_name: str) -> None:
+        self.extend.check_new_kv(k, mode_name)
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        return_lse: bool,
+        kv_layout: str,
+        scales: tuple[float, float],
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """One layer: q `[T, Hq, D]` in the batch's order (the new K/V already written) → output
+        `[T, Hq, D]` and, with return_lse, the natural-log LSE `[T, Hq]` float32, in the batch's order."""
+        nd, rows = self.step.num_decodes, self.step.rows
+        qs = rows.tokens(q)
+        o = q.new_empty(q.shape)
+        lse = q.new_empty(q.shape[:2], dtype=torch.float32) if return_lse else None
+        common = (k_cache, v_cache, return_lse, kv_layout, scales)
+        self.decode.attend(qs[:nd], None, None, *common, out=o[:nd], lse=None if lse is None else lse[:nd])
+        k_new = v_new = None
+        if self.extend.ragged is not None:
+            k_new, v_new = rows.tokens(k, nd), rows.tokens(v, nd)
+        self.extend.attend(qs[nd:], k_new, v_new, *common, out=o[nd:], lse=None if lse is None else lse[nd:])
+        o = rows.scatter_tokens(o)
+        if lse is not None:
+            lse = rows.scatter_tokens(lse.mul_(LN2))
+        return o, lse
 
 
 def served_split(b: ForwardBatch, inputs: StepInputs) -> Optional[DecodeFirstSplit]:
@@ -102,40 +158,3 @@ def split_inputs(x: StepInputs, split: DecodeFirstSplit, rows: RowOrder) -> tupl
         prefix_lens_host=None if prefix_h is None else prefix_h[nd:],
     )
     return decode, extend
-
-
-def forward(
-    backend: FlashInferBackend,
-    step: SplitStep,
-    q: torch.Tensor,
-    k: Optional[torch.Tensor],
-    v: Optional[torch.Tensor],
-    layer,
-    batch: ForwardBatch,
-    save_kv_cache: bool,
-    return_lse: bool,
-    scales: tuple[float, float],
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """One layer of a split MIXED step: q `[T, Hq, D]` in the batch's order → output `[T, Hq, D]` and,
-    with return_lse, the natural-log LSE `[T, Hq]` float32, in the batch's order. Every typed refusal
-    (the layer's settings, missing new K/V for a ragged pass) comes before the K/V of the new tokens are
-    written (in the batch's order, through `out_cache_loc`)."""
-    key = backend._layer_key(layer, None)
-    decode_plan, extend_plan = backend._plan_for(step.decode, key), backend._plan_for(step.prefill, key)
-    backend._check_new_kv(extend_plan, k, batch)
-    pool = backend.save_kv(k, v, layer, batch) if save_kv_cache else backend.kv_pool(batch)
-    k_cache, v_cache = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-    nd, rows = step.num_decodes, step.rows
-    qs = rows.tokens(q)
-    o = q.new_empty(q.shape)
-    lse = q.new_empty(q.shape[:2], dtype=torch.float32) if return_lse else None
-    common = (k_cache, v_cache, return_lse, backend.kv_layout, scales)
-    plans.attend(decode_plan, qs[:nd], None, None, *common, out=o[:nd], lse=None if lse is None else lse[:nd])
-    k_new = v_new = None
-    if extend_plan.ragged is not None:
-        k_new, v_new = rows.tokens(k, nd), rows.tokens(v, nd)
-    plans.attend(extend_plan, qs[nd:], k_new, v_new, *common, out=o[nd:], lse=None if lse is None else lse[nd:])
-    o = rows.scatter_tokens(o)
-    if lse is not None:
-        lse = rows.scatter_tokens(lse.mul_(plans.LN2))
-    return o, lse

@@ -14,9 +14,32 @@ layout per (batch size, queries per request) when every request has the same cou
 per batch size (`indices.HostOffsets`).
 
 CUDA graphs (DECODE and TARGET_VERIFY): `init_cuda_graph_state` allocates the fixed index buffers;
-capture builds graph-mode wrappers per (batch size, mode); replay rewrites the page ids (one index
-launch) and re-plans lean. Tree masks (speculative topk > 1) are refused: FlashInfer's MLA wrapper takes
-no custom mask.
+capture builds graph-mode wrappers per (batch size, mode) (attn-core's `GraphCaptures` keeps them);
+replay rewrites the page ids (one index launch) and re-plans lean. Tree masks (speculative topk > 1) are
+refused: FlashInfer's MLA wrapper takes no custom mask.
+
+Plan once per step, run thin: the step's plan is an `MLAStep`, whose `run(q, k, v, layer, batch)` is the
+whole per-layer work (the wrapper of the layer's scaling, the new latent written, FlashInfer's run).
+
+Extension point (public, pinned by `tests/test_mla_wiring_fake.py::test_composed_backend_*`): another
+backend may serve some steps itself and hand the others to a `FlashInferMLABackend` it holds, without
+subclassing it. It creates one over the same context (`FlashInferMLABackend(ctx, **options)`), forwards
+`init_cuda_graph_state`, and for each step it does not serve takes the plan from `build_forward_metadata(batch)`
+(a batch it has validated itself: its own `init_forward_metadata` ran), `capture_step(step)` or
+`replay_step(step)` (a `CudaGraphStep`), and runs each layer with `plan.run(q, k, v, layer, batch,
+save_kv_cache, return_lse)`; `plan_prefill` and `poll_device_fault` are public too. attn-trtllm-mla's
+`TRTLLMMLABackend` is such a backend:
+
+    class MyMLA(AttentionBackend[Union[MyPlan, MLAStep]]):
+        def __init__(self, ctx, **options):
+            super().__init__(ctx)
+            self.fallback = FlashInferMLABackend(ctx, **options)
+
+        def build_forward_metadata(self, batch):
+            return my_plan(batch) if i_serve(batch) else self.fallback.build_forward_metadata(batch)
+
+        def forward_decode(self, q, k, v, layer, batch, save_kv_cache=True, return_lse=False):
+            return self.forward_metadata.run(q, k, v, layer, batch, save_kv_cache, return_lse)
 
 DeepSeek's prefill path (non-absorbed MHA over the new tokens plus the cached prefix chunk by chunk) is
 `plan_prefill` (see `mla_prefill.py`).
@@ -32,28 +55,24 @@ import torch
 
 from attn_core.backend import AttentionBackend
 from attn_core.batch import ForwardBatch
+from attn_core.batch_utils import shared_query_len
+from attn_core.chunked_prefill import prefill_lengths
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
-from attn_core.forward_mode import ForwardMode
+from attn_core.graph_captures import GraphCaptures, captures_of
 from attn_core.graph_step import CudaGraphStep
+from attn_core.layer import AttentionLayer
+from attn_core.memory.scratch import DeviceScratch
 from attn_core.ops.device_faults import DeviceFaultFlags
+from attn_core.ops.kv_indices import pages_for
 from attn_core.probes import triton_interpreter_enabled
 from attn_flashinfer import mla_plans, replan
 from attn_flashinfer.backend import DEFAULT_WORKSPACE_BYTES
 from attn_flashinfer.indices import HostOffsets, PageList, QueryLayout, build_page_list, query_layout
 from attn_flashinfer.mla_prefill import PrefillPlan, PrefillWrappers
 from attn_flashinfer.mla_spec import CAPABILITIES
-from attn_flashinfer.mla_steps import (
-    MLADims,
-    MLAGraphBuffers,
-    check_capacity,
-    check_mla_context,
-    refuse_tree_mask,
-    uniform_q_len,
-)
+from attn_flashinfer.mla_steps import MLADims, MLAGraphBuffers, check_capacity, check_mla_context, refuse_tree_mask
 from attn_flashinfer.mla_works import StepWorks, WorkLaunch, WorkLayout, cluster_size, fits, work_layout
-from attn_flashinfer.prefill_plan import prefill_lengths
-from attn_flashinfer.scratch import DeviceScratch
-from attn_flashinfer.steps import StepInputs, eager_inputs
+from attn_flashinfer.steps import StepInputs, eager_inputs, refuse_while_capturing
 
 
 @dataclass
@@ -79,16 +98,50 @@ class MLAGraph:
 
 @dataclass
 class MLAStep:
-    """One step's metadata: its inputs, queries, key list and one planned wrapper per layer scaling."""
+    """One step's plan: its inputs, queries, key list and one planned wrapper per layer scaling; `run`
+    runs a layer (see the module docstring; `backend` is the `FlashInferMLABackend` that planned it)."""
 
+    backend: FlashInferMLABackend
     inputs: StepInputs
     qo: QueryLayout
     kv: PageList
     causal: bool
     wrappers: dict[float, object] = field(default_factory=dict)
     graph: Optional[MLAGraph] = None
-    kernel_args: Optional[object] = None  # a subclass's own per-step data (trtllm_mla: its block table)
     works: Optional[StepWorks] = None  # the device work list the layers run on (lean steps), else the wrappers' plans
+
+    @property
+    def path(self) -> str:
+        """The kernels every layer of this step runs."""
+        return "flashinfer MLA (device work list)" if self.works is not None else "flashinfer MLA"
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        layer: AttentionLayer,
+        batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        return_lse: bool = False,
+    ):
+        """One layer of this step: q `[T, Hq, kv_lora_rank + rope]` (k: the new latents `[T, 1, kv_lora_rank
+        + rope]`, written to the pool first when `save_kv_cache`) → `[T, Hq * kv_lora_rank]` (and the
+        natural-log LSE `[T, Hq]` float32 with return_lse). Typed errors (a quantized layer; a scaling met
+        first inside a CUDA-graph capture) come before the write."""
+        be = self.backend
+        if layer.k_scale not in (None, 1.0) or layer.v_scale not in (None, 1.0):
+            raise UnsupportedFeatureError(be.name, f"k_scale/v_scale (layer {layer.layer_id}): quantized KV caches")
+        w = be.wrapper_of(self, layer)
+        pool = be.save_kv(k, v, layer, batch) if save_kv_cache else be.kv_pool(batch)
+        ckv, kpe = be.latent_views(pool, layer.layer_id)
+        q_nope, q_pe = q.split_with_sizes(be.q_split, 2)
+        rows = q.shape[0]
+        out = q.new_empty((rows, *be.out_heads))
+        lse = torch.empty((rows, be.dims.num_heads), dtype=torch.float32, device=q.device) if return_lse else None
+        mla_plans.run(w, q_nope, q_pe, ckv, kpe, out, lse, be.lean_replan, self.works)
+        o = out.view(rows, be.out_cols)
+        return (o, lse) if return_lse else o
 
 
 class FlashInferMLABackend(AttentionBackend[MLAStep]):
@@ -130,12 +183,12 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         self.host_offsets = HostOffsets()  # the steps' host page offsets, reused per batch size
         self.device_faults = DeviceFaultFlags(ctx.device)
         self._graph_buffers: Optional[MLAGraphBuffers] = None
-        self._graphs: dict[tuple[int, ForwardMode], tuple[MLAStep, MLAGraph]] = {}
+        self.graphs: Optional[GraphCaptures[tuple[MLAStep, MLAGraph]]] = None
         self._prefill = PrefillWrappers(self.workspace)
-        # per-call constants of forward: q's split, the output's trailing shape and its 2-D width
-        self._q_split = (ctx.kv_lora_rank, ctx.qk_rope_head_dim)
-        self._out_heads = (ctx.num_q_heads, ctx.kv_lora_rank)
-        self._out_cols = ctx.num_q_heads * ctx.kv_lora_rank
+        # per-call constants of a layer call (`MLAStep.run`): q's split, the output's trailing shape, its 2-D width
+        self.q_split = (ctx.kv_lora_rank, ctx.qk_rope_head_dim)
+        self.out_heads = (ctx.num_q_heads, ctx.kv_lora_rank)
+        self.out_cols = ctx.num_q_heads * ctx.kv_lora_rank
         self._latents: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # layer id -> (pool buffer, ckv, kpe)
         # the device work list (`mla_works`): per cluster size its layout and FlashInfer's plan info for it
         # (confirmed; a disagreement turns the device path off, `device_works_off`); one work buffer for
@@ -187,7 +240,7 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
             works = plan.works
             if works is None or works.kv_indices is not kv.indices:  # the same object step after step while the ids' buffer stays
                 works = plan.works = StepWorks(plan.int_ws, plan.info, kv.indices, not decode, plan.launch.layout)
-        step = MLAStep(inputs, qo, kv, causal=not decode, graph=graph, works=works)
+        step = MLAStep(self, inputs, qo, kv, causal=not decode, graph=graph, works=works)
         for scaling in scalings:
             step.wrappers[scaling] = self._planned(step, scaling)
         return step
@@ -271,8 +324,8 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
             hit = self._uniform_queries.get((bs, inputs.num_tokens // bs))
             if hit is not None and hit.lens is lens:
                 return hit
-        n = uniform_q_len(lens, bs, inputs.num_tokens)
-        return query_layout(lens) if n is None else self._uniform_layout(bs, n)
+        n = 1 if lens is None else shared_query_len(bs, inputs.num_tokens, lens=lens)
+        return self._uniform_layout(bs, n) if n else query_layout(lens)
 
     def _uniform_layout(self, bs: int, n: int) -> QueryLayout:
         """`n` queries for each of `bs` requests, built once."""
@@ -296,31 +349,28 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         done.add(scaling)
         return w
 
-    def _wrapper_of(self, step: MLAStep, layer):
+    def wrapper_of(self, step: MLAStep, layer):
+        """The wrapper `step` planned for `layer`'s scaling, planned now (and remembered for later steps)
+        when the scaling is met first (a typed error inside a CUDA-graph capture)."""
         scaling = float(layer.scaling)
         w = step.wrappers.get(scaling)
         if w is None:
-            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise InvalidArgumentError(
-                    "layer", "layer scalings met before CUDA-graph capture (run the captured batch once eagerly first)", scaling
-                )
+            refuse_while_capturing(self.device, "layer scalings", scaling)
             w = step.wrappers[scaling] = self._planned(step, scaling)
             self.known_scalings[scaling] = None
         return w
 
     # ---- CUDA graphs -------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        if max_bs < 1 or max_num_tokens < max_bs:
-            raise InvalidArgumentError("max_bs/max_num_tokens", "max_num_tokens >= max_bs >= 1", (max_bs, max_num_tokens))
+        self.graphs = GraphCaptures(self.name, max_bs, max_num_tokens)
         dev = self.device
-        pages = max_bs * -(-self.ctx.max_context_len // self.page_size)
+        pages = max_bs * pages_for(self.ctx.max_context_len, self.page_size)
         self._graph_buffers = MLAGraphBuffers(
             qo_indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),
             kv_indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),
             kv_indices=torch.zeros(pages, dtype=torch.int32, device=dev),
             kv_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
         )
-        self._graphs = {}
 
     def _graph_step_inputs(self, step: CudaGraphStep, num_tokens: int, seq_host: torch.Tensor) -> StepInputs:
         pool = self.ctx.req_to_token_pool
@@ -341,59 +391,46 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
             q_lens_host=None if mode.is_decode() else self._uniform_layout(bs, num_tokens // bs).lens,
         )
 
-    def capture_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
-        if self._graph_buffers is None:
-            raise InvalidArgumentError("init_cuda_graph_state", "called before capture", None)
-        mode, bs = step.forward_mode, step.bs
-        if not (mode.is_decode() or mode.is_target_verify()):
-            raise UnsupportedFeatureError(self.name, f"CUDA graphs for {mode.name}")
-        b = self._graph_buffers
-        if bs + 1 > b.qo_indptr.shape[0]:
-            raise InvalidArgumentError("bs", "<= max_bs of init_cuda_graph_state", bs)
+    def capture_step(self, step: CudaGraphStep) -> MLAStep:
+        """The plan of the CUDA-graph batch `step` over the graph buffers (before its capture); it stays
+        the plan of that (mode, batch size) until `replay_step` refreshes it."""
+        graphs = captures_of(self.graphs, self.name)
+        graphs.check_capture(step)
+        b, bs = self._graph_buffers, step.bs
         inputs = self._graph_step_inputs(step, step.num_tokens, step.seq_lens.cpu())  # capture only: a sync is fine here
         graph = MLAGraph(MLAGraphBuffers(b.qo_indptr[: bs + 1], b.kv_indptr[: bs + 1], b.kv_indices, b.kv_lens[:bs]))
         state = self._new_step(inputs, graph, self.known_scalings)
         graph.device_works = state.works is not None
-        self._graphs[(bs, mode)] = (state, graph)
-        self.bind_graph_metadata(state, step)
+        graphs.add(step, (state, graph))
+        return state
 
-    def replay_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
-        mode, bs = step.forward_mode, step.bs
-        captured = self._graphs.get((bs, mode))
-        if captured is None:
-            raise InvalidArgumentError("bs", f"a batch size captured for {mode.name}", bs)
-        old, graph = captured
-        if step.num_tokens not in (None, old.inputs.num_tokens):
-            raise InvalidArgumentError("num_tokens", f"{old.inputs.num_tokens} as captured for bs={bs}", step.num_tokens)
+    def replay_step(self, step: CudaGraphStep) -> MLAStep:
+        """The plan of a replay of the graph captured for `step`'s (mode, batch size), its buffers
+        rewritten in place for this batch."""
+        graphs = captures_of(self.graphs, self.name)
+        old, graph = graphs.captured(step)
         inputs = self._graph_step_inputs(step, old.inputs.num_tokens, step.host_seq_lens())
         state = self._new_step(inputs, graph, list(old.wrappers))  # the scalings the graph holds kernels of
         if graph.device_works and state.works is None:  # the graph reads the work buffer this step did not write
-            raise InvalidArgumentError("seq_lens", f"a batch the device work list serves, as the one captured for bs={bs}", None)
-        self._graphs[(bs, mode)] = (state, graph)
-        self.bind_graph_metadata(state, step)
+            expected = f"a batch the device work list serves, as the one captured for bs={step.bs}"
+            raise InvalidArgumentError("seq_lens", expected, None)
+        graphs.update(step, (state, graph))
+        return state
+
+    def capture_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
+        self.bind_graph_metadata(self.capture_step(step), step)
+
+    def replay_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
+        self.bind_graph_metadata(self.replay_step(step), step)
 
     # ---- attention ---------------------------------------------------------------------------
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):
-        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, **extras)
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, return_lse=False):
+        return self.forward_metadata.run(q, k, v, layer, forward_batch, save_kv_cache, return_lse)
 
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):
-        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, **extras)
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, return_lse=False):
+        return self.forward_metadata.run(q, k, v, layer, forward_batch, save_kv_cache, return_lse)
 
-    def _forward(self, q, k, v, layer, batch, save_kv_cache, return_lse=False):
-        if layer.k_scale not in (None, 1.0) or layer.v_scale not in (None, 1.0):
-            raise UnsupportedFeatureError(self.name, f"k_scale/v_scale (layer {layer.layer_id}): quantized KV caches")
-        w = self._wrapper_of(self.forward_metadata, layer)
-        pool = self.save_kv(k, v, layer, batch) if save_kv_cache else self.kv_pool(batch)
-        ckv, kpe = self._latent_views(pool, layer.layer_id)
-        q_nope, q_pe = q.split_with_sizes(self._q_split, 2)
-        rows = q.shape[0]
-        out = q.new_empty((rows, *self._out_heads))
-        lse = torch.empty((rows, self.dims.num_heads), dtype=torch.float32, device=q.device) if return_lse else None
-        mla_plans.run(w, q_nope, q_pe, ckv, kpe, out, lse, self.lean_replan, self.forward_metadata.works)
-        o = out.view(rows, self._out_cols)
-        return (o, lse) if return_lse else o
-
-    def _latent_views(self, pool, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def latent_views(self, pool, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's paged ckv / kpe views (`mla_plans.latent_views`), made once per layer and pool
         buffer (remade when the pool hands out another buffer for the layer)."""
         buf = pool.get_key_buffer(layer_id)

@@ -55,17 +55,3 @@ def check_capacity(what: str, need: int, have: int) -> None:
     """A fixed buffer must hold a step's entries (CUDA-graph index buffers)."""
     if need > have:
         raise InvalidArgumentError(what, f"at most {have} entries (sized by init_cuda_graph_state from ctx.max_context_len)", need)
-
-
-def uniform_q_len(q_lens_host: Optional[torch.Tensor], bs: int, num_tokens: int) -> Optional[int]:
-    """Queries per request when every request of a step has the same number (DECODE: `q_lens_host`
-    None -> 1; a verify or draft-extend step: usually its draft count), else None. `q_lens_host`: host
-    int `[bs]`, summing to `num_tokens`.
-
-    Example: (None, 4, 4) -> 1; ([3, 3], 2, 6) -> 3; ([1, 2], 2, 3) -> None; ([], 0, 0) -> None."""
-    if q_lens_host is None:
-        return 1
-    if bs == 0 or num_tokens % bs:
-        return None
-    n = num_tokens // bs
-    return n if n >= 1 and bool((q_lens_host.numpy() == n).all()) else None

@@ -31,6 +31,7 @@ import torch
 from flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
 from flashinfer.cascade import merge_state_in_place
 
+from attn_core.errors import InvalidArgumentError
 from attn_flashinfer import replan
 from attn_flashinfer.fp8 import cache_run_kwargs, ragged_inputs, ragged_kv_dtype
 from attn_flashinfer.indices import PagedKV, QueryLayout
@@ -43,12 +44,78 @@ KERNEL_BACKEND = "fa2"
 
 @dataclass
 class Plan:
-    """The planned wrappers of one LayerKey in one step (see the module docstring)."""
+    """The planned wrappers of one LayerKey in one step (see the module docstring); `path` names them
+    (e.g. "decode", "ragged + paged prefix", "paged (tree mask)")."""
 
+    path: str
     page_size: int = 1  # page granularity of the paged / decode wrapper's key list
     decode: Optional[BatchDecodeWithPagedKVCacheWrapper] = None
     ragged: Optional[BatchPrefillWithRaggedKVCacheWrapper] = None
     paged: Optional[BatchPrefillWithPagedKVCacheWrapper] = None
+
+    def check_new_kv(self, k: Optional[torch.Tensor], mode_name: str) -> None:
+        """A typed error when the plan has a ragged pass (which reads the new tokens' K/V) and `k` is None."""
+        if self.ragged is not None and k is None:
+            expected = f"the new tokens' keys and values for {mode_name} (the ragged pass reads them)"
+            raise InvalidArgumentError("k", expected, None)
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        return_lse: bool,
+        kv_layout: str = "NHD",
+        scales: tuple[float, float] = (1.0, 1.0),
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Attention of q `[T, Hq, D]` under this plan: output `[T, Hq, D]` and, with return_lse, the
+        natural-log LSE `[T, Hq]` float32. k/v: the new tokens `[T, Hkv, D]` (ragged pass only);
+        k_cache/v_cache: one layer's pool, NHD `[num_slots, Hkv, D]` viewed as pages without a copy, or HND
+        `[num_pages, Hkv, page_size, D]` read as it is (the plan's page size is then the pool's); `scales`:
+        the (k, v) dequantization factors of the pool (`attn_core.memory.kv_scales`)."""
+        o, lse = self.attend(q, k, v, k_cache, v_cache, return_lse, kv_layout, scales)
+        return o, (lse * LN2 if return_lse else None)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        want_lse: bool,
+        kv_layout: str = "NHD",
+        scales: tuple[float, float] = (1.0, 1.0),
+        out: Optional[torch.Tensor] = None,
+        lse: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """`run` with FlashInfer's base-2 LSE (None unless `want_lse`), written into `out` `[T, Hq, D]` and
+        `lse` `[T, Hq]` float32 when given (views of a larger output: a split MIXED step's two parts,
+        `mixed.py`), else into new tensors."""
+        cache_kw = cache_run_kwargs(scales)
+        into = {} if out is None else {"out": out}
+        if want_lse and lse is not None:
+            into["lse"] = lse
+        if self.ragged is not None:
+            k, v = ragged_inputs(k, v, k_cache.dtype, scales, q.dtype)
+        if self.decode is not None or self.paged is not None:
+            ps = self.page_size
+            if kv_layout == "HND":
+                pages = (k_cache, v_cache)
+            else:
+                pages = (k_cache.view(-1, ps, *k_cache.shape[1:]), v_cache.view(-1, ps, *v_cache.shape[1:]))
+        if self.decode is not None:
+            return _split(self.decode.run(q, pages, return_lse=want_lse, **into, **cache_kw), want_lse)
+        if self.ragged is not None and self.paged is not None:
+            o, lse = self.ragged.run(q, k, v, return_lse=True, **into)
+            o_prefix, lse_prefix = self.paged.run(q, pages, return_lse=True, **cache_kw)
+            merge_state_in_place(o, lse, o_prefix, lse_prefix)
+            return o, (lse if want_lse else None)
+        if self.ragged is not None:
+            return _split(self.ragged.run(q, k, v, return_lse=want_lse, **into), want_lse)
+        return _split(self.paged.run(q, pages, return_lse=want_lse, **into, **cache_kw), want_lse)
 
 
 def new_decode_wrapper(
@@ -160,66 +227,6 @@ def plan_ragged(w: BatchPrefillWithRaggedKVCacheWrapper, qo: QueryLayout, key: L
     common = _common(key, dims, ragged_kv_dtype(dims))
     hq, hkv, d = dims.num_q_heads, dims.num_kv_heads, dims.head_dim
     w.plan(qo.indptr, qo.indptr, hq, hkv, d, causal=key.causal, non_blocking=True, **common)
-
-
-def run(
-    plan: Plan,
-    q: torch.Tensor,
-    k: Optional[torch.Tensor],
-    v: Optional[torch.Tensor],
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    return_lse: bool,
-    kv_layout: str = "NHD",
-    scales: tuple[float, float] = (1.0, 1.0),
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Attention of q `[T, Hq, D]` under `plan`: output `[T, Hq, D]` and, with return_lse, the
-    natural-log LSE `[T, Hq]` float32. k/v: the new tokens `[T, Hkv, D]` (ragged pass only);
-    k_cache/v_cache: one layer's pool, NHD `[num_slots, Hkv, D]` viewed as pages without a copy, or HND
-    `[num_pages, Hkv, page_size, D]` read as it is (the plan's page size is then the pool's); `scales`:
-    the (k, v) dequantization factors of the pool (`attn_core.memory.kv_scales`)."""
-    o, lse = attend(plan, q, k, v, k_cache, v_cache, return_lse, kv_layout, scales)
-    return o, (lse * LN2 if return_lse else None)
-
-
-def attend(
-    plan: Plan,
-    q: torch.Tensor,
-    k: Optional[torch.Tensor],
-    v: Optional[torch.Tensor],
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    want_lse: bool,
-    kv_layout: str = "NHD",
-    scales: tuple[float, float] = (1.0, 1.0),
-    out: Optional[torch.Tensor] = None,
-    lse: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """`run` with FlashInfer's base-2 LSE (None unless `want_lse`), written into `out` `[T, Hq, D]` and
-    `lse` `[T, Hq]` float32 when given (views of a larger output: a split MIXED step's two parts,
-    `mixed.py`), else into new tensors."""
-    cache_kw = cache_run_kwargs(scales)
-    into = {} if out is None else {"out": out}
-    if want_lse and lse is not None:
-        into["lse"] = lse
-    if plan.ragged is not None:
-        k, v = ragged_inputs(k, v, k_cache.dtype, scales, q.dtype)
-    if plan.decode is not None or plan.paged is not None:
-        ps = plan.page_size
-        if kv_layout == "HND":
-            pages = (k_cache, v_cache)
-        else:
-            pages = (k_cache.view(-1, ps, *k_cache.shape[1:]), v_cache.view(-1, ps, *v_cache.shape[1:]))
-    if plan.decode is not None:
-        return _split(plan.decode.run(q, pages, return_lse=want_lse, **into, **cache_kw), want_lse)
-    if plan.ragged is not None and plan.paged is not None:
-        o, lse = plan.ragged.run(q, k, v, return_lse=True, **into)
-        o_prefix, lse_prefix = plan.paged.run(q, pages, return_lse=True, **cache_kw)
-        merge_state_in_place(o, lse, o_prefix, lse_prefix)
-        return o, (lse if want_lse else None)
-    if plan.ragged is not None:
-        return _split(plan.ragged.run(q, k, v, return_lse=want_lse, **into), want_lse)
-    return _split(plan.paged.run(q, pages, return_lse=want_lse, **into, **cache_kw), want_lse)
 
 
 def _split(res, return_lse: bool):

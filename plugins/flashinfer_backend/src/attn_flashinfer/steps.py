@@ -129,6 +129,15 @@ def check_local_step(inputs: StepInputs, kv_layout: str, page_size: int, key_pag
         raise UnsupportedFeatureError(name, f"chunked local attention with kv_layout HND at page_size {page_size} (chunks off the pages)")
 
 
+def refuse_while_capturing(device: torch.device, what: str, setting: object) -> None:
+    """A typed error (naming "layer") when a plan for a layer setting first met in `forward` would be made
+    while a CUDA graph is being captured on `device` (FlashInfer's public plan syncs): `what` names the
+    setting ("layer settings", "layer scalings"), `setting` is its value."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        expected = f"{what} met before CUDA-graph capture (run the captured batch once eagerly first)"
+        raise InvalidArgumentError("layer", expected, setting)
+
+
 def eager_inputs(b: ForwardBatch, r2t: torch.Tensor) -> StepInputs:
     """The inputs of an eager step, from a batch the base class validated."""
     mode, bs = b.forward_mode, b.batch_size

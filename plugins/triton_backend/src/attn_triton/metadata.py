@@ -1,11 +1,13 @@
-"""Per-step metadata of the Triton backend and the functions that fill it.
+"""The Triton backend's per-step index data and the functions that fill it.
 
 Every index tensor is produced on the device by attn-core's `kv_indices_triton` (one launch per key
 set); the host reads only the batch's `*_cpu` fields and `seq_lens_sum` to size allocations and grids.
 The kernel never writes past a buffer sized from those host numbers, whatever the device lengths say,
 and records what it refused in the backend's fault buffer (`attn_core.ops.device_faults`).
-The same fill functions serve eager steps (fresh tensors) and CUDA-graph replays (views of persistent
-buffers, see `graph.py`).
+The same fill functions serve eager steps (scratch or fresh tensors) and CUDA-graph replays (views of
+persistent buffers, see `graph.py`). The step's main key index and the decode split scratch live in an
+`attn_core.memory.scratch.DeviceScratch` (`main_kv`, `split_views`); the step's other key sets (cross,
+local, window, cascade) get fresh tensors (`new_kv`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ from typing import Optional
 
 import torch
 
+from attn_core.batch import ForwardBatch
+from attn_core.local_attention import local_decode_starts, make_local_attention_virtual_batches
+from attn_core.memory.scratch import DeviceScratch
+from attn_core.memory.window_pool import SlidingWindowKVPool
 from attn_core.ops.kv_indices_triton import kv_indices_triton
 
 
@@ -25,47 +31,6 @@ class KVIndex:
 
     indptr: torch.Tensor
     indices: torch.Tensor
-
-
-@dataclass
-class DecodeMetadata:
-    """DECODE step: keys of self attention (and of cross attention), the split parameters and the split
-    scratch shared by layers.
-
-    part_o `[bs, Hq, max_splits, Dv]` and part_lse `[bs, Hq, max_splits]` float32 hold stage-1 results."""
-
-    kv: KVIndex
-    cross: Optional[KVIndex]
-    splits: Splits
-    part_o: torch.Tensor
-    part_lse: torch.Tensor
-    #: keys of chunked local layers (each request's keys from the start of its query's chunk), when the
-    #: context has an attention_chunk_size
-    local_kv: Optional[KVIndex] = None
-    #: keys of window layers kept in a SlidingWindowKVPool (window slots, from each request's oldest
-    #: key still inside the pool's window), when the step's pool is one
-    window_kv: Optional[KVIndex] = None
-    #: cascade steps (ForwardBatch.cascade_prefix_len > 0)
-    cascade: Optional[CascadeKeys] = None
-
-
-@dataclass
-class ExtendMetadata:
-    """Extend-like step: q rows per request (qo_indptr `[bs+1]` int32, `max_q_len` host int), keys, and
-    for TARGET_VERIFY the custom mask (uint8 view of the bool mask) with its int64 offsets."""
-
-    qo_indptr: torch.Tensor
-    max_q_len: int
-    kv: KVIndex
-    cross: Optional[KVIndex]
-    custom_mask: Optional[torch.Tensor] = None
-    mask_indptr: Optional[torch.Tensor] = None
-    #: the step as virtual requests for chunked local layers, when the context has an attention_chunk_size
-    local: Optional[LocalExtend] = None
-    #: keys of window layers kept in a SlidingWindowKVPool (see DecodeMetadata.window_kv)
-    window_kv: Optional[KVIndex] = None
-    #: cascade steps (ForwardBatch.cascade_prefix_len > 0)
-    cascade: Optional[CascadeKeys] = None
 
 
 @dataclass
@@ -136,70 +101,111 @@ def new_kv(bs: int, total: int, device: torch.device) -> KVIndex:
     return KVIndex(indptr=buf[: bs + 1], indices=buf[bs + 1 :])
 
 
-class IndexScratch:
-    """The int32 buffer of a step's main CSR key index (`DecodeMetadata.kv` / `ExtendMetadata.kv`), kept
-    across steps and grown on demand (by a quarter more than asked, so growing contexts reallocate
-    rarely): a step reuses the previous step's buffer instead of allocating and freeing one, on the same
-    premise as `SplitScratch` (one step's metadata is current at a time per backend; its kernels and the
-    next step's index kernel run in stream order). The step's other key sets (cross, local, window,
-    cascade), which live alongside it, get fresh tensors (`new_kv`).
+def main_kv(scratch: DeviceScratch, bs: int, total: int) -> KVIndex:
+    """The step's main key index (`[bs+1]` indptr and the rest of the buffer as indices) carved from the
+    reused int32 buffer "kv" of `scratch`: the same views step after step for one batch size until the
+    buffer grows. indices is the whole rest of the buffer, so a step of `total` keys fills it with
+    `fill_kv(..., capacity=total)`, which keeps the index kernel inside the first `total` entries
+    whatever the device lengths say.
 
-    The views of a batch size are made once and handed out again until the buffer grows (a view costs
-    microseconds of host time per step): indices is the whole rest of the buffer, so a step of `total`
-    keys must fill it with `fill_kv(..., capacity=total)`, which keeps the index kernel inside the first
-    `total` entries whatever the device lengths say.
-
-    Example: `s.kv(2, 10)` gives indptr `[3]` and indices `[13]`, views of one buffer of 16 entries;
-    `s.kv(2, 12)` later returns the same views, `s.kv(4, 40)` grows the buffer to 56 entries."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.buffer: Optional[torch.Tensor] = None
-        self.capacity = 0
-        self._views: dict[int, KVIndex] = {}
-
-    def kv(self, bs: int, total: int) -> KVIndex:
-        """Views for `bs` requests and at least `total` keys (see the class doc for the capacity)."""
-        need = bs + 1 + max(total, 1)
-        if need > self.capacity:
-            self.capacity = need + need // 4
-            self.buffer = torch.empty(self.capacity, dtype=torch.int32, device=self.device)
-            self._views.clear()  # metadata holding the old views keeps the old buffer alive
-        view = self._views.get(bs)
-        if view is None:
-            buf = self.buffer
-            view = self._views[bs] = KVIndex(indptr=buf[: bs + 1], indices=buf[bs + 1 :])
-        return view
+    Example: with a 1024-entry buffer, `main_kv(s, 2, 10)` gives indptr `[3]` and indices `[1021]`;
+    `main_kv(s, 2, 12)` the same views again."""
+    return scratch.carve(
+        "kv", bs + 1 + max(total, 1), bs, lambda buf: KVIndex(indptr=buf[: bs + 1], indices=buf[bs + 1 :])
+    )
 
 
-class SplitScratch:
-    """Float32 scratch of the decode splits, `[bs, Hq, max_splits, Dv]` outputs and `[bs, Hq, max_splits]`
-    LSEs, kept across steps (layers and steps run in stream order on one backend) and grown on demand.
-    The views of each (bs, max_splits) are made once and handed out again until the buffers grow (a
-    view costs microseconds of host time per step; the buffers are shared by every step anyway)."""
+def split_views(
+    scratch: DeviceScratch, bs: int, max_splits: int, num_q_heads: int, v_head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode splits' float32 scratch for `bs` requests with up to `max_splits` splits each:
+    part_o `[bs, Hq, max_splits, Dv]` and part_lse `[bs, Hq, max_splits]`, contiguous views of the
+    buffers "split_o" / "split_lse" of `scratch` (shared by every layer and step: they run in stream
+    order on one backend), made once per (bs, max_splits) until the buffers grow."""
+    hq, dv, ms = num_q_heads, v_head_dim, max_splits
+    key = (bs, ms)
+    part_o = scratch.carve(
+        "split_o",
+        bs * hq * ms * dv,
+        key,
+        lambda b: torch.as_strided(b, (bs, hq, ms, dv), (hq * ms * dv, ms * dv, dv, 1)),
+        torch.float32,
+    )
+    part_lse = scratch.carve(
+        "split_lse", bs * hq * ms, key, lambda b: torch.as_strided(b, (bs, hq, ms), (hq * ms, ms, 1)), torch.float32
+    )
+    return part_o, part_lse
 
-    def __init__(self, num_q_heads: int, v_head_dim: int, device: torch.device):
-        self.hq, self.dv, self.device = num_q_heads, v_head_dim, device
-        self.capacity = 0  # (request, split) pairs
-        self.o = self.lse = None
-        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def reserve(self, pairs: int) -> None:
-        if pairs > self.capacity:
-            self.o = torch.empty(pairs * self.hq * self.dv, dtype=torch.float32, device=self.device)
-            self.lse = torch.empty(pairs * self.hq, dtype=torch.float32, device=self.device)
-            self.capacity = pairs
-            self._views.clear()  # views of the old buffers stay valid for metadata that holds them
+# ---- the step's other key sets (fresh tensors) ------------------------------------------------------
+def cross_kv(b: ForwardBatch, r2t: torch.Tensor, fault: torch.Tensor) -> KVIndex:
+    """Each request's encoder tokens (the first encoder_lens entries of its row)."""
+    kv = new_kv(b.batch_size, int(b.encoder_lens_cpu.sum()), r2t.device)
+    fill_kv(kv, r2t, b.req_pool_indices, b.encoder_lens, fault)
+    return kv
 
-    def views(self, bs: int, max_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(part_o, part_lse) views for a batch of `bs` requests with up to `max_splits` splits each."""
-        views = self._views.get((bs, max_splits))
-        if views is not None:
-            return views
-        if bs * max_splits > self.capacity:
-            self.reserve(max(bs * max_splits, 2 * self.capacity))
-        hq, dv, ms = self.hq, self.dv, max_splits
-        part_o = torch.as_strided(self.o, (bs, hq, ms, dv), (hq * ms * dv, ms * dv, dv, 1))
-        part_lse = torch.as_strided(self.lse, (bs, hq, ms), (hq * ms, ms, 1))
-        views = self._views[(bs, max_splits)] = (part_o, part_lse)
-        return views
+
+def cascade_keys(b: ForwardBatch, r2t: torch.Tensor, fault: torch.Tensor) -> CascadeKeys:
+    """A cascade step's key indices: the shared prefix once (the first request's row) for all the
+    step's queries, and each request's keys after it."""
+    p, bs, dev = b.cascade_prefix_len, b.batch_size, r2t.device
+    prefix = new_kv(1, p, dev)
+    fill_kv(prefix, r2t, b.req_pool_indices[:1], torch.full((1,), p, dtype=torch.int32, device=dev), fault)
+    suffix = new_kv(bs, b.seq_lens_sum - bs * p, dev)
+    start = torch.full((bs,), p, dtype=torch.int32, device=dev)
+    fill_kv(suffix, r2t, b.req_pool_indices, (b.seq_lens - p).to(torch.int32), fault, kv_start=start)
+    qo_indptr = torch.tensor([0, b.num_tokens], dtype=torch.int32).to(dev, non_blocking=True)
+    return CascadeKeys(prefix, qo_indptr, suffix)
+
+
+def window_kv(b: ForwardBatch, r2t: torch.Tensor, pool: SlidingWindowKVPool, fault: torch.Tensor) -> KVIndex:
+    """Keys of window-pool layers: request r's keys from position max(0, first query - window + 1)
+    (older ones may be released) to its last, as window slots. The kernels' causal and window masks
+    depend only on positions relative to the request's last key, so the shorter key list is exact."""
+    w = pool.window
+    if b.forward_mode.is_decode():
+        q_dev, q_cpu = 1, 1
+    else:
+        q_dev, q_cpu = b.extend_seq_lens, b.extend_seq_lens_cpu
+    starts = (b.seq_lens - q_dev - w + 1).clamp_min(0)
+    total = int((b.seq_lens_cpu - (b.seq_lens_cpu - q_cpu - w + 1).clamp_min(0)).sum())
+    kv = new_kv(b.batch_size, total, r2t.device)
+    col = starts if b.encoder_lens is None else starts + b.encoder_lens
+    fill_kv(kv, r2t, b.req_pool_indices, (b.seq_lens - starts).to(torch.int32), fault, kv_start=col.to(torch.int32))
+    kv.indices[:total] = pool.window_slots(kv.indices[:total])
+    return kv
+
+
+def local_decode_kv(chunk: int, b: ForwardBatch, r2t: torch.Tensor, fault: torch.Tensor) -> KVIndex:
+    """Keys of chunked local layers (chunk size `chunk`) in DECODE: request r's keys from the start of
+    the chunk holding its position seq_len-1 (one request each, no virtual batch)."""
+    starts = local_decode_starts(chunk, b.seq_lens)
+    total = int((b.seq_lens_cpu - local_decode_starts(chunk, b.seq_lens_cpu)).sum())
+    kv = new_kv(b.batch_size, total, r2t.device)
+    col = starts if b.encoder_lens is None else starts + b.encoder_lens
+    fill_kv(kv, r2t, b.req_pool_indices, (b.seq_lens - starts).to(torch.int32), fault, kv_start=col.to(torch.int32))
+    return kv
+
+
+def local_extend(chunk: int, b: ForwardBatch, r2t: torch.Tensor, fault: torch.Tensor) -> LocalExtend:
+    """The step as the virtual requests of chunked local attention (chunk size `chunk`): host lists from
+    the batch's `*_cpu` data, one host→device copy, one index launch."""
+    vb = make_local_attention_virtual_batches(chunk, b)
+    n, device = vb.num_virtual, r2t.device
+    host = torch.tensor([vb.req_indices, vb.kv_starts, vb.kv_lens, vb.q_lens], dtype=torch.int32).reshape(4, n)
+    dev = host.to(device, non_blocking=True)
+    req = dev[0].long()
+    col = dev[1] if b.encoder_lens is None else dev[1] + b.encoder_lens[req]
+    kv = new_kv(n, vb.num_keys, device)
+    qo_indptr = torch.empty(n + 1, dtype=torch.int32, device=device)
+    fill_kv(
+        kv,
+        r2t,
+        b.req_pool_indices[req],
+        dev[2],
+        fault,
+        kv_start=col.to(torch.int32),
+        q_lens=dev[3],
+        qo_indptr=qo_indptr,
+    )
+    return LocalExtend(qo_indptr, vb.max_q_len, kv)

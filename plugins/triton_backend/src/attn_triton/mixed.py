@@ -23,129 +23,119 @@ chunked local attention, a sliding-window KV pool, a cascade prefix.
 Everything is sized from host data (`*_cpu`, `seq_lens_sum`); the index tensors are filled on the device
 by the same launch as the unsplit path's (`fill_kv`, bounds-checked into the fault buffer), so neither
 the metadata nor `forward` waits for the device. The kernels are the existing ones, with their bounds
-checks and fault flags.
+checks and fault flags. `plan_mixed` builds the step's plan (a `plans.StepPlan` whose only path is a
+`MixedPath`: the step serves neither cross-attention nor chunked local layers) from the planner's public
+methods; `MixedPath.run` is the per-layer work.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
 from attn_core.batch import ForwardBatch
 from attn_core.batch_utils import RowOrder, decode_first_split
-from attn_core.errors import InvalidArgumentError
 from attn_core.layer import AttentionLayer
-from attn_core.memory.window_pool import window_pool_of
-from attn_triton.metadata import KVIndex, Splits, fill_kv, new_kv
+from attn_triton.launchers import Launch, launch_decode, launch_extend
+from attn_triton.metadata import KVIndex, fill_kv, new_kv
+from attn_triton.planner import StepPlanner
+from attn_triton.plans import DecodeKeys, StepPlan
 
-if TYPE_CHECKING:
-    from attn_triton.backend import TritonAttnBackend
 
-
-@dataclass
-class MixedMetadata:
+class MixedPath:
     """A MIXED step in decode-first order: requests [0, num_decodes) are decodes (q rows [0, num_decodes)),
     the others run through the extend kernel.
 
-    decode_kv: CSR keys of the decodes (indptr `[num_decodes + 1]`); splits, part_o
-    `[num_decodes, Hq, max_splits, Dv]`, part_lse `[num_decodes, Hq, max_splits]`: the decode kernel's.
-    prefill_qo_indptr `[P + 1]` int32 and prefill_kv (indptr `[P + 1]`) address the decode-first q rows and
-    key indices absolutely (they start at num_decodes and at the decodes' key count); prefill_max_q_len
-    (host int, 0 when P = 0) sizes the extend grid. rows: the decode-first order on the device
+    decode_kv: CSR keys of the decodes (indptr `[num_decodes + 1]`); split: the decode kernel's splits and
+    scratch (`[num_decodes, Hq, max_splits, Dv]` / `[num_decodes, Hq, max_splits]`). prefill_qo_indptr
+    `[P + 1]` int32 and prefill_kv (indptr `[P + 1]`) address the decode-first q rows and key indices
+    absolutely (they start at num_decodes and at the decodes' key count); prefill_max_q_len (host int, 0
+    when P = 0) sizes the extend grid. rows: the decode-first order on the device
     (`attn_core.batch_utils.RowOrder`; no copy when the batch is already decode-first)."""
 
-    num_decodes: int
-    decode_kv: KVIndex
-    splits: Splits
-    part_o: torch.Tensor
-    part_lse: torch.Tensor
-    prefill_qo_indptr: torch.Tensor
-    prefill_kv: KVIndex
-    prefill_max_q_len: int
-    rows: RowOrder
+    path = "extend+decode (mixed split)"
+
+    def __init__(
+        self,
+        ln: Launch,
+        num_decodes: int,
+        decode_kv: KVIndex,
+        split: DecodeKeys,
+        prefill_qo_indptr: torch.Tensor,
+        prefill_kv: KVIndex,
+        prefill_max_q_len: int,
+        rows: RowOrder,
+    ):
+        self.ln, self.num_decodes, self.decode_kv, self.split = ln, num_decodes, decode_kv, split
+        self.prefill_qo_indptr, self.prefill_kv, self.prefill_max_q_len = (
+            prefill_qo_indptr,
+            prefill_kv,
+            prefill_max_q_len,
+        )
+        self.rows = rows
+
+    def run(self, q, k_buf, v_buf, layer: AttentionLayer, sinks: Optional[torch.Tensor], return_lse: bool):
+        """One layer: q `[T, Hq, D]` in the batch's order → `[T, Hq*Dv]` (and LSE `[T, Hq]` float32 with
+        return_lse), the same meaning as the unsplit path."""
+        qs = self.rows.tokens(q)
+        if qs.stride(-1) != 1:
+            qs = qs.contiguous()
+        # the extend part (a no-op launch when every request is a decode) allocates the decode-first output
+        o, lse = launch_extend(
+            self.ln,
+            qs,
+            k_buf,
+            v_buf,
+            layer,
+            self.prefill_qo_indptr,
+            self.prefill_kv,
+            self.prefill_max_q_len,
+            causal=layer.attn_type != "encoder_only",
+            custom_mask=None,
+            mask_indptr=None,
+            sinks=sinks,
+            want_lse=return_lse,
+        )
+        nd, s = self.num_decodes, self.split
+        lse_d = None if lse is None else lse[:nd]
+        launch_decode(
+            self.ln, qs[:nd], k_buf, v_buf, o[:nd], lse_d, layer, self.decode_kv, s.splits, s.part_o, s.part_lse, sinks
+        )
+        o = self.rows.scatter_tokens(o)
+        lse = None if lse is None else self.rows.scatter_tokens(lse)
+        o = o.view(q.shape[0], layer.num_q_heads * layer.v_head_dim)
+        return (o, lse) if return_lse else o
 
 
-def build_mixed_metadata(backend: TritonAttnBackend, b: ForwardBatch, r2t: torch.Tensor) -> Optional[MixedMetadata]:
-    """The split metadata of MIXED batch `b`, or None where the step keeps the unsplit path (see the module
+def plan_mixed(planner: StepPlanner, b: ForwardBatch, r2t: torch.Tensor, has_window_pool: bool) -> Optional[StepPlan]:
+    """The split plan of MIXED batch `b`, or None where the step keeps the unsplit path (see the module
     docstring). One host→device copy (only for a batch not decode-first) and one index launch."""
     if (
         b.encoder_lens is not None
         or b.cascade_prefix_len
-        or backend.ctx.attention_chunk_size is not None
-        or window_pool_of(backend.kv_pool(b)) is not None
+        or planner.ctx.attention_chunk_size is not None
+        or has_window_pool
     ):
         return None
     split = decode_first_split(b)
     nd = split.num_decodes
     if nd == 0:
         return None
-    dev, bs = backend.device, b.batch_size
+    dev, bs = planner.ctx.device, b.batch_size
     rows = split.to_device(dev)
     req, seq, q_lens = rows.requests(b.req_pool_indices), rows.requests(b.seq_lens), rows.requests(b.extend_seq_lens)
     kv = new_kv(bs, b.seq_lens_sum, dev)
     qo_indptr = torch.empty(bs + 1, dtype=torch.int32, device=dev)
-    fill_kv(kv, r2t, req, seq, backend.device_faults.buffer, q_lens=q_lens, qo_indptr=qo_indptr)
-    splits = backend.decode_splits(nd)
-    part_o, part_lse = backend._scratch.views(nd, splits.max_splits)
-    return MixedMetadata(
+    fill_kv(kv, r2t, req, seq, planner.launch.fault, q_lens=q_lens, qo_indptr=qo_indptr)
+    path = MixedPath(
+        planner.launch,
         num_decodes=nd,
         decode_kv=KVIndex(kv.indptr[: nd + 1], kv.indices),
-        splits=splits,
-        part_o=part_o,
-        part_lse=part_lse,
+        split=planner.decode_keys(nd),
         prefill_qo_indptr=qo_indptr[nd:],
         prefill_kv=KVIndex(kv.indptr[nd:], kv.indices),
         prefill_max_q_len=max(split.query_lens[nd:], default=0),
         rows=rows,
     )
-
-
-def forward_mixed(
-    backend: TritonAttnBackend,
-    meta: MixedMetadata,
-    q: torch.Tensor,
-    k: Optional[torch.Tensor],
-    v: Optional[torch.Tensor],
-    layer: AttentionLayer,
-    b: ForwardBatch,
-    save_kv_cache: bool,
-    sinks: Optional[torch.Tensor],
-    return_lse: bool,
-):
-    """One layer of a split MIXED step: q `[T, Hq, D]` in the batch's order → `[T, Hq*Dv]` (and LSE
-    `[T, Hq]` float32 with return_lse), the same meaning as the unsplit path. K/V of the new tokens are
-    written in the batch's order (through `out_cache_loc`) before either kernel runs."""
-    if layer.is_cross_attention:
-        raise InvalidArgumentError("forward_batch.encoder_lens", "encoder lengths for a cross-attention layer", None)
-    if layer.attention_chunk_size is not None:
-        raise InvalidArgumentError(
-            f"layer {layer.layer_id} attention_chunk_size", "the context's attention_chunk_size (None)", layer.attention_chunk_size
-        )
-    k_buf, v_buf = backend._save_and_buffers(q, k, v, layer, b, save_kv_cache, sinks)
-    qs = meta.rows.tokens(q)
-    if qs.stride(-1) != 1:
-        qs = qs.contiguous()
-    # the extend part (a no-op launch when every request is a decode) allocates the decode-first output
-    o, lse = backend._extend(
-        qs,
-        k_buf,
-        v_buf,
-        layer,
-        meta.prefill_qo_indptr,
-        meta.prefill_kv,
-        meta.prefill_max_q_len,
-        causal=layer.attn_type != "encoder_only",
-        custom_mask=None,
-        mask_indptr=None,
-        sinks=sinks,
-        want_lse=return_lse,
-    )
-    nd = meta.num_decodes
-    lse_d = None if lse is None else lse[:nd]
-    backend._decode(qs[:nd], k_buf, v_buf, o[:nd], lse_d, layer, meta.decode_kv, meta.splits, meta.part_o, meta.part_lse, sinks)
-    o = meta.rows.scatter_tokens(o)
-    lse = None if lse is None else meta.rows.scatter_tokens(lse)
-    o = o.view(q.shape[0], layer.num_q_heads * layer.v_head_dim)
-    return (o, lse) if return_lse else o
+    return StepPlan(False, kv, path)

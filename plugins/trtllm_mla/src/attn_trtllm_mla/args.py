@@ -5,6 +5,12 @@ DECODE 1, TARGET_VERIFY the draft count), the paged latent `[pages, P, kv_lora_r
 table, the key counts and two fused scales: `bmm1_scale` multiplies Q·Kᵀ (the softmax scale times the
 q and k dequantization scales), `bmm2_scale` the P·V product (the v scale; for MLA the latent is both
 K and V, so v_scale = k_scale).
+
+The block table is attn-core's (`attn_core.ops.kv_indices.page_table_from_req_to_token`, padded with
+`PAD`): int32 `[bs, width]` page ids, row b listing request b's pages in order (entries past its last
+page are never read: `seq_lens` bounds the kernel). Its width is TRT-LLM's: padded so that `width * P`
+is a multiple of 128 tokens (FlashInfer 0.6.6 refuses other widths for the trtllm-gen kernels:
+`block_num % (128 / block_size) == 0`; `padded_width`).
 """
 
 from __future__ import annotations
@@ -15,7 +21,12 @@ from typing import Optional
 import torch
 
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.ops.kv_indices import pages_for
 
+#: Padding entries of a block table.
+PAD = -1
+#: The trtllm-gen kernels want the table's width in tokens to be a multiple of this.
+TOKEN_ALIGNMENT = 128
 #: DeepSeek's no-rope part of a query head before absorption; FlashInfer 0.6.6 takes it (128 or 64) but
 #: its trtllm-gen path does not use it.
 QK_NOPE_HEAD_DIM = 128
@@ -77,3 +88,20 @@ def decode_kwargs(
         bmm1_scale=scales.bmm1,
         bmm2_scale=scales.bmm2,
     )
+
+
+def padded_width(max_seq_len: int, page_size: int) -> int:
+    """Columns of a block table for sequences of at most `max_seq_len` keys: the page count, rounded up
+    to a multiple of 128 / page_size (at least one such group). Example: (70, 32) -> 4; (300, 64) -> 6;
+    (0, 64) -> 2."""
+    if page_size < 1 or TOKEN_ALIGNMENT % page_size:
+        raise InvalidArgumentError("page_size", f"a divisor of {TOKEN_ALIGNMENT}", page_size)
+    group = TOKEN_ALIGNMENT // page_size
+    return max(1, pages_for(pages_for(max_seq_len, page_size), group)) * group
+
+
+def check_width(max_seq_len: int, page_size: int, width: int) -> None:
+    """A typed error when `max_seq_len` keys do not fit `width` pages of `page_size`."""
+    if pages_for(max_seq_len, page_size) > width:
+        expected = f"at most {width * page_size} keys (the block table's width)"
+        raise InvalidArgumentError("seq_lens", expected, max_seq_len)

@@ -1,11 +1,11 @@
 """The one place this plugin calls TensorRT-LLM's kernels (through FlashInfer 0.6.6): MLA decode
 (`decode`) and DeepSeek's ragged prefill (`ragged_prefill`). Unverified on hardware: no Blackwell GPU
 was available to this project; everything that builds these calls' arguments is tested on CPU
-(`args.py`, `block_table.py`, `ragged.py`).
+(`args.py`, `ragged.py`; the block tables are attn-core's).
 
 `kernel_for(capability, dtype)` says which FlashInfer path serves a device: "trtllm-gen" on compute
 capability 10.x; on 12.x FlashInfer 0.6.6 routes MLA decode to XQA, which takes fp8 queries and KV
-only, so bf16 steps there go to the parent backend (None).
+only, so bf16 steps there go to the fallback backend (None).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ WORKSPACE_BYTES = 128 << 20
 
 def kernel_for(capability: tuple[int, int], dtype: torch.dtype) -> Optional[str]:
     """The FlashInfer backend name of TRT-LLM's MLA decode for this device and dtype, or None when it
-    has none (then the parent's FlashInfer MLA kernels serve). Examples: ((10, 0), bf16) -> "trtllm-gen";
+    has none (then the fallback's FlashInfer MLA kernels serve). Examples: ((10, 0), bf16) -> "trtllm-gen";
     ((12, 0), bf16) -> None; ((9, 0), bf16) -> None."""
     if capability[0] == 10 and dtype == torch.bfloat16:
         return "trtllm-gen"

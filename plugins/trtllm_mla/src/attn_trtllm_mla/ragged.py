@@ -36,8 +36,8 @@ import torch
 
 from attn_core.batch import ForwardBatch
 from attn_core.chunk_plan import Partial, PrefixChunk, chunk_slots, plan_prefix_chunks
+from attn_core.chunked_prefill import ChunkedPrefillPlan, prefill_lengths
 from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
-from attn_flashinfer.prefill_plan import ChunkedPrefillPlan, prefill_lengths
 from attn_trtllm_mla.args import Scales, fold_scales
 
 #: (qk_head_dim, v_head_dim) pairs the ragged kernel builds (DeepSeek's 192/128, and 128/128).
@@ -56,7 +56,7 @@ RaggedKernel = Callable[[dict], tuple[torch.Tensor, torch.Tensor]]
 def uses_ragged_kernel(kernel: Optional[str], qk_head_dim: int, v_head_dim: int) -> bool:
     """Whether DeepSeek's prefill goes through TRT-LLM's ragged prefill: on the trtllm-gen kernels
     (`kernel.kernel_for`: compute capability 10.x, bf16) for the head dims it builds; otherwise the
-    parent's FlashInfer ragged wrappers serve. Examples: ("trtllm-gen", 192, 128) -> True;
+    fallback's FlashInfer ragged wrappers serve. Examples: ("trtllm-gen", 192, 128) -> True;
     ("trtllm-gen", 192, 64) -> False; (None, 192, 128) -> False."""
     return kernel == "trtllm-gen" and (qk_head_dim, v_head_dim) in RAGGED_HEAD_DIMS
 

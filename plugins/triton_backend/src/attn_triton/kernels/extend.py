@@ -46,6 +46,7 @@ from attn_triton.kernels.common import (
     check_lazy_rescale,
     check_query_rows,
     finalize,
+    key_ranges,
     offset_range,
     score_scales,
     tma_compatible,
@@ -123,37 +124,6 @@ def uses_wgmma(config: ExtendConfig, dtype: torch.dtype, kv_dtype: torch.dtype, 
         and head_dim in (64, 128)
         and plain
     )
-
-
-@triton.jit
-def key_ranges(
-    kv_len, q_off, first, tokens, window, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_MASK: tl.constexpr
-):
-    """(lo, full_end, hi): the keys a block of `tokens` new tokens sees, the first of them new token `first`
-    (at position q_off + first among the request's kv_len keys). Keys [lo, full_end) are seen by every row
-    of the block (no masks needed), keys [full_end, hi) need masks; lo and full_end are multiples of BLOCK_N.
-    Causal: the block's last row sees keys up to q_off + first + tokens - 1, its first row up to q_off +
-    first. A window W starts the range at the first row's oldest key (q_off + first - W + 1, rounded down)
-    and masks every tile, as do custom masks. Shared by both extend kernels (`extend_wgmma.py` calls it
-    from Gluon).
-
-    Worked example: kv_len 1000, q_off 600 (400 new tokens), first 128, tokens 128, BLOCK_N 64, causal:
-    hi = min(1000, 856) = 856, full_end = 728 rounded down = 704, lo = 0; with a window of 100, lo = 629 // 64
-    * 64 = 576 and full_end = 576."""
-    if CAUSAL:
-        hi = tl.minimum(kv_len, q_off + first + tokens)
-        full_end = q_off + first
-    else:
-        hi = kv_len
-        full_end = kv_len
-    lo = hi * 0
-    if HAS_WINDOW:
-        lo = tl.maximum(q_off + first - window + 1, 0) // BLOCK_N * BLOCK_N
-        full_end = lo
-    if USE_MASK:
-        full_end = lo
-    full_end = tl.maximum(full_end // BLOCK_N * BLOCK_N, lo)
-    return lo, full_end, hi
 
 
 @triton.jit

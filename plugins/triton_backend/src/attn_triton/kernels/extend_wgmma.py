@@ -57,9 +57,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from attn_triton.kernels.common import FAULT_KEY_OFFSETS, FAULT_QUERY_ROWS, offset_range, scale_scores, softmax_terms
+from attn_triton.kernels.common import (
+    FAULT_KEY_OFFSETS,
+    FAULT_QUERY_ROWS,
+    key_ranges,
+    offset_range,
+    scale_scores,
+    softmax_terms,
+)
 from attn_triton.kernels.decode import one_split_result
-from attn_triton.kernels.extend import key_ranges
 from attn_triton.kernels.gluon_gather import (
     box_slots,
     checked_rows,

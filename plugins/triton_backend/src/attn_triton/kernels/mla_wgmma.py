@@ -79,7 +79,7 @@ from attn_triton.kernels.gluon_gather import (
     slot_runs,
     tma_load,
 )
-from attn_triton.kernels.mla_decode import request_keys, tile_scores
+from attn_triton.kernels.mla_common import request_keys, tile_scores
 
 #: cp.async gather layout: 8 threads a row (64 channels = 128 bytes), 16 rows a pass
 _LOAD = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attn_core.batch_utils import shared_query_len
 from attn_core.errors import InvalidArgumentError
 from attn_core.forward_mode import ForwardMode
 from attn_triton.kernels.common import (
@@ -70,10 +71,10 @@ def verify_q_len(mode: ForwardMode, batch_size: int, num_tokens: int, max_q_len:
     """The q_len every request of the step shares when the step goes to the verify kernel, else None.
 
     A TARGET_VERIFY or DRAFT_EXTEND step of `batch_size` requests and `num_tokens` query rows whose
-    longest request has `max_q_len` tokens has the same q_len for every request exactly when
-    num_tokens == batch_size * max_q_len (no request exceeds the longest, so equality of the sum
-    forces all of them). Host integers only: no device sync; a CUDA-graph batch (every request padded
-    to the captured tokens per request) passes the same test.
+    longest request has `max_q_len` tokens, when every request carries the same count
+    (`attn_core.batch_utils.shared_query_len`: num_tokens == batch_size * max_q_len, host integers only, no
+    device sync; a CUDA-graph batch, every request padded to the captured tokens per request, passes the
+    same test) and that count is 1..MAX_VERIFY_Q_LEN.
 
     >>> verify_q_len(ForwardMode.TARGET_VERIFY, 3, 12, 4)
     4
@@ -86,9 +87,8 @@ def verify_q_len(mode: ForwardMode, batch_size: int, num_tokens: int, max_q_len:
     """
     if not (mode.is_target_verify() or mode.is_draft_extend()):
         return None
-    if batch_size < 1 or not 1 <= max_q_len <= MAX_VERIFY_Q_LEN or num_tokens != batch_size * max_q_len:
-        return None
-    return max_q_len
+    n = shared_query_len(batch_size, num_tokens, longest=max_q_len)
+    return n if n is not None and 1 <= n <= MAX_VERIFY_Q_LEN else None
 
 
 def verify_head_block(group: int, q_len: int, config: VerifyConfig) -> int:

@@ -31,7 +31,7 @@ import torch
 from attn_core.batch import ForwardBatch, SpecInfo
 from attn_core.errors import InvalidArgumentError
 from attn_core.forward_mode import ForwardMode
-from attn_core.ops.kv_indices import extend_start_loc_from_lens
+from attn_core.positions import extend_start_loc_from_lens
 
 
 @dataclass(frozen=True)

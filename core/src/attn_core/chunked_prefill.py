@@ -1,13 +1,20 @@
-"""The kernel-independent half of DeepSeek's prefill path (no FlashInfer import: tested on CPU).
+"""The kernel-independent half of DeepSeek's prefill path (non-absorbed MHA over the new tokens plus the
+cached prefix chunk by chunk), shared by every backend that offers it.
 
-`ChunkedPrefillPlan` is one step's planned non-absorbed prefill: the prefix chunks (attn-core's
-`plan_prefix_chunks`), each chunk's pool slots, and the step's sizes. Its `attend` checks the per-layer
-inputs, asks the engine for each chunk's decompressed K/V and runs attn-core's
-`attend_with_prefix_chunks` (the one chunk loop and LSE merge); the two passes it needs are the
-subclass's: `run_new` (the new tokens over themselves, causal) and `run_chunk` (the new tokens over one
-prefix chunk, no mask), each returning the output `[T, H, v_head_dim]` and the natural-log LSE `[T, H]`
-float32 (docs/design.md §3.2). attn-flashinfer's subclass runs FlashInfer's ragged wrappers
-(`mla_prefill.PrefillPlan`); attn-trtllm-mla's runs TensorRT-LLM's ragged prefill.
+`ChunkedPrefillPlan` is one step's planned non-absorbed prefill: the prefix chunks
+(`attn_core.chunk_plan.plan_prefix_chunks`), each chunk's pool slots, and the step's sizes. Its `attend`
+checks the per-layer inputs, asks the engine for each chunk's decompressed K/V and runs
+`attn_core.chunk_plan.attend_with_prefix_chunks` (the one chunk loop and LSE merge); the two passes it
+needs are a subclass's, with the backend's kernels: `run_new` (the new tokens over themselves, causal)
+and `run_chunk` (the new tokens over one prefix chunk, no mask), each returning the output
+`[T, H, v_head_dim]` and the natural-log LSE `[T, H]` float32 (docs/design.md §3.2). attn-flashinfer's
+subclass runs FlashInfer's ragged wrappers (`attn_flashinfer.mla_prefill.PrefillPlan`); attn-trtllm-mla's
+runs TensorRT-LLM's ragged prefill (`attn_trtllm_mla.ragged.RaggedPrefillPlan`).
+
+Worked example (a subclass whose passes run some kernel): an EXTEND batch of requests (prefix 5, 3 new)
+and (0, 2), chunk capacity 4 -> `prefill_lengths(batch)` = ([3, 2], [5, 0]); `plan_prefix_chunks([5, 0],
+4)` gives chunk_len 2 and 3 chunks; `plan.attend(q, k, v, prefix_kv)` runs `run_new` once, then
+`prefix_kv(chunk, slots)` and `run_chunk` for chunks 0, 1, 2, merging each by LSE, and returns `[5, H * Dv]`.
 
 `prefill_lengths(forward_batch)` gives the host lengths a plan is built from, or a typed error.
 """

@@ -1,15 +1,15 @@
-"""The kernel-independent half of DeepSeek's prefill path (`attn_flashinfer.prefill_plan`), on CPU: the
-host lengths it plans from, its input checks (typed errors before any pass runs) and the order it
-runs the passes in. The numerics are checked through a subclass with real passes: attn-trtllm-mla's
-CPU tests (a float64 fake of its kernel) and this plugin's GPU tests."""
+"""The kernel-independent half of DeepSeek's prefill path (`attn_core.chunked_prefill`), on CPU: the host
+lengths it plans from, its input checks (typed errors before any pass runs) and the order it runs the
+passes in. The numerics are checked through subclasses with real passes: attn-trtllm-mla's CPU tests (a
+float64 fake of its kernel) and attn-flashinfer's GPU tests."""
 
 import pytest
 import torch
 
 import attn_core as ac
 from attn_core.chunk_plan import plan_prefix_chunks
+from attn_core.chunked_prefill import ChunkedPrefillPlan, prefill_lengths
 from attn_core.errors import InvalidArgumentError
-from attn_flashinfer.prefill_plan import ChunkedPrefillPlan, prefill_lengths
 
 
 class RecordingPlan(ChunkedPrefillPlan):
