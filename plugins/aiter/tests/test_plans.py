@@ -13,7 +13,6 @@ from attn_core.errors import InvalidArgumentError
 
 
 def test_worked_examples():
-    assert plans.pages_for(257, 256) == 2 and plans.pages_for(0, 16) == 0
     assert plans.partitions_for(300) == 2 and plans.partitions_for(256) == 1 and plans.partitions_for(0) == 1
     assert plans.decode_workspace_bytes(2, 4, 3, 64, 2) == 3264
     assert [plans.mla_padded_heads(h) for h in (4, 16, 40, 128)] == [16, 16, 48, 128]

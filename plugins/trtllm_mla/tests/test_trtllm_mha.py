@@ -16,7 +16,7 @@ from attn_core.testing.engine_steps import MIXED_STEPS, EngineWorld, compare_ove
 from attn_core.testing.harness import AttnCase, assert_case, layer_inputs, make_env, make_layer
 from attn_trtllm_mla import mha_args
 from attn_trtllm_mla.mha_backend import TrtllmMHABackend
-from attn_trtllm_mla.mha_plans import block_tables, decode_q_len, pages_for
+from attn_trtllm_mla.mha_plans import block_tables, decode_q_len, table_width
 from attn_trtllm_mla.testing.blackwell_stand_ins import cpu_backend_class, trtllm_mha_vendor
 
 MHA = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, dtype="bfloat16", page_size=16)
@@ -34,7 +34,7 @@ def test_argument_helpers():
     buf = torch.arange(64 * 2 * 8.0).view(64, 2, 8)
     view = mha_args.hnd_view(buf, 16)
     assert view.shape == (4, 2, 16, 8) and torch.equal(view[1, 1, 3], buf[16 + 3, 1])
-    assert pages_for(70, 32) == 3 and pages_for(0, 16) == 1
+    assert table_width(70, 32) == 3 and table_width(0, 16) == 1
     assert [
         decode_q_len(True, False, [1, 1]),
         decode_q_len(False, True, [4, 4]),
@@ -106,7 +106,7 @@ def test_graph_buffers_and_refusals():
         )
     backend.init_cuda_graph_state(4, 16)
     g = backend._graph
-    assert g["table"].shape == (4, pages_for(env.ctx.max_context_len, 16))
+    assert g["table"].shape == (4, table_width(env.ctx.max_context_len, 16))
     backend.init_forward_metadata_capture_cuda_graph(
         2, 2, b.req_pool_indices, b.seq_lens, None, ForwardMode.DECODE, None
     )

@@ -35,7 +35,6 @@ from attn_aiter.plans import (
     mla_kernel_for,
     mla_padded_heads,
     offsets,
-    pages_for,
     partitions_for,
     query_pieces,
     to_device,
@@ -46,7 +45,7 @@ from attn_core.batch import ForwardBatch
 from attn_core.errors import IncompatibleBackendError, InvalidArgumentError, UnsupportedFeatureError
 from attn_core.graph_step import CudaGraphStep
 from attn_core.memory import kv_scales
-from attn_core.ops.kv_indices import build_kv_indices
+from attn_core.ops.kv_indices import build_kv_indices, pages_for
 
 #: the AITER operator each plan feeds (AiterMetadata.path)
 PATHS = {"decode": "aiter.mla.mla_decode_fwd", "prefill": "aiter.mla.mla_prefill_fwd"}

@@ -22,6 +22,7 @@ from typing import Optional, Union
 import torch
 
 from attn_core.errors import InvalidArgumentError
+from attn_core.ops.kv_indices import pages_for
 
 #: tokens per partition of the paged decode kernel
 PARTITION_SIZE = 256
@@ -81,11 +82,6 @@ class AiterMetadata:
 
     path: str
     plan: Optional[Plan]
-
-
-def pages_for(tokens: int, page_size: int) -> int:
-    """Pages holding `tokens` tokens. Example: pages_for(257, 256) == 2, pages_for(0, 16) == 0."""
-    return -(-tokens // page_size)
 
 
 def partitions_for(max_seq_len: int, partition_size: int = PARTITION_SIZE) -> int:

@@ -27,7 +27,7 @@ from attn_core.memory import kv_scales
 from attn_trtllm_mla import cutlass_kernels
 from attn_trtllm_mla.args import fold_scales
 from attn_trtllm_mla.cutlass_spec import CAPABILITIES, PAGE_SIZE
-from attn_trtllm_mla.mha_plans import block_tables, pages_for
+from attn_trtllm_mla.mha_plans import block_tables, table_width
 
 PATH = "sgl_kernel.cutlass_mla_decode"
 #: query heads the kernel serves
@@ -67,7 +67,7 @@ class CutlassMLABackend(AttentionBackend[CutlassPlan]):
         b = forward_batch
         if b.encoder_lens is not None:
             raise UnsupportedFeatureError(self.name, "encoder-decoder batches")
-        width = pages_for(int(b.seq_lens_cpu.max()), PAGE_SIZE)
+        width = table_width(int(b.seq_lens_cpu.max()), PAGE_SIZE)
         table = block_tables(self.req_to_token(b), b.req_pool_indices, b.seq_lens, PAGE_SIZE, width)
         size = self.vendor.workspace_size(width * PAGE_SIZE, b.batch_size)
         return CutlassPlan(table, b.seq_lens, torch.empty(size, dtype=torch.uint8, device=self.device))
@@ -75,7 +75,7 @@ class CutlassMLABackend(AttentionBackend[CutlassPlan]):
     # ---- CUDA graphs (DECODE) -------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """A page table `[max_bs, pages of max_context_len]`, and the workspace for that width and batch."""
-        width = pages_for(self.ctx.max_context_len, PAGE_SIZE)
+        width = table_width(self.ctx.max_context_len, PAGE_SIZE)
         size = self.vendor.workspace_size(width * PAGE_SIZE, max_bs)
         self._graph = dict(
             max_bs=max_bs,

@@ -27,7 +27,7 @@ from attn_core.graph_step import CudaGraphStep
 from attn_core.memory import kv_scales
 from attn_trtllm_mla import mha_kernels
 from attn_trtllm_mla.mha_args import context_kwargs, decode_kwargs, hnd_view, mha_scales, window_left
-from attn_trtllm_mla.mha_plans import MhaMetadata, MhaPlan, block_tables, decode_q_len, pages_for
+from attn_trtllm_mla.mha_plans import MhaMetadata, MhaPlan, block_tables, decode_q_len, table_width
 from attn_trtllm_mla.mha_spec import CAPABILITIES
 
 DECODE_PATH = "flashinfer.decode.trtllm_batch_decode_with_kv_cache"
@@ -61,7 +61,7 @@ class TrtllmMHABackend(AttentionBackend[MhaMetadata]):
         r2t, p = self.req_to_token(b), self.page_size
         q_len = decode_q_len(mode.is_decode(), mode.is_target_verify(), q)
         if q_len is not None:
-            table = block_tables(r2t, b.req_pool_indices, b.seq_lens, p, pages_for(max(seq), p))
+            table = block_tables(r2t, b.req_pool_indices, b.seq_lens, p, table_width(max(seq), p))
             return MhaMetadata(DECODE_PATH, MhaPlan("decode", table, b.seq_lens, max(seq), q_len=q_len))
         keep = [i for i, n in enumerate(q) if n > 0]
         if not keep:
@@ -74,7 +74,7 @@ class TrtllmMHABackend(AttentionBackend[MhaMetadata]):
         if n < len(q):
             rows = rows[torch.tensor(keep, dtype=torch.long).to(rows.device)]
         lens = dev[2 * n + 2 :]
-        table = block_tables(r2t, rows, lens, p, pages_for(max(kl), p))
+        table = block_tables(r2t, rows, lens, p, table_width(max(kl), p))
         plan = MhaPlan(
             "context",
             table,
@@ -89,7 +89,7 @@ class TrtllmMHABackend(AttentionBackend[MhaMetadata]):
     # ---- CUDA graphs (DECODE, TARGET_VERIFY) -------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Fixed block-table `[max_bs, pages of max_context_len]` and key-count `[max_bs]` buffers."""
-        width = pages_for(self.ctx.max_context_len, self.page_size)
+        width = table_width(self.ctx.max_context_len, self.page_size)
         self._graph = dict(
             max_bs=max_bs,
             table=torch.zeros(max_bs, width, dtype=torch.int32, device=self.device),

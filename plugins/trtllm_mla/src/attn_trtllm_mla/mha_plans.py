@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from attn_core.ops.kv_indices import page_table_from_req_to_token
+from attn_core.ops.kv_indices import page_table_from_req_to_token, pages_for
 
 
 @dataclass(frozen=True)
@@ -46,9 +46,10 @@ class MhaMetadata:
     plan: Optional[MhaPlan]
 
 
-def pages_for(tokens: int, page_size: int) -> int:
-    """Pages holding `tokens` tokens, at least 1 (a table has a column). Example: (70, 32) -> 3; (0, 16) -> 1."""
-    return max(1, -(-tokens // page_size))
+def table_width(tokens: int, page_size: int) -> int:
+    """Columns of a block table for requests of at most `tokens` keys: their pages, at least 1 (a table has a
+    column). Example: (70, 32) -> 3; (0, 16) -> 1."""
+    return max(1, pages_for(tokens, page_size))
 
 
 def block_tables(
