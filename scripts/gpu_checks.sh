@@ -2,11 +2,12 @@
 # Every GPU check of the project in one command, for a machine with a CUDA GPU and torch + triton
 # installed (the lent H100/H200 machine: no network; FlashInfer comes from wheels carried in .whl/ and
 # its prebuilt kernels from .fi-cache/aot.tar.xz when present). Logs go to $OUT (default ./gpu-out).
-#   bash scripts/gpu_checks.sh [tests | tests-core tests-triton tests-fi check] [bench] [triton-bench] [verify-bench] [fi-bench] [fi-window] [mla-bench] [cascade-bench] [mla] [engine] [multi-gpu] [vendors] [fi-kit fi-tests fi-speed] [vision | vision-triton vision-fi vision-hf] [vision-bench]
+#   bash scripts/gpu_checks.sh [tests | tests-core tests-triton tests-fi check] [bench] [triton-bench] [verify-bench] [fi-bench] [fi-window] [mla-bench] [cascade-bench] [mla] [engine] [engine-kv] [multi-gpu] [vendors] [fi-kit fi-tests fi-speed] [vision | vision-triton vision-fi vision-hf] [vision-bench]
 #        [sparse-kit = sparse-kit-ds sparse-kit-dc] [sparse-tests] [sparse-bench]   (default: tests bench;
 #   sparse-* = attn-sparse: the kit on cuda for double_sparsity / dual_chunk, its GPU tests, its benchmark;
 #   fi-kit / fi-tests / fi-speed = attn-flashinfer per FlashInfer release: FI_SITE=/tmp/site07 for 0.7.2.post1, see scripts/gpu_fi07_wheels.sh;
 #   vision = issue 40's GPU tests (non-causal / span / ragged checks, the vision-tower shape, HF towers); vision-bench = benchmarks/ragged_vs_peers.py;
+#   engine-kv = engine-owned KV memory on cuda (tests/test_engine_kv_gpu.py) and benchmarks/engine_kv_layout.py;
 #   bench = every benchmark; mla = attn-triton's MLA kernel alone: its GPU tests and the MLA benchmark without the prefill row;
 #   BENCH_ONLY=meta limits the Triton benchmark's rows; FP8_CONFIGS="n,h,w,s[,v];..." the fp8 decode tiles swept in its fp8 row)
 # FlashAttention-4 (attn-flashattention, issue 38) has parts of its own, each fitting one device call; its wheels come in
@@ -95,6 +96,10 @@ if want engine; then  # the example engine (examples/hf_llama.py) vs transformer
   for args in "triton --attn-dtype float32" "triton --attn-dtype float32 --graphs" "flashinfer --attn-dtype float16" "flashinfer --attn-dtype float16 --graphs"; do
     python3 examples/hf_llama.py --device cuda --backend $args 2>&1 | tee -a "$OUT/engine_tps.log" || rc=1
   done
+fi
+if want engine-kv; then  # engine-owned KV memory on cuda (vLLM's cache layouts, hand-built engine steps): triton and flashinfer, then attn-triton on vLLM-layout caches vs its own pool
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_engine_kv_gpu.py 2>&1 | tee "$OUT/engine_kv_gpu.log" || rc=1
+  python3 benchmarks/engine_kv_layout.py --out "$OUT/engine_kv_layout.json" 2>&1 | tee "$OUT/engine_kv_layout.log" || rc=1
 fi
 if want multi-gpu; then  # needs 2 GPUs (nvidia-h200-x2): DCP decode attention (eager and in CUDA graphs with NCCL captured), the TP=2 and DCP=2 example engine over NCCL
   python3 -m pytest -q -p no:cacheprovider -m gpu core/tests/test_dcp_distributed.py tests/test_engine_parallel.py 2>&1 | tee "$OUT/multi_gpu.log" || rc=1

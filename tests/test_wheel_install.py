@@ -21,10 +21,19 @@ import pytest
 pytestmark = pytest.mark.packaging
 
 ROOT = Path(__file__).resolve().parents[1]
-DISTRIBUTIONS = (
-    "attn_core", "attn_triton", "attn_flashinfer", "attn_trtllm_mla", "attn_cpu_amx", "attn_ascend", "attn_sparse", "attn_flashattention",
-    "attn_aiter", "attn_wave",
-)
+
+
+def _package_names() -> tuple[str, ...]:
+    """The wheel name of every distribution in the checkout (core and each `plugins/*/pyproject.toml`),
+    read from the `name = "attn-..."` line of its pyproject: every one must be built and installed."""
+    found = []
+    for pyproject in [ROOT / "core" / "pyproject.toml", *sorted((ROOT / "plugins").glob("*/pyproject.toml"))]:
+        name = re.search(r'^name = "([^"]+)"', pyproject.read_text(), re.M).group(1)
+        found.append(name.replace("-", "_"))
+    return tuple(found)
+
+
+DISTRIBUTIONS = _package_names()
 
 
 def run(*cmd, ok: bool = True, timeout: float = 900, **kw) -> subprocess.CompletedProcess:

@@ -163,7 +163,8 @@ def test_pytest_face_fails_a_broken_backend_and_names_the_case(tmp_path):
     assert proc.returncode == 1, out
     assert "FAILED" in out and "test_check[sliding_window-5-EXTEND]" in out and "case: EXTEND reqs=" in out
     assert "test_check[sliding_window_interleaved-DECODE]" in out  # windowed layers between full ones
-    assert "2 failed, 1 passed, 1 skipped" in out, out
+    assert "test_check[engine_kv-vllm_lbhnc-sliding_window]" in out  # the window over an engine-owned cache
+    assert "3 failed, 1 passed, 1 skipped" in out, out
 
 
 def test_kit_profiles_are_built_by_keyword():

@@ -81,6 +81,8 @@ _EXPORTS = {
     "PageTailError": "attn_core.memory",
     "MHATokenToKVPool": "attn_core.memory",
     "MLATokenToKVPool": "attn_core.memory",
+    "EngineKVPool": "attn_core.memory",
+    "EngineBatches": "attn_core.engine_batch",
     "merge_state": "attn_core.ops.merge_state",
     "HybridAttnBackend": "attn_core.wrappers.hybrid",
     "TboAttnBackend": "attn_core.wrappers.tbo",

@@ -259,24 +259,39 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         layer: AttentionLayer,
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
+        *,
+        out: Optional[torch.Tensor] = None,
         **extras,
     ) -> Output:
         """Check the metadata is this batch's (`StaleMetadataError`), validate the arguments, then
         dispatch on the mode: no-token modes return an empty output, DECODE goes to `forward_decode`,
-        every other mode to `forward_extend`."""
+        every other mode to `forward_extend`.
+
+        `out`: the engine's output buffer, `[T, Hq*Dv]` or `[T, Hq, Dv]` in q's dtype on the backend's
+        device (checked before any KV write, `InvalidArgumentError` naming `out`); the result is written
+        into it and `out` (viewed as `[T, Hq*Dv]`) is returned in place of a new tensor."""
         bound = self._metadata_for
         if bound is not forward_batch and not (isinstance(bound, GraphBatchKey) and bound.matches(forward_batch)):
             raise StaleMetadataError(_bound_description(bound), _batch_difference(bound, forward_batch))
         mode = forward_batch.forward_mode
+        if out is not None:
+            out = _out_view(out, forward_batch.num_tokens, layer, q.dtype, self.device)
         if mode.is_no_tokens():
-            o = q.new_empty((0, layer.num_q_heads * layer.v_head_dim))
+            o = q.new_empty((0, layer.num_q_heads * layer.v_head_dim)) if out is None else out
             if extras.get("return_lse"):
                 return o, torch.empty((0, layer.num_q_heads), dtype=torch.float32, device=q.device)
             return o
         q, k, v = self._validate(q, k, v, layer, forward_batch, save_kv_cache, extras)
         if mode.is_decode():
-            return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **extras)
-        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **extras)
+            result = self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **extras)
+        else:
+            result = self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **extras)
+        if out is None:
+            return result
+        o = result[0] if isinstance(result, tuple) else result
+        if o.data_ptr() != out.data_ptr():
+            out.copy_(o.reshape(out.shape))
+        return (out, result[1]) if isinstance(result, tuple) else out
 
     @abc.abstractmethod
     def forward_decode(
@@ -553,6 +568,24 @@ def _bound_description(bound: Union[ForwardBatch, GraphBatchKey, None]) -> str:
     if isinstance(bound, GraphBatchKey):
         return f"the CUDA-graph batch the metadata was captured/replayed for ({bound.forward_mode.name}, {bound.batch_size} requests)"
     return f"the batch init_forward_metadata was last called with ({bound.forward_mode.name}, {bound.batch_size} requests)"
+
+
+def _out_view(out, rows: int, layer: AttentionLayer, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The engine's output buffer `out` as a `[rows, Hq*Dv]` view of its memory (no copy), or
+    `InvalidArgumentError` naming `out`: a tensor of that shape or `[rows, Hq, Dv]`, of `dtype`, on
+    `device`, whose rows can be viewed flat. Example: a contiguous `[5, 4, 16]` buffer with Hq 4, Dv 16
+    gives a `[5, 64]` view of it."""
+    width = layer.num_q_heads * layer.v_head_dim
+    if not isinstance(out, torch.Tensor):
+        raise InvalidArgumentError("out", f"a tensor of shape ({rows}, {width})", type(out).__name__)
+    if tuple(out.shape) not in ((rows, width), (rows, layer.num_q_heads, layer.v_head_dim)):
+        raise InvalidArgumentError("out", f"shape ({rows}, {width}) or ({rows}, {layer.num_q_heads}, {layer.v_head_dim})", tuple(out.shape))
+    if out.dtype != dtype or out.device != device:
+        raise InvalidArgumentError("out", f"dtype {dtype} on {device} (q's)", (out.dtype, out.device))
+    try:
+        return out.view(rows, width)
+    except RuntimeError:
+        raise InvalidArgumentError("out", "a buffer whose rows are viewable as one flat row each (no copy)", tuple(out.stride())) from None
 
 
 def _as_heads(x: torch.Tensor, rows: int, heads: int, dim: int) -> Optional[torch.Tensor]:

@@ -90,6 +90,9 @@ class Requirements:
     forward_modes: frozenset[ForwardMode] = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE})
     cuda_graph: CudaGraphLevel = CudaGraphLevel.NEVER
     kv_layout: str = "NHD"
+    #: the KV pool wraps tensors the engine allocated (`attn_core.memory.EngineKVPool`: strided views, any
+    #: strides with the last dimension contiguous) instead of attn's own dense buffers
+    engine_kv: bool = False
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,10 @@ class Capabilities:
     (kv_lora_rank + qk_rope_head_dim). `kv_layouts`: the KV pool layouts read ("NHD", "HND": see
     `attn_core.memory.pools`). `ragged_head_dims`: the head dims the ragged op (`Feature.RAGGED`) serves
     (None = any); a context that asks for the ragged op alone (`Feature.RAGGED` and no forward mode: a
-    vision tower) is matched on these instead of `head_dims`."""
+    vision tower) is matched on these instead of `head_dims`. `engine_kv_layouts`: the layouts in which the
+    backend reads and writes an engine-owned KV pool (`attn_core.memory.EngineKVPool`: K and V as strided
+    views of tensors the engine allocated, e.g. halves of one fused tensor) in place, taking the buffers'
+    strides as they are."""
 
     devices: frozenset[str]
     q_dtypes: frozenset[str]
@@ -116,6 +122,7 @@ class Capabilities:
     cpu_isa: frozenset[str] = field(default_factory=frozenset)
     kv_layouts: frozenset[str] = frozenset({"NHD"})
     ragged_head_dims: Optional[frozenset[int]] = None
+    engine_kv_layouts: frozenset[str] = frozenset()
 
     def supports(self, feature: Feature) -> bool:
         return feature in self.features
@@ -157,6 +164,8 @@ class Capabilities:
             out.append(f"attention arch {req.arch!r} not in {sorted(self.archs)}")
         if req.kv_layout not in self.kv_layouts and paged:
             out.append(f"kv_layout {req.kv_layout} not in {sorted(self.kv_layouts)}")
+        if req.engine_kv and req.kv_layout not in self.engine_kv_layouts:
+            out.append(f"an engine-owned KV pool in layout {req.kv_layout} (engine_kv_layouts {sorted(self.engine_kv_layouts)})")
         if Feature.SLIDING_WINDOW_POOL in req.features and Feature.SLIDING_WINDOW_POOL not in self.features:
             out.append("a sliding-window KV pool (feature sliding_window_pool) not supported")
         if layout_only:

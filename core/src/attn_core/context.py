@@ -147,6 +147,7 @@ class BackendContext:
             forward_modes=frozenset(modes),
             cuda_graph=self.cuda_graph,
             kv_layout=self.kv_layout,
+            engine_kv=bool(getattr(self.token_to_kv_pool, "engine_owned", False)),
         )
 
 

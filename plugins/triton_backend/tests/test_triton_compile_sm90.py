@@ -47,6 +47,8 @@ def types_for(fn, dt, kv_dt=None, v_dt=None, descs=None):
     return t
 
 def build(fn, dt, consts, cfg_warps, cfg_stages, arch=90, kv_dt=None, v_dt=None, source=ASTSource, descs=None):
+    if "PAGE" in fn.arg_names and "PAGE" not in consts:  # attn's own [slots, H, D] pools (common.paged_strides)
+        consts = {**consts, "PAGE": 1}
     types = types_for(fn, dt, kv_dt, v_dt, descs)
     sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
     runtime = [i for i, n in enumerate(fn.arg_names) if n not in consts and (types[n][0] == "*" or n.startswith("stride"))]

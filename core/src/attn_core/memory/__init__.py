@@ -1,6 +1,7 @@
 """KV-cache memory: the request→slot table, slot allocators and per-layer KV pools."""
 
 from attn_core.memory.allocator import KVSlotError, PagedTokenAllocator, PageTailError, TokenAllocator
+from attn_core.memory.engine_pool import ENGINE_KV_ORDERS, EngineKVPool
 from attn_core.memory.pools import (
     KV_LAYOUTS,
     KVPool,
@@ -14,6 +15,8 @@ from attn_core.memory.pools import (
 from attn_core.memory.window_pool import SlidingWindowAllocator, SlidingWindowKVPool, window_pool_of
 
 __all__ = [
+    "ENGINE_KV_ORDERS",
+    "EngineKVPool",
     "KV_LAYOUTS",
     "KVPool",
     "KVSlotError",

@@ -9,12 +9,20 @@ own checks. Check ids are stable strings like ``page_size-16-DECODE`` so skip li
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from attn_core.capabilities import ARCH_MHA, ARCH_MLA, FP8_KV_DTYPES, CudaGraphLevel, Feature
 from attn_core.forward_mode import ForwardMode
 from attn_core.testing.compose import Draw, compose_requests
+from attn_core.testing.engine_memory import (
+    ENGINE_LAYOUTS,
+    EngineCase,
+    engine_case_check,
+    engine_hostile_checks,
+    engine_page_size,
+    engine_refusal_check,
+)
 from attn_core.testing.graphs import graph_case_check, graph_relocation_check
 from attn_core.testing.harness import AttnCase, run_case
 from attn_core.testing.hostile import hostile_cases, hostile_check
@@ -177,6 +185,7 @@ class PlanBuilder:
         self.add_graph_checks()
         self.add_negative_checks()
         self.add_hostile_checks()
+        self.add_engine_kv_checks()
         return self.checks
 
     def add_spec_checks(self) -> None:
@@ -507,6 +516,45 @@ class PlanBuilder:
         for hostile in hostile_cases(ForwardMode.DECODE in modes, ForwardMode.EXTEND in modes, verify, other):
             case = self.case(hostile.mode, self.fixed_requests(hostile.mode))
             self.add(f"hostile-{hostile.name}", hostile_check(self.target, case, hostile), f"{hostile.what}: {case.describe()}")
+
+
+    def add_engine_kv_checks(self) -> None:
+        """The engine-owned-memory section (`attn_core.testing.engine_memory`): every engine layout whose pool
+        layout the backend declares in `engine_kv_layouts`, several engine-shaped steps each (K/V written by
+        attn's write step; on the first layout also by forward, and with a sliding window where declared);
+        hostile engines; a pool layout not declared refused at construction."""
+        caps, b = self.caps, self.base
+        if ARCH_MHA not in caps.archs or b.arch != ARCH_MHA:
+            return
+        p = self.p
+        base = EngineCase(
+            "vllm_lbhnc",
+            num_q_heads=p.num_q_heads,
+            num_kv_heads=p.num_kv_heads,
+            head_dim=pick_head_dim(caps, ARCH_MHA, p),
+            page_size=engine_page_size(caps.page_sizes),
+            dtype=b.dtype,
+            device=p.device,
+            seed=self.seed,
+        )
+        declared = [name for name, lay in ENGINE_LAYOUTS.items() if lay.kv_layout in caps.engine_kv_layouts]
+        for i, name in enumerate(declared):
+            case = replace(base, layout=name, seed=self.seed + i)
+            self.add(f"engine_kv-{name}", engine_case_check(self.target, case), case.describe())
+        if declared:
+            first = replace(base, layout=declared[0])
+            case = replace(first, write_by="forward")
+            self.add(f"engine_kv-{declared[0]}-forward_writes", engine_case_check(self.target, case), case.describe())
+            if caps.supports(Feature.SLIDING_WINDOW):
+                case = replace(first, sliding_window=p.windows[-1])
+                self.add(f"engine_kv-{declared[0]}-sliding_window", engine_case_check(self.target, case), case.describe())
+            for name, run in engine_hostile_checks(self.target, first).items():
+                self.add(f"engine_kv-hostile-{name}", run, first.describe())
+        for layout in ("NHD", "HND"):
+            if layout not in caps.engine_kv_layouts:
+                name = next(n for n, lay in ENGINE_LAYOUTS.items() if lay.kv_layout == layout)
+                case = replace(base, layout=name)
+                self.add(f"refuse-engine_kv-{layout}", engine_refusal_check(self.target, case), case.describe())
 
 
 def _undeclared(candidates: tuple[int, ...], declared) -> Optional[int]:

@@ -35,6 +35,10 @@ CAPABILITIES = Capabilities(
         {Feature.SLIDING_WINDOW, Feature.LOGIT_CAP, Feature.SINKS, Feature.CUSTOM_MASK, Feature.LSE_OUTPUT, Feature.MIXED_KV_DTYPE}
     ),
     cuda_graph=CudaGraphLevel.NEVER,
+    #: K/V read through their strides (page, token and head strides; power-of-two pages): attn's pools in
+    #: either layout and engine-owned ones (`attn_core.memory.EngineKVPool`) in place
+    kv_layouts=frozenset({"NHD", "HND"}),
+    engine_kv_layouts=frozenset({"NHD", "HND"}),
 )
 
 

@@ -50,6 +50,9 @@ CAPABILITIES = Capabilities(
     ),
     cuda_graph=CudaGraphLevel.UNIFORM_BATCH,
     kv_layouts=frozenset({"NHD", "HND"}),  # HND: verified on the GPU only (the kit's kv_layout-HND checks in tests/test_gpu.py)
+    #: engine-owned pools (`attn_core.memory.EngineKVPool`): FlashInfer reads paged K/V through the buffers'
+    #: strides (K and V strides equal, as every fused engine cache has them); verified on the GPU only
+    engine_kv_layouts=frozenset({"NHD", "HND"}),
     min_compute_capability=MIN_COMPUTE_CAPABILITY,
     ragged_head_dims=frozenset(range(8, 257, 8)),
 )

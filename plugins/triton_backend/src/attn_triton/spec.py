@@ -49,6 +49,10 @@ CAPABILITIES = Capabilities(
         }
     ),
     cuda_graph=CudaGraphLevel.UNIFORM_BATCH,
+    #: K/V addressed through page, token and head strides (`kernels.common.paged_strides`): attn's pools in
+    #: either layout and engine-owned ones (`attn_core.memory.EngineKVPool`) read in place
+    kv_layouts=frozenset({"NHD", "HND"}),
+    engine_kv_layouts=frozenset({"NHD", "HND"}),
     #: the ragged op's varlen kernel (`kernels/ragged.py`): the same head dims, split into a power-of-two
     #: part and a remainder (d72 / d80 / d96 of ViTs without padding to 128)
     ragged_head_dims=HEAD_DIMS,

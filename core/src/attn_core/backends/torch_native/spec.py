@@ -33,6 +33,7 @@ CAPABILITIES = Capabilities(
     ),
     cuda_graph=CudaGraphLevel.UNIFORM_BATCH,
     kv_layouts=frozenset({"NHD", "HND"}),
+    engine_kv_layouts=frozenset({"NHD", "HND"}),  # reads / writes by slot through any strides (token_rows, index_put)
 )
 
 SPEC = BackendSpec(

@@ -267,15 +267,15 @@ struct AmxOps {
   static void stage(const Params& p, Work& w, int ulo, int uhi) {
     const Ext e = ext(p, w);
     const int D = p.d, DV = p.dv;
-    const uint16_t* kbase = static_cast<const uint16_t*>(p.k) + static_cast<int64_t>(w.h) * D;
-    const uint16_t* vbase = static_cast<const uint16_t*>(p.v) + static_cast<int64_t>(w.h) * DV;
+    const uint16_t* kbase = static_cast<const uint16_t*>(p.k) + static_cast<int64_t>(w.h) * p.k_head_stride;
+    const uint16_t* vbase = static_cast<const uint16_t*>(p.v) + static_cast<int64_t>(w.h) * p.v_head_stride;
     const int32_t* slots = w.slots;
     // 16 keys x 16 dim pairs at a time: a 16x16 transpose of 32-bit pairs
     for (int j0 = 0; j0 < BK; j0 += 16) {
       const uint16_t* rows[16];
       for (int i = 0; i < 16; ++i) {
         const int j = j0 + i;
-        rows[i] = (j >= ulo && j < uhi) ? kbase + static_cast<int64_t>(slots[j]) * p.k_slot_stride : kZeroBf16;
+        rows[i] = (j >= ulo && j < uhi) ? kbase + k_row(p, slots[j]) : kZeroBf16;
       }
       for (int c = 0; c < D; c += 32) {
         __m512 r16[16];
@@ -296,8 +296,8 @@ struct AmxOps {
         for (int c = 0; c < 2 * DV; c += 32) _mm512_storeu_si512(dst + c, _mm512_setzero_si512());
         continue;
       }
-      const uint16_t* v0 = in0 ? vbase + static_cast<int64_t>(slots[j]) * p.v_slot_stride : kZeroBf16;
-      const uint16_t* v1 = in1 ? vbase + static_cast<int64_t>(slots[j + 1]) * p.v_slot_stride : kZeroBf16;
+      const uint16_t* v0 = in0 ? vbase + v_row(p, slots[j]) : kZeroBf16;
+      const uint16_t* v1 = in1 ? vbase + v_row(p, slots[j + 1]) : kZeroBf16;
       for (int c = 0; c < DV; c += 32) {
         const __m512i a = _mm512_loadu_si512(v0 + c);
         const __m512i b = _mm512_loadu_si512(v1 + c);

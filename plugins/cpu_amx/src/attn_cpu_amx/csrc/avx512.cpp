@@ -228,19 +228,19 @@ struct Avx512Ops {
   static void stage(const Params& p, Work& w, int ulo, int uhi) {
     const Ext e = ext(p, w);
     const int D = p.d, DV = p.dv;
-    const TKV* kbase = static_cast<const TKV*>(p.k) + static_cast<int64_t>(w.h) * D;
-    const TKV* vbase = static_cast<const TKV*>(p.v) + static_cast<int64_t>(w.h) * DV;
+    const TKV* kbase = static_cast<const TKV*>(p.k) + static_cast<int64_t>(w.h) * p.k_head_stride;
+    const TKV* vbase = static_cast<const TKV*>(p.v) + static_cast<int64_t>(w.h) * p.v_head_stride;
     for (int j = ulo & ~15; j < ((uhi + 15) & ~15); ++j) {
       float* dst = e.kb + j * 16;
       if (j < ulo || j >= uhi) {
         for (int c = 0; c < D; c += 16) _mm512_storeu_ps(dst + static_cast<int64_t>(c) * BK, _mm512_setzero_ps());
         continue;
       }
-      const TKV* kr = kbase + static_cast<int64_t>(w.slots[j]) * p.k_slot_stride;
+      const TKV* kr = kbase + k_row(p, w.slots[j]);
       for (int c = 0; c < D; c += 16) _mm512_storeu_ps(dst + static_cast<int64_t>(c) * BK, load16(kr + c));
     }
     for (int j = ulo; j < uhi; ++j) {
-      const TKV* vr = vbase + static_cast<int64_t>(w.slots[j]) * p.v_slot_stride;
+      const TKV* vr = vbase + v_row(p, w.slots[j]);
       if constexpr (sizeof(TKV) == 4) {
         e.vrow[j] = reinterpret_cast<const float*>(vr);
       } else {

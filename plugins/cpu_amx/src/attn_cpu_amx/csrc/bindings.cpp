@@ -209,13 +209,18 @@ std::tuple<int64_t, int64_t, int64_t> attention(const at::Tensor& q, const at::T
   PathKernels kern;
   TORCH_CHECK_VALUE(kernels_for(path, &kern), "path ", path, " is not compiled into this build");
   TORCH_CHECK_VALUE(path != kAmx || amx_permission(), "the kernel did not grant AMX tile state (arch_prctl)");
-  TORCH_CHECK_VALUE(q.dim() == 3 && k_buf.dim() == 3 && v_buf.dim() == 3 && out.dim() == 3, "q, k_buf, v_buf, out: expected 3-D tensors");
-  const int64_t T = q.size(0), hq = q.size(1), d = q.size(2), hkv = k_buf.size(1), dv = v_buf.size(2);
+  TORCH_CHECK_VALUE(q.dim() == 3 && out.dim() == 3, "q, out: expected 3-D tensors");
+  // K/V: [slots, Hkv, D] (NHD) or [pages, Hkv, page_size, D] (HND), any strides with a contiguous last dimension
+  TORCH_CHECK_VALUE((k_buf.dim() == 3 || k_buf.dim() == 4) && v_buf.dim() == k_buf.dim(), "k_buf, v_buf: expected two 3-D (NHD) or 4-D (HND) buffers");
+  const bool hnd = k_buf.dim() == 4;
+  const int64_t T = q.size(0), hq = q.size(1), d = q.size(2), hkv = k_buf.size(1), dv = v_buf.size(-1);
   TORCH_CHECK_VALUE(q.device().is_cpu() && k_buf.device().is_cpu() && v_buf.device().is_cpu() && out.device().is_cpu(), "expected CPU tensors");
   TORCH_CHECK_VALUE(q.stride(2) == 1 && q.stride(1) == d, "q: expected contiguous heads");
-  TORCH_CHECK_VALUE(k_buf.stride(2) == 1 && k_buf.stride(1) == d && k_buf.size(2) == d, "k_buf: expected [slots, Hkv, D] with contiguous heads");
-  TORCH_CHECK_VALUE(v_buf.stride(2) == 1 && v_buf.stride(1) == dv && v_buf.size(1) == hkv && v_buf.size(0) == k_buf.size(0),
-                    "v_buf: expected [slots, Hkv, Dv] with contiguous heads");
+  TORCH_CHECK_VALUE(k_buf.stride(-1) == 1 && k_buf.size(-1) == d, "k_buf: expected [slots, Hkv, D] or [pages, Hkv, page_size, D] with a contiguous last dimension");
+  TORCH_CHECK_VALUE(v_buf.stride(-1) == 1 && v_buf.size(1) == hkv && v_buf.size(0) == k_buf.size(0) && (!hnd || v_buf.size(2) == k_buf.size(2)),
+                    "v_buf: expected K's slots (pages), heads and page size with a contiguous last dimension");
+  const int64_t page = hnd ? k_buf.size(2) : 1;
+  TORCH_CHECK_VALUE(page > 0 && (page & (page - 1)) == 0, "k_buf: expected a power-of-two page size");
   TORCH_CHECK_VALUE(out.size(0) == T && out.size(1) == hq && out.size(2) == dv && out.stride(2) == 1 && out.stride(1) == dv,
                     "out: expected [T, Hq, Dv] with contiguous heads");
   TORCH_CHECK_VALUE(out.scalar_type() == q.scalar_type(), "out: expected q's dtype");
@@ -236,8 +241,13 @@ std::tuple<int64_t, int64_t, int64_t> attention(const at::Tensor& q, const at::T
   p.q_row_stride = q.stride(0);
   p.k = k_buf.data_ptr();
   p.v = v_buf.data_ptr();
-  p.k_slot_stride = k_buf.stride(0);
-  p.v_slot_stride = v_buf.stride(0);
+  p.k_page_stride = k_buf.stride(0);
+  p.v_page_stride = v_buf.stride(0);
+  p.k_head_stride = k_buf.stride(1);
+  p.v_head_stride = v_buf.stride(1);
+  p.k_slot_stride = hnd ? k_buf.stride(2) : 0;
+  p.v_slot_stride = hnd ? v_buf.stride(2) : 0;
+  p.page_shift = static_cast<int32_t>(__builtin_ctzll(static_cast<unsigned long long>(page)));
   p.out = out.data_ptr();
   p.out_row_stride = out.stride(0);
   p.r2t = req_to_token.data_ptr<int32_t>();

@@ -13,7 +13,10 @@ enum class DType : int32_t { F32 = 0, BF16 = 1 };
 
 // One attention call over a batch. Shapes (elements, not bytes):
 //   q    [T, Hq, D]   rows of token t start at q + t * q_row_stride
-//   k/v  pool buffers [num_slots, Hkv, D|Dv], slot s head h at k + s * k_slot_stride + h * D
+//   k/v  pool buffers, slot s head h at k + kv_row(s) + h * k_head_stride (v alike), where kv_row(s) =
+//        (s >> page_shift) * k_page_stride + (s & (2^page_shift - 1)) * k_slot_stride: attn's NHD pools
+//        [num_slots, Hkv, D] (page_shift 0, k_page_stride the slot stride) and page-major HND buffers
+//        [num_pages, Hkv, page_size, D] with any strides (engine-owned caches) alike
 //   out  [T, Hq, Dv]  (q dtype), lse [T, Hq] float32 natural log (optional)
 //   r2t  req_to_token [rows, r2t_stride] int32 slot ids; request r uses row req_rows[r]
 //   seq_lens / q_lens / q_starts [bs] int32; token i of request r is q row q_starts[r] + i and sits at
@@ -24,8 +27,13 @@ struct Params {
   int64_t q_row_stride = 0;
   const void* k = nullptr;
   const void* v = nullptr;
-  int64_t k_slot_stride = 0;
+  int64_t k_slot_stride = 0;  // token stride inside a page (unused when page_shift is 0)
   int64_t v_slot_stride = 0;
+  int64_t k_page_stride = 0;  // page stride (the slot stride when page_shift is 0)
+  int64_t v_page_stride = 0;
+  int64_t k_head_stride = 0;
+  int64_t v_head_stride = 0;
+  int32_t page_shift = 0;  // log2 of the tokens per page in the addressing (0: one slot per row)
   void* out = nullptr;
   int64_t out_row_stride = 0;
   float* lse = nullptr;
@@ -48,6 +56,13 @@ struct Params {
   float* part_o = nullptr;    // [num_partial_rows, Dv] normalized partial outputs of split items
   float* part_lse = nullptr;  // [num_partial_rows] their log2-domain LSEs
 };
+
+// Element offset of slot `slot`'s row (head 0) in a buffer with these page / token strides.
+inline int64_t kv_row(int64_t slot, int32_t page_shift, int64_t page_stride, int64_t token_stride) {
+  return (slot >> page_shift) * page_stride + (slot & ((int64_t{1} << page_shift) - 1)) * token_stride;
+}
+inline int64_t k_row(const Params& p, int64_t slot) { return kv_row(slot, p.page_shift, p.k_page_stride, p.k_slot_stride); }
+inline int64_t v_row(const Params& p, int64_t slot) { return kv_row(slot, p.page_shift, p.v_page_stride, p.v_slot_stride); }
 
 // A unit of work: q heads g0..g0+ng-1 of KV head h for tokens t0..t0+nt-1 of request req, over keys
 // [k0, k1). Rows are token-major: row m = (t0 + m / ng, g0 + m % ng). part < 0: write the final

@@ -88,12 +88,12 @@ Work carve(const Params& p, char* s) {
 inline void prefetch_rows(const Params& p, int h, const int32_t* r2t, int k0, int k1) {
   const int64_t esize = p.kv_dtype == DType::F32 ? 4 : 2;
   const int64_t kbytes = p.d * esize, vbytes = p.dv * esize;
-  const char* kb = static_cast<const char*>(p.k) + h * kbytes;
-  const char* vb = static_cast<const char*>(p.v) + h * vbytes;
+  const char* kb = static_cast<const char*>(p.k) + h * p.k_head_stride * esize;
+  const char* vb = static_cast<const char*>(p.v) + h * p.v_head_stride * esize;
   for (int j = k0; j < k1; ++j) {
     const int64_t slot = r2t[j];
-    const char* kr = kb + slot * p.k_slot_stride * esize;
-    const char* vr = vb + slot * p.v_slot_stride * esize;
+    const char* kr = kb + k_row(p, slot) * esize;
+    const char* vr = vb + v_row(p, slot) * esize;
     for (int64_t c = 0; c < kbytes; c += 64) __builtin_prefetch(kr + c, 0, 2);
     for (int64_t c = 0; c < vbytes; c += 64) __builtin_prefetch(vr + c, 0, 2);
   }

@@ -42,12 +42,12 @@ struct PortableOps {
   static void group(const Params& p, Work& w, int r0, int M, int ulo, int uhi, bool full) {
     constexpr int NV = MG / 16;
     const int D = p.d, DV = p.dv;
-    const TKV* kbase = static_cast<const TKV*>(p.k) + static_cast<int64_t>(w.h) * D;
-    const TKV* vbase = static_cast<const TKV*>(p.v) + static_cast<int64_t>(w.h) * DV;
+    const TKV* kbase = static_cast<const TKV*>(p.k) + static_cast<int64_t>(w.h) * p.k_head_stride;
+    const TKV* vbase = static_cast<const TKV*>(p.v) + static_cast<int64_t>(w.h) * p.v_head_stride;
     const float* q = qf(p, w) + static_cast<int64_t>(r0) * D;
     float* s = st(p, w);
     for (int j = ulo; j < uhi; ++j) {
-      const TKV* kr = kbase + static_cast<int64_t>(w.slots[j]) * p.k_slot_stride;
+      const TKV* kr = kbase + k_row(p, w.slots[j]);
       for (int m = 0; m < M; ++m) {
         float acc = 0.f;
         for (int i = 0; i < D; ++i) acc += q[m * D + i] * load_elem(kr, i);
@@ -76,7 +76,7 @@ struct PortableOps {
         if (x == -INFINITY) continue;
         const float pj = std::exp2(x - safe);
         sum += pj;
-        const TKV* vr = vbase + static_cast<int64_t>(w.slots[j]) * p.v_slot_stride;
+        const TKV* vr = vbase + v_row(p, w.slots[j]);
         for (int i = 0; i < DV; ++i) o[i] += pj * load_elem(vr, i);
       }
       w.l[r] = w.l[r] * alpha + sum;

@@ -77,6 +77,27 @@ def tma_compatible(buf: torch.Tensor) -> bool:
     return buf.stride(0) >= stride and buf.stride(0) * buf.element_size() % 16 == 0 and buf.data_ptr() % 16 == 0
 
 
+def paged_strides(buf: torch.Tensor) -> tuple[int, int, int, int]:
+    """(num_slots, PAGE, page stride, token stride) of a K/V buffer as the kernels address it (`kv_rows`),
+    the head stride being `buf.stride(1)` in both layouts: attn's NHD `[slots, Hkv, D]` (any strides) gives
+    (slots, 1, stride(0), stride(0)), one run of slots; an HND `[pages, Hkv, page_size, D]` buffer (attn's
+    HND pools, engine-owned caches read through any strides) gives (pages * page_size, page_size, stride(0),
+    stride(2)). Example: a contiguous `[6, 2, 4, 8]` HND buffer -> (24, 4, 64, 8)."""
+    if buf.dim() == 4 and buf.shape[2] > 1:
+        return buf.shape[0] * buf.shape[2], buf.shape[2], buf.stride(0), buf.stride(2)
+    return buf.shape[0], 1, buf.stride(0), buf.stride(0)  # one slot per page: the page stride is the slot stride
+
+
+@triton.jit
+def kv_rows(slot, PAGE: tl.constexpr, stride_page, stride_token):
+    """Element offset of each slot's row (head 0) in a K/V buffer: slot * stride_token for a buffer of one
+    run of slots (PAGE 1), else (slot // PAGE) * stride_page + (slot % PAGE) * stride_token (page-major
+    buffers, `paged_strides`). Example: PAGE 4, strides 64 / 8: slot 9 -> 2 * 64 + 1 * 8 = 136."""
+    if PAGE == 1:
+        return slot * stride_token
+    return (slot // PAGE) * stride_page + (slot % PAGE) * stride_token
+
+
 def check_lazy_rescale(name: str, slack: int) -> None:
     """Refuse a kernel config's lazy-rescale slack outside 0 (rescale every tile) .. MAX_LAZY_SLACK, naming
     the field `name`. Example: `check_lazy_rescale("ExtendConfig.lazy_rescale", 9)` raises
@@ -326,6 +347,8 @@ def attend_tile(
     FAULT,
     stride_ks,
     stride_vs,
+    stride_kp,
+    stride_vp,
     MASK,
     mask_beg,
     mask_size,
@@ -347,7 +370,8 @@ def attend_tile(
     HAS_WINDOW: tl.constexpr,
     LOGIT_CAP: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    LAZY: tl.constexpr = 0,
+    LAZY: tl.constexpr,
+    PAGE: tl.constexpr,
 ):
     """Attend one BLOCK_N tile of keys starting at `start` for the rows of `q` [M, D] (and `q_pe`
     [M, DPE], the rope part, when DPE > 0); MASKED applies bounds and visibility.
@@ -359,20 +383,24 @@ def attend_tile(
     KV_INDICES[kv_beg + n] (slots of `k_head` / `v_head`, one KV head). Shared by the extend kernel
     (rows = tokens of one q head) and the verify kernel (rows = q heads x draft tokens of one KV head).
     LAZY > 0 rescales the accumulator lazily (`lazy_softmax_step` with that slack), else on every tile.
+    K/V rows sit at `kv_rows(slot, PAGE, stride_kp / stride_vp, stride_ks / stride_vs)` (`paged_strides`).
     Returns (acc, m_i, l_i, bad_slots | the tile's slots outside [0, num_slots))."""
     n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     if MASKED:
         slot, n_ok, bad_slots = load_slots(KV_INDICES, kv_beg, n, n < kv_len, num_slots, bad_slots)
-        k = tl.load(k_head + slot[:, None] * stride_ks + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     else:
         slot, bad_slots = whole_tile_slots(KV_INDICES, kv_beg, n, num_slots, bad_slots)
-        k = tl.load(k_head + slot[:, None] * stride_ks + offs_d[None, :], mask=offs_d[None, :] < D, other=0.0)
+    k_rows = kv_rows(slot, PAGE, stride_kp, stride_ks)[:, None]
+    if MASKED:
+        k = tl.load(k_head + k_rows + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    else:
+        k = tl.load(k_head + k_rows + offs_d[None, :], mask=offs_d[None, :] < D, other=0.0)
     qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
     if BLOCK_DPE > 0:
         offs_dpe = tl.arange(0, BLOCK_DPE)
-        pe_ptr = k_head + slot[:, None] * stride_ks + D + offs_dpe[None, :]
+        pe_ptr = k_head + k_rows + D + offs_dpe[None, :]
         if MASKED:
             k_pe = tl.load(pe_ptr, mask=n_ok[:, None] & (offs_dpe[None, :] < DPE), other=0.0)
         else:
@@ -397,10 +425,11 @@ def attend_tile(
     if SHARE_KV:
         v = k
     else:
+        v_rows = kv_rows(slot, PAGE, stride_vp, stride_vs)[:, None]
         if MASKED:
-            v = tl.load(v_head + slot[:, None] * stride_vs + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            v = tl.load(v_head + v_rows + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
         else:
-            v = tl.load(v_head + slot[:, None] * stride_vs + offs_dv[None, :], mask=offs_dv[None, :] < DV, other=0.0)
+            v = tl.load(v_head + v_rows + offs_dv[None, :], mask=offs_dv[None, :] < DV, other=0.0)
     acc += tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
     return acc, m_i, l_i, bad_slots
 

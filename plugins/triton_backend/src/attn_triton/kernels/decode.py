@@ -46,8 +46,10 @@ from attn_triton.kernels.common import (
     finalize,
     fp8_query,
     fp8_unit_scales,
+    kv_rows,
     load_slots,
     offset_range,
+    paged_strides,
     score_scales,
     softmax_step,
     tile_logits,
@@ -140,6 +142,9 @@ def _decode_split_kernel(
     SPLIT: tl.constexpr,
     HAS_SINK: tl.constexpr,
     STORE_LSE: tl.constexpr,
+    stride_kp,
+    stride_vp,
+    PAGE: tl.constexpr,
 ):
     r = tl.program_id(0)
     hb = tl.program_id(1)
@@ -183,8 +188,8 @@ def _decode_split_kernel(
     for start in range(s_lo, full_hi, BLOCK_N):
         m_i, l_i, acc, bad_slots = decode_tile(
             q, q_pe, m_i, l_i, acc, bad_slots, start, s_hi, offs_n, offs_d, offs_dpe, offs_dv, k_head, v_head, KV_INDICES, kv_beg,
-            num_slots, qk_scale, cap_scale, stride_ks, stride_vs, BLOCK_N, D, BLOCK_DPE, DPE, DV, BLOCK_DV, SHARE_KV, LOGIT_CAP,
-            DOT_PREC, KV_FP8, FP8_PTX, V_WORDS, False,
+            num_slots, qk_scale, cap_scale, stride_ks, stride_vs, stride_kp, stride_vp, BLOCK_N, D, BLOCK_DPE, DPE, DV, BLOCK_DV,
+            SHARE_KV, LOGIT_CAP, DOT_PREC, KV_FP8, FP8_PTX, V_WORDS, False, PAGE,
         )  # fmt: skip
     redo = tl.max(bad_slots.to(tl.int32), 0) > 0
     if redo | (full_hi < s_hi):  # a tail (or a redo): skipped whole, not a loop of no steps, on the common path
@@ -194,8 +199,8 @@ def _decode_split_kernel(
         for start in range(tl.where(redo, s_lo, full_hi), s_hi, BLOCK_N):
             m_i, l_i, acc, bad_slots = decode_tile(
                 q, q_pe, m_i, l_i, acc, bad_slots, start, s_hi, offs_n, offs_d, offs_dpe, offs_dv, k_head, v_head, KV_INDICES, kv_beg,
-                num_slots, qk_scale, cap_scale, stride_ks, stride_vs, BLOCK_N, D, BLOCK_DPE, DPE, DV, BLOCK_DV, SHARE_KV, LOGIT_CAP,
-                DOT_PREC, KV_FP8, FP8_PTX, V_WORDS, True,
+                num_slots, qk_scale, cap_scale, stride_ks, stride_vs, stride_kp, stride_vp, BLOCK_N, D, BLOCK_DPE, DPE, DV, BLOCK_DV,
+                SHARE_KV, LOGIT_CAP, DOT_PREC, KV_FP8, FP8_PTX, V_WORDS, True, PAGE,
             )  # fmt: skip
 
     tl.store(FAULT + FAULT_SLOT + offs_n * 0, 1, mask=bad_slots)  # one address: a flag, no reduction
@@ -209,9 +214,10 @@ def _decode_split_kernel(
 @triton.jit
 def decode_tile(
     q, q_pe, m_i, l_i, acc, bad_slots, start, s_hi, offs_n, offs_d, offs_dpe, offs_dv, k_head, v_head, KV_INDICES, kv_beg, num_slots,
-    qk_scale, cap_scale, stride_ks, stride_vs, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_DPE: tl.constexpr, DPE: tl.constexpr,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr, SHARE_KV: tl.constexpr, LOGIT_CAP: tl.constexpr, DOT_PREC: tl.constexpr,
-    KV_FP8: tl.constexpr, FP8_PTX: tl.constexpr, V_WORDS: tl.constexpr, MASKED: tl.constexpr,
+    qk_scale, cap_scale, stride_ks, stride_vs, stride_kp, stride_vp, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_DPE: tl.constexpr,
+    DPE: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, SHARE_KV: tl.constexpr, LOGIT_CAP: tl.constexpr,
+    DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr, FP8_PTX: tl.constexpr, V_WORDS: tl.constexpr, MASKED: tl.constexpr,
+    PAGE: tl.constexpr,
 ):  # fmt: skip
     """One step of stage 1 over keys [start, start + BLOCK_N) of the program's range: the online-softmax
     state (m_i, l_i `[M]`, acc `[M, BLOCK_DV]`) taken further by that tile, and `bad_slots` `[BLOCK_N]` or-ed
@@ -220,7 +226,8 @@ def decode_tile(
     s_hi, and num_slots > 0): no score is masked, so no per-key mask moves from the loads' layout to the
     scores' (the masked step's layout conversions cost 6 barriers and ~20 % of the instructions of an fp8
     step as compiled for sm_90); a bad slot is still never read (slot 0 is read in its place), and the
-    caller must redo the range MASKED, from a fresh state, when `bad_slots` comes back set."""
+    caller must redo the range MASKED, from a fresh state, when `bad_slots` comes back set. K/V rows sit at
+    `kv_rows(slot, PAGE, stride_kp / stride_vp, stride_ks / stride_vs)` (`common.paged_strides`)."""
     n = start + offs_n
     if MASKED:
         n_ok = n < s_hi
@@ -228,13 +235,14 @@ def decode_tile(
     else:  # slot 0 in place of a slot outside the pool (the redo leaves that key out); n_ok all true
         slot, bad_slots = whole_tile_slots(KV_INDICES, kv_beg, n, num_slots, bad_slots)
         n_ok = offs_n >= 0
-    k = tl.load(k_head + slot[:, None] * stride_ks + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    k_rows = kv_rows(slot, PAGE, stride_kp, stride_ks)[:, None]
+    k = tl.load(k_head + k_rows + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     if KV_FP8:
         k = e4m3_as_f16(k, FP8_PTX)
     qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
     if BLOCK_DPE > 0:
         pe_ok = n_ok[:, None] & (offs_dpe[None, :] < DPE)
-        k_pe = tl.load(k_head + slot[:, None] * stride_ks + D + offs_dpe[None, :], mask=pe_ok, other=0.0)
+        k_pe = tl.load(k_head + k_rows + D + offs_dpe[None, :], mask=pe_ok, other=0.0)
         if KV_FP8:
             k_pe = e4m3_as_f16(k_pe, FP8_PTX)
         qk += tl.dot(q_pe, tl.trans(k_pe.to(q.dtype)), input_precision=DOT_PREC)
@@ -248,10 +256,11 @@ def decode_tile(
         if V_WORDS:  # fp8 V as int32 words (stride_vs in words): see `e4m3_words_as_f16`
             offs_w = tl.arange(0, BLOCK_DV // 4)
             v_ok = n_ok[:, None] & (offs_w[None, :] < DV // 4)
-            vw = tl.load(v_head + slot[:, None] * stride_vs + offs_w[None, :], mask=v_ok, other=0)
+            vw = tl.load(v_head + kv_rows(slot, PAGE, stride_vp, stride_vs)[:, None] + offs_w[None, :], mask=v_ok, other=0)
             v = e4m3_words_as_f16(vw, BLOCK_N, BLOCK_DV, FP8_PTX)
         else:
-            v = tl.load(v_head + slot[:, None] * stride_vs + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            v_rows = kv_rows(slot, PAGE, stride_vp, stride_vs)[:, None]
+            v = tl.load(v_head + v_rows + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
             if KV_FP8:
                 v = e4m3_as_f16(v, FP8_PTX)
     acc += tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
@@ -447,6 +456,8 @@ def decode_attention(
         v = v.view(torch.int32)
     fp32 = q.dtype == torch.float32
     split = max_splits > 1  # else stage 1 writes o (and lse_out) itself: no merge launch
+    num_slots, page, k_page, k_token = paged_strides(k_buf)
+    _, _, v_page, v_token = paged_strides(v)
     args = (
         q,
         k_buf,
@@ -454,7 +465,7 @@ def decode_attention(
         kv_indptr,
         kv_indices,
         kv_indices.shape[0],
-        k_buf.shape[0],
+        num_slots,
         fault,
         min_split_len,
         max_splits,
@@ -470,9 +481,9 @@ def decode_attention(
         hq,
         q.stride(0),
         q.stride(1),
-        k_buf.stride(0),
+        k_token,
         k_buf.stride(1),
-        v.stride(0),
+        v_token,
         v.stride(1),
         part_o.stride(0),
         part_o.stride(1),
@@ -510,6 +521,9 @@ def decode_attention(
         SHARE_KV=share_kv,
         DOT_PREC="ieee" if fp32 else "tf32",
         KV_FP8=kv_fp8,
+        stride_kp=k_page,
+        stride_vp=v_page,
+        PAGE=page,
         **consts,
     )
     if split:

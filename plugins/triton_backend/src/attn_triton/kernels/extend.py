@@ -48,6 +48,7 @@ from attn_triton.kernels.common import (
     finalize,
     key_ranges,
     offset_range,
+    paged_strides,
     score_scales,
     tma_compatible,
 )
@@ -177,6 +178,9 @@ def _extend_kernel(
     LAZY: tl.constexpr,
     SPANS,
     HAS_SPAN: tl.constexpr,
+    stride_kp,
+    stride_vp,
+    PAGE: tl.constexpr,
 ):
     h = tl.program_id(0)
     mb = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -226,14 +230,16 @@ def _extend_kernel(
     for start in range(lo, full_end, BLOCK_N):
         acc, m_i, l_i, bad_slots = attend_tile(
             acc, m_i, l_i, q, q_pe, start, kv_len, q_pos, offs_m, m_ok, k_head, v_head, KV_INDICES, kv_beg, num_slots, FAULT,
-            stride_ks, stride_vs, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
+            stride_ks, stride_vs, stride_kp, stride_vp, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
             BLOCK_N, D, BLOCK_D, DPE, BLOCK_DPE, DV, BLOCK_DV, SHARE_KV, False, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC, LAZY,
+            PAGE,
         )  # fmt: skip
     for start in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i, bad_slots = attend_tile(
             acc, m_i, l_i, q, q_pe, start, kv_len, q_pos, offs_m, m_ok, k_head, v_head, KV_INDICES, kv_beg, num_slots, FAULT,
-            stride_ks, stride_vs, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
+            stride_ks, stride_vs, stride_kp, stride_vp, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
             BLOCK_N, D, BLOCK_D, DPE, BLOCK_DPE, DV, BLOCK_DV, SHARE_KV, True, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC, LAZY,
+            PAGE,
         )  # fmt: skip
 
     tl.store(FAULT + FAULT_SLOT + tl.arange(0, BLOCK_N) * 0, 1, mask=bad_slots)  # one address: a flag, no reduction
@@ -300,7 +306,9 @@ def extend_attention(
     qk_scale, cap_scale = score_scales(sm_scale, logit_cap, k_scale)
     v = k_buf if share_kv else v_buf
     plain = not use_mask and d_rope == 0 and not share_kv and spans is None
-    if uses_wgmma(config, q.dtype, k_buf.dtype, d, dv, plain) and tma_compatible(k_buf) and tma_compatible(v):
+    num_slots, page, k_page, k_token = paged_strides(k_buf)
+    _, _, v_page, v_token = paged_strides(v)
+    if page == 1 and uses_wgmma(config, q.dtype, k_buf.dtype, d, dv, plain) and tma_compatible(k_buf) and tma_compatible(v):
         # Gluon: imported only where it runs
         from attn_triton.kernels.extend_wgmma import TMA_BOX, WGMMA_BLOCK_M, extend_wgmma_kernel, kv_descriptors, producer_regs
 
@@ -314,6 +322,7 @@ def extend_attention(
     else:
         tokens, grid_h, kernel = config.block_m, hq, _extend_kernel
         options = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, LAZY=config.lazy_rescale)
+        options.update(PAGE=page, stride_kp=k_page, stride_vp=v_page)  # K/V addressing (`common.paged_strides`)
         options.update(num_warps=config.num_warps, num_stages=config.num_stages)
         options.update(SPANS=spans if spans is not None else qo_indptr, HAS_SPAN=spans is not None)
     grid = (grid_h, triton.cdiv(max_q_len, tokens), bs)
@@ -332,7 +341,7 @@ def extend_attention(
         fault,
         T,
         kv_indices.shape[0],
-        k_buf.shape[0],
+        num_slots,
         custom_mask.numel() if use_mask else 0,
         qk_scale,
         cap_scale,
@@ -340,9 +349,9 @@ def extend_attention(
         int(window or 0),
         q.stride(0),
         q.stride(1),
-        k_buf.stride(0),
+        k_token,
         k_buf.stride(1),
-        v.stride(0),
+        v_token,
         v.stride(1),
         o.stride(0),
         o.stride(1),

@@ -49,6 +49,7 @@ from attn_triton.kernels.common import (
     check_query_rows,
     finalize,
     offset_range,
+    paged_strides,
     score_scales,
 )
 
@@ -151,6 +152,9 @@ def _verify_kernel(
     HAS_SINK: tl.constexpr,
     STORE_LSE: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    stride_kp,
+    stride_vp,
+    PAGE: tl.constexpr,
 ):
     r = tl.program_id(0)
     hb = tl.program_id(1)
@@ -203,20 +207,20 @@ def _verify_kernel(
     for start in range(lo, full_lo, BLOCK_N):
         acc, m_i, l_i, bad_slots = attend_tile(
             acc, m_i, l_i, q, q, start, kv_len, q_pos, tok, row_ok, k_head, v_head, KV_INDICES, kv_beg, num_slots, FAULT,
-            stride_ks, stride_vs, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
-            BLOCK_N, D, BLOCK_D, 0, 0, DV, BLOCK_DV, False, True, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC,
+            stride_ks, stride_vs, stride_kp, stride_vp, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
+            BLOCK_N, D, BLOCK_D, 0, 0, DV, BLOCK_DV, False, True, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC, 0, PAGE,
         )  # fmt: skip
     for start in range(full_lo, full_hi, BLOCK_N):
         acc, m_i, l_i, bad_slots = attend_tile(
             acc, m_i, l_i, q, q, start, kv_len, q_pos, tok, row_ok, k_head, v_head, KV_INDICES, kv_beg, num_slots, FAULT,
-            stride_ks, stride_vs, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
-            BLOCK_N, D, BLOCK_D, 0, 0, DV, BLOCK_DV, False, False, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC,
+            stride_ks, stride_vs, stride_kp, stride_vp, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
+            BLOCK_N, D, BLOCK_D, 0, 0, DV, BLOCK_DV, False, False, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC, 0, PAGE,
         )  # fmt: skip
     for start in range(full_hi, kv_len, BLOCK_N):
         acc, m_i, l_i, bad_slots = attend_tile(
             acc, m_i, l_i, q, q, start, kv_len, q_pos, tok, row_ok, k_head, v_head, KV_INDICES, kv_beg, num_slots, FAULT,
-            stride_ks, stride_vs, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
-            BLOCK_N, D, BLOCK_D, 0, 0, DV, BLOCK_DV, False, True, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC,
+            stride_ks, stride_vs, stride_kp, stride_vp, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
+            BLOCK_N, D, BLOCK_D, 0, 0, DV, BLOCK_DV, False, True, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC, 0, PAGE,
         )  # fmt: skip
 
     tl.store(FAULT + FAULT_SLOT + tl.arange(0, BLOCK_N) * 0, 1, mask=bad_slots)  # one address: a flag, no reduction
@@ -280,6 +284,8 @@ def verify_attention(
     hblocks = triton.cdiv(group, heads)
     dv = o.shape[2]
     qk_scale, cap_scale = score_scales(sm_scale, logit_cap, k_scale)
+    num_slots, page, k_page, k_token = paged_strides(k_buf)
+    _, _, v_page, v_token = paged_strides(v_buf)
     _verify_kernel[(bs, hkv * hblocks)](
         q,
         k_buf,
@@ -293,7 +299,7 @@ def verify_attention(
         sinks if sinks is not None else o,
         fault,
         kv_indices.shape[0],
-        k_buf.shape[0],
+        num_slots,
         custom_mask.numel() if use_mask else 0,
         qk_scale,
         cap_scale,
@@ -301,9 +307,9 @@ def verify_attention(
         int(window or 0),
         q.stride(0),
         q.stride(1),
-        k_buf.stride(0),
+        k_token,
         k_buf.stride(1),
-        v_buf.stride(0),
+        v_token,
         v_buf.stride(1),
         o.stride(0),
         o.stride(1),
@@ -325,6 +331,9 @@ def verify_attention(
         HAS_SINK=sinks is not None,
         STORE_LSE=lse_out is not None,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        stride_kp=k_page,
+        stride_vp=v_page,
+        PAGE=page,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
