@@ -2,7 +2,7 @@
 # Every GPU check of the project in one command, for a machine with a CUDA GPU and torch + triton
 # installed (the lent H100/H200 machine: no network; FlashInfer comes from wheels carried in .whl/ and
 # its prebuilt kernels from .fi-cache/aot.tar.xz when present). Logs go to $OUT (default ./gpu-out).
-#   bash scripts/gpu_checks.sh [tests | tests-core tests-triton tests-fi check] [bench] [triton-bench] [verify-bench] [fi-bench] [fi-window] [mla-bench] [cascade-bench] [mla] [engine] [engine-kv] [multi-gpu] [fi-kit fi-tests fi-speed] [vision | vision-triton vision-fi vision-hf] [vision-bench] [hostile] [hostile-memcheck] [hostile-bench]
+#   bash scripts/gpu_checks.sh [tests | tests-core tests-triton tests-fi check] [bench] [triton-bench] [verify-bench] [fi-bench] [fi-window] [mla-bench] [cascade-bench] [mla] [engine] [engine-kv] [multi-gpu] [vendors] [fi-kit fi-tests fi-speed] [vision | vision-triton vision-fi vision-hf] [vision-bench] [hostile] [hostile-memcheck] [hostile-bench]
 #        [sparse-kit = sparse-kit-ds sparse-kit-dc] [sparse-tests] [sparse-bench]   (default: tests bench;
 #   sparse-* = attn-sparse: the kit on cuda for double_sparsity / dual_chunk, its GPU tests, its benchmark;
 #   fi-kit / fi-tests / fi-speed = attn-flashinfer per FlashInfer release: FI_SITE=/tmp/site07 for 0.7.2.post1, see scripts/gpu_fi07_wheels.sh;
@@ -180,6 +180,14 @@ if want bench || want fi-bench; then
 fi
 if want bench || want mla-bench; then
   python3 benchmarks/mla_vs_peers.py --json "$OUT/mla_vs_peers.json" 2>&1 | tee "$OUT/mla_vs_peers.log" || rc=1
+fi
+if want vendors; then  # issue 43: backends for hardware the lent machines lack (aiter / wave: AMD; trtllm_mha / cutlass_mla:
+  # Blackwell). On an H100 / H200: their probes' reasons (attn-core list), the FlashInfer signatures accept trtllm_mha's
+  # packed arguments, every AMD / Blackwell test skips with its reason (-rs). On the hardware itself: kernels vs stand-ins, kit.
+  python3 -m pip install -q --no-deps --no-build-isolation -e plugins/aiter -e plugins/wave || rc=1
+  python3 -m attn_core.cli list 2>&1 | tee "$OUT/vendors_list.log" || rc=1
+  python3 -m pytest -q -rs -p no:cacheprovider -m gpu plugins/trtllm_mla/tests/test_blackwell_gpu.py plugins/aiter/tests/test_gpu.py \
+    plugins/wave/tests/test_gpu.py 2>&1 | tee "$OUT/vendors_gpu.log" || rc=1
 fi
 # issue 40 (vision = vision-triton vision-fi vision-hf, each within one 600 s call): the kit's non-causal / span / ragged
 # checks on cuda and the vision-tower shape (16 heads x 4 images of 1024-4096 patches) for triton and flashinfer, and the

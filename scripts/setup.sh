@@ -48,6 +48,8 @@ $VPIP install -q "transformers==5.23.0" -c .venv/torch-pin.txt
 # attn-ascend's torch-npu is an optional extra (it pins its own torch): never in the CPU environment
 .venv/bin/python -c "import importlib.util as u; assert u.find_spec('torch_npu') is None, 'torch-npu was installed'"
 .venv/bin/python -c "import importlib.util as u; assert u.find_spec('flash_attn') is None, 'flash-attn(-4) was installed'"
+# attn-aiter's AITER (amd-aiter) and attn-wave's wave-lang are ROCm-only extras: never in the CPU environment
+.venv/bin/python -c "import importlib.util as u; assert not any(u.find_spec(m) for m in ('aiter', 'wave_lang')), 'a ROCm vendor package was installed'"
 say "done: .venv is ready (attn-core list shows the backends usable here)"
 
 # ---- vLLM (only when asked) ----------------------------------------------------------------------------

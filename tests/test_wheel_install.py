@@ -81,7 +81,8 @@ def test_list_names_every_backend_and_one_runs(installed):
     assert version.startswith("attn-core 0.1.0") and "attn-flashinfer 0.1.0 (flashinfer, flashinfer_mla)" in version
     listing = run(attn, "list", env=installed["env"], cwd=installed["cwd"]).stdout
     assert re.search(r"^torch_native\s+attn-core\s+0\.1\.0\s+available", listing, re.M), listing
-    for name, dist in (("triton", "attn-triton"), ("flashinfer", "attn-flashinfer"), ("ascend", "attn-ascend")):
+    for name, dist in (("triton", "attn-triton"), ("flashinfer", "attn-flashinfer"), ("ascend", "attn-ascend"), ("aiter", "attn-aiter"),
+                       ("wave", "attn-wave")):
         assert re.search(rf"^{name}\s+{dist}\s+0\.1\.0\s+unavailable: ", listing, re.M), listing
     assert "triton not installed (pip install triton)" in listing
     where = dict(env=installed["env"], cwd=installed["cwd"])

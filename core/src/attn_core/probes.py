@@ -147,6 +147,31 @@ def needs_cuda() -> Optional[str]:
     return None
 
 
+#: device node of AMD's ROCm kernel driver (KFD): present on every machine with a ROCm-usable AMD GPU
+ROCM_DEVICE_NODE = "/dev/kfd"
+#: the reason `needs_rocm` gives, first words
+NEEDS_ROCM = "needs ROCm and an AMD GPU"
+
+
+def needs_rocm(node: str = ROCM_DEVICE_NODE) -> Optional[str]:
+    """None when torch is a ROCm build that sees an AMD GPU, else why not, starting with `NEEDS_ROCM`;
+    imports torch only where AMD's device node `node` exists (one `os.path.exists`, no torch, elsewhere).
+
+    Example: on a CPU-only machine, or one with NVIDIA GPUs only, `needs_rocm()` is
+    "needs ROCm and an AMD GPU (no AMD GPU device on this machine)"."""
+    if not os.path.exists(node):
+        return f"{NEEDS_ROCM} (no AMD GPU device on this machine)"
+    if module_missing("torch", "pip install torch"):
+        return f"{NEEDS_ROCM} (torch is not installed: a ROCm build of torch first)"
+    import torch
+
+    if not getattr(torch.version, "hip", None):
+        return f"{NEEDS_ROCM} (torch {torch.__version__} is not a ROCm build)"
+    if not torch.cuda.is_available():
+        return f"{NEEDS_ROCM} (no GPU visible to torch)"
+    return None
+
+
 def needs_compute_capability(minimum: tuple[int, int], maximum: Optional[tuple[int, int]] = None) -> Check:
     """A check that the current CUDA device's compute capability is within [minimum, maximum]."""
 
