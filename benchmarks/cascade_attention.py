@@ -26,9 +26,9 @@ import platform
 
 import torch
 
+from attn_core.batching.cascade import use_cascade_attention
 from attn_core.bench.timing import time_calls
-from attn_core.cascade import use_cascade_attention
-from attn_core.registry import create_backend
+from attn_core.discovery.registry import create_backend
 from attn_core.testing.harness import AttnCase, layer_inputs, make_env, make_layer
 from attn_core.testing.reference import relative_error
 

@@ -29,12 +29,12 @@ from attn_core.bench.timing import host_times_us
 
 
 def attn_core_command() -> list[str]:
-    """The installed `attn-core` script beside this interpreter (else `python -m attn_core.cli`)."""
+    """The installed `attn-core` script beside this interpreter (else `python -m attn_core.cli.main`)."""
     script = Path(sys.executable).with_name("attn-core")
     if script.exists():
         return [str(script)]
     found = shutil.which("attn-core")
-    return [found] if found else [sys.executable, "-m", "attn_core.cli"]
+    return [found] if found else [sys.executable, "-m", "attn_core.cli.main"]
 
 
 def time_runs(cmd: list[str], runs: int, env: dict) -> list[float]:

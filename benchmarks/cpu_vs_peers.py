@@ -41,8 +41,8 @@ from attn_core import (
     ReqToTokenPool,
     create_backend,
 )
-from attn_core.batch_builder import build_forward_batch
 from attn_core.bench.timing import host_times_us, interleave
+from attn_core.testing.batch_builder import build_forward_batch
 from attn_core.testing.reference import relative_error
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16

@@ -42,9 +42,9 @@ from attn_core import (
     ReqToTokenPool,
     create_backend,
 )
-from attn_core.batch_builder import build_forward_batch
 from attn_core.bench.timing import event_times_us, host_times_us, interleave
 from attn_core.ops.kv_indices import kv_indices_from_req_to_token, last_page_len_from_lens, page_indptr_from_lens
+from attn_core.testing.batch_builder import build_forward_batch
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 DTYPE = torch.bfloat16

@@ -71,8 +71,8 @@ from attn_core import (
     ReqToTokenPool,
     get_backend_class,
 )
-from attn_core.batch_builder import build_forward_batch
 from attn_core.bench.timing import host_times_us, interleave
+from attn_core.testing.batch_builder import build_forward_batch
 
 HQ, HKV, D, PAGE, DTYPE = 32, 8, 128, 16, torch.bfloat16
 MLA_HQ, MLA_LORA, MLA_ROPE = 128, 512, 64

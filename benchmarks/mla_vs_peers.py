@@ -66,9 +66,9 @@ from attn_core import (
     create_backend,
     merge_state,
 )
-from attn_core.batch_builder import build_forward_batch
 from attn_core.bench.timing import event_times_us, graph_times_us, host_times_us, interleave
 from attn_core.ops.kv_indices import kv_indices_from_req_to_token, page_indptr_from_lens
+from attn_core.testing.batch_builder import build_forward_batch
 from attn_triton.config import MLAConfig
 
 H, LORA, ROPE, PAGE, DTYPE = 128, 512, 64, 64, torch.bfloat16

@@ -1,4 +1,4 @@
-"""The ragged op (`attn_core.ragged`) on a vision-tower shape: attn-triton's varlen kernel against FlashInfer's
+"""The ragged op (`attn_core.contract.ragged`) on a vision-tower shape: attn-triton's varlen kernel against FlashInfer's
 ragged prefill and FlashAttention-4's varlen attention (non-causal), run on a GPU machine.
 
 Shape (default): 16 heads, head_dim 80, bf16, 4 images of 1024, 2304, 3136 and 4096 patches packed as one

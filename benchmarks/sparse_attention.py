@@ -33,7 +33,7 @@ import torch
 
 import attn_core as ac
 from attn_core.bench.timing import capture_graph, time_calls
-from attn_core.graph_step import CudaGraphStep
+from attn_core.contract.graph_step import CudaGraphStep
 from attn_core.testing.reference import relative_error
 from attn_sparse.double_sparsity.pool import DoubleSparseKVPool
 

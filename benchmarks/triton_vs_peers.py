@@ -73,9 +73,9 @@ from attn_core import (
     create_backend,
 )
 from attn_core.bench.timing import event_times_us, graph_times_us, host_times_us, interleave, interleaved_graph_times_us
+from attn_core.contract.validation import check_forward_batch
 from attn_core.memory.fp8 import is_fp8
 from attn_core.testing.reference import reference_attention, relative_error
-from attn_core.validation import check_forward_batch
 from attn_triton.config import DecodeConfig, ExtendConfig, SplitPolicy, VerifyConfig
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16

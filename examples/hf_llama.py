@@ -376,7 +376,7 @@ def check_against_generate(model, jobs: list[Job]) -> list[int]:
 
 
 def main() -> int:
-    from attn_core.progress import working
+    from attn_core.cli.progress import working
 
     args = build_parser().parse_args()
     group = None

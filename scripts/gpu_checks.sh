@@ -89,7 +89,7 @@ if want tests || want tests-fi; then
 fi
 if want tests || want check; then
   for b in torch_native triton; do
-    python3 -m attn_core.cli check "$b" --device cuda --quick 2>&1 | tee "$OUT/check_$b.log" || rc=1
+    python3 -m attn_core.cli.main check "$b" --device cuda --quick 2>&1 | tee "$OUT/check_$b.log" || rc=1
   done
 fi
 if want engine; then  # the example engine (examples/hf_llama.py) vs transformers' generate, and its tokens/s (needs transformers wheels in .whl/)
@@ -146,7 +146,7 @@ if want fi-kit || want fi-tests || want fi-speed; then
 fi
 if want fi-kit; then
   for b in flashinfer flashinfer_mla; do
-    python3 -m attn_core.cli check "$b" --device cuda --quick 2>&1 | tee "$OUT/fi_${fiv}_check_$b.log" || rc=1
+    python3 -m attn_core.cli.main check "$b" --device cuda --quick 2>&1 | tee "$OUT/fi_${fiv}_check_$b.log" || rc=1
   done
 fi
 if want fi-tests; then
@@ -185,7 +185,7 @@ if want vendors; then  # issue 43: backends for hardware the lent machines lack 
   # Blackwell). On an H100 / H200: their probes' reasons (attn-core list), the FlashInfer signatures accept trtllm_mha's
   # packed arguments, every AMD / Blackwell test skips with its reason (-rs). On the hardware itself: kernels vs stand-ins, kit.
   python3 -m pip install -q --no-deps --no-build-isolation -e plugins/aiter -e plugins/wave || rc=1
-  python3 -m attn_core.cli list 2>&1 | tee "$OUT/vendors_list.log" || rc=1
+  python3 -m attn_core.cli.main list 2>&1 | tee "$OUT/vendors_list.log" || rc=1
   python3 -m pytest -q -rs -p no:cacheprovider -m gpu plugins/trtllm_mla/tests/test_blackwell_gpu.py plugins/aiter/tests/test_gpu.py \
     plugins/wave/tests/test_gpu.py 2>&1 | tee "$OUT/vendors_gpu.log" || rc=1
 fi
@@ -233,7 +233,7 @@ if asked fa4-kit; then
   python3 -m pytest -q -p no:cacheprovider -m gpu plugins/flashattention/tests/test_gpu.py -k conformance_kit 2>&1 | tee "$OUT/fa4_kit.log" || rc=1
 fi
 if asked fa4-check; then
-  python3 -m attn_core.cli check fa4 --device cuda ${FA4_CHECK_ARGS:-} 2>&1 | tee "$OUT/check_fa4.log" || rc=1
+  python3 -m attn_core.cli.main check fa4 --device cuda ${FA4_CHECK_ARGS:-} 2>&1 | tee "$OUT/check_fa4.log" || rc=1
 fi
 if asked fa4-engine; then
   python3 -m pytest -q -p no:cacheprovider -m gpu plugins/flashattention/tests/test_gpu_engine.py 2>&1 | tee "$OUT/fa4_engine.log" || rc=1

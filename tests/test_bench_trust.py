@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from attn_core.bench import timing
-from attn_core.cli import main
+from attn_core.cli.main import main
 
 
 class SteppedClock:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import attn_core
-from attn_core.batch_builder import build_forward_batch
+from attn_core.testing.batch_builder import build_forward_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"

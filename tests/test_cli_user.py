@@ -16,11 +16,12 @@ import pytest
 import torch
 
 import attn_core as ac
-from attn_core import debug_paths, registry
-from attn_core.cli import main
-from attn_core.errors import BackendUnavailableError, StaleMetadataError
-from attn_core.forward_mode import ForwardMode
-from attn_core.spec import BackendSpec
+from attn_core.cli.main import main
+from attn_core.contract import debug_paths
+from attn_core.contract.errors import BackendUnavailableError, StaleMetadataError
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.spec import BackendSpec
+from attn_core.discovery import registry
 
 REASON = "needs the imaginary accelerator (none on this machine)"
 
@@ -89,7 +90,7 @@ def _list_on_a_terminal(columns: int) -> str:
 
     leader, follower = pty.openpty()
     env = {**os.environ, "COLUMNS": str(columns)}
-    proc = subprocess.Popen([sys.executable, "-m", "attn_core.cli", "list"], stdout=follower, stderr=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, "-m", "attn_core.cli.main", "list"], stdout=follower, stderr=subprocess.DEVNULL,
                             env=env)
     os.close(follower)
     chunks = []
@@ -111,13 +112,13 @@ def test_list_wraps_to_the_terminal_width():
     assert out.startswith("NAME") and max(len(line) for line in out.splitlines()) <= 90, out
     assert any(line.strip().startswith("capabilities: ") for line in out.splitlines())
     # not a terminal (piped, captured): one full line per backend, whatever COLUMNS says
-    wide = subprocess.run([sys.executable, "-m", "attn_core.cli", "list"], capture_output=True, text=True, timeout=120,
+    wide = subprocess.run([sys.executable, "-m", "attn_core.cli.main", "list"], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "COLUMNS": "90"}).stdout
     assert "capabilities: " not in wide and any(len(line) > 90 for line in wide.splitlines())
 
 
 def test_version_names_core_and_plugins():
-    out = subprocess.run([sys.executable, "-m", "attn_core.cli", "--version"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "attn_core.cli.main", "--version"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.startswith(f"attn-core {ac.__version__}\n"), out
     assert "attn-triton" in out.stdout  # every plugin of the dev venv, with its backends
 

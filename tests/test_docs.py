@@ -66,8 +66,8 @@ def test_the_attn_core_names_a_doc_uses_exist(doc):
 
 
 def test_the_name_check_finds_what_it_must():
-    assert _resolves("attn_core.validation.SMALL_HOST_BATCH") and _resolves("attn_core.bench.timing")
-    assert not _resolves("attn_core.validation.NO_SUCH_NAME") and not _resolves("attn_core.no_such_module")
+    assert _resolves("attn_core.contract.validation.SMALL_HOST_BATCH") and _resolves("attn_core.bench.timing")
+    assert not _resolves("attn_core.contract.validation.NO_SUCH_NAME") and not _resolves("attn_core.no_such_module")
 
 
 def _sections(text: str) -> dict[str, str]:

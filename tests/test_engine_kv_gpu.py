@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import attn_core as ac
-from attn_core.registry import default_registry
+from attn_core.discovery.registry import default_registry
 from attn_core.testing.engine_memory import ENGINE_LAYOUTS, EngineCase, run_engine_case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -23,8 +23,8 @@ transformers = pytest.importorskip("transformers")
 from transformers import AttentionInterface, AttentionMaskInterface  # noqa: E402
 
 import attn_core as ac  # noqa: E402
-from attn_core.probes import triton_interpreter_enabled  # noqa: E402
-from attn_core.ragged import ragged_context  # noqa: E402
+from attn_core.contract.ragged import ragged_context  # noqa: E402
+from attn_core.discovery.probes import triton_interpreter_enabled  # noqa: E402
 
 BACKENDS = ["torch_native", "triton"]
 IMAGE_SIZES = [(32, 32), (24, 40), (48, 16), (8, 8)]  # patch 8: 16, 15, 12 and 1 patches

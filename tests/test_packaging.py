@@ -151,7 +151,8 @@ def test_broken_plugins_give_typed_errors_and_torch_native_stays_usable(venv):
     probe = textwrap.dedent(
         """
         import json
-        from attn_core import errors, registry
+        from attn_core.contract import errors
+        from attn_core.discovery import registry
         out = {}
         for name in ("example", "example_broken", "example_api2", "torch_native"):
             try:
@@ -227,7 +228,7 @@ def test_trtllm_mla_installs_next_to_attn_flashinfer_without_pulling_flashinfer(
     assert re.search(r"^trtllm_mla\s+attn-trtllm-mla\s+0\.1\.0\s+unavailable: ", row), row
     assert "SM100/SM120" in row and "never run on hardware" in row
     assert re.search(r"^flashinfer_mla\s+attn-flashinfer\s+0\.1\.0\s+unavailable: ", listing, re.M), listing
-    probe = "import sys; from attn_core import registry; registry.list_backends(); print(sorted(m for m in sys.modules if 'infer' in m))"
+    probe = "import sys; from attn_core.discovery import registry; registry.list_backends(); print(sorted(m for m in sys.modules if 'infer' in m))"
     loaded = run(venv["py"], "-c", probe, env=venv["env"]).stdout
     assert "'flashinfer'" not in loaded and "attn_flashinfer.mla_backend" not in loaded, loaded
     venv["pip"]("uninstall", "-y", "-q", "attn-trtllm-mla", "attn-flashinfer")

@@ -69,12 +69,13 @@ def _private_core_imports(source: str) -> list[str]:
 
 
 def test_the_private_import_scan_finds_what_it_must():
-    assert _private_core_imports("from attn_core.context import _dtype_name\n") == ["from attn_core.context import _dtype_name"]
+    found = _private_core_imports("from attn_core.contract.context import _dtype_name\n")
+    assert found == ["from attn_core.contract.context import _dtype_name"]
     assert _private_core_imports("from attn_core._impl import x\nimport attn_core._impl\n") == [
         "from attn_core._impl import ...",
         "attn_core._impl",
     ]
-    assert _private_core_imports("from attn_core.context import dtype_name\nfrom attn_core import __version__ as v\n") == []
+    assert _private_core_imports("from attn_core.contract.context import dtype_name\nfrom attn_core import __version__ as v\n") == []
 
 
 @pytest.mark.parametrize("plugin", sorted(p.name for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").exists()))

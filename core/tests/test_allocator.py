@@ -6,7 +6,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from attn_core.errors import InvalidArgumentError, KVCacheError
+from attn_core.contract.errors import InvalidArgumentError, KVCacheError
 from attn_core.memory import KVSlotError, PagedTokenAllocator, PageTailError, TokenAllocator
 
 

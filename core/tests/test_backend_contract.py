@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from attn_core.backends.torch_native.backend import TorchNativeBackend
-from attn_core.capabilities import Feature
-from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
-from attn_core.forward_mode import ForwardMode
-from attn_core.layer import AttentionLayer
+from attn_core.contract.capabilities import Feature
+from attn_core.contract.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.layer import AttentionLayer
 from attn_core.testing.harness import AttnCase, layer_inputs, make_env, make_layer
 
 
@@ -96,7 +96,7 @@ def test_layer_and_context_validation():
         AttentionLayer(0, num_q_heads=6, num_kv_heads=4, head_dim=8)
     with pytest.raises(InvalidArgumentError, match="logit_cap"):
         AttentionLayer(0, 4, 2, 8, logit_cap=-1.0)
-    from attn_core.context import BackendContext
+    from attn_core.contract.context import BackendContext
 
     with pytest.raises(InvalidArgumentError, match="head_dim"):
         BackendContext(device="cpu", dtype=torch.float32, num_q_heads=4, num_kv_heads=1, head_dim=10, attention_arch="mla", kv_lora_rank=8)

@@ -5,10 +5,10 @@ import random
 import pytest
 import torch
 
-from attn_core.batch_builder import RequestShape, build_forward_batch, random_tree_mask, release_forward_batch
-from attn_core.errors import InvalidArgumentError, KVCacheError
-from attn_core.forward_mode import ForwardMode
+from attn_core.contract.errors import InvalidArgumentError, KVCacheError
+from attn_core.contract.forward_mode import ForwardMode
 from attn_core.memory import PagedTokenAllocator, ReqToTokenPool
+from attn_core.testing.batch_builder import RequestShape, build_forward_batch, random_tree_mask, release_forward_batch
 
 
 def _pools(page_size=1, slots=2048, reqs=16, ctx=256):

@@ -1,4 +1,4 @@
-"""attn_core.batch_utils: the docstrings' worked examples, then random batches against plain-Python loops."""
+"""attn_core.batching.batch_utils: the docstrings' worked examples, then random batches against plain-Python loops."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import random
 import pytest
 import torch
 
-from attn_core.batch import ForwardBatch, SpecInfo
-from attn_core.batch_utils import (
+from attn_core.batching.batch_utils import (
     DecodeFirstSplit,
     DecodePrefillSplit,
     decode_first_order,
@@ -23,8 +22,9 @@ from attn_core.batch_utils import (
     token_range,
     uniform_query_len,
 )
-from attn_core.errors import InvalidArgumentError
-from attn_core.forward_mode import ForwardMode
+from attn_core.contract.batch import ForwardBatch, SpecInfo
+from attn_core.contract.errors import InvalidArgumentError
+from attn_core.contract.forward_mode import ForwardMode
 
 # ---- worked examples of the docstrings ---------------------------------------------------------------
 

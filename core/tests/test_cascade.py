@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attn_core import InvalidArgumentError
-from attn_core.cascade import check_cascade_prefix, shared_prefix_len, use_cascade_attention
+from attn_core.batching.cascade import check_cascade_prefix, shared_prefix_len, use_cascade_attention
 from attn_core.testing.harness import AttnCase, make_env, run_case
 
 

@@ -1,12 +1,12 @@
-"""attn_core.chunk_plan: the worked example, random batches against a plain per-token loop, slots, errors."""
+"""attn_core.batching.chunk_plan: the worked example, random batches against a plain per-token loop, slots, errors."""
 
 import random
 
 import pytest
 import torch
 
-from attn_core.chunk_plan import chunk_slots, plan_prefix_chunks
-from attn_core.errors import InvalidArgumentError
+from attn_core.batching.chunk_plan import chunk_slots, plan_prefix_chunks
+from attn_core.contract.errors import InvalidArgumentError
 
 
 def test_worked_example():
@@ -79,7 +79,7 @@ def test_chunk_slots_reads_each_token_of_its_row():
 def test_chunked_prefix_attention_equals_attention_over_the_whole_sequence(seed):
     """attend_with_prefix_chunks with plain passes (the float64 reference per request: causal over the new
     tokens, no mask over each chunk) against the reference over prefix + new tokens at once."""
-    from attn_core.chunk_plan import attend_with_prefix_chunks
+    from attn_core.batching.chunk_plan import attend_with_prefix_chunks
     from attn_core.testing.reference import reference_attention
 
     rng = random.Random(seed)

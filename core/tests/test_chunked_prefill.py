@@ -1,4 +1,4 @@
-"""The kernel-independent half of DeepSeek's prefill path (`attn_core.chunked_prefill`), on CPU: the host
+"""The kernel-independent half of DeepSeek's prefill path (`attn_core.batching.chunked_prefill`), on CPU: the host
 lengths it plans from, its input checks (typed errors before any pass runs) and the order it runs the
 passes in. The numerics are checked through subclasses with real passes: attn-trtllm-mla's CPU tests (a
 float64 fake of its kernel) and attn-flashinfer's GPU tests."""
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import attn_core as ac
-from attn_core.chunk_plan import plan_prefix_chunks
-from attn_core.chunked_prefill import ChunkedPrefillPlan, prefill_lengths
-from attn_core.errors import InvalidArgumentError
+from attn_core.batching.chunk_plan import plan_prefix_chunks
+from attn_core.batching.chunked_prefill import ChunkedPrefillPlan, prefill_lengths
+from attn_core.contract.errors import InvalidArgumentError
 
 
 class RecordingPlan(ChunkedPrefillPlan):

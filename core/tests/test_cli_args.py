@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
-from attn_core.probes import gpu_device_present
+from attn_core.discovery.probes import gpu_device_present
 
 # run the CLI in a fresh interpreter and report whether torch got imported
 _RUN = """
 import sys
-from attn_core.cli import main
+from attn_core.cli.main import main
 try:
     rc = main(sys.argv[1:])
 except SystemExit as exc:
@@ -108,7 +108,7 @@ def test_output_paths_are_checked_before_any_work(tmp_path):
 
 
 def test_valid_values_are_normalised():
-    from attn_core.cli import build_parser
+    from attn_core.cli.main import build_parser
 
     args = build_parser().parse_args(
         ["explain", "--dtype", "bf16", "--mode", "decode", "--compute-capability", "9.0", "--device", "cuda:1"]
@@ -122,7 +122,7 @@ def test_the_light_commands_work_without_torch():
     """torch made unimportable: --help, list and explain still answer (backends say torch is missing)."""
     code = (
         "import sys; sys.modules['torch'] = None\n"  # `import torch` now raises ImportError
-        "from attn_core.cli import main\n"
+        "from attn_core.cli.main import main\n"
         "for argv in (['list'], ['list', '--no-probe'], ['explain', '--device', 'cpu']):\n"
         "    rc = main(argv); print('RC', rc)\n"
         "try:\n    main(['--help'])\nexcept SystemExit as exc:\n    print('HELP', exc.code)\n"

@@ -7,7 +7,7 @@ import re
 
 from attn_core.bench.runner import run_bench
 from attn_core.bench.workloads import model_for, standard_workloads, step_flops
-from attn_core.cli import main
+from attn_core.cli.main import main
 
 
 def test_check_torch_native_quick_passes(capsys):
@@ -29,9 +29,9 @@ def test_check_lists_selects_and_skips(capsys):
 
 def test_check_names_typed_errors(capsys, monkeypatch):
     # every backend the registry knows by name is installed in the dev venv: add one that is not
-    import attn_core.registry
+    import attn_core.discovery.registry
 
-    monkeypatch.setitem(attn_core.registry.KNOWN_BACKENDS, "future_npu", "attn-future-npu")
+    monkeypatch.setitem(attn_core.discovery.registry.KNOWN_BACKENDS, "future_npu", "attn-future-npu")
     assert main(["check", "torch_nativ"]) == 2
     err = capsys.readouterr().err
     assert "unknown attention backend 'torch_nativ'" in err and "did you mean 'torch_native'" in err
@@ -50,8 +50,8 @@ def test_explain_usable_and_reasons(capsys):
     out = capsys.readouterr().out
     assert re.search(r"^torch_native\s+attn-core\s+no: q dtype float64 not in", out, re.M), out
     assert "KV dtype float64 not in" in out
-    from attn_core.capabilities import Requirements
-    from attn_core.registry import explain
+    from attn_core.contract.capabilities import Requirements
+    from attn_core.discovery.registry import explain
 
     assert all(re.search(rf"^{r.name}\s+{r.distribution}\s+no: ", out, re.M) for r in explain(Requirements(q_dtype="float64"))), out
 
@@ -94,7 +94,7 @@ def test_bench_unknown_backend(capsys):
 def test_flops_count_visible_pairs_under_the_causal_mask():
     # prefill of 3 tokens: 1 + 2 + 3 visible pairs; decode at ctx 5: 5 pairs; heads 8, head_dim 128 (D + Dv = 256)
     from attn_core.bench.workloads import Workload
-    from attn_core.forward_mode import ForwardMode
+    from attn_core.contract.forward_mode import ForwardMode
 
     m = model_for("small")
     assert step_flops(Workload("extend", "x", ForwardMode.EXTEND, ((0, 3),)), m) == 2 * 8 * 256 * 6
@@ -108,7 +108,7 @@ def _cpu():
 
 
 def test_bench_without_a_name_times_every_usable_backend_against_torch_native(tmp_path, capsys):
-    from attn_core import registry
+    from attn_core.discovery import registry
 
     plot, doc_path = tmp_path / "bench.png", tmp_path / "bench.json"
     argv = ["bench", "--device", "cpu", "--workload", "decode", "--budget", "0.01", "--plot", str(plot), "--json", str(doc_path)]

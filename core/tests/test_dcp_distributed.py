@@ -334,8 +334,8 @@ def dcp_graph_check(rank: int, world: int, seed: int, backend: str, exchange: st
 def check_padding_rows(step, attn, local_lens: list[int]) -> None:
     """A graph-shaped step's rows without a local key are `graph_padding`'s padding rows (request row 0,
     its seq_len, KV slot 0) and masked; the others are the request's local row and length."""
-    from attn_core.forward_mode import ForwardMode
-    from attn_core.graph_step import graph_padding
+    from attn_core.contract.forward_mode import ForwardMode
+    from attn_core.contract.graph_step import graph_padding
 
     pad = graph_padding(ForwardMode.DECODE, 0, [step.batch_size], attn.get_cuda_graph_seq_len_fill_value())
     b = step.local_batch

@@ -8,7 +8,7 @@ import torch
 
 import attn_core as ac
 from attn_core.backends.torch_native.backend import TorchNativeBackend
-from attn_core.errors import IncompatibleBackendError, InvalidArgumentError
+from attn_core.contract.errors import IncompatibleBackendError, InvalidArgumentError
 from attn_core.memory.engine_pool import has_internal_overlap, slot_view
 from attn_core.testing.engine_memory import ENGINE_LAYOUTS, EngineCase, run_engine_case
 from attn_core.testing.outcome import KitFailure
@@ -301,11 +301,11 @@ def test_engine_batches_through_the_graph_metadata_path(backend):
     over engine batches: the graph metadata reads the persistent table `EngineBatches.build` refreshes in
     place, and each replayed DECODE step equals the eager step and the float64 reference."""
     if backend == "triton":
-        from attn_core.probes import triton_interpreter_enabled
+        from attn_core.discovery.probes import triton_interpreter_enabled
 
         if not triton_interpreter_enabled():
             pytest.skip("attn-triton on CPU tensors needs TRITON_INTERPRET=1")
-    from attn_core.graph_step import CudaGraphStep
+    from attn_core.contract.graph_step import CudaGraphStep
     from attn_core.testing.reference import reference_attention, relative_error
 
     torch.manual_seed(0)

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from attn_core.backends.torch_native.backend import TorchNativeBackend
-from attn_core.capabilities import Feature
-from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
-from attn_core.forward_mode import ForwardMode
+from attn_core.contract.capabilities import Feature
+from attn_core.contract.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.contract.forward_mode import ForwardMode
 from attn_core.testing.harness import AttnCase, layer_inputs, make_env, make_layer
 
 CASES = {

@@ -1,6 +1,6 @@
 import pytest
 
-from attn_core.forward_mode import ForwardMode
+from attn_core.contract.forward_mode import ForwardMode
 
 EXTEND_LIKE = {"EXTEND", "MIXED", "TARGET_VERIFY", "DRAFT_EXTEND", "SPLIT_PREFILL"}
 

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from attn_core.errors import InvalidArgumentError
-from attn_core.layer import AttentionLayer
+from attn_core.contract.errors import InvalidArgumentError
+from attn_core.contract.layer import AttentionLayer
 from attn_core.memory import (
     MHATokenToKVPool,
     MLATokenToKVPool,

@@ -9,11 +9,11 @@ import torch
 
 from attn_core.backends.torch_native.backend import TorchNativeBackend
 from attn_core.backends.torch_native.spec import CAPABILITIES
-from attn_core.capabilities import CudaGraphLevel
-from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
-from attn_core.forward_mode import ForwardMode
-from attn_core.graph_runner import CudaGraphRunner
-from attn_core.tbo_split import TboSplit, split_forward_batch
+from attn_core.batching.tbo_split import TboSplit, split_forward_batch
+from attn_core.contract.capabilities import CudaGraphLevel
+from attn_core.contract.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.engine.graph_runner import CudaGraphRunner
 from attn_core.testing.harness import AttnCase, layer_inputs, make_env, make_layer, reference_for_layer
 from attn_core.testing.reference import relative_error, tolerance
 

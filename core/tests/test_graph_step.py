@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attn_core.backend import AttentionBackend
 from attn_core.backends.torch_native.backend import TorchNativeBackend
-from attn_core.batch import SpecInfo
-from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
-from attn_core.forward_mode import ForwardMode
-from attn_core.graph_step import CudaGraphStep, GraphPadding, graph_padding, graph_tokens_per_request
+from attn_core.contract.backend import AttentionBackend
+from attn_core.contract.batch import SpecInfo
+from attn_core.contract.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.graph_step import CudaGraphStep, GraphPadding, graph_padding, graph_tokens_per_request
 from attn_core.testing.harness import AttnCase, make_env
 
 ROWS = torch.arange(6)

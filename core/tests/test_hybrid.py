@@ -10,10 +10,10 @@ import torch
 
 from attn_core.backends.torch_native.backend import TorchNativeBackend
 from attn_core.backends.torch_native.spec import CAPABILITIES
-from attn_core.capabilities import CudaGraphLevel, Feature
-from attn_core.context import BackendContext
-from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
-from attn_core.forward_mode import ForwardMode
+from attn_core.contract.capabilities import CudaGraphLevel, Feature
+from attn_core.contract.context import BackendContext
+from attn_core.contract.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.contract.forward_mode import ForwardMode
 from attn_core.memory import MHATokenToKVPool
 from attn_core.testing.harness import AttnCase, assert_case, make_env, make_layer
 from attn_core.wrappers.hybrid import HybridAttnBackend

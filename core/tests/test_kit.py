@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from attn_core.backends.torch_native.backend import TorchNativeBackend
 from attn_core.backends.torch_native.spec import CAPABILITIES, SPEC
-from attn_core.capabilities import CudaGraphLevel
-from attn_core.forward_mode import ForwardMode
+from attn_core.contract.capabilities import CudaGraphLevel
+from attn_core.contract.forward_mode import ForwardMode
 from attn_core.testing.compose import compose_requests
 from attn_core.testing.kit import make_plan, run_plan
 from attn_core.testing.lightness import spec_import_check

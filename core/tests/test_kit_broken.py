@@ -13,7 +13,7 @@ import torch
 
 from attn_core.backends.torch_native.backend import TorchNativeBackend
 from attn_core.backends.torch_native.spec import CAPABILITIES
-from attn_core.capabilities import Feature
+from attn_core.contract.capabilities import Feature
 from attn_core.testing.kit import make_plan, run_plan
 
 

@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
+from attn_core.batching.positions import extend_start_loc_from_lens, positions_from_lens
 from attn_core.ops.kv_indices import kv_indices_from_req_to_token, kv_indptr_from_lens, page_table_from_req_to_token
-from attn_core.positions import extend_start_loc_from_lens, positions_from_lens
 
 
 def _random_table(rng, bs, max_len):

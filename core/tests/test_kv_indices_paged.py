@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import attn_core.ops.kv_indices as kvi
-from attn_core.errors import InvalidArgumentError
+from attn_core.contract.errors import InvalidArgumentError
 
 
 def _paged_table(rng, num_rows, max_len, page_size):

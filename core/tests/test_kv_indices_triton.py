@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, {here!r})
 import test_kv_indices_triton as t
 import attn_core.ops.kv_indices_triton as kvt
-from attn_core.errors import InvalidArgumentError
+from attn_core.contract.errors import InvalidArgumentError
 
 for page_size in (1, 4, 16):
     for seed in range(4):
@@ -213,7 +213,7 @@ def test_gpu_run_matches_the_interpreter_checks():
 
 
 def test_table_arguments_refuse_rows_that_are_not_contiguous():
-    from attn_core.errors import InvalidArgumentError
+    from attn_core.contract.errors import InvalidArgumentError
     from attn_core.ops.kv_indices_triton import table_arguments
 
     table = torch.zeros(8, 4096, dtype=torch.int32)

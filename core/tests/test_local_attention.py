@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from attn_core import AttentionLayer, BackendContext, Feature, ForwardMode, InvalidArgumentError, UnsupportedFeatureError
-from attn_core.batch_builder import build_forward_batch
-from attn_core.local_attention import local_decode_starts, make_local_attention_virtual_batches
+from attn_core.batching.local_attention import local_decode_starts, make_local_attention_virtual_batches
 from attn_core.memory import MHATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
+from attn_core.testing.batch_builder import build_forward_batch
 
 
 def test_worked_example_chunk_multiple_of_page():

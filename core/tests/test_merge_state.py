@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import attn_core.ops.merge_state as ms
-from attn_core.errors import InvalidArgumentError
+from attn_core.contract.errors import InvalidArgumentError
 from attn_core.ops.merge_state_torch import merge_state_torch
 from attn_core.testing.reference import reference_attention, relative_error, tolerance
 

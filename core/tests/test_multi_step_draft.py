@@ -11,12 +11,12 @@ import torch
 
 from attn_core.backends.torch_native.backend import TorchNativeBackend
 from attn_core.backends.torch_native.spec import CAPABILITIES
-from attn_core.batch_builder import build_forward_batch
-from attn_core.capabilities import Feature
-from attn_core.context import BackendContext
-from attn_core.errors import InvalidArgumentError, KVCacheError, UnsupportedFeatureError
-from attn_core.layer import AttentionLayer
+from attn_core.contract.capabilities import Feature
+from attn_core.contract.context import BackendContext
+from attn_core.contract.errors import InvalidArgumentError, KVCacheError, UnsupportedFeatureError
+from attn_core.contract.layer import AttentionLayer
 from attn_core.memory import MHATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
+from attn_core.testing.batch_builder import build_forward_batch
 from attn_core.testing.reference import reference_attention, relative_error, tolerance
 from attn_core.wrappers.multi_step_draft import MultiStepDraftBackend, allocate_draft_slots
 

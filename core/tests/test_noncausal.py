@@ -1,4 +1,4 @@
-"""Non-causal attention in the paged path (`attn_core.bidirectional`, `AttentionLayer.attn_type`): the span
+"""Non-causal attention in the paged path (`attn_core.contract.bidirectional`, `AttentionLayer.attn_type`): the span
 rule and its validation against hand-worked batches, the visibility helpers against plain loops, the
 layer's typed refusals, capability matching, and the kit's checks catching backends that get the
 visibility wrong (an encoder-only layer run causally, spans ignored) while passing torch_native.
@@ -13,10 +13,10 @@ import torch
 
 from attn_core import AttentionLayer, AttentionType
 from attn_core.backends.torch_native.backend import TorchNativeBackend
-from attn_core.bidirectional import bidirectional_span_mask, check_bidirectional_spans, span_visible
-from attn_core.capabilities import Capabilities, Feature, Requirements
-from attn_core.cascade import splits_into_cascade
-from attn_core.errors import InvalidArgumentError, InvalidBatchError, UnsupportedFeatureError
+from attn_core.batching.cascade import splits_into_cascade
+from attn_core.contract.bidirectional import bidirectional_span_mask, check_bidirectional_spans, span_visible
+from attn_core.contract.capabilities import Capabilities, Feature, Requirements
+from attn_core.contract.errors import InvalidArgumentError, InvalidBatchError, UnsupportedFeatureError
 from attn_core.testing.harness import AttnCase, make_env
 from attn_core.testing.kit import make_plan
 from attn_core.testing.noncausal_checks import request_spans

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from attn_core.batch_utils import shared_query_len, uniform_query_len
-from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
-from attn_core.forward_mode import ForwardMode
-from attn_core.graph_captures import GraphCaptures, captures_of
-from attn_core.graph_step import CudaGraphStep
+from attn_core.batching.batch_utils import shared_query_len, uniform_query_len
+from attn_core.contract.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.graph_step import CudaGraphStep
+from attn_core.engine.graph_captures import GraphCaptures, captures_of
 from attn_core.memory.scratch import DeviceScratch
 from attn_core.ops.device_faults import DeviceFaultFlags, DeviceFaultKind
 from attn_core.ops.kv_indices import (

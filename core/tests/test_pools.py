@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from attn_core.errors import InvalidArgumentError, KVCacheError
+from attn_core.contract.errors import InvalidArgumentError, KVCacheError
 from attn_core.memory import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
 
 

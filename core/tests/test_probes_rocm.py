@@ -1,9 +1,9 @@
-"""`attn_core.probes.needs_rocm`: the reason given without an AMD GPU, without torch being imported."""
+"""`attn_core.discovery.probes.needs_rocm`: the reason given without an AMD GPU, without torch being imported."""
 
 import subprocess
 import sys
 
-from attn_core.probes import NEEDS_ROCM, needs_rocm
+from attn_core.discovery.probes import NEEDS_ROCM, needs_rocm
 
 
 def test_no_device_node_means_no_amd_gpu(tmp_path):
@@ -13,7 +13,7 @@ def test_no_device_node_means_no_amd_gpu(tmp_path):
 def test_the_reason_costs_no_torch_import(tmp_path):
     code = (
         "import sys\n"
-        "from attn_core.probes import needs_rocm\n"
+        "from attn_core.discovery.probes import needs_rocm\n"
         f"print(needs_rocm({str(tmp_path / 'kfd')!r}))\n"
         "print('torch' in sys.modules)\n"
     )

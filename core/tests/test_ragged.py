@@ -1,4 +1,4 @@
-"""The ragged op (`attn_core.ragged`, `AttentionBackend.ragged_attention`): the batch builders and their
+"""The ragged op (`attn_core.contract.ragged`, `AttentionBackend.ragged_attention`): the batch builders and their
 validation against hand-worked values, torch_native against the float64 reference over several batches,
 the typed refusals, the composed backends (which do not serve it), and the kit's ragged checks catching
 broken backends (one attending across sequences, one applying the causal flag wrongly).
@@ -13,9 +13,9 @@ import torch
 
 from attn_core import BackendContext, HybridAttnBackend, ragged_batch, ragged_batch_from_cu_seqlens
 from attn_core.backends.torch_native.backend import TorchNativeBackend
-from attn_core.capabilities import Feature
-from attn_core.errors import InvalidArgumentError, InvalidBatchError, StaleMetadataError, UnsupportedFeatureError
-from attn_core.ragged import RaggedBatch, check_ragged_batch
+from attn_core.contract.capabilities import Feature
+from attn_core.contract.errors import InvalidArgumentError, InvalidBatchError, StaleMetadataError, UnsupportedFeatureError
+from attn_core.contract.ragged import RaggedBatch, check_ragged_batch
 from attn_core.testing.kit import make_plan
 from attn_core.testing.outcome import execute
 from attn_core.testing.ragged_checks import RaggedCase, packed_inputs, random_lengths, reference_ragged

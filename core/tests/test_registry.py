@@ -11,10 +11,9 @@ from importlib import metadata
 import pytest
 
 import attn_core
-from attn_core import registry as reg
 from attn_core.backends.torch_native.spec import SPEC as TORCH_NATIVE
-from attn_core.capabilities import Capabilities, Feature, Requirements
-from attn_core.errors import (
+from attn_core.contract.capabilities import Capabilities, Feature, Requirements
+from attn_core.contract.errors import (
     ApiVersionMismatchError,
     BackendLoadError,
     BackendNotInstalledError,
@@ -27,9 +26,10 @@ from attn_core.errors import (
     NoBackendError,
     UnknownBackendError,
 )
-from attn_core.hookspecs import hookimpl
-from attn_core.selection import parse_hybrid_name
-from attn_core.spec import BackendSpec
+from attn_core.contract.hookspecs import hookimpl
+from attn_core.contract.spec import BackendSpec
+from attn_core.discovery import registry as reg
+from attn_core.discovery.selection import parse_hybrid_name
 
 _MODULE_IDS = itertools.count()
 CPU_REQ = Requirements(device_type="cpu", q_dtype="float32", kv_dtype="float32", head_dim=64)
@@ -70,8 +70,8 @@ def fake_plugins(tmp_path, monkeypatch):
 
 
 SPEC_SRC = """
-from attn_core.capabilities import Capabilities
-from attn_core.spec import BackendSpec
+from attn_core.contract.capabilities import Capabilities
+from attn_core.contract.spec import BackendSpec
 SPEC = BackendSpec(name={name!r}, summary="x", distribution="attn-x", api_version={api!r},
     capabilities=Capabilities(devices=frozenset({{"cpu"}}), q_dtypes=frozenset({{"float32"}}), kv_dtypes=frozenset({{"float32"}})),
     backend_class="attn_core.backends.torch_native.backend:TorchNativeBackend")
@@ -170,7 +170,7 @@ def test_pluggy_hooks_adjust_and_observe():
     r.check("from_hook", Requirements(device_type="cpu", q_dtype="bfloat16", kv_dtype="bfloat16"))
     import torch
 
-    from attn_core.context import BackendContext
+    from attn_core.contract.context import BackendContext
 
     ctx = BackendContext(device="cpu", dtype=torch.float32, num_q_heads=2, num_kv_heads=1, head_dim=8)
     r.create_backend("from_hook", ctx)
@@ -195,7 +195,7 @@ def test_discovery_imports_no_torch():
         """
         import sys
         import attn_core
-        from attn_core.registry import default_registry
+        from attn_core.discovery.registry import default_registry
         names = [e.name for e in attn_core.list_backends()]
         assert "torch_native" in names, names
         default_registry().resolve("torch_native")
@@ -208,7 +208,7 @@ def test_discovery_imports_no_torch():
 
 
 def test_cli_list(capsys):
-    from attn_core.cli import main
+    from attn_core.cli.main import main
 
     assert main(["list"]) == 0
     text = capsys.readouterr().out
@@ -220,8 +220,8 @@ def test_cli_list(capsys):
 # ---- hardening: one broken plugin never breaks the others (issue 11 point 5) ----------------------
 
 BAD_SPEC_SRC = """
-from attn_core.capabilities import Capabilities
-from attn_core.spec import BackendSpec
+from attn_core.contract.capabilities import Capabilities
+from attn_core.contract.spec import BackendSpec
 CAPS = Capabilities(devices=frozenset({{"cpu"}}), q_dtypes=frozenset({{"float32"}}), kv_dtypes=frozenset({{"float32"}}))
 BASE = dict(name={name!r}, summary="x", distribution="attn-x", capabilities=CAPS,
     backend_class="attn_core.backends.torch_native.backend:TorchNativeBackend")
@@ -471,9 +471,9 @@ def test_a_hook_plugin_that_fails_to_import_does_not_drop_the_others(fake_hook_d
         {
             "a_broken": "raise ImportError('needs libvendor.so')",
             "b_good": """
-                from attn_core.capabilities import Capabilities
-                from attn_core.hookspecs import hookimpl
-                from attn_core.spec import BackendSpec
+                from attn_core.contract.capabilities import Capabilities
+                from attn_core.contract.hookspecs import hookimpl
+                from attn_core.contract.spec import BackendSpec
 
                 @hookimpl
                 def attn_core_register_backends():
@@ -482,7 +482,7 @@ def test_a_hook_plugin_that_fails_to_import_does_not_drop_the_others(fake_hook_d
                         backend_class="attn_core.backends.torch_native.backend:TorchNativeBackend")]
                 """,
             "c_raises": """
-                from attn_core.hookspecs import hookimpl
+                from attn_core.contract.hookspecs import hookimpl
 
                 @hookimpl
                 def attn_core_register_backends():
@@ -501,7 +501,7 @@ def test_a_hook_plugin_that_fails_to_import_does_not_drop_the_others(fake_hook_d
 
 
 def test_cli_list_shows_failed_specs_and_hook_plugins(fake_plugins, fake_hook_distribution, monkeypatch, capsys):
-    from attn_core.cli import main
+    from attn_core.cli.main import main
 
     fake_plugins("bad", BAD_SPEC_SRC.format(name="bad", field="aliases=None"))
     fake_hook_distribution({"a_broken": "raise ImportError('needs libvendor.so')"})

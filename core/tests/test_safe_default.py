@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import attn_core
-import attn_core.backend
-import attn_core.graph_runner
-import attn_core.validation
+import attn_core.contract.backend
+import attn_core.contract.validation
+import attn_core.engine.graph_runner
 import attn_core.wrappers.multi_step_draft
 from attn_core import (
     AttentionLayer,
@@ -46,9 +46,9 @@ def device_path(monkeypatch):
     """The default mode as an accelerator runs it, on CPU tensors: no full validation at "basic", the step
     check (its torch path) and the fault word instead."""
     for module in (
-        attn_core.validation,
-        attn_core.backend,
-        attn_core.graph_runner,
+        attn_core.contract.validation,
+        attn_core.contract.backend,
+        attn_core.engine.graph_runner,
         attn_core.wrappers.multi_step_draft,
     ):
         monkeypatch.setattr(module, "effective_level", _level_is_the_contexts)
@@ -101,7 +101,7 @@ def test_default_mode_device_path_with_the_triton_step_check(device_path, monkey
     """The same on the step check's Triton kernel (the CUDA path), under the interpreter."""
     from attn_core.ops.step_checks_triton import check_step_triton
 
-    for module in (attn_core.backend, attn_core.graph_runner):
+    for module in (attn_core.contract.backend, attn_core.engine.graph_runner):
         monkeypatch.setattr(module, "check_step", check_step_triton)
     select = [
         f"hostile-basic-{n}"

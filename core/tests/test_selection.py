@@ -1,4 +1,4 @@
-"""Selection per phase (`attn_core.selection`, `Registry.select_backend` / `explain_selection`) from the
+"""Selection per phase (`attn_core.discovery.selection`, `Registry.select_backend` / `explain_selection`) from the
 priorities fake specs declare: one backend where it is best at both phases, a hybrid name where the best
 prefill and decode backends differ, conditions on compute capability and CPU flags, `prefer`, spec
 validation of the declarations, and `create_backend` building the hybrid."""
@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from attn_core import registry as reg
-from attn_core.capabilities import Capabilities, Requirements
-from attn_core.errors import InvalidArgumentError, InvalidSpecError
-from attn_core.forward_mode import ForwardMode
-from attn_core.selection import DECODE, PREFILL, PhasePriority, hybrid_name, parse_hybrid_name, phase_of, phases_of
-from attn_core.spec import BackendSpec
+from attn_core.contract.capabilities import Capabilities, Requirements
+from attn_core.contract.errors import InvalidArgumentError, InvalidSpecError
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.phases import DECODE, PREFILL, PhasePriority, phase_of, phases_of
+from attn_core.contract.spec import BackendSpec
+from attn_core.discovery import registry as reg
+from attn_core.discovery.selection import hybrid_name, parse_hybrid_name
 
 CUDA = Capabilities(
     devices=frozenset({"cuda"}),

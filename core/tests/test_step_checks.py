@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
-from attn_core.batch_builder import build_forward_batch
 from attn_core.memory import MHATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
 from attn_core.ops.device_faults import FAULT_WORDS, DeviceFault, DeviceFaultKind
 from attn_core.ops.step_checks import StepTensors, check_step_torch
+from attn_core.testing.batch_builder import build_forward_batch
 
 K = DeviceFaultKind
 

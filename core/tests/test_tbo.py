@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from attn_core.backends.torch_native.backend import TorchNativeBackend
-from attn_core.batch_builder import RequestShape
-from attn_core.errors import InvalidArgumentError
-from attn_core.forward_mode import ForwardMode
-from attn_core.graph_runner import CudaGraphRunner
-from attn_core.graph_step import CudaGraphStep
+from attn_core.batching.tbo_split import TboSplit, compute_tbo_split, split_batch, split_forward_batch
+from attn_core.contract.errors import InvalidArgumentError
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.graph_step import CudaGraphStep
+from attn_core.engine.graph_runner import CudaGraphRunner
 from attn_core.memory import MHATokenToKVPool
-from attn_core.tbo_split import TboSplit, compute_tbo_split, split_batch, split_forward_batch
+from attn_core.testing.batch_builder import RequestShape
 from attn_core.testing.harness import AttnCase, layer_inputs, make_env, make_layer, reference_for_layer
 from attn_core.testing.reference import relative_error, tolerance
 from attn_core.wrappers.tbo import TboAttnBackend

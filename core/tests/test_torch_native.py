@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from attn_core.backends.torch_native.backend import TorchNativeBackend
-from attn_core.batch_builder import RequestShape
-from attn_core.forward_mode import ForwardMode
-from attn_core.graph_step import graph_padding
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.graph_step import graph_padding
+from attn_core.testing.batch_builder import RequestShape
 from attn_core.testing.harness import AttnCase, assert_case, layer_inputs, make_env, make_layer
 
 MODES = [ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND]

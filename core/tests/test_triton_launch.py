@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 import attn_core.ops.triton_launch as launch
-from attn_core.probes import triton_interpreter_enabled
+from attn_core.discovery.probes import triton_interpreter_enabled
 
 
 class FakeCompiled:

@@ -10,10 +10,16 @@ import pytest
 import torch
 
 from attn_core.backends.torch_native.backend import TorchNativeBackend
-from attn_core.errors import DeviceIndexError, IncompatibleBackendError, InvalidArgumentError, InvalidBatchError, StaleMetadataError
-from attn_core.forward_mode import ForwardMode
+from attn_core.contract.errors import (
+    DeviceIndexError,
+    IncompatibleBackendError,
+    InvalidArgumentError,
+    InvalidBatchError,
+    StaleMetadataError,
+)
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.validation import check_forward_batch
 from attn_core.testing.harness import AttnCase, layer_inputs, make_env, make_layer
-from attn_core.validation import check_forward_batch
 from attn_core.wrappers.hybrid import HybridAttnBackend
 from attn_core.wrappers.tbo import TboAttnBackend
 
@@ -211,7 +217,7 @@ def test_graph_relocation_check_catches_stale_and_moved_graph_metadata():
 def test_host_length_stats_equal_a_plain_loop(dtype):
     """Both sides of SMALL_HOST_BATCH (the list path and the numpy path), against a loop over the values;
     int32 lengths whose sum passes 2**31 do not wrap."""
-    from attn_core.validation import SMALL_HOST_BATCH, host_length_stats
+    from attn_core.contract.validation import SMALL_HOST_BATCH, host_length_stats
 
     gen = torch.Generator().manual_seed(3)
     for bs in (1, 2, SMALL_HOST_BATCH - 1, SMALL_HOST_BATCH, SMALL_HOST_BATCH + 1, 40, 300):

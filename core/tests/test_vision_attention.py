@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from attn_core import VisionAttention, ragged_batch, vision_backend
-from attn_core.errors import InvalidArgumentError, UnknownBackendError
-from attn_core.probes import triton_interpreter_enabled
+from attn_core.contract.errors import InvalidArgumentError, UnknownBackendError
+from attn_core.discovery.probes import triton_interpreter_enabled
 
 BACKENDS = ["torch_native", "triton"]
 

@@ -1,4 +1,4 @@
-"""`attn_core.vision_utils` on real `transformers` config objects and real weight tensors (a random SigLIP
+"""`attn_core.vision.utils` on real `transformers` config objects and real weight tensors (a random SigLIP
 attention block's), against expectations worked out by hand in the tests; and a `VisionAttention` loaded
 with the padded weights computes what the unpadded one does."""
 
@@ -10,7 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from attn_core import VisionAttention, pad_vit_attn_dummy_heads, update_vit_attn_dummy_heads_config  # noqa: E402
-from attn_core.errors import InvalidArgumentError  # noqa: E402
+from attn_core.contract.errors import InvalidArgumentError  # noqa: E402
 
 
 def _siglip(hidden=96, heads=6):

@@ -15,8 +15,8 @@ from attn_core import (
     InvalidArgumentError,
     UnsupportedFeatureError,
 )
-from attn_core.batch_builder import build_forward_batch
 from attn_core.memory import KVSlotError, ReqToTokenPool, SlidingWindowAllocator, SlidingWindowKVPool
+from attn_core.testing.batch_builder import build_forward_batch
 
 
 def _check_invariants(a: SlidingWindowAllocator, live_full: set[int]):

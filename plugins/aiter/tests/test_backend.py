@@ -9,14 +9,14 @@ import torch
 from attn_aiter.testing.emulated_aiter import emulated_backend_class, installed
 
 from attn_core.backends.torch_native.backend import TorchNativeBackend
-from attn_core.errors import (
+from attn_core.contract.errors import (
     BackendUnavailableError,
     IncompatibleBackendError,
     InvalidArgumentError,
     UnsupportedFeatureError,
 )
-from attn_core.forward_mode import ForwardMode
-from attn_core.graph_step import CudaGraphStep
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.graph_step import CudaGraphStep
 from attn_core.testing.harness import AttnCase, assert_case, layer_inputs, make_env, make_layer
 
 Backend = emulated_backend_class()

@@ -11,7 +11,7 @@ import torch
 from attn_aiter.testing.emulated_aiter import emulated_backend_class
 
 import attn_core as ac
-from attn_core.batch import SpecInfo
+from attn_core.contract.batch import SpecInfo
 from attn_core.testing.engine_steps import MIXED_STEPS, EngineWorld, compare_over_steps
 from attn_core.testing.reference import reference_attention, relative_error
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from attn_aiter import plans
 
-from attn_core.errors import InvalidArgumentError
+from attn_core.contract.errors import InvalidArgumentError
 
 
 def test_worked_examples():

@@ -10,8 +10,8 @@ import sys
 
 import attn_aiter.spec as spec
 
-from attn_core.capabilities import ARCH_MLA, Requirements
-from attn_core.registry import default_registry
+from attn_core.contract.capabilities import ARCH_MLA, Requirements
+from attn_core.discovery.registry import default_registry
 from attn_core.testing.lightness import spec_import_check, spec_matches_class_check
 from attn_core.testing.target import resolve_target
 

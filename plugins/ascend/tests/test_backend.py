@@ -9,8 +9,8 @@ from attn_ascend.metadata import host_metadata
 from attn_ascend.npu_ops import FiaKeywords, argument_names
 from attn_ascend.testing.emulated_torch_npu import emulated_backend_class, emulated_torch_npu, installed
 
-from attn_core.errors import IncompatibleBackendError, InvalidArgumentError, StaleMetadataError
-from attn_core.forward_mode import ForwardMode
+from attn_core.contract.errors import IncompatibleBackendError, InvalidArgumentError, StaleMetadataError
+from attn_core.contract.forward_mode import ForwardMode
 from attn_core.testing.harness import AttnCase, assert_case, layer_inputs, make_env, make_layer
 
 Backend = emulated_backend_class()

@@ -8,13 +8,13 @@ import pytest
 import torch
 from attn_ascend.testing.emulated_torch_npu import emulated_backend_class
 
-from attn_core.batch import ForwardBatch, SpecInfo
-from attn_core.batch_builder import build_forward_batch
-from attn_core.context import BackendContext
-from attn_core.forward_mode import ForwardMode
-from attn_core.layer import AttentionLayer
+from attn_core.batching.positions import extend_start_loc_from_lens, positions_from_lens
+from attn_core.contract.batch import ForwardBatch, SpecInfo
+from attn_core.contract.context import BackendContext
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.layer import AttentionLayer
 from attn_core.memory import MHATokenToKVPool, MLATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
-from attn_core.positions import extend_start_loc_from_lens, positions_from_lens
+from attn_core.testing.batch_builder import build_forward_batch
 from attn_core.testing.reference import reference_attention, relative_error
 
 PAGE = 16

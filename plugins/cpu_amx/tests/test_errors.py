@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from attn_core.context import BackendContext
-from attn_core.errors import (
+from attn_core.contract.context import BackendContext
+from attn_core.contract.errors import (
     AttnError,
     BackendUnavailableError,
     InvalidArgumentError,
@@ -115,7 +115,7 @@ def test_contexts_refused_at_construction(changes, error):
 def test_fp8_kv_cache_refused_at_construction_naming_the_kv_dtype(dtype):
     """cpu_amx's kernels read bf16 / fp32 caches only: an fp8 cache is refused by the base class from
     the capabilities (typed, naming the KV dtype) before any pool is touched."""
-    from attn_core.errors import IncompatibleBackendError
+    from attn_core.contract.errors import IncompatibleBackendError
 
     base = dict(device="cpu", dtype=dtype, kv_dtype=torch.float8_e4m3fn, num_q_heads=4, num_kv_heads=2, head_dim=32)
     with pytest.raises(IncompatibleBackendError, match="KV dtype float8_e4m3fn not in"):

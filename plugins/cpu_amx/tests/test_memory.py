@@ -23,7 +23,7 @@ PROBE = r"""
 import ctypes, dataclasses, json, sys
 ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
 import torch
-import attn_core.backend
+import attn_core.contract.backend
 from attn_core.backends.torch_native.backend import TorchNativeBackend
 from attn_core.testing.harness import AttnCase, layer_inputs, make_env, make_layer
 from attn_cpu_amx.backend import CpuAmxBackend
@@ -39,7 +39,7 @@ def extra(name, mode, requests):
     ctx = env.ctx
     # the backend's own memory: core's batch validation, which on the CPU gathers the batch's table rows
     # (every "full" check runs there), is left out
-    attn_core.backend.check_forward_batch = lambda *args, **kwargs: None
+    attn_core.contract.backend.check_forward_batch = lambda *args, **kwargs: None
     backend = CpuAmxBackend(ctx) if name == "cpu_amx" else TorchNativeBackend(ctx)
     env.batch.attn_backend = backend
     layer = make_layer(case, 0)

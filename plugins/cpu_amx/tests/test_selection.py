@@ -8,9 +8,9 @@ import dataclasses
 import subprocess
 import sys
 
-from attn_core import registry as reg
 from attn_core.backends.torch_native.spec import SPEC as TORCH_NATIVE
-from attn_core.capabilities import Requirements
+from attn_core.contract.capabilities import Requirements
+from attn_core.discovery import registry as reg
 from attn_cpu_amx import isa, spec
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from attn_core.registry import create_backend, get_backend_class
+from attn_core.discovery.registry import create_backend, get_backend_class
 from attn_core.testing.harness import AttnCase, make_env
 from attn_cpu_amx import isa
 from attn_cpu_amx.backend import CpuAmxBackend

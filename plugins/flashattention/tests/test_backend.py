@@ -13,9 +13,9 @@ import torch
 
 import attn_core as ac
 from attn_core.backends.torch_native.backend import TorchNativeBackend
-from attn_core.batch_builder import build_forward_batch
-from attn_core.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedFeatureError
-from attn_core.graph_step import CudaGraphStep
+from attn_core.contract.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedFeatureError
+from attn_core.contract.graph_step import CudaGraphStep
+from attn_core.testing.batch_builder import build_forward_batch
 from attn_core.testing.engine_steps import MIXED_STEPS, EngineWorld, compare_over_steps
 from attn_core.testing.graphs import graph_case_check
 from attn_core.testing.harness import AttnCase, assert_case, make_env
@@ -207,7 +207,7 @@ def test_verify_replay_rewrites_every_window_list_before_the_layers_run():
 
 
 def test_debug_paths_name_the_fa4_call():
-    from attn_core import debug_paths
+    from attn_core.contract import debug_paths
 
     env = make_env(AttnCase("TARGET_VERIFY", [(10, 2)], sliding_window=4, **BASE))
     backend = Backend(env.ctx)

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from attn_core.forward_mode import ForwardMode
+from attn_core.contract.forward_mode import ForwardMode
 from attn_core.testing.compose import compose_requests
 from attn_core.testing.graphs import graph_case_check
 from attn_core.testing.harness import AttnCase, assert_case, layer_inputs, make_env, make_layer

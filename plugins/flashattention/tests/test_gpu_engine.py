@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import attn_core as ac
-from attn_core.capabilities import Requirements
-from attn_core.forward_mode import ForwardMode
+from attn_core.contract.capabilities import Requirements
+from attn_core.contract.forward_mode import ForwardMode
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[3]

@@ -11,9 +11,9 @@ from importlib import metadata
 
 import pytest
 
-from attn_core import registry as reg
-from attn_core.capabilities import Requirements
-from attn_core.forward_mode import ForwardMode
+from attn_core.contract.capabilities import Requirements
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.discovery import registry as reg
 from attn_flashattention import spec
 
 
@@ -44,11 +44,11 @@ def test_attn_core_list_shows_fa4_and_why_not_here():
     """On this CPU machine (no flash-attn-4: it is a CUDA package) `attn-core list` names fa4 and the reason,
     in its table and in its JSON."""
     out = subprocess.run(
-        [sys.executable, "-m", "attn_core.cli", "list"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "attn_core.cli.main", "list"], capture_output=True, text=True, check=True
     ).stdout
     assert any(line.startswith("fa4 ") and "attn-flashattention" in line for line in out.splitlines()), out
     rows = json.loads(
-        subprocess.run([sys.executable, "-m", "attn_core.cli", "list", "--json"], capture_output=True, text=True).stdout
+        subprocess.run([sys.executable, "-m", "attn_core.cli.main", "list", "--json"], capture_output=True, text=True).stdout
     )
     row = next(r for r in rows if r["name"] == "fa4")
     assert row["distribution"] == "attn-flashattention" and row["unverified"] == spec.UNVERIFIED
@@ -92,7 +92,7 @@ def test_explain_command_prints_the_selection():
     cmd = [
         sys.executable,
         "-m",
-        "attn_core.cli",
+        "attn_core.cli.main",
         "explain",
         "--device",
         "cuda",

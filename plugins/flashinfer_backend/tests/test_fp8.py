@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attn_core.context import BackendContext
-from attn_core.layer import AttentionLayer
+from attn_core.contract.context import BackendContext
+from attn_core.contract.layer import AttentionLayer
 from attn_core.memory import MHATokenToKVPool, kv_scales
 from attn_flashinfer.fp8 import cache_run_kwargs, ragged_inputs, ragged_kv_dtype
 from attn_flashinfer.spec import CAPABILITIES
@@ -58,7 +58,7 @@ def test_fp8_cache_is_declared_under_both_q_dtypes(q_dtype):
 
 
 def test_fp8_at_head_dim_64_is_refused_at_construction():
-    from attn_core.errors import UnsupportedFeatureError
+    from attn_core.contract.errors import UnsupportedFeatureError
 
     def ctx(head_dim):
         return BackendContext(device="cuda", dtype=torch.bfloat16, kv_dtype=FP8, num_q_heads=8, num_kv_heads=2, head_dim=head_dim)

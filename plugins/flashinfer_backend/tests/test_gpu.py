@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 
-from attn_core.capabilities import CudaGraphLevel
-from attn_core.forward_mode import ForwardMode
+from attn_core.contract.capabilities import CudaGraphLevel
+from attn_core.contract.forward_mode import ForwardMode
 from attn_core.testing import ConformanceSuite
 from attn_core.testing.compose import compose_requests
 from attn_core.testing.graphs import graph_case_check
@@ -222,9 +222,9 @@ DRAFT_HEADS, DRAFT_LAYERS = (16, 4), 2
 
 def _draft_env(lens, page_size, topk, num_steps, seed):
     """Pools on the GPU with random cached K/V (NaN in every other slot), the draft slots, a context."""
-    from attn_core.batch_builder import build_forward_batch
-    from attn_core.context import BackendContext
+    from attn_core.contract.context import BackendContext
     from attn_core.memory import MHATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
+    from attn_core.testing.batch_builder import build_forward_batch
     from attn_core.wrappers.multi_step_draft import allocate_draft_slots
 
     hq, hkv = DRAFT_HEADS
@@ -277,7 +277,7 @@ def _draft_inputs(n_rows, num_steps, seed):
 
 
 def _draft_layers():
-    from attn_core.layer import AttentionLayer
+    from attn_core.contract.layer import AttentionLayer
 
     hq, hkv = DRAFT_HEADS
     return [AttentionLayer(i, hq, hkv, 128, scaling=128**-0.5 * 1.2) for i in range(DRAFT_LAYERS)]
@@ -388,10 +388,10 @@ def test_lean_replans_match_flashinfers_own_plan(page_size, monkeypatch):
     the public plan, and the next unmasked plan of that wrapper is lean again); the second, with
     lean_replan=False, always calls FlashInfer's own plan. At every step each wrapper of the first holds
     the plan info and index arrays of its twin, and the outputs are bitwise equal."""
-    from attn_core.batch_builder import build_forward_batch, release_forward_batch
-    from attn_core.context import BackendContext
-    from attn_core.layer import AttentionLayer
+    from attn_core.contract.context import BackendContext
+    from attn_core.contract.layer import AttentionLayer
     from attn_core.memory import MHATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
+    from attn_core.testing.batch_builder import build_forward_batch, release_forward_batch
     from attn_flashinfer import replan
     from attn_flashinfer.backend import FlashInferBackend
 

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from attn_core.forward_mode import ForwardMode
+from attn_core.contract.forward_mode import ForwardMode
 from attn_core.testing import ConformanceSuite
 from attn_core.testing.compose import compose_requests
 from attn_core.testing.harness import AttnCase, assert_case
@@ -95,10 +95,10 @@ def test_lean_replans_match_flashinfers_own_plan(mode):
 def _mla_step(mode, reqs, page_size=16, heads=16, **backend_options):
     """A one-layer MLA world on the GPU (random latents), a batch of `reqs` (chains: no verify mask) with
     its metadata built twice (the second a lean re-plan): (backend, batch, layer, q, k, pool)."""
-    from attn_core.batch_builder import build_forward_batch
-    from attn_core.context import BackendContext
-    from attn_core.layer import AttentionLayer
+    from attn_core.contract.context import BackendContext
+    from attn_core.contract.layer import AttentionLayer
     from attn_core.memory import MLATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
+    from attn_core.testing.batch_builder import build_forward_batch
     from attn_flashinfer.mla_backend import FlashInferMLABackend
 
     ps = page_size
@@ -202,9 +202,9 @@ DRAFT_LAYERS, DRAFT_HEADS = 2, 16
 
 
 def _draft_env(lens, page_size, topk, num_steps, seed):
-    from attn_core.batch_builder import build_forward_batch
-    from attn_core.context import BackendContext
+    from attn_core.contract.context import BackendContext
     from attn_core.memory import MLATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
+    from attn_core.testing.batch_builder import build_forward_batch
     from attn_core.wrappers.multi_step_draft import allocate_draft_slots
 
     gen = torch.Generator().manual_seed(seed)
@@ -244,7 +244,7 @@ def _draft_inputs(n_rows, num_steps, seed):
 
 
 def _draft_layers():
-    from attn_core.layer import AttentionLayer
+    from attn_core.contract.layer import AttentionLayer
 
     return [AttentionLayer(i, DRAFT_HEADS, 1, 576, scaling=192**-0.5, v_head_dim=512) for i in range(DRAFT_LAYERS)]
 
@@ -264,7 +264,7 @@ def _run_draft_steps(batches, inputs, pad_rows=None):
 @requires_gpu
 def test_multi_step_draft_refuses_draft_trees():
     """topk > 1 needs tree-masked verify, which FlashInfer's MLA kernels cannot do: the wrapper refuses."""
-    from attn_core.errors import UnsupportedFeatureError
+    from attn_core.contract.errors import UnsupportedFeatureError
     from attn_core.wrappers.multi_step_draft import MultiStepDraftBackend
     from attn_flashinfer.mla_backend import FlashInferMLABackend
 
@@ -346,9 +346,9 @@ def test_chunked_prefix_prefill_matches_reference(seed, H):
     """Random prefixes longer than the chunk capacity (several chunks, requests whose prefix ends
     before the last chunk, a request without prefix), 16 or 128 heads, 192/128, bf16, over two layers;
     the engine's 'decompression' is a lookup of per-slot K/V, and unused slots hold NaN."""
-    from attn_core.batch_builder import build_forward_batch
-    from attn_core.context import BackendContext
+    from attn_core.contract.context import BackendContext
     from attn_core.memory import MLATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
+    from attn_core.testing.batch_builder import build_forward_batch
     from attn_core.testing.reference import reference_attention, relative_error, tolerance
     from attn_flashinfer.mla_backend import FlashInferMLABackend
 

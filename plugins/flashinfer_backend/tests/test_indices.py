@@ -6,9 +6,9 @@ import random
 import pytest
 import torch
 
-from attn_core.batch_builder import build_forward_batch
 from attn_core.memory import PagedTokenAllocator, ReqToTokenPool
 from attn_core.ops.kv_indices import last_page_len_from_lens, page_indptr_from_lens
+from attn_core.testing.batch_builder import build_forward_batch
 from attn_flashinfer.indices import (
     HostOffsets,
     build_page_list,

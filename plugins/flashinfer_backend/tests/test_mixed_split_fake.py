@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import attn_core as ac
-from attn_core.errors import InvalidArgumentError
+from attn_core.contract.errors import InvalidArgumentError
 from attn_core.testing.engine_steps import MIXED_STEPS, EngineWorld, compare_over_steps
 from attn_core.testing.harness import AttnCase, assert_case
 

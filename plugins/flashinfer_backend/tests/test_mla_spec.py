@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import attn_flashinfer.mla_spec as mla_spec
-from attn_core import registry
-from attn_core.batch import SpecInfo
-from attn_core.capabilities import ARCH_MLA, CudaGraphLevel, Feature, Requirements
-from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
-from attn_core.forward_mode import ForwardMode
+from attn_core.contract.batch import SpecInfo
+from attn_core.contract.capabilities import ARCH_MLA, CudaGraphLevel, Feature, Requirements
+from attn_core.contract.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.discovery import registry
 from attn_flashinfer.mla_steps import check_capacity, check_mla_context, refuse_tree_mask
 
 
@@ -73,7 +73,7 @@ def test_context_checks(kw, error, match):
 
 
 def test_capabilities_refuse_what_check_mla_context_leaves_to_the_base_class():
-    from attn_core.context import BackendContext
+    from attn_core.contract.context import BackendContext
 
     def reasons(**kw):
         base = dict(device="cuda", dtype=torch.bfloat16, num_q_heads=16, num_kv_heads=1, head_dim=576, page_size=64)

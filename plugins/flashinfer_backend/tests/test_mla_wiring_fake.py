@@ -50,9 +50,9 @@ def test_steps_match_the_reference(mla_factory, name, lean):
 
 def _world(max_len: int, rows: int, slots: int, page_size: int = 16, heads: int = 4):
     """One engine's pools (random latents) and context; `batch(mode, reqs)` builds a step on them."""
-    from attn_core.batch_builder import build_forward_batch
-    from attn_core.context import BackendContext
+    from attn_core.contract.context import BackendContext
     from attn_core.memory import MLATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
+    from attn_core.testing.batch_builder import build_forward_batch
 
     pool = MLATokenToKVPool(slots, page_size, torch.float16, 512, 64, 1, "cpu")
     pool.kv_buffer[0].normal_()
@@ -77,8 +77,8 @@ def test_graph_replays_match_eager_steps(mla_factory, mode):
     """Capture one batch size, replay it for batches of other lengths (and the cached query layout the
     graph inputs hand in) on the same pools: each replay's output equals an eager backend's on the same
     batch; the graph wrapper had one public plan (capture), its replays lean re-plans."""
-    from attn_core.batch_builder import release_forward_batch
-    from attn_core.layer import AttentionLayer
+    from attn_core.contract.layer import AttentionLayer
+    from attn_core.testing.batch_builder import release_forward_batch
 
     e = 1 if mode == "DECODE" else 3
     layer = AttentionLayer(0, 4, 1, 576, scaling=192**-0.5, v_head_dim=512)
@@ -121,8 +121,8 @@ def test_device_work_list_steps_equal_flashinfer_planned_steps(mla_factory, mode
     one with a request long enough to be split into chunks and merged; the stand-in's `run` executes the
     work list as the kernel does (every output row once) and the outputs equal a backend's on
     FlashInfer's public plans. A ragged step (different query counts) goes to FlashInfer's scheduler."""
-    from attn_core.batch_builder import release_forward_batch
-    from attn_core.layer import AttentionLayer
+    from attn_core.contract.layer import AttentionLayer
+    from attn_core.testing.batch_builder import release_forward_batch
 
     layer = AttentionLayer(0, heads, 1, 576, scaling=192**-0.5, v_head_dim=512)
     ctx, alloc, new_batch = _world(max_len=1200, rows=4, slots=16 * 200, heads=heads)
@@ -153,7 +153,7 @@ def _composed(mla_factory):
     """A backend that holds a `FlashInferMLABackend` and hands it every step through the public extension
     point (no subclass): plans from `build_forward_metadata` / `capture_step` / `replay_step`, layers run
     by the plan's `run`, graph state, faults and prefill forwarded (what attn-trtllm-mla relies on)."""
-    from attn_core.backend import AttentionBackend
+    from attn_core.contract.backend import AttentionBackend
 
     class Composed(AttentionBackend):
         name = "composed_mla"

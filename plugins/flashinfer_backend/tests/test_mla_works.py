@@ -16,8 +16,8 @@ import random
 import pytest
 import torch
 
+from attn_core.discovery.probes import triton_interpreter_enabled
 from attn_core.ops.kv_indices import build_kv_indices
-from attn_core.probes import triton_interpreter_enabled
 from attn_flashinfer.mla_works import (
     CTA_TILE_Q,
     MAX_WORKS,

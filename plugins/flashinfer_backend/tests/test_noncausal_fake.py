@@ -43,7 +43,7 @@ def test_ragged_pads_head_dims_flashinfer_does_not_serve(factory):
     the output is the 80-channel attention."""
     import torch
 
-    from attn_core.ragged import ragged_batch
+    from attn_core.contract.ragged import ragged_batch
     from attn_core.testing.ragged_checks import RaggedCase, packed_inputs, reference_ragged
     from attn_core.testing.reference import relative_error
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import attn_flashinfer.spec as spec
-from attn_core import probes, registry
-from attn_core.capabilities import CudaGraphLevel, Feature
-from attn_core.errors import BackendUnavailableError
+from attn_core.contract.capabilities import CudaGraphLevel, Feature
+from attn_core.contract.errors import BackendUnavailableError
+from attn_core.discovery import probes, registry
 
 
 def test_spec_module_imports_neither_torch_nor_flashinfer():
@@ -78,7 +78,7 @@ def test_registry_lists_the_backend_with_its_reason_here():
     reason = spec.probe()
     if reason is None:
         pytest.skip("FlashInfer can run here: the unavailable path is not reachable")
-    from attn_core.context import BackendContext
+    from attn_core.contract.context import BackendContext
 
     ctx = BackendContext(device="cpu", dtype=torch.bfloat16, num_q_heads=4, num_kv_heads=2, head_dim=128)
     with pytest.raises(BackendUnavailableError, match="flashinfer"):

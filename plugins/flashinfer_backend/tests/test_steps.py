@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from attn_core.batch import SpecInfo
-from attn_core.batch_builder import build_forward_batch
-from attn_core.context import BackendContext
-from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
-from attn_core.forward_mode import ForwardMode
-from attn_core.graph_step import CudaGraphStep
-from attn_core.layer import AttentionLayer
+from attn_core.contract.batch import SpecInfo
+from attn_core.contract.context import BackendContext
+from attn_core.contract.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.graph_step import CudaGraphStep
+from attn_core.contract.layer import AttentionLayer
 from attn_core.memory import PagedTokenAllocator, ReqToTokenPool
+from attn_core.testing.batch_builder import build_forward_batch
 from attn_flashinfer.spec import CAPABILITIES
 from attn_flashinfer.steps import (
     LayerKey,

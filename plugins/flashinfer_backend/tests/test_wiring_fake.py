@@ -82,9 +82,9 @@ def test_verify_masks_and_graph_capture_are_refused(factory, case):
     a layer whose chunk size is not the context's: a typed error before its KV write."""
     import torch
 
-    from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
-    from attn_core.graph_step import CudaGraphStep
-    from attn_core.layer import AttentionLayer
+    from attn_core.contract.errors import InvalidArgumentError, UnsupportedFeatureError
+    from attn_core.contract.graph_step import CudaGraphStep
+    from attn_core.contract.layer import AttentionLayer
     from attn_core.testing.harness import layer_inputs, make_env
 
     env = make_env(case)
@@ -110,7 +110,7 @@ def test_verify_masks_and_graph_capture_are_refused(factory, case):
 
 
 def test_hnd_pool_with_chunks_off_the_pages_is_refused(factory):
-    from attn_core.errors import UnsupportedFeatureError
+    from attn_core.contract.errors import UnsupportedFeatureError
     from attn_core.testing.harness import make_env
 
     env = make_env(AttnCase("EXTEND", [(0, 13), (9, 10)], page_size=4, attention_chunk_size=5, kv_layout="HND", **BASE))
@@ -140,7 +140,7 @@ def test_each_layer_reports_its_plans_path(factory, name):
     object to every layer of that setting), and its `path` is what attn-core's debug switch reports."""
     import torch
 
-    from attn_core import debug_paths
+    from attn_core.contract import debug_paths
     from attn_core.testing.harness import layer_inputs, make_env, make_layer
 
     case, path = PATHS[name]
@@ -162,7 +162,7 @@ def test_each_layer_reports_its_plans_path(factory, name):
 def test_a_split_mixed_layer_reports_both_plans(factory):
     import torch
 
-    from attn_core import debug_paths
+    from attn_core.contract import debug_paths
     from attn_core.testing.harness import layer_inputs, make_env, make_layer
 
     env = make_env(AttnCase("MIXED", [(20, 1), (9, 6), (0, 5)], page_size=4, **BASE))

@@ -12,7 +12,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 import attn_core as ac
-from attn_core.forward_mode import ForwardMode
+from attn_core.contract.forward_mode import ForwardMode
 from attn_core.testing.reference import reference_attention, relative_error, tolerance
 from attn_sparse.double_sparsity.pool import DoubleSparseKVPool
 from attn_sparse.testing.reference import double_sparsity_reference, dual_chunk_reference

@@ -11,7 +11,7 @@ import torch
 from sparse_engine import SparseEngine, nan_equal
 
 import attn_core as ac
-from attn_core.errors import InvalidArgumentError
+from attn_core.contract.errors import InvalidArgumentError
 from attn_sparse.double_sparsity.backend import DoubleSparsityBackend
 from attn_sparse.double_sparsity.calibrate import select_heavy_channels
 from attn_sparse.double_sparsity.pool import DoubleSparseKVPool

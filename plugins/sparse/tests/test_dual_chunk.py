@@ -12,7 +12,7 @@ import pytest
 import torch
 from sparse_engine import SparseEngine, dc_reference, nan_equal, variants
 
-from attn_core.errors import InvalidArgumentError
+from attn_core.contract.errors import InvalidArgumentError
 from attn_sparse.config import SplitPolicy
 from attn_sparse.dual_chunk.backend import DualChunkBackend
 from attn_sparse.dual_chunk.positions import chunk_length, dual_chunk_positions

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import attn_core as ac
-from attn_core.errors import BackendUnavailableError
+from attn_core.contract.errors import BackendUnavailableError
 
 NAMES = ("double_sparsity", "dual_chunk")
 
@@ -27,7 +27,7 @@ def test_spec_import_is_light():
 
 
 def test_entry_points_resolve_to_the_specs():
-    from attn_core.registry import Registry
+    from attn_core.discovery.registry import Registry
 
     entries = Registry().entries()
     assert entries["double_sparsity"].spec.backend_class == "attn_sparse.double_sparsity.backend:DoubleSparsityBackend"
@@ -56,7 +56,7 @@ def test_probe_reasons(monkeypatch):
 @pytest.fixture
 def fresh_registry():
     """The default registry caches each backend's probe per process: forget it before and after."""
-    from attn_core.registry import refresh
+    from attn_core.discovery.registry import refresh
 
     refresh()
     yield
@@ -66,8 +66,8 @@ def fresh_registry():
 def test_every_command_gives_the_same_reason(monkeypatch, capsys, fresh_registry):
     """Without the interpreter or a GPU: the registry's probe, `attn-core list` and construction agree."""
     import attn_sparse.spec as spec
-    from attn_core.cli import main
-    from attn_core.registry import Registry
+    from attn_core.cli.main import main
+    from attn_core.discovery.registry import Registry
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(spec, "gpu_device_present", lambda: False)

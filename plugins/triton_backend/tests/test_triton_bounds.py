@@ -224,7 +224,7 @@ def test_extend_slot_past_the_pool(dtype, bad):
 def test_backend_replay_with_bad_rows_reports_through_poll():
     """The backend's CUDA-graph replay path (no host checks): a row past the table and a negative
     length are refused on the device and `poll_device_fault()` names them, once."""
-    from attn_core.forward_mode import ForwardMode
+    from attn_core.contract.forward_mode import ForwardMode
     from attn_core.testing.harness import AttnCase, layer_inputs, make_env, make_layer
     from attn_triton.backend import TritonAttnBackend
 

@@ -84,7 +84,7 @@ for dt, tdt, d, dv, dpe, mla in (("bf16", torch.bfloat16, 128, 128, 0, False), (
     e = extend_config_for(d + dpe, dv, tdt, mla, True)  # SM90's tiles (the Hopper kernel's launches are compiled below)
     build(ex._extend_kernel, dt, dict(GROUP=4, BLOCK_M=e.block_m, BLOCK_N=e.block_n, CAUSAL=False, USE_MASK=True, HAS_SINK=True,
                                       STORE_LSE=True, LAZY=e.lazy_rescale, HAS_SPAN=False, **common), e.num_warps, e.num_stages)
-    if not mla:  # causal with bidirectional spans (attn_core.bidirectional; no window with spans)
+    if not mla:  # causal with bidirectional spans (attn_core.contract.bidirectional; no window with spans)
         spans = dict(GROUP=4, BLOCK_M=e.block_m, BLOCK_N=e.block_n, CAUSAL=True, USE_MASK=False, HAS_SINK=True,
                      STORE_LSE=True, LAZY=e.lazy_rescale, HAS_SPAN=True, **{**common, "HAS_WINDOW": False})
         build(ex._extend_kernel, dt, spans, e.num_warps, e.num_stages)

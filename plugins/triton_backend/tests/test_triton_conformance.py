@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 from triton_helpers import requires_interpreter, small_split_factory
 
-from attn_core.batch_builder import RequestShape
+from attn_core.testing.batch_builder import RequestShape
 from attn_core.testing.compose import compose_requests
 from attn_core.testing.harness import AttnCase, assert_case
 from attn_core.testing.profile import profile_for

@@ -8,9 +8,9 @@ import pytest
 import torch
 from triton_helpers import requires_interpreter
 
-from attn_core.context import BackendContext
-from attn_core.errors import BackendUnavailableError, IncompatibleBackendError, InvalidArgumentError
-from attn_core.forward_mode import ForwardMode
+from attn_core.contract.context import BackendContext
+from attn_core.contract.errors import BackendUnavailableError, IncompatibleBackendError, InvalidArgumentError
+from attn_core.contract.forward_mode import ForwardMode
 from attn_core.memory import MHATokenToKVPool
 from attn_core.testing.harness import AttnCase, layer_inputs, make_env, make_layer
 
@@ -163,8 +163,8 @@ def test_idle_returns_empty():
 def _assert_verify_mask_and_graph_capture_refused(case: AttnCase) -> None:
     """`case` (a TARGET_VERIFY batch of two requests): its custom-mask verify step and a CUDA-graph
     capture of a 2-request decode are both refused with `UnsupportedFeatureError`."""
-    from attn_core.errors import UnsupportedFeatureError
-    from attn_core.graph_step import CudaGraphStep
+    from attn_core.contract.errors import UnsupportedFeatureError
+    from attn_core.contract.graph_step import CudaGraphStep
     from attn_triton.backend import TritonAttnBackend
 
     env = make_env(case)
@@ -182,7 +182,7 @@ def _assert_verify_mask_and_graph_capture_refused(case: AttnCase) -> None:
 def test_chunked_local_refusals(no_launch):
     """Chunked local attention: a layer whose chunk size is not the context's, a verify step with a
     custom mask, and CUDA-graph capture are refused with typed errors before any kernel."""
-    from attn_core.layer import AttentionLayer
+    from attn_core.contract.layer import AttentionLayer
 
     env, backend, layer, inputs = _setup(attention_chunk_size=4)[:4]
     backend.init_forward_metadata(env.batch)
@@ -215,7 +215,7 @@ def test_fp8_kv_needs_an_fp8e4nv_gpu(monkeypatch, cc, hip, refused):
     """fp8 caches on a GPU whose Triton has no fp8e4nv conversion are refused at construction, naming
     the kv_dtype (the device query is faked: no GPU here)."""
     import attn_triton.backend as be
-    from attn_core.errors import UnsupportedFeatureError
+    from attn_core.contract.errors import UnsupportedFeatureError
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cc)
     monkeypatch.setattr(torch.version, "hip", hip)

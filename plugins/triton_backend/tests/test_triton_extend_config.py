@@ -13,7 +13,7 @@ import pytest
 import torch
 from triton_helpers import requires_interpreter
 
-from attn_core.errors import InvalidArgumentError
+from attn_core.contract.errors import InvalidArgumentError
 from attn_core.testing.harness import AttnCase, make_env
 from attn_triton.kernels.common import tma_compatible
 from attn_triton.kernels.extend import ExtendConfig, packed_heads, uses_wgmma

@@ -9,7 +9,7 @@ from triton_determinism_checks import target_rows
 from triton_graph_checks import check_graph_matches_eager
 from triton_helpers import factory
 
-from attn_core.forward_mode import ForwardMode
+from attn_core.contract.forward_mode import ForwardMode
 from attn_core.testing.harness import AttnCase, assert_case
 from attn_triton.config import extend_config_for, hopper_kernels_available
 from attn_triton.kernels.extend import ExtendConfig
@@ -191,7 +191,7 @@ MLA_PEER_CASES = [
 
 @pytest.mark.parametrize("case", MLA_PEER_CASES, ids=[c.describe() for c in MLA_PEER_CASES])
 def test_mla_kernel_matches_torch_native(case):
-    from attn_core.registry import create_backend
+    from attn_core.discovery.registry import create_backend
     from attn_core.testing.harness import forward_extras, layer_inputs, make_env, make_layer
     from attn_core.testing.reference import relative_error, tolerance
 

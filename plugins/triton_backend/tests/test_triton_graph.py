@@ -8,8 +8,8 @@ import torch
 from triton_graph_checks import check_graph_matches_eager
 from triton_helpers import requires_interpreter, small_split_factory
 
-from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
-from attn_core.forward_mode import ForwardMode
+from attn_core.contract.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.contract.forward_mode import ForwardMode
 from attn_core.testing.harness import AttnCase, make_env
 
 pytestmark = requires_interpreter

@@ -24,7 +24,7 @@ class TestTritonConformance(ConformanceSuite):
 def test_cli_check_and_pytest_kit_share_the_interpreter_skip(capsys):
     """`attn-core check triton --device cpu --quick` under the interpreter skips the bf16 checks with the
     reason the pytest kit gives, and passes the rest (here the dtype checks only, to stay quick)."""
-    from attn_core.cli import main
+    from attn_core.cli.main import main
 
     reason = TestTritonConformance.kit_plan().skip_reason("dtype-bfloat16-DECODE")
     assert reason is not None and "triton-lang/triton#11584" in reason

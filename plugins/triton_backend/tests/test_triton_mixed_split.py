@@ -17,7 +17,7 @@ import torch
 from triton_helpers import SMALL_SPLITS, factory, requires_interpreter
 
 import attn_core as ac
-from attn_core.errors import InvalidArgumentError
+from attn_core.contract.errors import InvalidArgumentError
 from attn_core.testing.engine_steps import MIXED_STEPS, EngineWorld, compare_over_steps
 from attn_core.testing.harness import AttnCase, assert_case
 from attn_triton.mixed import MixedPath
@@ -121,9 +121,9 @@ def test_out_of_range_slot_is_flagged_not_read(monkeypatch):
     """A decode's req_to_token entry past the pool (no host check sees device tables at the basic
     validation level on a GPU; emulated here, where the CPU would validate fully): the split step's
     index launch refuses it and the poll names it."""
-    import attn_core.backend
+    import attn_core.contract.backend
 
-    monkeypatch.setattr(attn_core.backend, "effective_level", lambda ctx: ctx.validation)
+    monkeypatch.setattr(attn_core.contract.backend, "effective_level", lambda ctx: ctx.validation)
     kv = ac.MHATokenToKVPool(size=64, page_size=1, dtype=torch.float32, head_num=2, head_dim=16, layer_num=1, device="cpu")
     rows = ac.ReqToTokenPool(size=4, max_context_len=32, device="cpu")
     requests = ac.RequestPool(rows, ac.PagedTokenAllocator(64, 1), kv)

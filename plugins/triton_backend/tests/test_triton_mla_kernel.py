@@ -13,8 +13,8 @@ import pytest
 import torch
 from triton_helpers import requires_interpreter
 
-from attn_core.batch_builder import random_tree_mask
 from attn_core.ops.device_faults import DeviceFaultKind
+from attn_core.testing.batch_builder import random_tree_mask
 from attn_core.testing.reference import reference_attention, relative_error, tolerance
 
 pytestmark = requires_interpreter
@@ -275,7 +275,7 @@ def test_mla_verify_bad_query_and_mask_offsets_raise_the_fault_flag():
 
 def test_mla_config_variants_are_checked():
     """An MLAConfig outside the kernel's variants is refused when it is made, before any launch."""
-    from attn_core.errors import InvalidArgumentError
+    from attn_core.contract.errors import InvalidArgumentError
     from attn_triton.kernels.mla_decode import MLAConfig
 
     with pytest.raises(InvalidArgumentError, match="ctas_per_sm"):

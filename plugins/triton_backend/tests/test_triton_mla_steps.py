@@ -14,7 +14,7 @@ import torch
 from triton_helpers import SMALL_SPLITS, requires_interpreter
 
 import attn_core as ac
-from attn_core.batch_builder import random_tree_mask
+from attn_core.testing.batch_builder import random_tree_mask
 from attn_core.testing.reference import reference_attention, relative_error, tolerance
 from attn_triton.config import SplitPolicy
 from attn_triton.kernels.mla_decode import MLAConfig

@@ -2,7 +2,7 @@
 `plans.StepPlan`); a layer call only picks its path (the same object for every layer of a kind) and runs
 it. Checked here: the path each kind of step and layer gets (against the kernel-routing rules of
 docs/design.md §2), that the paths are made once per step (not per layer call), that the path a layer
-took is what attn-core's debug switch reports (`attn_core.debug_paths`), and that every output still
+took is what attn-core's debug switch reports (`attn_core.contract.debug_paths`), and that every output still
 matches the float64 oracle."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 from triton_helpers import SMALL_SPLITS, factory, requires_interpreter
 
-from attn_core import debug_paths
-from attn_core.layer import AttentionLayer
+from attn_core.contract import debug_paths
+from attn_core.contract.layer import AttentionLayer
 from attn_core.testing.harness import AttnCase, assert_case, layer_inputs, make_env, make_layer
 from attn_triton.mixed import MixedPath
 from attn_triton.plans import CascadePath, DecodePath, ExtendPath, MLAPath

@@ -10,8 +10,8 @@ import torch
 from triton_helpers import requires_interpreter
 
 import attn_core as ac
-from attn_core.errors import InvalidArgumentError
-from attn_core.ragged import RaggedBatch, ragged_context
+from attn_core.contract.errors import InvalidArgumentError
+from attn_core.contract.ragged import RaggedBatch, ragged_context
 from attn_core.testing.harness import AttnCase, assert_case
 from attn_core.testing.ragged_checks import RaggedCase, run_ragged_case
 from attn_core.testing.target import resolve_target

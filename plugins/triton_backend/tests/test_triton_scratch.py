@@ -53,13 +53,13 @@ def test_decode_steps_reuse_the_index_buffer_and_stay_inside_it(monkeypatch):
     one reuses it; a hostile step whose device lengths exceed the host sum writes nothing past its own
     keys (the buffer's tail keeps its poison) and reports INDEX_CAPACITY. Validation "basic" as a GPU
     runs it (on the CPU every level validates fully, which would refuse the hostile step first)."""
-    import attn_core.backend
+    import attn_core.contract.backend
 
-    monkeypatch.setattr(attn_core.backend, "effective_level", lambda ctx: ctx.validation)
-    from attn_core.batch_builder import build_forward_batch
-    from attn_core.context import BackendContext
+    monkeypatch.setattr(attn_core.contract.backend, "effective_level", lambda ctx: ctx.validation)
+    from attn_core.contract.context import BackendContext
     from attn_core.memory import MHATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
     from attn_core.ops.device_faults import FAULT_DESCRIPTIONS, DeviceFaultKind
+    from attn_core.testing.batch_builder import build_forward_batch
     from attn_triton.backend import TritonAttnBackend
 
     page, hkv, d = 4, 1, 16
@@ -110,9 +110,9 @@ def test_decode_steps_reuse_the_index_buffer_and_stay_inside_it(monkeypatch):
 def test_plain_decode_steps_of_one_size_share_a_metadata_object_with_fresh_indices():
     """Decode steps of the same batch size hand out the same plan object (only the index contents
     change), each step's indices are its own table rows, and a step of another size gets its own."""
-    from attn_core.batch_builder import build_forward_batch
-    from attn_core.context import BackendContext
+    from attn_core.contract.context import BackendContext
     from attn_core.memory import MHATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
+    from attn_core.testing.batch_builder import build_forward_batch
     from attn_triton.backend import TritonAttnBackend
 
     page, slots = 4, 512

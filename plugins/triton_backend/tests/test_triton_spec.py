@@ -5,8 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from attn_core.capabilities import Feature
-from attn_core.forward_mode import ForwardMode
+from attn_core.contract.capabilities import Feature
+from attn_core.contract.forward_mode import ForwardMode
 
 
 def test_spec_import_is_light():
@@ -20,7 +20,7 @@ def test_spec_import_is_light():
 
 
 def test_entry_point_resolves_to_the_spec():
-    from attn_core.registry import Registry
+    from attn_core.discovery.registry import Registry
 
     entry = Registry().entries()["triton"]
     assert entry.spec.distribution == "attn-triton"

@@ -11,9 +11,9 @@ import torch
 from triton_determinism_checks import target_rows
 from triton_helpers import factory, paged_setup, requires_interpreter
 
-from attn_core.batch_builder import random_tree_mask
-from attn_core.forward_mode import ForwardMode
+from attn_core.contract.forward_mode import ForwardMode
 from attn_core.ops.device_faults import DeviceFaultKind
+from attn_core.testing.batch_builder import random_tree_mask
 from attn_core.testing.reference import reference_attention, relative_error, tolerance
 
 pytestmark = requires_interpreter

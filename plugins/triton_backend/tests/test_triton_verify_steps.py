@@ -12,8 +12,8 @@ import torch
 from triton_helpers import requires_interpreter
 
 import attn_core as ac
-from attn_core.batch_builder import random_tree_mask
-from attn_core.forward_mode import ForwardMode
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.testing.batch_builder import random_tree_mask
 from attn_core.testing.reference import reference_attention, relative_error, tolerance
 
 pytestmark = requires_interpreter

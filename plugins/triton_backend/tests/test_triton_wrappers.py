@@ -10,13 +10,13 @@ import torch
 from triton_helpers import factory as factory_with
 from triton_helpers import requires_interpreter, small_split_factory
 
-from attn_core.batch_builder import build_forward_batch
-from attn_core.context import BackendContext
-from attn_core.forward_mode import ForwardMode
-from attn_core.graph_runner import CudaGraphRunner
-from attn_core.layer import AttentionLayer
+from attn_core.batching.tbo_split import TboSplit, split_forward_batch
+from attn_core.contract.context import BackendContext
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.layer import AttentionLayer
+from attn_core.engine.graph_runner import CudaGraphRunner
 from attn_core.memory import MHATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
-from attn_core.tbo_split import TboSplit, split_forward_batch
+from attn_core.testing.batch_builder import build_forward_batch
 from attn_core.testing.harness import AttnCase, layer_inputs, make_env, make_layer, reference_for_layer
 from attn_core.testing.reference import reference_attention, relative_error, tolerance
 from attn_core.wrappers.multi_step_draft import MultiStepDraftBackend, allocate_draft_slots

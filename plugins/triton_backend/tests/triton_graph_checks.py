@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-from attn_core.graph_step import CudaGraphStep, GraphPadding, graph_padding
+from attn_core.contract.graph_step import CudaGraphStep, GraphPadding, graph_padding
 from attn_core.testing.harness import AttnCase, forward_extras, layer_inputs, make_env, make_layer
 from attn_core.testing.reference import relative_error, tolerance
 

@@ -8,7 +8,7 @@ from functools import partial
 import pytest
 import torch
 
-from attn_core.probes import triton_interpreter_enabled
+from attn_core.discovery.probes import triton_interpreter_enabled
 from attn_triton.config import SplitPolicy
 
 #: CPU tests run the kernels through the Triton interpreter

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.contract.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_trtllm_mla.args import QK_NOPE_HEAD_DIM, Scales, decode_kwargs, fold_scales
 from attn_trtllm_mla.kernel import WORKSPACE_BYTES, kernel_for, new_workspace
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-import attn_core.probes
+import attn_core.discovery.probes
 import attn_trtllm_mla.blackwell_probes as bp
 import attn_trtllm_mla.cutlass_spec as cutlass_spec
 import attn_trtllm_mla.mha_spec as mha_spec
@@ -42,7 +42,7 @@ def test_specs_import_neither_torch_nor_vendor_libraries():
 def test_compute_capability_reason(monkeypatch, cc, reason):
     import torch
 
-    monkeypatch.setattr(attn_core.probes, "needs_cuda", lambda: None)
+    monkeypatch.setattr(attn_core.discovery.probes, "needs_cuda", lambda: None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: cc)
     assert bp.needs_sm100() == reason
     if reason:

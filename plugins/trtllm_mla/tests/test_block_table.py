@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from attn_core.errors import InvalidArgumentError
+from attn_core.contract.errors import InvalidArgumentError
 from attn_core.ops.kv_indices import page_table_from_req_to_token
 from attn_trtllm_mla.args import PAD, check_width, padded_width
 

@@ -9,8 +9,8 @@ import torch
 
 import attn_core as ac
 from attn_core.backends.torch_native.backend import TorchNativeBackend
-from attn_core.errors import IncompatibleBackendError, UnsupportedFeatureError
-from attn_core.forward_mode import ForwardMode
+from attn_core.contract.errors import IncompatibleBackendError, UnsupportedFeatureError
+from attn_core.contract.forward_mode import ForwardMode
 from attn_core.testing.harness import AttnCase, layer_inputs, make_env, make_layer
 from attn_core.testing.reference import reference_attention, relative_error
 from attn_core.wrappers import HybridAttnBackend

@@ -97,7 +97,7 @@ def test_chunked_prefix_prefill_on_ragged_kernel_matches_reference(seed, H):
     import torch
 
     import attn_core as ac
-    from attn_core.context import BackendContext
+    from attn_core.contract.context import BackendContext
     from attn_core.memory import MLATokenToKVPool
     from attn_core.testing.reference import reference_attention, relative_error, tolerance
     from attn_trtllm_mla.backend import TRTLLMMLABackend

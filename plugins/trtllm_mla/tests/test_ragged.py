@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import attn_core as ac
-from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.contract.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.testing.reference import reference_attention, relative_error, tolerance
 from attn_trtllm_mla.args import Scales
 from attn_trtllm_mla.ragged import (

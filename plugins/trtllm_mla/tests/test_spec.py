@@ -6,8 +6,8 @@ import sys
 import pytest
 
 import attn_trtllm_mla.spec as spec
-from attn_core import registry
-from attn_core.capabilities import ARCH_MLA, Requirements
+from attn_core.contract.capabilities import ARCH_MLA, Requirements
+from attn_core.discovery import registry
 
 
 def test_spec_module_imports_neither_torch_nor_flashinfer():
@@ -51,7 +51,7 @@ def test_capabilities_and_listing():
 
 
 def test_attn_core_list_says_unverified(capsys):
-    from attn_core.cli import main
+    from attn_core.cli.main import main
 
     assert main(["list"]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("trtllm_mla"))

@@ -9,9 +9,9 @@ import torch
 
 import attn_core as ac
 from attn_core.backends.torch_native.backend import TorchNativeBackend
-from attn_core.errors import IncompatibleBackendError, InvalidArgumentError, UnsupportedFeatureError
-from attn_core.forward_mode import ForwardMode
-from attn_core.graph_step import CudaGraphStep
+from attn_core.contract.errors import IncompatibleBackendError, InvalidArgumentError, UnsupportedFeatureError
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.graph_step import CudaGraphStep
 from attn_core.testing.engine_steps import MIXED_STEPS, EngineWorld, compare_over_steps
 from attn_core.testing.harness import AttnCase, assert_case, layer_inputs, make_env, make_layer
 from attn_trtllm_mla import mha_args

@@ -67,10 +67,10 @@ def test_block_table_refuses_a_slot_outside_the_pool(trt_factory, monkeypatch):
     never reads there) and the backend's poll reports the slot fault."""
     import dataclasses
 
-    import attn_core.backend
+    import attn_core.contract.backend
     from attn_core.testing.harness import make_env
 
-    monkeypatch.setattr(attn_core.backend, "effective_level", lambda ctx: ctx.validation)
+    monkeypatch.setattr(attn_core.contract.backend, "effective_level", lambda ctx: ctx.validation)
 
     env = make_env(AttnCase("DECODE", [(40, 1), (5, 1)], page_size=32, **MLA))
     backend = trt_factory(dataclasses.replace(env.ctx, validation="basic"))

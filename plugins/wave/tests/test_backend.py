@@ -10,7 +10,7 @@ from attn_wave.testing import emulated_wave_lang as ew
 from attn_wave.testing.emulated_wave_lang import emulated_backend_class, installed
 
 from attn_core.backends.torch_native.backend import TorchNativeBackend
-from attn_core.errors import IncompatibleBackendError
+from attn_core.contract.errors import IncompatibleBackendError
 from attn_core.testing.harness import AttnCase, assert_case, layer_inputs, make_env, make_layer
 
 Backend = emulated_backend_class()

@@ -13,7 +13,7 @@ from typing import Optional
 
 from attn_core.bench.timing import SPREAD_THRESHOLD
 from attn_core.bench.workloads import KINDS
-from attn_core.cli_args import bench_device, dtype_arg, positive_float, positive_int, writable_file
+from attn_core.cli.args import bench_device, dtype_arg, positive_float, positive_int, writable_file
 
 #: the peer every backend is measured against when `attn-core bench` gets no name
 BASELINE = "torch_native"
@@ -48,7 +48,7 @@ def usable_backends(device_type: str) -> tuple[list[str], dict[str, str]]:
     """The registered backends that can run on `device_type` here (probe passes, device declared), by
     name, and {name: why not} for the others. A backend whose kernels would run in Triton's CPU
     interpreter is left out: the interpreter is a correctness tool, its times say nothing."""
-    from attn_core import registry
+    from attn_core.discovery import registry
     from attn_core.testing.limits import runs_in_triton_interpreter
 
     usable, left_out = [], {}
@@ -89,13 +89,13 @@ def _check_plot_dependency() -> Optional[str]:
 def run_bench_command(args: argparse.Namespace) -> int:
     import torch
 
-    from attn_core import registry
     from attn_core.bench.report import Progress, document, run_warnings, table, write_json
     from attn_core.bench.runner import run_bench
     from attn_core.bench.timing import load_warning
     from attn_core.bench.workloads import model_for, standard_workloads
-    from attn_core.cli_verdicts import fail, unavailable_here
-    from attn_core.errors import AttnError
+    from attn_core.cli.verdicts import fail, unavailable_here
+    from attn_core.contract.errors import AttnError
+    from attn_core.discovery import registry
 
     if args.plot and (problem := _check_plot_dependency()):
         return fail("bench", problem)

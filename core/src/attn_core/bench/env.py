@@ -6,11 +6,11 @@ import math
 
 import torch
 
-from attn_core.batch_builder import build_forward_batch
 from attn_core.bench.workloads import BenchModel, Workload
-from attn_core.context import BackendContext
-from attn_core.layer import AttentionLayer
+from attn_core.contract.context import BackendContext
+from attn_core.contract.layer import AttentionLayer
 from attn_core.memory import MHATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
+from attn_core.testing.batch_builder import build_forward_batch
 from attn_core.testing.reference import reference_attention
 
 #: on GPU, enough layers that one pass over them moves this many KV bytes (so L2 holds no layer's cache)

@@ -11,8 +11,8 @@ import torch
 from attn_core.bench.env import BenchEnv
 from attn_core.bench.timing import SPREAD_THRESHOLD, Timing, time_calls, time_host
 from attn_core.bench.workloads import BenchModel, Workload, step_bytes, step_flops
-from attn_core.errors import AttnError
-from attn_core.registry import create_backend
+from attn_core.contract.errors import AttnError
+from attn_core.discovery.registry import create_backend
 from attn_core.testing.reference import relative_error, tolerance
 
 

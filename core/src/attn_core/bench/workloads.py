@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from attn_core.forward_mode import ForwardMode
+from attn_core.contract.forward_mode import ForwardMode
 
 KINDS = ("decode", "extend", "mixed")
 

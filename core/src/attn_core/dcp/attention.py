@@ -37,9 +37,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from attn_core.contract.errors import InvalidArgumentError
+from attn_core.contract.layer import AttentionLayer
 from attn_core.dcp.requests import DcpStep
-from attn_core.errors import InvalidArgumentError
-from attn_core.layer import AttentionLayer
 from attn_core.ops.merge_state import merge_state
 
 EXCHANGES = ("all_gather", "all_to_all")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attn_core.errors import InvalidArgumentError
+from attn_core.contract.errors import InvalidArgumentError
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ on every rank (else a typed error on every rank alike).
 
 Graph-shaped steps (`build_dcp_step(..., graph_shaped=True)`, DECODE only) have the shapes a CUDA graph
 needs: fixed for a batch size, nothing host-dependent. Their local batch covers every request of the
-step, in step order; a request with no local key is a padding row as `attn_core.graph_step.graph_padding`
+step, in step order; a request with no local key is a padding row as `attn_core.contract.graph_step.graph_padding`
 defines it (request row 0, the padding seq_len, KV slot 0) and `local_mask` (bool `[bs]`, on the device)
 is False there, so `dcp_decode_attention` gives it LSE -inf and output 0 with `torch.where`. `save_kv`
 writes every new token: a token another rank stores goes to the reserved dummy slot 0. Such a step runs
@@ -53,14 +53,14 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from attn_core.batch import ForwardBatch, SpecInfo
-from attn_core.capabilities import Feature
+from attn_core.contract.batch import ForwardBatch, SpecInfo
+from attn_core.contract.capabilities import Feature
+from attn_core.contract.errors import InvalidArgumentError
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.graph_step import graph_padding
 from attn_core.dcp.layout import DcpLayout
-from attn_core.errors import InvalidArgumentError
-from attn_core.forward_mode import ForwardMode
-from attn_core.graph_step import graph_padding
-from attn_core.requests import Request, RequestPool
-from attn_core.step_builder import step_mode
+from attn_core.engine.requests import Request, RequestPool
+from attn_core.engine.step_builder import step_mode
 
 #: the runner input a graph-shaped step needs (add it to `CudaGraphRunner`'s `input_shapes`): per
 #: request, whether this rank holds one of its keys (`DcpStep.local_mask`)

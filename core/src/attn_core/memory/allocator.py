@@ -28,7 +28,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from attn_core.errors import InvalidArgumentError, KVCacheError
+from attn_core.contract.errors import InvalidArgumentError, KVCacheError
 
 IntSeq = Union[Sequence[int], torch.Tensor]
 

@@ -17,8 +17,8 @@ from typing import Optional, Union
 
 import torch
 
-from attn_core.capabilities import FP8_KV_DTYPES
-from attn_core.errors import InvalidArgumentError
+from attn_core.contract.capabilities import FP8_KV_DTYPES
+from attn_core.contract.errors import InvalidArgumentError
 
 #: largest finite float8_e4m3fn magnitude
 E4M3_MAX = 448.0

@@ -23,7 +23,7 @@ from typing import Optional, Union
 
 import torch
 
-from attn_core.errors import InvalidArgumentError, KVCacheError
+from attn_core.contract.errors import InvalidArgumentError, KVCacheError
 from attn_core.memory.fp8 import check_scale, is_fp8, quantize_kv
 from attn_core.ops.device_faults import DeviceFaultFlags
 from attn_core.ops.kv_write import CheckedSlots, SlotIds, scatter_rows, slot_ids

@@ -26,7 +26,7 @@ from typing import Iterable, Optional, Union
 
 import torch
 
-from attn_core.errors import InvalidArgumentError, KVCacheError
+from attn_core.contract.errors import InvalidArgumentError, KVCacheError
 from attn_core.memory.allocator import IntSeq, PagedTokenAllocator, _as_list
 from attn_core.memory.pools import MHATokenToKVPool
 from attn_core.ops.kv_write import CheckedSlots, SlotIds, slot_ids

@@ -17,7 +17,7 @@ Two ways to read it:
 - without a sync (the default on GPUs): `snapshot()` copies it to pinned host memory with a non-blocking
   copy queued after the step's kernels (`AttentionBackend.init_forward_metadata` does at the end of a
   step's metadata), and `read_snapshot()` reads the host copy, which the next step's
-  `init_forward_metadata` turns into an `attn_core.errors.DeviceFaultError` (the copy has landed by
+  `init_forward_metadata` turns into an `attn_core.contract.errors.DeviceFaultError` (the copy has landed by
   then whenever the engine waited for anything of the step, e.g. its sampled tokens; a copy still in
   flight is read at the step after). On the CPU the word *is* host memory: read directly.
 
@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from attn_core.errors import DeviceFaultError
+from attn_core.contract.errors import DeviceFaultError
 
 
 class DeviceFaultKind(enum.IntEnum):
@@ -179,7 +179,7 @@ class DeviceFault:
         return "; ".join(FAULT_DESCRIPTIONS[k] for k in self.kinds)
 
     def error(self) -> DeviceFaultError:
-        """The typed error engines get (`attn_core.errors.DeviceFaultError`)."""
+        """The typed error engines get (`attn_core.contract.errors.DeviceFaultError`)."""
         return DeviceFaultError(self.step, self.argument, self.request, [k.name for k in self.kinds], self.describe())
 
 

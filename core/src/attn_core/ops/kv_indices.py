@@ -21,9 +21,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from attn_core.errors import InvalidArgumentError
+from attn_core.contract.errors import InvalidArgumentError
+from attn_core.contract.validation import SMALL_HOST_BATCH
 from attn_core.ops.device_faults import DeviceFaultKind
-from attn_core.validation import SMALL_HOST_BATCH
 
 
 def exclusive_cumsum(lens: torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:
@@ -97,7 +97,7 @@ def host_page_offsets(lens: np.ndarray, page_size: int, out: np.ndarray) -> int:
     int32 `[bs]`) into `out` (numpy int32 `[bs+1]`: 0, then the running sum of ceil(len / page_size)) and
     return the page count. For per-step host code, where each torch op costs several times more.
 
-    Up to `attn_core.validation.SMALL_HOST_BATCH` requests the sum runs over a Python list (~0.6 µs at
+    Up to `attn_core.contract.validation.SMALL_HOST_BATCH` requests the sum runs over a Python list (~0.6 µs at
     bs 1 on a desktop core, against ~4 µs for the numpy ops at any size).
     Example: lens [5, 2, 0], page_size 4 -> out [0, 2, 3, 3], returns 3."""
     out[0] = 0

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_core.errors import InvalidArgumentError
+from attn_core.contract.errors import InvalidArgumentError
 from attn_core.ops.device_faults import DeviceFaultKind
 from attn_core.ops.triton_launch import CachedLaunch
 

@@ -36,7 +36,7 @@ from typing import Optional, Union
 
 import torch
 
-from attn_core.errors import InvalidArgumentError
+from attn_core.contract.errors import InvalidArgumentError
 from attn_core.ops.device_faults import FIRST_REQUEST_BASE, NUM_FAULT_KINDS, DeviceFaultKind
 
 LAYOUTS = ("NHD", "HND")

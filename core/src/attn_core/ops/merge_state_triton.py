@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_core.errors import InvalidArgumentError
+from attn_core.contract.errors import InvalidArgumentError
 from attn_core.ops.merge_state_torch import check_merge_args
 
 

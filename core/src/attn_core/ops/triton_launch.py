@@ -30,7 +30,7 @@ import logging
 import os
 from typing import Any, Optional
 
-from attn_core.probes import triton_interpreter_enabled
+from attn_core.discovery.probes import triton_interpreter_enabled
 
 #: (major, minor) Triton versions whose compiled-handle call was verified on a GPU (docs/dev/gpu-runs.md)
 VERIFIED_TRITON = ((3, 6),)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from attn_core.forward_mode import ForwardMode
+from attn_core.contract.forward_mode import ForwardMode
 from attn_core.testing.profile import KitProfile
 
 Draw = Callable[[int, int], int]

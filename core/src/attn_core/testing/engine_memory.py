@@ -26,11 +26,11 @@ from typing import Callable, Optional
 
 import torch
 
-from attn_core.context import BackendContext
-from attn_core.engine_batch import EngineBatches
-from attn_core.errors import AttnError, IncompatibleBackendError, InvalidArgumentError
-from attn_core.forward_mode import ForwardMode
-from attn_core.layer import AttentionLayer
+from attn_core.contract.context import BackendContext
+from attn_core.contract.errors import AttnError, IncompatibleBackendError, InvalidArgumentError
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.layer import AttentionLayer
+from attn_core.engine.engine_batch import EngineBatches
 from attn_core.memory.engine_pool import EngineKVPool
 from attn_core.testing.outcome import KitFailure, KitSkip
 from attn_core.testing.reference import reference_attention, relative_error, tolerance

@@ -3,7 +3,7 @@ the eager path gives (and the float64 reference), on CPU tensors too.
 
 On CUDA the layers really run inside a captured `torch.cuda.CUDAGraph`; elsewhere "capture" makes the
 same metadata calls and replay runs the layers eagerly on the padded static batch, so the metadata logic
-is tested in CI. Padding follows `attn_core.graph_step.graph_padding` (what an engine's graph runner
+is tested in CI. Padding follows `attn_core.contract.graph_step.graph_padding` (what an engine's graph runner
 does): a real batch of bs requests, t new tokens each, runs in the graph captured for the smallest size
 B >= bs; rows bs..B-1 get req_pool_index 0, the padding seq_len, KV slot 0 (the reserved dummy) for each
 of their tokens, positions seq_len - t + j, zero q/k/v and, for TARGET_VERIFY with masks, an all-True
@@ -17,9 +17,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from attn_core.batch import ForwardBatch, SpecInfo
-from attn_core.forward_mode import ForwardMode
-from attn_core.graph_step import CudaGraphStep, GraphPadding, graph_padding, graph_tokens_per_request
+from attn_core.contract.batch import ForwardBatch, SpecInfo
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.graph_step import CudaGraphStep, GraphPadding, graph_padding, graph_tokens_per_request
 from attn_core.testing.harness import AttnCase, CaseEnv, check_kv_writes, compare_layer, layer_inputs, make_env, make_layer
 from attn_core.testing.outcome import KitFailure
 from attn_core.testing.reference import relative_error, tolerance

@@ -21,12 +21,11 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from attn_core.batch import ForwardBatch
-from attn_core.batch_builder import RequestShape, build_forward_batch
-from attn_core.capabilities import ARCH_MHA, ARCH_MLA, Feature
-from attn_core.context import BackendContext
-from attn_core.forward_mode import ForwardMode
-from attn_core.layer import AttentionLayer
+from attn_core.contract.batch import ForwardBatch
+from attn_core.contract.capabilities import ARCH_MHA, ARCH_MLA, Feature
+from attn_core.contract.context import BackendContext
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.layer import AttentionLayer
 from attn_core.memory import (
     MHATokenToKVPool,
     MLATokenToKVPool,
@@ -37,6 +36,7 @@ from attn_core.memory import (
 )
 from attn_core.memory.fp8 import dequantize_kv, e4m3_error_bound, is_fp8, quantize_kv
 from attn_core.memory.pools import kv_scales
+from attn_core.testing.batch_builder import RequestShape, build_forward_batch
 from attn_core.testing.reference import fp8_kv_tolerance, reference_attention, relative_error, tolerance
 
 BackendFactory = Callable[[BackendContext], object]

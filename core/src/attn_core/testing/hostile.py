@@ -26,9 +26,9 @@ from typing import Callable, Optional
 
 import torch
 
-from attn_core import validation as _validation
-from attn_core.errors import AttnError, DeviceFaultError
-from attn_core.forward_mode import ForwardMode
+from attn_core.contract import validation as _validation
+from attn_core.contract.errors import AttnError, DeviceFaultError
+from attn_core.contract.forward_mode import ForwardMode
 from attn_core.testing.harness import (
     AttnCase,
     CaseEnv,

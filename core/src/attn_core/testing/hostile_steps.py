@@ -21,10 +21,10 @@ from typing import Callable, Optional
 
 import torch
 
-from attn_core.capabilities import ARCH_MHA, CudaGraphLevel, Feature
-from attn_core.errors import AttnError, GraphShapeError, StaleRequestError
-from attn_core.forward_mode import ForwardMode
-from attn_core.graph_runner import CudaGraphRunner
+from attn_core.contract.capabilities import ARCH_MHA, CudaGraphLevel, Feature
+from attn_core.contract.errors import AttnError, GraphShapeError, StaleRequestError
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.engine.graph_runner import CudaGraphRunner
 from attn_core.testing.harness import AttnCase, CaseEnv, make_env, make_layer
 from attn_core.testing.hostile import _separate_host_copies, clone_batch, judge_step
 from attn_core.testing.outcome import KitFailure
@@ -86,9 +86,9 @@ def stale_request_check(target: KitTarget, case: AttnCase) -> Callable[[], str]:
     """A `build_step` batch whose request was freed before it ran."""
 
     def run() -> str:
+        from attn_core.engine.requests import RequestPool
+        from attn_core.engine.step_builder import build_step
         from attn_core.memory import MHATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
-        from attn_core.requests import RequestPool
-        from attn_core.step_builder import build_step
 
         env = _basic_env(case)
         ps, pool = case.page_size, env.kv_pool

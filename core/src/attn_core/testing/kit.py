@@ -6,7 +6,7 @@ import fnmatch
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
-from attn_core.spec import BackendSpec
+from attn_core.contract.spec import BackendSpec
 from attn_core.testing.limits import distribution_of_module, environment_skips
 from attn_core.testing.outcome import Check, Outcome, execute
 from attn_core.testing.plan import build_checks

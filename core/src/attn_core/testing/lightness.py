@@ -16,7 +16,7 @@ _PROBE = """
 import importlib, json, sys
 module, _, attr = sys.argv[1].partition(":")
 spec = getattr(importlib.import_module(module), attr)
-from attn_core.spec import BackendSpec
+from attn_core.contract.spec import BackendSpec
 heavy = [m for m in json.loads(sys.argv[2]) if m in sys.modules]
 print(json.dumps({"is_spec": isinstance(spec, BackendSpec), "heavy": heavy}))
 """

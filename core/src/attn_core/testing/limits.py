@@ -14,7 +14,7 @@ import functools
 import importlib.metadata
 from typing import Collection, Optional
 
-from attn_core.probes import triton_interpreter_enabled
+from attn_core.discovery.probes import triton_interpreter_enabled
 
 BF16_INTERPRETER_REASON = (
     "the Triton interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584); bf16 is checked on a GPU"

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from attn_core.errors import AttnError, IncompatibleBackendError, InvalidArgumentError, UnsupportedFeatureError
+from attn_core.contract.errors import AttnError, IncompatibleBackendError, InvalidArgumentError, UnsupportedFeatureError
 from attn_core.testing.harness import AttnCase, CaseEnv, forward_extras, layer_inputs, make_env, make_layer, run_case
 from attn_core.testing.outcome import KitFailure
 from attn_core.testing.target import KitTarget

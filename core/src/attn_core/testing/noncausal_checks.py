@@ -13,9 +13,9 @@ Check ids: `non_causal-<MODE>`, `non_causal-steps-<MODE>`, `non_causal-page_size
 
 from __future__ import annotations
 
-from attn_core.capabilities import Feature
-from attn_core.errors import InvalidArgumentError
-from attn_core.forward_mode import ForwardMode
+from attn_core.contract.capabilities import Feature
+from attn_core.contract.errors import InvalidArgumentError
+from attn_core.contract.forward_mode import ForwardMode
 from attn_core.testing.negative import _expect, _forward, refusal_check
 
 #: the modes the checks run in, where declared (TARGET_VERIFY without a custom mask: a mask decides alone)

@@ -12,8 +12,8 @@ import random
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from attn_core.capabilities import ARCH_MHA, ARCH_MLA, FP8_KV_DTYPES, CudaGraphLevel, Feature
-from attn_core.forward_mode import ForwardMode
+from attn_core.contract.capabilities import ARCH_MHA, ARCH_MLA, FP8_KV_DTYPES, CudaGraphLevel, Feature
+from attn_core.contract.forward_mode import ForwardMode
 from attn_core.testing.compose import Draw, compose_requests
 from attn_core.testing.engine_memory import (
     ENGINE_LAYOUTS,

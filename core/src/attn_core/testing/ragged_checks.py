@@ -1,4 +1,4 @@
-"""The kit's checks of the ragged op (`Feature.RAGGED`, `attn_core.ragged`): packed sequences of random
+"""The kit's checks of the ragged op (`Feature.RAGGED`, `attn_core.contract.ragged`): packed sequences of random
 lengths (empty and one-row sequences included) against the float64 reference of each sequence, with q/k/v
 read as strided views of a fused qkv buffer whose margins and unused columns are NaN (a kernel reading
 outside its rows or heads turns the output NaN), several layers per batch and several batches per backend
@@ -17,10 +17,10 @@ from typing import Callable, Optional
 
 import torch
 
-from attn_core.capabilities import Feature
-from attn_core.context import BackendContext
-from attn_core.errors import IncompatibleBackendError, InvalidArgumentError, UnsupportedFeatureError
-from attn_core.ragged import RaggedBatch, ragged_batch, ragged_context
+from attn_core.contract.capabilities import Feature
+from attn_core.contract.context import BackendContext
+from attn_core.contract.errors import IncompatibleBackendError, InvalidArgumentError, UnsupportedFeatureError
+from attn_core.contract.ragged import RaggedBatch, ragged_batch, ragged_context
 from attn_core.testing.outcome import Check, KitFailure
 from attn_core.testing.profile import KitProfile
 from attn_core.testing.reference import reference_attention, relative_error, tolerance
@@ -56,7 +56,7 @@ class RaggedCase:
         return " ".join(parts)
 
     def context(self) -> BackendContext:
-        """A ragged-only context (`attn_core.ragged.ragged_context`), validation "full"."""
+        """A ragged-only context (`attn_core.contract.ragged.ragged_context`), validation "full"."""
         dtype = getattr(torch, self.dtype)
         return ragged_context(
             self.device, dtype, self.num_q_heads, self.num_kv_heads, self.head_dim, self.return_lse, "full"

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from typing import Any, ClassVar, Mapping, Optional, Union
 
-from attn_core.spec import BackendSpec
+from attn_core.contract.spec import BackendSpec
 from attn_core.testing.outcome import Check, execute
 
 _PLANS: dict = {}

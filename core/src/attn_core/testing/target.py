@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 
-from attn_core.capabilities import Capabilities
-from attn_core.errors import BackendLoadError
-from attn_core.probes import TimedCheck, probe_timeout
-from attn_core.spec import BackendSpec
+from attn_core.contract.capabilities import Capabilities
+from attn_core.contract.errors import BackendLoadError
+from attn_core.contract.spec import BackendSpec
+from attn_core.discovery.probes import TimedCheck, probe_timeout
 
 
 @dataclass
@@ -38,12 +38,12 @@ def resolve_target(backend: Union[str, BackendSpec, type], options: Optional[Map
     registry's typed errors (unknown, not installed, load failure, API mismatch, duplicate), except that a
     class that fails to load where the spec's probe says the backend cannot run here (its vendor library
     missing, say) resolves without a class: the plan is then unavailable with the probe's reason."""
-    from attn_core.backend import AttentionBackend
+    from attn_core.contract.backend import AttentionBackend
 
     options = dict(options or {})
     if isinstance(backend, str):
         if registry is None:
-            from attn_core.registry import default_registry
+            from attn_core.discovery.registry import default_registry
 
             registry = default_registry()
         entry = registry.resolve(backend)

@@ -2,7 +2,7 @@
 on another), `TboAttnBackend` (two-batch overlap) with its batch splitter, and `MultiStepDraftBackend`
 (one speculative-draft wrapper for every backend)."""
 
-from attn_core.tbo_split import TboSplit, compute_tbo_split, split_batch, split_forward_batch
+from attn_core.batching.tbo_split import TboSplit, compute_tbo_split, split_batch, split_forward_batch
 from attn_core.wrappers.hybrid import HybridAttnBackend
 from attn_core.wrappers.multi_step_draft import MultiStepDraftBackend, allocate_draft_slots
 from attn_core.wrappers.tbo import TboAttnBackend

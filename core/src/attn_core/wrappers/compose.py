@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional, Sequence
 
-from attn_core.capabilities import Capabilities, CudaGraphLevel, Feature
-from attn_core.errors import InvalidArgumentError
+from attn_core.contract.capabilities import Capabilities, CudaGraphLevel, Feature
+from attn_core.contract.errors import InvalidArgumentError
 
 #: BackendContext fields that fix how K/V sit in the cache; composed backends must agree on all of them.
 KV_LAYOUT_FIELDS = (

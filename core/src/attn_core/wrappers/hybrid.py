@@ -7,12 +7,12 @@ construction refuses pairs that do not.
 
 from __future__ import annotations
 
-from attn_core.backend import AttentionBackend, Output
-from attn_core.batch import ForwardBatch
-from attn_core.capabilities import Capabilities, CudaGraphLevel, Feature
-from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
-from attn_core.forward_mode import ForwardMode
-from attn_core.graph_step import CudaGraphStep
+from attn_core.contract.backend import AttentionBackend, Output
+from attn_core.contract.batch import ForwardBatch
+from attn_core.contract.capabilities import Capabilities, CudaGraphLevel, Feature
+from attn_core.contract.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.graph_step import CudaGraphStep
 from attn_core.wrappers.compose import check_same_kv_layout, intersect_capabilities
 
 _CHOICES = ("prefill", "decode")

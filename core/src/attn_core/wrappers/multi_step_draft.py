@@ -49,17 +49,17 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from attn_core.backend import AttentionBackend
-from attn_core.batch import ForwardBatch
-from attn_core.capabilities import Feature
-from attn_core.context import BackendContext
-from attn_core.errors import GraphShapeError, InvalidArgumentError, KVCacheError, UnsupportedFeatureError
-from attn_core.forward_mode import ForwardMode
-from attn_core.graph_step import CudaGraphStep, GraphPadding, graph_padding
+from attn_core.contract.backend import AttentionBackend
+from attn_core.contract.batch import ForwardBatch
+from attn_core.contract.capabilities import Feature
+from attn_core.contract.context import BackendContext
+from attn_core.contract.errors import GraphShapeError, InvalidArgumentError, KVCacheError, UnsupportedFeatureError
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.graph_step import CudaGraphStep, GraphPadding, graph_padding
+from attn_core.contract.validation import FULL, effective_level
 from attn_core.memory import ReqToTokenPool, window_pool_of
 from attn_core.ops.device_faults import DeviceFaultKind
 from attn_core.ops.kv_write import record_first
-from attn_core.validation import FULL, effective_level
 
 StepFactory = Callable[[BackendContext, int], AttentionBackend]
 

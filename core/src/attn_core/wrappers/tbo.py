@@ -1,6 +1,6 @@
 """`TboAttnBackend`: two-batch overlap. The engine runs a step either whole (on `primary`) or as two
 micro-batches that overlap compute with communication; each micro-batch runs on its own child
-backend with its own metadata. See `attn_core.tbo_split` for how a batch is cut.
+backend with its own metadata. See `attn_core.batching.tbo_split` for how a batch is cut.
 """
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from attn_core.backend import AttentionBackend, Output
-from attn_core.batch import ForwardBatch
-from attn_core.errors import InvalidArgumentError
-from attn_core.graph_step import CudaGraphStep
-from attn_core.tbo_split import split_batch, split_spec_info_for_graph
+from attn_core.batching.tbo_split import split_batch, split_spec_info_for_graph
+from attn_core.contract.backend import AttentionBackend, Output
+from attn_core.contract.batch import ForwardBatch
+from attn_core.contract.errors import InvalidArgumentError
+from attn_core.contract.graph_step import CudaGraphStep
 from attn_core.wrappers.compose import check_same_kv_layout, intersect_capabilities
 
 

@@ -41,12 +41,12 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
 from attn_core import AttentionLayer, EngineBatches, EngineKVPool, create_backend
-from attn_core.backend import AttentionBackend as AttnBackend
-from attn_core.batch import ForwardBatch
-from attn_core.capabilities import Feature
-from attn_core.context import BackendContext, dtype_name
-from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
-from attn_core.registry import default_registry
+from attn_core.contract.backend import AttentionBackend as AttnBackend
+from attn_core.contract.batch import ForwardBatch
+from attn_core.contract.capabilities import Feature
+from attn_core.contract.context import BackendContext, dtype_name
+from attn_core.contract.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.discovery.registry import default_registry
 from attn_vllm import VALIDATION_ENV
 from attn_vllm.selection import VLLM_MODES, backend_for, engine_layouts, requirements
 from attn_vllm.stats import STATS

@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from attn_core.capabilities import Capabilities, Feature, Requirements
-from attn_core.forward_mode import ForwardMode
-from attn_core.registry import default_registry
+from attn_core.contract.capabilities import Capabilities, Feature, Requirements
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.discovery.registry import default_registry
 from attn_vllm import BACKEND_ENV
 
 #: the step modes vLLM's scheduler produces (chunked prefill mixes decodes and prefill chunks)

@@ -18,7 +18,7 @@ from types import ModuleType
 
 import torch
 
-from attn_core.errors import BackendUnavailableError
+from attn_core.contract.errors import BackendUnavailableError
 
 #: tokens per partition of the paged decode kernel (its `partition_size`)
 PARTITION_SIZE = 256

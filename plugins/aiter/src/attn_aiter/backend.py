@@ -40,10 +40,10 @@ from attn_aiter.plans import (
     to_device,
 )
 from attn_aiter.spec import CAPABILITIES
-from attn_core.backend import AttentionBackend
-from attn_core.batch import ForwardBatch
-from attn_core.errors import IncompatibleBackendError, InvalidArgumentError, UnsupportedFeatureError
-from attn_core.graph_step import CudaGraphStep
+from attn_core.contract.backend import AttentionBackend
+from attn_core.contract.batch import ForwardBatch
+from attn_core.contract.errors import IncompatibleBackendError, InvalidArgumentError, UnsupportedFeatureError
+from attn_core.contract.graph_step import CudaGraphStep
 from attn_core.memory import kv_scales
 from attn_core.ops.kv_indices import build_kv_indices, pages_for
 

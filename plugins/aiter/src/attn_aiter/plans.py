@@ -21,7 +21,7 @@ from typing import Optional, Union
 
 import torch
 
-from attn_core.errors import InvalidArgumentError
+from attn_core.contract.errors import InvalidArgumentError
 from attn_core.ops.kv_indices import pages_for
 
 #: tokens per partition of the paged decode kernel

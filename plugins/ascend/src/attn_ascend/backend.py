@@ -24,11 +24,11 @@ import torch
 from attn_ascend.metadata import AscendMetadata, host_metadata
 from attn_ascend.npu_ops import NpuOps, load_torch_npu
 from attn_ascend.spec import CAPABILITIES
-from attn_core.backend import AttentionBackend
-from attn_core.batch import ForwardBatch
-from attn_core.errors import IncompatibleBackendError, InvalidArgumentError, UnsupportedFeatureError
-from attn_core.forward_mode import ForwardMode
-from attn_core.graph_step import CudaGraphStep
+from attn_core.contract.backend import AttentionBackend
+from attn_core.contract.batch import ForwardBatch
+from attn_core.contract.errors import IncompatibleBackendError, InvalidArgumentError, UnsupportedFeatureError
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.graph_step import CudaGraphStep
 from attn_core.ops.kv_indices import page_table_from_req_to_token, pages_for
 
 #: side of the compressed causal mask the fused-infer operator takes with sparse_mode 3

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from attn_core.errors import BackendUnavailableError
+from attn_core.contract.errors import BackendUnavailableError
 
 FIA = "npu_fused_infer_attention_score"
 

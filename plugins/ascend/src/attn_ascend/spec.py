@@ -6,9 +6,9 @@ from __future__ import annotations
 import importlib.util
 from typing import Optional
 
-from attn_core.capabilities import ARCH_MHA, ARCH_MLA, Capabilities, CudaGraphLevel
-from attn_core.forward_mode import ForwardMode
-from attn_core.spec import BackendSpec
+from attn_core.contract.capabilities import ARCH_MHA, ARCH_MLA, Capabilities, CudaGraphLevel
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.spec import BackendSpec
 
 #: what `attn-core list` says about how far this backend is verified
 UNVERIFIED = (

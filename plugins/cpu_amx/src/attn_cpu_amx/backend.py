@@ -22,10 +22,10 @@ from typing import Optional
 
 import torch
 
-from attn_core.backend import AttentionBackend
-from attn_core.batch import ForwardBatch
-from attn_core.context import dtype_name
-from attn_core.errors import BackendUnavailableError, InvalidArgumentError, KVCacheError, UnsupportedFeatureError
+from attn_core.contract.backend import AttentionBackend
+from attn_core.contract.batch import ForwardBatch
+from attn_core.contract.context import dtype_name
+from attn_core.contract.errors import BackendUnavailableError, InvalidArgumentError, KVCacheError, UnsupportedFeatureError
 from attn_core.memory.pools import kv_scales
 from attn_cpu_amx import isa as cpu_isa
 from attn_cpu_amx.build import load_kernels

@@ -47,8 +47,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Callable, Iterator, Optional
 
-from attn_core.errors import BackendLoadError
-from attn_core.progress import working
+from attn_core.cli.progress import working
+from attn_core.contract.errors import BackendLoadError
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "portable.cpp", "avx512.cpp", "amx.cpp")

@@ -19,7 +19,7 @@ import os
 import platform
 from typing import Optional
 
-from attn_core.probes import cpu_flags
+from attn_core.discovery.probes import cpu_flags
 
 PATHS = ("amx", "avx512", "portable")
 PATH_IDS = {"portable": 0, "avx512": 1, "amx": 2}

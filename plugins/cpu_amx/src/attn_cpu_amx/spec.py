@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-from attn_core.capabilities import ARCH_MHA, Capabilities, CudaGraphLevel, Feature
-from attn_core.forward_mode import ForwardMode
-from attn_core.probes import first_reason, module_missing
-from attn_core.selection import PREFILL, PhasePriority
-from attn_core.spec import BackendSpec
+from attn_core.contract.capabilities import ARCH_MHA, Capabilities, CudaGraphLevel, Feature
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.phases import PREFILL, PhasePriority
+from attn_core.contract.spec import BackendSpec
+from attn_core.discovery.probes import first_reason, module_missing
 from attn_cpu_amx.isa import AVX512_FLAGS, requested_path
 
 MAX_HEAD_DIM = 256
@@ -42,7 +42,7 @@ CAPABILITIES = Capabilities(
 )
 
 
-#: where each phase should go (attn_core.selection), from `attn-core bench cpu_amx --vs torch_native`
+#: where each phase should go (attn_core.discovery.selection), from `attn-core bench cpu_amx --vs torch_native`
 #: (docs/dev/perf-notebook.md, "attn-cpu-amx by kernel path: which phases it should serve"): every path
 #: decodes faster than torch_native (the spec's priority 20 stands); at bf16 prefill/extend the portable
 #: C++ path (CPUs without AVX-512, or ATTN_CPU_AMX_ISA=portable) is slower than torch_native, the AVX-512

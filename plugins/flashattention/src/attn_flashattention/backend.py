@@ -29,11 +29,11 @@ from typing import Optional
 
 import torch
 
-from attn_core.backend import AttentionBackend
-from attn_core.batch import ForwardBatch
-from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
-from attn_core.forward_mode import ForwardMode
-from attn_core.graph_step import CudaGraphStep
+from attn_core.contract.backend import AttentionBackend
+from attn_core.contract.batch import ForwardBatch
+from attn_core.contract.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.graph_step import CudaGraphStep
 from attn_flashattention.kernel import Fa4Function, attend, load_fa4
 from attn_flashattention.keys import (
     KeyList,
@@ -251,7 +251,7 @@ class FlashAttention4Backend(AttentionBackend[Fa4Step]):
         return step.tree.lists[window], None
 
     def describe_path(self, layer, forward_batch: ForwardBatch) -> str:
-        """The FA4 call a layer makes in this step (`attn_core.debug_paths`, `ATTN_DEBUG_PATHS=1`)."""
+        """The FA4 call a layer makes in this step (`attn_core.contract.debug_paths`, `ATTN_DEBUG_PATHS=1`)."""
         step = self.forward_metadata
         if step is None:
             return "no tokens: no FA4 call"

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from attn_core.errors import BackendUnavailableError
+from attn_core.contract.errors import BackendUnavailableError
 from attn_flashattention.keys import KeyList
 
 #: FA4's module and varlen entry point

@@ -16,11 +16,11 @@ from __future__ import annotations
 from importlib import metadata
 from typing import Optional
 
-from attn_core.capabilities import ARCH_MHA, Capabilities, CudaGraphLevel, Feature
-from attn_core.forward_mode import ForwardMode
-from attn_core.probes import first_reason, needs_cuda
-from attn_core.selection import PhasePriority
-from attn_core.spec import BackendSpec
+from attn_core.contract.capabilities import ARCH_MHA, Capabilities, CudaGraphLevel, Feature
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.phases import PhasePriority
+from attn_core.contract.spec import BackendSpec
+from attn_core.discovery.probes import first_reason, needs_cuda
 
 DISTRIBUTION = "flash-attn-4"
 #: flash-attn-4 releases this plugin was run against on a GPU (docs/dev/gpu-runs.md)
@@ -54,7 +54,7 @@ CAPABILITIES = Capabilities(
     max_compute_capability=(10, 9),
 )
 
-#: where each phase should go, from measurements (attn_core.selection): FA4 is the fastest prefill kernel
+#: where each phase should go, from measurements (attn_core.discovery.selection): FA4 is the fastest prefill kernel
 #: attn can run on compute capability 9.0, and slower than attn-triton at decode (no split-KV on SM90), so
 #: its own priority (5) stays under attn-triton's (10) and FlashInfer's (20)
 PHASE_PRIORITIES = (

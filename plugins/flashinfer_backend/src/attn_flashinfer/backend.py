@@ -28,7 +28,7 @@ are refused). Full layers are served as without the pool. CUDA graphs are refuse
 
 Chunked local layers (`ctx.attention_chunk_size` C; `LayerKey.chunk`): DECODE runs the decode wrapper
 over each request's keys from its chunk start; every other mode the paged prefill wrapper (causal) over
-the step's virtual requests (`local_kv.py`, after `attn_core.local_attention`), built once per step.
+the step's virtual requests (`local_kv.py`, after `attn_core.batching.local_attention`), built once per step.
 CUDA graphs and verify custom masks are refused with chunked local layers.
 
 CUDA graphs (DECODE and TARGET_VERIFY): `init_cuda_graph_state` allocates the index buffers; capture
@@ -44,11 +44,11 @@ from typing import Optional, Union
 import flashinfer
 import torch
 
-from attn_core.backend import AttentionBackend
-from attn_core.batch import ForwardBatch
-from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
-from attn_core.graph_captures import GraphCaptures, captures_of
-from attn_core.graph_step import CudaGraphStep
+from attn_core.contract.backend import AttentionBackend
+from attn_core.contract.batch import ForwardBatch
+from attn_core.contract.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.contract.graph_step import CudaGraphStep
+from attn_core.engine.graph_captures import GraphCaptures, captures_of
 from attn_core.memory.pools import kv_scales
 from attn_core.memory.window_pool import window_pool_of
 from attn_core.ops.device_faults import DeviceFaultFlags
@@ -221,7 +221,7 @@ class FlashInferBackend(AttentionBackend[Union[Step, mixed.SplitStep]]):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache, **extras)
 
-    # ---- the ragged op (attn_core.ragged; `ragged.py`) -------------------------------------------
+    # ---- the ragged op (attn_core.contract.ragged; `ragged.py`) -------------------------------------------
     def build_ragged_metadata(self, ragged) -> RaggedPlan:
         return RaggedPlan(ragged)
 

@@ -3,7 +3,7 @@ paged wrappers take (plain torch, no FlashInfer: runs on CPU).
 
 A query at decoder position p of a chunked local layer sees keys (p // C) * C … p. DECODE needs no
 virtual batch: each request's keys start at the chunk holding its position seq_len - 1
-(`attn_core.local_attention.local_decode_starts`), so the decode wrapper runs over that key list. Every
+(`attn_core.batching.local_attention.local_decode_starts`), so the decode wrapper runs over that key list. Every
 other mode splits the step into attn-core's virtual requests (`make_local_attention_virtual_batches`):
 one per (request, chunk its new tokens touch), whose queries are its new tokens in that chunk and whose
 keys are the chunk's keys up to its last new token; a causal paged prefill over them is the chunked rule.
@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from attn_core.local_attention import local_decode_starts, make_local_attention_virtual_batches
+from attn_core.batching.local_attention import local_decode_starts, make_local_attention_virtual_batches
 from attn_flashinfer.indices import DeviceOut, PagedKV, QueryLayout, build_paged_kv, query_layout
 
 

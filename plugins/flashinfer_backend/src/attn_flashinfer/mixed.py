@@ -11,7 +11,7 @@ extend sub-step over the other requests (the same plan choice as unsplit, made o
 only: ragged alone when none of them has a prefix). Two key lists (two index launches) instead of one.
 
 Request order: any. The requests are put decode-first with attn-core's
-`attn_core.batch_utils.decode_first_split` (fewest swaps); each sub-step's per-request device tensors
+`attn_core.batching.batch_utils.decode_first_split` (fewest swaps); each sub-step's per-request device tensors
 are gathered once per step (`RowOrder.requests`, after one host→device copy of the permutation), its
 host ones permuted on the host. A decode-first batch needs neither: the sub-steps take slices (views).
 Per layer, the two parts write into one output `[T, Hq, D]` (and LSE) through FlashInfer's `out=` /
@@ -40,10 +40,10 @@ from typing import Optional
 
 import torch
 
-from attn_core.batch import ForwardBatch
-from attn_core.batch_utils import DecodeFirstSplit, RowOrder, decode_first_split
-from attn_core.forward_mode import ForwardMode
-from attn_core.layer import AttentionLayer
+from attn_core.batching.batch_utils import DecodeFirstSplit, RowOrder, decode_first_split
+from attn_core.contract.batch import ForwardBatch
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.layer import AttentionLayer
 from attn_flashinfer.planner import Step
 from attn_flashinfer.plans import LN2, Plan
 from attn_flashinfer.steps import LayerKey, StepInputs

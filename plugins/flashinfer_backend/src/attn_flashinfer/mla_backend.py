@@ -53,18 +53,18 @@ from typing import Optional
 import flashinfer
 import torch
 
-from attn_core.backend import AttentionBackend
-from attn_core.batch import ForwardBatch
-from attn_core.batch_utils import shared_query_len
-from attn_core.chunked_prefill import prefill_lengths
-from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
-from attn_core.graph_captures import GraphCaptures, captures_of
-from attn_core.graph_step import CudaGraphStep
-from attn_core.layer import AttentionLayer
+from attn_core.batching.batch_utils import shared_query_len
+from attn_core.batching.chunked_prefill import prefill_lengths
+from attn_core.contract.backend import AttentionBackend
+from attn_core.contract.batch import ForwardBatch
+from attn_core.contract.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.contract.graph_step import CudaGraphStep
+from attn_core.contract.layer import AttentionLayer
+from attn_core.discovery.probes import triton_interpreter_enabled
+from attn_core.engine.graph_captures import GraphCaptures, captures_of
 from attn_core.memory.scratch import DeviceScratch
 from attn_core.ops.device_faults import DeviceFaultFlags
 from attn_core.ops.kv_indices import pages_for
-from attn_core.probes import triton_interpreter_enabled
 from attn_flashinfer import mla_plans, replan
 from attn_flashinfer.backend import DEFAULT_WORKSPACE_BYTES
 from attn_flashinfer.indices import HostOffsets, PageList, QueryLayout, build_page_list, query_layout

@@ -7,7 +7,7 @@ engine decompresses chunk by chunk to bound memory (attn-core's `plan_prefix_chu
 shared by the batch). Each chunk is a ragged pass without mask (a prefix precedes every new token);
 partial results are merged by their LSEs by attn-core's `attend_with_prefix_chunks` (its `merge_state`:
 FlashInfer 0.6.6's `merge_state_in_place` fails to launch at 128 heads of 128, "invalid argument",
-found on an H200), through `attn_core.chunked_prefill.ChunkedPrefillPlan.attend`, which this module's `PrefillPlan`
+found on an H200), through `attn_core.batching.chunked_prefill.ChunkedPrefillPlan.attend`, which this module's `PrefillPlan`
 supplies with FlashInfer's passes.
 
 Per step: `PrefillWrappers.plan` (through `FlashInferMLABackend.plan_prefill`) plans one wrapper for the
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 from flashinfer import BatchPrefillWithRaggedKVCacheWrapper
 
-from attn_core.chunk_plan import Partial, PrefixChunk, chunk_slots, plan_prefix_chunks
-from attn_core.chunked_prefill import ChunkedPrefillPlan
+from attn_core.batching.chunk_plan import Partial, PrefixChunk, chunk_slots, plan_prefix_chunks
+from attn_core.batching.chunked_prefill import ChunkedPrefillPlan
 from attn_flashinfer.indices import query_layout
 
 #: FlashInfer's FA2 ragged kernels (head_dim_qk 192 / head_dim_vo 128 build like any other pair).

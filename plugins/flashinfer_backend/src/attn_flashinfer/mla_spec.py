@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from attn_core.capabilities import ARCH_MLA, Capabilities, CudaGraphLevel, Feature
-from attn_core.forward_mode import ForwardMode
-from attn_core.probes import first_reason, needs_compute_capability
-from attn_core.spec import BackendSpec
+from attn_core.contract.capabilities import ARCH_MLA, Capabilities, CudaGraphLevel, Feature
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.spec import BackendSpec
+from attn_core.discovery.probes import first_reason, needs_compute_capability
 from attn_flashinfer.spec import MIN_COMPUTE_CAPABILITY, flashinfer_missing
 
 #: DeepSeek's latent: kv_lora_rank 512 + qk_rope_head_dim 64 (the widths FlashInfer's MLA kernels build for).

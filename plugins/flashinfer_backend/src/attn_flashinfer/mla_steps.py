@@ -7,9 +7,9 @@ from typing import Optional
 
 import torch
 
-from attn_core.batch import SpecInfo
-from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
-from attn_core.forward_mode import ForwardMode
+from attn_core.contract.batch import SpecInfo
+from attn_core.contract.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.contract.forward_mode import ForwardMode
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_core.errors import InvalidArgumentError
+from attn_core.contract.errors import InvalidArgumentError
 from attn_core.ops.kv_indices_triton import CHUNK, copy_programs, id_count, keys_in_table, table_arguments, write_request_ids
 from attn_core.ops.triton_launch import CachedLaunch
 

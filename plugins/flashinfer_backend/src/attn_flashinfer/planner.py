@@ -21,10 +21,10 @@ from typing import Iterable, Optional
 
 import torch
 
-from attn_core.bidirectional import bidirectional_span_mask
-from attn_core.context import BackendContext
-from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
-from attn_core.layer import AttentionLayer
+from attn_core.contract.bidirectional import bidirectional_span_mask
+from attn_core.contract.context import BackendContext
+from attn_core.contract.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.contract.layer import AttentionLayer
 from attn_core.memory.scratch import DeviceScratch
 from attn_core.memory.window_pool import SlidingWindowKVPool
 from attn_flashinfer import plans
@@ -65,7 +65,7 @@ class Step:
     window_pool: Optional[SlidingWindowKVPool] = None  # the step's pool, when it is a sliding-window one
     local: Optional[LocalKeys] = None  # chunked local layers' queries and keys, built on first use
     tag: str = ""  # prefix of its scratch buffers' names (a split MIXED step's decode sub-step: "decode:")
-    #: bidirectional layers' visibility (`attn_core.bidirectional`), built on first use
+    #: bidirectional layers' visibility (`attn_core.contract.bidirectional`), built on first use
     span_mask: Optional[torch.Tensor] = None
 
     def plan_of(self, layer: AttentionLayer) -> Plan:
@@ -319,7 +319,7 @@ class StepPlanner:
 
     def _span_mask(self, step: Step) -> torch.Tensor:
         """The step's bidirectional-span visibility as FlashInfer's custom mask (per request a bool
-        `[q_len, seq_len]`, `attn_core.bidirectional.bidirectional_span_mask`), built on the device once."""
+        `[q_len, seq_len]`, `attn_core.contract.bidirectional.bidirectional_span_mask`), built on the device once."""
         if step.span_mask is None:
             x = step.inputs
             total = int((x.q_lens_host.to(torch.int64) * x.seq_lens_host.to(torch.int64)).sum())

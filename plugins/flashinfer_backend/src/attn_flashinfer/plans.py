@@ -31,7 +31,7 @@ import torch
 from flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
 from flashinfer.cascade import merge_state_in_place
 
-from attn_core.errors import InvalidArgumentError
+from attn_core.contract.errors import InvalidArgumentError
 from attn_flashinfer import replan
 from attn_flashinfer.fp8 import cache_run_kwargs, ragged_inputs, ragged_kv_dtype
 from attn_flashinfer.indices import PagedKV, QueryLayout

@@ -1,4 +1,4 @@
-"""The ragged op (`attn_core.ragged`) on FlashInfer's `BatchPrefillWithRaggedKVCacheWrapper` (FA2 kernels).
+"""The ragged op (`attn_core.contract.ragged`) on FlashInfer's `BatchPrefillWithRaggedKVCacheWrapper` (FA2 kernels).
 
 Every packed sequence is one "request" whose queries and keys are its own rows: the wrapper is planned with
 cu_seqlens as both qo_indptr and kv_indptr (the host copy: FlashInfer plans on the host, no sync), causal
@@ -24,7 +24,7 @@ from typing import Union
 import torch
 import torch.nn.functional as F
 
-from attn_core.ragged import RaggedBatch
+from attn_core.contract.ragged import RaggedBatch
 from attn_flashinfer.steps import Dims
 
 LN2 = math.log(2.0)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import importlib.util
 from typing import Optional
 
-from attn_core.capabilities import ARCH_MHA, Capabilities, CudaGraphLevel, Feature
-from attn_core.forward_mode import ForwardMode
-from attn_core.probes import first_reason, needs_compute_capability
-from attn_core.spec import BackendSpec
+from attn_core.contract.capabilities import ARCH_MHA, Capabilities, CudaGraphLevel, Feature
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.spec import BackendSpec
+from attn_core.discovery.probes import first_reason, needs_compute_capability
 
 #: FlashInfer's FA2 kernels need Ampere or newer.
 MIN_COMPUTE_CAPABILITY = (8, 0)

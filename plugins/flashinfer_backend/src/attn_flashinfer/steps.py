@@ -12,10 +12,10 @@ from typing import Optional
 
 import torch
 
-from attn_core.batch import ForwardBatch, SpecInfo
-from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
-from attn_core.forward_mode import ForwardMode
-from attn_core.graph_step import CudaGraphStep
+from attn_core.contract.batch import ForwardBatch, SpecInfo
+from attn_core.contract.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.graph_step import CudaGraphStep
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class LayerKey:
     layer whose K/V live in a `SlidingWindowKVPool` (its keys: `window_kv.build_window_kv`); chunk: the
     attention_chunk_size of a chunked local layer (0: none; its keys: `local_kv.py`); causal: False for an
     encoder-only layer (`attn_type="encoder_only"`); span: a bidirectional layer of a step with spans
-    (`attn_core.bidirectional`: one masked paged pass)."""
+    (`attn_core.contract.bidirectional`: one masked paged pass)."""
 
     window_left: int
     logit_cap: float
@@ -89,7 +89,7 @@ class StepInputs:
     encoder_lens: Optional[torch.Tensor] = None
     encoder_lens_host: Optional[torch.Tensor] = None
     custom_mask: Optional[torch.Tensor] = None  # TARGET_VERIFY: flattened bool, request after request
-    spans: Optional[torch.Tensor] = None  # int32 [bs, 2] bidirectional spans (`attn_core.bidirectional`), eager steps
+    spans: Optional[torch.Tensor] = None  # int32 [bs, 2] bidirectional spans (`attn_core.contract.bidirectional`), eager steps
 
 
 #: smallest head dim served over an fp8 KV cache (see `check_context`)

@@ -9,13 +9,13 @@ from typing import Optional, TypeVar
 
 import torch
 
-from attn_core.backend import AttentionBackend
-from attn_core.batch import ForwardBatch
-from attn_core.context import BackendContext
-from attn_core.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedFeatureError
-from attn_core.graph_step import CudaGraphStep
+from attn_core.contract.backend import AttentionBackend
+from attn_core.contract.batch import ForwardBatch
+from attn_core.contract.context import BackendContext
+from attn_core.contract.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedFeatureError
+from attn_core.contract.graph_step import CudaGraphStep
+from attn_core.discovery.probes import triton_interpreter_enabled
 from attn_core.ops.device_faults import DeviceFaultFlags
-from attn_core.probes import triton_interpreter_enabled
 from attn_sparse.config import SplitPolicy
 from attn_sparse.plan import GraphPlans, PlanShape, StepPlan, plan_step
 

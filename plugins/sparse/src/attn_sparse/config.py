@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attn_core.errors import InvalidArgumentError
+from attn_core.contract.errors import InvalidArgumentError
 
 
 def cdiv(a: int, b: int) -> int:

@@ -20,8 +20,8 @@ from typing import Optional
 
 import torch
 
-from attn_core.batch import ForwardBatch
-from attn_core.graph_step import CudaGraphStep
+from attn_core.contract.batch import ForwardBatch
+from attn_core.contract.graph_step import CudaGraphStep
 from attn_core.ops.kv_indices import build_kv_indices, exclusive_cumsum
 from attn_sparse.config import SplitPolicy, TileGeometry, cdiv, tile_geometry
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from attn_core.capabilities import Capabilities, CudaGraphLevel, Feature
-from attn_core.forward_mode import ForwardMode
-from attn_core.probes import gpu_device_present, module_missing, triton_interpreter_enabled
-from attn_core.spec import BackendSpec
+from attn_core.contract.capabilities import Capabilities, CudaGraphLevel, Feature
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.spec import BackendSpec
+from attn_core.discovery.probes import gpu_device_present, module_missing, triton_interpreter_enabled
 
 #: head dims the kernels are tested at (masked to the next power of two inside)
 HEAD_DIMS = frozenset({32, 64, 96, 128, 256})

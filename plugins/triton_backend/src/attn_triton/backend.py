@@ -14,11 +14,11 @@ TARGET_VERIFY / DRAFT_EXTEND steps run the MLA kernel (`kernels/mla_decode.py`);
 depends only on each request's own length (batch-invariant outputs; the verify kernel has no splits).
 With `ctx.attention_chunk_size` C the step's metadata also holds the keys of chunked local layers: in
 DECODE each request's keys from its chunk start, in the other modes the step split into virtual requests
-(`attn_core.local_attention`), served by the same kernels; CUDA graphs and TARGET_VERIFY custom masks are
+(`attn_core.batching.local_attention`), served by the same kernels; CUDA graphs and TARGET_VERIFY custom masks are
 refused together with chunked local attention. With a
 `SlidingWindowKVPool` the window layers read a second key index: each request's keys from the oldest one
 inside the pool's window, translated to window slots (CUDA graphs and custom masks refused there too).
-A cascade step (`attn_core.cascade`) adds the shared prefix's keys and each request's keys after it:
+A cascade step (`attn_core.batching.cascade`) adds the shared prefix's keys and each request's keys after it:
 plain causal layers run the suffix pass (the usual kernel), then the prefix pass (one extend launch,
 all queries over the prefix, non-causal), merged by LSE.
 """
@@ -29,16 +29,16 @@ from typing import Optional
 
 import torch
 
-from attn_core.backend import AttentionBackend
-from attn_core.batch import ForwardBatch
-from attn_core.context import BackendContext
-from attn_core.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedFeatureError
-from attn_core.graph_captures import captures_of
-from attn_core.graph_step import CudaGraphStep
+from attn_core.contract.backend import AttentionBackend
+from attn_core.contract.batch import ForwardBatch
+from attn_core.contract.context import BackendContext
+from attn_core.contract.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedFeatureError
+from attn_core.contract.graph_step import CudaGraphStep
+from attn_core.discovery.probes import triton_interpreter_enabled
+from attn_core.engine.graph_captures import captures_of
 from attn_core.memory.fp8 import is_fp8
 from attn_core.memory.window_pool import window_pool_of
 from attn_core.ops.device_faults import DeviceFaultFlags
-from attn_core.probes import triton_interpreter_enabled
 from attn_triton.config import SplitPolicy, decode_config, extend_config, hopper_kernels_available, mla_config, verify_config
 from attn_triton.graph import GraphState
 from attn_triton.kernels.decode import DecodeConfig, head_blocks
@@ -180,7 +180,7 @@ class TritonAttnBackend(AttentionBackend[StepPlan]):
         k_buf, v_buf = self._save_and_buffers(q, k, v, layer, forward_batch, save_kv_cache, sinks)
         return path.run(q, k_buf, v_buf, layer, sinks, return_lse)
 
-    # ---- the ragged op (attn_core.ragged) ---------------------------------------------------------
+    # ---- the ragged op (attn_core.contract.ragged) ---------------------------------------------------------
     def build_ragged_metadata(self, ragged) -> torch.Tensor:
         """The varlen kernel's work list for the batch (`kernels/ragged.ragged_tiles`), once per batch."""
         return ragged_tiles(ragged.seq_lens_cpu.tolist(), self.ragged_cfg.block_m, ragged.causal, self.device)

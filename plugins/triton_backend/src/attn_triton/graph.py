@@ -15,9 +15,9 @@ from typing import Callable, Optional
 
 import torch
 
-from attn_core.errors import InvalidArgumentError
-from attn_core.graph_captures import GraphCaptures
-from attn_core.graph_step import CudaGraphStep
+from attn_core.contract.errors import InvalidArgumentError
+from attn_core.contract.graph_step import CudaGraphStep
+from attn_core.engine.graph_captures import GraphCaptures
 from attn_core.memory.scratch import DeviceScratch
 from attn_triton.metadata import KVIndex, fill_kv, split_views
 from attn_triton.planner import StepPlanner

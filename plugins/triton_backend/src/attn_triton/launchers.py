@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from attn_core.layer import AttentionLayer
+from attn_core.contract.layer import AttentionLayer
 from attn_core.memory.pools import KVPool, kv_scales
 from attn_core.ops.merge_state import merge_state
 from attn_triton.kernels.decode import DecodeConfig, decode_attention
@@ -105,7 +105,7 @@ def launch_extend(
     """One extend-kernel launch: output `[T, Hq, Dv]` and LSE `[T, Hq]` (None unless `want_lse`). With
     `verify_len` (every request has that many tokens: `kernels.verify.verify_q_len`) the verify kernel
     runs instead, its tokens folded with the q heads of each KV head. `spans`: the batch's bidirectional
-    spans (int32 `[bs, 2]`, `attn_core.bidirectional`) for a bidirectional layer's causal launch."""
+    spans (int32 `[bs, 2]`, `attn_core.contract.bidirectional`) for a bidirectional layer's causal launch."""
     k_scale, v_scale = kv_scales(layer, ln.pool)
     T, hq, dv = q.shape[0], layer.num_q_heads, layer.v_head_dim
     o = q.new_empty((T, hq, dv))

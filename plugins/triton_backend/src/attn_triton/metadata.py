@@ -17,8 +17,8 @@ from typing import Optional
 
 import torch
 
-from attn_core.batch import ForwardBatch
-from attn_core.local_attention import local_decode_starts, make_local_attention_virtual_batches
+from attn_core.batching.local_attention import local_decode_starts, make_local_attention_virtual_batches
+from attn_core.contract.batch import ForwardBatch
 from attn_core.memory.scratch import DeviceScratch
 from attn_core.memory.window_pool import SlidingWindowKVPool
 from attn_core.ops.kv_indices_triton import kv_indices_triton
@@ -35,7 +35,7 @@ class KVIndex:
 
 @dataclass
 class CascadeKeys:
-    """A cascade step (`attn_core.cascade`): the shared prefix's keys as one request (`prefix`, its
+    """A cascade step (`attn_core.batching.cascade`): the shared prefix's keys as one request (`prefix`, its
     queries: every row of the step, qo_indptr `[0, T]`) and each request's keys after the prefix
     (`suffix`, CSR over the batch's requests)."""
 
@@ -47,7 +47,7 @@ class CascadeKeys:
 @dataclass
 class LocalExtend:
     """An extend-like step split into the virtual requests of chunked local attention
-    (`attn_core.local_attention`): their q rows (qo_indptr `[V+1]` int32, `max_q_len` host int) and keys."""
+    (`attn_core.batching.local_attention`): their q rows (qo_indptr `[V+1]` int32, `max_q_len` host int) and keys."""
 
     qo_indptr: torch.Tensor
     max_q_len: int

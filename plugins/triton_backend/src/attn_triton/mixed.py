@@ -9,7 +9,7 @@ kernel (one program per KV head reads each K/V tile once for the whole GQA group
 spread over KV splits) and the other requests to the extend kernel: two launches per layer.
 
 Request order: any. The step's requests are put decode-first with attn-core's
-`attn_core.batch_utils.decode_first_split` (fewest swaps), and the key indices are built in that order
+`attn_core.batching.batch_utils.decode_first_split` (fewest swaps), and the key indices are built in that order
 in `init_forward_metadata`. When the batch is already decode-first (an engine can apply that
 permutation itself), nothing is copied per layer: the decode kernel reads the first rows of q and writes
 the first rows of the output, the extend kernel the rest. Otherwise each layer gathers q's rows into the
@@ -34,9 +34,9 @@ from typing import Optional
 
 import torch
 
-from attn_core.batch import ForwardBatch
-from attn_core.batch_utils import RowOrder, decode_first_split
-from attn_core.layer import AttentionLayer
+from attn_core.batching.batch_utils import RowOrder, decode_first_split
+from attn_core.contract.batch import ForwardBatch
+from attn_core.contract.layer import AttentionLayer
 from attn_triton.launchers import Launch, launch_decode, launch_extend
 from attn_triton.metadata import KVIndex, fill_kv, new_kv
 from attn_triton.planner import StepPlanner
@@ -52,7 +52,7 @@ class MixedPath:
     `[P + 1]` int32 and prefill_kv (indptr `[P + 1]`) address the decode-first q rows and key indices
     absolutely (they start at num_decodes and at the decodes' key count); prefill_max_q_len (host int, 0
     when P = 0) sizes the extend grid. rows: the decode-first order on the device
-    (`attn_core.batch_utils.RowOrder`; no copy when the batch is already decode-first)."""
+    (`attn_core.batching.batch_utils.RowOrder`; no copy when the batch is already decode-first)."""
 
     path = "extend+decode (mixed split)"
 

@@ -15,10 +15,10 @@ from typing import Optional
 
 import torch
 
-from attn_core.batch import ForwardBatch
-from attn_core.context import BackendContext
-from attn_core.errors import UnsupportedFeatureError
-from attn_core.forward_mode import ForwardMode
+from attn_core.contract.batch import ForwardBatch
+from attn_core.contract.context import BackendContext
+from attn_core.contract.errors import UnsupportedFeatureError
+from attn_core.contract.forward_mode import ForwardMode
 from attn_core.memory.scratch import DeviceScratch
 from attn_core.memory.window_pool import SlidingWindowKVPool, window_pool_of
 from attn_triton.config import SplitPolicy

@@ -5,8 +5,8 @@ A `StepPlan` (the backend's per-step metadata) holds one *path* per kind of laye
 `plain` (self attention over the step's keys), and where the step has them `cross` (encoder tokens),
 `local` (chunked local layers of the context's chunk size), `window` (window layers kept in a
 `SlidingWindowKVPool`), `cascade` (layers that split into a shared-prefix pass and a suffix pass,
-`attn_core.cascade`) and, in extend-like steps, `noncausal` (encoder-only layers) and `spans`
-(bidirectional layers of a batch with spans, `attn_core.bidirectional`). `path_for(layer, sinks)` picks
+`attn_core.batching.cascade`) and, in extend-like steps, `noncausal` (encoder-only layers) and `spans`
+(bidirectional layers of a batch with spans, `attn_core.contract.bidirectional`). `path_for(layer, sinks)` picks
 a layer's path with a few attribute tests (typed errors for a layer the step cannot serve, before any KV
 write); the path's `run` makes the launches (`launchers.py`). Every path carries `path`, a short name of
 the kernels it runs (e.g. "decode", "verify (q_len 4)", "mla-decode", "extend+decode (mixed split)",
@@ -31,9 +31,9 @@ from typing import Optional, Protocol
 
 import torch
 
-from attn_core.cascade import splits_into_cascade
-from attn_core.errors import InvalidArgumentError
-from attn_core.layer import AttentionLayer
+from attn_core.batching.cascade import splits_into_cascade
+from attn_core.contract.errors import InvalidArgumentError
+from attn_core.contract.layer import AttentionLayer
 from attn_core.memory.window_pool import SlidingWindowKVPool
 from attn_triton.launchers import Launch, launch_decode, launch_extend, launch_mla, merge_prefix_pass
 from attn_triton.metadata import CascadeKeys, KVIndex, Splits

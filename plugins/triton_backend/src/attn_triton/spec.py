@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from attn_core.capabilities import ARCH_MHA, ARCH_MLA, Capabilities, CudaGraphLevel, Feature
-from attn_core.forward_mode import ForwardMode
-from attn_core.probes import gpu_device_present, module_missing, triton_interpreter_enabled
-from attn_core.spec import BackendSpec
+from attn_core.contract.capabilities import ARCH_MHA, ARCH_MLA, Capabilities, CudaGraphLevel, Feature
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.spec import BackendSpec
+from attn_core.discovery.probes import gpu_device_present, module_missing, triton_interpreter_enabled
 
 #: MHA head dims: any multiple of 8 up to 256 (masked to the next power of two in the kernels).
 HEAD_DIMS = frozenset(range(8, 257, 8))

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.contract.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.ops.kv_indices import pages_for
 
 #: Padding entries of a block table.

@@ -24,15 +24,15 @@ from typing import Optional, Union
 
 import torch
 
-from attn_core.backend import AttentionBackend
-from attn_core.batch import ForwardBatch
-from attn_core.batch_utils import shared_query_len
-from attn_core.chunked_prefill import ChunkedPrefillPlan
-from attn_core.errors import UnsupportedFeatureError
-from attn_core.forward_mode import ForwardMode
-from attn_core.graph_captures import GraphCaptures, captures_of
-from attn_core.graph_step import CudaGraphStep
-from attn_core.layer import AttentionLayer
+from attn_core.batching.batch_utils import shared_query_len
+from attn_core.batching.chunked_prefill import ChunkedPrefillPlan
+from attn_core.contract.backend import AttentionBackend
+from attn_core.contract.batch import ForwardBatch
+from attn_core.contract.errors import UnsupportedFeatureError
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.graph_step import CudaGraphStep
+from attn_core.contract.layer import AttentionLayer
+from attn_core.engine.graph_captures import GraphCaptures, captures_of
 from attn_core.ops.device_faults import DeviceFaultFlags
 from attn_core.ops.kv_indices import page_table_from_req_to_token
 from attn_flashinfer.mla_backend import FlashInferMLABackend, MLAStep

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Optional
 
-from attn_core.probes import needs_compute_capability
+from attn_core.discovery.probes import needs_compute_capability
 
 #: Blackwell datacenter GPUs (SM100 / SM103): where the trtllm-gen MHA and the CUTLASS MLA kernels run
 needs_sm100 = needs_compute_capability((10, 0), (10, 9))

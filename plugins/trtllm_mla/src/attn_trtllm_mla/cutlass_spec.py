@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from attn_core.capabilities import ARCH_MLA, Capabilities, CudaGraphLevel
-from attn_core.forward_mode import ForwardMode
-from attn_core.probes import first_reason
-from attn_core.spec import BackendSpec
+from attn_core.contract.capabilities import ARCH_MLA, Capabilities, CudaGraphLevel
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.spec import BackendSpec
+from attn_core.discovery.probes import first_reason
 from attn_trtllm_mla.blackwell_probes import needs_sm100, sgl_kernel_missing
 
 #: the one page size the CUTLASS MLA kernel is run with (sgl-kernel and SGLang: 128 tokens)

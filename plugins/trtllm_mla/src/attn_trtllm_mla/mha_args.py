@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from attn_core.errors import InvalidArgumentError
+from attn_core.contract.errors import InvalidArgumentError
 
 #: bytes of the zero-initialized workspace the TRT-LLM MHA kernels share (SGLang's default, 512 MiB)
 WORKSPACE_BYTES = 512 << 20

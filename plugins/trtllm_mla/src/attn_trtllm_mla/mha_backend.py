@@ -19,11 +19,11 @@ from typing import Optional
 
 import torch
 
-from attn_core.backend import AttentionBackend
-from attn_core.batch import ForwardBatch
-from attn_core.errors import IncompatibleBackendError, InvalidArgumentError, UnsupportedFeatureError
-from attn_core.forward_mode import ForwardMode
-from attn_core.graph_step import CudaGraphStep
+from attn_core.contract.backend import AttentionBackend
+from attn_core.contract.batch import ForwardBatch
+from attn_core.contract.errors import IncompatibleBackendError, InvalidArgumentError, UnsupportedFeatureError
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.graph_step import CudaGraphStep
 from attn_core.memory import kv_scales
 from attn_trtllm_mla import mha_kernels
 from attn_trtllm_mla.mha_args import context_kwargs, decode_kwargs, hnd_view, mha_scales, window_left

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from attn_core.capabilities import ARCH_MHA, Capabilities, CudaGraphLevel, Feature
-from attn_core.forward_mode import ForwardMode
-from attn_core.probes import first_reason
-from attn_core.spec import BackendSpec
+from attn_core.contract.capabilities import ARCH_MHA, Capabilities, CudaGraphLevel, Feature
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.spec import BackendSpec
+from attn_core.discovery.probes import first_reason
 from attn_trtllm_mla.blackwell_probes import flashinfer_missing, needs_sm100
 
 CAPABILITIES = Capabilities(

@@ -34,10 +34,10 @@ from typing import Callable, Optional
 
 import torch
 
-from attn_core.batch import ForwardBatch
-from attn_core.chunk_plan import Partial, PrefixChunk, chunk_slots, plan_prefix_chunks
-from attn_core.chunked_prefill import ChunkedPrefillPlan, prefill_lengths
-from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.batching.chunk_plan import Partial, PrefixChunk, chunk_slots, plan_prefix_chunks
+from attn_core.batching.chunked_prefill import ChunkedPrefillPlan, prefill_lengths
+from attn_core.contract.batch import ForwardBatch
+from attn_core.contract.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_trtllm_mla.args import Scales, fold_scales
 
 #: (qk_head_dim, v_head_dim) pairs the ragged kernel builds (DeepSeek's 192/128, and 128/128).

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from attn_core.capabilities import ARCH_MLA, Capabilities, CudaGraphLevel
-from attn_core.forward_mode import ForwardMode
-from attn_core.probes import first_reason, needs_cuda
-from attn_core.spec import BackendSpec
+from attn_core.contract.capabilities import ARCH_MLA, Capabilities, CudaGraphLevel
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.spec import BackendSpec
+from attn_core.discovery.probes import first_reason, needs_cuda
 
 #: The TensorRT-LLM MLA kernels run on these compute capability majors: 10 (SM100/SM103, trtllm-gen)
 #: and 12 (SM120/SM121, XQA).

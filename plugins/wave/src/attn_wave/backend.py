@@ -19,9 +19,9 @@ from typing import Optional
 
 import torch
 
-from attn_core.backend import AttentionBackend
-from attn_core.batch import ForwardBatch
-from attn_core.errors import IncompatibleBackendError, UnsupportedFeatureError
+from attn_core.contract.backend import AttentionBackend
+from attn_core.contract.batch import ForwardBatch
+from attn_core.contract.errors import IncompatibleBackendError, UnsupportedFeatureError
 from attn_core.memory import kv_scales
 from attn_core.memory.fp8 import quantize_kv
 from attn_core.ops.kv_indices import build_kv_indices, kv_indptr_from_lens

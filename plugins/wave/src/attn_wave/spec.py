@@ -11,10 +11,10 @@ from __future__ import annotations
 import importlib.util
 from typing import Callable, Optional
 
-from attn_core.capabilities import ARCH_MHA, Capabilities, CudaGraphLevel, Feature
-from attn_core.forward_mode import ForwardMode
-from attn_core.probes import first_reason, needs_rocm
-from attn_core.spec import BackendSpec
+from attn_core.contract.capabilities import ARCH_MHA, Capabilities, CudaGraphLevel, Feature
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.spec import BackendSpec
+from attn_core.discovery.probes import first_reason, needs_rocm
 
 UNVERIFIED = (
     "its Wave kernels never ran on hardware: verified only against an emulation of Wave's documented attention "

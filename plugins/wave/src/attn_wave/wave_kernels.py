@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
-from attn_core.errors import BackendUnavailableError
+from attn_core.contract.errors import BackendUnavailableError
 
 #: module alias -> the wave_lang module attn-wave imports
 MODULES = {

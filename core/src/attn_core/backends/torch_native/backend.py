@@ -7,7 +7,7 @@ query axis so the score tensor stays under `max_score_bytes`. A chunked local la
 C) further keeps the keys at or after the start of the query's chunk, (q_pos // C) * C. A window layer
 kept in a `SlidingWindowKVPool` gathers its keys at their window slots (released keys, outside every
 window, translate to the dummy slot and are masked). K/V are read by slot from either pool layout
-(NHD or HND). A cascade step (`attn_core.cascade`) adds the tables of its prefix pass (all queries
+(NHD or HND). A cascade step (`attn_core.batching.cascade`) adds the tables of its prefix pass (all queries
 over the shared keys) and suffix pass (each request over keys cascade_prefix_len … seq_len-1); plain
 causal layers run both and merge them by LSE. In CUDA-graph mode the widths are fixed
 (W = max_context_len) and replay rewrites the tables in place.
@@ -28,16 +28,16 @@ from typing import Optional
 
 import torch
 
-from attn_core.backend import AttentionBackend
 from attn_core.backends.torch_native.ragged import dense_ragged_attention
 from attn_core.backends.torch_native.spec import CAPABILITIES
-from attn_core.batch import ForwardBatch, SpecInfo
-from attn_core.bidirectional import span_visible
-from attn_core.cascade import splits_into_cascade
-from attn_core.errors import InvalidArgumentError, UnsupportedFeatureError
-from attn_core.forward_mode import ForwardMode
-from attn_core.graph_step import CudaGraphStep
-from attn_core.layer import AttentionLayer, AttentionType
+from attn_core.batching.cascade import splits_into_cascade
+from attn_core.contract.backend import AttentionBackend
+from attn_core.contract.batch import ForwardBatch, SpecInfo
+from attn_core.contract.bidirectional import span_visible
+from attn_core.contract.errors import InvalidArgumentError, UnsupportedFeatureError
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.graph_step import CudaGraphStep
+from attn_core.contract.layer import AttentionLayer, AttentionType
 from attn_core.memory.pools import kv_scales, token_rows
 from attn_core.memory.window_pool import window_pool_of
 from attn_core.ops.device_faults import DeviceFaultKind
@@ -58,11 +58,11 @@ class _Metadata:
     q_pos: torch.Tensor  # [bs, Lq] int64 position of that query among the request's decoder keys
     self_keys: _KeyTable
     cross_keys: Optional[_KeyTable] = None
-    #: cascade steps (`attn_core.cascade`): (prefix pass, suffix pass) metadata
+    #: cascade steps (`attn_core.batching.cascade`): (prefix pass, suffix pass) metadata
     cascade: Optional[tuple[_Metadata, _Metadata]] = None
     #: [bs] int64 keys of each request in self_keys (non-causal and bidirectional layers' visibility)
     kv_lens: Optional[torch.Tensor] = None
-    #: [bs, 2] int64 bidirectional spans of the batch (`attn_core.bidirectional`), None without
+    #: [bs, 2] int64 bidirectional spans of the batch (`attn_core.contract.bidirectional`), None without
     spans: Optional[torch.Tensor] = None
     #: a TARGET_VERIFY custom mask decides the self-attention visibility of every layer
     custom_mask: bool = False
@@ -251,7 +251,7 @@ class TorchNativeBackend(AttentionBackend[_Metadata]):
 
     # ---- attention ---------------------------------------------------------------------------
     def describe_path(self, layer: AttentionLayer, forward_batch: ForwardBatch) -> str:
-        """The path `_forward` takes for `layer` on this step (`attn_core.debug_paths`): the cascade's two
+        """The path `_forward` takes for `layer` on this step (`attn_core.contract.debug_paths`): the cascade's two
         passes merged by LSE, or one gather of each request's key slots with the masks that apply, the
         compute dtype and how many query chunks the score budget (`max_score_bytes`) splits it into."""
         meta: _Metadata = self.forward_metadata
@@ -331,7 +331,7 @@ class TorchNativeBackend(AttentionBackend[_Metadata]):
 def _attn_type_visibility(attn_type: AttentionType, causal: torch.Tensor, meta: _Metadata) -> torch.Tensor:
     """Self-attention visibility `[bs, Lq, W]` of a layer of `attn_type`: `causal` (the metadata's) for
     decoder layers and for bidirectional ones without spans; every valid key for encoder-only layers;
-    causal plus the request's span (`attn_core.bidirectional.span_visible`) for bidirectional ones."""
+    causal plus the request's span (`attn_core.contract.bidirectional.span_visible`) for bidirectional ones."""
     if attn_type is AttentionType.DECODER or (attn_type is AttentionType.DECODER_BIDIRECTIONAL and meta.spans is None):
         return causal
     kj = torch.arange(causal.shape[-1], device=causal.device)

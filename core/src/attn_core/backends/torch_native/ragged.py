@@ -1,4 +1,4 @@
-"""torch_native's ragged op (`attn_core.ragged`): each packed sequence's dense attention over its own
+"""torch_native's ragged op (`attn_core.contract.ragged`): each packed sequence's dense attention over its own
 rows, in float32 (float64 for float32 inputs, as the paged path), in query chunks that keep the score
 tensor under a byte budget. The sequence bounds come from the batch's host copy: no sync."""
 
@@ -8,7 +8,7 @@ from typing import Optional, Union
 
 import torch
 
-from attn_core.ragged import RaggedBatch
+from attn_core.contract.ragged import RaggedBatch
 
 
 def dense_ragged_attention(

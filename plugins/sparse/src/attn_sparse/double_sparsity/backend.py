@@ -27,10 +27,10 @@ from typing import Optional
 
 import torch
 
-from attn_core.batch import ForwardBatch
-from attn_core.context import BackendContext
-from attn_core.errors import InvalidArgumentError
-from attn_core.graph_step import CudaGraphStep
+from attn_core.contract.batch import ForwardBatch
+from attn_core.contract.context import BackendContext
+from attn_core.contract.errors import InvalidArgumentError
+from attn_core.contract.graph_step import CudaGraphStep
 from attn_sparse.attention import attend
 from attn_sparse.base import PlannedBackend, unit_stride
 from attn_sparse.config import SplitPolicy

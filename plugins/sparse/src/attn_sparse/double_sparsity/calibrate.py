@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from attn_core.errors import InvalidArgumentError
+from attn_core.contract.errors import InvalidArgumentError
 
 MODES = ("qk", "q", "k")
 

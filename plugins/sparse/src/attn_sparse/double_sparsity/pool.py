@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from attn_core.errors import InvalidArgumentError
+from attn_core.contract.errors import InvalidArgumentError
 from attn_core.memory import MHATokenToKVPool
 from attn_core.memory.fp8 import is_fp8
 from attn_core.memory.pools import Device

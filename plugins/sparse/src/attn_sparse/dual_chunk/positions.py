@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attn_core.errors import InvalidArgumentError
+from attn_core.contract.errors import InvalidArgumentError
 
 
 def chunk_length(chunk_size: int, local_size: int) -> int:

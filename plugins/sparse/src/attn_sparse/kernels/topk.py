@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_core.errors import InvalidArgumentError
+from attn_core.contract.errors import InvalidArgumentError
 from attn_sparse.kernels.ranged import dot_precision
 from attn_sparse.plan import StepPlan
 

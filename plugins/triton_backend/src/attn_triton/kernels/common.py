@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_core.errors import InvalidArgumentError
+from attn_core.contract.errors import InvalidArgumentError
 from attn_core.ops.device_faults import DeviceFaultKind
 from attn_core.ops.masked_values_triton import finite_values  # noqa: F401  (re-exported for the kernels)
 

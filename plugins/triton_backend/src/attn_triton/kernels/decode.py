@@ -33,9 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_core.errors import InvalidArgumentError
+from attn_core.contract.errors import InvalidArgumentError
+from attn_core.discovery.probes import triton_interpreter_enabled
 from attn_core.memory.fp8 import is_fp8
-from attn_core.probes import triton_interpreter_enabled
 from attn_triton.kernels.common import (
     FAULT_KEY_OFFSETS,
     FAULT_SLOT,

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_core.errors import InvalidArgumentError
+from attn_core.contract.errors import InvalidArgumentError
 from attn_triton.kernels.common import (
     FAULT_KEY_OFFSETS,
     FAULT_MASK,
@@ -216,7 +216,7 @@ def _extend_kernel(
     v_head = V + kv_head * stride_vh
 
     lo, full_end, hi = key_ranges(kv_len, q_off, mb * BLOCK_M, BLOCK_M, window, BLOCK_N, CAUSAL, HAS_WINDOW, USE_MASK)
-    if HAS_SPAN:  # bidirectional span [a, b) of the request: its queries see keys up to b - 1 (attn_core.bidirectional)
+    if HAS_SPAN:  # bidirectional span [a, b) of the request: its queries see keys up to b - 1 (attn_core.contract.bidirectional)
         span_a = tl.load(SPANS + 2 * r)
         span_b = tl.load(SPANS + 2 * r + 1)
         in_span = (q_pos >= span_a) & (q_pos < span_b)
@@ -292,7 +292,7 @@ def extend_attention(
     request a row-major `[q_len, kv_len]` block starting at mask_indptr[r]) replaces the causal mask.
     lse_out `[T, Hq]` float32 natural log. `max_q_len` (host int) sizes the grid. fault: the int32
     fault buffer (`attn_core.ops.device_faults`). `spans` (int32 `[bs, 2]`, causal launches without a
-    window): request r's queries at positions in [a, b) also see the keys up to b - 1 (`attn_core.bidirectional`).
+    window): request r's queries at positions in [a, b) also see the keys up to b - 1 (`attn_core.contract.bidirectional`).
     """
     T, hq, d_total = q.shape
     bs = qo_indptr.shape[0] - 1

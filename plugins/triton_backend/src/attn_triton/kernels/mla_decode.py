@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_core.errors import InvalidArgumentError
+from attn_core.contract.errors import InvalidArgumentError
 from attn_triton.kernels.common import (
     FAULT_SLOT,
     check_lazy_rescale,

@@ -1,4 +1,4 @@
-"""The ragged op's kernel (`attn_core.ragged`): packed sequences without a KV cache, each attending to
+"""The ragged op's kernel (`attn_core.contract.ragged`): packed sequences without a KV cache, each attending to
 its own rows only; non-causal by default (vision towers, encoders), causal on request.
 
 Grid `[tiles, Hq]` over a work list built once per batch on the host (`ragged_tiles`: one entry per live
@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_core.errors import InvalidArgumentError
-from attn_core.ragged import RaggedBatch
+from attn_core.contract.errors import InvalidArgumentError
+from attn_core.contract.ragged import RaggedBatch
 from attn_triton.kernels.common import (
     FAULT_QUERY_ROWS,
     LN2_K,
@@ -450,7 +450,7 @@ def attend_ragged(
     tiles: Optional[torch.Tensor] = None,
     return_lse: bool = False,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """The ragged op of `attn_core.ragged` on this kernel: q `[T, Hq, D]`, k / v `[T, Hkv, D]` (views with
+    """The ragged op of `attn_core.contract.ragged` on this kernel: q `[T, Hq, D]`, k / v `[T, Hkv, D]` (views with
     any row / head strides) → `[T, Hq·D]` in q's dtype (and the natural-log LSE `[T, Hq]` float32). `tiles`:
     the batch's work list (`ragged_tiles`, built once per batch by the backend), else made here."""
     if tiles is None:

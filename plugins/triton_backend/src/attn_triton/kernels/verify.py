@@ -35,9 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_core.batch_utils import shared_query_len
-from attn_core.errors import InvalidArgumentError
-from attn_core.forward_mode import ForwardMode
+from attn_core.batching.batch_utils import shared_query_len
+from attn_core.contract.errors import InvalidArgumentError
+from attn_core.contract.forward_mode import ForwardMode
 from attn_triton.kernels.common import (
     FAULT_KEY_OFFSETS,
     FAULT_MASK,
@@ -73,7 +73,7 @@ def verify_q_len(mode: ForwardMode, batch_size: int, num_tokens: int, max_q_len:
 
     A TARGET_VERIFY or DRAFT_EXTEND step of `batch_size` requests and `num_tokens` query rows whose
     longest request has `max_q_len` tokens, when every request carries the same count
-    (`attn_core.batch_utils.shared_query_len`: num_tokens == batch_size * max_q_len, host integers only, no
+    (`attn_core.batching.batch_utils.shared_query_len`: num_tokens == batch_size * max_q_len, host integers only, no
     device sync; a CUDA-graph batch, every request padded to the captured tokens per request, passes the
     same test) and that count is 1..MAX_VERIFY_Q_LEN.
 

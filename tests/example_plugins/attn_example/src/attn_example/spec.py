@@ -1,9 +1,9 @@
 """Registry entry of the example backend. Import-light: attn_core data types only, no torch."""
 
-from attn_core.capabilities import Capabilities, Feature
-from attn_core.forward_mode import ForwardMode
-from attn_core.probes import module_missing
-from attn_core.spec import BackendSpec
+from attn_core.contract.capabilities import Capabilities, Feature
+from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.spec import BackendSpec
+from attn_core.discovery.probes import module_missing
 
 CAPABILITIES = Capabilities(
     devices=frozenset({"cpu"}),

@@ -1,7 +1,7 @@
 """A spec targeting backend API 2.0, which attn-core 0.1 (API 1.x) must refuse."""
 
 from attn_core.backends.torch_native.spec import CAPABILITIES
-from attn_core.spec import BackendSpec
+from attn_core.contract.spec import BackendSpec
 
 SPEC = BackendSpec(
     name="example_api2",

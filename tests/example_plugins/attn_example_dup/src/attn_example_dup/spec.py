@@ -1,7 +1,7 @@
 """A second distribution registering a backend named "example"."""
 
 from attn_core.backends.torch_native.spec import CAPABILITIES
-from attn_core.spec import BackendSpec
+from attn_core.contract.spec import BackendSpec
 
 SPEC = BackendSpec(
     name="example",

@@ -1,0 +1,2 @@
+"""Discovery: the registry of backends (entry points and pluggy), their probes, and selection by capability and
+measured speed."""
