@@ -228,7 +228,10 @@ def test_trtllm_mla_installs_next_to_attn_flashinfer_without_pulling_flashinfer(
     assert re.search(r"^trtllm_mla\s+attn-trtllm-mla\s+0\.1\.0\s+unavailable: ", row), row
     assert "SM100/SM120" in row and "never run on hardware" in row
     assert re.search(r"^flashinfer_mla\s+attn-flashinfer\s+0\.1\.0\s+unavailable: ", listing, re.M), listing
-    probe = "import sys; from attn_core.discovery import registry; registry.list_backends(); print(sorted(m for m in sys.modules if 'infer' in m))"
+    probe = (
+        "import sys; from attn_core.discovery import registry; registry.list_backends(); "
+        "print(sorted(m for m in sys.modules if 'infer' in m))"
+    )
     loaded = run(venv["py"], "-c", probe, env=venv["env"]).stdout
     assert "'flashinfer'" not in loaded and "attn_flashinfer.mla_backend" not in loaded, loaded
     venv["pip"]("uninstall", "-y", "-q", "attn-trtllm-mla", "attn-flashinfer")
