@@ -14,6 +14,7 @@ import torch
 
 from attn_core.batching.positions import extend_start_loc_from_lens, positions_from_lens
 from attn_core.contract.batch import ForwardBatch, SpecInfo
+from attn_core.contract.capabilities import Feature
 from attn_core.contract.errors import InvalidArgumentError
 from attn_core.contract.forward_mode import ForwardMode
 from attn_core.engine.requests import Request, RequestPool, token_count
@@ -60,7 +61,10 @@ def build_step(
 
     `mode` None infers DECODE / MIXED / EXTEND (`step_mode`); TARGET_VERIFY (the same number of draft
     tokens for every request; `custom_masks`, one bool `[n, kv_len + n]` per request, default
-    `chain_verify_mask`) and DRAFT_EXTEND are asked for. Raises `InvalidArgumentError` for bad work
+    `chain_verify_mask`) and DRAFT_EXTEND are asked for. A chain of drafts needs no mask: with
+    `custom_masks` None and an `attn_backend` that does not declare `Feature.CUSTOM_MASK`, the batch
+    carries none (`spec_info.custom_mask` None: causal over prefix and drafts, the same keys the chain mask
+    gives), so such a backend can verify chains. Raises `InvalidArgumentError` for bad work
     (nothing allocated) and `KVCacheError` when slots run out (nothing changes).
 
     The batch remembers its requests as they are now (`batch.request_guard`): once one of them is freed,
@@ -90,6 +94,9 @@ def build_step(
         if len(set(counts)) != 1:
             raise InvalidArgumentError("work", "the same number of draft tokens for every TARGET_VERIFY request", counts)
         masks = _verify_masks(prefix, counts[0], custom_masks)
+        takes_masks = attn_backend is None or attn_backend.capabilities.supports(Feature.CUSTOM_MASK)
+        if custom_masks is None and not takes_masks:
+            masks = []  # a chain: causal, no mask
 
     out_cache_loc = requests.extend(reqs, counts)
     device = requests.req_to_token_pool.device
@@ -116,7 +123,9 @@ def build_step(
         batch.extend_seq_lens, batch.extend_seq_lens_cpu = lens[1], lens_cpu[1]
         batch.extend_start_loc = extend_start_loc_from_lens(lens[1])
         batch.extend_num_tokens = total
-    if masks is not None:
+    if masks == []:
+        batch.spec_info = SpecInfo(num_draft_tokens=counts[0])
+    elif masks is not None:
         indptr = torch.zeros(bs + 1, dtype=torch.int64)
         indptr[1:] = torch.tensor([m.numel() for m in masks]).cumsum(0)
         batch.spec_info = SpecInfo(
