@@ -11,19 +11,15 @@ import torch
 
 import attn_core as ac
 from attn_core.discovery.registry import default_registry
-from attn_core.testing.engine_memory import ENGINE_LAYOUTS, EngineCase, run_engine_case
+from attn_core.testing.engine_memory import (
+    ENGINE_LAYOUTS,
+    LONG_ENGINE_CONTEXT,
+    LONG_ENGINE_STEPS,
+    EngineCase,
+    run_engine_case,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-#: longer than the kit's CPU schedule: prefills over many pages, a 16-page shared prefix, chunks, decodes
-LONG_STEPS = (
-    (("a", 300),),
-    (("a", 1), ("b", 200)),
-    (("b", 1), ("c", 257), ("a", 1)),
-    (("a", 1), ("b", 1), ("c", 1)),
-    (("c", 1), ("d", 40, "a", 16)),
-    (("d", 1), ("a", 1), ("c", 1)),
-)
 
 
 def _usable(name: str) -> None:
@@ -47,7 +43,8 @@ def test_engine_layouts_on_cuda(backend, layout, write_by):
         dtype="bfloat16",
         device="cuda",
         write_by=write_by,
-        steps=LONG_STEPS,
+        steps=LONG_ENGINE_STEPS,
+        max_context_len=LONG_ENGINE_CONTEXT,
     )
     print(run_engine_case(lambda ctx: ac.create_backend(backend, ctx), case))
 
@@ -64,7 +61,8 @@ def test_engine_layouts_with_a_sliding_window_on_cuda(backend, layout):
         dtype="bfloat16",
         device="cuda",
         sliding_window=64,
-        steps=LONG_STEPS,
+        steps=LONG_ENGINE_STEPS,
+        max_context_len=LONG_ENGINE_CONTEXT,
     )
     print(run_engine_case(lambda ctx: ac.create_backend(backend, ctx), case))
 

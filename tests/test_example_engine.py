@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import attn_core as ac
+from attn_core.testing.device_path import STEP_CHECKS, accelerator_checks
 
 pytest.importorskip("transformers", reason="transformers is a test-only install (scripts/setup.sh; GPU runs: wheels in .whl/)")
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,6 +125,38 @@ def test_speculative_matches_generate(model, page_size):
     assert engine.accepted_drafts > 0, "no draft token accepted: the multi-token commit path went untested"
 
 
+def assert_no_fault(engine) -> None:
+    """Nothing refused by the device checks of any step (one sync per backend: the fault word read now)."""
+    for backend in [engine.backend] + (engine.draft.backends if engine.draft is not None else []):
+        backend.raise_device_faults()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("step_check", STEP_CHECKS)
+def test_engine_on_the_accelerator_path(model, step_check, page_size):
+    """The GPU test's steps on CPU tensors as an accelerator validates them by default (validation "basic":
+    host checks, then the step check on the device tensors, torch or the Triton kernel under the
+    interpreter): eager and graph-runner decode and speculative decoding equal `generate`, and no step of
+    the engine or of the draft wrapper is refused (a correct engine's batches; on a GPU the Triton step
+    check once refused the draft steps' strided slots with a false WRITE_OWNER)."""
+    if step_check == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton step check on CPU tensors needs TRITON_INTERPRET=1")
+    with accelerator_checks(step_check):
+        for graph_sizes in ((), (1, 2, 4)):
+            jobs = hf_llama.demo_jobs(seed=1, n=4, max_new=4)
+            engine, outs = run_engine(model, jobs, backend="torch_native", page_size=page_size, num_slots=160, max_running=3,
+                                      token_budget=24, graph_sizes=graph_sizes)
+            assert outs == hf_greedy(model, hf_llama.demo_jobs(seed=1, n=4, max_new=4)), graph_sizes
+            assert_no_fault(engine)
+        jobs = hf_llama.demo_jobs(seed=4, n=3, max_new=7)
+        engine = hf_llama.Engine(model, "torch_native", page_size, num_slots=256, max_running=3, spec_steps=3)
+        poison(engine)
+        engine.serve_speculative(jobs, draft_layers=1)
+        assert_no_leak(engine)
+        assert_no_fault(engine)
+        assert [j.out for j in jobs] == hf_greedy(model, hf_llama.demo_jobs(seed=4, n=3, max_new=7))
+
+
 GPU_CASES = [("triton", torch.float32), ("flashinfer", torch.float16)]
 
 
@@ -150,4 +183,5 @@ def test_engine_on_gpu(backend, attn_dtype):
         poison(engine)
         engine.serve_speculative(spec_jobs, draft_layers=1)
         assert_no_leak(engine)
+        assert_no_fault(engine)
         assert [j.out for j in spec_jobs] == hf_greedy(model, hf_llama.demo_jobs(seed=4, n=4, max_new=12)), ("speculative", page_size)

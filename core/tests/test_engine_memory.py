@@ -10,7 +10,14 @@ import attn_core as ac
 from attn_core.backends.torch_native.backend import TorchNativeBackend
 from attn_core.contract.errors import IncompatibleBackendError, InvalidArgumentError
 from attn_core.memory.engine_pool import has_internal_overlap, slot_view
-from attn_core.testing.engine_memory import ENGINE_LAYOUTS, EngineCase, run_engine_case
+from attn_core.testing.engine_memory import (
+    ENGINE_LAYOUTS,
+    LONG_ENGINE_CONTEXT,
+    LONG_ENGINE_STEPS,
+    EngineCase,
+    longest_request,
+    run_engine_case,
+)
 from attn_core.testing.outcome import KitFailure
 
 
@@ -293,6 +300,17 @@ def test_kit_engine_section_catches_broken_backends(cls, message):
 @pytest.mark.parametrize("layout", sorted(ENGINE_LAYOUTS))
 def test_every_engine_layout_on_torch_native_with_bf16(layout):
     run_engine_case(lambda ctx: ac.create_backend("torch_native", ctx), EngineCase(layout, dtype="bfloat16", seed=3))
+
+
+def test_the_gpu_schedule_fits_its_table_and_runs_on_the_cpu():
+    """tests/test_engine_kv_gpu.py's schedule with its table width, small heads, on torch_native; with the
+    default width of 128 it is refused up front, naming seq_lens_cpu (the GPU test once ran it so)."""
+    assert longest_request(LONG_ENGINE_STEPS, 16) <= LONG_ENGINE_CONTEXT
+    case = EngineCase("vllm_lbhnc", steps=LONG_ENGINE_STEPS, max_context_len=LONG_ENGINE_CONTEXT)
+    run_engine_case(lambda ctx: ac.create_backend("torch_native", ctx), case)
+    short = EngineCase("vllm_lbhnc", steps=LONG_ENGINE_STEPS)
+    with pytest.raises(ac.InvalidArgumentError, match="seq_lens_cpu"):
+        run_engine_case(lambda ctx: ac.create_backend("torch_native", ctx), short)
 
 
 @pytest.mark.parametrize("backend", ["torch_native", "triton"])

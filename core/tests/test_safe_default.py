@@ -11,10 +11,6 @@ import pytest
 import torch
 
 import attn_core
-import attn_core.contract.backend
-import attn_core.contract.validation
-import attn_core.engine.graph_runner
-import attn_core.wrappers.multi_step_draft
 from attn_core import (
     AttentionLayer,
     BackendContext,
@@ -33,25 +29,17 @@ from attn_core import (
 from attn_core.memory import MLATokenToKVPool, SlidingWindowAllocator, SlidingWindowKVPool
 from attn_core.ops.device_faults import FAULT_WORDS, NUM_FAULT_KINDS, DeviceFault, DeviceFaultFlags, DeviceFaultKind
 from attn_core.ops.kv_write import CheckedSlots, guard_slots, write_kv
+from attn_core.testing.device_path import accelerator_checks
 from attn_core.testing.harness import AttnCase, layer_inputs, make_env, make_layer
 from attn_core.testing.kit import make_plan, run_plan
 
 
-def _level_is_the_contexts(ctx) -> str:
-    return ctx.validation
-
-
 @pytest.fixture
-def device_path(monkeypatch):
+def device_path():
     """The default mode as an accelerator runs it, on CPU tensors: no full validation at "basic", the step
-    check (its torch path) and the fault word instead."""
-    for module in (
-        attn_core.contract.validation,
-        attn_core.contract.backend,
-        attn_core.engine.graph_runner,
-        attn_core.wrappers.multi_step_draft,
-    ):
-        monkeypatch.setattr(module, "effective_level", _level_is_the_contexts)
+    check (its torch path) and the fault word instead (`attn_core.testing.device_path`)."""
+    with accelerator_checks("torch"):
+        yield
 
 
 # ---- the CPU validates fully at any level ------------------------------------------------------------
@@ -97,12 +85,8 @@ def test_default_mode_device_path_hostile_section_torch_native(device_path):
 @pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton step check on CPU tensors needs TRITON_INTERPRET=1"
 )
-def test_default_mode_device_path_with_the_triton_step_check(device_path, monkeypatch):
+def test_default_mode_device_path_with_the_triton_step_check():
     """The same on the step check's Triton kernel (the CUDA path), under the interpreter."""
-    from attn_core.ops.step_checks_triton import check_step_triton
-
-    for module in (attn_core.contract.backend, attn_core.engine.graph_runner):
-        monkeypatch.setattr(module, "check_step", check_step_triton)
     select = [
         f"hostile-basic-{n}"
         for n in (
@@ -116,7 +100,8 @@ def test_default_mode_device_path_with_the_triton_step_check(device_path, monkey
         )
     ]
     select.append("hostile-graph_run_slot_minus_one")
-    outcomes = _outcomes("torch_native", select)
+    with accelerator_checks("triton"):
+        outcomes = _outcomes("torch_native", select)
     assert len(outcomes) == len(select)
     failed = {cid: o.message for cid, o in outcomes.items() if o.status != "passed"}
     assert not failed, failed

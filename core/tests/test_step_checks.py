@@ -210,3 +210,54 @@ def test_triton_kernel_matches_torch_on_random_spoiled_batches():
         assert torch.equal(safe_k, safe_ref), (trial, mode, what, reqs)
         if what == "none":
             assert not f_ref.any() and torch.equal(safe_ref, b.out_cache_loc.to(torch.int64)), (trial, mode, reqs)
+
+
+def _strided(x: torch.Tensor, rng: random.Random) -> torch.Tensor:
+    """`x` (1-D) as a view with another stride and garbage between its entries: column 1 of a `[n, k]`
+    buffer (k 2..4) or every other entry of a reversed buffer; the values read through it are x's."""
+    n, k = x.shape[0], rng.randint(2, 4)
+    buf = torch.full((n + 1, k), -12345, dtype=x.dtype)
+    if rng.random() < 0.5:
+        buf[:n, 1] = x
+        return buf[:n, 1]
+    flat = buf.reshape(-1)[: 2 * n]
+    flat[::2] = x
+    return flat[::2]
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernel runs on CPU tensors under TRITON_INTERPRET=1"
+)
+def test_triton_kernel_reads_strided_inputs_as_torch_does():
+    """Every 1-D input as a strided view (an engine's out_cache_loc sliced out of a `[bs, steps]` buffer:
+    the example engine's draft steps) and a table with strided columns: the kernel's faults and allowed
+    slots equal the torch reference's, and a valid batch passes with every slot allowed (the kernel once
+    read them as dense and refused every request after the first: a false WRITE_OWNER)."""
+    from attn_core.ops.step_checks_triton import check_step_triton
+
+    rng = random.Random(5)
+    for trial in range(24):
+        mode = rng.choice(["DECODE", "EXTEND", "MIXED"])
+        bs = rng.randint(2, 5)
+        if mode == "DECODE":
+            reqs = [(rng.randint(1, 20), 1) for _ in range(bs)]
+        else:
+            reqs = [(rng.randint(0, 12), rng.randint(1, 6)) for _ in range(bs)]
+        b, r2t, kv = _batch(mode, reqs, page_size=rng.choice([1, 4]), seed=100 + trial)
+        s = _tensors(b, r2t, kv)
+        what = _spoil(rng, s, r2t, kv) if trial % 2 else "none"
+        for name in ("req_pool_indices", "seq_lens", "q_lens", "prefix_lens", "start_loc", "out_cache_loc"):
+            if getattr(s, name) is not None:
+                setattr(s, name, _strided(getattr(s, name), rng))
+        if trial % 3 == 0:  # the table's columns strided too (a transposed buffer)
+            s.req_to_token = s.req_to_token.t().contiguous().t()
+        results = []
+        for check in (check_step_torch, check_step_triton):
+            fault = torch.zeros(FAULT_WORDS, dtype=torch.int32)
+            safe = torch.full((s.num_tokens,), -7, dtype=torch.int64)
+            check(s, safe, fault)
+            results.append((fault.tolist(), safe))
+        (f_ref, safe_ref), (f_k, safe_k) = results
+        assert f_k == f_ref and torch.equal(safe_k, safe_ref), (trial, mode, what, reqs)
+        if what == "none":
+            assert not any(f_ref) and torch.equal(safe_ref, b.out_cache_loc.to(torch.int64)), (trial, mode, reqs)

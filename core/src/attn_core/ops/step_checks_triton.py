@@ -5,7 +5,9 @@ Grid `[bs]`: program r loads the whole batch's rows and lengths (masked block lo
 prefix sums, totals and the duplicate-row test, checks request r, its keys' slots (chunks of CHUNK table
 entries) and its new tokens' slots, and writes their allowed slots. The last program zeroes the allowed
 slots of tokens no request covers. Every load is masked or its index clamped: the check itself cannot
-read out of bounds whatever the batch holds. Importing this module imports Triton.
+read out of bounds whatever the batch holds. Every input is read through its strides (a 1-D view with
+stride != 1, e.g. `loc[:, s]` of a `[bs, steps]` slot buffer, is read as torch reads it: reading it
+as dense once refused every request after the first of a correct engine's draft steps). Importing this module imports Triton.
 """
 
 from __future__ import annotations
@@ -57,6 +59,15 @@ def flag_request(FAULT, kind, r, bad):
         "num_slots",
         "cascade_len",
         "pad_seq",
+        "stride_col",
+        "stride_rpi",
+        "stride_seq",
+        "stride_enc",
+        "stride_q",
+        "stride_prefix",
+        "stride_start",
+        "stride_mask",
+        "stride_loc",
     ],
     do_not_specialize_on_alignment=[
         "REQ_TO_TOKEN",
@@ -93,6 +104,15 @@ def _step_check_kernel(
     num_slots,
     cascade_len,
     pad_seq,
+    stride_col,
+    stride_rpi,
+    stride_seq,
+    stride_enc,
+    stride_q,
+    stride_prefix,
+    stride_start,
+    stride_mask,
+    stride_loc,
     BS_BLOCK: tl.constexpr,
     CHUNK: tl.constexpr,
     MIN_SEQ: tl.constexpr,
@@ -111,24 +131,24 @@ def _step_check_kernel(
     offs = tl.arange(0, BS_BLOCK)
     inb = offs < bs
     before = offs < r
-    rows_all = tl.load(REQ_POOL_INDICES + offs, mask=inb, other=0).to(tl.int64)
-    seq_all = tl.load(SEQ_LENS + offs, mask=inb, other=0).to(tl.int64)
+    rows_all = tl.load(REQ_POOL_INDICES + offs * stride_rpi, mask=inb, other=0).to(tl.int64)
+    seq_all = tl.load(SEQ_LENS + offs * stride_seq, mask=inb, other=0).to(tl.int64)
     if HAS_Q:
-        q_all = tl.load(Q_LENS + offs, mask=inb, other=0).to(tl.int64)
+        q_all = tl.load(Q_LENS + offs * stride_q, mask=inb, other=0).to(tl.int64)
     else:
         q_all = inb.to(tl.int64)
     qc_all = tl.maximum(q_all, 0)
     q_beg = tl.sum(tl.where(before, qc_all, 0), 0)
     q_total = tl.sum(qc_all, 0)
 
-    row = tl.load(REQ_POOL_INDICES + r).to(tl.int64)
-    seq = tl.load(SEQ_LENS + r).to(tl.int64)
+    row = tl.load(REQ_POOL_INDICES + r * stride_rpi).to(tl.int64)
+    seq = tl.load(SEQ_LENS + r * stride_seq).to(tl.int64)
     enc = seq * 0
     if HAS_ENC:
-        enc = tl.load(ENC_LENS + r).to(tl.int64)
+        enc = tl.load(ENC_LENS + r * stride_enc).to(tl.int64)
     q = seq * 0 + 1
     if HAS_Q:
-        q = tl.load(Q_LENS + r).to(tl.int64)
+        q = tl.load(Q_LENS + r * stride_q).to(tl.int64)
     qc = tl.maximum(q, 0)
 
     never = r < 0  # a False of the scalar mask type
@@ -143,17 +163,17 @@ def _step_check_kernel(
     width_bad = (len_bad == 0) & (enc + seq > width)
     ext_bad = q > seq
     if HAS_PREFIX:
-        ext_bad = ext_bad | (tl.load(PREFIX_LENS + r).to(tl.int64) != seq - q)
+        ext_bad = ext_bad | (tl.load(PREFIX_LENS + r * stride_prefix).to(tl.int64) != seq - q)
     start_bad = never
     if HAS_START:
-        start_bad = tl.load(START_LOC + r).to(tl.int64) != q_beg
+        start_bad = tl.load(START_LOC + r * stride_start).to(tl.int64) != q_beg
     mask_bad = never
     if HAS_MASK_INDPTR:
         sizes = qc_all * tl.maximum(seq_all, 0)
         m_beg = tl.sum(tl.where(before, sizes, 0), 0)
-        mask_bad = tl.load(MASK_INDPTR + r).to(tl.int64) != m_beg
+        mask_bad = tl.load(MASK_INDPTR + r * stride_mask).to(tl.int64) != m_beg
         if r == bs - 1:
-            mask_bad = mask_bad | (tl.load(MASK_INDPTR + bs).to(tl.int64) != tl.sum(sizes, 0))
+            mask_bad = mask_bad | (tl.load(MASK_INDPTR + bs * stride_mask).to(tl.int64) != tl.sum(sizes, 0))
     shape_ok = (row_bad | len_bad | width_bad) == 0
     safe_row = tl.where(row_bad, 0, row)
     n_keys = tl.where(shape_ok, enc + seq, 0).to(tl.int32)
@@ -164,7 +184,7 @@ def _step_check_kernel(
         for i in range(0, n_keys, CHUNK):
             o = i + tl.arange(0, CHUNK)
             m = o < n_keys
-            slots = tl.load(src + o, mask=m, other=1)
+            slots = tl.load(src + o * stride_col, mask=m, other=1)
             key_bad = key_bad | (tl.max((m & ((slots < 1) | (slots >= num_slots))).to(tl.int32), 0) > 0)
         key_bad = key_bad & (pad == 0)
     casc_bad = never
@@ -178,8 +198,8 @@ def _step_check_kernel(
             for i in range(0, shared, CHUNK):
                 o = i + tl.arange(0, CHUNK)
                 m = o < shared
-                mine = tl.load(src + o, mask=m, other=0)
-                theirs = tl.load(src0 + o, mask=m, other=0)
+                mine = tl.load(src + o * stride_col, mask=m, other=0)
+                theirs = tl.load(src0 + o * stride_col, mask=m, other=0)
                 casc_bad = casc_bad | (tl.max((m & (mine != theirs)).to(tl.int32), 0) > 0)
 
     req_bad = row_bad | dup | len_bad | width_bad | ext_bad | start_bad | mask_bad | key_bad | casc_bad
@@ -211,10 +231,10 @@ def _step_check_kernel(
             o = i + tl.arange(0, CHUNK)
             m = o < q_eff
             t = q_beg + o
-            loc = tl.load(OUT_CACHE_LOC + t, mask=m, other=0).to(tl.int64)
+            loc = tl.load(OUT_CACHE_LOC + t * stride_loc, mask=m, other=0).to(tl.int64)
             col = first_col + o
             col_ok = (col >= 0) & (col < tl.where(shape_ok, width, 0))  # a vector mask (no scalar & vector)
-            expect = tl.load(src + col, mask=m & col_ok, other=-1).to(tl.int64)
+            expect = tl.load(src + col * stride_col, mask=m & col_ok, other=-1).to(tl.int64)
             pad_tok = (loc == 0) & (o * 0 + pad_seq >= 0)  # graph runs: a token may write the dummy slot
             in_pool = ((loc >= 1) & (loc < num_slots)) | pad_tok
             owned = (col_ok & (loc == expect)) | pad_tok
@@ -232,7 +252,9 @@ def _step_check_kernel(
 
 def check_step_triton(s: StepTensors, safe: Optional[torch.Tensor], fault: torch.Tensor) -> None:
     """`attn_core.ops.step_checks.check_step_torch`'s results in one launch (see the module docstring).
-    `safe`: int64, at least `s.num_tokens` entries (only the first num_tokens are written)."""
+    `safe`: int64, at least `s.num_tokens` entries, unit stride (only the first num_tokens are written).
+    Every other tensor is read through its strides: a strided view (an engine's `out_cache_loc` sliced
+    out of a `[bs, steps]` buffer, the draft wrapper's per-step slots) reads as torch reads it."""
     bs, T = s.batch_size, s.num_tokens
     write = s.out_cache_loc is not None and safe is not None
     if bs == 0:
@@ -241,6 +263,12 @@ def check_step_triton(s: StepTensors, safe: Optional[torch.Tensor], fault: torch
         return
     r2t = s.req_to_token
     dummy = s.seq_lens
+    enc = s.encoder_lens if s.encoder_lens is not None else dummy
+    q_lens = s.q_lens if s.q_lens is not None else dummy
+    prefix = s.prefix_lens if s.prefix_lens is not None else dummy
+    start = s.start_loc if s.start_loc is not None else dummy
+    mask_indptr = s.mask_indptr if s.mask_indptr is not None else dummy
+    loc = s.out_cache_loc if write else dummy
     _LAUNCH(
         (bs,),
         r2t,
@@ -249,12 +277,12 @@ def check_step_triton(s: StepTensors, safe: Optional[torch.Tensor], fault: torch
         r2t.shape[1],
         s.req_pool_indices,
         s.seq_lens,
-        s.encoder_lens if s.encoder_lens is not None else dummy,
-        s.q_lens if s.q_lens is not None else dummy,
-        s.prefix_lens if s.prefix_lens is not None else dummy,
-        s.start_loc if s.start_loc is not None else dummy,
-        s.mask_indptr if s.mask_indptr is not None else dummy,
-        s.out_cache_loc if write else dummy,
+        enc,
+        q_lens,
+        prefix,
+        start,
+        mask_indptr,
+        loc,
         safe if write else fault,
         fault,
         bs,
@@ -263,6 +291,15 @@ def check_step_triton(s: StepTensors, safe: Optional[torch.Tensor], fault: torch
         s.num_slots,
         s.cascade_len,
         s.pad_seq_len,
+        r2t.stride(1),
+        s.req_pool_indices.stride(0),
+        s.seq_lens.stride(0),
+        enc.stride(0),
+        q_lens.stride(0),
+        prefix.stride(0),
+        start.stride(0),
+        mask_indptr.stride(0),
+        loc.stride(0),
         BS_BLOCK=max(16, 1 << (bs - 1).bit_length()),
         CHUNK=CHUNK,
         MIN_SEQ=1 if s.decode else 0,

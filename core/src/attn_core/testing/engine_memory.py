@@ -47,6 +47,33 @@ ENGINE_STEPS: list[list[tuple]] = [
     [("d", 1), ("a", 1), ("c", 1)],  # DECODE
 ]
 
+#: the GPU schedule (tests/test_engine_kv_gpu.py): prefills over many pages, a 16-block shared prefix,
+#: chunks, decodes; its requests grow to 304 keys, past `EngineCase`'s default table width of 128
+LONG_ENGINE_STEPS: list[list[tuple]] = [
+    [("a", 300)],
+    [("a", 1), ("b", 200)],
+    [("b", 1), ("c", 257), ("a", 1)],
+    [("a", 1), ("b", 1), ("c", 1)],
+    [("c", 1), ("d", 40, "a", 16)],
+    [("d", 1), ("a", 1), ("c", 1)],
+]
+#: the request-table width LONG_ENGINE_STEPS runs with (`EngineCase.max_context_len`)
+LONG_ENGINE_CONTEXT = 512
+
+
+def longest_request(steps, page_size: int) -> int:
+    """The most keys any request of a schedule reaches (a shared prefix of B blocks counts B * page_size):
+    the smallest `EngineCase.max_context_len` the schedule runs with. Example: `longest_request(ENGINE_STEPS,
+    16)` is 24 (request a: 20 + 4 decodes; d: 16 shared + 6 + 1 = 23)."""
+    lens: dict[str, int] = {}
+    for step in steps:
+        for item in step:
+            name, n = item[0], item[1]
+            if name not in lens:
+                lens[name] = item[3] * page_size if len(item) == 4 else 0
+            lens[name] += n
+    return max(lens.values(), default=0)
+
 
 @dataclass(frozen=True)
 class EngineLayout:
@@ -148,7 +175,9 @@ ENGINE_LAYOUTS: dict[str, EngineLayout] = _layouts()
 class EngineCase:
     """One engine-owned-memory run: the layout, shapes, dtype, device and how new K/V are written
     ("save_kv": attn's write step, then forward(q, k, v, save_kv_cache=False), k/v the new tokens' values
-    already in the cache; "forward": forward writes them)."""
+    already in the cache; "forward": forward writes them). `max_context_len`: the width of the request
+    table `EngineBatches` keeps (keys per request); `steps` whose requests grow past it are refused by
+    `EngineBatches.build` (`InvalidArgumentError` naming seq_lens_cpu), so a longer schedule says so here."""
 
     layout: str
     num_q_heads: int = 4
@@ -162,6 +191,7 @@ class EngineCase:
     write_by: str = "save_kv"
     sliding_window: Optional[int] = None
     steps: tuple = field(default_factory=lambda: tuple(tuple(s) for s in ENGINE_STEPS))
+    max_context_len: int = 128
 
     def describe(self) -> str:
         w = f" window={self.sliding_window}" if self.sliding_window else ""
@@ -201,7 +231,7 @@ class EngineWorld:
         self.blocks: dict[str, list[int]] = {}
         self.lens: dict[str, int] = {}
         self.cache: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self.batches = EngineBatches(self.pool, max_requests=8, max_context_len=128, device=dev)
+        self.batches = EngineBatches(self.pool, max_requests=8, max_context_len=case.max_context_len, device=dev)
         self.ctx = BackendContext(
             device=dev,
             dtype=self.dtype,
@@ -480,11 +510,14 @@ __all__ = [
     "ENGINE_LAYOUTS",
     "ENGINE_STEPS",
     "EngineCase",
+    "LONG_ENGINE_CONTEXT",
+    "LONG_ENGINE_STEPS",
     "EngineLayout",
     "EngineWorld",
     "engine_case_check",
     "engine_hostile_checks",
     "engine_page_size",
     "engine_refusal_check",
+    "longest_request",
     "run_engine_case",
 ]

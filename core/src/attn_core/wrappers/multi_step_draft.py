@@ -336,9 +336,11 @@ class MultiStepDraftBackend:
         n = bs * self.topk
         rows = torch.arange(n, dtype=torch.int64, device=loc.device)
         per_row = seq_lens.to(torch.int64).repeat_interleave(self.topk)
+        # step s's slots, one dense row per step (loc[:, :, s] is a strided view: kernels read dense rows)
+        step_loc = loc.permute(2, 0, 1).reshape(self.num_steps, n).contiguous()
         batches = []
         for s in range(self.num_steps):
-            b = self._step_batch(s, n, rows, (per_row + s + 1).to(torch.int32), per_row + s, loc[:, :, s].reshape(-1), seq_lens_cpu, pool)
+            b = self._step_batch(s, n, rows, (per_row + s + 1).to(torch.int32), per_row + s, step_loc[s], seq_lens_cpu, pool)
             self.backends[s].init_forward_metadata(b)
             batches.append(b)
         return batches
