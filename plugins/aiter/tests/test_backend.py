@@ -158,7 +158,7 @@ def test_decode_graph_buffers(arch):
     assert ids.data_ptr() == g["ids"].data_ptr() and plan.kv_indptr.data_ptr() == g["kv_indptr"].data_ptr()
     graph = backend.forward(inputs["q"], inputs["k"], inputs["v"], layer, env.batch)
     assert torch.equal(graph, eager)
-    with pytest.raises(InvalidArgumentError, match="max_bs"):
+    with pytest.raises(InvalidArgumentError, match="batch size captured"):
         backend.init_forward_metadata_replay_cuda_graph(
             5, *(torch.zeros(5, dtype=torch.int32),) * 2, 5, None, ForwardMode.DECODE, None, None
         )

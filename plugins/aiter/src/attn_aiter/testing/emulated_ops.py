@@ -41,6 +41,8 @@ from typing import Optional
 
 import torch
 
+from attn_core.ops.masked_values import masked_pv
+
 #: tokens per partition of the ROCm paged-attention kernel [PA]
 PARTITION_SIZE = 256
 #: queries per sequence the MLA decode kernel serves [MLA]
@@ -91,8 +93,9 @@ def attend(q, k, v, visible, scale: float, logit_cap: float = 0.0) -> torch.Tens
     if logit_cap > 0:
         s = logit_cap * torch.tanh(s / logit_cap)
     s = s.masked_fill(~visible[None], float("-inf"))
-    p = torch.softmax(s, -1).nan_to_num(0.0)
-    return (p @ vf).transpose(0, 1)
+    p = torch.softmax(s, -1)
+    p = torch.where(visible.any(-1)[None, :, None], p, 0.0)  # a row without a visible key is 0 (not NaN)
+    return masked_pv(p, vf, visible).transpose(0, 1)
 
 
 def bottom_right_causal(sq: int, sk: int) -> torch.Tensor:

@@ -26,6 +26,8 @@ from typing import Optional
 
 import torch
 
+from attn_core.ops.masked_values import masked_pv
+
 #: parameters of FlashInfer's trtllm_batch_decode_with_kv_cache (docs.flashinfer.ai)
 DOCUMENTED_DECODE = frozenset(
     "query kv_cache workspace_buffer block_tables seq_lens max_seq_len bmm1_scale bmm2_scale window_left out out_dtype "
@@ -74,7 +76,8 @@ def _attend64(q, k, v, visible, scale: float, sinks: Optional[torch.Tensor]) -> 
     p = torch.softmax(s, -1)
     if sinks is not None:
         p = p[..., :-1]
-    return torch.einsum("hqk,khd->qhd", p.nan_to_num(0.0), vf)
+    p = torch.where(visible.any(-1)[None, :, None], p, 0.0)  # a row without a visible key is 0 (not NaN)
+    return masked_pv(p, vf.transpose(0, 1), visible).transpose(0, 1)
 
 
 def _visible(q_len: int, n: int, window_left: int) -> torch.Tensor:

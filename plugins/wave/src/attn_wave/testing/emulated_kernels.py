@@ -44,6 +44,8 @@ from typing import Optional
 
 import torch
 
+from attn_core.ops.masked_values import masked_pv
+
 LOG2E = 1.44269504089
 
 #: the decode template's shape descriptor (its fields, as the template names them)
@@ -242,7 +244,7 @@ def get_extend_attention_kernel(
                 vis = (j < pre) | (~torch.tensor(is_causal)) | (j - pre <= i)
             x = _scores(q[qo[s] : qo[s + 1]], keys, scale * LOG2E).masked_fill(~vis.to(q.device)[None], float("-inf"))
             p = torch.exp2(x - x.max(-1, keepdim=True).values)
-            o = (p / p.sum(-1, keepdim=True)) @ _values(vals, q.shape[1])
+            o = masked_pv(p / p.sum(-1, keepdim=True), _values(vals, q.shape[1]), vis.to(q.device))
             out[qo[s] : qo[s + 1]] = o.transpose(0, 1).to(out.dtype)
 
     if use_custom_mask:
