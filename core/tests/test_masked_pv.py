@@ -39,3 +39,13 @@ def test_masked_keys_add_nothing_whatever_their_values(seed):
         else:
             assert torch.isfinite(out[:, i]).all()
             assert torch.allclose(out[:, i], ref[:, i], rtol=1e-12, atol=1e-12)
+
+
+def test_a_row_that_sees_no_key_is_zero_even_when_p_is_nan():
+    visible = torch.tensor([[True, False], [False, False]])
+    s = torch.tensor([[[0.5, 1.0], [2.0, 3.0]]], dtype=torch.float64).masked_fill(~visible[None], float("-inf"))
+    p = torch.softmax(s, -1)  # row 1: softmax over nothing but -inf is NaN
+    assert torch.isnan(p[0, 1]).all()
+    v = torch.tensor([[[1.0, 2.0], [float("inf"), 4.0]]], dtype=torch.float64)
+    out = masked_pv(p, v, visible)
+    assert out[0, 0].tolist() == [1.0, 2.0] and out[0, 1].tolist() == [0.0, 0.0]

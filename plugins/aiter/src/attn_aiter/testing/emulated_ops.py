@@ -93,9 +93,7 @@ def attend(q, k, v, visible, scale: float, logit_cap: float = 0.0) -> torch.Tens
     if logit_cap > 0:
         s = logit_cap * torch.tanh(s / logit_cap)
     s = s.masked_fill(~visible[None], float("-inf"))
-    p = torch.softmax(s, -1)
-    p = torch.where(visible.any(-1)[None, :, None], p, 0.0)  # a row without a visible key is 0 (not NaN)
-    return masked_pv(p, vf, visible).transpose(0, 1)
+    return masked_pv(torch.softmax(s, -1), vf, visible).transpose(0, 1)
 
 
 def bottom_right_causal(sq: int, sk: int) -> torch.Tensor:

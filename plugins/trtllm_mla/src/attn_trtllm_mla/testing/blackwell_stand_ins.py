@@ -76,7 +76,6 @@ def _attend64(q, k, v, visible, scale: float, sinks: Optional[torch.Tensor]) -> 
     p = torch.softmax(s, -1)
     if sinks is not None:
         p = p[..., :-1]
-    p = torch.where(visible.any(-1)[None, :, None], p, 0.0)  # a row without a visible key is 0 (not NaN)
     return masked_pv(p, vf.transpose(0, 1), visible).transpose(0, 1)
 
 
