@@ -28,6 +28,16 @@ def _causal_reference(q, k, v, scale):
     return out.reshape(t, H * D)
 
 
+def _engine(slots: int, rows: int, width: int):
+    """A request pool over an fp32 paged KV pool of `slots` slots and the torch_native backend on it."""
+    kv = ac.MHATokenToKVPool(size=slots, page_size=PAGE, dtype=torch.float32, head_num=HKV, head_dim=D, layer_num=1)
+    table = ac.ReqToTokenPool(size=rows, max_context_len=width)
+    pool = ac.RequestPool(table, ac.PagedTokenAllocator(size=slots, page_size=PAGE), kv)
+    ctx = ac.BackendContext(device="cpu", dtype=torch.float32, num_q_heads=H, num_kv_heads=HKV, head_dim=D,
+                            page_size=PAGE, req_to_token_pool=table, token_to_kv_pool=kv)
+    return pool, ac.create_backend("torch_native", ctx)
+
+
 class _NoMaskBackend:
     """What `build_step` reads of a backend: its capabilities, here without CUSTOM_MASK."""
 
@@ -38,12 +48,7 @@ class _NoMaskBackend:
 
 def test_a_backend_without_masks_gets_an_unmasked_chain_verify_equal_to_causal():
     torch.manual_seed(0)
-    kv = ac.MHATokenToKVPool(size=256, page_size=PAGE, dtype=torch.float32, head_num=HKV, head_dim=D, layer_num=1)
-    rows = ac.ReqToTokenPool(size=4, max_context_len=64)
-    pool = ac.RequestPool(rows, ac.PagedTokenAllocator(size=256, page_size=PAGE), kv)
-    ctx = ac.BackendContext(device="cpu", dtype=torch.float32, num_q_heads=H, num_kv_heads=HKV, head_dim=D,
-                            page_size=PAGE, req_to_token_pool=rows, token_to_kv_pool=kv)
-    backend = ac.create_backend("torch_native", ctx)
+    pool, backend = _engine(slots=256, rows=4, width=64)
     layer = ac.AttentionLayer(layer_id=0, num_q_heads=H, num_kv_heads=HKV, head_dim=D)
     a = pool.add()
     keys, values = [], []
@@ -63,12 +68,7 @@ def test_a_backend_without_masks_gets_an_unmasked_chain_verify_equal_to_causal()
 
 
 def test_a_backend_with_masks_still_gets_the_chain_mask():
-    kv = ac.MHATokenToKVPool(size=64, page_size=PAGE, dtype=torch.float32, head_num=HKV, head_dim=D, layer_num=1)
-    rows = ac.ReqToTokenPool(size=2, max_context_len=32)
-    pool = ac.RequestPool(rows, ac.PagedTokenAllocator(size=64, page_size=PAGE), kv)
-    ctx = ac.BackendContext(device="cpu", dtype=torch.float32, num_q_heads=H, num_kv_heads=HKV, head_dim=D,
-                            page_size=PAGE, req_to_token_pool=rows, token_to_kv_pool=kv)
-    backend = ac.create_backend("torch_native", ctx)
+    pool, backend = _engine(slots=64, rows=2, width=32)
     a = pool.add()
     ac.build_step(pool, [(a, 5)], attn_backend=backend)
     batch = ac.build_step(pool, [(a, 2)], mode="TARGET_VERIFY", attn_backend=backend)

@@ -89,14 +89,14 @@ def build_step(
         raise InvalidArgumentError("mode", f"one of {[m.name for m in STEP_MODES]}", mode.name)
     if mode.is_decode() and set(counts) != {1}:
         raise InvalidArgumentError("work", "new_tokens == 1 for every DECODE request", counts)
-    masks = None
+    masks, chain_without_mask = None, False
     if mode.is_target_verify():
         if len(set(counts)) != 1:
             raise InvalidArgumentError("work", "the same number of draft tokens for every TARGET_VERIFY request", counts)
-        masks = _verify_masks(prefix, counts[0], custom_masks)
         takes_masks = attn_backend is None or attn_backend.capabilities.supports(Feature.CUSTOM_MASK)
-        if custom_masks is None and not takes_masks:
-            masks = []  # a chain: causal, no mask
+        chain_without_mask = custom_masks is None and not takes_masks  # causal over prefix and drafts
+        if not chain_without_mask:
+            masks = _verify_masks(prefix, counts[0], custom_masks)
 
     out_cache_loc = requests.extend(reqs, counts)
     device = requests.req_to_token_pool.device
@@ -123,7 +123,7 @@ def build_step(
         batch.extend_seq_lens, batch.extend_seq_lens_cpu = lens[1], lens_cpu[1]
         batch.extend_start_loc = extend_start_loc_from_lens(lens[1])
         batch.extend_num_tokens = total
-    if masks == []:
+    if chain_without_mask:
         batch.spec_info = SpecInfo(num_draft_tokens=counts[0])
     elif masks is not None:
         indptr = torch.zeros(bs + 1, dtype=torch.int64)
