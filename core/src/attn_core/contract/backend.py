@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import ClassVar, Generic, Optional, TypeVar, Union
+from typing import Any, ClassVar, Generic, Optional, TypeVar, Union
 
 import torch
 
@@ -47,7 +47,8 @@ from attn_core.contract.graph_step import CudaGraphStep
 from attn_core.contract.layer import AttentionLayer, AttentionType
 from attn_core.contract.ragged import RaggedBatch, check_ragged_batch, ragged_heads
 from attn_core.contract.validation import FULL, check_forward_batch, check_forward_dtypes, check_kv_pool, effective_level
-from attn_core.memory.pools import KVPool, kv_scales
+from attn_core.memory.kv_pool import KVPool
+from attn_core.memory.pools import kv_scales
 from attn_core.memory.window_pool import window_pool_of
 from attn_core.ops.device_faults import DeviceFault, DeviceFaultFlags, DeviceFaultKind
 from attn_core.ops.kv_write import CheckedSlots, check_host_slots, guard_slots
@@ -107,7 +108,7 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
     #: backend-specific forward() extras accepted on top of CORE_EXTRAS
     extra_forward_args: ClassVar[frozenset[str]] = frozenset()
 
-    def __init__(self, ctx: BackendContext, **options):
+    def __init__(self, ctx: BackendContext, **options: Any):
         if options:
             raise InvalidArgumentError("options", f"no unknown options for backend {self.name!r}", sorted(options))
         caps = getattr(type(self), "capabilities", None)  # wrappers derive theirs from checked children
@@ -415,7 +416,7 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         save_kv_cache: bool = True,
         *,
         out: Optional[torch.Tensor] = None,
-        **extras,
+        **extras: Any,
     ) -> Output:
         """Check the metadata is this batch's (`StaleMetadataError`), validate the arguments, then
         dispatch on the mode: no-token modes return an empty output, DECODE goes to `forward_decode`,
@@ -456,7 +457,7 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         layer: AttentionLayer,
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
-        **extras,
+        **extras: Any,
     ) -> Output:
         """DECODE: one query per request. q `[bs, Hq, D]`, k/v `[bs, Hkv, D]` / `[bs, Hkv, Dv]` (or None),
         validated; returns `[bs, Hq*Dv]` (and LSE `[bs, Hq]` float32 with return_lse)."""
@@ -470,7 +471,7 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         layer: AttentionLayer,
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
-        **extras,
+        **extras: Any,
     ) -> Output:
         """EXTEND, MIXED, TARGET_VERIFY, DRAFT_EXTEND (and SPLIT_PREFILL where declared): q `[T, Hq, D]`,
         k/v `[T, Hkv, D]` / `[T, Hkv, Dv]` (or None), validated; returns `[T, Hq*Dv]` (and LSE)."""

@@ -27,6 +27,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from attn_core.batching.positions import positions_from_lens
+from attn_core.contract.backend import AttentionBackend
 from attn_core.contract.batch import ForwardBatch, SpecInfo
 from attn_core.contract.errors import GraphShapeError, InvalidArgumentError, UnsupportedFeatureError
 from attn_core.contract.forward_mode import ForwardMode
@@ -59,7 +60,7 @@ class CudaGraphRunner:
 
     def __init__(
         self,
-        backend,
+        backend: AttentionBackend,
         batch_sizes: Sequence[int],
         run_layers: RunLayers,
         input_shapes: InputShapes,

@@ -35,11 +35,16 @@ from __future__ import annotations
 import itertools
 import operator
 from dataclasses import dataclass, field
+from typing import Optional, Union
 
 import numpy as np
 import torch
 
 from attn_core.contract.errors import InvalidArgumentError, KVCacheError, StaleRequestError
+from attn_core.memory.allocator import PagedTokenAllocator
+from attn_core.memory.kv_pool import KVPool
+from attn_core.memory.pools import ReqToTokenPool
+from attn_core.memory.window_pool import SlidingWindowAllocator
 
 
 def token_count(name: str, value: object, minimum: int = 0) -> int:
@@ -83,7 +88,12 @@ class RequestPool:
     the GPU costs a device sync per step); `token_to_kv_pool` is put on every batch built.
     """
 
-    def __init__(self, req_to_token_pool, allocator, token_to_kv_pool=None):
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool,
+        allocator: Union[PagedTokenAllocator, SlidingWindowAllocator],
+        token_to_kv_pool: Optional[KVPool] = None,
+    ) -> None:
         kv_ps = getattr(token_to_kv_pool, "page_size", allocator.page_size)
         if kv_ps != allocator.page_size:
             raise InvalidArgumentError("token_to_kv_pool", f"page_size {allocator.page_size} as the allocator's", kv_ps)

@@ -30,7 +30,7 @@ what `softmax_in_single_precision=True` asks for.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -53,7 +53,7 @@ def vision_backend(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
-    **options,
+    **options: Any,
 ) -> AttentionBackend:
     """The process's backend `name` over a ragged-only context (`Feature.RAGGED`, no paged mode, no pools) of
     these heads, head dim, dtype and device, made on first use (`attn_core.create_backend`) and shared after.
@@ -283,7 +283,7 @@ class VisionAttention(nn.Module):
         self,
         x: torch.Tensor,
         cu_seqlens: Union[RaggedBatch, torch.Tensor, None] = None,
-        position_embeddings=None,
+        position_embeddings: Any = None,
     ) -> torch.Tensor:
         """x `[T, E]`, `[1, T, E]` or `[b, s, E]` (see the module docstring) → the same shape. With
         `position_embeddings` (rotary (cos, sin) `[N, D]` over the attended rows, or whatever the module's

@@ -57,7 +57,7 @@ from attn_core.contract.errors import GraphShapeError, InvalidArgumentError, KVC
 from attn_core.contract.forward_mode import ForwardMode
 from attn_core.contract.graph_step import CudaGraphStep, GraphPadding, graph_padding
 from attn_core.contract.validation import FULL, effective_level
-from attn_core.memory import ReqToTokenPool, window_pool_of
+from attn_core.memory import KVPool, ReqToTokenPool, window_pool_of
 from attn_core.ops.device_faults import DeviceFaultKind
 from attn_core.ops.kv_write import record_first
 
@@ -315,8 +315,8 @@ class MultiStepDraftBackend:
         out_cache_loc: torch.Tensor,
         seq_lens_cpu: torch.Tensor,
         *,
-        req_to_token_pool=None,
-        token_to_kv_pool=None,
+        req_to_token_pool: Optional[ReqToTokenPool] = None,
+        token_to_kv_pool: Optional[KVPool] = None,
     ) -> list[ForwardBatch]:
         """Build the draft table (and the tail copies) and every step's metadata for requests with
         `seq_lens` (L_b, int32 `[bs]`, host copy `seq_lens_cpu`) cached tokens; returns the step batches.
