@@ -22,11 +22,12 @@ Conventions (every backend relies on them):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import TYPE_CHECKING, Optional, Protocol, TypeVar
 
 import torch
 
 from attn_core.contract.capabilities import Capabilities
+from attn_core.contract.errors import InvalidBatchError
 from attn_core.contract.forward_mode import ForwardMode
 
 if TYPE_CHECKING:  # annotations only
@@ -62,6 +63,21 @@ class SpecInfo:
     mask_indptr: Optional[torch.Tensor] = None
     topk: int = 1
 
+
+
+T = TypeVar("T")
+
+
+def batch_field(value: Optional[T], name: str) -> T:
+    """`value` (a `ForwardBatch` field the step's mode needs, e.g. `extend_seq_lens` in an extend-like mode)
+    when it is given, else `InvalidBatchError` naming `forward_batch.<name>`; one `is None` test. Validation
+    checks these fields up front; code that reads them after uses this instead of assuming them.
+
+    Example: `batch_field(b.extend_seq_lens_cpu, "extend_seq_lens_cpu")` is the tensor; on a DECODE batch
+    (None) it raises `InvalidBatchError` with argument "forward_batch.extend_seq_lens_cpu"."""
+    if value is None:
+        raise InvalidBatchError(f"forward_batch.{name}", "a value for this step's mode", None)
+    return value
 
 
 class StepBackend(Protocol):
