@@ -119,13 +119,13 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
             if ctx.token_to_kv_pool is not None:
                 check_kv_pool(ctx.token_to_kv_pool, ctx, "ctx.token_to_kv_pool")
         self.ctx = ctx
-        self.device = ctx.device
+        self.device = torch.device(ctx.device)
         self.forward_metadata = None
         # the batch (or GraphBatchKey) forward_metadata was built for; None: no metadata
         self._metadata_for: Union[ForwardBatch, GraphBatchKey, None] = None
         #: the fault word the step check and this backend's kernels record into (`attn_core.ops.device_faults`);
         #: a backend may replace it in its own __init__ with another `DeviceFaultFlags` of its device
-        self.device_faults = DeviceFaultFlags(ctx.device)
+        self.device_faults = DeviceFaultFlags(self.device)
         #: steps this backend made metadata for (init_forward_metadata and graph replays), the number a
         #: `DeviceFaultError` names
         self.step_count = 0
@@ -239,6 +239,7 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         in the fault word; captured with the graph, no replay cost), on the CPU range-checked at once
         (`InvalidArgumentError`). Always a `CheckedSlots` (its `.slots`: int64 `[T]`)."""
         cross = layer is not None and layer.is_cross_attention
+        slots: Union[CheckedSlots, torch.Tensor, None]
         if forward_batch is self._metadata_for and self._write_slots is not None:
             slots = self._encoder_slots if cross else self._write_slots
         else:
@@ -529,7 +530,7 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         ctx, dev, T = self.ctx, self.device, ragged.num_tokens
         q = ragged_heads("q", q, T, ctx.num_q_heads, ctx.head_dim, ctx.dtype, dev)
         k = ragged_heads("k", k, T, ctx.num_kv_heads, ctx.head_dim, ctx.dtype, dev)
-        v = ragged_heads("v", v, T, ctx.num_kv_heads, ctx.v_head_dim, ctx.dtype, dev)
+        v = ragged_heads("v", v, T, ctx.num_kv_heads, ctx.v_head_dim or ctx.head_dim, ctx.dtype, dev)
         if return_lse:
             self.require(Feature.LSE_OUTPUT, "return_lse")
         scale = ctx.head_dim**-0.5 if scaling is None else scaling

@@ -22,7 +22,7 @@ Conventions (every backend relies on them):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Optional, Protocol, TypeVar, Union
 
 import torch
 
@@ -83,7 +83,8 @@ def batch_field(value: Optional[T], name: str) -> T:
 class StepBackend(Protocol):
     """What a batch's `attn_backend` offers the helpers that read it (every `AttentionBackend` is one; a
     Protocol so that this module need not import the backend's, which imports it): its capabilities, its
-    CUDA-graph padding fill value (`graph_padding`) and its per-step metadata entry point."""
+    CUDA-graph padding fill value (`graph_padding`), its per-step metadata entry point and the per-layer
+    `forward` (`AttentionLayer.forward` calls it)."""
 
     @property
     def capabilities(self) -> Capabilities: ...
@@ -91,6 +92,17 @@ class StepBackend(Protocol):
     def get_cuda_graph_seq_len_fill_value(self) -> int: ...
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None: ...
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        layer: Any,  # an AttentionLayer (which imports this module)
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        **extras: Any,
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]: ...
 
 
 @dataclass

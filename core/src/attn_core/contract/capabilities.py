@@ -220,7 +220,7 @@ def _ranges(values: frozenset[int]) -> str:
     return str(v)
 
 
-def _cc(cc: tuple[int, int]) -> str:
+def _cc(cc: tuple[int, ...]) -> str:
     return f"{cc[0]}.{cc[1]}"
 
 

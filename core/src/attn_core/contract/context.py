@@ -163,20 +163,21 @@ class BackendContext:
             features.add(Feature.CUSTOM_MASK)
         if self.speculative_topk > 1:
             features.add(Feature.SPEC_TOPK_GT1)
+        device = torch.device(self.device)  # a torch.device since construction
         cc = None
-        if self.device.type == "cuda" and torch.cuda.is_available():
-            cc = torch.cuda.get_device_capability(self.device)
+        if device.type == "cuda" and torch.cuda.is_available():
+            cc = torch.cuda.get_device_capability(device)
         cpu_flags = None
-        if self.device.type == "cpu":
+        if device.type == "cpu":
             from attn_core.discovery.probes import cpu_flags as read_cpu_flags
 
             cpu_flags = read_cpu_flags()
         return Requirements(
-            device_type=self.device.type,
+            device_type=device.type,
             compute_capability=cc,
             cpu_flags=cpu_flags,
             q_dtype=dtype_name(self.dtype),
-            kv_dtype=dtype_name(self.kv_dtype),
+            kv_dtype=dtype_name(self.kv_dtype or self.dtype),
             head_dim=self.head_dim,
             page_size=self.page_size,
             arch=self.attention_arch,

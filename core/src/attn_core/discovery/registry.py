@@ -34,6 +34,7 @@ from attn_core.contract.errors import (
     InvalidArgumentError,
     InvalidSpecError,
     NoBackendError,
+    RegistryError,
     UnknownBackendError,
     install_hint,
 )
@@ -111,6 +112,13 @@ class BackendEntry:
     def ok(self) -> bool:
         return self.error is None
 
+    @property
+    def usable_spec(self) -> BackendSpec:
+        """The spec of an entry without an error (`ok`); raises the entry's error otherwise."""
+        if self.spec is None:
+            raise self.error or RegistryError(f"backend {self.name!r} has no spec")
+        return self.spec
+
     def _timed(self, label: str, check) -> TimedCheck:
         return self._checks.setdefault(label, TimedCheck(check, label))
 
@@ -118,20 +126,20 @@ class BackendEntry:
         """Start the probe in its thread without waiting (`explain` starts every probe first, so a
         probe that hangs costs one time limit in all, not one per backend)."""
         if self.error is None:
-            self._timed("probe", self.spec.probe).start()
+            self._timed("probe", self.usable_spec.probe).start()
 
     def probe(self) -> Optional[str]:
         """Why the backend cannot run here, or None. The probe runs once, in a daemon thread, for at most
         the time limit; anything it raises (`SystemExit` included) becomes "probe failed: ..."."""
         if self.error is not None:
             return str(self.error)
-        return self._timed("probe", self.spec.probe).result(probes.probe_timeout(self.probe_timeout))
+        return self._timed("probe", self.usable_spec.probe).result(probes.probe_timeout(self.probe_timeout))
 
     def info(self) -> Optional[str]:
         """What the backend found on this machine (the spec's `info_fn`), run like `probe`."""
         if self.error is not None:
             return None
-        return self._timed("info", self.spec.info).result(probes.probe_timeout(self.probe_timeout))
+        return self._timed("info", self.usable_spec.info).result(probes.probe_timeout(self.probe_timeout))
 
 
 @dataclass(frozen=True)
@@ -347,11 +355,11 @@ class Registry:
 
     def get_backend_class(self, name: str) -> type[AttentionBackend]:
         entry = self.resolve(name)
-        cls = entry.spec.load()
+        cls = entry.usable_spec.load()
         from attn_core.contract.backend import AttentionBackend  # torch import only when a class is wanted
 
         if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
-            raise BackendLoadError(name, entry.spec.backend_class, TypeError("not an AttentionBackend subclass"))
+            raise BackendLoadError(name, entry.usable_spec.backend_class, TypeError("not an AttentionBackend subclass"))
         return cls
 
     def _requirements(self, request: ContextOrRequirements) -> Requirements:
@@ -370,7 +378,7 @@ class Registry:
         reason = entry.probe()
         if reason:
             raise BackendUnavailableError(entry.name, reason)
-        reasons = entry.spec.capabilities.mismatches(self._requirements(request))
+        reasons = entry.usable_spec.capabilities.mismatches(self._requirements(request))
         if reasons:
             raise IncompatibleBackendError(entry.name, reasons)
         return entry
@@ -400,7 +408,7 @@ class Registry:
             probe = e.probe()
             if probe:
                 reasons.append(probe)
-            reasons += e.spec.capabilities.mismatches(req)
+            reasons += e.usable_spec.capabilities.mismatches(req)
             rows.append(BackendReport(name, e.distribution, not reasons, tuple(reasons)))
         for name, dist in KNOWN_BACKENDS.items():
             if name not in entries and name not in self._aliases and name not in self._ambiguous:
@@ -432,10 +440,11 @@ class Registry:
 
         for name in prefer:
             parts = parse_hybrid_name(name)
-            keys = [usable(p) for p in parts] if parts is not None else [usable(name)]
-            if all(keys):
+            found = [usable(p) for p in parts] if parts is not None else [usable(name)]
+            keys = [k for k in found if k is not None]
+            if len(keys) == len(found):
                 return _fixed_selection(self._requirements(request), keys)
-        specs = [self.entries()[r.name].spec for r in reports.values() if r.usable]
+        specs = [self.entries()[r.name].usable_spec for r in reports.values() if r.usable]
         if not specs:
             raise NoBackendError([(r.name, r.reasons) for r in reports.values()])
         return choose(specs, self._requirements(request))
@@ -477,7 +486,7 @@ def _resolve_aliases(entries: dict[str, BackendEntry]) -> tuple[dict[str, str], 
     for name, e in entries.items():
         if not (e.ok and _is_backend_name(name)):
             continue
-        for alias in e.spec.aliases:
+        for alias in e.usable_spec.aliases:
             if alias == name:
                 continue
             if alias in entries:

@@ -172,9 +172,11 @@ class _KVPoolBase:
     def _view(self, buf: torch.Tensor) -> torch.Tensor:
         return buf if self.store_dtype == self.dtype else buf.view(self.dtype)
 
-    def _check_rows(self, name: str, x: torch.Tensor, loc: SlotIds, tail: tuple[int, ...]) -> torch.Tensor:
+    def _check_rows(self, name: str, x: Optional[torch.Tensor], loc: torch.Tensor, tail: tuple[int, ...]) -> torch.Tensor:
         if loc.dim() != 1:
             raise InvalidArgumentError("loc", "a 1-D tensor of slot ids", tuple(loc.shape))
+        if x is None:
+            raise InvalidArgumentError(name, f"a tensor of shape {(loc.shape[0], *tail)}", None)
         if x.dim() == 2 and x.shape[1] == _prod(tail):
             x = x.reshape(x.shape[0], *tail)
         if tuple(x.shape) != (loc.shape[0], *tail):
@@ -231,7 +233,7 @@ class MHATokenToKVPool(_KVPoolBase):
         layer: LayerRef,
         loc: SlotIds,
         cache_k: torch.Tensor,
-        cache_v: torch.Tensor,
+        cache_v: Optional[torch.Tensor],
         k_scale: Optional[float] = None,
         v_scale: Optional[float] = None,
     ) -> None:
