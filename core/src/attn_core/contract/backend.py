@@ -102,7 +102,7 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
     """
 
     name: ClassVar[str] = ""
-    capabilities: ClassVar[Capabilities]
+    capabilities: Capabilities  # set on the class; wrappers derive theirs per instance
     #: the current step's metadata (None before the first step and for no-token modes)
     forward_metadata: Optional[MetadataT]
     #: backend-specific forward() extras accepted on top of CORE_EXTRAS
