@@ -45,3 +45,24 @@ def test_distribution_ships_py_typed(pyproject: Path):
     assert "py.typed" in package_data.get(package.name, []), (
         f'{pyproject.relative_to(ROOT)}: add `{package.name} = ["py.typed"]` under [tool.setuptools.package-data]'
     )
+
+
+def test_a_type_checker_sees_the_contract(tmp_path: Path):
+    """A user's mypy reads attn_core's annotations through its public names (`py.typed` and the exports
+    spelled out for type checkers): a wrong use of `create_backend`'s result and of a batch's pool is an
+    error naming the real types, not `Any` (which would pass silently)."""
+    api = pytest.importorskip("mypy.api")
+    user = tmp_path / "user_code.py"
+    user.write_text(
+        "import attn_core\n"
+        "from attn_core import BackendContext, ForwardBatch\n"
+        "def make(ctx: BackendContext) -> int:\n"
+        "    return attn_core.create_backend('torch_native', ctx)\n"
+        "def rows(batch: ForwardBatch) -> str:\n"
+        "    return batch.req_to_token_pool\n",
+        encoding="utf-8",
+    )
+    out, err, status = api.run([str(user), "--python-version", "3.12", "--no-incremental", "--follow-imports=silent"])
+    assert status == 1, out + err
+    assert '(got "AttentionBackend[Any]", expected "int")' in out, out
+    assert '"ReqToTokenPool | None", expected "str"' in out, out
