@@ -26,8 +26,8 @@ $VPIP install -q --upgrade pip
 # torch first, alone, so nothing later can resolve it to a CUDA build
 say "installing torch 2.13.0 (the CPU build; about 30 s)"
 $VPIP install -q torch==2.13.0
-say "installing Triton 3.9.0, numpy, pluggy, pytest, hypothesis, matplotlib, ruff, build tools (about 40 s)"
-$VPIP install -q "triton==3.9.0" "numpy>=2" "pluggy>=1.3" "pytest>=8" "hypothesis>=6.100" "matplotlib>=3.7" "ruff>=0.6" "build" "ninja" "setuptools>=68" "wheel"
+say "installing Triton 3.9.0, numpy, pluggy, pytest, hypothesis, matplotlib, ruff, mypy, build tools (about 40 s)"
+$VPIP install -q "triton==3.9.0" "numpy>=2" "pluggy>=1.3" "pytest>=8" "hypothesis>=6.100" "matplotlib>=3.7" "ruff>=0.6" "mypy>=1.11" "build" "ninja" "setuptools>=68" "wheel"
 say "installing attn-core and every plugin, editable"
 say "(pip may print 'ERROR: ... dependency resolver ... flashinfer-python' here or below: expected, attn-flashinfer is installed without it on purpose)"
 $VPIP install -q -e core

@@ -129,6 +129,11 @@ def test_wheel_is_what_runs(venv):
     assert sysconfig.get_paths()["purelib"] not in core_file
 
 
+def test_core_wheel_ships_its_types(venv):
+    """The PEP 561 marker reaches the installed package, so a user's type checker reads attn-core's hints."""
+    assert (venv["site"] / "attn_core" / "py.typed").is_file()
+
+
 def test_example_found_by_name_and_passes_the_kit(venv):
     listing = attn(venv, "list").stdout
     assert re.search(r"^example\s+attn-example\s+0\.1\.0\s+available", listing, re.M), listing

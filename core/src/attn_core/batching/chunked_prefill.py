@@ -81,6 +81,8 @@ class ChunkedPrefillPlan(ABC):
             raise InvalidArgumentError("prefix_kv", f"a callable giving the K/V of {len(chunks)} prefix chunks", None)
 
         def attend_chunk(chunk: PrefixChunk) -> Partial:
+            if prefix_kv is None:  # never: refused above when there are chunks
+                raise InvalidArgumentError("prefix_kv", "a callable giving the K/V of the prefix chunks", None)
             kc, vc = prefix_kv(chunk, self.chunk_slots[chunk.index])
             if kc.shape[0] != chunk.num_tokens or vc.shape[0] != chunk.num_tokens:
                 raise InvalidArgumentError(

@@ -24,12 +24,12 @@ All lengths come from the host copies (`*_cpu`), so splitting never waits for th
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from attn_core.batching.positions import extend_start_loc_from_lens
-from attn_core.contract.batch import ForwardBatch, SpecInfo
+from attn_core.contract.batch import ForwardBatch, SpecInfo, batch_field
 from attn_core.contract.errors import InvalidArgumentError
 from attn_core.contract.forward_mode import ForwardMode
 
@@ -86,7 +86,7 @@ def _extend_lens_cpu(b: ForwardBatch) -> torch.Tensor:
         return torch.ones(b.batch_size, dtype=torch.int32)
     if b.forward_mode.is_no_tokens():
         return torch.zeros(b.batch_size, dtype=torch.int32)
-    return b.extend_seq_lens_cpu
+    return batch_field(b.extend_seq_lens_cpu, "extend_seq_lens_cpu")
 
 
 def _set_first(x: torch.Tensor, value: int) -> torch.Tensor:
@@ -118,8 +118,9 @@ def split_forward_batch(forward_batch: ForwardBatch, split: TboSplit) -> tuple[F
     prefix_cpu = seq_cpu - extend_cpu
 
     pos_a, pos_z = (None, None) if b.positions is None else (b.positions[:t], b.positions[t:])
-    a = dict(batch_size=end_a, req_pool_indices=b.req_pool_indices[:end_a], out_cache_loc=b.out_cache_loc[:t], positions=pos_a)
-    z = dict(batch_size=n - s, req_pool_indices=b.req_pool_indices[s:], out_cache_loc=b.out_cache_loc[t:], positions=pos_z)
+    a: dict[str, Any] = dict(batch_size=end_a, req_pool_indices=b.req_pool_indices[:end_a], out_cache_loc=b.out_cache_loc[:t])
+    z: dict[str, Any] = dict(batch_size=n - s, req_pool_indices=b.req_pool_indices[s:], out_cache_loc=b.out_cache_loc[t:])
+    a["positions"], z["positions"] = pos_a, pos_z
     a["seq_lens"], a["seq_lens_cpu"] = b.seq_lens[:end_a], seq_cpu[:end_a]
     z["seq_lens"], z["seq_lens_cpu"] = b.seq_lens[s:], seq_cpu[s:]
     if c:  # A sees the cut request up to its first part only
@@ -140,12 +141,12 @@ def split_forward_batch(forward_batch: ForwardBatch, split: TboSplit) -> tuple[F
             )
             z["extend_prefix_lens"] = _set_first(z["extend_prefix_lens"], p_s + c)
             z["extend_prefix_lens_cpu"] = _set_first(z["extend_prefix_lens_cpu"], p_s + c)
-        a["extend_start_loc"] = b.extend_start_loc[:end_a]
+        a["extend_start_loc"] = batch_field(b.extend_start_loc, "extend_start_loc")[:end_a]
         z["extend_start_loc"] = extend_start_loc_from_lens(z["extend_seq_lens"])
-        a["extend_num_tokens"], z["extend_num_tokens"] = t, int(b.extend_num_tokens) - t
+        a["extend_num_tokens"], z["extend_num_tokens"] = t, batch_field(b.extend_num_tokens, "extend_num_tokens") - t
 
     if b.encoder_lens is not None:
-        enc_cpu = b.encoder_lens_cpu
+        enc_cpu = batch_field(b.encoder_lens_cpu, "encoder_lens_cpu")
         # encoder tokens come with the requests that start now (prefix 0), in request order
         enc_a = int((enc_cpu[:end_a] * (prefix_cpu[:end_a] == 0)).sum())
         a["encoder_lens"], a["encoder_lens_cpu"] = b.encoder_lens[:end_a], enc_cpu[:end_a]
@@ -158,8 +159,9 @@ def split_forward_batch(forward_batch: ForwardBatch, split: TboSplit) -> tuple[F
         if c:
             raise InvalidArgumentError("split.cut_len", "0 for a batch with a custom mask", c)
         off = spec.num_draft_tokens * int(seq_cpu[:s].sum())
-        a["spec_info"] = replace(spec, custom_mask=spec.custom_mask[:off], mask_indptr=spec.mask_indptr[: s + 1])
-        z["spec_info"] = replace(spec, custom_mask=spec.custom_mask[off:], mask_indptr=spec.mask_indptr[s:] - off)
+        indptr = batch_field(spec.mask_indptr, "spec_info.mask_indptr")
+        a["spec_info"] = replace(spec, custom_mask=spec.custom_mask[:off], mask_indptr=indptr[: s + 1])
+        z["spec_info"] = replace(spec, custom_mask=spec.custom_mask[off:], mask_indptr=indptr[s:] - off)
     return replace(b, **a), replace(b, **z)
 
 
@@ -174,6 +176,7 @@ def split_spec_info_for_graph(
     bs = seq_lens_cpu.shape[0]
     off = spec.num_draft_tokens * int(seq_lens_cpu[:half].sum())
     end = off + spec.num_draft_tokens * int(seq_lens_cpu[half:].sum())
-    first = replace(spec, custom_mask=spec.custom_mask[:off], mask_indptr=spec.mask_indptr[: half + 1])
-    second = replace(spec, custom_mask=spec.custom_mask[off:end], mask_indptr=spec.mask_indptr[half : bs + 1] - off)
+    indptr = batch_field(spec.mask_indptr, "spec_info.mask_indptr")
+    first = replace(spec, custom_mask=spec.custom_mask[:off], mask_indptr=indptr[: half + 1])
+    second = replace(spec, custom_mask=spec.custom_mask[off:end], mask_indptr=indptr[half : bs + 1] - off)
     return first, second

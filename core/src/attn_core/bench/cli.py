@@ -54,8 +54,8 @@ def usable_backends(device_type: str) -> tuple[list[str], dict[str, str]]:
     usable, left_out = [], {}
     for entry in registry.list_backends():
         reason = entry.probe()
-        if reason is None and device_type not in entry.spec.capabilities.devices:
-            reason = f"declares devices {sorted(entry.spec.capabilities.devices)}"
+        if reason is None and device_type not in entry.usable_spec.capabilities.devices:
+            reason = f"declares devices {sorted(entry.usable_spec.capabilities.devices)}"
         if reason is None and runs_in_triton_interpreter(entry.distribution, device_type):
             reason = "its kernels would run in the Triton interpreter (TRITON_INTERPRET=1), which times nothing useful"
         if reason is None:

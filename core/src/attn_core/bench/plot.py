@@ -5,7 +5,7 @@ warnings in red under the title). Needs matplotlib (`pip install 'attn-core[plot
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from attn_core.bench.runner import BenchRow
 
@@ -79,7 +79,8 @@ def plot_times(
                 bar.set_edgecolor("red")
             if speed is not None:
                 top = (bar.get_x() + bar.get_width() / 2, bar.get_height())
-                style = dict(textcoords="offset points", ha="center", va="bottom", fontsize=7, bbox=dict(fc="white", ec="none", pad=0.5))
+                style: dict[str, Any] = dict(textcoords="offset points", ha="center", va="bottom", fontsize=7)
+                style["bbox"] = dict(fc="white", ec="none", pad=0.5)
                 ax.annotate(f"{speed:.2f}×", top, xytext=(0, 3), **style)
     ax.set_xticks(range(len(shapes)))
     ax.set_xticklabels(shapes, rotation=25, ha="right", fontsize=8)

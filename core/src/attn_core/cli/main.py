@@ -13,7 +13,7 @@ import json
 import shutil
 import sys
 import textwrap
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from attn_core.bench.cli import add_bench_arguments
 from attn_core.cli.args import (
@@ -42,15 +42,16 @@ def list_rows(probe: bool = True) -> list[dict]:
     for entry in entries if probe else ():
         entry.start_probe()  # all probes run at once: a hanging one costs one time limit in all
     for entry in entries:
-        row = dict(name=entry.name, distribution=entry.distribution, version=entry.version, state="failed", reason=None, info=None)
+        row: dict[str, Any] = dict(name=entry.name, distribution=entry.distribution, version=entry.version, state="failed")
+        row.update(reason=None, info=None)
         row.update(notes=list(entry.notes), unverified=None, capabilities=None)
         if entry.ok:
             reason = entry.probe() if probe else None
             row["state"] = "not probed" if not probe else "unavailable" if reason else "available"
             row["reason"] = reason
             row["info"] = entry.info() if probe and not reason else None
-            row["unverified"] = entry.spec.unverified or None
-            row["capabilities"] = entry.spec.capabilities.summary()
+            row["unverified"] = entry.usable_spec.unverified or None
+            row["capabilities"] = entry.usable_spec.capabilities.summary()
         else:
             row["reason"] = str(entry.error)
         rows.append(row)
@@ -227,7 +228,7 @@ def _detect_device(device: str, parsed: Optional[tuple[int, int]]) -> tuple[str,
     except ImportError:
         return ("cpu" if device == "auto" else device), parsed
     if torch.cuda.is_available():
-        return "cuda", parsed or tuple(torch.cuda.get_device_capability())
+        return "cuda", parsed or torch.cuda.get_device_capability()
     return ("cpu" if device == "auto" else device), parsed
 
 

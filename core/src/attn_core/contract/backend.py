@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import ClassVar, Generic, Optional, TypeVar, Union
+from typing import Any, ClassVar, Generic, Optional, TypeVar, Union
 
 import torch
 
@@ -47,7 +47,8 @@ from attn_core.contract.graph_step import CudaGraphStep
 from attn_core.contract.layer import AttentionLayer, AttentionType
 from attn_core.contract.ragged import RaggedBatch, check_ragged_batch, ragged_heads
 from attn_core.contract.validation import FULL, check_forward_batch, check_forward_dtypes, check_kv_pool, effective_level
-from attn_core.memory.pools import KVPool, kv_scales
+from attn_core.memory.kv_pool import KVPool
+from attn_core.memory.pools import kv_scales
 from attn_core.memory.window_pool import window_pool_of
 from attn_core.ops.device_faults import DeviceFault, DeviceFaultFlags, DeviceFaultKind
 from attn_core.ops.kv_write import CheckedSlots, check_host_slots, guard_slots
@@ -101,13 +102,13 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
     """
 
     name: ClassVar[str] = ""
-    capabilities: ClassVar[Capabilities]
+    capabilities: Capabilities  # set on the class; wrappers derive theirs per instance
     #: the current step's metadata (None before the first step and for no-token modes)
     forward_metadata: Optional[MetadataT]
     #: backend-specific forward() extras accepted on top of CORE_EXTRAS
     extra_forward_args: ClassVar[frozenset[str]] = frozenset()
 
-    def __init__(self, ctx: BackendContext, **options):
+    def __init__(self, ctx: BackendContext, **options: Any):
         if options:
             raise InvalidArgumentError("options", f"no unknown options for backend {self.name!r}", sorted(options))
         caps = getattr(type(self), "capabilities", None)  # wrappers derive theirs from checked children
@@ -118,13 +119,13 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
             if ctx.token_to_kv_pool is not None:
                 check_kv_pool(ctx.token_to_kv_pool, ctx, "ctx.token_to_kv_pool")
         self.ctx = ctx
-        self.device = ctx.device
+        self.device = torch.device(ctx.device)
         self.forward_metadata = None
         # the batch (or GraphBatchKey) forward_metadata was built for; None: no metadata
         self._metadata_for: Union[ForwardBatch, GraphBatchKey, None] = None
         #: the fault word the step check and this backend's kernels record into (`attn_core.ops.device_faults`);
         #: a backend may replace it in its own __init__ with another `DeviceFaultFlags` of its device
-        self.device_faults = DeviceFaultFlags(ctx.device)
+        self.device_faults = DeviceFaultFlags(self.device)
         #: steps this backend made metadata for (init_forward_metadata and graph replays), the number a
         #: `DeviceFaultError` names
         self.step_count = 0
@@ -238,6 +239,7 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         in the fault word; captured with the graph, no replay cost), on the CPU range-checked at once
         (`InvalidArgumentError`). Always a `CheckedSlots` (its `.slots`: int64 `[T]`)."""
         cross = layer is not None and layer.is_cross_attention
+        slots: Union[CheckedSlots, torch.Tensor, None]
         if forward_batch is self._metadata_for and self._write_slots is not None:
             slots = self._encoder_slots if cross else self._write_slots
         else:
@@ -415,7 +417,7 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         save_kv_cache: bool = True,
         *,
         out: Optional[torch.Tensor] = None,
-        **extras,
+        **extras: Any,
     ) -> Output:
         """Check the metadata is this batch's (`StaleMetadataError`), validate the arguments, then
         dispatch on the mode: no-token modes return an empty output, DECODE goes to `forward_decode`,
@@ -456,7 +458,7 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         layer: AttentionLayer,
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
-        **extras,
+        **extras: Any,
     ) -> Output:
         """DECODE: one query per request. q `[bs, Hq, D]`, k/v `[bs, Hkv, D]` / `[bs, Hkv, Dv]` (or None),
         validated; returns `[bs, Hq*Dv]` (and LSE `[bs, Hq]` float32 with return_lse)."""
@@ -470,7 +472,7 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         layer: AttentionLayer,
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
-        **extras,
+        **extras: Any,
     ) -> Output:
         """EXTEND, MIXED, TARGET_VERIFY, DRAFT_EXTEND (and SPLIT_PREFILL where declared): q `[T, Hq, D]`,
         k/v `[T, Hkv, D]` / `[T, Hkv, Dv]` (or None), validated; returns `[T, Hq*Dv]` (and LSE)."""
@@ -528,7 +530,7 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         ctx, dev, T = self.ctx, self.device, ragged.num_tokens
         q = ragged_heads("q", q, T, ctx.num_q_heads, ctx.head_dim, ctx.dtype, dev)
         k = ragged_heads("k", k, T, ctx.num_kv_heads, ctx.head_dim, ctx.dtype, dev)
-        v = ragged_heads("v", v, T, ctx.num_kv_heads, ctx.v_head_dim, ctx.dtype, dev)
+        v = ragged_heads("v", v, T, ctx.num_kv_heads, ctx.v_head_dim or ctx.head_dim, ctx.dtype, dev)
         if return_lse:
             self.require(Feature.LSE_OUTPUT, "return_lse")
         scale = ctx.head_dim**-0.5 if scaling is None else scaling

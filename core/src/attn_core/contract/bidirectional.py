@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from attn_core.contract.batch import ForwardBatch
+from attn_core.contract.batch import ForwardBatch, batch_field
 from attn_core.contract.errors import InvalidBatchError
 
 _FIELD = "forward_batch.bidirectional_spans"
@@ -62,7 +62,7 @@ def check_bidirectional_spans(b: ForwardBatch, device: torch.device, full: bool 
     h = host.to(torch.int64)
     a, e = h[:, 0], h[:, 1]
     seq = b.seq_lens_cpu.to(torch.int64)
-    q_lens = torch.ones_like(seq) if mode.is_decode() else b.extend_seq_lens_cpu.to(torch.int64)
+    q_lens = torch.ones_like(seq) if mode.is_decode() else batch_field(b.extend_seq_lens_cpu, "extend_seq_lens_cpu").to(torch.int64)
     if bool((a < 0).any()) or bool((e < a).any()):
         raise InvalidBatchError(f"{_FIELD}_cpu", "0 <= a <= b for every span (a, b)", h.tolist())
     first_query = seq - q_lens
@@ -70,9 +70,9 @@ def check_bidirectional_spans(b: ForwardBatch, device: torch.device, full: bool 
     cut = queried & (e > seq)
     if bool(cut.any()):
         r = int(cut.nonzero()[0])
-        found = f"request {r}: span {tuple(h[r].tolist())}, keys 0..{int(seq[r]) - 1} in the step"
+        where = f"request {r}: span {tuple(h[r].tolist())}, keys 0..{int(seq[r]) - 1} in the step"
         raise InvalidBatchError(
-            f"{_FIELD}_cpu", "b <= seq_len for a span holding a query of the step (no chunk may cut a span)", found
+            f"{_FIELD}_cpu", "b <= seq_len for a span holding a query of the step (no chunk may cut a span)", where
         )
     if full and not torch.equal(spans.cpu().to(torch.int64), h):
         raise InvalidBatchError(_FIELD, f"the values of its host copy {h.tolist()}", spans.cpu().tolist())

@@ -76,7 +76,18 @@ FP8_KV_DTYPES = frozenset({"float8_e4m3fn"})
 @dataclass(frozen=True)
 class Requirements:
     """What one model on one device needs from a backend. Built by `BackendContext.requirements()`
-    or by hand (the `explain` command does) without torch."""
+    or by hand (the `explain` command does) without torch.
+
+    - `device_type`: "cpu", "cuda", "npu" ... (`torch.device.type`).
+    - `compute_capability`: (major, minor) of the CUDA device, or None (not CUDA, or unknown).
+    - `cpu_flags`: the CPU's ISA flags (`attn_core.discovery.probes.cpu_flags`) on a CPU device, else None.
+    - `q_dtype` / `kv_dtype`: dtype names as `dtype_name` spells them ("bfloat16", "float8_e4m3fn").
+    - `head_dim`: q/k channels per head (MLA: the latent width); `page_size`: KV slots per page.
+    - `arch`: "mha" or "mla"; `kv_layout`: the KV pool's layout, "NHD" or "HND".
+    - `features` / `forward_modes` / `cuda_graph`: what the engine will ask for.
+
+    Example: `Requirements(device_type="cuda", compute_capability=(9, 0), head_dim=128, page_size=16)`.
+    """
 
     device_type: str = "cpu"
     compute_capability: Optional[tuple[int, int]] = None
@@ -105,7 +116,13 @@ class Capabilities:
     vision tower) is matched on these instead of `head_dims`. `engine_kv_layouts`: the layouts in which the
     backend reads and writes an engine-owned KV pool (`attn_core.memory.EngineKVPool`: K and V as strided
     views of tensors the engine allocated, e.g. halves of one fused tensor) in place, taking the buffers'
-    strides as they are."""
+    strides as they are.
+
+    The other fields: `devices` (device types served, e.g. {"cuda"}), `q_dtypes` / `kv_dtypes` (dtype
+    names, as `dtype_name` spells them), `archs` ("mha", "mla"), `forward_modes` and `features` served,
+    `cuda_graph` (the `CudaGraphLevel` supported), `min_compute_capability` / `max_compute_capability`
+    ((major, minor) bounds on CUDA, None: no bound) and `cpu_isa` (CPU flags every one of which a CPU
+    device must have)."""
 
     devices: frozenset[str]
     q_dtypes: frozenset[str]
@@ -203,7 +220,7 @@ def _ranges(values: frozenset[int]) -> str:
     return str(v)
 
 
-def _cc(cc: tuple[int, int]) -> str:
+def _cc(cc: tuple[int, ...]) -> str:
     return f"{cc[0]}.{cc[1]}"
 
 

@@ -4,7 +4,7 @@ model runner: a backend never sees the engine."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
@@ -12,6 +12,10 @@ from attn_core.contract.capabilities import ARCH_MHA, ARCH_MLA, CudaGraphLevel, 
 from attn_core.contract.errors import InvalidArgumentError
 from attn_core.contract.forward_mode import ForwardMode
 from attn_core.contract.validation import BASIC, VALIDATION_LEVELS
+
+if TYPE_CHECKING:  # annotations only
+    from attn_core.memory.kv_pool import KVPool
+    from attn_core.memory.pools import ReqToTokenPool
 
 
 @dataclass
@@ -21,6 +25,39 @@ class BackendContext:
     `features`, `forward_modes` and `cuda_graph` say what the engine will ask for; sliding window,
     chunked local attention, a sliding-window KV pool, cross attention, deterministic mode and
     speculative settings add their features and modes automatically (see `requirements`).
+    The engine builds it once per model and device and passes it to `create_backend`; construction
+    checks every field (`InvalidArgumentError` naming it) and fills the derived ones.
+
+    - `device`: the device every tensor of a step lives on (str or `torch.device`; "cuda" becomes the
+      current CUDA device).
+    - `dtype`: dtype of q/k/v and of the output (e.g. torch.bfloat16).
+    - `num_q_heads` / `num_kv_heads`: query and KV heads of this rank, >= 1 (num_q_heads a multiple of
+      num_kv_heads; 1 KV head for MLA).
+    - `head_dim`: channels of q and k per head (MLA: kv_lora_rank + qk_rope_head_dim).
+    - `kv_dtype`: dtype the KV pool stores (an fp8 dtype for an fp8 cache); None: `dtype`.
+    - `v_head_dim`: channels of v and of the output per head; None: `head_dim` (MLA: kv_lora_rank).
+    - `page_size`: KV slots per page (tokens), >= 1, the pool's and the allocator's.
+    - `max_batch_size`: the most requests one step carries (graph buffers and scratch are sized by it).
+    - `max_context_len`: the most keys (encoder + decoder tokens) one request attends to; the width of
+      `req_to_token`.
+    - `req_to_token_pool`: the engine's request→slot table (`ReqToTokenPool`, int32
+      `[rows, max_context_len]` on `device`), used when a batch carries none; needed for CUDA graphs.
+    - `token_to_kv_pool`: the KV pool (`attn_core.memory.KVPool`), used when a batch carries none;
+      checked against `kv_dtype`, `page_size` and the head shape at backend construction.
+    - `sliding_window_size`: keys a sliding-window layer sees (the model's window), or None.
+    - `attention_chunk_size`, `kv_layout`, `validation`: below.
+    - `attention_arch`: "mha" (MHA/GQA/MQA) or "mla"; MLA also sets `kv_lora_rank` (latent width, > 0)
+      and `qk_rope_head_dim` (rope channels).
+    - `is_encoder_decoder`: cross-attention layers are used (adds `Feature.CROSS_ATTENTION`).
+    - `speculative_num_steps` / `speculative_topk` / `speculative_num_draft_tokens`: the engine's
+      speculative settings (draft steps, drafts per position, tokens verified per request); any of them
+      set asks for TARGET_VERIFY and DRAFT_EXTEND.
+    - `deterministic`: results must not depend on the batch's other requests (`Feature.DETERMINISTIC`).
+    - `features` / `forward_modes` / `cuda_graph`: what the engine will ask for beyond the above
+      (`Feature`s, `ForwardMode`s, a `CudaGraphLevel`).
+
+    Example: `BackendContext(device="cpu", dtype=torch.float32, num_q_heads=8, num_kv_heads=2,
+    head_dim=64)` has `v_head_dim == 64`, `kv_dtype == torch.float32` and `gqa_group_size == 4`.
     """
 
     device: Union[str, torch.device]
@@ -33,8 +70,8 @@ class BackendContext:
     page_size: int = 1
     max_batch_size: int = 256
     max_context_len: int = 8192
-    req_to_token_pool: object = None
-    token_to_kv_pool: object = None
+    req_to_token_pool: Optional[ReqToTokenPool] = None
+    token_to_kv_pool: Optional[KVPool] = None
     sliding_window_size: Optional[int] = None
     #: chunk size of the model's chunked local layers (`AttentionLayer.attention_chunk_size`), so that
     #: backends can build their per-step local metadata once; None: the model has no such layer
@@ -126,20 +163,21 @@ class BackendContext:
             features.add(Feature.CUSTOM_MASK)
         if self.speculative_topk > 1:
             features.add(Feature.SPEC_TOPK_GT1)
+        device = torch.device(self.device)  # a torch.device since construction
         cc = None
-        if self.device.type == "cuda" and torch.cuda.is_available():
-            cc = torch.cuda.get_device_capability(self.device)
+        if device.type == "cuda" and torch.cuda.is_available():
+            cc = torch.cuda.get_device_capability(device)
         cpu_flags = None
-        if self.device.type == "cpu":
+        if device.type == "cpu":
             from attn_core.discovery.probes import cpu_flags as read_cpu_flags
 
             cpu_flags = read_cpu_flags()
         return Requirements(
-            device_type=self.device.type,
+            device_type=device.type,
             compute_capability=cc,
             cpu_flags=cpu_flags,
             q_dtype=dtype_name(self.dtype),
-            kv_dtype=dtype_name(self.kv_dtype),
+            kv_dtype=dtype_name(self.kv_dtype or self.dtype),
             head_dim=self.head_dim,
             page_size=self.page_size,
             arch=self.attention_arch,

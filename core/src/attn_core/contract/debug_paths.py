@@ -21,10 +21,11 @@ overrides it per layer. A backend that reports nothing shows "(path not reported
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, TextIO
+from typing import Any, Callable, Iterator, Optional, TextIO
 
 #: the environment variable that turns the switch on at import ("1", "true", "yes" or "on")
 ENV_VAR = "ATTN_DEBUG_PATHS"
@@ -50,7 +51,7 @@ _original: Optional[Callable] = None
 _sinks: list[Callable[[PathRecord], None]] = []
 #: the class whose `forward` the switch wraps: `AttentionBackend`, handed over by `attach` when
 #: `attn_core.contract.backend` loads (this module imports nothing of it, so the two form no import circle)
-_target: Optional[type] = None
+_target: Any = None  # the AttentionBackend class (not imported here: it imports this module)
 
 
 def enabled() -> bool:
@@ -83,6 +84,7 @@ def _install() -> None:
         return
     _original = plain = _target.forward
 
+    @functools.wraps(plain)
     def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):
         out = plain(self, q, k, v, layer, forward_batch, save_kv_cache, **extras)
         path = self.describe_path(layer, forward_batch) or "(path not reported)"
@@ -92,8 +94,6 @@ def _install() -> None:
             sink(record)
         return out
 
-    forward.__doc__ = plain.__doc__
-    forward.__wrapped__ = plain
     _target.forward = forward
 
 

@@ -14,7 +14,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 @hookspec
-def attn_core_register_backends() -> list:
+def attn_core_register_backends() -> list:  # type: ignore[empty-body]  # a pluggy spec: plugins implement it
     """Return extra `BackendSpec` objects (for plugins that register in code rather than through the
     "attn_core.backends" entry-point group)."""
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import enum
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
 from attn_core.contract.errors import InvalidArgumentError
+
+if TYPE_CHECKING:  # annotations only
+    from attn_core.contract.batch import ForwardBatch
 
 
 class AttentionType(str, enum.Enum):
@@ -96,7 +99,15 @@ class AttentionLayer(torch.nn.Module):
         self.v_scale = v_scale
         self.attention_chunk_size = attention_chunk_size
 
-    def forward(self, q, k, v, forward_batch, save_kv_cache: bool = True, **extras):
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        **extras: Any,
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Attention of the batch's new tokens; output `[T, num_q_heads * v_head_dim]`
         (with `return_lse=True`: the output and the natural-log LSE `[T, num_q_heads]`)."""
         backend = forward_batch.attn_backend

@@ -55,7 +55,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from attn_core.contract.batch import ForwardBatch
+from attn_core.contract.batch import ForwardBatch, SpecInfo, batch_field
 from attn_core.contract.errors import InvalidArgumentError, InvalidBatchError
 
 BASIC = "basic"
@@ -180,9 +180,10 @@ def _check_host(b: ForwardBatch, width: int, device: torch.device) -> int:
     if decode:
         T = bs
     else:
-        T = b.extend_num_tokens
-        if not isinstance(T, int) or T < 0:
-            raise InvalidBatchError("forward_batch.extend_num_tokens", f"an int >= 0 for {mode.name}", T)
+        n_new = b.extend_num_tokens
+        if not isinstance(n_new, int) or n_new < 0:
+            raise InvalidBatchError("forward_batch.extend_num_tokens", f"an int >= 0 for {mode.name}", n_new)
+        T = n_new
     _device_tensor("out_cache_loc", b.out_cache_loc, (T,), device, _INDEX_DTYPES)
     if not isinstance(b.seq_lens_sum, int):
         raise InvalidBatchError("forward_batch.seq_lens_sum", "an int", type(b.seq_lens_sum).__name__)
@@ -216,7 +217,8 @@ def _check_host(b: ForwardBatch, width: int, device: torch.device) -> int:
     if total != b.seq_lens_sum:
         raise InvalidBatchError("forward_batch.seq_lens_sum", f"sum(seq_lens_cpu) = {total}", b.seq_lens_sum)
     longest = hi
-    seq_np = None if enc is None and q_lens is None else seq.numpy()
+    if enc is not None or q_lens is not None:
+        seq_np = seq.numpy()
     if enc is not None:
         enc_np = enc.numpy()
         if int(_MIN(enc_np)) < 0:
@@ -224,32 +226,34 @@ def _check_host(b: ForwardBatch, width: int, device: torch.device) -> int:
         longest = int(_MAX(seq_np.astype(np.int64) + enc_np))
     if longest > width:
         raise InvalidBatchError("forward_batch.seq_lens", f"encoder + decoder lengths <= the req_to_token width {width}", longest)
-    if q_lens is not None:
+    if q_lens is not None and prefix is not None:
         q_np, prefix_np = q_lens.numpy(), prefix.numpy()
         if int(_MIN(q_np)) < 0 or int(_MIN(prefix_np)) < 0:
             found = (q_lens.tolist(), prefix.tolist())
             raise InvalidBatchError("forward_batch.extend_seq_lens_cpu", "extend and prefix lengths >= 0", found)
         # seq - extend (not extend + prefix): both >= 0 here, so no int32 wrap-around
         if _ANY(seq_np - q_np != prefix_np):
-            found = (q_lens.tolist(), prefix.tolist(), seq.tolist())
-            raise InvalidBatchError("forward_batch.extend_seq_lens_cpu", "prefix + extend lengths == seq_lens per request", found)
+            lens = (q_lens.tolist(), prefix.tolist(), seq.tolist())
+            raise InvalidBatchError("forward_batch.extend_seq_lens_cpu", "prefix + extend lengths == seq_lens per request", lens)
         q_total = int(_SUM(q_np, dtype=np.int64))
         if q_total != T:
             raise InvalidBatchError("forward_batch.extend_seq_lens_cpu", f"lengths summing to extend_num_tokens = {T}", q_total)
-    if mode.is_target_verify() and b.spec_info is not None and b.spec_info.custom_mask is not None:
-        _check_verify_mask(b, seq, q_lens, device)
+    spec = b.spec_info
+    if mode.is_target_verify() and spec is not None and spec.custom_mask is not None and q_lens is not None:
+        _check_verify_mask(spec, spec.custom_mask, bs, seq, q_lens, device)
     return longest
 
 
-def _check_verify_mask(b: ForwardBatch, seq: torch.Tensor, q_lens: torch.Tensor, device: torch.device) -> None:
-    mask = b.spec_info.custom_mask
+def _check_verify_mask(
+    spec: SpecInfo, mask: torch.Tensor, bs: int, seq: torch.Tensor, q_lens: torch.Tensor, device: torch.device
+) -> None:
     want = int((q_lens.to(torch.int64) * seq).sum())
     if mask.dtype != torch.bool or mask.dim() != 1 or mask.device != device:
         found = (mask.dtype, tuple(mask.shape), mask.device)
         raise InvalidBatchError("forward_batch.spec_info.custom_mask", f"a flat bool tensor on {device}", found)
     if mask.numel() != want:
         raise InvalidBatchError("forward_batch.spec_info.custom_mask", f"{want} entries (sum of q_len * seq_len)", mask.numel())
-    _device_tensor("spec_info.mask_indptr", b.spec_info.mask_indptr, (b.batch_size + 1,), device, _INDEX_DTYPES)
+    _device_tensor("spec_info.mask_indptr", spec.mask_indptr, (bs + 1,), device, _INDEX_DTYPES)
 
 
 # ---- full: the device tensors (one sync) ----------------------------------------------------------
@@ -277,7 +281,9 @@ def _check_device(
     rpi = b.req_pool_indices.to(i64)
     seq = b.seq_lens.to(i64)
     enc = b.encoder_lens.to(i64) if b.encoder_lens is not None else torch.zeros_like(seq)
-    q_lens = torch.ones_like(seq) if b.forward_mode.is_decode() else b.extend_seq_lens.to(i64)
+    decode = b.forward_mode.is_decode()
+    q_lens = torch.ones_like(seq) if decode else batch_field(b.extend_seq_lens, "extend_seq_lens").to(i64)
+    q_host = None if decode else batch_field(b.extend_seq_lens_cpu, "extend_seq_lens_cpu").to(i64)
     table = r2t[:, :width][rpi.clamp(0, rows - 1)]  # [bs, width]
     pad = torch.zeros_like(rpi, dtype=torch.bool) if padding_seq_len is None else (rpi == 0) & (seq == padding_seq_len)
     # keys each request attends to: columns [0, enc + seq) of its row (graph padding rows: none checked)
@@ -286,10 +292,9 @@ def _check_device(
     bad_keys = (visible & ((table < 1) | (table >= num_slots))).sum()
     # new token t of request r (its i-th) sits at column enc + seq - q_len + i
     t = torch.arange(T, device=dev)
-    if b.forward_mode.is_decode():  # one token each: token r is request r's
+    if q_host is None:  # DECODE, one token each: token r is request r's
         req, first = t, t
     else:  # the host copy gives the token count of each request (checked to sum to T): no sync
-        q_host = b.extend_seq_lens_cpu.to(i64)
         req = torch.repeat_interleave(torch.arange(bs, device=dev), q_host.to(dev), output_size=T)
         first = (torch.cumsum(q_host, 0) - q_host).to(dev)[req]
     col = ((enc + seq - q_lens)[req] + t - first).clamp(0, width - 1)
@@ -299,15 +304,17 @@ def _check_device(
     parts = [rpi, seq, loc, bad_keys[None], foreign[None], pad_tok.to(i64)]
     if b.encoder_lens is not None:
         parts.append(enc)
-    if not b.forward_mode.is_decode():
-        parts += [q_lens, b.extend_prefix_lens.to(i64), b.extend_start_loc.to(i64)]
+    if q_host is not None:
+        prefix_lens = batch_field(b.extend_prefix_lens, "extend_prefix_lens")
+        parts += [q_lens, prefix_lens.to(i64), batch_field(b.extend_start_loc, "extend_start_loc").to(i64)]
     enc_loc = b.encoder_out_cache_loc
     if enc_loc is not None:
         parts.append(enc_loc.to(i64))
     spec = b.spec_info
     has_mask = b.forward_mode.is_target_verify() and spec is not None and spec.custom_mask is not None
-    if has_mask:
-        parts.append(spec.mask_indptr.to(i64))
+    mask_indptr = spec.mask_indptr if has_mask and spec is not None else None
+    if mask_indptr is not None:
+        parts.append(mask_indptr.to(i64))
     flat = torch.cat(parts).cpu()  # the one sync
 
     def take(n: int) -> torch.Tensor:
@@ -321,16 +328,16 @@ def _check_device(
         raise InvalidBatchError("forward_batch.req_pool_indices", f"rows in [0, {rows})", _quote(rpi_h.tolist()))
     _same("seq_lens", seq_h, b.seq_lens_cpu)
     if b.encoder_lens is not None:
-        _same("encoder_lens", take(bs), b.encoder_lens_cpu)
-    if not b.forward_mode.is_decode():
-        _same("extend_seq_lens", take(bs), b.extend_seq_lens_cpu)
-        _same("extend_prefix_lens", take(bs), b.extend_prefix_lens_cpu)
-        _same("extend_start_loc", take(bs), _exclusive_cumsum(b.extend_seq_lens_cpu)[:-1])
+        _same("encoder_lens", take(bs), batch_field(b.encoder_lens_cpu, "encoder_lens_cpu"))
+    if q_host is not None:
+        _same("extend_seq_lens", take(bs), q_host)
+        _same("extend_prefix_lens", take(bs), batch_field(b.extend_prefix_lens_cpu, "extend_prefix_lens_cpu"))
+        _same("extend_start_loc", take(bs), _exclusive_cumsum(q_host)[:-1])
     _check_slots("out_cache_loc", loc_h[~pad_tok_h], num_slots)
     if enc_loc is not None:
         _check_slots("encoder_out_cache_loc", take(enc_loc.shape[0]), num_slots)
-    if has_mask:
-        _same("spec_info.mask_indptr", take(bs + 1), _exclusive_cumsum(b.extend_seq_lens_cpu.to(i64) * b.seq_lens_cpu))
+    if mask_indptr is not None and q_host is not None:
+        _same("spec_info.mask_indptr", take(bs + 1), _exclusive_cumsum(q_host * b.seq_lens_cpu))
     if bad_keys_h:
         expected = f"a slot in [1, {num_slots}) for every key the batch attends to"
         raise InvalidBatchError("forward_batch.req_to_token_pool", expected, f"{bad_keys_h} keys without one")

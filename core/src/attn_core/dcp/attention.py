@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from attn_core.contract.batch import batch_field
 from attn_core.contract.errors import InvalidArgumentError
 from attn_core.contract.layer import AttentionLayer
 from attn_core.dcp.requests import DcpStep
@@ -86,7 +87,7 @@ def _scattered_partials(q: torch.Tensor, layer: AttentionLayer, step: DcpStep) -
     parts = step.local_parts
     for rows, batch in parts:
         if len(parts) > 1:
-            batch.attn_backend.init_forward_metadata(batch)
+            batch_field(batch.attn_backend, "attn_backend").init_forward_metadata(batch)
         o, lse = layer(q[rows], None, None, batch, save_kv_cache=False, return_lse=True)
         part[rows, :, :dv] = o.view(-1, H, dv).float()
         part[rows, :, dv] = lse
@@ -98,8 +99,9 @@ def _masked_partials(q: torch.Tensor, layer: AttentionLayer, step: DcpStep) -> t
     attention of all `bs` rows, rows whose `local_mask` is False set to output 0, LSE -inf (whatever the
     padding row computed, NaN included). Fixed shapes, no host sync."""
     bs, H, dv = step.batch_size, layer.num_q_heads, layer.v_head_dim
-    o, lse = layer(q, None, None, step.local_batch, save_kv_cache=False, return_lse=True)
-    keep = step.local_mask[:, None]
+    local_batch, local_mask = step.graph_part()
+    o, lse = layer(q, None, None, local_batch, save_kv_cache=False, return_lse=True)
+    keep = local_mask[:, None]
     o = torch.where(keep[..., None], o.view(bs, H, dv).float(), 0.0)
     lse = torch.where(keep, lse, float("-inf"))
     return torch.cat((o, lse[..., None]), dim=-1)

@@ -53,7 +53,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from attn_core.contract.batch import ForwardBatch, SpecInfo
+from attn_core.contract.batch import ForwardBatch, SpecInfo, batch_field
 from attn_core.contract.capabilities import Feature
 from attn_core.contract.errors import InvalidArgumentError
 from attn_core.contract.forward_mode import ForwardMode
@@ -61,6 +61,7 @@ from attn_core.contract.graph_step import graph_padding
 from attn_core.dcp.layout import DcpLayout
 from attn_core.engine.requests import Request, RequestPool
 from attn_core.engine.step_builder import step_mode
+from attn_core.memory.kv_pool import KVPool
 
 #: the runner input a graph-shaped step needs (add it to `CudaGraphRunner`'s `input_shapes`): per
 #: request, whether this rank holds one of its keys (`DcpStep.local_mask`)
@@ -134,7 +135,7 @@ class DcpStep:
     seq_lens_cpu: Optional[torch.Tensor]
     save_rows: Optional[torch.Tensor]
     save_loc: torch.Tensor
-    token_to_kv_pool: object
+    token_to_kv_pool: Optional[KVPool]
     local_batch: Optional[ForwardBatch] = None
     local_rows: Optional[torch.Tensor] = None
     local_mask: Optional[torch.Tensor] = None
@@ -148,7 +149,9 @@ class DcpStep:
     @property
     def local_parts(self) -> list[tuple[torch.Tensor, ForwardBatch]]:
         """The (rows, DECODE batch) pairs of an eager step's local attention (none when no query sees a local key)."""
-        return ([(self.local_rows, self.local_batch)] if self.local_batch is not None else []) + self.more_parts
+        if self.local_batch is None or self.local_rows is None:
+            return list(self.more_parts)
+        return [(self.local_rows, self.local_batch)] + self.more_parts
 
     @property
     def graph_shaped(self) -> bool:
@@ -160,10 +163,13 @@ class DcpStep:
         (graph-shaped: all T rows, those stored elsewhere into the dummy slot 0; no host sync)."""
         if k.shape[0] != self.positions.shape[0]:
             raise InvalidArgumentError("k", f"{self.positions.shape[0]} rows (the step's new tokens)", tuple(k.shape))
+        pool = self.token_to_kv_pool
+        if pool is None:
+            raise InvalidArgumentError("step.token_to_kv_pool", "the request pool's KV pool (build_dcp_step sets it)", None)
         if self.save_rows is None:
-            self.token_to_kv_pool.set_kv_buffer(layer, self.save_loc, k, v)
+            pool.set_kv_buffer(layer, self.save_loc, k, v)
         elif self.save_loc.numel():
-            self.token_to_kv_pool.set_kv_buffer(layer, self.save_loc, k[self.save_rows], v[self.save_rows])
+            pool.set_kv_buffer(layer, self.save_loc, k[self.save_rows], v[self.save_rows])
 
     def init_forward_metadata(self) -> None:
         """Once per step: the local batch's metadata on its backend (nothing when there is no local batch;
@@ -174,14 +180,20 @@ class DcpStep:
             raise InvalidArgumentError("step", "a step built with graph_shaped=False (a graph-shaped step runs through "
                                        "CudaGraphRunner.run(step.local_batch, ...))", "a graph-shaped step")
         if self.local_batch is not None and not self.more_parts:
-            self.local_batch.attn_backend.init_forward_metadata(self.local_batch)
+            batch_field(self.local_batch.attn_backend, "attn_backend").init_forward_metadata(self.local_batch)
 
     def graph_inputs(self) -> dict[str, torch.Tensor]:
         """The DCP inputs of a graph-shaped step for `CudaGraphRunner.run` (names of `DCP_GRAPH_INPUTS`)."""
         if not self.graph_shaped:
             raise InvalidArgumentError("step", "a graph-shaped DECODE step (build_dcp_step(..., graph_shaped=True))",
                                        self.forward_mode.name)
-        return {DCP_LOCAL_MASK: self.local_mask}
+        return {DCP_LOCAL_MASK: self.graph_part()[1]}
+
+    def graph_part(self) -> tuple[ForwardBatch, torch.Tensor]:
+        """A graph-shaped step's local batch (every request a row) and its `local_mask` (bool `[bs]`)."""
+        if self.local_batch is None or self.local_mask is None:
+            raise InvalidArgumentError("step", "a graph-shaped step (its local batch and mask)", self.forward_mode.name)
+        return self.local_batch, self.local_mask
 
     @classmethod
     def from_graph_batch(cls, batch: ForwardBatch, inputs: dict[str, torch.Tensor]) -> DcpStep:
@@ -426,5 +438,5 @@ def _graph_shaped_decode(pool: DcpRequestPool, reqs: list[Request], positions: t
         token_to_kv_pool=kv,
         attn_backend=attn_backend,
     )
-    return DcpStep(ForwardMode.DECODE, bs, batch.positions, seq.to(torch.int32), None, save_loc, kv,
+    return DcpStep(ForwardMode.DECODE, bs, batch_field(batch.positions, "positions"), seq.to(torch.int32), None, save_loc, kv,
                    local_batch=batch, local_mask=local.to(device))

@@ -12,7 +12,7 @@ import math
 import os
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from attn_core.contract.errors import InvalidArgumentError
 
@@ -31,6 +31,7 @@ def probe_timeout(seconds: Optional[float] = None) -> float:
     Example: with `ATTN_CORE_PROBE_TIMEOUT=2.5` in the environment, `probe_timeout()` is 2.5 and
     `probe_timeout(30)` is 30.0.
     """
+    value: Union[float, str, None]
     argument, value = "probe_timeout", seconds
     if value is None:
         argument, value = PROBE_TIMEOUT_ENV, os.environ.get(PROBE_TIMEOUT_ENV)
@@ -90,7 +91,8 @@ class TimedCheck:
     def result(self, limit: float) -> Optional[str]:
         """What the check returned (None or a reason), or why there is no answer within `limit` s."""
         self.start()
-        remaining = self._started_at + limit - time.monotonic()
+        started = self._started_at if self._started_at is not None else time.monotonic()  # set by start()
+        remaining = started + limit - time.monotonic()
         if not self._done.wait(max(remaining, 0.0)):
             return f"{self._label} timed out after {limit:g} s"
         return self._outcome

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
 
 import pluggy
 
@@ -34,6 +34,7 @@ from attn_core.contract.errors import (
     InvalidArgumentError,
     InvalidSpecError,
     NoBackendError,
+    RegistryError,
     UnknownBackendError,
     install_hint,
 )
@@ -42,6 +43,14 @@ from attn_core.contract.spec import API_VERSION, BackendSpec, spec_problems
 from attn_core.discovery import probes
 from attn_core.discovery.probes import TimedCheck
 from attn_core.discovery.selection import PhaseChoice, Selection, choose, parse_hybrid_name
+
+if TYPE_CHECKING:  # annotations only: the registry imports no torch
+    from attn_core.contract.backend import AttentionBackend
+    from attn_core.contract.context import BackendContext
+    from attn_core.wrappers.hybrid import HybridAttnBackend
+
+#: what `explain`, `select_backend` and `check` match backends against: a context, or its requirements
+ContextOrRequirements = Union["BackendContext", Requirements]
 
 ENTRY_POINT_GROUP = "attn_core.backends"
 CORE_DISTRIBUTION = "attn-core"
@@ -103,6 +112,13 @@ class BackendEntry:
     def ok(self) -> bool:
         return self.error is None
 
+    @property
+    def usable_spec(self) -> BackendSpec:
+        """The spec of an entry without an error (`ok`); raises the entry's error otherwise."""
+        if self.spec is None:
+            raise self.error or RegistryError(f"backend {self.name!r} has no spec")
+        return self.spec
+
     def _timed(self, label: str, check) -> TimedCheck:
         return self._checks.setdefault(label, TimedCheck(check, label))
 
@@ -110,20 +126,20 @@ class BackendEntry:
         """Start the probe in its thread without waiting (`explain` starts every probe first, so a
         probe that hangs costs one time limit in all, not one per backend)."""
         if self.error is None:
-            self._timed("probe", self.spec.probe).start()
+            self._timed("probe", self.usable_spec.probe).start()
 
     def probe(self) -> Optional[str]:
         """Why the backend cannot run here, or None. The probe runs once, in a daemon thread, for at most
         the time limit; anything it raises (`SystemExit` included) becomes "probe failed: ..."."""
         if self.error is not None:
             return str(self.error)
-        return self._timed("probe", self.spec.probe).result(probes.probe_timeout(self.probe_timeout))
+        return self._timed("probe", self.usable_spec.probe).result(probes.probe_timeout(self.probe_timeout))
 
     def info(self) -> Optional[str]:
         """What the backend found on this machine (the spec's `info_fn`), run like `probe`."""
         if self.error is not None:
             return None
-        return self._timed("info", self.spec.info).result(probes.probe_timeout(self.probe_timeout))
+        return self._timed("info", self.usable_spec.info).result(probes.probe_timeout(self.probe_timeout))
 
 
 @dataclass(frozen=True)
@@ -337,16 +353,16 @@ class Registry:
             raise entry.error
         return entry
 
-    def get_backend_class(self, name: str) -> type:
+    def get_backend_class(self, name: str) -> type[AttentionBackend]:
         entry = self.resolve(name)
-        cls = entry.spec.load()
+        cls = entry.usable_spec.load()
         from attn_core.contract.backend import AttentionBackend  # torch import only when a class is wanted
 
         if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
-            raise BackendLoadError(name, entry.spec.backend_class, TypeError("not an AttentionBackend subclass"))
+            raise BackendLoadError(name, entry.usable_spec.backend_class, TypeError("not an AttentionBackend subclass"))
         return cls
 
-    def _requirements(self, request) -> Requirements:
+    def _requirements(self, request: ContextOrRequirements) -> Requirements:
         """`request` as `Requirements`, after the first `attn_core_adjust_requirements` hook that
         returns one (a hook that raises or returns something else is listed as failed and skipped)."""
         req = request if isinstance(request, Requirements) else request.requirements()
@@ -356,18 +372,18 @@ class Registry:
             self._hook_failed(plugin, "attn_core_adjust_requirements", TypeError(f"expected Requirements or None, got {adjusted!r}"))
         return req
 
-    def check(self, name: str, request) -> BackendEntry:
+    def check(self, name: str, request: ContextOrRequirements) -> BackendEntry:
         """Raise unless backend `name` is installed, runs here and serves `request`."""
         entry = self.resolve(name)
         reason = entry.probe()
         if reason:
             raise BackendUnavailableError(entry.name, reason)
-        reasons = entry.spec.capabilities.mismatches(self._requirements(request))
+        reasons = entry.usable_spec.capabilities.mismatches(self._requirements(request))
         if reasons:
             raise IncompatibleBackendError(entry.name, reasons)
         return entry
 
-    def create_backend(self, name: str, ctx, **options):
+    def create_backend(self, name: str, ctx: BackendContext, **options: Any) -> AttentionBackend:
         parts = parse_hybrid_name(name)
         if parts is not None:
             return self._create_hybrid(parts, ctx, options)
@@ -376,7 +392,7 @@ class Registry:
         self._call_hook("attn_core_backend_selected", name=entry.name, requirements=self._requirements(ctx))
         return backend
 
-    def explain(self, request) -> list[BackendReport]:
+    def explain(self, request: ContextOrRequirements) -> list[BackendReport]:
         """Every discovered backend (and every known one not installed) with whether it can serve
         `request` (a `BackendContext` or `Requirements`) and why not."""
         req = self._requirements(request)
@@ -392,14 +408,14 @@ class Registry:
             probe = e.probe()
             if probe:
                 reasons.append(probe)
-            reasons += e.spec.capabilities.mismatches(req)
+            reasons += e.usable_spec.capabilities.mismatches(req)
             rows.append(BackendReport(name, e.distribution, not reasons, tuple(reasons)))
         for name, dist in KNOWN_BACKENDS.items():
             if name not in entries and name not in self._aliases and name not in self._ambiguous:
                 rows.append(BackendReport(name, dist, False, (not_installed_reason(dist),)))
         return rows
 
-    def _create_hybrid(self, parts: tuple[str, str], ctx, options: dict):
+    def _create_hybrid(self, parts: tuple[str, str], ctx: BackendContext, options: dict[str, Any]) -> HybridAttnBackend:
         """`HybridAttnBackend(prefill=..., decode=...)` of a `hybrid(prefill=A,decode=B)` name: each part
         checked and created like a name of its own (no options: give each part's through a
         `HybridAttnBackend` built by hand)."""
@@ -411,7 +427,7 @@ class Registry:
 
         return HybridAttnBackend(prefill=prefill, decode=decode)
 
-    def explain_selection(self, request, prefer: Sequence[str] = ()) -> Selection:
+    def explain_selection(self, request: ContextOrRequirements, prefer: Sequence[str] = ()) -> Selection:
         """The backend of each phase (prefill, decode) `request` needs, among the usable ones
         (`attn_core.discovery.selection.choose`: per phase the highest priority the specs declare for this device),
         or the first of `prefer` that is usable (a backend name, or a `hybrid(prefill=A,decode=B)` name
@@ -424,15 +440,16 @@ class Registry:
 
         for name in prefer:
             parts = parse_hybrid_name(name)
-            keys = [usable(p) for p in parts] if parts is not None else [usable(name)]
-            if all(keys):
+            found = [usable(p) for p in parts] if parts is not None else [usable(name)]
+            keys = [k for k in found if k is not None]
+            if len(keys) == len(found):
                 return _fixed_selection(self._requirements(request), keys)
-        specs = [self.entries()[r.name].spec for r in reports.values() if r.usable]
+        specs = [self.entries()[r.name].usable_spec for r in reports.values() if r.usable]
         if not specs:
             raise NoBackendError([(r.name, r.reasons) for r in reports.values()])
         return choose(specs, self._requirements(request))
 
-    def select_backend(self, request, prefer: Sequence[str] = ()) -> str:
+    def select_backend(self, request: ContextOrRequirements, prefer: Sequence[str] = ()) -> str:
         """The name `create_backend` takes for `request`: the first of `prefer` that is usable, else the
         usable backend of highest priority, or `hybrid(prefill=A,decode=B)` when the fastest prefill and
         decode backends differ (`explain_selection`). Raises `NoBackendError` with every reason when none is."""
@@ -469,7 +486,7 @@ def _resolve_aliases(entries: dict[str, BackendEntry]) -> tuple[dict[str, str], 
     for name, e in entries.items():
         if not (e.ok and _is_backend_name(name)):
             continue
-        for alias in e.spec.aliases:
+        for alias in e.usable_spec.aliases:
             if alias == name:
                 continue
             if alias in entries:
@@ -522,28 +539,32 @@ def list_backends() -> list[BackendEntry]:
     return _default.list_backends()
 
 
-def get_backend_class(name: str) -> type:
+def get_backend_class(name: str) -> type[AttentionBackend]:
     """The backend class for `name` (imports the plugin's kernels)."""
     return _default.get_backend_class(name)
 
 
-def create_backend(name: str, ctx, **options):
-    """Create backend `name` for `ctx`; raises a typed error saying exactly why it cannot."""
+def create_backend(name: str, ctx: BackendContext, **options: Any) -> AttentionBackend:
+    """Create backend `name` (or `hybrid(prefill=A,decode=B)`) for `ctx`, passing `options` to the backend
+    class; raises a typed error saying exactly why it cannot (`UnknownBackendError`,
+    `BackendUnavailableError`, `IncompatibleBackendError`, ...). Example:
+    `create_backend("torch_native", BackendContext(device="cpu", dtype=torch.float32, num_q_heads=8,
+    num_kv_heads=2, head_dim=64))` is a `TorchNativeBackend`."""
     return _default.create_backend(name, ctx, **options)
 
 
-def select_backend(request, prefer: Iterable[str] = ()) -> str:
+def select_backend(request: ContextOrRequirements, prefer: Iterable[str] = ()) -> str:
     """Name of the best backend for `request` (a `BackendContext` or `Requirements`): one backend, or
     `hybrid(prefill=A,decode=B)` where the fastest prefill and decode backends differ."""
     return _default.select_backend(request, tuple(prefer))
 
 
-def explain_selection(request, prefer: Iterable[str] = ()) -> Selection:
+def explain_selection(request: ContextOrRequirements, prefer: Iterable[str] = ()) -> Selection:
     """Which backend each phase of `request` goes to, and why (`Selection.describe()`)."""
     return _default.explain_selection(request, tuple(prefer))
 
 
-def explain(request) -> list[BackendReport]:
+def explain(request: ContextOrRequirements) -> list[BackendReport]:
     """For each backend, usable or every reason it is not."""
     return _default.explain(request)
 

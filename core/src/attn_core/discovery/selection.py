@@ -88,8 +88,9 @@ class Selection:
 
     @property
     def name(self) -> str:
-        if self.is_hybrid:
-            return hybrid_name(self.backend_of(PREFILL), self.backend_of(DECODE))
+        prefill, decode = self.backend_of(PREFILL), self.backend_of(DECODE)
+        if self.is_hybrid and prefill is not None and decode is not None:
+            return hybrid_name(prefill, decode)
         return self.choices[0].backend
 
     def describe(self) -> list[str]:

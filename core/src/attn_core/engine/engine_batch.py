@@ -31,11 +31,13 @@ from typing import Optional, Union
 
 import torch
 
+from attn_core.contract.backend import AttentionBackend
 from attn_core.contract.batch import ForwardBatch
 from attn_core.contract.errors import InvalidArgumentError
 from attn_core.contract.forward_mode import ForwardMode
 from attn_core.contract.validation import host_length_stats
 from attn_core.engine.step_builder import step_mode
+from attn_core.memory.kv_pool import KVPool
 from attn_core.memory.pools import ReqToTokenPool
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -77,7 +79,7 @@ class EngineBatches:
     """
 
     def __init__(
-        self, kv_pool, *, max_requests: int, max_context_len: int, device: Union[str, torch.device, None] = None
+        self, kv_pool: KVPool, *, max_requests: int, max_context_len: int, device: Union[str, torch.device, None] = None
     ):
         if max_requests < 1:
             raise InvalidArgumentError("max_requests", ">= 1", max_requests)
@@ -104,7 +106,7 @@ class EngineBatches:
         query_start_loc_cpu: torch.Tensor,
         seq_lens_cpu: torch.Tensor,
         mode: Union[ForwardMode, str, None] = None,
-        attn_backend=None,
+        attn_backend: Optional[AttentionBackend] = None,
         check_indices: Optional[bool] = None,
     ) -> ForwardBatch:
         """The step's `ForwardBatch`. Tensors: `query_start_loc` int32 `[bs + 1]` and `seq_lens` int32 `[bs]`

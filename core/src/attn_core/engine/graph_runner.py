@@ -27,7 +27,8 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from attn_core.batching.positions import positions_from_lens
-from attn_core.contract.batch import ForwardBatch, SpecInfo
+from attn_core.contract.backend import AttentionBackend
+from attn_core.contract.batch import ForwardBatch, SpecInfo, batch_field
 from attn_core.contract.errors import GraphShapeError, InvalidArgumentError, UnsupportedFeatureError
 from attn_core.contract.forward_mode import ForwardMode
 from attn_core.contract.graph_step import CudaGraphStep, GraphPadding, graph_padding, graph_tokens_per_request
@@ -59,7 +60,7 @@ class CudaGraphRunner:
 
     def __init__(
         self,
-        backend,
+        backend: AttentionBackend,
         batch_sizes: Sequence[int],
         run_layers: RunLayers,
         input_shapes: InputShapes,
@@ -80,8 +81,9 @@ class CudaGraphRunner:
         self.batch_sizes = sizes
         self.run_layers = run_layers
         self.num_draft_tokens = nd
-        self.use_cuda_graph = ctx.device.type == "cuda" if use_cuda_graph is None else use_cuda_graph
-        if self.use_cuda_graph and ctx.device.type != "cuda":
+        device = torch.device(ctx.device)
+        self.use_cuda_graph = device.type == "cuda" if use_cuda_graph is None else use_cuda_graph
+        if self.use_cuda_graph and device.type != "cuda":
             raise InvalidArgumentError("use_cuda_graph", "False on a device without CUDA graphs", ctx.device)
         self.fill = backend.get_cuda_graph_seq_len_fill_value()
         max_bs = sizes[-1]
@@ -107,7 +109,17 @@ class CudaGraphRunner:
 
     # ---- static batch ------------------------------------------------------------------------------
     def _tokens_per_request(self, mode: ForwardMode) -> int:
-        return graph_tokens_per_request(mode, self.num_draft_tokens)
+        per = graph_tokens_per_request(mode, self.num_draft_tokens)
+        if per is None:  # only DECODE and TARGET_VERIFY with draft tokens are captured
+            raise UnsupportedFeatureError(self.backend.name, f"CUDA graphs of {mode.name} without a fixed token count")
+        return per
+
+    def _mask_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The static verify mask and its offsets (`spec_info`'s), present when TARGET_VERIFY is captured."""
+        spec = self.spec_info
+        if spec is None or spec.custom_mask is None or spec.mask_indptr is None:
+            raise UnsupportedFeatureError(self.backend.name, "TARGET_VERIFY graphs (none captured)")
+        return spec.custom_mask, spec.mask_indptr
 
     def _padding(self, mode: ForwardMode, bs: int, sizes: Sequence[int]) -> GraphPadding:
         return graph_padding(mode, bs, sizes, self.fill, self.num_draft_tokens)
@@ -123,12 +135,13 @@ class CudaGraphRunner:
         for buf in self.inputs.values():
             buf[start * per : bs * per] = 0
         if mode.is_target_verify():
+            mask, indptr = self._mask_buffers()
             size = per * pad.seq_len
             end = mask_start + (bs - start) * size
-            if end > self.spec_info.custom_mask.numel():
-                raise InvalidArgumentError("spec_info.custom_mask", f"at most {self.spec_info.custom_mask.numel()} mask entries", end)
-            self.spec_info.custom_mask[mask_start:end] = True
-            self.spec_info.mask_indptr[start + 1 : bs + 1] = mask_start + size * torch.arange(1, bs - start + 1, device=self.ctx.device)
+            if end > mask.numel():
+                raise InvalidArgumentError("spec_info.custom_mask", f"at most {mask.numel()} mask entries", end)
+            mask[mask_start:end] = True
+            indptr[start + 1 : bs + 1] = mask_start + size * torch.arange(1, bs - start + 1, device=self.ctx.device)
 
     def _graph_step(self, mode: ForwardMode, bs: int, seq_lens_cpu: Optional[torch.Tensor]) -> CudaGraphStep:
         """The static buffers' first `bs` rows as a graph step (no host lengths at capture)."""
@@ -214,9 +227,9 @@ class CudaGraphRunner:
             want = (tokens, *buf.shape[1:])
             tensor = isinstance(x, torch.Tensor)
             if not tensor or tuple(x.shape) != want or x.dtype != buf.dtype or x.device != buf.device:
-                found = (tuple(x.shape), x.dtype, x.device) if tensor else type(x).__name__
+                got = (tuple(x.shape), x.dtype, x.device) if tensor else type(x).__name__
                 expected = f"a {buf.dtype} tensor of shape {want} on {buf.device}"
-                raise GraphShapeError(f"inputs[{name!r}]", expected, found)
+                raise GraphShapeError(f"inputs[{name!r}]", expected, got)
 
     def run(self, forward_batch: ForwardBatch, inputs: dict[str, torch.Tensor]) -> LayerOutput:
         """Run `forward_batch` (DECODE or TARGET_VERIFY, its pools the context's) through the graph of
@@ -245,7 +258,10 @@ class CudaGraphRunner:
         if b.request_guard is not None:
             b.request_guard.check()
         level = effective_level(self.ctx)
-        r2t, kv_pool = self.ctx.req_to_token_pool.req_to_token, self.ctx.token_to_kv_pool
+        r2t_pool, kv_pool = self.ctx.req_to_token_pool, self.ctx.token_to_kv_pool
+        if r2t_pool is None or kv_pool is None:
+            raise InvalidArgumentError("backend.ctx", "a context with req_to_token_pool and token_to_kv_pool (graphs read them)", None)
+        r2t = r2t_pool.req_to_token
         check_forward_batch(b, r2t, kv_pool, self.ctx, level=level, padding_seq_len=pad.seq_len)
         self.req_pool_indices[:bs] = b.req_pool_indices
         self.seq_lens[:bs] = b.seq_lens
@@ -263,22 +279,23 @@ class CudaGraphRunner:
             buf[:tokens] = inputs[name]
         mask_end = 0
         if mode.is_target_verify():
-            spec = b.spec_info
+            mask, indptr = self._mask_buffers()
+            given = batch_field(b.spec_info, "spec_info")
+            given_mask = batch_field(given.custom_mask, "spec_info.custom_mask")
             mask_end = per * b.seq_lens_sum
-            if spec.custom_mask.numel() != mask_end or mask_end > self.spec_info.custom_mask.numel():
-                raise InvalidArgumentError(
-                    "spec_info.custom_mask", f"{mask_end} entries (<= {self.spec_info.custom_mask.numel()})", spec.custom_mask.numel()
-                )
-            self.spec_info.custom_mask[:mask_end] = spec.custom_mask
-            self.spec_info.mask_indptr[: bs + 1] = spec.mask_indptr
+            if given_mask.numel() != mask_end or mask_end > mask.numel():
+                raise InvalidArgumentError("spec_info.custom_mask", f"{mask_end} entries (<= {mask.numel()})", given_mask.numel())
+            mask[:mask_end] = given_mask
+            indptr[: bs + 1] = batch_field(given.mask_indptr, "spec_info.mask_indptr")
         self._write_padding(mode, pad, mask_end)
         seq_cpu = torch.cat([b.seq_lens_cpu, torch.full((gbs - bs,), pad.seq_len, dtype=b.seq_lens_cpu.dtype)])
         self.backend.replay_graph_step(self._graph_step(mode, gbs, seq_cpu))
         graph, out = self._graphs[(mode, gbs)]
-        if graph is not None:
-            graph.replay()
-        else:
+        if graph is None:
             out = self.run_layers(self._static_batch(mode, gbs, seq_cpu), self._views(gbs * per))
+        else:
+            graph.replay()
+            assert out is not None, "a captured graph keeps the output it was captured with"
         if isinstance(out, tuple):
             return tuple(o[:tokens] for o in out)
         return out[:tokens]

@@ -35,14 +35,19 @@ from __future__ import annotations
 import itertools
 import operator
 from dataclasses import dataclass, field
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
 
 from attn_core.contract.errors import InvalidArgumentError, KVCacheError, StaleRequestError
+from attn_core.memory.allocator import PagedTokenAllocator
+from attn_core.memory.kv_pool import KVPool
+from attn_core.memory.pools import ReqToTokenPool
+from attn_core.memory.window_pool import SlidingWindowAllocator
 
 
-def token_count(name: str, value: object, minimum: int = 0) -> int:
+def token_count(name: str, value: Any, minimum: int = 0) -> int:
     """`value` as a Python int >= `minimum`, or `InvalidArgumentError` naming `name`: a count of tokens is
     an integer (int, numpy or 0-d integer tensor), never a float or a bool. Example: token_count("n", 3)
     is 3; token_count("n", 2.5) raises ("n: expected an integer >= 0, found 2.5")."""
@@ -83,7 +88,12 @@ class RequestPool:
     the GPU costs a device sync per step); `token_to_kv_pool` is put on every batch built.
     """
 
-    def __init__(self, req_to_token_pool, allocator, token_to_kv_pool=None):
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool,
+        allocator: Union[PagedTokenAllocator, SlidingWindowAllocator],
+        token_to_kv_pool: Optional[KVPool] = None,
+    ) -> None:
         kv_ps = getattr(token_to_kv_pool, "page_size", allocator.page_size)
         if kv_ps != allocator.page_size:
             raise InvalidArgumentError("token_to_kv_pool", f"page_size {allocator.page_size} as the allocator's", kv_ps)
@@ -185,12 +195,13 @@ class RequestPool:
             need = sum(counts) - sum(spare_used)
             free = self.allocator.available_size()
             raise KVCacheError(f"out of KV slots: need {need} tokens (page_size {self.page_size}), {free} slots free")
-        fresh = fresh.cpu().tolist()
+        fresh_slots: list[int] = fresh.cpu().tolist()
         out: list[int] = []
-        rows, cols = [], []
+        rows: list[int] = []
+        cols: list[int] = []
         cursor = 0
         for r, n, take in zip(reqs, counts, spare_used):
-            new = r.slots[r.kv_len : r.kv_len + take] + fresh[cursor : cursor + n - take]
+            new = r.slots[r.kv_len : r.kv_len + take] + fresh_slots[cursor : cursor + n - take]
             cursor += n - take
             for s in new[take:]:
                 page = s // self.page_size

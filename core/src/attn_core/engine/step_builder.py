@@ -13,6 +13,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from attn_core.batching.positions import extend_start_loc_from_lens, positions_from_lens
+from attn_core.contract.backend import AttentionBackend
 from attn_core.contract.batch import ForwardBatch, SpecInfo
 from attn_core.contract.capabilities import Feature
 from attn_core.contract.errors import InvalidArgumentError
@@ -54,7 +55,7 @@ def build_step(
     *,
     mode: Union[ForwardMode, str, None] = None,
     custom_masks: Optional[Sequence[torch.Tensor]] = None,
-    attn_backend=None,
+    attn_backend: Optional[AttentionBackend] = None,
 ) -> ForwardBatch:
     """The batch of one step: `work` lists `(request, new_tokens)` in the order the engine lays out
     q/k/v (request after request). Allocates the new tokens' slots and advances each request's kv_len.

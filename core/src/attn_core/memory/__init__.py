@@ -2,9 +2,9 @@
 
 from attn_core.memory.allocator import KVSlotError, PagedTokenAllocator, PageTailError, TokenAllocator
 from attn_core.memory.engine_pool import ENGINE_KV_ORDERS, EngineKVPool
+from attn_core.memory.kv_pool import KVPool
 from attn_core.memory.pools import (
     KV_LAYOUTS,
-    KVPool,
     MHATokenToKVPool,
     MLATokenToKVPool,
     ReqToTokenPool,

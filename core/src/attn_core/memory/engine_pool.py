@@ -144,9 +144,10 @@ class EngineKVPool(MHATokenToKVPool):
         self.kv_order = kv_order
         #: the tensors the engine gave, as given (identity checks: `is_view_of`)
         self.engine_tensors = (tuple(k_caches), tuple(v_caches))
-        flat = [slot_view(x) for x in ks + vs]
-        self.kv_layout = "NHD" if all(f is not None for f in flat) else "HND"
-        bufs = flat if self.kv_layout == "NHD" else ks + vs
+        views = [slot_view(x) for x in ks + vs]
+        flat = [f for f in views if f is not None]
+        self.kv_layout = "NHD" if len(flat) == len(views) else "HND"
+        bufs = flat if self.kv_layout == "NHD" else list(ks + vs)
         if is_fp8(self.dtype):  # stored as bytes, like attn's own fp8 pools (`_KVPoolBase.store_dtype`)
             bufs = [b.view(torch.uint8) for b in bufs]
         self.k_buffer, self.v_buffer = list(bufs[: len(ks)]), list(bufs[len(ks) :])

@@ -19,7 +19,7 @@ step check already passed (`CheckedSlots`) are written with no further work (one
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional, Protocol, Union
 
 import torch
 
@@ -31,7 +31,18 @@ from attn_core.ops.kv_write import CheckedSlots, SlotIds, scatter_rows, slot_ids
 Device = Union[str, torch.device]
 
 
-def _layer_id(layer) -> int:
+class _HasLayerId(Protocol):
+    """A layer as the pools read it (an `AttentionLayer` is one): only its `layer_id`."""
+
+    @property
+    def layer_id(self) -> int: ...
+
+
+#: a layer as `set_kv_buffer` takes it: its id, or the layer itself (its `layer_id` is read)
+LayerRef = Union[int, _HasLayerId]
+
+
+def _layer_id(layer: LayerRef) -> int:
     return layer if isinstance(layer, int) else layer.layer_id
 
 
@@ -161,9 +172,11 @@ class _KVPoolBase:
     def _view(self, buf: torch.Tensor) -> torch.Tensor:
         return buf if self.store_dtype == self.dtype else buf.view(self.dtype)
 
-    def _check_rows(self, name: str, x: torch.Tensor, loc: SlotIds, tail: tuple[int, ...]) -> torch.Tensor:
+    def _check_rows(self, name: str, x: Optional[torch.Tensor], loc: torch.Tensor, tail: tuple[int, ...]) -> torch.Tensor:
         if loc.dim() != 1:
             raise InvalidArgumentError("loc", "a 1-D tensor of slot ids", tuple(loc.shape))
+        if x is None:
+            raise InvalidArgumentError(name, f"a tensor of shape {(loc.shape[0], *tail)}", None)
         if x.dim() == 2 and x.shape[1] == _prod(tail):
             x = x.reshape(x.shape[0], *tail)
         if tuple(x.shape) != (loc.shape[0], *tail):
@@ -217,10 +230,10 @@ class MHATokenToKVPool(_KVPoolBase):
 
     def set_kv_buffer(
         self,
-        layer,
+        layer: LayerRef,
         loc: SlotIds,
         cache_k: torch.Tensor,
-        cache_v: torch.Tensor,
+        cache_v: Optional[torch.Tensor],
         k_scale: Optional[float] = None,
         v_scale: Optional[float] = None,
     ) -> None:
@@ -272,7 +285,7 @@ class MLATokenToKVPool(_KVPoolBase):
 
     def set_kv_buffer(
         self,
-        layer,
+        layer: LayerRef,
         loc: SlotIds,
         cache_k: torch.Tensor,
         cache_v: Optional[torch.Tensor] = None,
@@ -288,14 +301,11 @@ class MLATokenToKVPool(_KVPoolBase):
         cache_k = self._check_rows("cache_k", cache_k, slots, (1, self.head_dim))
         scatter_rows(self._view(self.kv_buffer[lid]), slots, self._store(cache_k, k_scale))
 
-    def set_mla_kv_buffer(self, layer, loc: SlotIds, k_nope: torch.Tensor, k_rope: torch.Tensor) -> None:
+    def set_mla_kv_buffer(self, layer: LayerRef, loc: SlotIds, k_nope: torch.Tensor, k_rope: torch.Tensor) -> None:
         """Write the latent from its two parts `[T, 1, kv_lora_rank]` and `[T, 1, qk_rope_head_dim]`."""
         self.set_kv_buffer(
             layer, loc, torch.cat([k_nope.reshape(-1, 1, self.kv_lora_rank), k_rope.reshape(-1, 1, self.qk_rope_head_dim)], dim=-1)
         )
-
-
-KVPool = Union[MHATokenToKVPool, MLATokenToKVPool]
 
 
 def kv_scales(layer, pool) -> tuple[float, float]:
@@ -312,7 +322,7 @@ def kv_scales(layer, pool) -> tuple[float, float]:
     return k, check_scale("layer.v_scale", getattr(layer, "v_scale", None))
 
 
-def check_pool_matches(pool: KVPool, allocator) -> None:
+def check_pool_matches(pool: Union[MHATokenToKVPool, MLATokenToKVPool], allocator) -> None:
     """An allocator must hand out slots that exist in the pool, in pages of the same size; raises
     `KVCacheError` otherwise (`build_forward_batch` asks before allocating). Example: a
     `PagedTokenAllocator(size=4096, page_size=16)` fits an `MHATokenToKVPool(size=4096, page_size=16, ...)`

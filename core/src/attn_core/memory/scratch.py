@@ -21,7 +21,7 @@ Worked example:
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, TypeVar
+from typing import Any, Callable, Hashable, TypeVar
 
 import torch
 
@@ -36,7 +36,7 @@ class DeviceScratch:
         self.device = device
         self.min_entries = min_entries
         self._bufs: dict[str, torch.Tensor] = {}
-        self._views: dict[tuple[str, Hashable], tuple[torch.Tensor, object]] = {}
+        self._views: dict[tuple[str, Hashable], tuple[torch.Tensor, Any]] = {}  # each key its own view type
 
     def get(self, name: str, n: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
         """The buffer `name`: at least `n` entries of `dtype` (a 1-D tensor; the same object while it

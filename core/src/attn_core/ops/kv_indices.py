@@ -248,6 +248,6 @@ def build_kv_indices(
         indptr_out.copy_(indptr)
     if last_page_len_out is not None:
         last_page_len_out.copy_(last_page_len_from_lens(kv_lens, page_size))
-    if q_lens is not None:
+    if q_lens is not None and qo_indptr_out is not None:  # given together (checked above)
         qo_indptr_out.copy_(kv_indptr_from_lens(q_lens))
     return out if whole_out else out[:total]

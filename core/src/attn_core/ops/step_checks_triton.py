@@ -258,7 +258,7 @@ def check_step_triton(s: StepTensors, safe: Optional[torch.Tensor], fault: torch
     bs, T = s.batch_size, s.num_tokens
     write = s.out_cache_loc is not None and safe is not None
     if bs == 0:
-        if write and T:
+        if write and T and safe is not None:
             safe[:T] = 0
         return
     r2t = s.req_to_token
@@ -268,7 +268,7 @@ def check_step_triton(s: StepTensors, safe: Optional[torch.Tensor], fault: torch
     prefix = s.prefix_lens if s.prefix_lens is not None else dummy
     start = s.start_loc if s.start_loc is not None else dummy
     mask_indptr = s.mask_indptr if s.mask_indptr is not None else dummy
-    loc = s.out_cache_loc if write else dummy
+    loc = s.out_cache_loc if write and s.out_cache_loc is not None else dummy
     _LAUNCH(
         (bs,),
         r2t,

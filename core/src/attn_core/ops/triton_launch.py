@@ -28,9 +28,12 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from attn_core.discovery.probes import triton_interpreter_enabled
+
+if TYPE_CHECKING:  # annotations only: torch is imported on first launch
+    import torch
 
 #: (major, minor) Triton versions whose compiled-handle call was verified on a GPU (docs/dev/gpu-runs.md)
 VERIFIED_TRITON = ((3, 6),)
@@ -118,7 +121,7 @@ class CachedLaunch:
         self._runtime: Any = None
         self._stream_of: Any = None
         #: torch.Tensor, imported at the first GPU call (this module imports neither torch nor Triton)
-        self._tensor_type: Optional[type] = None
+        self._tensor_type: Optional[type[torch.Tensor]] = None
         #: the keyword names of the first compiled call (see `__call__`'s cache key)
         self._names: Optional[tuple[str, ...]] = None
 
@@ -195,7 +198,7 @@ class CachedLaunch:
         before its first (compiling) call."""
         return self.compiled.get(self._key(device, types, kwargs))
 
-    def _launch_or_fall_back(self, hit: tuple[Any, tuple], grid3: tuple[int, int, int], device: int, launch_args: tuple,
+    def _launch_or_fall_back(self, hit: tuple[Any, tuple], grid3: tuple[int, ...], device: int, launch_args: tuple,
                              grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:  # fmt: skip
         compiled, constexprs = hit
         try:
@@ -204,7 +207,7 @@ class CachedLaunch:
             self._turn_off(f"the compiled handle rejected a call ({type(exc).__name__}: {exc})")
             self.kernel[grid](*args, **kwargs)
 
-    def _launch(self, compiled, grid: tuple[int, int, int], device: int, args: tuple) -> None:
+    def _launch(self, compiled, grid: tuple[int, ...], device: int, args: tuple) -> None:
         """One launch of `compiled` (a Triton `CompiledKernel` whose handles are loaded) on the current
         stream of `device`. Triton's handle (`compiled[grid](*args)`) looks up the current device and
         stream, builds the launch metadata for the enter hook and calls `compiled.run(grid..., stream,
@@ -268,7 +271,7 @@ def _hooked(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-def _types_and_pointers(args: tuple, tensor_type: Optional[type] = None) -> tuple[tuple, Optional[tuple]]:
+def _types_and_pointers(args: tuple[Any, ...], tensor_type: Optional[type[torch.Tensor]] = None) -> tuple[tuple, Optional[tuple]]:
     """(what of each argument selects a binary, as `_arg_type`; the arguments with every tensor replaced
     by its `data_ptr()`), or (types, None) when a tensor argument is not on a CUDA device.
 
@@ -279,8 +282,11 @@ def _types_and_pointers(args: tuple, tensor_type: Optional[type] = None) -> tupl
     kept here: a tensor with `is_cuda` False sends the launch to the normal launcher, which refuses it.
     `tensor_type` (torch.Tensor) takes its arguments down the shortest branch.
     Example: `(t_int32_cuda, 7, 2**40)` -> `((torch.int32, "i32", "i64"), (t.data_ptr(), 7, 2**40))`."""
-    types, out = [], []
-    last = last_type = last_ptr = None  # the previous tensor: kernels take one tensor for several absent arguments
+    types: list[Any] = []
+    out: list[Any] = []
+    last: Any = None
+    last_type: Any = None
+    last_ptr: Any = None  # the previous tensor: kernels take one tensor for several absent arguments
     for a in args:
         if type(a) is tensor_type:  # torch.Tensor, the common case, first (subclasses take the general branch)
             if a is not last:

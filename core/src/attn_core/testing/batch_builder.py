@@ -14,7 +14,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from attn_core.batching.positions import extend_start_loc_from_lens, positions_from_lens
-from attn_core.contract.batch import ForwardBatch, SpecInfo
+from attn_core.contract.batch import ForwardBatch, SpecInfo, batch_field
 from attn_core.contract.errors import InvalidArgumentError, KVCacheError
 from attn_core.contract.forward_mode import ForwardMode
 from attn_core.memory.pools import check_pool_matches
@@ -194,7 +194,7 @@ def release_forward_batch(batch: ForwardBatch, allocator) -> None:
     """Free the request rows and every KV slot (encoder, prefix and new) of the batch's requests."""
     if batch.batch_size == 0:
         return
-    pool = batch.req_to_token_pool
+    pool = batch_field(batch.req_to_token_pool, "req_to_token_pool")
     rows = batch.req_pool_indices.cpu()
     lens = batch.seq_lens_cpu.clone()
     if batch.encoder_lens_cpu is not None:

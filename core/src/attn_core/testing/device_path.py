@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 #: modules that call `effective_level` to pick a step's validation level
 LEVEL_USERS = (
@@ -59,10 +59,10 @@ def accelerator_checks(step_check: str = "torch") -> Iterator[None]:
     if step_check not in STEP_CHECKS:
         raise ValueError(f"step_check: expected one of {STEP_CHECKS}, found {step_check!r}")
     check = _step_check(step_check)
-    saved: list[tuple[object, str, object]] = []
+    saved: list[tuple[Any, str, Any]] = []  # (module, attribute, the value it had)
     try:
         for name in LEVEL_USERS:
-            module = importlib.import_module(name)
+            module: Any = importlib.import_module(name)
             saved.append((module, "effective_level", module.effective_level))
             module.effective_level = _as_given
         for name in STEP_CHECK_USERS:

@@ -41,6 +41,8 @@ def _rank_main(rank: int, world: int, store_path: str, module_path: str, func: s
         dist.init_process_group(dist_backend, init_method=f"file://{store_path}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))
         spec = importlib.util.spec_from_file_location(f"_rank_module_{rank}", module_path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load {module_path} as a module")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         value = getattr(module, func)(rank, world, *args)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 from attn_core.testing.outcome import KitFailure, KitSkip
 from attn_core.testing.target import KitTarget
@@ -52,7 +53,7 @@ def spec_matches_class_check(target: KitTarget):
     def run() -> str:
         if target.spec is None:
             raise KitSkip("no spec (the backend was given as a class)")
-        cls = target.backend_class
+        cls: Any = target.backend_class  # an AttentionBackend subclass (checks read its class attributes)
         problems = []
         if getattr(cls, "name", "") and cls.name != target.spec.name:
             problems.append(f"class name {cls.name!r} != spec name {target.spec.name!r}")

@@ -30,7 +30,7 @@ what `softmax_in_single_precision=True` asks for.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -53,7 +53,7 @@ def vision_backend(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
-    **options,
+    **options: Any,
 ) -> AttentionBackend:
     """The process's backend `name` over a ragged-only context (`Feature.RAGGED`, no paged mode, no pools) of
     these heads, head dim, dtype and device, made on first use (`attn_core.create_backend`) and shared after.
@@ -189,7 +189,7 @@ class VisionAttention(nn.Module):
             raise InvalidArgumentError("softmax_scale", "None or > 0", softmax_scale)
         if not isinstance(backend, (str, AttentionBackend)):
             raise InvalidArgumentError("backend", "a backend name or an AttentionBackend", type(backend).__name__)
-        factory = dict(device=device, dtype=dtype)
+        factory: dict[str, Any] = dict(device=device, dtype=dtype)
         self.embed_dim, self.head_dim = embed_dim, head_dim
         self.num_heads, self.num_kv_heads, self.num_dummy_heads = num_heads, kv, num_dummy_heads
         self.heads, self.kv_heads = num_heads + num_dummy_heads, kv + num_dummy_heads  # as the backend sees them
@@ -234,7 +234,7 @@ class VisionAttention(nn.Module):
             )
         ctx = self.backend.ctx
         want = (self.heads, self.kv_heads, self.head_dim, dtype, torch.device(device).type)
-        got = (ctx.num_q_heads, ctx.num_kv_heads, ctx.head_dim, ctx.dtype, ctx.device.type)
+        got = (ctx.num_q_heads, ctx.num_kv_heads, ctx.head_dim, ctx.dtype, torch.device(ctx.device).type)
         if want != got:
             raise InvalidArgumentError(
                 "backend", f"a context of (heads, kv heads, head_dim, dtype, device) {want}", got
@@ -283,7 +283,7 @@ class VisionAttention(nn.Module):
         self,
         x: torch.Tensor,
         cu_seqlens: Union[RaggedBatch, torch.Tensor, None] = None,
-        position_embeddings=None,
+        position_embeddings: Any = None,
     ) -> torch.Tensor:
         """x `[T, E]`, `[1, T, E]` or `[b, s, E]` (see the module docstring) → the same shape. With
         `position_embeddings` (rotary (cos, sin) `[N, D]` over the attended rows, or whatever the module's
@@ -313,7 +313,8 @@ class VisionAttention(nn.Module):
             q, k = (self.position_embedding_applier or apply_rotary)(q, k, position_embeddings)
         if backend.current_ragged_batch is not ragged:
             backend.init_ragged_metadata(ragged)
-        o = backend.ragged_attention(q, k, v, ragged, scaling=self.scale)  # [T, Hq * D]
+        out = backend.ragged_attention(q, k, v, ragged, scaling=self.scale)  # [T, Hq * D] (no LSE asked)
+        o = out[0] if isinstance(out, tuple) else out
         if rows is not None:
             o = o.new_zeros(tokens.shape[0], self.q_size).index_copy_(0, rows, o)
         return self.proj(o).reshape(*x.shape[:-1], self.embed_dim)

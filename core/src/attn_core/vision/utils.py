@@ -13,6 +13,8 @@ comes back unchanged.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from attn_core.contract.errors import InvalidArgumentError
@@ -23,7 +25,7 @@ def _vision_config(config):
     return getattr(config, "vision_config", None) or config
 
 
-def update_vit_attn_dummy_heads_config(config, tp_size: int) -> None:
+def update_vit_attn_dummy_heads_config(config: Any, tp_size: int) -> None:
     """Set `head_dim` (hidden_size // heads) and `num_dummy_heads` (the fewest zero heads that make the head
     count a multiple of `tp_size`) on the vision config of `config` (its `vision_config`, else itself),
     whose head count is `num_heads` or `num_attention_heads`.
@@ -49,7 +51,7 @@ def _pad_heads(x: torch.Tensor, head_dim: int, dummy: int, name: str) -> torch.T
     return torch.cat([x, x.new_zeros((dummy * head_dim, *x.shape[1:]))], dim=0)
 
 
-def pad_vit_attn_dummy_heads(config, name: str, loaded_weight: torch.Tensor) -> torch.Tensor:
+def pad_vit_attn_dummy_heads(config: Any, name: str, loaded_weight: torch.Tensor) -> torch.Tensor:
     """`loaded_weight` (checkpoint parameter `name`) padded for the `num_dummy_heads` zero heads of the vision
     config of `config` (set by `update_vit_attn_dummy_heads_config`): each of q, k and v of a fused
     `qkv_proj` gets its zero heads after its own heads; a `q_proj` / `k_proj` / `v_proj` weight or bias, and

@@ -4,10 +4,13 @@ composed backends read and write the same KV cache the same way."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from attn_core.contract.capabilities import Capabilities, CudaGraphLevel, Feature
 from attn_core.contract.errors import InvalidArgumentError
+
+if TYPE_CHECKING:  # annotations only
+    from attn_core.contract.backend import AttentionBackend
 
 #: BackendContext fields that fix how K/V sit in the cache; composed backends must agree on all of them.
 KV_LAYOUT_FIELDS = (
@@ -23,7 +26,7 @@ KV_LAYOUT_FIELDS = (
 )
 
 
-def check_same_kv_layout(named_backends: Sequence[tuple[str, object]]) -> None:
+def check_same_kv_layout(named_backends: Sequence[tuple[str, AttentionBackend]]) -> None:
     """Raise `InvalidArgumentError` naming the first backend whose context disagrees with the first one on
     the KV layout (page size, dtype, heads, arch, device) or uses another KV pool / request table."""
     (ref_name, ref), *rest = named_backends

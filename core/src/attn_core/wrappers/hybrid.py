@@ -7,12 +7,17 @@ construction refuses pairs that do not.
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
+import torch
+
 from attn_core.contract.backend import AttentionBackend, Output
 from attn_core.contract.batch import ForwardBatch
 from attn_core.contract.capabilities import Capabilities, CudaGraphLevel, Feature
 from attn_core.contract.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.contract.forward_mode import ForwardMode
 from attn_core.contract.graph_step import CudaGraphStep
+from attn_core.contract.layer import AttentionLayer
 from attn_core.wrappers.compose import check_same_kv_layout, intersect_capabilities
 
 _CHOICES = ("prefill", "decode")
@@ -139,13 +144,22 @@ class HybridAttnBackend(AttentionBackend[AttentionBackend]):
         return self.prefill.support_triton() and self.decode.support_triton()
 
     # ---- attention: the routed backend validates and runs ----------------------------------------
-    def forward(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool = True, **extras) -> Output:
+    def forward(
+        self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer: AttentionLayer,
+        forward_batch: ForwardBatch, save_kv_cache: bool = True, **extras: Any,
+    ) -> Output:
         backend = self.backend_for(forward_batch.forward_mode)
         return backend.forward(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **extras)
 
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras) -> Output:
+    def forward_decode(
+        self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer: AttentionLayer,
+        forward_batch: ForwardBatch, save_kv_cache: bool = True, **extras: Any,
+    ) -> Output:
         return self.decode.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **extras)
 
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras) -> Output:
+    def forward_extend(
+        self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer: AttentionLayer,
+        forward_batch: ForwardBatch, save_kv_cache: bool = True, **extras: Any,
+    ) -> Output:
         backend = self.backend_for(forward_batch.forward_mode)
         return backend.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **extras)

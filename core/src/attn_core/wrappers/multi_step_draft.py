@@ -57,7 +57,7 @@ from attn_core.contract.errors import GraphShapeError, InvalidArgumentError, KVC
 from attn_core.contract.forward_mode import ForwardMode
 from attn_core.contract.graph_step import CudaGraphStep, GraphPadding, graph_padding
 from attn_core.contract.validation import FULL, effective_level
-from attn_core.memory import ReqToTokenPool, window_pool_of
+from attn_core.memory import KVPool, ReqToTokenPool, window_pool_of
 from attn_core.ops.device_faults import DeviceFaultKind
 from attn_core.ops.kv_write import record_first
 
@@ -315,8 +315,8 @@ class MultiStepDraftBackend:
         out_cache_loc: torch.Tensor,
         seq_lens_cpu: torch.Tensor,
         *,
-        req_to_token_pool=None,
-        token_to_kv_pool=None,
+        req_to_token_pool: Optional[ReqToTokenPool] = None,
+        token_to_kv_pool: Optional[KVPool] = None,
     ) -> list[ForwardBatch]:
         """Build the draft table (and the tail copies) and every step's metadata for requests with
         `seq_lens` (L_b, int32 `[bs]`, host copy `seq_lens_cpu`) cached tokens; returns the step batches.
@@ -351,8 +351,7 @@ class MultiStepDraftBackend:
         backend's graph state."""
         if not 1 <= max_bs <= self.ctx.max_batch_size:
             raise InvalidArgumentError("max_bs", f"1..{self.ctx.max_batch_size}", max_bs)
-        if self.ctx.req_to_token_pool is None or self.ctx.token_to_kv_pool is None:
-            raise InvalidArgumentError("ctx", "a context with req_to_token_pool and token_to_kv_pool (graphs read them)", None)
+        self._ctx_pools()
         dev, n, S = self.ctx.device, max_bs * self.topk, self.num_steps
         self._graph = _GraphBuffers(
             req_pool_indices=torch.zeros(max_bs, dtype=torch.int64, device=dev),
@@ -368,6 +367,18 @@ class MultiStepDraftBackend:
             b.init_cuda_graph_state(n, n)
         self._captured.clear()
 
+    def _ctx_pools(self) -> tuple[ReqToTokenPool, KVPool]:
+        """The context's request table and KV pool, which the graphs read."""
+        r2t_pool, kv_pool = self.ctx.req_to_token_pool, self.ctx.token_to_kv_pool
+        if r2t_pool is None or kv_pool is None:
+            raise InvalidArgumentError("ctx", "a context with req_to_token_pool and token_to_kv_pool (graphs read them)", None)
+        return r2t_pool, kv_pool
+
+    def _buffers(self) -> _GraphBuffers:
+        if self._graph is None:
+            raise InvalidArgumentError("init_draft_graph_state", "called before capture/replay", None)
+        return self._graph
+
     def _padding(self, n: int, bs: int) -> GraphPadding:
         """n real requests padded to the captured size bs (each step is a DECODE batch)."""
         return graph_padding(ForwardMode.DECODE, n, [bs], self.backends[0].get_cuda_graph_seq_len_fill_value())
@@ -375,7 +386,7 @@ class MultiStepDraftBackend:
     def _stage(self, pad: GraphPadding, req_pool_indices, seq_lens, out_cache_loc) -> torch.Tensor:
         """Write the real requests (first n) and padding (rows n..bs-1) into the graph buffers, then the
         table, tail copies and per-step inputs; returns the device L_b of the padded batch."""
-        g = self._graph
+        g = self._buffers()
         n, bs = pad.bs, pad.padded_bs
         g.req_pool_indices[:n] = req_pool_indices
         g.req_pool_indices[n:bs] = 0
@@ -386,9 +397,10 @@ class MultiStepDraftBackend:
         g.valid[:n] = True
         g.valid[n:bs] = False
         rpi, L, loc, valid = g.req_pool_indices[:bs], g.seq_lens[:bs], g.out_cache_loc[:bs], g.valid[:bs]
-        r2t = self.ctx.req_to_token_pool.req_to_token
+        r2t_pool, kv_pool = self._ctx_pools()
+        r2t = r2t_pool.req_to_token
         self._fill_table(r2t, rpi, L, loc, self.table.max_context_len, valid)
-        self._copy_tails(self.ctx.token_to_kv_pool, r2t, rpi, L, loc, valid)
+        self._copy_tails(kv_pool, r2t, rpi, L, loc, valid)
         rows = bs * self.topk
         per_row = L.to(torch.int64).repeat_interleave(self.topk)
         steps = torch.arange(self.num_steps, device=per_row.device)[:, None]
@@ -398,7 +410,7 @@ class MultiStepDraftBackend:
         return L
 
     def _graph_step_batches(self, bs: int, host_lens: torch.Tensor) -> list[ForwardBatch]:
-        g, rows = self._graph, bs * self.topk
+        g, rows = self._buffers(), bs * self.topk
         return [
             self._step_batch(
                 s,
@@ -414,16 +426,15 @@ class MultiStepDraftBackend:
         ]
 
     def _require_graph(self, bs: int) -> None:
-        if self._graph is None:
-            raise InvalidArgumentError("init_draft_graph_state", "called before capture/replay", None)
-        if not 1 <= bs <= self._graph.req_pool_indices.shape[0]:
-            raise InvalidArgumentError("bs", f"1..{self._graph.req_pool_indices.shape[0]} (init_draft_graph_state's max_bs)", bs)
+        max_bs = self._buffers().req_pool_indices.shape[0]
+        if not 1 <= bs <= max_bs:
+            raise InvalidArgumentError("bs", f"1..{max_bs} (init_draft_graph_state's max_bs)", bs)
 
     def capture_draft_graph_metadata(self, bs: int) -> list[ForwardBatch]:
         """Capture-time metadata for `bs` requests (all padding) of every step; returns the step batches
         (views of the persistent buffers) to run inside the capture."""
         self._require_graph(bs)
-        dev = self._graph.rows.device
+        dev = self._buffers().rows.device
         empty = torch.empty(0, dtype=torch.int64, device=dev)
         pad = self._padding(0, bs)
         self._stage(pad, empty, empty.to(torch.int32), empty)
@@ -449,8 +460,8 @@ class MultiStepDraftBackend:
         if bs not in self._captured or not 1 <= n <= bs or seq_lens.shape != (n,):
             raise GraphShapeError("bs", f"a captured size {sorted(self._captured)} >= the {n} requests given", bs)
         if seq_lens_cpu is not None:
-            self._check_requests(req_pool_indices, seq_lens, seq_lens_cpu, self.ctx.req_to_token_pool.req_to_token,
-                                 self.ctx.token_to_kv_pool.num_slots)
+            r2t_pool, kv_pool = self._ctx_pools()
+            self._check_requests(req_pool_indices, seq_lens, seq_lens_cpu, r2t_pool.req_to_token, kv_pool.num_slots)
         pad = self._padding(n, bs)
         L = self._stage(pad, req_pool_indices, seq_lens, out_cache_loc)
         if seq_lens_cpu is None:

@@ -5,7 +5,7 @@ backend with its own metadata. See `attn_core.batching.tbo_split` for how a batc
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -14,6 +14,7 @@ from attn_core.contract.backend import AttentionBackend, Output
 from attn_core.contract.batch import ForwardBatch
 from attn_core.contract.errors import InvalidArgumentError
 from attn_core.contract.graph_step import CudaGraphStep
+from attn_core.contract.layer import AttentionLayer
 from attn_core.wrappers.compose import check_same_kv_layout, intersect_capabilities
 
 
@@ -72,13 +73,22 @@ class TboAttnBackend(AttentionBackend[Optional[tuple[ForwardBatch, ForwardBatch]
                 child.init_forward_metadata(child_batch)
         return child_batches
 
-    def forward(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool = True, **extras) -> Output:
+    def forward(
+        self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer: AttentionLayer,
+        forward_batch: ForwardBatch, save_kv_cache: bool = True, **extras: Any,
+    ) -> Output:
         return self.primary.forward(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **extras)
 
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras) -> Output:
+    def forward_decode(
+        self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer: AttentionLayer,
+        forward_batch: ForwardBatch, save_kv_cache: bool = True, **extras: Any,
+    ) -> Output:
         return self.primary.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **extras)
 
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras) -> Output:
+    def forward_extend(
+        self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer: AttentionLayer,
+        forward_batch: ForwardBatch, save_kv_cache: bool = True, **extras: Any,
+    ) -> Output:
         return self.primary.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **extras)
 
     # ---- CUDA graphs -------------------------------------------------------------------------------

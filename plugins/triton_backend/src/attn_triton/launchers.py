@@ -15,7 +15,8 @@ from typing import Optional
 import torch
 
 from attn_core.contract.layer import AttentionLayer
-from attn_core.memory.pools import KVPool, kv_scales
+from attn_core.memory.kv_pool import KVPool
+from attn_core.memory.pools import kv_scales
 from attn_core.ops.merge_state import merge_state
 from attn_triton.kernels.decode import DecodeConfig, decode_attention
 from attn_triton.kernels.extend import ExtendConfig, extend_attention

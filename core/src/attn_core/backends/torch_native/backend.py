@@ -24,7 +24,7 @@ P·V product and a query that *sees* such a key gets NaN (so 0 · Inf never turn
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, is_dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -32,7 +32,7 @@ from attn_core.backends.torch_native.ragged import dense_ragged_attention
 from attn_core.backends.torch_native.spec import CAPABILITIES
 from attn_core.batching.cascade import splits_into_cascade
 from attn_core.contract.backend import AttentionBackend
-from attn_core.contract.batch import ForwardBatch, SpecInfo
+from attn_core.contract.batch import ForwardBatch, SpecInfo, batch_field
 from attn_core.contract.bidirectional import span_visible
 from attn_core.contract.errors import InvalidArgumentError, UnsupportedFeatureError
 from attn_core.contract.forward_mode import ForwardMode
@@ -125,7 +125,7 @@ def _build_metadata(
         kv_valid = kv_valid & in_pool
     slots = torch.where(kv_valid, slots, 0)
     allowed = kv_valid[:, None, :] & q_valid[:, :, None]
-    if use_custom_mask:
+    if use_custom_mask and spec_info is not None and spec_info.custom_mask is not None and spec_info.mask_indptr is not None:
         mask, indptr = spec_info.custom_mask, spec_info.mask_indptr.to(torch.int64)
         flat = indptr[: seq.shape[0], None, None] + qi[None, :, None] * seq[:, None, None] + kj[None, None, :]
         allowed = allowed & mask[flat.clamp(0, max(mask.numel() - 1, 0))]
@@ -178,9 +178,9 @@ class TorchNativeBackend(AttentionBackend[_Metadata]):
             q_start = torch.arange(b.batch_size, device=b.device, dtype=torch.int32)
             q_width = 1
         else:
-            q_lens, q_start = b.extend_seq_lens, b.extend_start_loc
-            q_width = max(int(b.extend_seq_lens_cpu.max()), 1)
-        args = dict(
+            q_lens, q_start = batch_field(b.extend_seq_lens, "extend_seq_lens"), batch_field(b.extend_start_loc, "extend_start_loc")
+            q_width = max(int(batch_field(b.extend_seq_lens_cpu, "extend_seq_lens_cpu").max()), 1)
+        args: dict[str, Any] = dict(
             req_to_token=self.req_to_token(b),
             req_pool_indices=b.req_pool_indices,
             seq_lens=b.seq_lens,
@@ -235,8 +235,13 @@ class TorchNativeBackend(AttentionBackend[_Metadata]):
         )
 
     def capture_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
+        graphs = self._graph_metadata
+        if graphs is None:
+            raise InvalidArgumentError("init_cuda_graph_state", "called before capture/replay", None)
+        if step.num_tokens is None:
+            raise InvalidArgumentError("num_tokens", f"a fixed token count for a {step.forward_mode.name} capture", None)
         meta = self._graph_build(step, step.num_tokens)
-        self._graph_metadata[(step.bs, step.forward_mode)] = meta
+        graphs[(step.bs, step.forward_mode)] = meta
         self.bind_graph_metadata(meta, step)
 
     def replay_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
@@ -254,7 +259,7 @@ class TorchNativeBackend(AttentionBackend[_Metadata]):
         """The path `_forward` takes for `layer` on this step (`attn_core.contract.debug_paths`): the cascade's two
         passes merged by LSE, or one gather of each request's key slots with the masks that apply, the
         compute dtype and how many query chunks the score budget (`max_score_bytes`) splits it into."""
-        meta: _Metadata = self.forward_metadata
+        meta: Optional[_Metadata] = self.forward_metadata
         if meta is None:
             return "no tokens: empty output"
         cd = "float64" if self.ctx.dtype in (torch.float32, torch.float64) else "float32"
@@ -335,10 +340,14 @@ def _attn_type_visibility(attn_type: AttentionType, causal: torch.Tensor, meta: 
     if attn_type is AttentionType.DECODER or (attn_type is AttentionType.DECODER_BIDIRECTIONAL and meta.spans is None):
         return causal
     kj = torch.arange(causal.shape[-1], device=causal.device)
-    valid = (kj[None, None, :] < meta.kv_lens[:, None, None]) & (meta.q_rows < meta.num_tokens)[:, :, None]
+    kv_lens = meta.kv_lens
+    assert kv_lens is not None, "_build_metadata always sets kv_lens"
+    valid = (kj[None, None, :] < kv_lens[:, None, None]) & (meta.q_rows < meta.num_tokens)[:, :, None]
     if attn_type is AttentionType.ENCODER_ONLY:
         return valid
-    a, b = meta.spans[:, 0, None, None], meta.spans[:, 1, None, None]
+    spans = meta.spans
+    assert spans is not None, "a bidirectional layer with spans (the other cases returned above)"
+    a, b = spans[:, 0, None, None], spans[:, 1, None, None]
     return valid & span_visible(meta.q_pos[:, :, None], kj[None, None, :], a, b)
 
 
