@@ -193,17 +193,16 @@ for d, group, causal, tiles in ((128, 4, True, ((64, 4, 224), (64, 4, 208))), (6
 from attn_triton.kernels import ragged as rg
 default = rg.ragged_config(80, torch.bfloat16, dev)
 for d in (64, 72, 80, 96, 128):
-    d1, d2 = rg.split_head_dim(d)
     for causal in (False, True):
-        consts = dict(GROUP=1, BLOCK_M=default.block_m, BLOCK_N=default.block_n, D=d, D1=d1, D2=d2, D2P=max(d2, 16),
-                      CAUSAL=causal, STORE_LSE=True, DOT_PREC="tf32", LAZY=default.lazy_rescale, OFF64=False, ALIGN8=True)
+        consts = dict(GROUP=1, BLOCK_M=default.block_m, BLOCK_N=default.block_n, D=d, BLOCK_D=rg.channel_block(d),
+                      CAUSAL=causal, STORE_LSE=True, DOT_PREC="tf32", LAZY=default.lazy_rescale, OFF64=False)
         k = build(rg._ragged_kernel, "bf16", consts, default.num_warps, default.num_stages)
         usage, sass = res_usage(k), sass_of(k)
         assert " STACK:0 " in usage and "HGMMA." in sass and not serialized_wgmma(sass), (d, causal, usage)
         print("ragged", d, causal, usage, "shared", k.metadata.shared)
 for bm, bn, w, st, lazy in ((128, 64, 4, 3, 4), (128, 128, 8, 3, 4), (128, 64, 8, 2, 4), (64, 64, 4, 3, 0), (128, 64, 8, 3, 0)):
-    consts = dict(GROUP=1, BLOCK_M=bm, BLOCK_N=bn, D=80, D1=64, D2=16, D2P=16, CAUSAL=False, STORE_LSE=False,
-                  DOT_PREC="tf32", LAZY=lazy, OFF64=True, ALIGN8=False)
+    consts = dict(GROUP=1, BLOCK_M=bm, BLOCK_N=bn, D=80, BLOCK_D=128, CAUSAL=False, STORE_LSE=False,
+                  DOT_PREC="tf32", LAZY=lazy, OFF64=True)
     k = build(rg._ragged_kernel, "bf16", consts, w, st)
     assert k.metadata.shared <= 227 * 1024, (bm, bn, w, st, k.metadata.shared)
     print("ragged tiles", (bm, bn, w, st, lazy), res_usage(k), "shared", k.metadata.shared)

@@ -15,23 +15,14 @@ from attn_core.contract.ragged import RaggedBatch, ragged_context
 from attn_core.testing.harness import AttnCase, assert_case
 from attn_core.testing.ragged_checks import RaggedCase, run_ragged_case
 from attn_core.testing.target import resolve_target
-from attn_triton.kernels.ragged import RaggedConfig, ragged_config, split_head_dim
+from attn_triton.kernels.ragged import RaggedConfig, channel_block, ragged_config
 
 pytestmark = requires_interpreter
 
 
-def test_split_head_dim():
-    assert [split_head_dim(d) for d in (8, 16, 64, 72, 80, 96, 128, 136, 200, 256)] == [
-        (16, 0),
-        (16, 0),
-        (64, 0),
-        (64, 16),
-        (64, 16),
-        (64, 32),
-        (128, 0),
-        (128, 16),
-        (128, 128),
-        (256, 0),
+def test_channel_block():
+    assert [channel_block(d) for d in (8, 16, 64, 72, 80, 96, 128, 136, 200, 256)] == [
+        16, 16, 64, 128, 128, 128, 128, 256, 256, 256
     ]
 
 
@@ -98,3 +89,33 @@ def test_span_launch(mode):
     from triton_helpers import factory
 
     assert_case(factory(), case)
+
+
+#: the GPU's tiles (ragged_config's sm_90 default and benchmarks/ragged_vs_peers.py's sweep), under the interpreter
+GPU_TILES = ((128, 64, 8, 3, 4), (128, 128, 8, 3, 4), (64, 64, 4, 3, 0))
+
+
+@pytest.mark.parametrize("head_dim", [72, 80, 96, 128])
+def test_vit_head_dims_on_gpu_tiles_stay_in_bounds(head_dim):
+    """The vision-tower test's head dims with the GPU's tiles (causal and not, with the LSE) against the float64
+    reference, q / k / v strided views of a NaN-padded buffer, and no load or store outside the tensors
+    (`interp_bounds.strict_bounds`). On an H100 the old split head dim (64 + 16 / 64 + 32 channels) gave wrong
+    outputs at d80 and an illegal address at d96; the interpreter never showed it, so this pins the padded form."""
+    from interp_bounds import strict_bounds
+
+    for tiles in GPU_TILES:
+        target = resolve_target("triton", options={"ragged_config": RaggedConfig(*tiles)})
+        for causal in (False, True):
+            case = RaggedCase(
+                steps=((130, 1, 200),),
+                num_q_heads=2,
+                num_kv_heads=1,
+                head_dim=head_dim,
+                dtype="float16",
+                device="cpu",
+                causal=causal,
+                return_lse=True,
+                num_layers=1,
+            )
+            with strict_bounds():
+                run_ragged_case(target, case)

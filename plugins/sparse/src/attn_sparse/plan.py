@@ -22,8 +22,8 @@ import torch
 
 from attn_core.contract.batch import ForwardBatch
 from attn_core.contract.graph_step import CudaGraphStep
-from attn_core.ops.kv_indices import build_kv_indices, exclusive_cumsum
-from attn_sparse.config import SplitPolicy, TileGeometry, cdiv, tile_geometry
+from attn_core.ops.kv_indices import build_kv_indices
+from attn_sparse.config import SplitPolicy, TileGeometry, tile_geometry
 
 
 @dataclass
@@ -65,6 +65,24 @@ class PlanShape:
     fault: Optional[torch.Tensor] = None
 
 
+def host_tiles(extend_lens: list[int], block_t: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tile_req, tile_tok) int32 on `device` for requests of `extend_lens` new tokens (the host copies),
+    tiles of `block_t` tokens: built on the host and copied once, so device lengths that disagree with
+    their host copies (the step check's fault, raised one step late) cannot change the table's size, and
+    the kernels bound every row by the step's tokens.
+
+    >>> [t.tolist() for t in host_tiles([20, 5, 0], 8, "cpu")]
+    [[0, 0, 0, 1], [0, 8, 16, 0]]
+    """
+    reqs, toks = [], []
+    for r, n in enumerate(extend_lens):
+        for t in range(0, int(n), block_t):
+            reqs.append(r)
+            toks.append(t)
+    table = torch.tensor([reqs, toks], dtype=torch.int32).to(device, non_blocking=True)
+    return table[0], table[1]
+
+
 def plan_step(batch: ForwardBatch, req_to_token: torch.Tensor, shape: PlanShape) -> StepPlan:
     """The plan of an eager step (any mode with tokens), from the batch's device tensors and host copies;
     no device sync."""
@@ -87,12 +105,7 @@ def plan_step(batch: ForwardBatch, req_to_token: torch.Tensor, shape: PlanShape)
         tile_req, tile_tok = q_start, torch.zeros(bs, dtype=torch.int32, device=dev)
     else:
         q_start, q_len = batch.extend_start_loc, batch.extend_seq_lens
-        tiles = sum(cdiv(int(n), geo.block_t) for n in batch.extend_seq_lens_cpu.tolist())
-        counts = torch.div(q_len + (geo.block_t - 1), geo.block_t, rounding_mode="floor").to(torch.int64)
-        tile_req = torch.repeat_interleave(torch.arange(bs, device=dev), counts, output_size=tiles)
-        first = exclusive_cumsum(counts, torch.int64)
-        tile_tok = ((torch.arange(tiles, device=dev) - first[tile_req]) * geo.block_t).to(torch.int32)
-        tile_req = tile_req.to(torch.int32)
+        tile_req, tile_tok = host_tiles(batch.extend_seq_lens_cpu.tolist(), geo.block_t, dev)
     max_seq = batch.max_seq_len
     programs = tile_req.shape[0] * shape.num_kv_heads * geo.slices
     return StepPlan(

@@ -53,8 +53,8 @@ CAPABILITIES = Capabilities(
     #: either layout and engine-owned ones (`attn_core.memory.EngineKVPool`) read in place
     kv_layouts=frozenset({"NHD", "HND"}),
     engine_kv_layouts=frozenset({"NHD", "HND"}),
-    #: the ragged op's varlen kernel (`kernels/ragged.py`): the same head dims, split into a power-of-two
-    #: part and a remainder (d72 / d80 / d96 of ViTs without padding to 128)
+    #: the ragged op's varlen kernel (`kernels/ragged.py`): the same head dims, in one channel block padded
+    #: to the next power of two (d72 / d80 / d96 of ViTs run as 128 channels, the extra ones masked)
     ragged_head_dims=HEAD_DIMS,
 )
 

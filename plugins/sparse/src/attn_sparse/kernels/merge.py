@@ -3,7 +3,9 @@
 Row t, head h has S partial outputs o_s (float32) over disjoint key sets, with natural-log LSEs l_s; the
 merged result is lse = log(sum_s exp(l_s)) and o = sum_s exp(l_s - lse) * o_s (attn-core's `merge_state`
 rule for two parts, generalized to S). A split whose LSE is -inf saw no key: it is not read (its output may
-be anything). A row with no key anywhere gets output 0 and LSE -inf.
+be anything). A row with no key anywhere gets output 0 and LSE -inf. A split whose LSE is NaN (it saw a NaN
+score) makes its row's output and LSE NaN, as one unsplit pass would (docs/design.md §3.2: a value a row
+sees reaches it, whatever it is).
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ def _merge_splits_kernel(
     s = tl.arange(0, BLOCK_S)
     s_ok = s < num_splits
     lse = tl.load(PL + t * stride_lt + h * stride_lh + s, mask=s_ok, other=float("-inf"))
+    # a split that saw a NaN score has a NaN LSE: the row is NaN (a max over the splits skips NaN on a GPU,
+    # and NaN > -inf is false, so the split would otherwise drop out of the merge)
+    nan_split = tl.max((lse != lse).to(tl.int32), 0) > 0
+    lse = tl.where(lse != lse, float("-inf"), lse)
     m = tl.max(lse, 0)
     m_use = tl.where(m == float("-inf"), 0.0, m)
     w = tl.where(lse > float("-inf"), tl.exp(lse - m_use), 0.0)
@@ -52,12 +58,11 @@ def _merge_splits_kernel(
         other=0.0,
     )
     out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    out = tl.where(nan_split, float("nan"), out)
     tl.store(OUT + t * stride_ot + h * stride_oh + d, out.to(OUT.dtype.element_ty), mask=d < v_dim)
     if STORE_LSE:
-        tl.store(
-            LSE + t * stride_et + h * stride_eh,
-            tl.where(total > 0, m_use + tl.log(tl.where(total > 0, total, 1.0)), float("-inf")),
-        )
+        merged = tl.where(total > 0, m_use + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+        tl.store(LSE + t * stride_et + h * stride_eh, tl.where(nan_split, float("nan"), merged))
 
 
 def merge_splits(

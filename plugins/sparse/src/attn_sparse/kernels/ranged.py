@@ -196,7 +196,8 @@ def _ranged_attention_kernel(
         acc = tl.where(sees_bad[:, None] != 0, float("nan"), acc)
         m_i = m_new
 
-    seen = l_i > 0
+    # l_i == 0: the row saw no key; a NaN l_i (a NaN score it saw) keeps a NaN LSE for merge_splits
+    seen = l_i != 0
     denom = tl.where(seen, l_i, 1.0)
     out = acc / denom[:, None]
     o_ptr = OUT + row64[:, None] * stride_ot + head64[:, None] * stride_oh + split * stride_os + offs_dv[None, :]

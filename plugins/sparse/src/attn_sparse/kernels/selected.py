@@ -97,7 +97,7 @@ def _selected_attention_kernel(
         acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
         l_i = l_i * alpha + tl.sum(p, 0)
         m_i = m_new
-    seen = l_i > 0
+    seen = l_i != 0  # 0: no key; NaN (a NaN score): the LSE stays NaN for merge_splits
     denom = tl.where(seen, l_i, 1.0)
     tl.store(PO + r * stride_pb + h * stride_ph + split * stride_ps + offs_dv, acc / denom, mask=offs_dv < v_dim)
     tl.store(PL + r * stride_lb + h * stride_lh + split, tl.where(seen, (m_i + tl.log2(denom)) * LN2, float("-inf")))

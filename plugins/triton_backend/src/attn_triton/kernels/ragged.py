@@ -9,11 +9,11 @@ the blocks of one sequence and head run next to each other, their K/V shared in 
 the sequence's last is whole and runs unmasked; causal: the tiles before the block's first row run
 unmasked, the diagonal ones masked.
 
-Head dims that are not a power of two (ViTs use 72, 80, 96) are split, not padded: the channels run as a
-power-of-two part D1 (the largest power of two <= D, at least 16) and a remainder part D2 (the next power
-of two >= D - D1, at least 16; 0 when D is a power of two), each with its own dot and accumulator, so
-d80 costs 64 + 16 channels of tensor-core work instead of 128 (`split_head_dim`). Channels past D in
-either part are masked to 0 on load and never stored.
+Head dims that are not a power of two (ViTs use 72, 80, 96) run in one channel block padded to the next
+power of two (`BLOCK_D`, at least 16); the channels past D are masked to 0 on load and never stored.
+(An earlier form split such a head dim into a power-of-two part and a remainder part, each with its own dot
+and accumulator: on an H100 it gave wrong outputs at d80 and an illegal memory access at d96, where the
+interpreter agreed with the reference; it stays out until it can be checked on hardware.)
 
 Softmax in base 2 (`common.softmax_terms`), the score scale folded into one FMA, lazy rescaling of
 the accumulators (`RaggedConfig.lazy_rescale`, as `common.lazy_softmax_step`) optional; the LSE leaves in
@@ -83,66 +83,55 @@ def ragged_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> Ra
     return RaggedConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, lazy_rescale=4)
 
 
-def split_head_dim(head_dim: int) -> tuple[int, int]:
-    """(D1, D2): the power-of-two part and the remainder part of a head dim (see the module docstring).
+def channel_block(head_dim: int) -> int:
+    """The kernel's channel block for a head dim: the next power of two, at least 16 (see the module docstring).
 
-    >>> [split_head_dim(d) for d in (64, 72, 80, 96, 128, 8, 200)]
-    [(64, 0), (64, 16), (64, 16), (64, 32), (128, 0), (16, 0), (128, 128)]
+    >>> [channel_block(d) for d in (8, 64, 72, 80, 96, 128, 200)]
+    [16, 64, 128, 128, 128, 128, 256]
     """
-    d1 = max(16, 1 << (head_dim.bit_length() - 1))
-    if d1 >= head_dim:
-        return d1, 0
-    return d1, max(16, triton.next_power_of_2(head_dim - d1))
+    return max(16, triton.next_power_of_2(head_dim))
 
 
 @triton.jit
-def _online_softmax(m_i, l_i, acc1, acc2, s, s_scale, MASKED: tl.constexpr, HAS_D2: tl.constexpr, LAZY: tl.constexpr):
-    """One online-softmax step over scores `s` [M, N] (base-2 logits s * s_scale; -inf where masked) for
-    both accumulators: `common.softmax_terms` when LAZY is 0, else `common.lazy_softmax_step`'s rule
-    (move the reference only when a row's max grew by more than LAZY). Returns (m, l, acc1, acc2, p)."""
+def _online_softmax(m_i, l_i, acc, s, s_scale, MASKED: tl.constexpr, LAZY: tl.constexpr):
+    """One online-softmax step over scores `s` [M, N] (base-2 logits s * s_scale; -inf where masked):
+    `common.softmax_terms` when LAZY is 0, else `common.lazy_softmax_step`'s rule (move the reference only
+    when a row's max grew by more than LAZY). Returns (m, l, acc rescaled, p)."""
     if LAZY > 0:
         m_tile = tl.max(s, 1) * s_scale
         grow = tl.where(m_tile > m_i, m_tile - m_i, 0.0)
         if tl.max(grow, 0) > LAZY:
             m_new = tl.maximum(m_i, m_tile)
             alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
-            acc1 = acc1 * alpha[:, None]
-            if HAS_D2:
-                acc2 = acc2 * alpha[:, None]
+            acc = acc * alpha[:, None]
             l_i = l_i * alpha
             m_i = m_new
         p = tl.exp2(s * s_scale - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
         l_i = l_i + tl.sum(p, 1)
     else:
         m_i, l_i, alpha, p = softmax_terms(m_i, l_i, s, s_scale, MASKED)
-        acc1 = acc1 * alpha[:, None]
-        if HAS_D2:
-            acc2 = acc2 * alpha[:, None]
-    return m_i, l_i, acc1, acc2, p
+        acc = acc * alpha[:, None]
+    return m_i, l_i, acc, p
 
 
 @triton.jit
 def _key_tile(
-    acc1,
-    acc2,
+    acc,
     m_i,
     l_i,
-    q1,
-    q2,
+    q,
     k_rows,
     v_rows,
     start,
     n,
     offs_m,
     offs_n,
-    offs_d1,
-    offs_d2,
+    offs_d,
     stride_kt,
     stride_vt,
     qk_scale,
     D: tl.constexpr,
-    D1: tl.constexpr,
-    D2: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOT_PREC: tl.constexpr,
@@ -150,7 +139,8 @@ def _key_tile(
     OFF64: tl.constexpr,
 ):
     """Attend the keys start … start+BLOCK_N-1 of the sequence (n rows; k_rows / v_rows point at its first
-    key's row of this KV head): MASKED loads only keys < n (and, CAUSAL, hides keys after each row)."""
+    key's row of this KV head): MASKED loads only keys < n (and, CAUSAL, hides keys after each row); channels
+    past D (BLOCK_D > D) load as 0."""
     key = start + offs_n
     if OFF64:
         k_off = key.to(tl.int64)[:, None] * stride_kt
@@ -158,46 +148,30 @@ def _key_tile(
     else:
         k_off = key[:, None] * stride_kt
         v_off = key[:, None] * stride_vt
-    k_ptr1 = k_rows + k_off + offs_d1[None, :]
-    v_ptr1 = v_rows + v_off + offs_d1[None, :]
-    d1_ok = offs_d1[None, :] < D
+    k_ptr = k_rows + k_off + offs_d[None, :]
+    v_ptr = v_rows + v_off + offs_d[None, :]
+    n_ok = key < n
     if MASKED:
-        n_ok = key < n
-        k1 = tl.load(k_ptr1, mask=n_ok[:, None] & d1_ok, other=0.0)
-    elif D1 > D:
-        k1 = tl.load(k_ptr1, mask=d1_ok, other=0.0)
+        kv_ok = n_ok[:, None] & (offs_d[None, :] < D)
+        k = tl.load(k_ptr, mask=kv_ok, other=0.0)
+    elif BLOCK_D > D:
+        kv_ok = offs_d[None, :] < D
+        k = tl.load(k_ptr, mask=kv_ok, other=0.0)
     else:
-        k1 = tl.load(k_ptr1)
-    qk = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC)
-    if D2 > 0:
-        k_ptr2 = k_rows + k_off + offs_d2[None, :]
-        d2_ok = offs_d2[None, :] < D
-        if MASKED:
-            k2 = tl.load(k_ptr2, mask=n_ok[:, None] & d2_ok, other=0.0)
-        else:
-            k2 = tl.load(k_ptr2, mask=d2_ok, other=0.0)
-        qk += tl.dot(q2, tl.trans(k2), input_precision=DOT_PREC)
+        k = tl.load(k_ptr)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     if MASKED:
         ok = n_ok[None, :]
         if CAUSAL:
             ok = ok & (key[None, :] <= offs_m[:, None])
         qk = tl.where(ok, qk, float("-inf"))
-    m_i, l_i, acc1, acc2, p = _online_softmax(m_i, l_i, acc1, acc2, qk, qk_scale, MASKED, D2 > 0, LAZY)
-    if MASKED:
-        v1 = tl.load(v_ptr1, mask=n_ok[:, None] & d1_ok, other=0.0)
-    elif D1 > D:
-        v1 = tl.load(v_ptr1, mask=d1_ok, other=0.0)
+    m_i, l_i, acc, p = _online_softmax(m_i, l_i, acc, qk, qk_scale, MASKED, LAZY)
+    if MASKED or BLOCK_D > D:
+        v = tl.load(v_ptr, mask=kv_ok, other=0.0)
     else:
-        v1 = tl.load(v_ptr1)
-    acc1 += tl.dot(p.to(q1.dtype), v1, input_precision=DOT_PREC)
-    if D2 > 0:
-        v_ptr2 = v_rows + v_off + offs_d2[None, :]
-        if MASKED:
-            v2 = tl.load(v_ptr2, mask=n_ok[:, None] & (offs_d2[None, :] < D), other=0.0)
-        else:
-            v2 = tl.load(v_ptr2, mask=offs_d2[None, :] < D, other=0.0)
-        acc2 += tl.dot(p.to(q1.dtype), v2, input_precision=DOT_PREC)
-    return acc1, acc2, m_i, l_i
+        v = tl.load(v_ptr)
+    acc += tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -226,15 +200,12 @@ def _ragged_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     D: tl.constexpr,
-    D1: tl.constexpr,
-    D2: tl.constexpr,
-    D2P: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr,
     STORE_LSE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     LAZY: tl.constexpr,
     OFF64: tl.constexpr,
-    ALIGN8: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -250,21 +221,14 @@ def _ragged_kernel(
     kv_head = h // GROUP
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d1 = tl.arange(0, D1)
-    offs_d2 = D1 + tl.arange(0, D2P)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < D
     m_ok = offs_m < n
     rows = (beg + offs_m).to(tl.int64)
-    q_head, k_head, v_head, o_head = h * stride_qh, kv_head * stride_kh, kv_head * stride_vh, h * stride_oh
-    if ALIGN8:  # head strides are multiples of 8 elements (a d72 head: 144 bytes): 16-byte loads stay legal
-        q_head, k_head = tl.multiple_of(q_head, 8), tl.multiple_of(k_head, 8)
-        v_head, o_head = tl.multiple_of(v_head, 8), tl.multiple_of(o_head, 8)
-    q_ptr = Q + rows[:, None] * stride_qt + q_head
-    q1 = tl.load(q_ptr + offs_d1[None, :], mask=m_ok[:, None] & (offs_d1[None, :] < D), other=0.0)
-    q2 = q1
-    if D2 > 0:
-        q2 = tl.load(q_ptr + offs_d2[None, :], mask=m_ok[:, None] & (offs_d2[None, :] < D), other=0.0)
-    k_rows = K + beg.to(tl.int64) * stride_kt + k_head
-    v_rows = V + beg.to(tl.int64) * stride_vt + v_head
+    q_ptr = Q + rows[:, None] * stride_qt + h * stride_qh
+    q = tl.load(q_ptr + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
+    k_rows = K + beg.to(tl.int64) * stride_kt + kv_head * stride_kh
+    v_rows = V + beg.to(tl.int64) * stride_vt + kv_head * stride_vh
 
     if CAUSAL:
         hi = tl.minimum(n, (mb + 1) * BLOCK_M)
@@ -274,30 +238,25 @@ def _ragged_kernel(
         full_end = n // BLOCK_N * BLOCK_N
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_M, D1], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_M, D2P], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start in range(0, full_end, BLOCK_N):
-        acc1, acc2, m_i, l_i = _key_tile(
-            acc1,
-            acc2,
+        acc, m_i, l_i = _key_tile(
+            acc,
             m_i,
             l_i,
-            q1,
-            q2,
+            q,
             k_rows,
             v_rows,
             start,
             n,
             offs_m,
             offs_n,
-            offs_d1,
-            offs_d2,
+            offs_d,
             stride_kt,
             stride_vt,
             qk_scale,
             D,
-            D1,
-            D2,
+            BLOCK_D,
             False,
             CAUSAL,
             DOT_PREC,
@@ -305,27 +264,23 @@ def _ragged_kernel(
             OFF64,
         )
     for start in range(full_end, hi, BLOCK_N):
-        acc1, acc2, m_i, l_i = _key_tile(
-            acc1,
-            acc2,
+        acc, m_i, l_i = _key_tile(
+            acc,
             m_i,
             l_i,
-            q1,
-            q2,
+            q,
             k_rows,
             v_rows,
             start,
             n,
             offs_m,
             offs_n,
-            offs_d1,
-            offs_d2,
+            offs_d,
             stride_kt,
             stride_vt,
             qk_scale,
             D,
-            D1,
-            D2,
+            BLOCK_D,
             True,
             CAUSAL,
             DOT_PREC,
@@ -333,12 +288,9 @@ def _ragged_kernel(
             OFF64,
         )
 
-    out1, lse2 = finalize(m_i, l_i, acc1)
-    o_ptr = OUT + rows[:, None] * stride_ot + o_head
-    tl.store(o_ptr + offs_d1[None, :], out1.to(OUT.dtype.element_ty), mask=m_ok[:, None] & (offs_d1[None, :] < D))
-    if D2 > 0:
-        out2, _ = finalize(m_i, l_i, acc2)
-        tl.store(o_ptr + offs_d2[None, :], out2.to(OUT.dtype.element_ty), mask=m_ok[:, None] & (offs_d2[None, :] < D))
+    out, lse2 = finalize(m_i, l_i, acc)
+    o_ptr = OUT + rows[:, None] * stride_ot + h * stride_oh
+    tl.store(o_ptr + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=m_ok[:, None] & d_ok)
     if STORE_LSE:
         tl.store(LSE + rows * stride_lt + h, lse2 * LN2_K, mask=m_ok)
 
@@ -403,7 +355,6 @@ def ragged_attention(
         raise InvalidArgumentError("k/v/o", f"k and v of one shape, o of shape {(T, hq, d)}", found)
     if not sm_scale > 0:
         raise InvalidArgumentError("sm_scale", "> 0", sm_scale)
-    d1, d2 = split_head_dim(d)
     grid = (num_tiles, hq)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1))
     _ragged_kernel[grid](
@@ -424,15 +375,12 @@ def ragged_attention(
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         D=d,
-        D1=d1,
-        D2=d2,
-        D2P=max(d2, 16),
+        BLOCK_D=channel_block(d),
         CAUSAL=causal,
         STORE_LSE=lse_out is not None,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         LAZY=config.lazy_rescale,
         OFF64=max_seqlen * max(k.stride(0), v.stride(0)) >= 2**31,
-        ALIGN8=all(x % 8 == 0 for x in (q.stride(1), k.stride(1), v.stride(1), o.stride(1))),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -477,4 +425,4 @@ def attend_ragged(
     return (o, lse) if return_lse else o
 
 
-__all__ = ["RaggedConfig", "attend_ragged", "ragged_attention", "ragged_config", "ragged_tiles", "split_head_dim"]
+__all__ = ["RaggedConfig", "attend_ragged", "ragged_attention", "ragged_config", "ragged_tiles", "channel_block"]
