@@ -81,7 +81,9 @@ def test_list_without_probes_says_not_probed_and_json_has_every_field(grounded, 
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows["torch_native"]["state"] == "available" and rows["torch_native"]["distribution"] == "attn-core"
     assert rows["grounded"]["state"] == "unavailable" and rows["grounded"]["reason"] == REASON
-    assert set(rows["grounded"]) == {"name", "distribution", "version", "state", "reason", "info", "notes", "unverified", "capabilities"}
+    assert set(rows["grounded"]) == {
+        "name", "distribution", "version", "state", "reason", "info", "notes", "unverified", "capabilities", "known_gaps"
+    }
 
 
 def _list_on_a_terminal(columns: int) -> str:

@@ -177,3 +177,23 @@ def test_kit_profiles_are_built_by_keyword():
         KitProfile(*[getattr(p, f.name) for f in fields(KitProfile)])
     assert KitProfile(**{f.name: getattr(p, f.name) for f in fields(KitProfile)}) == p
     assert profile_for("cuda:1", False).device == "cuda:1" and profile_for("cuda:1", False).name == "cuda"
+
+
+def test_declared_known_gaps_are_skipped_with_their_reason_and_checked():
+    """`BackendSpec.known_gaps`: the kit lists the matching checks as skipped, naming the backend and the
+    reason; other checks run; a malformed declaration is a spec problem the registry reports."""
+    from attn_core.contract.spec import spec_problems
+    from attn_core.discovery import registry as reg
+
+    why = "the vendor kernel computes 0 * Inf for masked keys"
+    r = reg.Registry(use_entry_points=False)
+    r.register(dataclasses.replace(SPEC, name="gappy", aliases=(), known_gaps=(("masked_nonfinite-MIXED", why),)))
+    plan = make_plan("gappy", device="cpu", quick=True, registry=r)
+    ids = [c.id for c in plan.checks]
+    assert "masked_nonfinite-MIXED" in ids and "masked_nonfinite-EXTEND" in ids
+    reason = plan.skip_reason("masked_nonfinite-MIXED")
+    assert reason is not None and "gappy" in reason and why in reason
+    assert plan.skip_reason("masked_nonfinite-EXTEND") is None
+    assert spec_problems(SPEC) == []
+    bad = spec_problems(dataclasses.replace(SPEC, known_gaps=(("masked_nonfinite-*", ""),)))
+    assert any(p.startswith("known_gaps:") for p in bad), bad

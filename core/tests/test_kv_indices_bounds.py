@@ -36,8 +36,9 @@ def table(device):
     return whole, r2t
 
 
-def expected(r2t, rows, lens, starts, capacity, page_size, num_slots):
-    """The documented clamps, as a plain loop: (ids, indptr, last_page_len, faults)."""
+def expected(r2t, rows, lens, starts, capacity, page_size, num_slots, keep_layout=False):
+    """The documented clamps, as a plain loop: (ids, indptr, last_page_len, faults). `keep_layout`: a
+    refused row keeps its keys' count of ids, each the dummy 0 (then the tail to the capacity is 0 too)."""
     faults, ids, indptr, last = set(), [], [0], []
     for row, n, s in zip(rows, lens, starts):
         if not 0 <= row < ROWS:
@@ -47,13 +48,14 @@ def expected(r2t, rows, lens, starts, capacity, page_size, num_slots):
         if 0 <= row < ROWS and s + n > WIDTH:
             faults.add(DeviceFaultKind.TABLE_WIDTH)
         s = min(max(s, 0), WIDTH)
-        n = min(max(n, 0), WIDTH - s) if 0 <= row < ROWS else 0
+        row_ok = 0 <= row < ROWS
+        n = min(max(n, 0), WIDTH - s) if row_ok or keep_layout else 0
         pages = -(-n // page_size)
         if indptr[-1] + pages > capacity:
             faults.add(DeviceFaultKind.INDEX_CAPACITY)
         keep = min(pages, capacity - indptr[-1])
         for j in range(keep):
-            slot = int(r2t[row, s + j * page_size])
+            slot = int(r2t[row, s + j * page_size]) if row_ok else 0
             if num_slots is not None and not 0 <= slot < num_slots:
                 faults.add(DeviceFaultKind.SLOT)
                 slot = 0
@@ -78,7 +80,7 @@ CASES = {
 }
 
 
-def run_case(name, device, bad_slot=False):
+def run_case(name, device, bad_slot=False, keep_layout=False):
     import attn_core.ops.kv_indices_triton as kvt
 
     rows, lens, starts, total, q_lens, page_size = CASES[name]
@@ -99,9 +101,13 @@ def run_case(name, device, bad_slot=False):
         r2t, torch.tensor(rows, dtype=torch.int64, device=device), torch.tensor(lens, dtype=torch.int32, device=device),
         ids[:total] if total else ids[:0], kv_indptr=indptr, last_page_len=last, page_size=page_size,
         kv_start=torch.tensor(starts, dtype=torch.int32, device=device), q_lens=q, qo_indptr=qo if q is not None else None,
-        num_slots=NUM_SLOTS, fault=flags.buffer,
+        num_slots=NUM_SLOTS, fault=flags.buffer, keep_layout=keep_layout,
     )  # fmt: skip
-    want_ids, want_ptr, want_last, want_faults = expected(r2t.cpu(), rows, lens, starts, total, page_size, NUM_SLOTS)
+    want_ids, want_ptr, want_last, want_faults = expected(
+        r2t.cpu(), rows, lens, starts, total, page_size, NUM_SLOTS, keep_layout
+    )
+    if keep_layout:  # every entry up to the capacity written: the dummy 0 after the ids
+        want_ids = want_ids + [0] * (total - len(want_ids))
     assert torch.equal(r2t_whole, r2t_before), "the table changed"
     n = len(want_ids)
     assert ids_whole[5 : 5 + n].tolist() == want_ids, (name, ids.tolist(), want_ids)
@@ -132,6 +138,8 @@ for name in t.CASES:
     t.run_case(name, "cpu")
 t.run_case("row_minus_1", "cpu", bad_slot=True)
 t.run_case("device_lens_above_host_total", "cpu", bad_slot=True)
+for name in t.CASES:
+    t.run_case(name, "cpu", keep_layout=True)
 print("ok")
 """
 
@@ -160,3 +168,4 @@ def test_hostile_device_input_on_gpu(name):
     pytest.importorskip("triton")
     run_case(name, "cuda")
     run_case(name, "cuda", bad_slot=True)
+    run_case(name, "cuda", keep_layout=True)

@@ -116,9 +116,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from attn_core.ops.kv_indices_triton import _build_indices_kernel as fn
 
-for page_size in (1, 16):
+for page_size, keep in ((1, False), (16, False), (1, True), (16, True)):
     consts = dict(BS_BLOCK=256, CHUNK=512, PAGE_SIZE=page_size, HAS_START=True, HAS_INDPTR=True, HAS_LAST=True, HAS_Q=True,
-                  HAS_MASK_INDPTR=True, CHECK_SLOTS=True, HAS_FAULT=True)
+                  HAS_MASK_INDPTR=True, CHECK_SLOTS=True, HAS_FAULT=True, KEEP_LAYOUT=keep)
     sig = {n: "constexpr" if n in consts else ("*i64" if n == "MASK_INDPTR" else "*i32") if n.isupper() else "i32"
            for n in fn.arg_names}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})

@@ -12,6 +12,7 @@ from attn_flashattention.keys import (
     page_lists,
     pages_for,
     query_offsets,
+    safe_rows,
     token_lists,
     tree_key_lists,
     verify_queries,
@@ -35,6 +36,28 @@ def test_worked_examples():
     assert table.tolist() == [[5, 6, 7], [5, 7, 6]] and counts.tolist() == [2, 2]
     req, idx = verify_queries(torch.tensor([2, 1]), "cpu")
     assert req.tolist() == [0, 0, 1] and idx.tolist() == [0, 1, 0]
+
+
+def test_bad_device_rows_and_slots_are_never_read():
+    """Rows outside the table and slots outside the pool (what a careless engine's device tensors may hold,
+    refused by the step check and raised at the next step) give dummy ids 0, never an out-of-range index
+    (on the CPU an out-of-range index raises: these calls must not)."""
+    r2t = torch.tensor([[1, 2, 3, 4], [5, 6, 999, 8]], dtype=torch.int32)
+    safe, ok = safe_rows(torch.tensor([1, -1, 7]), r2t)
+    assert safe.tolist() == [1, 0, 1] and ok.tolist() == [True, False, False]
+    rows, lens = torch.tensor([1, -1, 7]), torch.tensor([4, 2, 3])
+    fault = torch.zeros(32, dtype=torch.int32)
+    table = page_lists(r2t, rows, lens, 1, 4, num_slots=10, fault=fault)
+    assert table.tolist() == [[5, 6, 0, 8], [0, 0, 0, 0], [0, 0, 0, 0]] and bool(fault.any())
+    tokens = token_lists(r2t, rows, torch.tensor([1, 0, 0]), torch.tensor([3, 2, 1]), 3, num_slots=10)
+    assert tokens.tolist() == [[6, 0, 8], [0, 0, 0], [0, 0, 0]]
+    mask = torch.ones(2 * 4 + 4, dtype=torch.bool)
+    q_req, q_idx = verify_queries(torch.tensor([2, 1]), "cpu")
+    table, counts = tree_key_lists(
+        mask, torch.tensor([0, 8, 12]), r2t, torch.tensor([1, 9]), torch.tensor([4, 4]), q_req, q_idx,
+        torch.tensor([2, 1]), 4, num_slots=10,
+    )
+    assert counts.tolist() == [3, 3, 0] and table[0].tolist() == [5, 6, 8, 0] and table[2].tolist() == [0, 0, 0, 0]
 
 
 def _rows(rng: random.Random, n: int, width: int, slots: int) -> torch.Tensor:

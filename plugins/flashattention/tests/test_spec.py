@@ -76,10 +76,21 @@ def test_on_hopper_prefill_goes_to_fa4_and_decode_to_triton():
     assert r.select_backend(_hopper()) == "hybrid(prefill=fa4,decode=triton)"
     lines = r.explain_selection(_hopper()).describe()
     assert lines[0].startswith("prefill: fa4 (priority 40 on cuda, compute capability 9.0; docs/dev/perf-notebook.md")
-    assert lines[1] == "decode: triton (priority 10)"
+    assert lines[1].startswith("decode: triton (priority 25 on cuda, compute capability 9.0, mha; docs/performance.md")
     assert r.select_backend(_hopper(modes=(ForwardMode.DECODE,))) == "triton"
     assert r.select_backend(_hopper(modes=(ForwardMode.EXTEND,))) == "fa4"
     assert r.select_backend(_hopper(cc=(10, 0))) == "triton"  # not measured on Blackwell
+
+
+def test_on_hopper_with_flashinfer_too_decode_still_goes_to_triton():
+    """attn-flashinfer (priority 20) installed beside them: decode stays on attn-triton (its measured MHA
+    decode priority on 9.0 is 25), MLA decode goes to flashinfer_mla where attn-triton declares nothing."""
+    triton_spec = pytest.importorskip("attn_triton.spec").SPEC
+    fi = pytest.importorskip("attn_flashinfer.spec")
+    specs = [spec.SPEC, triton_spec] + [v for v in vars(fi).values() if isinstance(v, type(spec.SPEC))]
+    r = _registry_with(*specs)
+    assert r.select_backend(_hopper()) == "hybrid(prefill=fa4,decode=triton)"
+    assert r.select_backend(_hopper(cc=(8, 0))) == "flashinfer"  # measured on 9.0 only: priorities as declared
 
 
 def test_fa4_alone_serves_both_phases():

@@ -124,6 +124,10 @@ def test_verify_mask_checks_length_and_pads_graph_rows():
         verify_mask(short, q, seq, pad=False)
     padded = verify_mask(short, q, seq, pad=True)
     assert padded.numel() == 14 and torch.equal(padded[:6], short.custom_mask) and bool(padded[6:].all())
+    static = SpecInfo(num_draft_tokens=2, custom_mask=torch.cat([spec.custom_mask, torch.rand(40) > 0.5]))
+    with pytest.raises(InvalidArgumentError, match="custom_mask"):  # an eager step's mask is exactly its size
+        verify_mask(static, q, seq, pad=False)
+    assert torch.equal(verify_mask(static, q, seq, pad=True), spec.custom_mask)  # a graph's buffer: its start
     with pytest.raises(InvalidArgumentError, match="bool"):
         verify_mask(SpecInfo(2, torch.ones(14, dtype=torch.uint8)), q, seq, pad=False)
 

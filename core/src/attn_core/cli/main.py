@@ -35,7 +35,8 @@ from attn_core.discovery import registry
 def list_rows(probe: bool = True) -> list[dict]:
     """One record per discovered backend (and per known backend not installed): name, distribution,
     version, state ("available", "unavailable", "not probed", "failed", "not installed"), reason, what
-    the backend found here (info), registry notes, its unverified paths and a capability summary. What
+    the backend found here (info), registry notes, its unverified paths, its declared known gaps (`BackendSpec.known_gaps`,
+    "glob: why") and a capability summary. What
     `list` prints and `list --json` writes."""
     rows: list[dict] = []
     entries = registry.list_backends()
@@ -44,13 +45,14 @@ def list_rows(probe: bool = True) -> list[dict]:
     for entry in entries:
         row: dict[str, Any] = dict(name=entry.name, distribution=entry.distribution, version=entry.version, state="failed")
         row.update(reason=None, info=None)
-        row.update(notes=list(entry.notes), unverified=None, capabilities=None)
+        row.update(notes=list(entry.notes), unverified=None, capabilities=None, known_gaps=[])
         if entry.ok:
             reason = entry.probe() if probe else None
             row["state"] = "not probed" if not probe else "unavailable" if reason else "available"
             row["reason"] = reason
             row["info"] = entry.info() if probe and not reason else None
             row["unverified"] = entry.usable_spec.unverified or None
+            row["known_gaps"] = [f"{pattern}: {why}" for pattern, why in entry.usable_spec.known_gaps]
             row["capabilities"] = entry.usable_spec.capabilities.summary()
         else:
             row["reason"] = str(entry.error)
@@ -61,7 +63,7 @@ def list_rows(probe: bool = True) -> list[dict]:
         if name not in installed and name not in aliases:
             reason = registry.not_installed_reason(dist)
             row = dict(name=name, distribution=dist, version=None, state="not installed", reason=reason, info=None)
-            rows.append({**row, "notes": [], "unverified": None, "capabilities": None})
+            rows.append({**row, "notes": [], "unverified": None, "capabilities": None, "known_gaps": []})
     return rows
 
 
@@ -78,6 +80,8 @@ def _status(row: dict) -> str:
         status += f" ({'; '.join(row['notes'])})"
     if row["unverified"]:
         status += f" [unverified: {row['unverified']}]"
+    if row["known_gaps"]:
+        status += f" [known gaps: {', '.join(g.split(':', 1)[0] for g in row['known_gaps'])}]"
     return status
 
 

@@ -61,6 +61,7 @@ class PhasePriority:
     - `cpu_isa`: CPU flags (as /proc/cpuinfo names them) that must all be present; a request without CPU
       flags matches no entry that names some.
     - `q_dtypes`: the query dtypes it was measured with ("bfloat16", ...; empty: any).
+    - `archs`: the attention architectures it was measured with ("mha", "mla"; empty: any).
 
     Example: `PhasePriority("prefill", 40, "docs/performance.md#fa4", min_compute_capability=(9, 0),
     max_compute_capability=(9, 0))` holds for a request on a cuda device of compute capability 9.0 only.
@@ -74,6 +75,7 @@ class PhasePriority:
     max_compute_capability: Optional[tuple[int, int]] = None
     cpu_isa: frozenset[str] = frozenset()
     q_dtypes: frozenset[str] = frozenset()
+    archs: frozenset[str] = frozenset()
 
     def holds(self, req: Requirements) -> bool:
         """Whether this entry applies to a request on `req`'s device."""
@@ -88,6 +90,8 @@ class PhasePriority:
             if self.max_compute_capability is not None and cc > tuple(self.max_compute_capability):
                 return False
         if self.cpu_isa and (req.cpu_flags is None or not self.cpu_isa <= req.cpu_flags):
+            return False
+        if self.archs and req.arch not in self.archs:
             return False
         return not self.q_dtypes or req.q_dtype in self.q_dtypes
 
@@ -109,6 +113,8 @@ class PhasePriority:
             parts.append("with " + " ".join(sorted(self.cpu_isa)))
         if self.q_dtypes:
             parts.append("q " + "/".join(sorted(self.q_dtypes)))
+        if self.archs:
+            parts.append("/".join(sorted(self.archs)))
         return ", ".join(parts)
 
 
@@ -138,7 +144,7 @@ def phase_priority_problems(entries: object) -> list[str]:
             cc = getattr(e, name)
             if cc is not None and not (isinstance(cc, tuple) and len(cc) == 2 and all(type(v) is int for v in cc)):
                 out.append(f"{where}.{name}: expected None or a (major, minor) tuple of int, found {cc!r}")
-        for name in ("cpu_isa", "q_dtypes"):
+        for name in ("cpu_isa", "q_dtypes", "archs"):
             value = getattr(e, name)
             if not (isinstance(value, frozenset) and all(isinstance(f, str) for f in value)):
                 out.append(f"{where}.{name}: expected a frozenset of str, found {value!r}")

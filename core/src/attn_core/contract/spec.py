@@ -36,7 +36,11 @@ class BackendSpec:
     one phase (prefill or decode) on the devices where a measurement says so (`attn_core.discovery.selection`:
     each entry names its evidence). `unverified` (optional) says
     what of the backend has never run on hardware (e.g. a kernel path for a GPU nobody could test on);
-    `attn-core list` shows it whatever the probe says.
+    `attn-core list` shows it whatever the probe says. `known_gaps` ((kit check-id glob, why) pairs) names
+    where the backend's vendor kernels are known, from a GPU run, to break a rule of the contract that the
+    plugin cannot repair around them (e.g. `("masked_nonfinite-*", "...")`): the conformance kit and
+    `attn-core check` list those checks as skipped with the reason, `attn-core list` shows them, and
+    docs/engine-authors.md lists every declared gap.
     """
 
     name: str
@@ -51,6 +55,7 @@ class BackendSpec:
     info_fn: Optional[Callable[[], Optional[str]]] = field(default=None, compare=False)
     unverified: Optional[str] = None
     phase_priorities: tuple[PhasePriority, ...] = ()
+    known_gaps: tuple[tuple[str, str], ...] = ()
 
     def load(self) -> type:
         """Import and return the backend class."""
@@ -160,5 +165,10 @@ def spec_problems(spec: object) -> list[str]:
     if spec.unverified is not None and not isinstance(spec.unverified, str):
         problems.append(f"unverified: expected None or a str, found {spec.unverified!r}")
     problems += phase_priority_problems(spec.phase_priorities)
+    gaps = spec.known_gaps
+    if not (isinstance(gaps, tuple) and all(
+        isinstance(g, tuple) and len(g) == 2 and all(isinstance(x, str) and x.strip() for x in g) for g in gaps
+    )):
+        problems.append(f"known_gaps: expected a tuple of (check-id glob, reason) pairs of non-empty str, found {gaps!r}")
     problems += capabilities_problems(spec.capabilities)
     return [p for p in problems if p]

@@ -19,8 +19,9 @@ docs/performance.md or docs/dev/perf-notebook.md, with the benchmark command tha
 holds no list of preferred backends; it only compares what the installed specs declare.
 
 Worked example: on a compute-capability-9.0 GPU with attn-flashattention (`fa4`: priority 5, prefill
-priority 40 on 9.0) and attn-triton (`triton`: priority 10) installed, prefill goes to fa4 (40 > 10),
-decode to triton (10 > 5): the selection is `hybrid(prefill=fa4,decode=triton)`.
+priority 40 on 9.0) and attn-triton (`triton`: priority 10, MHA decode priority 25 on 9.0) installed,
+prefill goes to fa4 (40 > 10), decode to triton (25 > 5): the selection is `hybrid(prefill=fa4,decode=triton)`;
+with attn-flashinfer (priority 20) installed too, decode still goes to triton (25 > 20).
 
 Import-light (no torch): the registry and `attn-core explain` run it without a GPU.
 """

@@ -212,6 +212,7 @@ def build_kv_indices(
     num_slots: Optional[int] = None,
     fault: Optional[torch.Tensor] = None,
     whole_out: bool = False,
+    keep_layout: bool = False,
 ) -> torch.Tensor:
     """Slot ids (page_size 1) or page ids of each request's `kv_lens` tokens, concatenated: int32 `[total]`.
 
@@ -227,7 +228,9 @@ def build_kv_indices(
     (rows, lengths, the host `total` whatever the device `kv_lens` say, and with `num_slots` every slot
     against the KV pool), writes only inside the buffers and records refusals in `fault` (the int32
     buffer of `attn_core.ops.device_faults.DeviceFaultFlags`); elsewhere the torch path, where torch's
-    indexing raises on an out-of-range index instead.
+    indexing raises on an out-of-range index instead. `keep_layout` (Triton path; for readers that take
+    the offsets from the host's lengths, as FlashInfer's plans do): a refused request row keeps its ids'
+    places as dummy ids 0 and `out[:total]` is written whole, so such a reader finds only valid ids.
     """
     if out is None:
         out = torch.empty(total, dtype=torch.int32, device=req_to_token.device)
@@ -239,7 +242,7 @@ def build_kv_indices(
         _triton_path()(
             req_to_token, req_pool_indices, kv_lens, out, kv_indptr=indptr_out, last_page_len=last_page_len_out,
             page_size=page_size, kv_start=kv_start, q_lens=q_lens, qo_indptr=qo_indptr_out, num_slots=num_slots, fault=fault,
-            capacity=total,
+            capacity=total, keep_layout=keep_layout,
         )  # fmt: skip
         return out if whole_out else out[:total]
     indptr = page_indptr_from_lens(kv_lens, page_size)

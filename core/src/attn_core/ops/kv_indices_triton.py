@@ -14,7 +14,8 @@ it writes, in a single launch and without any host sync:
 Bounds (the last line of defence: a CUDA-graph replay runs no host check). Every index the kernel
 follows or writes through is checked on the device; what is refused is recorded in the fault buffer
 (`attn_core.ops.device_faults`) and the output stays inside its buffers:
-- a row outside `[0, rows)` gives the request no keys (REQUEST_ROW); a negative kv_start or length
+- a row outside `[0, rows)` gives the request no keys (REQUEST_ROW; with `keep_layout`, its count of
+  dummy ids 0, and the ids' tail up to the capacity is written 0 too); a negative kv_start or length
   counts as 0 (LENGTH); keys past the table's width are cut at the width (TABLE_WIDTH);
 - ids past kv_indices' capacity (device lengths larger than the host sum that sized it) are not
   written and kv_indptr stops at the capacity (INDEX_CAPACITY);
@@ -108,8 +109,9 @@ def _build_indices_kernel(
     HAS_MASK_INDPTR: tl.constexpr,
     CHECK_SLOTS: tl.constexpr,
     HAS_FAULT: tl.constexpr,
+    KEEP_LAYOUT: tl.constexpr,
 ):
-    write_request_ids(
+    end = write_request_ids(
         tl.program_id(0),
         tl.program_id(1),
         tl.num_programs(1),
@@ -139,7 +141,13 @@ def _build_indices_kernel(
         HAS_MASK_INDPTR,
         CHECK_SLOTS,
         HAS_FAULT,
+        KEEP_LAYOUT,
     )
+    if KEEP_LAYOUT:  # the last request's programs write the dummy id 0 from its end to the capacity
+        if tl.program_id(0) == tl.num_programs(0) - 1:
+            for i in range(end + tl.program_id(1) * CHUNK, capacity, tl.num_programs(1) * CHUNK):
+                o = i + tl.arange(0, CHUNK)
+                tl.store(KV_INDICES + o, tl.zeros([CHUNK], dtype=tl.int32), mask=o < capacity)
 
 
 @triton.jit
@@ -173,12 +181,16 @@ def write_request_ids(
     HAS_MASK_INDPTR: tl.constexpr,
     CHECK_SLOTS: tl.constexpr,
     HAS_FAULT: tl.constexpr,
+    KEEP_LAYOUT: tl.constexpr,
 ):
     """What program (r, c) of the index kernel writes (see the module doc): request r's ids (every
     num_c-th CHUNK of them from the c-th on) and, from c == 0, its entries of the optional arrays and
-    its faults. Public so that a plugin's kernel can build a step's ids in the same launch as its own
-    per-step work (`attn_flashinfer.mla_works`: FlashInfer's MLA work list): call it from the programs
-    r < bs of a grid `[bs + extra, num_c]` with the arguments `kv_indices_triton` passes."""
+    its faults; returns the end of request r's ids (capped at the capacity). Public so that a plugin's
+    kernel can build a step's ids in the same launch as its own per-step work (`attn_flashinfer.mla_works`:
+    FlashInfer's MLA work list): call it from the programs r < bs of a grid `[bs + extra, num_c]` with the
+    arguments `kv_indices_triton` passes. `KEEP_LAYOUT` (for readers that take the offsets from the host's
+    lengths, as FlashInfer's plans do): a request whose row is refused keeps its ids' places, filled with
+    the dummy id 0, instead of getting none, so the requests after it stay where the host put them."""
     offs = tl.arange(0, BS_BLOCK)
     before = offs < r
     rows = tl.load(REQ_POOL_INDICES + offs, mask=before, other=0)
@@ -191,8 +203,15 @@ def write_request_ids(
     else:
         starts = offs * 0
         start_in = length_in * 0
-    _, _, lens = keys_in_table(rows, starts, lens, num_rows, width)
-    row_ok, start, length = keys_in_table(row, start_in, length_in, num_rows, width)
+    if KEEP_LAYOUT:  # row 0 stands in for every row (the table has one): lengths cut as for a valid row
+        rows_in = rows * 0
+        row_in = row * 0
+    else:
+        rows_in = rows
+        row_in = row
+    _, _, lens = keys_in_table(rows_in, starts, lens, num_rows, width)
+    _, start, length = keys_in_table(row_in, start_in, length_in, num_rows, width)
+    row_ok = (row >= 0) & (row < num_rows)
     beg_raw = tl.sum(id_count(lens, PAGE_SIZE), 0)
     end_raw = beg_raw + id_count(length, PAGE_SIZE)
     beg = tl.minimum(beg_raw, capacity)
@@ -234,6 +253,8 @@ def write_request_ids(
             ids = tl.load(src + o, mask=ok)
         else:
             ids = tl.load(src + o * PAGE_SIZE, mask=ok)
+        if KEEP_LAYOUT:  # a refused row read row 0 (in the table): its ids become the dummy 0
+            ids = tl.where(row_ok, ids, 0)
         if CHECK_SLOTS:
             bad = ok & ((ids < 0) | (ids >= num_slots))
             ids = tl.where(bad, 0, ids)
@@ -243,6 +264,7 @@ def write_request_ids(
             tl.store(dst + o, ids, mask=ok)
         else:
             tl.store(dst + o, ids // PAGE_SIZE, mask=ok)
+    return beg + count
 
 
 def copy_programs(bs: int, on_gpu: bool) -> int:
@@ -276,6 +298,7 @@ def kv_indices_triton(
     num_slots: Optional[int] = None,
     fault: Optional[torch.Tensor] = None,
     capacity: Optional[int] = None,
+    keep_layout: bool = False,
 ) -> None:
     """Fill the index tensors of `bs = req_pool_indices.shape[0]` requests in place (see module doc).
 
@@ -287,6 +310,10 @@ def kv_indices_triton(
     mask_indptr only together with both. `num_slots`: the KV pool's slot count, to check every slot
     read from the table against (None: slots are not checked); `fault`: the int32 fault buffer of
     `attn_core.ops.device_faults` (None: refusals are not recorded). An empty batch writes kv_indptr = [0].
+    `keep_layout`: for readers that go by offsets from the host's lengths (FlashInfer's plans): a request
+    whose row is refused gets its keys' count of dummy ids 0 (not none), and every entry from the ids'
+    end to the capacity is written 0, so whatever the device tensors hold, a reader of the first
+    `capacity` entries finds only valid ids, each request's where the host put it when the lengths agree.
     """
     bs = req_pool_indices.shape[0]
     if bs == 0:
@@ -319,6 +346,7 @@ def kv_indices_triton(
         HAS_MASK_INDPTR=mask_indptr is not None,
         CHECK_SLOTS=num_slots is not None,
         HAS_FAULT=fault is not None,
+        KEEP_LAYOUT=keep_layout,
         num_warps=4,
     )
 

@@ -72,8 +72,9 @@ def make_plan(
 ) -> KitPlan:
     """Resolve `backend` and list its checks. Raises the registry's typed errors for unknown, not
     installed or broken backends; an unavailable one gives a plan with `unavailable` set and no checks.
-    `skip` ({check-id glob: reason}) comes first; the known limits of this machine for this backend
-    (`environment_skips`) are added after it, so the CLI and `ConformanceSuite` skip the same checks."""
+    `skip` ({check-id glob: reason}) comes first; the backend's declared `BackendSpec.known_gaps` and the
+    known limits of this machine for this backend (`environment_skips`) are added after it, so the CLI and
+    `ConformanceSuite` skip the same checks."""
     target = resolve_target(backend, options, registry)
     device = device or default_device(target)
     profile = profile_for(device, quick)
@@ -81,6 +82,10 @@ def make_plan(
     checks = [] if reason else build_checks(target, profile, seed)
     distribution = target.spec.distribution if target.spec is not None else distribution_of_module(target.backend_class.__module__)
     skips = dict(skip or {})
+    spec = target.spec
+    if spec is not None:
+        for pattern, why in spec.known_gaps:
+            skips.setdefault(pattern, f"a known gap of {spec.name}'s kernels: {why}")
     for pattern, why in environment_skips(distribution, target.capabilities.q_dtypes, device).items():
         skips.setdefault(pattern, why)
     return KitPlan(target, profile, checks, reason, skips)

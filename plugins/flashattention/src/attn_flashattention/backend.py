@@ -112,6 +112,12 @@ class FlashAttention4Backend(AttentionBackend[Fa4Step]):
             out = self._offsets[(n, per)] = torch.arange(0, n * per + 1, per, dtype=torch.int32, device=self.device)
         return out
 
+    def _index_checks(self, batch: Optional[ForwardBatch] = None) -> tuple[Optional[int], torch.Tensor]:
+        """(the KV pool's slot count, or None without a pool; the fault word): what the key lists check
+        every device row and slot against, so that bad device input is refused, never read out of bounds."""
+        pool = batch.token_to_kv_pool if batch is not None and batch.token_to_kv_pool is not None else self.ctx.token_to_kv_pool
+        return (None if pool is None else pool.num_slots), self.device_faults.buffer
+
     def build_forward_metadata(self, forward_batch: ForwardBatch) -> Fa4Step:
         b = forward_batch
         mode, bs, ps = b.forward_mode, b.batch_size, self.page_size
@@ -123,24 +129,27 @@ class FlashAttention4Backend(AttentionBackend[Fa4Step]):
         max_seq = int(b.seq_lens_cpu.max()) if bs else 0
         enc = b.encoder_lens
         step = Fa4Step(mode, b.num_tokens)
+        checks = self._index_checks(b)
+        slots = checks[0]
         mask = b.spec_info.custom_mask if mode.is_target_verify() and b.spec_info is not None else None
         if mask is not None:
             if enc is not None:
                 raise UnsupportedFeatureError(self.name, "a verify custom mask in an encoder-decoder batch")
             q_req, q_idx = verify_queries(b.extend_seq_lens_cpu, self.device)
             inputs = (mask, b.spec_info.mask_indptr, r2t, rows, b.seq_lens, q_req, q_idx, b.extend_seq_lens)
-            step.tree = TreeVerify(*inputs, max(1, max_seq), self._uniform_offsets(b.num_tokens, 1))
+            step.tree = TreeVerify(*inputs, max(1, max_seq), self._uniform_offsets(b.num_tokens, 1), num_slots=slots)
         elif enc is None:
             step.seq = KeyList(
-                offsets, max_q, b.seq_lens, page_lists(r2t, rows, b.seq_lens, ps, pages_for(max_seq, ps)), ps, True
+                offsets, max_q, b.seq_lens, page_lists(r2t, rows, b.seq_lens, ps, pages_for(max_seq, ps), *checks), ps, True
             )
         else:
             step.seq = KeyList(
-                offsets, max_q, b.seq_lens, token_lists(r2t, rows, enc, b.seq_lens, max(1, max_seq)), 1, True
+                offsets, max_q, b.seq_lens, token_lists(r2t, rows, enc, b.seq_lens, max(1, max_seq), slots), 1, True
             )
         if enc is not None:
             max_enc = int(b.encoder_lens_cpu.max()) if bs else 0
-            step.cross = KeyList(offsets, max_q, enc, page_lists(r2t, rows, enc, ps, pages_for(max_enc, ps)), ps, False)
+            cross = page_lists(r2t, rows, enc, ps, pages_for(max_enc, ps), *checks)
+            step.cross = KeyList(offsets, max_q, enc, cross, ps, False)
         return step
 
     # ---- CUDA graphs -------------------------------------------------------------------------
@@ -187,7 +196,8 @@ class FlashAttention4Backend(AttentionBackend[Fa4Step]):
         if mask is None:
             counts, pages = g.counts[:bs], g.pages[:bs]
             counts.copy_(step.seq_lens)
-            pages.copy_(page_lists(r2t, step.req_pool_indices, step.seq_lens, self.page_size, pages.shape[1]))
+            checks = self._index_checks()
+            pages.copy_(page_lists(r2t, step.req_pool_indices, step.seq_lens, self.page_size, pages.shape[1], *checks))
             seq = KeyList(self._uniform_offsets(bs, per), per, counts, pages, self.page_size, True)
             return Fa4Step(mode, num_tokens, seq=seq, graph=True)
         q_lens = torch.full((bs,), per, dtype=torch.int32)
@@ -202,7 +212,8 @@ class FlashAttention4Backend(AttentionBackend[Fa4Step]):
             q_idx,
             q_lens.to(self.device),
         )
-        tree = TreeVerify(*inputs, max(1, self.ctx.max_context_len), self._uniform_offsets(num_tokens, 1))
+        slots = self._index_checks()[0]
+        tree = TreeVerify(*inputs, max(1, self.ctx.max_context_len), self._uniform_offsets(num_tokens, 1), num_slots=slots)
         for window in old.tree.lists if old is not None else (None,):  # every list the graph reads
             tree.keys(window, out=self._tree_buffers(window, num_tokens))
         return Fa4Step(mode, num_tokens, tree=tree, graph=True)

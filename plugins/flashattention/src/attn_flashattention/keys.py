@@ -59,31 +59,62 @@ def query_offsets(q_lens: torch.Tensor) -> torch.Tensor:
     return exclusive_cumsum(q_lens, torch.int32)
 
 
+def safe_rows(rows: torch.Tensor, req_to_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows clamped into the table, int64 `[n]`; which were inside it, bool `[n]`): a device row outside
+    the table (refused by the step check, raised at the next step) then reads row 0 and its keys are
+    masked, never an out-of-bounds read. Example: rows [2, -1, 9] of a 4-row table -> ([2, 0, 3],
+    [True, False, False])."""
+    r = rows.to(torch.int64)
+    ok = (r >= 0) & (r < req_to_token.shape[0])
+    return r.clamp(0, req_to_token.shape[0] - 1), ok
+
+
+def _in_pool(slots: torch.Tensor, num_slots: Optional[int]) -> torch.Tensor:
+    """Where `slots` lie inside a pool of `num_slots` (None: everywhere)."""
+    if num_slots is None:
+        return torch.ones_like(slots, dtype=torch.bool)
+    return (slots >= 0) & (slots < num_slots)
+
+
 def page_lists(
-    req_to_token: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, page_size: int, width: int
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    lens: torch.Tensor,
+    page_size: int,
+    width: int,
+    num_slots: Optional[int] = None,
+    fault: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """int32 `[n, width]` page ids of each request's first `lens` keys, from the start of its row
     (`req_to_token[rows[b]]`; 0 past its end). Relies on the allocator's layout: key i sits at offset
-    i % page_size of its page.
+    i % page_size of its page. With `num_slots` and `fault` (the backend's fault word) a row outside the
+    table or a slot outside the pool gives the dummy page 0 and is recorded (no out-of-bounds read).
 
     Example (page_size 2): row [8, 9, 4, 5, 6, 7], lens 5, width 3 -> first slots of pages 8, 4, 6 -> [[4, 2, 3]].
     """
-    return page_table_from_req_to_token(req_to_token, rows, lens, page_size, width)
+    return page_table_from_req_to_token(req_to_token, rows, lens, page_size, width, num_slots=num_slots, fault=fault)
 
 
 def token_lists(
-    req_to_token: torch.Tensor, rows: torch.Tensor, start: torch.Tensor, lens: torch.Tensor, width: int
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    start: torch.Tensor,
+    lens: torch.Tensor,
+    width: int,
+    num_slots: Optional[int] = None,
 ) -> torch.Tensor:
     """int32 `[n, width]` slot ids of each request's keys `start[b] .. start[b] + lens[b] - 1` of its row
-    (0 past its end): a table for the pool viewed with page size 1.
+    (0 past its end): a table for the pool viewed with page size 1. A row outside the table (`safe_rows`)
+    or a slot outside a pool of `num_slots` gives the dummy slot 0.
 
     Example: row [10, 11, 12, 13, 14], start 2, lens 3, width 4 -> [[12, 13, 14, 0]].
     """
     dev = req_to_token.device
     cols = torch.arange(width, device=dev, dtype=torch.int64)
-    at = (start.to(torch.int64)[:, None] + cols[None, :]).clamp(max=req_to_token.shape[1] - 1)
-    slots = req_to_token[rows.to(torch.int64)[:, None], at]
-    valid = cols[None, :] < lens.to(torch.int64)[:, None]
+    at = (start.to(torch.int64)[:, None] + cols[None, :]).clamp(0, req_to_token.shape[1] - 1)
+    safe, ok = safe_rows(rows, req_to_token)
+    slots = req_to_token[safe[:, None], at]
+    valid = (cols[None, :] < lens.to(torch.int64)[:, None]) & ok[:, None] & _in_pool(slots, num_slots)
     return torch.where(valid, slots, torch.zeros_like(slots)).to(torch.int32)
 
 
@@ -98,6 +129,7 @@ def tree_key_lists(
     q_lens: torch.Tensor,
     width: int,
     window: Optional[int] = None,
+    num_slots: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One key list per query of a TARGET_VERIFY step with a custom mask: (slot ids int32 `[T, width]`,
     key counts int32 `[T]`), the slots of the keys query t may see in position order (then the slots of the
@@ -106,7 +138,8 @@ def tree_key_lists(
     custom_mask: bool, request after request a row-major `[q_lens[r], seq_lens[r]]` mask starting at
     `mask_indptr[r]` (SpecInfo's layout). Query t is query `q_idx[t]` of request `q_req[t]` (int64, both
     `[T]`), at position seq_lens - q_lens + q_idx. `window` W keeps only keys at positions >= position - W + 1.
-    `width` (host) >= every seq_len.
+    `width` (host) >= every seq_len. A row outside the table (`safe_rows`) or a slot outside a pool of
+    `num_slots` is never read: such keys count as not visible.
 
     Example: one request, row [5, 6, 7], seq_len 3, two queries, mask [[1, 1, 0], [1, 0, 1]] ->
     slots [[5, 6, 7], [5, 7, 6]], counts [2, 2] (query 1 skips key 1).
@@ -120,8 +153,12 @@ def tree_key_lists(
     if window is not None:
         position = seq - q_lens.to(torch.int64)[req][:, None] + q_idx.to(torch.int64)[:, None]
         visible &= cols >= position - window + 1
+    safe, ok = safe_rows(rows, req_to_token)
+    slots = req_to_token[safe[req][:, None], cols.clamp(max=req_to_token.shape[1] - 1)]
+    readable = ok[req][:, None] & _in_pool(slots, num_slots)
+    visible &= readable
+    slots = torch.where(readable, slots, torch.zeros_like(slots))
     order = torch.sort((~visible).to(torch.uint8), dim=1, stable=True).indices  # visible keys first, in order
-    slots = req_to_token[rows.to(torch.int64)[req][:, None], cols.clamp(max=req_to_token.shape[1] - 1)]
     return torch.gather(slots, 1, order).to(torch.int32), visible.sum(dim=1).to(torch.int32)
 
 
@@ -158,11 +195,12 @@ class TreeVerify:
     width: int
     offsets: torch.Tensor
     lists: dict = field(default_factory=dict)
+    num_slots: Optional[int] = None  # the pool's slot count: slots outside it are never read
 
     def build(self, window: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(table, counts) of `window` from the current inputs (new tensors)."""
         inputs = (self.custom_mask, self.mask_indptr, self.req_to_token, self.rows, self.seq_lens)
-        return tree_key_lists(*inputs, self.q_req, self.q_idx, self.q_lens, self.width, window)
+        return tree_key_lists(*inputs, self.q_req, self.q_idx, self.q_lens, self.width, window, self.num_slots)
 
     def keys(self, window: Optional[int], out: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> KeyList:
         """The `KeyList` of `window`, built (into `out` when given) the first time it is asked for."""

@@ -122,7 +122,7 @@ def build_page_list(
     else:
         ids = build_kv_indices(
             req_to_token, req_pool_indices, kv_lens, total, page_size=page_size, out=out(total), num_slots=num_slots, fault=fault,
-            whole_out=True,
+            whole_out=True, keep_layout=True,
         )  # fmt: skip
     return PageList(page_size, lens_t, indptr_t, total, ids)
 
@@ -179,7 +179,7 @@ def build_paged_kv(
         build_kv_indices(
             req_to_token, req_pool_indices, kv_lens, total, page_size=page_size, kv_start=kv_start, out=ids,
             indptr_out=kv.indptr_dev, last_page_len_out=kv.last_page_len_dev, q_lens=q_lens, qo_indptr_out=qo_indptr_out,
-            num_slots=num_slots, fault=fault,
+            num_slots=num_slots, fault=fault, keep_layout=True,
         )  # fmt: skip
 
     kv.launch = launch

@@ -9,7 +9,7 @@ from attn_core.contract.capabilities import ARCH_MLA, Capabilities, CudaGraphLev
 from attn_core.contract.forward_mode import ForwardMode
 from attn_core.contract.spec import BackendSpec
 from attn_core.discovery.probes import first_reason, needs_compute_capability
-from attn_flashinfer.spec import MIN_COMPUTE_CAPABILITY, flashinfer_missing
+from attn_flashinfer.spec import KNOWN_GAPS, MIN_COMPUTE_CAPABILITY, flashinfer_missing
 
 #: DeepSeek's latent: kv_lora_rank 512 + qk_rope_head_dim 64 (the widths FlashInfer's MLA kernels build for).
 KV_LORA_RANK = 512
@@ -46,4 +46,5 @@ SPEC = BackendSpec(
     backend_class="attn_flashinfer.mla_backend:FlashInferMLABackend",
     priority=20,
     probe_fn=probe,
+    known_gaps=KNOWN_GAPS,  # the MLA kernels do the same (H200, 2026-11-29)
 )

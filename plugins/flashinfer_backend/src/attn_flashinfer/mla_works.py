@@ -374,7 +374,7 @@ def _page_ids_and_works_kernel(
         write_request_ids(
             r, tl.program_id(1), tl.num_programs(1), REQ_TO_TOKEN, stride_row, num_rows, width, REQ_POOL_INDICES, KV_LENS,
             KV_INDICES, KV_INDICES, KV_INDICES, capacity, KV_INDICES, KV_INDICES, KV_INDICES, KV_INDICES, num_slots, FAULT,
-            BS_BLOCK, _CHUNK, PAGE_SIZE, False, False, False, False, False, CHECK_SLOTS, HAS_FAULT,
+            BS_BLOCK, _CHUNK, PAGE_SIZE, False, False, False, False, False, CHECK_SLOTS, HAS_FAULT, False,
         )  # fmt: skip
     elif tl.program_id(1) == 0:
         _schedule(

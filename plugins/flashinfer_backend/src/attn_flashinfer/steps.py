@@ -191,7 +191,9 @@ def graph_inputs(r2t: torch.Tensor, step: CudaGraphStep, num_tokens: int, seq_ho
 def verify_mask(spec: SpecInfo, q_lens_host: torch.Tensor, seq_lens_host: torch.Tensor, pad: bool) -> torch.Tensor:
     """The step's tree mask as FlashInfer reads it: per request a row-major bool `[q_len, seq_len]`,
     concatenated (SpecInfo's layout, so `mask_indptr` is implied). In a CUDA-graph batch the padding rows
-    have no mask of their own: `pad` appends all-visible entries for them."""
+    have no mask of their own: `pad` appends all-visible entries for them; and a graph's static mask
+    buffer (`CudaGraphRunner`'s, sized for its largest batch) holds the step's mask at its start: `pad`
+    takes its first entries."""
     need = int((q_lens_host.to(torch.int64) * seq_lens_host.to(torch.int64)).sum())
     mask = spec.custom_mask.reshape(-1)
     if mask.dtype != torch.bool:
@@ -200,4 +202,6 @@ def verify_mask(spec: SpecInfo, q_lens_host: torch.Tensor, seq_lens_host: torch.
         return mask
     if pad and mask.numel() < need:
         return torch.cat([mask, torch.ones(need - mask.numel(), dtype=torch.bool, device=mask.device)])
+    if pad:
+        return mask[:need]
     raise InvalidArgumentError("spec_info.custom_mask", f"{need} entries (sum of q_len * seq_len over requests)", mask.numel())

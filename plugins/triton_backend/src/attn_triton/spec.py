@@ -10,6 +10,7 @@ from typing import Optional
 
 from attn_core.contract.capabilities import ARCH_MHA, ARCH_MLA, Capabilities, CudaGraphLevel, Feature
 from attn_core.contract.forward_mode import ForwardMode
+from attn_core.contract.phases import DECODE, PhasePriority
 from attn_core.contract.spec import BackendSpec
 from attn_core.discovery.probes import gpu_device_present, module_missing, triton_interpreter_enabled
 
@@ -86,6 +87,23 @@ def info() -> str:
     return f"cached index launch {cached_launch_status()}"
 
 
+#: where each phase should go (attn_core.discovery.selection): on compute capability 9.0 attn-triton's MHA decode
+#: is as fast as FlashInfer's or faster (0.933-1.004x its time, fp8 KV 0.872x), so decode comes here even with
+#: attn-flashinfer installed (its priority 20); its prefill stays behind FlashInfer's and FA4's (0.875-0.885x
+#: FlashInfer's rate), and MLA decode behind flashinfer_mla's at batch 64 and more (no entry for MLA)
+PHASE_PRIORITIES = (
+    PhasePriority(
+        DECODE,
+        25,
+        "docs/performance.md, 'Kernels against FlashInfer': decode 0.933-1.004x FlashInfer's time, fp8 KV decode 0.872x "
+        "(benchmarks/triton_vs_peers.py --only decode,extend,fp8)",
+        device="cuda",
+        min_compute_capability=(9, 0),
+        max_compute_capability=(9, 0),
+        archs=frozenset({ARCH_MHA}),
+    ),
+)
+
 SPEC = BackendSpec(
     name="triton",
     summary="Paged-KV decode/extend attention in Triton: split-KV decode, MLA, spec verify, CUDA graphs",
@@ -93,6 +111,7 @@ SPEC = BackendSpec(
     distribution="attn-triton",
     backend_class="attn_triton.backend:TritonAttnBackend",
     priority=10,
+    phase_priorities=PHASE_PRIORITIES,
     probe_fn=probe,
     info_fn=info,
 )
