@@ -832,7 +832,9 @@ def fa4_direct_impl(w: Workload) -> Callable[[], torch.Tensor]:
     from flash_attn.cute import flash_attn_varlen_func
 
     indptr = w.page_indptr.tolist()
-    table = torch.zeros(len(w.kv_lens), max(b - a for a, b in zip(indptr, indptr[1:])), dtype=torch.int32, device="cuda")
+    table = torch.zeros(
+        len(w.kv_lens), max(b - a for a, b in zip(indptr, indptr[1:])), dtype=torch.int32, device="cuda"
+    )
     for r, (a, b) in enumerate(zip(indptr, indptr[1:])):
         table[r, : b - a] = w.page_indices[a:b]
     k, v = w.pages()
@@ -960,7 +962,9 @@ def main(argv=None) -> int:
         print(f"{r.name}: {r.times_us} errors {r.errors}", flush=True)
         torch.cuda.empty_cache()
     fa4_rows = []
-    for kind, spec in ([("decode", s) for s in DECODE_ROWS] + [("extend", s) for s in EXTEND_ROWS]) if "fa4" in only else []:
+    for kind, spec in (
+        ([("decode", s) for s in DECODE_ROWS] + [("extend", s) for s in EXTEND_ROWS]) if "fa4" in only else []
+    ):
         fa4_rows.append(run_fa4_row(kind, spec, args, gen, l2))
         print(f"{fa4_rows[-1].name} (fa4): {fa4_rows[-1].times_us} errors {fa4_rows[-1].errors}", flush=True)
         torch.cuda.empty_cache()

@@ -39,7 +39,9 @@ def _spec(name, **kw):
     base = dict(
         name=name,
         summary="test",
-        capabilities=Capabilities(devices=frozenset({"cpu"}), q_dtypes=frozenset({"float32"}), kv_dtypes=frozenset({"float32"})),
+        capabilities=Capabilities(
+            devices=frozenset({"cpu"}), q_dtypes=frozenset({"float32"}), kv_dtypes=frozenset({"float32"})
+        ),
         distribution="attn-test",
         backend_class="attn_core.backends.torch_native.backend:TorchNativeBackend",
     )
@@ -89,10 +91,16 @@ def test_broken_duplicate_and_api_mismatch_plugins_do_not_hide_others(fake_plugi
     r = reg.Registry()
     entries = r.entries()
     assert isinstance(entries["broken"].error, BackendLoadError) and "boom at import" in str(entries["broken"].error)
-    assert isinstance(entries["notspec"].error, InvalidSpecError) and "expected a BackendSpec, found int" in str(entries["notspec"].error)
+    assert isinstance(entries["notspec"].error, InvalidSpecError) and "expected a BackendSpec, found int" in str(
+        entries["notspec"].error
+    )
     assert isinstance(entries["dup"].error, DuplicateBackendError)
     assert isinstance(entries["future"].error, ApiVersionMismatchError)
-    for name, err in [("broken", BackendLoadError), ("dup", DuplicateBackendError), ("future", ApiVersionMismatchError)]:
+    for name, err in [
+        ("broken", BackendLoadError),
+        ("dup", DuplicateBackendError),
+        ("future", ApiVersionMismatchError),
+    ]:
         with pytest.raises(err):
             r.resolve(name)
     # the embedded backend keeps its name against an impostor; the impostor is listed as failed
@@ -158,7 +166,9 @@ def test_pluggy_hooks_adjust_and_observe():
 
         @hookimpl
         def attn_core_adjust_requirements(self, requirements):
-            return Requirements(device_type="cpu", q_dtype="float32", kv_dtype="float32", head_dim=requirements.head_dim)
+            return Requirements(
+                device_type="cpu", q_dtype="float32", kv_dtype="float32", head_dim=requirements.head_dim
+            )
 
         @hookimpl
         def attn_core_backend_selected(self, name, requirements):
@@ -416,7 +426,9 @@ def test_a_raising_adjust_requirements_hook_is_reported_not_fatal():
         @hookimpl
         def attn_core_adjust_requirements(self, requirements):
             calls.append("adjusts")
-            return Requirements(device_type="cpu", q_dtype="float32", kv_dtype="float32", head_dim=requirements.head_dim)
+            return Requirements(
+                device_type="cpu", q_dtype="float32", kv_dtype="float32", head_dim=requirements.head_dim
+            )
 
     class Raises:
         @hookimpl

@@ -28,7 +28,10 @@ def compile_fake(name: str, scratch: Path) -> Path:
     src.write_text(SOURCE.replace("NAME", name))
     library = scratch / f"{name}.so"
     cc = os.environ.get("CC", "cc")
-    subprocess.run([cc, "-shared", "-fPIC", "-O0", f"-I{sysconfig.get_paths()['include']}", str(src), "-o", str(library)], check=True)
+    subprocess.run(
+        [cc, "-shared", "-fPIC", "-O0", f"-I{sysconfig.get_paths()['include']}", str(src), "-o", str(library)],
+        check=True,
+    )
     return library
 
 
@@ -49,4 +52,9 @@ if __name__ == "__main__":
     from attn_cpu_amx import build
 
     info = build.ensure_built(globals()[sys.argv[1]])
-    print(build.import_library(build.module_name(), info.library).answer(), f"compiled={info.compiled}", build.CSRC, flush=True)
+    print(
+        build.import_library(build.module_name(), info.library).answer(),
+        f"compiled={info.compiled}",
+        build.CSRC,
+        flush=True,
+    )

@@ -92,13 +92,13 @@ for dt, tdt, d, dv, dpe, mla in (("bf16", torch.bfloat16, 128, 128, 0, False), (
     no_fp8 = dict(KV_FP8=False, FP8_PTX=False, V_WORDS=False)
     for split in (True, False):  # stage 1 of a merged launch, and one split finishing its rows (sink, LSE) itself
         build(de._decode_split_kernel, dt, dict(GROUP=4, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=c.block_n, SPLIT=split, HAS_SINK=True,
-                                                STORE_LSE=True, **no_fp8, **common), c.num_warps, c.num_stages)  # fmt: skip
+                                                STORE_LSE=True, **no_fp8, **common), c.num_warps, c.num_stages)
     if not mla:  # fp8 (e4m3) cache under bf16 q: the bytes-to-fp16 PTX path with the fp8 tiles, no F2F converts, no spills
         f = decode_config(d, dv, tdt, dev, False, torch.float8_e4m3fn)
         assert f == FP8_DECODE_CONFIG, f
         plain = {**common, "LOGIT_CAP": False, "HAS_WINDOW": False}
         fp8 = dict(GROUP=4, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=f.block_n, KV_FP8=True, FP8_PTX=True, V_WORDS=True, SPLIT=False,
-                   HAS_SINK=False, STORE_LSE=False, **plain)  # fmt: skip
+                   HAS_SINK=False, STORE_LSE=False, **plain)
         k = build(de._decode_split_kernel, dt, fp8, f.num_warps, f.num_stages, kv_dt="u8", v_dt="i32")
         ptx = k.asm["ptx"]
         assert "prmt.b32" in ptx and "e4m3x2" not in ptx and "cvt.bf16.f16" not in ptx, "fp8 decode: F2F conversions in the loop"
@@ -126,7 +126,7 @@ for dt, tdt, d, dv, dpe, mla in (("bf16", torch.bfloat16, 128, 128, 0, False), (
 m8 = decode_config(576, 512, torch.bfloat16, dev, True, torch.float8_e4m3fn)
 mla8 = dict(GROUP=16, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=m8.block_n, D=512, BLOCK_D=512, DPE=64, BLOCK_DPE=64, DV=512, BLOCK_DV=512,
             SHARE_KV=True, LOGIT_CAP=False, HAS_WINDOW=False, DOT_PREC="tf32", KV_FP8=True, FP8_PTX=True, V_WORDS=False, SPLIT=True,
-            HAS_SINK=False, STORE_LSE=False)  # fmt: skip
+            HAS_SINK=False, STORE_LSE=False)
 k = build(de._decode_split_kernel, "bf16", mla8, m8.num_warps, m8.num_stages, kv_dt="u8")
 assert k.metadata.shared <= 227 * 1024, k.metadata.shared
 print("mla fp8 decode shared", k.metadata.shared)
@@ -135,7 +135,7 @@ print("mla fp8 decode shared", k.metadata.shared)
 def build_mla(m, dt, q_len, split, arch):
     consts = dict(Q_LEN=q_len, BLOCK_H=m.block_h, BLOCK_N=m.block_n, RANK=512, BLOCK_R=512, ROPE=64, BLOCK_ROPE=64, SPLIT=split,
                   USE_MASK=not split, HAS_WINDOW=True, LOGIT_CAP=True, HAS_SINK=not split, STORE_LSE=not split,
-                  DOT_PREC="ieee" if dt == "fp32" else "tf32", LAZY=m.lazy_rescale)  # fmt: skip
+                  DOT_PREC="ieee" if dt == "fp32" else "tf32", LAZY=m.lazy_rescale)
     if ml.uses_wgmma(m, torch.float32 if dt == "fp32" else torch.bfloat16, 512, 64):
         from triton.experimental.gluon._runtime import GluonASTSource
         from attn_triton.kernels.mla_wgmma import mla_wgmma_kernel
@@ -165,7 +165,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from attn_triton.kernels.mla_wgmma import mla_wgmma_kernel
 for rank, rope in ((512, 32), (128, 16)):
     consts = dict(Q_LEN=4, BLOCK_H=64, BLOCK_N=m.block_n, RANK=rank, BLOCK_R=rank, ROPE=rope, BLOCK_ROPE=rope, SPLIT=False, USE_MASK=True,
-                  HAS_WINDOW=False, LOGIT_CAP=False, HAS_SINK=True, STORE_LSE=True, DOT_PREC="tf32", LAZY=0)  # fmt: skip
+                  HAS_WINDOW=False, LOGIT_CAP=False, HAS_SINK=True, STORE_LSE=True, DOT_PREC="tf32", LAZY=0)
     k = build(mla_wgmma_kernel, "bf16", consts, ml.WGMMA_WARPS // 2, None, 90, source=GluonASTSource, descs=mla_descs(rank, rope))
     assert k.metadata.shared <= 227 * 1024 and not serialized_wgmma(sass_of(k)), (rank, rope, k.metadata.shared)
     print("mla hopper", rank, rope, "shared", k.metadata.shared)
@@ -180,7 +180,7 @@ for d, group, causal, tiles in ((128, 4, True, ((64, 4, 224), (64, 4, 208))), (6
         consts = dict(GROUP=group, BLOCK_M=128, BLOCK_N=cfg.wgmma_block_n, D=d, BLOCK_D=d, DPE=0, BLOCK_DPE=0, DV=d, BLOCK_DV=d,
                       SHARE_KV=False, CAUSAL=causal, USE_MASK=False, HAS_WINDOW=True, LOGIT_CAP=True, HAS_SINK=True, STORE_LSE=True,
                       DOT_PREC="tf32", LAZY=0, STAGES=cfg.wgmma_stages, HEADS=packed_heads(group, 128), BOX=TMA_BOX,
-                      CONSUMER_REGS=cfg.wgmma_regs, PRODUCER_REGS=producer_regs(cfg.wgmma_regs))  # fmt: skip
+                      CONSUMER_REGS=cfg.wgmma_regs, PRODUCER_REGS=producer_regs(cfg.wgmma_regs))
         k = build(extend_wgmma_kernel, "bf16", consts, 4, None, 90, source=GluonASTSource)
         usage, sass = res_usage(k), sass_of(k)
         shared = k.metadata.shared
@@ -210,7 +210,9 @@ print("compiled")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton.backends.nvidia") is None, reason="Triton without its CUDA backend")
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton.backends.nvidia") is None, reason="Triton without its CUDA backend"
+)
 def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")

@@ -32,7 +32,9 @@ MIN_SAVING_RATIO = 4.0
 MAX_MEAN_QUERY = 16
 
 
-def shared_prefix_len(rows: Union[torch.Tensor, Sequence[Sequence[int]]], prefix_lens: Sequence[int], page_size: int = 1) -> int:
+def shared_prefix_len(
+    rows: Union[torch.Tensor, Sequence[Sequence[int]]], prefix_lens: Sequence[int], page_size: int = 1
+) -> int:
     """The longest P such that every request's first P key slots are the same slots, at most each
     request's cached prefix (`prefix_lens[r]`: keys before its first new token), rounded down to a
     multiple of `page_size` (page-table kernels read whole pages). `rows`: the requests' `req_to_token`
@@ -134,4 +136,6 @@ def splits_into_cascade(layer) -> bool:
     "decoder" (encoder-only, bidirectional spans) → False."""
     if getattr(layer, "attn_type", "decoder") != "decoder":
         return False
-    return not (layer.is_cross_attention or layer.sliding_window_size is not None or layer.attention_chunk_size is not None)
+    return not (
+        layer.is_cross_attention or layer.sliding_window_size is not None or layer.attention_chunk_size is not None
+    )

@@ -53,7 +53,9 @@ def _check_mode(mode: ForwardMode, reqs: list[RequestShape]) -> None:
     if mode.is_target_verify():
         lens = {r.extend_len for r in reqs}
         if len(lens) != 1 or 0 in lens:
-            raise InvalidArgumentError("requests", "the same extend_len (draft tokens) >= 1 for every TARGET_VERIFY request", sorted(lens))
+            raise InvalidArgumentError(
+                "requests", "the same extend_len (draft tokens) >= 1 for every TARGET_VERIFY request", sorted(lens)
+            )
 
 
 def random_tree_mask(prefix_len: int, num_draft: int, generator: Optional[torch.Generator] = None) -> torch.Tensor:

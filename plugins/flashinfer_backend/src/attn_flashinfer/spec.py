@@ -49,7 +49,9 @@ CAPABILITIES = Capabilities(
         }
     ),
     cuda_graph=CudaGraphLevel.UNIFORM_BATCH,
-    kv_layouts=frozenset({"NHD", "HND"}),  # HND: verified on the GPU only (the kit's kv_layout-HND checks in tests/test_gpu.py)
+    kv_layouts=frozenset(
+        {"NHD", "HND"}
+    ),  # HND: verified on the GPU only (the kit's kv_layout-HND checks in tests/test_gpu.py)
     #: engine-owned pools (`attn_core.memory.EngineKVPool`): FlashInfer reads paged K/V through the buffers'
     #: strides (K and V strides equal, as every fused engine cache has them); verified on the GPU only
     engine_kv_layouts=frozenset({"NHD", "HND"}),
@@ -61,7 +63,9 @@ CAPABILITIES = Capabilities(
 def flashinfer_missing() -> Optional[str]:
     """Reason when the `flashinfer` package (distribution flashinfer-python) cannot be imported."""
     if importlib.util.find_spec("flashinfer") is None:
-        return "flashinfer-python not installed (pip install 'flashinfer-python>=0.6.6,<0.8'; a CUDA build of torch first)"
+        return (
+            "flashinfer-python not installed (pip install 'flashinfer-python>=0.6.6,<0.8'; a CUDA build of torch first)"
+        )
     return None
 
 

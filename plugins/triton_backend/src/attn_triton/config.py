@@ -46,7 +46,9 @@ class SplitPolicy:
     deterministic_max_splits: int = 16
     deterministic_min_split_len: int = 512
 
-    def max_splits(self, bs: int, programs_per_request: int, num_sms: int, deterministic: bool, ctas_per_sm: int = 0) -> int:
+    def max_splits(
+        self, bs: int, programs_per_request: int, num_sms: int, deterministic: bool, ctas_per_sm: int = 0
+    ) -> int:
         if deterministic:
             return self.deterministic_max_splits
         if ctas_per_sm > 0:
@@ -98,12 +100,23 @@ def wave_splits(programs: int, slots: int, cap: int, waves: float = 2.0) -> int:
 
 
 def decode_config(
-    head_dim: int, v_head_dim: int, dtype: torch.dtype, device: torch.device, mla: bool, kv_dtype: Optional[torch.dtype] = None
+    head_dim: int,
+    v_head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    mla: bool,
+    kv_dtype: Optional[torch.dtype] = None,
 ) -> DecodeConfig:
     """Stage-1 tiles of the split decode kernel for q `dtype` over a `kv_dtype` cache (None: `dtype`)."""
     if device.type != "cuda":
         return DecodeConfig(block_n=16, block_h=16, num_warps=1, num_stages=1)
-    if kv_dtype is not None and is_fp8(kv_dtype) and not mla and dtype != torch.float32 and max(head_dim, v_head_dim) <= 128:
+    if (
+        kv_dtype is not None
+        and is_fp8(kv_dtype)
+        and not mla
+        and dtype != torch.float32
+        and max(head_dim, v_head_dim) <= 128
+    ):
         return FP8_DECODE_CONFIG
     if mla:
         return DecodeConfig(block_n=16 if dtype == torch.float32 else 32, block_h=16, num_warps=4, num_stages=2)
@@ -159,8 +172,16 @@ def extend_config_for(head_dim: int, v_head_dim: int, dtype: torch.dtype, mla: b
     # the (consumer, producer) register split: 208 / 88 a thread beat 224 / 56 and 216 / 72 on every extend row of an H100
     # sweep (4-10 %; docs/dev/perf-notebook.md, "The Hopper extend kernel's register split")
     wgmma_block_n = 128 if hopper else 0
-    return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, lazy_rescale=4, wgmma_block_n=wgmma_block_n, wgmma_stages=3,
-                        wgmma_regs=208)  # fmt: skip
+    return ExtendConfig(
+        block_m=128,
+        block_n=64,
+        num_warps=4,
+        num_stages=3,
+        lazy_rescale=4,
+        wgmma_block_n=wgmma_block_n,
+        wgmma_stages=3,
+        wgmma_regs=208,
+    )
 
 
 def mla_config(dtype: torch.dtype, device: torch.device) -> MLAConfig:

@@ -73,7 +73,11 @@ def probe() -> Optional[str]:
 
     if torch.cuda.is_available():
         return None
-    build = f"ROCm {torch.version.hip}" if torch.version.hip else (f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only")
+    build = (
+        f"ROCm {torch.version.hip}"
+        if torch.version.hip
+        else (f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only")
+    )
     return (
         f"needs a CUDA or ROCm GPU (torch {torch.__version__}, {build} build, sees no GPU); "
         "CPU tensors run only under the Triton interpreter (set TRITON_INTERPRET=1)"
