@@ -529,8 +529,8 @@ def main() -> int:
         if rank:
             return 0
     print(
-        f"{args.backend}{parallel} page {args.page_size}{' graphs' if args.graphs else ''}: {tokens} tokens in {secs:.2f} s = "
-        f"{tokens / secs:.0f} tokens/s; attention {share} of the time"
+        f"{args.backend}{parallel} page {args.page_size}{' graphs' if args.graphs else ''}: "
+        f"{tokens} tokens in {secs:.2f} s = {tokens / secs:.0f} tokens/s; attention {share} of the time"
     )
     if args.check and group is None:
         with working("checking every request's tokens against transformers' generate"):

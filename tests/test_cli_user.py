@@ -243,7 +243,8 @@ def test_debug_paths_report_each_layer_call(capsys):
     code = (
         "import torch, attn_core as ac\n"
         "from attn_core.testing.harness import AttnCase, assert_case\n"
-        "assert_case(lambda ctx: ac.create_backend('torch_native', ctx), AttnCase('DECODE', [(5, 1), (9, 1)], dtype='float32'))\n"
+        "assert_case(lambda ctx: ac.create_backend('torch_native', ctx), "
+        "AttnCase('DECODE', [(5, 1), (9, 1)], dtype='float32'))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

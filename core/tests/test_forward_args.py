@@ -94,7 +94,8 @@ FAULTS = {
         "layer head_dim/v_head_dim",
     ),
     "layer_logit_cap": (lambda i, ly: (_set(ly, logit_cap=5.0), _args(i))[1], UnsupportedFeatureError, None),
-    # several faults: the first in the check order wins (extras, layer, q shape, q device, dtypes, k/v device, k/v shape)
+    # several faults: the first in the check order wins (extras, layer, q shape, q device, dtypes, k/v device,
+    # k/v shape)
     "extras_before_layer": (
         lambda i, ly: (_set(ly, num_q_heads=8), _args(i, extras={"bogus": 1}))[1],
         InvalidArgumentError,

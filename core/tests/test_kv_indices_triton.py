@@ -39,11 +39,15 @@ for page_size in (1, 2):
 
 indptr = torch.full((1,), 7, dtype=torch.int32)
 empty = torch.zeros(0, dtype=torch.int64)
-kvt.kv_indices_triton(torch.zeros(1, 4, dtype=torch.int32), empty, empty.int(), torch.zeros(1, dtype=torch.int32), kv_indptr=indptr)
+kvt.kv_indices_triton(
+    torch.zeros(1, 4, dtype=torch.int32), empty, empty.int(), torch.zeros(1, dtype=torch.int32), kv_indptr=indptr
+)
 assert indptr.tolist() == [0]
 r2t = torch.arange(40, dtype=torch.int32).view(8, 5)
 try:
-    kvt.kv_indices_triton(r2t.t(), torch.tensor([1]), torch.tensor([2], dtype=torch.int32), torch.zeros(2, dtype=torch.int32))
+    kvt.kv_indices_triton(
+        r2t.t(), torch.tensor([1]), torch.tensor([2], dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    )
     raise SystemExit("strided rows accepted")
 except InvalidArgumentError as e:
     assert "req_to_token" in str(e)
@@ -130,8 +134,8 @@ from triton.compiler import ASTSource
 from attn_core.ops.kv_indices_triton import _build_indices_kernel as fn
 
 for page_size, keep in ((1, False), (16, False), (1, True), (16, True)):
-    consts = dict(BS_BLOCK=256, CHUNK=512, PAGE_SIZE=page_size, HAS_START=True, HAS_INDPTR=True, HAS_LAST=True, HAS_Q=True,
-                  HAS_MASK_INDPTR=True, CHECK_SLOTS=True, HAS_FAULT=True, KEEP_LAYOUT=keep)
+    consts = dict(BS_BLOCK=256, CHUNK=512, PAGE_SIZE=page_size, HAS_START=True, HAS_INDPTR=True, HAS_LAST=True,
+                  HAS_Q=True, HAS_MASK_INDPTR=True, CHECK_SLOTS=True, HAS_FAULT=True, KEEP_LAYOUT=keep)
     sig = {n: "constexpr" if n in consts else ("*i64" if n == "MASK_INDPTR" else "*i32") if n.isupper() else "i32"
            for n in fn.arg_names}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})

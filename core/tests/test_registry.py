@@ -75,7 +75,8 @@ SPEC_SRC = """
 from attn_core.contract.capabilities import Capabilities
 from attn_core.contract.spec import BackendSpec
 SPEC = BackendSpec(name={name!r}, summary="x", distribution="attn-x", api_version={api!r},
-    capabilities=Capabilities(devices=frozenset({{"cpu"}}), q_dtypes=frozenset({{"float32"}}), kv_dtypes=frozenset({{"float32"}})),
+    capabilities=Capabilities(devices=frozenset({{"cpu"}}), q_dtypes=frozenset({{"float32"}}),
+                              kv_dtypes=frozenset({{"float32"}})),
     backend_class="attn_core.backends.torch_native.backend:TorchNativeBackend")
 """
 
@@ -142,7 +143,8 @@ def test_unavailable_incompatible_and_no_backend():
         r.select_backend(bf16)
     report = {row.name: row for row in r.explain(bf16)}
     assert not report["fp32_only"].usable and report["triton"].reasons == (
-        "not installed (pip install attn-triton (from a clone of the attn repository: pip install ./plugins/triton_backend))",
+        "not installed (pip install attn-triton "
+        "(from a clone of the attn repository: pip install ./plugins/triton_backend))",
     )
 
 
@@ -272,7 +274,8 @@ def _assert_torch_native_still_works(r):
             "capabilities.devices: expected a frozenset of str",
         ),
         (
-            "capabilities=Capabilities(devices=frozenset({'cpu'}), q_dtypes=frozenset(), kv_dtypes=frozenset(), page_sizes=[1])",
+            "capabilities=Capabilities(devices=frozenset({'cpu'}), q_dtypes=frozenset(), kv_dtypes=frozenset(), "
+            "page_sizes=[1])",
             "capabilities.page_sizes: expected a frozenset of int or None",
         ),
     ],
@@ -489,9 +492,11 @@ def test_a_hook_plugin_that_fails_to_import_does_not_drop_the_others(fake_hook_d
 
                 @hookimpl
                 def attn_core_register_backends():
-                    caps = Capabilities(devices=frozenset({"cpu"}), q_dtypes=frozenset({"float32"}), kv_dtypes=frozenset({"float32"}))
-                    return [BackendSpec(name="from_good_hook", summary="x", distribution="attn-fake-hooks", capabilities=caps,
-                        backend_class="attn_core.backends.torch_native.backend:TorchNativeBackend")]
+                    caps = Capabilities(
+                        devices=frozenset({"cpu"}), q_dtypes=frozenset({"float32"}), kv_dtypes=frozenset({"float32"})
+                    )
+                    return [BackendSpec(name="from_good_hook", summary="x", distribution="attn-fake-hooks",
+                        capabilities=caps, backend_class="attn_core.backends.torch_native.backend:TorchNativeBackend")]
                 """,
             "c_raises": """
                 from attn_core.contract.hookspecs import hookimpl

@@ -15,7 +15,9 @@ SOURCE = """
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 static const unsigned char padding[1 << 18] = {1};
-static PyObject* answer(PyObject* self, PyObject* unused) { return PyLong_FromLong(40 + padding[0] + padding[1 << 17] + 1); }
+static PyObject* answer(PyObject* self, PyObject* unused) {
+    return PyLong_FromLong(40 + padding[0] + padding[1 << 17] + 1);
+}
 static PyMethodDef methods[] = {{"answer", answer, METH_NOARGS, "42"}, {NULL, NULL, 0, NULL}};
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "NAME", NULL, -1, methods};
 PyMODINIT_FUNC PyInit_NAME(void) { return PyModule_Create(&module); }

@@ -65,7 +65,8 @@ def build() -> int:
     }
     failed = [name for name, p in procs.items() if p.wait() != 0]
     print(
-        f"built {len(VARIANTS)} variants in {time.perf_counter() - t0:.0f} s ({jobs} compile jobs each); failed: {failed or 'none'}"
+        f"built {len(VARIANTS)} variants in {time.perf_counter() - t0:.0f} s ({jobs} compile jobs each); "
+        f"failed: {failed or 'none'}"
     )
     return 1 if failed else 0
 

@@ -197,9 +197,9 @@ def test_case_on_cuda(case):
     assert_case(factory(), case)
 
 
-#: the Hopper extend kernel (kernels/extend_wgmma.py, the SM90 default) under both tile choices on every case above whose
-#: extend launches it takes (16-bit, head_dim 128, not MLA, no fp8 cache: `extend.uses_wgmma`; the rest of a step,
-#: its decode rows and tree masks, keeps the other kernels), and an MHA case at head_dim 64 (one head a program)
+#: the Hopper extend kernel (kernels/extend_wgmma.py, the SM90 default) under both tile choices on every case above
+#: whose extend launches it takes (16-bit, head_dim 128, not MLA, no fp8 cache: `extend.uses_wgmma`; the rest of a
+#: step, its decode rows and tree masks, keeps the other kernels), and an MHA case at head_dim 64 (one head a program)
 # its tiles: 64 keys in 4 buffers (consumers at 224 registers a thread), 128 keys in 3 at 208 (the default)
 HOPPER_EXTENDS = [
     ExtendConfig(128, 64, 4, 3, 4, wgmma_block_n=64, wgmma_stages=4),

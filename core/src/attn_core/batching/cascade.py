@@ -23,9 +23,9 @@ from attn_core.batching.batch_utils import query_lens
 from attn_core.contract.batch import ForwardBatch
 from attn_core.contract.errors import InvalidArgumentError
 
-#: defaults of `use_cascade_attention` (the prefix and query-length bounds from the H200 run in docs/dev/perf-notebook.md,
-#: "Cascade attention": 64 decodes over a 4096-token prefix 0.89x, over 32768 tokens 1.14x; 64 requests of
-#: 256 new tokens over 4096 0.86x)
+#: defaults of `use_cascade_attention` (the prefix and query-length bounds from the H200 run in
+#: docs/dev/perf-notebook.md, "Cascade attention": 64 decodes over a 4096-token prefix 0.89x, over 32768 tokens
+#: 1.14x; 64 requests of 256 new tokens over 4096 0.86x)
 MIN_PREFIX = 16384
 MIN_REQUESTS = 8
 MIN_SAVING_RATIO = 4.0

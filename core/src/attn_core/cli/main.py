@@ -35,8 +35,8 @@ from attn_core.discovery import registry
 def list_rows(probe: bool = True) -> list[dict]:
     """One record per discovered backend (and per known backend not installed): name, distribution,
     version, state ("available", "unavailable", "not probed", "failed", "not installed"), reason, what
-    the backend found here (info), registry notes, its unverified paths, its declared known gaps (`BackendSpec.known_gaps`,
-    "glob: why") and a capability summary. What
+    the backend found here (info), registry notes, its unverified paths, its declared known gaps
+    (`BackendSpec.known_gaps`, "glob: why") and a capability summary. What
     `list` prints and `list --json` writes."""
     rows: list[dict] = []
     entries = registry.list_backends()
@@ -290,7 +290,8 @@ def _describe_request(req) -> str:
         else ""
     )
     return (
-        f"device={req.device_type}{cc}, q={req.q_dtype}, kv={req.kv_dtype}, head_dim={req.head_dim}, page_size={req.page_size}, "
+        f"device={req.device_type}{cc}, q={req.q_dtype}, kv={req.kv_dtype}, head_dim={req.head_dim}, "
+        f"page_size={req.page_size}, "
         f"arch={req.arch}, modes={','.join(sorted(m.name for m in req.forward_modes))}, "
         f"features={','.join(sorted(f.value for f in req.features)) or '-'}, cuda graphs={req.cuda_graph.name}"
     )

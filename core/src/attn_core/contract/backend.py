@@ -527,8 +527,9 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         with `return_lse`). `init_ragged_metadata(ragged)` first (else `StaleMetadataError`); bad
         arguments raise `InvalidArgumentError` naming them, before any kernel.
 
-        Example: `ragged = attn_core.contract.ragged.ragged_batch([3, 5], "cuda")`, `backend.init_ragged_metadata(ragged)`,
-        then per layer `backend.ragged_attention(q, k, v, ragged)` with q/k/v of 8 rows."""
+        Example: `ragged = attn_core.contract.ragged.ragged_batch([3, 5], "cuda")`,
+        `backend.init_ragged_metadata(ragged)`, then per layer `backend.ragged_attention(q, k, v, ragged)` with
+        q/k/v of 8 rows."""
         if self._ragged_for is not ragged:
             bound = "init_ragged_metadata(ragged) called for this RaggedBatch before ragged_attention"
             found = "another RaggedBatch" if self._ragged_for is not None else "no ragged metadata"
@@ -752,7 +753,10 @@ def _bound_description(bound: Union[ForwardBatch, GraphBatchKey, None]) -> str:
     if bound is None:
         return "init_forward_metadata(batch) called for this batch before forward (no current metadata)"
     if isinstance(bound, GraphBatchKey):
-        return f"the CUDA-graph batch the metadata was captured/replayed for ({bound.forward_mode.name}, {bound.batch_size} requests)"
+        return (
+            f"the CUDA-graph batch the metadata was captured/replayed for ({bound.forward_mode.name}, "
+            f"{bound.batch_size} requests)"
+        )
     return (
         f"the batch init_forward_metadata was last called with ({bound.forward_mode.name}, {bound.batch_size} requests)"
     )

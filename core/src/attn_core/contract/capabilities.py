@@ -171,7 +171,8 @@ class Capabilities:
             and Feature.MIXED_KV_DTYPE not in self.features
         ):
             out.append(
-                f"KV dtype {req.kv_dtype} with q dtype {req.q_dtype}: mixed dtypes not supported ({Feature.MIXED_KV_DTYPE.value})"
+                f"KV dtype {req.kv_dtype} with q dtype {req.q_dtype}: mixed dtypes not supported "
+                f"({Feature.MIXED_KV_DTYPE.value})"
             )
         dims = self.mla_head_dims if req.arch == ARCH_MLA else self.head_dims
         ragged = Feature.RAGGED in req.features
@@ -189,7 +190,8 @@ class Capabilities:
             out.append(f"kv_layout {req.kv_layout} not in {sorted(self.kv_layouts)}")
         if req.engine_kv and req.kv_layout not in self.engine_kv_layouts:
             out.append(
-                f"an engine-owned KV pool in layout {req.kv_layout} (engine_kv_layouts {sorted(self.engine_kv_layouts)})"
+                f"an engine-owned KV pool in layout {req.kv_layout} "
+                f"(engine_kv_layouts {sorted(self.engine_kv_layouts)})"
             )
         if Feature.SLIDING_WINDOW_POOL in req.features and Feature.SLIDING_WINDOW_POOL not in self.features:
             out.append("a sliding-window KV pool (feature sliding_window_pool) not supported")

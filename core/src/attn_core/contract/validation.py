@@ -13,8 +13,8 @@ Levels (`BackendContext.validation`):
 - "full": "basic", then the device tensors too: one device-to-host copy of the batch's index tensors
   and of a few counts computed on the device (one sync per step, in `init_forward_metadata`, never in
   `forward`), and the backend's `poll_device_fault()`. Its device work gathers the batch's table rows up
-  to the longest request (bs x max(seq_lens) entries, a few bytes each, freed at once). Tests and the conformance kit use it; an engine
-  may turn it on to debug a crash or a wrong answer.
+  to the longest request (bs x max(seq_lens) entries, a few bytes each, freed at once). Tests and the
+  conformance kit use it; an engine may turn it on to debug a crash or a wrong answer.
 - On the CPU (the context's device), "basic" runs "full" (`effective_level`): the device tensors *are*
   host memory, there is no sync to avoid, so every batch gets every check before any write.
 

@@ -20,9 +20,10 @@ verify query at global position p sees the keys at positions <= p on every rank,
 `attn_core.dcp.requests`). Prefill attention is not sharded (the engine runs it unsharded and stores the
 K/V with `DcpStep.save_kv`).
 
-CUDA graphs (DECODE only; verify steps run eagerly): with a graph-shaped step (`build_dcp_step(..., graph_shaped=True)`, or
-`DcpStep.from_graph_batch` inside a `CudaGraphRunner`'s `run_layers`) every shape is fixed by the batch
-size and nothing syncs with the host: the local attention runs over all `bs` rows and the rows without a
+CUDA graphs (DECODE only; verify steps run eagerly): with a graph-shaped step
+(`build_dcp_step(..., graph_shaped=True)`, or `DcpStep.from_graph_batch` inside a `CudaGraphRunner`'s
+`run_layers`) every shape is fixed by the batch size and nothing syncs with the host: the local attention
+runs over all `bs` rows and the rows without a
 local key (`step.local_mask` False) get output 0 and LSE -inf by `torch.where`. The q gather, the
 exchange and the merge are captured with the attention; on NCCL the collectives are captured too (the
 runner's eager warm-up before each capture makes the communicator; every rank of the group must capture

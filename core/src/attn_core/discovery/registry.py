@@ -230,8 +230,9 @@ class Registry:
 
     def _call_hook(self, hook_name: str, **kwargs) -> list[tuple[str, object]]:
         """Call every implementation of `hook_name` in pluggy's order, one at a time, and return their
-        non-None results as (plugin name, result): an implementation that raises (or is a hook wrapper, which attn does not
-        support) marks its plugin broken instead of failing the call or dropping the others."""
+        non-None results as (plugin name, result): an implementation that raises (or is a hook wrapper,
+        which attn does not support) marks its plugin broken instead of failing the call or dropping the
+        others."""
         results = []
         for impl in reversed(getattr(self.plugin_manager.hook, hook_name).get_hookimpls()):
             if impl.plugin_name in self._broken_plugins:

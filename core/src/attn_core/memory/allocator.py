@@ -125,8 +125,8 @@ class PagedTokenAllocator:
         if extends and tail != loc % ps + 1:
             raise PageTailError(
                 f"last_loc[{i}]",
-                f"the last slot handed out in its page (slot {page * ps + tail - 1}); another request extended past it: "
-                "fork the page with fork_partial_page",
+                f"the last slot handed out in its page (slot {page * ps + tail - 1}); "
+                "another request extended past it: fork the page with fork_partial_page",
                 loc,
             )
 

@@ -72,7 +72,10 @@ def version_gate(triton_version: Optional[str], switch: Optional[str] = None) ->
         return "Triton is not installed"
     if parse_version(triton_version) not in VERIFIED_TRITON:
         verified = ", ".join(f"{a}.{b}" for a, b in VERIFIED_TRITON)
-        return f"Triton {triton_version} is not among the versions it was verified with ({verified}; {ENV_SWITCH}=force tries it)"
+        return (
+            f"Triton {triton_version} is not among the versions it was verified with "
+            f"({verified}; {ENV_SWITCH}=force tries it)"
+        )
     return None
 
 
@@ -155,7 +158,8 @@ class CachedLaunch:
             self._runtime, self._stream_of = knobs.runtime, driver.active.get_current_stream
         except Exception as exc:  # noqa: BLE001 - no direct launch; the compiled handle still serves
             _log_once(
-                f"attn-core: cached Triton launch calls the compiled handle, not its launcher ({type(exc).__name__}: {exc})"
+                "attn-core: cached Triton launch calls the compiled handle, not its launcher "
+                f"({type(exc).__name__}: {exc})"
             )
 
     def __call__(self, grid: tuple[int, ...], *args, **kwargs) -> None:
@@ -258,8 +262,9 @@ class BoundLaunch:
     look-up by (device, types), then the compiled kernel's launcher (`CachedLaunch._launch`). What
     `CachedLaunch.__call__` adds per call is left out: the keywords' names and values in the cache key and
     the grid padded to 3-D (~4 µs of a launch with 11 constexprs on the H100 host, docs/dev/perf-notebook.md).
-    Everything else is the parent's: a call whose types it has not seen yet (the first, compiling) goes through `parent(grid, *args,
-    **kwargs)` and keeps the parent's compiled entry; while the parent's shortcut is off (another Triton,
+    Everything else is the parent's: a call whose types it has not seen yet (the first, compiling) goes
+    through `parent(grid, *args, **kwargs)` and keeps the parent's compiled entry; while the parent's
+    shortcut is off (another Triton,
     the interpreter, a rejected call), the tensors are off the GPU or `pointers_as_ints` is False, every
     call goes through the parent; so does a call whose first argument is not a CUDA tensor (the device
     comes from it)."""

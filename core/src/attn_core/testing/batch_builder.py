@@ -121,7 +121,8 @@ def build_forward_batch(
     if new is None:
         req_to_token_pool.free(rows)
         raise KVCacheError(
-            f"out of KV slots: need {sum(total_lens)} tokens (page_size {allocator.page_size}), {allocator.available_size()} slots free"
+            f"out of KV slots: need {sum(total_lens)} tokens (page_size {allocator.page_size}), "
+            f"{allocator.available_size()} slots free"
         )
 
     new_cpu = new.cpu()

@@ -113,9 +113,10 @@ class AttnCase:
         return list(self.steps) if self.steps else [tuple(range(len(self.requests)))]
 
     def describe(self) -> str:
+        reqs = [(r.prefix_len, r.extend_len) + ((r.encoder_len,) if r.encoder_len else ()) for r in self.requests]
         parts = [
             self.mode.name,
-            f"reqs={[(r.prefix_len, r.extend_len) + ((r.encoder_len,) if r.encoder_len else ()) for r in self.requests]}",
+            f"reqs={reqs}",
             f"heads={self.num_q_heads}/{self.num_kv_heads}",
             f"d={self.head_dim}",
             self.dtype,

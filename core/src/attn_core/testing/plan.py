@@ -73,7 +73,8 @@ def numeric_check(target: KitTarget, case: AttnCase, deterministic: bool = False
                 (lr.out_error, lr.lse_error) for lr in result.layers
             ]:
                 raise KitFailure(
-                    f"two runs of the same inputs differ (declared deterministic)\n{result.message()}\n{again.message()}"
+                    "two runs of the same inputs differ (declared deterministic)\n"
+                    f"{result.message()}\n{again.message()}"
                 )
         worst = max((lr.out_error for lr in result.layers), default=0.0)
         return f"max rel err {worst:.2g}"

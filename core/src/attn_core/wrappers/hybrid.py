@@ -68,7 +68,8 @@ class HybridAttnBackend(AttentionBackend[AttentionBackend]):
         if len(set(fills.values())) > 1:
             raise InvalidArgumentError(
                 "prefill",
-                f"the CUDA-graph seq_len fill value {decode.get_cuda_graph_seq_len_fill_value()} of decode (both run inside graphs)",
+                f"the CUDA-graph seq_len fill value {decode.get_cuda_graph_seq_len_fill_value()} of decode "
+                "(both run inside graphs)",
                 prefill.get_cuda_graph_seq_len_fill_value(),
             )
 

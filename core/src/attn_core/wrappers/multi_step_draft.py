@@ -91,7 +91,8 @@ def allocate_draft_slots(
     slots = allocator.alloc(sum(pages_per_branch) * topk * ps)
     if slots is None:
         raise KVCacheError(
-            f"out of KV slots for the draft pages of {bs} requests x {topk} branches ({allocator.available_size()} free)"
+            f"out of KV slots for the draft pages of {bs} requests x {topk} branches "
+            f"({allocator.available_size()} free)"
         )
     pages = slots.view(-1, ps)
     out, cursor = [], 0

@@ -149,7 +149,8 @@ class TboAttnBackend(AttentionBackend[Optional[tuple[ForwardBatch, ForwardBatch]
             child.capture_cuda_graph_metadata(child_step)
 
     def replay_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
-        """As the protocol; without `step.seq_lens_cpu` splitting costs one device sync (the children's host lengths)."""
+        """As the protocol; without `step.seq_lens_cpu` splitting costs one device sync (the children's host
+        lengths)."""
         self._half(step.bs)
         self.primary.replay_cuda_graph_metadata(step)
         for child, child_step in zip(self.children, self._child_steps(step, step.host_seq_lens())):

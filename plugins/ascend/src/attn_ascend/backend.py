@@ -50,7 +50,8 @@ class AscendBackend(AttentionBackend[AscendMetadata]):
             raise IncompatibleBackendError(
                 self.name,
                 [
-                    "MLA needs query_rope/key_rope on npu_fused_infer_attention_score (Ascend Extension for PyTorch 7.0.0+)"
+                    "MLA needs query_rope/key_rope on npu_fused_infer_attention_score "
+                    "(Ascend Extension for PyTorch 7.0.0+)"
                 ],
             )
         self.page_size = ctx.page_size

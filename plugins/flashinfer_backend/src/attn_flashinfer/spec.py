@@ -75,7 +75,8 @@ def probe() -> Optional[str]:
     return first_reason(flashinfer_missing, needs_compute_capability(MIN_COMPUTE_CAPABILITY))
 
 
-#: where FlashInfer's kernels break a rule of the contract that the plugin cannot repair around them (`BackendSpec.known_gaps`)
+#: where FlashInfer's kernels break a rule of the contract that the plugin cannot repair around them
+#: (`BackendSpec.known_gaps`)
 MASKED_VALUES_WHY = (
     "FlashInfer 0.6.6's prefill kernels multiply a masked key's V by its probability 0 (0 * Inf = NaN): an Inf/NaN "
     "in a later token's K or V of the same step reaches the earlier tokens' outputs (H200, 2026-11-29; "
@@ -88,7 +89,10 @@ KNOWN_GAPS = tuple(
 
 SPEC = BackendSpec(
     name="flashinfer",
-    summary="FlashInfer paged decode/prefill wrappers: GQA tensor-core decode, ragged+paged extend, tree verify, CUDA graphs",
+    summary=(
+        "FlashInfer paged decode/prefill wrappers: GQA tensor-core decode, ragged+paged extend, tree verify, "
+        "CUDA graphs"
+    ),
     capabilities=CAPABILITIES,
     distribution="attn-flashinfer",
     backend_class="attn_flashinfer.backend:FlashInferBackend",

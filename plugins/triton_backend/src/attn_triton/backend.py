@@ -105,7 +105,8 @@ class TritonAttnBackend(AttentionBackend[StepPlan]):
         if extend_cfg.wgmma_block_n and not hopper_kernels_available(ctx.device):
             raise InvalidArgumentError(
                 "extend_config.wgmma_block_n",
-                f"0 on {ctx.device}: the Hopper extend kernel needs a CUDA GPU of compute capability 9.x and Triton >= 3.6",
+                f"0 on {ctx.device}: the Hopper extend kernel needs a CUDA GPU of compute capability 9.x "
+                "and Triton >= 3.6",
                 extend_cfg.wgmma_block_n,
             )
         mla_cfg = mla_config or _default_mla(ctx)
@@ -266,7 +267,8 @@ def _check_context(ctx: BackendContext) -> None:
         if ctx.kv_lora_rank > MAX_MLA_RANK or ctx.qk_rope_head_dim > MAX_MLA_ROPE:
             raise UnsupportedFeatureError(
                 "triton",
-                f"MLA kv_lora_rank {ctx.kv_lora_rank} + rope {ctx.qk_rope_head_dim} (max {MAX_MLA_RANK} + {MAX_MLA_ROPE})",
+                f"MLA kv_lora_rank {ctx.kv_lora_rank} + rope {ctx.qk_rope_head_dim} "
+                f"(max {MAX_MLA_RANK} + {MAX_MLA_ROPE})",
             )
     elif ctx.head_dim > MAX_MHA_HEAD_DIM or ctx.v_head_dim > MAX_MHA_HEAD_DIM or ctx.head_dim % 8 or ctx.v_head_dim % 8:
         raise UnsupportedFeatureError(

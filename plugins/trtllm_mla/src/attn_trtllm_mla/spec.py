@@ -76,8 +76,8 @@ def probe(
 SPEC = BackendSpec(
     name="trtllm_mla",
     summary=(
-        "TensorRT-LLM MLA decode/verify and ragged DeepSeek prefill via FlashInfer on Blackwell (unverified on hardware); "
-        "the rest via flashinfer_mla"
+        "TensorRT-LLM MLA decode/verify and ragged DeepSeek prefill via FlashInfer on Blackwell "
+        "(unverified on hardware); the rest via flashinfer_mla"
     ),
     capabilities=CAPABILITIES,
     distribution="attn-trtllm-mla",

@@ -287,7 +287,10 @@ class TorchNativeBackend(AttentionBackend[_Metadata]):
         bs, q_width = meta.q_rows.shape
         width = keys.slots.shape[1] if keys is not None else 0
         chunks = -(-q_width // max(1, self.max_score_bytes // max(1, bs * layer.num_q_heads * width * 4)))
-        return f"gather + einsum over each request's key slots ({', '.join(masks)}; {cd}; {chunks} query chunk(s) of {q_width})"
+        return (
+            f"gather + einsum over each request's key slots ({', '.join(masks)}; {cd}; "
+            f"{chunks} query chunk(s) of {q_width})"
+        )
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache, **extras)

@@ -380,7 +380,8 @@ def extend_attention(
     request a row-major `[q_len, kv_len]` block starting at mask_indptr[r]) replaces the causal mask.
     lse_out `[T, Hq]` float32 natural log. `max_q_len` (host int) sizes the grid. fault: the int32
     fault buffer (`attn_core.ops.device_faults`). `spans` (int32 `[bs, 2]`, causal launches without a
-    window): request r's queries at positions in [a, b) also see the keys up to b - 1 (`attn_core.contract.bidirectional`).
+    window): request r's queries at positions in [a, b) also see the keys up to b - 1
+    (`attn_core.contract.bidirectional`).
     """
     T, hq, d_total = q.shape
     bs = qo_indptr.shape[0] - 1

@@ -1,7 +1,7 @@
 """Extend attention on Hopper's warpgroup MMA, written in Gluon (Triton's explicit-layout dialect): two
 consumer warpgroups share the K/V tiles of one 128-row query block, which a producer partition brings in by
-TMA. The SM90 default with 128-key tiles (`ExtendConfig.wgmma_block_n`, `config.extend_config`; docs/dev/perf-notebook.md,
-"The Hopper extend kernel with a producer partition and TMA").
+TMA. The SM90 default with 128-key tiles (`ExtendConfig.wgmma_block_n`, `config.extend_config`;
+docs/dev/perf-notebook.md, "The Hopper extend kernel with a producer partition and TMA").
 
 The same work and arguments as `extend._extend_kernel` (module doc there), plus the TMA descriptors of the
 K and V pools (`kv_descriptors`), for the launches it takes (`extend.uses_wgmma`: 16-bit q and cache,
@@ -228,10 +228,10 @@ def _producer(
 ):
     """The producer partition (module doc): tiles 0 .. n_tiles - 1 of keys [lo, hi) (one tile at least: with
     no keys it is zero-filled) into buffers t % STAGES, by TMA or by the gather."""
-    # a tile's slots `[BLOCK_N // BOX, BOX]`: the boxes along the lanes of every warp, a box's slots across the 4 warps, so
-    # the run check crosses warps once a tile while each of the tile's 2 x BLOCK_N // BOX box coordinates (`_tma_tile`)
-    # is picked within a warp (boxes across warps: a shared-memory round trip and two barriers each; 3-5 % of the
-    # extend rows, docs/dev/perf-notebook.md)
+    # a tile's slots `[BLOCK_N // BOX, BOX]`: the boxes along the lanes of every warp, a box's slots across the 4
+    # warps, so the run check crosses warps once a tile while each of the tile's 2 x BLOCK_N // BOX box coordinates
+    # (`_tma_tile`) is picked within a warp (boxes across warps: a shared-memory round trip and two barriers each;
+    # 3-5 % of the extend rows, docs/dev/perf-notebook.md)
     S2: gl.constexpr = gl.BlockedLayout([1, 1], [BLOCK_N // BOX, 32 // (BLOCK_N // BOX)], [1, 4], [1, 0])
     CHUNKS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], k_s.dtype)
     k_c = reinterpret_shared(k_s, [STAGES * (D // 64), BLOCK_N, 64], CHUNKS)
@@ -655,7 +655,8 @@ def extend_wgmma_kernel(
         cta_barrier()
         K_HEAD = K + kv_head * stride_kh
         V_HEAD = V + kv_head * stride_vh
-        # (the partitions' arguments written out in the call: a tuple built first would turn the constexprs into tensors)
+        # (the partitions' arguments written out in the call: a tuple built first would turn the constexprs into
+        # tensors)
         gl.warp_specialize(
             [
                 (

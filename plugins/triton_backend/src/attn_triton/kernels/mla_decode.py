@@ -125,8 +125,8 @@ class MLAConfig:
         if self.wgmma and tiles != (WGMMA_BLOCK_H, WGMMA_BLOCK_N, WGMMA_WARPS, WGMMA_BUFFERS, 0):
             raise InvalidArgumentError(
                 "MLAConfig.wgmma",
-                f"block_h {WGMMA_BLOCK_H}, block_n {WGMMA_BLOCK_N}, num_warps {WGMMA_WARPS}, num_stages {WGMMA_BUFFERS} "
-                "(the Hopper kernel's four latent buffers) and lazy_rescale 0",
+                f"block_h {WGMMA_BLOCK_H}, block_n {WGMMA_BLOCK_N}, num_warps {WGMMA_WARPS}, "
+                f"num_stages {WGMMA_BUFFERS} (the Hopper kernel's four latent buffers) and lazy_rescale 0",
                 tiles,
             )
 

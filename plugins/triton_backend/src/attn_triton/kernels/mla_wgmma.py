@@ -867,7 +867,8 @@ def mla_wgmma_kernel(
         cr = gl.arange(0, ROPE, layout=gl.SliceLayout(0, ROPE_LOAD))
         qr_s = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], QR_SMEM)
         gather_to_shared(qr_s, qr_rows[:, None] + cr[None, :], mask=qr_ok[:, None])
-        async_copy.commit_group()  # q lands under warpgroup 0's first tile (its copies: the default partition's threads)
+        # q lands under warpgroup 0's first tile (its copies: the default partition's threads)
+        async_copy.commit_group()
         nope_s = gl.allocate_shared_memory(dtype, [4, BLOCK_N, RANK], NOPE_SMEM)
         rope_s = gl.allocate_shared_memory(dtype, [4, BLOCK_N, ROPE], ROPE_SMEM)
         P_IN_ROPE: gl.constexpr = ROPE == BLOCK_H  # a tile's p `[BLOCK_H, BLOCK_N]` fits its rope columns
@@ -891,7 +892,8 @@ def mla_wgmma_kernel(
         mbarrier.init(l_ready.index(1), count=1)
         fence_async_shared()
         cta_barrier()
-        # (the partitions' arguments written out in the call: a tuple built first would turn the constexprs into tensors)
+        # (the partitions' arguments written out in the call: a tuple built first would turn the constexprs into
+        # tensors)
         gl.warp_specialize(
             [
                 (
