@@ -73,7 +73,8 @@ def main() -> None:
         ('peer: python -c "import torch"', [sys.executable, "-c", "import torch"]),
     ]
     print(
-        f"{platform.node()} · {platform.processor() or platform.machine()} · {os.cpu_count()} cpus · Python {platform.python_version()}"
+        f"{platform.node()} · {platform.processor() or platform.machine()} · {os.cpu_count()} cpus · "
+        f"Python {platform.python_version()}"
     )
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · {args.runs} runs each\n")
     runs = [(label, cmd, env) for label, cmd in commands]

@@ -165,9 +165,13 @@ def main() -> None:
         "rows": [],
     }
     print(
-        f"CPU {report['cpu']['model']}, flags {' '.join(report['cpu']['flags'])}, {report['threads']} threads, torch {torch.__version__}"
+        f"CPU {report['cpu']['model']}, flags {' '.join(report['cpu']['flags'])}, "
+        f"{report['threads']} threads, torch {torch.__version__}"
     )
-    header = f"{'row':28} {'dtype':9} {'path':7} {'cpu_amx ms':>11} {'native ms':>10} {'gath+sdpa ms':>12} {'x native':>9} {'x sdpa':>7}"
+    header = (
+        f"{'row':28} {'dtype':9} {'path':7} {'cpu_amx ms':>11} {'native ms':>10} {'gath+sdpa ms':>12} "
+        f"{'x native':>9} {'x sdpa':>7}"
+    )
     header += "  rel err amx/sdpa"
     print(header)
     for key in args.rows.split(","):

@@ -186,12 +186,12 @@ def main() -> None:
             graph = max(r[f"dcp_{exchange}_graph_s"] for r in result)
             print(
                 f"DCP={world} {exchange}: {slow * 1e6:.0f} us vs single {single * 1e6:.0f} us ({single / slow:.2f}x); "
-                f"collectives {100 * share:.0f}% of the step; graph-shaped through the graph runner {graph * 1e6:.0f} us "
-                f"({single / graph:.2f}x)"
+                f"collectives {100 * share:.0f}% of the step; graph-shaped through the graph runner "
+                f"{graph * 1e6:.0f} us ({single / graph:.2f}x)"
             )
         print(
-            f"KV tokens per rank: single {result[0]['single_kv_tokens']}, DCP {[r['dcp_kv_tokens_per_rank'] for r in result]} "
-            f"({bytes_per_token} bytes each)"
+            f"KV tokens per rank: single {result[0]['single_kv_tokens']}, "
+            f"DCP {[r['dcp_kv_tokens_per_rank'] for r in result]} ({bytes_per_token} bytes each)"
         )
         if args.json:
             with open(args.json, "w") as f:

@@ -399,7 +399,8 @@ def print_mixed_table(rows: list[RowResult]) -> str:
     attn-triton, then for attn-flashinfer (its unsplit / split time, and its split / FlashInfer's wrapper)."""
     lines = [
         "| row | attn-triton unsplit µs | attn-triton split µs | FlashInfer µs | unsplit/split time | split/FI time "
-        "| attn-flashinfer unsplit µs | attn-flashinfer split µs | FI-backend unsplit/split time | FI-backend split/FI time |",
+        "| attn-flashinfer unsplit µs | attn-flashinfer split µs "
+        "| FI-backend unsplit/split time | FI-backend split/FI time |",
         "|" + "---|" * 10,
     ]
 
@@ -581,7 +582,10 @@ def print_fp8_table(r: RowResult) -> str:
         vs16, vsfi = ratio(t8, t16), ratio(t8, fi8)
         ok16 = "-" if vs16 is None else ("yes" if vs16 <= FP8_VS_BF16_TARGET else "no")
         okfi = "-" if vsfi is None else ("yes" if vsfi <= FP8_VS_FI_TARGET else "no")
-        return f"| {name} | {fmt(t8)} | {fmt(t16)} | {fmt(fi8)} | {fmt(vs16, '.3f')} | {fmt(vsfi, '.3f')} | {ok16} | {okfi} |"
+        return (
+            f"| {name} | {fmt(t8)} | {fmt(t16)} | {fmt(fi8)} | {fmt(vs16, '.3f')} | {fmt(vsfi, '.3f')} "
+            f"| {ok16} | {okfi} |"
+        )
 
     sweep = [k for k in r.times_us if k.startswith(FP8_SWEEP_PREFIX)]
     return "\n".join(
@@ -808,7 +812,8 @@ def print_table(rows: list[RowResult]) -> str:
 
         lines.append(
             f"| {r.name:28s} | {fmt(r.times_us.get('attn-triton'))} | {fmt(r.times_us.get('flashinfer'))} | "
-            f"{fmt(r.times_us.get('torch_native'))} | {fmt(ratio, '.3f')} | {fmt(r.rate('attn-triton'), '.2f')} {unit} | "
+            f"{fmt(r.times_us.get('torch_native'))} | {fmt(ratio, '.3f')} | "
+            f"{fmt(r.rate('attn-triton'), '.2f')} {unit} | "
             f"{fmt(r.rate('flashinfer'), '.2f')} {unit} | {target} | {ok} |"
         )
     return "\n".join(lines)
@@ -832,7 +837,9 @@ def fa4_direct_impl(w: Workload) -> Callable[[], torch.Tensor]:
     from flash_attn.cute import flash_attn_varlen_func
 
     indptr = w.page_indptr.tolist()
-    table = torch.zeros(len(w.kv_lens), max(b - a for a, b in zip(indptr, indptr[1:])), dtype=torch.int32, device="cuda")
+    table = torch.zeros(
+        len(w.kv_lens), max(b - a for a, b in zip(indptr, indptr[1:])), dtype=torch.int32, device="cuda"
+    )
     for r, (a, b) in enumerate(zip(indptr, indptr[1:])):
         table[r, : b - a] = w.page_indices[a:b]
     k, v = w.pages()
@@ -864,7 +871,8 @@ def print_fa4_table(rows: list[RowResult]) -> str:
     """fa4 through attn against FA4 itself (aim: <= 1.03 x its time on every prefill/extend row) and the
     hybrid against the faster of its two parts (aim: <= 1.03 x on every row)."""
     lines = [
-        "| row | fa4 µs | FA4 direct µs | fa4 / FA4 time | attn-triton µs | hybrid µs | hybrid / faster part | fa4 rate |",
+        "| row | fa4 µs | FA4 direct µs | fa4 / FA4 time | attn-triton µs | hybrid µs "
+        "| hybrid / faster part | fa4 rate |",
         "|" + "---|" * 8,
     ]
 
@@ -960,7 +968,9 @@ def main(argv=None) -> int:
         print(f"{r.name}: {r.times_us} errors {r.errors}", flush=True)
         torch.cuda.empty_cache()
     fa4_rows = []
-    for kind, spec in ([("decode", s) for s in DECODE_ROWS] + [("extend", s) for s in EXTEND_ROWS]) if "fa4" in only else []:
+    for kind, spec in (
+        ([("decode", s) for s in DECODE_ROWS] + [("extend", s) for s in EXTEND_ROWS]) if "fa4" in only else []
+    ):
         fa4_rows.append(run_fa4_row(kind, spec, args, gen, l2))
         print(f"{fa4_rows[-1].name} (fa4): {fa4_rows[-1].times_us} errors {fa4_rows[-1].errors}", flush=True)
         torch.cuda.empty_cache()
@@ -982,7 +992,10 @@ def main(argv=None) -> int:
     bad = {r.name: e for r in rows + mixed_rows for e in r.errors.values() if e > 2e-2}
     print(table)
     if meta:
-        head = "init_forward_metadata host µs (median / p90), validation basic, batch sizes interleaved | same, one batch size at a time"
+        head = (
+            "init_forward_metadata host µs (median / p90), validation basic, batch sizes interleaved "
+            "| same, one batch size at a time"
+        )
         print(f"| batch | {head} | validation full | FlashInfer plan host µs | host-device sync |")
         print("|---|---|---|---|---|---|")
         for m in meta:

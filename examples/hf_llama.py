@@ -47,10 +47,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--jobs", type=int, default=16)
     ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--attn-dtype", default="float32", help="KV cache and attention dtype (flashinfer: float16)")
-    ap.add_argument("--graphs", action="store_true", help="decode steps in CUDA graphs (attention share not measured then)")
-    ap.add_argument("--tp", action="store_true", help="tensor parallelism over the torchrun ranks (gloo on the CPU, NCCL on GPUs)")
+    ap.add_argument(
+        "--graphs", action="store_true", help="decode steps in CUDA graphs (attention share not measured then)"
+    )
+    ap.add_argument(
+        "--tp", action="store_true", help="tensor parallelism over the torchrun ranks (gloo on the CPU, NCCL on GPUs)"
+    )
     ap.add_argument("--dcp", action="store_true", help="decode context parallelism over the torchrun ranks (serve_dcp)")
-    ap.add_argument("--check", action="store_true", help="compare every request's tokens with transformers' greedy generate and say so")
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="compare every request's tokens with transformers' greedy generate and say so",
+    )
     return ap
 
 
@@ -67,12 +75,24 @@ import attn_core as ac  # noqa: E402
 from attn_core.dcp import DCP_GRAPH_INPUTS, DcpLayout, DcpRequestPool, DcpStep, build_dcp_step, dcp_decode_attention  # noqa: E402
 
 
-def tiny_llama(seed: int = 0, layers: int = 2, device: str = "cpu", heads: tuple[int, int] = (2, 1)) -> LlamaForCausalLM:
+def tiny_llama(
+    seed: int = 0, layers: int = 2, device: str = "cpu", heads: tuple[int, int] = (2, 1)
+) -> LlamaForCausalLM:
     """A random float32 Llama (seeded; no download): `heads` = (query heads, KV heads) of dim 128
     (default 2 / 1), 256-token vocab."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=heads[0],
-                      head_dim=128, num_key_value_heads=heads[1], max_position_embeddings=1024, initializer_range=0.2, eos_token_id=None)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=heads[0],
+        head_dim=128,
+        num_key_value_heads=heads[1],
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        eos_token_id=None,
+    )
     return LlamaForCausalLM(cfg).to(device).eval()
 
 
@@ -97,7 +117,9 @@ def head_slice(num_q_heads: int, num_kv_heads: int, rank: int, world: int) -> He
     """
     if num_q_heads % world or (num_kv_heads % world and world % num_kv_heads):
         raise ValueError(f"{num_q_heads} q / {num_kv_heads} KV heads do not split over {world} ranks")
-    return HeadSlice(rank * (num_q_heads // world), num_q_heads // world, rank * num_kv_heads // world, max(1, num_kv_heads // world))
+    return HeadSlice(
+        rank * (num_q_heads // world), num_q_heads // world, rank * num_kv_heads // world, max(1, num_kv_heads // world)
+    )
 
 
 @dataclass
@@ -125,7 +147,9 @@ class Job:
     out: list[int] = field(default_factory=list)
 
 
-def attn_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, forward_batch=None, attn_layers=None, **_):
+def attn_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, forward_batch=None, attn_layers=None, **_
+):
     """HF attention implementation "attn": HF's q/k/v `[1, heads, T, D]` (RoPE applied) through attn."""
     q, k, v = (x[0].transpose(0, 1).to(forward_batch.token_to_kv_pool.dtype) for x in (query, key, value))
     out = attn_layers[module.layer_idx](q, k, v, forward_batch)
@@ -137,8 +161,21 @@ AttentionMaskInterface.register("attn", lambda *args, **kwargs: None)  # attn ma
 
 
 class Engine:
-    def __init__(self, model, backend="torch_native", page_size=1, num_slots=1024, max_running=4, token_budget=32,
-                 attn_dtype=torch.float32, graph_sizes=(), spec_steps=0, hf_forward=False, tp_group=None, dcp_group=None):
+    def __init__(
+        self,
+        model,
+        backend="torch_native",
+        page_size=1,
+        num_slots=1024,
+        max_running=4,
+        token_budget=32,
+        attn_dtype=torch.float32,
+        graph_sizes=(),
+        spec_steps=0,
+        hf_forward=False,
+        tp_group=None,
+        dcp_group=None,
+    ):
         cfg, dev = model.config, model.device
         self.tp_group, self.dcp_group = tp_group, dcp_group
         world, rank = (dist.get_world_size(tp_group), dist.get_rank(tp_group)) if tp_group is not None else (1, 0)
@@ -148,17 +185,34 @@ class Engine:
         self.model, self.budget, self.max_running, self.hf_forward = model, token_budget, max_running, hf_forward
         if hf_forward:  # HF's own forward, its attention on attn from now on
             model.set_attn_implementation("attn")
-        self.kv = ac.MHATokenToKVPool(size=num_slots, page_size=page_size, dtype=attn_dtype, head_num=self.heads_slice.num_kv,
-                                      head_dim=cfg.head_dim, layer_num=cfg.num_hidden_layers, device=dev)
+        self.kv = ac.MHATokenToKVPool(
+            size=num_slots,
+            page_size=page_size,
+            dtype=attn_dtype,
+            head_num=self.heads_slice.num_kv,
+            head_dim=cfg.head_dim,
+            layer_num=cfg.num_hidden_layers,
+            device=dev,
+        )
         rows = ac.ReqToTokenPool(size=max_running, max_context_len=512, device=dev)
         self.requests = ac.RequestPool(rows, ac.PagedTokenAllocator(num_slots, page_size), self.kv)
         modes = {"extend", "decode", "mixed"} | ({"target_verify"} if spec_steps else set())
         heads = dict(num_q_heads=self.heads_slice.num_q, num_kv_heads=self.heads_slice.num_kv, head_dim=cfg.head_dim)
-        self.ctx = ac.BackendContext(device=dev, dtype=attn_dtype, **heads, page_size=page_size, max_batch_size=max_running,
-                                     max_context_len=512, req_to_token_pool=rows, token_to_kv_pool=self.kv, forward_modes=modes,
-                                     cuda_graph=ac.CudaGraphLevel.UNIFORM_BATCH if graph_sizes else ac.CudaGraphLevel.NEVER,
-                                     speculative_num_steps=spec_steps, speculative_topk=1 if spec_steps else 0,
-                                     speculative_num_draft_tokens=spec_steps + 1 if spec_steps else 0)
+        self.ctx = ac.BackendContext(
+            device=dev,
+            dtype=attn_dtype,
+            **heads,
+            page_size=page_size,
+            max_batch_size=max_running,
+            max_context_len=512,
+            req_to_token_pool=rows,
+            token_to_kv_pool=self.kv,
+            forward_modes=modes,
+            cuda_graph=ac.CudaGraphLevel.UNIFORM_BATCH if graph_sizes else ac.CudaGraphLevel.NEVER,
+            speculative_num_steps=spec_steps,
+            speculative_topk=1 if spec_steps else 0,
+            speculative_num_draft_tokens=spec_steps + 1 if spec_steps else 0,
+        )
         self.backend = ac.create_backend(backend, self.ctx)
         self.attn_seconds, self.shared_tokens, self.accepted_drafts = 0.0, 0, 0
         self.layers = [ac.AttentionLayer(i, **heads) for i in range(cfg.num_hidden_layers)]
@@ -166,14 +220,28 @@ class Engine:
         if graph_sizes:  # captures now: under DCP every rank of the group at once (the graphs hold its collectives)
             inputs = {"x": ((cfg.hidden_size,), model.dtype)} | (DCP_GRAPH_INPUTS if dcp_group is not None else {})
             self.graphs = ac.CudaGraphRunner(self.backend, graph_sizes, self.graph_layers, inputs, num_draft_tokens=0)
-        self.draft = ac.MultiStepDraftBackend(lambda c, s: ac.create_backend(backend, c), 1, spec_steps, self.ctx) if spec_steps else None
+        self.draft = (
+            ac.MultiStepDraftBackend(lambda c, s: ac.create_backend(backend, c), 1, spec_steps, self.ctx)
+            if spec_steps
+            else None
+        )
         if dcp_group is not None:
             layout = DcpLayout(dist.get_world_size(dcp_group), page_size)
             self.dcp = DcpRequestPool(self.requests, layout, dist.get_rank(dcp_group))
-            scratch_kv = ac.MHATokenToKVPool(size=num_slots, page_size=page_size, dtype=attn_dtype, head_num=self.heads_slice.num_kv,
-                                             head_dim=cfg.head_dim, layer_num=cfg.num_hidden_layers, device=dev)
-            self.scratch = ac.RequestPool(ac.ReqToTokenPool(size=max_running, max_context_len=512, device=dev),
-                                          ac.PagedTokenAllocator(num_slots, page_size), scratch_kv)
+            scratch_kv = ac.MHATokenToKVPool(
+                size=num_slots,
+                page_size=page_size,
+                dtype=attn_dtype,
+                head_num=self.heads_slice.num_kv,
+                head_dim=cfg.head_dim,
+                layer_num=cfg.num_hidden_layers,
+                device=dev,
+            )
+            self.scratch = ac.RequestPool(
+                ac.ReqToTokenPool(size=max_running, max_context_len=512, device=dev),
+                ac.PagedTokenAllocator(num_slots, page_size),
+                scratch_kv,
+            )
 
     def graph_layers(self, batch, inputs):
         """The layers a graph runs on the runner's static `batch` (under DCP a graph-shaped `DcpStep`)."""
@@ -213,7 +281,11 @@ class Engine:
             return tuple(p(h).view(h.shape[0], -1, a.head_dim) for p in (a.q_proj, a.k_proj, a.v_proj))
         s, d = self.heads_slice, a.head_dim
         out = []
-        for proj, start, n in ((a.q_proj, s.q_start, s.num_q), (a.k_proj, s.kv_start, s.num_kv), (a.v_proj, s.kv_start, s.num_kv)):
+        for proj, start, n in (
+            (a.q_proj, s.q_start, s.num_q),
+            (a.k_proj, s.kv_start, s.num_kv),
+            (a.v_proj, s.kv_start, s.num_kv),
+        ):
             rows = slice(start * d, (start + n) * d)
             bias = None if proj.bias is None else proj.bias[rows]
             out.append(F.linear(h, proj.weight[rows], bias).view(h.shape[0], n, d))
@@ -225,15 +297,19 @@ class Engine:
         if self.tp_group is None:
             return a.o_proj(o)
         s, d = self.heads_slice, a.head_dim
-        y = F.linear(o, a.o_proj.weight[:, s.q_start * d: (s.q_start + s.num_q) * d])
+        y = F.linear(o, a.o_proj.weight[:, s.q_start * d : (s.q_start + s.num_q) * d])
         dist.all_reduce(y, group=self.tp_group)
         return y if a.o_proj.bias is None else y + a.o_proj.bias
 
     def forward(self, batch, ids, num_layers=None):
         if isinstance(batch, DcpStep) and batch.graph_shaped:
             return self.graphs.run(batch.local_batch, {"x": self.model.model.embed_tokens(ids), **batch.graph_inputs()})
-        if (self.graphs is not None and isinstance(batch, ac.ForwardBatch) and batch.forward_mode.is_decode()
-                and self.graphs.captured_size(batch.forward_mode, batch.batch_size)):
+        if (
+            self.graphs is not None
+            and isinstance(batch, ac.ForwardBatch)
+            and batch.forward_mode.is_decode()
+            and self.graphs.captured_size(batch.forward_mode, batch.batch_size)
+        ):
             return self.graphs.run(batch, {"x": self.model.model.embed_tokens(ids)})
         t0 = time.perf_counter()
         if isinstance(batch, DcpStep):
@@ -242,8 +318,13 @@ class Engine:
             self.backend.init_forward_metadata(batch.batch if isinstance(batch, DcpPrefill) else batch)
         self.attn_seconds += time.perf_counter() - t0
         if self.hf_forward:
-            return self.model(input_ids=ids[None], position_ids=batch.positions[None], use_cache=False, forward_batch=batch,
-                              attn_layers=self.layers).logits[0]
+            return self.model(
+                input_ids=ids[None],
+                position_ids=batch.positions[None],
+                use_cache=False,
+                forward_batch=batch,
+                attn_layers=self.layers,
+            ).logits[0]
         return self.layers_forward(batch, self.model.model.embed_tokens(ids), num_layers)
 
     @torch.no_grad()
@@ -253,7 +334,9 @@ class Engine:
         while waiting or running:
             while waiting and waiting[0].arrival <= step and len(running) < self.max_running:
                 job = waiting.pop(0)
-                parent = next((r for j, r, _ in running if j is jobs[job.parent]), None) if job.parent is not None else None
+                parent = (
+                    next((r for j, r, _ in running if j is jobs[job.parent]), None) if job.parent is not None else None
+                )
                 req = self.requests.fork(parent, min(job.share, parent.kv_len)) if parent else self.requests.add()
                 self.shared_tokens += req.kv_len
                 running.append((job, req, list(job.prompt)))
@@ -261,7 +344,7 @@ class Engine:
             for _, req, toks in sorted(running, key=lambda s: len(s[2]) - s[1].kv_len):  # decodes first
                 n = min(len(toks) - req.kv_len, budget)
                 if n:
-                    work.append((req, toks[req.kv_len: req.kv_len + n], toks))
+                    work.append((req, toks[req.kv_len : req.kv_len + n], toks))
                     budget -= n
             step += 1
             if not work:
@@ -274,7 +357,7 @@ class Engine:
                 if req.kv_len == len(toks):
                     toks.append(tok)
             for s in [s for s in running if len(s[2]) - len(s[0].prompt) >= s[0].max_new]:
-                s[0].out = s[2][len(s[0].prompt):]
+                s[0].out = s[2][len(s[0].prompt) :]
                 self.requests.free(s[1])
                 running.remove(s)
         return jobs
@@ -293,8 +376,12 @@ class Engine:
             step += 1
             if new:
                 scratch = [self.scratch.add() for _ in new]
-                full = ac.build_step(self.scratch, [(s, len(t)) for s, (_, _, t) in zip(scratch, new)], attn_backend=self.backend)
-                prefill = DcpPrefill(full, build_dcp_step(self.dcp, [(r, len(t)) for _, r, t in new], attn_backend=self.backend))
+                full = ac.build_step(
+                    self.scratch, [(s, len(t)) for s, (_, _, t) in zip(scratch, new)], attn_backend=self.backend
+                )
+                prefill = DcpPrefill(
+                    full, build_dcp_step(self.dcp, [(r, len(t)) for _, r, t in new], attn_backend=self.backend)
+                )
                 ids = torch.tensor([t for _, _, toks in new for t in toks], device=dev)
                 ends = torch.tensor([len(t) for _, _, t in new], device=dev).cumsum(0) - 1
                 for (_, _, toks), tok in zip(new, self.forward(prefill, ids)[ends].argmax(-1).tolist()):
@@ -303,13 +390,18 @@ class Engine:
                     self.scratch.free(s)
                 running += new
             elif running:
-                graphed = self.graphs is not None and self.graphs.captured_size(ac.ForwardMode.DECODE, len(running)) is not None
-                batch = build_dcp_step(self.dcp, [(r, 1) for _, r, _ in running], attn_backend=self.backend, graph_shaped=graphed)
+                graphed = (
+                    self.graphs is not None
+                    and self.graphs.captured_size(ac.ForwardMode.DECODE, len(running)) is not None
+                )
+                batch = build_dcp_step(
+                    self.dcp, [(r, 1) for _, r, _ in running], attn_backend=self.backend, graph_shaped=graphed
+                )
                 ids = torch.tensor([toks[-1] for _, _, toks in running], device=dev)
                 for (_, _, toks), tok in zip(running, self.forward(batch, ids).argmax(-1).tolist()):
                     toks.append(tok)
             for s in [s for s in running if len(s[2]) - len(s[0].prompt) >= s[0].max_new]:
-                s[0].out = s[2][len(s[0].prompt):]
+                s[0].out = s[2][len(s[0].prompt) :]
                 self.dcp.free(s[1])
                 running.remove(s)
         return jobs
@@ -329,13 +421,17 @@ class Engine:
             p.append(tok)
         while any(len(p) - len(j.prompt) < j.max_new for p, j in zip(toks, jobs)):
             committed = [r.kv_len for r in reqs]
-            verify = ac.build_step(self.requests, [(r, k + 1) for r in reqs], mode="target_verify", attn_backend=self.backend)
+            verify = ac.build_step(
+                self.requests, [(r, k + 1) for r in reqs], mode="target_verify", attn_backend=self.backend
+            )
             loc = verify.out_cache_loc.view(len(reqs), 1, k + 1)[:, :, :k]
             lens_cpu = torch.tensor(committed, dtype=torch.int32)
             steps = self.draft.init_forward_metadata(verify.req_pool_indices, lens_cpu.to(ids.device), loc, lens_cpu)
             drafts = torch.tensor([[p[-1]] for p in toks], device=ids.device)
             for step_batch in steps:
-                nxt = self.layers_forward(step_batch, self.model.model.embed_tokens(drafts[:, -1]), draft_layers).argmax(-1)
+                nxt = self.layers_forward(
+                    step_batch, self.model.model.embed_tokens(drafts[:, -1]), draft_layers
+                ).argmax(-1)
                 drafts = torch.cat([drafts, nxt[:, None]], 1)
             target = self.forward(verify, drafts[:, : k + 1].reshape(-1)).argmax(-1).view(len(reqs), k + 1).tolist()
             for r, p, d, t, c in zip(reqs, toks, drafts[:, 1:].tolist(), target, committed):
@@ -344,7 +440,7 @@ class Engine:
                 p += t[: n + 1]
                 self.requests.truncate(r, c + n + 1)
         for j, r, p in zip(jobs, reqs, toks):
-            j.out = p[len(j.prompt):][: j.max_new]
+            j.out = p[len(j.prompt) :][: j.max_new]
             self.requests.free(r)
         return jobs
 
@@ -352,12 +448,23 @@ class Engine:
 def demo_jobs(seed: int = 0, n: int = 8, max_new: int = 8) -> list[Job]:
     """Prompts of 5..40 tokens arriving over time; jobs 3 and 6 share a 20-token prefix with job 1."""
     g = torch.Generator().manual_seed(seed)
-    jobs = [Job(torch.randint(0, 256, (int(torch.randint(5, 41, (1,), generator=g)),), generator=g).tolist(), max_new, arrival=2 * i)
-            for i in range(n)]
+    jobs = [
+        Job(
+            torch.randint(0, 256, (int(torch.randint(5, 41, (1,), generator=g)),), generator=g).tolist(),
+            max_new,
+            arrival=2 * i,
+        )
+        for i in range(n)
+    ]
     jobs[1].prompt = jobs[1].prompt + [7] * max(0, 20 - len(jobs[1].prompt))
     for i in (3, 6):
         if i < n:
-            jobs[i].prompt, jobs[i].parent, jobs[i].share, jobs[i].arrival = jobs[1].prompt[:20] + jobs[i].prompt[:9], 1, 20, 3
+            jobs[i].prompt, jobs[i].parent, jobs[i].share, jobs[i].arrival = (
+                jobs[1].prompt[:20] + jobs[i].prompt[:9],
+                1,
+                20,
+                3,
+            )
     return jobs
 
 
@@ -368,7 +475,12 @@ def check_against_generate(model, jobs: list[Job]) -> list[int]:
     for i, j in enumerate(jobs):
         ids = torch.tensor([j.prompt], device=model.device)
         gen = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=j.max_new, do_sample=False, pad_token_id=0, eos_token_id=None
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=j.max_new,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
         )
         if gen[0, len(j.prompt) :].tolist() != j.out:
             differ.append(i)
@@ -387,9 +499,17 @@ def main() -> int:
             args.device = f"cuda:{dist.get_rank() % torch.cuda.device_count()}"
             torch.cuda.set_device(args.device)
     model = tiny_llama(device=args.device, heads=(8, 2) if args.tp else (2, 1))
-    engine = Engine(model, args.backend, args.page_size, max_running=8,
-                    token_budget=64, attn_dtype=getattr(torch, args.attn_dtype), graph_sizes=(1, 2, 4, 8) if args.graphs else (),
-                    tp_group=group if args.tp else None, dcp_group=group if args.dcp else None)
+    engine = Engine(
+        model,
+        args.backend,
+        args.page_size,
+        max_running=8,
+        token_budget=64,
+        attn_dtype=getattr(torch, args.attn_dtype),
+        graph_sizes=(1, 2, 4, 8) if args.graphs else (),
+        tp_group=group if args.tp else None,
+        dcp_group=group if args.dcp else None,
+    )
     serve = engine.serve_dcp if args.dcp else engine.serve
     with working(f"warm-up: {args.jobs} requests through {args.backend} (kernel compilation, lazy allocations)"):
         serve(demo_jobs(n=args.jobs, max_new=args.max_new))
@@ -408,8 +528,10 @@ def main() -> int:
         dist.destroy_process_group()
         if rank:
             return 0
-    print(f"{args.backend}{parallel} page {args.page_size}{' graphs' if args.graphs else ''}: {tokens} tokens in {secs:.2f} s = "
-          f"{tokens / secs:.0f} tokens/s; attention {share} of the time")
+    print(
+        f"{args.backend}{parallel} page {args.page_size}{' graphs' if args.graphs else ''}: "
+        f"{tokens} tokens in {secs:.2f} s = {tokens / secs:.0f} tokens/s; attention {share} of the time"
+    )
     if args.check and group is None:
         with working("checking every request's tokens against transformers' generate"):
             differ = check_against_generate(model, jobs)

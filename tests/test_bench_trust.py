@@ -56,7 +56,9 @@ def test_time_calls_flags_a_timer_that_disagrees_with_itself():
     steady = timing.time_calls(lambda i: None, cpu, 0.01, clock=SteppedClock([0.001]), min_runs=20, max_runs=20)
     assert steady.median_us == pytest.approx(1000.0) and steady.spread == pytest.approx(0.0) and not steady.noisy()
     # each call measures one reading to the next: 1 ms, 1 ms, then a 30 ms preemption every third call
-    jumpy = timing.time_calls(lambda i: None, cpu, 0.01, clock=SteppedClock([0.001, 0.001, 0.03]), min_runs=30, max_runs=30)
+    jumpy = timing.time_calls(
+        lambda i: None, cpu, 0.01, clock=SteppedClock([0.001, 0.001, 0.03]), min_runs=30, max_runs=30
+    )
     assert jumpy.max_us == pytest.approx(30_000.0) and jumpy.noisy() and jumpy.spread > 1.0
 
 
@@ -98,7 +100,18 @@ def test_bench_on_a_steady_timer_flags_nothing(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(timing, "perf_counter", SteppedClock([0.0005]))  # every call 0.5 ms exactly
     monkeypatch.setattr(timing, "machine_load", lambda: (0.1, 2))
     doc_path = tmp_path / "bench.json"
-    argv = ["bench", "torch_native", "--device", "cpu", "--workload", "decode", "--budget", "0.01", "--json", str(doc_path)]
+    argv = [
+        "bench",
+        "torch_native",
+        "--device",
+        "cpu",
+        "--workload",
+        "decode",
+        "--budget",
+        "0.01",
+        "--json",
+        str(doc_path),
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "NOISY" not in out and "warning:" not in out

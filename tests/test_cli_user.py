@@ -49,14 +49,26 @@ def grounded():
 def _ctx():
     kv = ac.MHATokenToKVPool(size=64, page_size=1, dtype=torch.float32, head_num=1, head_dim=8, layer_num=1)
     rows = ac.ReqToTokenPool(size=2, max_context_len=32)
-    return ac.BackendContext(device="cpu", dtype=torch.float32, num_q_heads=1, num_kv_heads=1, head_dim=8, page_size=1,
-                             req_to_token_pool=rows, token_to_kv_pool=kv)
+    return ac.BackendContext(
+        device="cpu",
+        dtype=torch.float32,
+        num_q_heads=1,
+        num_kv_heads=1,
+        head_dim=8,
+        page_size=1,
+        req_to_token_pool=rows,
+        token_to_kv_pool=kv,
+    )
 
 
 def test_cannot_run_here_is_one_line_and_exit_2_everywhere(grounded, capsys):
     line = f"attention backend 'grounded' cannot run here: {REASON}"
-    for argv in (["check", "grounded"], ["bench", "grounded", "--device", "cpu"], ["bench", "torch_native", "--vs", "grounded"],
-                 ["explain", "grounded"]):
+    for argv in (
+        ["check", "grounded"],
+        ["bench", "grounded", "--device", "cpu"],
+        ["bench", "torch_native", "--vs", "grounded"],
+        ["explain", "grounded"],
+    ):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert err == [f"attn-core {argv[0]}: {line}"], (argv, err)
@@ -70,7 +82,9 @@ def test_cannot_run_here_is_one_line_and_exit_2_everywhere(grounded, capsys):
 def test_explain_name_of_a_usable_backend(capsys):
     assert main(["explain", "torch_native", "--device", "cpu"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("request: ") and out[2].split() == ["torch_native", "attn-core", "usable"] and len(out) == 3
+    assert (
+        out[0].startswith("request: ") and out[2].split() == ["torch_native", "attn-core", "usable"] and len(out) == 3
+    )
 
 
 def test_list_without_probes_says_not_probed_and_json_has_every_field(grounded, capsys):
@@ -82,7 +96,16 @@ def test_list_without_probes_says_not_probed_and_json_has_every_field(grounded, 
     assert rows["torch_native"]["state"] == "available" and rows["torch_native"]["distribution"] == "attn-core"
     assert rows["grounded"]["state"] == "unavailable" and rows["grounded"]["reason"] == REASON
     assert set(rows["grounded"]) == {
-        "name", "distribution", "version", "state", "reason", "info", "notes", "unverified", "capabilities", "known_gaps"
+        "name",
+        "distribution",
+        "version",
+        "state",
+        "reason",
+        "info",
+        "notes",
+        "unverified",
+        "capabilities",
+        "known_gaps",
     }
 
 
@@ -92,8 +115,9 @@ def _list_on_a_terminal(columns: int) -> str:
 
     leader, follower = pty.openpty()
     env = {**os.environ, "COLUMNS": str(columns)}
-    proc = subprocess.Popen([sys.executable, "-m", "attn_core.cli.main", "list"], stdout=follower, stderr=subprocess.DEVNULL,
-                            env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "attn_core.cli.main", "list"], stdout=follower, stderr=subprocess.DEVNULL, env=env
+    )
     os.close(follower)
     chunks = []
     while True:
@@ -114,13 +138,20 @@ def test_list_wraps_to_the_terminal_width():
     assert out.startswith("NAME") and max(len(line) for line in out.splitlines()) <= 90, out
     assert any(line.strip().startswith("capabilities: ") for line in out.splitlines())
     # not a terminal (piped, captured): one full line per backend, whatever COLUMNS says
-    wide = subprocess.run([sys.executable, "-m", "attn_core.cli.main", "list"], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "COLUMNS": "90"}).stdout
+    wide = subprocess.run(
+        [sys.executable, "-m", "attn_core.cli.main", "list"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "90"},
+    ).stdout
     assert "capabilities: " not in wide and any(len(line) > 90 for line in wide.splitlines())
 
 
 def test_version_names_core_and_plugins():
-    out = subprocess.run([sys.executable, "-m", "attn_core.cli.main", "--version"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "attn_core.cli.main", "--version"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0 and out.stdout.startswith(f"attn-core {ac.__version__}\n"), out
     assert "attn-triton" in out.stdout  # every plugin of the dev venv, with its backends
 
@@ -138,7 +169,11 @@ def test_version_names_core_and_plugins():
     ids=["check-name", "bench-name", "dtype", "unknown-flag-value", "option", "mode"],
 )
 def test_error_lines_quote_at_most_80_characters(argv, capsys):
-    with pytest.raises(SystemExit) if argv[0] == "list" or "--dtype" in argv or "--option" in argv or "--mode" in argv else _nothing():
+    with (
+        pytest.raises(SystemExit)
+        if argv[0] == "list" or "--dtype" in argv or "--option" in argv or "--mode" in argv
+        else _nothing()
+    ):
         assert main(argv) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and len(err) < 600, err[:700]
@@ -155,15 +190,25 @@ class _nothing:
 
 def test_forward_mode_prints_its_name():
     assert str(ForwardMode.DECODE) == "DECODE" and f"{ForwardMode.TARGET_VERIFY}" == "TARGET_VERIFY"
-    assert f"{ForwardMode.DECODE:d}" == str(int(ForwardMode.DECODE)) and ForwardMode.DECODE == ForwardMode.parse("decode")
+    assert f"{ForwardMode.DECODE:d}" == str(int(ForwardMode.DECODE)) and ForwardMode.DECODE == ForwardMode.parse(
+        "decode"
+    )
 
 
 def _two_steps():
     kv = ac.MHATokenToKVPool(size=256, page_size=1, dtype=torch.float32, head_num=2, head_dim=8, layer_num=1)
     rows = ac.ReqToTokenPool(size=4, max_context_len=64)
     requests = ac.RequestPool(rows, ac.PagedTokenAllocator(size=256, page_size=1), kv)
-    ctx = ac.BackendContext(device="cpu", dtype=torch.float32, num_q_heads=2, num_kv_heads=2, head_dim=8, page_size=1,
-                            req_to_token_pool=rows, token_to_kv_pool=kv)
+    ctx = ac.BackendContext(
+        device="cpu",
+        dtype=torch.float32,
+        num_q_heads=2,
+        num_kv_heads=2,
+        head_dim=8,
+        page_size=1,
+        req_to_token_pool=rows,
+        token_to_kv_pool=kv,
+    )
     backend = ac.create_backend("torch_native", ctx)
     return requests, backend, ac.AttentionLayer(layer_id=0, num_q_heads=2, num_kv_heads=2, head_dim=8)
 
@@ -175,7 +220,9 @@ def test_stale_metadata_says_what_differs():
     backend.init_forward_metadata(first)
     second = ac.build_step(requests, [(a, 1), (b, 1)], attn_backend=backend)
     q = torch.randn(second.num_tokens, 2, 8)
-    with pytest.raises(StaleMetadataError, match=r"another batch: mode DECODE \(metadata: EXTEND\), tokens 2 \(metadata: 8\)"):
+    with pytest.raises(
+        StaleMetadataError, match=r"another batch: mode DECODE \(metadata: EXTEND\), tokens 2 \(metadata: 8\)"
+    ):
         layer(q, q, q, second)
 
 
@@ -196,7 +243,8 @@ def test_debug_paths_report_each_layer_call(capsys):
     code = (
         "import torch, attn_core as ac\n"
         "from attn_core.testing.harness import AttnCase, assert_case\n"
-        "assert_case(lambda ctx: ac.create_backend('torch_native', ctx), AttnCase('DECODE', [(5, 1), (9, 1)], dtype='float32'))\n"
+        "assert_case(lambda ctx: ac.create_backend('torch_native', ctx), "
+        "AttnCase('DECODE', [(5, 1), (9, 1)], dtype='float32'))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -32,7 +32,9 @@ def test_there_are_plugins():
 @pytest.mark.parametrize("plugin", _plugins())
 def test_design_names_every_plugin(plugin):
     design = _text("docs/design.md")
-    assert f"plugins/{plugin}/" in design, f"docs/design.md §2 does not name plugins/{plugin}/ (add a row to its plugin table)"
+    assert f"plugins/{plugin}/" in design, (
+        f"docs/design.md §2 does not name plugins/{plugin}/ (add a row to its plugin table)"
+    )
 
 
 @pytest.mark.parametrize("doc", USER_DOCS)
@@ -96,7 +98,9 @@ def test_every_number_section_has_a_date_and_a_reproduce_command():
         if title in general:
             continue
         assert re.search(r"\b20\d\d-\d\d-\d\d\b", body), f"section {title!r} gives no date"
-        assert re.search(r"(python|torchrun)\b[^\n]*benchmarks/\w+\.py", body), f"section {title!r} gives no reproduce command"
+        assert re.search(r"(python|torchrun)\b[^\n]*benchmarks/\w+\.py", body), (
+            f"section {title!r} gives no reproduce command"
+        )
 
 
 def test_known_gaps_are_one_line_each():

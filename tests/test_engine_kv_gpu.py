@@ -99,6 +99,6 @@ def test_engine_batches_build_without_a_host_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert batch.forward_mode is ac.ForwardMode.MIXED and batch.num_tokens == 9
-    assert steps.req_to_token_pool.req_to_token[0, :40].tolist() == [
-        b * 16 + i for b in (5, 9, 3) for i in range(16)
-    ][:40]
+    assert (
+        steps.req_to_token_pool.req_to_token[0, :40].tolist() == [b * 16 + i for b in (5, 9, 3) for i in range(16)][:40]
+    )

@@ -30,19 +30,41 @@ def load_engine_module():
     return module
 
 
-def run(hf_llama, heads, tp_group=None, device="cpu", backend="torch_native", attn_dtype=torch.float32, dcp_group=None, graph_sizes=()):
+def run(
+    hf_llama,
+    heads,
+    tp_group=None,
+    device="cpu",
+    backend="torch_native",
+    attn_dtype=torch.float32,
+    dcp_group=None,
+    graph_sizes=(),
+):
     """The engine's outputs over a short scenario (arrivals, decodes; with `serve`: chunked prefill and
     prefix forks; with DCP `serve_dcp`: whole-prompt prefills; `graph_sizes`: decode steps of up to 3
     requests through the graph runner)."""
     model = hf_llama.tiny_llama(seed=0, layers=2, heads=heads, device=device)
-    engine = hf_llama.Engine(model, backend, page_size=4, num_slots=256, max_running=3, token_budget=16, tp_group=tp_group,
-                             attn_dtype=attn_dtype, dcp_group=dcp_group, graph_sizes=graph_sizes)
+    engine = hf_llama.Engine(
+        model,
+        backend,
+        page_size=4,
+        num_slots=256,
+        max_running=3,
+        token_budget=16,
+        tp_group=tp_group,
+        attn_dtype=attn_dtype,
+        dcp_group=dcp_group,
+        graph_sizes=graph_sizes,
+    )
     for layer in range(engine.kv.layer_num):
         engine.kv.get_key_buffer(layer).fill_(float("nan"))
         engine.kv.get_value_buffer(layer).fill_(float("nan"))
     serve = engine.serve if dcp_group is None else engine.serve_dcp
     jobs = serve(hf_llama.demo_jobs(seed=1, n=4, max_new=4))
-    assert engine.requests.num_requests == 0 and engine.requests.allocator.available_size() == engine.requests.allocator.size
+    assert (
+        engine.requests.num_requests == 0
+        and engine.requests.allocator.available_size() == engine.requests.allocator.size
+    )
     return engine, [j.out for j in jobs]
 
 
@@ -52,8 +74,14 @@ def tp_worker(rank: int, world: int, device: str = "cpu", backend: str = "torch_
     hf_llama = load_engine_module()
     outs = []
     for heads in MODELS:
-        engine, out = run(hf_llama, heads, dist.group.WORLD, f"cuda:{rank}" if device == "cuda" else device, backend,
-                          getattr(torch, dtype_name))
+        engine, out = run(
+            hf_llama,
+            heads,
+            dist.group.WORLD,
+            f"cuda:{rank}" if device == "cuda" else device,
+            backend,
+            getattr(torch, dtype_name),
+        )
         s = hf_llama.head_slice(heads[0], heads[1], rank, world)
         assert engine.kv.head_num == s.num_kv == max(1, heads[1] // world)
         assert engine.layers[0].num_q_heads == heads[0] // world
@@ -68,8 +96,15 @@ def dcp_worker(rank: int, world: int, device: str = "cpu", backend: str = "torch
     dev = f"cuda:{rank}" if device == "cuda" else device
     outs = []
     for sizes in ((), (2, 4)):  # eager, then graph-shaped decode steps through the runner (3 requests: the graph of 4)
-        engine, out = run(hf_llama, MODELS[0], device=dev, backend=backend, attn_dtype=getattr(torch, dtype_name),
-                          dcp_group=dist.group.WORLD, graph_sizes=sizes)
+        engine, out = run(
+            hf_llama,
+            MODELS[0],
+            device=dev,
+            backend=backend,
+            attn_dtype=getattr(torch, dtype_name),
+            dcp_group=dist.group.WORLD,
+            graph_sizes=sizes,
+        )
         assert engine.dcp.layout.world == world and engine.dcp.layout.interleave == 4
         assert (engine.graphs is not None) == bool(sizes)
         outs.append(out)
@@ -95,9 +130,15 @@ def reference(hf_llama, heads, device="cpu"):
     outs = []
     for j in hf_llama.demo_jobs(seed=1, n=4, max_new=4):
         ids = torch.tensor([j.prompt], device=device)
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=j.max_new, do_sample=False, pad_token_id=0,
-                             eos_token_id=None)
-        outs.append(gen[0, len(j.prompt):].tolist())
+        gen = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=j.max_new,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+        outs.append(gen[0, len(j.prompt) :].tolist())
     return outs
 
 
@@ -119,7 +160,9 @@ def test_head_slice():
 
 def test_tp2_and_dcp2_match_tp1_and_generate():
     hf_llama = load_engine_module()
-    per_rank = run_ranks(HERE, "tp_worker", 2, timeout_s=180)  # TP=2 for each model, then DCP=2 (MODELS[0]) eager and graphed
+    per_rank = run_ranks(
+        HERE, "tp_worker", 2, timeout_s=180
+    )  # TP=2 for each model, then DCP=2 (MODELS[0]) eager and graphed
     for m, heads in enumerate(MODELS):
         want = reference(hf_llama, heads)
         assert run(hf_llama, heads)[1] == want, heads

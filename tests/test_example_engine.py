@@ -16,7 +16,9 @@ import torch
 import attn_core as ac
 from attn_core.testing.device_path import STEP_CHECKS, accelerator_checks
 
-pytest.importorskip("transformers", reason="transformers is a test-only install (scripts/setup.sh; GPU runs: wheels in .whl/)")
+pytest.importorskip(
+    "transformers", reason="transformers is a test-only install (scripts/setup.sh; GPU runs: wheels in .whl/)"
+)
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("hf_llama", ROOT / "examples" / "hf_llama.py")
 hf_llama = sys.modules.setdefault("hf_llama", importlib.util.module_from_spec(_spec))
@@ -25,7 +27,9 @@ _spec.loader.exec_module(hf_llama)
 
 def _usable(name: str, device: str) -> bool:
     entry = next(e for e in ac.list_backends() if e.name == name)
-    return (entry.ok and entry.probe() is None) or (name == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    return (entry.ok and entry.probe() is None) or (
+        name == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    )
 
 
 def hf_greedy(model, jobs) -> list[list[int]]:
@@ -34,9 +38,14 @@ def hf_greedy(model, jobs) -> list[list[int]]:
     for j in jobs:
         ids = torch.tensor([j.prompt], device=model.device)
         gen = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=j.max_new, do_sample=False, pad_token_id=0, eos_token_id=None
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=j.max_new,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
         )
-        outs.append(gen[0, len(j.prompt):].tolist())
+        outs.append(gen[0, len(j.prompt) :].tolist())
     return outs
 
 
@@ -79,7 +88,9 @@ def test_engine_matches_generate(model, reference, backend, page_size):
     jobs = hf_llama.demo_jobs(seed=1, n=8, max_new=5)
     num_slots = 160
     assert sum(len(j.prompt) + j.max_new for j in jobs) > num_slots  # finished requests' pages must be reused
-    engine, outs = run_engine(model, jobs, backend=backend, page_size=page_size, num_slots=num_slots, max_running=3, token_budget=24)
+    engine, outs = run_engine(
+        model, jobs, backend=backend, page_size=page_size, num_slots=num_slots, max_running=3, token_budget=24
+    )
     assert outs == reference
     assert engine.shared_tokens > 0, "no request forked over a shared prefix"
 
@@ -91,7 +102,9 @@ def test_engine_matches_generate_triton_interpreter(page_size):
     model = hf_llama.tiny_llama(seed=2, layers=1)
     jobs = hf_llama.demo_jobs(seed=3, n=3, max_new=3)
     reference = hf_greedy(model, jobs)
-    _, outs = run_engine(model, jobs, backend="triton", page_size=page_size, num_slots=128, max_running=2, token_budget=16)
+    _, outs = run_engine(
+        model, jobs, backend="triton", page_size=page_size, num_slots=128, max_running=2, token_budget=16
+    )
     assert outs == reference
 
 
@@ -99,15 +112,32 @@ def test_hf_attention_interface_matches_generate(reference):
     """HF's own forward (attn_implementation "attn" registered through AttentionInterface) on attn."""
     jobs = hf_llama.demo_jobs(seed=1, n=8, max_new=5)
     model = hf_llama.tiny_llama(seed=0, layers=2)
-    _, outs = run_engine(model, jobs, backend="torch_native", page_size=16, num_slots=160, max_running=3, token_budget=24, hf_forward=True)
+    _, outs = run_engine(
+        model,
+        jobs,
+        backend="torch_native",
+        page_size=16,
+        num_slots=160,
+        max_running=3,
+        token_budget=24,
+        hf_forward=True,
+    )
     assert outs == reference
 
 
 def test_graph_runner_decode_matches_generate(model, reference):
     """Decode steps through CudaGraphRunner (eager replay of the static buffers on the CPU)."""
     jobs = hf_llama.demo_jobs(seed=1, n=8, max_new=5)
-    engine, outs = run_engine(model, jobs, backend="torch_native", page_size=16, num_slots=160, max_running=3, token_budget=24,
-                              graph_sizes=(1, 2, 4))
+    engine, outs = run_engine(
+        model,
+        jobs,
+        backend="torch_native",
+        page_size=16,
+        num_slots=160,
+        max_running=3,
+        token_budget=24,
+        graph_sizes=(1, 2, 4),
+    )
     assert outs == reference
 
 
@@ -144,8 +174,16 @@ def test_engine_on_the_accelerator_path(model, step_check, page_size):
     with accelerator_checks(step_check):
         for graph_sizes in ((), (1, 2, 4)):
             jobs = hf_llama.demo_jobs(seed=1, n=4, max_new=4)
-            engine, outs = run_engine(model, jobs, backend="torch_native", page_size=page_size, num_slots=160, max_running=3,
-                                      token_budget=24, graph_sizes=graph_sizes)
+            engine, outs = run_engine(
+                model,
+                jobs,
+                backend="torch_native",
+                page_size=page_size,
+                num_slots=160,
+                max_running=3,
+                token_budget=24,
+                graph_sizes=graph_sizes,
+            )
             assert outs == hf_greedy(model, hf_llama.demo_jobs(seed=1, n=4, max_new=4)), graph_sizes
             assert_no_fault(engine)
         jobs = hf_llama.demo_jobs(seed=4, n=3, max_new=7)
@@ -175,13 +213,27 @@ def test_engine_on_gpu(backend, attn_dtype):
     for page_size in (1, 16):
         for graph_sizes in ((), (1, 2, 4)):
             fresh = hf_llama.demo_jobs(seed=1, n=8, max_new=8)
-            _, outs = run_engine(model, fresh, backend=backend, page_size=page_size, num_slots=256, max_running=4, token_budget=32,
-                                 attn_dtype=attn_dtype, graph_sizes=graph_sizes)
+            _, outs = run_engine(
+                model,
+                fresh,
+                backend=backend,
+                page_size=page_size,
+                num_slots=256,
+                max_running=4,
+                token_budget=32,
+                attn_dtype=attn_dtype,
+                graph_sizes=graph_sizes,
+            )
             assert outs == reference, (page_size, graph_sizes)
         spec_jobs = hf_llama.demo_jobs(seed=4, n=4, max_new=12)
-        engine = hf_llama.Engine(model, backend, page_size, num_slots=512, max_running=4, attn_dtype=attn_dtype, spec_steps=3)
+        engine = hf_llama.Engine(
+            model, backend, page_size, num_slots=512, max_running=4, attn_dtype=attn_dtype, spec_steps=3
+        )
         poison(engine)
         engine.serve_speculative(spec_jobs, draft_layers=1)
         assert_no_leak(engine)
         assert_no_fault(engine)
-        assert [j.out for j in spec_jobs] == hf_greedy(model, hf_llama.demo_jobs(seed=4, n=4, max_new=12)), ("speculative", page_size)
+        assert [j.out for j in spec_jobs] == hf_greedy(model, hf_llama.demo_jobs(seed=4, n=4, max_new=12)), (
+            "speculative",
+            page_size,
+        )

@@ -42,7 +42,9 @@ BORROWED = ("torch", "numpy", "pluggy", "pytest", "hypothesis")
 def run(*cmd, ok: bool = True, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, **kw)
     if ok and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        raise AssertionError(
+            f"{' '.join(map(str, cmd))} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
     return proc
 
 
@@ -98,8 +100,20 @@ def venv(tmp_path_factory) -> dict:
     for name in EXAMPLES:
         shutil.copytree(PLUGINS / name, src / name, ignore=ignore)
     wheels = tmp / "wheels"
-    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", wheels,
-        src / "core", *(src / n for n in EXAMPLES))  # fmt: skip
+    run(
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+        "-q",
+        "-w",
+        wheels,
+        src / "core",
+        *(src / n for n in EXAMPLES),
+    )
     env_dir = tmp / "venv"
     run(sys.executable, "-m", "venv", "--without-pip", env_dir)
     py = env_dir / "bin" / "python"
@@ -122,7 +136,9 @@ def attn(v, *args, ok=True):
 
 
 def test_wheel_is_what_runs(venv):
-    where = run(venv["py"], "-c", "import attn_core, torch; print(attn_core.__file__); print(torch.__file__)", env=venv["env"]).stdout
+    where = run(
+        venv["py"], "-c", "import attn_core, torch; print(attn_core.__file__); print(torch.__file__)", env=venv["env"]
+    ).stdout
     core_file, torch_file = where.split()
     assert core_file.startswith(str(venv["site"])), "attn_core must come from the installed wheel, not the checkout"
     assert "borrowed" in torch_file
@@ -139,20 +155,39 @@ def test_example_found_by_name_and_passes_the_kit(venv):
     assert re.search(r"^example\s+attn-example\s+0\.1\.0\s+available", listing, re.M), listing
     out = attn(venv, "check", "example", "--quick", "--device", "cpu").stdout
     assert re.search(r"^check: \d+ passed, 0 failed, 0 skipped", out, re.M), out
-    assert "PASS  refuse-logit_cap" in out and "PASS  refuse-mode-TARGET_VERIFY" in out and "PASS  spec-import_light" in out
+    assert (
+        "PASS  refuse-logit_cap" in out
+        and "PASS  refuse-mode-TARGET_VERIFY" in out
+        and "PASS  spec-import_light" in out
+    )
 
 
 def test_plugin_conformance_file_runs_through_the_pytest_plugin(venv):
     tests = venv["src"] / "attn_example" / "tests"
-    proc = run(venv["py"], "-m", "pytest", "-q", "-p", "no:cacheprovider", tests, "--attn-quick", "--attn-device", "cpu",
-               env=venv["env"], cwd=tests, ok=False)  # fmt: skip
+    proc = run(
+        venv["py"],
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        tests,
+        "--attn-quick",
+        "--attn-device",
+        "cpu",
+        env=venv["env"],
+        cwd=tests,
+        ok=False,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = proc.stdout.strip().splitlines()[-1]
     assert re.search(r"\d+ passed, \d+ skipped", summary), summary  # skipped: the file's own skip list (long-*)
 
 
 def test_broken_plugins_give_typed_errors_and_torch_native_stays_usable(venv):
-    venv["pip"]("install", "-q", "--find-links", venv["wheels"], "attn-example-broken", "attn-example-dup", "attn-example-api2")
+    venv["pip"](
+        "install", "-q", "--find-links", venv["wheels"], "attn-example-broken", "attn-example-dup", "attn-example-api2"
+    )
     probe = textwrap.dedent(
         """
         import json
@@ -187,8 +222,22 @@ def test_ascend_wheel_keeps_torch_npu_optional_and_lists_its_reason(venv):
     """attn-ascend as a wheel: torch-npu only behind the `npu` extra (it pins its own torch), installed
     without it, `attn-core list` shows the backend unavailable with the reason and how far it is verified."""
     src = venv["src"] / "ascend"
-    shutil.copytree(ROOT / "plugins" / "ascend", src, ignore=shutil.ignore_patterns("*.egg-info", "build", "__pycache__", "tests"))
-    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", venv["wheels"], src)
+    shutil.copytree(
+        ROOT / "plugins" / "ascend", src, ignore=shutil.ignore_patterns("*.egg-info", "build", "__pycache__", "tests")
+    )
+    run(
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+        "-q",
+        "-w",
+        venv["wheels"],
+        src,
+    )
     wheel = next(venv["wheels"].glob("attn_ascend-*.whl"))
     with zipfile.ZipFile(wheel) as zf:
         meta = zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))).decode()
@@ -197,13 +246,17 @@ def test_ascend_wheel_keeps_torch_npu_optional_and_lists_its_reason(venv):
     assert npu and all('extra == "npu"' in r for r in npu), requires
     venv["pip"]("install", "-q", "--find-links", venv["wheels"], "attn-ascend")
     try:
-        found = run(venv["py"], "-c", "import importlib.util; print(importlib.util.find_spec('torch_npu'))", env=venv["env"]).stdout
+        found = run(
+            venv["py"], "-c", "import importlib.util; print(importlib.util.find_spec('torch_npu'))", env=venv["env"]
+        ).stdout
         assert found.strip() == "None"
         listing = attn(venv, "list").stdout
         line = re.search(r"^ascend\s+attn-ascend\s+0\.1\.0\s+unavailable: (.*)$", listing, re.M)
         assert line, listing
         assert line.group(1).startswith("needs torch_npu and an Ascend NPU (pip install attn-ascend[npu])")
-        assert "emulation of the documented torch_npu operators" in line.group(1) and "not on NPU hardware" in line.group(1)
+        assert "emulation of the documented torch_npu operators" in line.group(
+            1
+        ) and "not on NPU hardware" in line.group(1)
     finally:
         venv["pip"]("uninstall", "-y", "-q", "attn-ascend")
 
@@ -223,10 +276,24 @@ def test_trtllm_mla_installs_next_to_attn_flashinfer_without_pulling_flashinfer(
     ignore = shutil.ignore_patterns("*.egg-info", "build", "dist", "__pycache__", ".pytest_cache")
     for name in ("flashinfer_backend", "trtllm_mla"):
         shutil.copytree(ROOT / "plugins" / name, venv["src"] / name, ignore=ignore)
-    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", venv["wheels"],
-        venv["src"] / "flashinfer_backend", venv["src"] / "trtllm_mla")  # fmt: skip
+    run(
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+        "-q",
+        "-w",
+        venv["wheels"],
+        venv["src"] / "flashinfer_backend",
+        venv["src"] / "trtllm_mla",
+    )
     venv["pip"]("install", "-q", "--no-deps", "--find-links", venv["wheels"], "attn-flashinfer", "attn-trtllm-mla")
-    requires = run(venv["py"], "-c", "from importlib import metadata; print(metadata.requires('attn-trtllm-mla'))", env=venv["env"]).stdout
+    requires = run(
+        venv["py"], "-c", "from importlib import metadata; print(metadata.requires('attn-trtllm-mla'))", env=venv["env"]
+    ).stdout
     assert "attn-flashinfer" in requires
     listing = attn(venv, "list").stdout
     row = next(line for line in listing.splitlines() if line.startswith("trtllm_mla"))
@@ -254,13 +321,30 @@ def test_plugin_authors_doc_snippet_installs_and_passes_the_kit(venv, tmp_path):
     """docs/plugin-authors.md's own pyproject.toml (complete: version, [build-system]) and starter files,
     extracted from the doc, built as a wheel, installed next to attn-core: found by name, and the kit passes."""
     files = doc_files(ROOT / "docs" / "plugin-authors.md")
-    assert {"pyproject.toml", "src/attn_mybackend/spec.py", "src/attn_mybackend/backend.py", "tests/test_conformance.py"} <= set(files)
+    assert {
+        "pyproject.toml",
+        "src/attn_mybackend/spec.py",
+        "src/attn_mybackend/backend.py",
+        "tests/test_conformance.py",
+    } <= set(files)
     project = tmp_path / "attn-mybackend"
     for path, body in files.items():
         (project / path).parent.mkdir(parents=True, exist_ok=True)
         (project / path).write_text(body, encoding="utf-8")
     (project / "src" / "attn_mybackend" / "__init__.py").write_text("", encoding="utf-8")
-    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", venv["wheels"], project)
+    run(
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+        "-q",
+        "-w",
+        venv["wheels"],
+        project,
+    )
     venv["pip"]("install", "-q", "--find-links", venv["wheels"], "attn-mybackend")
     try:
         listing = attn(venv, "list").stdout

@@ -44,7 +44,9 @@ def test_design_document_is_linked_and_its_cited_sections_exist():
     assert {"1", "3", "3.1", "3.2", "8"} <= sections, sections
     cited = []
     for path in tracked_text_files():
-        for m in re.finditer(r"docs/design\.md`?\s*§\s*(\d+(?:\.\d+)?)", path.read_text(encoding="utf-8", errors="replace")):
+        for m in re.finditer(
+            r"docs/design\.md`?\s*§\s*(\d+(?:\.\d+)?)", path.read_text(encoding="utf-8", errors="replace")
+        ):
             cited.append((path.relative_to(ROOT), m.group(1)))
     assert cited, "nothing cites docs/design.md by section"
     missing = [f"{p}: §{s}" for p, s in cited if s not in sections]
@@ -64,7 +66,11 @@ def _private_core_imports(source: str) -> list[str]:
             found += [f"from {node.module} import {a.name}" for a in node.names if _private(a.name)]
             found += [f"from {node.module} import ..." for part in node.module.split(".") if _private(part)]
         elif isinstance(node, ast.Import):
-            found += [a.name for a in node.names if a.name.split(".")[0] == "attn_core" and any(_private(p) for p in a.name.split("."))]
+            found += [
+                a.name
+                for a in node.names
+                if a.name.split(".")[0] == "attn_core" and any(_private(p) for p in a.name.split("."))
+            ]
     return found
 
 
@@ -75,14 +81,23 @@ def test_the_private_import_scan_finds_what_it_must():
         "from attn_core._impl import ...",
         "attn_core._impl",
     ]
-    assert _private_core_imports("from attn_core.contract.context import dtype_name\nfrom attn_core import __version__ as v\n") == []
+    assert (
+        _private_core_imports(
+            "from attn_core.contract.context import dtype_name\nfrom attn_core import __version__ as v\n"
+        )
+        == []
+    )
 
 
-@pytest.mark.parametrize("plugin", sorted(p.name for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").exists()))
+@pytest.mark.parametrize(
+    "plugin", sorted(p.name for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").exists())
+)
 def test_plugins_import_no_private_attn_core_names(plugin):
     offenders = []
     for path in sorted((ROOT / "plugins" / plugin).rglob("*.py")):
-        offenders += [f"{path.relative_to(ROOT)}: {imp}" for imp in _private_core_imports(path.read_text(encoding="utf-8"))]
+        offenders += [
+            f"{path.relative_to(ROOT)}: {imp}" for imp in _private_core_imports(path.read_text(encoding="utf-8"))
+        ]
     assert not offenders, "plugins use public attn_core names only:\n" + "\n".join(offenders)
 
 

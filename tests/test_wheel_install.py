@@ -39,7 +39,9 @@ DISTRIBUTIONS = _package_names()
 def run(*cmd, ok: bool = True, timeout: float = 900, **kw) -> subprocess.CompletedProcess:
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, **kw)
     if ok and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        raise AssertionError(
+            f"{' '.join(map(str, cmd))} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
     return proc
 
 
@@ -53,7 +55,9 @@ def installed(tmp_path_factory) -> dict:
         shutil.copytree(ROOT / part, src / part, ignore=ignore)
     dist = tmp / "dist"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    built = run("bash", src / "scripts" / "build_wheels.sh", env={**env, "DIST": str(dist), "PYTHON": sys.executable}).stdout
+    built = run(
+        "bash", src / "scripts" / "build_wheels.sh", env={**env, "DIST": str(dist), "PYTHON": sys.executable}
+    ).stdout
     wheels = {w.name.split("-")[0]: w for w in dist.glob("*.whl")}
     assert sorted(wheels) == sorted(DISTRIBUTIONS), built
     venv = tmp / "venv"
@@ -70,7 +74,9 @@ def installed(tmp_path_factory) -> dict:
 
 def test_the_venv_runs_the_wheels_on_cpu_torch(installed):
     probe = "import attn_core, torch; print(attn_core.__file__); print(torch.__version__, torch.version.cuda)"
-    core_file, torch_line = run(installed["py"], "-c", probe, env=installed["env"], cwd=installed["cwd"]).stdout.splitlines()
+    core_file, torch_line = run(
+        installed["py"], "-c", probe, env=installed["env"], cwd=installed["cwd"]
+    ).stdout.splitlines()
     assert "site-packages" in core_file and str(ROOT) not in core_file
     assert torch_line.startswith("2.13.0") and torch_line.endswith("None"), torch_line  # no CUDA build
 
@@ -81,8 +87,13 @@ def test_list_names_every_backend_and_one_runs(installed):
     assert version.startswith("attn-core 0.1.0") and "attn-flashinfer 0.1.0 (flashinfer, flashinfer_mla)" in version
     listing = run(attn, "list", env=installed["env"], cwd=installed["cwd"]).stdout
     assert re.search(r"^torch_native\s+attn-core\s+0\.1\.0\s+available", listing, re.M), listing
-    for name, dist in (("triton", "attn-triton"), ("flashinfer", "attn-flashinfer"), ("ascend", "attn-ascend"), ("aiter", "attn-aiter"),
-                       ("wave", "attn-wave")):
+    for name, dist in (
+        ("triton", "attn-triton"),
+        ("flashinfer", "attn-flashinfer"),
+        ("ascend", "attn-ascend"),
+        ("aiter", "attn-aiter"),
+        ("wave", "attn-wave"),
+    ):
         assert re.search(rf"^{name}\s+{dist}\s+0\.1\.0\s+unavailable: ", listing, re.M), listing
     assert "triton not installed (pip install triton)" in listing
     where = dict(env=installed["env"], cwd=installed["cwd"])

@@ -151,7 +151,13 @@ def _ops(draw):
     page_size = draw(st.sampled_from([1, 4, 16, 128]))
     pages = draw(st.integers(2, 12))
     kinds = ["new", "extend", "decode", "free", "fork", "truncate"]
-    ops = draw(st.lists(st.tuples(st.sampled_from(kinds), st.integers(0, 10**6), st.integers(1, 3 * page_size)), min_size=8, max_size=40))
+    ops = draw(
+        st.lists(
+            st.tuples(st.sampled_from(kinds), st.integers(0, 10**6), st.integers(1, 3 * page_size)),
+            min_size=8,
+            max_size=40,
+        )
+    )
     return page_size, pages, ops
 
 

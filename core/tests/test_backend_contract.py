@@ -51,7 +51,9 @@ def test_bad_shapes_and_dtypes_raise_before_compute(env):
     wrong = AttentionLayer(0, num_q_heads=8, num_kv_heads=2, head_dim=16)
     with pytest.raises(InvalidArgumentError, match="layer heads"):
         _call(env, layer=wrong)
-    assert torch.equal(torch.nan_to_num(env.kv_pool.get_key_buffer(0), nan=7.0), torch.nan_to_num(pool_before, nan=7.0))  # nothing written
+    assert torch.equal(
+        torch.nan_to_num(env.kv_pool.get_key_buffer(0), nan=7.0), torch.nan_to_num(pool_before, nan=7.0)
+    )  # nothing written
 
 
 def test_forward_without_metadata_is_refused(env):
@@ -77,7 +79,9 @@ def test_undeclared_capabilities_are_refused(env):
     layer = make_layer(env.case, 0)
     with pytest.raises(UnsupportedFeatureError, match="forward mode EXTEND"):  # refused before any metadata
         b.init_forward_metadata(env.batch)
-    object.__setattr__(b, "capabilities", dataclasses.replace(_Limited.capabilities, forward_modes=frozenset(ForwardMode)))
+    object.__setattr__(
+        b, "capabilities", dataclasses.replace(_Limited.capabilities, forward_modes=frozenset(ForwardMode))
+    )
     b.init_forward_metadata(env.batch)
     for kw, what in [
         (dict(logit_cap=2.0), "logit_cap"),
@@ -99,9 +103,19 @@ def test_layer_and_context_validation():
     from attn_core.contract.context import BackendContext
 
     with pytest.raises(InvalidArgumentError, match="head_dim"):
-        BackendContext(device="cpu", dtype=torch.float32, num_q_heads=4, num_kv_heads=1, head_dim=10, attention_arch="mla", kv_lora_rank=8)
+        BackendContext(
+            device="cpu",
+            dtype=torch.float32,
+            num_q_heads=4,
+            num_kv_heads=1,
+            head_dim=10,
+            attention_arch="mla",
+            kv_lora_rank=8,
+        )
     with pytest.raises(InvalidArgumentError, match="attention_arch"):
-        BackendContext(device="cpu", dtype=torch.float32, num_q_heads=4, num_kv_heads=1, head_dim=8, attention_arch="gqa")
+        BackendContext(
+            device="cpu", dtype=torch.float32, num_q_heads=4, num_kv_heads=1, head_dim=8, attention_arch="gqa"
+        )
     ctx = BackendContext(
         device="cpu",
         dtype=torch.bfloat16,

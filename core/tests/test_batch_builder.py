@@ -41,7 +41,11 @@ def test_batch_is_consistent(mode, page_size, seed):
     assert b.seq_lens.tolist() == [r.prefix_len + r.extend_len for r in reqs] == b.seq_lens_cpu.tolist()
     assert b.seq_lens_sum == sum(b.seq_lens_cpu.tolist())
     assert b.num_tokens == sum(r.extend_len for r in reqs) == b.out_cache_loc.numel() == b.positions.numel()
-    assert b.req_pool_indices.dtype == torch.int64 and b.out_cache_loc.dtype == torch.int64 and b.seq_lens.dtype == torch.int32
+    assert (
+        b.req_pool_indices.dtype == torch.int64
+        and b.out_cache_loc.dtype == torch.int64
+        and b.seq_lens.dtype == torch.int32
+    )
     # out_cache_loc is the new tokens' slots, request after request; positions count from the prefix
     want_loc, want_pos, all_slots = [], [], []
     for row, r in zip(b.req_pool_indices.tolist(), reqs):
@@ -114,7 +118,11 @@ def test_mode_rules_and_exhaustion():
     assert idle.batch_size == 0 and idle.num_tokens == 0
     with pytest.raises(InvalidArgumentError, match="custom_masks"):
         build_forward_batch(
-            "target_verify", [(3, 2)], req_to_token_pool=req_pool, allocator=alloc, custom_masks=[torch.ones(2, 4, dtype=torch.bool)]
+            "target_verify",
+            [(3, 2)],
+            req_to_token_pool=req_pool,
+            allocator=alloc,
+            custom_masks=[torch.ones(2, 4, dtype=torch.bool)],
         )
     assert alloc.available_size() == 64 and req_pool.available_size() == 2
 
@@ -129,5 +137,7 @@ def test_allocator_must_fit_the_kv_pool(pool_page, pool_size, match):
         build_forward_batch("extend", [(3, 2)], req_to_token_pool=req_pool, allocator=alloc, token_to_kv_pool=pool)
     assert alloc.available_size() == 64 and req_pool.available_size() == 2  # refused before allocating
     fitting = MHATokenToKVPool(64, 16, torch.float32, head_num=1, head_dim=8, layer_num=1)
-    batch = build_forward_batch("extend", [(3, 2)], req_to_token_pool=req_pool, allocator=alloc, token_to_kv_pool=fitting)
+    batch = build_forward_batch(
+        "extend", [(3, 2)], req_to_token_pool=req_pool, allocator=alloc, token_to_kv_pool=fitting
+    )
     assert batch.token_to_kv_pool is fitting

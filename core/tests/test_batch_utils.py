@@ -46,7 +46,10 @@ def test_worked_examples():
     assert part.seq_lens_cpu.tolist() == [3, 10] and part.extend_seq_lens_cpu.tolist() == [3, 4]
     assert part.extend_start_loc.tolist() == [0, 3] and part.seq_lens_sum == 13 and part.extend_num_tokens == 7
     assert torch.equal(part.out_cache_loc, b.out_cache_loc[2:9])
-    assert [x.batch_size for x in split_batch_by_requests(_batch(ForwardMode.DECODE, [1] * 5, [1] * 5), [0, 2, 5])] == [2, 3]
+    assert [x.batch_size for x in split_batch_by_requests(_batch(ForwardMode.DECODE, [1] * 5, [1] * 5), [0, 2, 5])] == [
+        2,
+        3,
+    ]
 
 
 def test_typed_errors():
@@ -151,7 +154,11 @@ def test_decode_first_split_against_loops(seed):
 
 
 def _batch(
-    mode: ForwardMode, prefix: list[int], ext: list[int], encoder: list[int] | None = None, rng: random.Random | None = None
+    mode: ForwardMode,
+    prefix: list[int],
+    ext: list[int],
+    encoder: list[int] | None = None,
+    rng: random.Random | None = None,
 ) -> ForwardBatch:
     """A ForwardBatch with distinct random slots/positions (only what slicing reads; no pools)."""
     rng = rng or random.Random(0)
@@ -250,7 +257,9 @@ def test_slice_batch_against_loops(seed):
         enc_count = 0
         for r in range(start, end):
             enc_count += encoder[r] if prefix[r] == 0 else 0
-        assert part.encoder_out_cache_loc.tolist() == b.encoder_out_cache_loc.tolist()[enc_first : enc_first + enc_count]
+        assert (
+            part.encoder_out_cache_loc.tolist() == b.encoder_out_cache_loc.tolist()[enc_first : enc_first + enc_count]
+        )
     if mode.is_target_verify():
         mask, indptr = b.spec_info.custom_mask, b.spec_info.mask_indptr.tolist()
         expect, ptr = [], [0]

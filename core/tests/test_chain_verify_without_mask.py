@@ -33,8 +33,16 @@ def _engine(slots: int, rows: int, width: int):
     kv = ac.MHATokenToKVPool(size=slots, page_size=PAGE, dtype=torch.float32, head_num=HKV, head_dim=D, layer_num=1)
     table = ac.ReqToTokenPool(size=rows, max_context_len=width)
     pool = ac.RequestPool(table, ac.PagedTokenAllocator(size=slots, page_size=PAGE), kv)
-    ctx = ac.BackendContext(device="cpu", dtype=torch.float32, num_q_heads=H, num_kv_heads=HKV, head_dim=D,
-                            page_size=PAGE, req_to_token_pool=table, token_to_kv_pool=kv)
+    ctx = ac.BackendContext(
+        device="cpu",
+        dtype=torch.float32,
+        num_q_heads=H,
+        num_kv_heads=HKV,
+        head_dim=D,
+        page_size=PAGE,
+        req_to_token_pool=table,
+        token_to_kv_pool=kv,
+    )
     return pool, ac.create_backend("torch_native", ctx)
 
 

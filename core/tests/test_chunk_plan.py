@@ -12,7 +12,10 @@ from attn_core.contract.errors import InvalidArgumentError
 def test_worked_example():
     plan = plan_prefix_chunks([5, 0, 9], 10)
     assert plan.chunk_len == 3
-    got = [(c.starts.tolist(), c.lens.tolist(), c.cu_seqlens.tolist(), c.positions.tolist(), c.request.tolist()) for c in plan.chunks]
+    got = [
+        (c.starts.tolist(), c.lens.tolist(), c.cu_seqlens.tolist(), c.positions.tolist(), c.request.tolist())
+        for c in plan.chunks
+    ]
     assert got == [
         ([0, 0, 0], [3, 0, 3], [0, 3, 3, 6], [0, 1, 2, 0, 1, 2], [0, 0, 0, 2, 2, 2]),
         ([3, 3, 3], [2, 0, 3], [0, 2, 2, 5], [3, 4, 3, 4, 5], [0, 0, 2, 2, 2]),
@@ -32,7 +35,9 @@ def _loop_plan(prefix_lens, capacity):
     out = []
     for c in range(max(chunks) + 1 if chunks else 0):
         toks = sorted(chunks.get(c, []))
-        out.append(([b for b, _ in toks], [t for _, t in toks], [sum(1 for b2, _ in toks if b2 == b) for b in range(bs)]))
+        out.append(
+            ([b for b, _ in toks], [t for _, t in toks], [sum(1 for b2, _ in toks if b2 == b) for b in range(bs)])
+        )
     return n, out
 
 
@@ -51,7 +56,9 @@ def test_random_batches_match_a_plain_loop(seed):
         assert chunk.starts.tolist() == [c * n] * bs
         assert chunk.cu_seqlens.tolist() == [sum(per_req[:i]) for i in range(bs + 1)]
         assert chunk.num_tokens == len(req) <= capacity and chunk.max_len == max(per_req)
-        assert all(t.dtype == torch.int32 for t in (chunk.starts, chunk.lens, chunk.cu_seqlens, chunk.positions, chunk.request))
+        assert all(
+            t.dtype == torch.int32 for t in (chunk.starts, chunk.lens, chunk.cu_seqlens, chunk.positions, chunk.request)
+        )
 
 
 def test_no_prefix_no_chunks_and_empty_batch():
@@ -59,7 +66,9 @@ def test_no_prefix_no_chunks_and_empty_batch():
     assert plan_prefix_chunks([], 8).chunks == ()
 
 
-@pytest.mark.parametrize(("lens", "capacity", "arg"), [([3, -1], 8, "prefix_lens"), ([3, 4, 5], 2, "capacity"), ([3], 0, "capacity")])
+@pytest.mark.parametrize(
+    ("lens", "capacity", "arg"), [([3, -1], 8, "prefix_lens"), ([3, 4, 5], 2, "capacity"), ([3], 0, "capacity")]
+)
 def test_bad_input_is_a_typed_error(lens, capacity, arg):
     with pytest.raises(InvalidArgumentError, match=arg):
         plan_prefix_chunks(lens, capacity)
@@ -102,11 +111,15 @@ def test_chunked_prefix_attention_equals_attention_over_the_whole_sequence(seed)
             if kb.shape[0] == 0:  # no key of this request in the pass: output 0, LSE -inf
                 continue
             rows = slice(starts[b], starts[b] + e)
-            o[rows], lse[rows] = reference_attention(q[rows], kb, vb, q_positions=torch.arange(e), scale=scale, causal=causal)
+            o[rows], lse[rows] = reference_attention(
+                q[rows], kb, vb, q_positions=torch.arange(e), scale=scale, causal=causal
+            )
         return o, lse.float()  # merge_state takes float32 LSEs
 
     def attend_new():
-        return passes(lambda b: (k[starts[b] : starts[b] + reqs[b][1]], v[starts[b] : starts[b] + reqs[b][1]]), causal=True)
+        return passes(
+            lambda b: (k[starts[b] : starts[b] + reqs[b][1]], v[starts[b] : starts[b] + reqs[b][1]]), causal=True
+        )
 
     def attend_chunk(chunk):
         def keys_of(b):

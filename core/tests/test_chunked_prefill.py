@@ -19,11 +19,15 @@ class RecordingPlan(ChunkedPrefillPlan):
 
     def run_new(self, q, k, v):
         self.calls.append("new")
-        return torch.zeros(self.num_tokens, self.num_heads, self.v_head_dim), torch.zeros(self.num_tokens, self.num_heads)
+        return torch.zeros(self.num_tokens, self.num_heads, self.v_head_dim), torch.zeros(
+            self.num_tokens, self.num_heads
+        )
 
     def run_chunk(self, chunk, q, k, v):
         self.calls.append(chunk.index)
-        return torch.zeros(self.num_tokens, self.num_heads, self.v_head_dim), torch.zeros(self.num_tokens, self.num_heads)
+        return torch.zeros(self.num_tokens, self.num_heads, self.v_head_dim), torch.zeros(
+            self.num_tokens, self.num_heads
+        )
 
 
 def _plan(prefix=(5, 0), T=5, H=2):
@@ -47,7 +51,9 @@ def test_prefill_lengths_worked_example_and_refusal():
 def test_attend_runs_new_then_every_chunk_in_order():
     plan = _plan()
     q, v = torch.zeros(5, 2, 12), torch.zeros(5, 2, 8)
-    o, lse = plan.attend(q, q, v, lambda c, s: (torch.zeros(c.num_tokens, 2, 12), torch.zeros(c.num_tokens, 2, 8)), return_lse=True)
+    o, lse = plan.attend(
+        q, q, v, lambda c, s: (torch.zeros(c.num_tokens, 2, 12), torch.zeros(c.num_tokens, 2, 8)), return_lse=True
+    )
     assert plan.calls == ["new", 0, 1, 2] and o.shape == (5, 16) and lse.shape == (5, 2)
     assert torch.allclose(lse, torch.full((5, 2), float(torch.log(torch.tensor(4.0)))))  # four passes of LSE 0 merged
 

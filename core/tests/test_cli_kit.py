@@ -20,7 +20,9 @@ def test_check_torch_native_quick_passes(capsys):
 def test_check_lists_selects_and_skips(capsys):
     assert main(["check", "torch_native", "--device", "cpu", "--quick", "--list"]) == 0
     listed = capsys.readouterr().out.splitlines()
-    assert any(line.startswith("page_size-64-") for line in listed) and any(line.startswith("bad_input-q_rows") for line in listed)
+    assert any(line.startswith("page_size-64-") for line in listed) and any(
+        line.startswith("bad_input-q_rows") for line in listed
+    )
     assert main(["check", "torch_native", "--device", "cpu", "--quick", "-k", "mode-D", "--skip", "mode-DRAFT*"]) == 0
     out = capsys.readouterr().out
     assert "PASS  mode-DECODE" in out and "SKIP  mode-DRAFT_EXTEND" in out
@@ -53,12 +55,30 @@ def test_explain_usable_and_reasons(capsys):
     from attn_core.contract.capabilities import Requirements
     from attn_core.discovery.registry import explain
 
-    assert all(re.search(rf"^{r.name}\s+{r.distribution}\s+no: ", out, re.M) for r in explain(Requirements(q_dtype="float64"))), out
+    assert all(
+        re.search(rf"^{r.name}\s+{r.distribution}\s+no: ", out, re.M) for r in explain(Requirements(q_dtype="float64"))
+    ), out
 
 
 def test_bench_decode_json(tmp_path, capsys):
     path = tmp_path / "bench.json"
-    assert main(["bench", "torch_native", "--device", "cpu", "--workload", "decode", "--budget", "0.02", "--json", str(path)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "torch_native",
+                "--device",
+                "cpu",
+                "--workload",
+                "decode",
+                "--budget",
+                "0.02",
+                "--json",
+                str(path),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "decode bs1 ctx1024" in out and "GB/s" in out and "ok (" in out
     doc = json.loads(path.read_text())
@@ -72,7 +92,12 @@ def test_bench_decode_json(tmp_path, capsys):
 
 def test_bench_speedups_are_relative_to_the_baseline():
     rows = run_bench(
-        ["torch_native", "torch_native"], standard_workloads("extend", "small")[:1], model_for("small"), _cpu(), 0.02, baseline=1
+        ["torch_native", "torch_native"],
+        standard_workloads("extend", "small")[:1],
+        model_for("small"),
+        _cpu(),
+        0.02,
+        baseline=1,
     )
     base = rows[1]
     assert base.speedup_vs_baseline == 1.0
@@ -81,7 +106,23 @@ def test_bench_speedups_are_relative_to_the_baseline():
 
 
 def test_bench_reports_an_incompatible_backend_as_skipped(capsys):
-    assert main(["bench", "torch_native", "--device", "cpu", "--workload", "mixed", "--dtype", "float64", "--budget", "0.01"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "torch_native",
+                "--device",
+                "cpu",
+                "--workload",
+                "mixed",
+                "--dtype",
+                "float64",
+                "--budget",
+                "0.01",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "skipped: attention backend 'torch_native' cannot serve this request: q dtype float64" in out
 
@@ -111,7 +152,19 @@ def test_bench_without_a_name_times_every_usable_backend_against_torch_native(tm
     from attn_core.discovery import registry
 
     plot, doc_path = tmp_path / "bench.png", tmp_path / "bench.json"
-    argv = ["bench", "--device", "cpu", "--workload", "decode", "--budget", "0.01", "--plot", str(plot), "--json", str(doc_path)]
+    argv = [
+        "bench",
+        "--device",
+        "cpu",
+        "--workload",
+        "decode",
+        "--budget",
+        "0.01",
+        "--plot",
+        str(plot),
+        "--json",
+        str(doc_path),
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     timed = re.search(r"^bench on cpu \(.*\): (.*)$", out, re.M).group(1).split(", ")
@@ -125,7 +178,9 @@ def test_bench_without_a_name_times_every_usable_backend_against_torch_native(tm
     rows = doc["rows"]
     assert [r["backend"] for r in rows] == timed * len(standard_workloads("decode", "small"))
     assert all(r["status"] == "ok" for r in rows), rows
-    assert [r["speedup_vs_baseline"] for r in rows if r["backend"] == "torch_native"] == [1.0] * len(standard_workloads("decode", "small"))
+    assert [r["speedup_vs_baseline"] for r in rows if r["backend"] == "torch_native"] == [1.0] * len(
+        standard_workloads("decode", "small")
+    )
     data = plot.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 

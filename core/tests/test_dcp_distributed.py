@@ -39,14 +39,26 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     return out
 
 
-def dcp_worker(rank: int, world: int, seed: int, configs: list[tuple[str, str, bool, str]], device: str = "cpu",
-               dtype_name: str = "float32") -> list[float]:
+def dcp_worker(
+    rank: int,
+    world: int,
+    seed: int,
+    configs: list[tuple[str, str, bool, str]],
+    device: str = "cpu",
+    dtype_name: str = "float32",
+) -> list[float]:
     """Each (backend, exchange, q_heads_sharded, check) of `configs` in turn, in the same processes (one
     spawn); check is "eager" (`dcp_check`), "graph" (`dcp_graph_check`), "verify" (`dcp_verify_check`) or
     "verify_rows" (the same with DECODE rows only)."""
-    checks = {"eager": dcp_check, "graph": dcp_graph_check, "verify": dcp_verify_check,
-              "verify_rows": functools.partial(dcp_verify_check, verify_masks=False)}
-    return [checks[config[3]](rank, world, seed + i, *config[:3], device, dtype_name) for i, config in enumerate(configs)]
+    checks = {
+        "eager": dcp_check,
+        "graph": dcp_graph_check,
+        "verify": dcp_verify_check,
+        "verify_rows": functools.partial(dcp_verify_check, verify_masks=False),
+    }
+    return [
+        checks[config[3]](rank, world, seed + i, *config[:3], device, dtype_name) for i, config in enumerate(configs)
+    ]
 
 
 class RankSetup:
@@ -58,20 +70,38 @@ class RankSetup:
 
         self.hq, self.D = HQ_PER_RANK * world, HEAD_DIM.get(backend, 16)
         slots = 128
-        kv = ac.MHATokenToKVPool(size=slots, page_size=PAGE, dtype=dtype, head_num=HKV, head_dim=self.D, layer_num=1, device=device)
+        kv = ac.MHATokenToKVPool(
+            size=slots, page_size=PAGE, dtype=dtype, head_num=HKV, head_dim=self.D, layer_num=1, device=device
+        )
         for buf in (kv.get_key_buffer(0), kv.get_value_buffer(0)):
             buf.fill_(float("nan"))
         rows = ac.ReqToTokenPool(size=8, max_context_len=64, device=device)
-        self.pool = DcpRequestPool(ac.RequestPool(rows, ac.PagedTokenAllocator(slots, PAGE), kv), DcpLayout(world, PAGE), rank)
-        ctx = ac.BackendContext(device=device, dtype=dtype, num_q_heads=self.hq, num_kv_heads=HKV, head_dim=self.D, page_size=PAGE,
-                                max_batch_size=8, max_context_len=64, req_to_token_pool=rows, token_to_kv_pool=kv,
-                                forward_modes={"decode"}, features={ac.Feature.LSE_OUTPUT}, validation="full",
-                                cuda_graph=ac.CudaGraphLevel.UNIFORM_BATCH if graphs else ac.CudaGraphLevel.NEVER)
+        self.pool = DcpRequestPool(
+            ac.RequestPool(rows, ac.PagedTokenAllocator(slots, PAGE), kv), DcpLayout(world, PAGE), rank
+        )
+        ctx = ac.BackendContext(
+            device=device,
+            dtype=dtype,
+            num_q_heads=self.hq,
+            num_kv_heads=HKV,
+            head_dim=self.D,
+            page_size=PAGE,
+            max_batch_size=8,
+            max_context_len=64,
+            req_to_token_pool=rows,
+            token_to_kv_pool=kv,
+            forward_modes={"decode"},
+            features={ac.Feature.LSE_OUTPUT},
+            validation="full",
+            cuda_graph=ac.CudaGraphLevel.UNIFORM_BATCH if graphs else ac.CudaGraphLevel.NEVER,
+        )
         self.attn = ac.create_backend(backend, ctx)
         self.layer = ac.AttentionLayer(0, self.hq, HKV, self.D)
 
 
-def dcp_check(rank: int, world: int, seed: int, backend: str, exchange: str, sharded: bool, device: str, dtype_name: str) -> float:
+def dcp_check(
+    rank: int, world: int, seed: int, backend: str, exchange: str, sharded: bool, device: str, dtype_name: str
+) -> float:
     import attn_core as ac
     from attn_core.dcp import build_dcp_step, dcp_decode_attention
 
@@ -99,8 +129,15 @@ def dcp_check(rank: int, world: int, seed: int, backend: str, exchange: str, sha
 
     steps = [prefill(i) for i in range(3)]
     h_rank = HQ_PER_RANK if sharded else hq
-    expect_error(ac.InvalidArgumentError, dcp_decode_attention, torch.zeros(prompts[2], h_rank, D, dtype=dtype, device=device), layer,
-                 steps[2], exchange=exchange, q_heads_sharded=sharded)  # an EXTEND step
+    expect_error(
+        ac.InvalidArgumentError,
+        dcp_decode_attention,
+        torch.zeros(prompts[2], h_rank, D, dtype=dtype, device=device),
+        layer,
+        steps[2],
+        exchange=exchange,
+        q_heads_sharded=sharded,
+    )  # an EXTEND step
     for t in range(4):
         if t == 2:
             prefill(3)  # arrives mid-run
@@ -119,7 +156,9 @@ def dcp_check(rank: int, world: int, seed: int, backend: str, exchange: str, sha
             for bad in (dict(exchange="ring"), dict(q=good["q"][:, :1]), dict(q=good["q"][:1])):
                 kw = good | bad
                 expect_error(ac.InvalidArgumentError, dcp_decode_attention, kw.pop("q"), layer, step, **kw)
-        out = dcp_decode_attention(q[:, mine].contiguous().to(device), layer, step, exchange=exchange, q_heads_sharded=sharded)
+        out = dcp_decode_attention(
+            q[:, mine].contiguous().to(device), layer, step, exchange=exchange, q_heads_sharded=sharded
+        )
         for i in range(len(reqs)):
             want = reference(q[i], keys[i][: lens[i]], values[i][: lens[i]])[mine]
             got = out[i].view(-1, D).double().cpu()
@@ -136,8 +175,17 @@ VERIFY_STEPS = (1, 0, 3, 4, 0, 2, 1)
 VERIFY_ARRIVAL = 3
 
 
-def dcp_verify_check(rank: int, world: int, seed: int, backend: str, exchange: str, sharded: bool, device: str,
-                     dtype_name: str, verify_masks: bool = True) -> list[tuple[str, bool]]:
+def dcp_verify_check(
+    rank: int,
+    world: int,
+    seed: int,
+    backend: str,
+    exchange: str,
+    sharded: bool,
+    device: str,
+    dtype_name: str,
+    verify_masks: bool = True,
+) -> list[tuple[str, bool]]:
     """Verify and decode steps of the same requests (module docstring) against the float64 reference;
     `verify_masks` as `build_dcp_step` takes it (a local TARGET_VERIFY batch where the backend takes
     custom masks, or DECODE rows only). Returns the (local batch mode, several parts in the step) pairs
@@ -176,19 +224,40 @@ def dcp_verify_check(rank: int, world: int, seed: int, backend: str, exchange: s
         if t == VERIFY_ARRIVAL:
             prefill(4)  # arrives mid-run with fewer local keys than drafts: DECODE rows beside a verify batch
         n = max(k, 1)
-        step = build_dcp_step(pool, [(r, n) for r in reqs], attn_backend=attn, mode="target_verify" if k else None,
-                              verify_masks=verify_masks)
+        step = build_dcp_step(
+            pool,
+            [(r, n) for r in reqs],
+            attn_backend=attn,
+            mode="target_verify" if k else None,
+            verify_masks=verify_masks,
+        )
         kinds.update((b.forward_mode.name, len(step.local_parts) > 1) for _, b in step.local_parts)
         assert step.forward_mode == (ac.ForwardMode.TARGET_VERIFY if k else ac.ForwardMode.DECODE)
-        new_k = torch.cat([keys[i][lens[i]: lens[i] + n] for i in range(len(reqs))]).to(device)
-        new_v = torch.cat([values[i][lens[i]: lens[i] + n] for i in range(len(reqs))]).to(device)
+        new_k = torch.cat([keys[i][lens[i] : lens[i] + n] for i in range(len(reqs))]).to(device)
+        new_v = torch.cat([values[i][lens[i] : lens[i] + n] for i in range(len(reqs))]).to(device)
         step.save_kv(layer, new_k, new_v)
         step.init_forward_metadata()
         q = torch.randn(len(reqs) * n, hq, D, generator=g).to(dtype)
         q_mine = q[:, mine].contiguous().to(device)
         if t == 0:  # typed errors on every rank before any collective
-            expect_error(ac.InvalidArgumentError, dcp_attention, q_mine[:1], layer, step, exchange=exchange, q_heads_sharded=sharded)
-            expect_error(ac.InvalidArgumentError, dcp_decode_attention, q_mine, layer, step, exchange=exchange, q_heads_sharded=sharded)
+            expect_error(
+                ac.InvalidArgumentError,
+                dcp_attention,
+                q_mine[:1],
+                layer,
+                step,
+                exchange=exchange,
+                q_heads_sharded=sharded,
+            )
+            expect_error(
+                ac.InvalidArgumentError,
+                dcp_decode_attention,
+                q_mine,
+                layer,
+                step,
+                exchange=exchange,
+                q_heads_sharded=sharded,
+            )
         out = dcp_attention(q_mine, layer, step, exchange=exchange, q_heads_sharded=sharded).double().cpu()
         for i in range(len(reqs)):
             for j in range(n):
@@ -202,8 +271,8 @@ def dcp_verify_check(rank: int, world: int, seed: int, backend: str, exchange: s
         for i, r in enumerate(reqs):
             lens[i] += accepted[i]
             pool.truncate(r, lens[i])  # reject the rest: the next step rewrites those positions with new values
-            keys[i][lens[i]:] = torch.randn(48 - lens[i], HKV, D, generator=g).to(dtype)
-            values[i][lens[i]:] = torch.randn(48 - lens[i], HKV, D, generator=g).to(dtype)
+            keys[i][lens[i] :] = torch.randn(48 - lens[i], HKV, D, generator=g).to(dtype)
+            values[i][lens[i] :] = torch.randn(48 - lens[i], HKV, D, generator=g).to(dtype)
     if verify_masks:
         tree_step(pool, attn, layer, reqs, lens, keys, values, g, mine, exchange, sharded, device, dtype, tol)
     return sorted(kinds)
@@ -232,22 +301,48 @@ def tree_step(pool, attn, layer, reqs, lens, keys, values, g, mine, exchange, sh
     one = torch.randn(1, layer.num_kv_heads, layer.head_dim, generator=g).to(dtype).to(device)
     build_dcp_step(pool, [(new, 1)], attn_backend=attn).save_kv(layer, one, one)
     trees = [random_tree(k, g) for _ in reqs]
-    expect_error(ac.InvalidArgumentError, build_dcp_step, pool, [(r, k) for r in reqs + [new]], attn_backend=attn,
-                 mode="target_verify", draft_masks=trees + [torch.eye(k, dtype=torch.bool)])
+    expect_error(
+        ac.InvalidArgumentError,
+        build_dcp_step,
+        pool,
+        [(r, k) for r in reqs + [new]],
+        attn_backend=attn,
+        mode="target_verify",
+        draft_masks=trees + [torch.eye(k, dtype=torch.bool)],
+    )
     pool.free(new)
     every_rank = [min(int(layout.local_lens(torch.tensor(n + k), r)) for r in range(layout.world)) >= k for n in lens]
     assert any(every_rank)
-    expect_error(ac.InvalidArgumentError, build_dcp_step, pool, [(reqs[0], k)], attn_backend=attn, mode="target_verify",
-                 draft_masks=[~trees[0]])
+    expect_error(
+        ac.InvalidArgumentError,
+        build_dcp_step,
+        pool,
+        [(reqs[0], k)],
+        attn_backend=attn,
+        mode="target_verify",
+        draft_masks=[~trees[0]],
+    )
     assert [pool.kv_len(r) for r in reqs] == lens  # nothing allocated by the refused calls
     chosen = [i for i, ok in enumerate(every_rank) if ok]
-    step = build_dcp_step(pool, [(reqs[i], k) for i in chosen], attn_backend=attn, mode="target_verify",
-                          draft_masks=[trees[i] for i in chosen])
-    step.save_kv(layer, torch.cat([keys[i][lens[i]: lens[i] + k] for i in chosen]).to(device),
-                 torch.cat([values[i][lens[i]: lens[i] + k] for i in chosen]).to(device))
+    step = build_dcp_step(
+        pool,
+        [(reqs[i], k) for i in chosen],
+        attn_backend=attn,
+        mode="target_verify",
+        draft_masks=[trees[i] for i in chosen],
+    )
+    step.save_kv(
+        layer,
+        torch.cat([keys[i][lens[i] : lens[i] + k] for i in chosen]).to(device),
+        torch.cat([values[i][lens[i] : lens[i] + k] for i in chosen]).to(device),
+    )
     step.init_forward_metadata()
     q = torch.randn(len(chosen) * k, layer.num_q_heads, layer.head_dim, generator=g).to(dtype)
-    out = dcp_attention(q[:, mine].contiguous().to(device), layer, step, exchange=exchange, q_heads_sharded=sharded).double().cpu()
+    out = (
+        dcp_attention(q[:, mine].contiguous().to(device), layer, step, exchange=exchange, q_heads_sharded=sharded)
+        .double()
+        .cpu()
+    )
     for row, (i, j) in enumerate((i, j) for i in chosen for j in range(k)):
         seen = list(range(lens[i])) + [lens[i] + m for m in range(k) if trees[i][j, m]]
         want = reference(q[row], keys[i][seen], values[i][seen])[mine]
@@ -262,7 +357,9 @@ def tree_step(pool, attn, layer, reqs, lens, keys, values, g, mine, exchange, sh
 GRAPH_SIZES, GRAPH_STEPS, GRAPH_ARRIVALS = (2, 4), 6, (0, 0, 1, 3)
 
 
-def dcp_graph_check(rank: int, world: int, seed: int, backend: str, exchange: str, sharded: bool, device: str, dtype_name: str) -> float:
+def dcp_graph_check(
+    rank: int, world: int, seed: int, backend: str, exchange: str, sharded: bool, device: str, dtype_name: str
+) -> float:
     """The schedule on eager pools and on graph-shaped steps through a `CudaGraphRunner` (module docstring)."""
     import attn_core as ac
     from attn_core.dcp import DCP_GRAPH_INPUTS, DcpStep, build_dcp_step, dcp_decode_attention
@@ -271,7 +368,10 @@ def dcp_graph_check(rank: int, world: int, seed: int, backend: str, exchange: st
     tol = 1e-5 if dtype == torch.float32 else 5e-3
     if device == "cuda":
         device = f"cuda:{rank}"
-    eager, graph = RankSetup(rank, world, backend, device, dtype), RankSetup(rank, world, backend, device, dtype, graphs=True)
+    eager, graph = (
+        RankSetup(rank, world, backend, device, dtype),
+        RankSetup(rank, world, backend, device, dtype, graphs=True),
+    )
     layer, hq, D = graph.layer, graph.hq, graph.D
     h_rank = HQ_PER_RANK if sharded else hq
     mine = slice(rank * HQ_PER_RANK, (rank + 1) * HQ_PER_RANK) if sharded else slice(0, hq)
@@ -315,7 +415,9 @@ def dcp_graph_check(rank: int, world: int, seed: int, backend: str, exchange: st
         ref_step = build_dcp_step(eager.pool, [(r, 1) for r in reqs["eager"]], attn_backend=eager.attn)
         ref_step.save_kv(layer, new_k, new_v)
         ref_step.init_forward_metadata()
-        want_eager = dcp_decode_attention(q_mine, layer, ref_step, exchange=exchange, q_heads_sharded=sharded).double().cpu()
+        want_eager = (
+            dcp_decode_attention(q_mine, layer, ref_step, exchange=exchange, q_heads_sharded=sharded).double().cpu()
+        )
         step = build_dcp_step(graph.pool, [(r, 1) for r in reqs["graph"]], attn_backend=graph.attn, graph_shaped=True)
         check_padding_rows(step, graph.attn, [r.kv_len for r in reqs["graph"]])
         out = runner.run(step.local_batch, {"q": q_mine, "k": new_k, "v": new_v, **step.graph_inputs()})
@@ -357,7 +459,14 @@ def check_graph_step_errors(setup: RankSetup, q: torch.Tensor, exchange: str, sh
 
     pool, bs = setup.pool, q.shape[0]
     reqs = [pool.add() for _ in range(bs)]
-    expect_error(ac.InvalidArgumentError, build_dcp_step, pool, [(r, 2) for r in reqs], attn_backend=setup.attn, graph_shaped=True)
+    expect_error(
+        ac.InvalidArgumentError,
+        build_dcp_step,
+        pool,
+        [(r, 2) for r in reqs],
+        attn_backend=setup.attn,
+        graph_shaped=True,
+    )
     build_dcp_step(pool, [(r, 2) for r in reqs], attn_backend=setup.attn)
     work = [(r, 1) for r in reqs]
     expect_error(ac.InvalidArgumentError, build_dcp_step, pool, work, graph_shaped=True)
@@ -366,7 +475,15 @@ def check_graph_step_errors(setup: RankSetup, q: torch.Tensor, exchange: str, sh
     expect_error(ac.InvalidArgumentError, step.init_forward_metadata)
     for mask in (step.local_mask[:1], step.local_mask.float()):
         bad = dataclasses.replace(step, local_mask=mask)
-        expect_error(ac.InvalidArgumentError, dcp_decode_attention, q, setup.layer, bad, exchange=exchange, q_heads_sharded=sharded)
+        expect_error(
+            ac.InvalidArgumentError,
+            dcp_decode_attention,
+            q,
+            setup.layer,
+            bad,
+            exchange=exchange,
+            q_heads_sharded=sharded,
+        )
 
 
 def expect_error(error: type, fn, *args, **kwargs) -> None:
@@ -386,14 +503,25 @@ def _usable(name: str) -> bool:
 
 #: per group size, the (backend, exchange, q_heads_sharded, check) runs of one spawn
 CONFIGS = {
-    2: [("torch_native", "all_gather", True, "eager"), ("torch_native", "all_to_all", True, "eager"),
-        ("cpu_amx", "all_gather", False, "eager"), ("torch_native", "all_to_all", True, "graph"),
-        ("torch_native", "all_gather", False, "graph"), ("torch_native", "all_to_all", True, "verify"),
-        ("cpu_amx", "all_gather", False, "verify"), ("torch_native", "all_gather", True, "verify_rows")],
-    3: [("torch_native", "all_to_all", True, "eager"), ("torch_native", "all_gather", False, "eager"),
-        ("cpu_amx", "all_to_all", True, "eager"), ("torch_native", "all_gather", True, "graph"),
-        ("torch_native", "all_gather", True, "verify"), ("cpu_amx", "all_to_all", True, "verify"),
-        ("torch_native", "all_gather", False, "verify_rows")],
+    2: [
+        ("torch_native", "all_gather", True, "eager"),
+        ("torch_native", "all_to_all", True, "eager"),
+        ("cpu_amx", "all_gather", False, "eager"),
+        ("torch_native", "all_to_all", True, "graph"),
+        ("torch_native", "all_gather", False, "graph"),
+        ("torch_native", "all_to_all", True, "verify"),
+        ("cpu_amx", "all_gather", False, "verify"),
+        ("torch_native", "all_gather", True, "verify_rows"),
+    ],
+    3: [
+        ("torch_native", "all_to_all", True, "eager"),
+        ("torch_native", "all_gather", False, "eager"),
+        ("cpu_amx", "all_to_all", True, "eager"),
+        ("torch_native", "all_gather", True, "graph"),
+        ("torch_native", "all_gather", True, "verify"),
+        ("cpu_amx", "all_to_all", True, "verify"),
+        ("torch_native", "all_gather", False, "verify_rows"),
+    ],
 }
 
 
@@ -443,7 +571,9 @@ def test_dcp_decode_nccl_cuda_graphs(backend, dtype_name, exchange):
         pytest.skip("needs 2 CUDA GPUs")
     if not _usable(backend):
         pytest.skip(f"{backend} cannot run here")
-    configs = [(backend, exchange, True, "graph")] + ([(backend, exchange, False, "graph")] if exchange == "all_gather" else [])
+    configs = [(backend, exchange, True, "graph")] + (
+        [(backend, exchange, False, "graph")] if exchange == "all_gather" else []
+    )
     run_ranks(HERE, "dcp_worker", 2, args=(11, configs, "cuda", dtype_name), timeout_s=300, dist_backend="nccl")
 
 

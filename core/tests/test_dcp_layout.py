@@ -48,7 +48,9 @@ def test_docstring_example():
     assert layout.global_position(torch.tensor([0, 3, 4]), 1).tolist() == [4, 7, 12]
 
 
-@pytest.mark.parametrize("bad", [dict(world=0, interleave=4), dict(world=2, interleave=0), dict(world=2.0, interleave=4)])
+@pytest.mark.parametrize(
+    "bad", [dict(world=0, interleave=4), dict(world=2, interleave=0), dict(world=2.0, interleave=4)]
+)
 def test_layout_rejects_bad_arguments(bad):
     with pytest.raises(ac.InvalidArgumentError):
         DcpLayout(**bad)
@@ -57,7 +59,9 @@ def test_layout_rejects_bad_arguments(bad):
 
 
 def rank_pool(page_size: int, layout: DcpLayout, rank: int, slots: int = 256) -> DcpRequestPool:
-    kv = ac.MHATokenToKVPool(size=slots, page_size=page_size, dtype=torch.float32, head_num=1, head_dim=4, layer_num=1, device="cpu")
+    kv = ac.MHATokenToKVPool(
+        size=slots, page_size=page_size, dtype=torch.float32, head_num=1, head_dim=4, layer_num=1, device="cpu"
+    )
     rows = ac.ReqToTokenPool(size=8, max_context_len=128, device="cpu")
     return DcpRequestPool(ac.RequestPool(rows, ac.PagedTokenAllocator(slots, page_size), kv), layout, rank)
 
@@ -72,7 +76,12 @@ def test_steps_store_each_token_on_its_rank(world, page_size):
     rng = random.Random(world * 10 + page_size)
     reqs = [[p.add() for p in pools] for _ in range(3)]
     stored: dict[tuple[int, int], list[int]] = {}  # (request, global pos) -> ranks that stored it
-    schedule = [[rng.randint(1, 9) for _ in reqs]] + [[1] * len(reqs)] * 3 + [[rng.randint(1, 5) for _ in reqs]] + [[1] * len(reqs)]
+    schedule = (
+        [[rng.randint(1, 9) for _ in reqs]]
+        + [[1] * len(reqs)] * 3
+        + [[rng.randint(1, 5) for _ in reqs]]
+        + [[1] * len(reqs)]
+    )
     for counts in schedule:
         for r, pool in enumerate(pools):
             step = build_dcp_step(pool, [(reqs[i][r], n) for i, n in enumerate(counts)])

@@ -364,7 +364,9 @@ def test_engine_batches_through_the_graph_metadata_path(backend):
     history = [[k[:5], v[:5]], [k[5:], v[5:]]]
     graph.init_cuda_graph_state(4, 4)
     rows, lens = torch.zeros(2, dtype=torch.int64), torch.ones(2, dtype=torch.int32)
-    graph.capture_cuda_graph_metadata(CudaGraphStep(forward_mode=ac.ForwardMode.DECODE, bs=2, req_pool_indices=rows, seq_lens=lens))
+    graph.capture_cuda_graph_metadata(
+        CudaGraphStep(forward_mode=ac.ForwardMode.DECODE, bs=2, req_pool_indices=rows, seq_lens=lens)
+    )
     seq = [5, 3]
     for _ in range(4):
         seq = [s + 1 for s in seq]
@@ -372,7 +374,14 @@ def test_engine_batches_through_the_graph_metadata_path(backend):
         assert batch.forward_mode is ac.ForwardMode.DECODE
         q, k, v = torch.randn(2, H, D), torch.randn(2, HKV, D), torch.randn(2, HKV, D)
         graph.init_forward_metadata_replay_cuda_graph(
-            2, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_sum, None, ac.ForwardMode.DECODE, None, batch.seq_lens_cpu
+            2,
+            batch.req_pool_indices,
+            batch.seq_lens,
+            batch.seq_lens_sum,
+            None,
+            ac.ForwardMode.DECODE,
+            None,
+            batch.seq_lens_cpu,
         )
         out_graph = graph.forward(q, k, v, layer, batch).clone()
         eager.init_forward_metadata(batch)

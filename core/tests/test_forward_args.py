@@ -88,10 +88,19 @@ FAULTS = {
     "unknown_extra": (lambda i, ly: _args(i, extras={"bogus": 1}), InvalidArgumentError, "extras"),
     "sinks_shape": (lambda i, ly: _args(i, extras={"sinks": torch.zeros(3)}), InvalidArgumentError, "sinks"),
     "layer_q_heads": (lambda i, ly: (_set(ly, num_q_heads=8), _args(i))[1], InvalidArgumentError, "layer heads"),
-    "layer_head_dim": (lambda i, ly: (_set(ly, head_dim=16), _args(i))[1], InvalidArgumentError, "layer head_dim/v_head_dim"),
+    "layer_head_dim": (
+        lambda i, ly: (_set(ly, head_dim=16), _args(i))[1],
+        InvalidArgumentError,
+        "layer head_dim/v_head_dim",
+    ),
     "layer_logit_cap": (lambda i, ly: (_set(ly, logit_cap=5.0), _args(i))[1], UnsupportedFeatureError, None),
-    # several faults: the first in the check order wins (extras, layer, q shape, q device, dtypes, k/v device, k/v shape)
-    "extras_before_layer": (lambda i, ly: (_set(ly, num_q_heads=8), _args(i, extras={"bogus": 1}))[1], InvalidArgumentError, "extras"),
+    # several faults: the first in the check order wins (extras, layer, q shape, q device, dtypes, k/v device,
+    # k/v shape)
+    "extras_before_layer": (
+        lambda i, ly: (_set(ly, num_q_heads=8), _args(i, extras={"bogus": 1}))[1],
+        InvalidArgumentError,
+        "extras",
+    ),
     "q_shape_before_q_device": (lambda i, ly: _args(i, q=_on_meta(i["q"][:-1])), InvalidArgumentError, "q"),
     "k_dtype_before_q_device": (lambda i, ly: _args(i, q=_on_meta(i["q"]), k=i["k"].half()), InvalidArgumentError, "q"),
     "v_dtype_before_k_device": (lambda i, ly: _args(i, k=_on_meta(i["k"]), v=i["v"].half()), InvalidArgumentError, "v"),
@@ -129,7 +138,9 @@ def test_every_fault_gets_its_typed_error_before_any_kernel_or_kv_write(fault, m
 def test_cross_attention_keys_are_checked_against_the_encoder_rows_not_the_step_tokens(after_success):
     """A cross-attention layer's new K/V are the new requests' encoder tokens (5 here), not the step's
     4 decoder tokens: K/V of the decoder's row count are refused."""
-    env = make_env(AttnCase(ForwardMode.EXTEND, ((0, 3, 5), (2, 1, 7)), page_size=4, num_layers=1, cross_attention=True))
+    env = make_env(
+        AttnCase(ForwardMode.EXTEND, ((0, 3, 5), (2, 1, 7)), page_size=4, num_layers=1, cross_attention=True)
+    )
     backend = TorchNativeBackend(env.ctx)
     backend.init_forward_metadata(env.batch)
     layer = make_layer(env.case, 0)
@@ -143,7 +154,9 @@ def test_cross_attention_keys_are_checked_against_the_encoder_rows_not_the_step_
     assert caught.value.argument == "k"
 
 
-MLA = AttnCase(ForwardMode.DECODE, ((5, 1), (9, 1)), arch="mla", kv_lora_rank=24, qk_rope_head_dim=8, num_kv_heads=1, num_layers=1)
+MLA = AttnCase(
+    ForwardMode.DECODE, ((5, 1), (9, 1)), arch="mla", kv_lora_rank=24, qk_rope_head_dim=8, num_kv_heads=1, num_layers=1
+)
 MLA_FAULTS = {
     "k_shape": (lambda i: _args(i, k=i["k"][..., :-1]), "k"),
     "q_dtype": (lambda i: _args(i, q=i["q"].double()), "q"),

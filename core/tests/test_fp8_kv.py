@@ -60,7 +60,10 @@ def test_reference_grid_matches_the_format():
 def test_quantize_matches_float64_reference_and_bound(scale):
     gen = torch.Generator().manual_seed(1)
     s = 1.0 if scale is None else scale
-    x = torch.randn(4000, generator=gen, dtype=torch.float64) * torch.exp2(torch.randint(-12, 9, (4000,), generator=gen)).double()
+    x = (
+        torch.randn(4000, generator=gen, dtype=torch.float64)
+        * torch.exp2(torch.randint(-12, 9, (4000,), generator=gen)).double()
+    )
     x = x.float()
     q = quantize_kv(x, FP8, scale)
     assert q.dtype == FP8

@@ -33,7 +33,9 @@ class Setup:
         self.kv0 = self.kv()
 
     def run_layers(self, batch, inputs):
-        outs = [layer(inputs["q"][:, i], inputs["k"][:, i], inputs["v"][:, i], batch) for i, layer in enumerate(self.layers)]
+        outs = [
+            layer(inputs["q"][:, i], inputs["k"][:, i], inputs["v"][:, i], batch) for i, layer in enumerate(self.layers)
+        ]
         return torch.stack(outs, dim=1)
 
     def kv(self):
@@ -73,7 +75,12 @@ def _check_runner(setup: Setup, backend_cls, sizes, run_sizes, device_graphs=Non
     case = setup.case
     nd = case.requests[0].extend_len if case.mode.is_target_verify() else None
     runner = CudaGraphRunner(
-        backend_cls(setup.env.ctx), sizes, setup.run_layers, setup.shapes, num_draft_tokens=nd, use_cuda_graph=device_graphs
+        backend_cls(setup.env.ctx),
+        sizes,
+        setup.run_layers,
+        setup.shapes,
+        num_draft_tokens=nd,
+        use_cuda_graph=device_graphs,
     )
     eager_backend = backend_cls(setup.env.ctx)
     for n in run_sizes:
@@ -115,7 +122,13 @@ class FillThree(TorchNativeBackend):
         return 3
 
     def replay_cuda_graph_metadata(self, step):
-        self.replayed = (step.bs, step.req_pool_indices.clone(), step.seq_lens.clone(), step.seq_lens_sum, step.seq_lens_cpu.clone())
+        self.replayed = (
+            step.bs,
+            step.req_pool_indices.clone(),
+            step.seq_lens.clone(),
+            step.seq_lens_sum,
+            step.seq_lens_cpu.clone(),
+        )
         super().replay_cuda_graph_metadata(step)
 
 
@@ -171,8 +184,15 @@ def test_cuda_graph_replay_equals_eager_on_gpu(backend, dtype):
     cls = TorchNativeBackend if backend == "torch_native" else _triton_backend_class()
     rtol = 1e-5 if dtype == "float32" else 2e-2
     decode = AttnCase(
-        ForwardMode.DECODE, tuple((n, 1) for n in (700, 3, 129, 64, 1000)), head_dim=64, page_size=16, dtype=dtype, device="cuda"
+        ForwardMode.DECODE,
+        tuple((n, 1) for n in (700, 3, 129, 64, 1000)),
+        head_dim=64,
+        page_size=16,
+        dtype=dtype,
+        device="cuda",
     )
     _check_runner(Setup(decode), cls, [1, 2, 4, 8], [5, 3, 1, 2], rtol=rtol)
-    verify = AttnCase(ForwardMode.TARGET_VERIFY, ((300, 4), (17, 4), (90, 4)), head_dim=64, page_size=16, dtype=dtype, device="cuda")
+    verify = AttnCase(
+        ForwardMode.TARGET_VERIFY, ((300, 4), (17, 4), (90, 4)), head_dim=64, page_size=16, dtype=dtype, device="cuda"
+    )
     _check_runner(Setup(verify), cls, [2, 4], [3, 1, 2], rtol=rtol)

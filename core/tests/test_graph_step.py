@@ -39,7 +39,9 @@ def test_padding_rows_never_have_a_negative_prefix(mode, nd, fill):
 
 
 def test_padding_worked_example():
-    assert graph_padding(ForwardMode.TARGET_VERIFY, 3, [2, 4], 1, 3) == GraphPadding(bs=3, padded_bs=4, tokens_per_request=3, prefix_len=0)
+    assert graph_padding(ForwardMode.TARGET_VERIFY, 3, [2, 4], 1, 3) == GraphPadding(
+        bs=3, padded_bs=4, tokens_per_request=3, prefix_len=0
+    )
 
 
 def test_padding_errors_name_the_argument():
@@ -57,7 +59,9 @@ def test_padding_errors_name_the_argument():
 
 def test_step_trims_to_bs_and_derives_counts():
     spec = SpecInfo(num_draft_tokens=3)
-    step = CudaGraphStep(forward_mode="target_verify", bs=2, req_pool_indices=ROWS, seq_lens=LENS, seq_lens_cpu=LENS, spec_info=spec)
+    step = CudaGraphStep(
+        forward_mode="target_verify", bs=2, req_pool_indices=ROWS, seq_lens=LENS, seq_lens_cpu=LENS, spec_info=spec
+    )
     assert step.forward_mode is ForwardMode.TARGET_VERIFY
     assert step.req_pool_indices.tolist() == [0, 1] and step.seq_lens.tolist() == [5, 9]
     assert step.seq_lens.data_ptr() == LENS.data_ptr()  # a view: graph buffers keep their address
@@ -65,7 +69,10 @@ def test_step_trims_to_bs_and_derives_counts():
     d = CudaGraphStep(forward_mode=ForwardMode.DECODE, bs=3, req_pool_indices=ROWS, seq_lens=LENS)
     assert d.num_tokens == 3 and d.seq_lens_sum is None and d.host_seq_lens().tolist() == [5, 9, 1]
     # no draft count: a replay of TARGET_VERIFY leaves the count to what was captured
-    assert CudaGraphStep(forward_mode=ForwardMode.TARGET_VERIFY, bs=2, req_pool_indices=ROWS, seq_lens=LENS).num_tokens is None
+    assert (
+        CudaGraphStep(forward_mode=ForwardMode.TARGET_VERIFY, bs=2, req_pool_indices=ROWS, seq_lens=LENS).num_tokens
+        is None
+    )
 
 
 @pytest.mark.parametrize(
@@ -80,7 +87,10 @@ def test_step_trims_to_bs_and_derives_counts():
         (dict(seq_lens=None), "seq_lens"),
         (dict(num_tokens=4), "num_tokens"),  # DECODE: one token per request
         (dict(forward_mode=ForwardMode.TARGET_VERIFY, num_tokens=7), "num_tokens"),  # not a multiple of bs
-        (dict(forward_mode=ForwardMode.TARGET_VERIFY, spec_info=SpecInfo(num_draft_tokens=2), num_tokens=9), "num_tokens"),
+        (
+            dict(forward_mode=ForwardMode.TARGET_VERIFY, spec_info=SpecInfo(num_draft_tokens=2), num_tokens=9),
+            "num_tokens",
+        ),
         (dict(seq_lens_cpu=LENS, seq_lens_sum=3), "seq_lens_sum"),
         (dict(encoder_lens=torch.ones(2, dtype=torch.int32)), "encoder_lens"),
     ],
@@ -117,7 +127,9 @@ def test_sglang_entry_points_build_the_step():
     backend.init_forward_metadata_capture_cuda_graph(4, 4, pad_rows, pad_lens, None, ForwardMode.DECODE, None)
     b = env.batch
     rows, lens = torch.cat([b.req_pool_indices, pad_rows[:2]]), torch.cat([b.seq_lens, pad_lens[:2]])
-    backend.init_forward_metadata_replay_cuda_graph(4, rows, lens, int(lens.sum()), None, ForwardMode.DECODE, None, lens)
+    backend.init_forward_metadata_replay_cuda_graph(
+        4, rows, lens, int(lens.sum()), None, ForwardMode.DECODE, None, lens
+    )
     (k0, cap), (k1, rep) = seen
     assert (k0, cap.bs, cap.num_tokens, cap.seq_lens_cpu, cap.seq_lens_sum) == ("capture", 4, 4, None, None)
     assert (k1, rep.bs, rep.num_tokens, rep.seq_lens_sum) == ("replay", 4, 4, int(lens.sum()))

@@ -172,7 +172,9 @@ def test_incompatible_children_are_refused():
         HybridAttnBackend(Recording(_ctx(num_kv_heads=4), "p", log), Recording(_ctx(), "d", log))
     pools = [MHATokenToKVPool(32, 1, torch.float32, 2, 32, 1) for _ in range(2)]
     with pytest.raises(InvalidArgumentError, match="token_to_kv_pool"):
-        HybridAttnBackend(Recording(_ctx(token_to_kv_pool=pools[0]), "p", log), Recording(_ctx(token_to_kv_pool=pools[1]), "d", log))
+        HybridAttnBackend(
+            Recording(_ctx(token_to_kv_pool=pools[0]), "p", log), Recording(_ctx(token_to_kv_pool=pools[1]), "d", log)
+        )
     with pytest.raises(InvalidArgumentError, match="target_verify"):
         HybridAttnBackend(Recording(_ctx(), "p", log), Recording(_ctx(), "d", log), target_verify="verify")
 

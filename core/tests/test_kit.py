@@ -74,9 +74,23 @@ def test_plan_follows_declared_capabilities():
     ids = {c.id for c in make_plan(NarrowBackend, device="cpu", quick=False).checks}
     assert {"mode-DECODE", "mode-EXTEND", "page_size-16-DECODE", "page_size-16-EXTEND", "head_dim-128-EXTEND"} <= ids
     assert {"dtype-float32-DECODE", "dtype-bfloat16-EXTEND"} <= ids
-    assert not any(i.startswith(("mode-MIXED", "page_size-1-", "graph-", "sliding_window", "sinks", "mla-", "empty-")) for i in ids)
-    refusals = {"refuse-sliding_window", "refuse-logit_cap", "refuse-sinks", "refuse-lse_output", "refuse-cross_attention"}
-    refusals |= {"refuse-mode-MIXED", "refuse-mode-TARGET_VERIFY", "refuse-dtype-float16", "refuse-page_size-1", "refuse-arch-mla"}
+    assert not any(
+        i.startswith(("mode-MIXED", "page_size-1-", "graph-", "sliding_window", "sinks", "mla-", "empty-")) for i in ids
+    )
+    refusals = {
+        "refuse-sliding_window",
+        "refuse-logit_cap",
+        "refuse-sinks",
+        "refuse-lse_output",
+        "refuse-cross_attention",
+    }
+    refusals |= {
+        "refuse-mode-MIXED",
+        "refuse-mode-TARGET_VERIFY",
+        "refuse-dtype-float16",
+        "refuse-page_size-1",
+        "refuse-arch-mla",
+    }
     assert refusals <= ids
     assert "refuse-head_dim-256" in ids
 
@@ -93,15 +107,31 @@ def test_full_plan_covers_every_declared_capability_of_torch_native():
         assert f"mode-{mode}" in ids and f"random-{mode}-3" in ids
     for ps in (1, 16, 64):
         assert f"page_size-{ps}-DECODE" in ids and f"page_size-{ps}-EXTEND" in ids
-    for feature in ("sliding_window-16-EXTEND", "logit_cap-DECODE", "sinks-EXTEND", "lse-DECODE", "cross_attention-EXTEND", "mla-DECODE"):
+    for feature in (
+        "sliding_window-16-EXTEND",
+        "logit_cap-DECODE",
+        "sinks-EXTEND",
+        "lse-DECODE",
+        "cross_attention-EXTEND",
+        "mla-DECODE",
+    ):
         assert feature in ids
-    assert {"graph-DECODE", "graph-TARGET_VERIFY", "empty-IDLE", "steps-EXTEND", "gqa-10x2-DECODE", "refuse-mode-SPLIT_PREFILL"} <= ids
+    assert {
+        "graph-DECODE",
+        "graph-TARGET_VERIFY",
+        "empty-IDLE",
+        "steps-EXTEND",
+        "gqa-10x2-DECODE",
+        "refuse-mode-SPLIT_PREFILL",
+    } <= ids
 
 
 def test_skip_patterns_and_selection():
     plan = make_plan("torch_native", device="cpu", quick=True, skip={"mode-*": "not today"})
     outcomes = run_plan(plan, select=["mode-", "spec-"])
-    assert {o.check_id for o in outcomes if o.status == "skipped"} == {c.id for c in plan.checks if c.id.startswith("mode-")}
+    assert {o.check_id for o in outcomes if o.status == "skipped"} == {
+        c.id for c in plan.checks if c.id.startswith("mode-")
+    }
     assert all(o.message == "not today" for o in outcomes if o.status == "skipped")
     assert {o.status for o in outcomes if o.check_id.startswith("spec-")} == {"passed"}
 
@@ -152,7 +182,17 @@ def test_pytest_face_fails_a_broken_backend_and_names_the_case(tmp_path):
         )
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file), "-k", "sliding_window or mode-DECODE"]
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(test_file),
+            "-k",
+            "sliding_window or mode-DECODE",
+        ]
         + ["--attn-quick"],
         capture_output=True,
         text=True,

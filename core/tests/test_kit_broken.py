@@ -123,7 +123,10 @@ def test_kv_one_slot_off_fails_with_the_kv_message():
     failed = run_kit(KVOneSlotOff, "mode-DECODE", "mode-EXTEND")
     assert set(failed) == {"mode-DECODE", "mode-EXTEND"}
     assert "case: DECODE reqs=" in failed["mode-DECODE"]
-    assert "not written to their slots" in failed["mode-DECODE"] or "written outside out_cache_loc" in failed["mode-DECODE"]
+    assert (
+        "not written to their slots" in failed["mode-DECODE"]
+        or "written outside out_cache_loc" in failed["mode-DECODE"]
+    )
 
 
 def test_ignored_sliding_window_fails_window_cases():
@@ -156,7 +159,9 @@ def test_stale_graph_replay_fails_graph_checks():
 def test_undeclared_feature_used_silently_fails_refusal():
     failed = run_kit(SilentSinks, "refuse-")
     assert set(failed) == {"refuse-sinks"}
-    assert "expected UnsupportedFeatureError or IncompatibleBackendError, but the call succeeded" in failed["refuse-sinks"]
+    assert (
+        "expected UnsupportedFeatureError or IncompatibleBackendError, but the call succeeded" in failed["refuse-sinks"]
+    )
 
 
 def test_writing_kv_before_validation_fails_bad_input():
@@ -200,7 +205,10 @@ def test_ignored_v_scale_fails_fp8_cases():
     failed = run_kit(IgnoresVScale, "fp8_kv-float8_e4m3fn-DECODE", "fp8_kv-float8_e4m3fn-EXTEND", "mode-DECODE")
     want = {"fp8_kv-float8_e4m3fn-DECODE", "fp8_kv-float8_e4m3fn-EXTEND", "graph-fp8_kv-float8_e4m3fn-DECODE"}
     assert set(failed) == want, failed
-    assert "kv=float8_e4m3fn" in failed["fp8_kv-float8_e4m3fn-DECODE"] and "out rel err" in failed["fp8_kv-float8_e4m3fn-DECODE"]
+    assert (
+        "kv=float8_e4m3fn" in failed["fp8_kv-float8_e4m3fn-DECODE"]
+        and "out rel err" in failed["fp8_kv-float8_e4m3fn-DECODE"]
+    )
 
 
 def test_unscaled_fp8_store_fails_with_the_kv_message():

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from attn_core.testing.kit import make_plan
-from attn_core.testing.limits import BF16_INTERPRETER_REASON, distribution_requires, environment_skips, runs_in_triton_interpreter
+from attn_core.testing.limits import (
+    BF16_INTERPRETER_REASON,
+    distribution_requires,
+    environment_skips,
+    runs_in_triton_interpreter,
+)
 
 BF16 = frozenset({"bfloat16", "float16"})
 
@@ -13,7 +18,9 @@ BF16 = frozenset({"bfloat16", "float16"})
 def test_distribution_requirements_are_read_from_metadata():
     assert distribution_requires("attn-triton", "triton")
     assert not distribution_requires("attn-core", "triton")
-    assert distribution_requires("attn-core", "pluggy") and not distribution_requires("attn-core", "hypothesis")  # extras do not count
+    assert distribution_requires("attn-core", "pluggy") and not distribution_requires(
+        "attn-core", "hypothesis"
+    )  # extras do not count
     assert not distribution_requires("no-such-distribution-xyz", "triton")
 
 

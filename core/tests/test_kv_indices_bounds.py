@@ -98,11 +98,20 @@ def run_case(name, device, bad_slot=False, keep_layout=False):
     flags = DeviceFaultFlags(torch.device(device))
     q = torch.tensor(q_lens, dtype=torch.int32, device=device) if q_lens is not None else None
     kvt.kv_indices_triton(
-        r2t, torch.tensor(rows, dtype=torch.int64, device=device), torch.tensor(lens, dtype=torch.int32, device=device),
-        ids[:total] if total else ids[:0], kv_indptr=indptr, last_page_len=last, page_size=page_size,
-        kv_start=torch.tensor(starts, dtype=torch.int32, device=device), q_lens=q, qo_indptr=qo if q is not None else None,
-        num_slots=NUM_SLOTS, fault=flags.buffer, keep_layout=keep_layout,
-    )  # fmt: skip
+        r2t,
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(lens, dtype=torch.int32, device=device),
+        ids[:total] if total else ids[:0],
+        kv_indptr=indptr,
+        last_page_len=last,
+        page_size=page_size,
+        kv_start=torch.tensor(starts, dtype=torch.int32, device=device),
+        q_lens=q,
+        qo_indptr=qo if q is not None else None,
+        num_slots=NUM_SLOTS,
+        fault=flags.buffer,
+        keep_layout=keep_layout,
+    )
     want_ids, want_ptr, want_last, want_faults = expected(
         r2t.cpu(), rows, lens, starts, total, page_size, NUM_SLOTS, keep_layout
     )
@@ -112,10 +121,14 @@ def run_case(name, device, bad_slot=False, keep_layout=False):
     n = len(want_ids)
     assert ids_whole[5 : 5 + n].tolist() == want_ids, (name, ids.tolist(), want_ids)
     assert all(x == -7 for x in ids_whole[5 + n :].tolist() + ids_whole[:5].tolist()), f"{name}: wrote past its ids"
-    assert CANARY not in ids_whole.tolist() and CANARY // page_size not in ids_whole.tolist(), f"{name}: read outside the table"
+    assert CANARY not in ids_whole.tolist() and CANARY // page_size not in ids_whole.tolist(), (
+        f"{name}: read outside the table"
+    )
     assert indptr.tolist() == want_ptr and last.tolist() == want_last, (name, indptr.tolist(), last.tolist())
     for whole, n in ((ptr_whole, bs + 1), (last_whole, bs), (qo_whole, bs + 1)):
-        assert whole[:5].tolist() == [-7] * 5 and whole[5 + n :].tolist() == [-7] * 5, f"{name}: wrote outside a small buffer"
+        assert whole[:5].tolist() == [-7] * 5 and whole[5 + n :].tolist() == [-7] * 5, (
+            f"{name}: wrote outside a small buffer"
+        )
     if q is not None:
         want_qo = [0]
         for n in q_lens:

@@ -34,7 +34,11 @@ def _case(seed, page_size, with_start):
     for _ in range(bs):
         s = rng.randrange(0, max_len, page_size) if with_start else 0
         starts.append(s)
-        lens.append(rng.choice([0, 1, page_size, rng.randint(0, max_len - s)]) if max_len - s > page_size else rng.randint(0, max_len - s))
+        lens.append(
+            rng.choice([0, 1, page_size, rng.randint(0, max_len - s)])
+            if max_len - s > page_size
+            else rng.randint(0, max_len - s)
+        )
     return r2t, rows, torch.tensor(lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32)
 
 
@@ -75,7 +79,9 @@ def test_page_ids_from_req_to_token_match_loop(seed, page_size, with_start):
     r2t, rows, lens, starts = _case(seed, page_size, with_start)
     indptr = kvi.page_indptr_from_lens(lens, page_size)
     total = int(indptr[-1])
-    got = kvi.kv_indices_from_req_to_token(r2t, rows, indptr, total, starts if with_start else None, page_size=page_size)
+    got = kvi.kv_indices_from_req_to_token(
+        r2t, rows, indptr, total, starts if with_start else None, page_size=page_size
+    )
     assert got.dtype == torch.int32
     assert got.tolist() == _expected_ids(r2t, rows, lens, starts, page_size)
 
@@ -105,9 +111,17 @@ def _check_build_with_every_output(device: str, page_size: int, seed: int) -> No
     total = sum(pages)
     indptr, last, qo = (torch.full((n,), -1, dtype=torch.int32, device=device) for n in (bs + 1, bs, bs + 1))
     got = kvi.build_kv_indices(
-        r2t, rows, lens, total, page_size=page_size, kv_start=starts, indptr_out=indptr, last_page_len_out=last,
-        q_lens=q.to(device), qo_indptr_out=qo,
-    )  # fmt: skip
+        r2t,
+        rows,
+        lens,
+        total,
+        page_size=page_size,
+        kv_start=starts,
+        indptr_out=indptr,
+        last_page_len_out=last,
+        q_lens=q.to(device),
+        qo_indptr_out=qo,
+    )
     assert got.tolist() == _expected_ids(r2t.cpu(), rows.cpu(), lens.cpu(), starts.cpu(), page_size)
     assert indptr.tolist() == [sum(pages[:i]) for i in range(bs + 1)]
     assert last.tolist() == [n - (p - 1) * page_size if p else 0 for n, p in zip(lens.tolist(), pages)]
@@ -145,11 +159,20 @@ def test_triton_path_on_gpu(page_size):
     for seed in range(10):
         r2t, rows, lens, starts = _case(300 + seed, page_size, seed % 2 == 1)
         total = int(kvi.num_pages_from_lens(lens, page_size).sum())
-        got = kvi.build_kv_indices(r2t.cuda(), rows.cuda(), lens.cuda(), total, page_size=page_size, kv_start=starts.cuda())
+        got = kvi.build_kv_indices(
+            r2t.cuda(), rows.cuda(), lens.cuda(), total, page_size=page_size, kv_start=starts.cuda()
+        )
         assert got.cpu().tolist() == _expected_ids(r2t, rows, lens, starts, page_size)
         out = torch.full((total + 3,), -7, dtype=torch.int32, device="cuda")
         whole = kvi.build_kv_indices(
-            r2t.cuda(), rows.cuda(), lens.cuda(), total, page_size=page_size, kv_start=starts.cuda(), out=out, whole_out=True
+            r2t.cuda(),
+            rows.cuda(),
+            lens.cuda(),
+            total,
+            page_size=page_size,
+            kv_start=starts.cuda(),
+            out=out,
+            whole_out=True,
         )
         assert whole is out and out[:total].tolist() == got.tolist() and out[total:].tolist() == [-7] * 3
         _check_build_with_every_output("cuda", page_size, 320 + seed)

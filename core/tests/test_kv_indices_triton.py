@@ -39,11 +39,15 @@ for page_size in (1, 2):
 
 indptr = torch.full((1,), 7, dtype=torch.int32)
 empty = torch.zeros(0, dtype=torch.int64)
-kvt.kv_indices_triton(torch.zeros(1, 4, dtype=torch.int32), empty, empty.int(), torch.zeros(1, dtype=torch.int32), kv_indptr=indptr)
+kvt.kv_indices_triton(
+    torch.zeros(1, 4, dtype=torch.int32), empty, empty.int(), torch.zeros(1, dtype=torch.int32), kv_indptr=indptr
+)
 assert indptr.tolist() == [0]
 r2t = torch.arange(40, dtype=torch.int32).view(8, 5)
 try:
-    kvt.kv_indices_triton(r2t.t(), torch.tensor([1]), torch.tensor([2], dtype=torch.int32), torch.zeros(2, dtype=torch.int32))
+    kvt.kv_indices_triton(
+        r2t.t(), torch.tensor([1]), torch.tensor([2], dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    )
     raise SystemExit("strided rows accepted")
 except InvalidArgumentError as e:
     assert "req_to_token" in str(e)
@@ -78,9 +82,20 @@ def check_all_outputs(fn, r2t, rows, lens, starts, page_size: int, seed: int) ->
     mask = torch.full((bs + 1,), -1, dtype=torch.int64, device=dev)
     fault = torch.zeros(8, dtype=torch.int32, device=dev)
     fn(
-        r2t, rows, lens, indices, kv_indptr=indptr, last_page_len=last, page_size=page_size, kv_start=start, q_lens=q_lens,
-        qo_indptr=qo, mask_indptr=mask, num_slots=int(r2t.max()) + 1, fault=fault,
-    )  # fmt: skip
+        r2t,
+        rows,
+        lens,
+        indices,
+        kv_indptr=indptr,
+        last_page_len=last,
+        page_size=page_size,
+        kv_start=start,
+        q_lens=q_lens,
+        qo_indptr=qo,
+        mask_indptr=mask,
+        num_slots=int(r2t.max()) + 1,
+        fault=fault,
+    )
     want_indptr = kvi.page_indptr_from_lens(lens, page_size)
     assert torch.equal(indptr, want_indptr), (page_size, seed)
     want = kvi.kv_indices_from_req_to_token(r2t, rows, want_indptr, total, start, page_size)
@@ -106,7 +121,9 @@ def test_kernel_interpreted():
     kernel's calls into triton.language's own jit functions)."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", _INTERPRETED.format(here=HERE)], env=env, capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED.format(here=HERE)], env=env, capture_output=True, text=True
+    )
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]
 
 
@@ -117,8 +134,8 @@ from triton.compiler import ASTSource
 from attn_core.ops.kv_indices_triton import _build_indices_kernel as fn
 
 for page_size, keep in ((1, False), (16, False), (1, True), (16, True)):
-    consts = dict(BS_BLOCK=256, CHUNK=512, PAGE_SIZE=page_size, HAS_START=True, HAS_INDPTR=True, HAS_LAST=True, HAS_Q=True,
-                  HAS_MASK_INDPTR=True, CHECK_SLOTS=True, HAS_FAULT=True, KEEP_LAYOUT=keep)
+    consts = dict(BS_BLOCK=256, CHUNK=512, PAGE_SIZE=page_size, HAS_START=True, HAS_INDPTR=True, HAS_LAST=True,
+                  HAS_Q=True, HAS_MASK_INDPTR=True, CHECK_SLOTS=True, HAS_FAULT=True, KEEP_LAYOUT=keep)
     sig = {n: "constexpr" if n in consts else ("*i64" if n == "MASK_INDPTR" else "*i32") if n.isupper() else "i32"
            for n in fn.arg_names}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
@@ -128,7 +145,9 @@ print("compiled")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton.backends.nvidia") is None, reason="Triton without its CUDA backend")
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton.backends.nvidia") is None, reason="Triton without its CUDA backend"
+)
 def test_kernel_compiles_for_sm90():
     """Lowered to cubin ahead of time (no GPU needed): catches what the interpreter does not check."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -158,11 +177,21 @@ def test_cached_launch_on_gpu(page_size):
         indptr, indices = buf[: bs + 1], buf[bs + 1 :]
         fault = torch.zeros(8, dtype=torch.int32, device="cuda")
         kvt.kv_indices_triton(
-            r2t, rpi, lens, indices, kv_indptr=indptr, page_size=page_size, kv_start=start, num_slots=1 << 20, fault=fault
+            r2t,
+            rpi,
+            lens,
+            indices,
+            kv_indptr=indptr,
+            page_size=page_size,
+            kv_start=start,
+            num_slots=1 << 20,
+            fault=fault,
         )
         want = kvi.page_indptr_from_lens(lens, page_size)
         assert torch.equal(indptr, want)
-        assert torch.equal(indices, kvi.kv_indices_from_req_to_token(r2t, rpi, want, total, kv_start=start, page_size=page_size))
+        assert torch.equal(
+            indices, kvi.kv_indices_from_req_to_token(r2t, rpi, want, total, kv_start=start, page_size=page_size)
+        )
         assert not fault.any()
     assert kvt._LAUNCH.compiled and kvt._LAUNCH.enabled, "the cached launch path was never taken (or fell back)"
     assert kvt._LAUNCH._stream_of is not None, "the compiled kernel's launcher is not called directly"
@@ -175,7 +204,9 @@ def test_cached_launch_on_gpu(page_size):
     fault = torch.zeros(8, dtype=torch.int32, device="cuda")
 
     def launch():
-        kvt.kv_indices_triton(r2t, rpi, lens, buf[bs + 1 :], kv_indptr=buf[: bs + 1], page_size=page_size, num_slots=1 << 20, fault=fault)
+        kvt.kv_indices_triton(
+            r2t, rpi, lens, buf[bs + 1 :], kv_indptr=buf[: bs + 1], page_size=page_size, num_slots=1 << 20, fault=fault
+        )
 
     launch()  # this constexpr set compiled before the capture
     torch.cuda.synchronize()
@@ -191,7 +222,9 @@ def test_cached_launch_on_gpu(page_size):
         want = kvi.page_indptr_from_lens(lens, page_size)
         total = int(want[-1])
         assert torch.equal(buf[: bs + 1], want)
-        assert torch.equal(buf[bs + 1 : bs + 1 + total], kvi.kv_indices_from_req_to_token(r2t, rpi, want, total, page_size=page_size))
+        assert torch.equal(
+            buf[bs + 1 : bs + 1 + total], kvi.kv_indices_from_req_to_token(r2t, rpi, want, total, page_size=page_size)
+        )
     assert not fault.any()
 
 

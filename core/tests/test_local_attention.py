@@ -6,7 +6,14 @@ import random
 import pytest
 import torch
 
-from attn_core import AttentionLayer, BackendContext, Feature, ForwardMode, InvalidArgumentError, UnsupportedFeatureError
+from attn_core import (
+    AttentionLayer,
+    BackendContext,
+    Feature,
+    ForwardMode,
+    InvalidArgumentError,
+    UnsupportedFeatureError,
+)
 from attn_core.batching.local_attention import local_decode_starts, make_local_attention_virtual_batches
 from attn_core.memory import MHATokenToKVPool, PagedTokenAllocator, ReqToTokenPool
 from attn_core.testing.batch_builder import build_forward_batch
@@ -69,7 +76,18 @@ def test_random_batches_match_loop(page_size):
         q_lens = [rng.choice([0, 1, rng.randint(1, 60)]) for _ in range(bs)]
         seq_lens = [n + rng.randint(0, 90) for n in q_lens]
         vb = make_local_attention_virtual_batches(chunk, q_lens, seq_lens, page_size=page_size)
-        got = list(zip(vb.req_indices, vb.q_lens, vb.q_start_loc, vb.kv_starts, vb.kv_lens, vb.page_starts, vb.page_offsets, vb.num_pages))
+        got = list(
+            zip(
+                vb.req_indices,
+                vb.q_lens,
+                vb.q_start_loc,
+                vb.kv_starts,
+                vb.kv_lens,
+                vb.page_starts,
+                vb.page_offsets,
+                vb.num_pages,
+            )
+        )
         assert got == _loop_reference(chunk, q_lens, seq_lens, page_size), (chunk, q_lens, seq_lens)
         assert sum(vb.q_lens) == sum(q_lens) and vb.num_keys == sum(vb.kv_lens)
         # the page form names the request's pages holding exactly the virtual request's keys
@@ -92,7 +110,9 @@ def test_from_forward_batch():
     pool = ReqToTokenPool(4, 64)
     alloc = PagedTokenAllocator(256, 16)
     kv = MHATokenToKVPool(256, 16, torch.float32, 1, 8, 1)
-    b = build_forward_batch(ForwardMode.EXTEND, [(5, 4), (0, 3)], req_to_token_pool=pool, allocator=alloc, token_to_kv_pool=kv)
+    b = build_forward_batch(
+        ForwardMode.EXTEND, [(5, 4), (0, 3)], req_to_token_pool=pool, allocator=alloc, token_to_kv_pool=kv
+    )
     vb = make_local_attention_virtual_batches(4, b, page_size=16)
     assert vb == make_local_attention_virtual_batches(4, [4, 3], [9, 3], page_size=16)
     assert vb.req_indices == (0, 0, 1) and vb.q_lens == (3, 1, 3)

@@ -45,7 +45,9 @@ class Env:
     loc: torch.Tensor  # [bs, topk, num_steps]
 
 
-def _env(lens, page_size, topk, num_steps, dtype=torch.float32, device="cpu", seed=0, skip_row0=True, max_batch_size=None) -> Env:
+def _env(
+    lens, page_size, topk, num_steps, dtype=torch.float32, device="cpu", seed=0, skip_row0=True, max_batch_size=None
+) -> Env:
     """Requests with `lens` cached tokens (random K/V, every other slot NaN) and their draft slots."""
     dev = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
@@ -58,7 +60,9 @@ def _env(lens, page_size, topk, num_steps, dtype=torch.float32, device="cpu", se
     allocator = PagedTokenAllocator(pages * ps, ps, dev)
     allocator.alloc(ps)  # nor pages at 1
     kv = MHATokenToKVPool(pages * ps, ps, dtype, HKV, D, LAYERS, dev)
-    batch = build_forward_batch("EXTEND", [(n, 0) for n in lens], req_to_token_pool=r2t_pool, allocator=allocator, token_to_kv_pool=kv)
+    batch = build_forward_batch(
+        "EXTEND", [(n, 0) for n in lens], req_to_token_pool=r2t_pool, allocator=allocator, token_to_kv_pool=kv
+    )
     rows = batch.req_pool_indices.tolist()
     cached_k, cached_v = [], []
     for layer in range(LAYERS):
@@ -148,7 +152,11 @@ def test_draft_indices_match_expectation(topk, page_size, aligned):
                 assert loc[b][j][0] // P not in cached_pages
             for s in range(S):
                 v = b * topk + j
-                want = [r2t[row][i] for i in range(L - r)] + [loc[b][j][0] - r + i for i in range(r)] + [loc[b][j][t] for t in range(s + 1)]
+                want = (
+                    [r2t[row][i] for i in range(L - r)]
+                    + [loc[b][j][0] - r + i for i in range(r)]
+                    + [loc[b][j][t] for t in range(s + 1)]
+                )
                 n = int(batches[s].seq_lens[v])
                 assert n == L + s + 1 == int(batches[s].seq_lens_cpu[v])
                 assert table[v][:n] == want
@@ -162,7 +170,9 @@ def test_draft_indices_match_expectation(topk, page_size, aligned):
                     for i in range(r):
                         for buf in (env.kv.get_key_buffer(layer), env.kv.get_value_buffer(layer)):
                             assert torch.equal(buf[loc[b][j][0] - r + i], buf[r2t[row][L - r + i]])
-    assert all(b.batch_size == len(LENS) * topk and b.attn_backend is wrapper.backends[s] for s, b in enumerate(batches))
+    assert all(
+        b.batch_size == len(LENS) * topk and b.attn_backend is wrapper.backends[s] for s, b in enumerate(batches)
+    )
 
 
 def _layers():
@@ -225,7 +235,9 @@ def _assert_steps_match_reference(env: Env, outs, inputs, topk, S, dtype):
                     assert relative_error(got[v : v + 1], ref) <= tolerance(dtype), (s, li, b, j)
 
 
-def _graph_vs_eager(lens, page_size, topk, S, capture_bs, device="cpu", use_graph=False, cls=TorchNativeBackend, rtol=1e-5):
+def _graph_vs_eager(
+    lens, page_size, topk, S, capture_bs, device="cpu", use_graph=False, cls=TorchNativeBackend, rtol=1e-5
+):
     # row 0 (which padding rows read) is a real request: stray copies from it would show in the pool
     env = _env(lens, page_size, topk, S, device=device, seed=3, skip_row0=False, max_batch_size=capture_bs)
     kv0 = [(env.kv.get_key_buffer(i).clone(), env.kv.get_value_buffer(i).clone()) for i in range(LAYERS)]
@@ -296,7 +308,9 @@ def test_draft_steps_on_the_accelerator_path(step_check, topk, page_size):
 def test_bad_input_is_refused():
     env = _env([5, 3], 16, 4, 2)
     no_tree = type(
-        "NoTree", (TorchNativeBackend,), {"capabilities": replace(CAPABILITIES, features=CAPABILITIES.features - {Feature.SPEC_TOPK_GT1})}
+        "NoTree",
+        (TorchNativeBackend,),
+        {"capabilities": replace(CAPABILITIES, features=CAPABILITIES.features - {Feature.SPEC_TOPK_GT1})},
     )
     with pytest.raises(UnsupportedFeatureError, match="topk"):
         _wrapper(env, 4, 2, no_tree)

@@ -14,7 +14,12 @@ import torch
 from attn_core import BackendContext, HybridAttnBackend, ragged_batch, ragged_batch_from_cu_seqlens
 from attn_core.backends.torch_native.backend import TorchNativeBackend
 from attn_core.contract.capabilities import Feature
-from attn_core.contract.errors import InvalidArgumentError, InvalidBatchError, StaleMetadataError, UnsupportedFeatureError
+from attn_core.contract.errors import (
+    InvalidArgumentError,
+    InvalidBatchError,
+    StaleMetadataError,
+    UnsupportedFeatureError,
+)
 from attn_core.contract.ragged import RaggedBatch, check_ragged_batch
 from attn_core.testing.kit import make_plan
 from attn_core.testing.outcome import execute

@@ -39,7 +39,9 @@ def _spec(name, **kw):
     base = dict(
         name=name,
         summary="test",
-        capabilities=Capabilities(devices=frozenset({"cpu"}), q_dtypes=frozenset({"float32"}), kv_dtypes=frozenset({"float32"})),
+        capabilities=Capabilities(
+            devices=frozenset({"cpu"}), q_dtypes=frozenset({"float32"}), kv_dtypes=frozenset({"float32"})
+        ),
         distribution="attn-test",
         backend_class="attn_core.backends.torch_native.backend:TorchNativeBackend",
     )
@@ -73,7 +75,8 @@ SPEC_SRC = """
 from attn_core.contract.capabilities import Capabilities
 from attn_core.contract.spec import BackendSpec
 SPEC = BackendSpec(name={name!r}, summary="x", distribution="attn-x", api_version={api!r},
-    capabilities=Capabilities(devices=frozenset({{"cpu"}}), q_dtypes=frozenset({{"float32"}}), kv_dtypes=frozenset({{"float32"}})),
+    capabilities=Capabilities(devices=frozenset({{"cpu"}}), q_dtypes=frozenset({{"float32"}}),
+                              kv_dtypes=frozenset({{"float32"}})),
     backend_class="attn_core.backends.torch_native.backend:TorchNativeBackend")
 """
 
@@ -89,10 +92,16 @@ def test_broken_duplicate_and_api_mismatch_plugins_do_not_hide_others(fake_plugi
     r = reg.Registry()
     entries = r.entries()
     assert isinstance(entries["broken"].error, BackendLoadError) and "boom at import" in str(entries["broken"].error)
-    assert isinstance(entries["notspec"].error, InvalidSpecError) and "expected a BackendSpec, found int" in str(entries["notspec"].error)
+    assert isinstance(entries["notspec"].error, InvalidSpecError) and "expected a BackendSpec, found int" in str(
+        entries["notspec"].error
+    )
     assert isinstance(entries["dup"].error, DuplicateBackendError)
     assert isinstance(entries["future"].error, ApiVersionMismatchError)
-    for name, err in [("broken", BackendLoadError), ("dup", DuplicateBackendError), ("future", ApiVersionMismatchError)]:
+    for name, err in [
+        ("broken", BackendLoadError),
+        ("dup", DuplicateBackendError),
+        ("future", ApiVersionMismatchError),
+    ]:
         with pytest.raises(err):
             r.resolve(name)
     # the embedded backend keeps its name against an impostor; the impostor is listed as failed
@@ -134,7 +143,8 @@ def test_unavailable_incompatible_and_no_backend():
         r.select_backend(bf16)
     report = {row.name: row for row in r.explain(bf16)}
     assert not report["fp32_only"].usable and report["triton"].reasons == (
-        "not installed (pip install attn-triton (from a clone of the attn repository: pip install ./plugins/triton_backend))",
+        "not installed (pip install attn-triton "
+        "(from a clone of the attn repository: pip install ./plugins/triton_backend))",
     )
 
 
@@ -158,7 +168,9 @@ def test_pluggy_hooks_adjust_and_observe():
 
         @hookimpl
         def attn_core_adjust_requirements(self, requirements):
-            return Requirements(device_type="cpu", q_dtype="float32", kv_dtype="float32", head_dim=requirements.head_dim)
+            return Requirements(
+                device_type="cpu", q_dtype="float32", kv_dtype="float32", head_dim=requirements.head_dim
+            )
 
         @hookimpl
         def attn_core_backend_selected(self, name, requirements):
@@ -262,7 +274,8 @@ def _assert_torch_native_still_works(r):
             "capabilities.devices: expected a frozenset of str",
         ),
         (
-            "capabilities=Capabilities(devices=frozenset({'cpu'}), q_dtypes=frozenset(), kv_dtypes=frozenset(), page_sizes=[1])",
+            "capabilities=Capabilities(devices=frozenset({'cpu'}), q_dtypes=frozenset(), kv_dtypes=frozenset(), "
+            "page_sizes=[1])",
             "capabilities.page_sizes: expected a frozenset of int or None",
         ),
     ],
@@ -416,7 +429,9 @@ def test_a_raising_adjust_requirements_hook_is_reported_not_fatal():
         @hookimpl
         def attn_core_adjust_requirements(self, requirements):
             calls.append("adjusts")
-            return Requirements(device_type="cpu", q_dtype="float32", kv_dtype="float32", head_dim=requirements.head_dim)
+            return Requirements(
+                device_type="cpu", q_dtype="float32", kv_dtype="float32", head_dim=requirements.head_dim
+            )
 
     class Raises:
         @hookimpl
@@ -477,9 +492,11 @@ def test_a_hook_plugin_that_fails_to_import_does_not_drop_the_others(fake_hook_d
 
                 @hookimpl
                 def attn_core_register_backends():
-                    caps = Capabilities(devices=frozenset({"cpu"}), q_dtypes=frozenset({"float32"}), kv_dtypes=frozenset({"float32"}))
-                    return [BackendSpec(name="from_good_hook", summary="x", distribution="attn-fake-hooks", capabilities=caps,
-                        backend_class="attn_core.backends.torch_native.backend:TorchNativeBackend")]
+                    caps = Capabilities(
+                        devices=frozenset({"cpu"}), q_dtypes=frozenset({"float32"}), kv_dtypes=frozenset({"float32"})
+                    )
+                    return [BackendSpec(name="from_good_hook", summary="x", distribution="attn-fake-hooks",
+                        capabilities=caps, backend_class="attn_core.backends.torch_native.backend:TorchNativeBackend")]
                 """,
             "c_raises": """
                 from attn_core.contract.hookspecs import hookimpl

@@ -242,7 +242,9 @@ def test_batches_run_on_a_backend_over_several_steps():
                 qi = q[start + i].double()  # [H, D]
                 Kg, Vg = K[: pos + 1].repeat_interleave(H // HKV, 1), V[: pos + 1].repeat_interleave(H // HKV, 1)
                 w = torch.softmax(torch.einsum("hd,khd->hk", qi, Kg) * D**-0.5, -1)
-                torch.testing.assert_close(out[start + i].double(), torch.einsum("hk,khd->hd", w, Vg), atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(
+                    out[start + i].double(), torch.einsum("hk,khd->hd", w, Vg), atol=1e-5, rtol=1e-5
+                )
             start += n
     assert modes == [ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DECODE, ForwardMode.DECODE]
     pool.free(a)

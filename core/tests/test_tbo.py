@@ -33,7 +33,13 @@ def _tbo(ctx, allow_cut=True):
 
 def _random_case(seed: int) -> AttnCase:
     rng = random.Random(seed)
-    mode = [ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND][seed % 5]
+    mode = [
+        ForwardMode.DECODE,
+        ForwardMode.EXTEND,
+        ForwardMode.TARGET_VERIFY,
+        ForwardMode.MIXED,
+        ForwardMode.DRAFT_EXTEND,
+    ][seed % 5]
     bs = rng.randint(2, 5)
     if mode is ForwardMode.DECODE:
         reqs = [RequestShape(rng.randint(0, 40), 1) for _ in range(bs)]
@@ -98,7 +104,9 @@ def _run_whole_and_split(case: AttnCase, allow_cut: bool = True):
             v = None if x["v"] is None else x["v"][kv]
             if k is not None and k.shape[0] == 0 and case.cross_attention:
                 k = v = None
-            parts.append(layer(x["q"][q_rows], k, v, child, save_kv_cache=k is not None or not case.cross_attention, **extras))
+            parts.append(
+                layer(x["q"][q_rows], k, v, child, save_kv_cache=k is not None or not case.cross_attention, **extras)
+            )
         kv_split.append([pool.get_key_buffer(lid).clone(), pool.get_value_buffer(lid).clone()])
         if case.return_lse:
             split = (torch.cat([parts[0][0], parts[1][0]]), torch.cat([parts[0][1], parts[1][1]]))
@@ -192,14 +200,17 @@ def test_bad_input_is_refused():
     for bs in (3, 1):
         with pytest.raises(InvalidArgumentError, match="even"):
             tbo.capture_cuda_graph_metadata(
-                CudaGraphStep(forward_mode=ForwardMode.DECODE, bs=bs, req_pool_indices=b.req_pool_indices, seq_lens=b.seq_lens)
+                CudaGraphStep(
+                    forward_mode=ForwardMode.DECODE, bs=bs, req_pool_indices=b.req_pool_indices, seq_lens=b.seq_lens
+                )
             )
     with pytest.raises(InvalidArgumentError, match="cut_len"):
         split_forward_batch(b, TboSplit(1, 1, 1))
     pool = MHATokenToKVPool(32, 1, torch.float32, 2, 32, 1)
     with pytest.raises(InvalidArgumentError, match="token_to_kv_pool"):
         TboAttnBackend(
-            TorchNativeBackend(ctx), [TorchNativeBackend(ctx), TorchNativeBackend(type(ctx)(**{**ctx.__dict__, "token_to_kv_pool": pool}))]
+            TorchNativeBackend(ctx),
+            [TorchNativeBackend(ctx), TorchNativeBackend(type(ctx)(**{**ctx.__dict__, "token_to_kv_pool": pool}))],
         )
 
 
@@ -236,7 +247,8 @@ def _graph_check(case: AttnCase, sizes, device_graphs=None, rtol=1e-5):
         outs = []
         for i, layer in enumerate(layers):
             parts = [
-                layer(x["q"][rows, i], x["k"][rows, i], x["v"][rows, i], child) for child, rows in ((a, slice(0, t)), (b, slice(t, None)))
+                layer(x["q"][rows, i], x["k"][rows, i], x["v"][rows, i], child)
+                for child, rows in ((a, slice(0, t)), (b, slice(t, None)))
             ]
             outs.append(torch.cat(parts))
         return torch.stack(outs, dim=1)

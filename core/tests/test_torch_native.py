@@ -25,7 +25,10 @@ def random_case(seed: int, device: str = "cpu", scale: int = 1) -> AttnCase:
         d = rng.randint(1, 6)
         reqs = [RequestShape(rng.randint(0, long), d) for _ in range(bs)]
     else:
-        reqs = [RequestShape(rng.choice([0, rng.randint(0, long)]), rng.choice([1, rng.randint(0, 12 * scale)])) for _ in range(bs)]
+        reqs = [
+            RequestShape(rng.choice([0, rng.randint(0, long)]), rng.choice([1, rng.randint(0, 12 * scale)]))
+            for _ in range(bs)
+        ]
         if mode is ForwardMode.MIXED:
             reqs.append(RequestShape(rng.randint(1, long), 1))
         if sum(r.extend_len for r in reqs) == 0:
@@ -108,7 +111,9 @@ def test_graph_capture_replay_metadata_equals_eager(mode):
         spec = type(spec)(
             num_draft_tokens=d,
             custom_mask=torch.cat([spec.custom_mask, torch.ones(pad.num_padding * per_row, dtype=torch.bool)]),
-            mask_indptr=torch.cat([spec.mask_indptr, spec.mask_indptr[-1] + torch.arange(1, pad.num_padding + 1) * per_row]),
+            mask_indptr=torch.cat(
+                [spec.mask_indptr, spec.mask_indptr[-1] + torch.arange(1, pad.num_padding + 1) * per_row]
+            ),
         )
     zeros = torch.zeros(cap_bs, dtype=torch.int64)
     # the SGLang-named entry points (positional, as engines call them)

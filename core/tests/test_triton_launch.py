@@ -271,7 +271,10 @@ def test_bound_launch_goes_direct_after_the_parents_entry(gpu_like):
     key = next(iter(run.compiled))
     run.compiled[key] = (DirectCompiled(k.log), run.compiled[key][1])
     bound(a, 6)  # from the parent's cache
-    assert k.log[-1] == ("direct", (4, 2, 1, 99, "fn-handle", "packed", None, None, None, 4096, 6, 3, False)) and bound._entries
+    assert (
+        k.log[-1] == ("direct", (4, 2, 1, 99, "fn-handle", "packed", None, None, None, 4096, 6, 3, False))
+        and bound._entries
+    )
     a.address = 8192
     bound(a, 7)  # the bound path: the same launch, the new address
     assert k.log[-1] == ("direct", (4, 2, 1, 99, "fn-handle", "packed", None, None, None, 8192, 7, 3, False))

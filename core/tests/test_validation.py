@@ -92,7 +92,9 @@ def test_full_level_checks_extend_offsets_and_the_table():
         _check(env, "full")
     env = make_env(EXTEND)
     row = int(env.batch.req_pool_indices[2])
-    env.req_to_token_pool.req_to_token[row, 9] = int(env.req_to_token_pool.req_to_token[row, 0])  # new token's slot moved
+    env.req_to_token_pool.req_to_token[row, 9] = int(
+        env.req_to_token_pool.req_to_token[row, 0]
+    )  # new token's slot moved
     with pytest.raises(InvalidBatchError, match="out_cache_loc"):
         _check(env, "full")
 
@@ -116,7 +118,9 @@ def test_stale_metadata_is_refused_and_a_failed_init_drops_the_old_metadata():
     backend = TorchNativeBackend(env.ctx)
     _step(backend, env, env.batch)
     layer, i = make_layer(DECODE, 0), layer_inputs(env, 0, torch.Generator().manual_seed(0))
-    with pytest.raises(StaleMetadataError, match="forward_batch: expected the batch init_forward_metadata was last called with"):
+    with pytest.raises(
+        StaleMetadataError, match="forward_batch: expected the batch init_forward_metadata was last called with"
+    ):
         backend.forward(i["q"], i["k"], i["v"], layer, dataclasses.replace(env.batch))
     bad = dataclasses.replace(env.batch, seq_lens_sum=-1)
     with pytest.raises(InvalidBatchError):
@@ -131,7 +135,9 @@ def test_wrappers_refuse_stale_metadata_through_their_children(wrap):
     if wrap == "hybrid":
         backend = HybridAttnBackend(TorchNativeBackend(env.ctx), TorchNativeBackend(env.ctx))
     else:
-        backend = TboAttnBackend(TorchNativeBackend(env.ctx), [TorchNativeBackend(env.ctx), TorchNativeBackend(env.ctx)])
+        backend = TboAttnBackend(
+            TorchNativeBackend(env.ctx), [TorchNativeBackend(env.ctx), TorchNativeBackend(env.ctx)]
+        )
     _step(backend, env, env.batch)
     layer, i = make_layer(DECODE, 0), layer_inputs(env, 0, torch.Generator().manual_seed(0))
     with pytest.raises(StaleMetadataError):
@@ -158,7 +164,9 @@ def test_device_faults_are_raised_at_full_validation_and_on_the_cpu_always():
 def test_mixed_kv_dtype_needs_the_feature():
     env = make_env(dataclasses.replace(DECODE, dtype="float32", kv_dtype="bfloat16"))
     TorchNativeBackend(env.ctx)  # declares Feature.MIXED_KV_DTYPE
-    caps = dataclasses.replace(TorchNativeBackend.capabilities, features=TorchNativeBackend.capabilities.features - {"mixed_kv_dtype"})
+    caps = dataclasses.replace(
+        TorchNativeBackend.capabilities, features=TorchNativeBackend.capabilities.features - {"mixed_kv_dtype"}
+    )
     strict = type("Strict", (TorchNativeBackend,), {"capabilities": caps, "name": "strict"})
     with pytest.raises(IncompatibleBackendError, match="mixed dtypes"):
         strict(env.ctx)
@@ -179,7 +187,9 @@ def _relocation(cls):
     from attn_core.testing.graphs import graph_relocation_check
     from attn_core.testing.target import resolve_target
 
-    case = AttnCase(ForwardMode.DECODE, ((9, 1), (3, 1), (14, 1), (6, 1)), page_size=4, num_layers=2, cuda_graph_level=2)
+    case = AttnCase(
+        ForwardMode.DECODE, ((9, 1), (3, 1), (14, 1), (6, 1)), page_size=4, num_layers=2, cuda_graph_level=2
+    )
     return graph_relocation_check(resolve_target(cls, None, None), case)
 
 

@@ -111,7 +111,9 @@ def _window_env():
     a = SlidingWindowAllocator(128, 64, 4)
     pool = SlidingWindowKVPool(a, torch.float32, 2, 32, 2, window_layers=[0])
     r2t = ReqToTokenPool(2, 64)
-    ctx = BackendContext("cpu", torch.float32, 4, 2, 32, req_to_token_pool=r2t, token_to_kv_pool=pool, sliding_window_size=4)
+    ctx = BackendContext(
+        "cpu", torch.float32, 4, 2, 32, req_to_token_pool=r2t, token_to_kv_pool=pool, sliding_window_size=4
+    )
     b = build_forward_batch(ForwardMode.DECODE, [(6, 1)], req_to_token_pool=r2t, allocator=a, token_to_kv_pool=pool)
     return ctx, b
 
@@ -141,7 +143,9 @@ def test_context_requires_the_feature_and_layers_are_checked():
 
     with pytest.raises(IncompatibleBackendError, match="sliding-window KV pool"):  # refused at construction
         NoPool(ctx)
-    plain = BackendContext("cpu", torch.float32, 4, 2, 32, req_to_token_pool=ctx.req_to_token_pool, sliding_window_size=4)
+    plain = BackendContext(
+        "cpu", torch.float32, 4, 2, 32, req_to_token_pool=ctx.req_to_token_pool, sliding_window_size=4
+    )
     be = NoPool(plain)  # the pool comes with the batch only: refused at the layer, before any write
     b.attn_backend = be
     be.init_forward_metadata(b)

@@ -15,7 +15,9 @@ from attn_core.testing.harness import AttnCase, assert_case, layer_inputs, make_
 
 Backend = emulated_backend_class()
 MHA = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, dtype="float16", page_size=16)
-MLA = dict(num_q_heads=4, head_dim=576, arch="mla", kv_lora_rank=512, qk_rope_head_dim=64, dtype="bfloat16", page_size=16)
+MLA = dict(
+    num_q_heads=4, head_dim=576, arch="mla", kv_lora_rank=512, qk_rope_head_dim=64, dtype="bfloat16", page_size=16
+)
 
 
 def test_pure_helpers_examples():
@@ -23,12 +25,12 @@ def test_pure_helpers_examples():
 
 
 def test_keywords_follow_the_installed_release():
-    assert FiaKeywords.from_names(argument_names(emulated_torch_npu("6.0.0"), "npu_fused_infer_attention_score")) == FiaKeywords(
-        "scale_value", False
-    )
-    assert FiaKeywords.from_names(argument_names(emulated_torch_npu("7.0.0"), "npu_fused_infer_attention_score")) == FiaKeywords(
-        "scale", True
-    )
+    assert FiaKeywords.from_names(
+        argument_names(emulated_torch_npu("6.0.0"), "npu_fused_infer_attention_score")
+    ) == FiaKeywords("scale_value", False)
+    assert FiaKeywords.from_names(
+        argument_names(emulated_torch_npu("7.0.0"), "npu_fused_infer_attention_score")
+    ) == FiaKeywords("scale", True)
     assert FiaKeywords.from_names(frozenset()) == FiaKeywords("scale", True)
 
 
@@ -105,7 +107,9 @@ def test_graph_replay_needs_state_and_a_captured_size():
     backend.init_cuda_graph_state(4, 4)
     with pytest.raises(InvalidArgumentError, match="captured"):
         backend.init_forward_metadata_replay_cuda_graph(*args)
-    backend.init_forward_metadata_capture_cuda_graph(2, 2, b.req_pool_indices, b.seq_lens, None, ForwardMode.DECODE, None)
+    backend.init_forward_metadata_capture_cuda_graph(
+        2, 2, b.req_pool_indices, b.seq_lens, None, ForwardMode.DECODE, None
+    )
     tables = backend.graph_block_tables
     tables.fill_(-1)
     backend.init_forward_metadata_replay_cuda_graph(*args)
@@ -126,7 +130,11 @@ def test_mla_decode_graph_path_matches_eager():
     eager = backend.forward(inputs["q"], inputs["k"], None, layer, env.batch)
     b = env.batch
     backend.init_cuda_graph_state(2, 2)
-    backend.init_forward_metadata_capture_cuda_graph(2, 2, b.req_pool_indices, b.seq_lens, None, ForwardMode.DECODE, None)
-    backend.init_forward_metadata_replay_cuda_graph(2, b.req_pool_indices, b.seq_lens, b.seq_lens_sum, None, ForwardMode.DECODE, None, None)
+    backend.init_forward_metadata_capture_cuda_graph(
+        2, 2, b.req_pool_indices, b.seq_lens, None, ForwardMode.DECODE, None
+    )
+    backend.init_forward_metadata_replay_cuda_graph(
+        2, b.req_pool_indices, b.seq_lens, b.seq_lens_sum, None, ForwardMode.DECODE, None, None
+    )
     graph = backend.forward(inputs["q"], inputs["k"], None, layer, env.batch)
     assert (graph.float() - eager.float()).abs().max() < 2e-2

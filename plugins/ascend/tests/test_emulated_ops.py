@@ -68,8 +68,17 @@ def test_paged_attention_random(seed):
     kc, vc, table, dense = paged(seqs, block, hkv, 32, dtype, gen)
     q = torch.randn(len(seqs), hq, 32, generator=gen).to(dtype)
     out = torch.full((len(seqs), hq, 32), float("nan"), dtype=dtype)
-    ops._npu_paged_attention(query=q, key_cache=kc, value_cache=vc, num_kv_heads=hkv, num_heads=hq, scale_value=0.3,
-                             block_table=table, context_lens=torch.tensor(seqs, dtype=torch.int32), out=out)  # fmt: skip
+    ops._npu_paged_attention(
+        query=q,
+        key_cache=kc,
+        value_cache=vc,
+        num_kv_heads=hkv,
+        num_heads=hq,
+        scale_value=0.3,
+        block_table=table,
+        context_lens=torch.tensor(seqs, dtype=torch.int32),
+        out=out,
+    )
     for i, (k, v) in enumerate(dense):
         want = ref64(q[i : i + 1], k, v, [[True] * seqs[i]], 0.3)
         assert rel(out[i : i + 1], want) < TOL
@@ -80,8 +89,17 @@ def test_paged_attention_mla_uses_the_first_channels_as_value():
     kc, _, table, dense = paged([20, 5], 16, 1, 48, torch.float16, gen)
     q = torch.randn(2, 4, 48, generator=gen).to(torch.float16)
     out = torch.empty(2, 4, 40, dtype=torch.float16)
-    ops._npu_paged_attention_mla(query=q, key_cache=kc, num_kv_heads=1, num_heads=4, scale_value=0.2, block_table=table,
-                                 context_lens=torch.tensor([20, 5], dtype=torch.int32), mla_vheadsize=40, out=out)  # fmt: skip
+    ops._npu_paged_attention_mla(
+        query=q,
+        key_cache=kc,
+        num_kv_heads=1,
+        num_heads=4,
+        scale_value=0.2,
+        block_table=table,
+        context_lens=torch.tensor([20, 5], dtype=torch.int32),
+        mla_vheadsize=40,
+        out=out,
+    )
     for i, (k, _) in enumerate(dense):
         want = ref64(q[i : i + 1], k, k[..., :40], [[True] * k.shape[0]], 0.2)
         assert rel(out[i : i + 1], want) < TOL
@@ -91,21 +109,38 @@ def test_paged_attention_mla_uses_the_first_channels_as_value():
 def test_paged_attention_refuses_block_sizes_outside_16_to_128(block):
     kc = torch.zeros(2, block, 1, 16, dtype=torch.float16)
     with pytest.raises(ops.EmulatedOpError, match="block size"):
-        ops._npu_paged_attention(query=torch.zeros(1, 1, 16, dtype=torch.float16), key_cache=kc, value_cache=kc, num_kv_heads=1,
-                                 num_heads=1, scale_value=1.0, block_table=torch.zeros(1, 1, dtype=torch.int32),
-                                 context_lens=torch.ones(1, dtype=torch.int32), out=torch.zeros(1, 1, 16, dtype=torch.float16))  # fmt: skip
+        ops._npu_paged_attention(
+            query=torch.zeros(1, 1, 16, dtype=torch.float16),
+            key_cache=kc,
+            value_cache=kc,
+            num_kv_heads=1,
+            num_heads=1,
+            scale_value=1.0,
+            block_table=torch.zeros(1, 1, dtype=torch.int32),
+            context_lens=torch.ones(1, dtype=torch.int32),
+            out=torch.zeros(1, 1, 16, dtype=torch.float16),
+        )
 
 
 def test_paged_attention_wants_host_int32_lengths():
     kc = torch.zeros(2, 16, 1, 16, dtype=torch.float16)
     q = torch.zeros(1, 1, 16, dtype=torch.float16)
-    args = dict(query=q, key_cache=kc, value_cache=kc, num_kv_heads=1, num_heads=1, scale_value=1.0,
-                block_table=torch.zeros(1, 1, dtype=torch.int32), out=torch.zeros_like(q))  # fmt: skip
+    args = dict(
+        query=q,
+        key_cache=kc,
+        value_cache=kc,
+        num_kv_heads=1,
+        num_heads=1,
+        scale_value=1.0,
+        block_table=torch.zeros(1, 1, dtype=torch.int32),
+        out=torch.zeros_like(q),
+    )
     with pytest.raises(ops.EmulatedOpError, match="int32"):
         ops._npu_paged_attention(context_lens=torch.ones(1, dtype=torch.int64), **args)
     with pytest.raises(ops.EmulatedOpError, match="block_table must be int32"):
         ops._npu_paged_attention(
-            context_lens=torch.ones(1, dtype=torch.int32), **{**args, "block_table": torch.zeros(1, 1, dtype=torch.int64)}
+            context_lens=torch.ones(1, dtype=torch.int32),
+            **{**args, "block_table": torch.zeros(1, 1, dtype=torch.int64)},
         )
 
 
@@ -156,9 +191,21 @@ def test_fia_tnd_paged_causal_random(seed):
     kc, vc, table, dense = paged(seqs, block, hkv, d, torch.float16, gen)
     q = torch.randn(sum(qlens), hq, d, generator=gen).to(torch.float16)
     cum = [sum(qlens[: i + 1]) for i in range(len(qlens))]
-    out, lse = FIA(q, kc.flatten(2), vc.flatten(2), num_heads=hq, num_key_value_heads=hkv, input_layout="TND", block_table=table,
-                   block_size=block, actual_seq_lengths=cum, actual_seq_lengths_kv=seqs, atten_mask=ops.compressed_causal_mask(),
-                   sparse_mode=3, scale=0.25)  # fmt: skip
+    out, lse = FIA(
+        q,
+        kc.flatten(2),
+        vc.flatten(2),
+        num_heads=hq,
+        num_key_value_heads=hkv,
+        input_layout="TND",
+        block_table=table,
+        block_size=block,
+        actual_seq_lengths=cum,
+        actual_seq_lengths_kv=seqs,
+        atten_mask=ops.compressed_causal_mask(),
+        sparse_mode=3,
+        scale=0.25,
+    )
     assert lse.numel() == 0
     a = 0
     for i, (k, v) in enumerate(dense):
@@ -173,10 +220,23 @@ def test_fia_rope_adds_the_rope_scores():
     kc, _, table, dense = paged([21, 7], 16, 1, 40, torch.bfloat16, gen)
     latent, rope = kc[..., :32], kc[..., 32:]
     q = torch.randn(5, 4, 40, generator=gen).to(torch.bfloat16)
-    out, _ = FIA(q[..., :32].contiguous(), latent.flatten(2), latent.flatten(2), query_rope=q[..., 32:].contiguous(),
-                 key_rope=rope.flatten(2), num_heads=4, num_key_value_heads=1, input_layout="TND", block_table=table, block_size=16,
-                 actual_seq_lengths=[3, 5], actual_seq_lengths_kv=[21, 7], atten_mask=ops.compressed_causal_mask(), sparse_mode=3,
-                 scale=0.2)  # fmt: skip
+    out, _ = FIA(
+        q[..., :32].contiguous(),
+        latent.flatten(2),
+        latent.flatten(2),
+        query_rope=q[..., 32:].contiguous(),
+        key_rope=rope.flatten(2),
+        num_heads=4,
+        num_key_value_heads=1,
+        input_layout="TND",
+        block_table=table,
+        block_size=16,
+        actual_seq_lengths=[3, 5],
+        actual_seq_lengths_kv=[21, 7],
+        atten_mask=ops.compressed_causal_mask(),
+        sparse_mode=3,
+        scale=0.2,
+    )
     for (a, b, n), (k, _) in zip([(0, 3, 21), (3, 5, 7)], dense):
         want = ref64(q[a:b], k, k[..., :32], _causal_br(b - a, n), 0.2)
         assert rel(out[a:b], want) < TOL
@@ -191,15 +251,41 @@ def test_fia_tnd_equals_bsnd_and_bsh():
     v = torch.randn(b, skv, n, d, generator=gen).half()
     mask = ops.compressed_causal_mask()
     bsnd, _ = FIA(q, k, v, num_heads=n, input_layout="BSND", atten_mask=mask, sparse_mode=3, scale=0.5)
-    bsh, _ = FIA(q.flatten(2), k.flatten(2), v.flatten(2), num_heads=n, input_layout="BSH", atten_mask=mask, sparse_mode=3, scale=0.5)
-    tnd, _ = FIA(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), num_heads=n, input_layout="TND", actual_seq_lengths=[3, 6],
-                 actual_seq_lengths_kv=[5, 10], atten_mask=mask, sparse_mode=3, scale=0.5)  # fmt: skip
+    bsh, _ = FIA(
+        q.flatten(2),
+        k.flatten(2),
+        v.flatten(2),
+        num_heads=n,
+        input_layout="BSH",
+        atten_mask=mask,
+        sparse_mode=3,
+        scale=0.5,
+    )
+    tnd, _ = FIA(
+        q.flatten(0, 1),
+        k.flatten(0, 1),
+        v.flatten(0, 1),
+        num_heads=n,
+        input_layout="TND",
+        actual_seq_lengths=[3, 6],
+        actual_seq_lengths_kv=[5, 10],
+        atten_mask=mask,
+        sparse_mode=3,
+        scale=0.5,
+    )
     assert torch.equal(bsnd.flatten(2), bsh)
     assert torch.equal(bsnd.flatten(0, 1), tnd)
     for i in range(b):
         assert rel(bsnd[i], ref64(q[i], k[i], v[i], _causal_br(s, skv), 0.5)) < TOL
-    bnsd, lse = FIA(q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(), num_heads=n,
-                    input_layout="BNSD", softmax_lse_flag=True, scale=0.5)  # fmt: skip
+    bnsd, lse = FIA(
+        q.transpose(1, 2).contiguous(),
+        k.transpose(1, 2).contiguous(),
+        v.transpose(1, 2).contiguous(),
+        num_heads=n,
+        input_layout="BNSD",
+        softmax_lse_flag=True,
+        scale=0.5,
+    )
     assert tuple(lse.shape) == (b, n, s, 1)
     assert rel(bnsd.transpose(1, 2)[0], ref64(q[0], k[0], v[0], [[True] * skv] * s, 0.5)) < TOL
 
@@ -224,14 +310,32 @@ def test_fia_documented_limits():
     kc = torch.zeros(2, 8, 16, dtype=torch.float16)
     table = torch.zeros(1, 1, dtype=torch.int32)
     with pytest.raises(ops.EmulatedOpError, match="block size"):  # paged blocks: multiples of 16
-        FIA(q, kc, kc, num_heads=1, input_layout="TND", block_table=table, block_size=8, actual_seq_lengths=[2], actual_seq_lengths_kv=[2])
+        FIA(
+            q,
+            kc,
+            kc,
+            num_heads=1,
+            input_layout="TND",
+            block_table=table,
+            block_size=8,
+            actual_seq_lengths=[2],
+            actual_seq_lengths_kv=[2],
+        )
     kc16 = torch.zeros(2, 16, 16, dtype=torch.float16)
     kw = dict(num_heads=1, input_layout="TND", block_table=table, block_size=16, actual_seq_lengths_kv=[2])
     with pytest.raises(ops.EmulatedOpError, match="cumulative"):  # TND query lengths are cumulative
         two = {**kw, "block_table": torch.zeros(2, 1, dtype=torch.int32), "actual_seq_lengths_kv": [2, 2]}
         FIA(torch.zeros(3, 1, 16, dtype=torch.float16), kc16, kc16, actual_seq_lengths=[2, 1], **two)
     with pytest.raises(ops.EmulatedOpError, match="2048x2048"):  # causal modes take the compressed mask
-        FIA(q, kc16, kc16, actual_seq_lengths=[2], sparse_mode=3, atten_mask=torch.ones(2, 2, dtype=torch.bool).triu(1), **kw)
+        FIA(
+            q,
+            kc16,
+            kc16,
+            actual_seq_lengths=[2],
+            sparse_mode=3,
+            atten_mask=torch.ones(2, 2, dtype=torch.bool).triu(1),
+            **kw,
+        )
     wrong = ops.compressed_causal_mask()
     wrong[5, 9] = False
     with pytest.raises(ops.EmulatedOpError, match="not the compressed causal mask"):
@@ -246,7 +350,17 @@ def test_fully_masked_rows_give_zero():
     """sparse_mode 3 with more queries than keys: the first rows see nothing and come back 0."""
     q = torch.randn(3, 1, 16).half()
     k = torch.randn(1, 1, 16).half()
-    out, lse = FIA(q, k, k, num_heads=1, input_layout="TND", actual_seq_lengths=[3], actual_seq_lengths_kv=[1],
-                   atten_mask=ops.compressed_causal_mask(), sparse_mode=3, softmax_lse_flag=True)  # fmt: skip
+    out, lse = FIA(
+        q,
+        k,
+        k,
+        num_heads=1,
+        input_layout="TND",
+        actual_seq_lengths=[3],
+        actual_seq_lengths_kv=[1],
+        atten_mask=ops.compressed_causal_mask(),
+        sparse_mode=3,
+        softmax_lse_flag=True,
+    )
     assert torch.equal(out[:2], torch.zeros_like(out[:2])) and torch.isinf(lse[:2]).all()
     assert rel(out[2:], k.double()) < TOL

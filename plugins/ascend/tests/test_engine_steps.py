@@ -41,11 +41,24 @@ class Engine:
         for b in (self.kv_pool.get_key_buffer(0), self.kv_pool.get_value_buffer(0)):
             b.fill_(float("nan"))
         modes = {ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY}
-        ctx = BackendContext("cpu", DTYPE, self.hq, self.hkv, self.d, page_size=PAGE, max_context_len=512, forward_modes=modes,
-                             req_to_token_pool=self.req_pool, token_to_kv_pool=self.kv_pool, **extra)  # fmt: skip
+        ctx = BackendContext(
+            "cpu",
+            DTYPE,
+            self.hq,
+            self.hkv,
+            self.d,
+            page_size=PAGE,
+            max_context_len=512,
+            forward_modes=modes,
+            req_to_token_pool=self.req_pool,
+            token_to_kv_pool=self.kv_pool,
+            **extra,
+        )
         self.backend = emulated_backend_class()(ctx)
         self.layer = AttentionLayer(0, self.hq, self.hkv, self.d, scaling=0.11, v_head_dim=self.dv)
-        first = build_forward_batch("EXTEND", [(0, n) for n in prompt_lens], req_to_token_pool=self.req_pool, allocator=self.alloc)
+        first = build_forward_batch(
+            "EXTEND", [(0, n) for n in prompt_lens], req_to_token_pool=self.req_pool, allocator=self.alloc
+        )
         self.rows = first.req_pool_indices.tolist()
         self.lens = [0] * len(prompt_lens)
         self.keys: list[torch.Tensor] = [torch.zeros(0, self.hkv, self.d, dtype=DTYPE) for _ in prompt_lens]
@@ -63,10 +76,25 @@ class Engine:
         seq = torch.tensor([n + a for n, a in zip(self.lens, new)], dtype=torch.int32)
         prefix = torch.tensor(self.lens, dtype=torch.int32)
         ext = torch.tensor(new, dtype=torch.int32)
-        b = ForwardBatch(mode, len(new), torch.tensor(self.rows), seq, seq, int(seq.sum()), torch.cat(locs),
-                         positions_from_lens(prefix, ext, int(ext.sum())), self.req_pool, self.kv_pool)  # fmt: skip
+        b = ForwardBatch(
+            mode,
+            len(new),
+            torch.tensor(self.rows),
+            seq,
+            seq,
+            int(seq.sum()),
+            torch.cat(locs),
+            positions_from_lens(prefix, ext, int(ext.sum())),
+            self.req_pool,
+            self.kv_pool,
+        )
         if mode.is_extend():
-            b.extend_prefix_lens, b.extend_prefix_lens_cpu, b.extend_seq_lens, b.extend_seq_lens_cpu = prefix, prefix, ext, ext
+            b.extend_prefix_lens, b.extend_prefix_lens_cpu, b.extend_seq_lens, b.extend_seq_lens_cpu = (
+                prefix,
+                prefix,
+                ext,
+                ext,
+            )
             b.extend_start_loc, b.extend_num_tokens = extend_start_loc_from_lens(ext), int(ext.sum())
         if mode.is_target_verify():
             b.spec_info = SpecInfo(num_draft_tokens=new[0])
@@ -84,7 +112,9 @@ class Engine:
         worst, start = 0.0, 0
         for r, n in enumerate(new):
             self.keys[r] = torch.cat([self.keys[r], k[start : start + n]])
-            self.vals[r] = torch.cat([self.vals[r], k[start : start + n, :, : self.dv] if self.mla else v[start : start + n]])
+            self.vals[r] = torch.cat(
+                [self.vals[r], k[start : start + n, :, : self.dv] if self.mla else v[start : start + n]]
+            )
             pos = torch.arange(self.lens[r], self.lens[r] + n)
             ref, _ = reference_attention(q[start : start + n], self.keys[r], self.vals[r], q_positions=pos, scale=0.11)
             worst = max(worst, relative_error(out[start : start + n], ref))

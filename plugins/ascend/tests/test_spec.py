@@ -42,11 +42,15 @@ def test_kit_spec_checks_on_the_entry_point():
 
 
 def test_explain_gives_the_reason_for_an_npu_model():
-    req = Requirements(device_type="npu", q_dtype="bfloat16", kv_dtype="bfloat16", head_dim=576, page_size=128, arch=ARCH_MLA)
+    req = Requirements(
+        device_type="npu", q_dtype="bfloat16", kv_dtype="bfloat16", head_dim=576, page_size=128, arch=ARCH_MLA
+    )
     report = next(r for r in default_registry().explain(req) if r.name == "ascend")
     assert not report.usable
     assert report.reasons[0].startswith(NEEDS)
-    assert len(report.reasons) == 1, report.reasons  # nothing else about an MLA 512+64 bf16 model on page 128 is refused
+    assert len(report.reasons) == 1, (
+        report.reasons
+    )  # nothing else about an MLA 512+64 bf16 model on page 128 is refused
 
 
 def test_attn_core_list_says_why_and_how_far_it_is_verified():

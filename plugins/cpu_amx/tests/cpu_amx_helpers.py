@@ -10,7 +10,10 @@ from attn_cpu_amx.backend import CpuAmxBackend
 RUNNABLE = isa.runnable_paths()
 
 #: every path, skipped where this CPU cannot run it (CI may lack AMX or AVX-512; portable always runs)
-ALL_PATHS = [pytest.param(p, marks=pytest.mark.skipif(p not in RUNNABLE, reason=f"this CPU cannot run the {p} path")) for p in isa.PATHS]
+ALL_PATHS = [
+    pytest.param(p, marks=pytest.mark.skipif(p not in RUNNABLE, reason=f"this CPU cannot run the {p} path"))
+    for p in isa.PATHS
+]
 
 
 def factory(path: str, **options):

@@ -15,7 +15,9 @@ SOURCE = """
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 static const unsigned char padding[1 << 18] = {1};
-static PyObject* answer(PyObject* self, PyObject* unused) { return PyLong_FromLong(40 + padding[0] + padding[1 << 17] + 1); }
+static PyObject* answer(PyObject* self, PyObject* unused) {
+    return PyLong_FromLong(40 + padding[0] + padding[1 << 17] + 1);
+}
 static PyMethodDef methods[] = {{"answer", answer, METH_NOARGS, "42"}, {NULL, NULL, 0, NULL}};
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "NAME", NULL, -1, methods};
 PyMODINIT_FUNC PyInit_NAME(void) { return PyModule_Create(&module); }
@@ -28,7 +30,10 @@ def compile_fake(name: str, scratch: Path) -> Path:
     src.write_text(SOURCE.replace("NAME", name))
     library = scratch / f"{name}.so"
     cc = os.environ.get("CC", "cc")
-    subprocess.run([cc, "-shared", "-fPIC", "-O0", f"-I{sysconfig.get_paths()['include']}", str(src), "-o", str(library)], check=True)
+    subprocess.run(
+        [cc, "-shared", "-fPIC", "-O0", f"-I{sysconfig.get_paths()['include']}", str(src), "-o", str(library)],
+        check=True,
+    )
     return library
 
 
@@ -49,4 +54,9 @@ if __name__ == "__main__":
     from attn_cpu_amx import build
 
     info = build.ensure_built(globals()[sys.argv[1]])
-    print(build.import_library(build.module_name(), info.library).answer(), f"compiled={info.compiled}", build.CSRC, flush=True)
+    print(
+        build.import_library(build.module_name(), info.library).answer(),
+        f"compiled={info.compiled}",
+        build.CSRC,
+        flush=True,
+    )

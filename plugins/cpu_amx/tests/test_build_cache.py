@@ -39,7 +39,11 @@ def _env(cache: Path, pythonpath=(), **extra) -> dict:
 def _build_in_subprocess(step: str, cache: Path, pythonpath=()) -> list[str]:
     """Run ensure_built(step) and import the result in a fresh process; its words of output."""
     out = subprocess.run(
-        [sys.executable, str(HERE / "fake_extension.py"), step], env=_env(cache, pythonpath), capture_output=True, text=True, timeout=120
+        [sys.executable, str(HERE / "fake_extension.py"), step],
+        env=_env(cache, pythonpath),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, f"exit status {out.returncode} (-7 is SIGBUS)\n{out.stderr}"
     return out.stdout.split()
@@ -76,7 +80,10 @@ def test_a_damaged_library_is_rebuilt_never_loaded(cache, damage):
         library.write_bytes(data[: len(data) // 2])
         # loading it as it is kills the process (SIGBUS) or fails: the damage is real
         load = f"from attn_cpu_amx import build; build.import_library({build.module_name()!r}, {str(library)!r})"
-        assert subprocess.run([sys.executable, "-c", load], env=_env(cache), capture_output=True, timeout=60).returncode != 0
+        assert (
+            subprocess.run([sys.executable, "-c", load], env=_env(cache), capture_output=True, timeout=60).returncode
+            != 0
+        )
     elif damage == "flip_a_byte":
         library.write_bytes(data[: len(data) // 2] + bytes([data[len(data) // 2] ^ 0xFF]) + data[len(data) // 2 + 1 :])
     else:

@@ -15,7 +15,9 @@ from attn_cpu_amx import isa
 
 for _path in RUNNABLE:
     _name = f"TestConformance_{_path}"
-    globals()[_name] = type(_name, (ConformanceSuite,), {"backend": "cpu_amx", "options": {"isa": _path}, "__module__": __name__})
+    globals()[_name] = type(
+        _name, (ConformanceSuite,), {"backend": "cpu_amx", "options": {"isa": _path}, "__module__": __name__}
+    )
 
 
 @pytest.mark.parametrize("path", [p for p in isa.PATHS if p not in RUNNABLE] or [None])

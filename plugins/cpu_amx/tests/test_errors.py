@@ -101,7 +101,10 @@ def test_unsupported_layer_features_refused():
         ({"dtype": torch.float16}, AttnError),
         ({"head_dim": 72}, AttnError),
         ({"device": "cuda"}, AttnError),
-        ({"attention_arch": "mla", "kv_lora_rank": 32, "qk_rope_head_dim": 0, "head_dim": 32, "num_kv_heads": 1}, AttnError),
+        (
+            {"attention_arch": "mla", "kv_lora_rank": 32, "qk_rope_head_dim": 0, "head_dim": 32, "num_kv_heads": 1},
+            AttnError,
+        ),
     ],
     ids=["fp16", "head_dim-72", "cuda", "mla"],
 )
@@ -182,7 +185,26 @@ def test_kernel_entry_checks_its_arguments():
         )
     with pytest.raises(ValueError, match="q_starts"):
         ops.attention(
-            q, kv, kv, out, None, r2t, i64, lens, lens, torch.tensor([1], dtype=torch.int32), None, None, None, 1.0, 1.0, 0.0, 0, 0, 1, 256
+            q,
+            kv,
+            kv,
+            out,
+            None,
+            r2t,
+            i64,
+            lens,
+            lens,
+            torch.tensor([1], dtype=torch.int32),
+            None,
+            None,
+            None,
+            1.0,
+            1.0,
+            0.0,
+            0,
+            0,
+            1,
+            256,
         )
     with pytest.raises(ValueError, match="out"):
         ops.attention(
@@ -232,7 +254,9 @@ def test_kernel_check_messages_parse():
 
     e = kernel_check_error("q: expected contiguous heads")
     assert (e.argument, e.expected) == ("q", "contiguous heads")
-    e = kernel_check_error("req_rows: expected a contiguous CPU Long tensor of 3 elements, found 2\nException raised from ...")
+    e = kernel_check_error(
+        "req_rows: expected a contiguous CPU Long tensor of 3 elements, found 2\nException raised from ..."
+    )
     assert (e.argument, e.found) == ("req_rows", "2")
     assert kernel_check_error("expected CPU tensors").argument == "cpu_amx kernel arguments"
 

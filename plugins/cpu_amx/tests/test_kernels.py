@@ -32,7 +32,10 @@ class Recorder:
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 def test_decode_pages(path, dtype, page_size):
     """Contexts crossing several key blocks; pages of 16+ let AMX load K tiles straight from the pool."""
-    assert_case(Recorder(path), AttnCase("DECODE", [(150, 1), (63, 1), (0, 1), (300, 1)], dtype=dtype, page_size=page_size, **GQA))
+    assert_case(
+        Recorder(path),
+        AttnCase("DECODE", [(150, 1), (63, 1), (0, 1), (300, 1)], dtype=dtype, page_size=page_size, **GQA),
+    )
 
 
 @pytest.mark.parametrize("path", ALL_PATHS)
@@ -41,7 +44,14 @@ def test_extend_row_groups(path, dtype):
     """70 new tokens x 4 q heads per KV head = 280 rows: items of 256 rows in groups of 32/64 rows,
     with a window and a cap so groups see different key ranges."""
     case = AttnCase(
-        "EXTEND", [(100, 70), (5, 33), (0, 1)], dtype=dtype, page_size=16, sliding_window=50, logit_cap=30.0, return_lse=True, **GQA
+        "EXTEND",
+        [(100, 70), (5, 33), (0, 1)],
+        dtype=dtype,
+        page_size=16,
+        sliding_window=50,
+        logit_cap=30.0,
+        return_lse=True,
+        **GQA,
     )
     rec = Recorder(path)
     assert_case(rec, case)
@@ -62,7 +72,10 @@ def test_kv_splits_merge(path):
 def test_gqa_layouts(path, heads):
     """A group wider than one row group (80), wider than an item (272: heads chunked), and MHA."""
     hq, hkv = heads
-    assert_case(Recorder(path), AttnCase("EXTEND", [(40, 3), (0, 2)], num_q_heads=hq, num_kv_heads=hkv, head_dim=32, dtype="bfloat16"))
+    assert_case(
+        Recorder(path),
+        AttnCase("EXTEND", [(40, 3), (0, 2)], num_q_heads=hq, num_kv_heads=hkv, head_dim=32, dtype="bfloat16"),
+    )
 
 
 @pytest.mark.parametrize("path", ALL_PATHS)
@@ -70,7 +83,15 @@ def test_gqa_layouts(path, heads):
 def test_head_dims(path, head_dim, v_head_dim):
     """Dims that are not multiples of 32 run the AVX-512 kernels on an AMX machine."""
     rec = Recorder(path)
-    case = AttnCase("MIXED", [(70, 1), (9, 20)], num_q_heads=4, num_kv_heads=2, head_dim=head_dim, v_head_dim=v_head_dim, dtype="bfloat16")
+    case = AttnCase(
+        "MIXED",
+        [(70, 1), (9, 20)],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        v_head_dim=v_head_dim,
+        dtype="bfloat16",
+    )
     assert_case(rec, case)
     expect = path if (path != "amx" or (head_dim % 32 == 0 and v_head_dim % 32 == 0)) else "avx512"
     assert rec.made[0].kernel_path == expect
@@ -89,7 +110,13 @@ def test_mixed_dtypes(path, dtype, kv_dtype):
 def test_verify_masks_across_blocks(path, custom_mask):
     """Draft-tree masks over prefixes longer than a key block (and verify without a mask: causal)."""
     case = AttnCase(
-        "TARGET_VERIFY", [(130, 5), (64, 5), (1, 5)], dtype="bfloat16", page_size=4, custom_mask=custom_mask, return_lse=True, **GQA
+        "TARGET_VERIFY",
+        [(130, 5), (64, 5), (1, 5)],
+        dtype="bfloat16",
+        page_size=4,
+        custom_mask=custom_mask,
+        return_lse=True,
+        **GQA,
     )
     assert_case(Recorder(path), case)
 

@@ -70,7 +70,9 @@ MIB = 1 << 20
 
 
 def measure(name: str, mode: str, lens: list[int]) -> dict[int, int]:
-    out = subprocess.run([sys.executable, "-c", PROBE, name, mode, json.dumps(lens)], capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, name, mode, json.dumps(lens)], capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
 

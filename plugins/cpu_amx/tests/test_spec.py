@@ -16,7 +16,9 @@ from attn_cpu_amx.spec import SPEC
 
 
 def run_python(code: str, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env}, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env}, timeout=120
+    )
 
 
 def test_spec_probe_and_info_import_no_torch():
@@ -96,6 +98,11 @@ def test_env_var_forces_the_path():
 
 
 def test_attn_core_list_shows_isa_and_path():
-    out = subprocess.run([os.path.join(os.path.dirname(sys.executable), "attn-core"), "list"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "attn-core"), "list"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("cpu_amx"))
     assert "available (" in line and "isa " in line and f"path {isa.runnable_paths()[0]}" in line

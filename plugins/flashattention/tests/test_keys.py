@@ -54,8 +54,16 @@ def test_bad_device_rows_and_slots_are_never_read():
     mask = torch.ones(2 * 4 + 4, dtype=torch.bool)
     q_req, q_idx = verify_queries(torch.tensor([2, 1]), "cpu")
     table, counts = tree_key_lists(
-        mask, torch.tensor([0, 8, 12]), r2t, torch.tensor([1, 9]), torch.tensor([4, 4]), q_req, q_idx,
-        torch.tensor([2, 1]), 4, num_slots=10,
+        mask,
+        torch.tensor([0, 8, 12]),
+        r2t,
+        torch.tensor([1, 9]),
+        torch.tensor([4, 4]),
+        q_req,
+        q_idx,
+        torch.tensor([2, 1]),
+        4,
+        num_slots=10,
     )
     assert counts.tolist() == [3, 3, 0] and table[0].tolist() == [5, 6, 8, 0] and table[2].tolist() == [0, 0, 0, 0]
 

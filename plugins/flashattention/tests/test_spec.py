@@ -48,7 +48,9 @@ def test_attn_core_list_shows_fa4_and_why_not_here():
     ).stdout
     assert any(line.startswith("fa4 ") and "attn-flashattention" in line for line in out.splitlines()), out
     rows = json.loads(
-        subprocess.run([sys.executable, "-m", "attn_core.cli.main", "list", "--json"], capture_output=True, text=True).stdout
+        subprocess.run(
+            [sys.executable, "-m", "attn_core.cli.main", "list", "--json"], capture_output=True, text=True
+        ).stdout
     )
     row = next(r for r in rows if r["name"] == "fa4")
     assert row["distribution"] == "attn-flashattention" and row["unverified"] == spec.UNVERIFIED

@@ -113,7 +113,9 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
-    def plan(self, qo_indptr, indptr, indices, last_page_len, hq, hkv, d, page_size, custom_mask=None, causal=False, **kw):
+    def plan(
+        self, qo_indptr, indptr, indices, last_page_len, hq, hkv, d, page_size, custom_mask=None, causal=False, **kw
+    ):
         self.mask = None if custom_mask is None else custom_mask.cpu().to(torch.bool)
         self._common(kw)
         self.qo, self.causal = qo_indptr.cpu(), causal
@@ -170,10 +172,21 @@ cascade = types.SimpleNamespace(merge_state_in_place=_merge_state_in_place)
 #: the stand-in GPU's multiprocessors, as FlashInfer's MLA scheduler reads them
 NUM_SM = 6
 _MLA_ARRAYS = (  # name, entries ("w": one per work, 16384; "m": one per multiprocessor), in allocation order
-    ("q_indptr", "w"), ("kv_indptr", "w"), ("partial_indptr", "w"), ("m_start", "m"), ("m_end", "m"), ("mp_start", "m"),
-    ("mp_end", "m"), ("m_stride", "m"), ("q_len", "w"), ("kv_len", "w"), ("q_start", "w"), ("kv_start", "w"), ("kv_end", "w"),
+    ("q_indptr", "w"),
+    ("kv_indptr", "w"),
+    ("partial_indptr", "w"),
+    ("m_start", "m"),
+    ("m_end", "m"),
+    ("mp_start", "m"),
+    ("mp_end", "m"),
+    ("m_stride", "m"),
+    ("q_len", "w"),
+    ("kv_len", "w"),
+    ("q_start", "w"),
+    ("kv_start", "w"),
+    ("kv_end", "w"),
     ("work_indptr", "w"),
-)  # fmt: skip
+)
 
 
 def _mla_offsets(num_sm):
@@ -202,7 +215,17 @@ def mla_schedule(qo_indptr, kv_indptr, kv_lens, num_heads, causal, num_sm=NUM_SM
     tiles = [-(-(n * num_heads) // tile) for n in qo_lens]
     total = sum(keys(qo_lens[i], kv_lens[i], t, tiles[i]) for i in range(bs) for t in range(tiles[i]))
     share = max(-(-total // clusters), 1)
-    limit = 32 if share <= 8 else 64 if share <= 16 else 128 if share <= 32 else 192 if share <= 64 else -(-share // 256) * 256
+    limit = (
+        32
+        if share <= 8
+        else 64
+        if share <= 16
+        else 128
+        if share <= 32
+        else 192
+        if share <= 64
+        else -(-share // 256) * 256
+    )
     load = [(0.0, c) for c in range(clusters)]  # FlashInfer's min-heap of (cost, cluster)
     per = [[] for _ in range(clusters)]
     merge, partial_rows = [], 0
@@ -224,7 +247,18 @@ def mla_schedule(qo_indptr, kv_indptr, kv_lens, num_heads, causal, num_sm=NUM_SM
                 cost, c = load[0]
                 part = min(left, limit)
                 load[0] = (cost + 2 * tile + part, c)
-                per[c].append((qo_indptr[i], kv_indptr[i], partial_rows if split else -1, n, kv_lens[i], t * tile, start, start + part))
+                per[c].append(
+                    (
+                        qo_indptr[i],
+                        kv_indptr[i],
+                        partial_rows if split else -1,
+                        n,
+                        kv_lens[i],
+                        t * tile,
+                        start,
+                        start + part,
+                    )
+                )
                 if split:
                     partial_rows += rows
                 left -= part
@@ -235,7 +269,9 @@ def mla_schedule(qo_indptr, kv_indptr, kv_lens, num_heads, causal, num_sm=NUM_SM
     works = [w for c in range(clusters) for w in per[c]]
     arrays = {
         name: [w[k] for w in works]
-        for k, name in enumerate(("q_indptr", "kv_indptr", "partial_indptr", "q_len", "kv_len", "q_start", "kv_start", "kv_end"))
+        for k, name in enumerate(
+            ("q_indptr", "kv_indptr", "partial_indptr", "q_len", "kv_len", "q_start", "kv_start", "kv_end")
+        )
     }
     arrays["work_indptr"] = [sum(len(p) for p in per[:c]) for c in range(clusters + 1)]
     merge += [(0, 0, 0, 0, 0)] * (num_sm - len(merge))
@@ -266,7 +302,22 @@ class _MLAModule:
         return (cs, clusters, *offsets.values(), 0, -(-partial_o // 16) * 16)
 
     def run(
-        self, float_ws, int_ws, plan_info, q_nope, q_pe, ckv, kpe, kv_indices, out, lse, mask_mode, num_heads, page_size, sm_scale, base_e
+        self,
+        float_ws,
+        int_ws,
+        plan_info,
+        q_nope,
+        q_pe,
+        ckv,
+        kpe,
+        kv_indices,
+        out,
+        lse,
+        mask_mode,
+        num_heads,
+        page_size,
+        sm_scale,
+        base_e,
     ):
         cs, clusters = int(plan_info[0]), int(plan_info[1])
         words = int_ws.view(torch.int32)
@@ -281,7 +332,17 @@ class _MLAModule:
         for y in range(clusters):
             for w in range(int(a["work_indptr"][y]), int(a["work_indptr"][y + 1])):
                 q0, kvp, part, n, L, q_start, lo, hi = (
-                    int(a[k][w]) for k in ("q_indptr", "kv_indptr", "partial_indptr", "q_len", "kv_len", "q_start", "kv_start", "kv_end")
+                    int(a[k][w])
+                    for k in (
+                        "q_indptr",
+                        "kv_indptr",
+                        "partial_indptr",
+                        "q_len",
+                        "kv_len",
+                        "q_start",
+                        "kv_start",
+                        "kv_end",
+                    )
                 )
                 ids = kv_indices[kvp : kvp + -(-L // page_size)].long()
                 c = ckv[ids].reshape(-1, ckv.shape[-1])[:L].double()
@@ -293,7 +354,11 @@ class _MLAModule:
                         k = k[k <= L - n + qi]
                     s = (c[k] @ q_nope[q0 + qi, h].double() + pe[k] @ q_pe[q0 + qi, h].double()) * sm_scale
                     ln = torch.logsumexp(s, 0) if k.numel() else torch.tensor(float("-inf"), dtype=torch.float64)
-                    o = torch.exp(s - ln).nan_to_num(0.0) @ c[k] if k.numel() else torch.zeros(c.shape[-1], dtype=torch.float64)
+                    o = (
+                        torch.exp(s - ln).nan_to_num(0.0) @ c[k]
+                        if k.numel()
+                        else torch.zeros(c.shape[-1], dtype=torch.float64)
+                    )
                     if part == -1:
                         fin_o[q0 + qi, h], fin_lse[q0 + qi, h] = o, ln
                         written[q0 + qi, h] += 1
@@ -302,7 +367,9 @@ class _MLAModule:
                         assert 0 <= row < cap, "partial rows inside the float workspace's partial buffer"
                         p_o[row], p_lse[row] = o, ln
         for m in range(NUM_SM):  # the merge entries
-            start, end, p_start, p_end, stride = (int(a[k][m]) for k in ("m_start", "m_end", "mp_start", "mp_end", "m_stride"))
+            start, end, p_start, p_end, stride = (
+                int(a[k][m]) for k in ("m_start", "m_end", "mp_start", "mp_end", "m_stride")
+            )
             for local in range(end - start):
                 qi, h = divmod(start + local, H)
                 rows = list(range(p_start + local, p_end, stride))
@@ -321,13 +388,25 @@ class _MLAModule:
 
 class BatchMLAPagedAttentionWrapper:
     def __init__(
-        self, float_workspace_buffer, use_cuda_graph=False, qo_indptr=None, kv_indptr=None, kv_indices=None, kv_len_arr=None, backend="auto"
+        self,
+        float_workspace_buffer,
+        use_cuda_graph=False,
+        qo_indptr=None,
+        kv_indptr=None,
+        kv_indices=None,
+        kv_len_arr=None,
+        backend="auto",
     ):
         self._float_workspace_buffer = float_workspace_buffer
         self._int_workspace_buffer = torch.zeros(1 << 20, dtype=torch.uint8)
         self._pin_memory_int_workspace_buffer = torch.zeros(1 << 20, dtype=torch.uint8)
         self._use_cuda_graph = use_cuda_graph
-        self._qo_indptr_buf, self._kv_indptr_buf, self._kv_indices_buf, self._kv_len_arr_buf = qo_indptr, kv_indptr, kv_indices, kv_len_arr
+        self._qo_indptr_buf, self._kv_indptr_buf, self._kv_indices_buf, self._kv_len_arr_buf = (
+            qo_indptr,
+            kv_indptr,
+            kv_indices,
+            kv_len_arr,
+        )
         self._backend = "fake"
         self.public_plans = 0
 
@@ -358,20 +437,41 @@ class BatchMLAPagedAttentionWrapper:
             self._kv_indices_buf = kv_indices
         self._causal, self._page_size, self._sm_scale = causal, page_size, sm_scale
         self._plan_info = self._cached_module.plan(
-            self._float_workspace_buffer, self._int_workspace_buffer, self._pin_memory_int_workspace_buffer, qo_indptr.cpu(),
-            kv_indptr.cpu(), kv_len_arr.cpu(), num_heads, head_dim_ckv, causal,
-        )  # fmt: skip
+            self._float_workspace_buffer,
+            self._int_workspace_buffer,
+            self._pin_memory_int_workspace_buffer,
+            qo_indptr.cpu(),
+            kv_indptr.cpu(),
+            kv_len_arr.cpu(),
+            num_heads,
+            head_dim_ckv,
+            causal,
+        )
 
-    def run(self, *, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False, return_lse_base_on_e=False):
+    def run(
+        self, *, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False, return_lse_base_on_e=False
+    ):
         out = torch.empty_like(q_nope) if out is None else out
         assert out.shape == q_nope.shape, "out shaped as q_nope"
         if return_lse and lse is None:
             lse = torch.empty(q_nope.shape[:2], dtype=torch.float32)
         self._cached_module.run(
-            self._float_workspace_buffer, self._int_workspace_buffer, self._plan_info, q_nope, q_pe, ckv_cache, kpe_cache,
-            self._kv_indices_buf, out, lse if return_lse else None, int(self._causal), q_nope.shape[1], self._page_size,
-            self._sm_scale, return_lse_base_on_e,
-        )  # fmt: skip
+            self._float_workspace_buffer,
+            self._int_workspace_buffer,
+            self._plan_info,
+            q_nope,
+            q_pe,
+            ckv_cache,
+            kpe_cache,
+            self._kv_indices_buf,
+            out,
+            lse if return_lse else None,
+            int(self._causal),
+            q_nope.shape[1],
+            self._page_size,
+            self._sm_scale,
+            return_lse_base_on_e,
+        )
         return (out, lse) if return_lse else out
 
 

@@ -53,7 +53,9 @@ def test_paged_run_gets_the_layer_scales():
 def test_fp8_cache_is_declared_under_both_q_dtypes(q_dtype):
     ctx = BackendContext(device="cuda", dtype=q_dtype, kv_dtype=FP8, num_q_heads=8, num_kv_heads=2, head_dim=128)
     assert CAPABILITIES.mismatches(ctx.requirements(), layout_only=True) == []
-    other = BackendContext(device="cuda", dtype=q_dtype, kv_dtype=torch.float8_e5m2, num_q_heads=8, num_kv_heads=2, head_dim=128)
+    other = BackendContext(
+        device="cuda", dtype=q_dtype, kv_dtype=torch.float8_e5m2, num_q_heads=8, num_kv_heads=2, head_dim=128
+    )
     assert any("KV dtype float8_e5m2" in r for r in CAPABILITIES.mismatches(other.requirements(), layout_only=True))
 
 
@@ -61,10 +63,14 @@ def test_fp8_at_head_dim_64_is_refused_at_construction():
     from attn_core.contract.errors import UnsupportedFeatureError
 
     def ctx(head_dim):
-        return BackendContext(device="cuda", dtype=torch.bfloat16, kv_dtype=FP8, num_q_heads=8, num_kv_heads=2, head_dim=head_dim)
+        return BackendContext(
+            device="cuda", dtype=torch.bfloat16, kv_dtype=FP8, num_q_heads=8, num_kv_heads=2, head_dim=head_dim
+        )
 
     with pytest.raises(UnsupportedFeatureError, match="head_dim 64"):
         check_context(ctx(64), "flashinfer")
     check_context(ctx(128), "flashinfer")
     check_context(ctx(256), "flashinfer")
-    check_context(BackendContext(device="cuda", dtype=torch.bfloat16, num_q_heads=8, num_kv_heads=2, head_dim=64), "flashinfer")
+    check_context(
+        BackendContext(device="cuda", dtype=torch.bfloat16, num_q_heads=8, num_kv_heads=2, head_dim=64), "flashinfer"
+    )

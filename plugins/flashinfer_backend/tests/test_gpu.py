@@ -40,7 +40,13 @@ def _factory():
     return FlashInferBackend
 
 
-RANDOM_MODES = (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
+RANDOM_MODES = (
+    ForwardMode.EXTEND,
+    ForwardMode.DECODE,
+    ForwardMode.MIXED,
+    ForwardMode.TARGET_VERIFY,
+    ForwardMode.DRAFT_EXTEND,
+)
 
 
 @requires_gpu
@@ -58,9 +64,18 @@ def test_random_batches(mode, page_size, seed):
     cut = rng.choice(cuts) if cuts else 0  # each step keeps some new tokens
     steps = ((*range(cut),), (*range(cut, len(reqs)),)) if cut else ()
     case = AttnCase(
-        mode, reqs, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=page_size, device="cuda", seed=seed,
-        steps=steps, **extra,
-    )  # fmt: skip
+        mode,
+        reqs,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype="bfloat16",
+        page_size=page_size,
+        device="cuda",
+        seed=seed,
+        steps=steps,
+        **extra,
+    )
     assert_case(_factory(), case)
 
 
@@ -72,13 +87,24 @@ OTHER_LAYOUTS = {  # dtype, head dim, layer settings beyond the bf16 / head_dim 
 
 
 @requires_gpu
-@pytest.mark.parametrize("mode", (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY), ids=lambda m: m.name)
+@pytest.mark.parametrize(
+    "mode", (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY), ids=lambda m: m.name
+)
 @pytest.mark.parametrize("layout", list(OTHER_LAYOUTS))
 def test_random_batches_other_dtypes_and_head_dims(layout, mode):
     """fp16 and head dims 64 / 256 on random compositions at page size 16, GQA 16/4, LSE returned."""
     rng = random.Random(f"fi-{layout}-{mode.name}")
     reqs = compose_requests(rng.randint, mode, profile_for("cuda", True))
-    case = AttnCase(mode, reqs, num_q_heads=16, num_kv_heads=4, page_size=16, device="cuda", return_lse=True, **OTHER_LAYOUTS[layout])
+    case = AttnCase(
+        mode,
+        reqs,
+        num_q_heads=16,
+        num_kv_heads=4,
+        page_size=16,
+        device="cuda",
+        return_lse=True,
+        **OTHER_LAYOUTS[layout],
+    )
     assert_case(_factory(), case)
 
 
@@ -92,17 +118,33 @@ def test_encoder_decoder_batches_in_two_steps(mode, cross):
     rng = random.Random(f"fi-enc-{mode.name}-{cross}")
     reqs = [(rng.randint(0, 300), 1 if mode.is_decode() else rng.randint(1, 40), rng.randint(1, 200)) for _ in range(6)]
     case = AttnCase(
-        mode, reqs, num_q_heads=16, num_kv_heads=4, head_dim=128, dtype="bfloat16", page_size=16, device="cuda",
-        cross_attention=cross, steps=((0, 1, 2), (3, 4, 5)),
-    )  # fmt: skip
+        mode,
+        reqs,
+        num_q_heads=16,
+        num_kv_heads=4,
+        head_dim=128,
+        dtype="bfloat16",
+        page_size=16,
+        device="cuda",
+        cross_attention=cross,
+        steps=((0, 1, 2), (3, 4, 5)),
+    )
     assert_case(_factory(), case)
 
 
 WINDOW_POOL_CASES = {  # sliding-window KV pool (issue 18): window layers (even) in the window pool, full layers (odd)
-    "decode-page16": dict(mode="DECODE", reqs=[(4095, 1), (0, 1), (1000, 1), (511, 1)], page_size=16, sliding_window=512),
-    "extend-page16-lse": dict(mode="EXTEND", reqs=[(3000, 500), (0, 700), (64, 1)], page_size=16, sliding_window=256, return_lse=True),
-    "mixed-page1-cap": dict(mode="MIXED", reqs=[(1200, 1), (300, 400), (0, 77)], page_size=1, sliding_window=97, logit_cap=20.0),
-    "verify-causal-page16": dict(mode="TARGET_VERIFY", reqs=[(900, 6), (5, 6)], page_size=16, sliding_window=64, custom_mask=False),
+    "decode-page16": dict(
+        mode="DECODE", reqs=[(4095, 1), (0, 1), (1000, 1), (511, 1)], page_size=16, sliding_window=512
+    ),
+    "extend-page16-lse": dict(
+        mode="EXTEND", reqs=[(3000, 500), (0, 700), (64, 1)], page_size=16, sliding_window=256, return_lse=True
+    ),
+    "mixed-page1-cap": dict(
+        mode="MIXED", reqs=[(1200, 1), (300, 400), (0, 77)], page_size=1, sliding_window=97, logit_cap=20.0
+    ),
+    "verify-causal-page16": dict(
+        mode="TARGET_VERIFY", reqs=[(900, 6), (5, 6)], page_size=16, sliding_window=64, custom_mask=False
+    ),
     "draft_extend-page16": dict(mode="DRAFT_EXTEND", reqs=[(1000, 4), (200, 3)], page_size=16, sliding_window=128),
 }
 
@@ -117,21 +159,45 @@ def test_window_pool_batches_in_two_steps(name):
     mode, reqs = kw.pop("mode"), kw.pop("reqs")
     steps = ((0,), (*range(1, len(reqs)),))
     case = AttnCase(
-        mode, reqs, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", device="cuda", num_layers=2,
-        window_even_layers_only=True, window_pool=True, steps=steps, **kw,
-    )  # fmt: skip
+        mode,
+        reqs,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype="bfloat16",
+        device="cuda",
+        num_layers=2,
+        window_even_layers_only=True,
+        window_pool=True,
+        steps=steps,
+        **kw,
+    )
     assert_case(_factory(), case)
 
 
 CHUNKED_LOCAL_CASES = {  # chunked local attention (issue 18): chunk sizes on and off the page size, interleaved layers
-    "extend-page16-chunk200": dict(mode="EXTEND", reqs=[(0, 1000), (1500, 513), (700, 0)], page_size=16, attention_chunk_size=200),
-    "extend-page16-chunk256-lse": dict(mode="EXTEND", reqs=[(300, 700), (0, 77)], page_size=16, attention_chunk_size=256, return_lse=True),
-    "decode-page16-chunk1000": dict(mode="DECODE", reqs=[(4095, 1), (0, 1), (8191, 1)], page_size=16, attention_chunk_size=1000),
-    "decode-page16-chunk512": dict(mode="DECODE", reqs=[(4095, 1), (511, 1), (1000, 1)], page_size=16, attention_chunk_size=512),
-    "mixed-page1-interleaved": dict(
-        mode="MIXED", reqs=[(1200, 1), (300, 400), (0, 77)], page_size=1, attention_chunk_size=256, chunk_even_layers_only=True
+    "extend-page16-chunk200": dict(
+        mode="EXTEND", reqs=[(0, 1000), (1500, 513), (700, 0)], page_size=16, attention_chunk_size=200
     ),
-    "verify-causal-page16": dict(mode="TARGET_VERIFY", reqs=[(1020, 8), (5, 8)], page_size=16, attention_chunk_size=512, custom_mask=False),
+    "extend-page16-chunk256-lse": dict(
+        mode="EXTEND", reqs=[(300, 700), (0, 77)], page_size=16, attention_chunk_size=256, return_lse=True
+    ),
+    "decode-page16-chunk1000": dict(
+        mode="DECODE", reqs=[(4095, 1), (0, 1), (8191, 1)], page_size=16, attention_chunk_size=1000
+    ),
+    "decode-page16-chunk512": dict(
+        mode="DECODE", reqs=[(4095, 1), (511, 1), (1000, 1)], page_size=16, attention_chunk_size=512
+    ),
+    "mixed-page1-interleaved": dict(
+        mode="MIXED",
+        reqs=[(1200, 1), (300, 400), (0, 77)],
+        page_size=1,
+        attention_chunk_size=256,
+        chunk_even_layers_only=True,
+    ),
+    "verify-causal-page16": dict(
+        mode="TARGET_VERIFY", reqs=[(1020, 8), (5, 8)], page_size=16, attention_chunk_size=512, custom_mask=False
+    ),
 }
 
 
@@ -144,7 +210,16 @@ def test_chunked_local_batches_in_two_steps(name):
     mode, reqs = kw.pop("mode"), kw.pop("reqs")
     steps = ((0,), (*range(1, len(reqs)),))
     case = AttnCase(
-        mode, reqs, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", device="cuda", num_layers=2, steps=steps, **kw
+        mode,
+        reqs,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype="bfloat16",
+        device="cuda",
+        num_layers=2,
+        steps=steps,
+        **kw,
     )
     assert_case(_factory(), case)
 
@@ -183,9 +258,17 @@ def test_random_batches_fp8_kv(layout, mode):
     cut = max(1, len(reqs) // 2)
     steps = ((*range(cut),), (*range(cut, len(reqs)),)) if len(reqs) > 1 else ()
     case = AttnCase(
-        mode, reqs, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16, device="cuda", return_lse=True, steps=steps,
+        mode,
+        reqs,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        page_size=16,
+        device="cuda",
+        return_lse=True,
+        steps=steps,
         **FP8_LAYOUTS[layout],
-    )  # fmt: skip
+    )
     assert_case(_factory(), case)
 
 
@@ -193,8 +276,12 @@ GRAPH_CASES = {
     "decode-page16-window": _graph_case(
         "DECODE", [(700, 1), (1, 1), (33, 1), (0, 1), (2000, 1), (15, 1)], page_size=16, sliding_window=100
     ),
-    "decode-page1-logit_cap": _graph_case("DECODE", [(70, 1), (1, 1), (333, 1), (0, 1), (900, 1), (16, 1)], logit_cap=5.0),
-    "verify-page16-mask": _graph_case("TARGET_VERIFY", [(500, 4), (3, 4), (64, 4), (1, 4), (1500, 4), (17, 4)], page_size=16),
+    "decode-page1-logit_cap": _graph_case(
+        "DECODE", [(70, 1), (1, 1), (333, 1), (0, 1), (900, 1), (16, 1)], logit_cap=5.0
+    ),
+    "verify-page16-mask": _graph_case(
+        "TARGET_VERIFY", [(500, 4), (3, 4), (64, 4), (1, 4), (1500, 4), (17, 4)], page_size=16
+    ),
     "verify-page16-causal": _graph_case(
         "TARGET_VERIFY", [(50, 3), (3, 3), (64, 3), (1, 3), (150, 3), (17, 3)], page_size=16, custom_mask=False
     ),
@@ -234,7 +321,9 @@ def _draft_env(lens, page_size, topk, num_steps, seed):
     r2t = ReqToTokenPool(len(lens) + 1, max(lens) + 4, "cuda")
     alloc = PagedTokenAllocator(pages * ps, ps, "cuda")
     kv = MHATokenToKVPool(pages * ps, ps, torch.bfloat16, hkv, 128, DRAFT_LAYERS, "cuda")
-    batch = build_forward_batch("EXTEND", [(n, 0) for n in lens], req_to_token_pool=r2t, allocator=alloc, token_to_kv_pool=kv)
+    batch = build_forward_batch(
+        "EXTEND", [(n, 0) for n in lens], req_to_token_pool=r2t, allocator=alloc, token_to_kv_pool=kv
+    )
     rows = batch.req_pool_indices.tolist()
     cached = []
     for layer in range(DRAFT_LAYERS):
@@ -301,7 +390,9 @@ def _run_draft_steps(batches, inputs, pad_rows=None):
 def test_multi_step_draft_eager_and_graph(topk, page_size):
     """Every draft step of every branch against the float64 reference (eager), then the same round
     through CUDA graphs captured for a larger batch (padded) against the eager outputs."""
-    msd = pytest.importorskip("attn_core.wrappers.multi_step_draft", reason="attn-core's multi-step draft wrapper not installed")
+    msd = pytest.importorskip(
+        "attn_core.wrappers.multi_step_draft", reason="attn-core's multi-step draft wrapper not installed"
+    )
     from attn_core.testing.reference import reference_attention, relative_error, tolerance
     from attn_flashinfer.backend import FlashInferBackend
 
@@ -364,7 +455,13 @@ def test_multi_step_draft_eager_and_graph(topk, page_size):
 
 
 # ---- lean re-plans (replan.py) against FlashInfer's own plan ------------------------------------
-LEAN_MODES = (ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND)
+LEAN_MODES = (
+    ForwardMode.DECODE,
+    ForwardMode.EXTEND,
+    ForwardMode.TARGET_VERIFY,
+    ForwardMode.MIXED,
+    ForwardMode.DRAFT_EXTEND,
+)
 
 
 def _wrappers_of(step):
@@ -376,7 +473,13 @@ def _wrappers_of(step):
 
 
 def _index_arrays(w) -> list:
-    names = ("_qo_indptr_buf", "_paged_kv_indptr_buf", "_paged_kv_indices_buf", "_paged_kv_last_page_len_buf", "_kv_indptr_buf")
+    names = (
+        "_qo_indptr_buf",
+        "_paged_kv_indptr_buf",
+        "_paged_kv_indices_buf",
+        "_paged_kv_last_page_len_buf",
+        "_kv_indptr_buf",
+    )
     return [getattr(w, n).cpu() for n in names if getattr(w, n, None) is not None]
 
 
@@ -408,13 +511,25 @@ def test_lean_replans_match_flashinfers_own_plan(page_size, monkeypatch):
         kv.get_key_buffer(i).normal_()
         kv.get_value_buffer(i).normal_()
     ctx = BackendContext(
-        device="cuda", dtype=torch.bfloat16, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page_size,
-        max_batch_size=rows, max_context_len=max_len, req_to_token_pool=r2t, token_to_kv_pool=kv,
-    )  # fmt: skip
+        device="cuda",
+        dtype=torch.bfloat16,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        page_size=page_size,
+        max_batch_size=rows,
+        max_context_len=max_len,
+        req_to_token_pool=r2t,
+        token_to_kv_pool=kv,
+    )
     layers = [AttentionLayer(0, hq, hkv, d), AttentionLayer(1, hq, hkv, d, sliding_window_size=200, logit_cap=30.0)]
     lean, public = FlashInferBackend(ctx), FlashInferBackend(ctx, lean_replan=False)
     assert lean.planner.lean_replan, "lean re-plans are off for this FlashInfer version: nothing to test"
-    modes = [ForwardMode.EXTEND] + [rng.choice(LEAN_MODES) for _ in range(9)] + [ForwardMode.TARGET_VERIFY, ForwardMode.EXTEND]
+    modes = (
+        [ForwardMode.EXTEND]
+        + [rng.choice(LEAN_MODES) for _ in range(9)]
+        + [ForwardMode.TARGET_VERIFY, ForwardMode.EXTEND]
+    )
     for s, mode in enumerate(modes):
         reqs = compose_requests(rng.randint, mode, profile_for("cuda", True))
         batch = build_forward_batch(mode, reqs, req_to_token_pool=r2t, allocator=alloc, token_to_kv_pool=kv)
@@ -428,7 +543,9 @@ def test_lean_replans_match_flashinfers_own_plan(page_size, monkeypatch):
                     be.init_forward_metadata(batch)
                 batch.attn_backend = be
                 outs.append(layer(q, k, v, batch, save_kv_cache=False))
-            assert torch.equal(outs[0], outs[1]), f"step {s} ({mode.name}) layer {layer.layer_id}: lean and public plans differ"
+            assert torch.equal(outs[0], outs[1]), (
+                f"step {s} ({mode.name}) layer {layer.layer_id}: lean and public plans differ"
+            )
         got, want = dict(_wrappers_of(lean.forward_metadata)), dict(_wrappers_of(public.forward_metadata))
         assert got.keys() == want.keys(), f"step {s}"
         for name, w in got.items():

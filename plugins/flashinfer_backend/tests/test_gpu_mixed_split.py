@@ -40,7 +40,10 @@ def random_mixed(seed: int) -> AttnCase:
 
     def one_step() -> list:
         n = rng.randint(2, 6)
-        reqs = [(rng.randint(1, 5000), 1) if rng.random() < 0.6 else (rng.randint(0, 3000), rng.choice([0, 7, 64, 600])) for _ in range(n)]
+        reqs = [
+            (rng.randint(1, 5000), 1) if rng.random() < 0.6 else (rng.randint(0, 3000), rng.choice([0, 7, 64, 600]))
+            for _ in range(n)
+        ]
         reqs[0], reqs[1] = (rng.randint(1, 5000), 1), (rng.randint(0, 3000), rng.randint(2, 600))
         rng.shuffle(reqs)
         return reqs
@@ -49,9 +52,15 @@ def random_mixed(seed: int) -> AttnCase:
     n = len(first) + len(second)
     extra = {1: dict(return_lse=True), 2: dict(sliding_window=rng.randint(1, 700), logit_cap=20.0)}.get(seed % 3, {})
     return AttnCase(
-        "MIXED", first + second, page_size=rng.choice([1, 16]), kv_layout=rng.choice(["NHD", "HND"]), seed=seed,
-        steps=((*range(len(first)),), (*range(len(first), n),)), **GQA, **extra,
-    )  # fmt: skip
+        "MIXED",
+        first + second,
+        page_size=rng.choice([1, 16]),
+        kv_layout=rng.choice(["NHD", "HND"]),
+        seed=seed,
+        steps=((*range(len(first)),), (*range(len(first), n),)),
+        **GQA,
+        **extra,
+    )
 
 
 @requires_gpu
@@ -69,7 +78,9 @@ def test_random_mixed_batches_split(seed):
     [
         AttnCase("MIXED", [(4095, 1), (1000, 1), (2047, 1), (0, 512), (300, 77)], page_size=16, return_lse=True, **GQA),
         AttnCase("MIXED", [(0, 300), (4095, 1), (1500, 513), (17, 1), (700, 0)], page_size=16, **GQA),
-        AttnCase("MIXED", [(5000, 1), (900, 200), (60, 1)], sliding_window=1024, logit_cap=30.0, return_lse=True, **GQA),
+        AttnCase(
+            "MIXED", [(5000, 1), (900, 200), (60, 1)], sliding_window=1024, logit_cap=30.0, return_lse=True, **GQA
+        ),
     ],
     ids=["decode-first", "interleaved", "window-cap"],
 )
@@ -80,18 +91,31 @@ def test_split_case(case):
 
 
 @requires_gpu
-@pytest.mark.parametrize("work", [[(0, 1), (1, 1), (2, 64)], [(2, 64), (0, 1), (1, 1)]], ids=["decode-first", "decodes last"])
+@pytest.mark.parametrize(
+    "work", [[(0, 1), (1, 1), (2, 64)], [(2, 64), (0, 1), (1, 1)]], ids=["decode-first", "decodes last"]
+)
 def test_split_step_does_not_sync(work):
     from attn_flashinfer.backend import FlashInferBackend
 
     dev = torch.device("cuda")
-    kv = ac.MHATokenToKVPool(size=4096, page_size=16, dtype=torch.bfloat16, head_num=8, head_dim=128, layer_num=1, device=dev)
+    kv = ac.MHATokenToKVPool(
+        size=4096, page_size=16, dtype=torch.bfloat16, head_num=8, head_dim=128, layer_num=1, device=dev
+    )
     rows = ac.ReqToTokenPool(size=4, max_context_len=1024, device=dev)
     requests = ac.RequestPool(rows, ac.PagedTokenAllocator(4096, 16), kv)
     ctx = ac.BackendContext(
-        device=dev, dtype=torch.bfloat16, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16, max_batch_size=4,
-        max_context_len=1024, req_to_token_pool=rows, token_to_kv_pool=kv, forward_modes={"extend", "decode", "mixed"},
-    )  # fmt: skip
+        device=dev,
+        dtype=torch.bfloat16,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        page_size=16,
+        max_batch_size=4,
+        max_context_len=1024,
+        req_to_token_pool=rows,
+        token_to_kv_pool=kv,
+        forward_modes={"extend", "decode", "mixed"},
+    )
     backend = FlashInferBackend(ctx, mixed_split=True)
     layer = ac.AttentionLayer(0, 32, 8, 128)
     reqs = [requests.add() for _ in range(3)]

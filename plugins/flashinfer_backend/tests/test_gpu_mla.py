@@ -36,7 +36,9 @@ def _lean_mla_reason():
         version = metadata.version("flashinfer-python")
     except metadata.PackageNotFoundError:
         return None  # requires_gpu skips first
-    return None if replan.mla_verified(version) else f"flashinfer-python {version}: MLA runs through the public plan only"
+    return (
+        None if replan.mla_verified(version) else f"flashinfer-python {version}: MLA runs through the public plan only"
+    )
 
 
 requires_lean_mla = pytest.mark.skipif(_lean_mla_reason() is not None, reason=str(_lean_mla_reason()))
@@ -57,7 +59,13 @@ def _factory(**options):
     return lambda ctx: FlashInferMLABackend(ctx, **options)
 
 
-RANDOM_MODES = (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
+RANDOM_MODES = (
+    ForwardMode.EXTEND,
+    ForwardMode.DECODE,
+    ForwardMode.MIXED,
+    ForwardMode.TARGET_VERIFY,
+    ForwardMode.DRAFT_EXTEND,
+)
 
 
 @requires_gpu
@@ -72,9 +80,17 @@ def test_random_deepseek_batches_in_two_steps(mode, page_size):
     cut = rng.choice(cuts) if cuts else 0
     steps = ((*range(cut),), (*range(cut, len(reqs)),)) if cut else ()
     case = AttnCase(
-        mode, reqs, num_q_heads=128, dtype="bfloat16", page_size=page_size, device="cuda", seed=page_size, steps=steps,
-        return_lse=page_size == 64, **MLA,
-    )  # fmt: skip
+        mode,
+        reqs,
+        num_q_heads=128,
+        dtype="bfloat16",
+        page_size=page_size,
+        device="cuda",
+        seed=page_size,
+        steps=steps,
+        return_lse=page_size == 64,
+        **MLA,
+    )
     assert_case(_factory(), case)
 
 
@@ -86,7 +102,9 @@ def test_lean_replans_match_flashinfers_own_plan(mode):
     reference too)."""
     e = 1 if mode.is_decode() else 4
     reqs = [(300, e), (17, e), (1000, e), (64, e), (5, e)]
-    case = AttnCase(mode, reqs, num_q_heads=16, dtype="bfloat16", page_size=16, device="cuda", steps=((0, 1), (2,), (3, 4)), **MLA)
+    case = AttnCase(
+        mode, reqs, num_q_heads=16, dtype="bfloat16", page_size=16, device="cuda", steps=((0, 1), (2,), (3, 4)), **MLA
+    )
     lean = assert_case(_factory(lean_replan=True), case)
     public = assert_case(_factory(lean_replan=False), case)
     assert [lr.out_error for lr in lean.layers] == [lr.out_error for lr in public.layers]
@@ -107,13 +125,26 @@ def _mla_step(mode, reqs, page_size=16, heads=16, **backend_options):
     pool = MLATokenToKVPool(size, ps, torch.bfloat16, 512, 64, 1, "cuda")
     pool.kv_buffer[0].normal_()
     r2t = ReqToTokenPool(len(reqs), max_len, "cuda")
-    batch = build_forward_batch(mode, reqs, req_to_token_pool=r2t, allocator=PagedTokenAllocator(size, ps, "cuda"), token_to_kv_pool=pool)
+    batch = build_forward_batch(
+        mode, reqs, req_to_token_pool=r2t, allocator=PagedTokenAllocator(size, ps, "cuda"), token_to_kv_pool=pool
+    )
     if batch.spec_info is not None:
         batch.spec_info.custom_mask = batch.spec_info.mask_indptr = None
     ctx = BackendContext(
-        device="cuda", dtype=torch.bfloat16, num_q_heads=heads, num_kv_heads=1, head_dim=576, attention_arch="mla", kv_lora_rank=512,
-        qk_rope_head_dim=64, page_size=ps, max_batch_size=len(reqs), max_context_len=max_len, req_to_token_pool=r2t, token_to_kv_pool=pool,
-    )  # fmt: skip
+        device="cuda",
+        dtype=torch.bfloat16,
+        num_q_heads=heads,
+        num_kv_heads=1,
+        head_dim=576,
+        attention_arch="mla",
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        page_size=ps,
+        max_batch_size=len(reqs),
+        max_context_len=max_len,
+        req_to_token_pool=r2t,
+        token_to_kv_pool=pool,
+    )
     backend = FlashInferMLABackend(ctx, **backend_options)
     batch.attn_backend = backend
     layer = AttentionLayer(0, heads, 1, 576, scaling=192**-0.5, v_head_dim=512)
@@ -213,7 +244,9 @@ def _draft_env(lens, page_size, topk, num_steps, seed):
     r2t = ReqToTokenPool(len(lens) + 1, max(lens) + 4, "cuda")
     alloc = PagedTokenAllocator(pages * ps, ps, "cuda")
     kv = MLATokenToKVPool(pages * ps, ps, torch.bfloat16, 512, 64, DRAFT_LAYERS, "cuda")
-    batch = build_forward_batch("EXTEND", [(n, 0) for n in lens], req_to_token_pool=r2t, allocator=alloc, token_to_kv_pool=kv)
+    batch = build_forward_batch(
+        "EXTEND", [(n, 0) for n in lens], req_to_token_pool=r2t, allocator=alloc, token_to_kv_pool=kv
+    )
     rows = batch.req_pool_indices.tolist()
     cached = []
     for layer in range(DRAFT_LAYERS):
@@ -227,10 +260,22 @@ def _draft_env(lens, page_size, topk, num_steps, seed):
         cached.append(per_req)
     loc = allocate_draft_slots(alloc, r2t, rows, lens, topk, num_steps)
     ctx = BackendContext(
-        device="cuda", dtype=torch.bfloat16, num_q_heads=DRAFT_HEADS, num_kv_heads=1, head_dim=576, attention_arch="mla",
-        kv_lora_rank=512, qk_rope_head_dim=64, page_size=ps, max_batch_size=8, max_context_len=max(lens) + 4,
-        req_to_token_pool=r2t, token_to_kv_pool=kv, speculative_num_steps=num_steps, speculative_topk=topk,
-    )  # fmt: skip
+        device="cuda",
+        dtype=torch.bfloat16,
+        num_q_heads=DRAFT_HEADS,
+        num_kv_heads=1,
+        head_dim=576,
+        attention_arch="mla",
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        page_size=ps,
+        max_batch_size=8,
+        max_context_len=max(lens) + 4,
+        req_to_token_pool=r2t,
+        token_to_kv_pool=kv,
+        speculative_num_steps=num_steps,
+        speculative_topk=topk,
+    )
     return ctx, rows, cached, loc
 
 
@@ -306,7 +351,11 @@ def test_multi_step_draft_eager_and_graph(topk, page_size):
                     r = b * topk + j
                     keys = torch.cat([cached[li][b], torch.stack([inputs[t][li][1][r] for t in range(s + 1)])])
                     ref, _ = reference_attention(
-                        inputs[s][li][0][r : r + 1], keys, keys[..., :512], q_positions=torch.tensor([L + s]), scale=layer.scaling
+                        inputs[s][li][0][r : r + 1],
+                        keys,
+                        keys[..., :512],
+                        q_positions=torch.tensor([L + s]),
+                        scale=layer.scaling,
                     )
                     err = relative_error(got[r : r + 1], ref)
                     assert err <= tol, f"step {s} layer {li} request {b} branch {j}: rel err {err:.3g}"
@@ -363,9 +412,19 @@ def test_chunked_prefix_prefill_matches_reference(seed, H):
     alloc = PagedTokenAllocator(slots, ps, "cuda")
     pool = MLATokenToKVPool(slots, ps, torch.bfloat16, 512, 64, 1, "cuda")
     ctx = BackendContext(
-        device="cuda", dtype=torch.bfloat16, num_q_heads=H, num_kv_heads=1, head_dim=576, attention_arch="mla", kv_lora_rank=512,
-        qk_rope_head_dim=64, page_size=ps, max_context_len=r2t.max_context_len, req_to_token_pool=r2t, token_to_kv_pool=pool,
-    )  # fmt: skip
+        device="cuda",
+        dtype=torch.bfloat16,
+        num_q_heads=H,
+        num_kv_heads=1,
+        head_dim=576,
+        attention_arch="mla",
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        page_size=ps,
+        max_context_len=r2t.max_context_len,
+        req_to_token_pool=r2t,
+        token_to_kv_pool=pool,
+    )
     backend = FlashInferMLABackend(ctx)
     batch = build_forward_batch("EXTEND", reqs, req_to_token_pool=r2t, allocator=alloc, token_to_kv_pool=pool)
     g = torch.Generator().manual_seed(seed)
@@ -397,7 +456,9 @@ def test_chunked_prefix_prefill_matches_reference(seed, H):
             sl = r2t.req_to_token[row, :p].long()
             keys = torch.cat([k_all[sl], k[t0 : t0 + e]])
             vals = torch.cat([v_all[sl], v[t0 : t0 + e]])
-            ref, ref_lse = reference_attention(q[t0 : t0 + e], keys, vals, q_positions=torch.arange(p, p + e), scale=192**-0.5)
+            ref, ref_lse = reference_attention(
+                q[t0 : t0 + e], keys, vals, q_positions=torch.arange(p, p + e), scale=192**-0.5
+            )
             err = relative_error(o[t0 : t0 + e], ref)
             assert err <= tolerance(torch.bfloat16), f"layer {layer} request ({p}, {e}): rel err {err:.3g}"
             assert (lse[t0 : t0 + e].double().cpu() - ref_lse).abs().max() < 2e-2

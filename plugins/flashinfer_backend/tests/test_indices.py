@@ -68,7 +68,10 @@ def _keys_of(kv, r):
 @pytest.mark.parametrize("seed", range(4))
 def test_paged_keys_are_exactly_the_requests_slots(page_size, seed):
     rng = random.Random(seed * 31 + page_size)
-    reqs = [(rng.randint(0, 60), rng.randint(1, 20), rng.choice([0, 0, rng.randint(1, 40)])) for _ in range(rng.randint(1, 6))]
+    reqs = [
+        (rng.randint(0, 60), rng.randint(1, 20), rng.choice([0, 0, rng.randint(1, 40)]))
+        for _ in range(rng.randint(1, 6))
+    ]
     max_len = max(p + e + n for p, e, n in reqs) + page_size
     pool = ReqToTokenPool(len(reqs) + 2, max_len)
     alloc = PagedTokenAllocator(page_size * (sum(-(-(p + e + n) // page_size) for p, e, n in reqs) + 4), page_size)
@@ -120,7 +123,9 @@ def test_device_arrays_and_query_offsets_come_from_one_deferred_launch(page_size
 
 
 def test_a_pending_query_layout_is_copied_when_no_launch_took_it():
-    qo = query_layout(torch.tensor([2, 5]), torch.full((3,), -1, dtype=torch.int32), torch.tensor([2, 5], dtype=torch.int32))
+    qo = query_layout(
+        torch.tensor([2, 5]), torch.full((3,), -1, dtype=torch.int32), torch.tensor([2, 5], dtype=torch.int32)
+    )
     qo.write_device()
     assert qo.indptr_dev.tolist() == [0, 2, 7] and not qo.pending
 
@@ -156,7 +161,10 @@ def test_page_lists_built_into_reused_host_offsets(page_size):
     its own (against attn-core's builders), written into the same host memory every time."""
     rng = random.Random(page_size)
     rows, width = 6, 400
-    r2t = torch.tensor([[rng.randrange(1000) * page_size + (c % page_size) for c in range(width)] for _ in range(rows)], dtype=torch.int32)
+    r2t = torch.tensor(
+        [[rng.randrange(1000) * page_size + (c % page_size) for c in range(width)] for _ in range(rows)],
+        dtype=torch.int32,
+    )
     offsets = HostOffsets()
     buf = torch.full((4096,), -1, dtype=torch.int32)
     for step in range(4):

@@ -21,7 +21,11 @@ def test_worked_example_of_the_module_docstring():
     r2t = torch.zeros(2, 16, dtype=torch.int32)
     r2t[1] = 20 + torch.arange(16, dtype=torch.int32)
     r2t[0] = 40 + torch.arange(16, dtype=torch.int32)
-    rows, q, seq = torch.tensor([1, 0]), torch.tensor([3, 1], dtype=torch.int32), torch.tensor([6, 9], dtype=torch.int32)
+    rows, q, seq = (
+        torch.tensor([1, 0]),
+        torch.tensor([3, 1], dtype=torch.int32),
+        torch.tensor([6, 9], dtype=torch.int32),
+    )
     local = build_local_extend(4, r2t, rows, q, seq, 2)
     assert local.qo.indptr.tolist() == [0, 1, 3, 4]
     assert local.kv.kv_lens.tolist() == [4, 2, 1]

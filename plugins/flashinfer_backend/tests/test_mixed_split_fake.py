@@ -20,7 +20,9 @@ from attn_core.contract.errors import InvalidArgumentError
 from attn_core.testing.engine_steps import MIXED_STEPS, EngineWorld, compare_over_steps
 from attn_core.testing.harness import AttnCase, assert_case
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is not None, reason="the real flashinfer is installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("flashinfer") is not None, reason="the real flashinfer is installed"
+)
 
 BASE = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, device="cpu")
 
@@ -40,7 +42,9 @@ def recording(factory, made: list, **options):
 
 def test_option_is_checked(factory):
     with pytest.raises(InvalidArgumentError, match="mixed_split"):
-        assert_case(lambda ctx: factory(ctx, mixed_split=1), AttnCase("MIXED", [(3, 1), (0, 2)], dtype="float16", **BASE))
+        assert_case(
+            lambda ctx: factory(ctx, mixed_split=1), AttnCase("MIXED", [(3, 1), (0, 2)], dtype="float16", **BASE)
+        )
 
 
 def test_kit_mixed_checks_with_the_split(factory, monkeypatch):
@@ -56,7 +60,11 @@ def test_kit_mixed_checks_with_the_split(factory, monkeypatch):
     plan = make_plan(factory, device="cpu", quick=True, options={"mixed_split": True})
     # masked_nonfinite-*: a check of the kernels' arithmetic with Inf/NaN in masked keys, which the fake
     # FlashInfer computes densely (it emulates the API, not the kernels); the GPU run checks the real one
-    checks = [c for c in plan.checks if "MIXED" in c.id and not c.id.startswith("masked_nonfinite") and plan.skip_reason(c.id) is None]
+    checks = [
+        c
+        for c in plan.checks
+        if "MIXED" in c.id and not c.id.startswith("masked_nonfinite") and plan.skip_reason(c.id) is None
+    ]
     assert len(checks) >= 3, [c.id for c in plan.checks]
     for check in checks:
         outcome = execute(check)
@@ -68,9 +76,24 @@ CASES = [
     # decode-first (views only), decodes last, interleaved with an empty extend row (gather/scatter)
     AttnCase("MIXED", [(7, 1), (30, 1), (2, 6), (0, 3)], page_size=16, return_lse=True, dtype="float16", **BASE),
     AttnCase("MIXED", [(2, 6), (0, 3), (7, 1), (30, 1)], dtype="bfloat16", **BASE),
-    AttnCase("MIXED", [(9, 1), (2, 6), (40, 1), (5, 0), (0, 3), (17, 1)], page_size=16, return_lse=True, dtype="float16", **BASE),
+    AttnCase(
+        "MIXED",
+        [(9, 1), (2, 6), (40, 1), (5, 0), (0, 3), (17, 1)],
+        page_size=16,
+        return_lse=True,
+        dtype="float16",
+        **BASE,
+    ),
     # window (paged over the whole sequence for chunks with a prefix), logit cap, LSE; HND; MQA
-    AttnCase("MIXED", [(20, 4), (7, 1), (2, 6), (50, 1)], sliding_window=5, logit_cap=4.0, return_lse=True, dtype="float16", **BASE),
+    AttnCase(
+        "MIXED",
+        [(20, 4), (7, 1), (2, 6), (50, 1)],
+        sliding_window=5,
+        logit_cap=4.0,
+        return_lse=True,
+        dtype="float16",
+        **BASE,
+    ),
     AttnCase("MIXED", [(3, 5), (26, 1), (0, 2)], page_size=16, kv_layout="HND", dtype="float16", **BASE),
     AttnCase("MIXED", [(3, 5), (26, 1)], num_q_heads=8, num_kv_heads=1, head_dim=64, dtype="float16", device="cpu"),
     # an fp8 cache with per-layer k_scale / v_scale: the decode part reads it as a DECODE step does
@@ -101,7 +124,10 @@ def random_mixed_case(seed: int) -> AttnCase:
     0-12 new tokens), shuffled, at least one decode and one chunk; random page size, layout and features."""
     rng = random.Random(seed)
     n = rng.randint(3, 7)
-    reqs = [(rng.randint(1, 45), 1) if rng.random() < 0.5 else (rng.randint(0, 30), rng.choice([0, 2, 5, 12])) for _ in range(n)]
+    reqs = [
+        (rng.randint(1, 45), 1) if rng.random() < 0.5 else (rng.randint(0, 30), rng.choice([0, 2, 5, 12]))
+        for _ in range(n)
+    ]
     reqs[0], reqs[1] = (rng.randint(1, 45), 1), (rng.randint(0, 30), rng.randint(2, 12))
     rng.shuffle(reqs)
     return AttnCase(
@@ -130,13 +156,27 @@ def test_random_mixed_batches(factory, seed):
     "case",
     [
         AttnCase("MIXED", [(3, 1, 6), (0, 5, 2)], cross_attention=True, dtype="float16", **BASE),
-        AttnCase("MIXED", [(13, 1), (2, 9), (0, 3)], attention_chunk_size=4, chunk_even_layers_only=True, dtype="float16", **BASE),
+        AttnCase(
+            "MIXED",
+            [(13, 1), (2, 9), (0, 3)],
+            attention_chunk_size=4,
+            chunk_even_layers_only=True,
+            dtype="float16",
+            **BASE,
+        ),
         AttnCase("MIXED", [(21, 1), (4, 9), (0, 3)], sliding_window=7, window_pool=True, dtype="float16", **BASE),
         AttnCase("MIXED", [(0, 4), (0, 3)], dtype="float16", **BASE),
         AttnCase("MIXED", [(5, 1), (9, 1)], dtype="float16", **BASE),
         AttnCase("MIXED", [(5, 1), (4, 0), (9, 1)], dtype="float16", **BASE),
     ],
-    ids=["encoder tokens", "chunked local attention", "window pool", "no decode", "only decodes", "decodes and an empty row"],
+    ids=[
+        "encoder tokens",
+        "chunked local attention",
+        "window pool",
+        "no decode",
+        "only decodes",
+        "decodes and an empty row",
+    ],
 )
 def test_steps_the_split_does_not_serve_keep_one_plan(factory, case):
     made = []
@@ -152,22 +192,38 @@ def test_decode_wrapper_gets_exactly_the_decode_rows(factory, monkeypatch):
     chunks' 9 rows, requests 2, 0, 4."""
     fake = factory.fake
     seen = {"decode": [], "ragged": []}
-    for name, cls in (("decode", fake.BatchDecodeWithPagedKVCacheWrapper), ("ragged", fake.BatchPrefillWithRaggedKVCacheWrapper)):
+    for name, cls in (
+        ("decode", fake.BatchDecodeWithPagedKVCacheWrapper),
+        ("ragged", fake.BatchPrefillWithRaggedKVCacheWrapper),
+    ):
         real = cls.run
 
         def spy(self, q, *args, _real=real, _name=name, **kw):
-            seen[_name].append((q.clone(), len(self.indptr if _name == "decode" else self.qo) - 1, q.data_ptr(), kw.get("out")))
+            seen[_name].append(
+                (q.clone(), len(self.indptr if _name == "decode" else self.qo) - 1, q.data_ptr(), kw.get("out"))
+            )
             return _real(self, q, *args, **kw)
 
         monkeypatch.setattr(cls, "run", spy)
     dev, hq, hkv, d = torch.device("cpu"), 4, 2, 64
-    kv = ac.MHATokenToKVPool(size=128, page_size=1, dtype=torch.float16, head_num=hkv, head_dim=d, layer_num=1, device=dev)
+    kv = ac.MHATokenToKVPool(
+        size=128, page_size=1, dtype=torch.float16, head_num=hkv, head_dim=d, layer_num=1, device=dev
+    )
     rows = ac.ReqToTokenPool(size=8, max_context_len=32, device=dev)
     requests = ac.RequestPool(rows, ac.PagedTokenAllocator(128, 1), kv)
     ctx = ac.BackendContext(
-        device=dev, dtype=torch.float16, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=1, max_batch_size=8,
-        max_context_len=32, req_to_token_pool=rows, token_to_kv_pool=kv, forward_modes={"extend", "decode", "mixed"},
-    )  # fmt: skip
+        device=dev,
+        dtype=torch.float16,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        page_size=1,
+        max_batch_size=8,
+        max_context_len=32,
+        req_to_token_pool=rows,
+        token_to_kv_pool=kv,
+        forward_modes={"extend", "decode", "mixed"},
+    )
     backend = factory(ctx, mixed_split=True)
     layer = ac.AttentionLayer(0, hq, hkv, d)
     reqs = [requests.add() for _ in range(5)]

@@ -38,9 +38,17 @@ def test_capabilities_name_what_the_backend_does():
 
 def test_registry_lists_it_next_to_flashinfer():
     names = {e.name: e for e in registry.list_backends()}
-    assert names["flashinfer_mla"].distribution == "attn-flashinfer" and names["flashinfer"].distribution == "attn-flashinfer"
+    assert (
+        names["flashinfer_mla"].distribution == "attn-flashinfer"
+        and names["flashinfer"].distribution == "attn-flashinfer"
+    )
     reason = names["flashinfer_mla"].probe()
-    assert reason is None or "flashinfer-python not installed" in reason or "CUDA" in reason or "compute capability" in reason
+    assert (
+        reason is None
+        or "flashinfer-python not installed" in reason
+        or "CUDA" in reason
+        or "compute capability" in reason
+    )
 
 
 def test_mha_contexts_are_not_matched():
@@ -52,9 +60,16 @@ def test_mha_contexts_are_not_matched():
 
 def _ctx(**kw):
     base = dict(
-        device=torch.device("cuda", 0), is_mla=True, v_head_dim=512, kv_lora_rank=512, dtype=torch.bfloat16,
-        kv_dtype=torch.bfloat16, is_encoder_decoder=False, token_to_kv_pool=None, page_size=64,
-    )  # fmt: skip
+        device=torch.device("cuda", 0),
+        is_mla=True,
+        v_head_dim=512,
+        kv_lora_rank=512,
+        dtype=torch.bfloat16,
+        kv_dtype=torch.bfloat16,
+        is_encoder_decoder=False,
+        token_to_kv_pool=None,
+        page_size=64,
+    )
     base.update(kw)
     return SimpleNamespace(**base)
 

@@ -16,16 +16,31 @@ import torch
 
 from attn_core.testing.harness import AttnCase, assert_case
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is not None, reason="the real flashinfer is installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("flashinfer") is not None, reason="the real flashinfer is installed"
+)
 # the `mla_factory` fixture (conftest.py): FlashInferMLABackend over fake_flashinfer.py's MLA wrapper, on the CPU
 
-MLA = dict(arch="mla", kv_lora_rank=512, qk_rope_head_dim=64, head_dim=576, num_kv_heads=1, num_q_heads=4, dtype="float16", device="cpu")
+MLA = dict(
+    arch="mla",
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    head_dim=576,
+    num_kv_heads=1,
+    num_q_heads=4,
+    dtype="float16",
+    device="cpu",
+)
 
 CASES = {
     # steps of different batch sizes and query counts on one backend: uniform layouts from the cache,
     # the page offsets into the reused host arrays of each batch size
     "decode": AttnCase(
-        "DECODE", [(40, 1), (0, 1), (17, 1), (90, 1), (3, 1), (64, 1)], page_size=16, steps=((0, 1), (2, 3, 4), (5,)), **MLA
+        "DECODE",
+        [(40, 1), (0, 1), (17, 1), (90, 1), (3, 1), (64, 1)],
+        page_size=16,
+        steps=((0, 1), (2, 3, 4), (5,)),
+        **MLA,
     ),
     "verify-uniform": AttnCase(
         "TARGET_VERIFY",
@@ -35,9 +50,13 @@ CASES = {
         return_lse=True,
         steps=((0, 1), (2,), (3, 4)),
         **MLA,
-    ),  # fmt: skip
-    "draft-extend-ragged": AttnCase("DRAFT_EXTEND", [(20, 1), (7, 3), (31, 2), (9, 2)], page_size=1, steps=((0, 1), (2, 3)), **MLA),
-    "extend-prefix": AttnCase("EXTEND", [(0, 9), (13, 5), (6, 1)], page_size=16, return_lse=True, steps=((0, 1), (2,)), **MLA),
+    ),
+    "draft-extend-ragged": AttnCase(
+        "DRAFT_EXTEND", [(20, 1), (7, 3), (31, 2), (9, 2)], page_size=1, steps=((0, 1), (2, 3)), **MLA
+    ),
+    "extend-prefix": AttnCase(
+        "EXTEND", [(0, 9), (13, 5), (6, 1)], page_size=16, return_lse=True, steps=((0, 1), (2,)), **MLA
+    ),
     "mixed": AttnCase("MIXED", [(21, 1), (4, 9), (0, 3)], page_size=1, **MLA),
 }
 
@@ -58,10 +77,20 @@ def _world(max_len: int, rows: int, slots: int, page_size: int = 16, heads: int 
     pool.kv_buffer[0].normal_()
     r2t, alloc = ReqToTokenPool(rows, max_len, "cpu"), PagedTokenAllocator(slots, page_size, "cpu")
     ctx = BackendContext(
-        device="cpu", dtype=torch.float16, num_q_heads=heads, num_kv_heads=1, head_dim=576, attention_arch="mla", kv_lora_rank=512,
-        qk_rope_head_dim=64, page_size=page_size, max_batch_size=rows, max_context_len=max_len, req_to_token_pool=r2t,
+        device="cpu",
+        dtype=torch.float16,
+        num_q_heads=heads,
+        num_kv_heads=1,
+        head_dim=576,
+        attention_arch="mla",
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        page_size=page_size,
+        max_batch_size=rows,
+        max_context_len=max_len,
+        req_to_token_pool=r2t,
         token_to_kv_pool=pool,
-    )  # fmt: skip
+    )
 
     def batch(mode, reqs):
         b = build_forward_batch(mode, reqs, req_to_token_pool=r2t, allocator=alloc, token_to_kv_pool=pool)
@@ -101,10 +130,19 @@ def test_graph_replays_match_eager_steps(mla_factory, mode):
                 3, T, batch.req_pool_indices, batch.seq_lens, None, batch.forward_mode, None
             )
         graph_backend.init_forward_metadata_replay_cuda_graph(
-            3, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_sum, None, batch.forward_mode, None, batch.seq_lens_cpu
+            3,
+            batch.req_pool_indices,
+            batch.seq_lens,
+            batch.seq_lens_sum,
+            None,
+            batch.forward_mode,
+            None,
+            batch.seq_lens_cpu,
         )
         got = layer(q, k, None, batch)
-        assert not got.isnan().any() and torch.equal(got, want), f"step {step}: graph replay differs from the eager step"
+        assert not got.isnan().any() and torch.equal(got, want), (
+            f"step {step}: graph replay differs from the eager step"
+        )
         (w,) = graph_backend.forward_metadata.wrappers.values()
         assert w._use_cuda_graph and w.public_plans == 1
         release_forward_batch(batch, alloc)

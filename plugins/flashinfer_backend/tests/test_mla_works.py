@@ -29,7 +29,9 @@ from attn_flashinfer.mla_works import (
     work_layout,
 )
 
-pytestmark = pytest.mark.skipif(not triton_interpreter_enabled(), reason="runs the Triton kernel under TRITON_INTERPRET=1")
+pytestmark = pytest.mark.skipif(
+    not triton_interpreter_enabled(), reason="runs the Triton kernel under TRITON_INTERPRET=1"
+)
 
 
 def _fake():
@@ -42,8 +44,17 @@ def _fake():
 
 FAKE = _fake()
 PER_WORK = ("q_indptr", "kv_indptr", "partial_indptr", "q_len", "kv_len", "q_start", "kv_start", "kv_end")
-MERGE = ("merge_packed_offset_start", "merge_packed_offset_end", "merge_partial_packed_offset_start", "merge_partial_packed_offset_end")
-FAKE_MERGE = {"merge_packed_offset_start": "m_start", "merge_packed_offset_end": "m_end", "merge_partial_packed_offset_start": "mp_start"}
+MERGE = (
+    "merge_packed_offset_start",
+    "merge_packed_offset_end",
+    "merge_partial_packed_offset_start",
+    "merge_partial_packed_offset_end",
+)
+FAKE_MERGE = {
+    "merge_packed_offset_start": "m_start",
+    "merge_packed_offset_end": "m_end",
+    "merge_partial_packed_offset_start": "mp_start",
+}
 FAKE_MERGE |= {"merge_partial_packed_offset_end": "mp_end", "merge_partial_stride": "m_stride"}
 
 
@@ -51,7 +62,16 @@ def _arrays(works: torch.Tensor, layout) -> dict[str, list[int]]:
     return {name: works[off // 4 :].tolist() for (name, _), off in zip(WORK_ARRAYS, layout.offsets)}
 
 
-def _run(kv_lens: list[int], q_len: int, heads: int, causal: bool, page_size: int, num_sm: int, seed: int, device_extra: int = 0):
+def _run(
+    kv_lens: list[int],
+    q_len: int,
+    heads: int,
+    causal: bool,
+    page_size: int,
+    num_sm: int,
+    seed: int,
+    device_extra: int = 0,
+):
     """One launch over requests of `kv_lens` keys (the device lengths exceed them by `device_extra` on
     the last request); returns (ids, work arrays, layout, host page offsets, reference ids)."""
     g = random.Random(seed)
@@ -106,7 +126,9 @@ def _check(kv_lens, q_len, heads, causal, page_size, num_sm, seed):
     rank = {key(w): g for g, w in enumerate(sorted(range(n_works), key=key))}
     bounds = got["work_indptr"][: nc + 1]
     for c in range(nc):
-        assert [rank[key(w)] // nc for w in range(bounds[c], bounds[c + 1])] == list(range(bounds[c + 1] - bounds[c])), c
+        assert [rank[key(w)] // nc for w in range(bounds[c], bounds[c + 1])] == list(
+            range(bounds[c + 1] - bounds[c])
+        ), c
     # merge entries: the same, in the same order, zeros past them
     for a in MERGE + ("merge_partial_stride",):
         assert got[a][:num_sm] == ref[FAKE_MERGE[a]], a
@@ -149,14 +171,20 @@ def test_device_lengths_past_the_host_capacity_are_cut():
     assert torch.equal(ids[: len(want_ids)], want_ids) and int(fault.sum()) > 0
     n_works = got["work_indptr"][layout.num_clusters]
     last = [w for w in range(n_works) if got["q_indptr"][w] == 1]
-    assert last and all(got["kv_len"][w] <= 70 + 15 for w in last) and max(got["kv_end"][w] for w in last) <= got["kv_len"][last[0]]
+    assert (
+        last
+        and all(got["kv_len"][w] <= 70 + 15 for w in last)
+        and max(got["kv_end"][w] for w in last) <= got["kv_len"][last[0]]
+    )
 
 
 def test_layout_and_limits():
     """`work_layout` for an H100 at both cluster sizes (the offsets FlashInfer 0.6.6's allocator gives,
     the GPU test compares them with its scheduler's), `tiles_per_request` and `fits`."""
     two, one = work_layout(132, 2, 512), work_layout(132, 1, 512)
-    assert two.offsets == one.offsets and two.offsets[:4] == (0, 65536, 131072, 196608) and two.offsets[4] == 196608 + 528
+    assert (
+        two.offsets == one.offsets and two.offsets[:4] == (0, 65536, 131072, 196608) and two.offsets[4] == 196608 + 528
+    )
     assert two.plan_info[:2] == (2, 66) and one.plan_info[:2] == (1, 132)
     assert two.plan_info[-2:] == (0, 2 * 66 * 128 * 2 * 512) and two.int_bytes == two.offsets[-1] + 4 * MAX_WORKS
     assert tiles_per_request(4, 128, 2) == 4 and tiles_per_request(1, 16, 1) == 1 and tiles_per_request(5, 16, 2) == 1

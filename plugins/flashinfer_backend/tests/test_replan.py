@@ -48,7 +48,11 @@ def _batch(seed: int, page_size: int):
     q_lens = [rng.randint(0, 20) for _ in range(bs)]
     r2t = torch.arange(bs * 320, dtype=torch.int32).view(bs, 320)
     lens = torch.tensor(kv_lens, dtype=torch.int32)
-    ids, indptr, last = torch.empty(2000, dtype=torch.int32), torch.empty(bs + 1, dtype=torch.int32), torch.empty(bs, dtype=torch.int32)
+    ids, indptr, last = (
+        torch.empty(2000, dtype=torch.int32),
+        torch.empty(bs + 1, dtype=torch.int32),
+        torch.empty(bs, dtype=torch.int32),
+    )
     kv = build_paged_kv(r2t, torch.arange(bs), lens, lens, page_size, out=lambda b, n: (ids, indptr, last))
     q = torch.tensor(q_lens, dtype=torch.int32)
     qo = query_layout(q, torch.empty(bs + 1, dtype=torch.int32), q)
@@ -59,7 +63,20 @@ def _common_tail(args, page_size, causal, internals, graph=False):
     """FA2's scheduler arguments from the head counts on: (..., num_colocated_ctas) in 0.6.6, then
     0.7's uniform_q_len (0: no promise)."""
     tail = (0,) if internals.version.startswith("0.7") else ()
-    assert args[8:] == (DIMS.num_q_heads, DIMS.num_kv_heads, page_size, graph, 128, 128, causal, 99, -1, False, 0, *tail)
+    assert args[8:] == (
+        DIMS.num_q_heads,
+        DIMS.num_kv_heads,
+        page_size,
+        graph,
+        128,
+        128,
+        causal,
+        99,
+        -1,
+        False,
+        0,
+        *tail,
+    )
 
 
 @RELEASES
@@ -134,7 +151,11 @@ def test_lean_replans_default_to_the_verified_flashinfer_versions():
 
 
 def test_an_unprofiled_release_takes_the_closest_older_profile():
-    assert replan.profile_for("0.7.2.post1") is V07 and replan.profile_for("0.7.3") is V07 and replan.profile_for("1.0") is V07
+    assert (
+        replan.profile_for("0.7.2.post1") is V07
+        and replan.profile_for("0.7.3") is V07
+        and replan.profile_for("1.0") is V07
+    )
     assert replan.profile_for("0.6.7") is V066 and replan.profile_for("0.7.0") is V066
     assert replan.profile_for("0.0-fake") is V066 and replan.profile_for("garbage") is V066
 

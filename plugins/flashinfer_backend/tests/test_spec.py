@@ -28,7 +28,13 @@ def test_capabilities_name_what_the_backend_does():
     assert spec.SPEC.backend_class == "attn_flashinfer.backend:FlashInferBackend"
     assert spec.SPEC.distribution == "attn-flashinfer"
     assert caps.cuda_graph == CudaGraphLevel.UNIFORM_BATCH
-    assert {Feature.SLIDING_WINDOW, Feature.LOGIT_CAP, Feature.CUSTOM_MASK, Feature.CROSS_ATTENTION, Feature.LSE_OUTPUT} <= caps.features
+    assert {
+        Feature.SLIDING_WINDOW,
+        Feature.LOGIT_CAP,
+        Feature.CUSTOM_MASK,
+        Feature.CROSS_ATTENTION,
+        Feature.LSE_OUTPUT,
+    } <= caps.features
     assert Feature.SINKS not in caps.features
     assert caps.min_compute_capability == (8, 0)
 
@@ -52,7 +58,10 @@ def _fake_find_spec(monkeypatch, flashinfer_present: bool):
 
 def test_probe_without_flashinfer(monkeypatch):
     _fake_find_spec(monkeypatch, False)
-    assert spec.probe() == "flashinfer-python not installed (pip install 'flashinfer-python>=0.6.6,<0.8'; a CUDA build of torch first)"
+    assert (
+        spec.probe()
+        == "flashinfer-python not installed (pip install 'flashinfer-python>=0.6.6,<0.8'; a CUDA build of torch first)"
+    )
 
 
 def test_probe_without_cuda(monkeypatch):
@@ -61,7 +70,9 @@ def test_probe_without_cuda(monkeypatch):
     assert spec.probe().startswith("needs CUDA")
 
 
-@pytest.mark.parametrize(("cc", "reason"), [((7, 5), "needs compute capability >= 8.0, found 7.5"), ((8, 0), None), ((9, 0), None)])
+@pytest.mark.parametrize(
+    ("cc", "reason"), [((7, 5), "needs compute capability >= 8.0, found 7.5"), ((8, 0), None), ((9, 0), None)]
+)
 def test_probe_compute_capability(monkeypatch, cc, reason):
     _fake_find_spec(monkeypatch, True)
     monkeypatch.setattr(probes, "gpu_device_present", lambda: True)  # a GPU node, so the probe asks torch

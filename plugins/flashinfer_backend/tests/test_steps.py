@@ -53,7 +53,9 @@ def test_context_checks_are_typed():
     check_context(_ctx(), "flashinfer")
     assert reasons() == ""
     assert "device 'cpu'" in reasons(device="cpu")
-    assert "arch 'mla'" in reasons(attention_arch="mla", num_kv_heads=1, head_dim=576, kv_lora_rank=512, qk_rope_head_dim=64)
+    assert "arch 'mla'" in reasons(
+        attention_arch="mla", num_kv_heads=1, head_dim=576, kv_lora_rank=512, qk_rope_head_dim=64
+    )
     with pytest.raises(UnsupportedFeatureError, match="v_head_dim"):
         check_context(_ctx(v_head_dim=64), "flashinfer")
     assert "head_dim 96" in reasons(head_dim=96)
@@ -69,7 +71,9 @@ def test_context_checks_are_typed():
 def _batch(mode, reqs, page_size=1):
     pool = ReqToTokenPool(len(reqs) + 1, 64)
     alloc = PagedTokenAllocator(512, page_size)
-    return build_forward_batch(mode, reqs, req_to_token_pool=pool, allocator=alloc, generator=torch.Generator().manual_seed(0)), pool
+    return build_forward_batch(
+        mode, reqs, req_to_token_pool=pool, allocator=alloc, generator=torch.Generator().manual_seed(0)
+    ), pool
 
 
 def test_eager_inputs_of_decode_extend_and_verify():
@@ -139,6 +143,8 @@ def test_graph_inputs_slice_to_the_batch_size():
     x = graph_inputs(r2t, step, step.num_tokens, seq[:2], None)
     assert x.bs == 2 and x.num_tokens == 2 and x.req_pool_indices.shape[0] == 2 and x.q_lens_host is None
     spec = SpecInfo(num_draft_tokens=2, custom_mask=torch.ones(6, dtype=torch.bool))
-    step = CudaGraphStep(forward_mode=ForwardMode.TARGET_VERIFY, bs=2, req_pool_indices=rows, seq_lens=seq, spec_info=spec)
+    step = CudaGraphStep(
+        forward_mode=ForwardMode.TARGET_VERIFY, bs=2, req_pool_indices=rows, seq_lens=seq, spec_info=spec
+    )
     x = graph_inputs(r2t, step, step.num_tokens, seq[:2], None)
     assert x.num_tokens == 4 and x.q_lens_host.tolist() == [2, 2] and x.custom_mask.numel() == 14

@@ -68,7 +68,9 @@ def test_random_batches_against_loops(page_size, decode, encoder):
         pool = _pool(w, page_size)
         r2t, rows, seq, q, enc = _random_step(rng, pool, decode, encoder)
         f2w = pool.allocator.full_to_window.tolist()
-        kv = build_window_kv(pool, r2t, rows, seq, seq, None if decode else q, None if decode else q, enc if encoder else None)
+        kv = build_window_kv(
+            pool, r2t, rows, seq, seq, None if decode else q, None if decode else q, enc if encoder else None
+        )
         want_lens, want_ids = [], []
         for i, row in enumerate(rows.tolist()):
             s, n, e = int(seq[i]), int(q[i]), int(enc[i])

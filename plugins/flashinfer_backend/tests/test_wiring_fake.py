@@ -14,7 +14,9 @@ import pytest
 
 from attn_core.testing.harness import AttnCase, assert_case
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is not None, reason="the real flashinfer is installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("flashinfer") is not None, reason="the real flashinfer is installed"
+)
 # the `factory` fixture (conftest.py): FlashInferBackend over fake_flashinfer.py, allowed on the CPU
 
 BASE = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, dtype="float16", device="cpu")
@@ -26,12 +28,24 @@ CASES = {
     "plain-mixed-window-prefix": AttnCase("MIXED", [(20, 1), (9, 6), (0, 5)], page_size=4, sliding_window=4, **BASE),
     # sliding-window KV pool: window layers (even) from the window pool, full layers (odd) as usual
     "window_pool-decode": AttnCase(
-        "DECODE", [(30, 1), (0, 1), (9, 1)], sliding_window=6, window_even_layers_only=True, window_pool=True,
-        steps=((0,), (1, 2)), **BASE,
+        "DECODE",
+        [(30, 1), (0, 1), (9, 1)],
+        sliding_window=6,
+        window_even_layers_only=True,
+        window_pool=True,
+        steps=((0,), (1, 2)),
+        **BASE,
     ),
     "window_pool-extend-page4": AttnCase(
-        "EXTEND", [(25, 7), (0, 11), (5, 1), (12, 0)], page_size=4, sliding_window=5, window_even_layers_only=True,
-        window_pool=True, return_lse=True, steps=((0, 2), (1, 3)), **BASE,
+        "EXTEND",
+        [(25, 7), (0, 11), (5, 1), (12, 0)],
+        page_size=4,
+        sliding_window=5,
+        window_even_layers_only=True,
+        window_pool=True,
+        return_lse=True,
+        steps=((0, 2), (1, 3)),
+        **BASE,
     ),
     "window_pool-mixed": AttnCase(
         "MIXED", [(21, 1), (4, 9), (0, 3)], sliding_window=7, window_pool=True, logit_cap=5.0, **BASE
@@ -41,16 +55,28 @@ CASES = {
     ),
     # chunked local attention: chunk on and off the page size, interleaved with full layers
     "chunked_local-extend-page4-on": AttnCase(
-        "EXTEND", [(0, 13), (9, 10), (6, 0), (3, 1)], page_size=4, attention_chunk_size=8, return_lse=True,
-        steps=((0, 2), (1, 3)), **BASE,
+        "EXTEND",
+        [(0, 13), (9, 10), (6, 0), (3, 1)],
+        page_size=4,
+        attention_chunk_size=8,
+        return_lse=True,
+        steps=((0, 2), (1, 3)),
+        **BASE,
     ),
     "chunked_local-extend-page4-off": AttnCase(
         "EXTEND", [(0, 13), (9, 10), (3, 1)], page_size=4, attention_chunk_size=5, chunk_even_layers_only=True, **BASE
     ),
     "chunked_local-decode-page4": AttnCase(
-        "DECODE", [(16, 1), (0, 1), (22, 1), (7, 1)], page_size=4, attention_chunk_size=8, steps=((0, 1), (2, 3)), **BASE
+        "DECODE",
+        [(16, 1), (0, 1), (22, 1), (7, 1)],
+        page_size=4,
+        attention_chunk_size=8,
+        steps=((0, 1), (2, 3)),
+        **BASE,
     ),
-    "chunked_local-decode-off": AttnCase("DECODE", [(16, 1), (0, 1), (22, 1)], page_size=4, attention_chunk_size=3, **BASE),
+    "chunked_local-decode-off": AttnCase(
+        "DECODE", [(16, 1), (0, 1), (22, 1)], page_size=4, attention_chunk_size=3, **BASE
+    ),
     "chunked_local-mixed": AttnCase(
         "MIXED", [(20, 1), (5, 9), (0, 4)], attention_chunk_size=4, chunk_even_layers_only=True, logit_cap=5.0, **BASE
     ),
@@ -61,7 +87,7 @@ CASES = {
         "EXTEND", [(0, 13), (9, 10), (3, 1)], page_size=4, attention_chunk_size=8, kv_layout="HND", **BASE
     ),
     "chunked_local-encoder": AttnCase("EXTEND", [(9, 5, 3), (0, 4, 6)], page_size=4, attention_chunk_size=4, **BASE),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -93,7 +119,9 @@ def test_verify_masks_and_graph_capture_are_refused(factory, case):
         backend.init_forward_metadata(env.batch)
     backend.init_cuda_graph_state(4, 4)
     b = env.batch
-    step = CudaGraphStep(forward_mode=b.forward_mode.DECODE, bs=2, req_pool_indices=b.req_pool_indices, seq_lens=b.seq_lens, num_tokens=2)
+    step = CudaGraphStep(
+        forward_mode=b.forward_mode.DECODE, bs=2, req_pool_indices=b.req_pool_indices, seq_lens=b.seq_lens, num_tokens=2
+    )
     with pytest.raises(UnsupportedFeatureError, match="CUDA graphs"):
         backend.capture_cuda_graph_metadata(step)
     if case.attention_chunk_size is None:

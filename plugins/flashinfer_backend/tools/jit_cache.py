@@ -60,9 +60,14 @@ def build() -> int:
     jobs = max(2, 2 * (os.cpu_count() or 8) // len(VARIANTS))  # oversubscribe: variants finish unevenly
     env = dict(os.environ, MAX_JOBS=str(jobs))
     t0 = time.perf_counter()
-    procs = {name: subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(kw)], env=env) for name, kw in VARIANTS.items()}
+    procs = {
+        name: subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(kw)], env=env) for name, kw in VARIANTS.items()
+    }
     failed = [name for name, p in procs.items() if p.wait() != 0]
-    print(f"built {len(VARIANTS)} variants in {time.perf_counter() - t0:.0f} s ({jobs} compile jobs each); failed: {failed or 'none'}")
+    print(
+        f"built {len(VARIANTS)} variants in {time.perf_counter() - t0:.0f} s ({jobs} compile jobs each); "
+        f"failed: {failed or 'none'}"
+    )
     return 1 if failed else 0
 
 

@@ -79,7 +79,9 @@ def decode_run(pool, rows, dev_lens, host_total, dtype, max_splits=3):
     part_o = torch.full((bs, HQ, max_splits, D), float("nan"))
     part_lse = torch.full((bs, HQ, max_splits), float("nan"))
     cfg = DecodeConfig(block_n=16, block_h=16, num_warps=1, num_stages=1)
-    decode_attention(q, pool.k, pool.v, o, indptr, indices, max_splits, 4, part_o, part_lse, fault, sm_scale=0.3, config=cfg)
+    decode_attention(
+        q, pool.k, pool.v, o, indptr, indices, max_splits, 4, part_o, part_lse, fault, sm_scale=0.3, config=cfg
+    )
     n = int(indptr[-1])
     assert indices.shape[0] == max(host_total, 1) and n <= indices.shape[0]
     assert ind_whole[:PAD].eq(-5).all() and ind_whole[PAD + n :].eq(-5).all(), "wrote past kv_indices' ids"
@@ -125,7 +127,11 @@ def test_decode_negative_and_too_long_lengths(dtype):
     [
         (12, {2: SLOTS + 3, 5: -2}, 3),  # one tail tile (16-key tiles)
         (32, {2: SLOTS + 3, 21: -2, 28: 10**6}, 3),  # whole tiles in two splits: the unmasked steps' redo
-        (31, {5: SLOTS, 20: -1}, 1),  # one split: a whole tile's bad slot sends it back over all keys; the tail's is masked
+        (
+            31,
+            {5: SLOTS, 20: -1},
+            1,
+        ),  # one split: a whole tile's bad slot sends it back over all keys; the tail's is masked
     ],
 )
 def test_decode_slot_past_the_pool(dtype, n, bad, max_splits):
@@ -165,8 +171,15 @@ def test_extend_hostile_lengths_and_rows(dtype):
     ind_whole, indices = inside((sum(seq),), -5, torch.int32)
     kv = KVIndex(torch.empty(bs + 1, dtype=torch.int32), indices)
     qo = torch.empty(bs + 1, dtype=torch.int32)
-    fill_kv(kv, pool.r2t, torch.tensor(rows), torch.tensor(seq, dtype=torch.int32), fault,
-            q_lens=torch.tensor(ext, dtype=torch.int32), qo_indptr=qo)  # fmt: skip
+    fill_kv(
+        kv,
+        pool.r2t,
+        torch.tensor(rows),
+        torch.tensor(seq, dtype=torch.int32),
+        fault,
+        q_lens=torch.tensor(ext, dtype=torch.int32),
+        qo_indptr=qo,
+    )
     assert flags(fault) == {K.REQUEST_ROW, K.LENGTH}
     assert qo.tolist() == [0, 3, 5, 5, 11]
     q_whole, q = inside((T, HQ, D), float("nan"), dtype)
@@ -204,8 +217,15 @@ def test_extend_slot_past_the_pool(dtype, bad):
     fault = torch.zeros(len(K), dtype=torch.int32)
     kv = KVIndex(torch.empty(2, dtype=torch.int32), torch.empty(seq, dtype=torch.int32))
     qo = torch.empty(2, dtype=torch.int32)
-    fill_kv(kv, pool.r2t, torch.tensor([row]), torch.tensor([seq], dtype=torch.int32), fault,
-            q_lens=torch.tensor([ext], dtype=torch.int32), qo_indptr=qo)  # fmt: skip
+    fill_kv(
+        kv,
+        pool.r2t,
+        torch.tensor([row]),
+        torch.tensor([seq], dtype=torch.int32),
+        fault,
+        q_lens=torch.tensor([ext], dtype=torch.int32),
+        qo_indptr=qo,
+    )
     q = torch.randn(ext, HQ, D, generator=pool.gen).to(dtype)
     o_whole, o = inside((ext, HQ, D), float("nan"), dtype)
     cfg = ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
@@ -217,7 +237,9 @@ def test_extend_slot_past_the_pool(dtype, bad):
     slots = pool.r2t[row, cols].long()
     slots[cols.index(5)] = 0  # the whole tile's bad key reads the dummy slot
     start = seq - ext - (20 in bad)  # the queries' positions among the keys left
-    ref, _ = reference_attention(q, pool.k[slots], pool.v[slots], q_positions=torch.arange(start, start + ext), scale=0.3)
+    ref, _ = reference_attention(
+        q, pool.k[slots], pool.v[slots], q_positions=torch.arange(start, start + ext), scale=0.3
+    )
     assert relative_error(o, ref) <= tolerance(dtype)
 
 
@@ -234,7 +256,9 @@ def test_backend_replay_with_bad_rows_reports_through_poll():
     b = env.batch
     rows = env.ctx.req_to_token_pool.req_to_token.shape[0]
     backend.init_cuda_graph_state(4, 4)
-    backend.init_forward_metadata_capture_cuda_graph(3, 3, b.req_pool_indices, b.seq_lens, None, ForwardMode.DECODE, None)
+    backend.init_forward_metadata_capture_cuda_graph(
+        3, 3, b.req_pool_indices, b.seq_lens, None, ForwardMode.DECODE, None
+    )
     assert backend.poll_device_fault() is None
     bad_rows = b.req_pool_indices.clone()
     bad_rows[1] = rows

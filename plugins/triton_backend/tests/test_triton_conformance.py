@@ -46,7 +46,9 @@ CASES = [
     # sliding window, logit cap, sinks, LSE in both kernels
     AttnCase("EXTEND", [(30, 12), (0, 25)], sliding_window=7, return_lse=True),
     AttnCase("DECODE", [(70, 1), (20, 1), (3, 1)], sliding_window=9, return_lse=True),
-    AttnCase("MIXED", [(7, 1), (2, 6), (0, 3)], page_size=4, sliding_window=3, logit_cap=5.0, sinks=True, return_lse=True),
+    AttnCase(
+        "MIXED", [(7, 1), (2, 6), (0, 3)], page_size=4, sliding_window=3, logit_cap=5.0, sinks=True, return_lse=True
+    ),
     AttnCase("EXTEND", [(10, 10), (0, 30)], logit_cap=2.0, dtype="float16"),
     AttnCase("DECODE", [(50, 1), (6, 1)], logit_cap=1.5, sinks=True, return_lse=True),
     AttnCase("EXTEND", [(5, 6), (0, 1)], sinks=True, return_lse=True, page_size=16),
@@ -67,10 +69,26 @@ CASES = [
     AttnCase("DRAFT_EXTEND", [(12, 2), (5, 3)], dtype="float16", **MLA),
     # the MLA kernel's folded verify / draft extend (same q_len per request) and decode with every feature
     AttnCase("TARGET_VERIFY", [(30, 8), (0, 8), (65, 8)], dtype="float16", page_size=64, **MLA),
-    AttnCase("TARGET_VERIFY", [(21, 2), (4, 2)], custom_mask=False, sliding_window=6, logit_cap=3.0, sinks=True, return_lse=True, **MLA),
+    AttnCase(
+        "TARGET_VERIFY",
+        [(21, 2), (4, 2)],
+        custom_mask=False,
+        sliding_window=6,
+        logit_cap=3.0,
+        sinks=True,
+        return_lse=True,
+        **MLA,
+    ),
     AttnCase("DRAFT_EXTEND", [(12, 4), (40, 4)], page_size=16, return_lse=True, **MLA),
     AttnCase(
-        "DECODE", [(50, 1), (6, 1), (0, 1)], sliding_window=9, logit_cap=2.0, sinks=True, return_lse=True, steps=((0, 1), (2,)), **MLA
+        "DECODE",
+        [(50, 1), (6, 1), (0, 1)],
+        sliding_window=9,
+        logit_cap=2.0,
+        sinks=True,
+        return_lse=True,
+        steps=((0, 1), (2,)),
+        **MLA,
     ),
     # one-token requests, zero-length prefixes, empty extend rows, lengths off every block size
     AttnCase("EXTEND", [(0, 1), (0, 1), (0, 1)]),
@@ -82,8 +100,17 @@ CASES = [
     AttnCase("MIXED", [(13, 1), (2, 9), (0, 3)], attention_chunk_size=4, chunk_even_layers_only=True, dtype="float16"),
     AttnCase("DECODE", [(40, 1), (7, 1), (0, 1)], page_size=16, attention_chunk_size=7, steps=((0, 1), (2,))),
     # sliding-window KV pool (released prefix keys poisoned), window and full layers interleaved
-    AttnCase("EXTEND", [(30, 12), (0, 25), (9, 3)], page_size=16, sliding_window=7, window_even_layers_only=True, window_pool=True),
-    AttnCase("DECODE", [(70, 1), (20, 1), (3, 1)], sliding_window=9, window_pool=True, return_lse=True, steps=((0,), (1, 2))),
+    AttnCase(
+        "EXTEND",
+        [(30, 12), (0, 25), (9, 3)],
+        page_size=16,
+        sliding_window=7,
+        window_even_layers_only=True,
+        window_pool=True,
+    ),
+    AttnCase(
+        "DECODE", [(70, 1), (20, 1), (3, 1)], sliding_window=9, window_pool=True, return_lse=True, steps=((0,), (1, 2))
+    ),
     # several steps on one backend object (metadata rebuilt per step)
     AttnCase("DECODE", [(7, 1), (20, 1), (3, 1), (50, 1)], steps=((0, 1), (2, 3))),
     AttnCase("EXTEND", [(0, 9), (6, 5), (2, 2)], steps=((0,), (1, 2))),

@@ -71,9 +71,13 @@ def test_bad_context(change, error, match):
     from attn_triton.backend import TritonAttnBackend
 
     ctx = BackendContext(
-        device="cpu", dtype=torch.float32, num_q_heads=4, num_kv_heads=2, head_dim=32,
+        device="cpu",
+        dtype=torch.float32,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
         token_to_kv_pool=MHATokenToKVPool(16, 1, torch.float32, 2, 32, 1),
-    )  # fmt: skip
+    )
     with pytest.raises(error, match=match):
         TritonAttnBackend(dataclasses.replace(ctx, **change))
 
@@ -173,7 +177,11 @@ def _assert_verify_mask_and_graph_capture_refused(case: AttnCase) -> None:
         backend.init_forward_metadata(env.batch)
     backend.init_cuda_graph_state(4, 4)
     step = CudaGraphStep(
-        forward_mode=ForwardMode.DECODE, bs=2, req_pool_indices=env.batch.req_pool_indices, seq_lens=env.batch.seq_lens, num_tokens=2
+        forward_mode=ForwardMode.DECODE,
+        bs=2,
+        req_pool_indices=env.batch.req_pool_indices,
+        seq_lens=env.batch.seq_lens,
+        num_tokens=2,
     )
     with pytest.raises(UnsupportedFeatureError, match="CUDA graphs"):
         backend.capture_cuda_graph_metadata(step)
@@ -196,7 +204,9 @@ def test_chunked_local_refusals(no_launch):
 def test_window_pool_refusals(no_launch):
     """A sliding-window KV pool with a verify custom mask and with CUDA-graph capture: typed refusals."""
 
-    _assert_verify_mask_and_graph_capture_refused(AttnCase("TARGET_VERIFY", [(5, 3), (9, 3)], sliding_window=4, window_pool=True))
+    _assert_verify_mask_and_graph_capture_refused(
+        AttnCase("TARGET_VERIFY", [(5, 3), (9, 3)], sliding_window=4, window_pool=True)
+    )
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
@@ -210,7 +220,9 @@ def test_bf16_queries_over_another_kv_dtype_are_refused(kv_dtype):
         TritonAttnBackend(env.ctx)
 
 
-@pytest.mark.parametrize("cc,hip,refused", [((8, 0), None, "compute capability 8.0"), ((9, 0), "6.2", "ROCm"), ((8, 9), None, None)])
+@pytest.mark.parametrize(
+    "cc,hip,refused", [((8, 0), None, "compute capability 8.0"), ((9, 0), "6.2", "ROCm"), ((8, 9), None, None)]
+)
 def test_fp8_kv_needs_an_fp8e4nv_gpu(monkeypatch, cc, hip, refused):
     """fp8 caches on a GPU whose Triton has no fp8e4nv conversion are refused at construction, naming
     the kv_dtype (the device query is faked: no GPU here)."""

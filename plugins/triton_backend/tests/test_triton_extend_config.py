@@ -23,7 +23,14 @@ HOPPER = ExtendConfig(128, 64, 4, 3, 4, wgmma_block_n=64, wgmma_stages=4)
 
 @pytest.mark.parametrize(
     "field, value",
-    [("wgmma_block_n", 32), ("wgmma_block_n", 256), ("wgmma_stages", 2), ("wgmma_regs", 212), ("wgmma_regs", 160), ("wgmma_regs", 248)],
+    [
+        ("wgmma_block_n", 32),
+        ("wgmma_block_n", 256),
+        ("wgmma_stages", 2),
+        ("wgmma_regs", 212),
+        ("wgmma_regs", 160),
+        ("wgmma_regs", 248),
+    ],
 )
 def test_config_refuses_bad_hopper_tiles(field, value):
     kwargs = {"wgmma_block_n": 64, "wgmma_stages": 4, field: value}
@@ -74,15 +81,21 @@ def test_tma_compatible_pools():
     assert tma_compatible(pool[8:])  # a later slot: base still 16-byte aligned
     assert not tma_compatible(torch.empty(64, 8, 256, dtype=torch.bfloat16)[:, :, :128])  # heads not contiguous
     assert not tma_compatible(pool.transpose(0, 1))  # slots not the outer dimension
-    assert not tma_compatible(torch.empty(64 * 8 * 128 + 1, dtype=torch.bfloat16)[1:].view(64, 8, 128))  # base 2 bytes off
+    assert not tma_compatible(
+        torch.empty(64 * 8 * 128 + 1, dtype=torch.bfloat16)[1:].view(64, 8, 128)
+    )  # base 2 bytes off
     assert not tma_compatible(torch.empty(64, 1, 4, dtype=torch.bfloat16))  # rows of 8 bytes
     assert tma_compatible(torch.empty(64, 1, 576, dtype=torch.bfloat16))  # an MLA latent pool
     assert tma_compatible(torch.empty(64, 576, dtype=torch.bfloat16))
     assert not tma_compatible(torch.empty(64, dtype=torch.bfloat16))  # no rows
-    assert not tma_compatible(torch.empty(64, 1024, dtype=torch.bfloat16)[:, :512].as_strided((64, 512), (256, 1)))  # rows overlap
+    assert not tma_compatible(
+        torch.empty(64, 1024, dtype=torch.bfloat16)[:, :512].as_strided((64, 512), (256, 1))
+    )  # rows overlap
 
 
-@pytest.mark.parametrize("rank, rope, dtype", [(512, 64, torch.bfloat16), (256, 32, torch.float16), (128, 16, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "rank, rope, dtype", [(512, 64, torch.bfloat16), (256, 32, torch.float16), (128, 16, torch.bfloat16)]
+)
 def test_pool_descriptors(rank, rope, dtype):
     """The pools as the Hopper kernels' TMA sees them, `[slots, row]`, and the boxes each copies: extend a 16-key
     box of 64 channels, MLA a 32-key tile's nope and rope columns; each box's layout is the one of the
@@ -95,7 +108,13 @@ def test_pool_descriptors(rank, rope, dtype):
 
     k, v = torch.empty(4096, 8, 128, dtype=dtype), torch.empty(4096, 8, 128, dtype=dtype)
     kd, vd = kv_descriptors(k, v)
-    assert (kd.shape, kd.strides, kd.block_shape, kd.base is k, vd.base is v) == ([4096, 1024], [1024, 1], [16, 64], True, True)
+    assert (kd.shape, kd.strides, kd.block_shape, kd.base is k, vd.base is v) == (
+        [4096, 1024],
+        [1024, 1],
+        [16, 64],
+        True,
+        True,
+    )
     latent = torch.empty(300, 1, rank + rope + 64, dtype=dtype)[:, :, : rank + rope]  # rows padded: stride past the row
     assert tma_compatible(latent)
     nope, rope_d = latent_descriptors(latent, rank)

@@ -29,10 +29,21 @@ CASES = [
     AttnCase("DECODE", [(4095, 1), (0, 1), (1000, 1), (8191, 1)], dtype="bfloat16", page_size=16, **GQA),
     AttnCase("DECODE", [(300, 1), (2047, 1)], dtype="float16", page_size=64, **GQA),
     AttnCase("DECODE", [(3000, 1), (17, 1)], dtype="float32", page_size=1, return_lse=True, **GQA),
-    AttnCase("DECODE", [(5000, 1), (60, 1)], dtype="bfloat16", sliding_window=1024, logit_cap=30.0, sinks=True, return_lse=True, **GQA),
+    AttnCase(
+        "DECODE",
+        [(5000, 1), (60, 1)],
+        dtype="bfloat16",
+        sliding_window=1024,
+        logit_cap=30.0,
+        sinks=True,
+        return_lse=True,
+        **GQA,
+    ),
     AttnCase("EXTEND", [(0, 1000), (1500, 513), (64, 1), (700, 0)], dtype="bfloat16", page_size=16, **GQA),
     AttnCase("EXTEND", [(2000, 300), (0, 129)], dtype="float32", return_lse=True, **GQA),
-    AttnCase("EXTEND", [(900, 700)], dtype="float16", sliding_window=256, logit_cap=20.0, sinks=True, page_size=64, **GQA),
+    AttnCase(
+        "EXTEND", [(900, 700)], dtype="float16", sliding_window=256, logit_cap=20.0, sinks=True, page_size=64, **GQA
+    ),
     AttnCase("MIXED", [(1200, 1), (300, 400), (0, 77)], dtype="bfloat16", page_size=16, return_lse=True, **GQA),
     AttnCase("TARGET_VERIFY", [(1500, 8), (40, 8), (3000, 8)], dtype="bfloat16", page_size=16, return_lse=True, **GQA),
     AttnCase("TARGET_VERIFY", [(800, 6), (1, 6)], dtype="float32", **GQA),
@@ -41,8 +52,12 @@ CASES = [
     AttnCase("DECODE", [(10, 1, 1500), (40, 1, 700)], dtype="bfloat16", cross_attention=True, **GQA),
     # chunked local attention (virtual batches in extend-like modes, chunk starts in DECODE), chunk
     # sizes off the page size, chunked and full layers interleaved over one metadata
-    AttnCase("EXTEND", [(0, 1000), (1500, 513), (700, 0)], dtype="bfloat16", page_size=16, attention_chunk_size=200, **GQA),
-    AttnCase("DECODE", [(4095, 1), (0, 1), (8191, 1)], dtype="bfloat16", page_size=16, attention_chunk_size=1000, **GQA),
+    AttnCase(
+        "EXTEND", [(0, 1000), (1500, 513), (700, 0)], dtype="bfloat16", page_size=16, attention_chunk_size=200, **GQA
+    ),
+    AttnCase(
+        "DECODE", [(4095, 1), (0, 1), (8191, 1)], dtype="bfloat16", page_size=16, attention_chunk_size=1000, **GQA
+    ),
     AttnCase(
         "MIXED",
         [(1200, 1), (300, 400), (0, 77)],
@@ -75,35 +90,104 @@ CASES = [
         **{**GQA, "num_layers": 2},
     ),
     # cascade attention: 16 requests over a shared 2048-token prefix (their own copies poisoned)
-    AttnCase("DECODE", [(2048 + 256, 1)] * 16, dtype="bfloat16", page_size=16, cascade_prefix=2048, return_lse=True, **GQA),
-    AttnCase("EXTEND", [(2048, 256), (2100, 77), (2048, 1)] * 4, dtype="bfloat16", page_size=16, cascade_prefix=2048, **GQA),
+    AttnCase(
+        "DECODE", [(2048 + 256, 1)] * 16, dtype="bfloat16", page_size=16, cascade_prefix=2048, return_lse=True, **GQA
+    ),
+    AttnCase(
+        "EXTEND", [(2048, 256), (2100, 77), (2048, 1)] * 4, dtype="bfloat16", page_size=16, cascade_prefix=2048, **GQA
+    ),
     # head dims 64 / 256, MHA and MQA layouts
-    AttnCase("DECODE", [(2000, 1), (33, 1)], dtype="bfloat16", num_q_heads=16, num_kv_heads=16, head_dim=64, device="cuda", num_layers=1),
-    AttnCase("EXTEND", [(500, 300)], dtype="bfloat16", num_q_heads=8, num_kv_heads=1, head_dim=256, device="cuda", num_layers=1),
-    AttnCase("DECODE", [(1500, 1), (9, 1)], dtype="float16", num_q_heads=8, num_kv_heads=1, head_dim=256, device="cuda", num_layers=1),
+    AttnCase(
+        "DECODE",
+        [(2000, 1), (33, 1)],
+        dtype="bfloat16",
+        num_q_heads=16,
+        num_kv_heads=16,
+        head_dim=64,
+        device="cuda",
+        num_layers=1,
+    ),
+    AttnCase(
+        "EXTEND",
+        [(500, 300)],
+        dtype="bfloat16",
+        num_q_heads=8,
+        num_kv_heads=1,
+        head_dim=256,
+        device="cuda",
+        num_layers=1,
+    ),
+    AttnCase(
+        "DECODE",
+        [(1500, 1), (9, 1)],
+        dtype="float16",
+        num_q_heads=8,
+        num_kv_heads=1,
+        head_dim=256,
+        device="cuda",
+        num_layers=1,
+    ),
     # absorbed MLA, kv_lora_rank 512 + rope 64
     AttnCase("DECODE", [(2000, 1), (100, 1), (1, 1)], dtype="bfloat16", page_size=64, return_lse=True, **MLA),
     AttnCase("EXTEND", [(600, 200), (0, 90)], dtype="bfloat16", **MLA),
     AttnCase("TARGET_VERIFY", [(700, 4), (30, 4)], dtype="float32", **MLA),
     # the MLA kernel (kernels/mla_decode.py) at 128 heads: decode with splits, verify with tree masks
-    AttnCase("DECODE", [(4095, 1), (1, 1), (2000, 1), (8191, 1)], dtype="bfloat16", page_size=64, return_lse=True, **MLA128),
-    AttnCase("DECODE", [(3000, 1), (77, 1)], dtype="float16", page_size=1, sliding_window=700, logit_cap=30.0, sinks=True, **MLA128),
+    AttnCase(
+        "DECODE", [(4095, 1), (1, 1), (2000, 1), (8191, 1)], dtype="bfloat16", page_size=64, return_lse=True, **MLA128
+    ),
+    AttnCase(
+        "DECODE",
+        [(3000, 1), (77, 1)],
+        dtype="float16",
+        page_size=1,
+        sliding_window=700,
+        logit_cap=30.0,
+        sinks=True,
+        **MLA128,
+    ),
     AttnCase("DECODE", [(1500, 1), (33, 1)], dtype="float32", page_size=16, return_lse=True, **MLA128),
-    AttnCase("TARGET_VERIFY", [(4000, 4), (30, 4), (1000, 4)], dtype="bfloat16", page_size=64, return_lse=True, **MLA128),
+    AttnCase(
+        "TARGET_VERIFY", [(4000, 4), (30, 4), (1000, 4)], dtype="bfloat16", page_size=64, return_lse=True, **MLA128
+    ),
     AttnCase("TARGET_VERIFY", [(2500, 8), (9, 8)], dtype="bfloat16", page_size=16, custom_mask=False, **MLA128),
-    AttnCase("TARGET_VERIFY", [(1200, 16), (64, 16)], dtype="float16", page_size=1, sinks=True, logit_cap=25.0, **MLA128),
+    AttnCase(
+        "TARGET_VERIFY", [(1200, 16), (64, 16)], dtype="float16", page_size=1, sinks=True, logit_cap=25.0, **MLA128
+    ),
     AttnCase("DRAFT_EXTEND", [(1000, 3), (200, 3)], dtype="bfloat16", page_size=64, **MLA128),
     # smaller latents, on the Hopper MLA kernel too (`mla_decode.uses_wgmma`): 256 + 32 and 128 + 16
-    AttnCase("DECODE", [(3000, 1), (64, 1), (1, 1)], dtype="bfloat16", page_size=16, return_lse=True, sinks=True, **MLA_256),
+    AttnCase(
+        "DECODE", [(3000, 1), (64, 1), (1, 1)], dtype="bfloat16", page_size=16, return_lse=True, sinks=True, **MLA_256
+    ),
     AttnCase("TARGET_VERIFY", [(1500, 4), (20, 4)], dtype="float16", page_size=64, **MLA_128),
     # fp8 (e4m3) KV caches, per-layer k_scale / v_scale (the harness's FP8_SCALES): decode with many
     # splits, extend with a prefix, verify, windowed decode, two layers (both scale pairs), MLA decode
     AttnCase("DECODE", [(4095, 1), (0, 1), (1000, 1), (8191, 1)], dtype="bfloat16", kv_dtype=FP8, page_size=16, **GQA2),
-    AttnCase("EXTEND", [(0, 1000), (1500, 513), (64, 1), (700, 0)], dtype="bfloat16", kv_dtype=FP8, page_size=16, **GQA2),
-    AttnCase("TARGET_VERIFY", [(1500, 8), (40, 8), (3000, 8)], dtype="float16", kv_dtype=FP8, page_size=16, return_lse=True, **GQA2),
-    AttnCase("DECODE", [(5000, 1), (60, 1)], dtype="bfloat16", kv_dtype=FP8, sliding_window=1024, sinks=True, return_lse=True, **GQA2),
+    AttnCase(
+        "EXTEND", [(0, 1000), (1500, 513), (64, 1), (700, 0)], dtype="bfloat16", kv_dtype=FP8, page_size=16, **GQA2
+    ),
+    AttnCase(
+        "TARGET_VERIFY",
+        [(1500, 8), (40, 8), (3000, 8)],
+        dtype="float16",
+        kv_dtype=FP8,
+        page_size=16,
+        return_lse=True,
+        **GQA2,
+    ),
+    AttnCase(
+        "DECODE",
+        [(5000, 1), (60, 1)],
+        dtype="bfloat16",
+        kv_dtype=FP8,
+        sliding_window=1024,
+        sinks=True,
+        return_lse=True,
+        **GQA2,
+    ),
     AttnCase("MIXED", [(1200, 1), (300, 400), (0, 77)], dtype="float32", kv_dtype=FP8, page_size=16, **GQA2),
-    AttnCase("DECODE", [(2000, 1), (100, 1), (1, 1)], dtype="bfloat16", kv_dtype=FP8, page_size=64, return_lse=True, **MLA),
+    AttnCase(
+        "DECODE", [(2000, 1), (100, 1), (1, 1)], dtype="bfloat16", kv_dtype=FP8, page_size=64, return_lse=True, **MLA
+    ),
     AttnCase("EXTEND", [(600, 200), (0, 90)], dtype="bfloat16", kv_dtype=FP8, **MLA),
 ]
 
@@ -113,9 +197,9 @@ def test_case_on_cuda(case):
     assert_case(factory(), case)
 
 
-#: the Hopper extend kernel (kernels/extend_wgmma.py, the SM90 default) under both tile choices on every case above whose
-#: extend launches it takes (16-bit, head_dim 128, not MLA, no fp8 cache: `extend.uses_wgmma`; the rest of a step,
-#: its decode rows and tree masks, keeps the other kernels), and an MHA case at head_dim 64 (one head a program)
+#: the Hopper extend kernel (kernels/extend_wgmma.py, the SM90 default) under both tile choices on every case above
+#: whose extend launches it takes (16-bit, head_dim 128, not MLA, no fp8 cache: `extend.uses_wgmma`; the rest of a
+#: step, its decode rows and tree masks, keeps the other kernels), and an MHA case at head_dim 64 (one head a program)
 # its tiles: 64 keys in 4 buffers (consumers at 224 registers a thread), 128 keys in 3 at 208 (the default)
 HOPPER_EXTENDS = [
     ExtendConfig(128, 64, 4, 3, 4, wgmma_block_n=64, wgmma_stages=4),
@@ -124,13 +208,34 @@ HOPPER_EXTENDS = [
 HOPPER_CASES = [
     c
     for c in CASES
-    if c.mode in (ForwardMode.EXTEND, ForwardMode.MIXED) and c.dtype != "float32" and c.arch != "mla" and not c.kv_dtype
+    if c.mode in (ForwardMode.EXTEND, ForwardMode.MIXED)
+    and c.dtype != "float32"
+    and c.arch != "mla"
+    and not c.kv_dtype
     and c.head_dim == 128
 ] + [
-    AttnCase("EXTEND", [(700, 300), (0, 77), (5, 1)], dtype="float16", num_q_heads=16, num_kv_heads=16, head_dim=64, device="cuda"),
+    AttnCase(
+        "EXTEND",
+        [(700, 300), (0, 77), (5, 1)],
+        dtype="float16",
+        num_q_heads=16,
+        num_kv_heads=16,
+        head_dim=64,
+        device="cuda",
+    ),
     # pages of 64: whole tiles by TMA, each range's last tile gathered
-    AttnCase("EXTEND", [(1000, 300), (2047, 513), (64, 64)], dtype="bfloat16", page_size=64, sliding_window=700, return_lse=True,
-             num_q_heads=32, num_kv_heads=8, head_dim=128, device="cuda"),  # fmt: skip
+    AttnCase(
+        "EXTEND",
+        [(1000, 300), (2047, 513), (64, 64)],
+        dtype="bfloat16",
+        page_size=64,
+        sliding_window=700,
+        return_lse=True,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        device="cuda",
+    ),
 ]
 
 
@@ -170,7 +275,9 @@ GRAPH_CASES = [
     # the verify kernel (issue 15): 4 drafts, chain (causal, no mask) and tree masks
     AttnCase("TARGET_VERIFY", [(4000, 4), (0, 4), (700, 4)], dtype="bfloat16", page_size=16, custom_mask=False, **GQA),
     AttnCase("TARGET_VERIFY", [(4000, 4), (33, 4)], dtype="bfloat16", page_size=16, sinks=True, return_lse=True, **GQA),
-    AttnCase("DECODE", [(4000, 1), (10, 1), (700, 1)], dtype="bfloat16", kv_dtype=FP8, page_size=16, return_lse=True, **GQA2),
+    AttnCase(
+        "DECODE", [(4000, 1), (10, 1), (700, 1)], dtype="bfloat16", kv_dtype=FP8, page_size=16, return_lse=True, **GQA2
+    ),
     AttnCase("TARGET_VERIFY", [(1500, 8), (40, 8)], dtype="bfloat16", kv_dtype=FP8, page_size=16, **GQA2),
     AttnCase("DECODE", [(1500, 1), (20, 1)], dtype="bfloat16", kv_dtype=FP8, **MLA),
 ]
@@ -203,7 +310,9 @@ def test_mla_kernel_matches_torch_native(case):
         backend = create_backend(name, env.ctx)
         env.batch.attn_backend = backend
         backend.init_forward_metadata(env.batch)
-        outs.append(backend.forward(inputs["q"], inputs["k"], inputs["v"], layer, env.batch, **forward_extras(case, inputs)))
+        outs.append(
+            backend.forward(inputs["q"], inputs["k"], inputs["v"], layer, env.batch, **forward_extras(case, inputs))
+        )
     assert relative_error(outs[0], outs[1]) <= tolerance(torch.bfloat16)
 
 
@@ -220,16 +329,33 @@ def _mla_variants():
     return {
         "32x64x4x3:c2:l8": dict(mla_config=MLAConfig(32, 64, 4, 3, ctas_per_sm=2, lazy_rescale=8)),
         "64x32x8x2:c1:l8": dict(mla_config=MLAConfig(64, 32, 8, 2, ctas_per_sm=1, lazy_rescale=8)),
-        "32x64x4x3:c2:l8 one split": dict(mla_config=MLAConfig(32, 64, 4, 3, ctas_per_sm=2, lazy_rescale=8), split_policy=one_split),
+        "32x64x4x3:c2:l8 one split": dict(
+            mla_config=MLAConfig(32, 64, 4, 3, ctas_per_sm=2, lazy_rescale=8), split_policy=one_split
+        ),
         "64x32x8x4:g1 splits": dict(mla_config=MLAConfig(64, 32, 8, 4, wgmma=True)),
-        "64x32x8x4:c1:g1 one split": dict(mla_config=MLAConfig(64, 32, 8, 4, ctas_per_sm=1, wgmma=True), split_policy=one_split),
+        "64x32x8x4:c1:g1 one split": dict(
+            mla_config=MLAConfig(64, 32, 8, 4, ctas_per_sm=1, wgmma=True), split_policy=one_split
+        ),
     }
 
 
 MLA_VARIANT_CASES = [
-    AttnCase("DECODE", [(4095, 1), (1, 1), (2000, 1), (8191, 1)], dtype="bfloat16", page_size=64, return_lse=True, **MLA128),
-    AttnCase("DECODE", [(3000, 1), (77, 1)], dtype="float16", page_size=1, sliding_window=700, logit_cap=30.0, sinks=True, **MLA128),
-    AttnCase("TARGET_VERIFY", [(4000, 4), (30, 4), (1000, 4)], dtype="bfloat16", page_size=64, return_lse=True, **MLA128),
+    AttnCase(
+        "DECODE", [(4095, 1), (1, 1), (2000, 1), (8191, 1)], dtype="bfloat16", page_size=64, return_lse=True, **MLA128
+    ),
+    AttnCase(
+        "DECODE",
+        [(3000, 1), (77, 1)],
+        dtype="float16",
+        page_size=1,
+        sliding_window=700,
+        logit_cap=30.0,
+        sinks=True,
+        **MLA128,
+    ),
+    AttnCase(
+        "TARGET_VERIFY", [(4000, 4), (30, 4), (1000, 4)], dtype="bfloat16", page_size=64, return_lse=True, **MLA128
+    ),
     AttnCase("TARGET_VERIFY", [(2500, 8), (9, 8)], dtype="bfloat16", page_size=16, custom_mask=False, **MLA128),
 ]
 
@@ -240,9 +366,13 @@ def test_mla_kernel_variants_on_cuda(case, variant):
     assert_case(factory(**_mla_variants()[variant]), case)
 
 
-@pytest.mark.parametrize("variant", ["32x64x4x3:c2:l8", "32x64x4x3:c2:l8 one split", "64x32x8x4:g1 splits", "64x32x8x4:c1:g1 one split"])
+@pytest.mark.parametrize(
+    "variant", ["32x64x4x3:c2:l8", "32x64x4x3:c2:l8 one split", "64x32x8x4:g1 splits", "64x32x8x4:c1:g1 one split"]
+)
 def test_mla_kernel_variants_graph_equals_eager(variant):
-    case = AttnCase("DECODE", [(4095, 1), (20, 1), (8000, 1)], dtype="bfloat16", page_size=64, return_lse=True, **MLA128)
+    case = AttnCase(
+        "DECODE", [(4095, 1), (20, 1), (8000, 1)], dtype="bfloat16", page_size=64, return_lse=True, **MLA128
+    )
     check_graph_matches_eager(factory(**_mla_variants()[variant]), case, pad=3, run_graph=_cuda_graph_run)
 
 
@@ -276,9 +406,23 @@ def test_mla_one_split_launch_equals_merged_on_cuda(wgmma):
         part_lse = torch.empty(bs, heads, max_splits, device="cuda")
         fault = torch.zeros(8, device="cuda", dtype=torch.int32)
         mla_attention(
-            q, kv, o, indptr, indices, fault, kv_lora_rank=512, sm_scale=0.07, config=MLAConfig(*tiles, ctas_per_sm=ctas, wgmma=wgmma),
-            max_splits=max_splits, min_split_len=8192, part_o=part_o, part_lse=part_lse, sinks=sinks, lse_out=lse, v_scale=0.5,
-        )  # fmt: skip
+            q,
+            kv,
+            o,
+            indptr,
+            indices,
+            fault,
+            kv_lora_rank=512,
+            sm_scale=0.07,
+            config=MLAConfig(*tiles, ctas_per_sm=ctas, wgmma=wgmma),
+            max_splits=max_splits,
+            min_split_len=8192,
+            part_o=part_o,
+            part_lse=part_lse,
+            sinks=sinks,
+            lse_out=lse,
+            v_scale=0.5,
+        )
         assert not fault.any()
         outs.append((o, lse))
     (o1, lse1), (o4, lse4) = outs
@@ -292,6 +436,15 @@ DET_EXTEND = [([(3000, 700)], 0), ([(0, 2000), (3000, 700)], 1), ([(3000, 700), 
 @pytest.mark.parametrize("mode,batches", [("DECODE", DET_DECODE), ("EXTEND", DET_EXTEND)])
 def test_deterministic_batch_invariance_on_cuda(mode, batches):
     f = factory()
-    kw = dict(deterministic=True, device="cuda", dtype="bfloat16", page_size=16, num_q_heads=32, num_kv_heads=8, head_dim=128, num_layers=1)
+    kw = dict(
+        deterministic=True,
+        device="cuda",
+        dtype="bfloat16",
+        page_size=16,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        num_layers=1,
+    )
     outs = [target_rows(f, mode, reqs, t, **kw) for reqs, t in batches]
     assert all(torch.equal(outs[0], o) for o in outs[1:])

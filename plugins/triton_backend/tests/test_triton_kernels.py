@@ -38,13 +38,35 @@ def test_decode_every_split_count(splits, variant):
     cfg = DecodeConfig(block_n=16, block_h=16, num_warps=1, num_stages=1)
     fault = torch.zeros(8, dtype=torch.int32)
     decode_attention(  # min_split_len 1: every request but the one-token one takes `splits` splits
-        q, k_buf, v_buf, o, indptr, indices, splits, 1, part_o, part_lse, fault,
-        sm_scale=0.2, config=cfg, logit_cap=cap, window=window, sinks=sinks, lse_out=lse,
-    )  # fmt: skip
+        q,
+        k_buf,
+        v_buf,
+        o,
+        indptr,
+        indices,
+        splits,
+        1,
+        part_o,
+        part_lse,
+        fault,
+        sm_scale=0.2,
+        config=cfg,
+        logit_cap=cap,
+        window=window,
+        sinks=sinks,
+        lse_out=lse,
+    )
     assert not fault.any()
     for r, n in enumerate(lens):
         ref_o, ref_lse = reference_attention(
-            q[r : r + 1], ks[r], vs[r], q_positions=torch.tensor([n - 1]), scale=0.2, window=window, logit_cap=cap, sinks=sinks
+            q[r : r + 1],
+            ks[r],
+            vs[r],
+            q_positions=torch.tensor([n - 1]),
+            scale=0.2,
+            window=window,
+            logit_cap=cap,
+            sinks=sinks,
         )
         assert relative_error(o[r : r + 1], ref_o) <= tolerance(dtype), (r, n)
         assert relative_error(lse[r : r + 1], ref_lse) <= 1e-5, (r, n)
@@ -74,9 +96,23 @@ def test_decode_one_split_launch_equals_merged(dtype, sinks_on):
         part_lse = torch.full((bs, hq, 4), float("nan"))
         fault = torch.zeros(8, dtype=torch.int32)
         decode_attention(
-            q, k_buf, v_buf, o, indptr, indices, max_splits, 64, part_o, part_lse, fault, sm_scale=0.3, config=cfg, sinks=sinks,
-            lse_out=lse, v_scale=0.5,
-        )  # fmt: skip
+            q,
+            k_buf,
+            v_buf,
+            o,
+            indptr,
+            indices,
+            max_splits,
+            64,
+            part_o,
+            part_lse,
+            fault,
+            sm_scale=0.3,
+            config=cfg,
+            sinks=sinks,
+            lse_out=lse,
+            v_scale=0.5,
+        )
         assert not fault.any()
         if max_splits == 1:  # the scratch is not touched
             assert part_o.isnan().all() and part_lse.isnan().all()
@@ -85,7 +121,12 @@ def test_decode_one_split_launch_equals_merged(dtype, sinks_on):
     assert torch.equal(o1, o4) and torch.equal(lse1, lse4)
     for r, n in enumerate(lens):
         ref_o, ref_lse = reference_attention(
-            q[r : r + 1].double(), ks[r].double(), vs[r].double(), q_positions=torch.tensor([n - 1]), scale=0.3, sinks=sinks
+            q[r : r + 1].double(),
+            ks[r].double(),
+            vs[r].double(),
+            q_positions=torch.tensor([n - 1]),
+            scale=0.3,
+            sinks=sinks,
         )
         assert relative_error(o1[r : r + 1], 0.5 * ref_o) <= tolerance(dtype), (r, n)
         assert relative_error(lse1[r : r + 1], ref_lse) <= 1e-5, (r, n)

@@ -54,7 +54,9 @@ CASES = [
     # window, logit cap, sinks, LSE through both kernels; MQA; absorbed MLA
     AttnCase("MIXED", [(20, 4), (7, 1), (2, 6), (50, 1)], sliding_window=5, logit_cap=4.0, sinks=True, return_lse=True),
     AttnCase("MIXED", [(3, 5), (26, 1)], num_q_heads=8, num_kv_heads=1, dtype="float16", page_size=16, sinks=True),
-    AttnCase("MIXED", [(5, 7), (12, 1)], arch="mla", kv_lora_rank=32, qk_rope_head_dim=8, sliding_window=5, return_lse=True),
+    AttnCase(
+        "MIXED", [(5, 7), (12, 1)], arch="mla", kv_lora_rank=32, qk_rope_head_dim=8, sliding_window=5, return_lse=True
+    ),
 ]
 
 
@@ -78,7 +80,9 @@ def random_mixed_case(seed: int) -> AttnCase:
     0-12 new tokens), shuffled, at least one decode; random page size, dtype and features."""
     rng = random.Random(seed)
     n = rng.randint(3, 7)
-    reqs = [(rng.randint(1, 45), 1) if rng.random() < 0.5 else (rng.randint(0, 30), rng.randint(0, 12)) for _ in range(n)]
+    reqs = [
+        (rng.randint(1, 45), 1) if rng.random() < 0.5 else (rng.randint(0, 30), rng.randint(0, 12)) for _ in range(n)
+    ]
     reqs[rng.randrange(n)] = (rng.randint(1, 45), 1)
     rng.shuffle(reqs)
     return AttnCase(
@@ -124,13 +128,24 @@ def test_out_of_range_slot_is_flagged_not_read(monkeypatch):
     import attn_core.contract.backend
 
     monkeypatch.setattr(attn_core.contract.backend, "effective_level", lambda ctx: ctx.validation)
-    kv = ac.MHATokenToKVPool(size=64, page_size=1, dtype=torch.float32, head_num=2, head_dim=16, layer_num=1, device="cpu")
+    kv = ac.MHATokenToKVPool(
+        size=64, page_size=1, dtype=torch.float32, head_num=2, head_dim=16, layer_num=1, device="cpu"
+    )
     rows = ac.ReqToTokenPool(size=4, max_context_len=32, device="cpu")
     requests = ac.RequestPool(rows, ac.PagedTokenAllocator(64, 1), kv)
     ctx = ac.BackendContext(
-        device=torch.device("cpu"), dtype=torch.float32, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=1,
-        max_batch_size=4, max_context_len=32, req_to_token_pool=rows, token_to_kv_pool=kv, forward_modes={"extend", "decode", "mixed"},
-    )  # fmt: skip
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        page_size=1,
+        max_batch_size=4,
+        max_context_len=32,
+        req_to_token_pool=rows,
+        token_to_kv_pool=kv,
+        forward_modes={"extend", "decode", "mixed"},
+    )
     backend = factory(mixed_split=True)(ctx)
     layer = ac.AttentionLayer(0, 4, 2, 16)
     a, b = requests.add(), requests.add()
@@ -150,7 +165,9 @@ def test_out_of_range_slot_is_flagged_not_read(monkeypatch):
 @pytest.mark.parametrize("page_size,dtype", [(1, torch.float32), (16, torch.float16)])
 def test_engine_steps_split_and_unsplit_agree(page_size, dtype):
     worlds = [
-        EngineWorld(lambda ctx, s=s: factory(split_policy=SMALL_SPLITS, mixed_split=s)(ctx), page_size=page_size, dtype=dtype)
+        EngineWorld(
+            lambda ctx, s=s: factory(split_policy=SMALL_SPLITS, mixed_split=s)(ctx), page_size=page_size, dtype=dtype
+        )
         for s in (True, False)
     ]
     tol = 1e-5 if dtype == torch.float32 else 2e-2

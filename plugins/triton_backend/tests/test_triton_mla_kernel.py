@@ -61,13 +61,19 @@ VARIANTS = {
 }
 
 
-def _mode_args(q_len: int, bs: int, heads: int, *, max_splits: int, min_split_len: int, scratch_splits: int = 0) -> dict:
+def _mode_args(
+    q_len: int, bs: int, heads: int, *, max_splits: int, min_split_len: int, scratch_splits: int = 0
+) -> dict:
     """`mla_attention`'s mode arguments: DECODE (q_len 1) its split count, minimum split length and split
     scratch for `scratch_splits` (default max_splits) splits; verify (q_len > 1) the uniform query offsets."""
     if q_len == 1:
         n = scratch_splits or max_splits
-        return dict(max_splits=max_splits, min_split_len=min_split_len, part_o=torch.empty(bs, heads, n, RANK),
-                    part_lse=torch.empty(bs, heads, n))  # fmt: skip
+        return dict(
+            max_splits=max_splits,
+            min_split_len=min_split_len,
+            part_o=torch.empty(bs, heads, n, RANK),
+            part_lse=torch.empty(bs, heads, n),
+        )
     return dict(q_len=q_len, qo_indptr=torch.arange(0, bs * q_len + 1, q_len, dtype=torch.int32))
 
 
@@ -102,14 +108,36 @@ def test_mla_decode_every_split_count(splits, kernel, variant):
     part_lse = torch.full((bs, HEADS, 8), float("nan"))
     fault = torch.zeros(8, dtype=torch.int32)
     mla_attention(
-        q, pool, o, indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.15, config=_config(kernel),
-        max_splits=splits, min_split_len=1, part_o=part_o, part_lse=part_lse,
-        logit_cap=cap, window=window, sinks=sinks, lse_out=lse, k_scale=k_scale, v_scale=v_scale,
-    )  # fmt: skip
+        q,
+        pool,
+        o,
+        indptr,
+        indices,
+        fault,
+        kv_lora_rank=RANK,
+        sm_scale=0.15,
+        config=_config(kernel),
+        max_splits=splits,
+        min_split_len=1,
+        part_o=part_o,
+        part_lse=part_lse,
+        logit_cap=cap,
+        window=window,
+        sinks=sinks,
+        lse_out=lse,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
     assert not fault.any()
     for r, n in enumerate(lens):
         ref_o, ref_lse = _oracle(
-            q[r : r + 1], rows[r], torch.tensor([n - 1]), scale=0.15 * k_scale, window=window, logit_cap=cap, sinks=sinks
+            q[r : r + 1],
+            rows[r],
+            torch.tensor([n - 1]),
+            scale=0.15 * k_scale,
+            window=window,
+            logit_cap=cap,
+            sinks=sinks,
         )
         assert relative_error(o[r : r + 1], ref_o * v_scale) <= tolerance(dtype), (r, n)
         assert relative_error(lse[r : r + 1], ref_lse) <= 1e-5, (r, n)
@@ -131,9 +159,20 @@ def test_mla_decode_page_sizes_fp16(dtype, kernel, max_splits):
         part_o, part_lse = torch.full((bs, HEADS, 4, RANK), float("nan")), torch.full((bs, HEADS, 4), float("nan"))
         fault = torch.zeros(8, dtype=torch.int32)
         mla_attention(
-            q, pool, o, indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.1, config=_config(kernel),
-            max_splits=max_splits, min_split_len=32, part_o=part_o, part_lse=part_lse,
-        )  # fmt: skip
+            q,
+            pool,
+            o,
+            indptr,
+            indices,
+            fault,
+            kv_lora_rank=RANK,
+            sm_scale=0.1,
+            config=_config(kernel),
+            max_splits=max_splits,
+            min_split_len=32,
+            part_o=part_o,
+            part_lse=part_lse,
+        )
         assert not fault.any()
         for r, n in enumerate(lens):
             ref_o, _ = _oracle(q[r : r + 1], rows[r], torch.tensor([n - 1]), scale=0.1)
@@ -172,16 +211,38 @@ def test_mla_verify_folded_tokens(q_len, masking, dtype, kernel):
     lse = torch.full((T, HEADS), float("nan"))
     fault = torch.zeros(8, dtype=torch.int32)
     mla_attention(
-        q, pool, o, indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.12, config=_config(kernel), q_len=q_len, qo_indptr=qo,
-        custom_mask=custom_mask, mask_indptr=mask_indptr, logit_cap=cap, window=window, sinks=sinks, lse_out=lse, v_scale=0.5,
-    )  # fmt: skip
+        q,
+        pool,
+        o,
+        indptr,
+        indices,
+        fault,
+        kv_lora_rank=RANK,
+        sm_scale=0.12,
+        config=_config(kernel),
+        q_len=q_len,
+        qo_indptr=qo,
+        custom_mask=custom_mask,
+        mask_indptr=mask_indptr,
+        logit_cap=cap,
+        window=window,
+        sinks=sinks,
+        lse_out=lse,
+        v_scale=0.5,
+    )
     assert not fault.any()
     for r, p in enumerate(prefixes):
         sl = slice(r * q_len, (r + 1) * q_len)
         ref_o, ref_lse = _oracle(
-            q[sl], rows[r], torch.arange(p, p + q_len), scale=0.12, mask=None if masks is None else masks[r],
-            window=window, logit_cap=cap, sinks=sinks,
-        )  # fmt: skip
+            q[sl],
+            rows[r],
+            torch.arange(p, p + q_len),
+            scale=0.12,
+            mask=None if masks is None else masks[r],
+            window=window,
+            logit_cap=cap,
+            sinks=sinks,
+        )
         assert relative_error(o[sl], ref_o * 0.5) <= tolerance(dtype), (r, p)
         assert relative_error(lse[sl], ref_lse) <= (1e-5 if dtype == torch.float32 else 2e-3), (r, p)
 
@@ -202,7 +263,9 @@ def test_mla_bad_indices_raise_the_fault_flag(q_len, kernel):
     q = torch.randn(T, HEADS, WIDTH, generator=gen)
     o = torch.full((T, HEADS, RANK), float("nan"))
     fault = torch.zeros(8, dtype=torch.int32)
-    kw = _mode_args(q_len, bs, HEADS, max_splits=1 if kernel.endswith("direct") else 2, min_split_len=1, scratch_splits=2)
+    kw = _mode_args(
+        q_len, bs, HEADS, max_splits=1 if kernel.endswith("direct") else 2, min_split_len=1, scratch_splits=2
+    )
     mla_attention(q, pool, o, indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.1, config=_config(kernel), **kw)
     assert fault[int(DeviceFaultKind.SLOT)] == 1 and fault[int(DeviceFaultKind.KEY_OFFSETS)] == 0
     assert torch.isfinite(o).all()
@@ -215,7 +278,15 @@ def test_mla_bad_indices_raise_the_fault_flag(q_len, kernel):
     assert torch.isfinite(o).all()
 
 
-ROW_BLOCK_CASES = [(1, 16, "base"), (3, 32, "base"), (5, 16, "base"), (1, 64, "base"), (4, 64, "base"), (3, 32, "lazy"), (1, 64, "sm90")]
+ROW_BLOCK_CASES = [
+    (1, 16, "base"),
+    (3, 32, "base"),
+    (5, 16, "base"),
+    (1, 64, "base"),
+    (4, 64, "base"),
+    (3, 32, "lazy"),
+    (1, 64, "sm90"),
+]
 
 
 @pytest.mark.parametrize("q_len,block_h,kernel", ROW_BLOCK_CASES)
@@ -283,7 +354,13 @@ def test_mla_config_variants_are_checked():
     with pytest.raises(InvalidArgumentError, match="lazy_rescale"):
         MLAConfig(lazy_rescale=9)
     # the Hopper kernel: 64 rows, 32-key tiles, 8 warps, four buffers, no lazy rescaling
-    for tiles, lazy in (((32, 32, 8, 4), 0), ((64, 64, 8, 4), 0), ((64, 32, 4, 4), 0), ((64, 32, 8, 2), 0), ((64, 32, 8, 4), 8)):
+    for tiles, lazy in (
+        ((32, 32, 8, 4), 0),
+        ((64, 64, 8, 4), 0),
+        ((64, 32, 4, 4), 0),
+        ((64, 32, 8, 2), 0),
+        ((64, 32, 8, 4), 8),
+    ):
         with pytest.raises(InvalidArgumentError, match="MLAConfig.wgmma"):
             MLAConfig(*tiles, lazy_rescale=lazy, wgmma=True)
     assert MLAConfig(64, 32, 8, 4, wgmma=True).wgmma
@@ -311,7 +388,9 @@ def test_mla_lazy_rescale_large_logits(kernel, q_len):
     lse = torch.full((T, HEADS), float("nan"))
     fault = torch.zeros(8, dtype=torch.int32)
     kw = _mode_args(q_len, bs, HEADS, max_splits=2, min_split_len=16)
-    mla_attention(q, pool, o, indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.6, config=_config(kernel), lse_out=lse, **kw)
+    mla_attention(
+        q, pool, o, indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.6, config=_config(kernel), lse_out=lse, **kw
+    )
     assert not fault.any()
     for r, p in enumerate(prefixes):
         sl = slice(r * q_len, (r + 1) * q_len)
@@ -340,9 +419,20 @@ def test_mla_one_split_launch_equals_merged(dtype, sinks_on):
         lse = torch.full((bs, HEADS), float("nan"))
         fault = torch.zeros(8, dtype=torch.int32)
         mla_attention(
-            q, pool, o, indptr, indices, fault, kv_lora_rank=RANK, sm_scale=0.2, config=_config(kernel), sinks=sinks, lse_out=lse,
-            v_scale=0.5, **_mode_args(1, bs, HEADS, max_splits=max_splits, min_split_len=128),
-        )  # fmt: skip
+            q,
+            pool,
+            o,
+            indptr,
+            indices,
+            fault,
+            kv_lora_rank=RANK,
+            sm_scale=0.2,
+            config=_config(kernel),
+            sinks=sinks,
+            lse_out=lse,
+            v_scale=0.5,
+            **_mode_args(1, bs, HEADS, max_splits=max_splits, min_split_len=128),
+        )
         assert not fault.any()
         outs.append((o, lse))
     (o1, lse1), (o4, lse4) = outs

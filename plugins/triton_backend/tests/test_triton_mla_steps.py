@@ -34,17 +34,33 @@ class Engine:
         rows = ac.ReqToTokenPool(8, max_ctx, "cpu")
         self.requests = ac.RequestPool(rows, ac.PagedTokenAllocator(slots, page_size), self.kv)
         ctx = ac.BackendContext(
-            device="cpu", dtype=dtype, num_q_heads=HEADS, num_kv_heads=1, head_dim=WIDTH, page_size=page_size,
-            max_batch_size=8, max_context_len=max_ctx, req_to_token_pool=rows, token_to_kv_pool=self.kv,
-            attention_arch="mla", kv_lora_rank=RANK, qk_rope_head_dim=ROPE, sliding_window_size=window,
-            forward_modes={"extend", "decode", "target_verify", "draft_extend"}, speculative_num_steps=3,
-            speculative_topk=2, speculative_num_draft_tokens=4, features={"logit_cap", "sinks", "lse_output", "custom_mask"},
+            device="cpu",
+            dtype=dtype,
+            num_q_heads=HEADS,
+            num_kv_heads=1,
+            head_dim=WIDTH,
+            page_size=page_size,
+            max_batch_size=8,
+            max_context_len=max_ctx,
+            req_to_token_pool=rows,
+            token_to_kv_pool=self.kv,
+            attention_arch="mla",
+            kv_lora_rank=RANK,
+            qk_rope_head_dim=ROPE,
+            sliding_window_size=window,
+            forward_modes={"extend", "decode", "target_verify", "draft_extend"},
+            speculative_num_steps=3,
+            speculative_topk=2,
+            speculative_num_draft_tokens=4,
+            features={"logit_cap", "sinks", "lse_output", "custom_mask"},
             validation="full",
-        )  # fmt: skip
+        )
         self.backend = ac.create_backend("triton", ctx, **{"split_policy": SMALL_SPLITS, **options})
         self.layers = [
             ac.AttentionLayer(0, HEADS, 1, WIDTH, scaling=0.12, v_head_dim=RANK),
-            ac.AttentionLayer(1, HEADS, 1, WIDTH, scaling=0.1, v_head_dim=RANK, logit_cap=6.0, sliding_window_size=window),
+            ac.AttentionLayer(
+                1, HEADS, 1, WIDTH, scaling=0.1, v_head_dim=RANK, logit_cap=6.0, sliding_window_size=window
+            ),
         ]
         self.sinks = torch.randn(HEADS, generator=gen)
         self.dtype, self.gen = dtype, gen
@@ -75,10 +91,16 @@ class Engine:
                 lat = self.latents[r.rid][lid] = torch.cat([self.latents[r.rid][lid], k[start : start + n]])
                 kv_len = lat.shape[0]
                 ref_o, ref_lse = reference_attention(
-                    q[start : start + n], lat, lat[..., :RANK], q_positions=torch.arange(kv_len - n, kv_len),
-                    scale=layer.scaling, window=layer.sliding_window_size, logit_cap=layer.logit_cap,
-                    sinks=extras.get("sinks"), mask=None if masks is None else masks[j],
-                )  # fmt: skip
+                    q[start : start + n],
+                    lat,
+                    lat[..., :RANK],
+                    q_positions=torch.arange(kv_len - n, kv_len),
+                    scale=layer.scaling,
+                    window=layer.sliding_window_size,
+                    logit_cap=layer.logit_cap,
+                    sinks=extras.get("sinks"),
+                    mask=None if masks is None else masks[j],
+                )
                 rows = slice(start, start + n)
                 got = o[rows].view(n, HEADS, RANK)
                 assert relative_error(got, ref_o) <= tolerance(self.dtype), (batch.forward_mode, lid, j)
@@ -147,6 +169,10 @@ def test_mla_wave_split_policy_through_the_backend(deterministic):
     eng.backend.ctx.deterministic = deterministic
     for bs in (1, 2, 3, 8):
         got = eng.backend.planner.decode_splits(bs).max_splits
-        want = SMALL_SPLITS.deterministic_max_splits if deterministic else wave_splits(bs, 4, SMALL_SPLITS.cap, SMALL_SPLITS.waves)
+        want = (
+            SMALL_SPLITS.deterministic_max_splits
+            if deterministic
+            else wave_splits(bs, 4, SMALL_SPLITS.cap, SMALL_SPLITS.waves)
+        )
         assert got == want, (bs, got, want)
     assert [wave_splits(bs, 4, 8, 64.0) for bs in (1, 2, 3, 8)] == [4, 2, 4, 1]  # 1, 2, 3, 8 programs on 4 slots

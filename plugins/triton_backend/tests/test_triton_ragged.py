@@ -22,7 +22,16 @@ pytestmark = requires_interpreter
 
 def test_channel_block():
     assert [channel_block(d) for d in (8, 16, 64, 72, 80, 96, 128, 136, 200, 256)] == [
-        16, 16, 64, 128, 128, 128, 128, 256, 256, 256
+        16,
+        16,
+        64,
+        128,
+        128,
+        128,
+        128,
+        256,
+        256,
+        256,
     ]
 
 

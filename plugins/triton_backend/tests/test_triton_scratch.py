@@ -68,13 +68,24 @@ def test_decode_steps_reuse_the_index_buffer_and_stay_inside_it(monkeypatch):
     kv_pool = MHATokenToKVPool(slots, page, torch.float32, hkv, d, 1)
     alloc = PagedTokenAllocator(slots, page)
     ctx = BackendContext(
-        device="cpu", dtype=torch.float32, num_q_heads=2, num_kv_heads=hkv, head_dim=d, page_size=page,
-        max_batch_size=8, max_context_len=64, req_to_token_pool=req_pool, token_to_kv_pool=kv_pool, validation="basic",
-    )  # fmt: skip
+        device="cpu",
+        dtype=torch.float32,
+        num_q_heads=2,
+        num_kv_heads=hkv,
+        head_dim=d,
+        page_size=page,
+        max_batch_size=8,
+        max_context_len=64,
+        req_to_token_pool=req_pool,
+        token_to_kv_pool=kv_pool,
+        validation="basic",
+    )
     backend = TritonAttnBackend(ctx)
 
     def step(requests):
-        return build_forward_batch("DECODE", requests, req_to_token_pool=req_pool, allocator=alloc, token_to_kv_pool=kv_pool)
+        return build_forward_batch(
+            "DECODE", requests, req_to_token_pool=req_pool, allocator=alloc, token_to_kv_pool=kv_pool
+        )
 
     big = step([(40, 1)] * 5)
     backend.init_forward_metadata(big)
@@ -120,13 +131,28 @@ def test_plain_decode_steps_of_one_size_share_a_metadata_object_with_fresh_indic
     kv_pool = MHATokenToKVPool(slots, page, torch.float32, 1, 16, 1)
     alloc = PagedTokenAllocator(slots, page)
     ctx = BackendContext(
-        device="cpu", dtype=torch.float32, num_q_heads=2, num_kv_heads=1, head_dim=16, page_size=page,
-        max_batch_size=16, max_context_len=64, req_to_token_pool=req_pool, token_to_kv_pool=kv_pool,
-    )  # fmt: skip
+        device="cpu",
+        dtype=torch.float32,
+        num_q_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        page_size=page,
+        max_batch_size=16,
+        max_context_len=64,
+        req_to_token_pool=req_pool,
+        token_to_kv_pool=kv_pool,
+    )
     backend = TritonAttnBackend(ctx)
     seen = []
-    for requests in ([(30, 1), (1, 1)], [(5, 1), (9, 1)], [(7, 1), (7, 1), (7, 1)], [(20, 1), (3, 1)]):  # first the largest
-        b = build_forward_batch("DECODE", requests, req_to_token_pool=req_pool, allocator=alloc, token_to_kv_pool=kv_pool)
+    for requests in (
+        [(30, 1), (1, 1)],
+        [(5, 1), (9, 1)],
+        [(7, 1), (7, 1), (7, 1)],
+        [(20, 1), (3, 1)],
+    ):  # first the largest
+        b = build_forward_batch(
+            "DECODE", requests, req_to_token_pool=req_pool, allocator=alloc, token_to_kv_pool=kv_pool
+        )
         backend.init_forward_metadata(b)
         meta = backend.forward_metadata
         seen.append(meta)

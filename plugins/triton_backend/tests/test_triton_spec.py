@@ -30,7 +30,9 @@ def test_entry_point_resolves_to_the_spec():
 def test_probe_without_triton(monkeypatch):
     import attn_triton.spec as spec
 
-    monkeypatch.setattr(spec, "module_missing", lambda m, hint: f"{m} not installed ({hint})" if m == "triton" else None)
+    monkeypatch.setattr(
+        spec, "module_missing", lambda m, hint: f"{m} not installed ({hint})" if m == "triton" else None
+    )
     assert spec.probe() == "triton not installed (pip install triton)"
 
 

@@ -22,9 +22,23 @@ HKV, D = 2, 40  # D not a power of two: the tile pads it to 64
 
 
 def _case(
-    seed, group, q_len, dtype, page_size, *, tree=False, window=None, cap=0.0, sinks=False, lse=False, scales=(1.0, 1.0), block_m_max=16,
-    block_n=16, max_prefix=70, prefixes=None,
-):  # fmt: skip
+    seed,
+    group,
+    q_len,
+    dtype,
+    page_size,
+    *,
+    tree=False,
+    window=None,
+    cap=0.0,
+    sinks=False,
+    lse=False,
+    scales=(1.0, 1.0),
+    block_m_max=16,
+    block_n=16,
+    max_prefix=70,
+    prefixes=None,
+):
     from attn_triton.kernels.verify import VerifyConfig, verify_attention
 
     gen = torch.Generator().manual_seed(seed)
@@ -53,16 +67,39 @@ def _case(
     fault = torch.zeros(8, dtype=torch.int32)
     cfg = VerifyConfig(block_m_max=block_m_max, block_n=block_n, num_warps=1, num_stages=1)
     verify_attention(
-        q, k_buf, v_buf, o, indptr, indices, q_len, fault, sm_scale=0.25, config=cfg, custom_mask=mask, mask_indptr=mask_indptr,
-        logit_cap=cap, window=window, sinks=sink, lse_out=lse_out, k_scale=scales[0], v_scale=scales[1],
-    )  # fmt: skip
+        q,
+        k_buf,
+        v_buf,
+        o,
+        indptr,
+        indices,
+        q_len,
+        fault,
+        sm_scale=0.25,
+        config=cfg,
+        custom_mask=mask,
+        mask_indptr=mask_indptr,
+        logit_cap=cap,
+        window=window,
+        sinks=sink,
+        lse_out=lse_out,
+        k_scale=scales[0],
+        v_scale=scales[1],
+    )
     assert not fault.any(), fault
     for r, p in enumerate(prefixes):
         rows = slice(r * q_len, (r + 1) * q_len)
         ref_o, ref_lse = reference_attention(
-            q[rows], ks[r], vs[r], q_positions=torch.arange(p, p + q_len), scale=0.25 * scales[0], window=window, logit_cap=cap,
-            sinks=sink, mask=None if masks is None else masks[r],
-        )  # fmt: skip
+            q[rows],
+            ks[r],
+            vs[r],
+            q_positions=torch.arange(p, p + q_len),
+            scale=0.25 * scales[0],
+            window=window,
+            logit_cap=cap,
+            sinks=sink,
+            mask=None if masks is None else masks[r],
+        )
         assert relative_error(o[rows], ref_o * scales[1]) <= tolerance(dtype), (r, p)
         if lse:
             assert relative_error(lse_out[rows], ref_lse) <= 1e-5 if dtype == torch.float32 else 2e-3, (r, p)
@@ -70,7 +107,15 @@ def _case(
 
 @pytest.mark.parametrize(
     "group,q_len,page_size,tree",
-    [(1, 2, 1, False), (2, 4, 16, True), (4, 4, 1, True), (4, 8, 16, False), (8, 8, 1, True), (8, 2, 16, False), (1, 16, 16, True)],
+    [
+        (1, 2, 1, False),
+        (2, 4, 16, True),
+        (4, 4, 1, True),
+        (4, 8, 16, False),
+        (8, 8, 1, True),
+        (8, 2, 16, False),
+        (1, 16, 16, True),
+    ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_verify_matches_oracle(group, q_len, page_size, tree, dtype):
@@ -80,7 +125,20 @@ def test_verify_matches_oracle(group, q_len, page_size, tree, dtype):
 @pytest.mark.parametrize("tree,window", [(False, 9), (False, 40), (True, 9)])
 def test_verify_window_cap_sinks_lse_scales(tree, window):
     """Windows narrower than a tile and wider than two (tiles every row sees inside the window)."""
-    _case(7, 4, 4, torch.float32, 16, tree=tree, window=window, cap=2.5, sinks=True, lse=True, scales=(0.7, 1.3), max_prefix=120)
+    _case(
+        7,
+        4,
+        4,
+        torch.float32,
+        16,
+        tree=tree,
+        window=window,
+        cap=2.5,
+        sinks=True,
+        lse=True,
+        scales=(0.7, 1.3),
+        max_prefix=120,
+    )
 
 
 def test_verify_wide_tile_and_odd_q_len():
@@ -98,7 +156,19 @@ def test_verify_every_offset_within_a_tile(window):
 @pytest.mark.parametrize("tree", [False, True])
 def test_verify_gpu_tiles(tree):
     """The SM90 tile shape (64 rows, 128 keys): GQA 4 x 8 drafts in one program, prefixes past a tile."""
-    _case(13, 4, 8, torch.float16, 16, tree=tree, window=150 if tree else None, lse=True, block_m_max=64, block_n=128, max_prefix=300)
+    _case(
+        13,
+        4,
+        8,
+        torch.float16,
+        16,
+        tree=tree,
+        window=150 if tree else None,
+        lse=True,
+        block_m_max=64,
+        block_n=128,
+        max_prefix=300,
+    )
 
 
 def test_verify_faults_bad_slot_and_mask_offset():
@@ -121,16 +191,33 @@ def test_verify_faults_bad_slot_and_mask_offset():
     assert relative_error(o[:q_len], ref_o) <= tolerance(torch.float32)
     keep = [j for j in range(37) if j != 34]
     ref_o, _ = reference_attention(
-        q[q_len:], ks[1][keep], vs[1][keep], q_positions=torch.arange(33, 37), scale=0.3,
+        q[q_len:],
+        ks[1][keep],
+        vs[1][keep],
+        q_positions=torch.arange(33, 37),
+        scale=0.3,
         mask=torch.arange(37)[keep][None, :] <= torch.arange(33, 37)[:, None],
-    )  # fmt: skip
+    )
     assert relative_error(o[q_len:], ref_o) <= tolerance(torch.float32)
 
     mask = torch.ones(q_len * lens[0] + q_len * lens[1] - 1, dtype=torch.uint8)  # one entry short of request 1's block
     mask_indptr = torch.tensor([0, q_len * lens[0], q_len * (lens[0] + lens[1])], dtype=torch.int64)
     fault.zero_()
     o.fill_(float("nan"))
-    verify_attention(q, k_buf, v_buf, o, indptr, indices, q_len, fault, sm_scale=0.3, config=cfg, custom_mask=mask, mask_indptr=mask_indptr)
+    verify_attention(
+        q,
+        k_buf,
+        v_buf,
+        o,
+        indptr,
+        indices,
+        q_len,
+        fault,
+        sm_scale=0.3,
+        config=cfg,
+        custom_mask=mask,
+        mask_indptr=mask_indptr,
+    )
     assert fault[DeviceFaultKind.MASK] == 1 and fault.sum() == 1
     assert not o.isnan().any()
 
@@ -150,5 +237,8 @@ def test_verify_request_batch_invariant():
     """The verify kernel has no key splits: one request's rows are bitwise equal in three batches
     (other companions, other positions), also outside deterministic mode."""
     batches = [([(37, 4)], 0), ([(5, 4), (37, 4), (90, 4)], 1), ([(37, 4), (0, 4)], 0)]
-    outs = [target_rows(factory(), "TARGET_VERIFY", reqs, t, deterministic=False, page_size=16, custom_mask=False) for reqs, t in batches]
+    outs = [
+        target_rows(factory(), "TARGET_VERIFY", reqs, t, deterministic=False, page_size=16, custom_mask=False)
+        for reqs, t in batches
+    ]
     assert all(torch.equal(outs[0], o) for o in outs[1:])

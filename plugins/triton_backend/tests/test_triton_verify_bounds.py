@@ -1,8 +1,8 @@
 """The GPU verify tests' parametrization (test_triton_verify_gpu.py: GQA 32/8, head_dim 128, page 16, sinks,
 the LSE, 4 and 8 drafts, chain and tree masks, TARGET_VERIFY and DRAFT_EXTEND) under the interpreter with
 shorter prefixes, through the public API, against the float64 reference, with every load and store of every
-kernel of the step (the Triton step check CUDA runs at the default validation, the K/V write, the verify kernel) inside its tensors
-(`interp_bounds.strict_bounds`): what a GPU traps as an illegal memory access."""
+kernel of the step (the Triton step check CUDA runs at the default validation, the K/V write, the verify kernel)
+inside its tensors (`interp_bounds.strict_bounds`): what a GPU traps as an illegal memory access."""
 
 from __future__ import annotations
 

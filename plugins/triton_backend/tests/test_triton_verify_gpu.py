@@ -51,13 +51,21 @@ def test_verify_matches_torch_native_on_cuda(drafts, mode, tree, monkeypatch):
     assert len(calls) == 1  # the triton run went through the verify kernel
     (o_t, lse_t), (o_n, lse_n) = outs["triton"], outs["torch_native"]
     assert relative_error(o_t, o_n) <= 2e-2
-    assert torch.isfinite(lse_t).all() and float((lse_t.float() - lse_n.float()).abs().max()) <= 2e-2  # as the harness's LSE check
+    assert (
+        torch.isfinite(lse_t).all() and float((lse_t.float() - lse_n.float()).abs().max()) <= 2e-2
+    )  # as the harness's LSE check
 
 
 @pytest.mark.parametrize("drafts", [4, 8])
 def test_verify_batch_invariant_on_cuda(drafts):
-    batches = [([(3000, drafts)], 0), ([(100, drafts), (3000, drafts), (30000, drafts)], 1), ([(5, drafts)] * 40 + [(3000, drafts)], 40)]
+    batches = [
+        ([(3000, drafts)], 0),
+        ([(100, drafts), (3000, drafts), (30000, drafts)], 1),
+        ([(5, drafts)] * 40 + [(3000, drafts)], 40),
+    ]
     kw = {**GQA, "custom_mask": False}
     kw.pop("device")
-    outs = [target_rows(factory(), "TARGET_VERIFY", reqs, t, deterministic=True, device="cuda", **kw) for reqs, t in batches]
+    outs = [
+        target_rows(factory(), "TARGET_VERIFY", reqs, t, deterministic=True, device="cuda", **kw) for reqs, t in batches
+    ]
     assert all(torch.equal(outs[0], o) for o in outs[1:])

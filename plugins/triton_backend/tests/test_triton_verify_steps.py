@@ -29,7 +29,9 @@ class Engine:
     def __init__(self, page_size: int, prompt_lens: list[int], seed: int):
         self.gen = torch.Generator().manual_seed(seed)
         slots = 512
-        kv = ac.MHATokenToKVPool(size=slots, page_size=page_size, dtype=DTYPE, head_num=HKV, head_dim=D, layer_num=len(LAYERS))
+        kv = ac.MHATokenToKVPool(
+            size=slots, page_size=page_size, dtype=DTYPE, head_num=HKV, head_dim=D, layer_num=len(LAYERS)
+        )
         for i in range(len(LAYERS)):  # unused slots poisoned
             kv.get_key_buffer(i).fill_(float("nan"))
             kv.get_value_buffer(i).fill_(float("nan"))
@@ -37,14 +39,29 @@ class Engine:
         self.requests = ac.RequestPool(rows, ac.PagedTokenAllocator(slots, page_size), kv)
         modes = {ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND}
         ctx = ac.BackendContext(
-            device="cpu", dtype=DTYPE, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=page_size, max_batch_size=8,
-            max_context_len=160, req_to_token_pool=rows, token_to_kv_pool=kv, forward_modes=frozenset(modes),
-            speculative_num_steps=3, speculative_topk=2, speculative_num_draft_tokens=4, validation="full",
-        )  # fmt: skip
+            device="cpu",
+            dtype=DTYPE,
+            num_q_heads=HQ,
+            num_kv_heads=HKV,
+            head_dim=D,
+            page_size=page_size,
+            max_batch_size=8,
+            max_context_len=160,
+            req_to_token_pool=rows,
+            token_to_kv_pool=kv,
+            forward_modes=frozenset(modes),
+            speculative_num_steps=3,
+            speculative_topk=2,
+            speculative_num_draft_tokens=4,
+            validation="full",
+        )
         self.backend = ac.create_backend("triton", ctx)
         self.layers = [ac.AttentionLayer(i, HQ, HKV, D, scaling=0.2, **kw) for i, kw in enumerate(LAYERS)]
         self.reqs = [self.requests.add() for _ in prompt_lens]
-        self.hist = [[(torch.zeros(0, HKV, D, dtype=DTYPE), torch.zeros(0, HKV, D, dtype=DTYPE)) for _ in LAYERS] for _ in prompt_lens]
+        self.hist = [
+            [(torch.zeros(0, HKV, D, dtype=DTYPE), torch.zeros(0, HKV, D, dtype=DTYPE)) for _ in LAYERS]
+            for _ in prompt_lens
+        ]
         self.step(list(prompt_lens))
 
     def step(self, counts: list[int], mode=None, masks=None) -> float:
@@ -62,12 +79,21 @@ class Engine:
             start = 0
             for r, n in enumerate(counts):
                 hk, hv = self.hist[r][li]
-                hk, hv = torch.cat([hk[: lens[r]], k[start : start + n]]), torch.cat([hv[: lens[r]], v[start : start + n]])
+                hk, hv = (
+                    torch.cat([hk[: lens[r]], k[start : start + n]]),
+                    torch.cat([hv[: lens[r]], v[start : start + n]]),
+                )
                 self.hist[r][li] = (hk, hv)
                 ref, _ = reference_attention(
-                    q[start : start + n], hk, hv, q_positions=torch.arange(lens[r], lens[r] + n), scale=0.2,
-                    window=layer.sliding_window_size, logit_cap=layer.logit_cap, mask=None if masks is None else masks[r],
-                )  # fmt: skip
+                    q[start : start + n],
+                    hk,
+                    hv,
+                    q_positions=torch.arange(lens[r], lens[r] + n),
+                    scale=0.2,
+                    window=layer.sliding_window_size,
+                    logit_cap=layer.logit_cap,
+                    mask=None if masks is None else masks[r],
+                )
                 worst = max(worst, relative_error(out[start : start + n], ref))
                 start += n
         assert self.backend.poll_device_fault() is None
@@ -98,7 +124,9 @@ def test_speculative_rounds_of_the_same_requests(page_size, monkeypatch):
     for rnd, drafts in enumerate([4, 2, 8]):
         calls.update(verify=0, extend=0)
         lens = [r.kv_len for r in eng.reqs]
-        masks = [random_tree_mask(n, drafts, eng.gen) for n in lens] if rnd != 1 else None  # round 1: the default chain mask
+        masks = (
+            [random_tree_mask(n, drafts, eng.gen) for n in lens] if rnd != 1 else None
+        )  # round 1: the default chain mask
         assert eng.step([drafts] * 3, mode="target_verify", masks=masks) <= tol, (rnd, "verify")
         assert calls == {"verify": len(LAYERS), "extend": 0}
         accepted = [int(torch.randint(0, drafts, (1,), generator=eng.gen)) for _ in lens]

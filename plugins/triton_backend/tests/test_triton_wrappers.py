@@ -41,7 +41,9 @@ def test_graph_runner_padded_batches(case):
     inputs = {n: torch.stack([x[n] for x in per_layer], dim=1) for n in ("q", "k", "v")}
 
     def run_layers(batch, inp):
-        return torch.stack([layer(inp["q"][:, i], inp["k"][:, i], inp["v"][:, i], batch) for i, layer in enumerate(layers)], dim=1)
+        return torch.stack(
+            [layer(inp["q"][:, i], inp["k"][:, i], inp["v"][:, i], batch) for i, layer in enumerate(layers)], dim=1
+        )
 
     shapes = {n: (tuple(t.shape[1:]), t.dtype) for n, t in inputs.items()}
     nd = case.requests[0].extend_len if case.mode.is_target_verify() else None
@@ -74,7 +76,9 @@ def _draft_env(lens, page_size, topk, steps, max_bs):
     r2t = ReqToTokenPool(bs + 1, max(lens) + 4)
     allocator = PagedTokenAllocator(pages * ps, ps)
     kv = MHATokenToKVPool(pages * ps, ps, torch.float32, HKV, D, LAYERS)
-    batch = build_forward_batch("EXTEND", [(n, 0) for n in lens], req_to_token_pool=r2t, allocator=allocator, token_to_kv_pool=kv)
+    batch = build_forward_batch(
+        "EXTEND", [(n, 0) for n in lens], req_to_token_pool=r2t, allocator=allocator, token_to_kv_pool=kv
+    )
     rows = batch.req_pool_indices.tolist()
     cached = []
     for layer in range(LAYERS):
@@ -89,15 +93,28 @@ def _draft_env(lens, page_size, topk, steps, max_bs):
         cached.append(per_req)
     loc = allocate_draft_slots(allocator, r2t, rows, lens, topk, steps)
     ctx = BackendContext(
-        device="cpu", dtype=torch.float32, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=ps, max_batch_size=max_bs,
-        max_context_len=max(lens) + 4, req_to_token_pool=r2t, token_to_kv_pool=kv, speculative_num_steps=steps, speculative_topk=topk,
-    )  # fmt: skip
+        device="cpu",
+        dtype=torch.float32,
+        num_q_heads=HQ,
+        num_kv_heads=HKV,
+        head_dim=D,
+        page_size=ps,
+        max_batch_size=max_bs,
+        max_context_len=max(lens) + 4,
+        req_to_token_pool=r2t,
+        token_to_kv_pool=kv,
+        speculative_num_steps=steps,
+        speculative_topk=topk,
+    )
     return ctx, kv, rows, cached, loc
 
 
 def _step_inputs(n_rows, steps, seed):
     g = torch.Generator().manual_seed(seed)
-    return [[tuple(torch.randn(n_rows, h, D, generator=g) for h in (HQ, HKV, HKV)) for _ in range(LAYERS)] for _ in range(steps)]
+    return [
+        [tuple(torch.randn(n_rows, h, D, generator=g) for h in (HQ, HKV, HKV)) for _ in range(LAYERS)]
+        for _ in range(steps)
+    ]
 
 
 def _run_steps(batches, inputs, layers, pad_to=None):

@@ -10,7 +10,9 @@ import torch
 from attn_core.testing.harness import AttnCase, layer_inputs, make_env, make_layer
 
 
-def target_rows(factory, mode: str, requests, target: int, *, deterministic: bool, device: str = "cpu", **case_kw) -> torch.Tensor:
+def target_rows(
+    factory, mode: str, requests, target: int, *, deterministic: bool, device: str = "cpu", **case_kw
+) -> torch.Tensor:
     """Output rows of request `target` of a batch of `requests`; its K/V and q come from a fixed seed."""
     case = AttnCase(mode, requests, device=device, **case_kw)
     env = make_env(case)
@@ -31,7 +33,9 @@ def target_rows(factory, mode: str, requests, target: int, *, deterministic: boo
     inputs = layer_inputs(env, 0, torch.Generator().manual_seed(99))
     start = sum(case.requests[i].extend_len for i in range(target))
     rows = slice(start, start + r.extend_len)
-    inputs["q"][rows] = torch.randn(r.extend_len, *inputs["q"].shape[1:], generator=gen).to(inputs["q"].dtype).to(device)
+    inputs["q"][rows] = (
+        torch.randn(r.extend_len, *inputs["q"].shape[1:], generator=gen).to(inputs["q"].dtype).to(device)
+    )
     for name in ("k", "v"):
         if inputs[name] is not None:
             x = inputs[name]

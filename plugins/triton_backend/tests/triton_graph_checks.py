@@ -27,8 +27,12 @@ def _padded(batch, pad: GraphPadding):
     rows = torch.cat([batch.req_pool_indices, torch.zeros(n, dtype=batch.req_pool_indices.dtype, device=dev)])
     seq = torch.cat([batch.seq_lens, torch.full((n,), pad.seq_len, dtype=batch.seq_lens.dtype, device=dev)])
     loc = torch.cat([batch.out_cache_loc, torch.zeros(n * per, dtype=batch.out_cache_loc.dtype, device=dev)])
-    pos = torch.cat([batch.positions, (pad.prefix_len + torch.arange(per, device=dev)).repeat(n).to(batch.positions.dtype)])
-    out = dataclasses.replace(batch, batch_size=pad.padded_bs, req_pool_indices=rows, seq_lens=seq, out_cache_loc=loc, positions=pos)
+    pos = torch.cat(
+        [batch.positions, (pad.prefix_len + torch.arange(per, device=dev)).repeat(n).to(batch.positions.dtype)]
+    )
+    out = dataclasses.replace(
+        batch, batch_size=pad.padded_bs, req_pool_indices=rows, seq_lens=seq, out_cache_loc=loc, positions=pos
+    )
     out.seq_lens_cpu = seq.cpu()
     out.seq_lens_sum = int(out.seq_lens_cpu.sum())
     if batch.forward_mode.is_extend():
@@ -85,7 +89,10 @@ def check_graph_matches_eager(backend_factory, case: AttnCase, pad: int = 0, run
         )
     )
     graph_batch.attn_backend = backend
-    g_inputs = {name: _pad_rows(inputs[name], T - batch.num_tokens) if name in ("q", "k", "v") else inputs[name] for name in inputs}
+    g_inputs = {
+        name: _pad_rows(inputs[name], T - batch.num_tokens) if name in ("q", "k", "v") else inputs[name]
+        for name in inputs
+    }
     extras = forward_extras(case, inputs)
 
     def fn():
@@ -98,7 +105,9 @@ def check_graph_matches_eager(backend_factory, case: AttnCase, pad: int = 0, run
     got_o, want_o = (got[0], want[0]) if case.return_lse else (got, want)
     n = batch.num_tokens
     if pad:
-        assert relative_error(got_o[:n], want_o) <= tolerance(getattr(torch, case.dtype)), "padded graph batch differs from eager"
+        assert relative_error(got_o[:n], want_o) <= tolerance(getattr(torch, case.dtype)), (
+            "padded graph batch differs from eager"
+        )
     else:
         assert torch.equal(got_o[:n], want_o), "graph replay differs from eager"
         if case.return_lse:

@@ -15,7 +15,9 @@ from attn_triton.config import SplitPolicy
 requires_interpreter = pytest.mark.skipif(not triton_interpreter_enabled(), reason="CPU tests need TRITON_INTERPRET=1")
 
 #: splits of at least 8 keys, up to 8 per request: tiny CPU batches get several splits
-SMALL_SPLITS = SplitPolicy(min_split_len=8, waves=64.0, cap=8, deterministic_max_splits=4, deterministic_min_split_len=8)
+SMALL_SPLITS = SplitPolicy(
+    min_split_len=8, waves=64.0, cap=8, deterministic_max_splits=4, deterministic_min_split_len=8
+)
 
 
 def factory(**options):
@@ -57,4 +59,3 @@ def paged_setup(lens, hkv, d, dv, dtype, gen, page_size=1):
     indptr[1:] = torch.tensor(lens).cumsum(0)
     indices = torch.cat(slots).to(torch.int32) if slots else torch.zeros(1, dtype=torch.int32)
     return k_buf, v_buf, indptr, indices, ks, vs
-

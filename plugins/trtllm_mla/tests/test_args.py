@@ -70,9 +70,14 @@ def test_decode_kwargs_refuse_bad_shapes_and_dtypes():
 
 @pytest.mark.parametrize(
     ("cc", "dtype", "want"),
-    [((10, 0), torch.bfloat16, "trtllm-gen"), ((10, 3), torch.bfloat16, "trtllm-gen"), ((12, 0), torch.bfloat16, None),
-     ((9, 0), torch.bfloat16, None), ((10, 0), torch.float16, None)],
-)  # fmt: skip
+    [
+        ((10, 0), torch.bfloat16, "trtllm-gen"),
+        ((10, 3), torch.bfloat16, "trtllm-gen"),
+        ((12, 0), torch.bfloat16, None),
+        ((9, 0), torch.bfloat16, None),
+        ((10, 0), torch.float16, None),
+    ],
+)
 def test_kernel_for(cc, dtype, want):
     assert kernel_for(cc, dtype) == want
 

@@ -22,7 +22,9 @@ def test_worked_example():
     assert table.dtype == torch.int32 and table.tolist() == [[10, 3, 20, -1], [1, -1, -1, -1]]
 
 
-@pytest.mark.parametrize(("max_len", "page", "width"), [(70, 32, 4), (300, 64, 6), (0, 64, 2), (128, 32, 4), (129, 32, 8), (1, 1, 128)])
+@pytest.mark.parametrize(
+    ("max_len", "page", "width"), [(70, 32, 4), (300, 64, 6), (0, 64, 2), (128, 32, 4), (129, 32, 8), (1, 1, 128)]
+)
 def test_padded_width(max_len, page, width):
     assert padded_width(max_len, page) == width
     assert (width * page) % 128 == 0 and width * page >= max_len

@@ -76,11 +76,18 @@ def test_ragged_kernel_output_and_lse_convention(causal):
             assert torch.isneginf(lse[t0 : t0 + nq]).all()
         else:
             ref, ref_lse = reference_attention(
-                q[t0 : t0 + nq], k[k0 : k0 + nk], v[k0 : k0 + nk], q_positions=torch.arange(nk - nq, nk), scale=scale, causal=causal
+                q[t0 : t0 + nq],
+                k[k0 : k0 + nk],
+                v[k0 : k0 + nk],
+                q_positions=torch.arange(nk - nq, nk),
+                scale=scale,
+                causal=causal,
             )
             assert relative_error(o[t0 : t0 + nq], ref) <= tolerance(torch.bfloat16)
             assert (lse[t0 : t0 + nq].double().cpu() - ref_lse).abs().max() < 2e-2
-            assert (raw[t0 : t0 + nq].double().cpu() * math.log(2.0) - ref_lse).abs().max() < 2e-2  # base 2, not natural
+            assert (
+                raw[t0 : t0 + nq].double().cpu() * math.log(2.0) - ref_lse
+            ).abs().max() < 2e-2  # base 2, not natural
         t0, k0 = t0 + nq, k0 + nk
     assert not ws[:COUNTER_BYTES].any()
 
@@ -110,12 +117,26 @@ def test_chunked_prefix_prefill_on_ragged_kernel_matches_reference(seed, H):
     pool = MLATokenToKVPool(slots, ps, torch.bfloat16, 512, 64, 1, "cuda")
     requests = ac.RequestPool(r2t, ac.PagedTokenAllocator(slots, ps), pool)
     ctx = BackendContext(
-        device="cuda", dtype=torch.bfloat16, num_q_heads=H, num_kv_heads=1, head_dim=576, attention_arch="mla", kv_lora_rank=512,
-        qk_rope_head_dim=64, page_size=ps, max_context_len=r2t.max_context_len, req_to_token_pool=r2t, token_to_kv_pool=pool,
-    )  # fmt: skip
+        device="cuda",
+        dtype=torch.bfloat16,
+        num_q_heads=H,
+        num_kv_heads=1,
+        head_dim=576,
+        attention_arch="mla",
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        page_size=ps,
+        max_context_len=r2t.max_context_len,
+        req_to_token_pool=r2t,
+        token_to_kv_pool=pool,
+    )
     backend = TRTLLMMLABackend(ctx)
-    k_store = [torch.full((slots + ps, H, 192), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(layers)]
-    v_store = [torch.full((slots + ps, H, 128), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(layers)]
+    k_store = [
+        torch.full((slots + ps, H, 192), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(layers)
+    ]
+    v_store = [
+        torch.full((slots + ps, H, 128), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(layers)
+    ]
     reqs = [requests.add() for _ in range(rng.randint(2, 4))]
     chunks_seen = 0
     for step in range(3):
@@ -132,15 +153,24 @@ def test_chunked_prefix_prefill_on_ragged_kernel_matches_reference(seed, H):
         for layer in range(layers):
             q, k = (torch.randn(T, H, 192, generator=g).to(torch.bfloat16).cuda() for _ in range(2))
             v = torch.randn(T, H, 128, generator=g).to(torch.bfloat16).cuda()
-            o, lse = plan.attend(q, k, v, lambda c, s, layer=layer: (k_store[layer][s], v_store[layer][s]), return_lse=True)
+            o, lse = plan.attend(
+                q, k, v, lambda c, s, layer=layer: (k_store[layer][s], v_store[layer][s]), return_lse=True
+            )
             o = o.view(T, H, 128)
             t0 = 0
             for (req, e), p in zip(work, prefix):
                 sl = r2t.req_to_token[req.row, :p].long()
-                keys, vals = torch.cat([k_store[layer][sl], k[t0 : t0 + e]]), torch.cat([v_store[layer][sl], v[t0 : t0 + e]])
-                ref, ref_lse = reference_attention(q[t0 : t0 + e], keys, vals, q_positions=torch.arange(p, p + e), scale=scale)
+                keys, vals = (
+                    torch.cat([k_store[layer][sl], k[t0 : t0 + e]]),
+                    torch.cat([v_store[layer][sl], v[t0 : t0 + e]]),
+                )
+                ref, ref_lse = reference_attention(
+                    q[t0 : t0 + e], keys, vals, q_positions=torch.arange(p, p + e), scale=scale
+                )
                 err = relative_error(o[t0 : t0 + e], ref)
-                assert err <= tolerance(torch.bfloat16), f"step {step} layer {layer} request ({p}, {e}): rel err {err:.3g}"
+                assert err <= tolerance(torch.bfloat16), (
+                    f"step {step} layer {layer} request ({p}, {e}): rel err {err:.3g}"
+                )
                 assert (lse[t0 : t0 + e].double().cpu() - ref_lse).abs().max() < 2e-2
                 t0 += e
             k_store[layer][batch.out_cache_loc.long()] = k

@@ -34,16 +34,25 @@ LN2 = math.log(2.0)
 # ---- pure helpers --------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("kernel", "qk", "v", "want"),
-    [("trtllm-gen", 192, 128, True), ("trtllm-gen", 128, 128, True), ("trtllm-gen", 192, 64, False), ("trtllm-gen", 576, 512, False),
-     (None, 192, 128, False)],
-)  # fmt: skip
+    [
+        ("trtllm-gen", 192, 128, True),
+        ("trtllm-gen", 128, 128, True),
+        ("trtllm-gen", 192, 64, False),
+        ("trtllm-gen", 576, 512, False),
+        (None, 192, 128, False),
+    ],
+)
 def test_uses_ragged_kernel(kernel, qk, v, want):
     assert uses_ragged_kernel(kernel, qk, v) is want
 
 
 def test_layout_worked_example():
     lay = ragged_layout(torch.tensor([3, 2]), torch.tensor([4, 0]), False, CPU)
-    assert lay.cu_seqlens_q.tolist() == [0, 3, 5] and lay.cu_seqlens_kv.tolist() == [0, 4, 4] and lay.kv_lens.tolist() == [4, 0]
+    assert (
+        lay.cu_seqlens_q.tolist() == [0, 3, 5]
+        and lay.cu_seqlens_kv.tolist() == [0, 4, 4]
+        and lay.kv_lens.tolist() == [4, 0]
+    )
     assert all(t.dtype == torch.int32 for t in (lay.cu_seqlens_q, lay.cu_seqlens_kv, lay.kv_lens))
     assert (lay.max_q_len, lay.max_kv_len, lay.num_q_tokens, lay.num_kv_tokens, lay.batch_size) == (3, 4, 5, 4, 2)
     assert lay.has_keys.tolist() == [True, True, True, False, False] and not lay.causal
@@ -98,8 +107,16 @@ def test_ragged_kwargs_worked_example():
     q, k, v = _qkv(5, 4, h=16)
     ws = torch.zeros(workspace_bytes_needed(5, 16), dtype=torch.uint8)
     kw = ragged_kwargs(q, k, v, lay, Scales(0.07, 1.0), ws)
-    assert kw["query"].data_ptr() == q.data_ptr() and kw["key"].data_ptr() == k.data_ptr() and kw["value"].data_ptr() == v.data_ptr()
-    assert kw["seq_lens"].tolist() == [4, 0] and kw["cum_seq_lens_q"].tolist() == [0, 3, 5] and kw["cum_seq_lens_kv"].tolist() == [0, 4, 4]
+    assert (
+        kw["query"].data_ptr() == q.data_ptr()
+        and kw["key"].data_ptr() == k.data_ptr()
+        and kw["value"].data_ptr() == v.data_ptr()
+    )
+    assert (
+        kw["seq_lens"].tolist() == [4, 0]
+        and kw["cum_seq_lens_q"].tolist() == [0, 3, 5]
+        and kw["cum_seq_lens_kv"].tolist() == [0, 4, 4]
+    )
     assert (kw["max_q_len"], kw["max_kv_len"], kw["batch_size"], kw["is_causal"]) == (3, 4, 2, False)
     assert (kw["bmm1_scale"], kw["bmm2_scale"], kw["window_left"], kw["return_lse"]) == (0.07, 1.0, -1, True)
     assert kw["workspace_buffer"] is ws
@@ -174,7 +191,9 @@ def test_fake_kernel_against_the_reference():
     """The fake itself: one causal request against attn-core's float64 reference (LSE in base 2)."""
     lay = ragged_layout(torch.tensor([7]), torch.tensor([7]), True, CPU)
     q, k, v = _qkv(7, 7)
-    o, lse = FakeRaggedKernel()(ragged_kwargs(q, k, v, lay, Scales(0.1, 1.0), torch.zeros(COUNTER_BYTES + 4096, dtype=torch.uint8)))
+    o, lse = FakeRaggedKernel()(
+        ragged_kwargs(q, k, v, lay, Scales(0.1, 1.0), torch.zeros(COUNTER_BYTES + 4096, dtype=torch.uint8))
+    )
     ref, ref_lse = reference_attention(q, k, v, q_positions=torch.arange(7), scale=0.1)
     assert relative_error(o, ref) <= tolerance(torch.bfloat16)
     assert torch.allclose(lse.double() * LN2, ref_lse, atol=1e-4)
@@ -235,16 +254,25 @@ def test_chunked_prefill_over_several_steps_matches_reference(seed):
             t0 = 0
             for (req, e), p in zip(work, prefix):
                 sl = r2t[req.row, :p].long()
-                keys, vals = torch.cat([k_store[layer][sl], k[t0 : t0 + e]]), torch.cat([v_store[layer][sl], v[t0 : t0 + e]])
-                ref, ref_lse = reference_attention(q[t0 : t0 + e], keys, vals, q_positions=torch.arange(p, p + e), scale=scale)
+                keys, vals = (
+                    torch.cat([k_store[layer][sl], k[t0 : t0 + e]]),
+                    torch.cat([v_store[layer][sl], v[t0 : t0 + e]]),
+                )
+                ref, ref_lse = reference_attention(
+                    q[t0 : t0 + e], keys, vals, q_positions=torch.arange(p, p + e), scale=scale
+                )
                 err = relative_error(o[t0 : t0 + e], ref)
-                assert err <= tolerance(torch.bfloat16), f"step {step} layer {layer} request ({p}, {e}): rel err {err:.3g}"
+                assert err <= tolerance(torch.bfloat16), (
+                    f"step {step} layer {layer} request ({p}, {e}): rel err {err:.3g}"
+                )
                 assert (lse[t0 : t0 + e].double() - ref_lse).abs().max() < 1e-4
                 t0 += e
             k_store[layer][batch.out_cache_loc.long()] = k  # the engine caches this step's tokens
             v_store[layer][batch.out_cache_loc.long()] = v
         assert len(fake.calls) == layers * (1 + len(plan.chunk_plan.chunks))
-        assert fake.calls[0]["is_causal"] and all(not c["is_causal"] for c in fake.calls[1 : 1 + len(plan.chunk_plan.chunks)])
+        assert fake.calls[0]["is_causal"] and all(
+            not c["is_causal"] for c in fake.calls[1 : 1 + len(plan.chunk_plan.chunks)]
+        )
     assert chunks_seen >= 2
 
 

@@ -25,7 +25,10 @@ def test_spec_module_imports_neither_torch_nor_flashinfer():
     [
         ((9, 0), "needs a Blackwell GPU (compute capability 10.x or 12.x), found 9.0; flashinfer_mla serves MLA here"),
         ((8, 0), "needs a Blackwell GPU (compute capability 10.x or 12.x), found 8.0; flashinfer_mla serves MLA here"),
-        ((11, 0), "needs a Blackwell GPU (compute capability 10.x or 12.x), found 11.0; flashinfer_mla serves MLA here"),
+        (
+            (11, 0),
+            "needs a Blackwell GPU (compute capability 10.x or 12.x), found 11.0; flashinfer_mla serves MLA here",
+        ),
         ((10, 0), None),
         ((10, 3), None),
         ((12, 0), None),
@@ -43,10 +46,17 @@ def test_probe_runs_its_checks_in_order():
 
 def test_capabilities_and_listing():
     caps = spec.CAPABILITIES
-    assert caps.archs == frozenset({ARCH_MLA}) and caps.page_sizes == frozenset({32, 64}) and caps.q_dtypes == frozenset({"bfloat16"})
+    assert (
+        caps.archs == frozenset({ARCH_MLA})
+        and caps.page_sizes == frozenset({32, 64})
+        and caps.q_dtypes == frozenset({"bfloat16"})
+    )
     assert caps.min_compute_capability == (10, 0) and caps.max_compute_capability == (12, 9)
     entry = {e.name: e for e in registry.list_backends()}["trtllm_mla"]
-    assert entry.distribution == "attn-trtllm-mla" and entry.spec.backend_class == "attn_trtllm_mla.backend:TRTLLMMLABackend"
+    assert (
+        entry.distribution == "attn-trtllm-mla"
+        and entry.spec.backend_class == "attn_trtllm_mla.backend:TRTLLMMLABackend"
+    )
     assert "never run on hardware" in entry.spec.unverified
 
 
@@ -55,7 +65,12 @@ def test_attn_core_list_says_unverified(capsys):
 
     assert main(["list"]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("trtllm_mla"))
-    assert "unavailable:" in row and "SM100/SM120" in row and "never run on hardware" in row and "ragged DeepSeek prefill" in row
+    assert (
+        "unavailable:" in row
+        and "SM100/SM120" in row
+        and "never run on hardware" in row
+        and "ragged DeepSeek prefill" in row
+    )
 
 
 def test_select_backend_on_hopper_picks_flashinfer_mla(monkeypatch):
@@ -67,11 +82,25 @@ def test_select_backend_on_hopper_picks_flashinfer_mla(monkeypatch):
     monkeypatch.setattr(entries["trtllm_mla"], "probe", lambda: spec.blackwell_reason((9, 0)))
     monkeypatch.setattr(entries["flashinfer_mla"], "probe", lambda: None)
     monkeypatch.setattr(entries["flashinfer"], "probe", lambda: None)
-    req = Requirements(device_type="cuda", compute_capability=(9, 0), arch="mla", head_dim=576, page_size=64, q_dtype="bfloat16",
-                       kv_dtype="bfloat16")  # fmt: skip
+    req = Requirements(
+        device_type="cuda",
+        compute_capability=(9, 0),
+        arch="mla",
+        head_dim=576,
+        page_size=64,
+        q_dtype="bfloat16",
+        kv_dtype="bfloat16",
+    )
     assert reg.select_backend(req) == "flashinfer_mla"
     assert fi_mla.SPEC.priority < spec.SPEC.priority
     monkeypatch.setattr(entries["trtllm_mla"], "probe", lambda: None)  # a Blackwell GPU
-    req_b = Requirements(device_type="cuda", compute_capability=(10, 0), arch="mla", head_dim=576, page_size=64, q_dtype="bfloat16",
-                         kv_dtype="bfloat16")  # fmt: skip
+    req_b = Requirements(
+        device_type="cuda",
+        compute_capability=(10, 0),
+        arch="mla",
+        head_dim=576,
+        page_size=64,
+        q_dtype="bfloat16",
+        kv_dtype="bfloat16",
+    )
     assert reg.select_backend(req_b) == "trtllm_mla"

@@ -40,7 +40,9 @@ def query_lens(batch: BatchOrLens) -> list[int]:
     if mode.is_no_tokens():
         return [0] * batch.batch_size
     if batch.extend_seq_lens_cpu is None:
-        raise InvalidArgumentError("batch.extend_seq_lens_cpu", f"a host tensor of {batch.batch_size} lengths for {mode.name}", None)
+        raise InvalidArgumentError(
+            "batch.extend_seq_lens_cpu", f"a host tensor of {batch.batch_size} lengths for {mode.name}", None
+        )
     return [int(n) for n in batch.extend_seq_lens_cpu.tolist()]
 
 
@@ -251,8 +253,15 @@ def split_batch_by_requests(batch: ForwardBatch, boundaries: Sequence[int]) -> l
     Example: a batch of 5 requests with boundaries `[0, 2, 5]` gives requests [0, 2) and [2, 5).
     """
     bounds = [int(b) for b in boundaries]
-    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != batch.batch_size or any(a >= b for a, b in zip(bounds, bounds[1:])):
-        raise InvalidArgumentError("boundaries", f"strictly increasing request indices from 0 to batch_size={batch.batch_size}", bounds)
+    if (
+        len(bounds) < 2
+        or bounds[0] != 0
+        or bounds[-1] != batch.batch_size
+        or any(a >= b for a, b in zip(bounds, bounds[1:]))
+    ):
+        raise InvalidArgumentError(
+            "boundaries", f"strictly increasing request indices from 0 to batch_size={batch.batch_size}", bounds
+        )
     return [slice_batch(batch, a, b) for a, b in zip(bounds, bounds[1:])]
 
 
@@ -304,7 +313,9 @@ def reshape_query_for_uniform_batch(query: torch.Tensor, batch_size: int) -> tor
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise InvalidArgumentError("batch_size", "an int >= 1", batch_size)
     if query.dim() < 1 or query.shape[0] % batch_size:
-        raise InvalidArgumentError("query", f"a leading dimension divisible by batch_size={batch_size}", tuple(query.shape))
+        raise InvalidArgumentError(
+            "query", f"a leading dimension divisible by batch_size={batch_size}", tuple(query.shape)
+        )
     return query.view(batch_size, query.shape[0] // batch_size, *query.shape[1:])
 
 

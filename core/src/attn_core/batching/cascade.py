@@ -23,16 +23,18 @@ from attn_core.batching.batch_utils import query_lens
 from attn_core.contract.batch import ForwardBatch
 from attn_core.contract.errors import InvalidArgumentError
 
-#: defaults of `use_cascade_attention` (the prefix and query-length bounds from the H200 run in docs/dev/perf-notebook.md,
-#: "Cascade attention": 64 decodes over a 4096-token prefix 0.89x, over 32768 tokens 1.14x; 64 requests of
-#: 256 new tokens over 4096 0.86x)
+#: defaults of `use_cascade_attention` (the prefix and query-length bounds from the H200 run in
+#: docs/dev/perf-notebook.md, "Cascade attention": 64 decodes over a 4096-token prefix 0.89x, over 32768 tokens
+#: 1.14x; 64 requests of 256 new tokens over 4096 0.86x)
 MIN_PREFIX = 16384
 MIN_REQUESTS = 8
 MIN_SAVING_RATIO = 4.0
 MAX_MEAN_QUERY = 16
 
 
-def shared_prefix_len(rows: Union[torch.Tensor, Sequence[Sequence[int]]], prefix_lens: Sequence[int], page_size: int = 1) -> int:
+def shared_prefix_len(
+    rows: Union[torch.Tensor, Sequence[Sequence[int]]], prefix_lens: Sequence[int], page_size: int = 1
+) -> int:
     """The longest P such that every request's first P key slots are the same slots, at most each
     request's cached prefix (`prefix_lens[r]`: keys before its first new token), rounded down to a
     multiple of `page_size` (page-table kernels read whole pages). `rows`: the requests' `req_to_token`
@@ -134,4 +136,6 @@ def splits_into_cascade(layer) -> bool:
     "decoder" (encoder-only, bidirectional spans) → False."""
     if getattr(layer, "attn_type", "decoder") != "decoder":
         return False
-    return not (layer.is_cross_attention or layer.sliding_window_size is not None or layer.attention_chunk_size is not None)
+    return not (
+        layer.is_cross_attention or layer.sliding_window_size is not None or layer.attention_chunk_size is not None
+    )

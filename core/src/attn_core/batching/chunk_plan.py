@@ -136,4 +136,11 @@ def attend_with_prefix_chunks(
     return o, lse
 
 
-__all__ = ["Partial", "PrefixChunk", "PrefixChunkPlan", "attend_with_prefix_chunks", "chunk_slots", "plan_prefix_chunks"]
+__all__ = [
+    "Partial",
+    "PrefixChunk",
+    "PrefixChunkPlan",
+    "attend_with_prefix_chunks",
+    "chunk_slots",
+    "plan_prefix_chunks",
+]

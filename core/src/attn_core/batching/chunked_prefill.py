@@ -42,7 +42,9 @@ def prefill_lengths(forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Te
     Example: an EXTEND batch of requests (prefix 5, 3 new) and (0, 2) -> ([3, 2], [5, 0])."""
     b = forward_batch
     if not b.forward_mode.is_extend() or b.extend_seq_lens_cpu is None or b.extend_prefix_lens_cpu is None:
-        raise InvalidArgumentError("forward_batch", "an EXTEND batch with host extend and prefix lengths", b.forward_mode.name)
+        raise InvalidArgumentError(
+            "forward_batch", "an EXTEND batch with host extend and prefix lengths", b.forward_mode.name
+        )
     return b.extend_seq_lens_cpu, b.extend_prefix_lens_cpu
 
 
@@ -67,7 +69,14 @@ class ChunkedPrefillPlan(ABC):
         """The new tokens over prefix chunk `chunk` (K/V `[chunk.num_tokens, H, ..]`, no mask): output
         `[T, H, v_head_dim]`, natural-log LSE `[T, H]` (-inf for a query whose request has no key in it)."""
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_kv: Optional[PrefixKV] = None, return_lse: bool = False):
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        prefix_kv: Optional[PrefixKV] = None,
+        return_lse: bool = False,
+    ):
         """q/k `[T, H, qk_head_dim]`, v `[T, H, v_head_dim]` (the step's new tokens) -> output `[T, H *
         v_head_dim]` (and the natural-log LSE `[T, H]` float32 with return_lse). `prefix_kv` gives each
         chunk's K/V; required when the plan has chunks."""

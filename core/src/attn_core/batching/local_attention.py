@@ -76,7 +76,9 @@ class LocalVirtualBatch:
         need = max((s + n for s, n in zip(self.page_starts, self.num_pages)), default=0)
         if need > page_table.shape[1] or (self.req_indices and max(self.req_indices) >= page_table.shape[0]):
             raise InvalidArgumentError(
-                "page_table", f"at least {max(self.req_indices, default=-1) + 1} rows of {need} pages", tuple(page_table.shape)
+                "page_table",
+                f"at least {max(self.req_indices, default=-1) + 1} rows of {need} pages",
+                tuple(page_table.shape),
             )
         width = max(self.num_pages, default=0)
         j = torch.arange(width)
@@ -126,7 +128,9 @@ def make_local_attention_virtual_batches(
     q = query_lens(batch)
     if isinstance(batch, ForwardBatch):
         if seq_lens is not None:
-            raise InvalidArgumentError("seq_lens", "None when a ForwardBatch is given (its seq_lens_cpu are used)", "a sequence")
+            raise InvalidArgumentError(
+                "seq_lens", "None when a ForwardBatch is given (its seq_lens_cpu are used)", "a sequence"
+            )
         s = [int(n) for n in batch.seq_lens_cpu.tolist()]
     else:
         if seq_lens is None:

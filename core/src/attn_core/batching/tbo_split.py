@@ -68,7 +68,9 @@ def compute_tbo_split(mode: ForwardMode, extend_lens: Sequence[int], *, allow_cu
     if allow_cut:
         return TboSplit(seq_index=r, token_index=half, cut_len=half - cum)
     # no cut: the request boundary nearer to the middle that leaves tokens on both sides
-    options = [(abs(b_tokens - half), seq, b_tokens) for seq, b_tokens in ((r, cum), (r + 1, cum + e)) if 0 < b_tokens < total]
+    options = [
+        (abs(b_tokens - half), seq, b_tokens) for seq, b_tokens in ((r, cum), (r + 1, cum + e)) if 0 < b_tokens < total
+    ]
     if not options:
         return None
     _, seq, tokens = min(options)
@@ -110,16 +112,24 @@ def split_forward_batch(forward_batch: ForwardBatch, split: TboSplit) -> tuple[F
     s, t, c = split.seq_index, split.token_index, split.cut_len
     extend_cpu = _extend_lens_cpu(b)
     if not (0 <= s <= n and 0 <= t <= int(extend_cpu.sum())):
-        raise InvalidArgumentError("split", f"seq_index in [0, {n}] and token_index in [0, {int(extend_cpu.sum())}]", split)
+        raise InvalidArgumentError(
+            "split", f"seq_index in [0, {n}] and token_index in [0, {int(extend_cpu.sum())}]", split
+        )
     if c and not (mode.is_extend() and not mode.is_target_verify() and s < n and 0 < c < int(extend_cpu[s])):
-        raise InvalidArgumentError("split.cut_len", "0, or 0 < cut_len < extend_len of request seq_index in an extend batch", split)
+        raise InvalidArgumentError(
+            "split.cut_len", "0, or 0 < cut_len < extend_len of request seq_index in an extend batch", split
+        )
     end_a = s + (1 if c else 0)
     seq_cpu = b.seq_lens_cpu
     prefix_cpu = seq_cpu - extend_cpu
 
     pos_a, pos_z = (None, None) if b.positions is None else (b.positions[:t], b.positions[t:])
-    a: dict[str, Any] = dict(batch_size=end_a, req_pool_indices=b.req_pool_indices[:end_a], out_cache_loc=b.out_cache_loc[:t])
-    z: dict[str, Any] = dict(batch_size=n - s, req_pool_indices=b.req_pool_indices[s:], out_cache_loc=b.out_cache_loc[t:])
+    a: dict[str, Any] = dict(
+        batch_size=end_a, req_pool_indices=b.req_pool_indices[:end_a], out_cache_loc=b.out_cache_loc[:t]
+    )
+    z: dict[str, Any] = dict(
+        batch_size=n - s, req_pool_indices=b.req_pool_indices[s:], out_cache_loc=b.out_cache_loc[t:]
+    )
     a["positions"], z["positions"] = pos_a, pos_z
     a["seq_lens"], a["seq_lens_cpu"] = b.seq_lens[:end_a], seq_cpu[:end_a]
     z["seq_lens"], z["seq_lens_cpu"] = b.seq_lens[s:], seq_cpu[s:]
@@ -134,7 +144,10 @@ def split_forward_batch(forward_batch: ForwardBatch, split: TboSplit) -> tuple[F
                 child[f] = getattr(b, f)[rows]
         if c:
             e_s, p_s = int(extend_cpu[s]), int(prefix_cpu[s])
-            a["extend_seq_lens"], a["extend_seq_lens_cpu"] = _set_last(a["extend_seq_lens"], c), _set_last(a["extend_seq_lens_cpu"], c)
+            a["extend_seq_lens"], a["extend_seq_lens_cpu"] = (
+                _set_last(a["extend_seq_lens"], c),
+                _set_last(a["extend_seq_lens_cpu"], c),
+            )
             z["extend_seq_lens"], z["extend_seq_lens_cpu"] = (
                 _set_first(z["extend_seq_lens"], e_s - c),
                 _set_first(z["extend_seq_lens_cpu"], e_s - c),
@@ -152,7 +165,10 @@ def split_forward_batch(forward_batch: ForwardBatch, split: TboSplit) -> tuple[F
         a["encoder_lens"], a["encoder_lens_cpu"] = b.encoder_lens[:end_a], enc_cpu[:end_a]
         z["encoder_lens"], z["encoder_lens_cpu"] = b.encoder_lens[s:], enc_cpu[s:]
         if b.encoder_out_cache_loc is not None:
-            a["encoder_out_cache_loc"], z["encoder_out_cache_loc"] = b.encoder_out_cache_loc[:enc_a], b.encoder_out_cache_loc[enc_a:]
+            a["encoder_out_cache_loc"], z["encoder_out_cache_loc"] = (
+                b.encoder_out_cache_loc[:enc_a],
+                b.encoder_out_cache_loc[enc_a:],
+            )
 
     spec = b.spec_info
     if spec is not None and spec.custom_mask is not None:

@@ -20,15 +20,32 @@ BASELINE = "torch_native"
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", nargs="?", help=f"backend to benchmark (default: every backend usable here, each against {BASELINE})")
-    p.add_argument("--vs", action="append", default=[], metavar="OTHER", help="also time OTHER (repeatable); speedups are vs the first")
+    p.add_argument(
+        "name", nargs="?", help=f"backend to benchmark (default: every backend usable here, each against {BASELINE})"
+    )
+    p.add_argument(
+        "--vs",
+        action="append",
+        default=[],
+        metavar="OTHER",
+        help="also time OTHER (repeatable); speedups are vs the first",
+    )
     p.add_argument("--device", type=bench_device, help="cpu, cuda or cuda:N (default: cuda when visible, else cpu)")
     p.add_argument("--workload", default="all", choices=KINDS + ("all",), help="which rows (default all)")
-    p.add_argument("--size", default="auto", choices=("auto", "small", "full"), help="auto: full on GPU, small (scaled) on CPU")
+    p.add_argument(
+        "--size", default="auto", choices=("auto", "small", "full"), help="auto: full on GPU, small (scaled) on CPU"
+    )
     p.add_argument("--dtype", type=dtype_arg, default="bfloat16", help="q and KV dtype (default bfloat16)")
     p.add_argument("--page-size", type=positive_int, default=1, help="KV page size (default 1)")
-    p.add_argument("--budget", type=positive_float, default=None, help="seconds of timed calls per measurement (default 0.5 GPU, 0.3 CPU)")
-    p.add_argument("--json", type=writable_file, metavar="FILE", help="write every number, the device, versions and date as JSON")
+    p.add_argument(
+        "--budget",
+        type=positive_float,
+        default=None,
+        help="seconds of timed calls per measurement (default 0.5 GPU, 0.3 CPU)",
+    )
+    p.add_argument(
+        "--json", type=writable_file, metavar="FILE", help="write every number, the device, versions and date as JSON"
+    )
     p.add_argument(
         "--spread",
         type=positive_float,
@@ -121,7 +138,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
     load_notes = [note for note in (load_warning(),) if note]
     for note in load_notes:
         print(f"warning: {note}: the times below may not be trustworthy", file=sys.stderr, flush=True)
-    rows = run_bench(names, workloads, model, device, budget, progress=Progress(), baseline=baseline, spread_threshold=args.spread)
+    rows = run_bench(
+        names, workloads, model, device, budget, progress=Progress(), baseline=baseline, spread_threshold=args.spread
+    )
     load_notes += [note for note in (load_warning(),) if note]
     warnings = run_warnings(rows, load_notes, args.spread)
     print(table(rows, names[baseline] if baseline is not None else None))

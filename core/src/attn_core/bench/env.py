@@ -30,11 +30,17 @@ class BenchEnv:
         pages = sum(-(-n // ps) for n in rows) + 1
         per_layer = pages * ps * model.num_kv_heads * model.head_dim * 2 * kv_dtype.itemsize
         self.num_layers = 1 if device.type != "cuda" else max(1, min(MAX_LAYERS, math.ceil(ROTATE_BYTES / per_layer)))
-        self.kv_pool = MHATokenToKVPool(pages * ps, ps, kv_dtype, model.num_kv_heads, model.head_dim, self.num_layers, device)
+        self.kv_pool = MHATokenToKVPool(
+            pages * ps, ps, kv_dtype, model.num_kv_heads, model.head_dim, self.num_layers, device
+        )
         self.req_pool = ReqToTokenPool(len(rows), max(rows) + ps, device)
         self.allocator = PagedTokenAllocator(pages * ps, ps, device)
         self.batch = build_forward_batch(
-            workload.mode, workload.requests, req_to_token_pool=self.req_pool, allocator=self.allocator, token_to_kv_pool=self.kv_pool
+            workload.mode,
+            workload.requests,
+            req_to_token_pool=self.req_pool,
+            allocator=self.allocator,
+            token_to_kv_pool=self.kv_pool,
         )
         gen = torch.Generator(device=device).manual_seed(seed)
         for lid in range(self.num_layers):
@@ -72,7 +78,11 @@ class BenchEnv:
         for row, (p, e) in zip(b.req_pool_indices.tolist(), self.workload.requests):
             slots = self.req_pool.req_to_token[row, : p + e].long()
             o, _ = reference_attention(
-                self.q[start : start + e], k_buf[slots], v_buf[slots], q_positions=torch.arange(p, p + e), scale=layer.scaling
+                self.q[start : start + e],
+                k_buf[slots],
+                v_buf[slots],
+                q_positions=torch.arange(p, p + e),
+                scale=layer.scaling,
             )
             outs.append(o.reshape(e, -1))
             start += e

@@ -70,7 +70,11 @@ def plot_times(
             lo.append(max(t - (r.min_us if r.min_us is not None else t), 0.0))
             hi.append(max((r.max_us if r.max_us is not None else t) - t, 0.0))
             noisy.append(r.noisy)
-            labels.append(None if reference is None or name == reference or r.speedup_vs_baseline is None else r.speedup_vs_baseline)
+            labels.append(
+                None
+                if reference is None or name == reference or r.speedup_vs_baseline is None
+                else r.speedup_vs_baseline
+            )
         bars = ax.bar(xs, ys, width, label=name, yerr=[lo, hi], capsize=2, error_kw={"elinewidth": 0.8, "alpha": 0.7})
         handles.append(Patch(facecolor=bars.patches[0].get_facecolor() if bars.patches else None, label=name))
         for bar, is_noisy, speed in zip(bars, noisy, labels):

@@ -109,10 +109,17 @@ def document(
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": list(argv),
         "device": dev,
-        "versions": {"attn_core": attn_core.__version__, "torch": torch.__version__, "python": platform.python_version(), **versions},
+        "versions": {
+            "attn_core": attn_core.__version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            **versions,
+        },
         "size": size,
         "model": model.__dict__,
-        "timing": "CUDA events per call, median after warm-up, layers rotated" if device.type == "cuda" else "wall clock per call, median",
+        "timing": "CUDA events per call, median after warm-up, layers rotated"
+        if device.type == "cuda"
+        else "wall clock per call, median",
         "spread": "interquartile range / median of the per-call times; rows above spread_threshold are noisy",
         "spread_threshold": spread_threshold,
         "warnings": list(warnings),

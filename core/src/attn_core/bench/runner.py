@@ -50,9 +50,19 @@ class BenchRow:
         return asdict(self)
 
 
-def _measure(name: str, env: BenchEnv, budget_s: float, clock=None, spread_threshold: float = SPREAD_THRESHOLD) -> BenchRow:
+def _measure(
+    name: str, env: BenchEnv, budget_s: float, clock=None, spread_threshold: float = SPREAD_THRESHOLD
+) -> BenchRow:
     w, m = env.workload, env.model
-    row = BenchRow(w.label, w.kind, name, "ok", batch_size=w.batch_size, num_tokens=env.batch.num_tokens, layers_rotated=env.num_layers)
+    row = BenchRow(
+        w.label,
+        w.kind,
+        name,
+        "ok",
+        batch_size=w.batch_size,
+        num_tokens=env.batch.num_tokens,
+        layers_rotated=env.num_layers,
+    )
     try:
         backend = create_backend(name, env.ctx)
     except AttnError as exc:
@@ -67,7 +77,10 @@ def _measure(name: str, env: BenchEnv, budget_s: float, clock=None, spread_thres
     row.rel_error = relative_error(out.reshape(ref.shape), ref)
     tol = tolerance(getattr(torch, m.dtype))
     if not row.rel_error <= tol:
-        row.status, row.note = "wrong", f"rel err {row.rel_error:.3g} > {tol:g} against the float64 reference; not timed"
+        row.status, row.note = (
+            "wrong",
+            f"rel err {row.rel_error:.3g} > {tol:g} against the float64 reference; not timed",
+        )
         return row
     runs = 10 if env.device.type == "cuda" else 5
     row.metadata_us = time_host(lambda: backend.init_forward_metadata(batch), env.device, runs, clock=clock).median_us

@@ -133,7 +133,9 @@ def time_calls(
     return summarize(times)
 
 
-def time_host(fn: Callable[[], object], device: torch.device, runs: int, clock: Optional[Callable[[], float]] = None) -> Timing:
+def time_host(
+    fn: Callable[[], object], device: torch.device, runs: int, clock: Optional[Callable[[], float]] = None
+) -> Timing:
     """Wall-clock time of `fn()` including the device work it queues (synchronized before and after):
     what a step's metadata build costs the engine. `clock`: as `time_calls`."""
     import torch

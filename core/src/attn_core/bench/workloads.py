@@ -75,7 +75,12 @@ def standard_workloads(kind: str = "all", size: str = "full") -> list[Workload]:
         return max(1, n // 8) if small else n
 
     rows = {
-        "decode": [_decode(bs(1), ctx(8192)), _decode(bs(64), ctx(4096)), _decode(bs(256), ctx(1024)), _decode(bs(16), ctx(32768))],
+        "decode": [
+            _decode(bs(1), ctx(8192)),
+            _decode(bs(64), ctx(4096)),
+            _decode(bs(256), ctx(1024)),
+            _decode(bs(16), ctx(32768)),
+        ],
         "extend": [_extend(bs(8), q(512), ctx(3584)), _extend(bs(2), q(4096), 0), _extend(bs(32), q(128), ctx(2048))],
         "mixed": [_mixed(bs(60), ctx(2048), bs(4) if not small else 1, q(512), ctx(1024))],
     }

@@ -33,7 +33,14 @@ DTYPE_NAMES = (
     "float8_e5m2fnuz",
 )
 #: short spellings accepted for the common dtypes
-DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp64": "float64", "double": "float64"}
+DTYPE_ALIASES = {
+    "fp32": "float32",
+    "fp16": "float16",
+    "half": "float16",
+    "bf16": "bfloat16",
+    "fp64": "float64",
+    "double": "float64",
+}
 #: device types a backend can declare (`Capabilities.devices`); an index may follow (`cuda:1`)
 DEVICE_TYPES = ("cpu", "cuda", "xpu", "npu", "mps")
 
@@ -95,7 +102,9 @@ def device_arg(text: str, types: tuple[str, ...] = DEVICE_TYPES) -> str:
     """A device `TYPE` or `TYPE:INDEX` with TYPE in `types`, e.g. "cpu", "cuda", "cuda:1"."""
     kind, sep, index = text.partition(":")
     if kind not in types or (sep and not index.isdigit()):
-        raise argparse.ArgumentTypeError(f"unknown device {quote(text)}; expected one of {', '.join(types)} (an index may follow: cuda:1)")
+        raise argparse.ArgumentTypeError(
+            f"unknown device {quote(text)}; expected one of {', '.join(types)} (an index may follow: cuda:1)"
+        )
     return text
 
 

@@ -35,15 +35,17 @@ from attn_core.discovery import registry
 def list_rows(probe: bool = True) -> list[dict]:
     """One record per discovered backend (and per known backend not installed): name, distribution,
     version, state ("available", "unavailable", "not probed", "failed", "not installed"), reason, what
-    the backend found here (info), registry notes, its unverified paths, its declared known gaps (`BackendSpec.known_gaps`,
-    "glob: why") and a capability summary. What
+    the backend found here (info), registry notes, its unverified paths, its declared known gaps
+    (`BackendSpec.known_gaps`, "glob: why") and a capability summary. What
     `list` prints and `list --json` writes."""
     rows: list[dict] = []
     entries = registry.list_backends()
     for entry in entries if probe else ():
         entry.start_probe()  # all probes run at once: a hanging one costs one time limit in all
     for entry in entries:
-        row: dict[str, Any] = dict(name=entry.name, distribution=entry.distribution, version=entry.version, state="failed")
+        row: dict[str, Any] = dict(
+            name=entry.name, distribution=entry.distribution, version=entry.version, state="failed"
+        )
         row.update(reason=None, info=None)
         row.update(notes=list(entry.notes), unverified=None, capabilities=None, known_gaps=[])
         if entry.ok:
@@ -200,10 +202,16 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def add_explain_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", nargs="?", help="only this backend (default: every discovered backend)")
     p.add_argument(
-        "--device", type=device_or_auto, default="auto", help="cpu, cuda (or another device type); auto: cuda when torch sees one, else cpu"
+        "--device",
+        type=device_or_auto,
+        default="auto",
+        help="cpu, cuda (or another device type); auto: cuda when torch sees one, else cpu",
     )
     p.add_argument(
-        "--compute-capability", type=compute_capability, metavar="MAJOR.MINOR", help="CUDA compute capability (default: the visible GPU's)"
+        "--compute-capability",
+        type=compute_capability,
+        metavar="MAJOR.MINOR",
+        help="CUDA compute capability (default: the visible GPU's)",
     )
     p.add_argument("--dtype", type=dtype_arg, default="bfloat16", help="q dtype (default bfloat16)")
     p.add_argument("--kv-dtype", type=dtype_arg, help="KV-cache dtype (default: --dtype)")
@@ -211,10 +219,21 @@ def add_explain_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=positive_int, default=1, help="KV page size in tokens (default 1)")
     p.add_argument("--mla", action="store_true", help="multi-head latent attention (DeepSeek-style)")
     p.add_argument(
-        "--mode", type=forward_mode_name, action="append", default=[], help="forward mode needed (repeatable; default EXTEND and DECODE)"
+        "--mode",
+        type=forward_mode_name,
+        action="append",
+        default=[],
+        help="forward mode needed (repeatable; default EXTEND and DECODE)",
     )
-    p.add_argument("--feature", action="append", default=[], choices=[f.value for f in Feature], help="feature needed (repeatable)")
-    p.add_argument("--cuda-graph", default="never", choices=[lvl.name.lower() for lvl in CudaGraphLevel], help="CUDA-graph level needed")
+    p.add_argument(
+        "--feature", action="append", default=[], choices=[f.value for f in Feature], help="feature needed (repeatable)"
+    )
+    p.add_argument(
+        "--cuda-graph",
+        default="never",
+        choices=[lvl.name.lower() for lvl in CudaGraphLevel],
+        help="CUDA-graph level needed",
+    )
 
 
 def _detect_device(device: str, parsed: Optional[tuple[int, int]]) -> tuple[str, Optional[tuple[int, int]]]:
@@ -244,7 +263,11 @@ def requirements_from_args(args: argparse.Namespace) -> Requirements:
 
         cpu_flags = read_cpu_flags()
     head_dim = 576 if args.mla and args.head_dim == 128 else args.head_dim
-    modes = frozenset(ForwardMode.parse(m) for m in args.mode) if args.mode else frozenset({ForwardMode.EXTEND, ForwardMode.DECODE})
+    modes = (
+        frozenset(ForwardMode.parse(m) for m in args.mode)
+        if args.mode
+        else frozenset({ForwardMode.EXTEND, ForwardMode.DECODE})
+    )
     return Requirements(
         device_type=device,
         compute_capability=cc,
@@ -261,9 +284,14 @@ def requirements_from_args(args: argparse.Namespace) -> Requirements:
 
 
 def _describe_request(req) -> str:
-    cc = f" (compute capability {req.compute_capability[0]}.{req.compute_capability[1]})" if req.compute_capability else ""
+    cc = (
+        f" (compute capability {req.compute_capability[0]}.{req.compute_capability[1]})"
+        if req.compute_capability
+        else ""
+    )
     return (
-        f"device={req.device_type}{cc}, q={req.q_dtype}, kv={req.kv_dtype}, head_dim={req.head_dim}, page_size={req.page_size}, "
+        f"device={req.device_type}{cc}, q={req.q_dtype}, kv={req.kv_dtype}, head_dim={req.head_dim}, "
+        f"page_size={req.page_size}, "
         f"arch={req.arch}, modes={','.join(sorted(m.name for m in req.forward_modes))}, "
         f"features={','.join(sorted(f.value for f in req.features)) or '-'}, cuda graphs={req.cuda_graph.name}"
     )
@@ -330,24 +358,45 @@ def build_parser() -> argparse.ArgumentParser:
         prog="attn-core",
         description="Discover, check and benchmark attention backends of the attn project.",
     )
-    parser.add_argument("--version", action=_VersionAction, help="print the versions of attn-core and of the installed backends")
+    parser.add_argument(
+        "--version", action=_VersionAction, help="print the versions of attn-core and of the installed backends"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser(
         "list",
         help="list discovered backends: distribution, version, availability here, capabilities",
         description=cmd_list.__doc__,
     )
-    p.add_argument("--no-probe", dest="probe", action="store_false", help='do not probe availability (no torch import): "not probed"')
+    p.add_argument(
+        "--no-probe",
+        dest="probe",
+        action="store_false",
+        help='do not probe availability (no torch import): "not probed"',
+    )
     p.add_argument("--json", action="store_true", help="print the rows as JSON (every field, no wrapping)")
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("check", help="run the conformance kit on a backend", description=cmd_check.__doc__)
     p.add_argument("name", help="backend name (see `attn-core list`)")
-    p.add_argument("--device", type=device_arg, help="cpu, cuda or cuda:N (default: cuda when declared and visible, else cpu)")
-    p.add_argument("--quick", action="store_true", help="fewer cases (CI of slow backends, e.g. under the Triton interpreter)")
-    p.add_argument("-k", action="append", default=[], metavar="SUBSTR", help="run only checks whose id contains SUBSTR (repeatable)")
-    p.add_argument("--skip", action="append", default=[], metavar="GLOB", help="skip checks whose id matches GLOB (repeatable)")
-    p.add_argument("--option", action="append", default=[], type=_option, metavar="KEY=VALUE", help="backend constructor option")
+    p.add_argument(
+        "--device", type=device_arg, help="cpu, cuda or cuda:N (default: cuda when declared and visible, else cpu)"
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="fewer cases (CI of slow backends, e.g. under the Triton interpreter)"
+    )
+    p.add_argument(
+        "-k",
+        action="append",
+        default=[],
+        metavar="SUBSTR",
+        help="run only checks whose id contains SUBSTR (repeatable)",
+    )
+    p.add_argument(
+        "--skip", action="append", default=[], metavar="GLOB", help="skip checks whose id matches GLOB (repeatable)"
+    )
+    p.add_argument(
+        "--option", action="append", default=[], type=_option, metavar="KEY=VALUE", help="backend constructor option"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random cases (default 0)")
     p.add_argument("--list", action="store_true", help="list the checks and exit")
     p.add_argument("-q", "--quiet", action="store_true", help="print failures and skips only")
@@ -357,7 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_arguments(p)
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("explain", help="which backends can serve a request, and why not", description=cmd_explain.__doc__)
+    p = sub.add_parser(
+        "explain", help="which backends can serve a request, and why not", description=cmd_explain.__doc__
+    )
     add_explain_arguments(p)
     p.set_defaults(func=cmd_explain)
     return parser

@@ -46,7 +46,13 @@ from attn_core.contract.forward_mode import ForwardMode
 from attn_core.contract.graph_step import CudaGraphStep
 from attn_core.contract.layer import AttentionLayer, AttentionType
 from attn_core.contract.ragged import RaggedBatch, check_ragged_batch, ragged_heads
-from attn_core.contract.validation import FULL, check_forward_batch, check_forward_dtypes, check_kv_pool, effective_level
+from attn_core.contract.validation import (
+    FULL,
+    check_forward_batch,
+    check_forward_dtypes,
+    check_kv_pool,
+    effective_level,
+)
 from attn_core.memory.kv_pool import KVPool
 from attn_core.memory.pools import kv_scales
 from attn_core.memory.window_pool import window_pool_of
@@ -521,8 +527,9 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         with `return_lse`). `init_ragged_metadata(ragged)` first (else `StaleMetadataError`); bad
         arguments raise `InvalidArgumentError` naming them, before any kernel.
 
-        Example: `ragged = attn_core.contract.ragged.ragged_batch([3, 5], "cuda")`, `backend.init_ragged_metadata(ragged)`,
-        then per layer `backend.ragged_attention(q, k, v, ragged)` with q/k/v of 8 rows."""
+        Example: `ragged = attn_core.contract.ragged.ragged_batch([3, 5], "cuda")`,
+        `backend.init_ragged_metadata(ragged)`, then per layer `backend.ragged_attention(q, k, v, ragged)` with
+        q/k/v of 8 rows."""
         if self._ragged_for is not ragged:
             bound = "init_ragged_metadata(ragged) called for this RaggedBatch before ragged_attention"
             found = "another RaggedBatch" if self._ragged_for is not None else "no ragged metadata"
@@ -569,7 +576,9 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
             raise InvalidArgumentError("token_to_kv_pool", "a KV pool on the batch or the context", None)
         return pool
 
-    def save_kv(self, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer: AttentionLayer, forward_batch: ForwardBatch) -> KVPool:
+    def save_kv(
+        self, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer: AttentionLayer, forward_batch: ForwardBatch
+    ) -> KVPool:
         """Write the step's new K/V (when given) to their slots, through the pool's `set_kv_buffer` (the
         one checked write, `attn_core.ops.kv_write`): `write_slots(forward_batch, layer)`, i.e. the step's
         checked `out_cache_loc` (or `encoder_out_cache_loc` for a cross-attention layer), so no K/V lands
@@ -595,20 +604,29 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         if layer.logit_cap > 0:
             self.require(Feature.LOGIT_CAP, f"logit_cap={layer.logit_cap} (layer {layer.layer_id})")
         if layer.sliding_window_size is not None:
-            self.require(Feature.SLIDING_WINDOW, f"sliding_window_size={layer.sliding_window_size} (layer {layer.layer_id})")
+            self.require(
+                Feature.SLIDING_WINDOW, f"sliding_window_size={layer.sliding_window_size} (layer {layer.layer_id})"
+            )
         if layer.attention_chunk_size is not None:
-            self.require(Feature.CHUNKED_LOCAL_ATTENTION, f"attention_chunk_size={layer.attention_chunk_size} (layer {layer.layer_id})")
+            self.require(
+                Feature.CHUNKED_LOCAL_ATTENTION,
+                f"attention_chunk_size={layer.attention_chunk_size} (layer {layer.layer_id})",
+            )
         if layer.is_cross_attention:
             self.require(Feature.CROSS_ATTENTION, f"cross attention (layer {layer.layer_id})")
         if layer.attn_type is AttentionType.ENCODER_ONLY:
             self.require(Feature.NON_CAUSAL, f"non-causal (encoder-only) attention (layer {layer.layer_id})")
         if layer.num_kv_heads != ctx.num_kv_heads or layer.num_q_heads != ctx.num_q_heads:
             raise InvalidArgumentError(
-                "layer heads", f"q/kv heads {ctx.num_q_heads}/{ctx.num_kv_heads} as in the context", (layer.num_q_heads, layer.num_kv_heads)
+                "layer heads",
+                f"q/kv heads {ctx.num_q_heads}/{ctx.num_kv_heads} as in the context",
+                (layer.num_q_heads, layer.num_kv_heads),
             )
         if layer.head_dim != ctx.head_dim or layer.v_head_dim != ctx.v_head_dim:
             raise InvalidArgumentError(
-                "layer head_dim/v_head_dim", f"{ctx.head_dim}/{ctx.v_head_dim} as in the context", (layer.head_dim, layer.v_head_dim)
+                "layer head_dim/v_head_dim",
+                f"{ctx.head_dim}/{ctx.v_head_dim} as in the context",
+                (layer.head_dim, layer.v_head_dim),
             )
 
     def _check_window_pool(self, layer: AttentionLayer, batch: ForwardBatch) -> None:
@@ -639,7 +657,9 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
             unknown = extras.keys() - CORE_EXTRAS - self.extra_forward_args
             if unknown:
                 raise InvalidArgumentError(
-                    "extras", f"keyword arguments among {sorted(CORE_EXTRAS | self.extra_forward_args)}", sorted(unknown)
+                    "extras",
+                    f"keyword arguments among {sorted(CORE_EXTRAS | self.extra_forward_args)}",
+                    sorted(unknown),
                 )
         self._check_layer(layer)
         self._check_window_pool(layer, batch)
@@ -733,8 +753,13 @@ def _bound_description(bound: Union[ForwardBatch, GraphBatchKey, None]) -> str:
     if bound is None:
         return "init_forward_metadata(batch) called for this batch before forward (no current metadata)"
     if isinstance(bound, GraphBatchKey):
-        return f"the CUDA-graph batch the metadata was captured/replayed for ({bound.forward_mode.name}, {bound.batch_size} requests)"
-    return f"the batch init_forward_metadata was last called with ({bound.forward_mode.name}, {bound.batch_size} requests)"
+        return (
+            f"the CUDA-graph batch the metadata was captured/replayed for ({bound.forward_mode.name}, "
+            f"{bound.batch_size} requests)"
+        )
+    return (
+        f"the batch init_forward_metadata was last called with ({bound.forward_mode.name}, {bound.batch_size} requests)"
+    )
 
 
 def _out_view(out, rows: int, layer: AttentionLayer, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -746,13 +771,17 @@ def _out_view(out, rows: int, layer: AttentionLayer, dtype: torch.dtype, device:
     if not isinstance(out, torch.Tensor):
         raise InvalidArgumentError("out", f"a tensor of shape ({rows}, {width})", type(out).__name__)
     if tuple(out.shape) not in ((rows, width), (rows, layer.num_q_heads, layer.v_head_dim)):
-        raise InvalidArgumentError("out", f"shape ({rows}, {width}) or ({rows}, {layer.num_q_heads}, {layer.v_head_dim})", tuple(out.shape))
+        raise InvalidArgumentError(
+            "out", f"shape ({rows}, {width}) or ({rows}, {layer.num_q_heads}, {layer.v_head_dim})", tuple(out.shape)
+        )
     if out.dtype != dtype or out.device != device:
         raise InvalidArgumentError("out", f"dtype {dtype} on {device} (q's)", (out.dtype, out.device))
     try:
         return out.view(rows, width)
     except RuntimeError:
-        raise InvalidArgumentError("out", "a buffer whose rows are viewable as one flat row each (no copy)", tuple(out.stride())) from None
+        raise InvalidArgumentError(
+            "out", "a buffer whose rows are viewable as one flat row each (no copy)", tuple(out.stride())
+        ) from None
 
 
 def _as_heads(x: torch.Tensor, rows: int, heads: int, dim: int) -> Optional[torch.Tensor]:

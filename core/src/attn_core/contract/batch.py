@@ -64,7 +64,6 @@ class SpecInfo:
     topk: int = 1
 
 
-
 T = TypeVar("T")
 
 

@@ -62,7 +62,11 @@ def check_bidirectional_spans(b: ForwardBatch, device: torch.device, full: bool 
     h = host.to(torch.int64)
     a, e = h[:, 0], h[:, 1]
     seq = b.seq_lens_cpu.to(torch.int64)
-    q_lens = torch.ones_like(seq) if mode.is_decode() else batch_field(b.extend_seq_lens_cpu, "extend_seq_lens_cpu").to(torch.int64)
+    q_lens = (
+        torch.ones_like(seq)
+        if mode.is_decode()
+        else batch_field(b.extend_seq_lens_cpu, "extend_seq_lens_cpu").to(torch.int64)
+    )
     if bool((a < 0).any()) or bool((e < a).any()):
         raise InvalidBatchError(f"{_FIELD}_cpu", "0 <= a <= b for every span (a, b)", h.tolist())
     first_query = seq - q_lens

@@ -165,8 +165,15 @@ class Capabilities:
             out.append(f"q dtype {req.q_dtype} not in {sorted(self.q_dtypes)}")
         if req.kv_dtype not in self.kv_dtypes:
             out.append(f"KV dtype {req.kv_dtype} not in {sorted(self.kv_dtypes)}")
-        if req.kv_dtype != req.q_dtype and req.kv_dtype not in FP8_KV_DTYPES and Feature.MIXED_KV_DTYPE not in self.features:
-            out.append(f"KV dtype {req.kv_dtype} with q dtype {req.q_dtype}: mixed dtypes not supported ({Feature.MIXED_KV_DTYPE.value})")
+        if (
+            req.kv_dtype != req.q_dtype
+            and req.kv_dtype not in FP8_KV_DTYPES
+            and Feature.MIXED_KV_DTYPE not in self.features
+        ):
+            out.append(
+                f"KV dtype {req.kv_dtype} with q dtype {req.q_dtype}: mixed dtypes not supported "
+                f"({Feature.MIXED_KV_DTYPE.value})"
+            )
         dims = self.mla_head_dims if req.arch == ARCH_MLA else self.head_dims
         ragged = Feature.RAGGED in req.features
         paged = bool(req.forward_modes) or not ragged  # a ragged-only context has no pages, layout or paged head dims
@@ -182,7 +189,10 @@ class Capabilities:
         if req.kv_layout not in self.kv_layouts and paged:
             out.append(f"kv_layout {req.kv_layout} not in {sorted(self.kv_layouts)}")
         if req.engine_kv and req.kv_layout not in self.engine_kv_layouts:
-            out.append(f"an engine-owned KV pool in layout {req.kv_layout} (engine_kv_layouts {sorted(self.engine_kv_layouts)})")
+            out.append(
+                f"an engine-owned KV pool in layout {req.kv_layout} "
+                f"(engine_kv_layouts {sorted(self.engine_kv_layouts)})"
+            )
         if Feature.SLIDING_WINDOW_POOL in req.features and Feature.SLIDING_WINDOW_POOL not in self.features:
             out.append("a sliding-window KV pool (feature sliding_window_pool) not supported")
         if layout_only:

@@ -85,7 +85,9 @@ class BackendContext:
     speculative_num_draft_tokens: int = 0
     deterministic: bool = False
     features: frozenset[Feature] = field(default_factory=frozenset)
-    forward_modes: frozenset[ForwardMode] = field(default_factory=lambda: frozenset({ForwardMode.EXTEND, ForwardMode.DECODE}))
+    forward_modes: frozenset[ForwardMode] = field(
+        default_factory=lambda: frozenset({ForwardMode.EXTEND, ForwardMode.DECODE})
+    )
     cuda_graph: CudaGraphLevel = CudaGraphLevel.NEVER
     #: layout of the KV pool's buffers ("NHD" or "HND"); taken from `token_to_kv_pool` when it has one
     kv_layout: str = "NHD"
@@ -108,7 +110,9 @@ class BackendContext:
                 raise InvalidArgumentError("kv_lora_rank", "> 0 for MLA", self.kv_lora_rank)
             if self.head_dim != self.kv_lora_rank + self.qk_rope_head_dim:
                 raise InvalidArgumentError(
-                    "head_dim", f"kv_lora_rank + qk_rope_head_dim = {self.kv_lora_rank + self.qk_rope_head_dim} for MLA", self.head_dim
+                    "head_dim",
+                    f"kv_lora_rank + qk_rope_head_dim = {self.kv_lora_rank + self.qk_rope_head_dim} for MLA",
+                    self.head_dim,
                 )
             if self.num_kv_heads != 1:
                 raise InvalidArgumentError("num_kv_heads", "1 for MLA (one latent per token)", self.num_kv_heads)
@@ -120,7 +124,9 @@ class BackendContext:
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(name, ">= 1", getattr(self, name))
         if self.num_q_heads % self.num_kv_heads:
-            raise InvalidArgumentError("num_q_heads", f"a multiple of num_kv_heads={self.num_kv_heads}", self.num_q_heads)
+            raise InvalidArgumentError(
+                "num_q_heads", f"a multiple of num_kv_heads={self.num_kv_heads}", self.num_q_heads
+            )
         if self.sliding_window_size is not None and self.sliding_window_size < 1:
             raise InvalidArgumentError("sliding_window_size", "None or >= 1", self.sliding_window_size)
         if self.attention_chunk_size is not None and self.attention_chunk_size < 1:

@@ -189,7 +189,8 @@ class HookPluginError(RegistryError):
         self.where = where
         self.cause = cause
         super().__init__(
-            f"attn_core hook plugin {plugin!r} failed in {where}: {type(cause).__name__}: {cause} (its hooks are no longer called)"
+            f"attn_core hook plugin {plugin!r} failed in {where}: {type(cause).__name__}: {cause} "
+            "(its hooks are no longer called)"
         )
 
 

@@ -31,7 +31,9 @@ class ForwardMode(enum.IntEnum):
 
     def __format__(self, spec: str) -> str:
         """`f"{mode}"` is the name; a numeric format spec formats the value (`f"{mode:d}"` == "2")."""
-        return self.name.__format__(spec) if not spec or spec[-1:] not in "bcdoxXneEfFgG%" else int(self).__format__(spec)
+        return (
+            self.name.__format__(spec) if not spec or spec[-1:] not in "bcdoxXneEfFgG%" else int(self).__format__(spec)
+        )
 
     def is_extend(self) -> bool:
         """Every mode whose new tokens go through the extend (multi-token) path."""

@@ -73,7 +73,9 @@ class GraphPadding:
         return self.padded_bs * self.tokens_per_request
 
 
-def graph_padding(mode: ForwardMode, bs: int, captured_sizes: Sequence[int], fill: int, num_draft_tokens: int = 0) -> GraphPadding:
+def graph_padding(
+    mode: ForwardMode, bs: int, captured_sizes: Sequence[int], fill: int, num_draft_tokens: int = 0
+) -> GraphPadding:
     """The padding of a batch of `bs` real requests (0 at capture time: all padding) of `mode` to the
     smallest size in `captured_sizes` that holds it; `fill` is the backend's
     `get_cuda_graph_seq_len_fill_value()`; `num_draft_tokens` the draft tokens per request in
@@ -90,11 +92,15 @@ def graph_padding(mode: ForwardMode, bs: int, captured_sizes: Sequence[int], fil
     t = graph_tokens_per_request(mode, num_draft_tokens)
     if t is None:
         raise InvalidArgumentError(
-            "forward_mode", "DECODE, or TARGET_VERIFY with num_draft_tokens > 0 (a fixed token count)", (mode.name, num_draft_tokens)
+            "forward_mode",
+            "DECODE, or TARGET_VERIFY with num_draft_tokens > 0 (a fixed token count)",
+            (mode.name, num_draft_tokens),
         )
     padded = min((int(s) for s in captured_sizes if int(s) >= max(bs, 1)), default=None)
     if bs < 0 or padded is None:
-        raise InvalidArgumentError("bs", f"0..{max(captured_sizes, default=0)} requests (the largest captured size)", bs)
+        raise InvalidArgumentError(
+            "bs", f"0..{max(captured_sizes, default=0)} requests (the largest captured size)", bs
+        )
     return GraphPadding(bs=bs, padded_bs=padded, tokens_per_request=t, prefix_len=fill - 1)
 
 
@@ -140,7 +146,9 @@ class CudaGraphStep:
         try:
             mode = ForwardMode.parse(self.forward_mode)
         except ValueError:
-            raise InvalidArgumentError("forward_mode", f"a ForwardMode among {[m.name for m in ForwardMode]}", self.forward_mode) from None
+            raise InvalidArgumentError(
+                "forward_mode", f"a ForwardMode among {[m.name for m in ForwardMode]}", self.forward_mode
+            ) from None
         try:
             bs = operator.index(self.bs)
         except TypeError:
@@ -155,7 +163,9 @@ class CudaGraphStep:
                     raise InvalidArgumentError(name, f"a tensor of at least {bs} entries", None)
                 continue
             if not isinstance(x, torch.Tensor) or x.dim() != 1 or x.shape[0] < bs:
-                raise InvalidArgumentError(name, f"a 1-D tensor of at least {bs} entries", getattr(x, "shape", type(x).__name__))
+                raise InvalidArgumentError(
+                    name, f"a 1-D tensor of at least {bs} entries", getattr(x, "shape", type(x).__name__)
+                )
             if x.shape[0] != bs:
                 rows[name] = x[:bs]
         host = rows.get("seq_lens_cpu", self.seq_lens_cpu)

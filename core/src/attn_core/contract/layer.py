@@ -62,7 +62,9 @@ class AttentionLayer(torch.nn.Module):
         if layer_id < 0:
             raise InvalidArgumentError("layer_id", ">= 0", layer_id)
         if num_q_heads < 1 or num_kv_heads < 1 or num_q_heads % num_kv_heads:
-            raise InvalidArgumentError("num_q_heads", f"a positive multiple of num_kv_heads={num_kv_heads}", num_q_heads)
+            raise InvalidArgumentError(
+                "num_q_heads", f"a positive multiple of num_kv_heads={num_kv_heads}", num_q_heads
+            )
         if head_dim < 1:
             raise InvalidArgumentError("head_dim", ">= 1", head_dim)
         if logit_cap < 0:
@@ -70,7 +72,11 @@ class AttentionLayer(torch.nn.Module):
         if sliding_window_size is not None and sliding_window_size < 1:
             raise InvalidArgumentError("sliding_window_size", "None or >= 1", sliding_window_size)
         if attention_chunk_size is not None:
-            if isinstance(attention_chunk_size, bool) or not isinstance(attention_chunk_size, int) or attention_chunk_size < 1:
+            if (
+                isinstance(attention_chunk_size, bool)
+                or not isinstance(attention_chunk_size, int)
+                or attention_chunk_size < 1
+            ):
                 raise InvalidArgumentError("attention_chunk_size", "None or an int >= 1", attention_chunk_size)
             if sliding_window_size is not None or is_cross_attention:
                 raise InvalidArgumentError(

@@ -24,6 +24,7 @@ DECODE = "decode"
 #: the phases in the order selections list them
 PHASES = (PREFILL, DECODE)
 
+
 def phase_of(mode: ForwardMode) -> Optional[str]:
     """The phase a step of `mode` belongs to: DECODE -> "decode", the no-token modes -> None (they run
     on the decode half of a hybrid, but ask nothing of its speed), every other mode -> "prefill"."""

@@ -123,7 +123,9 @@ def capabilities_problems(caps: object, field_name: str = "capabilities") -> lis
         _set_problem("mla_head_dims", caps.mla_head_dims, int, optional=True),
         _set_problem("forward_modes", caps.forward_modes, ForwardMode),
         _set_problem("features", caps.features, Feature),
-        None if isinstance(caps.cuda_graph, CudaGraphLevel) else f"cuda_graph: expected a CudaGraphLevel, found {caps.cuda_graph!r}",
+        None
+        if isinstance(caps.cuda_graph, CudaGraphLevel)
+        else f"cuda_graph: expected a CudaGraphLevel, found {caps.cuda_graph!r}",
         _cc_problem("min_compute_capability", caps.min_compute_capability),
         _cc_problem("max_compute_capability", caps.max_compute_capability),
         _set_problem("cpu_isa", caps.cpu_isa, str),
@@ -166,9 +168,12 @@ def spec_problems(spec: object) -> list[str]:
         problems.append(f"unverified: expected None or a str, found {spec.unverified!r}")
     problems += phase_priority_problems(spec.phase_priorities)
     gaps = spec.known_gaps
-    if not (isinstance(gaps, tuple) and all(
-        isinstance(g, tuple) and len(g) == 2 and all(isinstance(x, str) and x.strip() for x in g) for g in gaps
-    )):
-        problems.append(f"known_gaps: expected a tuple of (check-id glob, reason) pairs of non-empty str, found {gaps!r}")
+    if not (
+        isinstance(gaps, tuple)
+        and all(isinstance(g, tuple) and len(g) == 2 and all(isinstance(x, str) and x.strip() for x in g) for g in gaps)
+    ):
+        problems.append(
+            f"known_gaps: expected a tuple of (check-id glob, reason) pairs of non-empty str, found {gaps!r}"
+        )
     problems += capabilities_problems(spec.capabilities)
     return [p for p in problems if p]

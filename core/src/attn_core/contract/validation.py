@@ -13,8 +13,8 @@ Levels (`BackendContext.validation`):
 - "full": "basic", then the device tensors too: one device-to-host copy of the batch's index tensors
   and of a few counts computed on the device (one sync per step, in `init_forward_metadata`, never in
   `forward`), and the backend's `poll_device_fault()`. Its device work gathers the batch's table rows up
-  to the longest request (bs x max(seq_lens) entries, a few bytes each, freed at once). Tests and the conformance kit use it; an engine
-  may turn it on to debug a crash or a wrong answer.
+  to the longest request (bs x max(seq_lens) entries, a few bytes each, freed at once). Tests and the
+  conformance kit use it; an engine may turn it on to debug a crash or a wrong answer.
 - On the CPU (the context's device), "basic" runs "full" (`effective_level`): the device tensors *are*
   host memory, there is no sync to avoid, so every batch gets every check before any write.
 
@@ -71,6 +71,8 @@ def effective_level(ctx) -> str:
     avoid), the context's `validation` elsewhere. `effective_level(BackendContext(device="cpu", ...))`
     is "full" whatever `validation` says."""
     return FULL if ctx.device.type == "cpu" else ctx.validation
+
+
 # the reductions of the host copies (ufunc.reduce skips the Python layers of ndarray.min/max/sum)
 _MIN, _MAX, _SUM, _ANY = np.minimum.reduce, np.maximum.reduce, np.add.reduce, np.logical_or.reduce
 #: batches of at most this many requests reduce their host lengths as a Python list (see `host_length_stats`)
@@ -130,9 +132,13 @@ def check_kv_pool(kv_pool, ctx, where: str = "token_to_kv_pool") -> None:
         raise InvalidArgumentError(f"{where}.page_size", f"the context's page_size {ctx.page_size}", kv_pool.page_size)
     want = (1, ctx.head_dim) if ctx.is_mla else (ctx.num_kv_heads, ctx.head_dim)
     if (kv_pool.head_num, kv_pool.head_dim) != want:
-        raise InvalidArgumentError(where, f"(heads, head_dim) = {want} as in the context", (kv_pool.head_num, kv_pool.head_dim))
+        raise InvalidArgumentError(
+            where, f"(heads, head_dim) = {want} as in the context", (kv_pool.head_num, kv_pool.head_dim)
+        )
     if ctx.is_mla != hasattr(kv_pool, "kv_lora_rank"):
-        raise InvalidArgumentError(where, "an MLATokenToKVPool for MLA, an MHATokenToKVPool otherwise", type(kv_pool).__name__)
+        raise InvalidArgumentError(
+            where, "an MLATokenToKVPool for MLA, an MHATokenToKVPool otherwise", type(kv_pool).__name__
+        )
 
 
 def _check_pools(req_to_token: torch.Tensor, kv_pool, ctx) -> None:
@@ -142,12 +148,16 @@ def _check_pools(req_to_token: torch.Tensor, kv_pool, ctx) -> None:
         check_kv_pool(kv_pool, ctx, "forward_batch.token_to_kv_pool")
 
 
-def _device_tensor(name: str, x, shape: tuple[int, ...], device: torch.device, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+def _device_tensor(
+    name: str, x, shape: tuple[int, ...], device: torch.device, dtypes: tuple[torch.dtype, ...]
+) -> torch.Tensor:
     # one expression for the valid case (per-step host time), the diagnosis only when it fails
     if isinstance(x, torch.Tensor) and x.dtype in dtypes and x.shape == shape and x.device == device:
         return x
     if not isinstance(x, torch.Tensor):
-        raise InvalidBatchError(f"forward_batch.{name}", f"a tensor of shape {shape}", None if x is None else type(x).__name__)
+        raise InvalidBatchError(
+            f"forward_batch.{name}", f"a tensor of shape {shape}", None if x is None else type(x).__name__
+        )
     if x.dtype not in dtypes:
         raise InvalidBatchError(f"forward_batch.{name}", f"dtype in {[str(d) for d in dtypes]}", x.dtype)
     if tuple(x.shape) != shape:
@@ -161,7 +171,9 @@ def _host_tensor(name: str, x, bs: int) -> torch.Tensor:
     if isinstance(x, torch.Tensor) and x.dtype in _INDEX_DTYPES and x.shape == (bs,) and x.is_cpu:
         return x
     if not isinstance(x, torch.Tensor):
-        raise InvalidBatchError(f"forward_batch.{name}", f"a CPU tensor of shape ({bs},)", None if x is None else type(x).__name__)
+        raise InvalidBatchError(
+            f"forward_batch.{name}", f"a CPU tensor of shape ({bs},)", None if x is None else type(x).__name__
+        )
     if x.dtype not in _INDEX_DTYPES or tuple(x.shape) != (bs,) or x.device.type != "cpu":
         found = (x.dtype, tuple(x.shape), x.device)
         raise InvalidBatchError(f"forward_batch.{name}", f"an int32/int64 CPU tensor of shape ({bs},)", found)
@@ -225,7 +237,9 @@ def _check_host(b: ForwardBatch, width: int, device: torch.device) -> int:
             raise InvalidBatchError("forward_batch.encoder_lens_cpu", "lengths >= 0", int(_MIN(enc_np)))
         longest = int(_MAX(seq_np.astype(np.int64) + enc_np))
     if longest > width:
-        raise InvalidBatchError("forward_batch.seq_lens", f"encoder + decoder lengths <= the req_to_token width {width}", longest)
+        raise InvalidBatchError(
+            "forward_batch.seq_lens", f"encoder + decoder lengths <= the req_to_token width {width}", longest
+        )
     if q_lens is not None and prefix is not None:
         q_np, prefix_np = q_lens.numpy(), prefix.numpy()
         if int(_MIN(q_np)) < 0 or int(_MIN(prefix_np)) < 0:
@@ -234,10 +248,14 @@ def _check_host(b: ForwardBatch, width: int, device: torch.device) -> int:
         # seq - extend (not extend + prefix): both >= 0 here, so no int32 wrap-around
         if _ANY(seq_np - q_np != prefix_np):
             lens = (q_lens.tolist(), prefix.tolist(), seq.tolist())
-            raise InvalidBatchError("forward_batch.extend_seq_lens_cpu", "prefix + extend lengths == seq_lens per request", lens)
+            raise InvalidBatchError(
+                "forward_batch.extend_seq_lens_cpu", "prefix + extend lengths == seq_lens per request", lens
+            )
         q_total = int(_SUM(q_np, dtype=np.int64))
         if q_total != T:
-            raise InvalidBatchError("forward_batch.extend_seq_lens_cpu", f"lengths summing to extend_num_tokens = {T}", q_total)
+            raise InvalidBatchError(
+                "forward_batch.extend_seq_lens_cpu", f"lengths summing to extend_num_tokens = {T}", q_total
+            )
     spec = b.spec_info
     if mode.is_target_verify() and spec is not None and spec.custom_mask is not None and q_lens is not None:
         _check_verify_mask(spec, spec.custom_mask, bs, seq, q_lens, device)
@@ -252,7 +270,9 @@ def _check_verify_mask(
         found = (mask.dtype, tuple(mask.shape), mask.device)
         raise InvalidBatchError("forward_batch.spec_info.custom_mask", f"a flat bool tensor on {device}", found)
     if mask.numel() != want:
-        raise InvalidBatchError("forward_batch.spec_info.custom_mask", f"{want} entries (sum of q_len * seq_len)", mask.numel())
+        raise InvalidBatchError(
+            "forward_batch.spec_info.custom_mask", f"{want} entries (sum of q_len * seq_len)", mask.numel()
+        )
     _device_tensor("spec_info.mask_indptr", spec.mask_indptr, (bs + 1,), device, _INDEX_DTYPES)
 
 
@@ -367,6 +387,8 @@ def _check_slots(name: str, slots: torch.Tensor, num_slots: int) -> None:
         return
     lo, hi = (int(x) for x in torch.aminmax(slots))
     if lo < 1 or hi >= num_slots:
-        raise InvalidBatchError(f"forward_batch.{name}", f"slots in [1, {num_slots}) (slot 0 is the reserved dummy)", (lo, hi))
+        raise InvalidBatchError(
+            f"forward_batch.{name}", f"slots in [1, {num_slots}) (slot 0 is the reserved dummy)", (lo, hi)
+        )
     if torch.unique(slots).numel() != slots.numel():
         raise InvalidBatchError(f"forward_batch.{name}", "distinct slots (one per new token)", "a slot used twice")

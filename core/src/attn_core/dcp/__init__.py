@@ -7,5 +7,15 @@ from attn_core.dcp.attention import EXCHANGES, dcp_attention, dcp_decode_attenti
 from attn_core.dcp.layout import DcpLayout
 from attn_core.dcp.requests import DCP_GRAPH_INPUTS, DCP_LOCAL_MASK, DcpRequestPool, DcpStep, build_dcp_step
 
-__all__ = ["DCP_GRAPH_INPUTS", "DCP_LOCAL_MASK", "EXCHANGES", "DcpLayout", "DcpRequestPool", "DcpStep", "build_dcp_step",
-           "dcp_attention", "dcp_decode_attention", "merge_partials"]
+__all__ = [
+    "DCP_GRAPH_INPUTS",
+    "DCP_LOCAL_MASK",
+    "EXCHANGES",
+    "DcpLayout",
+    "DcpRequestPool",
+    "DcpStep",
+    "build_dcp_step",
+    "dcp_attention",
+    "dcp_decode_attention",
+    "merge_partials",
+]

@@ -20,9 +20,10 @@ verify query at global position p sees the keys at positions <= p on every rank,
 `attn_core.dcp.requests`). Prefill attention is not sharded (the engine runs it unsharded and stores the
 K/V with `DcpStep.save_kv`).
 
-CUDA graphs (DECODE only; verify steps run eagerly): with a graph-shaped step (`build_dcp_step(..., graph_shaped=True)`, or
-`DcpStep.from_graph_batch` inside a `CudaGraphRunner`'s `run_layers`) every shape is fixed by the batch
-size and nothing syncs with the host: the local attention runs over all `bs` rows and the rows without a
+CUDA graphs (DECODE only; verify steps run eagerly): with a graph-shaped step
+(`build_dcp_step(..., graph_shaped=True)`, or `DcpStep.from_graph_batch` inside a `CudaGraphRunner`'s
+`run_layers`) every shape is fixed by the batch size and nothing syncs with the host: the local attention
+runs over all `bs` rows and the rows without a
 local key (`step.local_mask` False) get output 0 and LSE -inf by `torch.where`. The q gather, the
 exchange and the merge are captured with the attention; on NCCL the collectives are captured too (the
 runner's eager warm-up before each capture makes the communicator; every rank of the group must capture
@@ -70,11 +71,21 @@ def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, to
 def _check_graph_shaped(step: DcpStep, device: torch.device) -> None:
     """Typed errors for a graph-shaped step whose mask or local batch does not cover its `bs` rows."""
     bs, mask, batch = step.batch_size, step.local_mask, step.local_batch
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != (bs,) or mask.device != device:
-        raise InvalidArgumentError("step.local_mask", f"a bool [{bs}] tensor on {device}",
-                                   (tuple(mask.shape), mask.dtype, mask.device) if isinstance(mask, torch.Tensor) else mask)
+    if (
+        not isinstance(mask, torch.Tensor)
+        or mask.dtype != torch.bool
+        or tuple(mask.shape) != (bs,)
+        or mask.device != device
+    ):
+        raise InvalidArgumentError(
+            "step.local_mask",
+            f"a bool [{bs}] tensor on {device}",
+            (tuple(mask.shape), mask.dtype, mask.device) if isinstance(mask, torch.Tensor) else mask,
+        )
     if batch is None or batch.batch_size != bs or not batch.forward_mode.is_decode():
-        raise InvalidArgumentError("step.local_batch", f"a DECODE batch of the step's {bs} requests", getattr(batch, "batch_size", None))
+        raise InvalidArgumentError(
+            "step.local_batch", f"a DECODE batch of the step's {bs} requests", getattr(batch, "batch_size", None)
+        )
 
 
 def _scattered_partials(q: torch.Tensor, layer: AttentionLayer, step: DcpStep) -> torch.Tensor:
@@ -118,8 +129,11 @@ def dcp_decode_attention(
 ) -> torch.Tensor:
     """`dcp_attention` of a DECODE step (any other mode is refused with `InvalidArgumentError`)."""
     if not step.forward_mode.is_decode():
-        raise InvalidArgumentError("step.forward_mode", "DECODE (DCP shards decode attention only; prefill is unsharded)",
-                                   step.forward_mode.name)
+        raise InvalidArgumentError(
+            "step.forward_mode",
+            "DECODE (DCP shards decode attention only; prefill is unsharded)",
+            step.forward_mode.name,
+        )
     return dcp_attention(q, layer, step, group=group, q_heads_sharded=q_heads_sharded, exchange=exchange)
 
 
@@ -149,14 +163,18 @@ def dcp_attention(
     if exchange not in EXCHANGES:
         raise InvalidArgumentError("exchange", f"one of {EXCHANGES}", exchange)
     if not (step.forward_mode.is_decode() or step.forward_mode.is_target_verify()):
-        raise InvalidArgumentError("step.forward_mode", "DECODE or TARGET_VERIFY (prefill attention is not sharded)",
-                                   step.forward_mode.name)
+        raise InvalidArgumentError(
+            "step.forward_mode", "DECODE or TARGET_VERIFY (prefill attention is not sharded)", step.forward_mode.name
+        )
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     n, H = step.num_rows, layer.num_q_heads
     h_rank = H // world if q_heads_sharded else H
     if q.dim() != 3 or q.shape[0] != n or q.shape[1] * (world if q_heads_sharded else 1) != H:
-        raise InvalidArgumentError("q", f"[{n}, {h_rank}, D] (layer.num_q_heads {H} over {world} ranks)"
-                                   if q_heads_sharded else f"[{n}, {H}, D]", tuple(q.shape))
+        raise InvalidArgumentError(
+            "q",
+            f"[{n}, {h_rank}, D] (layer.num_q_heads {H} over {world} ranks)" if q_heads_sharded else f"[{n}, {H}, D]",
+            tuple(q.shape),
+        )
     if not q_heads_sharded and exchange != "all_gather":
         raise InvalidArgumentError("exchange", "all_gather when q_heads_sharded=False", exchange)
     if step.graph_shaped:
@@ -178,6 +196,6 @@ def dcp_attention(
         parts = torch.empty_like(send)
         dist.all_to_all_single(parts, send, group=group)
     if q_heads_sharded and exchange == "all_gather":
-        parts = parts[:, :, rank * h_rank: (rank + 1) * h_rank]
+        parts = parts[:, :, rank * h_rank : (rank + 1) * h_rank]
     out, _ = merge_partials(parts[..., :dv], parts[..., dv].contiguous())
     return out.to(q.dtype).reshape(n, h_rank * dv)

@@ -39,7 +39,9 @@ class DcpLayout:
         if not isinstance(self.world, int) or self.world < 1:
             raise InvalidArgumentError("world", "an int >= 1 (the number of DCP ranks)", self.world)
         if not isinstance(self.interleave, int) or self.interleave < 1:
-            raise InvalidArgumentError("interleave", "an int >= 1 (tokens per block, the page size by default)", self.interleave)
+            raise InvalidArgumentError(
+                "interleave", "an int >= 1 (tokens per block, the page size by default)", self.interleave
+            )
 
     def check_rank(self, rank: int) -> None:
         """Raise `InvalidArgumentError` unless 0 <= rank < world."""

@@ -165,7 +165,9 @@ class DcpStep:
             raise InvalidArgumentError("k", f"{self.positions.shape[0]} rows (the step's new tokens)", tuple(k.shape))
         pool = self.token_to_kv_pool
         if pool is None:
-            raise InvalidArgumentError("step.token_to_kv_pool", "the request pool's KV pool (build_dcp_step sets it)", None)
+            raise InvalidArgumentError(
+                "step.token_to_kv_pool", "the request pool's KV pool (build_dcp_step sets it)", None
+            )
         if self.save_rows is None:
             pool.set_kv_buffer(layer, self.save_loc, k, v)
         elif self.save_loc.numel():
@@ -177,16 +179,21 @@ class DcpStep:
         A graph-shaped step is refused (`InvalidArgumentError`): its padding rows read the dummy slot, so it
         runs through a CUDA-graph runner, whose capture / replay metadata calls take such rows."""
         if self.graph_shaped:
-            raise InvalidArgumentError("step", "a step built with graph_shaped=False (a graph-shaped step runs through "
-                                       "CudaGraphRunner.run(step.local_batch, ...))", "a graph-shaped step")
+            raise InvalidArgumentError(
+                "step",
+                "a step built with graph_shaped=False (a graph-shaped step runs through "
+                "CudaGraphRunner.run(step.local_batch, ...))",
+                "a graph-shaped step",
+            )
         if self.local_batch is not None and not self.more_parts:
             batch_field(self.local_batch.attn_backend, "attn_backend").init_forward_metadata(self.local_batch)
 
     def graph_inputs(self) -> dict[str, torch.Tensor]:
         """The DCP inputs of a graph-shaped step for `CudaGraphRunner.run` (names of `DCP_GRAPH_INPUTS`)."""
         if not self.graph_shaped:
-            raise InvalidArgumentError("step", "a graph-shaped DECODE step (build_dcp_step(..., graph_shaped=True))",
-                                       self.forward_mode.name)
+            raise InvalidArgumentError(
+                "step", "a graph-shaped DECODE step (build_dcp_step(..., graph_shaped=True))", self.forward_mode.name
+            )
         return {DCP_LOCAL_MASK: self.graph_part()[1]}
 
     def graph_part(self) -> tuple[ForwardBatch, torch.Tensor]:
@@ -202,17 +209,34 @@ class DcpStep:
         its positions the global ones), `inputs[DCP_LOCAL_MASK]` the static mask. Views only (no copy)."""
         mask = inputs.get(DCP_LOCAL_MASK)
         if mask is None:
-            raise InvalidArgumentError("inputs", f"a {DCP_LOCAL_MASK!r} tensor (add DCP_GRAPH_INPUTS to the runner's inputs)",
-                                       sorted(inputs))
+            raise InvalidArgumentError(
+                "inputs", f"a {DCP_LOCAL_MASK!r} tensor (add DCP_GRAPH_INPUTS to the runner's inputs)", sorted(inputs)
+            )
         if not batch.forward_mode.is_decode() or batch.positions is None:
             raise InvalidArgumentError("batch", "a DECODE graph batch with positions", batch.forward_mode.name)
-        return cls(ForwardMode.DECODE, batch.batch_size, batch.positions, None, None, batch.out_cache_loc, batch.token_to_kv_pool,
-                   local_batch=batch, local_mask=mask)
+        return cls(
+            ForwardMode.DECODE,
+            batch.batch_size,
+            batch.positions,
+            None,
+            None,
+            batch.out_cache_loc,
+            batch.token_to_kv_pool,
+            local_batch=batch,
+            local_mask=mask,
+        )
 
 
-def build_dcp_step(pool: DcpRequestPool, work: Sequence[tuple[Request, int]], *, attn_backend=None,
-                   graph_shaped: bool = False, mode: Union[ForwardMode, str, None] = None,
-                   verify_masks: bool = True, draft_masks: Optional[Sequence[torch.Tensor]] = None) -> DcpStep:
+def build_dcp_step(
+    pool: DcpRequestPool,
+    work: Sequence[tuple[Request, int]],
+    *,
+    attn_backend=None,
+    graph_shaped: bool = False,
+    mode: Union[ForwardMode, str, None] = None,
+    verify_masks: bool = True,
+    draft_masks: Optional[Sequence[torch.Tensor]] = None,
+) -> DcpStep:
     """This rank's part of a step where request work[i][0] runs work[i][1] new tokens (global counts,
     the same on every rank). Allocates the local slots of the new tokens this rank stores, writes them
     into the requests' local rows and advances the lengths. `mode` None infers DECODE / MIXED / EXTEND;
@@ -262,9 +286,13 @@ def build_dcp_step(pool: DcpRequestPool, work: Sequence[tuple[Request, int]], *,
         _check_draft_masks(layout, draft_masks, mode, counts, seq, verify_masks and _takes_verify_masks(attn_backend))
     if graph_shaped:
         if not mode.is_decode():
-            raise InvalidArgumentError("graph_shaped", f"False for a {mode.name} step (graph-shaped steps are DECODE)", True)
+            raise InvalidArgumentError(
+                "graph_shaped", f"False for a {mode.name} step (graph-shaped steps are DECODE)", True
+            )
         if attn_backend is None:
-            raise InvalidArgumentError("attn_backend", "the local backend (its CUDA-graph fill value pads rows without a local key)", None)
+            raise InvalidArgumentError(
+                "attn_backend", "the local backend (its CUDA-graph fill value pads rows without a local key)", None
+            )
     local_counts = layout.local_lens(seq, rank) - layout.local_lens(prefix, rank)
     local_slots = pool.requests.extend(reqs, local_counts.tolist())
     for r, s in zip(reqs, seq.tolist()):
@@ -275,15 +303,26 @@ def build_dcp_step(pool: DcpRequestPool, work: Sequence[tuple[Request, int]], *,
     device = rows.device
     if graph_shaped:
         return _graph_shaped_decode(pool, reqs, positions, seq, save_rows, local_slots, attn_backend)
-    step = DcpStep(mode, len(reqs), positions.to(device), seq.to(torch.int32), save_rows.to(device), local_slots.to(device),
-                   pool.requests.token_to_kv_pool)
+    step = DcpStep(
+        mode,
+        len(reqs),
+        positions.to(device),
+        seq.to(torch.int32),
+        save_rows.to(device),
+        local_slots.to(device),
+        pool.requests.token_to_kv_pool,
+    )
     parts: list[tuple[torch.Tensor, ForwardBatch]] = []
     if mode.is_decode():
         local_lens = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
         parts = _decode_parts(pool, reqs, local_lens, attn_backend, list(range(len(reqs))))
     elif mode.is_target_verify():
         k = counts[0]
-        masked = [i for i, r in enumerate(reqs) if r.kv_len >= k] if verify_masks and _takes_verify_masks(attn_backend) else []
+        masked = (
+            [i for i, r in enumerate(reqs) if r.kv_len >= k]
+            if verify_masks and _takes_verify_masks(attn_backend)
+            else []
+        )
         if masked:
             trees = [draft_masks[i] for i in masked] if draft_masks is not None else None
             parts = _verify_mask_part(pool, [reqs[i] for i in masked], prefix[masked], k, attn_backend, masked, trees)
@@ -302,30 +341,60 @@ def _takes_verify_masks(attn_backend) -> bool:
     return caps is not None and ForwardMode.TARGET_VERIFY in caps.forward_modes and Feature.CUSTOM_MASK in caps.features
 
 
-def _check_draft_masks(layout: DcpLayout, draft_masks: Sequence[torch.Tensor], mode: ForwardMode, counts: list[int],
-                       seq: torch.Tensor, masks_taken: bool) -> None:
+def _check_draft_masks(
+    layout: DcpLayout,
+    draft_masks: Sequence[torch.Tensor],
+    mode: ForwardMode,
+    counts: list[int],
+    seq: torch.Tensor,
+    masks_taken: bool,
+) -> None:
     """Typed errors for `build_dcp_step`'s `draft_masks` (the same verdict on every rank: it reads only
     global lengths and the backend's declared capabilities)."""
     if not mode.is_target_verify():
-        raise InvalidArgumentError("draft_masks", f"None for a {mode.name} step (tree masks are TARGET_VERIFY's)", len(draft_masks))
+        raise InvalidArgumentError(
+            "draft_masks", f"None for a {mode.name} step (tree masks are TARGET_VERIFY's)", len(draft_masks)
+        )
     k = counts[0]
     if len(draft_masks) != len(counts):
         raise InvalidArgumentError("draft_masks", f"one mask per request ({len(counts)})", len(draft_masks))
     for i, m in enumerate(draft_masks):
-        if not isinstance(m, torch.Tensor) or m.dtype != torch.bool or tuple(m.shape) != (k, k) or not bool(m.cpu().diagonal().all()):
-            raise InvalidArgumentError(f"draft_masks[{i}]", f"a bool [{k}, {k}] tensor with a True diagonal",
-                                       (tuple(m.shape), m.dtype) if isinstance(m, torch.Tensor) else m)
+        if (
+            not isinstance(m, torch.Tensor)
+            or m.dtype != torch.bool
+            or tuple(m.shape) != (k, k)
+            or not bool(m.cpu().diagonal().all())
+        ):
+            raise InvalidArgumentError(
+                f"draft_masks[{i}]",
+                f"a bool [{k}, {k}] tensor with a True diagonal",
+                (tuple(m.shape), m.dtype) if isinstance(m, torch.Tensor) else m,
+            )
     if not masks_taken:
-        raise InvalidArgumentError("draft_masks", "None (a tree needs a local backend declaring TARGET_VERIFY with custom "
-                                   "masks, and verify_masks=True)", "tree masks")
+        raise InvalidArgumentError(
+            "draft_masks",
+            "None (a tree needs a local backend declaring TARGET_VERIFY with custom masks, and verify_masks=True)",
+            "tree masks",
+        )
     fewest = torch.stack([layout.local_lens(seq, r) for r in range(layout.world)]).min(0).values
     if bool((fewest < k).any()):
-        raise InvalidArgumentError("draft_masks", f"None while a request has fewer than {k} keys on some rank (its queries "
-                                   "run as DECODE rows, which take no tree)", fewest.tolist())
+        raise InvalidArgumentError(
+            "draft_masks",
+            f"None while a request has fewer than {k} keys on some rank (its queries "
+            "run as DECODE rows, which take no tree)",
+            fewest.tolist(),
+        )
 
 
-def _verify_mask_part(pool: DcpRequestPool, reqs: list[Request], prefix: torch.Tensor, k: int, attn_backend,
-                      step_rows: list[int], trees: Optional[list[torch.Tensor]] = None) -> list[tuple[torch.Tensor, ForwardBatch]]:
+def _verify_mask_part(
+    pool: DcpRequestPool,
+    reqs: list[Request],
+    prefix: torch.Tensor,
+    k: int,
+    attn_backend,
+    step_rows: list[int],
+    trees: Optional[list[torch.Tensor]] = None,
+) -> list[tuple[torch.Tensor, ForwardBatch]]:
     """One local TARGET_VERIFY batch of requests with at least k local keys (their lengths already
     advanced): request r's k queries over its whole local row, draft j's mask row True at the local keys of
     global position < prefix[r] and at the drafts m it sees (m <= j, or `trees[r][j, m]`). `step_rows`
@@ -354,7 +423,9 @@ def _verify_mask_part(pool: DcpRequestPool, reqs: list[Request], prefix: torch.T
         seq_lens=lens.to(device),
         seq_lens_cpu=lens,
         seq_lens_sum=int(lens.sum()),
-        out_cache_loc=torch.tensor([s for r in reqs for s in r.slots[r.kv_len - k: r.kv_len]], dtype=torch.int64).to(device),
+        out_cache_loc=torch.tensor([s for r in reqs for s in r.slots[r.kv_len - k : r.kv_len]], dtype=torch.int64).to(
+            device
+        ),
         req_to_token_pool=rows,
         token_to_kv_pool=pool.requests.token_to_kv_pool,
         extend_prefix_lens=(lens - k).to(device),
@@ -363,16 +434,20 @@ def _verify_mask_part(pool: DcpRequestPool, reqs: list[Request], prefix: torch.T
         extend_seq_lens_cpu=q_lens,
         extend_start_loc=(torch.arange(bs, dtype=torch.int32) * k).to(device),
         extend_num_tokens=bs * k,
-        spec_info=SpecInfo(num_draft_tokens=k, custom_mask=torch.cat([m.reshape(-1) for m in masks]).to(device),
-                           mask_indptr=indptr.to(device)),
+        spec_info=SpecInfo(
+            num_draft_tokens=k,
+            custom_mask=torch.cat([m.reshape(-1) for m in masks]).to(device),
+            mask_indptr=indptr.to(device),
+        ),
         attn_backend=attn_backend,
     )
     query_rows = torch.tensor([i * k + j for i in step_rows for j in range(k)], dtype=torch.int64)
     return [(query_rows.to(device), batch)]
 
 
-def _decode_parts(pool: DcpRequestPool, row_reqs: list[Request], lens: torch.Tensor,
-                  attn_backend, step_rows: list[int]) -> list[tuple[torch.Tensor, ForwardBatch]]:
+def _decode_parts(
+    pool: DcpRequestPool, row_reqs: list[Request], lens: torch.Tensor, attn_backend, step_rows: list[int]
+) -> list[tuple[torch.Tensor, ForwardBatch]]:
     """Local DECODE batches of query rows: row i (the step's row `step_rows[i]`) reads the first `lens[i]`
     local keys of `row_reqs[i]` (rows with 0 are left out). Rows of one request with the same length go
     to successive parts (a batch holds each "new token" slot once). Returns [(step rows int64 `[n]` on
@@ -396,23 +471,37 @@ def _decode_parts(pool: DcpRequestPool, row_reqs: list[Request], lens: torch.Ten
     for idx in part_rows:
         kept = [row_reqs[i] for i in idx]
         n = lens[idx].to(torch.int32)
-        parts.append((torch.tensor([step_rows[i] for i in idx], dtype=torch.int64).to(device), ForwardBatch(
-            forward_mode=ForwardMode.DECODE,
-            batch_size=len(kept),
-            req_pool_indices=torch.tensor([r.row for r in kept], dtype=torch.int64).to(device),
-            seq_lens=n.to(device),
-            seq_lens_cpu=n,
-            seq_lens_sum=int(n.sum()),
-            out_cache_loc=torch.tensor([r.slots[m - 1] for r, m in zip(kept, n.tolist())], dtype=torch.int64).to(device),
-            req_to_token_pool=rows,
-            token_to_kv_pool=pool.requests.token_to_kv_pool,
-            attn_backend=attn_backend,
-        )))
+        parts.append(
+            (
+                torch.tensor([step_rows[i] for i in idx], dtype=torch.int64).to(device),
+                ForwardBatch(
+                    forward_mode=ForwardMode.DECODE,
+                    batch_size=len(kept),
+                    req_pool_indices=torch.tensor([r.row for r in kept], dtype=torch.int64).to(device),
+                    seq_lens=n.to(device),
+                    seq_lens_cpu=n,
+                    seq_lens_sum=int(n.sum()),
+                    out_cache_loc=torch.tensor(
+                        [r.slots[m - 1] for r, m in zip(kept, n.tolist())], dtype=torch.int64
+                    ).to(device),
+                    req_to_token_pool=rows,
+                    token_to_kv_pool=pool.requests.token_to_kv_pool,
+                    attn_backend=attn_backend,
+                ),
+            )
+        )
     return parts
 
 
-def _graph_shaped_decode(pool: DcpRequestPool, reqs: list[Request], positions: torch.Tensor, seq: torch.Tensor,
-                         save_rows: torch.Tensor, local_slots: torch.Tensor, attn_backend) -> DcpStep:
+def _graph_shaped_decode(
+    pool: DcpRequestPool,
+    reqs: list[Request],
+    positions: torch.Tensor,
+    seq: torch.Tensor,
+    save_rows: torch.Tensor,
+    local_slots: torch.Tensor,
+    attn_backend,
+) -> DcpStep:
     """The graph-shaped DECODE step of `build_dcp_step` (its lengths already advanced): every request a
     row of the local batch, those without a local key padded as `graph_padding` says."""
     rows, kv = pool.requests.req_to_token_pool, pool.requests.token_to_kv_pool
@@ -438,5 +527,14 @@ def _graph_shaped_decode(pool: DcpRequestPool, reqs: list[Request], positions: t
         token_to_kv_pool=kv,
         attn_backend=attn_backend,
     )
-    return DcpStep(ForwardMode.DECODE, bs, batch_field(batch.positions, "positions"), seq.to(torch.int32), None, save_loc, kv,
-                   local_batch=batch, local_mask=local.to(device))
+    return DcpStep(
+        ForwardMode.DECODE,
+        bs,
+        batch_field(batch.positions, "positions"),
+        seq.to(torch.int32),
+        None,
+        save_loc,
+        kv,
+        local_batch=batch,
+        local_mask=local.to(device),
+    )

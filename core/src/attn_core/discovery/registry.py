@@ -220,7 +220,9 @@ class Registry:
     def _hook_failed(self, plugin: str, where: str, exc: BaseException) -> None:
         """Stop calling `plugin`'s hooks and list it as a failed entry "hook:<plugin>"."""
         dist, version = self._plugin_dists.get(plugin, ("unknown", None))
-        entry = BackendEntry(HOOK_ENTRY_PREFIX + plugin, dist, version, "pluggy hook plugin", error=HookPluginError(plugin, where, exc))
+        entry = BackendEntry(
+            HOOK_ENTRY_PREFIX + plugin, dist, version, "pluggy hook plugin", error=HookPluginError(plugin, where, exc)
+        )
         with self._lock:
             self._broken_plugins.setdefault(plugin, entry)
             if self._entries is not None:
@@ -228,8 +230,9 @@ class Registry:
 
     def _call_hook(self, hook_name: str, **kwargs) -> list[tuple[str, object]]:
         """Call every implementation of `hook_name` in pluggy's order, one at a time, and return their
-        non-None results as (plugin name, result): an implementation that raises (or is a hook wrapper, which attn does not
-        support) marks its plugin broken instead of failing the call or dropping the others."""
+        non-None results as (plugin name, result): an implementation that raises (or is a hook wrapper,
+        which attn does not support) marks its plugin broken instead of failing the call or dropping the
+        others."""
         results = []
         for impl in reversed(getattr(self.plugin_manager.hook, hook_name).get_hookimpls()):
             if impl.plugin_name in self._broken_plugins:
@@ -286,11 +289,15 @@ class Registry:
             found.append(entry)
         for plugin, specs in self._call_hook("attn_core_register_backends"):
             if not isinstance(specs, (list, tuple)):
-                self._hook_failed(plugin, "attn_core_register_backends", TypeError(f"expected a list of BackendSpec, got {specs!r}"))
+                self._hook_failed(
+                    plugin, "attn_core_register_backends", TypeError(f"expected a list of BackendSpec, got {specs!r}")
+                )
                 continue
             for spec in specs:
                 source = f"pluggy hook plugin {plugin}"
-                entry = self._entry(_spec_name(spec, source), _dist_name(spec, f"unknown (hook plugin {plugin})"), None, source)
+                entry = self._entry(
+                    _spec_name(spec, source), _dist_name(spec, f"unknown (hook plugin {plugin})"), None, source
+                )
                 self._accept(entry, spec)
                 found.append(entry)
         found += self._broken_plugins.values()
@@ -307,7 +314,9 @@ class Registry:
             entry.error = InvalidSpecError(entry.name, entry.source, problems)
             return
         if spec.name != entry.name:
-            entry.error = BackendLoadError(entry.name, entry.source, ValueError(f"entry point name != spec name {spec.name!r}"))
+            entry.error = BackendLoadError(
+                entry.name, entry.source, ValueError(f"entry point name != spec name {spec.name!r}")
+            )
         elif spec.api_major != API_VERSION.split(".", 1)[0]:
             entry.error = ApiVersionMismatchError(spec.name, spec.api_version, API_VERSION)
         entry.spec = spec
@@ -348,7 +357,9 @@ class Registry:
         if entry is None:
             if name in KNOWN_BACKENDS:
                 raise BackendNotInstalledError(name, KNOWN_BACKENDS[name], SOURCE_FOLDERS.get(KNOWN_BACKENDS[name]))
-            raise UnknownBackendError(name, [n for n in entries if _is_backend_name(n)] + list(self._aliases) + list(KNOWN_BACKENDS))
+            raise UnknownBackendError(
+                name, [n for n in entries if _is_backend_name(n)] + list(self._aliases) + list(KNOWN_BACKENDS)
+            )
         if entry.error is not None:
             raise entry.error
         return entry
@@ -369,7 +380,9 @@ class Registry:
         for plugin, adjusted in self._call_hook("attn_core_adjust_requirements", requirements=req):
             if isinstance(adjusted, Requirements):
                 return adjusted
-            self._hook_failed(plugin, "attn_core_adjust_requirements", TypeError(f"expected Requirements or None, got {adjusted!r}"))
+            self._hook_failed(
+                plugin, "attn_core_adjust_requirements", TypeError(f"expected Requirements or None, got {adjusted!r}")
+            )
         return req
 
     def check(self, name: str, request: ContextOrRequirements) -> BackendEntry:

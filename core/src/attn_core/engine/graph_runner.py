@@ -75,7 +75,9 @@ class CudaGraphRunner:
             raise UnsupportedFeatureError(backend.name, "CUDA graphs")
         ctx = backend.ctx
         nd = ctx.speculative_num_draft_tokens if num_draft_tokens is None else num_draft_tokens
-        self.modes = [ForwardMode.DECODE] + ([ForwardMode.TARGET_VERIFY] if nd > 0 and level.covers(ForwardMode.TARGET_VERIFY) else [])
+        self.modes = [ForwardMode.DECODE] + (
+            [ForwardMode.TARGET_VERIFY] if nd > 0 and level.covers(ForwardMode.TARGET_VERIFY) else []
+        )
         self.backend = backend
         self.ctx = ctx
         self.batch_sizes = sizes
@@ -94,7 +96,8 @@ class CudaGraphRunner:
         self.out_cache_loc = torch.zeros(self.max_tokens, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(self.max_tokens, dtype=torch.int64, device=dev)
         self.inputs = {
-            name: torch.zeros((self.max_tokens, *shape), dtype=dtype, device=dev) for name, (shape, dtype) in input_shapes.items()
+            name: torch.zeros((self.max_tokens, *shape), dtype=dtype, device=dev)
+            for name, (shape, dtype) in input_shapes.items()
         }
         self.spec_info: Optional[SpecInfo] = None
         if ForwardMode.TARGET_VERIFY in self.modes:
@@ -239,13 +242,17 @@ class CudaGraphRunner:
         mode, bs = b.forward_mode, b.batch_size
         if self.captured_size(mode, bs) is None:
             raise GraphShapeError(
-                "forward_batch", f"a batch of 1..{self.batch_sizes[-1]} requests in a captured mode {self.modes}", (mode.name, bs)
+                "forward_batch",
+                f"a batch of 1..{self.batch_sizes[-1]} requests in a captured mode {self.modes}",
+                (mode.name, bs),
             )
         pad = self._padding(mode, bs, self.batch_sizes)
         gbs, per = pad.padded_bs, pad.tokens_per_request
         for pool in ("req_to_token_pool", "token_to_kv_pool"):
             if getattr(b, pool) is not None and getattr(b, pool) is not getattr(self.ctx, pool):
-                raise InvalidArgumentError(f"forward_batch.{pool}", "the backend context's pool (graphs read it)", "another pool")
+                raise InvalidArgumentError(
+                    f"forward_batch.{pool}", "the backend context's pool (graphs read it)", "another pool"
+                )
         tokens = bs * per
         self._check_inputs(inputs, tokens)
         if mode.is_target_verify():
@@ -260,7 +267,9 @@ class CudaGraphRunner:
         level = effective_level(self.ctx)
         r2t_pool, kv_pool = self.ctx.req_to_token_pool, self.ctx.token_to_kv_pool
         if r2t_pool is None or kv_pool is None:
-            raise InvalidArgumentError("backend.ctx", "a context with req_to_token_pool and token_to_kv_pool (graphs read them)", None)
+            raise InvalidArgumentError(
+                "backend.ctx", "a context with req_to_token_pool and token_to_kv_pool (graphs read them)", None
+            )
         r2t = r2t_pool.req_to_token
         check_forward_batch(b, r2t, kv_pool, self.ctx, level=level, padding_seq_len=pad.seq_len)
         self.req_pool_indices[:bs] = b.req_pool_indices
@@ -284,7 +293,9 @@ class CudaGraphRunner:
             given_mask = batch_field(given.custom_mask, "spec_info.custom_mask")
             mask_end = per * b.seq_lens_sum
             if given_mask.numel() != mask_end or mask_end > mask.numel():
-                raise InvalidArgumentError("spec_info.custom_mask", f"{mask_end} entries (<= {mask.numel()})", given_mask.numel())
+                raise InvalidArgumentError(
+                    "spec_info.custom_mask", f"{mask_end} entries (<= {mask.numel()})", given_mask.numel()
+                )
             mask[:mask_end] = given_mask
             indptr[: bs + 1] = batch_field(given.mask_indptr, "spec_info.mask_indptr")
         self._write_padding(mode, pad, mask_end)

@@ -183,7 +183,9 @@ class RequestPool:
         prefix, seq, last, spare_used = [], [], [], []
         for i, (r, n) in enumerate(zip(reqs, counts)):
             if r.kv_len + n > max_len:
-                raise InvalidArgumentError(f"counts[{i}]", f"0..{max_len - r.kv_len} (max_context_len {max_len} - kv_len)", n)
+                raise InvalidArgumentError(
+                    f"counts[{i}]", f"0..{max_len - r.kv_len} (max_context_len {max_len} - kv_len)", n
+                )
             take = min(n, len(r.slots) - r.kv_len)
             spare_used.append(take)
             p = r.kv_len + take

@@ -21,7 +21,13 @@ from attn_core.contract.forward_mode import ForwardMode
 from attn_core.engine.requests import Request, RequestPool, token_count
 
 #: the modes `build_step` builds; the plain three are inferred, the speculative two are asked for.
-STEP_MODES = (ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
+STEP_MODES = (
+    ForwardMode.DECODE,
+    ForwardMode.MIXED,
+    ForwardMode.EXTEND,
+    ForwardMode.TARGET_VERIFY,
+    ForwardMode.DRAFT_EXTEND,
+)
 
 
 def step_mode(prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> ForwardMode:
@@ -93,7 +99,9 @@ def build_step(
     masks, chain_without_mask = None, False
     if mode.is_target_verify():
         if len(set(counts)) != 1:
-            raise InvalidArgumentError("work", "the same number of draft tokens for every TARGET_VERIFY request", counts)
+            raise InvalidArgumentError(
+                "work", "the same number of draft tokens for every TARGET_VERIFY request", counts
+            )
         takes_masks = attn_backend is None or attn_backend.capabilities.supports(Feature.CUSTOM_MASK)
         chain_without_mask = custom_masks is None and not takes_masks  # causal over prefix and drafts
         if not chain_without_mask:

@@ -32,6 +32,7 @@ from attn_core.contract.errors import InvalidArgumentError, KVCacheError
 
 IntSeq = Union[Sequence[int], torch.Tensor]
 
+
 class KVSlotError(InvalidArgumentError, KVCacheError):
     """A slot argument names a slot the caller may not use that way: out of range, in the reserved page,
     not owned (double free), or at the wrong page offset for its token."""
@@ -116,14 +117,16 @@ class PagedTokenAllocator:
         (when it adds tokens) the page's tail, counting the requests before it in this call (`tails`)."""
         ps = self.page_size
         if not (ps <= loc < self._owned.numel() and loc % ps == (p - 1) % ps and bool(self._owned[loc])):
-            raise KVSlotError(f"last_loc[{i}]", f"the allocated slot of token {p - 1} (offset {(p - 1) % ps} in its page)", loc)
+            raise KVSlotError(
+                f"last_loc[{i}]", f"the allocated slot of token {p - 1} (offset {(p - 1) % ps} in its page)", loc
+            )
         page = loc // ps
         tail = tails.get(page, self._tail[page])
         if extends and tail != loc % ps + 1:
             raise PageTailError(
                 f"last_loc[{i}]",
-                f"the last slot handed out in its page (slot {page * ps + tail - 1}); another request extended past it: "
-                "fork the page with fork_partial_page",
+                f"the last slot handed out in its page (slot {page * ps + tail - 1}); "
+                "another request extended past it: fork the page with fork_partial_page",
                 loc,
             )
 
@@ -138,7 +141,9 @@ class PagedTokenAllocator:
         """
         prefix, seq, last = _as_list(prefix_lens), _as_list(seq_lens), _as_list(last_loc)
         if not (len(prefix) == len(seq) == len(last)):
-            raise InvalidArgumentError("prefix_lens/seq_lens/last_loc", "equal lengths", (len(prefix), len(seq), len(last)))
+            raise InvalidArgumentError(
+                "prefix_lens/seq_lens/last_loc", "equal lengths", (len(prefix), len(seq), len(last))
+            )
         ps = self.page_size
         new_pages_needed = 0
         tails: dict[int, int] = {}  # pages continued by earlier requests of this call -> their new tail
@@ -197,9 +202,13 @@ class PagedTokenAllocator:
         ps = self.page_size
         r = prefix_len % ps
         if prefix_len < 1 or r == 0:
-            raise InvalidArgumentError("prefix_len", f"a prefix ending mid-page (not a multiple of page_size={ps})", prefix_len)
+            raise InvalidArgumentError(
+                "prefix_len", f"a prefix ending mid-page (not a multiple of page_size={ps})", prefix_len
+            )
         if not (ps <= last_loc < self._owned.numel() and last_loc % ps == r - 1 and bool(self._owned[last_loc])):
-            raise KVSlotError("last_loc", f"the allocated slot of token {prefix_len - 1} (offset {r - 1} in its page)", last_loc)
+            raise KVSlotError(
+                "last_loc", f"the allocated slot of token {prefix_len - 1} (offset {r - 1} in its page)", last_loc
+            )
         src = torch.arange(last_loc - r + 1, last_loc + 1, dtype=torch.int64)
         if not bool(self._owned[src].all()):
             raise KVSlotError("last_loc", f"a page whose {r} prefix slots up to it are all allocated", last_loc)
@@ -224,7 +233,9 @@ class PagedTokenAllocator:
         t = torch.tensor(slots, dtype=torch.int64)
         if bool((t < ps).any()):
             reserved = [s for s in slots if s < ps][:8]
-            raise KVSlotError("free_index", "no slot of the reserved page 0 (the padding dummy, never handed out)", reserved)
+            raise KVSlotError(
+                "free_index", "no slot of the reserved page 0 (the padding dummy, never handed out)", reserved
+            )
         t = t.sort().values
         dup = t[1:][t[1:] == t[:-1]]
         if dup.numel():
@@ -252,7 +263,11 @@ class PagedTokenAllocator:
     def is_page_tail(self, slot: int) -> bool:
         """Whether `slot` is the last slot handed out in its page, i.e. `alloc_extend` may continue the
         page after it (False for the reserved page and for unallocated slots)."""
-        return self.is_allocated(slot) and slot >= self.page_size and self._tail[slot // self.page_size] == slot % self.page_size + 1
+        return (
+            self.is_allocated(slot)
+            and slot >= self.page_size
+            and self._tail[slot // self.page_size] == slot % self.page_size + 1
+        )
 
 
 class TokenAllocator(PagedTokenAllocator):

@@ -116,7 +116,9 @@ class ReqToTokenPool:
         """Set the slots of tokens start .. start+len(slots)-1 of the request in `row`."""
         end = start + slots.numel()
         if end > self.max_context_len:
-            raise InvalidArgumentError("slots", f"at most max_context_len={self.max_context_len} tokens per request", end)
+            raise InvalidArgumentError(
+                "slots", f"at most max_context_len={self.max_context_len} tokens per request", end
+            )
         self.req_to_token[row, start:end] = slots.to(self.req_to_token)
 
 
@@ -172,7 +174,9 @@ class _KVPoolBase:
     def _view(self, buf: torch.Tensor) -> torch.Tensor:
         return buf if self.store_dtype == self.dtype else buf.view(self.dtype)
 
-    def _check_rows(self, name: str, x: Optional[torch.Tensor], loc: torch.Tensor, tail: tuple[int, ...]) -> torch.Tensor:
+    def _check_rows(
+        self, name: str, x: Optional[torch.Tensor], loc: torch.Tensor, tail: tuple[int, ...]
+    ) -> torch.Tensor:
         if loc.dim() != 1:
             raise InvalidArgumentError("loc", "a 1-D tensor of slot ids", tuple(loc.shape))
         if x is None:
@@ -211,8 +215,13 @@ class MHATokenToKVPool(_KVPoolBase):
         self.head_num = head_num
         self.head_dim = head_dim
         self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
-        self.k_buffer = [torch.zeros(self._shape(head_dim), dtype=self.store_dtype, device=self.device) for _ in range(layer_num)]
-        self.v_buffer = [torch.zeros(self._shape(self.v_head_dim), dtype=self.store_dtype, device=self.device) for _ in range(layer_num)]
+        self.k_buffer = [
+            torch.zeros(self._shape(head_dim), dtype=self.store_dtype, device=self.device) for _ in range(layer_num)
+        ]
+        self.v_buffer = [
+            torch.zeros(self._shape(self.v_head_dim), dtype=self.store_dtype, device=self.device)
+            for _ in range(layer_num)
+        ]
 
     def _shape(self, dim: int) -> tuple[int, ...]:
         if self.kv_layout == "NHD":
@@ -271,7 +280,8 @@ class MLATokenToKVPool(_KVPoolBase):
         self.head_dim = kv_lora_rank + qk_rope_head_dim
         self.v_head_dim = kv_lora_rank
         self.kv_buffer = [
-            torch.zeros((self.num_slots, 1, self.head_dim), dtype=self.store_dtype, device=self.device) for _ in range(layer_num)
+            torch.zeros((self.num_slots, 1, self.head_dim), dtype=self.store_dtype, device=self.device)
+            for _ in range(layer_num)
         ]
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
@@ -304,7 +314,9 @@ class MLATokenToKVPool(_KVPoolBase):
     def set_mla_kv_buffer(self, layer: LayerRef, loc: SlotIds, k_nope: torch.Tensor, k_rope: torch.Tensor) -> None:
         """Write the latent from its two parts `[T, 1, kv_lora_rank]` and `[T, 1, qk_rope_head_dim]`."""
         self.set_kv_buffer(
-            layer, loc, torch.cat([k_nope.reshape(-1, 1, self.kv_lora_rank), k_rope.reshape(-1, 1, self.qk_rope_head_dim)], dim=-1)
+            layer,
+            loc,
+            torch.cat([k_nope.reshape(-1, 1, self.kv_lora_rank), k_rope.reshape(-1, 1, self.qk_rope_head_dim)], dim=-1),
         )
 
 

@@ -46,7 +46,9 @@ class SlidingWindowAllocator:
 
     def __init__(self, size: int, window_size: int, window: int, page_size: int = 1, device: Device = "cpu"):
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise InvalidArgumentError("window", "an int >= 1 (the largest sliding window of the window layers)", window)
+            raise InvalidArgumentError(
+                "window", "an int >= 1 (the largest sliding window of the window layers)", window
+            )
         self.full = PagedTokenAllocator(size, page_size, device)
         self.window_alloc = PagedTokenAllocator(window_size, page_size, device)
         self.window = window
@@ -147,11 +149,15 @@ class SlidingWindowAllocator:
         first_pos 7, the row from token 7 on.
         """
         dead = max(next_query_pos - self.window + 1 - first_pos, 0)
-        slots = token_slots[:dead] if isinstance(token_slots, torch.Tensor) else torch.tensor(_as_list(token_slots)[:dead])
+        slots = (
+            token_slots[:dead] if isinstance(token_slots, torch.Tensor) else torch.tensor(_as_list(token_slots)[:dead])
+        )
         slots = slots.reshape(-1).cpu().to(torch.int64)
         limit = self._host_map.numel()
         if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= limit):
-            raise InvalidArgumentError("token_slots", f"full slots in [0, {limit})", slots[(slots < 0) | (slots >= limit)][:8].tolist())
+            raise InvalidArgumentError(
+                "token_slots", f"full slots in [0, {limit})", slots[(slots < 0) | (slots >= limit)][:8].tolist()
+            )
         return self._release(slots)
 
 
@@ -185,16 +191,31 @@ class SlidingWindowKVPool:
         full_ids = [i for i in range(layer_num) if i not in window_layers]
         win_ids = sorted(window_layers)
         n_full = max(len(full_ids), 1)
-        self.full = MHATokenToKVPool(allocator.size, ps, dtype, head_num, head_dim, n_full, device, v_head_dim, kv_layout)
+        self.full = MHATokenToKVPool(
+            allocator.size, ps, dtype, head_num, head_dim, n_full, device, v_head_dim, kv_layout
+        )
         self.window_pool = MHATokenToKVPool(
             allocator.window_size, ps, dtype, head_num, head_dim, len(win_ids), device, v_head_dim, kv_layout
         )
         self.kv_layout = kv_layout
         # model layer id -> (pool, index in it)
-        self._where = {i: (self.full, k) for k, i in enumerate(full_ids)} | {i: (self.window_pool, k) for k, i in enumerate(win_ids)}
+        self._where = {i: (self.full, k) for k, i in enumerate(full_ids)} | {
+            i: (self.window_pool, k) for k, i in enumerate(win_ids)
+        }
         f = self.full
-        self.size, self.page_size, self.dtype, self.store_dtype, self.device = f.size, f.page_size, f.dtype, f.store_dtype, f.device
-        self.head_num, self.head_dim, self.v_head_dim, self.num_slots = f.head_num, f.head_dim, f.v_head_dim, f.num_slots
+        self.size, self.page_size, self.dtype, self.store_dtype, self.device = (
+            f.size,
+            f.page_size,
+            f.dtype,
+            f.store_dtype,
+            f.device,
+        )
+        self.head_num, self.head_dim, self.v_head_dim, self.num_slots = (
+            f.head_num,
+            f.head_dim,
+            f.v_head_dim,
+            f.num_slots,
+        )
 
     def _locate(self, layer_id: int):
         if layer_id not in self._where:

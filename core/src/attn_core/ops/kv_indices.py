@@ -240,10 +240,21 @@ def build_kv_indices(
         raise InvalidArgumentError("qo_indptr_out", "given exactly when q_lens is", qo_indptr_out is not None)
     if req_to_token.is_cuda and _triton_path() is not None:
         _triton_path()(
-            req_to_token, req_pool_indices, kv_lens, out, kv_indptr=indptr_out, last_page_len=last_page_len_out,
-            page_size=page_size, kv_start=kv_start, q_lens=q_lens, qo_indptr=qo_indptr_out, num_slots=num_slots, fault=fault,
-            capacity=total, keep_layout=keep_layout,
-        )  # fmt: skip
+            req_to_token,
+            req_pool_indices,
+            kv_lens,
+            out,
+            kv_indptr=indptr_out,
+            last_page_len=last_page_len_out,
+            page_size=page_size,
+            kv_start=kv_start,
+            q_lens=q_lens,
+            qo_indptr=qo_indptr_out,
+            num_slots=num_slots,
+            fault=fault,
+            capacity=total,
+            keep_layout=keep_layout,
+        )
         return out if whole_out else out[:total]
     indptr = page_indptr_from_lens(kv_lens, page_size)
     out[:total] = kv_indices_from_req_to_token(req_to_token, req_pool_indices, indptr, total, kv_start, page_size)

@@ -7,7 +7,8 @@ entries) and its new tokens' slots, and writes their allowed slots. The last pro
 slots of tokens no request covers. Every load is masked or its index clamped: the check itself cannot
 read out of bounds whatever the batch holds. Every input is read through its strides (a 1-D view with
 stride != 1, e.g. `loc[:, s]` of a `[bs, steps]` slot buffer, is read as torch reads it: reading it
-as dense once refused every request after the first of a correct engine's draft steps). Importing this module imports Triton.
+as dense once refused every request after the first of a correct engine's draft steps). Importing this
+module imports Triton.
 """
 
 from __future__ import annotations

@@ -72,7 +72,10 @@ def version_gate(triton_version: Optional[str], switch: Optional[str] = None) ->
         return "Triton is not installed"
     if parse_version(triton_version) not in VERIFIED_TRITON:
         verified = ", ".join(f"{a}.{b}" for a, b in VERIFIED_TRITON)
-        return f"Triton {triton_version} is not among the versions it was verified with ({verified}; {ENV_SWITCH}=force tries it)"
+        return (
+            f"Triton {triton_version} is not among the versions it was verified with "
+            f"({verified}; {ENV_SWITCH}=force tries it)"
+        )
     return None
 
 
@@ -90,7 +93,9 @@ def cached_launch_status() -> str:
     current environment (the interpreter and a rejected call are reported per launcher)."""
     version = _installed_triton_version()
     reason = (
-        "TRITON_INTERPRET=1 (the interpreter launches every call the normal way)" if triton_interpreter_enabled() else version_gate(version)
+        "TRITON_INTERPRET=1 (the interpreter launches every call the normal way)"
+        if triton_interpreter_enabled()
+        else version_gate(version)
     )
     return f"on (Triton {version})" if reason is None else f"off: {reason}"
 
@@ -132,7 +137,9 @@ class CachedLaunch:
     def _turn_off(self, reason: str) -> None:
         self.off_reason = reason
         self.compiled.clear()
-        _log_once(f"attn-core: cached Triton launch of {getattr(self.kernel, '__name__', self.kernel)!s} is off: {reason}")
+        _log_once(
+            f"attn-core: cached Triton launch of {getattr(self.kernel, '__name__', self.kernel)!s} is off: {reason}"
+        )
 
     def _check_version(self) -> None:
         """Gate on the installed Triton (the one the kernel came with), once, at the first GPU call."""
@@ -150,7 +157,10 @@ class CachedLaunch:
 
             self._runtime, self._stream_of = knobs.runtime, driver.active.get_current_stream
         except Exception as exc:  # noqa: BLE001 - no direct launch; the compiled handle still serves
-            _log_once(f"attn-core: cached Triton launch calls the compiled handle, not its launcher ({type(exc).__name__}: {exc})")
+            _log_once(
+                "attn-core: cached Triton launch calls the compiled handle, not its launcher "
+                f"({type(exc).__name__}: {exc})"
+            )
 
     def __call__(self, grid: tuple[int, ...], *args, **kwargs) -> None:
         if self.off_reason is not None or not getattr(args[0], "is_cuda", False):
@@ -198,8 +208,16 @@ class CachedLaunch:
         before its first (compiling) call."""
         return self.compiled.get(self._key(device, types, kwargs))
 
-    def _launch_or_fall_back(self, hit: tuple[Any, tuple], grid3: tuple[int, ...], device: int, launch_args: tuple,
-                             grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:  # fmt: skip
+    def _launch_or_fall_back(
+        self,
+        hit: tuple[Any, tuple],
+        grid3: tuple[int, ...],
+        device: int,
+        launch_args: tuple,
+        grid: tuple[int, ...],
+        args: tuple,
+        kwargs: dict,
+    ) -> None:
         compiled, constexprs = hit
         try:
             self._launch(compiled, grid3, device, launch_args + constexprs)
@@ -222,8 +240,18 @@ class CachedLaunch:
             return
         exit_hook = rt.launch_exit_hook
         stream = stream_of(device)
-        compiled.run(grid[0], grid[1], grid[2], stream, function, compiled.packed_metadata, None, None,
-                     exit_hook if _hooked(exit_hook) else None, *args)  # fmt: skip
+        compiled.run(
+            grid[0],
+            grid[1],
+            grid[2],
+            stream,
+            function,
+            compiled.packed_metadata,
+            None,
+            None,
+            exit_hook if _hooked(exit_hook) else None,
+            *args,
+        )
 
 
 class BoundLaunch:
@@ -234,8 +262,9 @@ class BoundLaunch:
     look-up by (device, types), then the compiled kernel's launcher (`CachedLaunch._launch`). What
     `CachedLaunch.__call__` adds per call is left out: the keywords' names and values in the cache key and
     the grid padded to 3-D (~4 µs of a launch with 11 constexprs on the H100 host, docs/dev/perf-notebook.md).
-    Everything else is the parent's: a call whose types it has not seen yet (the first, compiling) goes through `parent(grid, *args,
-    **kwargs)` and keeps the parent's compiled entry; while the parent's shortcut is off (another Triton,
+    Everything else is the parent's: a call whose types it has not seen yet (the first, compiling) goes
+    through `parent(grid, *args, **kwargs)` and keeps the parent's compiled entry; while the parent's
+    shortcut is off (another Triton,
     the interpreter, a rejected call), the tensors are off the GPU or `pointers_as_ints` is False, every
     call goes through the parent; so does a call whose first argument is not a CUDA tensor (the device
     comes from it)."""
@@ -247,7 +276,12 @@ class BoundLaunch:
 
     def __call__(self, *args) -> None:
         p = self.parent
-        if p.off_reason is not None or p._tensor_type is None or not p.pointers_as_ints or not getattr(args[0], "is_cuda", False):
+        if (
+            p.off_reason is not None
+            or p._tensor_type is None
+            or not p.pointers_as_ints
+            or not getattr(args[0], "is_cuda", False)
+        ):
             p(self.grid, *args, **self.kwargs)  # the gates (the first call passes them), the fallbacks
             return
         types, launch_args = _types_and_pointers(args, p._tensor_type)
@@ -271,7 +305,9 @@ def _hooked(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-def _types_and_pointers(args: tuple[Any, ...], tensor_type: Optional[type[torch.Tensor]] = None) -> tuple[tuple, Optional[tuple]]:
+def _types_and_pointers(
+    args: tuple[Any, ...], tensor_type: Optional[type[torch.Tensor]] = None
+) -> tuple[tuple, Optional[tuple]]:
     """(what of each argument selects a binary, as `_arg_type`; the arguments with every tensor replaced
     by its `data_ptr()`), or (types, None) when a tensor argument is not on a CUDA device.
 

@@ -53,7 +53,9 @@ def _check_mode(mode: ForwardMode, reqs: list[RequestShape]) -> None:
     if mode.is_target_verify():
         lens = {r.extend_len for r in reqs}
         if len(lens) != 1 or 0 in lens:
-            raise InvalidArgumentError("requests", "the same extend_len (draft tokens) >= 1 for every TARGET_VERIFY request", sorted(lens))
+            raise InvalidArgumentError(
+                "requests", "the same extend_len (draft tokens) >= 1 for every TARGET_VERIFY request", sorted(lens)
+            )
 
 
 def random_tree_mask(prefix_len: int, num_draft: int, generator: Optional[torch.Generator] = None) -> torch.Tensor:
@@ -119,7 +121,8 @@ def build_forward_batch(
     if new is None:
         req_to_token_pool.free(rows)
         raise KVCacheError(
-            f"out of KV slots: need {sum(total_lens)} tokens (page_size {allocator.page_size}), {allocator.available_size()} slots free"
+            f"out of KV slots: need {sum(total_lens)} tokens (page_size {allocator.page_size}), "
+            f"{allocator.available_size()} slots free"
         )
 
     new_cpu = new.cpu()

@@ -28,7 +28,9 @@ class RankFailure(RuntimeError):
     """A rank raised, died or timed out (the message names the rank and carries its traceback)."""
 
 
-def _rank_main(rank: int, world: int, store_path: str, module_path: str, func: str, args: tuple, results, dist_backend: str) -> None:
+def _rank_main(
+    rank: int, world: int, store_path: str, module_path: str, func: str, args: tuple, results, dist_backend: str
+) -> None:
     import torch.distributed as dist
 
     try:
@@ -38,8 +40,13 @@ def _rank_main(rank: int, world: int, store_path: str, module_path: str, func: s
         torch.set_num_threads(1)
         if dist_backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(dist_backend, init_method=f"file://{store_path}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group(
+            dist_backend,
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=120),
+        )
         spec = importlib.util.spec_from_file_location(f"_rank_module_{rank}", module_path)
         if spec is None or spec.loader is None:
             raise ImportError(f"cannot load {module_path} as a module")
@@ -54,8 +61,14 @@ def _rank_main(rank: int, world: int, store_path: str, module_path: str, func: s
             dist.destroy_process_group()
 
 
-def run_ranks(module_path: str, func: str, world: int, args: Sequence[Any] = (), timeout_s: float = 120.0,
-              dist_backend: str = "gloo") -> list[Any]:
+def run_ranks(
+    module_path: str,
+    func: str,
+    world: int,
+    args: Sequence[Any] = (),
+    timeout_s: float = 120.0,
+    dist_backend: str = "gloo",
+) -> list[Any]:
     """`func(rank, world, *args)` from the file `module_path` on `world` ranks (`dist_backend` "gloo",
     or "nccl" with rank r on GPU r); returns the ranks' return values in rank order. Raises
     `RankFailure` when a rank raises, exits without a result or is still running after `timeout_s`
@@ -64,9 +77,14 @@ def run_ranks(module_path: str, func: str, world: int, args: Sequence[Any] = (),
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank_main, daemon=True,
-                             args=(r, world, store, str(module_path), func, tuple(args), results, dist_backend))
-                 for r in range(world)]
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                daemon=True,
+                args=(r, world, store, str(module_path), func, tuple(args), results, dist_backend),
+            )
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         got: dict[int, Any] = {}
@@ -80,9 +98,15 @@ def run_ranks(module_path: str, func: str, world: int, args: Sequence[Any] = (),
                 try:
                     rank, ok, value = results.get(timeout=min(left, 1.0))
                 except queue.Empty:
-                    dead = [r for r, p in enumerate(procs) if r not in got and not p.is_alive() and p.exitcode not in (None, 0)]
+                    dead = [
+                        r
+                        for r, p in enumerate(procs)
+                        if r not in got and not p.is_alive() and p.exitcode not in (None, 0)
+                    ]
                     if dead:
-                        raise RankFailure(f"rank {dead[0]} died (exit code {procs[dead[0]].exitcode}) without a result") from None
+                        raise RankFailure(
+                            f"rank {dead[0]} died (exit code {procs[dead[0]].exitcode}) without a result"
+                        ) from None
                     continue
                 if not ok:
                     raise RankFailure(f"rank {rank} of {world} failed:\n{value}")

@@ -50,26 +50,42 @@ class EngineWorld:
         device: str = "cpu",
     ):
         self.kv = ac.MHATokenToKVPool(
-            size=slots, page_size=page_size, dtype=dtype, head_num=num_kv_heads, head_dim=head_dim, layer_num=num_layers,
+            size=slots,
+            page_size=page_size,
+            dtype=dtype,
+            head_num=num_kv_heads,
+            head_dim=head_dim,
+            layer_num=num_layers,
             device=device,
-        )  # fmt: skip
+        )
         for lid in range(num_layers):
             self.kv.get_key_buffer(lid).fill_(float("nan"))
             self.kv.get_value_buffer(lid).fill_(float("nan"))
         self.rows = ac.ReqToTokenPool(size=8, max_context_len=64, device=device)
         self.requests = ac.RequestPool(self.rows, ac.PagedTokenAllocator(slots, page_size), self.kv)
         ctx = ac.BackendContext(
-            device=torch.device(device), dtype=dtype, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            page_size=page_size, max_batch_size=8, max_context_len=64, req_to_token_pool=self.rows, token_to_kv_pool=self.kv,
-            forward_modes={"extend", "decode", "mixed"}, validation="full",
-        )  # fmt: skip
+            device=torch.device(device),
+            dtype=dtype,
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            page_size=page_size,
+            max_batch_size=8,
+            max_context_len=64,
+            req_to_token_pool=self.rows,
+            token_to_kv_pool=self.kv,
+            forward_modes={"extend", "decode", "mixed"},
+            validation="full",
+        )
         self.dtype, self.num_layers = dtype, num_layers
         self.shape = (num_q_heads, num_kv_heads, head_dim)
         self.backend = make_backend(ctx)
         self.layers = [ac.AttentionLayer(i, num_q_heads, num_kv_heads, head_dim) for i in range(num_layers)]
         self.by_name: dict[str, ac.Request] = {}
 
-    def step(self, work: Sequence[tuple[str, int]], qkv: Sequence[tuple[torch.Tensor, ...]]) -> tuple[ac.ForwardMode, list[torch.Tensor]]:
+    def step(
+        self, work: Sequence[tuple[str, int]], qkv: Sequence[tuple[torch.Tensor, ...]]
+    ) -> tuple[ac.ForwardMode, list[torch.Tensor]]:
         """One step: `work` [(name, new_tokens)], `qkv` per layer (q `[T, Hq, D]`, k / v `[T, Hkv, D]`) →
         (the step's mode, per layer output `[T, Hq * D]` as float64). Fails if the backend flagged a fault."""
         for name, _ in work:
@@ -94,7 +110,9 @@ class EngineWorld:
         )
 
 
-def causal_reference_step(history: dict, work: Sequence[tuple[str, int]], qkv: Sequence[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+def causal_reference_step(
+    history: dict, work: Sequence[tuple[str, int]], qkv: Sequence[tuple[torch.Tensor, ...]]
+) -> list[torch.Tensor]:
     """Plain float64 causal attention of one step: every request's keys are its history (in `history`,
     keyed by (name, layer), updated here) plus this step's tokens; softmax scale 1 / sqrt(D). Returns per
     layer `[T, Hq * D]`.
@@ -146,7 +164,8 @@ def compare_over_steps(
             continue
         T = sum(n for _, n in work)
         qkv = [
-            tuple(torch.randn(T, h, d, generator=gen).to(first.dtype).to(device) for h in (hq, hkv, hkv)) for _ in range(first.num_layers)
+            tuple(torch.randn(T, h, d, generator=gen).to(first.dtype).to(device) for h in (hq, hkv, hkv))
+            for _ in range(first.num_layers)
         ]
         results = []
         for world in worlds:

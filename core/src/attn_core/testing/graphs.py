@@ -20,7 +20,15 @@ import torch
 from attn_core.contract.batch import ForwardBatch, SpecInfo
 from attn_core.contract.forward_mode import ForwardMode
 from attn_core.contract.graph_step import CudaGraphStep, GraphPadding, graph_padding, graph_tokens_per_request
-from attn_core.testing.harness import AttnCase, CaseEnv, check_kv_writes, compare_layer, layer_inputs, make_env, make_layer
+from attn_core.testing.harness import (
+    AttnCase,
+    CaseEnv,
+    check_kv_writes,
+    compare_layer,
+    layer_inputs,
+    make_env,
+    make_layer,
+)
 from attn_core.testing.outcome import KitFailure
 from attn_core.testing.reference import relative_error, tolerance
 from attn_core.testing.target import KitTarget
@@ -100,7 +108,9 @@ class _Static:
         return batch
 
 
-def _padded_spec_info(real: Optional[ForwardBatch], bs_pad: int, t: int, seq_cpu: torch.Tensor, with_mask: bool, dev) -> SpecInfo:
+def _padded_spec_info(
+    real: Optional[ForwardBatch], bs_pad: int, t: int, seq_cpu: torch.Tensor, with_mask: bool, dev
+) -> SpecInfo:
     if not with_mask:
         return SpecInfo(num_draft_tokens=t)
     masks = []
@@ -165,13 +175,17 @@ def graph_case_check(target: KitTarget, case: AttnCase, capture_sizes: Sequence[
         worst = 0.0
         for step, (real, requests) in enumerate(zip(env.batches, case.step_requests())):
             if real.batch_size > sizes[-1]:
-                raise KitFailure(f"step {step} has {real.batch_size} requests, more than the largest capture {sizes[-1]}")
+                raise KitFailure(
+                    f"step {step} has {real.batch_size} requests, more than the largest capture {sizes[-1]}"
+                )
             pad = graph_padding(mode, real.batch_size, sizes, fill, t)
             size = pad.padded_bs
             where = f"step {step} (bs {real.batch_size} padded to {size}, fill {fill})\n  case: {case.describe()}"
             inputs = [layer_inputs(env, lid, gen, real, requests) for lid in range(case.num_layers)]
             pool = env.kv_pool
-            before = [[pool.get_key_buffer(lid).clone(), pool.get_value_buffer(lid).clone()] for lid in range(case.num_layers)]
+            before = [
+                [pool.get_key_buffer(lid).clone(), pool.get_value_buffer(lid).clone()] for lid in range(case.num_layers)
+            ]
             real.attn_backend = backend
             backend.init_forward_metadata(real)
             eager = [layer(i["q"], i["k"], i["v"], real) for layer, i in zip(layers, inputs)]
@@ -267,7 +281,9 @@ def _shorten(env: CaseEnv, batch: ForwardBatch, r: int) -> None:
 def _addresses(static: _Static, backend) -> tuple[dict[str, int], dict[str, int]]:
     """The addresses a captured graph reads: the static inputs, and the device tensors of the metadata."""
     dev = static.seq_lens.device.type
-    inputs = _device_tensors([static.req_pool_indices, static.seq_lens, static.out_cache_loc, static.inputs], dev, "static")
+    inputs = _device_tensors(
+        [static.req_pool_indices, static.seq_lens, static.out_cache_loc, static.inputs], dev, "static"
+    )
     return inputs, _device_tensors(backend.forward_metadata, dev)
 
 
@@ -296,7 +312,10 @@ def graph_relocation_check(target: KitTarget, case: AttnCase):
         real.seq_lens = real.seq_lens.clone()  # its own storage: the moves below change the batch
         moves = [("as built", lambda: None), ("rows swapped", lambda: _swap_rows(env, real, 0, bs - 1))]
         shortest = min(range(bs), key=lambda i: int(real.seq_lens_cpu[i]))  # the case's spare pages hold it
-        moves += [("pages moved", lambda: _move_pages(env, real, shortest)), ("seq_lens shortened", lambda: _shorten(env, real, bs - 1))]
+        moves += [
+            ("pages moved", lambda: _move_pages(env, real, shortest)),
+            ("seq_lens shortened", lambda: _shorten(env, real, bs - 1)),
+        ]
         tol = tolerance(getattr(torch, case.dtype))
         gen = torch.Generator().manual_seed(case.seed + 3)
         worst = 0.0
@@ -321,10 +340,16 @@ def graph_relocation_check(target: KitTarget, case: AttnCase):
                     msg = f"graph replay after '{what}', layer {lid}: rel err {err:.3g} vs eager (tol {tol:g})"
                     raise KitFailure(f"{msg}\n  case: {case.describe()}")
                 worst = max(worst, err)
-            for label, before, now in zip(("graph input", "graph metadata"), at_capture, _addresses(static, graph_backend)):
+            for label, before, now in zip(
+                ("graph input", "graph metadata"), at_capture, _addresses(static, graph_backend)
+            ):
                 moved = sorted(k for k in before if now.get(k) != before[k])
                 if moved:
-                    raise KitFailure(f"after '{what}': {label} buffers moved since capture: {moved[:4]}\n  case: {case.describe()}")
-        return f"{len(moves)} replays (rows, pages, seq_lens moved) match eager, max rel err {worst:.2g}; no buffer moved"
+                    raise KitFailure(
+                        f"after '{what}': {label} buffers moved since capture: {moved[:4]}\n  case: {case.describe()}"
+                    )
+        return (
+            f"{len(moves)} replays (rows, pages, seq_lens moved) match eager, max rel err {worst:.2g}; no buffer moved"
+        )
 
     return run

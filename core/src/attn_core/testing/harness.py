@@ -102,7 +102,9 @@ class AttnCase:
 
     def __post_init__(self):
         object.__setattr__(self, "mode", ForwardMode.parse(self.mode))
-        object.__setattr__(self, "requests", tuple(r if isinstance(r, RequestShape) else RequestShape(*r) for r in self.requests))
+        object.__setattr__(
+            self, "requests", tuple(r if isinstance(r, RequestShape) else RequestShape(*r) for r in self.requests)
+        )
         object.__setattr__(self, "steps", tuple(tuple(int(i) for i in s) for s in self.steps))
         object.__setattr__(self, "spans", tuple((int(a), int(b)) for a, b in self.spans))
 
@@ -111,9 +113,10 @@ class AttnCase:
         return list(self.steps) if self.steps else [tuple(range(len(self.requests)))]
 
     def describe(self) -> str:
+        reqs = [(r.prefix_len, r.extend_len) + ((r.encoder_len,) if r.encoder_len else ()) for r in self.requests]
         parts = [
             self.mode.name,
-            f"reqs={[(r.prefix_len, r.extend_len) + ((r.encoder_len,) if r.encoder_len else ()) for r in self.requests]}",
+            f"reqs={reqs}",
             f"heads={self.num_q_heads}/{self.num_kv_heads}",
             f"d={self.head_dim}",
             self.dtype,
@@ -215,7 +218,9 @@ def make_env(case: AttnCase) -> CaseEnv:
         )
     elif mla:
         allocator = PagedTokenAllocator(pages * ps, ps, dev)
-        kv_pool = MLATokenToKVPool(pages * ps, ps, kv_dtype, case.kv_lora_rank, case.qk_rope_head_dim, case.num_layers, dev)
+        kv_pool = MLATokenToKVPool(
+            pages * ps, ps, kv_dtype, case.kv_lora_rank, case.qk_rope_head_dim, case.num_layers, dev
+        )
     else:
         allocator = PagedTokenAllocator(pages * ps, ps, dev)
         kv_pool = MHATokenToKVPool(
@@ -380,7 +385,11 @@ def _fill_cache(env: CaseEnv, gen: torch.Generator) -> None:
             pre_slots = layer_slots(env, layer, r2t[row, r.encoder_len : r.encoder_len + r.prefix_len].long())
             kept = pre_slots != 0  # released window slots stay poisoned (slot 0 is the dummy)
             k = cache.k(_rand((r.prefix_len, hk, dk), torch.float32, gen, pool.device))
-            v = k[..., :dv] if case.arch == ARCH_MLA else cache.v(_rand((r.prefix_len, hv, dv), torch.float32, gen, pool.device))
+            v = (
+                k[..., :dv]
+                if case.arch == ARCH_MLA
+                else cache.v(_rand((r.prefix_len, hv, dv), torch.float32, gen, pool.device))
+            )
             if case.cascade_prefix and ks[order[0]] is not None:  # the shared prefix's K/V are the first request's
                 p = case.cascade_prefix
                 k[:p], v[:p] = ks[order[0]][:p], vs[order[0]][:p]
@@ -389,7 +398,11 @@ def _fill_cache(env: CaseEnv, gen: torch.Generator) -> None:
                 _write_rows(pool, v_buf, pre_slots[kept], cache.stored_v(v[kept]))
             ks[i], vs[i] = k, v
             ek = cache.k(_rand((r.encoder_len, hk, dk), torch.float32, gen, pool.device))
-            ev = ek[..., :dv] if case.arch == ARCH_MLA else cache.v(_rand((r.encoder_len, hv, dv), torch.float32, gen, pool.device))
+            ev = (
+                ek[..., :dv]
+                if case.arch == ARCH_MLA
+                else cache.v(_rand((r.encoder_len, hv, dv), torch.float32, gen, pool.device))
+            )
             if r.prefix_len > 0:  # encoder K/V of running requests are cached; new requests bring theirs
                 _write_rows(pool, k_buf, enc_slots, cache.stored_k(ek))
                 if case.arch != ARCH_MLA:
@@ -425,7 +438,10 @@ class CaseResult:
     @property
     def ok(self) -> bool:
         tol = self.tolerance()
-        return all(lr.kv_ok and lr.out_error <= tol and (lr.lse_error is None or lr.lse_error <= max(tol, 1e-4)) for lr in self.layers)
+        return all(
+            lr.kv_ok and lr.out_error <= tol and (lr.lse_error is None or lr.lse_error <= max(tol, 1e-4))
+            for lr in self.layers
+        )
 
     def message(self) -> str:
         tol = self.tolerance()
@@ -465,7 +481,11 @@ def _fp8_scales(case: AttnCase, layer_id: int) -> dict:
 
 
 def layer_inputs(
-    env: CaseEnv, layer_id: int, gen: torch.Generator, batch: Optional[ForwardBatch] = None, requests: Optional[Sequence[int]] = None
+    env: CaseEnv,
+    layer_id: int,
+    gen: torch.Generator,
+    batch: Optional[ForwardBatch] = None,
+    requests: Optional[Sequence[int]] = None,
 ) -> dict:
     """Random q (and new K/V) of one layer for `batch` (default: the first step), whose requests are
     `requests` (indices into the case's requests; default: the first step's), in the case's dtypes and device."""
@@ -490,7 +510,11 @@ def layer_inputs(
 
 
 def reference_for_layer(
-    env: CaseEnv, layer: AttentionLayer, inputs: dict, batch: Optional[ForwardBatch] = None, requests: Optional[Sequence[int]] = None
+    env: CaseEnv,
+    layer: AttentionLayer,
+    inputs: dict,
+    batch: Optional[ForwardBatch] = None,
+    requests: Optional[Sequence[int]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense float64 reference of every new token of `batch` (default: the first step; its requests are
     `requests`, indices into the case's requests): output `[T, Hq, Dv]`, LSE `[T, Hq]`."""
@@ -511,7 +535,14 @@ def reference_for_layer(
         if case.cross_attention:
             k, v = env.cached_enc_k[lid][i], env.cached_enc_v[lid][i]
             o, lse = reference_attention(
-                q, k, v, q_positions=positions, scale=layer.scaling, causal=False, logit_cap=layer.logit_cap, sinks=inputs["sinks"]
+                q,
+                k,
+                v,
+                q_positions=positions,
+                scale=layer.scaling,
+                causal=False,
+                logit_cap=layer.logit_cap,
+                sinks=inputs["sinks"],
             )
         else:
             new_k = cache.k(inputs["k"][start : start + n])
@@ -567,7 +598,10 @@ def check_kv_writes(
         loc, k, v = batch.encoder_out_cache_loc, inputs["k"], inputs["v"]
     else:
         loc, k, v = layer_slots(env, layer.layer_id, batch.out_cache_loc), inputs["k"], inputs["v"]
-    after = [token_major(pool, pool.get_key_buffer(layer.layer_id)), token_major(pool, pool.get_value_buffer(layer.layer_id))]
+    after = [
+        token_major(pool, pool.get_key_buffer(layer.layer_id)),
+        token_major(pool, pool.get_value_buffer(layer.layer_id)),
+    ]
     before = [token_major(pool, b) for b in before]
     expected_new = [] if k is None else [k, k[..., : pool.v_head_dim] if v is None else v]
     fp8 = is_fp8(pool.dtype)
@@ -582,10 +616,19 @@ def check_kv_writes(
             if not torch.equal(got, want):
                 bad = (got != want).reshape(got.shape[0], -1).any(-1).nonzero().flatten()[:5].tolist()
                 return False, f"{name} of new tokens not written to their slots (first bad rows {bad})"
-            if fp8 and not bool(((got * scale - new.double()).abs() <= e4m3_error_bound(new, scale) * (1 + 1e-9)).all()):
-                return False, f"{name} of new tokens: dequantized cache farther from the input than e4m3 rounding allows"
-        if not torch.equal(torch.nan_to_num(a[mask].double(), nan=12345.0), torch.nan_to_num(b[mask].double(), nan=12345.0)):
-            changed = (torch.nan_to_num(a, nan=12345.0) != torch.nan_to_num(b, nan=12345.0)).reshape(a.shape[0], -1).any(-1)
+            if fp8 and not bool(
+                ((got * scale - new.double()).abs() <= e4m3_error_bound(new, scale) * (1 + 1e-9)).all()
+            ):
+                return (
+                    False,
+                    f"{name} of new tokens: dequantized cache farther from the input than e4m3 rounding allows",
+                )
+        if not torch.equal(
+            torch.nan_to_num(a[mask].double(), nan=12345.0), torch.nan_to_num(b[mask].double(), nan=12345.0)
+        ):
+            changed = (
+                (torch.nan_to_num(a, nan=12345.0) != torch.nan_to_num(b, nan=12345.0)).reshape(a.shape[0], -1).any(-1)
+            )
             changed &= mask
             return False, f"{name} written outside out_cache_loc (slots {changed.nonzero().flatten()[:8].tolist()})"
     return True, "ok"

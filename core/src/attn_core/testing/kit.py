@@ -80,7 +80,9 @@ def make_plan(
     profile = profile_for(device, quick)
     reason = unavailable_reason(target, device)
     checks = [] if reason else build_checks(target, profile, seed)
-    distribution = target.spec.distribution if target.spec is not None else distribution_of_module(target.backend_class.__module__)
+    distribution = (
+        target.spec.distribution if target.spec is not None else distribution_of_module(target.backend_class.__module__)
+    )
     skips = dict(skip or {})
     spec = target.spec
     if spec is not None:
@@ -91,7 +93,9 @@ def make_plan(
     return KitPlan(target, profile, checks, reason, skips)
 
 
-def run_plan(plan: KitPlan, select: Sequence[str] = (), on_outcome: Optional[Callable[[Outcome], None]] = None) -> list[Outcome]:
+def run_plan(
+    plan: KitPlan, select: Sequence[str] = (), on_outcome: Optional[Callable[[Outcome], None]] = None
+) -> list[Outcome]:
     """Run the plan's checks (only those whose id contains one of `select`, when given)."""
     outcomes = []
     for check in plan.checks:

@@ -41,7 +41,9 @@ def spec_import_check(target: KitTarget, timeout_s: float = 60.0):
         if not result["is_spec"]:
             raise KitFailure(f"{target.spec_source} is not a BackendSpec")
         if result["heavy"]:
-            raise KitFailure(f"importing {target.spec_source} imported {result['heavy']}; a spec must stay import-light")
+            raise KitFailure(
+                f"importing {target.spec_source} imported {result['heavy']}; a spec must stay import-light"
+            )
         return f"{target.spec_source} imports none of {', '.join(HEAVY_MODULES)}"
 
     return run

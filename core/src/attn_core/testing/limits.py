@@ -78,4 +78,10 @@ def environment_skips(distribution: Optional[str], q_dtypes: Collection[str], de
     return skips
 
 
-__all__ = ["BF16_INTERPRETER_REASON", "distribution_of_module", "distribution_requires", "environment_skips", "runs_in_triton_interpreter"]
+__all__ = [
+    "BF16_INTERPRETER_REASON",
+    "distribution_of_module",
+    "distribution_requires",
+    "environment_skips",
+    "runs_in_triton_interpreter",
+]

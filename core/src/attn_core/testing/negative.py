@@ -20,12 +20,17 @@ REFUSALS = (UnsupportedFeatureError, IncompatibleBackendError)
 
 def _snapshot(env: CaseEnv) -> list[torch.Tensor]:
     pool = env.kv_pool
-    return [b.clone() for lid in range(env.case.num_layers) for b in (pool.get_key_buffer(lid), pool.get_value_buffer(lid))]
+    return [
+        b.clone() for lid in range(env.case.num_layers) for b in (pool.get_key_buffer(lid), pool.get_value_buffer(lid))
+    ]
 
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     """Bit-identical, NaN (the poison) equal to NaN."""
-    return all(torch.equal(torch.nan_to_num(x.double(), nan=12345.0), torch.nan_to_num(y.double(), nan=12345.0)) for x, y in zip(a, b))
+    return all(
+        torch.equal(torch.nan_to_num(x.double(), nan=12345.0), torch.nan_to_num(y.double(), nan=12345.0))
+        for x, y in zip(a, b)
+    )
 
 
 def _expect(cid: str, case: AttnCase, errors: tuple, what: str, attempt: Callable[[CaseEnv], object]) -> str:
@@ -41,7 +46,9 @@ def _expect(cid: str, case: AttnCase, errors: tuple, what: str, attempt: Callabl
             raise KitFailure(f"{msg}\n  case: {case.describe()}") from None
         return f"{type(exc).__name__}: {exc}"
     except Exception as exc:
-        raise KitFailure(f"{what}: expected {names}, got {type(exc).__name__}: {exc}\n  case: {case.describe()}") from exc
+        raise KitFailure(
+            f"{what}: expected {names}, got {type(exc).__name__}: {exc}\n  case: {case.describe()}"
+        ) from exc
     raise KitFailure(f"{what}: expected {names}, but the call succeeded\n  case: {case.describe()}")
 
 
@@ -57,7 +64,9 @@ def _forward(target: KitTarget, env: CaseEnv, init_metadata: bool = True, **chan
     inputs.update({name: changes.pop(name)(inputs) for name in ("q", "k", "v") if name in changes})
     extras = forward_extras(env.case, inputs)
     extras.update(changes.pop("extras", {}))
-    return backend.forward(inputs["q"], inputs["k"], inputs["v"], layer, env.batch, changes.pop("save_kv_cache", True), **extras)
+    return backend.forward(
+        inputs["q"], inputs["k"], inputs["v"], layer, env.batch, changes.pop("save_kv_cache", True), **extras
+    )
 
 
 def bad_input_checks(target: KitTarget, case: AttnCase) -> dict[str, Callable[[], str]]:
@@ -84,7 +93,11 @@ def bad_input_checks(target: KitTarget, case: AttnCase) -> dict[str, Callable[[]
         add("q_dtype", f"q of undeclared dtype {odd}", q=lambda i: i["q"].to(odd))
     add("unknown_extra", "an unknown forward() keyword", extras={"not_an_extra": 1})
     if "sinks" in {f.value for f in caps.features}:
-        add("sinks_shape", "sinks of the wrong shape", extras={"sinks": torch.zeros(case.num_q_heads + 1, device=case.device)})
+        add(
+            "sinks_shape",
+            "sinks of the wrong shape",
+            extras={"sinks": torch.zeros(case.num_q_heads + 1, device=case.device)},
+        )
     add("no_metadata", "forward before init_forward_metadata", init_metadata=False)
     wide = dataclasses.replace(case, num_q_heads=case.num_q_heads * 2)
     add("layer_heads", "a layer whose head counts differ from the context", layer=make_layer(wide, 0))
@@ -144,7 +157,9 @@ def no_token_check(target: KitTarget, case: AttnCase) -> Callable[[], str]:
         out = backend.forward(q, None, None, layer, env.batch, save_kv_cache=False)
         want = (0, layer.num_q_heads * layer.v_head_dim)
         if tuple(out.shape) != want:
-            raise KitFailure(f"{case.mode.name} output has shape {tuple(out.shape)}, expected {want}\n  case: {case.describe()}")
+            raise KitFailure(
+                f"{case.mode.name} output has shape {tuple(out.shape)}, expected {want}\n  case: {case.describe()}"
+            )
         if not _same(before, _snapshot(env)):
             raise KitFailure(f"{case.mode.name} step wrote to the KV pool\n  case: {case.describe()}")
         return f"empty output {want}"

@@ -69,8 +69,13 @@ def numeric_check(target: KitTarget, case: AttnCase, deterministic: bool = False
             raise KitFailure(result.message())
         if deterministic:
             again = run_case(target.factory, case)
-            if [(lr.out_error, lr.lse_error) for lr in again.layers] != [(lr.out_error, lr.lse_error) for lr in result.layers]:
-                raise KitFailure(f"two runs of the same inputs differ (declared deterministic)\n{result.message()}\n{again.message()}")
+            if [(lr.out_error, lr.lse_error) for lr in again.layers] != [
+                (lr.out_error, lr.lse_error) for lr in result.layers
+            ]:
+                raise KitFailure(
+                    "two runs of the same inputs differ (declared deterministic)\n"
+                    f"{result.message()}\n{again.message()}"
+                )
         worst = max((lr.out_error for lr in result.layers), default=0.0)
         return f"max rel err {worst:.2g}"
 
@@ -243,7 +248,9 @@ class PlanBuilder:
             if kv != dtype and not mixed:
                 continue  # construction refuses the pair (checked below)
             for mode in self.variant_modes():
-                self.numeric(f"dtype-{dtype}-{mode.name}", self.case(mode, self.fixed_requests(mode), dtype=dtype, kv_dtype=kv))
+                self.numeric(
+                    f"dtype-{dtype}-{mode.name}", self.case(mode, self.fixed_requests(mode), dtype=dtype, kv_dtype=kv)
+                )
         if b.arch == ARCH_MHA:
             for layout in sorted(caps.kv_layouts - {"NHD"}):
                 for ps in sorted({b.page_size, self.page_sizes()[-1]}):
@@ -288,21 +295,30 @@ class PlanBuilder:
             if kv not in caps.kv_dtypes:
                 if mode is not None:
                     case = self.case(mode, self.fixed_requests(mode), kv_dtype=kv)
-                    self.add(f"refuse-kv_dtype-{kv}", refusal_check(self.target, case, f"KV dtype {kv}"), case.describe())
+                    self.add(
+                        f"refuse-kv_dtype-{kv}", refusal_check(self.target, case, f"KV dtype {kv}"), case.describe()
+                    )
                 continue
             modes = [m for m in (ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY) if m in b.modes]
             for m in modes:
                 self.numeric(f"fp8_kv-{kv}-{m.name}", self.case(m, self.fixed_requests(m), kv_dtype=kv))
             for m in self.variant_modes():
                 reqs = self.fixed_requests(m) + [(self.p.max_prefix // 2, 1 if m.is_decode() else 2), (5, 1)]
-                self.numeric(f"fp8_kv-{kv}-steps-{m.name}", self.case(m, reqs, kv_dtype=kv, steps=((0, 2, 4), (1, 3, 5))))
+                self.numeric(
+                    f"fp8_kv-{kv}-steps-{m.name}", self.case(m, reqs, kv_dtype=kv, steps=((0, 2, 4), (1, 3, 5)))
+                )
             if ARCH_MLA in caps.archs and b.arch != ARCH_MLA:
                 for m in self.variant_modes():
-                    self.numeric(f"fp8_kv-{kv}-mla-{m.name}", self.case(m, self.fixed_requests(m), arch=ARCH_MLA, kv_dtype=kv))
+                    self.numeric(
+                        f"fp8_kv-{kv}-mla-{m.name}", self.case(m, self.fixed_requests(m), arch=ARCH_MLA, kv_dtype=kv)
+                    )
             for dtype in _prefer(caps.q_dtypes, _DTYPE_ORDER):
                 if dtype != b.dtype:
                     for m in self.variant_modes():
-                        self.numeric(f"fp8_kv-{kv}-dtype-{dtype}-{m.name}", self.case(m, self.fixed_requests(m), dtype=dtype, kv_dtype=kv))
+                        self.numeric(
+                            f"fp8_kv-{kv}-dtype-{dtype}-{m.name}",
+                            self.case(m, self.fixed_requests(m), dtype=dtype, kv_dtype=kv),
+                        )
 
     def add_feature_checks(self) -> None:
         caps, target = self.caps, self.target
@@ -311,11 +327,19 @@ class PlanBuilder:
         if Feature.SLIDING_WINDOW in declared:
             for w in p.windows:
                 for mode in self.variant_modes():
-                    self.numeric(f"sliding_window-{w}-{mode.name}", self.case(mode, self.fixed_requests(mode), sliding_window=w))
+                    self.numeric(
+                        f"sliding_window-{w}-{mode.name}", self.case(mode, self.fixed_requests(mode), sliding_window=w)
+                    )
             for mode in self.variant_modes():  # one metadata, windowed and full layers interleaved
-                case = self.case(mode, self.fixed_requests(mode), sliding_window=p.windows[-1], window_even_layers_only=True)
+                case = self.case(
+                    mode, self.fixed_requests(mode), sliding_window=p.windows[-1], window_even_layers_only=True
+                )
                 self.numeric(f"sliding_window_interleaved-{mode.name}", case)
-        if Feature.SLIDING_WINDOW_POOL in declared and Feature.SLIDING_WINDOW in declared and self.base.arch == ARCH_MHA:
+        if (
+            Feature.SLIDING_WINDOW_POOL in declared
+            and Feature.SLIDING_WINDOW in declared
+            and self.base.arch == ARCH_MHA
+        ):
             self.add_window_pool_checks()
         if Feature.CHUNKED_LOCAL_ATTENTION in declared:
             self.add_chunked_local_checks()
@@ -337,7 +361,9 @@ class PlanBuilder:
                 self.numeric(f"encoder_self-{mode.name}", self.case(mode, reqs))
         if Feature.DETERMINISTIC in declared:
             for mode in self.variant_modes():
-                self.numeric(f"deterministic-{mode.name}", self.case(mode, self.fixed_requests(mode)), deterministic=True)
+                self.numeric(
+                    f"deterministic-{mode.name}", self.case(mode, self.fixed_requests(mode)), deterministic=True
+                )
         combined = self.combined_mode()
         if combined is not None:
             kw = {}
@@ -351,7 +377,9 @@ class PlanBuilder:
                 kw["return_lse"] = True
             if kw:
                 reqs = self.fixed_requests(combined)
-                self.numeric(f"combined-{combined.name}", self.case(combined, reqs, page_size=self.page_sizes()[-1], **kw))
+                self.numeric(
+                    f"combined-{combined.name}", self.case(combined, reqs, page_size=self.page_sizes()[-1], **kw)
+                )
         # undeclared features must be refused
         refusals = {
             Feature.SLIDING_WINDOW: dict(sliding_window=3),
@@ -367,14 +395,22 @@ class PlanBuilder:
             if feature not in declared:
                 case = self.case(mode, self.fixed_requests(mode), **kw)
                 self.add(f"refuse-{feature.value}", refusal_check(target, case, feature.value), case.describe())
-        if Feature.SLIDING_WINDOW in declared and Feature.SLIDING_WINDOW_POOL not in declared and self.base.arch == ARCH_MHA:
+        if (
+            Feature.SLIDING_WINDOW in declared
+            and Feature.SLIDING_WINDOW_POOL not in declared
+            and self.base.arch == ARCH_MHA
+        ):
             case = self.case(mode, self.fixed_requests(mode), sliding_window=3, window_pool=True)
-            self.add("refuse-sliding_window_pool", refusal_check(target, case, "sliding-window KV pool"), case.describe())
+            self.add(
+                "refuse-sliding_window_pool", refusal_check(target, case, "sliding-window KV pool"), case.describe()
+            )
         if Feature.CROSS_ATTENTION not in declared:
             case = self.case(mode, self.encoder_requests(mode), cross_attention=True)
             self.add("refuse-cross_attention", refusal_check(target, case, "cross attention"), case.describe())
         if Feature.CUSTOM_MASK not in declared and ForwardMode.TARGET_VERIFY in self.base.modes:
-            case = self.case(ForwardMode.TARGET_VERIFY, self.fixed_requests(ForwardMode.TARGET_VERIFY), custom_mask=True)
+            case = self.case(
+                ForwardMode.TARGET_VERIFY, self.fixed_requests(ForwardMode.TARGET_VERIFY), custom_mask=True
+            )
             self.add("refuse-custom_mask", refusal_check(target, case, "custom mask"), case.describe())
 
     def add_window_pool_checks(self) -> None:
@@ -383,7 +419,14 @@ class PlanBuilder:
         w = self.p.windows[-1]
         for mode in self.variant_modes():
             reqs = self.fixed_requests(mode) + [(self.p.max_prefix // 2, 1 if mode.is_decode() else 2), (5, 1)]
-            case = self.case(mode, reqs, sliding_window=w, window_even_layers_only=True, window_pool=True, steps=((0, 2, 4), (1, 3, 5)))
+            case = self.case(
+                mode,
+                reqs,
+                sliding_window=w,
+                window_even_layers_only=True,
+                window_pool=True,
+                steps=((0, 2, 4), (1, 3, 5)),
+            )
             self.numeric(f"window_pool_interleaved-{mode.name}", case)
         pages = [ps for ps in self.page_sizes() if ps > 1]
         if pages:
@@ -402,10 +445,13 @@ class PlanBuilder:
             n = 1 if mode.is_decode() else E
             reqs = [(shared, n), (P, 1 if mode.is_decode() else 2), (shared + 3, n // 2 + 1), (shared, 1)]
             self.numeric(
-                f"cascade-{mode.name}", self.case(mode, reqs, cascade_prefix=shared, return_lse=Feature.LSE_OUTPUT in self.caps.features)
+                f"cascade-{mode.name}",
+                self.case(mode, reqs, cascade_prefix=shared, return_lse=Feature.LSE_OUTPUT in self.caps.features),
             )
             ps = self.page_sizes()[-1]
-            self.numeric(f"cascade-page_size-{ps}-{mode.name}", self.case(mode, reqs, cascade_prefix=shared, page_size=ps))
+            self.numeric(
+                f"cascade-page_size-{ps}-{mode.name}", self.case(mode, reqs, cascade_prefix=shared, page_size=ps)
+            )
             kw = dict(logit_cap=LOGIT_CAP) if Feature.LOGIT_CAP in self.caps.features else {}
             if Feature.SLIDING_WINDOW in self.caps.features:
                 kw.update(sliding_window=self.p.windows[-1], window_even_layers_only=True)
@@ -419,7 +465,9 @@ class PlanBuilder:
         p = self.p
         for c in p.chunk_sizes:
             for mode in self.variant_modes():
-                self.numeric(f"chunked_local-{c}-{mode.name}", self.case(mode, self.fixed_requests(mode), attention_chunk_size=c))
+                self.numeric(
+                    f"chunked_local-{c}-{mode.name}", self.case(mode, self.fixed_requests(mode), attention_chunk_size=c)
+                )
         pages = [ps for ps in self.page_sizes() if ps > 1]
         if pages:
             ps = 16 if 16 in pages else pages[0]
@@ -429,7 +477,13 @@ class PlanBuilder:
                 self.numeric(f"chunked_local-page_size-{ps}-{mode.name}", case)
         for mode in self.variant_modes():
             reqs = self.fixed_requests(mode) + [(self.p.max_prefix // 2, 1 if mode.is_decode() else 2), (5, 1)]
-            case = self.case(mode, reqs, attention_chunk_size=p.chunk_sizes[0], chunk_even_layers_only=True, steps=((0, 2, 4), (1, 3, 5)))
+            case = self.case(
+                mode,
+                reqs,
+                attention_chunk_size=p.chunk_sizes[0],
+                chunk_even_layers_only=True,
+                steps=((0, 2, 4), (1, 3, 5)),
+            )
             self.numeric(f"chunked_local_interleaved-{mode.name}", case)
 
     def combined_mode(self) -> Optional[ForwardMode]:
@@ -484,7 +538,11 @@ class PlanBuilder:
         for mode in TOKEN_MODES:
             if mode not in caps.forward_modes:
                 case = self.case(mode, self.fixed_requests(mode), custom_mask=caps.supports(Feature.CUSTOM_MASK))
-                self.add(f"refuse-mode-{mode.name}", refusal_check(target, case, f"forward mode {mode.name}"), case.describe())
+                self.add(
+                    f"refuse-mode-{mode.name}",
+                    refusal_check(target, case, f"forward mode {mode.name}"),
+                    case.describe(),
+                )
         if not b.variant_modes:
             return
         mode = b.variant_modes[0]
@@ -492,11 +550,15 @@ class PlanBuilder:
         for dtype in _DTYPE_ORDER:
             if dtype not in caps.q_dtypes:
                 case = self.case(mode, reqs, dtype=dtype, kv_dtype=dtype)
-                self.add(f"refuse-dtype-{dtype}", refused_or_correct_check(target, case, f"q dtype {dtype}"), case.describe())
+                self.add(
+                    f"refuse-dtype-{dtype}", refused_or_correct_check(target, case, f"q dtype {dtype}"), case.describe()
+                )
         ps = _undeclared((1, 16, 64, 3, 5), caps.page_sizes)
         if ps is not None:
             case = self.case(mode, self.page_requests(mode, ps), page_size=ps)
-            self.add(f"refuse-page_size-{ps}", refused_or_correct_check(target, case, f"page size {ps}"), case.describe())
+            self.add(
+                f"refuse-page_size-{ps}", refused_or_correct_check(target, case, f"page size {ps}"), case.describe()
+            )
         d = _undeclared((64, 128, 256, 96, 48, 40, 24), caps.head_dims) if b.arch == ARCH_MHA else None
         if d is not None:
             case = self.case(mode, reqs, head_dim=d)
@@ -505,11 +567,21 @@ class PlanBuilder:
             for layout in ("NHD", "HND"):
                 if layout not in caps.kv_layouts:
                     case = self.case(mode, reqs, kv_layout=layout)
-                    self.add(f"refuse-kv_layout-{layout}", refusal_check(target, case, f"kv_layout {layout}"), case.describe())
+                    self.add(
+                        f"refuse-kv_layout-{layout}",
+                        refusal_check(target, case, f"kv_layout {layout}"),
+                        case.describe(),
+                    )
         for arch in (ARCH_MHA, ARCH_MLA):
             if arch not in caps.archs:
-                case = self.case(mode, reqs, arch=arch, head_dim=self.p.head_dim if arch == ARCH_MHA else self.p.mla_head_dim)
-                self.add(f"refuse-arch-{arch}", refused_or_correct_check(target, case, f"attention arch {arch}"), case.describe())
+                case = self.case(
+                    mode, reqs, arch=arch, head_dim=self.p.head_dim if arch == ARCH_MHA else self.p.mla_head_dim
+                )
+                self.add(
+                    f"refuse-arch-{arch}",
+                    refused_or_correct_check(target, case, f"attention arch {arch}"),
+                    case.describe(),
+                )
 
     def add_hostile_checks(self) -> None:
         """The hostile-batch section (`attn_core.testing.hostile`), on the declared modes it needs, in both
@@ -533,7 +605,6 @@ class PlanBuilder:
             case = self.case(mode, self.fixed_requests(mode), cuda_graph_level=int(caps.cuda_graph))
             self.add(f"hostile-{name}", check(self.target, case), f"{what}: {case.describe()}")
 
-
     def add_masked_checks(self) -> None:
         """Masked keys add nothing whatever their values (`attn_core.testing.masked`): Inf / NaN in the
         K / V of new tokens earlier tokens must not see (extend-like modes, verify masks), and with a
@@ -554,7 +625,6 @@ class PlanBuilder:
             case = self.case(D, self.fixed_requests(D), sliding_window=self.p.windows[0])
             check = masked_nonfinite_check(self.target, case, window_keys=True)
             self.add("masked_nonfinite-window-DECODE", check, case.describe())
-
 
     def add_engine_kv_checks(self) -> None:
         """The engine-owned-memory section (`attn_core.testing.engine_memory`): every engine layout whose pool
@@ -585,7 +655,9 @@ class PlanBuilder:
             self.add(f"engine_kv-{declared[0]}-forward_writes", engine_case_check(self.target, case), case.describe())
             if caps.supports(Feature.SLIDING_WINDOW):
                 case = replace(first, sliding_window=p.windows[-1])
-                self.add(f"engine_kv-{declared[0]}-sliding_window", engine_case_check(self.target, case), case.describe())
+                self.add(
+                    f"engine_kv-{declared[0]}-sliding_window", engine_case_check(self.target, case), case.describe()
+                )
             for name, run in engine_hostile_checks(self.target, first).items():
                 self.add(f"engine_kv-hostile-{name}", run, first.describe())
         for layout in ("NHD", "HND"):

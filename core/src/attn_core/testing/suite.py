@@ -59,7 +59,9 @@ class ConformanceSuite:
         if key not in _PLANS:
             if cls.backend is None:
                 raise TypeError(f"{cls.__name__}: set `backend` to the backend under test")
-            _PLANS[key] = make_plan(cls.backend, device=device, quick=quick, seed=cls.seed, options=cls.options, skip=cls.skip)
+            _PLANS[key] = make_plan(
+                cls.backend, device=device, quick=quick, seed=cls.seed, options=cls.options, skip=cls.skip
+            )
         return _PLANS[key]
 
     def pytest_generate_tests(self, metafunc) -> None:
@@ -69,7 +71,10 @@ class ConformanceSuite:
         only = type(self).only
         if "kit_check" in metafunc.fixturenames:
             checks = [c for c in plan.checks if not only or c.id.startswith(tuple(only))]
-            params = [pytest.param(c, id=c.id, marks=[pytest.mark.skip(reason=r)] if (r := plan.skip_reason(c.id)) else []) for c in checks]
+            params = [
+                pytest.param(c, id=c.id, marks=[pytest.mark.skip(reason=r)] if (r := plan.skip_reason(c.id)) else [])
+                for c in checks
+            ]
             if plan.unavailable:
                 params = [pytest.param(None, id="unavailable", marks=pytest.mark.skip(reason=plan.unavailable))]
             metafunc.parametrize("kit_check", params)
@@ -80,11 +85,19 @@ class ConformanceSuite:
             if only and not any(o.startswith("hypothesis") for o in only):
                 modes = []
             params = [
-                pytest.param(m, id=m.name, marks=[pytest.mark.skip(reason=r)] if (r := plan.skip_reason(f"hypothesis-{m.name}")) else [])
+                pytest.param(
+                    m,
+                    id=m.name,
+                    marks=[pytest.mark.skip(reason=r)] if (r := plan.skip_reason(f"hypothesis-{m.name}")) else [],
+                )
                 for m in modes
             ]
             if not params:
-                params = [pytest.param(None, id="unavailable", marks=pytest.mark.skip(reason=plan.unavailable or "no forward mode"))]
+                params = [
+                    pytest.param(
+                        None, id="unavailable", marks=pytest.mark.skip(reason=plan.unavailable or "no forward mode")
+                    )
+                ]
             metafunc.parametrize("kit_mode", params)
 
     def test_check(self, kit_check: Check) -> None:

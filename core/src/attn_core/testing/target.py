@@ -33,7 +33,9 @@ class KitTarget:
         return TimedCheck(self.spec.probe).result(probe_timeout()) if self.spec is not None else None
 
 
-def resolve_target(backend: Union[str, BackendSpec, type], options: Optional[Mapping[str, Any]] = None, registry=None) -> KitTarget:
+def resolve_target(
+    backend: Union[str, BackendSpec, type], options: Optional[Mapping[str, Any]] = None, registry=None
+) -> KitTarget:
     """Resolve `backend` (a registry name, a spec or an `AttentionBackend` subclass). Raises the
     registry's typed errors (unknown, not installed, load failure, API mismatch, duplicate), except that a
     class that fails to load where the spec's probe says the backend cannot run here (its vendor library

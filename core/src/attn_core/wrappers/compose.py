@@ -34,7 +34,9 @@ def check_same_kv_layout(named_backends: Sequence[tuple[str, AttentionBackend]])
         for f in KV_LAYOUT_FIELDS:
             want, got = getattr(ref.ctx, f), getattr(b.ctx, f)
             if want != got:
-                raise InvalidArgumentError(name, f"a backend with {f}={want} like {ref_name} (same KV layout)", f"{f}={got}")
+                raise InvalidArgumentError(
+                    name, f"a backend with {f}={want} like {ref_name} (same KV layout)", f"{f}={got}"
+                )
         for pool in ("token_to_kv_pool", "req_to_token_pool"):
             a, c = getattr(ref.ctx, pool), getattr(b.ctx, pool)
             if a is not None and c is not None and a is not c:

@@ -46,7 +46,12 @@ class HybridAttnBackend(AttentionBackend[AttentionBackend]):
     name = "hybrid"
 
     def __init__(
-        self, prefill: AttentionBackend, decode: AttentionBackend, *, target_verify: str = "prefill", draft_extend: str = "prefill"
+        self,
+        prefill: AttentionBackend,
+        decode: AttentionBackend,
+        *,
+        target_verify: str = "prefill",
+        draft_extend: str = "prefill",
     ):
         for arg, value in (("target_verify", target_verify), ("draft_extend", draft_extend)):
             if value not in _CHOICES:
@@ -63,7 +68,8 @@ class HybridAttnBackend(AttentionBackend[AttentionBackend]):
         if len(set(fills.values())) > 1:
             raise InvalidArgumentError(
                 "prefill",
-                f"the CUDA-graph seq_len fill value {decode.get_cuda_graph_seq_len_fill_value()} of decode (both run inside graphs)",
+                f"the CUDA-graph seq_len fill value {decode.get_cuda_graph_seq_len_fill_value()} of decode "
+                "(both run inside graphs)",
                 prefill.get_cuda_graph_seq_len_fill_value(),
             )
 
@@ -111,7 +117,9 @@ class HybridAttnBackend(AttentionBackend[AttentionBackend]):
 
     def _graph_backend(self, mode: ForwardMode) -> AttentionBackend:
         if not self.capabilities.cuda_graph.covers(mode):
-            raise UnsupportedFeatureError(self.name, f"CUDA graphs for {mode.name} (level {self.capabilities.cuda_graph.name})")
+            raise UnsupportedFeatureError(
+                self.name, f"CUDA graphs for {mode.name} (level {self.capabilities.cuda_graph.name})"
+            )
         return self.backend_for(mode)
 
     # ---- metadata ------------------------------------------------------------------------------
@@ -145,21 +153,39 @@ class HybridAttnBackend(AttentionBackend[AttentionBackend]):
 
     # ---- attention: the routed backend validates and runs ----------------------------------------
     def forward(
-        self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer: AttentionLayer,
-        forward_batch: ForwardBatch, save_kv_cache: bool = True, **extras: Any,
+        self,
+        q: torch.Tensor,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        **extras: Any,
     ) -> Output:
         backend = self.backend_for(forward_batch.forward_mode)
         return backend.forward(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **extras)
 
     def forward_decode(
-        self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer: AttentionLayer,
-        forward_batch: ForwardBatch, save_kv_cache: bool = True, **extras: Any,
+        self,
+        q: torch.Tensor,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        **extras: Any,
     ) -> Output:
         return self.decode.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **extras)
 
     def forward_extend(
-        self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer: AttentionLayer,
-        forward_batch: ForwardBatch, save_kv_cache: bool = True, **extras: Any,
+        self,
+        q: torch.Tensor,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        **extras: Any,
     ) -> Output:
         backend = self.backend_for(forward_batch.forward_mode)
         return backend.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **extras)

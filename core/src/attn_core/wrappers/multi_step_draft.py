@@ -83,12 +83,17 @@ def allocate_draft_slots(
             last = [int(r2t[row, n - 1]) if n else 0 for row, n in zip(rows, lens)]
             slots = allocator.alloc_extend(lens, [n + num_steps for n in lens], last)
         if slots is None:
-            raise KVCacheError(f"out of KV slots for {bs * topk * num_steps} draft tokens ({allocator.available_size()} free)")
+            raise KVCacheError(
+                f"out of KV slots for {bs * topk * num_steps} draft tokens ({allocator.available_size()} free)"
+            )
         return slots.view(bs, topk, num_steps)
     pages_per_branch = [-(-(n % ps + num_steps) // ps) for n in lens]
     slots = allocator.alloc(sum(pages_per_branch) * topk * ps)
     if slots is None:
-        raise KVCacheError(f"out of KV slots for the draft pages of {bs} requests x {topk} branches ({allocator.available_size()} free)")
+        raise KVCacheError(
+            f"out of KV slots for the draft pages of {bs} requests x {topk} branches "
+            f"({allocator.available_size()} free)"
+        )
     pages = slots.view(-1, ps)
     out, cursor = [], 0
     for n, np_ in zip(lens, pages_per_branch):
@@ -128,7 +133,9 @@ class MultiStepDraftBackend:
     when a step backend cannot run DECODE or, for topk > 1, does not declare `Feature.SPEC_TOPK_GT1`.
     """
 
-    def __init__(self, factory: StepFactory, topk: int, num_steps: int, ctx: BackendContext, *, check_layout: bool = True):
+    def __init__(
+        self, factory: StepFactory, topk: int, num_steps: int, ctx: BackendContext, *, check_layout: bool = True
+    ):
         if topk < 1:
             raise InvalidArgumentError("topk", ">= 1", topk)
         if num_steps < 1:
@@ -151,7 +158,9 @@ class MultiStepDraftBackend:
             if ForwardMode.DECODE not in b.capabilities.forward_modes:
                 raise UnsupportedFeatureError(b.name, "DECODE (every draft step is a decode)")
             if topk > 1 and Feature.SPEC_TOPK_GT1 not in b.capabilities.features:
-                raise UnsupportedFeatureError(b.name, f"speculative topk={topk} > 1 (draft tree branches, {Feature.SPEC_TOPK_GT1.value})")
+                raise UnsupportedFeatureError(
+                    b.name, f"speculative topk={topk} > 1 (draft tree branches, {Feature.SPEC_TOPK_GT1.value})"
+                )
         self.page_aligned = ps > 1 and topk > 1 and any(b.needs_page_aligned_draft_kv() for b in self.backends)
         self._graph: Optional[_GraphBuffers] = None
         self._captured: set[int] = set()
@@ -160,7 +169,9 @@ class MultiStepDraftBackend:
     def _loc(self, out_cache_loc: torch.Tensor, bs: int) -> torch.Tensor:
         want = (bs, self.topk, self.num_steps)
         if out_cache_loc.numel() != bs * self.topk * self.num_steps:
-            raise InvalidArgumentError("out_cache_loc", f"{want} draft slots (bs, topk, num_steps)", tuple(out_cache_loc.shape))
+            raise InvalidArgumentError(
+                "out_cache_loc", f"{want} draft slots (bs, topk, num_steps)", tuple(out_cache_loc.shape)
+            )
         return out_cache_loc.reshape(want).to(torch.int64)
 
     def _tail_len(self, seq_lens: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
@@ -182,7 +193,9 @@ class MultiStepDraftBackend:
         prefix = r2t[rpi.to(torch.int64)[:, None, None], col.clamp(max=r2t.shape[1] - 1)].to(torch.int64)
         tail_copy = loc[:, :, :1] - (L - col)  # slots of the copied tail on the branch's first page
         draft = loc.gather(2, (col - L).clamp(0, self.num_steps - 1).expand(bs, self.topk, width))
-        vals = torch.where(col < L - r, prefix, torch.where(col < L, tail_copy, torch.where(col < L + self.num_steps, draft, 0)))
+        vals = torch.where(
+            col < L - r, prefix, torch.where(col < L, tail_copy, torch.where(col < L + self.num_steps, draft, 0))
+        )
         self.table.req_to_token[: bs * self.topk, :width] = vals.reshape(bs * self.topk, width).to(torch.int32)
 
     def _copy_tails(self, pool, r2t, rpi, seq_lens, loc, valid=None) -> None:
@@ -251,7 +264,9 @@ class MultiStepDraftBackend:
             expected = f"a slot in [1, {num_slots}) for every cached key of request {r}"
             raise InvalidArgumentError("req_to_token_pool", expected, "a key without one")
 
-    def _step_batch(self, s: int, n_rows: int, rows, seq_lens, positions, out_cache_loc, host_lens: torch.Tensor, pool) -> ForwardBatch:
+    def _step_batch(
+        self, s: int, n_rows: int, rows, seq_lens, positions, out_cache_loc, host_lens: torch.Tensor, pool
+    ) -> ForwardBatch:
         step_cpu = (host_lens.to(torch.int32) + s + 1).repeat_interleave(self.topk)
         return ForwardBatch(
             forward_mode=ForwardMode.DECODE,
@@ -273,9 +288,13 @@ class MultiStepDraftBackend:
         loc_cpu = loc.cpu()
         bad = (loc_cpu < ps).nonzero()
         if bad.numel():
-            raise InvalidArgumentError("out_cache_loc", f"allocated slots (>= {ps}, not the dummy page)", f"slot {loc_cpu[tuple(bad[0])]}")
+            raise InvalidArgumentError(
+                "out_cache_loc", f"allocated slots (>= {ps}, not the dummy page)", f"slot {loc_cpu[tuple(bad[0])]}"
+            )
         if loc_cpu.unique().numel() != loc_cpu.numel():
-            raise InvalidArgumentError("out_cache_loc", "distinct slots for every (request, branch, step)", "a slot used twice")
+            raise InvalidArgumentError(
+                "out_cache_loc", "distinct slots for every (request, branch, step)", "a slot used twice"
+            )
         if ps == 1 or not (self.topk == 1 or self.page_aligned):
             return
         L = seq_lens_cpu.to(torch.int64)
@@ -291,7 +310,9 @@ class MultiStepDraftBackend:
         same_page = (pos[:, :, 1:] % ps != 0) & (loc_cpu[:, :, 1:] != loc_cpu[:, :, :-1] + 1)
         if same_page.any():
             b, j, s = same_page.nonzero()[0].tolist()
-            raise InvalidArgumentError("out_cache_loc", "draft tokens within a page in consecutive slots", f"[{b}, {j}, {s + 1}]")
+            raise InvalidArgumentError(
+                "out_cache_loc", "draft tokens within a page in consecutive slots", f"[{b}, {j}, {s + 1}]"
+            )
         last_slot = r2t[rpi.to(torch.int64), (L - 1).clamp(min=0).to(r2t.device)].to(torch.int64).cpu()
         last = torch.where(L > 0, last_slot, -1)  # slot of each request's last cached token
         tail = L % ps > 0
@@ -299,13 +320,19 @@ class MultiStepDraftBackend:
             broken = tail & (loc_cpu[:, 0, 0] != last + 1)
             if broken.any():
                 raise InvalidArgumentError(
-                    "out_cache_loc", "a topk=1 chain continuing the request's last page", f"request {int(broken.nonzero()[0])}"
+                    "out_cache_loc",
+                    "a topk=1 chain continuing the request's last page",
+                    f"request {int(broken.nonzero()[0])}",
                 )
             return
         first_pages = loc_cpu[:, :, 0] // ps
         for b in range(loc_cpu.shape[0]):
-            if len(set(first_pages[b].tolist())) != self.topk or (bool(tail[b]) and int(last[b]) // ps in first_pages[b].tolist()):
-                raise InvalidArgumentError("out_cache_loc", "a first page of its own for every branch (not the request's)", f"request {b}")
+            if len(set(first_pages[b].tolist())) != self.topk or (
+                bool(tail[b]) and int(last[b]) // ps in first_pages[b].tolist()
+            ):
+                raise InvalidArgumentError(
+                    "out_cache_loc", "a first page of its own for every branch (not the request's)", f"request {b}"
+                )
 
     # ---- eager -----------------------------------------------------------------------------------
     def init_forward_metadata(
@@ -340,7 +367,9 @@ class MultiStepDraftBackend:
         step_loc = loc.permute(2, 0, 1).reshape(self.num_steps, n).contiguous()
         batches = []
         for s in range(self.num_steps):
-            b = self._step_batch(s, n, rows, (per_row + s + 1).to(torch.int32), per_row + s, step_loc[s], seq_lens_cpu, pool)
+            b = self._step_batch(
+                s, n, rows, (per_row + s + 1).to(torch.int32), per_row + s, step_loc[s], seq_lens_cpu, pool
+            )
             self.backends[s].init_forward_metadata(b)
             batches.append(b)
         return batches
@@ -371,7 +400,9 @@ class MultiStepDraftBackend:
         """The context's request table and KV pool, which the graphs read."""
         r2t_pool, kv_pool = self.ctx.req_to_token_pool, self.ctx.token_to_kv_pool
         if r2t_pool is None or kv_pool is None:
-            raise InvalidArgumentError("ctx", "a context with req_to_token_pool and token_to_kv_pool (graphs read them)", None)
+            raise InvalidArgumentError(
+                "ctx", "a context with req_to_token_pool and token_to_kv_pool (graphs read them)", None
+            )
         return r2t_pool, kv_pool
 
     def _buffers(self) -> _GraphBuffers:

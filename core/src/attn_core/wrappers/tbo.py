@@ -56,7 +56,9 @@ class TboAttnBackend(AttentionBackend[Optional[tuple[ForwardBatch, ForwardBatch]
             for name, b in named[1:]:
                 if b.get_cuda_graph_seq_len_fill_value() != fill:
                     raise InvalidArgumentError(
-                        name, f"the CUDA-graph seq_len fill value {fill} of primary", b.get_cuda_graph_seq_len_fill_value()
+                        name,
+                        f"the CUDA-graph seq_len fill value {fill} of primary",
+                        b.get_cuda_graph_seq_len_fill_value(),
                     )
 
     # ---- eager -----------------------------------------------------------------------------------
@@ -74,20 +76,38 @@ class TboAttnBackend(AttentionBackend[Optional[tuple[ForwardBatch, ForwardBatch]
         return child_batches
 
     def forward(
-        self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer: AttentionLayer,
-        forward_batch: ForwardBatch, save_kv_cache: bool = True, **extras: Any,
+        self,
+        q: torch.Tensor,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        **extras: Any,
     ) -> Output:
         return self.primary.forward(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **extras)
 
     def forward_decode(
-        self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer: AttentionLayer,
-        forward_batch: ForwardBatch, save_kv_cache: bool = True, **extras: Any,
+        self,
+        q: torch.Tensor,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        **extras: Any,
     ) -> Output:
         return self.primary.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **extras)
 
     def forward_extend(
-        self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer: AttentionLayer,
-        forward_batch: ForwardBatch, save_kv_cache: bool = True, **extras: Any,
+        self,
+        q: torch.Tensor,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        **extras: Any,
     ) -> Output:
         return self.primary.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **extras)
 
@@ -129,7 +149,8 @@ class TboAttnBackend(AttentionBackend[Optional[tuple[ForwardBatch, ForwardBatch]
             child.capture_cuda_graph_metadata(child_step)
 
     def replay_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
-        """As the protocol; without `step.seq_lens_cpu` splitting costs one device sync (the children's host lengths)."""
+        """As the protocol; without `step.seq_lens_cpu` splitting costs one device sync (the children's host
+        lengths)."""
         self._half(step.bs)
         self.primary.replay_cuda_graph_metadata(step)
         for child, child_step in zip(self.children, self._child_steps(step, step.host_seq_lens())):

@@ -48,7 +48,11 @@ class AscendBackend(AttentionBackend[AscendMetadata]):
         self.ops = NpuOps(load_torch_npu(self.name))
         if ctx.is_mla and not self.ops.fia.rope:
             raise IncompatibleBackendError(
-                self.name, ["MLA needs query_rope/key_rope on npu_fused_infer_attention_score (Ascend Extension for PyTorch 7.0.0+)"]
+                self.name,
+                [
+                    "MLA needs query_rope/key_rope on npu_fused_infer_attention_score "
+                    "(Ascend Extension for PyTorch 7.0.0+)"
+                ],
             )
         self.page_size = ctx.page_size
         # True (masked) strictly above the diagonal, built once (sparse_mode 3 reads its corner)
@@ -160,23 +164,45 @@ class AscendBackend(AttentionBackend[AscendMetadata]):
         out = q.new_empty((q.shape[0], hq, dv))
         if not self.ctx.is_mla:
             self.ops.paged_attention(
-                q.contiguous(), key_cache, value_cache, num_heads=hq, num_kv_heads=layer.num_kv_heads, scale=layer.scaling,
-                block_table=meta.block_tables, context_lens=meta.seq_lens_cpu, out=out,
-            )  # fmt: skip
+                q.contiguous(),
+                key_cache,
+                value_cache,
+                num_heads=hq,
+                num_kv_heads=layer.num_kv_heads,
+                scale=layer.scaling,
+                block_table=meta.block_tables,
+                context_lens=meta.seq_lens_cpu,
+                out=out,
+            )
         elif not meta.graph_mode:
             self.ops.paged_attention_mla(
-                q.contiguous(), self._paged_buffer(forward_batch, layer.layer_id), num_heads=hq, scale=layer.scaling,
-                block_table=meta.block_tables, context_lens=meta.seq_lens_cpu, v_dim=dv, out=out,
-            )  # fmt: skip
+                q.contiguous(),
+                self._paged_buffer(forward_batch, layer.layer_id),
+                num_heads=hq,
+                scale=layer.scaling,
+                block_table=meta.block_tables,
+                context_lens=meta.seq_lens_cpu,
+                v_dim=dv,
+                out=out,
+            )
         else:
             rank = self.ctx.kv_lora_rank
             self.ops.fused_infer(
-                q[..., :rank].contiguous().unsqueeze(1), key_cache.flatten(2), key_cache.flatten(2),
-                query_rope=q[..., rank:].contiguous().unsqueeze(1), key_rope=value_cache.flatten(2),
-                num_heads=hq, num_key_value_heads=1, input_layout="BSND", block_table=meta.block_tables,
-                block_size=self.page_size, actual_seq_lengths_kv=meta.seq_lens, sparse_mode=NO_MASK,
-                scale=layer.scaling, out=out.unsqueeze(1),
-            )  # fmt: skip
+                q[..., :rank].contiguous().unsqueeze(1),
+                key_cache.flatten(2),
+                key_cache.flatten(2),
+                query_rope=q[..., rank:].contiguous().unsqueeze(1),
+                key_rope=value_cache.flatten(2),
+                num_heads=hq,
+                num_key_value_heads=1,
+                input_layout="BSND",
+                block_table=meta.block_tables,
+                block_size=self.page_size,
+                actual_seq_lengths_kv=meta.seq_lens,
+                sparse_mode=NO_MASK,
+                scale=layer.scaling,
+                out=out.unsqueeze(1),
+            )
         return out.reshape(q.shape[0], hq * dv)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):
@@ -192,10 +218,17 @@ class AscendBackend(AttentionBackend[AscendMetadata]):
             return q.new_zeros((0, hq * dv))
         key_cache, value_cache = self._block_views(forward_batch, layer.layer_id)
         common = dict(
-            num_heads=hq, num_key_value_heads=layer.num_kv_heads, input_layout="TND", block_table=meta.block_tables,
-            block_size=self.page_size, actual_seq_lengths=meta.q_cumsum, actual_seq_lengths_kv=meta.seq_lens,
-            atten_mask=self.causal_mask, sparse_mode=RIGHT_DOWN_CAUSAL, scale=layer.scaling,
-        )  # fmt: skip
+            num_heads=hq,
+            num_key_value_heads=layer.num_kv_heads,
+            input_layout="TND",
+            block_table=meta.block_tables,
+            block_size=self.page_size,
+            actual_seq_lengths=meta.q_cumsum,
+            actual_seq_lengths_kv=meta.seq_lens,
+            atten_mask=self.causal_mask,
+            sparse_mode=RIGHT_DOWN_CAUSAL,
+            scale=layer.scaling,
+        )
         if self.ctx.is_mla:
             rank = self.ctx.kv_lora_rank
             query, latent = q[..., :rank].contiguous(), key_cache.flatten(2)

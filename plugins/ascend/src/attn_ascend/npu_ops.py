@@ -71,9 +71,13 @@ class NpuOps:
 
     def reshape_and_cache(self, key, value, key_cache, value_cache, slots: torch.Tensor) -> None:
         """key/value `[T, H, D]` into the paged caches `[blocks, block_size, H, D]` at int32 `slots`."""
-        self.npu._npu_reshape_and_cache(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_indices=slots)
+        self.npu._npu_reshape_and_cache(
+            key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_indices=slots
+        )
 
-    def paged_attention(self, query, key_cache, value_cache, *, num_heads, num_kv_heads, scale, block_table, context_lens, out) -> None:
+    def paged_attention(
+        self, query, key_cache, value_cache, *, num_heads, num_kv_heads, scale, block_table, context_lens, out
+    ) -> None:
         """Decode: `out[i]` = attention of query i over its first context_lens[i] paged keys."""
         self.npu._npu_paged_attention(
             query=query,

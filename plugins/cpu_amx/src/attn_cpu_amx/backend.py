@@ -25,7 +25,12 @@ import torch
 from attn_core.contract.backend import AttentionBackend
 from attn_core.contract.batch import ForwardBatch
 from attn_core.contract.context import dtype_name
-from attn_core.contract.errors import BackendUnavailableError, InvalidArgumentError, KVCacheError, UnsupportedFeatureError
+from attn_core.contract.errors import (
+    BackendUnavailableError,
+    InvalidArgumentError,
+    KVCacheError,
+    UnsupportedFeatureError,
+)
 from attn_core.memory.pools import kv_scales
 from attn_cpu_amx import isa as cpu_isa
 from attn_cpu_amx.build import load_kernels
@@ -71,7 +76,9 @@ class CpuAmxBackend(AttentionBackend[_Metadata]):
             raise BackendUnavailableError(self.name, reason)
         self.path = path
         #: the kernels this backend's calls run (amx -> avx512 for float32 or head dims not multiple of 32)
-        self.kernel_path = cpu_isa.kernel_path(path, dtype_name(ctx.dtype), dtype_name(ctx.kv_dtype), ctx.head_dim, ctx.v_head_dim)
+        self.kernel_path = cpu_isa.kernel_path(
+            path, dtype_name(ctx.dtype), dtype_name(ctx.kv_dtype), ctx.head_dim, ctx.v_head_dim
+        )
         self._path_id = cpu_isa.PATH_IDS[self.kernel_path]
         self.max_splits = max_splits
         self.min_split_keys = min_split_keys
@@ -106,7 +113,9 @@ class CpuAmxBackend(AttentionBackend[_Metadata]):
             meta.mask_indptr = spec.mask_indptr.to("cpu", torch.int64).contiguous()
             need = meta.mask_indptr[:bs] + q_lens.to(torch.int64) * seq_lens.to(torch.int64)
             if meta.mask_indptr.numel() < bs or bool((need > meta.mask.numel()).any()):
-                raise InvalidArgumentError("spec_info.custom_mask", "one [q_len, seq_len] mask per request", meta.mask.numel())
+                raise InvalidArgumentError(
+                    "spec_info.custom_mask", "one [q_len, seq_len] mask per request", meta.mask.numel()
+                )
         return meta
 
     # ---- attention ---------------------------------------------------------------------------
@@ -153,7 +162,9 @@ class CpuAmxBackend(AttentionBackend[_Metadata]):
         return (o, lse) if return_lse else o
 
 
-_KERNEL_CHECK = re.compile(r"^(?P<argument>[^:]+): (?:expected (?P<expected>.*?)(?:, found (?P<found>.*))?|(?P<other>.*))$")
+_KERNEL_CHECK = re.compile(
+    r"^(?P<argument>[^:]+): (?:expected (?P<expected>.*?)(?:, found (?P<found>.*))?|(?P<other>.*))$"
+)
 
 
 def _typed_kernel_checks(kernel, *args):

@@ -204,7 +204,9 @@ def compile_kernels(name: str, scratch: Path) -> Path:
     library = scratch / f"{name}.so"
     if out.returncode != 0 or not library.is_file():
         tail = (out.stdout + out.stderr)[-4000:]
-        raise BackendLoadError("cpu_amx", f"compiling the kernels in {scratch}", RuntimeError(f"exit status {out.returncode}:\n{tail}"))
+        raise BackendLoadError(
+            "cpu_amx", f"compiling the kernels in {scratch}", RuntimeError(f"exit status {out.returncode}:\n{tail}")
+        )
     return library
 
 
@@ -233,12 +235,16 @@ def ensure_built(compile: Compile = compile_kernels) -> BuildInfo:
         with build_lock(directory):
             if not is_verified(library):  # not built by another process while we waited
                 if library.exists():
-                    log.warning("cpu_amx kernels at %s fail their sha256 check (truncated or altered): rebuilding", library)
+                    log.warning(
+                        "cpu_amx kernels at %s fail their sha256 check (truncated or altered): rebuilding", library
+                    )
                 for stale in directory.glob(SCRATCH_PREFIX + "*"):  # left by killed builds
                     shutil.rmtree(stale, ignore_errors=True)
                 scratch = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=directory))  # mode 0700
                 try:
-                    with working(f"attn-cpu-amx: compiling the C++ kernels (first use, about 25-60 s; cached in {directory})"):
+                    with working(
+                        f"attn-cpu-amx: compiling the C++ kernels (first use, about 25-60 s; cached in {directory})"
+                    ):
                         _publish(compile(module_name(), scratch), library)
                 finally:
                     shutil.rmtree(scratch, ignore_errors=True)

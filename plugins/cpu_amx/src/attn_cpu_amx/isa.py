@@ -66,7 +66,9 @@ def requested_path(option: Optional[str] = None) -> str:
     return value.strip().lower() or "auto"
 
 
-def choose_path(requested: str = "auto", runnable: Optional[tuple[str, ...]] = None) -> tuple[Optional[str], Optional[str]]:
+def choose_path(
+    requested: str = "auto", runnable: Optional[tuple[str, ...]] = None
+) -> tuple[Optional[str], Optional[str]]:
     """(path, None) for the path to run, or (None, reason) when `requested` cannot run here."""
     runnable = runnable_paths() if runnable is None else runnable
     if requested == "auto":

@@ -32,7 +32,14 @@ CAPABILITIES = Capabilities(
         }
     ),
     features=frozenset(
-        {Feature.SLIDING_WINDOW, Feature.LOGIT_CAP, Feature.SINKS, Feature.CUSTOM_MASK, Feature.LSE_OUTPUT, Feature.MIXED_KV_DTYPE}
+        {
+            Feature.SLIDING_WINDOW,
+            Feature.LOGIT_CAP,
+            Feature.SINKS,
+            Feature.CUSTOM_MASK,
+            Feature.LSE_OUTPUT,
+            Feature.MIXED_KV_DTYPE,
+        }
     ),
     cuda_graph=CudaGraphLevel.NEVER,
     #: K/V read through their strides (page, token and head strides; power-of-two pages): attn's pools in

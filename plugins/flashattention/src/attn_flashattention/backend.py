@@ -115,7 +115,11 @@ class FlashAttention4Backend(AttentionBackend[Fa4Step]):
     def _index_checks(self, batch: Optional[ForwardBatch] = None) -> tuple[Optional[int], torch.Tensor]:
         """(the KV pool's slot count, or None without a pool; the fault word): what the key lists check
         every device row and slot against, so that bad device input is refused, never read out of bounds."""
-        pool = batch.token_to_kv_pool if batch is not None and batch.token_to_kv_pool is not None else self.ctx.token_to_kv_pool
+        pool = (
+            batch.token_to_kv_pool
+            if batch is not None and batch.token_to_kv_pool is not None
+            else self.ctx.token_to_kv_pool
+        )
         return (None if pool is None else pool.num_slots), self.device_faults.buffer
 
     def build_forward_metadata(self, forward_batch: ForwardBatch) -> Fa4Step:
@@ -140,7 +144,12 @@ class FlashAttention4Backend(AttentionBackend[Fa4Step]):
             step.tree = TreeVerify(*inputs, max(1, max_seq), self._uniform_offsets(b.num_tokens, 1), num_slots=slots)
         elif enc is None:
             step.seq = KeyList(
-                offsets, max_q, b.seq_lens, page_lists(r2t, rows, b.seq_lens, ps, pages_for(max_seq, ps), *checks), ps, True
+                offsets,
+                max_q,
+                b.seq_lens,
+                page_lists(r2t, rows, b.seq_lens, ps, pages_for(max_seq, ps), *checks),
+                ps,
+                True,
             )
         else:
             step.seq = KeyList(
@@ -213,7 +222,9 @@ class FlashAttention4Backend(AttentionBackend[Fa4Step]):
             q_lens.to(self.device),
         )
         slots = self._index_checks()[0]
-        tree = TreeVerify(*inputs, max(1, self.ctx.max_context_len), self._uniform_offsets(num_tokens, 1), num_slots=slots)
+        tree = TreeVerify(
+            *inputs, max(1, self.ctx.max_context_len), self._uniform_offsets(num_tokens, 1), num_slots=slots
+        )
         for window in old.tree.lists if old is not None else (None,):  # every list the graph reads
             tree.keys(window, out=self._tree_buffers(window, num_tokens))
         return Fa4Step(mode, num_tokens, tree=tree, graph=True)

@@ -115,9 +115,9 @@ def info() -> str:
 #: where FA4's kernels break a rule of the contract that the plugin cannot repair around them (`BackendSpec.known_gaps`;
 #: tree verify is not among them: its per-query key lists hold only the keys each query may see)
 MASKED_VALUES_WHY = (
-    "FA4 4.0.0b36's SM90 kernel multiplies a masked key's V by its probability 0 (0 * Inf = NaN): an Inf/NaN in a later "
-    "token's K or V of the same step, or in a key outside a sliding window that shares a tile with visible ones, reaches "
-    "queries that must not see it (H200, 2026-11-29; docs/engine-authors.md, 'Known gaps')"
+    "FA4 4.0.0b36's SM90 kernel multiplies a masked key's V by its probability 0 (0 * Inf = NaN): an Inf/NaN "
+    "in a later token's K or V of the same step, or in a key outside a sliding window that shares a tile with "
+    "visible ones, reaches queries that must not see it (H200, 2026-11-29; docs/engine-authors.md, 'Known gaps')"
 )
 KNOWN_GAPS = tuple(
     (pattern, MASKED_VALUES_WHY)
@@ -126,7 +126,9 @@ KNOWN_GAPS = tuple(
 
 SPEC = BackendSpec(
     name="fa4",
-    summary="FlashAttention-4 (CuTe DSL) over paged KV: varlen prefill/extend/decode, tree verify, CUDA graphs (Hopper)",
+    summary=(
+        "FlashAttention-4 (CuTe DSL) over paged KV: varlen prefill/extend/decode, tree verify, CUDA graphs (Hopper)"
+    ),
     capabilities=CAPABILITIES,
     distribution="attn-flashattention",
     backend_class="attn_flashattention.backend:FlashAttention4Backend",

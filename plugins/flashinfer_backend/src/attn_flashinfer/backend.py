@@ -103,7 +103,9 @@ class FlashInferBackend(AttentionBackend[Union[Step, mixed.SplitStep]]):
         self.kv_layout = ctx.kv_layout
         if self.kv_layout == "HND" and ctx.is_encoder_decoder and ctx.page_size > 1:
             # encoder-decoder self attention reads the pool at token granularity: an NHD-only view
-            raise UnsupportedFeatureError(self.name, f"kv_layout HND with encoder-decoder models at page_size {ctx.page_size}")
+            raise UnsupportedFeatureError(
+                self.name, f"kv_layout HND with encoder-decoder models at page_size {ctx.page_size}"
+            )
         workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=ctx.device)
         lean = replan.verified(flashinfer.__version__) if lean_replan is None else bool(lean_replan)
         self.device_faults = DeviceFaultFlags(ctx.device)
@@ -163,14 +165,20 @@ class FlashInferBackend(AttentionBackend[Union[Step, mixed.SplitStep]]):
             )
         }
         if ctx.is_encoder_decoder:
-            self._graph_buffers["cross"] = GraphBuffers(**index_buffers(self.page_size), qo_indptr=self._graph_buffers["seq"].qo_indptr)
+            self._graph_buffers["cross"] = GraphBuffers(
+                **index_buffers(self.page_size), qo_indptr=self._graph_buffers["seq"].qo_indptr
+            )
 
     def _graph_inputs(self, step: CudaGraphStep, num_tokens: int, seq_host: torch.Tensor) -> StepInputs:
         pool = self.ctx.req_to_token_pool
         if pool is None:
-            raise InvalidArgumentError("ctx.req_to_token_pool", "the request-to-token pool (CUDA graphs read the context's)", None)
+            raise InvalidArgumentError(
+                "ctx.req_to_token_pool", "the request-to-token pool (CUDA graphs read the context's)", None
+            )
         if step.encoder_lens is not None and not self.ctx.is_encoder_decoder:  # the graph buffers are sized per page
-            raise InvalidArgumentError("encoder_lens", "None in CUDA graphs unless ctx.is_encoder_decoder", "encoder lengths")
+            raise InvalidArgumentError(
+                "encoder_lens", "None in CUDA graphs unless ctx.is_encoder_decoder", "encoder lengths"
+            )
         # FlashInfer plans on the host: encoder lengths must come back (encoder-decoder graphs only)
         enc_host = None if step.encoder_lens is None else step.encoder_lens.cpu()
         return graph_inputs(pool.req_to_token, step, num_tokens, seq_host, enc_host)
@@ -208,7 +216,9 @@ class FlashInferBackend(AttentionBackend[Union[Step, mixed.SplitStep]]):
         inputs = self._graph_inputs(step, old.inputs.num_tokens, step.host_seq_lens())
         if (inputs.custom_mask is None) != (old.inputs.custom_mask is None):
             raise InvalidArgumentError(
-                "spec_info.custom_mask", "a mask exactly when the graph was captured with one", inputs.custom_mask is not None
+                "spec_info.custom_mask",
+                "a mask exactly when the graph was captured with one",
+                inputs.custom_mask is not None,
             )
         state = self.planner.new_step(inputs, graph, keys=list(old.plans))  # the keys the graph holds kernels of
         graphs.update(step, (state, graph))

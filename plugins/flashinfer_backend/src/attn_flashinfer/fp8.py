@@ -23,7 +23,11 @@ def ragged_kv_dtype(dims: Dims) -> torch.dtype:
 
 
 def ragged_inputs(
-    k: Optional[torch.Tensor], v: Optional[torch.Tensor], kv_dtype: torch.dtype, scales: tuple[float, float], q_dtype: torch.dtype
+    k: Optional[torch.Tensor],
+    v: Optional[torch.Tensor],
+    kv_dtype: torch.dtype,
+    scales: tuple[float, float],
+    q_dtype: torch.dtype,
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """The new tokens' k/v `[T, Hkv, D]` for the ragged pass: over an fp8 cache, as the cache holds them
     (e4m3(x / s) · s, in `q_dtype`), so every key a query sees has the cache's precision; otherwise

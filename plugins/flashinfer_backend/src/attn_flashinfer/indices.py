@@ -121,9 +121,17 @@ def build_page_list(
         launch(req_to_token, req_pool_indices, kv_lens, ids, total, num_slots, fault)
     else:
         ids = build_kv_indices(
-            req_to_token, req_pool_indices, kv_lens, total, page_size=page_size, out=out(total), num_slots=num_slots, fault=fault,
-            whole_out=True, keep_layout=True,
-        )  # fmt: skip
+            req_to_token,
+            req_pool_indices,
+            kv_lens,
+            total,
+            page_size=page_size,
+            out=out(total),
+            num_slots=num_slots,
+            fault=fault,
+            whole_out=True,
+            keep_layout=True,
+        )
     return PageList(page_size, lens_t, indptr_t, total, ids)
 
 
@@ -177,10 +185,21 @@ def build_paged_kv(
 
     def launch(q_lens: Optional[torch.Tensor], qo_indptr_out: Optional[torch.Tensor]) -> None:
         build_kv_indices(
-            req_to_token, req_pool_indices, kv_lens, total, page_size=page_size, kv_start=kv_start, out=ids,
-            indptr_out=kv.indptr_dev, last_page_len_out=kv.last_page_len_dev, q_lens=q_lens, qo_indptr_out=qo_indptr_out,
-            num_slots=num_slots, fault=fault, keep_layout=True,
-        )  # fmt: skip
+            req_to_token,
+            req_pool_indices,
+            kv_lens,
+            total,
+            page_size=page_size,
+            kv_start=kv_start,
+            out=ids,
+            indptr_out=kv.indptr_dev,
+            last_page_len_out=kv.last_page_len_dev,
+            q_lens=q_lens,
+            qo_indptr_out=qo_indptr_out,
+            num_slots=num_slots,
+            fault=fault,
+            keep_layout=True,
+        )
 
     kv.launch = launch
     if not defer:
@@ -209,7 +228,9 @@ class QueryLayout:
             self.pending = False
 
 
-def query_layout(q_lens_host: torch.Tensor, out: Optional[torch.Tensor] = None, q_lens: Optional[torch.Tensor] = None) -> QueryLayout:
+def query_layout(
+    q_lens_host: torch.Tensor, out: Optional[torch.Tensor] = None, q_lens: Optional[torch.Tensor] = None
+) -> QueryLayout:
     """The `QueryLayout` of `q_lens_host` queries per request. `out` (device int32 `[bs+1]`): where the
     offsets go on the device, left pending: an index launch of the step writes them from `q_lens` (the
     same lengths on the device), or `write_device` copies them."""

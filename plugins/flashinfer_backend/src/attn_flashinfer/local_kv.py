@@ -75,7 +75,16 @@ def build_local_decode_kv(
     lens = (seq_lens - starts).to(torch.int32)
     col = (starts if encoder_lens is None else starts + encoder_lens).to(torch.int32)
     return build_paged_kv(
-        req_to_token, req_pool_indices, lens, lens_host, page_size, kv_start=col, out=out, defer=False, num_slots=num_slots, fault=fault
+        req_to_token,
+        req_pool_indices,
+        lens,
+        lens_host,
+        page_size,
+        kv_start=col,
+        out=out,
+        defer=False,
+        num_slots=num_slots,
+        fault=fault,
     )
 
 
@@ -105,7 +114,15 @@ def build_local_extend(
     qo = query_layout(torch.tensor(vb.q_lens, dtype=torch.int32), None if qo_out is None else qo_out[: n + 1])
     qo.write_device()
     kv = build_paged_kv(
-        req_to_token, req_pool_indices[req], dev[2], host[2], page_size, kv_start=col, out=out, defer=False, num_slots=num_slots,
+        req_to_token,
+        req_pool_indices[req],
+        dev[2],
+        host[2],
+        page_size,
+        kv_start=col,
+        out=out,
+        defer=False,
+        num_slots=num_slots,
         fault=fault,
-    )  # fmt: skip
+    )
     return LocalKeys(qo, kv)

@@ -189,13 +189,17 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         self.q_split = (ctx.kv_lora_rank, ctx.qk_rope_head_dim)
         self.out_heads = (ctx.num_q_heads, ctx.kv_lora_rank)
         self.out_cols = ctx.num_q_heads * ctx.kv_lora_rank
-        self._latents: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # layer id -> (pool buffer, ckv, kpe)
+        self._latents: dict[
+            int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+        ] = {}  # layer id -> (pool buffer, ckv, kpe)
         # the device work list (`mla_works`): per cluster size its layout and FlashInfer's plan info for it
         # (confirmed; a disagreement turns the device path off, `device_works_off`); one work buffer for
         # eager steps, one for CUDA-graph replays
         self._work_layouts: dict[int, tuple[WorkLayout, object]] = {}
         self._work_buffers: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._work_launches: dict[tuple, Optional[WorkPlan]] = {}  # (graph, bs, q_len, decode) -> plan; None: not served
+        self._work_launches: dict[
+            tuple, Optional[WorkPlan]
+        ] = {}  # (graph, bs, q_len, decode) -> plan; None: not served
         self.device_works_off: Optional[str] = None
         if not device_works:
             self.device_works_off = "device_works=False (FlashInfer's scheduler plans every step)"
@@ -232,13 +236,23 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         num_slots = None if pool is None else pool.num_slots
         plan = self._work_plan(inputs, qo, graph) if scalings else None
         kv = build_page_list(
-            inputs.req_to_token, inputs.req_pool_indices, inputs.seq_lens, inputs.seq_lens_host, self.page_size, out,
-            self.host_offsets.get(inputs.bs), num_slots, self.device_faults.buffer, None if plan is None else plan.launch,
-        )  # fmt: skip
+            inputs.req_to_token,
+            inputs.req_pool_indices,
+            inputs.seq_lens,
+            inputs.seq_lens_host,
+            self.page_size,
+            out,
+            self.host_offsets.get(inputs.bs),
+            num_slots,
+            self.device_faults.buffer,
+            None if plan is None else plan.launch,
+        )
         works = None
         if plan is not None:
             works = plan.works
-            if works is None or works.kv_indices is not kv.indices:  # the same object step after step while the ids' buffer stays
+            if (
+                works is None or works.kv_indices is not kv.indices
+            ):  # the same object step after step while the ids' buffer stays
                 works = plan.works = StepWorks(plan.int_ws, plan.info, kv.indices, not decode, plan.launch.layout)
         step = MLAStep(self, inputs, qo, kv, causal=not decode, graph=graph, works=works)
         for scaling in scalings:
@@ -259,7 +273,9 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         key = (graph is not None, bs, q_len, inputs.q_lens_host is None)
         plan = self._work_launches.get(key, False)
         if plan is False:
-            plan = self._work_launches[key] = self._new_work_plan(graph is not None, bs, q_len, causal=inputs.q_lens_host is not None)
+            plan = self._work_launches[key] = self._new_work_plan(
+                graph is not None, bs, q_len, causal=inputs.q_lens_host is not None
+            )
         return plan
 
     def _new_work_plan(self, graph: bool, bs: int, q_len: int, causal: bool) -> Optional[WorkPlan]:
@@ -293,7 +309,11 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         q_len = 1 if cs == 1 else -(-65 // self.dims.num_heads)
         one = torch.ones(1, dtype=torch.int32)
         keys = PageList(
-            self.page_size, one, torch.tensor([0, 1], dtype=torch.int32), 1, torch.zeros(1, dtype=torch.int32, device=self.device)
+            self.page_size,
+            one,
+            torch.tensor([0, 1], dtype=torch.int32),
+            1,
+            torch.zeros(1, dtype=torch.int32, device=self.device),
         )
         w = mla_plans.new_wrapper(self.workspace)
         mla_plans.plan(w, query_layout(one * q_len), keys, False, self.dims, 1.0, lean=False)
@@ -375,7 +395,9 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
     def _graph_step_inputs(self, step: CudaGraphStep, num_tokens: int, seq_host: torch.Tensor) -> StepInputs:
         pool = self.ctx.req_to_token_pool
         if pool is None:
-            raise InvalidArgumentError("ctx.req_to_token_pool", "the request-to-token pool (CUDA graphs read the context's)", None)
+            raise InvalidArgumentError(
+                "ctx.req_to_token_pool", "the request-to-token pool (CUDA graphs read the context's)", None
+            )
         refuse_tree_mask(self.name, step.forward_mode, step.spec_info)
         mode, bs = step.forward_mode, step.bs
         # the same inputs as `steps.graph_inputs` gives (no encoder tokens, no mask: refused), the queries'
@@ -397,7 +419,9 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         graphs = captures_of(self.graphs, self.name)
         graphs.check_capture(step)
         b, bs = self._graph_buffers, step.bs
-        inputs = self._graph_step_inputs(step, step.num_tokens, step.seq_lens.cpu())  # capture only: a sync is fine here
+        inputs = self._graph_step_inputs(
+            step, step.num_tokens, step.seq_lens.cpu()
+        )  # capture only: a sync is fine here
         graph = MLAGraph(MLAGraphBuffers(b.qo_indptr[: bs + 1], b.kv_indptr[: bs + 1], b.kv_indices, b.kv_lens[:bs]))
         state = self._new_step(inputs, graph, self.known_scalings)
         graph.device_works = state.works is not None
@@ -441,7 +465,12 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
 
     # ---- DeepSeek's prefill path -------------------------------------------------------------
     def plan_prefill(
-        self, forward_batch: ForwardBatch, chunk_capacity: int, scaling: float, qk_head_dim: int = 192, v_head_dim: int = 128
+        self,
+        forward_batch: ForwardBatch,
+        chunk_capacity: int,
+        scaling: float,
+        qk_head_dim: int = 192,
+        v_head_dim: int = 128,
     ) -> PrefillPlan:
         """Plan the non-absorbed prefill of an EXTEND batch (see `mla_prefill.py`): ragged MHA over the
         new tokens (`qk_head_dim` / `v_head_dim`, `num_q_heads` heads for q, k and v) plus the cached
@@ -449,6 +478,14 @@ class FlashInferMLABackend(AttentionBackend[MLAStep]):
         b = forward_batch
         q_lens, prefix_lens = prefill_lengths(b)
         return self._prefill.plan(
-            q_lens, prefix_lens, self.req_to_token(b), b.req_pool_indices, chunk_capacity,
-            num_heads=self.dims.num_heads, qk_head_dim=qk_head_dim, v_head_dim=v_head_dim, dtype=self.dims.dtype, scaling=scaling,
-        )  # fmt: skip
+            q_lens,
+            prefix_lens,
+            self.req_to_token(b),
+            b.req_pool_indices,
+            chunk_capacity,
+            num_heads=self.dims.num_heads,
+            qk_head_dim=qk_head_dim,
+            v_head_dim=v_head_dim,
+            dtype=self.dims.dtype,
+            scaling=scaling,
+        )

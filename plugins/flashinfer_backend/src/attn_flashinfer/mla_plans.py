@@ -36,7 +36,15 @@ def new_wrapper(workspace: torch.Tensor, graph: Optional[MLAGraphBuffers] = None
     )
 
 
-def plan(w: BatchMLAPagedAttentionWrapper, qo: QueryLayout, kv: PageList, causal: bool, dims: MLADims, scaling: float, lean: bool) -> None:
+def plan(
+    w: BatchMLAPagedAttentionWrapper,
+    qo: QueryLayout,
+    kv: PageList,
+    causal: bool,
+    dims: MLADims,
+    scaling: float,
+    lean: bool,
+) -> None:
     """Plan queries `qo` over the keys of `kv` (causal: each request's queries are its last keys).
     `lean`: `replan.mla` (the wrapper has had its public plan with the same scaling and dtypes)."""
     if lean:
@@ -86,5 +94,12 @@ def run(
         replan.mla_run(w, q_nope, q_pe, ckv, kpe, out, lse, works)
         return
     w.run(
-        q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv, kpe_cache=kpe, out=out, lse=lse, return_lse=lse is not None, return_lse_base_on_e=True
+        q_nope=q_nope,
+        q_pe=q_pe,
+        ckv_cache=ckv,
+        kpe_cache=kpe,
+        out=out,
+        lse=lse,
+        return_lse=lse is not None,
+        return_lse_base_on_e=True,
     )

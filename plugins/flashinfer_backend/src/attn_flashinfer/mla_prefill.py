@@ -7,8 +7,8 @@ engine decompresses chunk by chunk to bound memory (attn-core's `plan_prefix_chu
 shared by the batch). Each chunk is a ragged pass without mask (a prefix precedes every new token);
 partial results are merged by their LSEs by attn-core's `attend_with_prefix_chunks` (its `merge_state`:
 FlashInfer 0.6.6's `merge_state_in_place` fails to launch at 128 heads of 128, "invalid argument",
-found on an H200), through `attn_core.batching.chunked_prefill.ChunkedPrefillPlan.attend`, which this module's `PrefillPlan`
-supplies with FlashInfer's passes.
+found on an H200), through `attn_core.batching.chunked_prefill.ChunkedPrefillPlan.attend`, which this
+module's `PrefillPlan` supplies with FlashInfer's passes.
 
 Per step: `PrefillWrappers.plan` (through `FlashInferMLABackend.plan_prefill`) plans one wrapper for the
 new tokens and one per chunk, and finds each chunk's pool slots (`PrefillPlan.chunk_slots`); per layer

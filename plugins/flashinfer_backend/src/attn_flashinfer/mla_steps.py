@@ -39,7 +39,9 @@ def check_mla_context(ctx, name: str) -> None:
     page sizes, the q/KV dtype mix, a pool of another layout): absorbed MLA needs v_head_dim ==
     kv_lora_rank, and there is no cross attention."""
     if ctx.v_head_dim != ctx.kv_lora_rank:
-        raise InvalidArgumentError("ctx.v_head_dim", f"kv_lora_rank ({ctx.kv_lora_rank}) for absorbed MLA", ctx.v_head_dim)
+        raise InvalidArgumentError(
+            "ctx.v_head_dim", f"kv_lora_rank ({ctx.kv_lora_rank}) for absorbed MLA", ctx.v_head_dim
+        )
     if ctx.is_encoder_decoder:
         raise UnsupportedFeatureError(name, "encoder-decoder models (cross attention)")
 
@@ -48,10 +50,14 @@ def refuse_tree_mask(name: str, mode: ForwardMode, spec_info: Optional[SpecInfo]
     """FlashInfer's MLA kernels take no custom mask: a TARGET_VERIFY step with a tree mask (speculative
     topk > 1) is refused; chains (topk 1, no mask) run causally."""
     if mode.is_target_verify() and spec_info is not None and spec_info.custom_mask is not None:
-        raise UnsupportedFeatureError(name, "custom masks (TARGET_VERIFY tree masks, speculative topk > 1): chains only")
+        raise UnsupportedFeatureError(
+            name, "custom masks (TARGET_VERIFY tree masks, speculative topk > 1): chains only"
+        )
 
 
 def check_capacity(what: str, need: int, have: int) -> None:
     """A fixed buffer must hold a step's entries (CUDA-graph index buffers)."""
     if need > have:
-        raise InvalidArgumentError(what, f"at most {have} entries (sized by init_cuda_graph_state from ctx.max_context_len)", need)
+        raise InvalidArgumentError(
+            what, f"at most {have} entries (sized by init_cuda_graph_state from ctx.max_context_len)", need
+        )

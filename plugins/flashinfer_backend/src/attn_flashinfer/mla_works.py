@@ -47,7 +47,14 @@ import triton
 import triton.language as tl
 
 from attn_core.contract.errors import InvalidArgumentError
-from attn_core.ops.kv_indices_triton import CHUNK, copy_programs, id_count, keys_in_table, table_arguments, write_request_ids
+from attn_core.ops.kv_indices_triton import (
+    CHUNK,
+    copy_programs,
+    id_count,
+    keys_in_table,
+    table_arguments,
+    write_request_ids,
+)
 from attn_core.ops.triton_launch import CachedLaunch
 
 #: FlashInfer 0.6.6's MLA scheduler: query rows per CTA, capacity of the per-work arrays
@@ -167,12 +174,21 @@ def _chunk_limit(x):
     """FlashInfer's rounding of the per-cluster key share x (int64) into the chunk limit."""
     return tl.where(
         x <= 8, 32, tl.where(x <= 16, 64, tl.where(x <= 32, 128, tl.where(x <= 64, 192, tl.cdiv(x, 256) * 256)))
-    )  # fmt: skip
+    )
 
 
 @triton.jit
 def _request_keys(
-    blk, bs, raw_before, REQ_POOL_INDICES, KV_LENS, num_rows, width, capacity, PAGE_SIZE: tl.constexpr, E_BLOCK: tl.constexpr
+    blk,
+    bs,
+    raw_before,
+    REQ_POOL_INDICES,
+    KV_LENS,
+    num_rows,
+    width,
+    capacity,
+    PAGE_SIZE: tl.constexpr,
+    E_BLOCK: tl.constexpr,
 ):
     """Requests blk .. blk + E_BLOCK - 1: (index, live, first page id's offset, keys the ids describe,
     the uncut id count up to the block's end), as `write_request_ids` writes them."""
@@ -189,7 +205,17 @@ def _request_keys(
 
 
 @triton.jit
-def _tile(kv_len, q_len, num_heads, lim, t: tl.constexpr, NT: tl.constexpr, CTQ: tl.constexpr, CS: tl.constexpr, CAUSAL: tl.constexpr):
+def _tile(
+    kv_len,
+    q_len,
+    num_heads,
+    lim,
+    t: tl.constexpr,
+    NT: tl.constexpr,
+    CTQ: tl.constexpr,
+    CS: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
     """Tile t of each request: (keys, works, split, rows, merge entries, rows per merge entry)."""
     if CAUSAL and t + 1 < NT:
         eff = tl.maximum(tl.minimum(kv_len - q_len + tl.cdiv((t + 1) * CTQ, num_heads), kv_len), 0)
@@ -204,13 +230,43 @@ def _tile(kv_len, q_len, num_heads, lim, t: tl.constexpr, NT: tl.constexpr, CTQ:
 
 @triton.jit
 def _emit(
-    bs, q_len, num_heads, lim, REQ_POOL_INDICES, KV_LENS, num_rows, width, capacity, WORKS,
-    NC: tl.constexpr, NUM_SM: tl.constexpr, NT: tl.constexpr, CTQ: tl.constexpr, CS: tl.constexpr, CAUSAL: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, E_BLOCK: tl.constexpr, MAX_W: tl.constexpr, SCR_COST: tl.constexpr, SCR_CLUSTER: tl.constexpr,
-    Q_INDPTR: tl.constexpr, KV_INDPTR: tl.constexpr, PARTIAL: tl.constexpr, M_START: tl.constexpr, M_END: tl.constexpr,
-    MP_START: tl.constexpr, MP_END: tl.constexpr, M_STRIDE: tl.constexpr, Q_LEN: tl.constexpr, KV_LEN: tl.constexpr,
-    Q_START: tl.constexpr, KV_START: tl.constexpr, KV_END: tl.constexpr, WORK_INDPTR: tl.constexpr, PHASE: tl.constexpr,
-):  # fmt: skip
+    bs,
+    q_len,
+    num_heads,
+    lim,
+    REQ_POOL_INDICES,
+    KV_LENS,
+    num_rows,
+    width,
+    capacity,
+    WORKS,
+    NC: tl.constexpr,
+    NUM_SM: tl.constexpr,
+    NT: tl.constexpr,
+    CTQ: tl.constexpr,
+    CS: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    E_BLOCK: tl.constexpr,
+    MAX_W: tl.constexpr,
+    SCR_COST: tl.constexpr,
+    SCR_CLUSTER: tl.constexpr,
+    Q_INDPTR: tl.constexpr,
+    KV_INDPTR: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    M_START: tl.constexpr,
+    M_END: tl.constexpr,
+    MP_START: tl.constexpr,
+    MP_END: tl.constexpr,
+    M_STRIDE: tl.constexpr,
+    Q_LEN: tl.constexpr,
+    KV_LEN: tl.constexpr,
+    Q_START: tl.constexpr,
+    KV_START: tl.constexpr,
+    KV_END: tl.constexpr,
+    WORK_INDPTR: tl.constexpr,
+    PHASE: tl.constexpr,
+):
     """Walk the works in their order (request by request, tile by tile, chunk by chunk; w = 0, 1, ...).
     PHASE 0: write work w's cost at SCR_COST + w. PHASE 1: write work w's fields at its place in its
     cluster's list (cluster from SCR_CLUSTER + w, place `work_indptr[cluster] + w // NC`: round w // NC
@@ -221,7 +277,9 @@ def _emit(
     m_run = w_run
     raw = w_run
     for blk in range(0, bs, E_BLOCK):
-        i, ok, beg, kv_len, raw = _request_keys(blk, bs, raw, REQ_POOL_INDICES, KV_LENS, num_rows, width, capacity, PAGE_SIZE, E_BLOCK)
+        i, ok, beg, kv_len, raw = _request_keys(
+            blk, bs, raw, REQ_POOL_INDICES, KV_LENS, num_rows, width, capacity, PAGE_SIZE, E_BLOCK
+        )
         w_req = tl.zeros([E_BLOCK], tl.int32)
         p_req = tl.zeros([E_BLOCK], tl.int32)
         m_req = tl.zeros([E_BLOCK], tl.int32)
@@ -281,31 +339,95 @@ def _emit(
 
 @triton.jit
 def _schedule(
-    bs, q_len, num_heads, REQ_POOL_INDICES, KV_LENS, num_rows, width, capacity, WORKS,
-    NC: tl.constexpr, NUM_SM: tl.constexpr, NT: tl.constexpr, CTQ: tl.constexpr, CS: tl.constexpr, CAUSAL: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, E_BLOCK: tl.constexpr, NC_BLOCK: tl.constexpr, SM_BLOCK: tl.constexpr, MAX_W: tl.constexpr,
-    SCR_COST: tl.constexpr, SCR_CLUSTER: tl.constexpr,
-    Q_INDPTR: tl.constexpr, KV_INDPTR: tl.constexpr, PARTIAL: tl.constexpr, M_START: tl.constexpr, M_END: tl.constexpr,
-    MP_START: tl.constexpr, MP_END: tl.constexpr, M_STRIDE: tl.constexpr, Q_LEN: tl.constexpr, KV_LEN: tl.constexpr,
-    Q_START: tl.constexpr, KV_START: tl.constexpr, KV_END: tl.constexpr, WORK_INDPTR: tl.constexpr,
-):  # fmt: skip
+    bs,
+    q_len,
+    num_heads,
+    REQ_POOL_INDICES,
+    KV_LENS,
+    num_rows,
+    width,
+    capacity,
+    WORKS,
+    NC: tl.constexpr,
+    NUM_SM: tl.constexpr,
+    NT: tl.constexpr,
+    CTQ: tl.constexpr,
+    CS: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    E_BLOCK: tl.constexpr,
+    NC_BLOCK: tl.constexpr,
+    SM_BLOCK: tl.constexpr,
+    MAX_W: tl.constexpr,
+    SCR_COST: tl.constexpr,
+    SCR_CLUSTER: tl.constexpr,
+    Q_INDPTR: tl.constexpr,
+    KV_INDPTR: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    M_START: tl.constexpr,
+    M_END: tl.constexpr,
+    MP_START: tl.constexpr,
+    MP_END: tl.constexpr,
+    M_STRIDE: tl.constexpr,
+    Q_LEN: tl.constexpr,
+    KV_LEN: tl.constexpr,
+    Q_START: tl.constexpr,
+    KV_START: tl.constexpr,
+    KV_END: tl.constexpr,
+    WORK_INDPTR: tl.constexpr,
+):
     """The work list (module doc) into WORKS (int32; array offsets in int32 entries; SCR_COST /
     SCR_CLUSTER: MAX_W entries each of scratch past FlashInfer's arrays)."""
     # pass 1: every tile's keys -> the chunk limit
     total = tl.sum(tl.zeros([E_BLOCK], tl.int64), 0)
     raw = tl.sum(tl.zeros([E_BLOCK], tl.int32), 0)
     for blk in range(0, bs, E_BLOCK):
-        i, ok, beg, kv_len, raw = _request_keys(blk, bs, raw, REQ_POOL_INDICES, KV_LENS, num_rows, width, capacity, PAGE_SIZE, E_BLOCK)
+        i, ok, beg, kv_len, raw = _request_keys(
+            blk, bs, raw, REQ_POOL_INDICES, KV_LENS, num_rows, width, capacity, PAGE_SIZE, E_BLOCK
+        )
         for k in tl.static_range(NT):
             eff, _, _, _, _, _ = _tile(kv_len, q_len, num_heads, 1, NT - 1 - k, NT, CTQ, CS, CAUSAL)
             total += tl.sum(tl.where(ok, eff, 0).to(tl.int64), 0)
     lim = _chunk_limit(tl.maximum(tl.cdiv(total, NC), 1))
     # pass 2: every work's cost, in order, and the number of works
     n_works, _ = _emit(
-        bs, q_len, num_heads, lim, REQ_POOL_INDICES, KV_LENS, num_rows, width, capacity, WORKS, NC, NUM_SM, NT, CTQ, CS, CAUSAL,
-        PAGE_SIZE, E_BLOCK, MAX_W, SCR_COST, SCR_CLUSTER, Q_INDPTR, KV_INDPTR, PARTIAL, M_START, M_END, MP_START, MP_END,
-        M_STRIDE, Q_LEN, KV_LEN, Q_START, KV_START, KV_END, WORK_INDPTR, 0,
-    )  # fmt: skip
+        bs,
+        q_len,
+        num_heads,
+        lim,
+        REQ_POOL_INDICES,
+        KV_LENS,
+        num_rows,
+        width,
+        capacity,
+        WORKS,
+        NC,
+        NUM_SM,
+        NT,
+        CTQ,
+        CS,
+        CAUSAL,
+        PAGE_SIZE,
+        E_BLOCK,
+        MAX_W,
+        SCR_COST,
+        SCR_CLUSTER,
+        Q_INDPTR,
+        KV_INDPTR,
+        PARTIAL,
+        M_START,
+        M_END,
+        MP_START,
+        MP_END,
+        M_STRIDE,
+        Q_LEN,
+        KV_LEN,
+        Q_START,
+        KV_START,
+        KV_END,
+        WORK_INDPTR,
+        0,
+    )
     n_works = tl.minimum(n_works, MAX_W)
     tl.debug_barrier()
     # pass 3: rounds of NC works in order; in each, the costliest work goes to the least loaded cluster,
@@ -331,10 +453,43 @@ def _schedule(
     tl.debug_barrier()
     # pass 4: the works at their places, the merge entries
     _, m_run = _emit(
-        bs, q_len, num_heads, lim, REQ_POOL_INDICES, KV_LENS, num_rows, width, capacity, WORKS, NC, NUM_SM, NT, CTQ, CS, CAUSAL,
-        PAGE_SIZE, E_BLOCK, MAX_W, SCR_COST, SCR_CLUSTER, Q_INDPTR, KV_INDPTR, PARTIAL, M_START, M_END, MP_START, MP_END,
-        M_STRIDE, Q_LEN, KV_LEN, Q_START, KV_START, KV_END, WORK_INDPTR, 1,
-    )  # fmt: skip
+        bs,
+        q_len,
+        num_heads,
+        lim,
+        REQ_POOL_INDICES,
+        KV_LENS,
+        num_rows,
+        width,
+        capacity,
+        WORKS,
+        NC,
+        NUM_SM,
+        NT,
+        CTQ,
+        CS,
+        CAUSAL,
+        PAGE_SIZE,
+        E_BLOCK,
+        MAX_W,
+        SCR_COST,
+        SCR_CLUSTER,
+        Q_INDPTR,
+        KV_INDPTR,
+        PARTIAL,
+        M_START,
+        M_END,
+        MP_START,
+        MP_END,
+        M_STRIDE,
+        Q_LEN,
+        KV_LEN,
+        Q_START,
+        KV_START,
+        KV_END,
+        WORK_INDPTR,
+        1,
+    )
     # merge entries past the step's: none (the kernel's CTAs past them merge nothing)
     s = tl.arange(0, SM_BLOCK)
     unused = (s >= m_run) & (s < NUM_SM)
@@ -357,12 +512,33 @@ _CHUNK = tl.constexpr(CHUNK)
 @triton.jit(
     do_not_specialize=["stride_row", "num_rows", "width", "capacity", "num_slots", "q_len", "num_heads"],
     do_not_specialize_on_alignment=["REQ_TO_TOKEN", "REQ_POOL_INDICES", "KV_LENS", "KV_INDICES", "FAULT", "WORKS"],
-)  # fmt: skip
+)
 def _page_ids_and_works_kernel(
-    REQ_TO_TOKEN, stride_row, num_rows, width, REQ_POOL_INDICES, KV_LENS, KV_INDICES, capacity, num_slots, FAULT, WORKS, q_len, num_heads,
-    BS_BLOCK: tl.constexpr, PAGE_SIZE: tl.constexpr, CHECK_SLOTS: tl.constexpr, HAS_FAULT: tl.constexpr, NUM_SM: tl.constexpr,
-    NT: tl.constexpr, CS: tl.constexpr, CTQ: tl.constexpr, CAUSAL: tl.constexpr, NC_BLOCK: tl.constexpr, SM_BLOCK: tl.constexpr,
-):  # fmt: skip
+    REQ_TO_TOKEN,
+    stride_row,
+    num_rows,
+    width,
+    REQ_POOL_INDICES,
+    KV_LENS,
+    KV_INDICES,
+    capacity,
+    num_slots,
+    FAULT,
+    WORKS,
+    q_len,
+    num_heads,
+    BS_BLOCK: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    CHECK_SLOTS: tl.constexpr,
+    HAS_FAULT: tl.constexpr,
+    NUM_SM: tl.constexpr,
+    NT: tl.constexpr,
+    CS: tl.constexpr,
+    CTQ: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    NC_BLOCK: tl.constexpr,
+    SM_BLOCK: tl.constexpr,
+):
     W: tl.constexpr = _MAX_W
     A: tl.constexpr = (NUM_SM + 3) // 4 * 4
     NC: tl.constexpr = NUM_SM // CS
@@ -372,16 +548,76 @@ def _page_ids_and_works_kernel(
     bs = tl.num_programs(0) - 1
     if r < bs:
         write_request_ids(
-            r, tl.program_id(1), tl.num_programs(1), REQ_TO_TOKEN, stride_row, num_rows, width, REQ_POOL_INDICES, KV_LENS,
-            KV_INDICES, KV_INDICES, KV_INDICES, capacity, KV_INDICES, KV_INDICES, KV_INDICES, KV_INDICES, num_slots, FAULT,
-            BS_BLOCK, _CHUNK, PAGE_SIZE, False, False, False, False, False, CHECK_SLOTS, HAS_FAULT, False,
-        )  # fmt: skip
+            r,
+            tl.program_id(1),
+            tl.num_programs(1),
+            REQ_TO_TOKEN,
+            stride_row,
+            num_rows,
+            width,
+            REQ_POOL_INDICES,
+            KV_LENS,
+            KV_INDICES,
+            KV_INDICES,
+            KV_INDICES,
+            capacity,
+            KV_INDICES,
+            KV_INDICES,
+            KV_INDICES,
+            KV_INDICES,
+            num_slots,
+            FAULT,
+            BS_BLOCK,
+            _CHUNK,
+            PAGE_SIZE,
+            False,
+            False,
+            False,
+            False,
+            False,
+            CHECK_SLOTS,
+            HAS_FAULT,
+            False,
+        )
     elif tl.program_id(1) == 0:
         _schedule(
-            bs, q_len, num_heads, REQ_POOL_INDICES, KV_LENS, num_rows, width, capacity, WORKS, NC, NUM_SM, NT, CTQ, CS, CAUSAL,
-            PAGE_SIZE, _E_BLOCK, NC_BLOCK, SM_BLOCK, W, 9 * W + L0, 10 * W + L0, 0, W, 2 * W, M0, M0 + A, M0 + 2 * A, M0 + 3 * A,
-            M0 + 4 * A, M0 + L0, 4 * W + L0, 5 * W + L0, 6 * W + L0, 7 * W + L0, 8 * W + L0,
-        )  # fmt: skip
+            bs,
+            q_len,
+            num_heads,
+            REQ_POOL_INDICES,
+            KV_LENS,
+            num_rows,
+            width,
+            capacity,
+            WORKS,
+            NC,
+            NUM_SM,
+            NT,
+            CTQ,
+            CS,
+            CAUSAL,
+            PAGE_SIZE,
+            _E_BLOCK,
+            NC_BLOCK,
+            SM_BLOCK,
+            W,
+            9 * W + L0,
+            10 * W + L0,
+            0,
+            W,
+            2 * W,
+            M0,
+            M0 + A,
+            M0 + 2 * A,
+            M0 + 3 * A,
+            M0 + 4 * A,
+            M0 + L0,
+            4 * W + L0,
+            5 * W + L0,
+            6 * W + L0,
+            7 * W + L0,
+            8 * W + L0,
+        )
 
 
 _LAUNCH = CachedLaunch(_page_ids_and_works_kernel)
@@ -397,8 +633,18 @@ class WorkLaunch:
     semantics: at most `capacity`, slots checked against `num_slots`, refusals in `fault`) and the work list
     over them in the same launch."""
 
-    def __init__(self, layout: WorkLayout, bs: int, q_len: int, num_heads: int, page_size: int, causal: bool, works: torch.Tensor,
-                 check_slots: bool, has_fault: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        layout: WorkLayout,
+        bs: int,
+        q_len: int,
+        num_heads: int,
+        page_size: int,
+        causal: bool,
+        works: torch.Tensor,
+        check_slots: bool,
+        has_fault: bool,
+    ) -> None:
         if not fits(bs, q_len, num_heads, layout):
             raise InvalidArgumentError("bs/q_len", "a step the device work list serves (mla_works.fits)", (bs, q_len))
         if works.dtype != torch.int32 or works.numel() < layout.buffer_entries:
@@ -407,7 +653,9 @@ class WorkLaunch:
             )
         self.layout, self.bs, self.q_len, self.num_heads, self.works = layout, bs, q_len, num_heads, works
         self.grid = (bs + 1, copy_programs(bs, works.is_cuda))
-        self.constexprs = _constexprs(layout, q_len, num_heads, page_size, causal, 1 << (bs - 1).bit_length(), check_slots, has_fault)
+        self.constexprs = _constexprs(
+            layout, q_len, num_heads, page_size, causal, 1 << (bs - 1).bit_length(), check_slots, has_fault
+        )
         self._launch = _LAUNCH.bind(self.grid, **self.constexprs)
 
     def __call__(
@@ -421,7 +669,9 @@ class WorkLaunch:
         fault: Optional[torch.Tensor],
     ) -> None:
         if req_pool_indices.shape[0] != self.bs:
-            raise InvalidArgumentError("req_pool_indices", f"{self.bs} requests (the launch's batch size)", req_pool_indices.shape[0])
+            raise InvalidArgumentError(
+                "req_pool_indices", f"{self.bs} requests (the launch's batch size)", req_pool_indices.shape[0]
+            )
         self._launch(
             *table_arguments(req_to_token),
             req_pool_indices,
@@ -436,10 +686,24 @@ class WorkLaunch:
         )
 
 
-def _constexprs(layout: WorkLayout, q_len: int, num_heads: int, page_size: int, causal: bool, bs_block: int, check_slots: bool,
-                has_fault: bool) -> dict:  # fmt: skip
+def _constexprs(
+    layout: WorkLayout,
+    q_len: int,
+    num_heads: int,
+    page_size: int,
+    causal: bool,
+    bs_block: int,
+    check_slots: bool,
+    has_fault: bool,
+) -> dict:
     w, a = MAX_WORKS, -(-layout.num_sm // 4) * 4
-    kernel = (0, w, 2 * w, *(3 * w + k * a for k in range(6)), *(k * w + 5 * a for k in range(4, 9)))  # the kernel's arithmetic
+    kernel = (
+        0,
+        w,
+        2 * w,
+        *(3 * w + k * a for k in range(6)),
+        *(k * w + 5 * a for k in range(4, 9)),
+    )  # the kernel's arithmetic
     if tuple(o // 4 for o in layout.offsets) != kernel or layout.int_bytes // 4 != 9 * w + 5 * a:
         raise InvalidArgumentError("layout", "FlashInfer 0.6.6's MLA workspace layout (work_layout)", layout.offsets)
     return dict(

@@ -28,7 +28,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
+from flashinfer import (
+    BatchDecodeWithPagedKVCacheWrapper,
+    BatchPrefillWithPagedKVCacheWrapper,
+    BatchPrefillWithRaggedKVCacheWrapper,
+)
 from flashinfer.cascade import merge_state_in_place
 
 from attn_core.contract.errors import InvalidArgumentError
@@ -155,7 +159,9 @@ def new_paged_wrapper(
 
 
 def new_ragged_wrapper(workspace: torch.Tensor) -> BatchPrefillWithRaggedKVCacheWrapper:
-    return BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=KERNEL_BACKEND)  # k/v: the new tokens, [T, H, D]
+    return BatchPrefillWithRaggedKVCacheWrapper(
+        workspace, "NHD", backend=KERNEL_BACKEND
+    )  # k/v: the new tokens, [T, H, D]
 
 
 def _common(key: LayerKey, dims: Dims, kv_dtype: Optional[torch.dtype] = None) -> dict:
@@ -168,7 +174,9 @@ def _common(key: LayerKey, dims: Dims, kv_dtype: Optional[torch.dtype] = None) -
     )
 
 
-def plan_decode(w: BatchDecodeWithPagedKVCacheWrapper, qo: QueryLayout, kv: PagedKV, key: LayerKey, dims: Dims, lean: bool) -> None:
+def plan_decode(
+    w: BatchDecodeWithPagedKVCacheWrapper, qo: QueryLayout, kv: PagedKV, key: LayerKey, dims: Dims, lean: bool
+) -> None:
     """Plan decode over `kv` (`qo`: one query per request). A CUDA-graph wrapper reads its own
     buffers, which hold `kv`'s device arrays already."""
     if lean:
@@ -218,7 +226,9 @@ def plan_paged(
     )
 
 
-def plan_ragged(w: BatchPrefillWithRaggedKVCacheWrapper, qo: QueryLayout, key: LayerKey, dims: Dims, lean: bool) -> None:
+def plan_ragged(
+    w: BatchPrefillWithRaggedKVCacheWrapper, qo: QueryLayout, key: LayerKey, dims: Dims, lean: bool
+) -> None:
     """Plan the ragged pass: each request's new tokens attend to the new tokens themselves, causally unless
     the key's layer is encoder-only (`key.causal`)."""
     if lean:

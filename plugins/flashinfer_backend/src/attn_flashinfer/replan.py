@@ -186,7 +186,9 @@ def _record_plan_state(w, qo: QueryLayout, internals: Internals) -> None:
         setattr(w, name, None)
 
 
-def paged(w, qo: QueryLayout, kv: PagedKV, key: LayerKey, dims: Dims, causal: bool, internals: Optional[Internals] = None) -> None:
+def paged(
+    w, qo: QueryLayout, kv: PagedKV, key: LayerKey, dims: Dims, causal: bool, internals: Optional[Internals] = None
+) -> None:
     """Re-plan an eager paged prefill wrapper, no custom mask: queries `qo` over the keys of `kv`."""
     internals = internals or installed()
     _record_plan_state(w, qo, internals)
@@ -222,7 +224,15 @@ def _require_mla(internals: Optional[Internals]) -> None:
         )
 
 
-def mla(w, qo: QueryLayout, kv: PageList, causal: bool, num_heads: int, head_dim_ckv: int, internals: Optional[Internals] = None) -> None:
+def mla(
+    w,
+    qo: QueryLayout,
+    kv: PageList,
+    causal: bool,
+    num_heads: int,
+    head_dim_ckv: int,
+    internals: Optional[Internals] = None,
+) -> None:
     """Re-plan an MLA paged wrapper (`flashinfer.mla.BatchMLAPagedAttentionWrapper`, FA2 or FA3) for a new
     batch: its kernel reads only the page ids (`kv.indices`: an eager wrapper is pointed at the step's,
     a CUDA-graph wrapper's buffer already holds them) and the work list the compiled scheduler writes

@@ -49,7 +49,9 @@ CAPABILITIES = Capabilities(
         }
     ),
     cuda_graph=CudaGraphLevel.UNIFORM_BATCH,
-    kv_layouts=frozenset({"NHD", "HND"}),  # HND: verified on the GPU only (the kit's kv_layout-HND checks in tests/test_gpu.py)
+    kv_layouts=frozenset(
+        {"NHD", "HND"}
+    ),  # HND: verified on the GPU only (the kit's kv_layout-HND checks in tests/test_gpu.py)
     #: engine-owned pools (`attn_core.memory.EngineKVPool`): FlashInfer reads paged K/V through the buffers'
     #: strides (K and V strides equal, as every fused engine cache has them); verified on the GPU only
     engine_kv_layouts=frozenset({"NHD", "HND"}),
@@ -61,7 +63,9 @@ CAPABILITIES = Capabilities(
 def flashinfer_missing() -> Optional[str]:
     """Reason when the `flashinfer` package (distribution flashinfer-python) cannot be imported."""
     if importlib.util.find_spec("flashinfer") is None:
-        return "flashinfer-python not installed (pip install 'flashinfer-python>=0.6.6,<0.8'; a CUDA build of torch first)"
+        return (
+            "flashinfer-python not installed (pip install 'flashinfer-python>=0.6.6,<0.8'; a CUDA build of torch first)"
+        )
     return None
 
 
@@ -71,7 +75,8 @@ def probe() -> Optional[str]:
     return first_reason(flashinfer_missing, needs_compute_capability(MIN_COMPUTE_CAPABILITY))
 
 
-#: where FlashInfer's kernels break a rule of the contract that the plugin cannot repair around them (`BackendSpec.known_gaps`)
+#: where FlashInfer's kernels break a rule of the contract that the plugin cannot repair around them
+#: (`BackendSpec.known_gaps`)
 MASKED_VALUES_WHY = (
     "FlashInfer 0.6.6's prefill kernels multiply a masked key's V by its probability 0 (0 * Inf = NaN): an Inf/NaN "
     "in a later token's K or V of the same step reaches the earlier tokens' outputs (H200, 2026-11-29; "
@@ -84,7 +89,10 @@ KNOWN_GAPS = tuple(
 
 SPEC = BackendSpec(
     name="flashinfer",
-    summary="FlashInfer paged decode/prefill wrappers: GQA tensor-core decode, ragged+paged extend, tree verify, CUDA graphs",
+    summary=(
+        "FlashInfer paged decode/prefill wrappers: GQA tensor-core decode, ragged+paged extend, tree verify, "
+        "CUDA graphs"
+    ),
     capabilities=CAPABILITIES,
     distribution="attn-flashinfer",
     backend_class="attn_flashinfer.backend:FlashInferBackend",

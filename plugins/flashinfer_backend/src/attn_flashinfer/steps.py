@@ -89,7 +89,9 @@ class StepInputs:
     encoder_lens: Optional[torch.Tensor] = None
     encoder_lens_host: Optional[torch.Tensor] = None
     custom_mask: Optional[torch.Tensor] = None  # TARGET_VERIFY: flattened bool, request after request
-    spans: Optional[torch.Tensor] = None  # int32 [bs, 2] bidirectional spans (`attn_core.contract.bidirectional`), eager steps
+    spans: Optional[torch.Tensor] = (
+        None  # int32 [bs, 2] bidirectional spans (`attn_core.contract.bidirectional`), eager steps
+    )
 
 
 #: smallest head dim served over an fp8 KV cache (see `check_context`)
@@ -126,7 +128,9 @@ def check_local_step(inputs: StepInputs, kv_layout: str, page_size: int, key_pag
     if inputs.custom_mask is not None:
         raise UnsupportedFeatureError(name, "chunked local attention together with a custom mask (TARGET_VERIFY)")
     if kv_layout == "HND" and page_size > 1 and key_page_size == 1:
-        raise UnsupportedFeatureError(name, f"chunked local attention with kv_layout HND at page_size {page_size} (chunks off the pages)")
+        raise UnsupportedFeatureError(
+            name, f"chunked local attention with kv_layout HND at page_size {page_size} (chunks off the pages)"
+        )
 
 
 def refuse_while_capturing(device: torch.device, what: str, setting: object) -> None:
@@ -164,7 +168,9 @@ def eager_inputs(b: ForwardBatch, r2t: torch.Tensor) -> StepInputs:
     )
 
 
-def graph_inputs(r2t: torch.Tensor, step: CudaGraphStep, num_tokens: int, seq_host: torch.Tensor, enc_host) -> StepInputs:
+def graph_inputs(
+    r2t: torch.Tensor, step: CudaGraphStep, num_tokens: int, seq_host: torch.Tensor, enc_host
+) -> StepInputs:
     """The inputs of a graph batch: `step` with `num_tokens` new tokens (the captured count at replay)
     and host copies of its seq_lens / encoder_lens (`[step.bs]`)."""
     mode, bs = step.forward_mode, step.bs
@@ -204,4 +210,6 @@ def verify_mask(spec: SpecInfo, q_lens_host: torch.Tensor, seq_lens_host: torch.
         return torch.cat([mask, torch.ones(need - mask.numel(), dtype=torch.bool, device=mask.device)])
     if pad:
         return mask[:need]
-    raise InvalidArgumentError("spec_info.custom_mask", f"{need} entries (sum of q_len * seq_len over requests)", mask.numel())
+    raise InvalidArgumentError(
+        "spec_info.custom_mask", f"{need} entries (sum of q_len * seq_len over requests)", mask.numel()
+    )

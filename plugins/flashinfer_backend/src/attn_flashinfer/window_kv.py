@@ -58,13 +58,24 @@ def build_window_kv(
     slot is checked against the full pool's `num_slots` before translation, so every window slot read
     stays inside the window pool)."""
     w = pool.window
-    starts_host = window_key_starts(seq_lens_host.to(torch.int64), None if q_lens is None else q_lens_host.to(torch.int64), w)
+    starts_host = window_key_starts(
+        seq_lens_host.to(torch.int64), None if q_lens is None else q_lens_host.to(torch.int64), w
+    )
     lens_host = (seq_lens_host.to(torch.int64) - starts_host).to(torch.int32)
     starts = window_key_starts(seq_lens, q_lens, w)
     lens = (seq_lens - starts).to(torch.int32)
     col = (starts if encoder_lens is None else starts + encoder_lens).to(torch.int32)
     kv = build_paged_kv(
-        req_to_token, req_pool_indices, lens, lens_host, 1, kv_start=col, out=out, defer=False, num_slots=pool.num_slots, fault=fault
+        req_to_token,
+        req_pool_indices,
+        lens,
+        lens_host,
+        1,
+        kv_start=col,
+        out=out,
+        defer=False,
+        num_slots=pool.num_slots,
+        fault=fault,
     )
     # entries the index kernel refused to write (a fault it recorded) may hold stale ids: clamp them into
     # the translation table so the gather stays in bounds (valid full slots are unchanged)

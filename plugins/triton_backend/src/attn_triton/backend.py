@@ -39,7 +39,14 @@ from attn_core.engine.graph_captures import captures_of
 from attn_core.memory.fp8 import is_fp8
 from attn_core.memory.window_pool import window_pool_of
 from attn_core.ops.device_faults import DeviceFaultFlags
-from attn_triton.config import SplitPolicy, decode_config, extend_config, hopper_kernels_available, mla_config, verify_config
+from attn_triton.config import (
+    SplitPolicy,
+    decode_config,
+    extend_config,
+    hopper_kernels_available,
+    mla_config,
+    verify_config,
+)
 from attn_triton.graph import GraphState
 from attn_triton.kernels.decode import DecodeConfig, head_blocks
 from attn_triton.kernels.extend import ExtendConfig
@@ -98,7 +105,8 @@ class TritonAttnBackend(AttentionBackend[StepPlan]):
         if extend_cfg.wgmma_block_n and not hopper_kernels_available(ctx.device):
             raise InvalidArgumentError(
                 "extend_config.wgmma_block_n",
-                f"0 on {ctx.device}: the Hopper extend kernel needs a CUDA GPU of compute capability 9.x and Triton >= 3.6",
+                f"0 on {ctx.device}: the Hopper extend kernel needs a CUDA GPU of compute capability 9.x "
+                "and Triton >= 3.6",
                 extend_cfg.wgmma_block_n,
             )
         mla_cfg = mla_config or _default_mla(ctx)
@@ -258,10 +266,14 @@ def _check_context(ctx: BackendContext) -> None:
     if ctx.is_mla:
         if ctx.kv_lora_rank > MAX_MLA_RANK or ctx.qk_rope_head_dim > MAX_MLA_ROPE:
             raise UnsupportedFeatureError(
-                "triton", f"MLA kv_lora_rank {ctx.kv_lora_rank} + rope {ctx.qk_rope_head_dim} (max {MAX_MLA_RANK} + {MAX_MLA_ROPE})"
+                "triton",
+                f"MLA kv_lora_rank {ctx.kv_lora_rank} + rope {ctx.qk_rope_head_dim} "
+                f"(max {MAX_MLA_RANK} + {MAX_MLA_ROPE})",
             )
     elif ctx.head_dim > MAX_MHA_HEAD_DIM or ctx.v_head_dim > MAX_MHA_HEAD_DIM or ctx.head_dim % 8 or ctx.v_head_dim % 8:
-        raise UnsupportedFeatureError("triton", f"head_dim {ctx.head_dim} / v_head_dim {ctx.v_head_dim} (multiples of 8 up to 256)")
+        raise UnsupportedFeatureError(
+            "triton", f"head_dim {ctx.head_dim} / v_head_dim {ctx.v_head_dim} (multiples of 8 up to 256)"
+        )
 
 
 def _check_fp8_device(ctx: BackendContext) -> None:
@@ -270,7 +282,11 @@ def _check_fp8_device(ctx: BackendContext) -> None:
     if not is_fp8(ctx.kv_dtype) or ctx.device.type != "cuda":
         return
     if torch.version.hip:
-        raise UnsupportedFeatureError("triton", f"kv_dtype {ctx.kv_dtype} on ROCm (Triton's fp8e4nv; ROCm GPUs of this build use e4m3fnuz)")
+        raise UnsupportedFeatureError(
+            "triton", f"kv_dtype {ctx.kv_dtype} on ROCm (Triton's fp8e4nv; ROCm GPUs of this build use e4m3fnuz)"
+        )
     cc = torch.cuda.get_device_capability(ctx.device)
     if cc < (8, 9):
-        raise UnsupportedFeatureError("triton", f"kv_dtype {ctx.kv_dtype} on compute capability {cc[0]}.{cc[1]} (fp8e4nv needs >= 8.9)")
+        raise UnsupportedFeatureError(
+            "triton", f"kv_dtype {ctx.kv_dtype} on compute capability {cc[0]}.{cc[1]} (fp8e4nv needs >= 8.9)"
+        )

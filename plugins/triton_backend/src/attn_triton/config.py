@@ -21,9 +21,9 @@ from attn_triton.kernels.verify import VerifyConfig
 #: fp8 (e4m3) cache, fp16/bf16 q, head dim <= 128. Why: a key tile is half the bytes of bf16's, and the kernel
 #: turns each byte into fp16 with 1.5 integer ops (`e4m3_as_f16`; V read as int32 words) before the same two
 #: fp16 dots, so what bounds a program is its latency: the row is bound by the bytes each SM keeps in flight.
-#: H100 sweep (docs/dev/perf-notebook.md, "fp8 KV cache decode", 16 tiles in three runs): 64-key tiles with 2 warps and 3
-#: stages were fastest (225-229 us at bs64 x 4096 against 254-256 us for the former 4-warp, 2-stage tile and
-#: 247-250 us for FlashInfer's fp8 decode): as compiled for sm_90 by Triton 3.6, 192 registers and 54 KiB of
+#: H100 sweep (docs/dev/perf-notebook.md, "fp8 KV cache decode", 16 tiles in three runs): 64-key tiles with 2 warps
+#: and 3 stages were fastest (225-229 us at bs64 x 4096 against 254-256 us for the former 4-warp, 2-stage tile
+#: and 247-250 us for FlashInfer's fp8 decode): as compiled for sm_90 by Triton 3.6, 192 registers and 54 KiB of
 #: shared memory, 4 programs an SM, each with three 64-key K/V tiles in flight per 2 warps; a fourth stage
 #: (70 KiB, 3 programs an SM) or 128-key tiles lose 30-50 %. (Triton 3.9 lays this tile's K out with some
 #: byte-wise shared-memory reads, the 4-warp tile with none; the timings are Triton 3.6's.)
@@ -46,7 +46,9 @@ class SplitPolicy:
     deterministic_max_splits: int = 16
     deterministic_min_split_len: int = 512
 
-    def max_splits(self, bs: int, programs_per_request: int, num_sms: int, deterministic: bool, ctas_per_sm: int = 0) -> int:
+    def max_splits(
+        self, bs: int, programs_per_request: int, num_sms: int, deterministic: bool, ctas_per_sm: int = 0
+    ) -> int:
         if deterministic:
             return self.deterministic_max_splits
         if ctas_per_sm > 0:
@@ -98,12 +100,23 @@ def wave_splits(programs: int, slots: int, cap: int, waves: float = 2.0) -> int:
 
 
 def decode_config(
-    head_dim: int, v_head_dim: int, dtype: torch.dtype, device: torch.device, mla: bool, kv_dtype: Optional[torch.dtype] = None
+    head_dim: int,
+    v_head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    mla: bool,
+    kv_dtype: Optional[torch.dtype] = None,
 ) -> DecodeConfig:
     """Stage-1 tiles of the split decode kernel for q `dtype` over a `kv_dtype` cache (None: `dtype`)."""
     if device.type != "cuda":
         return DecodeConfig(block_n=16, block_h=16, num_warps=1, num_stages=1)
-    if kv_dtype is not None and is_fp8(kv_dtype) and not mla and dtype != torch.float32 and max(head_dim, v_head_dim) <= 128:
+    if (
+        kv_dtype is not None
+        and is_fp8(kv_dtype)
+        and not mla
+        and dtype != torch.float32
+        and max(head_dim, v_head_dim) <= 128
+    ):
         return FP8_DECODE_CONFIG
     if mla:
         return DecodeConfig(block_n=16 if dtype == torch.float32 else 32, block_h=16, num_warps=4, num_stages=2)
@@ -154,13 +167,21 @@ def extend_config_for(head_dim: int, v_head_dim: int, dtype: torch.dtype, mla: b
     # P operand) took 1-4 % off every extend row (the 128x128 fp32 accumulator multiply of most tiles)
     # SM90 (`hopper`): the launches the Hopper kernel takes (kernels/extend_wgmma.py, `extend.uses_wgmma`) run on it
     # with 128-key tiles in 3 buffers (the most that fit beside q): on the H100, in CUDA graphs, 8-12 % faster than
-    # the portable kernel on every extend row, and faster than its 64-key x 4 tiles (docs/dev/perf-notebook.md, "The Hopper
-    # extend kernel with a producer partition and TMA"); the other launches keep the portable tiles
-    # the (consumer, producer) register split: 208 / 88 a thread beat 224 / 56 and 216 / 72 on every extend row of an H100
-    # sweep (4-10 %; docs/dev/perf-notebook.md, "The Hopper extend kernel's register split")
+    # the portable kernel on every extend row, and faster than its 64-key x 4 tiles (docs/dev/perf-notebook.md,
+    # "The Hopper extend kernel with a producer partition and TMA"); the other launches keep the portable tiles
+    # the (consumer, producer) register split: 208 / 88 a thread beat 224 / 56 and 216 / 72 on every extend row
+    # of an H100 sweep (4-10 %; docs/dev/perf-notebook.md, "The Hopper extend kernel's register split")
     wgmma_block_n = 128 if hopper else 0
-    return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, lazy_rescale=4, wgmma_block_n=wgmma_block_n, wgmma_stages=3,
-                        wgmma_regs=208)  # fmt: skip
+    return ExtendConfig(
+        block_m=128,
+        block_n=64,
+        num_warps=4,
+        num_stages=3,
+        lazy_rescale=4,
+        wgmma_block_n=wgmma_block_n,
+        wgmma_stages=3,
+        wgmma_regs=208,
+    )
 
 
 def mla_config(dtype: torch.dtype, device: torch.device) -> MLAConfig:

@@ -68,12 +68,19 @@ def probe() -> Optional[str]:
     if triton_interpreter_enabled():
         return None
     if not gpu_device_present():
-        return "needs a CUDA or ROCm GPU (none on this machine); CPU tensors run only under the Triton interpreter (set TRITON_INTERPRET=1)"
+        return (
+            "needs a CUDA or ROCm GPU (none on this machine); CPU tensors run only under the Triton interpreter "
+            "(set TRITON_INTERPRET=1)"
+        )
     import torch
 
     if torch.cuda.is_available():
         return None
-    build = f"ROCm {torch.version.hip}" if torch.version.hip else (f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only")
+    build = (
+        f"ROCm {torch.version.hip}"
+        if torch.version.hip
+        else (f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only")
+    )
     return (
         f"needs a CUDA or ROCm GPU (torch {torch.__version__}, {build} build, sees no GPU); "
         "CPU tensors run only under the Triton interpreter (set TRITON_INTERPRET=1)"
@@ -95,8 +102,8 @@ PHASE_PRIORITIES = (
     PhasePriority(
         DECODE,
         25,
-        "docs/performance.md, 'Kernels against FlashInfer': decode 0.933-1.004x FlashInfer's time, fp8 KV decode 0.872x "
-        "(benchmarks/triton_vs_peers.py --only decode,extend,fp8)",
+        "docs/performance.md, 'Kernels against FlashInfer': decode 0.933-1.004x FlashInfer's time, "
+        "fp8 KV decode 0.872x (benchmarks/triton_vs_peers.py --only decode,extend,fp8)",
         device="cuda",
         min_compute_capability=(9, 0),
         max_compute_capability=(9, 0),

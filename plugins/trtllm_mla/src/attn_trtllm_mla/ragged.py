@@ -74,7 +74,9 @@ def check_workspace(num_q_tokens: int, num_heads: int, workspace: torch.Tensor) 
     have = workspace.numel() * workspace.element_size()
     if workspace_bytes_needed(num_q_tokens, num_heads) > have:
         most = (have - COUNTER_BYTES) // (num_heads * STATS_BYTES)
-        raise InvalidArgumentError("forward_batch", f"at most {most} new tokens (the TRT-LLM workspace of {have} bytes)", num_q_tokens)
+        raise InvalidArgumentError(
+            "forward_batch", f"at most {most} new tokens (the TRT-LLM workspace of {have} bytes)", num_q_tokens
+        )
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,9 @@ def ragged_layout(q_lens: torch.Tensor, kv_lens: torch.Tensor, causal: bool, dev
     )
 
 
-def ragged_kwargs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: RaggedLayout, scales: Scales, workspace: torch.Tensor) -> dict:
+def ragged_kwargs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: RaggedLayout, scales: Scales, workspace: torch.Tensor
+) -> dict:
     """Keyword arguments of `trtllm_ragged_attention_deepseek` for one pass: q `[Tq, H, D]`, k `[Tk, H,
     D]`, v `[Tk, H, Dv]` bf16 (made contiguous when they are not), the layout's offsets and bounds, the
     folded scales, the LSE asked for (the kernel allocates output and LSE), no window, sinks or
@@ -147,13 +151,17 @@ def ragged_kwargs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Rag
     if q.shape[0] != layout.num_q_tokens:
         raise InvalidArgumentError("q", f"{layout.num_q_tokens} query rows (the planned batch)", q.shape[0])
     if k.shape[0] != layout.num_kv_tokens or v.shape[0] != layout.num_kv_tokens:
-        raise InvalidArgumentError("k/v", f"{layout.num_kv_tokens} key rows (the planned pass)", (k.shape[0], v.shape[0]))
+        raise InvalidArgumentError(
+            "k/v", f"{layout.num_kv_tokens} key rows (the planned pass)", (k.shape[0], v.shape[0])
+        )
     H = q.shape[1]
     if k.shape[1] != H or v.shape[1] != H:
         raise InvalidArgumentError("k/v", f"{H} heads like q", (k.shape[1], v.shape[1]))
     dims = (q.shape[2], v.shape[2])
     if k.shape[2] != q.shape[2] or dims not in RAGGED_HEAD_DIMS:
-        raise InvalidArgumentError("q/k/v", f"head dims (q=k, v) among {sorted(RAGGED_HEAD_DIMS)}", (q.shape[2], k.shape[2], v.shape[2]))
+        raise InvalidArgumentError(
+            "q/k/v", f"head dims (q=k, v) among {sorted(RAGGED_HEAD_DIMS)}", (q.shape[2], k.shape[2], v.shape[2])
+        )
     if q.dtype != torch.bfloat16 or k.dtype != q.dtype or v.dtype != q.dtype:
         raise UnsupportedFeatureError("trtllm_mla", f"ragged prefill in {(q.dtype, k.dtype, v.dtype)} (bfloat16 here)")
     check_workspace(layout.num_q_tokens, H, workspace)

@@ -54,7 +54,9 @@ def _flashinfer_missing() -> Optional[str]:
     import importlib.util
 
     if importlib.util.find_spec("flashinfer") is None:
-        return "flashinfer-python not installed (pip install 'flashinfer-python>=0.6.6,<0.8'; a CUDA build of torch first)"
+        return (
+            "flashinfer-python not installed (pip install 'flashinfer-python>=0.6.6,<0.8'; a CUDA build of torch first)"
+        )
     return None
 
 
@@ -64,7 +66,9 @@ def _device_capability() -> Optional[str]:
     return blackwell_reason(torch.cuda.get_device_capability())
 
 
-def probe(checks: tuple[Callable[[], Optional[str]], ...] = (needs_cuda, _device_capability, _flashinfer_missing)) -> Optional[str]:
+def probe(
+    checks: tuple[Callable[[], Optional[str]], ...] = (needs_cuda, _device_capability, _flashinfer_missing),
+) -> Optional[str]:
     """None when the backend can run here, else why not: no CUDA, not a Blackwell GPU, FlashInfer missing."""
     return first_reason(*checks)
 
@@ -72,8 +76,8 @@ def probe(checks: tuple[Callable[[], Optional[str]], ...] = (needs_cuda, _device
 SPEC = BackendSpec(
     name="trtllm_mla",
     summary=(
-        "TensorRT-LLM MLA decode/verify and ragged DeepSeek prefill via FlashInfer on Blackwell (unverified on hardware); "
-        "the rest via flashinfer_mla"
+        "TensorRT-LLM MLA decode/verify and ragged DeepSeek prefill via FlashInfer on Blackwell "
+        "(unverified on hardware); the rest via flashinfer_mla"
     ),
     capabilities=CAPABILITIES,
     distribution="attn-trtllm-mla",

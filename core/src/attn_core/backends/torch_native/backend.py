@@ -125,7 +125,12 @@ def _build_metadata(
         kv_valid = kv_valid & in_pool
     slots = torch.where(kv_valid, slots, 0)
     allowed = kv_valid[:, None, :] & q_valid[:, :, None]
-    if use_custom_mask and spec_info is not None and spec_info.custom_mask is not None and spec_info.mask_indptr is not None:
+    if (
+        use_custom_mask
+        and spec_info is not None
+        and spec_info.custom_mask is not None
+        and spec_info.mask_indptr is not None
+    ):
         mask, indptr = spec_info.custom_mask, spec_info.mask_indptr.to(torch.int64)
         flat = indptr[: seq.shape[0], None, None] + qi[None, :, None] * seq[:, None, None] + kj[None, None, :]
         allowed = allowed & mask[flat.clamp(0, max(mask.numel() - 1, 0))]
@@ -178,7 +183,10 @@ class TorchNativeBackend(AttentionBackend[_Metadata]):
             q_start = torch.arange(b.batch_size, device=b.device, dtype=torch.int32)
             q_width = 1
         else:
-            q_lens, q_start = batch_field(b.extend_seq_lens, "extend_seq_lens"), batch_field(b.extend_start_loc, "extend_start_loc")
+            q_lens, q_start = (
+                batch_field(b.extend_seq_lens, "extend_seq_lens"),
+                batch_field(b.extend_start_loc, "extend_start_loc"),
+            )
             q_width = max(int(batch_field(b.extend_seq_lens_cpu, "extend_seq_lens_cpu").max()), 1)
         args: dict[str, Any] = dict(
             req_to_token=self.req_to_token(b),
@@ -239,7 +247,9 @@ class TorchNativeBackend(AttentionBackend[_Metadata]):
         if graphs is None:
             raise InvalidArgumentError("init_cuda_graph_state", "called before capture/replay", None)
         if step.num_tokens is None:
-            raise InvalidArgumentError("num_tokens", f"a fixed token count for a {step.forward_mode.name} capture", None)
+            raise InvalidArgumentError(
+                "num_tokens", f"a fixed token count for a {step.forward_mode.name} capture", None
+            )
         meta = self._graph_build(step, step.num_tokens)
         graphs[(step.bs, step.forward_mode)] = meta
         self.bind_graph_metadata(meta, step)
@@ -277,7 +287,10 @@ class TorchNativeBackend(AttentionBackend[_Metadata]):
         bs, q_width = meta.q_rows.shape
         width = keys.slots.shape[1] if keys is not None else 0
         chunks = -(-q_width // max(1, self.max_score_bytes // max(1, bs * layer.num_q_heads * width * 4)))
-        return f"gather + einsum over each request's key slots ({', '.join(masks)}; {cd}; {chunks} query chunk(s) of {q_width})"
+        return (
+            f"gather + einsum over each request's key slots ({', '.join(masks)}; {cd}; "
+            f"{chunks} query chunk(s) of {q_width})"
+        )
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **extras):
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache, **extras)
@@ -292,7 +305,9 @@ class TorchNativeBackend(AttentionBackend[_Metadata]):
             return self._cascade(q, layer, pool, meta.cascade, return_lse)
         keys = meta.cross_keys if layer.is_cross_attention else meta.self_keys
         if keys is None:
-            raise InvalidArgumentError("forward_batch.encoder_lens", "encoder lengths for a cross-attention layer", None)
+            raise InvalidArgumentError(
+                "forward_batch.encoder_lens", "encoder lengths for a cross-attention layer", None
+            )
         allowed = keys.allowed
         if not layer.is_cross_attention and not meta.custom_mask:
             allowed = _attn_type_visibility(layer.attn_type, allowed, meta)
@@ -301,7 +316,9 @@ class TorchNativeBackend(AttentionBackend[_Metadata]):
             allowed = allowed & (kj[None, None, :] > meta.q_pos[:, :, None] - layer.sliding_window_size)
         if layer.attention_chunk_size is not None:  # chunked local: keys of the query's own chunk only
             kj = torch.arange(allowed.shape[-1], device=allowed.device)
-            chunk_start = torch.div(meta.q_pos, layer.attention_chunk_size, rounding_mode="floor") * layer.attention_chunk_size
+            chunk_start = (
+                torch.div(meta.q_pos, layer.attention_chunk_size, rounding_mode="floor") * layer.attention_chunk_size
+            )
             allowed = allowed & (kj[None, None, :] >= chunk_start[:, :, None])
         slots = keys.slots
         window_pool = window_pool_of(pool)
@@ -310,7 +327,9 @@ class TorchNativeBackend(AttentionBackend[_Metadata]):
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         keys = token_rows(k_buf, slots, pool.kv_layout, pool.page_size)  # [bs, W, Hkv, D]
         vals = token_rows(v_buf, slots, pool.kv_layout, pool.page_size)
-        return _attention(q, keys, vals, allowed, meta, layer, sinks, return_lse, self.max_score_bytes, kv_scales(layer, pool))
+        return _attention(
+            q, keys, vals, allowed, meta, layer, sinks, return_lse, self.max_score_bytes, kv_scales(layer, pool)
+        )
 
     # ---- the ragged op ----------------------------------------------------------------------------
     def forward_ragged(self, q, k, v, ragged, *, scaling, return_lse):
@@ -325,7 +344,9 @@ class TorchNativeBackend(AttentionBackend[_Metadata]):
             keys = token_rows(k_buf, meta.self_keys.slots, pool.kv_layout, pool.page_size)
             vals = token_rows(v_buf, meta.self_keys.slots, pool.kv_layout, pool.page_size)
             scales = kv_scales(layer, pool)
-            o, lse = _attention(q, keys, vals, meta.self_keys.allowed, meta, layer, None, True, self.max_score_bytes, scales)
+            o, lse = _attention(
+                q, keys, vals, meta.self_keys.allowed, meta, layer, None, True, self.max_score_bytes, scales
+            )
             results.append((o.view(q.shape[0], layer.num_q_heads, layer.v_head_dim), lse))
         (o_p, lse_p), (o_s, lse_s) = results
         o, lse = merge_state(o_p, lse_p, o_s, lse_s)

@@ -69,7 +69,10 @@ _checked_masks: dict[int, tuple[weakref.ref, int]] = {}
 
 def _check_compressed_mask(mask: Optional[torch.Tensor], mode: int) -> None:
     _need(mask is not None, f"sparse_mode={mode} needs atten_mask, the compressed 2048x2048 causal mask")
-    _need(tuple(mask.shape) == (COMPRESSED_MASK_SIZE,) * 2, f"sparse_mode={mode} takes a 2048x2048 atten_mask, got {tuple(mask.shape)}")
+    _need(
+        tuple(mask.shape) == (COMPRESSED_MASK_SIZE,) * 2,
+        f"sparse_mode={mode} takes a 2048x2048 atten_mask, got {tuple(mask.shape)}",
+    )
     seen = _checked_masks.get(id(mask))
     if seen is not None and seen[0]() is mask and seen[1] == mask._version:
         return  # this very tensor, unchanged since it was checked
@@ -92,7 +95,9 @@ def _check_int32(name: str, x: torch.Tensor) -> None:
     _need(x.dtype == torch.int32, f"{name} must be int32, got {x.dtype}")
 
 
-def _visible(sq: int, skv: int, mode: int, pre_tokens: int, next_tokens: int, mask: Optional[torch.Tensor]) -> torch.Tensor:
+def _visible(
+    sq: int, skv: int, mode: int, pre_tokens: int, next_tokens: int, mask: Optional[torch.Tensor]
+) -> torch.Tensor:
     """Bool `[sq, skv]`: may query i see key j, for one batch entry [FA-sparse].
 
     0 (defaultMask): `mask` (True = masked) when given, and the band i - pre_tokens <= j <= i + next_tokens;
@@ -147,7 +152,8 @@ def _gather_pages(cache: torch.Tensor, table_row: torch.Tensor, length: int, blo
     n = -(-length // block_size)
     pages = table_row[:n].long().cpu()
     _need(
-        bool(((pages >= 0) & (pages < cache.shape[0])).all()), f"block table entries out of range [0, {cache.shape[0]}): {pages.tolist()}"
+        bool(((pages >= 0) & (pages < cache.shape[0])).all()),
+        f"block table entries out of range [0, {cache.shape[0]}): {pages.tolist()}",
     )
     return cache[pages.to(cache.device)].reshape(n * block_size, *cache.shape[2:])[:length]
 
@@ -172,7 +178,10 @@ def _npu_reshape_and_cache(key, value, key_cache, value_cache, slot_indices) -> 
     _need(key.dim() == 3 and value.dim() == 3, "key and value must be [T, H, D]")
     for name, x, cache in (("key", key, key_cache), ("value", value, value_cache)):
         _need(cache.dim() == 4, f"{name}_cache must be [num_blocks, block_size, H, D], got {tuple(cache.shape)}")
-        _need(tuple(x.shape[1:]) == tuple(cache.shape[2:]), f"{name} {tuple(x.shape)} does not match {name}_cache {tuple(cache.shape)}")
+        _need(
+            tuple(x.shape[1:]) == tuple(cache.shape[2:]),
+            f"{name} {tuple(x.shape)} does not match {name}_cache {tuple(cache.shape)}",
+        )
         _need(x.dtype == cache.dtype, f"{name} dtype {x.dtype} != {name}_cache dtype {cache.dtype}")
         _need(x.shape[0] == slot_indices.shape[0], f"{name} has {x.shape[0]} rows for {slot_indices.shape[0]} slots")
     slots = slot_indices.long()
@@ -185,16 +194,28 @@ def _npu_reshape_and_cache(key, value, key_cache, value_cache, slot_indices) -> 
 # ---- ATB PagedAttention -----------------------------------------------------------------------------
 def _paged(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, block_table, context_lens, out, v_dim):
     _need(query.is_contiguous(), "query must be contiguous")
-    _need(query.dim() == 3 and query.shape[1] == num_heads, f"query must be [num_tokens, {num_heads}, D], got {tuple(query.shape)}")
-    _need(key_cache.dim() == 4 and key_cache.shape[2] == num_kv_heads, f"key_cache must be [blocks, block_size, {num_kv_heads}, D]")
+    _need(
+        query.dim() == 3 and query.shape[1] == num_heads,
+        f"query must be [num_tokens, {num_heads}, D], got {tuple(query.shape)}",
+    )
+    _need(
+        key_cache.dim() == 4 and key_cache.shape[2] == num_kv_heads,
+        f"key_cache must be [blocks, block_size, {num_kv_heads}, D]",
+    )
     _check_block(key_cache.shape[1], PAGED_ATTENTION_MAX_BLOCK, "paged attention")
     _check_int32("block_table", block_table)
     t = query.shape[0]
-    _need(block_table.dim() == 2 and block_table.shape[0] == t, f"block_table must be [{t}, max_blocks], got {tuple(block_table.shape)}")
+    _need(
+        block_table.dim() == 2 and block_table.shape[0] == t,
+        f"block_table must be [{t}, max_blocks], got {tuple(block_table.shape)}",
+    )
     lens = _check_host_lengths("context_lens", context_lens, t)
     _need(tuple(out.shape) == (t, num_heads, v_dim), f"out must be [{t}, {num_heads}, {v_dim}], got {tuple(out.shape)}")
     bs = key_cache.shape[1]
-    _need(all(-(-n // bs) <= block_table.shape[1] for n in lens), "a context length needs more blocks than block_table has columns")
+    _need(
+        all(-(-n // bs) <= block_table.shape[1] for n in lens),
+        "a context length needs more blocks than block_table has columns",
+    )
     for i, n in enumerate(lens):
         k = _gather_pages(key_cache, block_table[i], n, bs)
         v = _gather_pages(value_cache, block_table[i], n, bs)[..., :v_dim]
@@ -202,12 +223,25 @@ def _paged(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, 
         out[i] = o[0].to(out.dtype)
 
 
-def _npu_paged_attention(*, query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, block_table, context_lens, out) -> None:
+def _npu_paged_attention(
+    *, query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, block_table, context_lens, out
+) -> None:
     """Decode attention [ATB-PA]: query token i `[num_tokens, num_heads, D]` attends to the first
     `context_lens[i]` tokens of its paged K/V (`[num_blocks, block_size, num_kv_heads, D]`, page ids in
     `block_table[i]`), GQA by head groups, softmax(scale_value * q.k) v written to `out`
     `[num_tokens, num_heads, Dv]`. context_lens int32 on the host."""
-    _paged(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, block_table, context_lens, out, value_cache.shape[-1])
+    _paged(
+        query,
+        key_cache,
+        value_cache,
+        num_kv_heads,
+        num_heads,
+        scale_value,
+        block_table,
+        context_lens,
+        out,
+        value_cache.shape[-1],
+    )
 
 
 def _npu_paged_attention_mla(
@@ -216,19 +250,29 @@ def _npu_paged_attention_mla(
     """MLA decode [ATB-PA, "mla" case]: one cache `[num_blocks, block_size, num_kv_heads, kv_lora_rank +
     rope]` serves as key (all channels) and value (its first `mla_vheadsize` channels); query
     `[num_tokens, num_heads, kv_lora_rank + rope]`, `out` `[num_tokens, num_heads, mla_vheadsize]`."""
-    _need(0 < mla_vheadsize <= key_cache.shape[-1], f"mla_vheadsize {mla_vheadsize} must be in (0, {key_cache.shape[-1]}]")
-    _paged(query, key_cache, key_cache, num_kv_heads, num_heads, scale_value, block_table, context_lens, out, mla_vheadsize)
+    _need(
+        0 < mla_vheadsize <= key_cache.shape[-1], f"mla_vheadsize {mla_vheadsize} must be in (0, {key_cache.shape[-1]}]"
+    )
+    _paged(
+        query, key_cache, key_cache, num_kv_heads, num_heads, scale_value, block_table, context_lens, out, mla_vheadsize
+    )
 
 
 # ---- FusedInferAttentionScore ------------------------------------------------------------------------
 def _split_query(query, layout: str, num_heads: int, actual_q):
     """Per batch entry: the query rows `[Sq, N, D]` and how to write its output back."""
     if layout == "TND":
-        _need(query.dim() == 3 and query.shape[1] == num_heads, f"TND query must be [T, {num_heads}, D], got {tuple(query.shape)}")
+        _need(
+            query.dim() == 3 and query.shape[1] == num_heads,
+            f"TND query must be [T, {num_heads}, D], got {tuple(query.shape)}",
+        )
         _need(actual_q is not None, "input_layout TND needs actual_seq_lengths (cumulative query lengths)")
         ends = [int(v) for v in actual_q]
         _need(len(ends) > 0, "TND actual_seq_lengths must name at least one sequence")
-        _need(all(b >= a for a, b in zip([0] + ends, ends)), f"TND actual_seq_lengths must be cumulative (non-decreasing), got {ends}")
+        _need(
+            all(b >= a for a, b in zip([0] + ends, ends)),
+            f"TND actual_seq_lengths must be cumulative (non-decreasing), got {ends}",
+        )
         _need(ends[-1] == query.shape[0], f"TND actual_seq_lengths must end at T={query.shape[0]}, got {ends[-1]}")
         return [(query[a:b], (a, b)) for a, b in zip([0] + ends[:-1], ends)]
     if layout == "BSH":
@@ -243,7 +287,10 @@ def _split_query(query, layout: str, num_heads: int, actual_q):
         raise EmulatedOpError(f"input_layout {layout!r} is not emulated (TND, BSH, BSND, BNSD are)")
     b, s = query.shape[0], query.shape[1]
     lens = [s] * b if actual_q is None else [int(v) for v in actual_q]
-    _need(len(lens) == b and all(0 <= n <= s for n in lens), f"actual_seq_lengths must be {b} lengths <= S={s}, got {lens}")
+    _need(
+        len(lens) == b and all(0 <= n <= s for n in lens),
+        f"actual_seq_lengths must be {b} lengths <= S={s}, got {lens}",
+    )
     return [(query[i, : lens[i]], (i, lens[i])) for i in range(b)]
 
 
@@ -273,10 +320,30 @@ def _kv_for(i, key, value, key_rope, layout, num_kv, paged, block_table, block_s
     return rows(key), rows(value), rows(key_rope)
 
 
-def _fia(query, key, value, *, scale, atten_mask=None, actual_seq_lengths=None, actual_seq_lengths_kv=None, block_table=None,
-         num_heads=1, pre_tokens=_BIG, next_tokens=_BIG, input_layout="BSH", num_key_value_heads=0, sparse_mode=0,
-         inner_precise=0, block_size=0, softmax_lse_flag=False, query_rope=None, key_rope=None, antiquant_mode=0,
-         antiquant_scale=None):  # fmt: skip
+def _fia(
+    query,
+    key,
+    value,
+    *,
+    scale,
+    atten_mask=None,
+    actual_seq_lengths=None,
+    actual_seq_lengths_kv=None,
+    block_table=None,
+    num_heads=1,
+    pre_tokens=_BIG,
+    next_tokens=_BIG,
+    input_layout="BSH",
+    num_key_value_heads=0,
+    sparse_mode=0,
+    inner_precise=0,
+    block_size=0,
+    softmax_lse_flag=False,
+    query_rope=None,
+    key_rope=None,
+    antiquant_mode=0,
+    antiquant_scale=None,
+):
     _need(antiquant_scale is None, "antiquant (int8 KV) is not emulated")
     _need(query.is_contiguous(), "query must be contiguous")
     _need(query.dtype in (torch.float16, torch.bfloat16), f"query dtype must be float16 or bfloat16, got {query.dtype}")
@@ -284,7 +351,11 @@ def _fia(query, key, value, *, scale, atten_mask=None, actual_seq_lengths=None, 
     num_kv = num_key_value_heads or num_heads
     _need((query_rope is None) == (key_rope is None), "query_rope and key_rope come together")
     parts = _split_query(query, input_layout, num_heads, actual_seq_lengths)
-    rope_parts = None if query_rope is None else _split_query(query_rope.contiguous(), input_layout, num_heads, actual_seq_lengths)
+    rope_parts = (
+        None
+        if query_rope is None
+        else _split_query(query_rope.contiguous(), input_layout, num_heads, actual_seq_lengths)
+    )
     batch = len(parts)
     paged = block_table is not None
     dense_bounds = None
@@ -299,11 +370,19 @@ def _fia(query, key, value, *, scale, atten_mask=None, actual_seq_lengths=None, 
         )
         _need(actual_seq_lengths_kv is not None, "paged KV needs actual_seq_lengths_kv (per-sequence lengths)")
         kv_lens = _check_host_lengths("actual_seq_lengths_kv", actual_seq_lengths_kv, batch)
-        _need(all(-(-n // block_size) <= block_table.shape[1] for n in kv_lens), "a KV length needs more blocks than block_table has")
+        _need(
+            all(-(-n // block_size) <= block_table.shape[1] for n in kv_lens),
+            "a KV length needs more blocks than block_table has",
+        )
     elif input_layout == "TND":
-        _need(actual_seq_lengths_kv is not None, "input_layout TND needs actual_seq_lengths_kv (cumulative key lengths)")
+        _need(
+            actual_seq_lengths_kv is not None, "input_layout TND needs actual_seq_lengths_kv (cumulative key lengths)"
+        )
         ends = [int(v) for v in actual_seq_lengths_kv]
-        _need(len(ends) == batch and ends[-1] == key.shape[0], "TND actual_seq_lengths_kv must be cumulative and end at the key rows")
+        _need(
+            len(ends) == batch and ends[-1] == key.shape[0],
+            "TND actual_seq_lengths_kv must be cumulative and end at the key rows",
+        )
         dense_bounds = list(zip([0] + ends[:-1], ends))
     elif actual_seq_lengths_kv is not None:
         kv_lens = [int(v) for v in actual_seq_lengths_kv]
@@ -312,11 +391,15 @@ def _fia(query, key, value, *, scale, atten_mask=None, actual_seq_lengths=None, 
     dv = None
     outs = []
     for i, (q, where) in enumerate(parts):
-        k, v, kr = _kv_for(i, key, value, key_rope, input_layout, num_kv, paged, block_table, block_size, kv_lens, dense_bounds)
+        k, v, kr = _kv_for(
+            i, key, value, key_rope, input_layout, num_kv, paged, block_table, block_size, kv_lens, dense_bounds
+        )
         mask = None
         if sparse_mode in (0, 1) and atten_mask is not None:
             mask = (
-                atten_mask if atten_mask.dim() == 2 else atten_mask.reshape(-1, *atten_mask.shape[-2:])[i if atten_mask.shape[0] > 1 else 0]
+                atten_mask
+                if atten_mask.dim() == 2
+                else atten_mask.reshape(-1, *atten_mask.shape[-2:])[i if atten_mask.shape[0] > 1 else 0]
             )
         vis = _visible(q.shape[0], k.shape[0], sparse_mode, pre_tokens, next_tokens, mask)
         o, lse = _attend(q, k, v, vis, scale, None if rope_parts is None else rope_parts[i][0], kr)
@@ -365,9 +448,13 @@ def make_fused_infer_attention_score(scale_keyword: str = "scale", rope: bool = 
 
     def call(query, key, value, **kw):
         if scale_keyword not in kw and ("scale" in kw or "scale_value" in kw):
-            raise TypeError(f"npu_fused_infer_attention_score() got an unexpected keyword (this release names it {scale_keyword!r})")
+            raise TypeError(
+                f"npu_fused_infer_attention_score() got an unexpected keyword (this release names it {scale_keyword!r})"
+            )
         if not rope and ("query_rope" in kw or "key_rope" in kw):
-            raise TypeError("npu_fused_infer_attention_score() got an unexpected keyword 'query_rope' (not in this release)")
+            raise TypeError(
+                "npu_fused_infer_attention_score() got an unexpected keyword 'query_rope' (not in this release)"
+            )
         kw["scale"] = kw.pop(scale_keyword, 1.0)
         return _fia(query, key, value, **kw)
 
@@ -376,9 +463,24 @@ def make_fused_infer_attention_score(scale_keyword: str = "scale", rope: bool = 
         return out
 
     params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in ("query", "key", "value")]
-    keywords = ["atten_mask", "actual_seq_lengths", "actual_seq_lengths_kv", "block_table", "num_heads", scale_keyword, "pre_tokens",
-                "next_tokens", "input_layout", "num_key_value_heads", "sparse_mode", "inner_precise", "block_size", "softmax_lse_flag",
-                "antiquant_mode", "antiquant_scale"] + (["query_rope", "key_rope"] if rope else [])  # fmt: skip
+    keywords = [
+        "atten_mask",
+        "actual_seq_lengths",
+        "actual_seq_lengths_kv",
+        "block_table",
+        "num_heads",
+        scale_keyword,
+        "pre_tokens",
+        "next_tokens",
+        "input_layout",
+        "num_key_value_heads",
+        "sparse_mode",
+        "inner_precise",
+        "block_size",
+        "softmax_lse_flag",
+        "antiquant_mode",
+        "antiquant_scale",
+    ] + (["query_rope", "key_rope"] if rope else [])
     params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None) for n in keywords]
     call.__signature__ = inspect.Signature(params)
     call.__name__ = "npu_fused_infer_attention_score"

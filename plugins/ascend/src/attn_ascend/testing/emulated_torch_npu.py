@@ -62,6 +62,8 @@ def emulated_backend_class(device: str = "cpu", archs: Optional[frozenset[str]] 
     from attn_ascend.backend import AscendBackend
 
     caps = AscendBackend.capabilities
-    caps = dataclasses.replace(caps, devices=frozenset({device}), archs=caps.archs if archs is None else frozenset(archs))
+    caps = dataclasses.replace(
+        caps, devices=frozenset({device}), archs=caps.archs if archs is None else frozenset(archs)
+    )
     name = "EmulatedAscend" + ("" if archs is None else "_" + "_".join(sorted(archs)))
     return type(name, (AscendBackend,), {"capabilities": caps, "__module__": __name__})

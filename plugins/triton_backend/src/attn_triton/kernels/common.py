@@ -45,7 +45,9 @@ def check_query_rows(
     Raises `InvalidArgumentError` naming the argument. Example: T 12, bs 3, kv_indptr of 4 entries, o
     `[12, H, D]`, no mask: passes; kv_indptr of 3 entries: raises (kv_indptr/o/lse_out)."""
     if kv_indptr.shape[0] < bs + 1 or o.shape[0] != T or (lse_out is not None and lse_out.shape[0] != T):
-        raise InvalidArgumentError("kv_indptr/o/lse_out", f"{bs + 1} key offsets and {T} output rows", (kv_indptr.shape[0], o.shape[0]))
+        raise InvalidArgumentError(
+            "kv_indptr/o/lse_out", f"{bs + 1} key offsets and {T} output rows", (kv_indptr.shape[0], o.shape[0])
+        )
     if use_mask and (mask_indptr is None or mask_indptr.shape[0] < bs):
         found = None if mask_indptr is None else tuple(mask_indptr.shape)
         raise InvalidArgumentError("mask_indptr", f"at least {bs} offsets with a custom mask", found)
@@ -196,7 +198,9 @@ def e4m3_words_as_f16(w, ROWS: tl.constexpr, COLS: tl.constexpr, USE_PTX: tl.con
     operand is read from shared memory one byte at a time.
     Example: the word 0x7E013880 (bytes 0x80, 0x38, 0x01, 0x7E) → [-0.0, 2^-8, 2^-17, 1.75]."""
     if USE_PTX:
-        lo, hi = tl.inline_asm_elementwise(E4M3_AS_F16_PTX, "=r,=r,r", [w], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+        lo, hi = tl.inline_asm_elementwise(
+            E4M3_AS_F16_PTX, "=r,=r,r", [w], dtype=(tl.int32, tl.int32), is_pure=True, pack=1
+        )
     else:  # the same bit moves in Triton ops: bytes 0/1 (2/3) to the high byte of each 16-bit half
         u = w.to(tl.uint32, bitcast=True)
         t_lo = ((u & 0xFF) << 8) | ((u & 0xFF00) << 16)
@@ -205,7 +209,9 @@ def e4m3_words_as_f16(w, ROWS: tl.constexpr, COLS: tl.constexpr, USE_PTX: tl.con
         hi = ((t_hi & 0x80008000) | ((t_hi >> 1) & 0x3F803F80)).to(tl.int32, bitcast=True)
     # join adds a last axis: [.., i, j] = (j-th outer operand)[i], so bytes 0, 1, 2, 3 come out of
     # join(join(b0, b2), join(b1, b3)) in order when flattened (i * 2 + j)
-    halves = tl.join(tl.join(lo.to(tl.uint16), hi.to(tl.uint16)), tl.join((lo >> 16).to(tl.uint16), (hi >> 16).to(tl.uint16)))
+    halves = tl.join(
+        tl.join(lo.to(tl.uint16), hi.to(tl.uint16)), tl.join((lo >> 16).to(tl.uint16), (hi >> 16).to(tl.uint16))
+    )
     return tl.reshape(halves, [ROWS, COLS]).to(tl.float16, bitcast=True)
 
 

@@ -187,10 +187,44 @@ def _decode_split_kernel(
     full_hi = tl.where(num_slots > 0, s_lo + (s_hi - s_lo) // BLOCK_N * BLOCK_N, s_lo)
     for start in range(s_lo, full_hi, BLOCK_N):
         m_i, l_i, acc, bad_slots = decode_tile(
-            q, q_pe, m_i, l_i, acc, bad_slots, start, s_hi, offs_n, offs_d, offs_dpe, offs_dv, k_head, v_head, KV_INDICES, kv_beg,
-            num_slots, qk_scale, cap_scale, stride_ks, stride_vs, stride_kp, stride_vp, BLOCK_N, D, BLOCK_DPE, DPE, DV, BLOCK_DV,
-            SHARE_KV, LOGIT_CAP, DOT_PREC, KV_FP8, FP8_PTX, V_WORDS, False, PAGE,
-        )  # fmt: skip
+            q,
+            q_pe,
+            m_i,
+            l_i,
+            acc,
+            bad_slots,
+            start,
+            s_hi,
+            offs_n,
+            offs_d,
+            offs_dpe,
+            offs_dv,
+            k_head,
+            v_head,
+            KV_INDICES,
+            kv_beg,
+            num_slots,
+            qk_scale,
+            cap_scale,
+            stride_ks,
+            stride_vs,
+            stride_kp,
+            stride_vp,
+            BLOCK_N,
+            D,
+            BLOCK_DPE,
+            DPE,
+            DV,
+            BLOCK_DV,
+            SHARE_KV,
+            LOGIT_CAP,
+            DOT_PREC,
+            KV_FP8,
+            FP8_PTX,
+            V_WORDS,
+            False,
+            PAGE,
+        )
     redo = tl.max(bad_slots.to(tl.int32), 0) > 0
     if redo | (full_hi < s_hi):  # a tail (or a redo): skipped whole, not a loop of no steps, on the common path
         m_i = tl.where(redo, float("-inf"), m_i)
@@ -198,27 +232,116 @@ def _decode_split_kernel(
         acc = tl.where(redo, 0.0, acc)
         for start in range(tl.where(redo, s_lo, full_hi), s_hi, BLOCK_N):
             m_i, l_i, acc, bad_slots = decode_tile(
-                q, q_pe, m_i, l_i, acc, bad_slots, start, s_hi, offs_n, offs_d, offs_dpe, offs_dv, k_head, v_head, KV_INDICES, kv_beg,
-                num_slots, qk_scale, cap_scale, stride_ks, stride_vs, stride_kp, stride_vp, BLOCK_N, D, BLOCK_DPE, DPE, DV, BLOCK_DV,
-                SHARE_KV, LOGIT_CAP, DOT_PREC, KV_FP8, FP8_PTX, V_WORDS, True, PAGE,
-            )  # fmt: skip
+                q,
+                q_pe,
+                m_i,
+                l_i,
+                acc,
+                bad_slots,
+                start,
+                s_hi,
+                offs_n,
+                offs_d,
+                offs_dpe,
+                offs_dv,
+                k_head,
+                v_head,
+                KV_INDICES,
+                kv_beg,
+                num_slots,
+                qk_scale,
+                cap_scale,
+                stride_ks,
+                stride_vs,
+                stride_kp,
+                stride_vp,
+                BLOCK_N,
+                D,
+                BLOCK_DPE,
+                DPE,
+                DV,
+                BLOCK_DV,
+                SHARE_KV,
+                LOGIT_CAP,
+                DOT_PREC,
+                KV_FP8,
+                FP8_PTX,
+                V_WORDS,
+                True,
+                PAGE,
+            )
 
     tl.store(FAULT + FAULT_SLOT + offs_n * 0, 1, mask=bad_slots)  # one address: a flag, no reduction
     out, lse2 = finalize(m_i, l_i, acc)
     store_split_result(
-        out, lse2, r, s, heads, h_ok, offs_dv, PART_O, PART_LSE, SINKS, OUT, LSE, v_scale, stride_pb, stride_ph, stride_ps, stride_lb,
-        stride_lh, stride_ob, stride_oh, stride_eb, DV, SPLIT, HAS_SINK, STORE_LSE,
-    )  # fmt: skip
+        out,
+        lse2,
+        r,
+        s,
+        heads,
+        h_ok,
+        offs_dv,
+        PART_O,
+        PART_LSE,
+        SINKS,
+        OUT,
+        LSE,
+        v_scale,
+        stride_pb,
+        stride_ph,
+        stride_ps,
+        stride_lb,
+        stride_lh,
+        stride_ob,
+        stride_oh,
+        stride_eb,
+        DV,
+        SPLIT,
+        HAS_SINK,
+        STORE_LSE,
+    )
 
 
 @triton.jit
 def decode_tile(
-    q, q_pe, m_i, l_i, acc, bad_slots, start, s_hi, offs_n, offs_d, offs_dpe, offs_dv, k_head, v_head, KV_INDICES, kv_beg, num_slots,
-    qk_scale, cap_scale, stride_ks, stride_vs, stride_kp, stride_vp, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_DPE: tl.constexpr,
-    DPE: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, SHARE_KV: tl.constexpr, LOGIT_CAP: tl.constexpr,
-    DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr, FP8_PTX: tl.constexpr, V_WORDS: tl.constexpr, MASKED: tl.constexpr,
+    q,
+    q_pe,
+    m_i,
+    l_i,
+    acc,
+    bad_slots,
+    start,
+    s_hi,
+    offs_n,
+    offs_d,
+    offs_dpe,
+    offs_dv,
+    k_head,
+    v_head,
+    KV_INDICES,
+    kv_beg,
+    num_slots,
+    qk_scale,
+    cap_scale,
+    stride_ks,
+    stride_vs,
+    stride_kp,
+    stride_vp,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    DPE: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    SHARE_KV: tl.constexpr,
+    LOGIT_CAP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    FP8_PTX: tl.constexpr,
+    V_WORDS: tl.constexpr,
+    MASKED: tl.constexpr,
     PAGE: tl.constexpr,
-):  # fmt: skip
+):
     """One step of stage 1 over keys [start, start + BLOCK_N) of the program's range: the online-softmax
     state (m_i, l_i `[M]`, acc `[M, BLOCK_DV]`) taken further by that tile, and `bad_slots` `[BLOCK_N]` or-ed
     with the keys whose slot lies outside [0, num_slots). MASKED: keys at or past s_hi and bad slots are
@@ -256,7 +379,9 @@ def decode_tile(
         if V_WORDS:  # fp8 V as int32 words (stride_vs in words): see `e4m3_words_as_f16`
             offs_w = tl.arange(0, BLOCK_DV // 4)
             v_ok = n_ok[:, None] & (offs_w[None, :] < DV // 4)
-            vw = tl.load(v_head + kv_rows(slot, PAGE, stride_vp, stride_vs)[:, None] + offs_w[None, :], mask=v_ok, other=0)
+            vw = tl.load(
+                v_head + kv_rows(slot, PAGE, stride_vp, stride_vs)[:, None] + offs_w[None, :], mask=v_ok, other=0
+            )
             v = e4m3_words_as_f16(vw, BLOCK_N, BLOCK_DV, FP8_PTX)
         else:
             v_rows = kv_rows(slot, PAGE, stride_vp, stride_vs)[:, None]
@@ -280,9 +405,32 @@ def program_heads(hb, num_q_heads, GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexp
 
 @triton.jit
 def store_split_result(
-    out, lse2, r, s, heads, h_ok, offs_dv, PART_O, PART_LSE, SINKS, OUT, LSE, v_scale, stride_pb, stride_ph, stride_ps, stride_lb,
-    stride_lh, stride_ob, stride_oh, stride_eb, DV: tl.constexpr, SPLIT: tl.constexpr, HAS_SINK: tl.constexpr, STORE_LSE: tl.constexpr,
-):  # fmt: skip
+    out,
+    lse2,
+    r,
+    s,
+    heads,
+    h_ok,
+    offs_dv,
+    PART_O,
+    PART_LSE,
+    SINKS,
+    OUT,
+    LSE,
+    v_scale,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    stride_eb,
+    DV: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+):
     """A stage-1 program's result for request r, split s, its `heads` `[M]` (real where `h_ok`): out `[M,
     BLOCK_DV]` normalized, lse2 `[M]` base 2. With SPLIT, into the merge's scratch (PART_O / PART_LSE); else
     the request's one split is final: `one_split_result` (sink, v_scale) into OUT and, with STORE_LSE, the
@@ -372,7 +520,11 @@ def _decode_merge_kernel(
     acc = tl.sum(w[:, None] * parts, 0)
     ok = denom > 0.0
     inv = tl.where(ok, v_scale / tl.where(ok, denom, 1.0), 0.0)
-    tl.store(OUT + r.to(tl.int64) * stride_ob + h * stride_oh + offs_dv, (acc * inv).to(OUT.dtype.element_ty), mask=offs_dv < DV)
+    tl.store(
+        OUT + r.to(tl.int64) * stride_ob + h * stride_oh + offs_dv,
+        (acc * inv).to(OUT.dtype.element_ty),
+        mask=offs_dv < DV,
+    )
     if STORE_LSE:
         lse_out = tl.where(ok, (m_use + tl.log2(tl.where(ok, denom, 1.0))) * LN2_K, float("-inf"))
         tl.store(LSE + r.to(tl.int64) * stride_eb + h, lse_out)
@@ -382,7 +534,12 @@ def fits_words(x: torch.Tensor) -> bool:
     """Whether a one-byte tensor `[slots, H, D]` can be read as int32 words: D, its row strides and its
     address multiples of 4, D contiguous. Example: a `[9, 2, 128]` uint8 pool → True; its `[..., :66]`
     slice → False."""
-    return x.stride(-1) == 1 and x.shape[-1] % 4 == 0 and all(s % 4 == 0 for s in x.stride()[:-1]) and x.data_ptr() % 4 == 0
+    return (
+        x.stride(-1) == 1
+        and x.shape[-1] % 4 == 0
+        and all(s % 4 == 0 for s in x.stride()[:-1])
+        and x.data_ptr() % 4 == 0
+    )
 
 
 def _pow2(x: int, floor: int = 16) -> int:
@@ -528,8 +685,17 @@ def decode_attention(
     )
     if split:
         merge_splits(
-            part_o, part_lse, kv_indptr, kv_indices.shape[0], max_splits, min_split_len, o, sinks=sinks, lse_out=lse_out, v_scale=v_scale
-        )  # fmt: skip
+            part_o,
+            part_lse,
+            kv_indptr,
+            kv_indices.shape[0],
+            max_splits,
+            min_split_len,
+            o,
+            sinks=sinks,
+            lse_out=lse_out,
+            v_scale=v_scale,
+        )
 
 
 def merge_splits(
@@ -596,6 +762,8 @@ def check_split_shapes(
     if kv_indptr.shape[0] < bs + 1:
         raise InvalidArgumentError("kv_indptr", f"at least bs + 1 = {bs + 1} offsets", kv_indptr.shape[0])
     if part_o.shape[0] < bs or part_lse.shape[0] < bs or part_o.shape[2] < max_splits or part_lse.shape[2] < max_splits:
-        raise InvalidArgumentError("part_o/part_lse", f"scratch for {bs} requests x {max_splits} splits", tuple(part_o.shape))
+        raise InvalidArgumentError(
+            "part_o/part_lse", f"scratch for {bs} requests x {max_splits} splits", tuple(part_o.shape)
+        )
     if o.shape[0] != bs or (lse_out is not None and lse_out.shape[0] != bs):
         raise InvalidArgumentError("o/lse_out", f"{bs} rows (one query per request)", o.shape[0])

@@ -78,7 +78,9 @@ class ExtendConfig:
     def __post_init__(self):
         check_lazy_rescale("ExtendConfig.lazy_rescale", self.lazy_rescale)
         if self.wgmma_block_n not in (0, 64, 128):
-            raise InvalidArgumentError("ExtendConfig.wgmma_block_n", "0 (portable kernel only), 64 or 128", self.wgmma_block_n)
+            raise InvalidArgumentError(
+                "ExtendConfig.wgmma_block_n", "0 (portable kernel only), 64 or 128", self.wgmma_block_n
+            )
         if self.wgmma_block_n and self.wgmma_stages < 3:
             raise InvalidArgumentError("ExtendConfig.wgmma_stages", ">= 3 K/V buffers", self.wgmma_stages)
         if self.wgmma_regs % 8 or not 168 <= self.wgmma_regs <= 240:
@@ -101,7 +103,9 @@ def packed_heads(group: int, rows: int) -> int:
     return heads
 
 
-def uses_wgmma(config: ExtendConfig, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, v_head_dim: int, plain: bool) -> bool:
+def uses_wgmma(
+    config: ExtendConfig, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, v_head_dim: int, plain: bool
+) -> bool:
     """Whether a launch runs the Hopper kernel (`kernels/extend_wgmma.py`): the config asks for it, q and
     the cache are the same 16-bit type, head_dim = v_head_dim is 64 or 128, and the launch is `plain`
     (no custom mask, no rope split, K and V separate). fp8 caches, float32, other widths, tree masks and
@@ -216,7 +220,9 @@ def _extend_kernel(
     v_head = V + kv_head * stride_vh
 
     lo, full_end, hi = key_ranges(kv_len, q_off, mb * BLOCK_M, BLOCK_M, window, BLOCK_N, CAUSAL, HAS_WINDOW, USE_MASK)
-    if HAS_SPAN:  # bidirectional span [a, b) of the request: its queries see keys up to b - 1 (attn_core.contract.bidirectional)
+    if (
+        HAS_SPAN
+    ):  # bidirectional span [a, b) of the request: its queries see keys up to b - 1 (attn_core.contract.bidirectional)
         span_a = tl.load(SPANS + 2 * r)
         span_b = tl.load(SPANS + 2 * r + 1)
         in_span = (q_pos >= span_a) & (q_pos < span_b)
@@ -229,18 +235,96 @@ def _extend_kernel(
     bad_slots = tl.arange(0, BLOCK_N) < 0
     for start in range(lo, full_end, BLOCK_N):
         acc, m_i, l_i, bad_slots = attend_tile(
-            acc, m_i, l_i, q, q_pe, start, kv_len, q_pos, offs_m, m_ok, k_head, v_head, KV_INDICES, kv_beg, num_slots, FAULT,
-            stride_ks, stride_vs, stride_kp, stride_vp, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
-            BLOCK_N, D, BLOCK_D, DPE, BLOCK_DPE, DV, BLOCK_DV, SHARE_KV, False, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC, LAZY,
+            acc,
+            m_i,
+            l_i,
+            q,
+            q_pe,
+            start,
+            kv_len,
+            q_pos,
+            offs_m,
+            m_ok,
+            k_head,
+            v_head,
+            KV_INDICES,
+            kv_beg,
+            num_slots,
+            FAULT,
+            stride_ks,
+            stride_vs,
+            stride_kp,
+            stride_vp,
+            MASK,
+            mask_beg,
+            mask_size,
+            bad_slots,
+            qk_scale,
+            cap_scale,
+            window,
+            BLOCK_N,
+            D,
+            BLOCK_D,
+            DPE,
+            BLOCK_DPE,
+            DV,
+            BLOCK_DV,
+            SHARE_KV,
+            False,
+            CAUSAL,
+            USE_MASK,
+            HAS_WINDOW,
+            LOGIT_CAP,
+            DOT_PREC,
+            LAZY,
             PAGE,
-        )  # fmt: skip
+        )
     for start in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i, bad_slots = attend_tile(
-            acc, m_i, l_i, q, q_pe, start, kv_len, q_pos, offs_m, m_ok, k_head, v_head, KV_INDICES, kv_beg, num_slots, FAULT,
-            stride_ks, stride_vs, stride_kp, stride_vp, MASK, mask_beg, mask_size, bad_slots, qk_scale, cap_scale, window,
-            BLOCK_N, D, BLOCK_D, DPE, BLOCK_DPE, DV, BLOCK_DV, SHARE_KV, True, CAUSAL, USE_MASK, HAS_WINDOW, LOGIT_CAP, DOT_PREC, LAZY,
+            acc,
+            m_i,
+            l_i,
+            q,
+            q_pe,
+            start,
+            kv_len,
+            q_pos,
+            offs_m,
+            m_ok,
+            k_head,
+            v_head,
+            KV_INDICES,
+            kv_beg,
+            num_slots,
+            FAULT,
+            stride_ks,
+            stride_vs,
+            stride_kp,
+            stride_vp,
+            MASK,
+            mask_beg,
+            mask_size,
+            bad_slots,
+            qk_scale,
+            cap_scale,
+            window,
+            BLOCK_N,
+            D,
+            BLOCK_D,
+            DPE,
+            BLOCK_DPE,
+            DV,
+            BLOCK_DV,
+            SHARE_KV,
+            True,
+            CAUSAL,
+            USE_MASK,
+            HAS_WINDOW,
+            LOGIT_CAP,
+            DOT_PREC,
+            LAZY,
             PAGE,
-        )  # fmt: skip
+        )
 
     tl.store(FAULT + FAULT_SLOT + tl.arange(0, BLOCK_N) * 0, 1, mask=bad_slots)  # one address: a flag, no reduction
     if HAS_SINK:
@@ -248,7 +332,11 @@ def _extend_kernel(
         m_i, l_i, acc = add_sink(m_i, l_i, acc, tl.zeros([BLOCK_M], dtype=tl.float32) + sink2)
     out, lse2 = finalize(m_i, l_i, acc)
     o_rows = OUT + (q_beg + offs_m).to(tl.int64)[:, None] * stride_ot + h * stride_oh
-    tl.store(o_rows + offs_dv[None, :], (out * v_scale).to(OUT.dtype.element_ty), mask=m_ok[:, None] & (offs_dv[None, :] < DV))
+    tl.store(
+        o_rows + offs_dv[None, :],
+        (out * v_scale).to(OUT.dtype.element_ty),
+        mask=m_ok[:, None] & (offs_dv[None, :] < DV),
+    )
     if STORE_LSE:
         tl.store(LSE + (q_beg + offs_m).to(tl.int64) * stride_lt + h, lse2 * LN2_K, mask=m_ok)
 
@@ -292,7 +380,8 @@ def extend_attention(
     request a row-major `[q_len, kv_len]` block starting at mask_indptr[r]) replaces the causal mask.
     lse_out `[T, Hq]` float32 natural log. `max_q_len` (host int) sizes the grid. fault: the int32
     fault buffer (`attn_core.ops.device_faults`). `spans` (int32 `[bs, 2]`, causal launches without a
-    window): request r's queries at positions in [a, b) also see the keys up to b - 1 (`attn_core.contract.bidirectional`).
+    window): request r's queries at positions in [a, b) also see the keys up to b - 1
+    (`attn_core.contract.bidirectional`).
     """
     T, hq, d_total = q.shape
     bs = qo_indptr.shape[0] - 1
@@ -308,17 +397,38 @@ def extend_attention(
     plain = not use_mask and d_rope == 0 and not share_kv and spans is None
     num_slots, page, k_page, k_token = paged_strides(k_buf)
     _, _, v_page, v_token = paged_strides(v)
-    if page == 1 and uses_wgmma(config, q.dtype, k_buf.dtype, d, dv, plain) and tma_compatible(k_buf) and tma_compatible(v):
+    if (
+        page == 1
+        and uses_wgmma(config, q.dtype, k_buf.dtype, d, dv, plain)
+        and tma_compatible(k_buf)
+        and tma_compatible(v)
+    ):
         # Gluon: imported only where it runs
-        from attn_triton.kernels.extend_wgmma import TMA_BOX, WGMMA_BLOCK_M, extend_wgmma_kernel, kv_descriptors, producer_regs
+        from attn_triton.kernels.extend_wgmma import (
+            TMA_BOX,
+            WGMMA_BLOCK_M,
+            extend_wgmma_kernel,
+            kv_descriptors,
+            producer_regs,
+        )
 
         heads = packed_heads(hq // hkv, WGMMA_BLOCK_M)
         tokens, grid_h, kernel = WGMMA_BLOCK_M // heads, hq // heads, extend_wgmma_kernel
         k_desc, v_desc = kv_descriptors(k_buf, v)
         # num_warps: the default partition's (the kernel's worker partitions add 8)
-        options = dict(BLOCK_M=WGMMA_BLOCK_M, BLOCK_N=config.wgmma_block_n, STAGES=config.wgmma_stages, HEADS=heads, LAZY=0, num_warps=4,
-                       K_DESC=k_desc, V_DESC=v_desc, BOX=TMA_BOX, CONSUMER_REGS=config.wgmma_regs,
-                       PRODUCER_REGS=producer_regs(config.wgmma_regs))  # fmt: skip
+        options = dict(
+            BLOCK_M=WGMMA_BLOCK_M,
+            BLOCK_N=config.wgmma_block_n,
+            STAGES=config.wgmma_stages,
+            HEADS=heads,
+            LAZY=0,
+            num_warps=4,
+            K_DESC=k_desc,
+            V_DESC=v_desc,
+            BOX=TMA_BOX,
+            CONSUMER_REGS=config.wgmma_regs,
+            PRODUCER_REGS=producer_regs(config.wgmma_regs),
+        )
     else:
         tokens, grid_h, kernel = config.block_m, hq, _extend_kernel
         options = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, LAZY=config.lazy_rescale)

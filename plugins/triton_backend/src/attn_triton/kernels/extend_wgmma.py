@@ -1,7 +1,7 @@
 """Extend attention on Hopper's warpgroup MMA, written in Gluon (Triton's explicit-layout dialect): two
 consumer warpgroups share the K/V tiles of one 128-row query block, which a producer partition brings in by
-TMA. The SM90 default with 128-key tiles (`ExtendConfig.wgmma_block_n`, `config.extend_config`; docs/dev/perf-notebook.md,
-"The Hopper extend kernel with a producer partition and TMA").
+TMA. The SM90 default with 128-key tiles (`ExtendConfig.wgmma_block_n`, `config.extend_config`;
+docs/dev/perf-notebook.md, "The Hopper extend kernel with a producer partition and TMA").
 
 The same work and arguments as `extend._extend_kernel` (module doc there), plus the TMA descriptors of the
 K and V pools (`kv_descriptors`), for the launches it takes (`extend.uses_wgmma`: 16-bit q and cache,
@@ -120,13 +120,27 @@ def _rows(mb, h, W: gl.constexpr, BLOCK_M: gl.constexpr, HEADS: gl.constexpr, L:
 def _gather(buf, BASE, rows, ok, D: gl.constexpr, L: gl.constexpr):
     """Start the cp.async copy of rows `rows` (element offsets from BASE, `[R]`; rows not `ok` zero-filled)
     of D channels into `buf` `[R, D]`, as one commit group."""
-    gather_to_shared(buf, BASE + (rows[:, None] + gl.arange(0, D, layout=gl.SliceLayout(0, L))[None, :]), mask=ok[:, None])
+    gather_to_shared(
+        buf, BASE + (rows[:, None] + gl.arange(0, D, layout=gl.SliceLayout(0, L))[None, :]), mask=ok[:, None]
+    )
     async_copy.commit_group()
 
 
 @gluon.jit
-def _tma_tile(chunks, b, t, free, ready, DESC, first, col, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-              BOX: gl.constexpr):  # fmt: skip
+def _tma_tile(
+    chunks,
+    b,
+    t,
+    free,
+    ready,
+    DESC,
+    first,
+    col,
+    BLOCK_N: gl.constexpr,
+    D: gl.constexpr,
+    STAGES: gl.constexpr,
+    BOX: gl.constexpr,
+):
     """Bring the K or V rows of tile t into buffer b by TMA, once its last tile is free: box j (`first`, from
     `slot_runs`) of every 64-channel half c (`chunks`: the buffers as `[STAGES * D / 64, BLOCK_N, 64]`) from
     the descriptor's coordinates [first[j], col + 64 c]; `ready` completes when the tile's bytes land."""
@@ -142,8 +156,29 @@ def _tma_tile(chunks, b, t, free, ready, DESC, first, col, BLOCK_N: gl.constexpr
 
 
 @gluon.jit
-def _gather_tile(k_s, v_s, b, t, k_ready, v_ready, k_free, v_free, K_HEAD, V_HEAD, KV_INDICES, FAULT, kv_beg, start, hi, num_slots,
-                 stride_ks, stride_vs, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+def _gather_tile(
+    k_s,
+    v_s,
+    b,
+    t,
+    k_ready,
+    v_ready,
+    k_free,
+    v_free,
+    K_HEAD,
+    V_HEAD,
+    KV_INDICES,
+    FAULT,
+    kv_beg,
+    start,
+    hi,
+    num_slots,
+    stride_ks,
+    stride_vs,
+    BLOCK_N: gl.constexpr,
+    D: gl.constexpr,
+    STAGES: gl.constexpr,
+):
     """Gather the K and V rows of tile t (keys [start, start + BLOCK_N)) into buffer b by cp.async by slot,
     once its last tile is free: a key at or past hi is not read, nor one whose slot is outside [0,
     num_slots), which also raises the SLOT fault; their rows are zero-filled. `k_ready` / `v_ready` complete
@@ -166,14 +201,37 @@ def _gather_tile(k_s, v_s, b, t, k_ready, v_ready, k_free, v_free, K_HEAD, V_HEA
 
 
 @gluon.jit
-def _producer(k_s, v_s, k_ready, v_ready, k_free, v_free, K_DESC, V_DESC, K_HEAD, V_HEAD, KV_INDICES, FAULT, kv_beg, lo, hi, num_slots,
-              col, stride_ks, stride_vs, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, BOX: gl.constexpr):  # fmt: skip
+def _producer(
+    k_s,
+    v_s,
+    k_ready,
+    v_ready,
+    k_free,
+    v_free,
+    K_DESC,
+    V_DESC,
+    K_HEAD,
+    V_HEAD,
+    KV_INDICES,
+    FAULT,
+    kv_beg,
+    lo,
+    hi,
+    num_slots,
+    col,
+    stride_ks,
+    stride_vs,
+    BLOCK_N: gl.constexpr,
+    D: gl.constexpr,
+    STAGES: gl.constexpr,
+    BOX: gl.constexpr,
+):
     """The producer partition (module doc): tiles 0 .. n_tiles - 1 of keys [lo, hi) (one tile at least: with
     no keys it is zero-filled) into buffers t % STAGES, by TMA or by the gather."""
-    # a tile's slots `[BLOCK_N // BOX, BOX]`: the boxes along the lanes of every warp, a box's slots across the 4 warps, so
-    # the run check crosses warps once a tile while each of the tile's 2 x BLOCK_N // BOX box coordinates (`_tma_tile`)
-    # is picked within a warp (boxes across warps: a shared-memory round trip and two barriers each; 3-5 % of the
-    # extend rows, docs/dev/perf-notebook.md)
+    # a tile's slots `[BLOCK_N // BOX, BOX]`: the boxes along the lanes of every warp, a box's slots across the 4
+    # warps, so the run check crosses warps once a tile while each of the tile's 2 x BLOCK_N // BOX box coordinates
+    # (`_tma_tile`) is picked within a warp (boxes across warps: a shared-memory round trip and two barriers each;
+    # 3-5 % of the extend rows, docs/dev/perf-notebook.md)
     S2: gl.constexpr = gl.BlockedLayout([1, 1], [BLOCK_N // BOX, 32 // (BLOCK_N // BOX)], [1, 4], [1, 0])
     CHUNKS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], k_s.dtype)
     k_c = reinterpret_shared(k_s, [STAGES * (D // 64), BLOCK_N, 64], CHUNKS)
@@ -189,15 +247,51 @@ def _producer(k_s, v_s, k_ready, v_ready, k_free, v_free, K_DESC, V_DESC, K_HEAD
             _tma_tile(k_c, b, t, k_free, k_ready, K_DESC, first, col, BLOCK_N, D, STAGES, BOX)
             _tma_tile(v_c, b, t, v_free, v_ready, V_DESC, first, col, BLOCK_N, D, STAGES, BOX)
         else:
-            _gather_tile(k_s, v_s, b, t, k_ready, v_ready, k_free, v_free, K_HEAD, V_HEAD, KV_INDICES, FAULT, kv_beg, start, hi, num_slots,
-                         stride_ks, stride_vs, BLOCK_N, D, STAGES)  # fmt: skip
+            _gather_tile(
+                k_s,
+                v_s,
+                b,
+                t,
+                k_ready,
+                v_ready,
+                k_free,
+                v_free,
+                K_HEAD,
+                V_HEAD,
+                KV_INDICES,
+                FAULT,
+                kv_beg,
+                start,
+                hi,
+                num_slots,
+                stride_ks,
+                stride_vs,
+                BLOCK_N,
+                D,
+                STAGES,
+            )
         slots = nxt
     async_copy.wait_group(0)  # gathered copies land before the program ends
 
 
 @gluon.jit
-def _scores_step(qk, n, m_ok, q_pos, hi, m_i, l_i, qk_scale, cap_scale, s_scale, window, MASKED: gl.constexpr,
-                 CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, LOGIT_CAP: gl.constexpr):  # fmt: skip
+def _scores_step(
+    qk,
+    n,
+    m_ok,
+    q_pos,
+    hi,
+    m_i,
+    l_i,
+    qk_scale,
+    cap_scale,
+    s_scale,
+    window,
+    MASKED: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
+    LOGIT_CAP: gl.constexpr,
+):
     """The online-softmax step of one tile's scores qk `[64, BLOCK_N]` (keys `n`), with MASKED the bounds,
     causal and window masks applied first (a tile every row sees whole needs none): returns (p, alpha, the
     new row max, the new row sum)."""
@@ -224,18 +318,49 @@ def _mma_operand(p, dtype: gl.constexpr, P_L: gl.constexpr):
     float32 registers, and the conversion packed each pair the other way round (a PRMT a register each tile; the
     compile test checks there are none). Example: p [[1.0, 0.5, ...]] -> the same values in bf16."""
     if dtype == gl.bfloat16:
-        q = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.bfloat16, is_pure=True, pack=2)
+        q = gl.inline_asm_elementwise(
+            "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.bfloat16, is_pure=True, pack=2
+        )
     else:
-        q = gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.float16, is_pure=True, pack=2)
+        q = gl.inline_asm_elementwise(
+            "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.float16, is_pure=True, pack=2
+        )
     return gl.convert_layout(q, P_L)
 
 
 @gluon.jit
 def _tile(
-    t, qk, p_op, o, m_i, l_i, q_w, k_s, v_s, k_ready, v_ready, k_free, v_free, lo, hi, m_ok, q_pos, qk_scale, cap_scale, s_scale,
-    window, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-    LOGIT_CAP: gl.constexpr, S_L: gl.constexpr, P_L: gl.constexpr, ROW_O: gl.constexpr,
-):  # fmt: skip
+    t,
+    qk,
+    p_op,
+    o,
+    m_i,
+    l_i,
+    q_w,
+    k_s,
+    v_s,
+    k_ready,
+    v_ready,
+    k_free,
+    v_free,
+    lo,
+    hi,
+    m_ok,
+    q_pos,
+    qk_scale,
+    cap_scale,
+    s_scale,
+    window,
+    MASKED: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
+    LOGIT_CAP: gl.constexpr,
+    S_L: gl.constexpr,
+    P_L: gl.constexpr,
+    ROW_O: gl.constexpr,
+):
     """Tile t (t >= 1) of one consumer: issue its scores (into the dead `qk`), then tile t - 1's output
     update p_op . V (onto the rescaled `o`); its softmax step is placed under that update (as compiled, ptxas
     waits for the update first: module doc); then the update's result rescaled by the step's alpha. Returns
@@ -252,8 +377,9 @@ def _tile(
     qk = warpgroup_mma_wait(1, deps=[qk])
     mbarrier.arrive(k_free.index(b))
     n = lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
-    p, alpha, m_i, l_i = _scores_step(qk, n, m_ok, q_pos, hi, m_i, l_i, qk_scale, cap_scale, s_scale, window, MASKED, CAUSAL, HAS_WINDOW,
-                                      LOGIT_CAP)  # fmt: skip
+    p, alpha, m_i, l_i = _scores_step(
+        qk, n, m_ok, q_pos, hi, m_i, l_i, qk_scale, cap_scale, s_scale, window, MASKED, CAUSAL, HAS_WINDOW, LOGIT_CAP
+    )
     o, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
     mbarrier.arrive(v_free.index(pb))
     o = o * gl.convert_layout(alpha, ROW_O)[:, None]
@@ -339,8 +465,9 @@ def _warpgroup(
     m_i = gl.full([ROWS], float("-inf"), gl.float32, ROW_S)
     n = lo + gl.arange(0, BLOCK_N, layout=COL_S)
     l_i = gl.zeros([ROWS], gl.float32, ROW_S)
-    p, alpha, m_i, l_i = _scores_step(qk, n, m_ok, q_pos, hi, m_i, l_i, qk_scale, cap_scale, s_scale, window, True, CAUSAL, HAS_WINDOW,
-                                      LOGIT_CAP)  # fmt: skip
+    p, alpha, m_i, l_i = _scores_step(
+        qk, n, m_ok, q_pos, hi, m_i, l_i, qk_scale, cap_scale, s_scale, window, True, CAUSAL, HAS_WINDOW, LOGIT_CAP
+    )
     p_op = _mma_operand(p, dtype, P_L)
     o = gl.zeros([ROWS, D], gl.float32, O_L)
 
@@ -349,14 +476,70 @@ def _warpgroup(
     n_full = (full_end - lo) // BLOCK_N
     for t in range(1, n_full):
         qk, p_op, o, m_i, l_i = _tile(
-            t, qk, p_op, o, m_i, l_i, q_w, k_s, v_s, k_ready, v_ready, k_free, v_free, lo, hi, m_ok, q_pos, qk_scale, cap_scale, s_scale,
-            window, False, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, LOGIT_CAP, S_L, P_L, ROW_O,
-        )  # fmt: skip
+            t,
+            qk,
+            p_op,
+            o,
+            m_i,
+            l_i,
+            q_w,
+            k_s,
+            v_s,
+            k_ready,
+            v_ready,
+            k_free,
+            v_free,
+            lo,
+            hi,
+            m_ok,
+            q_pos,
+            qk_scale,
+            cap_scale,
+            s_scale,
+            window,
+            False,
+            BLOCK_N,
+            STAGES,
+            CAUSAL,
+            HAS_WINDOW,
+            LOGIT_CAP,
+            S_L,
+            P_L,
+            ROW_O,
+        )
     for t in range(gl.maximum(n_full, 1), n_tiles):
         qk, p_op, o, m_i, l_i = _tile(
-            t, qk, p_op, o, m_i, l_i, q_w, k_s, v_s, k_ready, v_ready, k_free, v_free, lo, hi, m_ok, q_pos, qk_scale, cap_scale, s_scale,
-            window, True, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, LOGIT_CAP, S_L, P_L, ROW_O,
-        )  # fmt: skip
+            t,
+            qk,
+            p_op,
+            o,
+            m_i,
+            l_i,
+            q_w,
+            k_s,
+            v_s,
+            k_ready,
+            v_ready,
+            k_free,
+            v_free,
+            lo,
+            hi,
+            m_ok,
+            q_pos,
+            qk_scale,
+            cap_scale,
+            s_scale,
+            window,
+            True,
+            BLOCK_N,
+            STAGES,
+            CAUSAL,
+            HAS_WINDOW,
+            LOGIT_CAP,
+            S_L,
+            P_L,
+            ROW_O,
+        )
     lb = (gl.maximum(n_tiles, 1) - 1) % STAGES
     mbarrier.wait(v_ready.index(lb), ((gl.maximum(n_tiles, 1) - 1) // STAGES) & 1)
     fence_async_shared()
@@ -472,20 +655,130 @@ def extend_wgmma_kernel(
         cta_barrier()
         K_HEAD = K + kv_head * stride_kh
         V_HEAD = V + kv_head * stride_vh
-        # (the partitions' arguments written out in the call: a tuple built first would turn the constexprs into tensors)
+        # (the partitions' arguments written out in the call: a tuple built first would turn the constexprs into
+        # tensors)
         gl.warp_specialize(
             [
-                (_warpgroup, (0,
-                q_s, k_s, v_s, k_ready, v_ready, k_free, v_free, Q, OUT, LSE, SINKS, q_beg, q_len, kv_len, h, mb, lo, full_end, hi,
-                qk_scale, cap_scale, v_scale, window, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, BLOCK_M, BLOCK_N, D, STAGES,
-                HEADS, CAUSAL, HAS_WINDOW, LOGIT_CAP, HAS_SINK, STORE_LSE)),
-                (_warpgroup, (1,
-                q_s, k_s, v_s, k_ready, v_ready, k_free, v_free, Q, OUT, LSE, SINKS, q_beg, q_len, kv_len, h, mb, lo, full_end, hi,
-                qk_scale, cap_scale, v_scale, window, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, BLOCK_M, BLOCK_N, D, STAGES,
-                HEADS, CAUSAL, HAS_WINDOW, LOGIT_CAP, HAS_SINK, STORE_LSE)),
-                (_producer, (k_s, v_s, k_ready, v_ready, k_free, v_free, K_DESC, V_DESC, K_HEAD, V_HEAD, KV_INDICES, FAULT, kv_beg, lo, hi,
-                num_slots, kv_head * D, stride_ks, stride_vs, BLOCK_N, D, STAGES, BOX)),
+                (
+                    _warpgroup,
+                    (
+                        0,
+                        q_s,
+                        k_s,
+                        v_s,
+                        k_ready,
+                        v_ready,
+                        k_free,
+                        v_free,
+                        Q,
+                        OUT,
+                        LSE,
+                        SINKS,
+                        q_beg,
+                        q_len,
+                        kv_len,
+                        h,
+                        mb,
+                        lo,
+                        full_end,
+                        hi,
+                        qk_scale,
+                        cap_scale,
+                        v_scale,
+                        window,
+                        stride_qt,
+                        stride_qh,
+                        stride_ot,
+                        stride_oh,
+                        stride_lt,
+                        BLOCK_M,
+                        BLOCK_N,
+                        D,
+                        STAGES,
+                        HEADS,
+                        CAUSAL,
+                        HAS_WINDOW,
+                        LOGIT_CAP,
+                        HAS_SINK,
+                        STORE_LSE,
+                    ),
+                ),
+                (
+                    _warpgroup,
+                    (
+                        1,
+                        q_s,
+                        k_s,
+                        v_s,
+                        k_ready,
+                        v_ready,
+                        k_free,
+                        v_free,
+                        Q,
+                        OUT,
+                        LSE,
+                        SINKS,
+                        q_beg,
+                        q_len,
+                        kv_len,
+                        h,
+                        mb,
+                        lo,
+                        full_end,
+                        hi,
+                        qk_scale,
+                        cap_scale,
+                        v_scale,
+                        window,
+                        stride_qt,
+                        stride_qh,
+                        stride_ot,
+                        stride_oh,
+                        stride_lt,
+                        BLOCK_M,
+                        BLOCK_N,
+                        D,
+                        STAGES,
+                        HEADS,
+                        CAUSAL,
+                        HAS_WINDOW,
+                        LOGIT_CAP,
+                        HAS_SINK,
+                        STORE_LSE,
+                    ),
+                ),
+                (
+                    _producer,
+                    (
+                        k_s,
+                        v_s,
+                        k_ready,
+                        v_ready,
+                        k_free,
+                        v_free,
+                        K_DESC,
+                        V_DESC,
+                        K_HEAD,
+                        V_HEAD,
+                        KV_INDICES,
+                        FAULT,
+                        kv_beg,
+                        lo,
+                        hi,
+                        num_slots,
+                        kv_head * D,
+                        stride_ks,
+                        stride_vs,
+                        BLOCK_N,
+                        D,
+                        STAGES,
+                        BOX,
+                    ),
+                ),
             ],
-            [4, 4],  # the workers: consumer 1, the producer (consumer 0 is the default partition, the kernel's num_warps 4)
+            [
+                4,
+                4,
+            ],  # the workers: consumer 1, the producer (consumer 0 is the default partition, the kernel's num_warps 4)
             [CONSUMER_REGS, PRODUCER_REGS],
-        )  # fmt: skip
+        )

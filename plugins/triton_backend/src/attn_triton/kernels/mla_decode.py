@@ -117,14 +117,16 @@ class MLAConfig:
 
     def __post_init__(self) -> None:
         if self.ctas_per_sm < 0:
-            raise InvalidArgumentError("MLAConfig.ctas_per_sm", "0 (SplitPolicy) or programs per SM >= 1", self.ctas_per_sm)
+            raise InvalidArgumentError(
+                "MLAConfig.ctas_per_sm", "0 (SplitPolicy) or programs per SM >= 1", self.ctas_per_sm
+            )
         check_lazy_rescale("MLAConfig.lazy_rescale", self.lazy_rescale)
         tiles = (self.block_h, self.block_n, self.num_warps, self.num_stages, self.lazy_rescale)
         if self.wgmma and tiles != (WGMMA_BLOCK_H, WGMMA_BLOCK_N, WGMMA_WARPS, WGMMA_BUFFERS, 0):
             raise InvalidArgumentError(
                 "MLAConfig.wgmma",
-                f"block_h {WGMMA_BLOCK_H}, block_n {WGMMA_BLOCK_N}, num_warps {WGMMA_WARPS}, num_stages {WGMMA_BUFFERS} "
-                "(the Hopper kernel's four latent buffers) and lazy_rescale 0",
+                f"block_h {WGMMA_BLOCK_H}, block_n {WGMMA_BLOCK_N}, num_warps {WGMMA_WARPS}, "
+                f"num_stages {WGMMA_BUFFERS} (the Hopper kernel's four latent buffers) and lazy_rescale 0",
                 tiles,
             )
 
@@ -186,9 +188,25 @@ def _mla_kernel(
     hb = tl.program_id(1)
     s = tl.program_id(2)
     q_beg, q_len, kv_beg, kv_len, mask_beg, s_lo, s_hi, n_split = request_keys(
-        QO_INDPTR, KV_INDPTR, MASK_INDPTR, FAULT, r, (hb == 0) & (s == 0), s, num_tokens, num_indices, mask_size, min_split_len,
-        max_splits, window, Q_LEN, USE_MASK, HAS_WINDOW, SPLIT, BLOCK_N,
-    )  # fmt: skip
+        QO_INDPTR,
+        KV_INDPTR,
+        MASK_INDPTR,
+        FAULT,
+        r,
+        (hb == 0) & (s == 0),
+        s,
+        num_tokens,
+        num_indices,
+        mask_size,
+        min_split_len,
+        max_splits,
+        window,
+        Q_LEN,
+        USE_MASK,
+        HAS_WINDOW,
+        SPLIT,
+        BLOCK_N,
+    )
     if s >= n_split:
         return
 
@@ -216,13 +234,32 @@ def _mla_kernel(
         n_ok = n < s_hi
         slot, n_ok, bad_slots = load_slots(KV_INDICES, kv_beg, n, n_ok, num_slots, bad_slots)
         row = KV + slot[:, None] * stride_ks
-        latent = tl.load(row + offs_r[None, :], mask=n_ok[:, None] & (offs_r[None, :] < RANK), other=0.0).to(q_nope.dtype)
+        latent = tl.load(row + offs_r[None, :], mask=n_ok[:, None] & (offs_r[None, :] < RANK), other=0.0).to(
+            q_nope.dtype
+        )
         qk = tl.dot(q_nope, tl.trans(latent), input_precision=DOT_PREC)
         if BLOCK_ROPE > 0:
             k_rope = tl.load(row + RANK + offs_p[None, :], mask=n_ok[:, None] & (offs_p[None, :] < ROPE), other=0.0)
             qk += tl.dot(q_rope, tl.trans(k_rope.to(q_nope.dtype)), input_precision=DOT_PREC)
-        sc = tile_scores(qk, n, n_ok, t, row_ok, q_pos, mask_beg, kv_len, MASK, mask_size, qk_scale, cap_scale, window,
-                         Q_LEN, USE_MASK, HAS_WINDOW, LOGIT_CAP)  # fmt: skip
+        sc = tile_scores(
+            qk,
+            n,
+            n_ok,
+            t,
+            row_ok,
+            q_pos,
+            mask_beg,
+            kv_len,
+            MASK,
+            mask_size,
+            qk_scale,
+            cap_scale,
+            window,
+            Q_LEN,
+            USE_MASK,
+            HAS_WINDOW,
+            LOGIT_CAP,
+        )
         s_scale = 1.0 if LOGIT_CAP else qk_scale
         if LAZY > 0:
             m_i, l_i, acc, p = lazy_softmax_step(m_i, l_i, acc, sc, s_scale, LAZY)
@@ -245,7 +282,9 @@ def _mla_kernel(
         out, lse2 = finalize(m_i, l_i, acc)
         res, lse_e = one_split_result(out, lse2, SINKS, h, row_ok, v_scale, HAS_SINK)
         o_rows = OUT + (q_beg + t).to(tl.int64)[:, None] * stride_ot + h[:, None] * stride_oh
-        tl.store(o_rows + offs_r[None, :], res.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (offs_r[None, :] < RANK))
+        tl.store(
+            o_rows + offs_r[None, :], res.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (offs_r[None, :] < RANK)
+        )
         if STORE_LSE:
             tl.store(LSE + (q_beg + t).to(tl.int64) * stride_lt + h, lse_e, mask=row_ok)
 
@@ -399,7 +438,10 @@ def mla_attention(
     qk_scale, cap_scale = score_scales(sm_scale, logit_cap, k_scale)
     # the Hopper kernel's grid has the requests on y; it reads whole tiles of the pool by TMA (common.tma_compatible)
     if uses_wgmma(config, q.dtype, kv_lora_rank, rope) and bs <= MAX_GRID_Y and tma_compatible(kv_buf):
-        from attn_triton.kernels.mla_wgmma import latent_descriptors, mla_wgmma_kernel  # Gluon: imported only where it runs
+        from attn_triton.kernels.mla_wgmma import (
+            latent_descriptors,
+            mla_wgmma_kernel,
+        )  # Gluon: imported only where it runs
 
         block_h = WGMMA_BLOCK_H
         grid = (triton.cdiv(q_len * hq, block_h), bs, max_splits)
@@ -466,5 +508,14 @@ def mla_attention(
     )
     if split:
         merge_splits(
-            part_o, part_lse, kv_indptr, kv_indices.shape[0], max_splits, min_split_len, o, sinks=sinks, lse_out=lse_out, v_scale=v_scale
+            part_o,
+            part_lse,
+            kv_indptr,
+            kv_indices.shape[0],
+            max_splits,
+            min_split_len,
+            o,
+            sinks=sinks,
+            lse_out=lse_out,
+            v_scale=v_scale,
         )

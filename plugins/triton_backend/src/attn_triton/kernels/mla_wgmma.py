@@ -112,7 +112,9 @@ def _gather_tile(KV, rows, ok, nope_buf, rope_buf, RANK: gl.constexpr, ROPE: gl.
     ok2 = ok[:, None]
     gather_to_shared(nope_buf, KV + (r2 + gl.arange(0, RANK, layout=gl.SliceLayout(0, _LOAD))[None, :]), mask=ok2)
     if ROPE == 64:
-        gather_to_shared(rope_buf, KV + (r2 + (RANK + gl.arange(0, ROPE, layout=gl.SliceLayout(0, _LOAD)))[None, :]), mask=ok2)
+        gather_to_shared(
+            rope_buf, KV + (r2 + (RANK + gl.arange(0, ROPE, layout=gl.SliceLayout(0, _LOAD)))[None, :]), mask=ok2
+        )
     else:  # narrower rope: a layout of its own width (no thread copies an element twice)
         ROPE_LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (ROPE // 8), ROPE // 8], [4, 1], [1, 0])
         rows_r = gl.convert_layout(rows, gl.SliceLayout(1, ROPE_LOAD))
@@ -134,8 +136,25 @@ def _tile_plan(KV_INDICES, kv_beg, start, s_hi, num_slots, BLOCK_N: gl.constexpr
 
 
 @gluon.jit
-def _load(KV, NOPE_DESC, ROPE_DESC, FAULT, slots, first, by_tma, start, s_hi, num_slots, stride_ks, nope_buf, rope_buf, landed,
-          BLOCK_N: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr):  # fmt: skip
+def _load(
+    KV,
+    NOPE_DESC,
+    ROPE_DESC,
+    FAULT,
+    slots,
+    first,
+    by_tma,
+    start,
+    s_hi,
+    num_slots,
+    stride_ks,
+    nope_buf,
+    rope_buf,
+    landed,
+    BLOCK_N: gl.constexpr,
+    RANK: gl.constexpr,
+    ROPE: gl.constexpr,
+):
     """Start bringing the tile of keys [start, start + BLOCK_N) (`_tile_plan`) into a buffer; `landed`
     completes when it is in. By TMA if `by_tma`: two copies, the nope and rope columns of slots first ..
     first + BLOCK_N - 1 (`latent_descriptors`). Else by the cp.async gather (a counted arrive a thread, made
@@ -147,7 +166,9 @@ def _load(KV, NOPE_DESC, ROPE_DESC, FAULT, slots, first, by_tma, start, s_hi, nu
         tma_load(NOPE_DESC, [first, 0], landed, nope_buf)
         tma_load(ROPE_DESC, [first, RANK], landed, rope_buf)
     else:
-        slot = gl.convert_layout(gl.sum(slots, 0), gl.SliceLayout(1, _LOAD))  # [1, BLOCK_N] -> [BLOCK_N], the gather's rows
+        slot = gl.convert_layout(
+            gl.sum(slots, 0), gl.SliceLayout(1, _LOAD)
+        )  # [1, BLOCK_N] -> [BLOCK_N], the gather's rows
         n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _LOAD))
         rows, ok = checked_rows(slot, n < s_hi, FAULT, num_slots, stride_ks)
         _gather_tile(KV, rows, ok, nope_buf, rope_buf, RANK, ROPE)
@@ -178,19 +199,68 @@ def _p_buf(rope_s, p_s, b, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, P_IN_RO
 
 @gluon.jit
 def _own_tile(
-    k, scores, acc, m_i, l_i, W: gl.constexpr, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, MASK, t, row_ok, q_pos, s_lo,
-    s_hi, mask_beg, kv_len, mask_size, qk_scale, cap_scale, window, s_scale, Q_LEN: gl.constexpr, BLOCK_H: gl.constexpr,
-    BLOCK_N: gl.constexpr, HALF: gl.constexpr, USE_MASK: gl.constexpr, HAS_WINDOW: gl.constexpr, LOGIT_CAP: gl.constexpr,
-    P_IN_ROPE: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr,
-):  # fmt: skip
+    k,
+    scores,
+    acc,
+    m_i,
+    l_i,
+    W: gl.constexpr,
+    nope_s,
+    rope_s,
+    p_s,
+    m_s,
+    a_s,
+    p_ready,
+    kv_free,
+    MASK,
+    t,
+    row_ok,
+    q_pos,
+    s_lo,
+    s_hi,
+    mask_beg,
+    kv_len,
+    mask_size,
+    qk_scale,
+    cap_scale,
+    window,
+    s_scale,
+    Q_LEN: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HALF: gl.constexpr,
+    USE_MASK: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
+    LOGIT_CAP: gl.constexpr,
+    P_IN_ROPE: gl.constexpr,
+    S_L: gl.constexpr,
+    O_L: gl.constexpr,
+):
     """Warpgroup W's own tile k (buffer k % 4; scores `[BLOCK_H, BLOCK_N]` float32, waited): the softmax step
     from the running max m_i after tile k - 1, p / max / alpha published (p_ready[W]), then, once this
     warpgroup's update from the other's tile k - 1 is done (kv_free of that buffer), the output rescaled
     and p . latent[:, W's columns] issued. Returns (acc in flight, m, l)."""
     dtype: gl.constexpr = nope_s.dtype
     n = s_lo + k * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
-    sc = tile_scores(scores, n, n < s_hi, t, row_ok, q_pos, mask_beg, kv_len, MASK, mask_size, qk_scale, cap_scale, window,
-                     Q_LEN, USE_MASK, HAS_WINDOW, LOGIT_CAP)  # fmt: skip
+    sc = tile_scores(
+        scores,
+        n,
+        n < s_hi,
+        t,
+        row_ok,
+        q_pos,
+        mask_beg,
+        kv_len,
+        MASK,
+        mask_size,
+        qk_scale,
+        cap_scale,
+        window,
+        Q_LEN,
+        USE_MASK,
+        HAS_WINDOW,
+        LOGIT_CAP,
+    )
     m_new, l_i, alpha, p = softmax_terms(m_i, l_i, sc, s_scale, True)
     b = k % 4
     p_buf = _p_buf(rope_s, p_s, b, BLOCK_H, BLOCK_N, P_IN_ROPE)
@@ -210,10 +280,40 @@ def _own_tile(
 
 @gluon.jit
 def _other_tile(
-    k, acc, l_i, spent, W: gl.constexpr, qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, landed, KV, NOPE_DESC,
-    ROPE_DESC, KV_INDICES, FAULT, kv_beg, s_lo, s_hi, num_slots, stride_ks, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-    RANK: gl.constexpr, ROPE: gl.constexpr, HALF: gl.constexpr, P_IN_ROPE: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr,
-):  # fmt: skip
+    k,
+    acc,
+    l_i,
+    spent,
+    W: gl.constexpr,
+    qn_s,
+    qr_s,
+    nope_s,
+    rope_s,
+    p_s,
+    m_s,
+    a_s,
+    p_ready,
+    kv_free,
+    landed,
+    KV,
+    NOPE_DESC,
+    ROPE_DESC,
+    KV_INDICES,
+    FAULT,
+    kv_beg,
+    s_lo,
+    s_hi,
+    num_slots,
+    stride_ks,
+    BLOCK_H: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    RANK: gl.constexpr,
+    ROPE: gl.constexpr,
+    HALF: gl.constexpr,
+    P_IN_ROPE: gl.constexpr,
+    S_L: gl.constexpr,
+    O_L: gl.constexpr,
+):
     """The other warpgroup's tile k, seen from warpgroup W (its own output update of tile k - 1 in flight):
     issue the scores of W's next tile k + 1 once it has landed and read the slots of its tile k + 3, wait
     for tile k's p, start loading tile k + 3 into the buffer of tile k - 1 (once both warpgroups are done
@@ -233,13 +333,34 @@ def _other_tile(
     b3 = (k + 3) % 4
     if k > 0:  # the other warpgroup finished reading tile k - 1 (this buffer's last tile)
         mbarrier.wait(kv_free.index(b3), ((k - 1) // 4) & 1)
-    _load(KV, NOPE_DESC, ROPE_DESC, FAULT, slots3, first3, tma3, start3, s_hi, num_slots, stride_ks, nope_s.index(b3), rope_s.index(b3),
-          landed.index(b3), BLOCK_N, RANK, ROPE)  # fmt: skip
+    _load(
+        KV,
+        NOPE_DESC,
+        ROPE_DESC,
+        FAULT,
+        slots3,
+        first3,
+        tma3,
+        start3,
+        s_hi,
+        num_slots,
+        stride_ks,
+        nope_s.index(b3),
+        rope_s.index(b3),
+        landed.index(b3),
+        BLOCK_N,
+        RANK,
+        ROPE,
+    )
     scores = warpgroup_mma_wait(0, deps=[qk])
     o = o * a_s.index(1 - W).load(gl.SliceLayout(1, O_L))[:, None]
     b = k % 4
-    acc = warpgroup_mma(_p_buf(rope_s, p_s, b, BLOCK_H, BLOCK_N, P_IN_ROPE), nope_s.index(b).slice(W * HALF, HALF, dim=1), o,
-                        is_async=True)  # fmt: skip
+    acc = warpgroup_mma(
+        _p_buf(rope_s, p_s, b, BLOCK_H, BLOCK_N, P_IN_ROPE),
+        nope_s.index(b).slice(W * HALF, HALF, dim=1),
+        o,
+        is_async=True,
+    )
     return acc, m_i, l_i, scores
 
 
@@ -331,8 +452,25 @@ def _warpgroup(
     l_i = gl.zeros([BLOCK_H], gl.float32, ROW_S)
     acc = warpgroup_mma_init(gl.zeros([BLOCK_H, HALF], gl.float32, O_L))
     slots, first, by_tma = _tile_plan(KV_INDICES, kv_beg, s_lo + W * BLOCK_N, s_hi, num_slots, BLOCK_N)
-    _load(KV, NOPE_DESC, ROPE_DESC, FAULT, slots, first, by_tma, s_lo + W * BLOCK_N, s_hi, num_slots, stride_ks, nope_s.index(W),
-              rope_s.index(W), landed.index(W), BLOCK_N, RANK, ROPE)  # fmt: skip
+    _load(
+        KV,
+        NOPE_DESC,
+        ROPE_DESC,
+        FAULT,
+        slots,
+        first,
+        by_tma,
+        s_lo + W * BLOCK_N,
+        s_hi,
+        num_slots,
+        stride_ks,
+        nope_s.index(W),
+        rope_s.index(W),
+        landed.index(W),
+        BLOCK_N,
+        RANK,
+        ROPE,
+    )
     if W == 0:
         async_copy.wait_group(0)
         fence_async_shared()
@@ -342,45 +480,251 @@ def _warpgroup(
         fence_async_shared()
         qk = _start_scores(qn_s, qr_s, nope_s.index(0), rope_s.index(0), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L))
         slots, first, by_tma = _tile_plan(KV_INDICES, kv_beg, s_lo + 2 * BLOCK_N, s_hi, num_slots, BLOCK_N)
-        _load(KV, NOPE_DESC, ROPE_DESC, FAULT, slots, first, by_tma, s_lo + 2 * BLOCK_N, s_hi, num_slots, stride_ks, nope_s.index(2),
-              rope_s.index(2), landed.index(2), BLOCK_N, RANK, ROPE)  # fmt: skip
+        _load(
+            KV,
+            NOPE_DESC,
+            ROPE_DESC,
+            FAULT,
+            slots,
+            first,
+            by_tma,
+            s_lo + 2 * BLOCK_N,
+            s_hi,
+            num_slots,
+            stride_ks,
+            nope_s.index(2),
+            rope_s.index(2),
+            landed.index(2),
+            BLOCK_N,
+            RANK,
+            ROPE,
+        )
         scores = warpgroup_mma_wait(0, deps=[qk])
         for u in range(n_pairs):
             acc, m_i, l_i = _own_tile(
-                2 * u, scores, acc, m_i, l_i, W, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, MASK, t, row_ok, q_pos, s_lo, s_hi,
-                mask_beg, kv_len, mask_size, qk_scale, cap_scale, window, s_scale, Q_LEN, BLOCK_H, BLOCK_N, HALF, USE_MASK,
-                HAS_WINDOW, LOGIT_CAP, P_IN_ROPE, S_L, O_L,
-            )  # fmt: skip
+                2 * u,
+                scores,
+                acc,
+                m_i,
+                l_i,
+                W,
+                nope_s,
+                rope_s,
+                p_s,
+                m_s,
+                a_s,
+                p_ready,
+                kv_free,
+                MASK,
+                t,
+                row_ok,
+                q_pos,
+                s_lo,
+                s_hi,
+                mask_beg,
+                kv_len,
+                mask_size,
+                qk_scale,
+                cap_scale,
+                window,
+                s_scale,
+                Q_LEN,
+                BLOCK_H,
+                BLOCK_N,
+                HALF,
+                USE_MASK,
+                HAS_WINDOW,
+                LOGIT_CAP,
+                P_IN_ROPE,
+                S_L,
+                O_L,
+            )
             acc, m_i, l_i, scores = _other_tile(
-                2 * u + 1, acc, l_i, scores, W, qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, landed, KV, NOPE_DESC,
-                ROPE_DESC, KV_INDICES, FAULT, kv_beg, s_lo, s_hi, num_slots, stride_ks, BLOCK_H, BLOCK_N, RANK, ROPE, HALF, P_IN_ROPE,
-                S_L, O_L,
-            )  # fmt: skip
+                2 * u + 1,
+                acc,
+                l_i,
+                scores,
+                W,
+                qn_s,
+                qr_s,
+                nope_s,
+                rope_s,
+                p_s,
+                m_s,
+                a_s,
+                p_ready,
+                kv_free,
+                landed,
+                KV,
+                NOPE_DESC,
+                ROPE_DESC,
+                KV_INDICES,
+                FAULT,
+                kv_beg,
+                s_lo,
+                s_hi,
+                num_slots,
+                stride_ks,
+                BLOCK_H,
+                BLOCK_N,
+                RANK,
+                ROPE,
+                HALF,
+                P_IN_ROPE,
+                S_L,
+                O_L,
+            )
     else:
         mbarrier.wait(l_ready.index(1), 0)  # q, gathered by warpgroup 0's threads
         # tile 0 (the other's) before the loop, so that no output update is in flight across the loop's
         # back edge coming out of an own tile (ptxas would then serialize every warpgroup MMA)
         acc, m_i, l_i, scores = _other_tile(
-            0, acc, l_i, gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L), W, qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free,
-            landed, KV, NOPE_DESC, ROPE_DESC, KV_INDICES, FAULT, kv_beg, s_lo, s_hi, num_slots, stride_ks, BLOCK_H, BLOCK_N, RANK, ROPE,
-            HALF, P_IN_ROPE, S_L, O_L,
-        )  # fmt: skip
+            0,
+            acc,
+            l_i,
+            gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L),
+            W,
+            qn_s,
+            qr_s,
+            nope_s,
+            rope_s,
+            p_s,
+            m_s,
+            a_s,
+            p_ready,
+            kv_free,
+            landed,
+            KV,
+            NOPE_DESC,
+            ROPE_DESC,
+            KV_INDICES,
+            FAULT,
+            kv_beg,
+            s_lo,
+            s_hi,
+            num_slots,
+            stride_ks,
+            BLOCK_H,
+            BLOCK_N,
+            RANK,
+            ROPE,
+            HALF,
+            P_IN_ROPE,
+            S_L,
+            O_L,
+        )
         for u in range(n_pairs - 1):
             acc, m_i, l_i = _own_tile(
-                2 * u + 1, scores, acc, m_i, l_i, W, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, MASK, t, row_ok, q_pos, s_lo,
-                s_hi, mask_beg, kv_len, mask_size, qk_scale, cap_scale, window, s_scale, Q_LEN, BLOCK_H, BLOCK_N, HALF, USE_MASK,
-                HAS_WINDOW, LOGIT_CAP, P_IN_ROPE, S_L, O_L,
-            )  # fmt: skip
+                2 * u + 1,
+                scores,
+                acc,
+                m_i,
+                l_i,
+                W,
+                nope_s,
+                rope_s,
+                p_s,
+                m_s,
+                a_s,
+                p_ready,
+                kv_free,
+                MASK,
+                t,
+                row_ok,
+                q_pos,
+                s_lo,
+                s_hi,
+                mask_beg,
+                kv_len,
+                mask_size,
+                qk_scale,
+                cap_scale,
+                window,
+                s_scale,
+                Q_LEN,
+                BLOCK_H,
+                BLOCK_N,
+                HALF,
+                USE_MASK,
+                HAS_WINDOW,
+                LOGIT_CAP,
+                P_IN_ROPE,
+                S_L,
+                O_L,
+            )
             acc, m_i, l_i, scores = _other_tile(
-                2 * u + 2, acc, l_i, scores, W, qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, landed, KV, NOPE_DESC,
-                ROPE_DESC, KV_INDICES, FAULT, kv_beg, s_lo, s_hi, num_slots, stride_ks, BLOCK_H, BLOCK_N, RANK, ROPE, HALF, P_IN_ROPE,
-                S_L, O_L,
-            )  # fmt: skip
+                2 * u + 2,
+                acc,
+                l_i,
+                scores,
+                W,
+                qn_s,
+                qr_s,
+                nope_s,
+                rope_s,
+                p_s,
+                m_s,
+                a_s,
+                p_ready,
+                kv_free,
+                landed,
+                KV,
+                NOPE_DESC,
+                ROPE_DESC,
+                KV_INDICES,
+                FAULT,
+                kv_beg,
+                s_lo,
+                s_hi,
+                num_slots,
+                stride_ks,
+                BLOCK_H,
+                BLOCK_N,
+                RANK,
+                ROPE,
+                HALF,
+                P_IN_ROPE,
+                S_L,
+                O_L,
+            )
         acc, m_i, l_i = _own_tile(
-            2 * n_pairs - 1, scores, acc, m_i, l_i, W, nope_s, rope_s, p_s, m_s, a_s, p_ready, kv_free, MASK, t, row_ok, q_pos, s_lo,
-            s_hi, mask_beg, kv_len, mask_size, qk_scale, cap_scale, window, s_scale, Q_LEN, BLOCK_H, BLOCK_N, HALF, USE_MASK,
-            HAS_WINDOW, LOGIT_CAP, P_IN_ROPE, S_L, O_L,
-        )  # fmt: skip
+            2 * n_pairs - 1,
+            scores,
+            acc,
+            m_i,
+            l_i,
+            W,
+            nope_s,
+            rope_s,
+            p_s,
+            m_s,
+            a_s,
+            p_ready,
+            kv_free,
+            MASK,
+            t,
+            row_ok,
+            q_pos,
+            s_lo,
+            s_hi,
+            mask_beg,
+            kv_len,
+            mask_size,
+            qk_scale,
+            cap_scale,
+            window,
+            s_scale,
+            Q_LEN,
+            BLOCK_H,
+            BLOCK_N,
+            HALF,
+            USE_MASK,
+            HAS_WINDOW,
+            LOGIT_CAP,
+            P_IN_ROPE,
+            S_L,
+            O_L,
+        )
     o = warpgroup_mma_wait(0, deps=[acc])
     async_copy.wait_group(0)  # loads issued past the last tile (zero-fills) land before the program ends
 
@@ -489,9 +833,25 @@ def mla_wgmma_kernel(
     r = gl.program_id(1)
     s = gl.program_id(2)
     q_beg, q_len, kv_beg, kv_len, mask_beg, s_lo, s_hi, n_split = request_keys(
-        QO_INDPTR, KV_INDPTR, MASK_INDPTR, FAULT, r, (hb == 0) & (s == 0), s, num_tokens, num_indices, mask_size, min_split_len,
-        max_splits, window, Q_LEN, USE_MASK, HAS_WINDOW, SPLIT, BLOCK_N,
-    )  # fmt: skip
+        QO_INDPTR,
+        KV_INDPTR,
+        MASK_INDPTR,
+        FAULT,
+        r,
+        (hb == 0) & (s == 0),
+        s,
+        num_tokens,
+        num_indices,
+        mask_size,
+        min_split_len,
+        max_splits,
+        window,
+        Q_LEN,
+        USE_MASK,
+        HAS_WINDOW,
+        SPLIT,
+        BLOCK_N,
+    )
     if s < n_split:
         offs_mq = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, NOPE_LOAD))
         tq = offs_mq // num_heads
@@ -507,7 +867,8 @@ def mla_wgmma_kernel(
         cr = gl.arange(0, ROPE, layout=gl.SliceLayout(0, ROPE_LOAD))
         qr_s = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], QR_SMEM)
         gather_to_shared(qr_s, qr_rows[:, None] + cr[None, :], mask=qr_ok[:, None])
-        async_copy.commit_group()  # q lands under warpgroup 0's first tile (its copies: the default partition's threads)
+        # q lands under warpgroup 0's first tile (its copies: the default partition's threads)
+        async_copy.commit_group()
         nope_s = gl.allocate_shared_memory(dtype, [4, BLOCK_N, RANK], NOPE_SMEM)
         rope_s = gl.allocate_shared_memory(dtype, [4, BLOCK_N, ROPE], ROPE_SMEM)
         P_IN_ROPE: gl.constexpr = ROPE == BLOCK_H  # a tile's p `[BLOCK_H, BLOCK_N]` fits its rope columns
@@ -531,22 +892,145 @@ def mla_wgmma_kernel(
         mbarrier.init(l_ready.index(1), count=1)
         fence_async_shared()
         cta_barrier()
-        # (the partitions' arguments written out in the call: a tuple built first would turn the constexprs into tensors)
+        # (the partitions' arguments written out in the call: a tuple built first would turn the constexprs into
+        # tensors)
         gl.warp_specialize(
             [
-                (_warpgroup, (0,
-                qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, l_s, kv_free, landed, p_ready, l_ready, KV, NOPE_DESC, ROPE_DESC, KV_INDICES,
-                MASK, SINKS, FAULT, OUT, LSE, PART_O, PART_LSE, kv_beg, s_lo, s_hi, kv_len, q_len, q_beg, mask_beg, hb, r, s,
-                num_slots, mask_size, num_heads, qk_scale, cap_scale, v_scale, window, stride_ks, stride_ot, stride_oh,
-                stride_lt, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, Q_LEN, BLOCK_H, BLOCK_N, RANK, ROPE,
-                SPLIT, USE_MASK, HAS_WINDOW, LOGIT_CAP, HAS_SINK, STORE_LSE, P_IN_ROPE)),
-                (_warpgroup, (1,
-                qn_s, qr_s, nope_s, rope_s, p_s, m_s, a_s, l_s, kv_free, landed, p_ready, l_ready, KV, NOPE_DESC, ROPE_DESC, KV_INDICES,
-                MASK, SINKS, FAULT, OUT, LSE, PART_O, PART_LSE, kv_beg, s_lo, s_hi, kv_len, q_len, q_beg, mask_beg, hb, r, s,
-                num_slots, mask_size, num_heads, qk_scale, cap_scale, v_scale, window, stride_ks, stride_ot, stride_oh,
-                stride_lt, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, Q_LEN, BLOCK_H, BLOCK_N, RANK, ROPE,
-                SPLIT, USE_MASK, HAS_WINDOW, LOGIT_CAP, HAS_SINK, STORE_LSE, P_IN_ROPE)),
+                (
+                    _warpgroup,
+                    (
+                        0,
+                        qn_s,
+                        qr_s,
+                        nope_s,
+                        rope_s,
+                        p_s,
+                        m_s,
+                        a_s,
+                        l_s,
+                        kv_free,
+                        landed,
+                        p_ready,
+                        l_ready,
+                        KV,
+                        NOPE_DESC,
+                        ROPE_DESC,
+                        KV_INDICES,
+                        MASK,
+                        SINKS,
+                        FAULT,
+                        OUT,
+                        LSE,
+                        PART_O,
+                        PART_LSE,
+                        kv_beg,
+                        s_lo,
+                        s_hi,
+                        kv_len,
+                        q_len,
+                        q_beg,
+                        mask_beg,
+                        hb,
+                        r,
+                        s,
+                        num_slots,
+                        mask_size,
+                        num_heads,
+                        qk_scale,
+                        cap_scale,
+                        v_scale,
+                        window,
+                        stride_ks,
+                        stride_ot,
+                        stride_oh,
+                        stride_lt,
+                        stride_pb,
+                        stride_ph,
+                        stride_ps,
+                        stride_lb,
+                        stride_lh,
+                        Q_LEN,
+                        BLOCK_H,
+                        BLOCK_N,
+                        RANK,
+                        ROPE,
+                        SPLIT,
+                        USE_MASK,
+                        HAS_WINDOW,
+                        LOGIT_CAP,
+                        HAS_SINK,
+                        STORE_LSE,
+                        P_IN_ROPE,
+                    ),
+                ),
+                (
+                    _warpgroup,
+                    (
+                        1,
+                        qn_s,
+                        qr_s,
+                        nope_s,
+                        rope_s,
+                        p_s,
+                        m_s,
+                        a_s,
+                        l_s,
+                        kv_free,
+                        landed,
+                        p_ready,
+                        l_ready,
+                        KV,
+                        NOPE_DESC,
+                        ROPE_DESC,
+                        KV_INDICES,
+                        MASK,
+                        SINKS,
+                        FAULT,
+                        OUT,
+                        LSE,
+                        PART_O,
+                        PART_LSE,
+                        kv_beg,
+                        s_lo,
+                        s_hi,
+                        kv_len,
+                        q_len,
+                        q_beg,
+                        mask_beg,
+                        hb,
+                        r,
+                        s,
+                        num_slots,
+                        mask_size,
+                        num_heads,
+                        qk_scale,
+                        cap_scale,
+                        v_scale,
+                        window,
+                        stride_ks,
+                        stride_ot,
+                        stride_oh,
+                        stride_lt,
+                        stride_pb,
+                        stride_ph,
+                        stride_ps,
+                        stride_lb,
+                        stride_lh,
+                        Q_LEN,
+                        BLOCK_H,
+                        BLOCK_N,
+                        RANK,
+                        ROPE,
+                        SPLIT,
+                        USE_MASK,
+                        HAS_WINDOW,
+                        LOGIT_CAP,
+                        HAS_SINK,
+                        STORE_LSE,
+                        P_IN_ROPE,
+                    ),
+                ),
             ],
             [4],  # the worker: warpgroup 1 (warpgroup 0 is the default partition, the kernel's num_warps 4)
             [248],  # its registers; the default partition takes 256 (128 x 256 + 128 x 248 <= 64 Ki)
-        )  # fmt: skip
+        )
