@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${ATTN_SKIP_VLLM:-0}" = 1 ]; then bash scripts/setup.sh; else bash scripts/setup.sh --vllm; fi
-.venv/bin/ruff check core plugins tests benchmarks examples integrations
+.venv/bin/ruff check core plugins tests benchmarks examples integrations  # lines <= 120 columns ([tool.ruff])
+.venv/bin/ruff format --check core plugins tests benchmarks examples integrations scripts
 # the type check of attn-core ([tool.mypy] in pyproject.toml): any error fails the run
 .venv/bin/mypy
 suites=(core/tests)
