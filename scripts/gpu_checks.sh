@@ -227,10 +227,10 @@ fi
 # tokens/s (needs transformers from .whl/); fa4-bench: the prefill/extend rows with fa4 through attn, FA4 called directly
 # and the hybrid (benchmarks/triton_vs_peers.py --only fa4).
 if asked fa4-tests; then
-  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/flashattention/tests -k "not conformance_kit and not engine" 2>&1 | tee "$OUT/fa4_gpu.log" || rc=1
+  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/flashattention/tests -k "not TestConformanceOnCuda and not engine" 2>&1 | tee "$OUT/fa4_gpu.log" || rc=1
 fi
 if asked fa4-kit; then
-  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/flashattention/tests/test_gpu.py -k conformance_kit 2>&1 | tee "$OUT/fa4_kit.log" || rc=1
+  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/flashattention/tests/test_gpu.py -k TestConformanceOnCuda 2>&1 | tee "$OUT/fa4_kit.log" || rc=1
 fi
 if asked fa4-check; then
   python3 -m attn_core.cli.main check fa4 --device cuda ${FA4_CHECK_ARGS:-} 2>&1 | tee "$OUT/check_fa4.log" || rc=1

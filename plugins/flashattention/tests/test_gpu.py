@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from attn_core.contract.forward_mode import ForwardMode
+from attn_core.testing import ConformanceSuite
 from attn_core.testing.compose import compose_requests
 from attn_core.testing.graphs import graph_case_check
 from attn_core.testing.harness import AttnCase, assert_case, layer_inputs, make_env, make_layer
@@ -28,27 +29,13 @@ requires_fa4 = pytest.mark.skipif(REASON is not None, reason=f"fa4 cannot run he
 GQA = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", device="cuda")
 
 
-def _kit_checks():
-    if REASON is not None:
-        return [pytest.param(None, id="kit", marks=pytest.mark.skip(reason=f"fa4 cannot run here: {REASON}"))]
-    from attn_core.testing.kit import make_plan
+class TestConformanceOnCuda(ConformanceSuite):
+    """attn-core's conformance kit on cuda at the quick sizes (skipped, with the probe's reason, where fa4
+    cannot run; the spec's declared known gaps skipped with theirs)."""
 
-    plan = make_plan("fa4", device="cuda", quick=True)
-    out = []
-    for c in plan.checks:  # the plan's skips (the spec's declared known gaps) stay skipped, with their reason
-        reason = plan.skip_reason(c.id)
-        out.append(pytest.param(c, id=c.id, marks=[pytest.mark.skip(reason=reason)] if reason else []))
-    return out
-
-
-@pytest.mark.parametrize("check", _kit_checks())
-def test_conformance_kit(check):
-    from attn_core.testing.outcome import execute
-
-    outcome = execute(check)
-    if outcome.status == "skipped":
-        pytest.skip(outcome.message)
-    assert outcome.status == "passed", outcome.message
+    backend = "fa4"
+    device = "cuda"
+    quick = True
 
 
 def _backend_class():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from attn_core.testing import ConformanceSuite
 from attn_flashinfer.spec import SPEC
 
 pytestmark = pytest.mark.gpu
@@ -17,24 +18,14 @@ requires_gpu = pytest.mark.skipif(REASON is not None, reason=f"flashinfer backen
 PREFIXES = ("non_causal", "bidirectional_span", "bad_input-bidirectional", "ragged", "refuse-ragged")
 
 
-def _kit_checks():
-    """The kit's checks of issue 40 on CUDA (parametrized by hand: the plan needs flashinfer importable)."""
-    if REASON is not None:
-        return [
-            pytest.param(None, id="kit", marks=pytest.mark.skip(reason=f"flashinfer backend cannot run here: {REASON}"))
-        ]
-    from attn_core.testing.kit import make_plan
+class TestRaggedKitOnCuda(ConformanceSuite):
+    """The kit's checks of issue 40 on cuda at the quick sizes (skipped with the probe's reason where the
+    backend cannot run)."""
 
-    plan = make_plan("flashinfer", device="cuda", quick=True)
-    return [pytest.param(c, id=c.id) for c in plan.checks if c.id.startswith(PREFIXES)]
-
-
-@pytest.mark.parametrize("check", _kit_checks())
-def test_kit_noncausal_and_ragged_checks(check):
-    from attn_core.testing.outcome import execute
-
-    outcome = execute(check)
-    assert outcome.status == "passed", outcome.message
+    backend = "flashinfer"
+    device = "cuda"
+    quick = True
+    only = PREFIXES
 
 
 @requires_gpu
