@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from attn_core.ops.kv_indices import exclusive_cumsum, page_table_from_req_to_token
+from attn_core.ops.kv_indices import pages_for as pages_holding
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class KeyList:
 def pages_for(tokens: int, page_size: int) -> int:
     """Pages holding `tokens` tokens, at least 1 (FA4 takes no empty table). Example: pages_for(33, 16) == 3,
     pages_for(0, 16) == 1."""
-    return max(1, -(-tokens // page_size))
+    return max(1, pages_holding(tokens, page_size))
 
 
 def query_offsets(q_lens: torch.Tensor) -> torch.Tensor:
