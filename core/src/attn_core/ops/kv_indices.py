@@ -186,6 +186,13 @@ def _record(fault: torch.Tensor, kind: DeviceFaultKind, bad: torch.Tensor) -> No
     torch.maximum(flag, bad.any().to(fault.dtype).reshape(1), out=flag)
 
 
+def index_kernel_runs_on(req_to_token: torch.Tensor) -> bool:
+    """Whether `build_kv_indices` takes its Triton path for tables on `req_to_token`'s device: on CUDA. (Inside
+    `attn_core.testing.device_path.accelerator_checks`, CPU tables too, under the Triton interpreter: the
+    accelerator's bounds-checked path in CPU tests.) Example: a CPU table -> False."""
+    return req_to_token.is_cuda
+
+
 @functools.lru_cache(maxsize=1)
 def _triton_path():
     """`kv_indices_triton` when Triton is importable, else None (looked up once: this is per-step code)."""
@@ -238,7 +245,7 @@ def build_kv_indices(
         raise InvalidArgumentError("out", f"an int32 tensor of at least {total} entries", (out.dtype, tuple(out.shape)))
     if (q_lens is None) != (qo_indptr_out is None):
         raise InvalidArgumentError("qo_indptr_out", "given exactly when q_lens is", qo_indptr_out is not None)
-    if req_to_token.is_cuda and _triton_path() is not None:
+    if index_kernel_runs_on(req_to_token) and _triton_path() is not None:
         _triton_path()(
             req_to_token,
             req_pool_indices,

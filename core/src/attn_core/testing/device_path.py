@@ -8,7 +8,8 @@ choose the level take the context's `validation` as given, and the step check is
 
 - "torch": `check_step_torch`, the reference;
 - "triton": `check_step_triton`, the kernel CUDA runs (needs `TRITON_INTERPRET=1` set before Triton was
-  imported, as the test suites set it).
+  imported, as the test suites set it); `attn_core.ops.kv_indices.build_kv_indices` then takes its Triton
+  path (device-side bounds) on CPU tables too, as on a GPU.
 
 Example (a test)::
 
@@ -34,6 +35,8 @@ LEVEL_USERS = (
 )
 #: modules that run the step check (`check_step`)
 STEP_CHECK_USERS = ("attn_core.contract.backend", "attn_core.engine.graph_runner")
+#: modules that choose the index kernel by device (`index_kernel_runs_on`)
+INDEX_KERNEL_USERS = ("attn_core.ops.kv_indices",)
 STEP_CHECKS = ("torch", "triton")
 
 
@@ -45,6 +48,11 @@ def _step_check(name: str) -> Callable:
     from attn_core.ops.step_checks_triton import check_step_triton
 
     return check_step_triton
+
+
+def _everywhere(req_to_token) -> bool:
+    """The index kernel's Triton path on any device (CPU tensors: under the interpreter)."""
+    return True
 
 
 def _as_given(ctx) -> str:
@@ -69,6 +77,11 @@ def accelerator_checks(step_check: str = "torch") -> Iterator[None]:
             module = importlib.import_module(name)
             saved.append((module, "check_step", module.check_step))
             module.check_step = check
+        if step_check == "triton":  # the index kernel too: its device-side bounds run as on a GPU
+            for name in INDEX_KERNEL_USERS:
+                module = importlib.import_module(name)
+                saved.append((module, "index_kernel_runs_on", module.index_kernel_runs_on))
+                module.index_kernel_runs_on = _everywhere
         yield
     finally:
         for module, attr, value in reversed(saved):
