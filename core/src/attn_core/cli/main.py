@@ -13,7 +13,7 @@ import json
 import shutil
 import sys
 import textwrap
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from attn_core.bench.cli import add_bench_arguments
 from attn_core.cli.args import (
@@ -105,10 +105,26 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_child(args: argparse.Namespace, device: str) -> Callable[[str], list[str]]:
+    """The command line of `check --isolate`'s child for one check id: this check's settings, that id alone."""
+    base = [sys.executable, "-m", "attn_core.cli.main", "check", args.name, "--device", device]
+    base += ["--seed", str(args.seed)]
+    base += ["--quick"] if args.quick else []
+    for key, value in args.option:
+        base += ["--option", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
+    for pattern in args.skip:
+        base += ["--skip", pattern]
+    return lambda check_id: [*base, "--id", check_id, "--outcome-lines"]
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     """Run the conformance kit on one backend: every declared capability against the float64
-    reference, K/V writes slot by slot, the CUDA-graph path, bad inputs, refusals, spec lightness."""
-    from attn_core.testing.kit import make_plan, run_plan
+    reference, K/V writes slot by slot, the CUDA-graph path, bad inputs, refusals, spec lightness.
+    `--isolate` runs each check in a process of its own (`attn_core.testing.isolated`): a check that kills
+    its process (an illegal memory access, an abort) fails alone and the others still run."""
+    from attn_core.testing.isolated import outcome_line, run_isolated
+    from attn_core.testing.kit import make_plan, run_plan, selected
+    from attn_core.testing.outcome import Outcome
 
     try:
         if (unavailable := unavailable_here(args.name)) is not None:
@@ -130,6 +146,10 @@ def cmd_check(args: argparse.Namespace) -> int:
         for check in plan.checks:
             print(f"{check.id}  {check.description}".rstrip())
         return 0
+    if args.outcome_lines:  # an --isolate child: its checks' outcome lines only
+        for outcome in run_plan(plan, select=args.k, ids=args.id):
+            print(outcome_line(outcome), flush=True)
+        return 0
     print(f"checking {target.name} on {plan.profile.device} ({plan.profile.name} profile, {len(plan.checks)} checks)")
     for pattern, reason in plan.skip.items():
         print(f"skipping {pattern}: {reason}")
@@ -147,7 +167,20 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(f"{tag}  {outcome.check_id}  ({outcome.seconds:.2f}s)  {first}")
         sys.stdout.flush()
 
-    outcomes = run_plan(plan, select=args.k, on_outcome=show)
+    if args.isolate:
+        outcomes: list[Outcome] = []
+        to_run: list[str] = []
+        for check in selected(plan, args.k, args.id):  # skips first, without a process
+            why = plan.skip_reason(check.id)
+            if why is None:
+                to_run.append(check.id)
+            else:
+                outcomes.append(Outcome(check.id, "skipped", why, 0.0))
+                show(outcomes[-1])
+        child = _check_child(args, str(plan.profile.device))
+        outcomes += run_isolated(to_run, child, args.jobs, on_outcome=show)
+    else:
+        outcomes = run_plan(plan, select=args.k, on_outcome=show, ids=args.id)
     counts = {s: sum(o.status == s for o in outcomes) for s in ("passed", "failed", "skipped")}
     seconds = sum(o.seconds for o in outcomes)
     print(f"check: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped in {seconds:.1f}s")
@@ -397,6 +430,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--option", action="append", default=[], type=_option, metavar="KEY=VALUE", help="backend constructor option"
     )
+    p.add_argument("--id", action="append", default=[], metavar="ID", help="run the check of this id (repeatable)")
+    p.add_argument(
+        "--isolate",
+        action="store_true",
+        help="run each check in a process of its own: one that kills its process (an illegal memory access, "
+        "an abort) fails alone, the others still run",
+    )
+    p.add_argument(
+        "--jobs", type=positive_int, default=1, metavar="N", help="with --isolate: checks run at once (default 1)"
+    )
+    p.add_argument("--outcome-lines", action="store_true", help=argparse.SUPPRESS)  # an --isolate child's output
     p.add_argument("--seed", type=int, default=0, help="seed of the random cases (default 0)")
     p.add_argument("--list", action="store_true", help="list the checks and exit")
     p.add_argument("-q", "--quiet", action="store_true", help="print failures and skips only")

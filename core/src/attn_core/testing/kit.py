@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Collection, Mapping, Optional, Sequence, Union
 
 from attn_core.contract.spec import BackendSpec
 from attn_core.testing.limits import distribution_of_module, environment_skips
@@ -93,14 +93,21 @@ def make_plan(
     return KitPlan(target, profile, checks, reason, skips)
 
 
+def selected(plan: KitPlan, select: Sequence[str] = (), ids: Collection[str] = ()) -> list[Check]:
+    """The plan's checks whose id contains one of `select` (when given) and is one of `ids` (when given)."""
+    return [c for c in plan.checks if (not select or any(s in c.id for s in select)) and (not ids or c.id in ids)]
+
+
 def run_plan(
-    plan: KitPlan, select: Sequence[str] = (), on_outcome: Optional[Callable[[Outcome], None]] = None
+    plan: KitPlan,
+    select: Sequence[str] = (),
+    on_outcome: Optional[Callable[[Outcome], None]] = None,
+    ids: Collection[str] = (),
 ) -> list[Outcome]:
-    """Run the plan's checks (only those whose id contains one of `select`, when given)."""
+    """Run the plan's checks (only those whose id contains one of `select`, when given, and is one of `ids`,
+    when given)."""
     outcomes = []
-    for check in plan.checks:
-        if select and not any(s in check.id for s in select):
-            continue
+    for check in selected(plan, select, ids):
         reason = plan.skip_reason(check.id)
         outcome = Outcome(check.id, "skipped", reason, 0.0) if reason else execute(check)
         outcomes.append(outcome)

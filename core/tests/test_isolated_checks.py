@@ -1,0 +1,70 @@
+"""`attn-core check --isolate` (`attn_core.testing.isolated`): each check in a process of its own, so that a check
+that kills its process (on a GPU: an illegal memory access, an abort) fails alone, named, and the others report.
+Children here are small Python programs standing in for `attn-core check ... --id ID --outcome-lines`, then the
+real command on torch_native."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from attn_core.testing.isolated import OUTCOME_MARKER, how_it_ended, outcome_line, read_outcome, run_isolated
+from attn_core.testing.outcome import Outcome
+
+
+def test_outcome_lines_round_trip_and_crashes_are_named():
+    good = Outcome("dtype-float16-DECODE", "passed", "rel err 0.0003", 0.21)
+    line = outcome_line(good)
+    assert line.startswith(OUTCOME_MARKER)
+    assert read_outcome(good.check_id, f"noise\n{line}\nmore noise\n", "", 0, 0.3) == good
+    crashed = read_outcome(
+        "hostile-basic-row_huge", "no outcome here\n", "x" * 5000 + "CUDA error: illegal memory access", -6, 1.5
+    )
+    assert crashed.status == "failed" and crashed.seconds == 1.5
+    assert "by signal SIGABRT" in crashed.message and crashed.message.endswith("illegal memory access")
+    assert len(crashed.message) < 1000  # the end of stderr only
+    other = read_outcome("a", outcome_line(Outcome("b", "passed", "", 0.1)), "", 0, 0.2)  # another check's line
+    assert other.status == "failed" and "with exit status 0" in other.message
+    assert how_it_ended(3) == "with exit status 3" and how_it_ended(-11) == "by signal SIGSEGV"
+
+
+def _child(check_id: str) -> list[str]:
+    """A stand-in child: reports for "ok-*", aborts for "abort-*", sleeps for "slow-*"."""
+    if check_id.startswith("abort"):
+        code = "import os, sys; sys.stderr.write('fatal: the context is gone'); sys.stderr.flush(); os.abort()"
+    elif check_id.startswith("slow"):
+        code = "import time; time.sleep(30)"
+    else:
+        code = f"print({outcome_line(Outcome(check_id, 'passed', 'fine', 0.01))!r})"
+    return [sys.executable, "-c", code]
+
+
+def test_a_crashing_check_fails_alone_and_the_order_is_the_plans():
+    seen = []
+    ids = ["ok-1", "abort-2", "ok-3", "slow-4", "ok-5"]
+    outcomes = run_isolated(ids, _child, jobs=3, on_outcome=seen.append, timeout=5)
+    assert [o.check_id for o in outcomes] == ids and seen == outcomes
+    status = {o.check_id: o.status for o in outcomes}
+    assert status == {"ok-1": "passed", "abort-2": "failed", "ok-3": "passed", "slow-4": "failed", "ok-5": "passed"}
+    assert "SIGABRT" in outcomes[1].message and "the context is gone" in outcomes[1].message
+    assert "ran past 5 s" in outcomes[3].message
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "attn_core.cli.main", "check", "torch_native", "--device", "cpu", "--quick", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+def test_the_command_isolated_gives_what_it_gives_in_one_process():
+    plain = _cli("-k", "bad_input-q")
+    isolated = _cli("-k", "bad_input-q", "--isolate", "--jobs", "2")
+    assert plain.returncode == 0 and isolated.returncode == 0, isolated.stderr[-2000:]
+
+    def verdicts(out: str) -> list[tuple[str, str]]:
+        return [tuple(line.split()[:2]) for line in out.splitlines() if line.startswith(("PASS", "FAIL", "SKIP"))]
+
+    assert verdicts(plain.stdout) == verdicts(isolated.stdout) and len(verdicts(plain.stdout)) >= 3
+    one = _cli("--id", "bad_input-q_rows")
+    assert one.returncode == 0 and [v[1] for v in verdicts(one.stdout)] == ["bad_input-q_rows"]
+    bad = _cli("--isolate", "--jobs", "0")
+    assert bad.returncode == 2 and "--jobs" in bad.stderr
