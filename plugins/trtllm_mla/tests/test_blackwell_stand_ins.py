@@ -135,6 +135,16 @@ def test_trtllm_documented_rules():
     si.trtllm_decode(dict(base, workspace_buffer=clean))
     clean.fill_(3)  # a kernel may leave it non-zero after its first use
     si.trtllm_decode(dict(base, workspace_buffer=clean))
+    si.trtllm_decode(dict(base, workspace_buffer=clean[:32]))  # a view of it: the same workspace
+    for _ in range(20):  # a new dirty buffer is new even where it reuses a freed one's address
+        gone = torch.zeros(64, dtype=torch.uint8)
+        si.trtllm_decode(dict(base, workspace_buffer=gone))
+        address = gone.data_ptr()
+        del gone
+        again = torch.ones(64, dtype=torch.uint8)
+        if again.data_ptr() == address:
+            with pytest.raises(si.StandInError, match="initialized to 0"):
+                si.trtllm_decode(dict(base, workspace_buffer=again))
     degenerate = k.view(-1, 16, 1, 8).permute(0, 2, 1, 3)
     with pytest.raises(si.StandInError, match="degenerate"):
         si.trtllm_decode(dict(base, kv_cache=(degenerate, degenerate), workspace_buffer=clean))

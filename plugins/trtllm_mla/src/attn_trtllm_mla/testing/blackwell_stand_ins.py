@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from types import SimpleNamespace
 from typing import Optional
 
@@ -52,16 +53,20 @@ def _need(cond: bool, msg: str) -> None:
 
 
 class _Workspaces:
-    """Remembers the workspaces a kernel has seen: one must be all zero on its first use."""
+    """Remembers the workspaces a kernel has seen (by address, while the memory there is the same allocation:
+    a weak reference to its storage, which views share and which dies with it, so a new buffer that happens to
+    get a freed one's address is new): one must be all zero on its first use."""
 
     def __init__(self):
-        self.seen: set[int] = set()
+        self.seen: dict[int, weakref.ref] = {}
 
     def check(self, ws: torch.Tensor) -> None:
         _need(ws.dtype == torch.uint8, "workspace_buffer must be uint8")
-        if ws.data_ptr() not in self.seen:
+        storage = ws.untyped_storage()
+        known = self.seen.get(ws.data_ptr())
+        if known is None or known() is not storage:
             _need(not bool(ws.any()), "workspace_buffer must be initialized to 0 before its first use")
-            self.seen.add(ws.data_ptr())
+            self.seen[ws.data_ptr()] = weakref.ref(storage)
 
 
 def _attend64(q, k, v, visible, scale: float, sinks: Optional[torch.Tensor]) -> torch.Tensor:
