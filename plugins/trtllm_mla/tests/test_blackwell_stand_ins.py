@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -136,15 +137,16 @@ def test_trtllm_documented_rules():
     clean.fill_(3)  # a kernel may leave it non-zero after its first use
     si.trtllm_decode(dict(base, workspace_buffer=clean))
     si.trtllm_decode(dict(base, workspace_buffer=clean[:32]))  # a view of it: the same workspace
-    for _ in range(20):  # a new dirty buffer is new even where it reuses a freed one's address
-        gone = torch.zeros(64, dtype=torch.uint8)
-        si.trtllm_decode(dict(base, workspace_buffer=gone))
-        address = gone.data_ptr()
-        del gone
-        again = torch.ones(64, dtype=torch.uint8)
-        if again.data_ptr() == address:
-            with pytest.raises(si.StandInError, match="initialized to 0"):
-                si.trtllm_decode(dict(base, workspace_buffer=again))
+    memory = np.zeros(64, dtype=np.uint8)  # two allocations at one address, one after the other
+    first = torch.from_numpy(memory)
+    si.trtllm_decode(dict(base, workspace_buffer=first))
+    address = first.data_ptr()
+    del first
+    memory[:] = 1
+    second = torch.from_numpy(memory)  # a new buffer at the freed one's address: new, so it must be 0
+    assert second.data_ptr() == address
+    with pytest.raises(si.StandInError, match="initialized to 0"):
+        si.trtllm_decode(dict(base, workspace_buffer=second))
     degenerate = k.view(-1, 16, 1, 8).permute(0, 2, 1, 3)
     with pytest.raises(si.StandInError, match="degenerate"):
         si.trtllm_decode(dict(base, kv_cache=(degenerate, degenerate), workspace_buffer=clean))
