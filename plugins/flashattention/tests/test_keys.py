@@ -7,12 +7,12 @@ import random
 
 import torch
 
+from attn_core.ops.kv_indices import rows_in_table, slots_in_pool
 from attn_flashattention.keys import (
     TreeVerify,
     page_lists,
     pages_for,
     query_offsets,
-    safe_rows,
     token_lists,
     tree_key_lists,
     verify_queries,
@@ -43,8 +43,10 @@ def test_bad_device_rows_and_slots_are_never_read():
     refused by the step check and raised at the next step) give dummy ids 0, never an out-of-range index
     (on the CPU an out-of-range index raises: these calls must not)."""
     r2t = torch.tensor([[1, 2, 3, 4], [5, 6, 999, 8]], dtype=torch.int32)
-    safe, ok = safe_rows(torch.tensor([1, -1, 7]), r2t)
+    safe, ok = rows_in_table(torch.tensor([1, -1, 7]), r2t.shape[0])
     assert safe.tolist() == [1, 0, 1] and ok.tolist() == [True, False, False]
+    assert slots_in_pool(torch.tensor([3, -1, 7]), 5).tolist() == [True, False, False]
+    assert slots_in_pool(torch.tensor([3, -1]), None).tolist() == [True, True]
     rows, lens = torch.tensor([1, -1, 7]), torch.tensor([4, 2, 3])
     fault = torch.zeros(32, dtype=torch.int32)
     table = page_lists(r2t, rows, lens, 1, 4, num_slots=10, fault=fault)

@@ -569,9 +569,9 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
             raise InvalidArgumentError("req_to_token_pool", "a pool on the batch or the context", None)
         return pool.req_to_token
 
-    def kv_pool(self, forward_batch: ForwardBatch) -> KVPool:
-        """The step's KV pool: the batch's, else the context's."""
-        pool = forward_batch.token_to_kv_pool or self.ctx.token_to_kv_pool
+    def kv_pool(self, forward_batch: Optional[ForwardBatch] = None) -> KVPool:
+        """The step's KV pool: the batch's, else the context's (graph capture/replay pass no batch)."""
+        pool = (forward_batch.token_to_kv_pool if forward_batch is not None else None) or self.ctx.token_to_kv_pool
         if pool is None:
             raise InvalidArgumentError("token_to_kv_pool", "a KV pool on the batch or the context", None)
         return pool

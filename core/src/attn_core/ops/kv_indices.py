@@ -126,6 +126,23 @@ def host_last_page_lens(lens: np.ndarray, page_size: int, out: np.ndarray) -> No
         np.minimum((lens + (page_size - 1)) % page_size + 1, lens, out=out)
 
 
+def rows_in_table(rows: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows clamped into a table of `num_rows` rows, int64 `[n]`; which were inside it, bool `[n]`): device
+    rows a kernel or a gather may follow without an out-of-bounds read, the refused ones reading row 0 (the
+    caller masks their keys). Device ops only, no sync. Example: rows [2, -1, 9], num_rows 4 -> ([2, 0, 3],
+    [True, False, False])."""
+    r = rows.to(torch.int64)
+    return r.clamp(0, num_rows - 1), (r >= 0) & (r < num_rows)
+
+
+def slots_in_pool(slots: torch.Tensor, num_slots: Optional[int]) -> torch.Tensor:
+    """Where `slots` lie in a KV pool of `num_slots` slots, bool, `slots`' shape (None: everywhere). Example:
+    slots [3, -1, 7], num_slots 5 -> [True, False, False]."""
+    if num_slots is None:
+        return torch.ones_like(slots, dtype=torch.bool)
+    return (slots >= 0) & (slots < num_slots)
+
+
 def page_table_from_req_to_token(
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
@@ -162,13 +179,12 @@ def page_table_from_req_to_token(
     valid = cols[None, :] < kv_lens.to(torch.int64)[:, None]
     cols = cols.clamp(max=req_to_token.shape[1] - 1)
     if fault is not None:
-        bad_row = (rows < 0) | (rows >= req_to_token.shape[0])
-        _record(fault, DeviceFaultKind.REQUEST_ROW, bad_row)
-        valid = valid & ~bad_row[:, None]
-        rows = rows.clamp(0, req_to_token.shape[0] - 1)
+        rows, row_ok = rows_in_table(rows, req_to_token.shape[0])
+        _record(fault, DeviceFaultKind.REQUEST_ROW, ~row_ok)
+        valid = valid & row_ok[:, None]
     slots = req_to_token[rows[:, None], cols[None, :]].to(torch.int64)
     if num_slots is not None and fault is not None:
-        bad_slot = valid & ((slots < 0) | (slots >= num_slots))
+        bad_slot = valid & ~slots_in_pool(slots, num_slots)
         _record(fault, DeviceFaultKind.SLOT, bad_slot)
         valid = valid & ~bad_slot
     pages = torch.div(slots, page_size, rounding_mode="floor")

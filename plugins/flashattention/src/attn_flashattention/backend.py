@@ -112,16 +112,6 @@ class FlashAttention4Backend(AttentionBackend[Fa4Step]):
             out = self._offsets[(n, per)] = torch.arange(0, n * per + 1, per, dtype=torch.int32, device=self.device)
         return out
 
-    def _index_checks(self, batch: Optional[ForwardBatch] = None) -> tuple[Optional[int], torch.Tensor]:
-        """(the KV pool's slot count, or None without a pool; the fault word): what the key lists check
-        every device row and slot against, so that bad device input is refused, never read out of bounds."""
-        pool = (
-            batch.token_to_kv_pool
-            if batch is not None and batch.token_to_kv_pool is not None
-            else self.ctx.token_to_kv_pool
-        )
-        return (None if pool is None else pool.num_slots), self.device_faults.buffer
-
     def build_forward_metadata(self, forward_batch: ForwardBatch) -> Fa4Step:
         b = forward_batch
         mode, bs, ps = b.forward_mode, b.batch_size, self.page_size
@@ -133,8 +123,8 @@ class FlashAttention4Backend(AttentionBackend[Fa4Step]):
         max_seq = int(b.seq_lens_cpu.max()) if bs else 0
         enc = b.encoder_lens
         step = Fa4Step(mode, b.num_tokens)
-        checks = self._index_checks(b)
-        slots = checks[0]
+        # the key lists check every device row and slot against the table and the pool: refused, never read
+        slots, fault = self.kv_pool(b).num_slots, self.device_faults.buffer
         mask = b.spec_info.custom_mask if mode.is_target_verify() and b.spec_info is not None else None
         if mask is not None:
             if enc is not None:
@@ -147,7 +137,7 @@ class FlashAttention4Backend(AttentionBackend[Fa4Step]):
                 offsets,
                 max_q,
                 b.seq_lens,
-                page_lists(r2t, rows, b.seq_lens, ps, pages_for(max_seq, ps), *checks),
+                page_lists(r2t, rows, b.seq_lens, ps, pages_for(max_seq, ps), slots, fault),
                 ps,
                 True,
             )
@@ -157,7 +147,7 @@ class FlashAttention4Backend(AttentionBackend[Fa4Step]):
             )
         if enc is not None:
             max_enc = int(b.encoder_lens_cpu.max()) if bs else 0
-            cross = page_lists(r2t, rows, enc, ps, pages_for(max_enc, ps), *checks)
+            cross = page_lists(r2t, rows, enc, ps, pages_for(max_enc, ps), slots, fault)
             step.cross = KeyList(offsets, max_q, enc, cross, ps, False)
         return step
 
@@ -205,7 +195,7 @@ class FlashAttention4Backend(AttentionBackend[Fa4Step]):
         if mask is None:
             counts, pages = g.counts[:bs], g.pages[:bs]
             counts.copy_(step.seq_lens)
-            checks = self._index_checks()
+            checks = (self.kv_pool().num_slots, self.device_faults.buffer)  # rows and slots refused, never read
             pages.copy_(page_lists(r2t, step.req_pool_indices, step.seq_lens, self.page_size, pages.shape[1], *checks))
             seq = KeyList(self._uniform_offsets(bs, per), per, counts, pages, self.page_size, True)
             return Fa4Step(mode, num_tokens, seq=seq, graph=True)
@@ -221,10 +211,8 @@ class FlashAttention4Backend(AttentionBackend[Fa4Step]):
             q_idx,
             q_lens.to(self.device),
         )
-        slots = self._index_checks()[0]
-        tree = TreeVerify(
-            *inputs, max(1, self.ctx.max_context_len), self._uniform_offsets(num_tokens, 1), num_slots=slots
-        )
+        width, offsets = max(1, self.ctx.max_context_len), self._uniform_offsets(num_tokens, 1)
+        tree = TreeVerify(*inputs, width, offsets, num_slots=self.kv_pool().num_slots)
         for window in old.tree.lists if old is not None else (None,):  # every list the graph reads
             tree.keys(window, out=self._tree_buffers(window, num_tokens))
         return Fa4Step(mode, num_tokens, tree=tree, graph=True)

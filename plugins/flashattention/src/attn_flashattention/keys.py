@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from attn_core.ops.kv_indices import exclusive_cumsum, page_table_from_req_to_token
+from attn_core.ops.kv_indices import exclusive_cumsum, page_table_from_req_to_token, rows_in_table, slots_in_pool
 from attn_core.ops.kv_indices import pages_for as pages_holding
 
 
@@ -60,23 +60,6 @@ def query_offsets(q_lens: torch.Tensor) -> torch.Tensor:
     return exclusive_cumsum(q_lens, torch.int32)
 
 
-def safe_rows(rows: torch.Tensor, req_to_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows clamped into the table, int64 `[n]`; which were inside it, bool `[n]`): a device row outside
-    the table (refused by the step check, raised at the next step) then reads row 0 and its keys are
-    masked, never an out-of-bounds read. Example: rows [2, -1, 9] of a 4-row table -> ([2, 0, 3],
-    [True, False, False])."""
-    r = rows.to(torch.int64)
-    ok = (r >= 0) & (r < req_to_token.shape[0])
-    return r.clamp(0, req_to_token.shape[0] - 1), ok
-
-
-def _in_pool(slots: torch.Tensor, num_slots: Optional[int]) -> torch.Tensor:
-    """Where `slots` lie inside a pool of `num_slots` (None: everywhere)."""
-    if num_slots is None:
-        return torch.ones_like(slots, dtype=torch.bool)
-    return (slots >= 0) & (slots < num_slots)
-
-
 def page_lists(
     req_to_token: torch.Tensor,
     rows: torch.Tensor,
@@ -105,17 +88,17 @@ def token_lists(
     num_slots: Optional[int] = None,
 ) -> torch.Tensor:
     """int32 `[n, width]` slot ids of each request's keys `start[b] .. start[b] + lens[b] - 1` of its row
-    (0 past its end): a table for the pool viewed with page size 1. A row outside the table (`safe_rows`)
-    or a slot outside a pool of `num_slots` gives the dummy slot 0.
+    (0 past its end): a table for the pool viewed with page size 1. A device row outside the table (refused
+    by the step check, raised at the next step) or a slot outside a pool of `num_slots` gives the dummy slot 0.
 
     Example: row [10, 11, 12, 13, 14], start 2, lens 3, width 4 -> [[12, 13, 14, 0]].
     """
     dev = req_to_token.device
     cols = torch.arange(width, device=dev, dtype=torch.int64)
     at = (start.to(torch.int64)[:, None] + cols[None, :]).clamp(0, req_to_token.shape[1] - 1)
-    safe, ok = safe_rows(rows, req_to_token)
+    safe, ok = rows_in_table(rows, req_to_token.shape[0])
     slots = req_to_token[safe[:, None], at]
-    valid = (cols[None, :] < lens.to(torch.int64)[:, None]) & ok[:, None] & _in_pool(slots, num_slots)
+    valid = (cols[None, :] < lens.to(torch.int64)[:, None]) & ok[:, None] & slots_in_pool(slots, num_slots)
     return torch.where(valid, slots, torch.zeros_like(slots)).to(torch.int32)
 
 
@@ -139,8 +122,8 @@ def tree_key_lists(
     custom_mask: bool, request after request a row-major `[q_lens[r], seq_lens[r]]` mask starting at
     `mask_indptr[r]` (SpecInfo's layout). Query t is query `q_idx[t]` of request `q_req[t]` (int64, both
     `[T]`), at position seq_lens - q_lens + q_idx. `window` W keeps only keys at positions >= position - W + 1.
-    `width` (host) >= every seq_len. A row outside the table (`safe_rows`) or a slot outside a pool of
-    `num_slots` is never read: such keys count as not visible.
+    `width` (host) >= every seq_len. A device row outside the table or a slot outside a pool of `num_slots`
+    is never read: such keys count as not visible.
 
     Example: one request, row [5, 6, 7], seq_len 3, two queries, mask [[1, 1, 0], [1, 0, 1]] ->
     slots [[5, 6, 7], [5, 7, 6]], counts [2, 2] (query 1 skips key 1).
@@ -154,9 +137,9 @@ def tree_key_lists(
     if window is not None:
         position = seq - q_lens.to(torch.int64)[req][:, None] + q_idx.to(torch.int64)[:, None]
         visible &= cols >= position - window + 1
-    safe, ok = safe_rows(rows, req_to_token)
+    safe, ok = rows_in_table(rows, req_to_token.shape[0])
     slots = req_to_token[safe[req][:, None], cols.clamp(max=req_to_token.shape[1] - 1)]
-    readable = ok[req][:, None] & _in_pool(slots, num_slots)
+    readable = ok[req][:, None] & slots_in_pool(slots, num_slots)
     visible &= readable
     slots = torch.where(readable, slots, torch.zeros_like(slots))
     order = torch.sort((~visible).to(torch.uint8), dim=1, stable=True).indices  # visible keys first, in order
