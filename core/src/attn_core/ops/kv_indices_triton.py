@@ -212,15 +212,12 @@ def write_request_ids(
     else:
         starts = offs * 0
         start_in = length_in * 0
-    if KEEP_LAYOUT:  # row 0 stands in for every row (the table has one): lengths cut as for a valid row
-        rows_in = rows * 0
-        row_in = row * 0
+    row_ok, start, length = keys_in_table(row, start_in, length_in, num_rows, width)
+    if KEEP_LAYOUT:  # refused rows keep their keys' count: row 0 stands in (the table has one) to cut the lengths
+        _rows0_ok, _starts0, lens = keys_in_table(rows * 0, starts, lens, num_rows, width)
+        _row0_ok, _start0, length = keys_in_table(row * 0, start_in, length_in, num_rows, width)
     else:
-        rows_in = rows
-        row_in = row
-    _, _, lens = keys_in_table(rows_in, starts, lens, num_rows, width)
-    _, start, length = keys_in_table(row_in, start_in, length_in, num_rows, width)
-    row_ok = (row >= 0) & (row < num_rows)
+        _rows_ok, _starts, lens = keys_in_table(rows, starts, lens, num_rows, width)
     beg_raw = tl.sum(id_count(lens, PAGE_SIZE), 0)
     end_raw = beg_raw + id_count(length, PAGE_SIZE)
     beg = tl.minimum(beg_raw, capacity)
