@@ -36,7 +36,7 @@ def list_rows(probe: bool = True) -> list[dict]:
     """One record per discovered backend (and per known backend not installed): name, distribution,
     version, state ("available", "unavailable", "not probed", "failed", "not installed"), reason, what
     the backend found here (info), registry notes, its unverified paths, its declared known gaps
-    (`BackendSpec.known_gaps`, "glob: why") and a capability summary. What
+    (`BackendSpec.known_gaps`, `{"checks": glob, "why": reason}`) and a capability summary. What
     `list` prints and `list --json` writes."""
     rows: list[dict] = []
     entries = registry.list_backends()
@@ -54,7 +54,7 @@ def list_rows(probe: bool = True) -> list[dict]:
             row["reason"] = reason
             row["info"] = entry.info() if probe and not reason else None
             row["unverified"] = entry.usable_spec.unverified or None
-            row["known_gaps"] = [f"{pattern}: {why}" for pattern, why in entry.usable_spec.known_gaps]
+            row["known_gaps"] = [{"checks": pattern, "why": why} for pattern, why in entry.usable_spec.known_gaps]
             row["capabilities"] = entry.usable_spec.capabilities.summary()
         else:
             row["reason"] = str(entry.error)
@@ -83,7 +83,7 @@ def _status(row: dict) -> str:
     if row["unverified"]:
         status += f" [unverified: {row['unverified']}]"
     if row["known_gaps"]:
-        status += f" [known gaps: {', '.join(g.split(':', 1)[0] for g in row['known_gaps'])}]"
+        status += f" [known gaps: {', '.join(g['checks'] for g in row['known_gaps'])}]"
     return status
 
 
