@@ -71,8 +71,11 @@ from attn_core import (
     ReqToTokenPool,
     get_backend_class,
 )
-from attn_core.bench.timing import host_times_us, interleave
-from attn_core.testing.batch_builder import build_forward_batch
+
+try:
+    from attn_core.testing.batch_builder import build_forward_batch
+except ImportError:  # a --baseline-src tree from before attn-core's layout moved it (2026-11-28)
+    from attn_core.batch_builder import build_forward_batch
 
 HQ, HKV, D, PAGE, DTYPE = 32, 8, 128, 16, torch.bfloat16
 MLA_HQ, MLA_LORA, MLA_ROPE = 128, 512, 64
@@ -205,9 +208,9 @@ def make_step_rows(
     return rows
 
 
-def _this_trees_host_times():
-    """`attn_core.bench.timing.host_times_us` of this checkout (loaded from its file), so that a
-    `--baseline-src` process, whose attn_core is the older tree, times with the same timer."""
+def _this_trees_timing():
+    """`attn_core.bench.timing` of this checkout (loaded from its file), so that a `--baseline-src`
+    process, whose attn_core is the older tree, times with the same timer."""
     import importlib.util
 
     path = os.path.join(
@@ -217,12 +220,16 @@ def _this_trees_host_times():
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
-    return module.host_times_us
+    return module
+
+
+_TIMING = _this_trees_timing()
+host_times_us, interleave = _TIMING.host_times_us, _TIMING.interleave
 
 
 def step_rows(args, report: dict) -> None:
     """Time the step rows (see the module docstring) into `report["rows"]`."""
-    host_times = _this_trees_host_times()
+    host_times = host_times_us
     default = "triton" if args.device.startswith("cuda") else "torch_native"
     dev = torch.device(args.device)
     report["device"] = torch.cuda.get_device_name(dev) if dev.type == "cuda" else report["machine"]
