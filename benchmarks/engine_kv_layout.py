@@ -44,6 +44,7 @@ ROWS = {
     "decode_bs1": ("decode bs1 ctx8192", [(8191, 1)]),
     "extend": ("extend bs8 q512 prefix3584", [(3584, 512)] * 8),
     "tiny": ("decode bs2 ctx40 (a smoke run, e.g. on the CPU under TRITON_INTERPRET=1)", [(39, 1)] * 2),
+    "tiny_extend": ("extend bs2 q8 prefix24 (a smoke run of the extend path)", [(24, 8)] * 2),
 }
 LAYOUTS = ("own", "flash_attn", "vllm_lbnhc", "vllm_lbhnc", "flashinfer")
 
@@ -124,15 +125,15 @@ def peer(layout, row, dtype, dev, portable_extend: bool):
         token_to_kv_pool=pool,
         forward_modes={"extend", "decode", "mixed"},
     )
-    options = {}
+    cfg = extend_config(D, D, dtype, dev, False)  # the backend's default for this context
     if portable_extend:
-        options["extend_config"] = dataclasses.replace(extend_config(D, D, dtype, dev, False), wgmma_block_n=0)
-    backend = ac.create_backend("triton", ctx, **options)
+        cfg = dataclasses.replace(cfg, wgmma_block_n=0)
+    backend = ac.create_backend("triton", ctx, extend_config=cfg)
     batch = steps.build(**engine, attn_backend=backend, check_indices=False)
     backend.init_forward_metadata(batch)
     layer = ac.AttentionLayer(0, HQ, HKV, D)
     k_buf, v_buf = pool.get_key_buffer(0), pool.get_value_buffer(0)
-    hopper = uses_wgmma(backend.extend_cfg, dtype, k_buf.dtype, D, D, True) and k_buf.dim() == 3
+    hopper = uses_wgmma(cfg, dtype, k_buf.dtype, D, D, True) and k_buf.dim() == 3
     hopper = hopper and tma_compatible(k_buf) and tma_compatible(v_buf)
     kernel = "decode" if batch.forward_mode.is_decode() else ("extend (Hopper)" if hopper else "extend (portable)")
     T = q.shape[0]
@@ -189,7 +190,7 @@ def main() -> None:
     results = []
     for name in args.rows.split(","):
         results.append(run_row(name, args, dtype, dev))
-        if name == "extend":
+        if name in ("extend", "tiny_extend"):
             results.append(run_row(name, args, dtype, dev, portable_extend=True))
     report = {
         "benchmark": "engine_kv_layout",

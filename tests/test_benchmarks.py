@@ -152,6 +152,24 @@ def test_forward_host_cost_runs_on_the_cpu(tmp_path):
         assert set(paths) == {"layer()", "backend.forward", "stub alone"} and all(us > 0 for us in paths.values())
 
 
+def test_engine_kv_layout_extend_row_runs_on_the_cpu(tmp_path):
+    # the GPU script's peers built and timed end to end (its extend row twice: defaults, then the portable
+    # kernel for every peer) on the interpreter: every vLLM-layout peer's output equals attn's own pool's
+    pytest.importorskip("attn_triton")
+    out = tmp_path / "e.json"
+    args = ["--device", "cpu", "--rows", "tiny_extend", "--rounds", "1", "--budget", "0.01", "--out", str(out)]
+    env_run = [sys.executable, "benchmarks/engine_kv_layout.py", *args]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(env_run, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["row"].endswith("(same portable extend kernel)") for r in rows] == [False, True]
+    for r in rows:
+        assert set(r["peers"]) == {"own", "flash_attn", "vllm_lbnhc", "vllm_lbhnc", "flashinfer"}
+        for p in r["peers"].values():
+            assert p["kernel"] == "extend (portable)" and p["rel_err_vs_own"] < 1e-5 and p["median_us"] > 0
+
+
 def test_cascade_attention_runs_on_the_cpu(tmp_path):
     out = tmp_path / "c.json"
     tiny = ["--requests", "2", "--prefix", "32", "--suffix", "8", "--budget", "0.02"]
