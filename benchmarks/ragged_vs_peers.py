@@ -46,7 +46,7 @@ import attn_core as ac
 from attn_core.bench.timing import time_calls
 from attn_core.testing.reference import reference_attention, relative_error, tolerance
 
-DEFAULT_CONFIGS = "128,64,4,3,4;128,128,8,3,4;128,64,8,2,4;64,64,4,3,0;128,64,8,3,0"
+DEFAULT_CONFIGS = "128,64,4,3,4;128,128,8,3,4;128,64,8,2,4;64,64,4,3,0;128,64,8,3,4"
 FA4_HEAD_DIMS = (64, 96, 128)
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
