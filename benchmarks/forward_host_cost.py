@@ -243,8 +243,28 @@ def step_rows(args, report: dict) -> None:
             for path, fn in paths.items():
                 fn()  # warm-up: compile, capture, allocate
                 med[path] = statistics.median(host_times(fn, args.step_runs, dev))
+                if args.profile:
+                    profile_calls(fn, dev, f"{title} {path}", args.profile)
             report["rows"][title] = med
             print(f"{title:26} " + "  ".join(f"{p} {t:9.1f}" for p, t in med.items()), flush=True)
+
+
+def profile_calls(fn: Callable[[], object], dev: torch.device, title: str, path: str, calls: int = 20) -> None:
+    """Where a step's host time goes (a diagnosis, not a timing claim): torch.profiler over `calls` calls of
+    `fn`, the device drained before each as `host_times_us` does, the ops by self CPU time (a sync or a
+    blocking copy shows as cudaStreamSynchronize / cudaMemcpy* / aten::item rows) appended to the text file
+    `path` under `title`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            fn()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    with open(path, "a") as f:
+        f.write(f"== {title} ({attn_core.__file__}), {calls} calls\n{table}\n")
 
 
 def sample(calls: dict[str, Callable[[], object]], n: int, groups: int) -> dict[str, float]:
@@ -326,6 +346,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024, help="tokens per request of a step row")
     ap.add_argument("--step-runs", type=int, default=200, help="timed steps per step row")
     ap.add_argument("--step-backends", default=None, help="comma-separated backends of the step rows")
+    ap.add_argument(
+        "--profile",
+        default=None,
+        help="with --steps: append a torch.profiler table of each step path to this file (FILE.baseline for the "
+        "--baseline-src tree)",
+    )
     args = ap.parse_args()
     if args.baseline_src:
         extra: tuple[str, ...] = ()
@@ -334,6 +360,12 @@ def main() -> None:
             extra += ("--step-runs", str(args.step_runs))
             extra += ("--no-layer-rows",) if args.no_layer_rows else ()
             extra += ("--step-backends", args.step_backends) if args.step_backends else ()
+        if args.profile:  # once each tree, after the timed rounds (a profiled run is not timed)
+            compare(args.baseline_src, args.rounds, args.calls, args.groups, args.json, extra)
+            prof = ("--profile", args.profile, "--step-runs", "1")
+            run_tree(args.baseline_src, args.calls, args.groups, (*extra, *prof[:1], args.profile + ".baseline", *prof[2:]))
+            run_tree(None, args.calls, args.groups, (*extra, *prof))
+            return
         compare(args.baseline_src, args.rounds, args.calls, args.groups, args.json, extra)
         return
     torch.set_num_threads(1)

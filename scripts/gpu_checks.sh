@@ -129,7 +129,7 @@ if want hostile-memcheck; then  # issue 36: the device-side hostile cases under 
 fi
 if want hostile-bench; then  # issue 36: host time per decode step (32 layers, bs 1 and 256, eager and CUDA graphs) before/after; base tree in $BASE_SRC (default scratch/base)
   base=${BASE_SRC:-scratch/base}
-  args=(--steps --device cuda --no-layer-rows --json "$OUT/forward_host_cost_steps.json")
+  args=(--steps --device cuda --no-layer-rows --json "$OUT/forward_host_cost_steps.json" --profile "$OUT/forward_host_cost_profile.txt")
   if [ -d "$base/core/src" ]; then args+=(--baseline-src "$base/core/src:$base/plugins/triton_backend/src" --rounds "${ROUNDS:-3}" --step-runs "${STEP_RUNS:-100}"); fi
   python3 benchmarks/forward_host_cost.py "${args[@]}" 2>&1 | tee "$OUT/forward_host_cost_steps.log" || rc=1
 fi

@@ -152,6 +152,15 @@ def test_forward_host_cost_runs_on_the_cpu(tmp_path):
         assert set(paths) == {"layer()", "backend.forward", "stub alone"} and all(us > 0 for us in paths.values())
 
 
+def test_forward_host_cost_profiles_the_step_rows(tmp_path):
+    # --profile appends one torch.profiler table a step path (the GPU run's diagnosis of a host-time change)
+    prof = tmp_path / "p.txt"
+    args = ["--steps", "--no-layer-rows", "--layers", "1", "--context", "16", "--step-runs", "1", "--profile", str(prof)]
+    _run(["benchmarks/forward_host_cost.py", *args])
+    text = prof.read_text()
+    assert text.count("== step torch_native bs") == 2 and "Self CPU" in text
+
+
 def test_engine_kv_layout_extend_row_runs_on_the_cpu(tmp_path):
     # the GPU script's peers built and timed end to end (its extend row twice: defaults, then the portable
     # kernel for every peer) on the interpreter: every vLLM-layout peer's output equals attn's own pool's
