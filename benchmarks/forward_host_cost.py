@@ -362,9 +362,11 @@ def main() -> None:
             extra += ("--step-backends", args.step_backends) if args.step_backends else ()
         if args.profile:  # once each tree, after the timed rounds (a profiled run is not timed)
             compare(args.baseline_src, args.rounds, args.calls, args.groups, args.json, extra)
-            prof = ("--profile", args.profile, "--step-runs", "1")
-            run_tree(args.baseline_src, args.calls, args.groups, (*extra, *prof[:1], args.profile + ".baseline", *prof[2:]))
-            run_tree(None, args.calls, args.groups, (*extra, *prof))
+            once = ("--step-runs", "1")
+            run_tree(
+                args.baseline_src, args.calls, args.groups, (*extra, "--profile", args.profile + ".baseline", *once)
+            )
+            run_tree(None, args.calls, args.groups, (*extra, "--profile", args.profile, *once))
             return
         compare(args.baseline_src, args.rounds, args.calls, args.groups, args.json, extra)
         return

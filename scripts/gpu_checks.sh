@@ -10,7 +10,7 @@
 #   engine-kv = engine-owned KV memory on cuda (tests/test_engine_kv_gpu.py) and benchmarks/engine_kv_layout.py;
 #   hostile / hostile-memcheck / hostile-bench = issue 36 (safe by default): see the parts below;
 #   bench = every benchmark; mla = attn-triton's MLA kernel alone: its GPU tests and the MLA benchmark without the prefill row;
-#   CHECK_JOBS (default 6): the kit checks run at once by `attn-core check --isolate` (each in a process of its own);
+#   CHECK_JOBS (default 6) / CHECK_PER_PROCESS (default 8): `attn-core check --isolate`'s processes at once and checks a process (a crash fails one check);
 #   BENCH_ONLY=meta limits the Triton benchmark's rows; FP8_CONFIGS="n,h,w,s[,v];..." the fp8 decode tiles swept in its fp8 row)
 # FlashAttention-4 (attn-flashattention, issue 38) has parts of its own, each fitting one device call; its wheels come in
 # three calls (scripts/fa4_wheels.sh): fa4-wheels-1 (carry .fa4/a), fa4-wheels-2 (carry .fa4/b), then fa4-install (carry
@@ -90,7 +90,7 @@ if want tests || want tests-fi; then
 fi
 if want tests || want check; then
   for b in torch_native triton; do
-    python3 -m attn_core.cli.main check "$b" --device cuda --quick --isolate --jobs "${CHECK_JOBS:-6}" 2>&1 | tee "$OUT/check_$b.log" || rc=1
+    python3 -m attn_core.cli.main check "$b" --device cuda --quick --isolate --jobs "${CHECK_JOBS:-6}" --per-process "${CHECK_PER_PROCESS:-8}" 2>&1 | tee "$OUT/check_$b.log" || rc=1
   done
 fi
 if want engine; then  # the example engine (examples/hf_llama.py) vs transformers' generate, and its tokens/s (needs transformers wheels in .whl/)
@@ -147,7 +147,7 @@ if want fi-kit || want fi-tests || want fi-speed; then
 fi
 if want fi-kit; then
   for b in flashinfer flashinfer_mla; do
-    python3 -m attn_core.cli.main check "$b" --device cuda --quick --isolate --jobs "${CHECK_JOBS:-6}" 2>&1 | tee "$OUT/fi_${fiv}_check_$b.log" || rc=1
+    python3 -m attn_core.cli.main check "$b" --device cuda --quick --isolate --jobs "${CHECK_JOBS:-6}" --per-process "${CHECK_PER_PROCESS:-8}" 2>&1 | tee "$OUT/fi_${fiv}_check_$b.log" || rc=1
   done
 fi
 if want fi-tests; then

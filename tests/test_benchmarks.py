@@ -155,7 +155,8 @@ def test_forward_host_cost_runs_on_the_cpu(tmp_path):
 def test_forward_host_cost_profiles_the_step_rows(tmp_path):
     # --profile appends one torch.profiler table a step path (the GPU run's diagnosis of a host-time change)
     prof = tmp_path / "p.txt"
-    args = ["--steps", "--no-layer-rows", "--layers", "1", "--context", "16", "--step-runs", "1", "--profile", str(prof)]
+    args = ["--steps", "--no-layer-rows", "--layers", "1", "--context", "16", "--step-runs", "1"]
+    args += ["--profile", str(prof)]
     _run(["benchmarks/forward_host_cost.py", *args])
     text = prof.read_text()
     assert text.count("== step torch_native bs") == 2 and "Self CPU" in text

@@ -8,6 +8,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from attn_core.testing.isolated import OUTCOME_MARKER, how_it_ended, outcome_line, read_outcome, run_isolated
 from attn_core.testing.outcome import Outcome
 
@@ -28,15 +30,18 @@ def test_outcome_lines_round_trip_and_crashes_are_named():
     assert how_it_ended(3) == "with exit status 3" and how_it_ended(-11) == "by signal SIGSEGV"
 
 
-def _child(check_id: str) -> list[str]:
-    """A stand-in child: reports for "ok-*", aborts for "abort-*", sleeps for "slow-*"."""
+def _script(check_id: str) -> str:
+    """A stand-in check: reports for "ok-*", aborts for "abort-*", sleeps for "slow-*"."""
     if check_id.startswith("abort"):
-        code = "import os, sys; sys.stderr.write('fatal: the context is gone'); sys.stderr.flush(); os.abort()"
-    elif check_id.startswith("slow"):
-        code = "import time; time.sleep(30)"
-    else:
-        code = f"print({outcome_line(Outcome(check_id, 'passed', 'fine', 0.01))!r})"
-    return [sys.executable, "-c", code]
+        return "import os, sys; sys.stderr.write('fatal: the context is gone'); sys.stderr.flush(); os.abort()"
+    if check_id.startswith("slow"):
+        return "import time; time.sleep(30)"
+    return f"print({outcome_line(Outcome(check_id, 'passed', 'fine', 0.01))!r}, flush=True)"
+
+
+def _child(ids) -> list[str]:
+    """A stand-in child running its group's checks in order, in one process (a group of one: one check)."""
+    return [sys.executable, "-c", "\n".join(_script(check_id) for check_id in ids)]
 
 
 def test_a_crashing_check_fails_alone_and_the_order_is_the_plans():
@@ -48,6 +53,26 @@ def test_a_crashing_check_fails_alone_and_the_order_is_the_plans():
     assert status == {"ok-1": "passed", "abort-2": "failed", "ok-3": "passed", "slow-4": "failed", "ok-5": "passed"}
     assert "SIGABRT" in outcomes[1].message and "the context is gone" in outcomes[1].message
     assert "ran past 5 s" in outcomes[3].message
+
+
+def test_checks_sharing_a_process_fail_alone_too():
+    # groups [ok-1, abort-2, ok-3] and [ok-4, slow-5, ok-6]: the check that was running when its process died fails,
+    # the one before it keeps its report, the one after it (which never ran) runs again in a process of its own
+    runs = []
+
+    def child(ids):
+        runs.append(list(ids))
+        return _child(ids)
+
+    seen = []
+    ids = ["ok-1", "abort-2", "ok-3", "ok-4", "slow-5", "ok-6"]
+    outcomes = run_isolated(ids, child, jobs=2, on_outcome=seen.append, timeout=2, per_process=3)
+    assert [o.check_id for o in outcomes] == ids and seen == outcomes
+    assert [o.status for o in outcomes] == ["passed", "failed", "passed", "passed", "failed", "passed"]
+    assert "SIGABRT" in outcomes[1].message and "ran past 6 s (2 s a check, 3 in its process)" in outcomes[4].message
+    assert sorted(runs) == sorted([["ok-1", "abort-2", "ok-3"], ["ok-4", "slow-5", "ok-6"], ["ok-3"], ["ok-6"]])
+    with pytest.raises(ValueError, match="per_process"):
+        run_isolated(ids, child, per_process=0)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -64,6 +89,8 @@ def test_the_command_isolated_gives_what_it_gives_in_one_process():
         return [tuple(line.split()[:2]) for line in out.splitlines() if line.startswith(("PASS", "FAIL", "SKIP"))]
 
     assert verdicts(plain.stdout) == verdicts(isolated.stdout) and len(verdicts(plain.stdout)) >= 3
+    grouped = _cli("-k", "bad_input-q", "--isolate", "--jobs", "2", "--per-process", "2")
+    assert grouped.returncode == 0 and verdicts(grouped.stdout) == verdicts(plain.stdout), grouped.stderr[-2000:]
     one = _cli("--id", "bad_input-q_rows")
     assert one.returncode == 0 and [v[1] for v in verdicts(one.stdout)] == ["bad_input-q_rows"]
     bad = _cli("--isolate", "--jobs", "0")

@@ -105,8 +105,8 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_child(args: argparse.Namespace, device: str) -> Callable[[str], list[str]]:
-    """The command line of `check --isolate`'s child for one check id: this check's settings, that id alone."""
+def _check_child(args: argparse.Namespace, device: str) -> Callable[[Sequence[str]], list[str]]:
+    """The command line of `check --isolate`'s child for a group of check ids: this check's settings, those ids."""
     base = [sys.executable, "-m", "attn_core.cli.main", "check", args.name, "--device", device]
     base += ["--seed", str(args.seed)]
     base += ["--quick"] if args.quick else []
@@ -114,7 +114,7 @@ def _check_child(args: argparse.Namespace, device: str) -> Callable[[str], list[
         base += ["--option", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
     for pattern in args.skip:
         base += ["--skip", pattern]
-    return lambda check_id: [*base, "--id", check_id, "--outcome-lines"]
+    return lambda ids: [*base, *(arg for check_id in ids for arg in ("--id", check_id)), "--outcome-lines"]
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -147,9 +147,8 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(f"{check.id}  {check.description}".rstrip())
         return 0
     if args.outcome_lines:  # an --isolate child: its checks' outcome lines only
-        for outcome in run_plan(plan, select=args.k, ids=args.id):
-            print(outcome_line(outcome), flush=True)
-        return 0
+        run_plan(plan, select=args.k, ids=args.id, on_outcome=lambda o: print(outcome_line(o), flush=True))
+        return 0  # (each line as its check ends: a crash later in the group keeps the lines before it)
     print(f"checking {target.name} on {plan.profile.device} ({plan.profile.name} profile, {len(plan.checks)} checks)")
     for pattern, reason in plan.skip.items():
         print(f"skipping {pattern}: {reason}")
@@ -178,7 +177,7 @@ def cmd_check(args: argparse.Namespace) -> int:
                 outcomes.append(Outcome(check.id, "skipped", why, 0.0))
                 show(outcomes[-1])
         child = _check_child(args, str(plan.profile.device))
-        outcomes += run_isolated(to_run, child, args.jobs, on_outcome=show)
+        outcomes += run_isolated(to_run, child, args.jobs, on_outcome=show, per_process=args.per_process)
     else:
         outcomes = run_plan(plan, select=args.k, on_outcome=show, ids=args.id)
     counts = {s: sum(o.status == s for o in outcomes) for s in ("passed", "failed", "skipped")}
@@ -439,6 +438,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--jobs", type=positive_int, default=1, metavar="N", help="with --isolate: checks run at once (default 1)"
+    )
+    p.add_argument(
+        "--per-process",
+        type=positive_int,
+        default=1,
+        metavar="K",
+        help="with --isolate: up to K consecutive checks share a process (its start-up paid once); a crash still "
+        "fails only the check that was running, the ones after it run again alone (default 1)",
     )
     p.add_argument("--outcome-lines", action="store_true", help=argparse.SUPPRESS)  # an --isolate child's output
     p.add_argument("--seed", type=int, default=0, help="seed of the random cases (default 0)")

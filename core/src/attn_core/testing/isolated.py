@@ -2,18 +2,23 @@
 its process (an illegal memory access poisons the CUDA context for every later check; an abort, a
 segmentation fault) fails that check alone, named, and the others still run and report.
 
-`run_isolated(ids, command, jobs, on_outcome)` runs `command(id)` (an argv) for each check id, `jobs` at a
-time, and reads the child's outcome from its output: one line `OUTCOME_MARKER` + JSON
-(`{"check_id", "status", "message", "seconds"}`) that `outcome_line` writes. A child that exits without
-such a line gives a failed outcome naming how it ended (exit status or signal) and the end of its
-stderr. Outcomes are reported in the order of `ids`, whatever order the children finish in.
+`run_isolated(ids, command, jobs, on_outcome, per_process=K)` runs `command(group)` (an argv) for groups of
+up to K consecutive check ids, `jobs` groups at a time, and reads each check's outcome from the child's
+output: one line `OUTCOME_MARKER` + JSON (`{"check_id", "status", "message", "seconds"}`) per check that
+`outcome_line` writes, in the group's order. A child that ends without the line of a check gives that
+check (the first one missing: the check that was running) a failed outcome naming how the child ended (exit
+status, signal, or the time limit) and the end of its stderr; the checks after it, which never ran, run
+again each in a process of its own. So a crash still fails exactly one check, while K checks share one
+process's start-up (importing torch, initializing CUDA, loading compiled kernels: seconds a process on a
+GPU machine). Outcomes are reported in the order of `ids`, whatever order the children finish in.
 
 Worked example: `outcome_line(Outcome("dtype-float16-DECODE", "passed", "rel err 0.0003", 0.21))` is
 `'ATTN-KIT-OUTCOME {"check_id": "dtype-float16-DECODE", "status": "passed", "message": "rel err 0.0003",
 "seconds": 0.21}'`, and `read_outcome("dtype-float16-DECODE", <that line + other output>, "", 0, 0.3)` gives
 the outcome back; a child killed by SIGABRT (exit status -6) without that line gives
 `Outcome("dtype-float16-DECODE", "failed", "the check's process ended by signal SIGABRT before it reported
-...", 0.3)`.
+...", 0.3)`. With K = 3 and ids [a, b, c], a child that reports a and then aborts gives a passed, b failed
+(SIGABRT), and c run again alone.
 """
 
 from __future__ import annotations
@@ -49,17 +54,26 @@ def how_it_ended(returncode: int) -> str:
     return f"with exit status {returncode}"
 
 
-def read_outcome(check_id: str, stdout: str, stderr: str, returncode: int, seconds: float) -> Outcome:
-    """The outcome a child reported for `check_id`, or a failed one saying how the child ended without."""
-    for line in reversed(stdout.splitlines()):
-        if line.startswith(OUTCOME_MARKER):
-            try:
-                fields = json.loads(line[len(OUTCOME_MARKER) :])
-            except json.JSONDecodeError:
-                break
-            if fields.get("check_id") == check_id and fields.get("status") in ("passed", "failed", "skipped"):
-                return Outcome(check_id, fields["status"], str(fields.get("message", "")), float(fields["seconds"]))
-            break
+def reported(stdout: str) -> dict[str, Outcome]:
+    """The outcomes a child's output reports, by check id (lines that are not outcome lines, or do not parse,
+    are ignored). Example: the output `"noise\n" + outcome_line(o)` gives `{o.check_id: o}`."""
+    found: dict[str, Outcome] = {}
+    for line in stdout.splitlines():
+        if not line.startswith(OUTCOME_MARKER):
+            continue
+        try:
+            fields = json.loads(line[len(OUTCOME_MARKER) :])
+            check_id, status = str(fields["check_id"]), fields["status"]
+            seconds = float(fields["seconds"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue
+        if status in ("passed", "failed", "skipped"):
+            found[check_id] = Outcome(check_id, status, str(fields.get("message", "")), seconds)
+    return found
+
+
+def ended_early(check_id: str, stderr: str, returncode: int, seconds: float) -> Outcome:
+    """The failed outcome of a check whose process ended (`returncode`) before it reported it."""
     tail = stderr.strip()[-STDERR_TAIL:]
     message = (
         f"the check's process ended {how_it_ended(returncode)} before it reported (an illegal memory access, an "
@@ -68,35 +82,73 @@ def read_outcome(check_id: str, stdout: str, stderr: str, returncode: int, secon
     return Outcome(check_id, "failed", message + (f"; the end of its stderr:\n{tail}" if tail else ""), seconds)
 
 
+def read_outcome(check_id: str, stdout: str, stderr: str, returncode: int, seconds: float) -> Outcome:
+    """The outcome a child reported for `check_id`, or a failed one saying how the child ended without."""
+    found = reported(stdout).get(check_id)
+    return found if found is not None else ended_early(check_id, stderr, returncode, seconds)
+
+
 def run_isolated(
     ids: Sequence[str],
-    command: Callable[[str], list[str]],
+    command: Callable[[Sequence[str]], list[str]],
     jobs: int = 1,
     on_outcome: Optional[Callable[[Outcome], None]] = None,
     timeout: Optional[float] = None,
+    per_process: int = 1,
 ) -> list[Outcome]:
-    """Run check `ids` each as `command(id)` in a process of its own, `jobs` at once; outcomes in the
-    order of `ids` (`on_outcome` called in that order too, as soon as each and those before it are in).
-    `timeout` (seconds, None: none): a child still running then is killed and its check fails."""
+    """Run check `ids` in processes of their own, `command(group)` for groups of up to `per_process`
+    consecutive ids, `jobs` processes at once; outcomes in the order of `ids` (`on_outcome` called in that
+    order too, as soon as each and those before it are in). A check a child did not report fails (the first
+    missing one of its group) or runs again alone (the ones after it): module docstring. `timeout` (seconds a
+    check, None: none): a child still running after that times its group's size is killed, and the check it
+    was running fails."""
     if jobs < 1:
         raise ValueError(f"jobs: expected >= 1, found {jobs}")
+    if per_process < 1:
+        raise ValueError(f"per_process: expected >= 1, found {per_process}")
 
-    def one(check_id: str) -> Outcome:
+    def group_outcomes(group: Sequence[str]) -> list[Outcome]:
         t0 = time.perf_counter()
+        limit = None if timeout is None else timeout * len(group)
         try:
-            done = subprocess.run(command(check_id), capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            killed = f"the check's process ran past {timeout} s and was killed"
-            return Outcome(check_id, "failed", killed, timeout or 0.0)
-        return read_outcome(check_id, done.stdout, done.stderr, done.returncode, time.perf_counter() - t0)
+            done = subprocess.run(command(group), capture_output=True, text=True, timeout=limit)
+            stdout, stderr, ended = done.stdout, done.stderr, how_it_ended(done.returncode)
+            code: Optional[int] = done.returncode
+        except subprocess.TimeoutExpired as exc:
+            stdout, stderr, code = _text(exc.stdout), _text(exc.stderr), None
+            ended = f"ran past {limit} s ({timeout} s a check, {len(group)} in its process) and was killed"
+        found = reported(stdout)
+        out: list[Outcome] = []
+        for i, check_id in enumerate(group):
+            if check_id in found:
+                out.append(found[check_id])
+                continue
+            spent = max(0.0, time.perf_counter() - t0 - sum(o.seconds for o in out))
+            if code is None:
+                out.append(Outcome(check_id, "failed", f"the check's process {ended}", spent))
+            else:
+                out.append(ended_early(check_id, stderr, code, spent))
+            for rest in group[i + 1 :]:  # never ran: each alone now
+                out += group_outcomes([rest]) if rest not in found else [found[rest]]
+            break
+        return out
 
+    groups = [list(ids[i : i + per_process]) for i in range(0, len(ids), per_process)]
     outcomes: list[Outcome] = []
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        for outcome in pool.map(one, ids):  # map yields in the order of ids
-            outcomes.append(outcome)
-            if on_outcome is not None:
-                on_outcome(outcome)
+        for group in pool.map(group_outcomes, groups):  # map yields in the order of the groups
+            for outcome in group:
+                outcomes.append(outcome)
+                if on_outcome is not None:
+                    on_outcome(outcome)
     return outcomes
 
 
-__all__ = ["OUTCOME_MARKER", "how_it_ended", "outcome_line", "read_outcome", "run_isolated"]
+def _text(out) -> str:
+    """A TimeoutExpired's captured output as text (bytes on some Python versions, None when nothing came)."""
+    if out is None:
+        return ""
+    return out.decode(errors="replace") if isinstance(out, bytes) else out
+
+
+__all__ = ["OUTCOME_MARKER", "ended_early", "how_it_ended", "outcome_line", "read_outcome", "reported", "run_isolated"]
