@@ -229,7 +229,6 @@ host_times_us, interleave = _TIMING.host_times_us, _TIMING.interleave
 
 def step_rows(args, report: dict) -> None:
     """Time the step rows (see the module docstring) into `report["rows"]`."""
-    host_times = host_times_us
     default = "triton" if args.device.startswith("cuda") else "torch_native"
     dev = torch.device(args.device)
     report["device"] = torch.cuda.get_device_name(dev) if dev.type == "cuda" else report["machine"]
@@ -242,7 +241,7 @@ def step_rows(args, report: dict) -> None:
             med = {}
             for path, fn in paths.items():
                 fn()  # warm-up: compile, capture, allocate
-                med[path] = statistics.median(host_times(fn, args.step_runs, dev))
+                med[path] = statistics.median(host_times_us(fn, args.step_runs, dev))
                 if args.profile:
                     profile_calls(fn, dev, f"{title} {path}", args.profile)
             report["rows"][title] = med
@@ -360,15 +359,13 @@ def main() -> None:
             extra += ("--step-runs", str(args.step_runs))
             extra += ("--no-layer-rows",) if args.no_layer_rows else ()
             extra += ("--step-backends", args.step_backends) if args.step_backends else ()
+        compare(args.baseline_src, args.rounds, args.calls, args.groups, args.json, extra)
         if args.profile:  # once each tree, after the timed rounds (a profiled run is not timed)
-            compare(args.baseline_src, args.rounds, args.calls, args.groups, args.json, extra)
             once = ("--step-runs", "1")
             run_tree(
                 args.baseline_src, args.calls, args.groups, (*extra, "--profile", args.profile + ".baseline", *once)
             )
             run_tree(None, args.calls, args.groups, (*extra, "--profile", args.profile, *once))
-            return
-        compare(args.baseline_src, args.rounds, args.calls, args.groups, args.json, extra)
         return
     torch.set_num_threads(1)
     report = {

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from attn_core.testing.isolated import OUTCOME_MARKER, how_it_ended, outcome_line, read_outcome, run_isolated
+from attn_core.testing.isolated import OUTCOME_MARKER, ended_early, how_it_ended, outcome_line, reported, run_isolated
 from attn_core.testing.outcome import Outcome
 
 
@@ -18,14 +18,14 @@ def test_outcome_lines_round_trip_and_crashes_are_named():
     good = Outcome("dtype-float16-DECODE", "passed", "rel err 0.0003", 0.21)
     line = outcome_line(good)
     assert line.startswith(OUTCOME_MARKER)
-    assert read_outcome(good.check_id, f"noise\n{line}\nmore noise\n", "", 0, 0.3) == good
-    crashed = read_outcome(
-        "hostile-basic-row_huge", "no outcome here\n", "x" * 5000 + "CUDA error: illegal memory access", -6, 1.5
-    )
+    assert reported(f"noise\n{line}\nmore noise\n{OUTCOME_MARKER}not json\n") == {good.check_id: good}
+    assert reported("no outcome here\n") == {}
+    crashed = ended_early("hostile-basic-row_huge", "x" * 5000 + "CUDA error: illegal memory access", -6, 1.5)
     assert crashed.status == "failed" and crashed.seconds == 1.5
     assert "by signal SIGABRT" in crashed.message and crashed.message.endswith("illegal memory access")
     assert len(crashed.message) < 1000  # the end of stderr only
-    other = read_outcome("a", outcome_line(Outcome("b", "passed", "", 0.1)), "", 0, 0.2)  # another check's line
+    assert "a" not in reported(outcome_line(Outcome("b", "passed", "", 0.1)))  # another check's line
+    other = ended_early("a", "", 0, 0.2)
     assert other.status == "failed" and "with exit status 0" in other.message
     assert how_it_ended(3) == "with exit status 3" and how_it_ended(-11) == "by signal SIGSEGV"
 

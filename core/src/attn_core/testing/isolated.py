@@ -14,10 +14,10 @@ GPU machine). Outcomes are reported in the order of `ids`, whatever order the ch
 
 Worked example: `outcome_line(Outcome("dtype-float16-DECODE", "passed", "rel err 0.0003", 0.21))` is
 `'ATTN-KIT-OUTCOME {"check_id": "dtype-float16-DECODE", "status": "passed", "message": "rel err 0.0003",
-"seconds": 0.21}'`, and `read_outcome("dtype-float16-DECODE", <that line + other output>, "", 0, 0.3)` gives
-the outcome back; a child killed by SIGABRT (exit status -6) without that line gives
-`Outcome("dtype-float16-DECODE", "failed", "the check's process ended by signal SIGABRT before it reported
-...", 0.3)`. With K = 3 and ids [a, b, c], a child that reports a and then aborts gives a passed, b failed
+"seconds": 0.21}'`, and `reported(<that line + other output>)` gives the outcome back under its id; for a
+child killed by SIGABRT (exit status -6) before that line, `ended_early("dtype-float16-DECODE", stderr, -6,
+0.3)` is `Outcome("dtype-float16-DECODE", "failed", "the check's process ended by signal SIGABRT before it
+reported ...", 0.3)`. With K = 3 and ids [a, b, c], a child that reports a and then aborts gives a passed, b failed
 (SIGABRT), and c run again alone.
 """
 
@@ -82,12 +82,6 @@ def ended_early(check_id: str, stderr: str, returncode: int, seconds: float) -> 
     return Outcome(check_id, "failed", message + (f"; the end of its stderr:\n{tail}" if tail else ""), seconds)
 
 
-def read_outcome(check_id: str, stdout: str, stderr: str, returncode: int, seconds: float) -> Outcome:
-    """The outcome a child reported for `check_id`, or a failed one saying how the child ended without."""
-    found = reported(stdout).get(check_id)
-    return found if found is not None else ended_early(check_id, stderr, returncode, seconds)
-
-
 def run_isolated(
     ids: Sequence[str],
     command: Callable[[Sequence[str]], list[str]],
@@ -110,13 +104,16 @@ def run_isolated(
     def group_outcomes(group: Sequence[str]) -> list[Outcome]:
         t0 = time.perf_counter()
         limit = None if timeout is None else timeout * len(group)
+        killed: Optional[str] = None  # why the child was killed, when it was
         try:
             done = subprocess.run(command(group), capture_output=True, text=True, timeout=limit)
-            stdout, stderr, ended = done.stdout, done.stderr, how_it_ended(done.returncode)
-            code: Optional[int] = done.returncode
+            stdout, stderr, code = done.stdout, done.stderr, done.returncode
         except subprocess.TimeoutExpired as exc:
-            stdout, stderr, code = _text(exc.stdout), _text(exc.stderr), None
-            ended = f"ran past {limit} s ({timeout} s a check, {len(group)} in its process) and was killed"
+            stdout, stderr, code = _text(exc.stdout), _text(exc.stderr), 0
+            killed = (
+                f"the check's process ran past {limit} s ({timeout} s a check, {len(group)} in its process) "
+                "and was killed"
+            )
         found = reported(stdout)
         out: list[Outcome] = []
         for i, check_id in enumerate(group):
@@ -124,8 +121,8 @@ def run_isolated(
                 out.append(found[check_id])
                 continue
             spent = max(0.0, time.perf_counter() - t0 - sum(o.seconds for o in out))
-            if code is None:
-                out.append(Outcome(check_id, "failed", f"the check's process {ended}", spent))
+            if killed is not None:
+                out.append(Outcome(check_id, "failed", killed, spent))
             else:
                 out.append(ended_early(check_id, stderr, code, spent))
             for rest in group[i + 1 :]:  # never ran: each alone now
@@ -151,4 +148,4 @@ def _text(out) -> str:
     return out.decode(errors="replace") if isinstance(out, bytes) else out
 
 
-__all__ = ["OUTCOME_MARKER", "ended_early", "how_it_ended", "outcome_line", "read_outcome", "reported", "run_isolated"]
+__all__ = ["OUTCOME_MARKER", "ended_early", "how_it_ended", "outcome_line", "reported", "run_isolated"]
