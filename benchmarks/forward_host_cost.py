@@ -252,7 +252,7 @@ def profile_calls(fn: Callable[[], object], dev: torch.device, title: str, path:
     """Where a step's host time goes (a diagnosis, not a timing claim): torch.profiler over `calls` calls of
     `fn`, the device drained before each as `host_times_us` does, the ops by self CPU time (a sync or a
     blocking copy shows as cudaStreamSynchronize / cudaMemcpy* / aten::item rows) appended to the text file
-    `path` under `title`."""
+    `path` under `title`, then cProfile's table of the Python functions by own time over as many calls."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
@@ -262,8 +262,22 @@ def profile_calls(fn: Callable[[], object], dev: torch.device, title: str, path:
                 torch.cuda.synchronize(dev)
             fn()
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    # the Python functions by their own time (what torch.profiler's op table does not name)
+    import cProfile
+    import io
+    import pstats
+
+    py = cProfile.Profile()
+    for _ in range(calls):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        py.enable()
+        fn()
+        py.disable()
+    text = io.StringIO()
+    pstats.Stats(py, stream=text).sort_stats("tottime").print_stats(30)
     with open(path, "a") as f:
-        f.write(f"== {title} ({attn_core.__file__}), {calls} calls\n{table}\n")
+        f.write(f"== {title} ({attn_core.__file__}), {calls} calls\n{table}\n{text.getvalue()}\n")
 
 
 def sample(calls: dict[str, Callable[[], object]], n: int, groups: int) -> dict[str, float]:
