@@ -344,3 +344,41 @@ def test_sinks_on_another_device_are_refused_before_the_write():
     with pytest.raises(InvalidArgumentError, match="sinks"):
         backend.forward(i["q"], i["k"], i["v"], make_layer(env.case, 0), env.batch, sinks=torch.zeros(4, device="meta"))
     assert torch.equal(before.nan_to_num(3.0), env.kv_pool.get_key_buffer(0).nan_to_num(3.0))
+
+
+def test_graph_batch_slots_are_checked_once_per_graph_step(monkeypatch):
+    """A graph batch's slots are checked at the step's first K/V write and reused by the later layers
+    (in a captured graph: one guard per replay, not one per layer); every new graph step, and a slot
+    tensor the step has not seen, is checked again."""
+    import attn_core.contract.backend as contract_backend
+
+    calls = []
+    real = contract_backend.check_host_slots
+
+    def counting(loc, n, name="loc"):
+        calls.append(loc)
+        return real(loc, n, name)
+
+    monkeypatch.setattr(contract_backend, "check_host_slots", counting)
+    env = make_env(AttnCase("DECODE", ((5, 1), (3, 1)), cuda_graph_level=1, num_layers=4))
+    backend = create_backend("torch_native", env.ctx)
+    layers = [make_layer(env.case, i) for i in range(4)]
+
+    def run_layers(batch, inputs):
+        return [layer(inputs["q"], inputs["k"], inputs["v"], batch) for layer in layers][-1]
+
+    c, dt = env.case, torch.float32
+    shapes = {"q": ((c.num_q_heads, c.head_dim), dt), "k": ((c.num_kv_heads, c.head_dim), dt)}
+    shapes["v"] = shapes["k"]
+    runner = CudaGraphRunner(backend, [2], run_layers, shapes)
+    i = layer_inputs(env, 0, torch.Generator().manual_seed(0))
+    calls.clear()
+    for _ in range(3):
+        runner.run(env.batch, {"q": i["q"], "k": i["k"], "v": i["v"]})
+    assert len(calls) == 3  # one check per graph step of 4 layers
+    # the binding of the last replay stays; a slot tensor it has not seen is checked at its first write
+    bad = dataclasses.replace(env.batch, out_cache_loc=torch.tensor([3, 10**6]), attn_backend=backend)
+    before = env.kv_pool.get_key_buffer(0).clone()
+    with pytest.raises(InvalidArgumentError, match="out_cache_loc"):
+        layers[0](i["q"], i["k"], i["v"], bad)
+    assert torch.equal(before.nan_to_num(3.0), env.kv_pool.get_key_buffer(0).nan_to_num(3.0))

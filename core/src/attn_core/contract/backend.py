@@ -139,6 +139,8 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         self._write_slots: Optional[CheckedSlots] = None
         self._encoder_slots: Optional[CheckedSlots] = None
         self._slot_scratch: Optional[torch.Tensor] = None
+        # a graph batch's checked slots (slot tensor, cross, capturing, CheckedSlots), see `write_slots`
+        self._graph_slots: Optional[tuple[torch.Tensor, bool, bool, CheckedSlots]] = None
         # (mode, bs) -> (num_tokens, draft tokens) of every graph shape captured (`capture_graph_step`)
         self._graph_shapes: dict[tuple[ForwardMode, int], tuple[Optional[int], int]] = {}
         #: the ragged op's metadata (`build_ragged_metadata`) and the `RaggedBatch` it was built for
@@ -164,7 +166,7 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         """
         self.forward_metadata = None
         self._metadata_for = None
-        self._write_slots = self._encoder_slots = None
+        self._write_slots = self._encoder_slots = self._graph_slots = None
         self.raise_pending_fault()
         b = forward_batch
         if b.forward_mode not in self.capabilities.forward_modes:
@@ -242,8 +244,10 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         `save_kv` (attn-ascend's operator): the step's checked `out_cache_loc` (`encoder_out_cache_loc`
         for a cross-attention layer) when `forward_batch` is the bound batch; in a CUDA-graph batch the
         batch's own slots guarded on the device (`guard_slots`: refusals to the dummy slot 0, recorded
-        in the fault word; captured with the graph, no replay cost), on the CPU range-checked at once
-        (`InvalidArgumentError`). Always a `CheckedSlots` (its `.slots`: int64 `[T]`)."""
+        in the fault word), on the CPU range-checked at once (`InvalidArgumentError`), once per graph
+        step: the first layer's write checks them, the later layers reuse the result (a captured graph
+        holds one guard, a few elementwise nodes, not one per layer). Always a `CheckedSlots` (its
+        `.slots`: int64 `[T]`)."""
         cross = layer is not None and layer.is_cross_attention
         slots: Union[CheckedSlots, torch.Tensor, None]
         if forward_batch is self._metadata_for and self._write_slots is not None:
@@ -255,12 +259,24 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
             raise InvalidArgumentError("forward_batch.encoder_out_cache_loc", expected, None)
         if isinstance(slots, CheckedSlots):
             return slots
+        # a graph batch's own slots, checked once per bound graph step: the first layer's write checks
+        # them and the other layers reuse the result (inside a captured graph: one guard per replay, not
+        # one per layer, each a handful of graph nodes the replay launches); checked again when the
+        # slot tensor, the layer kind or the capture state changes, and after every (re)binding
         loc = slots
+        capturing = loc.is_cuda and torch.cuda.is_current_stream_capturing()
+        done = self._graph_slots
+        if done is not None and done[0] is loc and done[1] == cross and done[2] == capturing:
+            return done[3]  # (kept for CUDA and CPU tensors only: other devices' capture state is not read here)
         n = self.kv_pool(forward_batch).num_slots
         kind = DeviceFaultKind.ENCODER_SLOT if cross else DeviceFaultKind.WRITE_SLOT
         if loc.device.type == "cpu":
-            return CheckedSlots(check_host_slots(loc, n, "forward_batch.out_cache_loc"), n)
-        return CheckedSlots(guard_slots(loc, n, self.device_faults.buffer, kind), n)
+            checked = CheckedSlots(check_host_slots(loc, n, "forward_batch.out_cache_loc"), n)
+        else:
+            checked = CheckedSlots(guard_slots(loc, n, self.device_faults.buffer, kind), n)
+        if loc.device.type in ("cuda", "cpu"):
+            self._graph_slots = (loc, cross, capturing, checked)
+        return checked
 
     @abc.abstractmethod
     def build_forward_metadata(self, forward_batch: ForwardBatch) -> MetadataT:
@@ -275,6 +291,7 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         size, since a graph runner rebuilds its static batch object per replay."""
         self.forward_metadata = metadata
         self._metadata_for = GraphBatchKey(step.forward_mode, step.bs)
+        self._graph_slots = None  # a new graph step: its slots are checked again at its first write
 
     def poll_device_fault(self) -> Optional[str]:
         """A description of an out-of-range index a kernel of this backend met since the last poll (and
