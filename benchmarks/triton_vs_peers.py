@@ -440,8 +440,9 @@ def parse_configs(text: Optional[str], cls):
     """The kernel tile configs of a `--decode-configs` / `--extend-configs` value: items split by ";",
     each four comma-separated ints passed positionally to `cls` (a fifth is DecodeConfig's `fp8_v_words`,
     0 or 1, or ExtendConfig's `lazy_rescale`, 0..8; ExtendConfig's sixth and
-    seventh are `wgmma_block_n` and `wgmma_stages`, the Hopper kernel's tiles, and an eighth `wgmma_regs`, its
-    consumers' registers a thread); `[None]` (the kernel's own choice) when `text` is empty or None.
+    seventh are `wgmma_block_n` and `wgmma_stages`, the Hopper kernel's tiles, an eighth `wgmma_regs`, its
+    consumers' registers a thread, and a ninth `wgmma_clean_masked`, 0 or 1); `[None]` (the kernel's own choice)
+    when `text` is empty or None.
 
     Example: `parse_configs("64,16,4,3;32,16,4,4", DecodeConfig)` →
     `[DecodeConfig(64, 16, 4, 3), DecodeConfig(32, 16, 4, 4)]`; `parse_configs(None, DecodeConfig)` → `[None]`.
@@ -450,7 +451,10 @@ def parse_configs(text: Optional[str], cls):
         return [None]
     out = []
     for item in text.split(";"):
-        out.append(cls(*(int(x) for x in item.split(","))))
+        values: list = [int(x) for x in item.split(",")]
+        if cls is ExtendConfig and len(values) > 8:
+            values[8] = bool(values[8])  # wgmma_clean_masked
+        out.append(cls(*values))
     return out
 
 

@@ -2,13 +2,14 @@
 # Every GPU check of the project in one command, for a machine with a CUDA GPU and torch + triton
 # installed (the lent H100/H200 machine: no network; FlashInfer comes from wheels carried in .whl/ and
 # its prebuilt kernels from .fi-cache/aot.tar.xz when present). Logs go to $OUT (default ./gpu-out).
-#   bash scripts/gpu_checks.sh [tests | tests-core tests-triton tests-fi check] [bench] [triton-bench] [verify-bench] [fi-bench] [fi-window] [mla-bench] [cascade-bench] [mla] [engine] [engine-kv] [multi-gpu] [vendors] [fi-kit fi-tests fi-speed] [vision | vision-triton vision-fi vision-hf] [vision-bench] [hostile] [hostile-memcheck] [hostile-bench]
+#   bash scripts/gpu_checks.sh [tests | tests-core tests-triton tests-fi check] [bench] [triton-bench] [verify-bench] [fi-bench] [fi-window] [mla-bench] [cascade-bench] [mla] [engine] [engine-kv] [multi-gpu] [vendors] [fi-kit fi-tests fi-speed] [vision | vision-triton vision-fi vision-hf] [vision-bench] [hostile] [hostile-memcheck] [hostile-bench] [hopper-clean]
 #        [sparse-kit = sparse-kit-ds sparse-kit-dc] [sparse-tests] [sparse-bench]   (default: tests bench;
 #   sparse-* = attn-sparse: the kit on cuda for double_sparsity / dual_chunk, its GPU tests, its benchmark;
 #   fi-kit / fi-tests / fi-speed = attn-flashinfer per FlashInfer release: FI_SITE=/tmp/site07 for 0.7.2.post1, see scripts/gpu_fi07_wheels.sh;
 #   vision = issue 40's GPU tests (non-causal / span / ragged checks, the vision-tower shape, HF towers); vision-bench = benchmarks/ragged_vs_peers.py;
 #   engine-kv = engine-owned KV memory on cuda (tests/test_engine_kv_gpu.py) and benchmarks/engine_kv_layout.py;
 #   hostile / hostile-memcheck / hostile-bench = issue 36 (safe by default): see the parts below;
+#   hopper-clean = the Hopper extend kernel with ExtendConfig.wgmma_clean_masked: its GPU tests and its extend rows against the default;
 #   bench = every benchmark; mla = attn-triton's MLA kernel alone: its GPU tests and the MLA benchmark without the prefill row;
 #   CHECK_JOBS (default 6) / CHECK_PER_PROCESS (default 8): `attn-core check --isolate`'s processes at once and checks a process (a crash fails one check);
 #   BENCH_ONLY=meta limits the Triton benchmark's rows; FP8_CONFIGS="n,h,w,s[,v];..." the fp8 decode tiles swept in its fp8 row)
@@ -126,6 +127,11 @@ if want hostile-memcheck; then  # issue 36: the device-side hostile cases under 
       -k "hostile_section and (triton or flashinfer)" 2>&1 | tee "$OUT/hostile_memcheck.log" || rc=1
     unset ATTN_HOSTILE_SELECT
   fi
+fi
+if want hopper-clean; then  # issues 36/37: the Hopper extend kernel's producer cleaning masked tiles (wgmma_clean_masked): tests, then its cost
+  python3 -m pytest -q -p no:cacheprovider -m gpu plugins/triton_backend/tests/test_triton_gpu.py -k clean 2>&1 | tee "$OUT/hopper_clean_tests.log" || rc=1
+  python3 benchmarks/triton_vs_peers.py --only extend --no-torch-native --reps 20 --out "$OUT/hopper_clean_speed.json" \
+    --extend-configs "128,64,4,3,4,128,3,208;128,64,4,3,4,128,3,208,1" 2>&1 | tee "$OUT/hopper_clean_speed.log" || rc=1
 fi
 if want hostile-bench; then  # issue 36: host time per decode step (32 layers, bs 1 and 256, eager and CUDA graphs) before/after; base tree in $BASE_SRC (default scratch/base)
   base=${BASE_SRC:-scratch/base}

@@ -229,6 +229,7 @@ def test_cpu_vs_peers_runs_on_the_cpu(tmp_path):
 def _load(name: str):
     spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # a script's dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
@@ -290,3 +291,14 @@ def test_mla_vs_peers_hands_flashinfer_the_batchs_pages(mode, reqs):
         t.device.type == "cpu" and t.dtype == torch.int32
         for t in (got["kv_indptr"], got["kv_len_arr"], got["qo_indptr"])
     )
+
+
+def test_triton_vs_peers_extend_configs_take_the_clean_switch():
+    # a ninth field of --extend-configs is ExtendConfig.wgmma_clean_masked (0 / 1), the rest ints as given
+    bench = _load("triton_vs_peers")
+    from attn_triton.kernels.extend import ExtendConfig
+
+    off, on = bench.parse_configs("128,64,4,3,4,128,3,208;128,64,4,3,4,128,3,208,1", ExtendConfig)
+    assert off == ExtendConfig(128, 64, 4, 3, 4, 128, 3, 208) and off.wgmma_clean_masked is False
+    assert on.wgmma_clean_masked is True and on.wgmma_regs == 208
+    assert bench.parse_configs(None, ExtendConfig) == [None]

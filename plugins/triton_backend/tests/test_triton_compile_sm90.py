@@ -209,7 +209,7 @@ for d, group, causal, tiles in ((128, 4, True, ((64, 4, 224), (64, 4, 208))), (6
                       BLOCK_DV=d, SHARE_KV=False, CAUSAL=causal, USE_MASK=False, HAS_WINDOW=True, LOGIT_CAP=True,
                       HAS_SINK=True, STORE_LSE=True, DOT_PREC="tf32", LAZY=0, STAGES=cfg.wgmma_stages,
                       HEADS=packed_heads(group, 128), BOX=TMA_BOX, CONSUMER_REGS=cfg.wgmma_regs,
-                      PRODUCER_REGS=producer_regs(cfg.wgmma_regs))
+                      PRODUCER_REGS=producer_regs(cfg.wgmma_regs), CLEAN=cfg.wgmma_clean_masked)
         k = build(extend_wgmma_kernel, "bf16", consts, 4, None, 90, source=GluonASTSource)
         usage, sass = res_usage(k), sass_of(k)
         shared = k.metadata.shared
@@ -218,6 +218,20 @@ for d, group, causal, tiles in ((128, 4, True, ((64, 4, 224), (64, 4, 208))), (6
         # byte permutes
         assert sass.count("PRMT") == 0, (d, block_n, "p's 16-bit pairs permuted")
         print("extend hopper", d, block_n, stages, usage, "shared", k.metadata.shared)
+# its producer cleaning the tiles with keys some rows do not see (ExtendConfig.wgmma_clean_masked), at the SM90
+# default tiles: compiles within shared memory, the MMAs not serialized (the clean loop's permutes and spills are
+# the producer's, on those tiles only)
+sm90 = extend_config_for(128, 128, torch.bfloat16, False, True)
+for causal, window in ((True, False), (True, True)):
+    consts = dict(GROUP=4, BLOCK_M=128, BLOCK_N=sm90.wgmma_block_n, D=128, BLOCK_D=128, DPE=0, BLOCK_DPE=0, DV=128,
+                  BLOCK_DV=128, SHARE_KV=False, CAUSAL=causal, USE_MASK=False, HAS_WINDOW=window, LOGIT_CAP=window,
+                  HAS_SINK=window, STORE_LSE=True, DOT_PREC="tf32", LAZY=0, STAGES=sm90.wgmma_stages,
+                  HEADS=packed_heads(4, 128), BOX=TMA_BOX, CONSUMER_REGS=sm90.wgmma_regs,
+                  PRODUCER_REGS=producer_regs(sm90.wgmma_regs), CLEAN=True)
+    k = build(extend_wgmma_kernel, "bf16", consts, 4, None, 90, source=GluonASTSource)
+    usage, sass = res_usage(k), sass_of(k)
+    assert k.metadata.shared <= 227 * 1024 and not serialized_wgmma(sass), (window, usage)
+    print("extend hopper clean", causal, window, usage, "shared", k.metadata.shared)
 # the ragged op's varlen kernel (kernels/ragged.py) at the ViT head dims with its SM90 default tiles: warpgroup MMAs,
 # not serialized, no spills; the tiles benchmarks/ragged_vs_peers.py sweeps within the shared memory of an H100 / H200
 from attn_triton.kernels import ragged as rg
@@ -253,6 +267,7 @@ def test_kernels_compile_for_sm90():
     assert (
         "fp8 decode" in out.stdout
         and out.stdout.count("mla variant") == 4
-        and out.stdout.count("extend hopper") == 3
+        and out.stdout.count("extend hopper") == 5
+        and out.stdout.count("extend hopper clean") == 2
         and out.stdout.count("ragged tiles") == 5
     )

@@ -3,6 +3,8 @@ real CUDA-graph capture/replay against eager, and batch invariance in determinis
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from triton_determinism_checks import target_rows
@@ -201,9 +203,11 @@ def test_case_on_cuda(case):
 #: whose extend launches it takes (16-bit, head_dim 128, not MLA, no fp8 cache: `extend.uses_wgmma`; the rest of a
 #: step, its decode rows and tree masks, keeps the other kernels), and an MHA case at head_dim 64 (one head a program)
 # its tiles: 64 keys in 4 buffers (consumers at 224 registers a thread), 128 keys in 3 at 208 (the default)
+# and the default with its producer cleaning the tiles of keys some rows do not see (`wgmma_clean_masked`)
 HOPPER_EXTENDS = [
     ExtendConfig(128, 64, 4, 3, 4, wgmma_block_n=64, wgmma_stages=4),
     extend_config_for(128, 128, torch.bfloat16, False, True),
+    dataclasses.replace(extend_config_for(128, 128, torch.bfloat16, False, True), wgmma_clean_masked=True),
 ]
 HOPPER_CASES = [
     c
@@ -243,10 +247,45 @@ HOPPER = torch.cuda.is_available() and hopper_kernels_available(torch.device("cu
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs compute capability 9.x")
-@pytest.mark.parametrize("config", HOPPER_EXTENDS, ids=lambda c: f"g{c.wgmma_block_n}x{c.wgmma_stages}r{c.wgmma_regs}")
+@pytest.mark.parametrize(
+    "config",
+    HOPPER_EXTENDS,
+    ids=lambda c: f"g{c.wgmma_block_n}x{c.wgmma_stages}r{c.wgmma_regs}" + ("-clean" if c.wgmma_clean_masked else ""),
+)
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=[c.describe() for c in HOPPER_CASES])
 def test_hopper_extend_kernel_case_on_cuda(case, config):
     assert_case(factory(extend_config=config), case)
+
+
+#: the kit's masked-values check (`attn_core.testing.masked`: an Inf / NaN in a key some rows do not see must not
+#: reach them) on the Hopper extend kernel with `wgmma_clean_masked`: the kit's case that failed on the default
+#: (2026-11-29), GQA at pages of 16 with long prefixes, MIXED, and a window (old keys poisoned too)
+MASKED_CASES = [
+    AttnCase(
+        "EXTEND",
+        [(0, 64), (512, 33), (257, 1), (172, 0)],
+        dtype="float16",
+        num_q_heads=16,
+        num_kv_heads=4,
+        head_dim=128,
+        device="cuda",
+        num_layers=3,
+    ),
+    AttnCase("EXTEND", [(0, 300), (1000, 129), (5, 2), (64, 64)], dtype="bfloat16", page_size=16, **GQA2),
+    AttnCase("MIXED", [(1200, 1), (300, 400), (0, 77)], dtype="bfloat16", page_size=16, return_lse=True, **GQA2),
+    AttnCase("EXTEND", [(1000, 300), (2047, 513)], dtype="bfloat16", page_size=64, sliding_window=700, **GQA2),
+]
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs compute capability 9.x")
+@pytest.mark.parametrize("case", MASKED_CASES, ids=[c.describe() for c in MASKED_CASES])
+def test_hopper_extend_clean_keeps_masked_values_out(case):
+    from attn_core.testing.masked import masked_nonfinite_check
+    from attn_core.testing.target import resolve_target
+
+    clean = dataclasses.replace(extend_config_for(128, 128, torch.bfloat16, False, True), wgmma_clean_masked=True)
+    target = resolve_target("triton", {"extend_config": clean})
+    print(masked_nonfinite_check(target, case, window_keys=case.sliding_window is not None)())
 
 
 def _cuda_graph_run(fn, replay):

@@ -78,9 +78,9 @@ def probe() -> Optional[str]:
 #: where FlashInfer's kernels break a rule of the contract that the plugin cannot repair around them
 #: (`BackendSpec.known_gaps`)
 MASKED_VALUES_WHY = (
-    "FlashInfer 0.6.6's prefill kernels multiply a masked key's V by its probability 0 (0 * Inf = NaN): an Inf/NaN "
-    "in a later token's K or V of the same step reaches the earlier tokens' outputs (H200, 2026-11-29; "
-    "docs/engine-authors.md, 'Known gaps')"
+    "FlashInfer's prefill kernels multiply a masked key's V by its probability 0 (0 * Inf = NaN): an Inf/NaN "
+    "in a later token's K or V of the same step reaches the earlier tokens' outputs (seen with 0.6.6 on an H200, "
+    "2026-11-29; 0.7.2.post1 not tried with this case; docs/engine-authors.md, 'Known gaps')"
 )
 KNOWN_GAPS = tuple(
     (pattern, MASKED_VALUES_WHY)

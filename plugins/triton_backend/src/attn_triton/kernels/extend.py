@@ -64,7 +64,9 @@ class ExtendConfig:
     `kernels/extend_wgmma.py`, compute capability 9.x only) on it, with tiles of that many keys in
     `wgmma_stages` (>= 3) buffers and `wgmma_regs` registers a thread for each consumer warpgroup (a
     multiple of 8 in 168..240; the producer gets the rest, `extend_wgmma.producer_regs`); the rest keep
-    the portable kernel and the tiles above."""
+    the portable kernel and the tiles above. `wgmma_clean_masked`: the Hopper kernel's producer cleans every
+    tile holding keys some query rows do not see (an Inf / NaN value there no longer reaches them: the kit's
+    masked-values rule, `extend_wgmma._clean_tile`); off by default until measured on a GPU."""
 
     block_m: int = 64
     block_n: int = 64
@@ -74,6 +76,7 @@ class ExtendConfig:
     wgmma_block_n: int = 0
     wgmma_stages: int = 3
     wgmma_regs: int = 224
+    wgmma_clean_masked: bool = False
 
     def __post_init__(self):
         check_lazy_rescale("ExtendConfig.lazy_rescale", self.lazy_rescale)
@@ -87,6 +90,8 @@ class ExtendConfig:
             raise InvalidArgumentError(
                 "ExtendConfig.wgmma_regs", "a multiple of 8 in 168..240 (registers a consumer thread)", self.wgmma_regs
             )
+        if not isinstance(self.wgmma_clean_masked, bool):
+            raise InvalidArgumentError("ExtendConfig.wgmma_clean_masked", "a bool", self.wgmma_clean_masked)
 
 
 def packed_heads(group: int, rows: int) -> int:
@@ -428,6 +433,7 @@ def extend_attention(
             BOX=TMA_BOX,
             CONSUMER_REGS=config.wgmma_regs,
             PRODUCER_REGS=producer_regs(config.wgmma_regs),
+            CLEAN=config.wgmma_clean_masked,
         )
     else:
         tokens, grid_h, kernel = config.block_m, hq, _extend_kernel

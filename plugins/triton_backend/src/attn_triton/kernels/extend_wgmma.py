@@ -19,7 +19,13 @@ i // HEADS, head i % HEADS, so every K/V tile loaded serves HEADS heads. Three p
   64 channels (`_tma_tile`). Any other tile (the last one of a range, with keys past it; slots that do not
   run; slots outside the pool) is gathered by cp.async by slot, keys past the range and slots outside the
   pool zero-filled, the latter raising the SLOT fault (`_gather_tile`). So the result never depends on the
-  page size or on how the engine placed the keys; only the speed does.
+  page size or on how the engine placed the keys; only the speed does. With CLEAN
+  (`ExtendConfig.wgmma_clean_masked`), a tile holding keys some rows of the block do not see (the causal
+  diagonal, a window's edge) is gathered, and every key of it whose V holds an Inf or NaN gets V = 0 and K =
+  NaN before the tile is released (`_clean_tile`): the consumers multiply a masked key's V by p = 0, so 0 x
+  Inf = NaN would otherwise reach rows that must not see it, while a row that does see the key still gets a
+  non-finite output (its NaN score). Compiled for sm_90 (Triton 3.6 and 3.9): the consumers' code is
+  unchanged (no spills, no permutes); the producer's clean loop spills 40-48 bytes.
 
 Key tiles of BLOCK_N keys run through STAGES buffers (tile t in buffer t % STAGES). Tiles before the
 causal diagonal (or the whole range without a causal mask) take no masks. Per tile t (t >= 1), each
@@ -201,6 +207,68 @@ def _gather_tile(
 
 
 @gluon.jit
+def _clean_tile(
+    k_s,
+    v_s,
+    b,
+    t,
+    k_ready,
+    v_ready,
+    k_free,
+    v_free,
+    K_HEAD,
+    V_HEAD,
+    KV_INDICES,
+    FAULT,
+    kv_beg,
+    start,
+    hi,
+    num_slots,
+    stride_ks,
+    stride_vs,
+    BLOCK_N: gl.constexpr,
+    D: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """A tile with keys some rows do not see (CLEAN): gathered as `_gather_tile` does, then, once every copy of
+    the partition has landed, each key whose V holds an Inf or NaN gets V = 0 and K = NaN before the tile is
+    released. A row that does not see the key masks its score to -inf (p = 0 times V = 0 adds nothing, where
+    0 x Inf was NaN); a row that sees it gets a NaN score, so its output is NaN as the reference's is not
+    finite. Keys of 16 at a time (16 registers a thread), stored back only where one is bad."""
+    LD: gl.constexpr = gl.BlockedLayout([1, 32], [32 // (D // 32), D // 32], [4, 1], [1, 0])
+    CH: gl.constexpr = 16
+    LC: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [4, 1], [1, 0])
+    ph = (gl.maximum(t - STAGES, 0) // STAGES) & 1
+    n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
+    live = n < hi
+    slot = gl.load(KV_INDICES + kv_beg + n, mask=live, other=0)
+    rows, ok = checked_rows(slot, live, FAULT, num_slots, stride_ks)
+    mbarrier.wait(k_free.index(b), ph, pred=t >= STAGES)
+    _gather(k_s.index(b), K_HEAD, rows, ok, D, LD)
+    mbarrier.wait(v_free.index(b), ph, pred=t >= STAGES)
+    _gather(v_s.index(b), V_HEAD, gl.where(ok, slot, 0).to(gl.int64) * stride_vs, ok, D, LD)
+    async_copy.wait_group(0)
+    cta_barrier()  # every producer thread's copies have landed
+    # an Inf or NaN: every exponent bit set (bf16 0x7F80, fp16 0x7C00), read on the raw 16 bits
+    if v_s.dtype == gl.bfloat16:
+        EXP: gl.constexpr = 0x7F80
+    else:
+        EXP: gl.constexpr = 0x7C00
+    for c in gl.static_range(BLOCK_N // CH):
+        v = v_s.index(b).slice(c * CH, CH).load(LC)
+        bits = v.to(gl.int16, bitcast=True).to(gl.int32)
+        bad = gl.max(((bits & EXP) == EXP).to(gl.int32), 1) > 0
+        if gl.max(bad.to(gl.int32), 0) > 0:
+            v_s.index(b).slice(c * CH, CH).store(gl.where(bad[:, None], gl.zeros_like(v), v))
+            k = k_s.index(b).slice(c * CH, CH).load(LC)
+            k_s.index(b).slice(c * CH, CH).store(gl.where(bad[:, None], gl.full_like(k, float("nan")), k))
+    fence_async_shared()
+    cta_barrier()  # every producer thread's stores are done before the one arrive releases the tile
+    mbarrier.arrive(k_ready.index(b))
+    mbarrier.arrive(v_ready.index(b))
+
+
+@gluon.jit
 def _producer(
     k_s,
     v_s,
@@ -217,6 +285,10 @@ def _producer(
     kv_beg,
     lo,
     hi,
+    q_len,
+    kv_len,
+    mb,
+    window,
     num_slots,
     col,
     stride_ks,
@@ -225,9 +297,15 @@ def _producer(
     D: gl.constexpr,
     STAGES: gl.constexpr,
     BOX: gl.constexpr,
+    TOKENS: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
+    CLEAN: gl.constexpr,
 ):
     """The producer partition (module doc): tiles 0 .. n_tiles - 1 of keys [lo, hi) (one tile at least: with
-    no keys it is zero-filled) into buffers t % STAGES, by TMA or by the gather."""
+    no keys it is zero-filled) into buffers t % STAGES, by TMA or by the gather; with CLEAN, a tile holding a
+    key outside [seen_from, seen_to), the keys every row of block mb sees, by `_clean_tile` (the bounds from
+    the consumers' own arguments: no value of the kernel's is kept live for them)."""
     # a tile's slots `[BLOCK_N // BOX, BOX]`: the boxes along the lanes of every warp, a box's slots across the 4
     # warps, so the run check crosses warps once a tile while each of the tile's 2 x BLOCK_N // BOX box coordinates
     # (`_tma_tile`) is picked within a warp (boxes across warps: a shared-memory round trip and two barriers each;
@@ -237,13 +315,44 @@ def _producer(
     k_c = reinterpret_shared(k_s, [STAGES * (D // 64), BLOCK_N, 64], CHUNKS)
     v_c = reinterpret_shared(v_s, [STAGES * (D // 64), BLOCK_N, 64], CHUNKS)
     n_tiles = gl.maximum(gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N), 1)
+    seen_from, seen_to = lo, hi
+    if CLEAN:
+        row0 = kv_len - q_len + mb * TOKENS  # the block's first row's position among the request's keys
+        if CAUSAL:
+            seen_to = row0 + 1  # that row sees keys up to its own position
+        if HAS_WINDOW:
+            seen_from = gl.maximum(row0 + TOKENS - window, lo)  # the block's last row's oldest key
     slots = box_slots(KV_INDICES, kv_beg, lo, hi, BLOCK_N, BOX, S2)
     for t in range(n_tiles):
         b = t % STAGES
         start = lo + t * BLOCK_N
         nxt = box_slots(KV_INDICES, kv_beg, start + BLOCK_N, hi, BLOCK_N, BOX, S2)
         first, runs = slot_runs(slots, num_slots, BOX)
-        if (start + BLOCK_N <= hi) & runs:
+        if CLEAN and ((start < seen_from) | (start + BLOCK_N > seen_to)):
+            _clean_tile(
+                k_s,
+                v_s,
+                b,
+                t,
+                k_ready,
+                v_ready,
+                k_free,
+                v_free,
+                K_HEAD,
+                V_HEAD,
+                KV_INDICES,
+                FAULT,
+                kv_beg,
+                start,
+                hi,
+                num_slots,
+                stride_ks,
+                stride_vs,
+                BLOCK_N,
+                D,
+                STAGES,
+            )
+        elif (start + BLOCK_N <= hi) & runs:
             _tma_tile(k_c, b, t, k_free, k_ready, K_DESC, first, col, BLOCK_N, D, STAGES, BOX)
             _tma_tile(v_c, b, t, v_free, v_ready, V_DESC, first, col, BLOCK_N, D, STAGES, BOX)
         else:
@@ -615,6 +724,7 @@ def extend_wgmma_kernel(
     BOX: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
+    CLEAN: gl.constexpr,
 ):
     gl.static_assert(BLOCK_M == 128, "two warpgroups of 64 rows")
     gl.static_assert((D == BLOCK_D) & (DV == D) & ((D == 64) | (D == 128)), "head_dim = v_head_dim of 64 or 128")
@@ -765,6 +875,10 @@ def extend_wgmma_kernel(
                         kv_beg,
                         lo,
                         hi,
+                        q_len,
+                        kv_len,
+                        mb,
+                        window,
                         num_slots,
                         kv_head * D,
                         stride_ks,
@@ -773,6 +887,10 @@ def extend_wgmma_kernel(
                         D,
                         STAGES,
                         BOX,
+                        TOKENS,
+                        CAUSAL,
+                        HAS_WINDOW,
+                        CLEAN,
                     ),
                 ),
             ],
