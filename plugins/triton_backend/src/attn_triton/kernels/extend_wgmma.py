@@ -162,6 +162,44 @@ def _tma_tile(
 
 
 @gluon.jit
+def _gather_kv(
+    k_s,
+    v_s,
+    b,
+    t,
+    k_free,
+    v_free,
+    K_HEAD,
+    V_HEAD,
+    KV_INDICES,
+    FAULT,
+    kv_beg,
+    start,
+    hi,
+    num_slots,
+    stride_ks,
+    stride_vs,
+    BLOCK_N: gl.constexpr,
+    D: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """Start the cp.async copies of the K and V rows of tile t (keys [start, start + BLOCK_N)) into buffer b,
+    by slot, once its last tile is free: a key at or past hi is not read, nor one whose slot is outside [0,
+    num_slots), which also raises the SLOT fault; their rows are zero-filled. Two commit groups."""
+    # 32 channels (four 16-byte copies) a thread, D / 32 threads a row
+    LD: gl.constexpr = gl.BlockedLayout([1, 32], [32 // (D // 32), D // 32], [4, 1], [1, 0])
+    ph = (gl.maximum(t - STAGES, 0) // STAGES) & 1
+    n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
+    live = n < hi
+    slot = gl.load(KV_INDICES + kv_beg + n, mask=live, other=0)
+    rows, ok = checked_rows(slot, live, FAULT, num_slots, stride_ks)
+    mbarrier.wait(k_free.index(b), ph, pred=t >= STAGES)
+    _gather(k_s.index(b), K_HEAD, rows, ok, D, LD)
+    mbarrier.wait(v_free.index(b), ph, pred=t >= STAGES)
+    _gather(v_s.index(b), V_HEAD, gl.where(ok, slot, 0).to(gl.int64) * stride_vs, ok, D, LD)
+
+
+@gluon.jit
 def _gather_tile(
     k_s,
     v_s,
@@ -185,21 +223,13 @@ def _gather_tile(
     D: gl.constexpr,
     STAGES: gl.constexpr,
 ):
-    """Gather the K and V rows of tile t (keys [start, start + BLOCK_N)) into buffer b by cp.async by slot,
-    once its last tile is free: a key at or past hi is not read, nor one whose slot is outside [0,
-    num_slots), which also raises the SLOT fault; their rows are zero-filled. `k_ready` / `v_ready` complete
-    when every thread's copies have landed (a counted cp.async arrive each, then the one expected arrive)."""
-    # 32 channels (four 16-byte copies) a thread, D / 32 threads a row
-    LD: gl.constexpr = gl.BlockedLayout([1, 32], [32 // (D // 32), D // 32], [4, 1], [1, 0])
-    ph = (gl.maximum(t - STAGES, 0) // STAGES) & 1
-    n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
-    live = n < hi
-    slot = gl.load(KV_INDICES + kv_beg + n, mask=live, other=0)
-    rows, ok = checked_rows(slot, live, FAULT, num_slots, stride_ks)
-    mbarrier.wait(k_free.index(b), ph, pred=t >= STAGES)
-    _gather(k_s.index(b), K_HEAD, rows, ok, D, LD)
-    mbarrier.wait(v_free.index(b), ph, pred=t >= STAGES)
-    _gather(v_s.index(b), V_HEAD, gl.where(ok, slot, 0).to(gl.int64) * stride_vs, ok, D, LD)
+    """Gather the K and V rows of tile t (keys [start, start + BLOCK_N)) into buffer b by cp.async by slot
+    (`_gather_kv`); `k_ready` / `v_ready` complete when every thread's copies have landed (a counted cp.async
+    arrive each, then the one expected arrive)."""
+    _gather_kv(
+        k_s, v_s, b, t, k_free, v_free, K_HEAD, V_HEAD, KV_INDICES, FAULT, kv_beg, start, hi, num_slots, stride_ks,
+        stride_vs, BLOCK_N, D, STAGES,
+    )  # fmt: skip
     async_copy.mbarrier_arrive(k_ready.index(b))  # adds one pending arrive a thread, made when its copies land
     async_copy.mbarrier_arrive(v_ready.index(b))
     mbarrier.arrive(k_ready.index(b))
@@ -235,18 +265,12 @@ def _clean_tile(
     released. A row that does not see the key masks its score to -inf (p = 0 times V = 0 adds nothing, where
     0 x Inf was NaN); a row that sees it gets a NaN score, so its output is NaN as the reference's is not
     finite. Keys of 16 at a time (16 registers a thread), stored back only where one is bad."""
-    LD: gl.constexpr = gl.BlockedLayout([1, 32], [32 // (D // 32), D // 32], [4, 1], [1, 0])
     CH: gl.constexpr = 16
     LC: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [4, 1], [1, 0])
-    ph = (gl.maximum(t - STAGES, 0) // STAGES) & 1
-    n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
-    live = n < hi
-    slot = gl.load(KV_INDICES + kv_beg + n, mask=live, other=0)
-    rows, ok = checked_rows(slot, live, FAULT, num_slots, stride_ks)
-    mbarrier.wait(k_free.index(b), ph, pred=t >= STAGES)
-    _gather(k_s.index(b), K_HEAD, rows, ok, D, LD)
-    mbarrier.wait(v_free.index(b), ph, pred=t >= STAGES)
-    _gather(v_s.index(b), V_HEAD, gl.where(ok, slot, 0).to(gl.int64) * stride_vs, ok, D, LD)
+    _gather_kv(
+        k_s, v_s, b, t, k_free, v_free, K_HEAD, V_HEAD, KV_INDICES, FAULT, kv_beg, start, hi, num_slots, stride_ks,
+        stride_vs, BLOCK_N, D, STAGES,
+    )  # fmt: skip
     async_copy.wait_group(0)
     cta_barrier()  # every producer thread's copies have landed
     # an Inf or NaN: every exponent bit set (bf16 0x7F80, fp16 0x7C00), read on the raw 16 bits
