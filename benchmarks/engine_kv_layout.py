@@ -13,8 +13,8 @@ the timed region; the timed call is `forward(q, k, v, layer, batch, save_kv_cach
 Each output is checked against `own`'s (relative error printed). Calls are timed round-robin
 (`attn_core.bench.timing.time_calls` per call, CUDA events), `--rounds` rounds; the claim is each layout's
 median time over `own`'s in the same run (target: within 3 %). Extend rows are timed twice: with the
-backend's defaults (on SM90 16-bit dense pools take the Hopper kernel, strided caches the portable one:
-`kernel` says which) and with the portable extend kernel for every peer (`same kernel`).
+backend's defaults (on SM90 16-bit pools TMA can read take the Hopper kernel, K|V side by side included; page-strided
+caches the portable one: `kernel` says which) and with the portable extend kernel for every peer (`same kernel`).
 
   python benchmarks/engine_kv_layout.py [--rows decode_bs64,decode_bs1,extend] [--rounds 5] [--budget 0.5]
       [--out engine_kv.json]

@@ -50,7 +50,7 @@ def test_engine_layouts_on_cuda(backend, layout, write_by):
 
 
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
-@pytest.mark.parametrize("layout", ["vllm_lbhnc", "flashinfer"])
+@pytest.mark.parametrize("layout", ["vllm_lbhnc", "vllm_lbnhc", "flashinfer"])
 def test_engine_layouts_with_a_sliding_window_on_cuda(backend, layout):
     _usable(backend)
     case = EngineCase(

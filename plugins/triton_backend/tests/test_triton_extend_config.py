@@ -15,7 +15,7 @@ from triton_helpers import requires_interpreter
 
 from attn_core.contract.errors import InvalidArgumentError
 from attn_core.testing.harness import AttnCase, make_env
-from attn_triton.kernels.common import tma_compatible
+from attn_triton.kernels.common import tma_compatible, tma_row_span
 from attn_triton.kernels.extend import ExtendConfig, packed_heads, uses_wgmma
 
 HOPPER = ExtendConfig(128, 64, 4, 3, 4, wgmma_block_n=64, wgmma_stages=4)
@@ -79,7 +79,12 @@ def test_tma_compatible_pools():
     assert tma_compatible(pool)
     assert tma_compatible(torch.empty(64, 2, 64, dtype=torch.float16))
     assert tma_compatible(pool[8:])  # a later slot: base still 16-byte aligned
-    assert not tma_compatible(torch.empty(64, 8, 256, dtype=torch.bfloat16)[:, :, :128])  # heads not contiguous
+    side_by_side = torch.empty(64, 8, 256, dtype=torch.bfloat16)  # K | V side by side (vLLM's LBNHC)
+    assert tma_compatible(side_by_side[:, :, :128]) and tma_compatible(side_by_side[:, :, 128:])
+    assert tma_row_span(side_by_side[:, :, :128]) == 7 * 256 + 128 and tma_row_span(pool) == 1024
+    assert not tma_compatible(torch.empty(64, 8, 132, dtype=torch.bfloat16)[:, :, :128])  # heads 264 bytes apart
+    assert not tma_compatible(torch.empty(64, 128, 8, dtype=torch.bfloat16).transpose(1, 2))  # channels strided
+    assert not tma_compatible(torch.empty(64, 8, 128, dtype=torch.bfloat16).as_strided((64, 8, 128), (1024, 64, 1)))
     assert not tma_compatible(pool.transpose(0, 1))  # slots not the outer dimension
     assert not tma_compatible(
         torch.empty(64 * 8 * 128 + 1, dtype=torch.bfloat16)[1:].view(64, 8, 128)
@@ -115,6 +120,12 @@ def test_pool_descriptors(rank, rope, dtype):
         True,
         True,
     )
+    # K and V side by side, one cache `[slots, Hkv, 2 D]`: each a descriptor of rows from its first head's channels
+    # to its last head's, heads 2 D apart
+    kv = torch.empty(4096, 8, 256, dtype=dtype)
+    kd, vd = kv_descriptors(kv[:, :, :128], kv[:, :, 128:])
+    assert (kd.shape, kd.strides, vd.shape, vd.strides) == ([4096, 1920], [2048, 1], [4096, 1920], [2048, 1])
+    assert vd.base.data_ptr() == kv.data_ptr() + 128 * kv.element_size()
     latent = torch.empty(300, 1, rank + rope + 64, dtype=dtype)[:, :, : rank + rope]  # rows padded: stride past the row
     assert tma_compatible(latent)
     nope, rope_d = latent_descriptors(latent, rank)

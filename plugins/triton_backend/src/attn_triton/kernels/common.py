@@ -58,26 +58,47 @@ MAX_LAZY_SLACK = 8
 
 
 def tma_compatible(buf: torch.Tensor) -> bool:
-    """Whether a pool `[slots, ...]` can be read by TMA as `[slots, row]` (the Hopper kernels' descriptors,
-    `extend_wgmma.kv_descriptors`, `mla_wgmma.latent_descriptors`): each slot's row (every dimension after
-    the first) contiguous, rows not overlapping, the base and the row stride 16-byte aligned. Pools as
-    attn-core allocates them are; a pool that is not keeps the portable kernels.
+    """Whether a pool `[slots, ...]` can be read by TMA as `[slots, tma_row_span(buf)]` (the Hopper kernels'
+    descriptors, `extend_wgmma.kv_descriptors`, `mla_wgmma.latent_descriptors`): the last dimension
+    contiguous, each dimension between at a 16-byte aligned stride no smaller than what it holds (heads may
+    sit apart, as in K and V side by side), slots not overlapping, the base and the slot stride 16-byte
+    aligned. Pools as attn-core allocates them are, and vLLM's K|V-side-by-side caches; a pool that is not
+    keeps the portable kernels.
 
     >>> tma_compatible(torch.empty(64, 8, 128, dtype=torch.bfloat16))  # K / V: [slots, Hkv, D]
     True
     >>> tma_compatible(torch.empty(64, 1, 576, dtype=torch.bfloat16))  # an MLA latent pool
     True
     >>> tma_compatible(torch.empty(64, 8, 256, dtype=torch.bfloat16)[:, :, :128])  # heads 256 apart
+    True
+    >>> tma_compatible(torch.empty(64, 8, 132, dtype=torch.bfloat16)[:, :, :128])  # 264-byte head stride
+    False
+    >>> tma_compatible(torch.empty(64, 128, 8, dtype=torch.bfloat16).transpose(1, 2))  # channels strided
     False
     """
+    return tma_row_span(buf) is not None
+
+
+def tma_row_span(buf: torch.Tensor) -> Optional[int]:
+    """Elements from a slot's first to its last element + 1 when `tma_compatible(buf)`, else None: the row
+    width of the pool's TMA descriptor. Example: `[64, 8, 128]` -> 1024; `[64, 8, 256][:, :, :128]` (heads
+    256 apart) -> 7 * 256 + 128 = 1920."""
     if buf.dim() < 2:
-        return False
-    stride = 1
+        return None
+    esz, span = buf.element_size(), 1
     for i in range(buf.dim() - 1, 0, -1):
-        if buf.shape[i] != 1 and buf.stride(i) != stride:
-            return False
-        stride *= buf.shape[i]
-    return buf.stride(0) >= stride and buf.stride(0) * buf.element_size() % 16 == 0 and buf.data_ptr() % 16 == 0
+        if buf.shape[i] == 1:
+            continue
+        if i == buf.dim() - 1:
+            if buf.stride(i) != 1:
+                return None
+            span = buf.shape[i]
+        elif buf.stride(i) < span or buf.stride(i) * esz % 16:
+            return None
+        else:
+            span += (buf.shape[i] - 1) * buf.stride(i)
+    aligned = buf.stride(0) * esz % 16 == 0 and buf.data_ptr() % 16 == 0
+    return span if buf.stride(0) >= span and aligned else None
 
 
 def paged_strides(buf: torch.Tensor) -> tuple[int, int, int, int]:

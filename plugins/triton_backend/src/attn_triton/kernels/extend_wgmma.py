@@ -103,11 +103,12 @@ def producer_regs(consumer_regs: int) -> int:
 
 def kv_descriptors(k_buf: torch.Tensor, v_buf: torch.Tensor) -> tuple:
     """The TMA descriptors of one layer's K and V pools for `extend_wgmma_kernel`: each pool `[slots, Hkv,
-    D]` (heads of a slot contiguous, `common.tma_compatible`) seen as `[slots, Hkv * D]`, in boxes of TMA_BOX
-    slots x TMA_CHANNELS channels (`gluon_gather.pool_descriptor`). Made once per launch.
+    D]` (`common.tma_compatible`: D contiguous, heads `stride(1)` apart) seen as `[slots, row]`, in boxes of
+    TMA_BOX slots x TMA_CHANNELS channels (`gluon_gather.pool_descriptor`). Made once per launch.
 
     Example: a bf16 K pool `[4096, 8, 128]` -> a descriptor of shape [4096, 1024], strides [1024, 1], block
-    [16, 64]; the kernel copies box (slot s, KV head h, half c) from coordinates [s, 128 h + 64 c]."""
+    [16, 64]; the kernel copies box (slot s, KV head h, half c) from coordinates [s, stride(1) h + 64 c] =
+    [s, 128 h + 64 c] (K and V side by side, `[4096, 8, 256][:, :, :128]`: [s, 256 h + 64 c])."""
     return pool_descriptor(k_buf, TMA_BOX, TMA_CHANNELS), pool_descriptor(v_buf, TMA_BOX, TMA_CHANNELS)
 
 
@@ -314,7 +315,8 @@ def _producer(
     mb,
     window,
     num_slots,
-    col,
+    col_k,
+    col_v,
     stride_ks,
     stride_vs,
     BLOCK_N: gl.constexpr,
@@ -377,8 +379,8 @@ def _producer(
                 STAGES,
             )
         elif (start + BLOCK_N <= hi) & runs:
-            _tma_tile(k_c, b, t, k_free, k_ready, K_DESC, first, col, BLOCK_N, D, STAGES, BOX)
-            _tma_tile(v_c, b, t, v_free, v_ready, V_DESC, first, col, BLOCK_N, D, STAGES, BOX)
+            _tma_tile(k_c, b, t, k_free, k_ready, K_DESC, first, col_k, BLOCK_N, D, STAGES, BOX)
+            _tma_tile(v_c, b, t, v_free, v_ready, V_DESC, first, col_v, BLOCK_N, D, STAGES, BOX)
         else:
             _gather_tile(
                 k_s,
@@ -904,7 +906,8 @@ def extend_wgmma_kernel(
                         mb,
                         window,
                         num_slots,
-                        kv_head * D,
+                        kv_head * stride_kh,
+                        kv_head * stride_vh,
                         stride_ks,
                         stride_vs,
                         BLOCK_N,

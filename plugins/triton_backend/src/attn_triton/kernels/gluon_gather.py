@@ -17,7 +17,6 @@ Triton 3.6 (the GPU machine's) and 3.9, and the bounds check of a gathered tile'
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 from triton.experimental import gluon
@@ -25,7 +24,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
-from attn_triton.kernels.common import FAULT_SLOT
+from attn_core.contract.errors import InvalidArgumentError
+from attn_triton.kernels.common import FAULT_SLOT, tma_row_span
 
 gather_to_shared = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
@@ -40,17 +40,22 @@ def _box_layout(rows: int, cols: int):
 
 
 def pool_descriptor(buf: torch.Tensor, rows: int, cols: int):
-    """The TMA descriptor of a 16-bit pool `buf` `[slots, ...]` (each slot's row contiguous,
-    `common.tma_compatible`) seen as `[slots, row]` (row: the elements of one slot), in boxes of `rows`
-    slots x `cols` channels. Made per launch (a host object; Triton's launcher encodes it); a box wider than
-    the 128-byte swizzle (64 channels) is copied as that many pieces by one `tma_load`.
+    """The TMA descriptor of a 16-bit pool `buf` `[slots, ...]` (`common.tma_compatible`) seen as `[slots,
+    row]` (row: `common.tma_row_span`, a slot's first to last element), in boxes of `rows` slots x `cols`
+    channels. Made per launch (a host object; Triton's launcher encodes it); a box wider than the 128-byte
+    swizzle (64 channels) is copied as that many pieces by one `tma_load`.
 
     Example: a bf16 K pool `[4096, 8, 128]`, rows 16, cols 64 -> shape [4096, 1024], strides [1024, 1], block
-    [16, 64] (the Hopper extend kernel's box of slot s, KV head h, half c is at [s, 128 h + 64 c]); an MLA
-    latent pool `[8192, 1, 576]`, rows 32, cols 512 -> shape [8192, 576], strides [576, 1], block [32, 512]."""
+    [16, 64] (the Hopper extend kernel's box of slot s, KV head h, half c is at [s, 128 h + 64 c]); the K of a
+    K|V side-by-side cache `[4096, 8, 256][:, :, :128]` -> shape [4096, 1920], strides [2048, 1] (head h's
+    half c at [s, 256 h + 64 c]); an MLA latent pool `[8192, 1, 576]`, rows 32, cols 512 -> shape [8192,
+    576], strides [576, 1], block [32, 512]."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    row = math.prod(buf.shape[1:])
+    row = tma_row_span(buf)
+    if row is None:
+        expected = "a pool TMA can read (common.tma_compatible)"
+        raise InvalidArgumentError("buf", expected, (tuple(buf.shape), buf.stride()))
     return TensorDescriptor(buf, [buf.shape[0], row], [buf.stride(0), 1], [rows, cols], _box_layout(rows, cols))
 
 
