@@ -15,6 +15,7 @@ from attn_core import (
     AttentionLayer,
     BackendContext,
     CudaGraphRunner,
+    CudaGraphStep,
     DeviceFaultError,
     GraphShapeError,
     InvalidArgumentError,
@@ -349,7 +350,8 @@ def test_sinks_on_another_device_are_refused_before_the_write():
 def test_graph_batch_slots_are_checked_once_per_graph_step(monkeypatch):
     """A graph batch's slots are checked at the step's first K/V write and reused by the later layers
     (in a captured graph: one guard per replay, not one per layer); every new graph step, and a slot
-    tensor the step has not seen, is checked again."""
+    tensor the step has not seen, is checked again. The graph runner's own slot buffer, which it fills
+    with checked slots only, needs no check (`trust_graph_slots`)."""
     import attn_core.contract.backend as contract_backend
 
     calls = []
@@ -374,11 +376,29 @@ def test_graph_batch_slots_are_checked_once_per_graph_step(monkeypatch):
     i = layer_inputs(env, 0, torch.Generator().manual_seed(0))
     calls.clear()
     for _ in range(3):
-        runner.run(env.batch, {"q": i["q"], "k": i["k"], "v": i["v"]})
-    assert len(calls) == 3  # one check per graph step of 4 layers
-    # the binding of the last replay stays; a slot tensor it has not seen is checked at its first write
+        want = runner.run(env.batch, {"q": i["q"], "k": i["k"], "v": i["v"]})
+    assert not calls  # the runner's buffer holds checked slots only
+
+    # the binding of the last replay stays: a graph batch with slots of its own is checked once for all layers
+    own = dataclasses.replace(env.batch, out_cache_loc=env.batch.out_cache_loc.clone(), attn_backend=backend)
+    got = [layer(i["q"], i["k"], i["v"], own) for layer in layers][-1]
+    assert len(calls) == 1 and calls[0] is own.out_cache_loc
+    torch.testing.assert_close(got, want)
+    # a slot tensor it has not seen is checked at its first write, before anything is written
     bad = dataclasses.replace(env.batch, out_cache_loc=torch.tensor([3, 10**6]), attn_backend=backend)
     before = env.kv_pool.get_key_buffer(0).clone()
     with pytest.raises(InvalidArgumentError, match="out_cache_loc"):
         layers[0](i["q"], i["k"], i["v"], bad)
     assert torch.equal(before.nan_to_num(3.0), env.kv_pool.get_key_buffer(0).nan_to_num(3.0))
+    # a new graph step checks its slots again
+    backend.replay_graph_step(CudaGraphStep.from_batch(own))
+    layers[0](i["q"], i["k"], i["v"], own)
+    assert len(calls) == 3
+
+
+def test_trust_graph_slots_takes_an_int64_buffer_of_the_backends_device():
+    env, backend, _ = _runner_env()
+    with pytest.raises(InvalidArgumentError, match="buffer"):
+        backend.trust_graph_slots(torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(InvalidArgumentError, match="buffer"):
+        backend.trust_graph_slots(torch.zeros(2, 2, dtype=torch.int64))

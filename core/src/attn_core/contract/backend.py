@@ -141,6 +141,8 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         self._slot_scratch: Optional[torch.Tensor] = None
         # a graph batch's checked slots (slot tensor, cross, capturing, CheckedSlots), see `write_slots`
         self._graph_slots: Optional[tuple[torch.Tensor, bool, bool, CheckedSlots]] = None
+        # a graph runner's static slot buffer, holding checked slots only (`trust_graph_slots`)
+        self._trusted_slots: Optional[torch.Tensor] = None
         # (mode, bs) -> (num_tokens, draft tokens) of every graph shape captured (`capture_graph_step`)
         self._graph_shapes: dict[tuple[ForwardMode, int], tuple[Optional[int], int]] = {}
         #: the ragged op's metadata (`build_ragged_metadata`) and the `RaggedBatch` it was built for
@@ -270,13 +272,33 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
             return done[3]  # (kept for CUDA and CPU tensors only: other devices' capture state is not read here)
         n = self.kv_pool(forward_batch).num_slots
         kind = DeviceFaultKind.ENCODER_SLOT if cross else DeviceFaultKind.WRITE_SLOT
-        if loc.device.type == "cpu":
+        if self._in_trusted_slots(loc, cross):
+            checked = CheckedSlots(loc, n)
+        elif loc.device.type == "cpu":
             checked = CheckedSlots(check_host_slots(loc, n, "forward_batch.out_cache_loc"), n)
         else:
             checked = CheckedSlots(guard_slots(loc, n, self.device_faults.buffer, kind), n)
         if loc.device.type in ("cuda", "cpu"):
             self._graph_slots = (loc, cross, capturing, checked)
         return checked
+
+    def trust_graph_slots(self, buffer: torch.Tensor) -> None:
+        """Declare `buffer` (int64 `[N]` on this backend's device) a graph runner's static `out_cache_loc`
+        that holds checked slots only whenever a graph batch reads it: its owner fills it before every replay
+        from the step check's allowed slots (or, at validation "full", from slots checked on the host) and
+        its padding rows with the dummy slot 0. A graph batch's self-attention writes through a view of it
+        then skip `write_slots`' guard (a few graph nodes a replay). `CudaGraphRunner` calls it for its own
+        buffer; a wrapper passes it on to the backends it runs graphs on. Anything else keeps the guard."""
+        if buffer.dtype != torch.int64 or buffer.dim() != 1 or buffer.device != self.device:
+            raise InvalidArgumentError("buffer", f"an int64 1-D tensor on {self.device}", (buffer.dtype, buffer.device))
+        self._trusted_slots = buffer
+
+    def _in_trusted_slots(self, loc: torch.Tensor, cross: bool) -> bool:
+        """Whether `loc` (a graph batch's slots) is an int64 1-D view into the buffer of `trust_graph_slots`."""
+        buf = self._trusted_slots
+        if buf is None or cross or loc.dtype != torch.int64 or loc.dim() != 1 or loc.device != buf.device:
+            return False
+        return loc.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
 
     @abc.abstractmethod
     def build_forward_metadata(self, forward_batch: ForwardBatch) -> MetadataT:

@@ -94,6 +94,9 @@ class CudaGraphRunner:
         self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.seq_lens = torch.full((max_bs,), self.fill, dtype=torch.int32, device=dev)
         self.out_cache_loc = torch.zeros(self.max_tokens, dtype=torch.int64, device=dev)
+        # filled only with checked slots (`run`: the step check's allowed slots, or slots checked on the host at
+        # "full"; padding rows the dummy 0): the captured layers' writes need no guard of their own
+        backend.trust_graph_slots(self.out_cache_loc)
         self.positions = torch.zeros(self.max_tokens, dtype=torch.int64, device=dev)
         self.inputs = {
             name: torch.zeros((self.max_tokens, *shape), dtype=dtype, device=dev)

@@ -138,6 +138,11 @@ class HybridAttnBackend(AttentionBackend[AttentionBackend]):
         for b in self._graph_backends:
             b.init_cuda_graph_state(max_bs, max_num_tokens)
 
+    def trust_graph_slots(self, buffer: torch.Tensor) -> None:
+        super().trust_graph_slots(buffer)
+        for b in self._graph_backends:
+            b.trust_graph_slots(buffer)
+
     def capture_cuda_graph_metadata(self, step: CudaGraphStep) -> None:
         self._graph_backend(step.forward_mode).capture_graph_step(step)
 

@@ -112,6 +112,11 @@ class TboAttnBackend(AttentionBackend[Optional[tuple[ForwardBatch, ForwardBatch]
         return self.primary.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **extras)
 
     # ---- CUDA graphs -------------------------------------------------------------------------------
+    def trust_graph_slots(self, buffer: torch.Tensor) -> None:
+        super().trust_graph_slots(buffer)
+        for b in (self.primary, *self.children):
+            b.trust_graph_slots(buffer)
+
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         self.primary.init_cuda_graph_state(max_bs, max_num_tokens)
         for child in self.children:
