@@ -394,6 +394,16 @@ def test_graph_batch_slots_are_checked_once_per_graph_step(monkeypatch):
     backend.replay_graph_step(CudaGraphStep.from_batch(own))
     layers[0](i["q"], i["k"], i["v"], own)
     assert len(calls) == 3
+    # so does a new pass over the layers (layer ids no longer increasing: another warm-up or capture) ...
+    layers[1](i["q"], i["k"], i["v"], own)
+    layers[0](i["q"], i["k"], i["v"], own)
+    assert len(calls) == 4
+    # ... and a slot tensor written in place since its check: the next layer refuses before writing
+    own.out_cache_loc[0] = -1
+    before = env.kv_pool.get_key_buffer(1).clone()
+    with pytest.raises(InvalidArgumentError, match="out_cache_loc"):
+        layers[1](i["q"], i["k"], i["v"], own)
+    assert torch.equal(before.nan_to_num(3.0), env.kv_pool.get_key_buffer(1).nan_to_num(3.0))
 
 
 def test_trust_graph_slots_takes_an_int64_buffer_of_the_backends_device():

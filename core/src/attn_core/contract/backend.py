@@ -139,8 +139,9 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         self._write_slots: Optional[CheckedSlots] = None
         self._encoder_slots: Optional[CheckedSlots] = None
         self._slot_scratch: Optional[torch.Tensor] = None
-        # a graph batch's checked slots (slot tensor, cross, capturing, CheckedSlots), see `write_slots`
-        self._graph_slots: Optional[tuple[torch.Tensor, bool, bool, CheckedSlots]] = None
+        # a graph batch's checked slots: (slot tensor, (cross, its version, capturing), layer id, CheckedSlots),
+        # see `write_slots`
+        self._graph_slots: Optional[tuple[torch.Tensor, tuple[bool, int, bool], int, CheckedSlots]] = None
         # a graph runner's static slot buffer, holding checked slots only (`trust_graph_slots`)
         self._trusted_slots: Optional[torch.Tensor] = None
         # (mode, bs) -> (num_tokens, draft tokens) of every graph shape captured (`capture_graph_step`)
@@ -246,10 +247,11 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         `save_kv` (attn-ascend's operator): the step's checked `out_cache_loc` (`encoder_out_cache_loc`
         for a cross-attention layer) when `forward_batch` is the bound batch; in a CUDA-graph batch the
         batch's own slots guarded on the device (`guard_slots`: refusals to the dummy slot 0, recorded
-        in the fault word), on the CPU range-checked at once (`InvalidArgumentError`), once per graph
-        step: the first layer's write checks them, the later layers reuse the result (a captured graph
-        holds one guard, a few elementwise nodes, not one per layer). Always a `CheckedSlots` (its
-        `.slots`: int64 `[T]`)."""
+        in the fault word), on the CPU range-checked at once (`InvalidArgumentError`), once per pass over
+        the layers: the first layer's write checks them, the later layers (increasing layer ids, the tensor
+        not written in between) reuse the result (a captured graph holds one guard, a few elementwise nodes,
+        not one per layer); none for a view of the buffer given to `trust_graph_slots`. Always a
+        `CheckedSlots` (its `.slots`: int64 `[T]`)."""
         cross = layer is not None and layer.is_cross_attention
         slots: Union[CheckedSlots, torch.Tensor, None]
         if forward_batch is self._metadata_for and self._write_slots is not None:
@@ -261,14 +263,19 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
             raise InvalidArgumentError("forward_batch.encoder_out_cache_loc", expected, None)
         if isinstance(slots, CheckedSlots):
             return slots
-        # a graph batch's own slots, checked once per bound graph step: the first layer's write checks
-        # them and the other layers reuse the result (inside a captured graph: one guard per replay, not
-        # one per layer, each a handful of graph nodes the replay launches); checked again when the
-        # slot tensor, the layer kind or the capture state changes, and after every (re)binding
+        # a graph batch's own slots, checked once per pass over the layers: the first layer's write checks
+        # them and the later layers of the same pass reuse the result (inside a captured graph: one guard
+        # per replay, not one per layer, each a handful of graph nodes the replay launches). Checked again
+        # for another slot tensor or layer kind, once the tensor was written in place, when the capture
+        # state changes, when the layer ids stop increasing (a new pass: another warm-up, another capture),
+        # and after every (re)binding
         loc = slots
         capturing = loc.is_cuda and torch.cuda.is_current_stream_capturing()
+        lid = -1 if layer is None else layer.layer_id
+        key = (cross, loc._version, capturing)
         done = self._graph_slots
-        if done is not None and done[0] is loc and done[1] == cross and done[2] == capturing:
+        if done is not None and done[0] is loc and done[1] == key and 0 <= done[2] < lid:
+            self._graph_slots = (loc, key, lid, done[3])
             return done[3]  # (kept for CUDA and CPU tensors only: other devices' capture state is not read here)
         n = self.kv_pool(forward_batch).num_slots
         kind = DeviceFaultKind.ENCODER_SLOT if cross else DeviceFaultKind.WRITE_SLOT
@@ -279,7 +286,7 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         else:
             checked = CheckedSlots(guard_slots(loc, n, self.device_faults.buffer, kind), n)
         if loc.device.type in ("cuda", "cpu"):
-            self._graph_slots = (loc, cross, capturing, checked)
+            self._graph_slots = (loc, key, lid, checked)
         return checked
 
     def trust_graph_slots(self, buffer: torch.Tensor) -> None:

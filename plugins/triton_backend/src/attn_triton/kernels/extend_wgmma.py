@@ -265,7 +265,8 @@ def _clean_tile(
     the partition has landed, each key whose V holds an Inf or NaN gets V = 0 and K = NaN before the tile is
     released. A row that does not see the key masks its score to -inf (p = 0 times V = 0 adds nothing, where
     0 x Inf was NaN); a row that sees it gets a NaN score, so its output is NaN as the reference's is not
-    finite. Keys of 16 at a time (16 registers a thread), stored back only where one is bad."""
+    finite (NaN, its LSE too: `_warpgroup`'s epilogue with CLEAN). Keys of 16 at a time (16 registers a thread),
+    stored back only where one is bad."""
     CH: gl.constexpr = 16
     LC: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [4, 1], [1, 0])
     _gather_kv(
@@ -354,7 +355,7 @@ def _producer(
         start = lo + t * BLOCK_N
         nxt = box_slots(KV_INDICES, kv_beg, start + BLOCK_N, hi, BLOCK_N, BOX, S2)
         first, runs = slot_runs(slots, num_slots, BOX)
-        if CLEAN and ((start < seen_from) | (start + BLOCK_N > seen_to)):
+        if CLEAN and ((start < seen_from) | (gl.minimum(start + BLOCK_N, hi) > seen_to)):
             _clean_tile(
                 k_s,
                 v_s,
@@ -563,6 +564,7 @@ def _warpgroup(
     LOGIT_CAP: gl.constexpr,
     HAS_SINK: gl.constexpr,
     STORE_LSE: gl.constexpr,
+    CLEAN: gl.constexpr,
 ):
     """Consumer warpgroup W (module doc): its 64 query rows over every tile."""
     ROWS: gl.constexpr = BLOCK_M // 2
@@ -681,6 +683,8 @@ def _warpgroup(
     o = warpgroup_mma(p_op, v_s.index(lb), o)
 
     has = l_i > 0.0
+    if CLEAN:  # a row that saw a cleaned key (its NaN score): NaN output and LSE, never "no keys" (LSE -inf)
+        has = has | (l_i != l_i)
     inv = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
     lse2 = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
     tok_o, head_o = _rows(mb, h, W, BLOCK_M, HEADS, ROW_O)
@@ -837,6 +841,7 @@ def extend_wgmma_kernel(
                         LOGIT_CAP,
                         HAS_SINK,
                         STORE_LSE,
+                        CLEAN,
                     ),
                 ),
                 (
@@ -881,6 +886,7 @@ def extend_wgmma_kernel(
                         LOGIT_CAP,
                         HAS_SINK,
                         STORE_LSE,
+                        CLEAN,
                     ),
                 ),
                 (
