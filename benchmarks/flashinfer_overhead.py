@@ -209,6 +209,11 @@ def bench(name: str, mode: str, reqs, iters: int, rounds: int, validation: str =
             ("", backend),
             ("_public_plan", create_backend("flashinfer", ctx, lean_replan=False)),
         ):
+            if graph_backend is not backend:  # one eager step first: its planner then knows the layer setting, as
+                batch.attn_backend = graph_backend  # `backend`'s does, and its graph re-plans it on every replay
+                graph_backend.init_forward_metadata(batch)
+                layer(q, k, v, batch, save_kv_cache=False)
+                batch.attn_backend = backend
             graph_backend.init_cuda_graph_state(bs, bs)
             graph_backend.init_forward_metadata_capture_cuda_graph(
                 bs, bs, batch.req_pool_indices, batch.seq_lens, None, batch.forward_mode, None
