@@ -1,4 +1,4 @@
-"""The arithmetic of the Hopper extend kernel's clean path (`kernels/extend_wgmma.py`, `_clean_tile`, with
+"""The arithmetic of the Hopper extend kernel's clean path (`kernels/extend_wgmma.py`, `_clean_and_release`, with
 `ExtendConfig.wgmma_clean_masked`), emulated in float64 torch on the CPU: the GPU kernel itself has not run yet.
 
 The kernel's producer gives every key whose V holds an Inf or NaN, in a tile with keys some rows do not see,

@@ -66,7 +66,7 @@ class ExtendConfig:
     multiple of 8 in 168..240; the producer gets the rest, `extend_wgmma.producer_regs`); the rest keep
     the portable kernel and the tiles above. `wgmma_clean_masked`: the Hopper kernel's producer cleans every
     tile holding keys some query rows do not see (an Inf / NaN value there no longer reaches them: the kit's
-    masked-values rule, `extend_wgmma._clean_tile`); off by default until measured on a GPU."""
+    masked-values rule, `extend_wgmma._clean_and_release`); off by default until measured on a GPU."""
 
     block_m: int = 64
     block_n: int = 64

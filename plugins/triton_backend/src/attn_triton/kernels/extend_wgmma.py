@@ -18,11 +18,11 @@ i // HEADS, head i % HEADS, so every K/V tile loaded serves HEADS heads. Three p
   the pool (pages of TMA_BOX keys or a multiple, the usual engine layout) comes by TMA: a copy per box and
   64 channels (`_tma_tile`). Any other tile (the last one of a range, with keys past it; slots that do not
   run; slots outside the pool) is gathered by cp.async by slot, keys past the range and slots outside the
-  pool zero-filled, the latter raising the SLOT fault (`_gather_tile`). So the result never depends on the
+  pool zero-filled, the latter raising the SLOT fault (`_gather_kv`). So the result never depends on the
   page size or on how the engine placed the keys; only the speed does. With CLEAN
   (`ExtendConfig.wgmma_clean_masked`), a tile holding keys some rows of the block do not see (the causal
   diagonal, a window's edge) is gathered, and every key of it whose V holds an Inf or NaN gets V = 0 and K =
-  NaN before the tile is released (`_clean_tile`): the consumers multiply a masked key's V by p = 0, so 0 x
+  NaN before the tile is released (`_clean_and_release`): the consumers multiply a masked key's V by p = 0, so 0 x
   Inf = NaN would otherwise reach rows that must not see it, while a row that does see the key still gets a
   non-finite output (its NaN score). Compiled for sm_90 (Triton 3.6 and 3.9): the consumers' code is
   unchanged (no spills, no permutes); the producer's clean loop spills 40-48 bytes.
@@ -201,36 +201,9 @@ def _gather_kv(
 
 
 @gluon.jit
-def _gather_tile(
-    k_s,
-    v_s,
-    b,
-    t,
-    k_ready,
-    v_ready,
-    k_free,
-    v_free,
-    K_HEAD,
-    V_HEAD,
-    KV_INDICES,
-    FAULT,
-    kv_beg,
-    start,
-    hi,
-    num_slots,
-    stride_ks,
-    stride_vs,
-    BLOCK_N: gl.constexpr,
-    D: gl.constexpr,
-    STAGES: gl.constexpr,
-):
-    """Gather the K and V rows of tile t (keys [start, start + BLOCK_N)) into buffer b by cp.async by slot
-    (`_gather_kv`); `k_ready` / `v_ready` complete when every thread's copies have landed (a counted cp.async
-    arrive each, then the one expected arrive)."""
-    _gather_kv(
-        k_s, v_s, b, t, k_free, v_free, K_HEAD, V_HEAD, KV_INDICES, FAULT, kv_beg, start, hi, num_slots, stride_ks,
-        stride_vs, BLOCK_N, D, STAGES,
-    )  # fmt: skip
+def _release_landed(k_ready, v_ready, b):
+    """Release gathered tile b (`_gather_kv`): `k_ready` / `v_ready` complete when every thread's copies have
+    landed (a counted cp.async arrive each, then the one expected arrive)."""
     async_copy.mbarrier_arrive(k_ready.index(b))  # adds one pending arrive a thread, made when its copies land
     async_copy.mbarrier_arrive(v_ready.index(b))
     mbarrier.arrive(k_ready.index(b))
@@ -238,41 +211,14 @@ def _gather_tile(
 
 
 @gluon.jit
-def _clean_tile(
-    k_s,
-    v_s,
-    b,
-    t,
-    k_ready,
-    v_ready,
-    k_free,
-    v_free,
-    K_HEAD,
-    V_HEAD,
-    KV_INDICES,
-    FAULT,
-    kv_beg,
-    start,
-    hi,
-    num_slots,
-    stride_ks,
-    stride_vs,
-    BLOCK_N: gl.constexpr,
-    D: gl.constexpr,
-    STAGES: gl.constexpr,
-):
-    """A tile with keys some rows do not see (CLEAN): gathered as `_gather_tile` does, then, once every copy of
-    the partition has landed, each key whose V holds an Inf or NaN gets V = 0 and K = NaN before the tile is
-    released. A row that does not see the key masks its score to -inf (p = 0 times V = 0 adds nothing, where
-    0 x Inf was NaN); a row that sees it gets a NaN score, so its output is NaN as the reference's is not
-    finite (NaN, its LSE too: `_warpgroup`'s epilogue with CLEAN). Keys of 16 at a time (16 registers a thread),
-    stored back only where one is bad."""
+def _clean_and_release(k_s, v_s, b, k_ready, v_ready, BLOCK_N: gl.constexpr, D: gl.constexpr):
+    """Gathered tile b, whose keys some rows do not see (CLEAN): once every copy of the partition has landed,
+    each key whose V holds an Inf or NaN gets V = 0 and K = NaN, then the tile is released. A row that does not
+    see the key masks its score to -inf (p = 0 times V = 0 adds nothing, where 0 x Inf was NaN); a row that sees
+    it gets a NaN score, so its output is NaN as the reference's is not finite (NaN, its LSE too: `_warpgroup`'s
+    epilogue with CLEAN). Keys of 16 at a time (16 registers a thread), stored back only where one is bad."""
     CH: gl.constexpr = 16
     LC: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [4, 1], [1, 0])
-    _gather_kv(
-        k_s, v_s, b, t, k_free, v_free, K_HEAD, V_HEAD, KV_INDICES, FAULT, kv_beg, start, hi, num_slots, stride_ks,
-        stride_vs, BLOCK_N, D, STAGES,
-    )  # fmt: skip
     async_copy.wait_group(0)
     cta_barrier()  # every producer thread's copies have landed
     # an Inf or NaN: every exponent bit set (bf16 0x7F80, fp16 0x7C00), read on the raw 16 bits
@@ -331,8 +277,9 @@ def _producer(
 ):
     """The producer partition (module doc): tiles 0 .. n_tiles - 1 of keys [lo, hi) (one tile at least: with
     no keys it is zero-filled) into buffers t % STAGES, by TMA or by the gather; with CLEAN, a tile holding a
-    key outside [seen_from, seen_to), the keys every row of block mb sees, by `_clean_tile` (the bounds from
-    the consumers' own arguments: no value of the kernel's is kept live for them)."""
+    key outside [seen_from, seen_to), the keys every row of block mb sees, is gathered and cleaned
+    (`_clean_and_release`; the bounds from the consumers' own arguments: no value of the kernel's is kept
+    live for them)."""
     # a tile's slots `[BLOCK_N // BOX, BOX]`: the boxes along the lanes of every warp, a box's slots across the 4
     # warps, so the run check crosses warps once a tile while each of the tile's 2 x BLOCK_N // BOX box coordinates
     # (`_tma_tile`) is picked within a warp (boxes across warps: a shared-memory round trip and two barriers each;
@@ -355,41 +302,19 @@ def _producer(
         start = lo + t * BLOCK_N
         nxt = box_slots(KV_INDICES, kv_beg, start + BLOCK_N, hi, BLOCK_N, BOX, S2)
         first, runs = slot_runs(slots, num_slots, BOX)
-        if CLEAN and ((start < seen_from) | (gl.minimum(start + BLOCK_N, hi) > seen_to)):
-            _clean_tile(
-                k_s,
-                v_s,
-                b,
-                t,
-                k_ready,
-                v_ready,
-                k_free,
-                v_free,
-                K_HEAD,
-                V_HEAD,
-                KV_INDICES,
-                FAULT,
-                kv_beg,
-                start,
-                hi,
-                num_slots,
-                stride_ks,
-                stride_vs,
-                BLOCK_N,
-                D,
-                STAGES,
-            )
-        elif (start + BLOCK_N <= hi) & runs:
+        by_tma = (start + BLOCK_N <= hi) & runs
+        if CLEAN:  # a tile holding keys some rows do not see is gathered and cleaned
+            dirty = (start < seen_from) | (gl.minimum(start + BLOCK_N, hi) > seen_to)
+            by_tma = by_tma & ~dirty
+        if by_tma:
             _tma_tile(k_c, b, t, k_free, k_ready, K_DESC, first, col_k, BLOCK_N, D, STAGES, BOX)
             _tma_tile(v_c, b, t, v_free, v_ready, V_DESC, first, col_v, BLOCK_N, D, STAGES, BOX)
         else:
-            _gather_tile(
+            _gather_kv(
                 k_s,
                 v_s,
                 b,
                 t,
-                k_ready,
-                v_ready,
                 k_free,
                 v_free,
                 K_HEAD,
@@ -406,6 +331,13 @@ def _producer(
                 D,
                 STAGES,
             )
+            if CLEAN:
+                if dirty:
+                    _clean_and_release(k_s, v_s, b, k_ready, v_ready, BLOCK_N, D)
+                else:
+                    _release_landed(k_ready, v_ready, b)
+            else:
+                _release_landed(k_ready, v_ready, b)
         slots = nxt
     async_copy.wait_group(0)  # gathered copies land before the program ends
 
