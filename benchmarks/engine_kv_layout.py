@@ -35,8 +35,7 @@ import attn_core as ac
 from attn_core.bench.timing import time_calls
 from attn_core.testing.reference import relative_error
 from attn_triton.config import extend_config
-from attn_triton.kernels.common import tma_compatible
-from attn_triton.kernels.extend import uses_wgmma
+from attn_triton.kernels.extend import hopper_extend
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 ROWS = {
@@ -133,8 +132,7 @@ def peer(layout, row, dtype, dev, portable_extend: bool):
     backend.init_forward_metadata(batch)
     layer = ac.AttentionLayer(0, HQ, HKV, D)
     k_buf, v_buf = pool.get_key_buffer(0), pool.get_value_buffer(0)
-    hopper = uses_wgmma(cfg, dtype, k_buf.dtype, D, D, True) and k_buf.dim() == 3
-    hopper = hopper and tma_compatible(k_buf) and tma_compatible(v_buf)
+    hopper = hopper_extend(cfg, dtype, k_buf, v_buf, D, D, True)
     kernel = "decode" if batch.forward_mode.is_decode() else ("extend (Hopper)" if hopper else "extend (portable)")
     T = q.shape[0]
     k = torch.zeros(T, HKV, D, dtype=dtype, device=dev)

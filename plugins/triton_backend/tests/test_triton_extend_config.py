@@ -1,6 +1,6 @@
 """The extend kernels' configuration on the CPU: `ExtendConfig`'s checks, which launches the Hopper
 kernel (`kernels/extend_wgmma.py`) would take (`uses_wgmma`, and pools its TMA descriptors can read:
-`tma_compatible`), the TMA descriptors of both Hopper kernels (extend and MLA: `gluon_gather.pool_descriptor`),
+`tma_compatible`, `tma_page_geometry`), the TMA descriptors of both Hopper kernels (extend and MLA: `gluon_gather.pool_descriptor`),
 how many q heads it packs into a program (`packed_heads`, against a plain search), and that a backend
 refuses it where it cannot run. The kernels themselves are compiled for sm_90 by
 test_triton_compile_sm90.py and run by the GPU suite."""
@@ -15,8 +15,8 @@ from triton_helpers import requires_interpreter
 
 from attn_core.contract.errors import InvalidArgumentError
 from attn_core.testing.harness import AttnCase, make_env
-from attn_triton.kernels.common import tma_compatible, tma_row_span
-from attn_triton.kernels.extend import ExtendConfig, packed_heads, uses_wgmma
+from attn_triton.kernels.common import tma_compatible, tma_page_geometry, tma_row_span
+from attn_triton.kernels.extend import ExtendConfig, hopper_extend, packed_heads, uses_wgmma
 
 HOPPER = ExtendConfig(128, 64, 4, 3, 4, wgmma_block_n=64, wgmma_stages=4)
 
@@ -98,6 +98,58 @@ def test_tma_compatible_pools():
     )  # rows overlap
 
 
+def _page_major_buffers():
+    """Page-major K/V buffers `[pages, Hkv, page_size, D]` as engines allocate them: attn's HND pool, vLLM's
+    HND cache `[pages, 2, H, P, D]` (K and V views), FlashInfer's / FlashAttention's `[pages, 2, P, H, D]` seen
+    head-major, one KV head, pages of 16 and 32."""
+    for page, heads, d in ((16, 4, 128), (32, 2, 64), (16, 1, 128)):
+        yield "hnd", torch.empty(5, heads, page, d, dtype=torch.bfloat16)
+        fused = torch.empty(5, 2, heads, page, d, dtype=torch.float16)
+        yield "vllm K", fused[:, 0]
+        yield "vllm V", fused[:, 1]
+        paged = torch.empty(5, 2, page, heads, d, dtype=torch.bfloat16)
+        yield "flashinfer K", paged[:, 0].transpose(1, 2)
+        yield "flashinfer V", paged[:, 1].transpose(1, 2)
+
+
+@pytest.mark.parametrize("what, buf", list(_page_major_buffers()), ids=lambda x: x if isinstance(x, str) else "")
+def test_page_geometry_addresses_every_key(what, buf):
+    """The Hopper kernel's TMA coordinates of every key (slot s, KV head h) and 64-channel half of a
+    page-major buffer (`common.tma_page_geometry`, as `extend_wgmma._tma_tile` computes them) land on that key's
+    channels, read from the buffer's own element addresses; every box of 16 rows stays inside the
+    descriptor, and the kernel takes such buffers (`hopper_extend`)."""
+    g = tma_page_geometry(buf)
+    assert g is not None, what
+    pages, heads, page, d = buf.shape
+    esz, s_tok = buf.element_size(), buf.stride(2)
+    for s in range(pages * page):
+        for h in range(heads):
+            row = (s // page) * g.rows_page + h * g.rows_head + s % page
+            col = h * g.cols_head
+            assert 0 <= row < g.rows and col + d <= g.width
+            for c in range(0, d, 64):
+                want = (buf[s // page, h, s % page, c].data_ptr() - buf.data_ptr()) // esz
+                assert row * s_tok + col + c == want, (what, s, h, c)
+    assert (g.rows - 1) * s_tok + g.width <= buf.untyped_storage().nbytes() // esz  # the last row in memory
+    assert hopper_extend(HOPPER, buf.dtype, buf, buf, d, d, True) == (d in (64, 128))
+
+
+def test_page_geometry_refusals():
+    bf16 = dict(dtype=torch.bfloat16)
+    assert tma_page_geometry(torch.empty(5, 4, 8, 128, **bf16)) is None  # pages of 8 keys: a box would cross pages
+    assert tma_page_geometry(torch.empty(5, 4, 128, 16, **bf16).transpose(2, 3)) is None  # channels strided
+    flat = torch.empty(5 * 4 * 16 * 128, **bf16)
+    assert tma_page_geometry(flat.as_strided((5, 4, 16, 128), (8192, 1024, 128, 1))) is None  # heads overlap
+    assert tma_page_geometry(flat.as_strided((5, 4, 16, 128), (4096, 2048, 128, 1))) is None  # pages overlap
+    odd = torch.empty(5, 16, 4, 100, **bf16)[..., :64].transpose(1, 2)  # heads 200 bytes apart in a row
+    assert tma_page_geometry(odd) is None
+    even = torch.empty(5, 16, 4, 96, **bf16)[..., :64].transpose(1, 2)  # heads 192 bytes apart: readable
+    assert tma_page_geometry(even) == (4 * 16 + 16, 3 * 96 + 64, 16, 0, 96)
+    assert tma_page_geometry(torch.empty(64, 8, 128, **bf16)) is None  # NHD pools: `tma_row_span`
+    eights = torch.empty(5, 4, 8, 128, **bf16)
+    assert not hopper_extend(HOPPER, torch.bfloat16, eights, eights, 128, 128, True)
+
+
 @pytest.mark.parametrize(
     "rank, rope, dtype", [(512, 64, torch.bfloat16), (256, 32, torch.float16), (128, 16, torch.bfloat16)]
 )
@@ -156,3 +208,16 @@ def test_backend_refuses_the_hopper_kernel_where_it_cannot_run():
     with pytest.raises(InvalidArgumentError) as err:
         TritonAttnBackend(env.ctx, extend_config=HOPPER)
     assert err.value.argument == "extend_config.wgmma_block_n" and "compute capability 9.x" in err.value.expected
+
+
+@pytest.mark.parametrize("layout, page", [("HND", 16), ("HND", 64), ("NHD", 16), ("HND", 8)])
+def test_hopper_extend_takes_attns_pools(layout, page):
+    """attn's own pools, NHD and page-major HND (pages of 16 keys or a multiple), are read by the Hopper kernel at
+    the SM90 default; HND pools of 8-key pages keep the portable kernel."""
+    from attn_core import MHATokenToKVPool
+    from attn_triton.config import extend_config_for
+
+    pool = MHATokenToKVPool(32 * page, page, torch.bfloat16, 8, 128, 1, "cpu", 128, layout)
+    k, v = pool.get_key_buffer(0), pool.get_value_buffer(0)
+    sm90 = extend_config_for(128, 128, torch.bfloat16, False, True)
+    assert hopper_extend(sm90, torch.bfloat16, k, v, 128, 128, True) == (page % 16 == 0)

@@ -240,6 +240,32 @@ HOPPER_CASES = [
         head_dim=128,
         device="cuda",
     ),
+    # page-major (HND) pools, as vLLM's HND caches: whole boxes of a page by TMA at the page's rows
+    # (`common.tma_page_geometry`), the rest gathered page by page
+    AttnCase(
+        "EXTEND",
+        [(1000, 300), (37, 200), (0, 129)],
+        dtype="bfloat16",
+        page_size=16,
+        kv_layout="HND",
+        return_lse=True,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        device="cuda",
+    ),
+    AttnCase(
+        "MIXED",
+        [(2047, 513), (700, 1), (64, 64)],
+        dtype="float16",
+        page_size=64,
+        kv_layout="HND",
+        sliding_window=700,
+        num_q_heads=16,
+        num_kv_heads=4,
+        head_dim=128,
+        device="cuda",
+    ),
 ]
 
 

@@ -9,7 +9,7 @@ LSEs leave the kernels in natural log. Host-side scale factors come from `score_
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -99,6 +99,72 @@ def tma_row_span(buf: torch.Tensor) -> Optional[int]:
             span += (buf.shape[i] - 1) * buf.stride(i)
     aligned = buf.stride(0) * esz % 16 == 0 and buf.data_ptr() % 16 == 0
     return span if buf.stride(0) >= span and aligned else None
+
+
+#: keys one TMA copy of the Hopper kernels brings (`extend_wgmma._tma_tile`): a run of contiguous slots
+TMA_BOX = 16
+
+
+class PageGeometry(NamedTuple):
+    """A page-major K/V buffer as the rows of a TMA descriptor (`tma_page_geometry`): `rows` x `width` elements,
+    row stride the buffer's token stride; key (slot s, KV head h) starts at row (s // page_size) * rows_page +
+    h * rows_head + s % page_size, column h * cols_head."""
+
+    rows: int
+    width: int
+    rows_page: int
+    rows_head: int
+    cols_head: int
+
+
+def tma_page_geometry(buf: torch.Tensor, box: int = TMA_BOX) -> Optional[PageGeometry]:
+    """A page-major buffer `[pages, Hkv, page_size, D]` (attn's HND pools, engine caches read through their
+    strides) as rows that TMA can read (`PageGeometry`), or None: the row stride is the token stride
+    `stride(2)`, and a KV head sits either whole rows apart (HND: its head stride a multiple of the token
+    stride, its page's rows not reaching the next head's) or within the row (a page of tokens with every head
+    side by side, FlashInfer's / FlashAttention's paged layout: head stride at least D and 16-byte aligned, the
+    heads within one token stride); D contiguous, the token stride 16-byte aligned and at least a row's width,
+    pages not overlapping, `page_size` a multiple of `box` (a box of contiguous slots never crosses a page),
+    a 16-byte aligned base.
+
+    >>> tma_page_geometry(torch.empty(6, 8, 16, 128, dtype=torch.bfloat16))  # contiguous HND
+    PageGeometry(rows=768, width=128, rows_page=128, rows_head=16, cols_head=0)
+    >>> tma_page_geometry(torch.empty(6, 2, 8, 16, 128, dtype=torch.bfloat16)[:, 0])  # K of [pages, 2, H, P, D]
+    PageGeometry(rows=1408, width=128, rows_page=256, rows_head=16, cols_head=0)
+    >>> tma_page_geometry(torch.empty(6, 2, 16, 8, 128, dtype=torch.bfloat16)[:, 0].transpose(1, 2))  # [.., P, H, D]
+    PageGeometry(rows=176, width=1024, rows_page=32, rows_head=0, cols_head=128)
+    >>> tma_page_geometry(torch.empty(6, 8, 8, 128, dtype=torch.bfloat16)) is None  # pages of 8 < a box
+    True
+    >>> tma_page_geometry(torch.empty(64, 8, 128, dtype=torch.bfloat16)) is None  # NHD: `tma_row_span`
+    True
+    """
+    if buf.dim() != 4 or buf.shape[2] <= 1:
+        return None
+    pages, heads, page, d = buf.shape
+    s_page, s_head, s_tok, s_ch = buf.stride()
+    esz = buf.element_size()
+    if s_ch != 1 or s_tok < d or s_tok * esz % 16 or page % box or buf.data_ptr() % 16 or s_page % s_tok:
+        return None
+    if heads == 1:
+        rows_head, cols_head, width = 0, 0, d
+    elif s_head % s_tok == 0 and s_head // s_tok >= page:  # heads whole pages of rows apart
+        rows_head, cols_head, width = s_head // s_tok, 0, d
+    elif d <= s_head and s_head * esz % 16 == 0 and (heads - 1) * s_head + d <= s_tok:  # heads side by side in a row
+        rows_head, cols_head, width = 0, s_head, (heads - 1) * s_head + d
+    else:
+        return None
+    rows_page = s_page // s_tok
+    if pages > 1 and rows_page < (heads - 1) * rows_head + page:  # a page's rows reaching into the next page's
+        return None
+    return PageGeometry((pages - 1) * rows_page + (heads - 1) * rows_head + page, width, rows_page, rows_head, cols_head)
+
+
+def hopper_readable(buf: torch.Tensor) -> bool:
+    """Whether the Hopper kernels' TMA reads a K/V buffer: an NHD pool `[slots, ...]` (`tma_compatible`) or a
+    page-major one (`tma_page_geometry`). Example: `[64, 8, 128]` and `[6, 8, 16, 128]` bf16 -> True."""
+    if buf.dim() == 4 and buf.shape[2] > 1:
+        return tma_page_geometry(buf) is not None
+    return tma_compatible(buf)
 
 
 def paged_strides(buf: torch.Tensor) -> tuple[int, int, int, int]:

@@ -19,7 +19,7 @@ or write outside its buffers. No fault is stored inside the key loops (a store t
 loads' software pipelining): slot faults are carried in registers and stored once per program.
 
 `extend_attention` runs this kernel, or, for the launches it takes under `ExtendConfig.wgmma_block_n` (the SM90
-default; `uses_wgmma`, pools `common.tma_compatible`), the Hopper kernel `extend_wgmma.py` (same arguments and
+default; `hopper_extend`: `uses_wgmma` and buffers its TMA reads), the Hopper kernel `extend_wgmma.py` (same arguments and
 faults, plus the pools' TMA descriptors; programs of 128 rows with the q heads of a KV head packed in:
 `packed_heads`).
 """
@@ -48,9 +48,9 @@ from attn_triton.kernels.common import (
     finalize,
     key_ranges,
     offset_range,
+    hopper_readable,
     paged_strides,
     score_scales,
-    tma_compatible,
 )
 
 
@@ -60,7 +60,7 @@ class ExtendConfig:
     rescales the accumulator on every key tile; K in 1..8 only when some row's max grew by more than K
     (base 2; `common.lazy_softmax_step`).
 
-    `wgmma_block_n` > 0 (64 or 128) runs the launches the Hopper kernel takes (`uses_wgmma`, `common.tma_compatible`;
+    `wgmma_block_n` > 0 (64 or 128) runs the launches the Hopper kernel takes (`hopper_extend`;
     `kernels/extend_wgmma.py`, compute capability 9.x only) on it, with tiles of that many keys in
     `wgmma_stages` (>= 3) buffers and `wgmma_regs` registers a thread for each consumer warpgroup (a
     multiple of 8 in 168..240; the producer gets the rest, `extend_wgmma.producer_regs`); the rest keep
@@ -106,6 +106,34 @@ def packed_heads(group: int, rows: int) -> int:
     while group % (heads * 2) == 0 and heads * 2 <= rows:
         heads *= 2
     return heads
+
+
+def hopper_extend(
+    config: ExtendConfig,
+    dtype: torch.dtype,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    head_dim: int,
+    v_head_dim: int,
+    plain: bool,
+) -> bool:
+    """Whether `extend_attention` runs a launch on the Hopper kernel (`kernels/extend_wgmma.py`): `uses_wgmma`
+    says the launch is one it takes, and its TMA reads both buffers (`common.hopper_readable`: attn's NHD pools,
+    K|V side by side, page-major buffers with pages of 16 keys or a multiple); otherwise the portable
+    kernel runs it (the same results).
+
+    >>> cfg = ExtendConfig(128, 64, 4, 3, wgmma_block_n=64)
+    >>> hnd = torch.empty(4, 8, 16, 128, dtype=torch.bfloat16)
+    >>> hopper_extend(cfg, torch.bfloat16, hnd, hnd, 128, 128, True)
+    True
+    >>> hopper_extend(cfg, torch.bfloat16, hnd[:, :, :8], hnd[:, :, :8], 128, 128, True)  # pages of 8
+    False
+    """
+    return (
+        uses_wgmma(config, dtype, k_buf.dtype, head_dim, v_head_dim, plain)
+        and hopper_readable(k_buf)
+        and hopper_readable(v_buf)
+    )
 
 
 def uses_wgmma(
@@ -402,12 +430,7 @@ def extend_attention(
     plain = not use_mask and d_rope == 0 and not share_kv and spans is None
     num_slots, page, k_page, k_token = paged_strides(k_buf)
     _, _, v_page, v_token = paged_strides(v)
-    if (
-        page == 1
-        and uses_wgmma(config, q.dtype, k_buf.dtype, d, dv, plain)
-        and tma_compatible(k_buf)
-        and tma_compatible(v)
-    ):
+    if hopper_extend(config, q.dtype, k_buf, v, d, dv, plain):
         # Gluon: imported only where it runs
         from attn_triton.kernels.extend_wgmma import (
             TMA_BOX,
@@ -415,11 +438,13 @@ def extend_attention(
             extend_wgmma_kernel,
             kv_descriptors,
             producer_regs,
+            tma_rows,
         )
 
         heads = packed_heads(hq // hkv, WGMMA_BLOCK_M)
         tokens, grid_h, kernel = WGMMA_BLOCK_M // heads, hq // heads, extend_wgmma_kernel
         k_desc, v_desc = kv_descriptors(k_buf, v)
+        (rows_kp, rows_kh, cols_kh), (rows_vp, rows_vh, cols_vh) = tma_rows(k_buf), tma_rows(v)
         # num_warps: the default partition's (the kernel's worker partitions add 8)
         options = dict(
             BLOCK_M=WGMMA_BLOCK_M,
@@ -434,6 +459,15 @@ def extend_attention(
             CONSUMER_REGS=config.wgmma_regs,
             PRODUCER_REGS=producer_regs(config.wgmma_regs),
             CLEAN=config.wgmma_clean_masked,
+            PAGE=page,
+            stride_kp=k_page,
+            stride_vp=v_page,
+            rows_kp=rows_kp,
+            rows_vp=rows_vp,
+            rows_kh=rows_kh,
+            rows_vh=rows_vh,
+            cols_kh=cols_kh,
+            cols_vh=cols_vh,
         )
     else:
         tokens, grid_h, kernel = config.block_m, hq, _extend_kernel

@@ -66,10 +66,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from attn_triton.kernels.common import (
     FAULT_KEY_OFFSETS,
     FAULT_QUERY_ROWS,
+    TMA_BOX,
     key_ranges,
     offset_range,
     scale_scores,
     softmax_terms,
+    tma_page_geometry,
 )
 from attn_triton.kernels.decode import one_split_result
 from attn_triton.kernels.gluon_gather import (
@@ -77,6 +79,7 @@ from attn_triton.kernels.gluon_gather import (
     checked_rows,
     cta_barrier,
     gather_to_shared,
+    page_descriptor,
     pool_descriptor,
     reinterpret_shared,
     slot_runs,
@@ -85,8 +88,8 @@ from attn_triton.kernels.gluon_gather import (
 
 #: query rows of a program: one warpgroup MMA's 64 rows for each of the two consumer warpgroups
 WGMMA_BLOCK_M = 128
-#: keys one TMA copy brings: a run of contiguous slots (pages of 16 keys, or a multiple, give whole runs)
-TMA_BOX = 16
+# TMA_BOX (`common`): keys one TMA copy brings, a run of contiguous slots (pages of 16 keys, or a multiple, give
+# whole runs)
 #: channels one TMA copy brings: 128 bytes of 16-bit values, the width of the buffers' 128-byte swizzle
 TMA_CHANNELS = 64
 #: registers a thread the kernel's 3 warpgroups share: 168 a thread x 384 threads launched with
@@ -102,14 +105,31 @@ def producer_regs(consumer_regs: int) -> int:
 
 
 def kv_descriptors(k_buf: torch.Tensor, v_buf: torch.Tensor) -> tuple:
-    """The TMA descriptors of one layer's K and V pools for `extend_wgmma_kernel`: each pool `[slots, Hkv,
-    D]` (`common.tma_compatible`: D contiguous, heads `stride(1)` apart) seen as `[slots, row]`, in boxes of
-    TMA_BOX slots x TMA_CHANNELS channels (`gluon_gather.pool_descriptor`). Made once per launch.
+    """The TMA descriptors of one layer's K and V buffers for `extend_wgmma_kernel`, in boxes of TMA_BOX keys x
+    TMA_CHANNELS channels, made once per launch: an NHD pool `[slots, Hkv, D]` (`common.tma_compatible`: D
+    contiguous, heads `stride(1)` apart) seen as `[slots, row]` (`gluon_gather.pool_descriptor`), a page-major
+    HND buffer `[pages, Hkv, page_size, D]` as rows of D channels (`gluon_gather.page_descriptor`).
 
     Example: a bf16 K pool `[4096, 8, 128]` -> a descriptor of shape [4096, 1024], strides [1024, 1], block
     [16, 64]; the kernel copies box (slot s, KV head h, half c) from coordinates [s, stride(1) h + 64 c] =
-    [s, 128 h + 64 c] (K and V side by side, `[4096, 8, 256][:, :, :128]`: [s, 256 h + 64 c])."""
-    return pool_descriptor(k_buf, TMA_BOX, TMA_CHANNELS), pool_descriptor(v_buf, TMA_BOX, TMA_CHANNELS)
+    [s, 128 h + 64 c] (K and V side by side, `[4096, 8, 256][:, :, :128]`: [s, 256 h + 64 c]); an HND
+    `[256, 8, 16, 128]` -> shape [32768, 128]: box (s, h, c) at [(s // 16) * 128 + 16 h + s % 16, 64 c]."""
+
+    def one(buf: torch.Tensor):
+        if buf.dim() == 4 and buf.shape[2] > 1:
+            return page_descriptor(buf, TMA_BOX, TMA_CHANNELS)
+        return pool_descriptor(buf, TMA_BOX, TMA_CHANNELS)
+
+    return one(k_buf), one(v_buf)
+
+
+def tma_rows(buf: torch.Tensor) -> tuple[int, int, int]:
+    """(rows from one page to the next, rows from one KV head to the next, columns from one KV head to the
+    next) of a page-major K/V buffer in its descriptor (`kv_descriptors`, `common.tma_page_geometry`); (0, 0,
+    0) for an NHD pool (its rows are slots, a head's column its head stride). Example: `[6, 8, 16, 128]` ->
+    (128, 16, 0)."""
+    geometry = tma_page_geometry(buf) if buf.dim() == 4 and buf.shape[2] > 1 else None
+    return (0, 0, 0) if geometry is None else (geometry.rows_page, geometry.rows_head, geometry.cols_head)
 
 
 @gluon.jit
@@ -143,14 +163,20 @@ def _tma_tile(
     DESC,
     first,
     col,
+    row,
+    rows_page,
     BLOCK_N: gl.constexpr,
     D: gl.constexpr,
     STAGES: gl.constexpr,
     BOX: gl.constexpr,
+    PAGE: gl.constexpr,
 ):
     """Bring the K or V rows of tile t into buffer b by TMA, once its last tile is free: box j (`first`, from
     `slot_runs`) of every 64-channel half c (`chunks`: the buffers as `[STAGES * D / 64, BLOCK_N, 64]`) from
-    the descriptor's coordinates [first[j], col + 64 c]; `ready` completes when the tile's bytes land."""
+    the descriptor's coordinates [first[j], col + 64 c] (PAGE 1: rows are slots, the KV head a column offset),
+    or [(first[j] // PAGE) rows_page + row + first[j] % PAGE, col + 64 c] (a page-major buffer,
+    `kv_descriptors`: `row` / `col` the KV head's row / column offset); `ready` completes when the tile's
+    bytes land."""
     NB: gl.constexpr = BLOCK_N // BOX
     CH: gl.constexpr = D // 64
     jb = gl.arange(0, NB, layout=first.type.layout)
@@ -158,6 +184,8 @@ def _tma_tile(
     mbarrier.expect(ready.index(b), BLOCK_N * D * chunks.dtype.primitive_bitwidth // 8)
     for j in gl.static_range(NB):
         s_j = gl.sum(gl.where(jb == j, first, 0), 0)
+        if PAGE > 1:
+            s_j = (s_j // PAGE) * rows_page + row + s_j % PAGE
         for c in gl.static_range(CH):
             tma_load(DESC, [s_j, col + 64 * c], ready.index(b), chunks.index(b * CH + c).slice(j * BOX, BOX))
 
@@ -180,13 +208,18 @@ def _gather_kv(
     num_slots,
     stride_ks,
     stride_vs,
+    stride_kp,
+    stride_vp,
     BLOCK_N: gl.constexpr,
     D: gl.constexpr,
     STAGES: gl.constexpr,
+    PAGE: gl.constexpr,
 ):
     """Start the cp.async copies of the K and V rows of tile t (keys [start, start + BLOCK_N)) into buffer b,
     by slot, once its last tile is free: a key at or past hi is not read, nor one whose slot is outside [0,
-    num_slots), which also raises the SLOT fault; their rows are zero-filled. Two commit groups."""
+    num_slots), which also raises the SLOT fault; their rows are zero-filled. Two commit groups. Slot s's row
+    (from the KV head's K_HEAD / V_HEAD): s * stride_ks (PAGE 1), or (s // PAGE) * stride_kp + (s % PAGE) *
+    stride_ks in a page-major buffer (`common.kv_rows`)."""
     # 32 channels (four 16-byte copies) a thread, D / 32 threads a row
     LD: gl.constexpr = gl.BlockedLayout([1, 32], [32 // (D // 32), D // 32], [4, 1], [1, 0])
     ph = (gl.maximum(t - STAGES, 0) // STAGES) & 1
@@ -194,10 +227,16 @@ def _gather_kv(
     live = n < hi
     slot = gl.load(KV_INDICES + kv_beg + n, mask=live, other=0)
     rows, ok = checked_rows(slot, live, FAULT, num_slots, stride_ks)
+    s = gl.where(ok, slot, 0).to(gl.int64)
+    if PAGE > 1:
+        rows = (s // PAGE) * stride_kp + (s % PAGE) * stride_ks
+        v_rows = (s // PAGE) * stride_vp + (s % PAGE) * stride_vs
+    else:
+        v_rows = s * stride_vs
     mbarrier.wait(k_free.index(b), ph, pred=t >= STAGES)
     _gather(k_s.index(b), K_HEAD, rows, ok, D, LD)
     mbarrier.wait(v_free.index(b), ph, pred=t >= STAGES)
-    _gather(v_s.index(b), V_HEAD, gl.where(ok, slot, 0).to(gl.int64) * stride_vs, ok, D, LD)
+    _gather(v_s.index(b), V_HEAD, v_rows, ok, D, LD)
 
 
 @gluon.jit
@@ -264,8 +303,14 @@ def _producer(
     num_slots,
     col_k,
     col_v,
+    row_k,
+    row_v,
+    rows_kp,
+    rows_vp,
     stride_ks,
     stride_vs,
+    stride_kp,
+    stride_vp,
     BLOCK_N: gl.constexpr,
     D: gl.constexpr,
     STAGES: gl.constexpr,
@@ -274,6 +319,7 @@ def _producer(
     CAUSAL: gl.constexpr,
     HAS_WINDOW: gl.constexpr,
     CLEAN: gl.constexpr,
+    PAGE: gl.constexpr,
 ):
     """The producer partition (module doc): tiles 0 .. n_tiles - 1 of keys [lo, hi) (one tile at least: with
     no keys it is zero-filled) into buffers t % STAGES, by TMA or by the gather; with CLEAN, a tile holding a
@@ -302,13 +348,15 @@ def _producer(
         start = lo + t * BLOCK_N
         nxt = box_slots(KV_INDICES, kv_beg, start + BLOCK_N, hi, BLOCK_N, BOX, S2)
         first, runs = slot_runs(slots, num_slots, BOX)
+        if PAGE > 1:  # a box of a page-major buffer: within one page (its rows contiguous)
+            runs = runs & (gl.min(((first % PAGE) <= PAGE - BOX).to(gl.int32), 0) == 1)
         by_tma = (start + BLOCK_N <= hi) & runs
         if CLEAN:  # a tile holding keys some rows do not see is gathered and cleaned
             dirty = (start < seen_from) | (gl.minimum(start + BLOCK_N, hi) > seen_to)
             by_tma = by_tma & ~dirty
         if by_tma:
-            _tma_tile(k_c, b, t, k_free, k_ready, K_DESC, first, col_k, BLOCK_N, D, STAGES, BOX)
-            _tma_tile(v_c, b, t, v_free, v_ready, V_DESC, first, col_v, BLOCK_N, D, STAGES, BOX)
+            _tma_tile(k_c, b, t, k_free, k_ready, K_DESC, first, col_k, row_k, rows_kp, BLOCK_N, D, STAGES, BOX, PAGE)
+            _tma_tile(v_c, b, t, v_free, v_ready, V_DESC, first, col_v, row_v, rows_vp, BLOCK_N, D, STAGES, BOX, PAGE)
         else:
             _gather_kv(
                 k_s,
@@ -327,9 +375,12 @@ def _producer(
                 num_slots,
                 stride_ks,
                 stride_vs,
+                stride_kp,
+                stride_vp,
                 BLOCK_N,
                 D,
                 STAGES,
+                PAGE,
             )
             if CLEAN:
                 if dirty:
@@ -687,6 +738,15 @@ def extend_wgmma_kernel(
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     CLEAN: gl.constexpr,
+    PAGE: gl.constexpr,
+    stride_kp,
+    stride_vp,
+    rows_kp,
+    rows_vp,
+    rows_kh,
+    rows_vh,
+    cols_kh,
+    cols_vh,
 ):
     gl.static_assert(BLOCK_M == 128, "two warpgroups of 64 rows")
     gl.static_assert((D == BLOCK_D) & (DV == D) & ((D == 64) | (D == 128)), "head_dim = v_head_dim of 64 or 128")
@@ -727,6 +787,10 @@ def extend_wgmma_kernel(
         cta_barrier()
         K_HEAD = K + kv_head * stride_kh
         V_HEAD = V + kv_head * stride_vh
+        if PAGE > 1:  # a page-major buffer's descriptor: the KV head a row and a column offset (`kv_descriptors`)
+            col_k, col_v, row_k, row_v = kv_head * cols_kh, kv_head * cols_vh, kv_head * rows_kh, kv_head * rows_vh
+        else:  # rows are slots, the KV head a column offset
+            col_k, col_v, row_k, row_v = kv_head * stride_kh, kv_head * stride_vh, 0, 0
         # (the partitions' arguments written out in the call: a tuple built first would turn the constexprs into
         # tensors)
         gl.warp_specialize(
@@ -844,10 +908,16 @@ def extend_wgmma_kernel(
                         mb,
                         window,
                         num_slots,
-                        kv_head * stride_kh,
-                        kv_head * stride_vh,
+                        col_k,
+                        col_v,
+                        row_k,
+                        row_v,
+                        rows_kp,
+                        rows_vp,
                         stride_ks,
                         stride_vs,
+                        stride_kp,
+                        stride_vp,
                         BLOCK_N,
                         D,
                         STAGES,
@@ -856,6 +926,7 @@ def extend_wgmma_kernel(
                         CAUSAL,
                         HAS_WINDOW,
                         CLEAN,
+                        PAGE,
                     ),
                 ),
             ],

@@ -11,7 +11,8 @@ Triton 3.6 (the GPU machine's) and 3.9, and the bounds check of a gathered tile'
 - `checked_rows`: element offsets of key rows from their slots, with the SLOT fault;
 - `box_slots` / `slot_runs`: a tile's slots in boxes of keys, and whether each box is one run of
   contiguous slots (a tile TMA can bring);
-- `pool_descriptor` (host): a pool's TMA descriptor, made per launch.
+- `pool_descriptor` (host): a pool's TMA descriptor, made per launch (`page_descriptor`: of a page-major HND
+  buffer).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
 from attn_core.contract.errors import InvalidArgumentError
-from attn_triton.kernels.common import FAULT_SLOT, tma_row_span
+from attn_triton.kernels.common import FAULT_SLOT, tma_page_geometry, tma_row_span
 
 gather_to_shared = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
@@ -57,6 +58,26 @@ def pool_descriptor(buf: torch.Tensor, rows: int, cols: int):
         expected = "a pool TMA can read (common.tma_compatible)"
         raise InvalidArgumentError("buf", expected, (tuple(buf.shape), buf.stride()))
     return TensorDescriptor(buf, [buf.shape[0], row], [buf.stride(0), 1], [rows, cols], _box_layout(rows, cols))
+
+
+def page_descriptor(buf: torch.Tensor, rows: int, cols: int):
+    """The TMA descriptor of a 16-bit page-major buffer `[pages, Hkv, page_size, D]` (`common.tma_page_geometry`)
+    seen as its rows (row stride: the token stride), in boxes of `rows` rows x `cols` channels; key (slot s,
+    KV head h) at row (s // page_size) * rows_page + h * rows_head + s % page_size, column h * cols_head. Made
+    per launch.
+
+    Example: a contiguous bf16 HND `[6, 8, 16, 128]`, rows 16, cols 64 -> shape [768, 128], strides [128, 1],
+    block [16, 64] (slot 37 of head 2 at row 2 * 128 + 2 * 16 + 5 = 293); `[6, 16, 8, 128]` (tokens of every
+    head) seen as `[6, 8, 16, 128]` -> shape [96, 1024], strides [1024, 1] (slot 37 of head 2: row 37, column
+    256)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    geometry = tma_page_geometry(buf, rows)
+    if geometry is None:
+        expected = "a page-major buffer TMA can read (common.tma_page_geometry)"
+        raise InvalidArgumentError("buf", expected, (tuple(buf.shape), buf.stride()))
+    shape, strides = [geometry.rows, geometry.width], [buf.stride(2), 1]
+    return TensorDescriptor(buf, shape, strides, [rows, cols], _box_layout(rows, cols))
 
 
 # shared_memory_descriptor.reinterpret (3.9) was _reinterpret (3.6)
