@@ -244,8 +244,9 @@ if asked fa4-check; then
 fi
 if asked fa4-engine; then
   python3 -m pytest -q -p no:cacheprovider -m gpu plugins/flashattention/tests/test_gpu_engine.py 2>&1 | tee "$OUT/fa4_engine.log" || rc=1
-  for b in fa4 "hybrid(prefill=fa4,decode=triton)"; do
-    python3 examples/hf_llama.py --device cuda --backend "$b" --attn-dtype float16 --check 2>&1 | tee -a "$OUT/fa4_engine_tps.log" || rc=1
+  for b in fa4 "hybrid(prefill=fa4,decode=triton)"; do  # tokens/s in float16 (equality with generate: the float32 tests above;
+    # in float16 a few greedy tokens of the random tiny model flip at near ties: 3 of 16 requests on 2026-11-29)
+    python3 examples/hf_llama.py --device cuda --backend "$b" --attn-dtype float16 2>&1 | tee -a "$OUT/fa4_engine_tps.log" || rc=1
   done
 fi
 if asked fa4-bench; then
