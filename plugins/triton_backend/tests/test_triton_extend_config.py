@@ -1,8 +1,8 @@
 """The extend kernels' configuration on the CPU: `ExtendConfig`'s checks, which launches the Hopper
 kernel (`kernels/extend_wgmma.py`) would take (`uses_wgmma`, and pools its TMA descriptors can read:
-`tma_compatible`, `tma_page_geometry`), the TMA descriptors of both Hopper kernels (extend and MLA: `gluon_gather.pool_descriptor`),
-how many q heads it packs into a program (`packed_heads`, against a plain search), and that a backend
-refuses it where it cannot run. The kernels themselves are compiled for sm_90 by
+`tma_compatible`, `tma_page_geometry`), the TMA descriptors of both Hopper kernels (extend and MLA:
+`gluon_gather.pool_descriptor`), how many q heads it packs into a program (`packed_heads`, against a plain
+search), and that a backend refuses it where it cannot run. The kernels themselves are compiled for sm_90 by
 test_triton_compile_sm90.py and run by the GPU suite."""
 
 from __future__ import annotations

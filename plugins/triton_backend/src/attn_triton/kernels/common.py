@@ -156,7 +156,8 @@ def tma_page_geometry(buf: torch.Tensor, box: int = TMA_BOX) -> Optional[PageGeo
     rows_page = s_page // s_tok
     if pages > 1 and rows_page < (heads - 1) * rows_head + page:  # a page's rows reaching into the next page's
         return None
-    return PageGeometry((pages - 1) * rows_page + (heads - 1) * rows_head + page, width, rows_page, rows_head, cols_head)
+    rows = (pages - 1) * rows_page + (heads - 1) * rows_head + page
+    return PageGeometry(rows, width, rows_page, rows_head, cols_head)
 
 
 def hopper_readable(buf: torch.Tensor) -> bool:

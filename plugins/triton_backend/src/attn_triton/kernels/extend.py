@@ -19,8 +19,8 @@ or write outside its buffers. No fault is stored inside the key loops (a store t
 loads' software pipelining): slot faults are carried in registers and stored once per program.
 
 `extend_attention` runs this kernel, or, for the launches it takes under `ExtendConfig.wgmma_block_n` (the SM90
-default; `hopper_extend`: `uses_wgmma` and buffers its TMA reads), the Hopper kernel `extend_wgmma.py` (same arguments and
-faults, plus the pools' TMA descriptors; programs of 128 rows with the q heads of a KV head packed in:
+default; `hopper_extend`: `uses_wgmma` and buffers its TMA reads), the Hopper kernel `extend_wgmma.py` (same
+arguments and faults, plus the pools' TMA descriptors; programs of 128 rows with the q heads of a KV head packed in:
 `packed_heads`).
 """
 
@@ -46,9 +46,9 @@ from attn_triton.kernels.common import (
     check_lazy_rescale,
     check_query_rows,
     finalize,
+    hopper_readable,
     key_ranges,
     offset_range,
-    hopper_readable,
     paged_strides,
     score_scales,
 )
