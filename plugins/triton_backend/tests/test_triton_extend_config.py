@@ -164,7 +164,7 @@ def test_pool_descriptors(rank, rope, dtype):
     from attn_triton.kernels.mla_wgmma import TILE_KEYS, latent_descriptors
 
     k, v = torch.empty(4096, 8, 128, dtype=dtype), torch.empty(4096, 8, 128, dtype=dtype)
-    kd, vd = kv_descriptors(k, v)
+    kd, vd, rows = kv_descriptors(k, v)
     assert (kd.shape, kd.strides, kd.block_shape, kd.base is k, vd.base is v) == (
         [4096, 1024],
         [1024, 1],
@@ -172,12 +172,25 @@ def test_pool_descriptors(rank, rope, dtype):
         True,
         True,
     )
+    assert set(rows.values()) == {0}  # rows are slots: no page / head row arguments
     # K and V side by side, one cache `[slots, Hkv, 2 D]`: each a descriptor of rows from its first head's channels
     # to its last head's, heads 2 D apart
     kv = torch.empty(4096, 8, 256, dtype=dtype)
-    kd, vd = kv_descriptors(kv[:, :, :128], kv[:, :, 128:])
+    kd, vd, _ = kv_descriptors(kv[:, :, :128], kv[:, :, 128:])
     assert (kd.shape, kd.strides, vd.shape, vd.strides) == ([4096, 1920], [2048, 1], [4096, 1920], [2048, 1])
     assert vd.base.data_ptr() == kv.data_ptr() + 128 * kv.element_size()
+    # page-major: vLLM's HND cache `[pages, 2, Hkv, 16, D]` (K and V views), rows of D channels a token apart, K's
+    # head h page p from row 256 p + 16 h, V's the same from its own base
+    hnd = torch.empty(64, 2, 8, 16, 128, dtype=dtype)
+    kd, vd, rows = kv_descriptors(hnd[:, 0], hnd[:, 1])
+    assert (kd.shape, kd.strides, kd.block_shape, vd.shape) == (
+        [63 * 256 + 7 * 16 + 16, 128],
+        [128, 1],
+        [16, 64],
+        kd.shape,
+    )
+    assert rows == dict(rows_kp=256, rows_kh=16, cols_kh=0, rows_vp=256, rows_vh=16, cols_vh=0)
+    assert vd.base.data_ptr() == hnd[:, 1].data_ptr()
     latent = torch.empty(300, 1, rank + rope + 64, dtype=dtype)[:, :, : rank + rope]  # rows padded: stride past the row
     assert tma_compatible(latent)
     nope, rope_d = latent_descriptors(latent, rank)

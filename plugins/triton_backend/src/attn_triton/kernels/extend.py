@@ -438,13 +438,11 @@ def extend_attention(
             extend_wgmma_kernel,
             kv_descriptors,
             producer_regs,
-            tma_rows,
         )
 
         heads = packed_heads(hq // hkv, WGMMA_BLOCK_M)
         tokens, grid_h, kernel = WGMMA_BLOCK_M // heads, hq // heads, extend_wgmma_kernel
-        k_desc, v_desc = kv_descriptors(k_buf, v)
-        (rows_kp, rows_kh, cols_kh), (rows_vp, rows_vh, cols_vh) = tma_rows(k_buf), tma_rows(v)
+        k_desc, v_desc, rows = kv_descriptors(k_buf, v)
         # num_warps: the default partition's (the kernel's worker partitions add 8)
         options = dict(
             BLOCK_M=WGMMA_BLOCK_M,
@@ -462,12 +460,7 @@ def extend_attention(
             PAGE=page,
             stride_kp=k_page,
             stride_vp=v_page,
-            rows_kp=rows_kp,
-            rows_vp=rows_vp,
-            rows_kh=rows_kh,
-            rows_vh=rows_vh,
-            cols_kh=cols_kh,
-            cols_vh=cols_vh,
+            **rows,  # rows_kp, rows_kh, cols_kh and V's: the buffers' rows in their descriptors
         )
     else:
         tokens, grid_h, kernel = config.block_m, hq, _extend_kernel

@@ -71,7 +71,6 @@ from attn_triton.kernels.common import (
     offset_range,
     scale_scores,
     softmax_terms,
-    tma_page_geometry,
 )
 from attn_triton.kernels.decode import one_split_result
 from attn_triton.kernels.gluon_gather import (
@@ -105,31 +104,28 @@ def producer_regs(consumer_regs: int) -> int:
 
 
 def kv_descriptors(k_buf: torch.Tensor, v_buf: torch.Tensor) -> tuple:
-    """The TMA descriptors of one layer's K and V buffers for `extend_wgmma_kernel`, in boxes of TMA_BOX keys x
-    TMA_CHANNELS channels, made once per launch: an NHD pool `[slots, Hkv, D]` (`common.tma_compatible`: D
-    contiguous, heads `stride(1)` apart) seen as `[slots, row]` (`gluon_gather.pool_descriptor`), a page-major
-    HND buffer `[pages, Hkv, page_size, D]` as rows of D channels (`gluon_gather.page_descriptor`).
+    """(K descriptor, V descriptor, their row arguments) of one layer's K and V buffers for
+    `extend_wgmma_kernel`, in boxes of TMA_BOX keys x TMA_CHANNELS channels, made once per launch: an NHD pool
+    `[slots, Hkv, D]` (`common.tma_compatible`: D contiguous, heads `stride(1)` apart) seen as `[slots, row]`
+    (`gluon_gather.pool_descriptor`; its row arguments 0: rows are slots, a head's column its head stride), a
+    page-major buffer `[pages, Hkv, page_size, D]` as its rows (`gluon_gather.page_descriptor`; the kernel's
+    `rows_kp` / `rows_kh` / `cols_kh`, `..._v...` for V, from its `common.PageGeometry`).
 
     Example: a bf16 K pool `[4096, 8, 128]` -> a descriptor of shape [4096, 1024], strides [1024, 1], block
     [16, 64]; the kernel copies box (slot s, KV head h, half c) from coordinates [s, stride(1) h + 64 c] =
     [s, 128 h + 64 c] (K and V side by side, `[4096, 8, 256][:, :, :128]`: [s, 256 h + 64 c]); an HND
-    `[256, 8, 16, 128]` -> shape [32768, 128]: box (s, h, c) at [(s // 16) * 128 + 16 h + s % 16, 64 c]."""
-
-    def one(buf: torch.Tensor):
+    `[256, 8, 16, 128]` -> shape [32768, 128], rows_kp 128, rows_kh 16, cols_kh 0: box (s, h, c) at
+    [(s // 16) * 128 + 16 h + s % 16, 64 c]."""
+    descriptors, args = [], {}
+    for buf, x in ((k_buf, "k"), (v_buf, "v")):
         if buf.dim() == 4 and buf.shape[2] > 1:
-            return page_descriptor(buf, TMA_BOX, TMA_CHANNELS)
-        return pool_descriptor(buf, TMA_BOX, TMA_CHANNELS)
-
-    return one(k_buf), one(v_buf)
-
-
-def tma_rows(buf: torch.Tensor) -> tuple[int, int, int]:
-    """(rows from one page to the next, rows from one KV head to the next, columns from one KV head to the
-    next) of a page-major K/V buffer in its descriptor (`kv_descriptors`, `common.tma_page_geometry`); (0, 0,
-    0) for an NHD pool (its rows are slots, a head's column its head stride). Example: `[6, 8, 16, 128]` ->
-    (128, 16, 0)."""
-    geometry = tma_page_geometry(buf) if buf.dim() == 4 and buf.shape[2] > 1 else None
-    return (0, 0, 0) if geometry is None else (geometry.rows_page, geometry.rows_head, geometry.cols_head)
+            desc, g = page_descriptor(buf, TMA_BOX, TMA_CHANNELS)
+            rows_page, rows_head, cols_head = g.rows_page, g.rows_head, g.cols_head
+        else:
+            desc, rows_page, rows_head, cols_head = pool_descriptor(buf, TMA_BOX, TMA_CHANNELS), 0, 0, 0
+        descriptors.append(desc)
+        args.update({f"rows_{x}p": rows_page, f"rows_{x}h": rows_head, f"cols_{x}h": cols_head})
+    return descriptors[0], descriptors[1], args
 
 
 @gluon.jit

@@ -60,11 +60,11 @@ def pool_descriptor(buf: torch.Tensor, rows: int, cols: int):
     return TensorDescriptor(buf, [buf.shape[0], row], [buf.stride(0), 1], [rows, cols], _box_layout(rows, cols))
 
 
-def page_descriptor(buf: torch.Tensor, rows: int, cols: int):
-    """The TMA descriptor of a 16-bit page-major buffer `[pages, Hkv, page_size, D]` (`common.tma_page_geometry`)
-    seen as its rows (row stride: the token stride), in boxes of `rows` rows x `cols` channels; key (slot s,
-    KV head h) at row (s // page_size) * rows_page + h * rows_head + s % page_size, column h * cols_head. Made
-    per launch.
+def page_descriptor(buf: torch.Tensor, rows: int, cols: int) -> tuple:
+    """(The TMA descriptor, its `common.PageGeometry`) of a 16-bit page-major buffer `[pages, Hkv, page_size,
+    D]` (`common.tma_page_geometry`) seen as its rows (row stride: the token stride), in boxes of `rows` rows x
+    `cols` channels; key (slot s, KV head h) at row (s // page_size) * rows_page + h * rows_head + s %
+    page_size, column h * cols_head. Made per launch.
 
     Example: a contiguous bf16 HND `[6, 8, 16, 128]`, rows 16, cols 64 -> shape [768, 128], strides [128, 1],
     block [16, 64] (slot 37 of head 2 at row 2 * 128 + 2 * 16 + 5 = 293); `[6, 16, 8, 128]` (tokens of every
@@ -77,7 +77,7 @@ def page_descriptor(buf: torch.Tensor, rows: int, cols: int):
         expected = "a page-major buffer TMA can read (common.tma_page_geometry)"
         raise InvalidArgumentError("buf", expected, (tuple(buf.shape), buf.stride()))
     shape, strides = [geometry.rows, geometry.width], [buf.stride(2), 1]
-    return TensorDescriptor(buf, shape, strides, [rows, cols], _box_layout(rows, cols))
+    return TensorDescriptor(buf, shape, strides, [rows, cols], _box_layout(rows, cols)), geometry
 
 
 # shared_memory_descriptor.reinterpret (3.9) was _reinterpret (3.6)
