@@ -220,7 +220,7 @@ for d, group, causal, tiles in ((128, 4, True, ((64, 4, 224), (64, 4, 208))), (6
         print("extend hopper", d, block_n, stages, usage, "shared", k.metadata.shared)
 # the SM90 default tiles over a page-major cache (PAGE 16 and 64: vLLM's HND layout, `common.tma_page_geometry`): the
 # producer's page arithmetic only, the consumers as with attn's own pools (no permutes, the MMAs not serialized; no
-# spills with Triton 3.6, the GPU machine's; 40 bytes of the producer's with 3.9)
+# spills with Triton 3.6, the GPU machine's; with 3.9, up to 72 bytes of the producer's: the boxes' rows it holds whole)
 sm90 = extend_config_for(128, 128, torch.bfloat16, False, True)
 for page in (16, 64):
     consts = dict(GROUP=4, BLOCK_M=128, BLOCK_N=sm90.wgmma_block_n, D=128, BLOCK_D=128, DPE=0, BLOCK_DPE=0, DV=128,
@@ -231,7 +231,8 @@ for page in (16, 64):
     k = build(extend_wgmma_kernel, "bf16", consts, 4, None, 90, source=GluonASTSource)
     usage, sass = res_usage(k), sass_of(k)
     stack = int(usage.split("STACK:")[1].split()[0])
-    assert stack <= 48 and not serialized_wgmma(sass) and sass.count("PRMT") == 0, (page, usage)
+    limit = 0 if triton.__version__.startswith("3.6") else 72
+    assert stack <= limit and not serialized_wgmma(sass) and sass.count("PRMT") == 0, (page, usage)
     print("extend hopper page-major", page, usage, "shared", k.metadata.shared)
 # its producer cleaning the tiles with keys some rows do not see (ExtendConfig.wgmma_clean_masked), at the SM90
 # default tiles: compiles within shared memory, the MMAs not serialized (the clean loop's permutes and spills are

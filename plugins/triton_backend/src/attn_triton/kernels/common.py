@@ -183,10 +183,16 @@ def paged_strides(buf: torch.Tensor) -> tuple[int, int, int, int]:
 def kv_rows(slot, PAGE: tl.constexpr, stride_page, stride_token):
     """Element offset of each slot's row (head 0) in a K/V buffer: slot * stride_token for a buffer of one
     run of slots (PAGE 1), else (slot // PAGE) * stride_page + (slot % PAGE) * stride_token (page-major
-    buffers, `paged_strides`). Example: PAGE 4, strides 64 / 8: slot 9 -> 2 * 64 + 1 * 8 = 136."""
+    buffers, `paged_strides`). Example: PAGE 4, strides 64 / 8: slot 9 -> 2 * 64 + 1 * 8 = 136.
+    A slot that is read lies in [0, num_slots), below 2**31: page and offset come from its low 32 bits,
+    unsigned (a shift and a mask for a power-of-two PAGE), each then one widening multiply (a slot outside
+    the pool gives some offset, which the caller's mask keeps from being read)."""
     if PAGE == 1:
         return slot * stride_token
-    return (slot // PAGE) * stride_page + (slot % PAGE) * stride_token
+    u = slot.to(tl.int32).to(tl.uint32, bitcast=True)
+    page = (u // PAGE).to(tl.int32, bitcast=True)
+    tok = (u % PAGE).to(tl.int32, bitcast=True)
+    return page.to(tl.int64) * stride_page + tok.to(tl.int64) * stride_token
 
 
 def check_lazy_rescale(name: str, slack: int) -> None:

@@ -150,6 +150,17 @@ def _gather(buf, BASE, rows, ok, D: gl.constexpr, L: gl.constexpr):
 
 
 @gluon.jit
+def _box_rows(first, row, rows_page, PAGE: gl.constexpr):
+    """The descriptor row of each box of a tile (`first`: the boxes' first slots, `[NB]`, every box one run
+    inside one page): the slot itself (PAGE 1: rows are slots, the KV head a column offset), or (first // PAGE)
+    rows_page + row + first % PAGE in a page-major buffer (`kv_descriptors`: `row` the KV head's row offset).
+    Example: PAGE 16, rows_page 256, row 32: slots [48, 0] -> rows [3 * 256 + 32, 32] = [800, 32]."""
+    if PAGE > 1:
+        return (first // PAGE) * rows_page + row + first % PAGE
+    return first
+
+
+@gluon.jit
 def _tma_tile(
     chunks,
     b,
@@ -157,33 +168,27 @@ def _tma_tile(
     free,
     ready,
     DESC,
-    first,
+    rows,
     col,
-    row,
-    rows_page,
     BLOCK_N: gl.constexpr,
     D: gl.constexpr,
     STAGES: gl.constexpr,
     BOX: gl.constexpr,
-    PAGE: gl.constexpr,
 ):
-    """Bring the K or V rows of tile t into buffer b by TMA, once its last tile is free: box j (`first`, from
-    `slot_runs`) of every 64-channel half c (`chunks`: the buffers as `[STAGES * D / 64, BLOCK_N, 64]`) from
-    the descriptor's coordinates [first[j], col + 64 c] (PAGE 1: rows are slots, the KV head a column offset),
-    or [(first[j] // PAGE) rows_page + row + first[j] % PAGE, col + 64 c] (a page-major buffer,
-    `kv_descriptors`: `row` / `col` the KV head's row / column offset); `ready` completes when the tile's
-    bytes land."""
+    """Bring the K or V rows of tile t into buffer b by TMA, once its last tile is free: box j of every
+    64-channel half c (`chunks`: the buffers as `[STAGES * D / 64, BLOCK_N, 64]`) from the descriptor's
+    coordinates [rows[j], col + 64 c] (`_box_rows`; `col` the KV head's column offset); `ready` completes when
+    the tile's bytes land. `rows` `[NB]` is held whole by every thread (the producer's `BOXES` layout), so
+    picking box j's row is a register read, not a reduction across lanes."""
     NB: gl.constexpr = BLOCK_N // BOX
     CH: gl.constexpr = D // 64
-    jb = gl.arange(0, NB, layout=first.type.layout)
+    jb = gl.arange(0, NB, layout=rows.type.layout)
     mbarrier.wait(free.index(b), (gl.maximum(t - STAGES, 0) // STAGES) & 1, pred=t >= STAGES)
     mbarrier.expect(ready.index(b), BLOCK_N * D * chunks.dtype.primitive_bitwidth // 8)
     for j in gl.static_range(NB):
-        s_j = gl.sum(gl.where(jb == j, first, 0), 0)
-        if PAGE > 1:
-            s_j = (s_j // PAGE) * rows_page + row + s_j % PAGE
+        r_j = gl.sum(gl.where(jb == j, rows, 0), 0)
         for c in gl.static_range(CH):
-            tma_load(DESC, [s_j, col + 64 * c], ready.index(b), chunks.index(b * CH + c).slice(j * BOX, BOX))
+            tma_load(DESC, [r_j, col + 64 * c], ready.index(b), chunks.index(b * CH + c).slice(j * BOX, BOX))
 
 
 @gluon.jit
@@ -327,6 +332,8 @@ def _producer(
     # (`_tma_tile`) is picked within a warp (boxes across warps: a shared-memory round trip and two barriers each;
     # 3-5 % of the extend rows, docs/dev/perf-notebook.md)
     S2: gl.constexpr = gl.BlockedLayout([1, 1], [BLOCK_N // BOX, 32 // (BLOCK_N // BOX)], [1, 4], [1, 0])
+    # the boxes' first slots / rows `[BLOCK_N // BOX]` held whole by every thread of the 4 warps (`_tma_tile`)
+    BOXES: gl.constexpr = gl.BlockedLayout([BLOCK_N // BOX], [32], [4], [0])
     CHUNKS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], k_s.dtype)
     k_c = reinterpret_shared(k_s, [STAGES * (D // 64), BLOCK_N, 64], CHUNKS)
     v_c = reinterpret_shared(v_s, [STAGES * (D // 64), BLOCK_N, 64], CHUNKS)
@@ -343,16 +350,21 @@ def _producer(
         b = t % STAGES
         start = lo + t * BLOCK_N
         nxt = box_slots(KV_INDICES, kv_beg, start + BLOCK_N, hi, BLOCK_N, BOX, S2)
-        first, runs = slot_runs(slots, num_slots, BOX)
-        if PAGE > 1:  # a box of a page-major buffer: within one page (its rows contiguous)
-            runs = runs & (gl.min(((first % PAGE) <= PAGE - BOX).to(gl.int32), 0) == 1)
+        first, runs = slot_runs(slots, num_slots, BOX, PAGE)  # a page-major buffer's boxes: within one page
         by_tma = (start + BLOCK_N <= hi) & runs
         if CLEAN:  # a tile holding keys some rows do not see is gathered and cleaned
             dirty = (start < seen_from) | (gl.minimum(start + BLOCK_N, hi) > seen_to)
             by_tma = by_tma & ~dirty
         if by_tma:
-            _tma_tile(k_c, b, t, k_free, k_ready, K_DESC, first, col_k, row_k, rows_kp, BLOCK_N, D, STAGES, BOX, PAGE)
-            _tma_tile(v_c, b, t, v_free, v_ready, V_DESC, first, col_v, row_v, rows_vp, BLOCK_N, D, STAGES, BOX, PAGE)
+            if PAGE > 1:  # one exchange a tile, then every thread holds every box's row (the page arithmetic once)
+                boxes = gl.convert_layout(first, BOXES)
+                rows = _box_rows(boxes, row_k, rows_kp, PAGE)
+                _tma_tile(k_c, b, t, k_free, k_ready, K_DESC, rows, col_k, BLOCK_N, D, STAGES, BOX)
+                rows = _box_rows(boxes, row_v, rows_vp, PAGE)
+                _tma_tile(v_c, b, t, v_free, v_ready, V_DESC, rows, col_v, BLOCK_N, D, STAGES, BOX)
+            else:  # rows are slots: each box's picked within its warp (see S2)
+                _tma_tile(k_c, b, t, k_free, k_ready, K_DESC, first, col_k, BLOCK_N, D, STAGES, BOX)
+                _tma_tile(v_c, b, t, v_free, v_ready, V_DESC, first, col_v, BLOCK_N, D, STAGES, BOX)
         else:
             _gather_kv(
                 k_s,

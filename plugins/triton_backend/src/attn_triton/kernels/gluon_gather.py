@@ -126,13 +126,17 @@ def box_slots(KV_INDICES, kv_beg, start, hi, BLOCK_N: gl.constexpr, BOX: gl.cons
 
 
 @gluon.jit
-def slot_runs(slots, num_slots, BOX: gl.constexpr):
+def slot_runs(slots, num_slots, BOX: gl.constexpr, PAGE: gl.constexpr = 1):
     """(first slot of each box `[NB]`, whether every box of `slots` `[NB, BOX]` (`box_slots`) is one run of
-    BOX contiguous slots inside the pool [0, num_slots)): a tile TMA can bring box by box (`tma_load`).
+    BOX contiguous slots inside the pool [0, num_slots), and with PAGE > 1 (a page-major buffer, pages of
+    PAGE slots) inside one page): a tile TMA can bring box by box (`tma_load`). One reduction a tile.
 
     Worked example: BOX 4, num_slots 64, slots [[8, 9, 10, 11], [40, 41, 42, 43]] -> ([8, 40], True);
-    [[8, 9, 11, 10], ...] -> False (not a run); [[62, 63, 64, 65], ...] -> False (past the pool)."""
+    [[8, 9, 11, 10], ...] -> False (not a run); [[62, 63, 64, 65], ...] -> False (past the pool); with PAGE 8,
+    [[6, 7, 8, 9], ...] -> False (across a page)."""
     base = slots - gl.arange(0, BOX, layout=gl.SliceLayout(0, slots.type.layout))[None, :]
     first = gl.min(base, 1)
     ok = (gl.max(base, 1) == first) & (first >= 0) & (first <= num_slots - BOX)
+    if PAGE > 1:
+        ok = ok & (first % PAGE <= PAGE - BOX)
     return first, gl.min(ok.to(gl.int32), 0) == 1
