@@ -11,17 +11,20 @@ the static buffers instead of a graph replay, so the logic is testable anywhere.
 `attn_core.contract.graph_step.graph_padding`.
 
 Every `run` validates the batch as `init_forward_metadata` does (a graph replay is an entry point like
-any other): on the CPU every check at once (typed errors, nothing written); on a GPU the host checks,
-then the step check (`attn_core.ops.step_checks`) reads the batch's device tensors and writes the
-static `out_cache_loc` buffer the captured layers write through, with every refused token's slot the
-dummy 0 (one launch, in place of the plain copy of `out_cache_loc`; no sync); its faults surface at the
-next replay or step as `DeviceFaultError`. A replay whose shape differs from the capture (batch size
-bucket, tokens per request, draft count, inputs) is refused with `GraphShapeError`.
+any other): on the CPU every check at once (typed errors, nothing written); on a GPU the host checks.
+Then, in every mode, the step check (`attn_core.ops.step_checks`) reads the static buffers as the first
+work of the captured graph: the engine's `out_cache_loc`, copied into a raw slot buffer, becomes the static
+`out_cache_loc` the captured layers write through, every refused token's slot the dummy 0; the host's
+`seq_lens_sum` reaches it through a one-element device buffer that `run` fills (`fill_`: the value travels
+as the kernel's argument, so a later step cannot overwrite it before the graph reads it). So a replay
+launches no check of its own (a Triton launch costs ~35-45 µs of host time), only two small copies; the
+fault word's host copy is queued after the replay, and its faults surface at the next replay or step as
+`DeviceFaultError` (no sync). A replay whose shape differs from the capture (batch size bucket, tokens per
+request, draft count, inputs) is refused with `GraphShapeError`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -32,8 +35,8 @@ from attn_core.contract.batch import ForwardBatch, SpecInfo, batch_field
 from attn_core.contract.errors import GraphShapeError, InvalidArgumentError, UnsupportedFeatureError
 from attn_core.contract.forward_mode import ForwardMode
 from attn_core.contract.graph_step import CudaGraphStep, GraphPadding, graph_padding, graph_tokens_per_request
-from attn_core.contract.validation import FULL, check_forward_batch, effective_level
-from attn_core.ops.step_checks import check_step, step_tensors
+from attn_core.contract.validation import check_forward_batch, effective_level
+from attn_core.ops.step_checks import StepTensors, check_step
 
 InputShapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -94,9 +97,15 @@ class CudaGraphRunner:
         self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.seq_lens = torch.full((max_bs,), self.fill, dtype=torch.int32, device=dev)
         self.out_cache_loc = torch.zeros(self.max_tokens, dtype=torch.int64, device=dev)
-        # filled only with checked slots (`run`: the step check's allowed slots, or slots checked on the host at
-        # "full"; padding rows the dummy 0): the captured layers' writes need no guard of their own
+        # filled only with checked slots (the captured step check's allowed slots; padding rows the dummy 0):
+        # the captured layers' writes need no guard of their own
         backend.trust_graph_slots(self.out_cache_loc)
+        # what the captured step check reads besides the request rows and lengths: the engine's slots as given
+        # and the host's seq_lens total (padding rows included)
+        self.raw_out_cache_loc = torch.zeros(self.max_tokens, dtype=torch.int64, device=dev)
+        self.seq_total = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.verify_q_lens = torch.full((max_bs,), max(nd, 1), dtype=torch.int32, device=dev)
+        self.verify_start_loc = torch.arange(0, max_bs * max(nd, 1), max(nd, 1), dtype=torch.int32, device=dev)
         self.positions = torch.zeros(self.max_tokens, dtype=torch.int64, device=dev)
         self.inputs = {
             name: torch.zeros((self.max_tokens, *shape), dtype=dtype, device=dev)
@@ -134,9 +143,11 @@ class CudaGraphRunner:
         """Rows pad.bs..pad.padded_bs-1 become padding: request row 0, `pad.seq_len` keys, dummy slot 0;
         verify rows get an all-visible mask of their keys after `mask_start`."""
         start, bs, per = pad.bs, pad.padded_bs, pad.tokens_per_request
+        if start == bs:  # a batch of a captured size: no padding rows
+            return
         self.req_pool_indices[start:bs] = 0
         self.seq_lens[start:bs] = pad.seq_len
-        self.out_cache_loc[start * per : bs * per] = 0
+        self.raw_out_cache_loc[start * per : bs * per] = 0
         self.positions[start * per : bs * per] = 0
         for buf in self.inputs.values():
             buf[start * per : bs * per] = 0
@@ -190,6 +201,37 @@ class CudaGraphRunner:
     def _views(self, tokens: int) -> dict[str, torch.Tensor]:
         return {name: buf[:tokens] for name, buf in self.inputs.items()}
 
+    def _checked_layers(self, batch: ForwardBatch, views: dict[str, torch.Tensor]) -> LayerOutput:
+        """What a graph holds (and what runs without one): the step check of the static buffers' first
+        batch.batch_size rows, padding rows included (`attn_core.ops.step_checks`: the allowed slots of
+        `raw_out_cache_loc` into `out_cache_loc`, faults into the backend's fault word), then `run_layers`."""
+        mode, bs = batch.forward_mode, batch.batch_size
+        per = self._tokens_per_request(mode)
+        pool = self.ctx.token_to_kv_pool
+        r2t_pool = self.ctx.req_to_token_pool
+        if pool is None or r2t_pool is None:
+            raise InvalidArgumentError(
+                "backend.ctx", "a context with req_to_token_pool and token_to_kv_pool (graphs read them)", None
+            )
+        verify = mode.is_target_verify()
+        mask_indptr = self._mask_buffers()[1][: bs + 1] if verify else None
+        check = StepTensors(
+            req_to_token=r2t_pool.req_to_token,
+            req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs],
+            num_tokens=bs * per,
+            num_slots=pool.num_slots,
+            q_lens=self.verify_q_lens[:bs] if verify else None,
+            start_loc=self.verify_start_loc[:bs] if verify else None,
+            mask_indptr=mask_indptr,
+            out_cache_loc=self.raw_out_cache_loc[: bs * per],
+            seq_total=self.seq_total,
+            decode=not verify,
+            pad_seq_len=self._padding(mode, 0, [bs]).seq_len,
+        )
+        check_step(check, self.out_cache_loc[: bs * per], self.backend.device_faults.buffer)
+        return self.run_layers(batch, views)
+
     # ---- capture -------------------------------------------------------------------------------------
     def _capture_all(self) -> None:
         self.backend.init_cuda_graph_state(self.batch_sizes[-1], self.max_tokens)
@@ -209,12 +251,13 @@ class CudaGraphRunner:
         batch, views = self._static_batch(mode, bs, seq_cpu), self._views(tokens)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        self.seq_total.fill_(int(seq_cpu.sum()))
         with torch.cuda.stream(stream):  # warm-up outside the graph (lazy allocations, autotuning)
-            self.run_layers(batch, views)
+            self._checked_layers(batch, views)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self.run_layers(batch, views)
+            out = self._checked_layers(batch, views)
         self._graphs[(mode, bs)] = (graph, out)
 
     # ---- replay --------------------------------------------------------------------------------------
@@ -277,12 +320,9 @@ class CudaGraphRunner:
         check_forward_batch(b, r2t, kv_pool, self.ctx, level=level, padding_seq_len=pad.seq_len)
         self.req_pool_indices[:bs] = b.req_pool_indices
         self.seq_lens[:bs] = b.seq_lens
-        if level == FULL:
-            self.out_cache_loc[:tokens] = b.out_cache_loc
-        else:  # the step check writes the allowed slots into the static buffer the captured layers read
-            # graph padding rows (and dummy-slot writes) allowed, as graph-shaped DCP batches carry them
-            s = dataclasses.replace(step_tensors(b, r2t, kv_pool.num_slots), pad_seq_len=pad.seq_len)
-            check_step(s, self.out_cache_loc[:tokens], self.backend.device_faults.buffer)
+        # read by the captured step check, which writes the allowed slots into the buffer the layers read
+        self.raw_out_cache_loc[:tokens] = b.out_cache_loc
+        self.seq_total.fill_(b.seq_lens_sum + (gbs - bs) * pad.seq_len)
         if b.positions is None:  # the engine's RoPE positions are optional: derive them from the lengths
             self.positions[:tokens] = positions_from_lens(b.seq_lens - per, torch.full_like(b.seq_lens, per), tokens)
         else:
@@ -306,10 +346,12 @@ class CudaGraphRunner:
         self.backend.replay_graph_step(self._graph_step(mode, gbs, seq_cpu))
         graph, out = self._graphs[(mode, gbs)]
         if graph is None:
-            out = self.run_layers(self._static_batch(mode, gbs, seq_cpu), self._views(gbs * per))
+            out = self._checked_layers(self._static_batch(mode, gbs, seq_cpu), self._views(gbs * per))
         else:
             graph.replay()
             assert out is not None, "a captured graph keeps the output it was captured with"
+        # the fault word's host copy, queued after the graph's step check (read by the next replay or step)
+        self.backend.device_faults.snapshot(self.backend.step_count)
         if isinstance(out, tuple):
             return tuple(o[:tokens] for o in out)
         return out[:tokens]

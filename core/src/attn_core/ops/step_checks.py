@@ -148,8 +148,9 @@ def check_step_torch(s: StepTensors, safe: Optional[torch.Tensor], fault: torch.
         record_first(fault, kind, bad)
     step_bad = ends[-1] != T
     record_fault(fault, K.EXTEND_TOTAL, step_bad.reshape(1))
-    if s.seq_total is not None:
-        seq_bad = seq.sum() != s.seq_total
+    if s.seq_total is not None:  # a host int, or a 1-element device tensor a kernel of the step wrote
+        total = s.seq_total.reshape(()).to(i64) if isinstance(s.seq_total, torch.Tensor) else s.seq_total
+        seq_bad = seq.sum() != total
         record_fault(fault, K.SEQ_TOTAL, seq_bad.reshape(1))
         step_bad = step_bad | seq_bad
     if s.out_cache_loc is None or safe is None or T == 0:

@@ -82,6 +82,7 @@ def flag_request(FAULT, kind, r, bad):
         "OUT_CACHE_LOC",
         "SAFE",
         "FAULT",
+        "SEQ_TOTAL_PTR",
     ],
 )
 def _step_check_kernel(
@@ -99,6 +100,7 @@ def _step_check_kernel(
     OUT_CACHE_LOC,
     SAFE,
     FAULT,
+    SEQ_TOTAL_PTR,
     bs,
     num_tokens,
     seq_total,
@@ -124,6 +126,7 @@ def _step_check_kernel(
     HAS_MASK_INDPTR: tl.constexpr,
     HAS_WRITE: tl.constexpr,
     HAS_SEQ_TOTAL: tl.constexpr,
+    SEQ_TOTAL_ON_DEVICE: tl.constexpr,
     CHECK_DUP: tl.constexpr,
     CHECK_KEYS: tl.constexpr,
     HAS_CASCADE: tl.constexpr,
@@ -217,9 +220,13 @@ def _step_check_kernel(
     step_bad = q_total != num_tokens
     if HAS_SEQ_TOTAL:
         seq_sum = tl.sum(seq_all, 0)
-        step_bad = step_bad | (seq_sum != seq_total)
+        if SEQ_TOTAL_ON_DEVICE:  # written by a kernel of the step (a graph replay's `fill_`)
+            want = tl.load(SEQ_TOTAL_PTR)
+        else:
+            want = seq_total
+        step_bad = step_bad | (seq_sum != want)
         if r == 0:
-            tl.store(FAULT + _SEQ_TOTAL, 1, mask=seq_sum != seq_total)
+            tl.store(FAULT + _SEQ_TOTAL, 1, mask=seq_sum != want)
     if r == 0:
         tl.store(FAULT + _EXT_TOTAL, 1, mask=q_total != num_tokens)
 
@@ -270,6 +277,9 @@ def check_step_triton(s: StepTensors, safe: Optional[torch.Tensor], fault: torch
     start = s.start_loc if s.start_loc is not None else dummy
     mask_indptr = s.mask_indptr if s.mask_indptr is not None else dummy
     loc = s.out_cache_loc if write and s.out_cache_loc is not None else dummy
+    on_device = isinstance(s.seq_total, torch.Tensor)
+    total_ptr = s.seq_total if on_device else fault
+    total = 0 if on_device or s.seq_total is None else s.seq_total
     _LAUNCH(
         (bs,),
         r2t,
@@ -286,9 +296,10 @@ def check_step_triton(s: StepTensors, safe: Optional[torch.Tensor], fault: torch
         loc,
         safe if write else fault,
         fault,
+        total_ptr,
         bs,
         T,
-        s.seq_total if s.seq_total is not None else 0,
+        total,
         s.num_slots,
         s.cascade_len,
         s.pad_seq_len,
@@ -311,6 +322,7 @@ def check_step_triton(s: StepTensors, safe: Optional[torch.Tensor], fault: torch
         HAS_MASK_INDPTR=s.mask_indptr is not None,
         HAS_WRITE=write,
         HAS_SEQ_TOTAL=s.seq_total is not None,
+        SEQ_TOTAL_ON_DEVICE=on_device,
         CHECK_DUP=s.check_dup,
         CHECK_KEYS=s.check_keys,
         HAS_CASCADE=s.cascade_len > 0,

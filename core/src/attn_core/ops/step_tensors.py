@@ -4,7 +4,7 @@ in a module of its own so that both implementations import it (the torch one and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -16,7 +16,9 @@ class StepTensors:
     `req_to_token` `[rows, width]`; `req_pool_indices`, `seq_lens` `[bs]`; `encoder_lens` `[bs]` or None;
     `q_lens` / `prefix_lens` / `start_loc` `[bs]` (extend-like modes; None in DECODE: one token each);
     `mask_indptr` `[bs + 1]` or None; `out_cache_loc` `[num_tokens]` or None (no write check);
-    host numbers: `num_tokens`, `seq_total` (None: not checked), `num_slots`, `cascade_len` (0: none),
+    host numbers: `num_tokens`, `seq_total` (the host's sum of seq_lens; None: not checked; or a 1-element
+    int64 device tensor holding it, which a kernel of the step wrote: `CudaGraphRunner`'s captured check reads
+    it so), `num_slots`, `cascade_len` (0: none),
     `decode` (seq_lens >= 1), `check_dup` (rows distinct), `check_keys` (every key's slot), `pad_seq_len`
     (graph padding rows, see the field)."""
 
@@ -31,7 +33,7 @@ class StepTensors:
     start_loc: Optional[torch.Tensor] = None
     mask_indptr: Optional[torch.Tensor] = None
     out_cache_loc: Optional[torch.Tensor] = None
-    seq_total: Optional[int] = None
+    seq_total: Union[int, torch.Tensor, None] = None
     cascade_len: int = 0
     decode: bool = True
     check_dup: bool = True
