@@ -144,6 +144,15 @@ def test_extend_totals_and_offsets():
     s.prefix_lens[1] += 2
     fault, safe = _run(s)
     assert K.SEQ_TOTAL in fault.kinds and not safe.any()
+    s.seq_total = torch.tensor([b.seq_lens_sum], dtype=torch.int64)  # the host total in device memory: the same
+    fault, safe = _run(s)
+    assert K.SEQ_TOTAL in fault.kinds and not safe.any()
+    s.seq_total = torch.tensor([b.seq_lens_sum + 2], dtype=torch.int64)  # the totals agree (other checks still fail)
+    fault, safe = _run(s)
+    assert fault is not None and K.SEQ_TOTAL not in fault.kinds
+    s = _tensors(b, r2t, kv, seq_total=torch.tensor([b.seq_lens_sum], dtype=torch.int64))
+    fault, safe = _run(s)
+    assert fault is None and torch.equal(safe, b.out_cache_loc.to(torch.int64))
 
 
 def _spoil(rng: random.Random, s: StepTensors, r2t, kv) -> str:
@@ -200,6 +209,8 @@ def test_triton_kernel_matches_torch_on_random_spoiled_batches():
         b, r2t, kv = _batch(mode, reqs, page_size=rng.choice([1, 4]), seed=trial)
         s = _tensors(b, r2t, kv, check_dup=rng.random() < 0.8, check_keys=rng.random() < 0.8)
         what = _spoil(rng, s, r2t, kv)
+        if rng.random() < 0.5:  # the host total in device memory, as CudaGraphRunner's captured check reads it
+            s.seq_total = torch.tensor([s.seq_total], dtype=torch.int64)
         f_ref = torch.zeros(FAULT_WORDS, dtype=torch.int32)
         safe_ref = torch.full((s.num_tokens,), -7, dtype=torch.int64)
         check_step_torch(s, safe_ref, f_ref)
