@@ -272,3 +272,84 @@ def test_triton_kernel_reads_strided_inputs_as_torch_does():
         assert f_k == f_ref and torch.equal(safe_k, safe_ref), (trial, mode, what, reqs)
         if what == "none":
             assert not any(f_ref) and torch.equal(safe_ref, b.out_cache_loc.to(torch.int64)), (trial, mode, reqs)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernels run on CPU tensors under TRITON_INTERPRET=1"
+)
+def test_index_launch_with_the_step_check_equals_the_two_launches(monkeypatch):
+    """`kv_indices_triton(..., step_check=...)` (`attn_core.ops.checked_indices_triton`: the step check in the
+    index kernel's launch) writes the fault word, the allowed slots and the index arrays the step check's
+    kernel and the index kernel write one after the other, on random spoiled batches; a check of another
+    batch size runs in a launch of its own."""
+    from attn_core.ops import checked_indices_triton
+    from attn_core.ops.kv_indices_triton import kv_indices_triton
+    from attn_core.ops.step_checks_triton import check_step_triton
+    from attn_core.ops.step_tensors import PendingStepCheck
+
+    rng = random.Random(11)
+    real = checked_indices_triton.launch_checked_indices
+    fused_launches = []
+
+    def counted(*args):
+        fused_launches.append(1)
+        real(*args)
+
+    monkeypatch.setattr(checked_indices_triton, "launch_checked_indices", counted)
+    for trial in range(24):
+        mode = rng.choice(["DECODE", "EXTEND"])
+        bs = rng.randint(1, 5)
+        reqs = (
+            [(rng.randint(1, 20), 1) for _ in range(bs)]
+            if mode == "DECODE"
+            else [(rng.randint(0, 12), rng.randint(1, 6)) for _ in range(bs)]
+        )
+        ps = rng.choice([1, 4])
+        b, r2t, kv = _batch(mode, reqs, page_size=ps, seed=trial)
+        s = _tensors(b, r2t, kv)
+        what = _spoil(rng, s, r2t, kv)
+        total = -(-b.seq_lens_cpu // ps).sum().item() if ps > 1 else int(b.seq_lens_cpu.sum())
+        lens = s.seq_lens.to(torch.int32)
+        outs = []
+        for fused in (False, True):
+            fault = torch.zeros(FAULT_WORDS, dtype=torch.int32)
+            safe = torch.full((s.num_tokens,), -7, dtype=torch.int64)
+            ids = torch.full((total + 3,), -5, dtype=torch.int32)
+            indptr = torch.full((bs + 1,), -5, dtype=torch.int32)
+            last = torch.full((bs,), -5, dtype=torch.int32)
+            if not fused:
+                check_step_triton(s, safe, fault)
+            pending = PendingStepCheck(s, safe, fault) if fused else None
+            kv_indices_triton(
+                r2t.req_to_token,
+                s.req_pool_indices,
+                lens,
+                ids,
+                kv_indptr=indptr,
+                last_page_len=last,
+                page_size=ps,
+                num_slots=kv.num_slots,
+                fault=fault,
+                capacity=total,
+                step_check=pending,
+            )
+            outs.append((fault, safe, ids, indptr, last))
+        for a, c in zip(*outs):
+            assert torch.equal(a, c), (trial, mode, what, reqs)
+    assert len(fused_launches) == 24  # every fused call went through the one launch
+    # a check of another batch size than the index launch's: launched on its own first, the same results
+    b, r2t, kv = _batch("DECODE", [(5, 1), (7, 1)])
+    s = _tensors(b, r2t, kv)
+    fault = torch.zeros(FAULT_WORDS, dtype=torch.int32)
+    safe = torch.full((s.num_tokens,), -7, dtype=torch.int64)
+    ids = torch.zeros(8, dtype=torch.int32)
+    called = []
+    monkeypatch.setattr(checked_indices_triton, "launch_checked_indices", lambda *a: called.append(a))
+    kv_indices_triton(
+        r2t.req_to_token,
+        s.req_pool_indices[:1],
+        s.seq_lens[:1].to(torch.int32),
+        ids,
+        step_check=PendingStepCheck(s, safe, fault),
+    )
+    assert not called and torch.equal(safe, b.out_cache_loc.to(torch.int64)) and not fault.any()

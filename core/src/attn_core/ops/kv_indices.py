@@ -24,6 +24,7 @@ import torch
 from attn_core.contract.errors import InvalidArgumentError
 from attn_core.contract.validation import SMALL_HOST_BATCH
 from attn_core.ops.device_faults import DeviceFaultKind
+from attn_core.ops.step_tensors import PendingStepCheck
 
 
 def exclusive_cumsum(lens: torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:
@@ -236,6 +237,7 @@ def build_kv_indices(
     fault: Optional[torch.Tensor] = None,
     whole_out: bool = False,
     keep_layout: bool = False,
+    step_check: Optional[PendingStepCheck] = None,
 ) -> torch.Tensor:
     """Slot ids (page_size 1) or page ids of each request's `kv_lens` tokens, concatenated: int32 `[total]`.
 
@@ -254,6 +256,8 @@ def build_kv_indices(
     indexing raises on an out-of-range index instead. `keep_layout` (Triton path; for readers that take
     the offsets from the host's lengths, as FlashInfer's plans do): a refused request row keeps its ids'
     places as dummy ids 0 and `out[:total]` is written whole, so such a reader finds only valid ids.
+    `step_check` (`AttentionBackend.take_step_check`): the step's pending step check, run in the same launch
+    on the Triton path when it covers these requests (`attn_core.ops.checked_indices_triton`), else first.
     """
     if out is None:
         out = torch.empty(total, dtype=torch.int32, device=req_to_token.device)
@@ -277,8 +281,11 @@ def build_kv_indices(
             fault=fault,
             capacity=total,
             keep_layout=keep_layout,
+            step_check=step_check,
         )
         return out if whole_out else out[:total]
+    if step_check is not None:
+        step_check.run()
     indptr = page_indptr_from_lens(kv_lens, page_size)
     out[:total] = kv_indices_from_req_to_token(req_to_token, req_pool_indices, indptr, total, kv_start, page_size)
     if indptr_out is not None:

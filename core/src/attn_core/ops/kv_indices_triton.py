@@ -39,6 +39,7 @@ import triton.language as tl
 
 from attn_core.contract.errors import InvalidArgumentError
 from attn_core.ops.device_faults import DeviceFaultKind
+from attn_core.ops.step_tensors import PendingStepCheck
 from attn_core.ops.triton_launch import CachedLaunch
 
 CHUNK = 512
@@ -120,9 +121,10 @@ def _build_indices_kernel(
     HAS_FAULT: tl.constexpr,
     KEEP_LAYOUT: tl.constexpr,
 ):
-    end = write_request_ids(
+    index_program(
         tl.program_id(0),
         tl.program_id(1),
+        tl.num_programs(0),
         tl.num_programs(1),
         REQ_TO_TOKEN,
         stride_row,
@@ -152,9 +154,80 @@ def _build_indices_kernel(
         HAS_FAULT,
         KEEP_LAYOUT,
     )
+
+
+@triton.jit
+def index_program(
+    r,
+    c,
+    num_r,
+    num_c,
+    REQ_TO_TOKEN,
+    stride_row,
+    num_rows,
+    width,
+    REQ_POOL_INDICES,
+    KV_LENS,
+    KV_START,
+    KV_INDPTR,
+    KV_INDICES,
+    capacity,
+    LAST_PAGE_LEN,
+    Q_LENS,
+    QO_INDPTR,
+    MASK_INDPTR,
+    num_slots,
+    FAULT,
+    BS_BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HAS_START: tl.constexpr,
+    HAS_INDPTR: tl.constexpr,
+    HAS_LAST: tl.constexpr,
+    HAS_Q: tl.constexpr,
+    HAS_MASK_INDPTR: tl.constexpr,
+    CHECK_SLOTS: tl.constexpr,
+    HAS_FAULT: tl.constexpr,
+    KEEP_LAYOUT: tl.constexpr,
+):
+    """Program (r, c) of the index kernel in a grid `[num_r, num_c]` (the module doc): request r's ids and, with
+    KEEP_LAYOUT, the last request's programs write the dummy id 0 from the ids' end to the capacity. Public so
+    that a kernel that does more per step runs it in its own launch (`attn_core.ops.checked_indices_triton`)."""
+    end = write_request_ids(
+        r,
+        c,
+        num_c,
+        REQ_TO_TOKEN,
+        stride_row,
+        num_rows,
+        width,
+        REQ_POOL_INDICES,
+        KV_LENS,
+        KV_START,
+        KV_INDPTR,
+        KV_INDICES,
+        capacity,
+        LAST_PAGE_LEN,
+        Q_LENS,
+        QO_INDPTR,
+        MASK_INDPTR,
+        num_slots,
+        FAULT,
+        BS_BLOCK,
+        CHUNK,
+        PAGE_SIZE,
+        HAS_START,
+        HAS_INDPTR,
+        HAS_LAST,
+        HAS_Q,
+        HAS_MASK_INDPTR,
+        CHECK_SLOTS,
+        HAS_FAULT,
+        KEEP_LAYOUT,
+    )
     if KEEP_LAYOUT:  # the last request's programs write the dummy id 0 from its end to the capacity
-        if tl.program_id(0) == tl.num_programs(0) - 1:
-            for i in range(end + tl.program_id(1) * CHUNK, capacity, tl.num_programs(1) * CHUNK):
+        if r == num_r - 1:
+            for i in range(end + c * CHUNK, capacity, num_c * CHUNK):
                 o = i + tl.arange(0, CHUNK)
                 tl.store(KV_INDICES + o, tl.zeros([CHUNK], dtype=tl.int32), mask=o < capacity)
 
@@ -305,6 +378,7 @@ def kv_indices_triton(
     fault: Optional[torch.Tensor] = None,
     capacity: Optional[int] = None,
     keep_layout: bool = False,
+    step_check: Optional[PendingStepCheck] = None,
 ) -> None:
     """Fill the index tensors of `bs = req_pool_indices.shape[0]` requests in place (see module doc).
 
@@ -320,15 +394,19 @@ def kv_indices_triton(
     whose row is refused gets its keys' count of dummy ids 0 (not none), and every entry from the ids'
     end to the capacity is written 0, so whatever the device tensors hold, a reader of the first
     `capacity` entries finds only valid ids, each request's where the host put it when the lengths agree.
+    `step_check` (`attn_core.ops.step_tensors.PendingStepCheck`, what `AttentionBackend.take_step_check` hands
+    out): the step check runs in the same launch when its batch has these `bs` requests
+    (`attn_core.ops.checked_indices_triton`), else in its own launch first.
     """
     bs = req_pool_indices.shape[0]
     if bs == 0:
         if kv_indptr is not None:
             kv_indptr.zero_()
+        if step_check is not None:
+            step_check.run()
         return
     dummy = kv_indices
-    _LAUNCH(
-        (bs, copy_programs(bs, req_to_token.is_cuda)),
+    args = (
         *table_arguments(req_to_token),
         req_pool_indices,
         kv_lens,
@@ -342,6 +420,8 @@ def kv_indices_triton(
         mask_indptr if mask_indptr is not None else dummy,
         num_slots if num_slots is not None else 0,
         fault if fault is not None else dummy,
+    )
+    constexprs = dict(
         BS_BLOCK=1
         << (bs - 1).bit_length(),  # next power of 2 (bs >= 1): ~3.7 µs less than triton.next_power_of_2 (3.9, CPU)
         CHUNK=CHUNK,
@@ -354,8 +434,16 @@ def kv_indices_triton(
         CHECK_SLOTS=num_slots is not None,
         HAS_FAULT=fault is not None,
         KEEP_LAYOUT=keep_layout,
-        num_warps=4,
     )
+    grid = (bs, copy_programs(bs, req_to_token.is_cuda))
+    if step_check is not None and step_check.tensors.batch_size == bs:
+        from attn_core.ops.checked_indices_triton import launch_checked_indices
+
+        launch_checked_indices(grid, args, constexprs, step_check)
+        return
+    if step_check is not None:  # another set of requests than the index launch's: its own launch
+        step_check.run()
+    _LAUNCH(grid, *args, **constexprs, num_warps=4)
 
 
 _LAUNCH = CachedLaunch(_build_indices_kernel)

@@ -49,43 +49,9 @@ def flag_request(FAULT, kind, r, bad):
     tl.atomic_max(FAULT + _NK + kind, r * -1 + _BASE, mask=bad)
 
 
-@triton.jit(
-    do_not_specialize=[
-        "stride_row",
-        "num_rows",
-        "width",
-        "bs",
-        "num_tokens",
-        "seq_total",
-        "num_slots",
-        "cascade_len",
-        "pad_seq",
-        "stride_col",
-        "stride_rpi",
-        "stride_seq",
-        "stride_enc",
-        "stride_q",
-        "stride_prefix",
-        "stride_start",
-        "stride_mask",
-        "stride_loc",
-    ],
-    do_not_specialize_on_alignment=[
-        "REQ_TO_TOKEN",
-        "REQ_POOL_INDICES",
-        "SEQ_LENS",
-        "ENC_LENS",
-        "Q_LENS",
-        "PREFIX_LENS",
-        "START_LOC",
-        "MASK_INDPTR",
-        "OUT_CACHE_LOC",
-        "SAFE",
-        "FAULT",
-        "SEQ_TOTAL_PTR",
-    ],
-)
-def _step_check_kernel(
+@triton.jit
+def check_request(
+    r,
     REQ_TO_TOKEN,
     stride_row,
     num_rows,
@@ -131,7 +97,9 @@ def _step_check_kernel(
     CHECK_KEYS: tl.constexpr,
     HAS_CASCADE: tl.constexpr,
 ):
-    r = tl.program_id(0)
+    """Program r of the step check (the module docstring): request r's checks, faults and allowed slots.
+    Public so that another per-step kernel runs the check in its own launch (grid axis 0 the requests):
+    `attn_core.ops.checked_indices_triton`, the index kernel with the step check."""
     offs = tl.arange(0, BS_BLOCK)
     inb = offs < bs
     before = offs < r
@@ -258,17 +226,157 @@ def _step_check_kernel(
                 tl.store(SAFE + o, tl.zeros([CHUNK], dtype=tl.int64), mask=o < num_tokens)
 
 
+@triton.jit(
+    do_not_specialize=[
+        "stride_row",
+        "num_rows",
+        "width",
+        "bs",
+        "num_tokens",
+        "seq_total",
+        "num_slots",
+        "cascade_len",
+        "pad_seq",
+        "stride_col",
+        "stride_rpi",
+        "stride_seq",
+        "stride_enc",
+        "stride_q",
+        "stride_prefix",
+        "stride_start",
+        "stride_mask",
+        "stride_loc",
+    ],
+    do_not_specialize_on_alignment=[
+        "REQ_TO_TOKEN",
+        "REQ_POOL_INDICES",
+        "SEQ_LENS",
+        "ENC_LENS",
+        "Q_LENS",
+        "PREFIX_LENS",
+        "START_LOC",
+        "MASK_INDPTR",
+        "OUT_CACHE_LOC",
+        "SAFE",
+        "FAULT",
+        "SEQ_TOTAL_PTR",
+    ],
+)
+def _step_check_kernel(
+    REQ_TO_TOKEN,
+    stride_row,
+    num_rows,
+    width,
+    REQ_POOL_INDICES,
+    SEQ_LENS,
+    ENC_LENS,
+    Q_LENS,
+    PREFIX_LENS,
+    START_LOC,
+    MASK_INDPTR,
+    OUT_CACHE_LOC,
+    SAFE,
+    FAULT,
+    SEQ_TOTAL_PTR,
+    bs,
+    num_tokens,
+    seq_total,
+    num_slots,
+    cascade_len,
+    pad_seq,
+    stride_col,
+    stride_rpi,
+    stride_seq,
+    stride_enc,
+    stride_q,
+    stride_prefix,
+    stride_start,
+    stride_mask,
+    stride_loc,
+    BS_BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    MIN_SEQ: tl.constexpr,
+    HAS_ENC: tl.constexpr,
+    HAS_Q: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
+    HAS_START: tl.constexpr,
+    HAS_MASK_INDPTR: tl.constexpr,
+    HAS_WRITE: tl.constexpr,
+    HAS_SEQ_TOTAL: tl.constexpr,
+    SEQ_TOTAL_ON_DEVICE: tl.constexpr,
+    CHECK_DUP: tl.constexpr,
+    CHECK_KEYS: tl.constexpr,
+    HAS_CASCADE: tl.constexpr,
+):
+    check_request(
+        tl.program_id(0),
+        REQ_TO_TOKEN,
+        stride_row,
+        num_rows,
+        width,
+        REQ_POOL_INDICES,
+        SEQ_LENS,
+        ENC_LENS,
+        Q_LENS,
+        PREFIX_LENS,
+        START_LOC,
+        MASK_INDPTR,
+        OUT_CACHE_LOC,
+        SAFE,
+        FAULT,
+        SEQ_TOTAL_PTR,
+        bs,
+        num_tokens,
+        seq_total,
+        num_slots,
+        cascade_len,
+        pad_seq,
+        stride_col,
+        stride_rpi,
+        stride_seq,
+        stride_enc,
+        stride_q,
+        stride_prefix,
+        stride_start,
+        stride_mask,
+        stride_loc,
+        BS_BLOCK,
+        CHUNK,
+        MIN_SEQ,
+        HAS_ENC,
+        HAS_Q,
+        HAS_PREFIX,
+        HAS_START,
+        HAS_MASK_INDPTR,
+        HAS_WRITE,
+        HAS_SEQ_TOTAL,
+        SEQ_TOTAL_ON_DEVICE,
+        CHECK_DUP,
+        CHECK_KEYS,
+        HAS_CASCADE,
+    )
+
+
 def check_step_triton(s: StepTensors, safe: Optional[torch.Tensor], fault: torch.Tensor) -> None:
     """`attn_core.ops.step_checks.check_step_torch`'s results in one launch (see the module docstring).
     `safe`: int64, at least `s.num_tokens` entries, unit stride (only the first num_tokens are written).
     Every other tensor is read through its strides: a strided view (an engine's `out_cache_loc` sliced
     out of a `[bs, steps]` buffer, the draft wrapper's per-step slots) reads as torch reads it."""
     bs, T = s.batch_size, s.num_tokens
-    write = s.out_cache_loc is not None and safe is not None
     if bs == 0:
-        if write and T and safe is not None:
+        if s.out_cache_loc is not None and safe is not None and T:
             safe[:T] = 0
         return
+    args, constexprs = step_check_arguments(s, safe, fault)
+    _LAUNCH((bs,), *args, **constexprs, num_warps=4)
+
+
+def step_check_arguments(s: StepTensors, safe: Optional[torch.Tensor], fault: torch.Tensor) -> tuple[tuple, dict]:
+    """(runtime arguments, constexpr keywords) of `check_request` for a batch of at least one request, as
+    the step check's kernel and any kernel that runs it in its own launch pass them (one owner of the
+    argument list)."""
+    bs, T = s.batch_size, s.num_tokens
+    write = s.out_cache_loc is not None and safe is not None
     r2t = s.req_to_token
     dummy = s.seq_lens
     enc = s.encoder_lens if s.encoder_lens is not None else dummy
@@ -280,8 +388,7 @@ def check_step_triton(s: StepTensors, safe: Optional[torch.Tensor], fault: torch
     on_device = isinstance(s.seq_total, torch.Tensor)
     total_ptr = s.seq_total if on_device else fault
     total = 0 if on_device or s.seq_total is None else s.seq_total
-    _LAUNCH(
-        (bs,),
+    args = (
         r2t,
         r2t.stride(0),
         r2t.shape[0],
@@ -312,6 +419,8 @@ def check_step_triton(s: StepTensors, safe: Optional[torch.Tensor], fault: torch
         start.stride(0),
         mask_indptr.stride(0),
         loc.stride(0),
+    )
+    constexprs = dict(
         BS_BLOCK=max(16, 1 << (bs - 1).bit_length()),
         CHUNK=CHUNK,
         MIN_SEQ=1 if s.decode else 0,
@@ -326,8 +435,8 @@ def check_step_triton(s: StepTensors, safe: Optional[torch.Tensor], fault: torch
         CHECK_DUP=s.check_dup,
         CHECK_KEYS=s.check_keys,
         HAS_CASCADE=s.cascade_len > 0,
-        num_warps=4,
     )
+    return args, constexprs
 
 
 _LAUNCH = CachedLaunch(_step_check_kernel)

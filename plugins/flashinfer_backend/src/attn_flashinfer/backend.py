@@ -82,6 +82,7 @@ class FlashInferBackend(AttentionBackend[Union[Step, mixed.SplitStep]]):
 
     name = "flashinfer"
     capabilities = CAPABILITIES
+    step_check_in_index_launch = True  # the step's first index launch runs it (planner.write_device)
 
     def __init__(
         self,
@@ -140,7 +141,8 @@ class FlashInferBackend(AttentionBackend[Union[Step, mixed.SplitStep]]):
             decode = planner.new_step(decode_inputs, graph=None, keys=keys, tag="decode:")
             extend = planner.new_step(extend_inputs, graph=None, keys=keys)
             return mixed.SplitStep(inputs, split.num_decodes, rows, decode, extend)
-        return planner.new_step(inputs, graph=None, keys=keys, window_pool=window_pool)
+        check = self.take_step_check()  # run by the step's first index launch
+        return planner.new_step(inputs, graph=None, keys=keys, window_pool=window_pool, step_check=check)
 
     # ---- CUDA graphs -------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:

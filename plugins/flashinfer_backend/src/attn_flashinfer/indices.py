@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from attn_core.ops.kv_indices import build_kv_indices, host_last_page_lens, host_page_offsets
+from attn_core.ops.step_tensors import PendingStepCheck
 
 #: (batch size, page count) -> device int32 buffers for (page ids, indptr or None, last_page_len or None)
 DeviceOut = Callable[[int, int], tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]]
@@ -46,12 +47,20 @@ class PagedKV:
     last_page_len_dev: Optional[torch.Tensor] = None
     launch: Optional[Callable[..., None]] = None  # the device writes, while deferred
 
-    def write_device(self, q_lens: Optional[torch.Tensor] = None, qo_indptr_out: Optional[torch.Tensor] = None) -> None:
-        """Launch the deferred device writes (no-op once done); with `q_lens` (device) the same launch
-        also writes the step's query offsets into `qo_indptr_out`."""
-        if self.launch is not None:
-            self.launch(q_lens, qo_indptr_out)
-            self.launch = None
+    def write_device(
+        self,
+        q_lens: Optional[torch.Tensor] = None,
+        qo_indptr_out: Optional[torch.Tensor] = None,
+        step_check: Optional[PendingStepCheck] = None,
+    ) -> bool:
+        """Launch the deferred device writes; with `q_lens` (device) the same launch also writes the step's
+        query offsets into `qo_indptr_out`, with `step_check` (`AttentionBackend.take_step_check`) it runs the
+        step check too. Returns whether it launched (False once done: `step_check` is then not run)."""
+        if self.launch is None:
+            return False
+        self.launch(q_lens, qo_indptr_out, step_check)
+        self.launch = None
+        return True
 
 
 def paged_kv_host(kv_lens_host: torch.Tensor, page_size: int) -> PagedKV:
@@ -183,7 +192,11 @@ def build_paged_kv(
         ids, kv.indptr_dev, kv.last_page_len_dev = out(kv.kv_lens.shape[0], total)
     kv.indices = ids[:total]
 
-    def launch(q_lens: Optional[torch.Tensor], qo_indptr_out: Optional[torch.Tensor]) -> None:
+    def launch(
+        q_lens: Optional[torch.Tensor],
+        qo_indptr_out: Optional[torch.Tensor],
+        step_check: Optional[PendingStepCheck] = None,
+    ) -> None:
         build_kv_indices(
             req_to_token,
             req_pool_indices,
@@ -199,6 +212,7 @@ def build_paged_kv(
             num_slots=num_slots,
             fault=fault,
             keep_layout=True,
+            step_check=step_check,
         )
 
     kv.launch = launch

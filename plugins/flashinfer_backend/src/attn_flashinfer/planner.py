@@ -27,6 +27,7 @@ from attn_core.contract.errors import InvalidArgumentError, UnsupportedFeatureEr
 from attn_core.contract.layer import AttentionLayer
 from attn_core.memory.scratch import DeviceScratch
 from attn_core.memory.window_pool import SlidingWindowKVPool
+from attn_core.ops.step_tensors import PendingStepCheck
 from attn_flashinfer import plans
 from attn_flashinfer.indices import (
     PagedKV,
@@ -67,6 +68,8 @@ class Step:
     tag: str = ""  # prefix of its scratch buffers' names (a split MIXED step's decode sub-step: "decode:")
     #: bidirectional layers' visibility (`attn_core.contract.bidirectional`), built on first use
     span_mask: Optional[torch.Tensor] = None
+    #: the step check the step's first index launch runs (`AttentionBackend.take_step_check`), until it ran
+    step_check: Optional[PendingStepCheck] = None
 
     def plan_of(self, layer: AttentionLayer) -> Plan:
         """The plan `layer` runs in this step (typed errors for a layer the step cannot serve, before any
@@ -80,13 +83,16 @@ def write_device(step: Step) -> None:
     references to the device arrays; the layers read them): one index launch per key list, the first
     also writing the query offsets, which are copied instead when the step has no key list."""
     qo = step.qo
+    check, step.step_check = step.step_check, None
     for kv in step.kv.values():
         if qo.pending and qo.lens_dev is not None and kv.launch is not None:
-            kv.write_device(qo.lens_dev, qo.indptr_dev)
-            qo.pending = False
-        else:
-            kv.write_device()
+            kv.write_device(qo.lens_dev, qo.indptr_dev, check)
+            qo.pending, check = False, None
+        elif kv.write_device(step_check=check):
+            check = None
     qo.write_device()
+    if check is not None:  # no index launch this time (no key list yet): the step check on its own
+        check.run()
 
 
 class StepPlanner:
@@ -112,9 +118,11 @@ class StepPlanner:
         keys: Iterable[LayerKey],
         window_pool: Optional[SlidingWindowKVPool] = None,
         tag: str = "",
+        step_check: Optional[PendingStepCheck] = None,
     ) -> Step:
         """A step over `inputs`, with a plan for each of `keys` that the batch can use; `tag` prefixes the
-        names of its scratch buffers (two sub-steps of one split MIXED step must not share them)."""
+        names of its scratch buffers (two sub-steps of one split MIXED step must not share them);
+        `step_check`: the batch's pending step check, which the step's first index launch runs."""
         has_prefix = inputs.prefix_lens_host is not None and any_positive(inputs.prefix_lens_host)
         if inputs.q_lens_host is None:
             qo = self._decode_query_layout(inputs.bs)
@@ -124,7 +132,7 @@ class StepPlanner:
             )
         else:  # graph wrappers copy the offsets into their own buffers
             qo = query_layout(inputs.q_lens_host)
-        step = Step(self, inputs, qo, has_prefix, graph=graph, window_pool=window_pool, tag=tag)
+        step = Step(self, inputs, qo, has_prefix, graph=graph, window_pool=window_pool, tag=tag, step_check=step_check)
         for key in keys:
             if (not key.cross or inputs.encoder_lens is not None) and (not key.window_pool or window_pool is not None):
                 step.plans[key] = self._make_plan(step, key)

@@ -80,6 +80,7 @@ class TritonAttnBackend(AttentionBackend[StepPlan]):
 
     name = "triton"
     capabilities = CAPABILITIES
+    step_check_in_index_launch = True  # the planner's main index launch runs it (`take_step_check`)
 
     def __init__(
         self,
@@ -143,7 +144,7 @@ class TritonAttnBackend(AttentionBackend[StepPlan]):
             plan = plan_mixed(self.planner, b, r2t, window_pool_of(pool) is not None)
             if plan is not None:
                 return plan
-        return self.planner.plan(b, r2t, pool)
+        return self.planner.plan(b, r2t, pool, self.take_step_check())
 
     # ---- CUDA graphs -------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:

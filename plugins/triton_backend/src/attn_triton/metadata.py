@@ -22,6 +22,7 @@ from attn_core.contract.batch import ForwardBatch
 from attn_core.memory.scratch import DeviceScratch
 from attn_core.memory.window_pool import SlidingWindowKVPool
 from attn_core.ops.kv_indices_triton import kv_indices_triton
+from attn_core.ops.step_tensors import PendingStepCheck
 
 
 @dataclass
@@ -75,10 +76,11 @@ def fill_kv(
     qo_indptr: Optional[torch.Tensor] = None,
     mask_indptr: Optional[torch.Tensor] = None,
     capacity: Optional[int] = None,
+    step_check: Optional[PendingStepCheck] = None,
 ) -> None:
     """Write `kv` (and the optional q / mask offsets) for the batch in one kernel launch; out-of-range
     rows, lengths and ids past `capacity` entries of `kv.indices` (default: all of them) are refused and
-    recorded in `fault`."""
+    recorded in `fault`. `step_check` (`AttentionBackend.take_step_check`): run in the same launch."""
     kv_indices_triton(
         req_to_token,
         req_pool_indices,
@@ -91,6 +93,7 @@ def fill_kv(
         mask_indptr=mask_indptr,
         fault=fault,
         capacity=capacity,
+        step_check=step_check,
     )
 
 

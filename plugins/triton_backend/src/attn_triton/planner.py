@@ -21,6 +21,7 @@ from attn_core.contract.errors import UnsupportedFeatureError
 from attn_core.contract.forward_mode import ForwardMode
 from attn_core.memory.scratch import DeviceScratch
 from attn_core.memory.window_pool import SlidingWindowKVPool, window_pool_of
+from attn_core.ops.step_tensors import PendingStepCheck
 from attn_triton.config import SplitPolicy
 from attn_triton.kernels.mla_decode import MAX_FOLDED_Q_LEN
 from attn_triton.kernels.verify import verify_q_len
@@ -86,16 +87,35 @@ class StepPlanner:
         return DecodeKeys(splits, part_o, part_lse)
 
     # ---- eager steps ----------------------------------------------------------------------------------
-    def plan(self, b: ForwardBatch, r2t: torch.Tensor, pool_of_batch) -> StepPlan:
-        """The plan of batch `b` (validated) over request table `r2t`; `pool_of_batch`: its KV pool."""
+    def plan(
+        self, b: ForwardBatch, r2t: torch.Tensor, pool_of_batch, step_check: Optional[PendingStepCheck] = None
+    ) -> StepPlan:
+        """The plan of batch `b` (validated) over request table `r2t`; `pool_of_batch`: its KV pool;
+        `step_check`: the step's pending step check (`AttentionBackend.take_step_check`), run by the main index
+        launch."""
         if b.forward_mode.is_decode():
-            return self._decode_plan(b, r2t, window_pool_of(pool_of_batch))
-        return self._extend_plan(b, r2t, window_pool_of(pool_of_batch))
+            return self._decode_plan(b, r2t, window_pool_of(pool_of_batch), step_check)
+        return self._extend_plan(b, r2t, window_pool_of(pool_of_batch), step_check)
 
-    def _decode_plan(self, b: ForwardBatch, r2t: torch.Tensor, pool: Optional[SlidingWindowKVPool]) -> StepPlan:
+    def _decode_plan(
+        self,
+        b: ForwardBatch,
+        r2t: torch.Tensor,
+        pool: Optional[SlidingWindowKVPool],
+        step_check: Optional[PendingStepCheck] = None,
+    ) -> StepPlan:
         bs, fault = b.batch_size, self.launch.fault
         kv = main_kv(self.scratch, bs, b.seq_lens_sum)
-        fill_kv(kv, r2t, b.req_pool_indices, b.seq_lens, fault, kv_start=b.encoder_lens, capacity=b.seq_lens_sum)
+        fill_kv(
+            kv,
+            r2t,
+            b.req_pool_indices,
+            b.seq_lens,
+            fault,
+            kv_start=b.encoder_lens,
+            capacity=b.seq_lens_sum,
+            step_check=step_check,
+        )
         split = self.decode_keys(bs)
         chunk = self.ctx.attention_chunk_size
         if b.encoder_lens is None and chunk is None and not b.cascade_prefix_len and pool is None:
@@ -111,7 +131,13 @@ class StepPlanner:
         cascade = cascade_keys(b, r2t, fault) if b.cascade_prefix_len else None
         return self.decode_step(kv, cross, split, local_kv=local, window_kv=window, window_pool=pool, cascade=cascade)
 
-    def _extend_plan(self, b: ForwardBatch, r2t: torch.Tensor, pool: Optional[SlidingWindowKVPool]) -> StepPlan:
+    def _extend_plan(
+        self,
+        b: ForwardBatch,
+        r2t: torch.Tensor,
+        pool: Optional[SlidingWindowKVPool],
+        step_check: Optional[PendingStepCheck] = None,
+    ) -> StepPlan:
         bs, dev, fault = b.batch_size, self.ctx.device, self.launch.fault
         mask = custom_mask(b)
         qo_indptr = torch.empty(bs + 1, dtype=torch.int32, device=dev)
@@ -128,6 +154,7 @@ class StepPlanner:
             qo_indptr=qo_indptr,
             mask_indptr=mask_indptr,
             capacity=b.seq_lens_sum,
+            step_check=step_check,
         )
         cross = cross_kv(b, r2t, fault) if b.encoder_lens is not None else None
         max_q = int(b.extend_seq_lens_cpu.max()) if bs else 0
