@@ -278,14 +278,14 @@ def test_triton_kernel_reads_strided_inputs_as_torch_does():
     os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernels run on CPU tensors under TRITON_INTERPRET=1"
 )
 def test_index_launch_with_the_step_check_equals_the_two_launches(monkeypatch):
-    """`kv_indices_triton(..., step_check=...)` (`attn_core.ops.checked_indices_triton`: the step check in the
-    index kernel's launch) writes the fault word, the allowed slots and the index arrays the step check's
+    """`kv_indices_triton(..., step_check=...)` (`launch_checked_indices`: the step check in the index kernel's
+    launch) writes the fault word, the allowed slots and the index arrays the step check's
     kernel and the index kernel write one after the other, on random spoiled batches; a check of another
     batch size runs in a launch of its own."""
-    from attn_core.ops import checked_indices_triton
+    from attn_core.ops import kv_indices_triton as checked_indices_triton
     from attn_core.ops.kv_indices_triton import kv_indices_triton
+    from attn_core.ops.step_checks import PendingStepCheck
     from attn_core.ops.step_checks_triton import check_step_triton
-    from attn_core.ops.step_tensors import PendingStepCheck
 
     rng = random.Random(11)
     real = checked_indices_triton.launch_checked_indices

@@ -28,7 +28,7 @@ SELECT = ("hostile-basic-row_", "hostile-basic-extend_row", "hostile-basic-slot_
 
 
 def test_hostile_rows_on_the_accelerator_path(factory, monkeypatch):
-    from attn_core.ops import checked_indices_triton
+    from attn_core.ops import kv_indices_triton as checked_indices_triton
 
     fused = []
     real = checked_indices_triton.launch_checked_indices

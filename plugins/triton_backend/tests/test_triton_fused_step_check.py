@@ -1,8 +1,8 @@
 """attn-triton runs the step check in its main index launch (`step_check_in_index_launch`,
-`AttentionBackend.take_step_check`, `attn_core.ops.checked_indices_triton`): under the accelerator device path
-on CPU tensors (the interpreter), the kit's hostile cases at the default validation still give a typed error at
-once or `DeviceFaultError` at the next step with nothing written outside the batch's slots, and the fused launch
-is what ran the checks."""
+`AttentionBackend.take_step_check`, `attn_core.ops.kv_indices_triton.launch_checked_indices`): under the
+accelerator device path on CPU tensors (the interpreter), the kit's hostile cases at the default validation
+still give a typed error at once or `DeviceFaultError` at the next step with nothing written outside the
+batch's slots, and the fused launch is what ran the checks."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from attn_core.ops import checked_indices_triton
+from attn_core.ops import kv_indices_triton as checked_indices_triton
 from attn_core.testing.device_path import accelerator_checks
 from attn_core.testing.kit import make_plan, run_plan
 

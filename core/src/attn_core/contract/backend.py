@@ -59,8 +59,7 @@ from attn_core.memory.pools import kv_scales
 from attn_core.memory.window_pool import window_pool_of
 from attn_core.ops.device_faults import DeviceFault, DeviceFaultFlags, DeviceFaultKind
 from attn_core.ops.kv_write import CheckedSlots, check_host_slots, guard_slots
-from attn_core.ops.step_checks import check_step, step_tensors
-from attn_core.ops.step_tensors import PendingStepCheck
+from attn_core.ops.step_checks import PendingStepCheck, check_step, step_tensors
 
 Output = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 

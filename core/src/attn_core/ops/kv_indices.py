@@ -24,7 +24,7 @@ import torch
 from attn_core.contract.errors import InvalidArgumentError
 from attn_core.contract.validation import SMALL_HOST_BATCH
 from attn_core.ops.device_faults import DeviceFaultKind
-from attn_core.ops.step_tensors import PendingStepCheck
+from attn_core.ops.step_checks import PendingStepCheck
 
 
 def exclusive_cumsum(lens: torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:
@@ -257,7 +257,7 @@ def build_kv_indices(
     the offsets from the host's lengths, as FlashInfer's plans do): a refused request row keeps its ids'
     places as dummy ids 0 and `out[:total]` is written whole, so such a reader finds only valid ids.
     `step_check` (`AttentionBackend.take_step_check`): the step's pending step check, run in the same launch
-    on the Triton path when it covers these requests (`attn_core.ops.checked_indices_triton`), else first.
+    on the Triton path when it covers these requests (`kv_indices_triton.launch_checked_indices`), else first.
     """
     if out is None:
         out = torch.empty(total, dtype=torch.int32, device=req_to_token.device)

@@ -25,7 +25,10 @@ kv_indptr, last_page_len and mask_indptr describe what was written, so the kerne
 stay in bounds too. On valid input nothing changes and nothing is recorded.
 
 Grid `[bs, P]`: each program sums the counts before its request (masked block loads, O(bs)) and
-copies every P-th CHUNK of its ids, so any P is correct; P only spreads the copy. Importing this
+copies every P-th CHUNK of its ids, so any P is correct; P only spreads the copy. With a step check
+(`kv_indices_triton(step_check=...)`, `launch_checked_indices`) the programs with c == 0 also run the step
+check of their request (`attn_core.ops.step_checks_triton.check_request`): one launch where there were two,
+with the same results (the parts share nothing but the launch). Importing this
 module imports Triton; with `TRITON_INTERPRET=1` set before the import the kernel runs on CPU tensors.
 """
 
@@ -39,7 +42,8 @@ import triton.language as tl
 
 from attn_core.contract.errors import InvalidArgumentError
 from attn_core.ops.device_faults import DeviceFaultKind
-from attn_core.ops.step_tensors import PendingStepCheck
+from attn_core.ops.step_checks import PendingStepCheck
+from attn_core.ops.step_checks_triton import check_request, step_check_arguments
 from attn_core.ops.triton_launch import CachedLaunch
 
 CHUNK = 512
@@ -192,7 +196,7 @@ def index_program(
 ):
     """Program (r, c) of the index kernel in a grid `[num_r, num_c]` (the module doc): request r's ids and, with
     KEEP_LAYOUT, the last request's programs write the dummy id 0 from the ids' end to the capacity. Public so
-    that a kernel that does more per step runs it in its own launch (`attn_core.ops.checked_indices_triton`)."""
+    that a kernel that does more per step runs it in its own launch (`launch_checked_indices`)."""
     end = write_request_ids(
         r,
         c,
@@ -396,7 +400,7 @@ def kv_indices_triton(
     `capacity` entries finds only valid ids, each request's where the host put it when the lengths agree.
     `step_check` (`attn_core.ops.step_tensors.PendingStepCheck`, what `AttentionBackend.take_step_check` hands
     out): the step check runs in the same launch when its batch has these `bs` requests
-    (`attn_core.ops.checked_indices_triton`), else in its own launch first.
+    (`launch_checked_indices`), else in its own launch first.
     """
     bs = req_pool_indices.shape[0]
     if bs == 0:
@@ -437,8 +441,6 @@ def kv_indices_triton(
     )
     grid = (bs, copy_programs(bs, req_to_token.is_cuda))
     if step_check is not None and step_check.tensors.batch_size == bs:
-        from attn_core.ops.checked_indices_triton import launch_checked_indices
-
         launch_checked_indices(grid, args, constexprs, step_check)
         return
     if step_check is not None:  # another set of requests than the index launch's: its own launch
@@ -447,3 +449,184 @@ def kv_indices_triton(
 
 
 _LAUNCH = CachedLaunch(_build_indices_kernel)
+
+
+# ---- the index kernel with the step check in the same launch ---------------------------------------------
+_INDEX_POINTERS = ["REQ_TO_TOKEN", "REQ_POOL_INDICES", "KV_LENS", "KV_START", "KV_INDPTR", "KV_INDICES"]
+_INDEX_POINTERS += ["LAST_PAGE_LEN", "Q_LENS", "QO_INDPTR", "MASK_INDPTR", "FAULT"]
+_CHECK_POINTERS = ["C_REQ_TO_TOKEN", "C_REQ_POOL_INDICES", "C_SEQ_LENS", "C_ENC_LENS", "C_Q_LENS", "C_PREFIX_LENS"]
+_CHECK_POINTERS += ["C_START_LOC", "C_MASK_INDPTR", "C_OUT_CACHE_LOC", "C_SAFE", "C_FAULT", "C_SEQ_TOTAL_PTR"]
+_CHECK_INTS = ["c_stride_row", "c_num_rows", "c_width", "c_bs", "c_num_tokens", "c_seq_total", "c_num_slots"]
+_CHECK_INTS += ["c_cascade_len", "c_pad_seq", "c_stride_col", "c_stride_rpi", "c_stride_seq", "c_stride_enc"]
+_CHECK_INTS += ["c_stride_q", "c_stride_prefix", "c_stride_start", "c_stride_mask", "c_stride_loc"]
+
+
+@triton.jit(
+    do_not_specialize=["stride_row", "num_rows", "width", "capacity", "num_slots", *_CHECK_INTS],
+    do_not_specialize_on_alignment=[*_INDEX_POINTERS, *_CHECK_POINTERS],
+)
+def _checked_indices_kernel(
+    REQ_TO_TOKEN,
+    stride_row,
+    num_rows,
+    width,
+    REQ_POOL_INDICES,
+    KV_LENS,
+    KV_START,
+    KV_INDPTR,
+    KV_INDICES,
+    capacity,
+    LAST_PAGE_LEN,
+    Q_LENS,
+    QO_INDPTR,
+    MASK_INDPTR,
+    num_slots,
+    FAULT,
+    C_REQ_TO_TOKEN,
+    c_stride_row,
+    c_num_rows,
+    c_width,
+    C_REQ_POOL_INDICES,
+    C_SEQ_LENS,
+    C_ENC_LENS,
+    C_Q_LENS,
+    C_PREFIX_LENS,
+    C_START_LOC,
+    C_MASK_INDPTR,
+    C_OUT_CACHE_LOC,
+    C_SAFE,
+    C_FAULT,
+    C_SEQ_TOTAL_PTR,
+    c_bs,
+    c_num_tokens,
+    c_seq_total,
+    c_num_slots,
+    c_cascade_len,
+    c_pad_seq,
+    c_stride_col,
+    c_stride_rpi,
+    c_stride_seq,
+    c_stride_enc,
+    c_stride_q,
+    c_stride_prefix,
+    c_stride_start,
+    c_stride_mask,
+    c_stride_loc,
+    BS_BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HAS_START: tl.constexpr,
+    HAS_INDPTR: tl.constexpr,
+    HAS_LAST: tl.constexpr,
+    HAS_Q: tl.constexpr,
+    HAS_MASK_INDPTR: tl.constexpr,
+    CHECK_SLOTS: tl.constexpr,
+    HAS_FAULT: tl.constexpr,
+    KEEP_LAYOUT: tl.constexpr,
+    C_BS_BLOCK: tl.constexpr,
+    C_CHUNK: tl.constexpr,
+    C_MIN_SEQ: tl.constexpr,
+    C_HAS_ENC: tl.constexpr,
+    C_HAS_Q: tl.constexpr,
+    C_HAS_PREFIX: tl.constexpr,
+    C_HAS_START: tl.constexpr,
+    C_HAS_MASK_INDPTR: tl.constexpr,
+    C_HAS_WRITE: tl.constexpr,
+    C_HAS_SEQ_TOTAL: tl.constexpr,
+    C_SEQ_TOTAL_ON_DEVICE: tl.constexpr,
+    C_CHECK_DUP: tl.constexpr,
+    C_CHECK_KEYS: tl.constexpr,
+    C_HAS_CASCADE: tl.constexpr,
+):
+    if tl.program_id(1) == 0:
+        check_request(
+            tl.program_id(0),
+            C_REQ_TO_TOKEN,
+            c_stride_row,
+            c_num_rows,
+            c_width,
+            C_REQ_POOL_INDICES,
+            C_SEQ_LENS,
+            C_ENC_LENS,
+            C_Q_LENS,
+            C_PREFIX_LENS,
+            C_START_LOC,
+            C_MASK_INDPTR,
+            C_OUT_CACHE_LOC,
+            C_SAFE,
+            C_FAULT,
+            C_SEQ_TOTAL_PTR,
+            c_bs,
+            c_num_tokens,
+            c_seq_total,
+            c_num_slots,
+            c_cascade_len,
+            c_pad_seq,
+            c_stride_col,
+            c_stride_rpi,
+            c_stride_seq,
+            c_stride_enc,
+            c_stride_q,
+            c_stride_prefix,
+            c_stride_start,
+            c_stride_mask,
+            c_stride_loc,
+            C_BS_BLOCK,
+            C_CHUNK,
+            C_MIN_SEQ,
+            C_HAS_ENC,
+            C_HAS_Q,
+            C_HAS_PREFIX,
+            C_HAS_START,
+            C_HAS_MASK_INDPTR,
+            C_HAS_WRITE,
+            C_HAS_SEQ_TOTAL,
+            C_SEQ_TOTAL_ON_DEVICE,
+            C_CHECK_DUP,
+            C_CHECK_KEYS,
+            C_HAS_CASCADE,
+        )
+    index_program(
+        tl.program_id(0),
+        tl.program_id(1),
+        tl.num_programs(0),
+        tl.num_programs(1),
+        REQ_TO_TOKEN,
+        stride_row,
+        num_rows,
+        width,
+        REQ_POOL_INDICES,
+        KV_LENS,
+        KV_START,
+        KV_INDPTR,
+        KV_INDICES,
+        capacity,
+        LAST_PAGE_LEN,
+        Q_LENS,
+        QO_INDPTR,
+        MASK_INDPTR,
+        num_slots,
+        FAULT,
+        BS_BLOCK,
+        CHUNK,
+        PAGE_SIZE,
+        HAS_START,
+        HAS_INDPTR,
+        HAS_LAST,
+        HAS_Q,
+        HAS_MASK_INDPTR,
+        CHECK_SLOTS,
+        HAS_FAULT,
+        KEEP_LAYOUT,
+    )
+
+
+def launch_checked_indices(grid: tuple[int, int], index_args: tuple, index_constexprs: dict, check: PendingStepCheck):
+    """One launch of the index kernel's programs `grid` (`[bs, P]`, with `index_args` / `index_constexprs` as
+    `kv_indices_triton` builds them) and the step check of `check` (a batch of the same bs requests)."""
+    args, constexprs = step_check_arguments(check.tensors, check.safe, check.fault)
+    fused = {f"C_{k}": v for k, v in constexprs.items()}
+    _CHECKED_LAUNCH(grid, *index_args, *args, **index_constexprs, **fused, num_warps=4)
+
+
+_CHECKED_LAUNCH = CachedLaunch(_checked_indices_kernel)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -185,6 +186,21 @@ def _triton_path():
     return check_step_triton
 
 
+@dataclass
+class PendingStepCheck:
+    """A step check not launched yet: what `AttentionBackend.take_step_check` hands a backend whose index
+    launch runs it (`attn_core.ops.kv_indices_triton.kv_indices_triton(step_check=...)`, `build_kv_indices`):
+    its `tensors`, the allowed-slots buffer `safe` (int64, or None: no write check) and the `fault` word."""
+
+    tensors: StepTensors
+    safe: Optional[torch.Tensor]
+    fault: torch.Tensor
+
+    def run(self) -> None:
+        """Launch it on its own (`check_step`)."""
+        check_step(self.tensors, self.safe, self.fault)
+
+
 def check_step(s: StepTensors, safe: Optional[torch.Tensor], fault: torch.Tensor) -> None:
     """The step check on `s`'s device: one Triton launch on CUDA (Triton importable), the torch path
     elsewhere. Same results either way (the tests compare them)."""
@@ -194,4 +210,4 @@ def check_step(s: StepTensors, safe: Optional[torch.Tensor], fault: torch.Tensor
         check_step_torch(s, safe, fault)
 
 
-__all__ = ["StepTensors", "check_step", "check_step_torch", "step_tensors"]
+__all__ = ["PendingStepCheck", "StepTensors", "check_step", "check_step_torch", "step_tensors"]

@@ -99,7 +99,7 @@ def check_request(
 ):
     """Program r of the step check (the module docstring): request r's checks, faults and allowed slots.
     Public so that another per-step kernel runs the check in its own launch (grid axis 0 the requests):
-    `attn_core.ops.checked_indices_triton`, the index kernel with the step check."""
+    `attn_core.ops.kv_indices_triton.launch_checked_indices`, the index kernel with the step check."""
     offs = tl.arange(0, BS_BLOCK)
     inb = offs < bs
     before = offs < r

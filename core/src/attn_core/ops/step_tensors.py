@@ -48,21 +48,4 @@ class StepTensors:
         return self.req_pool_indices.shape[0]
 
 
-@dataclass
-class PendingStepCheck:
-    """A step check not launched yet: what `AttentionBackend.take_step_check` hands a backend whose index
-    launch runs it (`attn_core.ops.kv_indices_triton.kv_indices_triton(step_check=...)`, `build_kv_indices`):
-    its `tensors`, the allowed-slots buffer `safe` (int64, or None: no write check) and the `fault` word."""
-
-    tensors: StepTensors
-    safe: Optional[torch.Tensor]
-    fault: torch.Tensor
-
-    def run(self) -> None:
-        """Launch it on its own (`attn_core.ops.step_checks.check_step`)."""
-        from attn_core.ops.step_checks import check_step
-
-        check_step(self.tensors, self.safe, self.fault)
-
-
-__all__ = ["PendingStepCheck", "StepTensors"]
+__all__ = ["StepTensors"]

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from attn_core.ops.kv_indices import build_kv_indices, host_last_page_lens, host_page_offsets
-from attn_core.ops.step_tensors import PendingStepCheck
+from attn_core.ops.step_checks import PendingStepCheck
 
 #: (batch size, page count) -> device int32 buffers for (page ids, indptr or None, last_page_len or None)
 DeviceOut = Callable[[int, int], tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]]

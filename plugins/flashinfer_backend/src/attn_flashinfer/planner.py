@@ -27,7 +27,7 @@ from attn_core.contract.errors import InvalidArgumentError, UnsupportedFeatureEr
 from attn_core.contract.layer import AttentionLayer
 from attn_core.memory.scratch import DeviceScratch
 from attn_core.memory.window_pool import SlidingWindowKVPool
-from attn_core.ops.step_tensors import PendingStepCheck
+from attn_core.ops.step_checks import PendingStepCheck
 from attn_flashinfer import plans
 from attn_flashinfer.indices import (
     PagedKV,

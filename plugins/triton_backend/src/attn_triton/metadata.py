@@ -22,7 +22,7 @@ from attn_core.contract.batch import ForwardBatch
 from attn_core.memory.scratch import DeviceScratch
 from attn_core.memory.window_pool import SlidingWindowKVPool
 from attn_core.ops.kv_indices_triton import kv_indices_triton
-from attn_core.ops.step_tensors import PendingStepCheck
+from attn_core.ops.step_checks import PendingStepCheck
 
 
 @dataclass

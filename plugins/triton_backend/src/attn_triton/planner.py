@@ -21,7 +21,7 @@ from attn_core.contract.errors import UnsupportedFeatureError
 from attn_core.contract.forward_mode import ForwardMode
 from attn_core.memory.scratch import DeviceScratch
 from attn_core.memory.window_pool import SlidingWindowKVPool, window_pool_of
-from attn_core.ops.step_tensors import PendingStepCheck
+from attn_core.ops.step_checks import PendingStepCheck
 from attn_triton.config import SplitPolicy
 from attn_triton.kernels.mla_decode import MAX_FOLDED_Q_LEN
 from attn_triton.kernels.verify import verify_q_len
