@@ -169,8 +169,9 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         raises `StaleMetadataError`; nothing has been written.
 
         On the CPU every check is "full" (`attn_core.contract.validation.effective_level`); on an accelerator at
-        "basic" the step check (`attn_core.ops.step_checks`) runs on the device before the backend's
-        build, and the fault word's host copy is refreshed after it (see the module docstring).
+        "basic" the step check (`attn_core.ops.step_checks`) runs on the device before the backend's build (or
+        in the build's index launch: `take_step_check`), and the fault word's host copy is refreshed after it
+        (see the module docstring).
         """
         self.forward_metadata = None
         self._metadata_for = None
