@@ -202,7 +202,7 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         finally:  # not taken by the backend's index launch (or the build failed): its own launch, before any write
             pending, self._pending_step_check = self._pending_step_check, None
             if pending is not None:
-                pending.run()
+                check_step(pending.tensors, pending.safe, pending.fault)
         self.device_faults.snapshot(self.step_count)
         self.forward_metadata = metadata
         self._metadata_for = b

@@ -25,7 +25,7 @@ request, draft count, inputs) is refused with `GraphShapeError`.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -37,6 +37,10 @@ from attn_core.contract.forward_mode import ForwardMode
 from attn_core.contract.graph_step import CudaGraphStep, GraphPadding, graph_padding, graph_tokens_per_request
 from attn_core.contract.validation import check_forward_batch, effective_level
 from attn_core.ops.step_checks import StepTensors, check_step
+
+if TYPE_CHECKING:
+    from attn_core.memory.kv_pool import KVPool
+    from attn_core.memory.pools import ReqToTokenPool
 
 InputShapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -201,18 +205,22 @@ class CudaGraphRunner:
     def _views(self, tokens: int) -> dict[str, torch.Tensor]:
         return {name: buf[:tokens] for name, buf in self.inputs.items()}
 
+    def _pools(self) -> tuple[ReqToTokenPool, KVPool]:
+        """The context's request table and KV pool, which graphs read (`InvalidArgumentError` without them)."""
+        r2t_pool, kv_pool = self.ctx.req_to_token_pool, self.ctx.token_to_kv_pool
+        if r2t_pool is None or kv_pool is None:
+            raise InvalidArgumentError(
+                "backend.ctx", "a context with req_to_token_pool and token_to_kv_pool (graphs read them)", None
+            )
+        return r2t_pool, kv_pool
+
     def _checked_layers(self, batch: ForwardBatch, views: dict[str, torch.Tensor]) -> LayerOutput:
         """What a graph holds (and what runs without one): the step check of the static buffers' first
         batch.batch_size rows, padding rows included (`attn_core.ops.step_checks`: the allowed slots of
         `raw_out_cache_loc` into `out_cache_loc`, faults into the backend's fault word), then `run_layers`."""
         mode, bs = batch.forward_mode, batch.batch_size
         per = self._tokens_per_request(mode)
-        pool = self.ctx.token_to_kv_pool
-        r2t_pool = self.ctx.req_to_token_pool
-        if pool is None or r2t_pool is None:
-            raise InvalidArgumentError(
-                "backend.ctx", "a context with req_to_token_pool and token_to_kv_pool (graphs read them)", None
-            )
+        r2t_pool, pool = self._pools()
         verify = mode.is_target_verify()
         mask_indptr = self._mask_buffers()[1][: bs + 1] if verify else None
         check = StepTensors(
@@ -311,11 +319,7 @@ class CudaGraphRunner:
         if b.request_guard is not None:
             b.request_guard.check()
         level = effective_level(self.ctx)
-        r2t_pool, kv_pool = self.ctx.req_to_token_pool, self.ctx.token_to_kv_pool
-        if r2t_pool is None or kv_pool is None:
-            raise InvalidArgumentError(
-                "backend.ctx", "a context with req_to_token_pool and token_to_kv_pool (graphs read them)", None
-            )
+        r2t_pool, kv_pool = self._pools()
         r2t = r2t_pool.req_to_token
         check_forward_batch(b, r2t, kv_pool, self.ctx, level=level, padding_seq_len=pad.seq_len)
         self.req_pool_indices[:bs] = b.req_pool_indices

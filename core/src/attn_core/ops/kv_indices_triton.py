@@ -43,7 +43,7 @@ import triton.language as tl
 from attn_core.contract.errors import InvalidArgumentError
 from attn_core.ops.device_faults import DeviceFaultKind
 from attn_core.ops.step_checks import PendingStepCheck
-from attn_core.ops.step_checks_triton import check_request, step_check_arguments
+from attn_core.ops.step_checks_triton import CHECK_INTS, CHECK_POINTERS, check_request, step_check_arguments
 from attn_core.ops.triton_launch import CachedLaunch
 
 CHUNK = 512
@@ -80,22 +80,12 @@ def id_count(length, PAGE_SIZE: tl.constexpr):
 
 # No value or alignment specialization: one binary per constexpr set serves every batch, which lets
 # `CachedLaunch` skip the per-call specialization work of the JIT launcher.
-@triton.jit(
-    do_not_specialize=["stride_row", "num_rows", "width", "capacity", "num_slots"],
-    do_not_specialize_on_alignment=[
-        "REQ_TO_TOKEN",
-        "REQ_POOL_INDICES",
-        "KV_LENS",
-        "KV_START",
-        "KV_INDPTR",
-        "KV_INDICES",
-        "LAST_PAGE_LEN",
-        "Q_LENS",
-        "QO_INDPTR",
-        "MASK_INDPTR",
-        "FAULT",
-    ],
-)
+INDEX_INTS = ["stride_row", "num_rows", "width", "capacity", "num_slots"]
+INDEX_POINTERS = ["REQ_TO_TOKEN", "REQ_POOL_INDICES", "KV_LENS", "KV_START", "KV_INDPTR", "KV_INDICES"]
+INDEX_POINTERS += ["LAST_PAGE_LEN", "Q_LENS", "QO_INDPTR", "MASK_INDPTR", "FAULT"]
+
+
+@triton.jit(do_not_specialize=INDEX_INTS, do_not_specialize_on_alignment=INDEX_POINTERS)
 def _build_indices_kernel(
     REQ_TO_TOKEN,
     stride_row,
@@ -398,7 +388,7 @@ def kv_indices_triton(
     whose row is refused gets its keys' count of dummy ids 0 (not none), and every entry from the ids'
     end to the capacity is written 0, so whatever the device tensors hold, a reader of the first
     `capacity` entries finds only valid ids, each request's where the host put it when the lengths agree.
-    `step_check` (`attn_core.ops.step_tensors.PendingStepCheck`, what `AttentionBackend.take_step_check` hands
+    `step_check` (`attn_core.ops.step_checks.PendingStepCheck`, what `AttentionBackend.take_step_check` hands
     out): the step check runs in the same launch when its batch has these `bs` requests
     (`launch_checked_indices`), else in its own launch first.
     """
@@ -452,18 +442,10 @@ _LAUNCH = CachedLaunch(_build_indices_kernel)
 
 
 # ---- the index kernel with the step check in the same launch ---------------------------------------------
-_INDEX_POINTERS = ["REQ_TO_TOKEN", "REQ_POOL_INDICES", "KV_LENS", "KV_START", "KV_INDPTR", "KV_INDICES"]
-_INDEX_POINTERS += ["LAST_PAGE_LEN", "Q_LENS", "QO_INDPTR", "MASK_INDPTR", "FAULT"]
-_CHECK_POINTERS = ["C_REQ_TO_TOKEN", "C_REQ_POOL_INDICES", "C_SEQ_LENS", "C_ENC_LENS", "C_Q_LENS", "C_PREFIX_LENS"]
-_CHECK_POINTERS += ["C_START_LOC", "C_MASK_INDPTR", "C_OUT_CACHE_LOC", "C_SAFE", "C_FAULT", "C_SEQ_TOTAL_PTR"]
-_CHECK_INTS = ["c_stride_row", "c_num_rows", "c_width", "c_bs", "c_num_tokens", "c_seq_total", "c_num_slots"]
-_CHECK_INTS += ["c_cascade_len", "c_pad_seq", "c_stride_col", "c_stride_rpi", "c_stride_seq", "c_stride_enc"]
-_CHECK_INTS += ["c_stride_q", "c_stride_prefix", "c_stride_start", "c_stride_mask", "c_stride_loc"]
-
-
+# the step check's arguments as `check_request` names them, prefixed: C_ (pointers), c_ (the rest)
 @triton.jit(
-    do_not_specialize=["stride_row", "num_rows", "width", "capacity", "num_slots", *_CHECK_INTS],
-    do_not_specialize_on_alignment=[*_INDEX_POINTERS, *_CHECK_POINTERS],
+    do_not_specialize=[*INDEX_INTS, *("c_" + n for n in CHECK_INTS)],
+    do_not_specialize_on_alignment=[*INDEX_POINTERS, *("C_" + n for n in CHECK_POINTERS)],
 )
 def _checked_indices_kernel(
     REQ_TO_TOKEN,

@@ -226,42 +226,16 @@ def check_request(
                 tl.store(SAFE + o, tl.zeros([CHUNK], dtype=tl.int64), mask=o < num_tokens)
 
 
-@triton.jit(
-    do_not_specialize=[
-        "stride_row",
-        "num_rows",
-        "width",
-        "bs",
-        "num_tokens",
-        "seq_total",
-        "num_slots",
-        "cascade_len",
-        "pad_seq",
-        "stride_col",
-        "stride_rpi",
-        "stride_seq",
-        "stride_enc",
-        "stride_q",
-        "stride_prefix",
-        "stride_start",
-        "stride_mask",
-        "stride_loc",
-    ],
-    do_not_specialize_on_alignment=[
-        "REQ_TO_TOKEN",
-        "REQ_POOL_INDICES",
-        "SEQ_LENS",
-        "ENC_LENS",
-        "Q_LENS",
-        "PREFIX_LENS",
-        "START_LOC",
-        "MASK_INDPTR",
-        "OUT_CACHE_LOC",
-        "SAFE",
-        "FAULT",
-        "SEQ_TOTAL_PTR",
-    ],
-)
+#: the step check's arguments left unspecialized (value / alignment): one binary per constexpr set serves every
+#: batch; a kernel that runs `check_request` in its own launch leaves the same ones unspecialized
+CHECK_INTS = ["stride_row", "num_rows", "width", "bs", "num_tokens", "seq_total", "num_slots", "cascade_len"]
+CHECK_INTS += ["pad_seq", "stride_col", "stride_rpi", "stride_seq", "stride_enc", "stride_q", "stride_prefix"]
+CHECK_INTS += ["stride_start", "stride_mask", "stride_loc"]
+CHECK_POINTERS = ["REQ_TO_TOKEN", "REQ_POOL_INDICES", "SEQ_LENS", "ENC_LENS", "Q_LENS", "PREFIX_LENS", "START_LOC"]
+CHECK_POINTERS += ["MASK_INDPTR", "OUT_CACHE_LOC", "SAFE", "FAULT", "SEQ_TOTAL_PTR"]
+
+
+@triton.jit(do_not_specialize=CHECK_INTS, do_not_specialize_on_alignment=CHECK_POINTERS)
 def _step_check_kernel(
     REQ_TO_TOKEN,
     stride_row,
