@@ -304,6 +304,18 @@ MASKED_CASES = [
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs compute capability 9.x")
+@pytest.mark.parametrize("case", MASKED_CASES[:3], ids=[c.describe() for c in MASKED_CASES[:3]])
+def test_hopper_extend_default_keeps_masked_values_out(case):
+    """The default Hopper kernel (no clean): the new tokens' Inf / NaN go through attn's K/V write, which stores
+    a non-finite value as K = NaN, V = 0 (`attn_core.ops.kv_write.clean_nonfinite`), so nothing leaks."""
+    from attn_core.testing.masked import masked_nonfinite_check
+    from attn_core.testing.target import resolve_target
+
+    target = resolve_target("triton", {"extend_config": extend_config_for(128, 128, torch.bfloat16, False, True)})
+    print(masked_nonfinite_check(target, case)())
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs compute capability 9.x")
 @pytest.mark.parametrize("case", MASKED_CASES, ids=[c.describe() for c in MASKED_CASES])
 def test_hopper_extend_clean_keeps_masked_values_out(case):
     from attn_core.testing.masked import masked_nonfinite_check

@@ -11,8 +11,9 @@ Layouts (docs/design.md §3):
   the "value" is its first kv_lora_rank channels (a view).
 num_slots = size + page_size: page 0 (slot 0 onwards) is the reserved padding dummy.
 
-Every `set_kv_buffer` writes through `attn_core.ops.kv_write` (`slot_ids`, then `scatter_rows`): a slot
-outside the pool is never written where it points (on the CPU: `InvalidArgumentError` before any write;
+Every `set_kv_buffer` writes through `attn_core.ops.kv_write` (`slot_ids`, then `write_kv_rows`, which
+stores a token whose value is not finite as K = NaN, V = 0: masked keys then add nothing on every
+backend, docs/design.md §3.2): a slot outside the pool is never written where it points (on the CPU: `InvalidArgumentError` before any write;
 on an accelerator: written to the dummy slot 0 and recorded in the pool's `device_faults`), and slots a
 step check already passed (`CheckedSlots`) are written with no further work (one type check a call).
 """
@@ -24,9 +25,9 @@ from typing import Optional, Protocol, Union
 import torch
 
 from attn_core.contract.errors import InvalidArgumentError, KVCacheError
-from attn_core.memory.fp8 import check_scale, is_fp8, quantize_kv
+from attn_core.memory.fp8 import check_scale, is_fp8
 from attn_core.ops.device_faults import DeviceFaultFlags
-from attn_core.ops.kv_write import CheckedSlots, SlotIds, scatter_rows, slot_ids
+from attn_core.ops.kv_write import CheckedSlots, SlotIds, slot_ids, write_kv_rows
 
 Device = Union[str, torch.device]
 
@@ -162,10 +163,6 @@ class _KVPoolBase:
             return loc.slots
         return slot_ids(loc, self.num_slots, self._fault_word(loc))
 
-    def _store(self, x: torch.Tensor, scale: Optional[float]) -> torch.Tensor:
-        """x quantized for this pool (`attn_core.memory.fp8.quantize_kv`), in the pool's dtype."""
-        return quantize_kv(x, self.dtype, scale)
-
     def _check_layer(self, layer_id: int) -> int:
         if not 0 <= layer_id < self.layer_num:
             raise InvalidArgumentError("layer_id", f"0 <= layer_id < {self.layer_num}", layer_id)
@@ -254,9 +251,17 @@ class MHATokenToKVPool(_KVPoolBase):
         slots = self.resolve_slots(loc)
         cache_k = self._check_rows("cache_k", cache_k, slots, (self.head_num, self.head_dim))
         cache_v = self._check_rows("cache_v", cache_v, slots, (self.head_num, self.v_head_dim))
-        layout, ps = self.kv_layout, self.page_size
-        scatter_rows(self._view(self.k_buffer[lid]), slots, self._store(cache_k, k_scale), layout, ps)
-        scatter_rows(self._view(self.v_buffer[lid]), slots, self._store(cache_v, v_scale), layout, ps)
+        write_kv_rows(
+            self._view(self.k_buffer[lid]),
+            self._view(self.v_buffer[lid]),
+            slots,
+            cache_k,
+            cache_v,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            layout=self.kv_layout,
+            page_size=self.page_size,
+        )
 
 
 class MLATokenToKVPool(_KVPoolBase):
@@ -309,7 +314,8 @@ class MLATokenToKVPool(_KVPoolBase):
         k_scale = check_scale("k_scale", k_scale)
         slots = self.resolve_slots(loc)
         cache_k = self._check_rows("cache_k", cache_k, slots, (1, self.head_dim))
-        scatter_rows(self._view(self.kv_buffer[lid]), slots, self._store(cache_k, k_scale))
+        buf = self._view(self.kv_buffer[lid])
+        write_kv_rows(buf, None, slots, cache_k, k_scale=k_scale, value_cols=self.kv_lora_rank)
 
     def set_mla_kv_buffer(self, layer: LayerRef, loc: SlotIds, k_nope: torch.Tensor, k_rope: torch.Tensor) -> None:
         """Write the latent from its two parts `[T, 1, kv_lora_rank]` and `[T, 1, qk_rope_head_dim]`."""

@@ -19,6 +19,15 @@ refused tokens). A slot outside the cache is never written where it points, neve
   written; on an accelerator without a sync, a slot outside the cache written to the dummy slot 0 and
   recorded in the fault word (kind WRITE_SLOT).
 
+A (token, head) whose value is not finite as stored (Inf or NaN in a 16- or 32-bit cache; NaN in an fp8
+one, which saturates Inf) is stored as K = NaN, V = 0 (`clean_nonfinite`): a query that does not see the
+token multiplies V = 0 by its probability 0 and gets exactly nothing from it, where 0 · Inf would have been
+NaN in any kernel that runs P·V over a tile holding keys some rows do not see (a tensor-core MMA cannot skip
+them); a query that sees it gets a NaN score, so its output is NaN, as the true output is not finite either.
+So masked keys add nothing on every backend for K/V written through this module (docs/design.md §3.2). On
+an accelerator, caches that need no quantization take one Triton launch for the whole write
+(`attn_core.ops.kv_write_triton`); everything else goes through torch ops with the same result.
+
 Layouts (`layout`, FlashInfer's names): "NHD" caches are `[num_slots, H, D]` (any tensor whose first
 dimension is the slot: an MLA latent `[num_slots, 1, R]` too); "HND" caches are `[num_pages, H,
 page_size, D]`, slot s at page s // page_size, offset s % page_size. An fp8 cache (a one-byte float
@@ -160,6 +169,89 @@ def scatter_rows(
         cache[torch.div(slots, page_size, rounding_mode="floor"), :, slots % page_size] = rows
 
 
+def clean_rows(k: torch.Tensor, v: Optional[torch.Tensor], bad: torch.Tensor, value_cols: int = 0) -> tuple:
+    """(k, v) with the (token, head) rows where `bad` (bool `[T, H, 1]`) is True stored as K = NaN, V = 0
+    (`clean_nonfinite`'s second half). v None: k is an MLA latent whose first `value_cols` columns are the
+    value: those become 0, the rest NaN. Example: k [[[1, 2]]], v [[[5, 6]]], bad [[[True]]] -> k [[[nan,
+    nan]]], v [[[0, 0]]]."""
+    if v is not None:
+        return k.masked_fill(bad, float("nan")), v.masked_fill(bad, 0.0)
+    cols = torch.arange(k.shape[-1], device=k.device) < value_cols
+    clean = torch.full_like(k[:1, :1], float("nan")).masked_fill(cols, 0.0)
+    return torch.where(bad, clean, k), None
+
+
+def clean_nonfinite(k: torch.Tensor, v: Optional[torch.Tensor] = None, value_cols: int = 0) -> tuple:
+    """(k, v) with every (token, head) row whose value holds an Inf or NaN stored as K = NaN, V = 0 (the
+    module docstring says why). k `[T, H, DK]`, v `[T, H, DV]` of a 16/32-bit float dtype; v None: k is an MLA
+    latent whose first `value_cols` columns are the value (0: nothing to clean). Torch ops, no sync.
+    Example: k [[[1, 2]], [[3, 4]]], v [[[5, 6]], [[inf, 7]]] -> k [[[1, 2]], [[nan, nan]]], v [[[5, 6]],
+    [[0, 0]]]."""
+    if v is None and value_cols <= 0:
+        return k, v
+    value = v if v is not None else k[..., :value_cols]
+    return clean_rows(k, v, ~torch.isfinite(value).all(-1, keepdim=True), value_cols)
+
+
+_FUSED: list = []
+
+
+def _fused_writer():
+    """(`kv_write_triton.fused_write_fits`, `kv_write_triton.write_kv_triton`), or None without Triton
+    (looked up once: this is per-layer code)."""
+    if not _FUSED:
+        try:
+            from attn_core.ops import kv_write_triton
+        except ImportError:
+            _FUSED.append(None)
+        else:
+            _FUSED.append((kv_write_triton.fused_write_fits, kv_write_triton.write_kv_triton))
+    return _FUSED[0]
+
+
+def write_kv_rows(
+    k_cache: torch.Tensor,
+    v_cache: Optional[torch.Tensor],
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: Optional[torch.Tensor] = None,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    layout: str = "NHD",
+    page_size: int = 1,
+    value_cols: int = 0,
+) -> None:
+    """The write itself, for checked `slots` (int64 `[T]`, from `slot_ids`): k `[T, H, DK]` to k_cache and v
+    `[T, H, DV]` to v_cache (v_cache None: one MLA latent cache, its value the first `value_cols` columns),
+    quantized with k_scale / v_scale (floats > 0, `quantize_kv`), a value not finite as stored written as K =
+    NaN, V = 0 (`clean_nonfinite`; in an fp8 cache that is a NaN: e4m3 saturates Inf). On an accelerator,
+    caches that need no quantization take one Triton launch (`kv_write_triton`); else torch ops, the same
+    bytes."""
+    from attn_core.memory.fp8 import is_fp8, quantize_kv  # here: the memory package imports this module
+
+    if v_cache is None:
+        v = None
+    fused = _fused_writer() if k_cache.is_cuda else None
+    if fused is not None and fused[0](k_cache, v_cache, k, v, k_scale, v_scale):
+        fused[1](k_cache, v_cache, slots, k, v, layout, page_size, value_cols)
+        return
+    value = v if v is not None else (k[..., :value_cols] if value_cols > 0 else None)
+    v_dtype = k_cache.dtype if v_cache is None else v_cache.dtype
+    if is_fp8(k_cache.dtype) or is_fp8(v_dtype):  # a stored NaN is an input NaN (x / s, saturated)
+        if value is not None:
+            k, v = clean_rows(k, v, torch.isnan(value).any(-1, keepdim=True), value_cols)
+        kq = quantize_kv(k, k_cache.dtype, k_scale)
+        vq = None if v is None else quantize_kv(v, v_dtype, v_scale)
+    else:
+        kq = quantize_kv(k, k_cache.dtype, k_scale)
+        vq = None if v is None else quantize_kv(v, v_dtype, v_scale)
+        kq, vq = clean_nonfinite(kq, vq, value_cols)
+    scatter_rows(k_cache, slots, kq, layout, page_size)
+    if v_cache is not None and vq is not None:
+        scatter_rows(v_cache, slots, vq, layout, page_size)
+
+
 def write_kv(
     k_cache: torch.Tensor,
     v_cache: Optional[torch.Tensor],
@@ -172,20 +264,26 @@ def write_kv(
     layout: str = "NHD",
     page_size: int = 1,
     fault: Optional[torch.Tensor] = None,
+    value_cols: int = 0,
 ) -> None:
     """Write the K (and V) rows of `T` new tokens to `slots` of a cache (see the module docstring).
 
     k_cache / v_cache: cache tensors of `layout` (v_cache None: a single latent cache, MLA); slots: int
     `[T]` or `CheckedSlots`; k `[T, H, D]` / v `[T, H, Dv]` in any float dtype, quantized to the cache's
     dtype with k_scale / v_scale (`quantize_kv`; None means 1); fault: the fault word refusals are
-    recorded in on an accelerator. Shapes are the caller's to check (the pools do)."""
-    from attn_core.memory.fp8 import quantize_kv  # here: the memory package imports this module
+    recorded in on an accelerator; value_cols: with v_cache None, the columns of the latent that are the
+    value (`write_kv_rows`). Shapes are the caller's to check (the pools do)."""
+    from attn_core.memory.fp8 import check_scale  # here: the memory package imports this module
 
     num_slots = num_cache_slots(k_cache, layout)
     ids = slot_ids(slots, num_slots, fault)
-    scatter_rows(k_cache, ids, quantize_kv(k, k_cache.dtype, k_scale), layout, page_size)
-    if v_cache is not None and v is not None:
-        scatter_rows(v_cache, ids, quantize_kv(v, v_cache.dtype, v_scale), layout, page_size)
+    k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
+    if v_cache is not None and v is None:
+        v_cache = None  # K alone (the V cache left as it is)
+    write_kv_rows(
+        k_cache, v_cache, ids, k, v, k_scale=k_scale, v_scale=v_scale, layout=layout, page_size=page_size,
+        value_cols=value_cols,
+    )
 
 
 __all__ = [
@@ -193,6 +291,8 @@ __all__ = [
     "LAYOUTS",
     "SlotIds",
     "check_host_slots",
+    "clean_nonfinite",
+    "clean_rows",
     "guard_slots",
     "num_cache_slots",
     "record_fault",
@@ -200,4 +300,5 @@ __all__ = [
     "scatter_rows",
     "slot_ids",
     "write_kv",
+    "write_kv_rows",
 ]

@@ -1,0 +1,182 @@
+"""The K/V write of `attn_core.ops.kv_write` in one Triton launch: every new token's K and V rows to their
+slots, a (token, head) whose value is not finite stored as K = NaN, V = 0 (`kv_write.clean_nonfinite`, the
+rule and why), for caches that need no quantization (16- or 32-bit, scales of 1). Used on accelerators, where
+the same work in torch ops costs six launches a layer (the finiteness test, two fills, two scatters); this is
+one (`CachedLaunch`: no per-call specialization work), and writes the same bytes.
+
+Program t (grid `[T]`) writes token t: its slot s = SLOTS[t] (already checked: `kv_write.slot_ids`), at
+element offset `(s // PAGE) * stride_page + (s % PAGE) * stride_token + h * stride_head + d` of each cache
+(NHD `[num_slots, H, D]`: PAGE 1, stride_page the slot stride; HND `[pages, H, PAGE, D]`), heads in blocks
+of BLOCK_H. With SHARED (an MLA latent cache, no V cache) the value is the first DV columns of the K row:
+a bad value zeroes them and sets the others to NaN.
+
+Worked example (NHD, 2 heads, D 2): token 0 at slot 3 with k [[1, 2], [3, 4]], v [[5, 6], [inf, 7]] stores
+k_cache[3] = [[1, 2], [nan, nan]], v_cache[3] = [[5, 6], [0, 0]].
+Importing this module imports Triton.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from attn_core.ops.triton_launch import CachedLaunch
+
+#: dtypes the kernel stores as they come (no quantization)
+PLAIN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+WRITE_INTS = ["num_tokens", "stride_kt", "stride_kh", "stride_vt", "stride_vh"]
+WRITE_INTS += ["stride_kcp", "stride_kcs", "stride_kch", "stride_vcp", "stride_vcs", "stride_vch"]
+WRITE_POINTERS = ["K_CACHE", "V_CACHE", "SLOTS", "K", "V"]
+
+
+@triton.jit(do_not_specialize=WRITE_INTS, do_not_specialize_on_alignment=WRITE_POINTERS)
+def _write_kv_kernel(
+    K_CACHE,
+    V_CACHE,
+    SLOTS,
+    K,
+    V,
+    num_tokens,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcp,
+    stride_kcs,
+    stride_kch,
+    stride_vcp,
+    stride_vcs,
+    stride_vch,
+    H: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    PAGE: tl.constexpr,
+    SHARED: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    s = tl.load(SLOTS + t).to(tl.int64)
+    page, off = s // PAGE, s % PAGE
+    k_row = page * stride_kcp + off * stride_kcs
+    v_row = page * stride_vcp + off * stride_vcs
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    dtype = K_CACHE.dtype.element_ty
+    for h0 in tl.static_range(0, H, BLOCK_H):
+        hs = h0 + tl.arange(0, BLOCK_H)
+        k_ok = (hs[:, None] < H) & (dk[None, :] < DK)
+        k = tl.load(K + t * stride_kt + hs[:, None] * stride_kh + dk[None, :], mask=k_ok, other=0.0).to(dtype)
+        if SHARED:
+            val = dk[None, :] < DV
+            bad_entry = val & k_ok & ~(tl.abs(k.to(tl.float32)) < float("inf"))
+            bad = tl.max(bad_entry.to(tl.int32), 1) != 0
+            clean = tl.where(val, tl.zeros_like(k), tl.full([BLOCK_H, BLOCK_DK], float("nan"), dtype))
+            k = tl.where(bad[:, None], clean, k)
+        else:
+            v_ok = (hs[:, None] < H) & (dv[None, :] < DV)
+            v = tl.load(V + t * stride_vt + hs[:, None] * stride_vh + dv[None, :], mask=v_ok, other=0.0).to(dtype)
+            bad_entry = v_ok & ~(tl.abs(v.to(tl.float32)) < float("inf"))  # False for NaN too
+            bad = tl.max(bad_entry.to(tl.int32), 1) != 0
+            v = tl.where(bad[:, None], tl.zeros_like(v), v)
+            k = tl.where(bad[:, None], tl.full([BLOCK_H, BLOCK_DK], float("nan"), dtype), k)
+            tl.store(V_CACHE + v_row + hs[:, None] * stride_vch + dv[None, :], v, mask=v_ok)
+        tl.store(K_CACHE + k_row + hs[:, None] * stride_kch + dk[None, :], k, mask=k_ok)
+
+
+_LAUNCH = CachedLaunch(_write_kv_kernel)
+
+
+def _cache_strides(cache: torch.Tensor, layout: str) -> tuple[int, int, int]:
+    """(page, token-in-page, head) element strides of a cache: NHD `[num_slots, H, D]` -> (slot stride, 0,
+    head stride); HND `[pages, H, page, D]` -> (page stride, token stride, head stride)."""
+    if layout == "NHD":
+        return cache.stride(0), 0, cache.stride(1)
+    return cache.stride(0), cache.stride(2), cache.stride(1)
+
+
+def fused_write_fits(
+    k_cache: torch.Tensor,
+    v_cache: Optional[torch.Tensor],
+    k: torch.Tensor,
+    v: Optional[torch.Tensor],
+    k_scale: float,
+    v_scale: float,
+) -> bool:
+    """Whether `write_kv_triton` takes this write: caches of one plain dtype (`PLAIN_DTYPES`) and scales of 1
+    (nothing to quantize), K (and V) `[T, H, D]` inputs of a float dtype, every last dimension contiguous.
+    Example: a bf16 pool and bf16 rows with scales 1.0 fit; an fp8 pool, or a scale of 0.5, does not."""
+    if k_scale != 1.0 or v_scale != 1.0 or k_cache.dtype not in PLAIN_DTYPES:
+        return False
+    tensors = [k_cache, k] + ([] if v_cache is None else [v_cache, v])
+    if any(x is None or not x.dtype.is_floating_point or x.stride(-1) != 1 for x in tensors):
+        return False
+    if v_cache is not None and v_cache.dtype != k_cache.dtype:
+        return False
+    return k.dim() == 3 and (v is None or v.dim() == 3)
+
+
+def write_kv_triton(
+    k_cache: torch.Tensor,
+    v_cache: Optional[torch.Tensor],
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: Optional[torch.Tensor],
+    layout: str = "NHD",
+    page_size: int = 1,
+    value_cols: int = 0,
+) -> None:
+    """Write rows k `[T, H, DK]` (and v `[T, H, DV]`) of T tokens to `slots` (int64 `[T]`, checked) of
+    k_cache / v_cache (`layout` as in `attn_core.ops.kv_write`), a non-finite value stored as K = NaN, V = 0
+    (module doc). v_cache None: one latent cache whose first `value_cols` columns are the value (MLA).
+    Requires `fused_write_fits`. One launch; nothing when T is 0."""
+    num_tokens = k.shape[0]
+    if num_tokens == 0:
+        return
+    heads, dk = k.shape[1], k.shape[2]
+    shared = v_cache is None
+    dv = value_cols if shared else v.shape[2]
+    kcp, kcs, kch = _cache_strides(k_cache, layout)
+    if shared:
+        v_cache, v = k_cache, k
+        vcp, vcs, vch = kcp, kcs, kch
+    else:
+        vcp, vcs, vch = _cache_strides(v_cache, layout)
+    block_dk, block_dv = triton.next_power_of_2(dk), triton.next_power_of_2(max(dv, 1))
+    block_h = max(1, min(triton.next_power_of_2(heads), 4096 // max(block_dk, block_dv)))
+    _LAUNCH(
+        (num_tokens,),
+        k_cache,
+        v_cache,
+        slots,
+        k,
+        v,
+        num_tokens,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        kcp,
+        kcs,
+        kch,
+        vcp,
+        vcs,
+        vch,
+        H=heads,
+        DK=dk,
+        DV=dv,
+        BLOCK_H=block_h,
+        BLOCK_DK=block_dk,
+        BLOCK_DV=block_dv,
+        PAGE=page_size if layout == "HND" else 1,
+        SHARED=shared,
+        num_warps=4,
+    )
+
+
+__all__ = ["PLAIN_DTYPES", "fused_write_fits", "write_kv_triton"]
