@@ -6,9 +6,10 @@ test. On a GPU the write is one Triton launch (`attn_core.ops.kv_write_triton`).
 Rows (8 KV heads, head_dim 128, bf16, page 16, slots in random order over a 1M-slot pool; "NHD" and "HND"):
   decode bs1 / bs64 / bs256 (1 new token each), extend 4096 / 32768 new tokens
 Peers, one layer's write each:
-  attn              `pool.set_kv_buffer(layer, slots, k, v)` (checked slots as a step hands them)
-  two scatters      `k_cache[slots] = k; v_cache[slots] = v` (NHD), the HND equivalent (no clean)
+  attn              `write_kv_rows(k_cache, v_cache, slots, k, v, ...)`: the write (checked slots)
+  two scatters      `k_cache[slots] = k; v_cache[slots] = v` (NHD), the HND equivalent: the write before (no clean)
   torch clean       `clean_nonfinite` + the two scatters (what the write costs without the Triton launch)
+  set_kv_buffer     `pool.set_kv_buffer(layer, checked_slots, k, v)`: the pool's whole call (its argument checks too)
 Timed in CUDA graphs (GPU µs per write, `interleaved_graph_times_us`: the peers' graphs replayed in turn) and
 on the host (µs a call issues, device idle before each sample, `host_times_us`). The claim: attn's times over
 the two scatters', same run. Every peer's pool content is checked equal to attn's where the rows are finite.
@@ -27,7 +28,7 @@ import statistics
 import torch
 
 from attn_core.memory import MHATokenToKVPool
-from attn_core.ops.kv_write import CheckedSlots, clean_nonfinite, scatter_rows
+from attn_core.ops.kv_write import CheckedSlots, clean_nonfinite, scatter_rows, write_kv_rows
 
 ROWS = [("decode bs1", 1), ("decode bs64", 64), ("decode bs256", 256), ("extend 4096", 4096), ("extend 32768", 32768)]
 HEADS, DIM, PAGE, POOL = 8, 128, 16, 1 << 20
@@ -39,6 +40,9 @@ def peers(pool: MHATokenToKVPool, slots: torch.Tensor, k: torch.Tensor, v: torch
     layout, ps = pool.kv_layout, pool.page_size
 
     def attn():
+        write_kv_rows(kc, vc, slots, k, v, layout=layout, page_size=ps)
+
+    def set_kv_buffer():
         pool.set_kv_buffer(0, checked, k, v)
 
     def two_scatters():
@@ -50,7 +54,7 @@ def peers(pool: MHATokenToKVPool, slots: torch.Tensor, k: torch.Tensor, v: torch
         scatter_rows(kc, slots, kq, layout, ps)
         scatter_rows(vc, slots, vq, layout, ps)
 
-    return {"attn": attn, "two scatters": two_scatters, "torch clean": torch_clean}
+    return {"attn": attn, "two scatters": two_scatters, "torch clean": torch_clean, "set_kv_buffer": set_kv_buffer}
 
 
 def main() -> None:

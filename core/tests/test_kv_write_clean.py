@@ -127,6 +127,21 @@ def test_fp8_pool_cleans_nan_and_saturates_inf():
     assert same(vb[3], [[0, 0, 0, 0]]) and kb[3].isnan().all()
 
 
+def test_clean_inputs_cleans_the_callers_rows_in_place():
+    """`clean_inputs` (a backend whose kernel reads the new K/V from the inputs): the rows that changed are
+    cleaned in k and v too; the others are left as they were."""
+    gen = random.Random(11)
+    pool = MHATokenToKVPool(32, 1, torch.float16, 3, 8, 1)
+    k, v = random_rows(gen, 6, 3, 8, torch.float16, 0.1), random_rows(gen, 6, 3, 8, torch.float16)
+    k0, v0 = k.clone(), v.clone()
+    pool.set_kv_buffer(0, torch.arange(1, 7), k, v, clean_inputs=True)
+    want_k, want_v = expected_rows(k0, v0)
+    assert same(k, want_k) and same(v, want_v)
+    k1, v1 = k0.clone(), v0.clone()
+    pool.set_kv_buffer(0, torch.arange(1, 7), k1, v1)  # default: the inputs untouched
+    assert same(k1, k0) and same(v1, v0)
+
+
 def test_engine_owned_strided_cache():
     """`write_kv` into views of one engine tensor (K | V side by side per slot, HND pages)."""
     gen = random.Random(3)
@@ -143,7 +158,9 @@ def test_engine_owned_strided_cache():
     assert (both == SENTINEL).all()
 
 
-def triton_case(seed: int, layout: str, shared: bool, dtype: torch.dtype, strided: bool, device: str = "cpu"):
+def triton_case(
+    seed: int, layout: str, shared: bool, dtype: torch.dtype, strided: bool, device: str = "cpu", clean_inputs=False
+):
     """One random write through `kv_write_triton.write_kv_triton` against the loops (a slot's rows as the
     rule says; every other slot still the sentinel): NHD / HND, K | V side by side in one tensor (`strided`),
     an MLA latent (`shared`). On the CPU this needs the Triton interpreter."""
@@ -164,8 +181,14 @@ def triton_case(seed: int, layout: str, shared: bool, dtype: torch.dtype, stride
     k = random_rows(gen, tok, h, d, gen.choice([dtype, torch.float32]), 0.1).to(device)
     v = None if shared else random_rows(gen, tok, h, dv, dtype).to(device)
     assert fused_write_fits(kc, vc, k, v, 1.0, 1.0)
-    write_kv_triton(kc, vc, slots, k, v, layout, page, dv if shared else 0)
-    want_k, want_v = expected_rows(k.to(dtype).cpu(), None if v is None else v.cpu(), dv if shared else 0)
+    k_in, v_in = k.clone(), None if v is None else v.clone()
+    write_kv_triton(kc, vc, slots, k, v, layout, page, dv if shared else 0, clean_inputs)
+    want_k, want_v = expected_rows(k_in.to(dtype).cpu(), None if v is None else v_in.cpu(), dv if shared else 0)
+    if clean_inputs and not shared:  # the inputs' changed rows as stored, the others as they were
+        in_k, in_v = expected_rows(k_in.cpu(), v_in.cpu())
+        assert same(k.cpu(), in_k) and same(v.cpu(), in_v)
+    else:
+        assert same(k.cpu(), k_in.cpu()) and (v is None or same(v.cpu(), v_in.cpu()))
     at = _slot_rows(layout, page)
     kc, vc = kc.cpu(), None if vc is None else vc.cpu()
     for i, s in enumerate(slots.tolist()):
@@ -182,7 +205,7 @@ def triton_cases(device: str) -> None:
     for seed in range(3):
         for layout in ("NHD", "HND"):
             for dtype in dtypes:
-                triton_case(seed, layout, False, dtype, seed % 2 == 1, device)
+                triton_case(seed, layout, False, dtype, seed % 2 == 1, device, clean_inputs=dtype == dtypes[0])
             triton_case(seed + 10, layout, True, dtypes[0], False, device)
 
 

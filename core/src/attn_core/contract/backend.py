@@ -649,19 +649,30 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         return pool
 
     def save_kv(
-        self, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer: AttentionLayer, forward_batch: ForwardBatch
+        self,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        *,
+        clean_inputs: bool = False,
     ) -> KVPool:
         """Write the step's new K/V (when given) to their slots, through the pool's `set_kv_buffer` (the
         one checked write, `attn_core.ops.kv_write`): `write_slots(forward_batch, layer)`, i.e. the step's
         checked `out_cache_loc` (or `encoder_out_cache_loc` for a cross-attention layer), so no K/V lands
-        outside the batch's legal slots; fp8 pools quantize with the layer's k_scale / v_scale. Returns
-        the pool."""
+        outside the batch's legal slots; fp8 pools quantize with the layer's k_scale / v_scale; a token
+        whose value is not finite is stored as K = NaN, V = 0. `clean_inputs`: those rows of k and v are
+        cleaned in place too, for a backend whose kernel reads the new tokens' K/V from k and v (an MHA
+        pool's `set_kv_buffer(..., clean_inputs=True)`). Returns the pool."""
         pool = self.kv_pool(forward_batch)
         if k is not None:
             slots = self._write_slots  # the common case first: the bound step's self-attention slots
             if slots is None or forward_batch is not self._metadata_for or layer.is_cross_attention:
                 slots = self.write_slots(forward_batch, layer)
-            pool.set_kv_buffer(layer, slots, k, v, layer.k_scale, layer.v_scale)
+            if clean_inputs:
+                pool.set_kv_buffer(layer, slots, k, v, layer.k_scale, layer.v_scale, clean_inputs=True)
+            else:
+                pool.set_kv_buffer(layer, slots, k, v, layer.k_scale, layer.v_scale)
         return pool
 
     # ---- validation (host-side metadata only, no device sync) ----------------------------------

@@ -242,10 +242,14 @@ class MHATokenToKVPool(_KVPoolBase):
         cache_v: Optional[torch.Tensor],
         k_scale: Optional[float] = None,
         v_scale: Optional[float] = None,
+        *,
+        clean_inputs: bool = False,
     ) -> None:
         """Write K/V of `loc.numel()` tokens (`[T, Hkv, D]` or `[T, Hkv*D]`) to slots `loc` (a 1-D int
         tensor, or a step's `CheckedSlots`) through `attn_core.ops.kv_write` (see the module docstring); an fp8 pool
-        stores e4m3(x / scale) saturated (`attn_core.memory.fp8.quantize_kv`; None means 1)."""
+        stores e4m3(x / scale) saturated (`attn_core.memory.fp8.quantize_kv`; None means 1). A token whose
+        value is not finite is stored as K = NaN, V = 0; with `clean_inputs`, in cache_k / cache_v too
+        (`write_kv_rows`)."""
         lid = self._check_layer(_layer_id(layer))
         k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
         slots = self.resolve_slots(loc)
@@ -261,6 +265,7 @@ class MHATokenToKVPool(_KVPoolBase):
             v_scale=v_scale,
             layout=self.kv_layout,
             page_size=self.page_size,
+            clean_inputs=clean_inputs,
         )
 
 

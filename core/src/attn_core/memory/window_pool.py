@@ -246,7 +246,9 @@ class SlidingWindowKVPool:
         """The fault word of raw-slot writes through this pool (the full pool's; see `MHATokenToKVPool`)."""
         return self.full.device_faults
 
-    def set_kv_buffer(self, layer, loc: SlotIds, cache_k, cache_v, k_scale=None, v_scale=None) -> None:
+    def set_kv_buffer(
+        self, layer, loc: SlotIds, cache_k, cache_v, k_scale=None, v_scale=None, *, clean_inputs: bool = False
+    ) -> None:
         """Write K/V of the tokens at full slots `loc` (window layers: at their window slots). The full
         slots are checked first (`attn_core.ops.kv_write.slot_ids`: a slot outside the full pool is never
         translated), so the window slots come out checked: a refused token writes the dummy slot 0."""
@@ -256,7 +258,7 @@ class SlidingWindowKVPool:
             fault = self.full._fault_word(loc)
             full = slot_ids(loc, self.num_slots, fault)
             loc = CheckedSlots(self.window_slots(full).long(), self.window_pool.num_slots)
-        pool.set_kv_buffer(k, loc, cache_k, cache_v, k_scale, v_scale)
+        pool.set_kv_buffer(k, loc, cache_k, cache_v, k_scale, v_scale, clean_inputs=clean_inputs)
 
 
 def window_pool_of(pool) -> Optional[SlidingWindowKVPool]:

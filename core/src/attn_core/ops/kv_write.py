@@ -221,21 +221,27 @@ def write_kv_rows(
     layout: str = "NHD",
     page_size: int = 1,
     value_cols: int = 0,
+    clean_inputs: bool = False,
 ) -> None:
     """The write itself, for checked `slots` (int64 `[T]`, from `slot_ids`): k `[T, H, DK]` to k_cache and v
     `[T, H, DV]` to v_cache (v_cache None: one MLA latent cache, its value the first `value_cols` columns),
     quantized with k_scale / v_scale (floats > 0, `quantize_kv`), a value not finite as stored written as K =
-    NaN, V = 0 (`clean_nonfinite`; in an fp8 cache that is a NaN: e4m3 saturates Inf). On an accelerator,
-    caches that need no quantization take one Triton launch (`kv_write_triton`); else torch ops, the same
-    bytes."""
-    from attn_core.memory.fp8 import is_fp8, quantize_kv  # here: the memory package imports this module
-
+    NaN, V = 0 (`clean_nonfinite`; in an fp8 cache that is a NaN: e4m3 saturates Inf). `clean_inputs`: the
+    same rows of k and v cleaned in place too (K = NaN, V = 0), for a kernel that reads the new tokens' K/V
+    from the inputs rather than the cache (FlashInfer's ragged prefill). On an accelerator, caches that need
+    no quantization take one Triton launch (`kv_write_triton`); else torch ops, the same bytes."""
     if v_cache is None:
         v = None
     fused = _fused_writer() if k_cache.is_cuda else None
     if fused is not None and fused[0](k_cache, v_cache, k, v, k_scale, v_scale):
-        fused[1](k_cache, v_cache, slots, k, v, layout, page_size, value_cols)
+        fused[1](k_cache, v_cache, slots, k, v, layout, page_size, value_cols, clean_inputs)
         return
+    from attn_core.memory.fp8 import is_fp8, quantize_kv  # here: the memory package imports this module
+
+    if clean_inputs and v is not None:
+        bad = ~torch.isfinite(v).all(-1, keepdim=True)
+        k.masked_fill_(bad, float("nan"))
+        v.masked_fill_(bad, 0.0)
     value = v if v is not None else (k[..., :value_cols] if value_cols > 0 else None)
     v_dtype = k_cache.dtype if v_cache is None else v_cache.dtype
     if is_fp8(k_cache.dtype) or is_fp8(v_dtype):  # a stored NaN is an input NaN (x / s, saturated)

@@ -17,6 +17,7 @@ Importing this module imports Triton.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -59,6 +60,7 @@ def _write_kv_kernel(
     BLOCK_DV: tl.constexpr,
     PAGE: tl.constexpr,
     SHARED: tl.constexpr,
+    CLEAN_INPUTS: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     s = tl.load(SLOTS + t).to(tl.int64)
@@ -86,6 +88,11 @@ def _write_kv_kernel(
             v = tl.where(bad[:, None], tl.zeros_like(v), v)
             k = tl.where(bad[:, None], tl.full([BLOCK_H, BLOCK_DK], float("nan"), dtype), k)
             tl.store(V_CACHE + v_row + hs[:, None] * stride_vch + dv[None, :], v, mask=v_ok)
+            if CLEAN_INPUTS:  # the cleaned rows into the inputs too, where a row changed (no store otherwise)
+                in_v = V + t * stride_vt + hs[:, None] * stride_vh + dv[None, :]
+                tl.store(in_v, v.to(V.dtype.element_ty), mask=v_ok & bad[:, None])
+                in_k = K + t * stride_kt + hs[:, None] * stride_kh + dk[None, :]
+                tl.store(in_k, k.to(K.dtype.element_ty), mask=k_ok & bad[:, None])
         tl.store(K_CACHE + k_row + hs[:, None] * stride_kch + dk[None, :], k, mask=k_ok)
 
 
@@ -95,9 +102,15 @@ _LAUNCH = CachedLaunch(_write_kv_kernel)
 def _cache_strides(cache: torch.Tensor, layout: str) -> tuple[int, int, int]:
     """(page, token-in-page, head) element strides of a cache: NHD `[num_slots, H, D]` -> (slot stride, 0,
     head stride); HND `[pages, H, page, D]` -> (page stride, token stride, head stride)."""
-    if layout == "NHD":
-        return cache.stride(0), 0, cache.stride(1)
-    return cache.stride(0), cache.stride(2), cache.stride(1)
+    st = cache.stride()
+    return (st[0], 0, st[1]) if layout == "NHD" else (st[0], st[2], st[1])
+
+
+@functools.lru_cache(maxsize=256)
+def _blocks(dk: int, dv: int, heads: int) -> tuple[int, int, int]:
+    """(BLOCK_DK, BLOCK_DV, BLOCK_H): powers of two covering the dims, heads in blocks of <= 4096 elements."""
+    block_dk, block_dv = triton.next_power_of_2(dk), triton.next_power_of_2(max(dv, 1))
+    return block_dk, block_dv, max(1, min(triton.next_power_of_2(heads), 4096 // max(block_dk, block_dv)))
 
 
 def fused_write_fits(
@@ -130,25 +143,26 @@ def write_kv_triton(
     layout: str = "NHD",
     page_size: int = 1,
     value_cols: int = 0,
+    clean_inputs: bool = False,
 ) -> None:
     """Write rows k `[T, H, DK]` (and v `[T, H, DV]`) of T tokens to `slots` (int64 `[T]`, checked) of
     k_cache / v_cache (`layout` as in `attn_core.ops.kv_write`), a non-finite value stored as K = NaN, V = 0
     (module doc). v_cache None: one latent cache whose first `value_cols` columns are the value (MLA).
+    `clean_inputs` (with a V cache): the rows that changed are stored into k and v as well, in place.
     Requires `fused_write_fits`. One launch; nothing when T is 0."""
-    num_tokens = k.shape[0]
+    num_tokens, heads, dk = k.shape
     if num_tokens == 0:
         return
-    heads, dk = k.shape[1], k.shape[2]
     shared = v_cache is None
-    dv = value_cols if shared else v.shape[2]
     kcp, kcs, kch = _cache_strides(k_cache, layout)
     if shared:
-        v_cache, v = k_cache, k
+        v_cache, v, dv = k_cache, k, value_cols
         vcp, vcs, vch = kcp, kcs, kch
     else:
+        dv = v.shape[2]
         vcp, vcs, vch = _cache_strides(v_cache, layout)
-    block_dk, block_dv = triton.next_power_of_2(dk), triton.next_power_of_2(max(dv, 1))
-    block_h = max(1, min(triton.next_power_of_2(heads), 4096 // max(block_dk, block_dv)))
+    block_dk, block_dv, block_h = _blocks(dk, dv, heads)
+    kst, vst = k.stride(), v.stride()
     _LAUNCH(
         (num_tokens,),
         k_cache,
@@ -157,10 +171,10 @@ def write_kv_triton(
         k,
         v,
         num_tokens,
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
+        kst[0],
+        kst[1],
+        vst[0],
+        vst[1],
         kcp,
         kcs,
         kch,
@@ -175,6 +189,7 @@ def write_kv_triton(
         BLOCK_DV=block_dv,
         PAGE=page_size if layout == "HND" else 1,
         SHARED=shared,
+        CLEAN_INPUTS=clean_inputs and not shared,
         num_warps=4,
     )
 

@@ -258,7 +258,9 @@ class FlashInferBackend(AttentionBackend[Union[Step, mixed.SplitStep]]):
         scales = kv_scales(layer, self.ctx.token_to_kv_pool)  # typed error for a bad scale, before any write
         plan = self.forward_metadata.plan_of(layer)
         plan.check_new_kv(k, batch.forward_mode.name)
-        pool = self.save_kv(k, v, layer, batch) if save_kv_cache else self.kv_pool(batch)
+        # the ragged kernel reads the new tokens' K/V from k and v: a non-finite value is cleaned there too
+        # (K = NaN, V = 0, as the pool stores it), so a masked key adds nothing to the tokens before it
+        pool = self.save_kv(k, v, layer, batch, clean_inputs=plan.ragged is not None) if save_kv_cache else self.kv_pool(batch)
         k_cache, v_cache = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         o, lse = plan.run(q, k, v, k_cache, v_cache, return_lse, self.kv_layout, scales)
         o = o.flatten(1)  # [T, H * Dv]; flatten, not view(T, -1): T may be 0

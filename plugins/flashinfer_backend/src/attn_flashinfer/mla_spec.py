@@ -46,5 +46,5 @@ SPEC = BackendSpec(
     backend_class="attn_flashinfer.mla_backend:FlashInferMLABackend",
     priority=20,
     probe_fn=probe,
-    known_gaps=KNOWN_GAPS,  # the MLA kernels do the same (H200, 2026-11-29)
+    known_gaps=KNOWN_GAPS,  # none: the latent's value is cleaned on write as well (H200, 2026-11-29)
 )

@@ -76,16 +76,12 @@ def probe() -> Optional[str]:
 
 
 #: where FlashInfer's kernels break a rule of the contract that the plugin cannot repair around them
-#: (`BackendSpec.known_gaps`)
-MASKED_VALUES_WHY = (
-    "FlashInfer's prefill kernels multiply a masked key's V by its probability 0 (0 * Inf = NaN): an Inf/NaN "
-    "in a later token's K or V of the same step reaches the earlier tokens' outputs (seen with 0.6.6 on an H200, "
-    "2026-11-29; 0.7.2.post1 not tried with this case; docs/engine-authors.md, 'Known gaps')"
-)
-KNOWN_GAPS = tuple(
-    (pattern, MASKED_VALUES_WHY)
-    for pattern in ("masked_nonfinite-*EXTEND", "masked_nonfinite-MIXED", "masked_nonfinite-TARGET_VERIFY")
-)
+#: (`BackendSpec.known_gaps`): none. Its prefill kernels multiply a masked key's V by its probability 0, so an
+#: Inf / NaN there would reach queries that do not see it; attn's K/V write stores such a value as K = NaN,
+#: V = 0 (`attn_core.ops.kv_write.clean_nonfinite`), in the pool and, for the ragged pass that reads the new
+#: tokens from k and v, in those too (`save_kv(..., clean_inputs=True)`), so nothing reaches them (H200,
+#: 2026-11-29, `tests/test_masked_values_gpu.py`)
+KNOWN_GAPS: tuple[tuple[str, str], ...] = ()
 
 SPEC = BackendSpec(
     name="flashinfer",

@@ -70,10 +70,12 @@ class DoubleSparseKVPool(MHATokenToKVPool):
         cache_v: torch.Tensor,
         k_scale: Optional[float] = None,
         v_scale: Optional[float] = None,
+        *,
+        clean_inputs: bool = False,
     ) -> None:
         """Write K/V of `loc.numel()` tokens to slots `loc` (`MHATokenToKVPool.set_kv_buffer`, which checks
         the arguments first) and their labels: the heavy channels of the keys as stored."""
-        super().set_kv_buffer(layer, loc, cache_k, cache_v, k_scale, v_scale)
+        super().set_kv_buffer(layer, loc, cache_k, cache_v, k_scale, v_scale, clean_inputs=clean_inputs)
         lid = layer if isinstance(layer, int) else layer.layer_id
         keys = cache_k.reshape(-1, self.head_num, self.head_dim).to(self.dtype)
         index = self.heavy_channels[lid].unsqueeze(0).expand(keys.shape[0], -1, -1)
