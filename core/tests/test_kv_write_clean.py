@@ -174,7 +174,8 @@ def triton_case(
     shape = (n, h) if layout == "NHD" else (pages, h, page)
     width = d + (dv if strided and not shared else 0)
     kc = torch.full((*shape, width), SENTINEL, dtype=dtype, device=device)
-    vc = None if shared else (kc[..., d:] if strided else torch.full((*shape, dv), SENTINEL, dtype=dtype, device=device))
+    own_v = torch.full((*shape, dv), SENTINEL, dtype=dtype, device=device)
+    vc = None if shared else (kc[..., d:] if strided else own_v)
     kc = kc[..., :d]
     tok = gen.randint(1, n - 1)
     slots = torch.tensor(gen.sample(range(1, n), tok), dtype=torch.int64, device=device)

@@ -13,7 +13,8 @@ num_slots = size + page_size: page 0 (slot 0 onwards) is the reserved padding du
 
 Every `set_kv_buffer` writes through `attn_core.ops.kv_write` (`slot_ids`, then `write_kv_rows`, which
 stores a token whose value is not finite as K = NaN, V = 0: masked keys then add nothing on every
-backend, docs/design.md §3.2): a slot outside the pool is never written where it points (on the CPU: `InvalidArgumentError` before any write;
+backend, docs/design.md §3.2): a slot outside the pool is never written where it points (on the CPU:
+`InvalidArgumentError` before any write;
 on an accelerator: written to the dummy slot 0 and recorded in the pool's `device_faults`), and slots a
 step check already passed (`CheckedSlots`) are written with no further work (one type check a call).
 """
@@ -311,10 +312,13 @@ class MLATokenToKVPool(_KVPoolBase):
         cache_v: Optional[torch.Tensor] = None,
         k_scale: Optional[float] = None,
         v_scale: Optional[float] = None,
+        *,
+        clean_inputs: bool = False,
     ) -> None:
         """Write latent rows `[T, 1, kv_lora_rank + qk_rope_head_dim]` to slots `loc` through `attn_core.ops.kv_write`
         (cache_v is ignored: the value is part of the latent; an fp8 pool stores e4m3(latent / k_scale)
-        saturated)."""
+        saturated). A latent whose value part is not finite is stored with that part 0 and the rest NaN;
+        `clean_inputs` is accepted for the pools' common signature and leaves cache_k as it is."""
         lid = self._check_layer(_layer_id(layer))
         k_scale = check_scale("k_scale", k_scale)
         slots = self.resolve_slots(loc)

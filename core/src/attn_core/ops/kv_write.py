@@ -287,7 +287,15 @@ def write_kv(
     if v_cache is not None and v is None:
         v_cache = None  # K alone (the V cache left as it is)
     write_kv_rows(
-        k_cache, v_cache, ids, k, v, k_scale=k_scale, v_scale=v_scale, layout=layout, page_size=page_size,
+        k_cache,
+        v_cache,
+        ids,
+        k,
+        v,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        layout=layout,
+        page_size=page_size,
         value_cols=value_cols,
     )
 

@@ -159,6 +159,7 @@ def write_kv_triton(
         v_cache, v, dv = k_cache, k, value_cols
         vcp, vcs, vch = kcp, kcs, kch
     else:
+        assert v is not None and v_cache is not None, "a V cache needs the V rows"
         dv = v.shape[2]
         vcp, vcs, vch = _cache_strides(v_cache, layout)
     block_dk, block_dv, block_h = _blocks(dk, dv, heads)

@@ -112,17 +112,17 @@ def info() -> str:
     )
 
 
-#: where FA4's kernels break a rule of the contract that the plugin cannot repair around them (`BackendSpec.known_gaps`;
-#: tree verify is not among them: its per-query key lists hold only the keys each query may see)
+#: where FA4's kernels break a rule of the contract that the plugin cannot repair around them
+#: (`BackendSpec.known_gaps`).
+#: FA4 multiplies a masked key's V by its probability 0 (0 * Inf = NaN). K/V written through attn store a
+#: non-finite value as K = NaN, V = 0 (`attn_core.ops.kv_write.clean_nonfinite`), so the same-step cases pass
+#: (H200, 2026-11-29); what is left is a value put into the pool around attn's write
 MASKED_VALUES_WHY = (
-    "FA4 4.0.0b36's SM90 kernel multiplies a masked key's V by its probability 0 (0 * Inf = NaN): an Inf/NaN "
-    "in a later token's K or V of the same step, or in a key outside a sliding window that shares a tile with "
-    "visible ones, reaches queries that must not see it (H200, 2026-11-29; docs/engine-authors.md, 'Known gaps')"
+    "FA4 4.0.0b36's SM90 kernel multiplies a masked key's V by its probability 0 (0 * Inf = NaN): an Inf/NaN put "
+    "into the pool around attn's K/V write, in a key outside a sliding window that shares a tile with visible "
+    "ones, reaches queries that must not see it (H200, 2026-11-29; docs/engine-authors.md, 'Known gaps')"
 )
-KNOWN_GAPS = tuple(
-    (pattern, MASKED_VALUES_WHY)
-    for pattern in ("masked_nonfinite-*EXTEND", "masked_nonfinite-MIXED", "masked_nonfinite-window-DECODE")
-)
+KNOWN_GAPS = (("masked_nonfinite-window-DECODE", MASKED_VALUES_WHY),)
 
 SPEC = BackendSpec(
     name="fa4",

@@ -260,7 +260,10 @@ class FlashInferBackend(AttentionBackend[Union[Step, mixed.SplitStep]]):
         plan.check_new_kv(k, batch.forward_mode.name)
         # the ragged kernel reads the new tokens' K/V from k and v: a non-finite value is cleaned there too
         # (K = NaN, V = 0, as the pool stores it), so a masked key adds nothing to the tokens before it
-        pool = self.save_kv(k, v, layer, batch, clean_inputs=plan.ragged is not None) if save_kv_cache else self.kv_pool(batch)
+        if save_kv_cache:
+            pool = self.save_kv(k, v, layer, batch, clean_inputs=plan.ragged is not None)
+        else:
+            pool = self.kv_pool(batch)
         k_cache, v_cache = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         o, lse = plan.run(q, k, v, k_cache, v_cache, return_lse, self.kv_layout, scales)
         o = o.flatten(1)  # [T, H * Dv]; flatten, not view(T, -1): T may be 0
