@@ -2,13 +2,14 @@
 # Every GPU check of the project in one command, for a machine with a CUDA GPU and torch + triton
 # installed (the lent H100/H200 machine: no network; FlashInfer comes from wheels carried in .whl/ and
 # its prebuilt kernels from .fi-cache/aot.tar.xz when present). Logs go to $OUT (default ./gpu-out).
-#   bash scripts/gpu_checks.sh [tests | tests-core tests-triton tests-fi check] [bench] [triton-bench] [verify-bench] [fi-bench] [fi-window] [mla-bench] [cascade-bench] [mla] [engine] [engine-kv] [multi-gpu] [vendors] [fi-kit fi-tests fi-speed] [vision | vision-triton vision-fi vision-hf] [vision-bench] [hostile] [hostile-memcheck] [hostile-bench] [masked] [kv-write-bench] [hopper-clean]
+#   bash scripts/gpu_checks.sh [tests | tests-core tests-triton tests-fi check] [bench] [triton-bench] [verify-bench] [fi-bench] [fi-window] [mla-bench] [cascade-bench] [mla] [engine] [engine-kv] [multi-gpu] [vendors] [fi-kit fi-tests fi-speed] [vision | vision-triton vision-fi vision-hf] [vision-bench] [hostile] [hostile-memcheck] [hostile-bench] [host-ab] [masked] [kv-write-bench] [hopper-clean]
 #        [sparse-kit = sparse-kit-ds sparse-kit-dc] [sparse-tests] [sparse-bench]   (default: tests bench;
 #   sparse-* = attn-sparse: the kit on cuda for double_sparsity / dual_chunk, its GPU tests, its benchmark;
 #   fi-kit / fi-tests / fi-speed = attn-flashinfer per FlashInfer release: FI_SITE=/tmp/site07 for 0.7.2.post1, see scripts/gpu_fi07_wheels.sh;
 #   vision = issue 40's GPU tests (non-causal / span / ragged checks, the vision-tower shape, HF towers); vision-bench = benchmarks/ragged_vs_peers.py;
 #   engine-kv = engine-owned KV memory on cuda (tests/test_engine_kv_gpu.py) and benchmarks/engine_kv_layout.py;
 #   hostile / hostile-memcheck / hostile-bench = issue 36 (safe by default): see the parts below;
+#   host-ab = issue 36: host time per step against the base tree in one process (benchmarks/step_host_ab.py);
 #   masked / kv-write-bench = issue 36: the K/V write's clean of non-finite values, the masked-values checks on cuda, the write's cost;
 #   hopper-clean = the Hopper extend kernel with ExtendConfig.wgmma_clean_masked: its GPU tests and its extend rows against the default;
 #   bench = every benchmark; mla = attn-triton's MLA kernel alone: its GPU tests and the MLA benchmark without the prefill row;
@@ -128,6 +129,11 @@ if want hostile-memcheck; then  # issue 36: the device-side hostile cases under 
       -k "hostile_section and (triton or flashinfer)" 2>&1 | tee "$OUT/hostile_memcheck.log" || rc=1
     unset ATTN_HOSTILE_SELECT
   fi
+fi
+if want host-ab; then  # issue 36: host time per step, this tree against $BASE_SRC (default scratch/base) in one process (benchmarks/step_host_ab.py)
+  base=${BASE_SRC:-scratch/base}
+  python3 benchmarks/step_host_ab.py --baseline-src "$base/core/src:$base/plugins/triton_backend/src" --device cuda \
+    --samples "${AB_SAMPLES:-300}" --json "$OUT/step_host_ab.json" 2>&1 | tee "$OUT/step_host_ab.log" || rc=1
 fi
 if want masked; then  # issue 36: the K/V write's clean of non-finite values (one Triton launch), the kit's masked-values checks on cuda for every backend whatever it declares, the Hopper kernel's default
   python3 -m pytest -q -p no:cacheprovider -m gpu core/tests/test_kv_write_clean.py tests/test_masked_values_gpu.py \

@@ -180,6 +180,27 @@ def test_engine_kv_layout_extend_row_runs_on_the_cpu(tmp_path):
             assert p["kernel"] == "extend (portable)" and p["rel_err_vs_own"] < 1e-5 and p["median_us"] > 0
 
 
+def test_step_host_ab_runs_two_trees_in_one_process(tmp_path):
+    # this tree against a renamed copy of itself (the machinery of issue 36's in-process A/B): both steps run,
+    # interleaved, and the report holds each row's medians, ratio and interval
+    out = tmp_path / "ab.json"
+    base = f"{ROOT / 'core' / 'src'}:{ROOT / 'plugins' / 'triton_backend' / 'src'}"
+    args = ["--baseline-src", base, "--layers", "2", "--context", "32", "--batches", "1,4", "--samples", "20"]
+    done = subprocess.run(
+        [sys.executable, "benchmarks/step_host_ab.py", *args, "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["row"] for r in rows] == ["bs1 eager", "bs4 eager"]
+    for r in rows:
+        lo, hi = r["interval"]
+        assert r["base_us"] > 0 and r["this_us"] > 0 and lo <= hi
+
+
 def test_cascade_attention_runs_on_the_cpu(tmp_path):
     out = tmp_path / "c.json"
     tiny = ["--requests", "2", "--prefix", "32", "--suffix", "8", "--budget", "0.02"]
