@@ -157,73 +157,30 @@ def make_step_rows(
     backend_name: str, bs: int, layers: int, context: int, device: str
 ) -> dict[str, Callable[[], object]]:
     """One decode step of `bs` requests of `context` tokens over `layers` layers on `backend_name`, real
-    kernels: eager (`init_forward_metadata` then every layer) and, on cuda, through `CudaGraphRunner.run`.
-    Public APIs only (the same calls run on the baseline tree)."""
-    dev = torch.device(device)
-    pages = bs * (-(-context // PAGE)) + 1
-    kv_pool = MHATokenToKVPool(pages * PAGE, PAGE, DTYPE, HKV, D, layers, device=dev)
-    req_pool = ReqToTokenPool(bs, context + PAGE, device=dev)
-    allocator = PagedTokenAllocator(pages * PAGE, PAGE)
-    batch = build_forward_batch(
-        "DECODE", [(context - 1, 1)] * bs, req_to_token_pool=req_pool, allocator=allocator, token_to_kv_pool=kv_pool
+    kernels: eager (`init_forward_metadata` then every layer) and, on cuda, through `CudaGraphRunner.run`
+    (`attn_core.bench.steps.decode_steps` of this checkout, given the process's attn_core: the same calls
+    run on the baseline tree)."""
+    steps = _STEPS.decode_steps(
+        attn_core, lambda ctx: attn_core.create_backend(backend_name, ctx), bs, layers, context, torch.device(device)
     )
-    graphs = dev.type == "cuda"
-    ctx = BackendContext(
-        device=dev,
-        dtype=DTYPE,
-        num_q_heads=HQ,
-        num_kv_heads=HKV,
-        head_dim=D,
-        page_size=PAGE,
-        max_batch_size=bs,
-        max_context_len=req_pool.max_context_len,
-        req_to_token_pool=req_pool,
-        token_to_kv_pool=kv_pool,
-        cuda_graph=attn_core.CudaGraphLevel.UNIFORM_SINGLE_TOKEN_DECODE if graphs else attn_core.CudaGraphLevel.NEVER,
-    )
-    backend = attn_core.create_backend(backend_name, ctx)
-    batch.attn_backend = backend
-    model = [AttentionLayer(i, HQ, HKV, D) for i in range(layers)]
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(bs, h, D, generator=gen).to(DTYPE).to(dev) for h in (HQ, HKV, HKV))
-
-    def eager():
-        backend.init_forward_metadata(batch)
-        for layer in model:
-            layer(q, k, v, batch)
-
-    rows = {"host µs / step (eager)": eager}
-    if graphs:
-
-        def run_layers(b, inputs):
-            out = None
-            for layer in model:
-                out = layer(inputs["q"], inputs["k"], inputs["v"], b)
-            return out
-
-        shapes = {"q": ((HQ, D), DTYPE), "k": ((HKV, D), DTYPE), "v": ((HKV, D), DTYPE)}
-        runner = attn_core.CudaGraphRunner(backend, [bs], run_layers, shapes)
-        inputs = {"q": q, "k": k, "v": v}
-        rows["host µs / step (graph)"] = lambda: runner.run(batch, inputs)
-    return rows
+    return {f"host µs / step ({path})": fn for path, fn in steps.items()}
 
 
-def _this_trees_timing():
-    """`attn_core.bench.timing` of this checkout (loaded from its file), so that a `--baseline-src`
-    process, whose attn_core is the older tree, times with the same timer."""
+def _this_trees_module(name: str):
+    """`attn_core.bench.<name>` of this checkout (loaded from its file), so that a `--baseline-src` process,
+    whose attn_core is the older tree, times with the same timer and builds the same steps."""
     import importlib.util
 
-    path = os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "..", "core", "src", "attn_core", "bench", "timing.py"
-    )
-    spec = importlib.util.spec_from_file_location("_attn_bench_timing_of_this_tree", path)
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "core", "src", "attn_core", "bench", name)
+    spec = importlib.util.spec_from_file_location(f"_attn_bench_{name[:-3]}_of_this_tree", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
 
-_TIMING = _this_trees_timing()
+_TIMING = _this_trees_module("timing.py")
+_STEPS = _this_trees_module("steps.py")
 host_times_us, interleave = _TIMING.host_times_us, _TIMING.interleave
 
 

@@ -10,9 +10,10 @@ public API (the backend class from its spec's `backend_class`, no entry points),
 in turn, sample by sample (`attn_core.bench.timing.interleave`, rotating), so drift, clock and process state
 hit both alike.
 
-A step as `forward_host_cost.py --steps` times it: `init_forward_metadata(batch)` then `layer(q, k, v, batch)`
-for `--layers` layers (GQA 32 q / 8 kv heads, head_dim 128, bf16, page 16, `--context` tokens a request), at
-batch 1 and 256, eager and (on cuda) through `CudaGraphRunner.run`; host µs of one step, the device drained
+A step as `forward_host_cost.py --steps` times it (`attn_core.bench.steps.decode_steps`, given each tree's
+module): `init_forward_metadata(batch)` then `layer(q, k, v, batch)` for `--layers` layers (GQA 32 q / 8 kv
+heads, head_dim 128, bf16, page 16, `--context` tokens a request), at batch 1 and 256, eager and (on cuda)
+through `CudaGraphRunner.run`; host µs of one step, the device drained
 before each sample outside the timed span (`host_times_us`). Printed per row: the median of each tree, the
 ratio this / base and a bootstrap 95 % interval of that ratio (resampling each tree's samples, fixed seed):
 "within 5 %" when the interval's top is at most 1.05.
@@ -35,16 +36,15 @@ import statistics
 import sys
 import tempfile
 from types import ModuleType
-from typing import Callable
 
 import torch
 
 import attn_core
+from attn_core.bench.steps import decode_steps
 from attn_core.bench.timing import host_times_us, interleave
 
 PACKAGES = ("attn_core", "attn_triton")
 PREFIX = "base_"
-HQ, HKV, D, PAGE, DTYPE = 32, 8, 128, 16, torch.bfloat16
 BATCHES = (1, 256)
 
 
@@ -84,68 +84,6 @@ def backend_class(ac: ModuleType, plugin: ModuleType | None, name: str) -> type:
         raise SystemExit(f"{name}: the tree holds no plugin package")
     module, cls = importlib.import_module(spec_module).SPEC.backend_class.split(":")
     return getattr(importlib.import_module(module), cls)
-
-
-def batch_builder(ac: ModuleType) -> Callable:
-    """The tree's `build_forward_batch` (moved into attn_core.testing on 2026-11-28)."""
-    for where in (".testing.batch_builder", ".batch_builder"):
-        try:
-            return importlib.import_module(ac.__name__ + where).build_forward_batch
-        except ImportError:
-            continue
-    raise SystemExit(f"{ac.__name__}: no build_forward_batch")
-
-
-def make_steps(
-    ac: ModuleType, cls: type, bs: int, layers: int, context: int, dev: torch.device
-) -> dict[str, Callable[[], object]]:
-    """One tree's decode step of `bs` requests over `layers` layers: {"eager": fn, "graph": fn (cuda)}."""
-    pages = bs * (-(-context // PAGE)) + 1
-    kv_pool = ac.MHATokenToKVPool(pages * PAGE, PAGE, DTYPE, HKV, D, layers, device=dev)
-    req_pool = ac.ReqToTokenPool(bs, context + PAGE, device=dev)
-    allocator = ac.PagedTokenAllocator(pages * PAGE, PAGE)
-    batch = batch_builder(ac)(
-        "DECODE", [(context - 1, 1)] * bs, req_to_token_pool=req_pool, allocator=allocator, token_to_kv_pool=kv_pool
-    )
-    graphs = dev.type == "cuda"
-    ctx = ac.BackendContext(
-        device=dev,
-        dtype=DTYPE,
-        num_q_heads=HQ,
-        num_kv_heads=HKV,
-        head_dim=D,
-        page_size=PAGE,
-        max_batch_size=bs,
-        max_context_len=req_pool.max_context_len,
-        req_to_token_pool=req_pool,
-        token_to_kv_pool=kv_pool,
-        cuda_graph=ac.CudaGraphLevel.UNIFORM_SINGLE_TOKEN_DECODE if graphs else ac.CudaGraphLevel.NEVER,
-    )
-    backend = cls(ctx)
-    batch.attn_backend = backend
-    model = [ac.AttentionLayer(i, HQ, HKV, D) for i in range(layers)]
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(bs, h, D, generator=gen).to(DTYPE).to(dev) for h in (HQ, HKV, HKV))
-
-    def eager():
-        backend.init_forward_metadata(batch)
-        for layer in model:
-            layer(q, k, v, batch)
-
-    steps = {"eager": eager}
-    if graphs:
-
-        def run_layers(b, inputs):
-            out = None
-            for layer in model:
-                out = layer(inputs["q"], inputs["k"], inputs["v"], b)
-            return out
-
-        shapes = {"q": ((HQ, D), DTYPE), "k": ((HKV, D), DTYPE), "v": ((HKV, D), DTYPE)}
-        runner = ac.CudaGraphRunner(backend, [bs], run_layers, shapes)
-        inputs = {"q": q, "k": k, "v": v}
-        steps["graph"] = lambda: runner.run(batch, inputs)
-    return steps
 
 
 def ratio_interval(base: list[float], this: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -188,7 +126,7 @@ def main() -> None:
             steps = {}
             for label, mods in trees.items():
                 cls = backend_class(mods["attn_core"], mods.get("attn_triton"), name)
-                steps[label] = make_steps(mods["attn_core"], cls, bs, args.layers, args.context, dev)
+                steps[label] = decode_steps(mods["attn_core"], cls, bs, args.layers, args.context, dev)
             for path in steps["this"]:
                 fns = {label: steps[label][path] for label in trees}
                 for fn in fns.values():  # warm-up: compile, capture, allocate
