@@ -393,12 +393,17 @@ def _attention(q, keys, vals, allowed, meta: _Metadata, layer, sinks, return_lse
     # masked keys add nothing whatever their values (0 · Inf would be NaN): V entries that are not finite
     # are zeroed, and a query that sees such a key is given NaN below (its output is not finite either way)
     vals = vals.to(cd)
-    finite = torch.isfinite(vals)
-    bad_key = ~finite.all(dim=-1)  # [bs, W, Hkv]
-    vals = torch.where(finite, vals, torch.zeros((), dtype=cd, device=vals.device))
+    # on the CPU (no sync to avoid) a finite sum shows every entry finite, and the masking work is skipped
+    # (a sum of finite values that overflows takes the full path: the same result)
+    all_finite = vals.device.type == "cpu" and bool(torch.isfinite(vals.sum()))
+    sees_bad = None
+    if not all_finite:
+        finite = torch.isfinite(vals)
+        bad_key = ~finite.all(dim=-1)  # [bs, W, Hkv]
+        vals = torch.where(finite, vals, torch.zeros((), dtype=cd, device=vals.device))
+        # [bs, Hkv, Lq]: the query rows that see a key whose V was not finite
+        sees_bad = torch.einsum("bqw,bwk->bkq", allowed.to(torch.float32), bad_key.to(torch.float32)) > 0
     keys, vals = keys * scales[0], vals * scales[1]  # dequantize: x = stored · scale
-    # [bs, Hkv, Lq]: the query rows that see a key whose V was not finite
-    sees_bad = torch.einsum("bqw,bwk->bkq", allowed.to(torch.float32), bad_key.to(torch.float32)) > 0
     q_pad = torch.cat([q.to(cd), q.new_zeros((1, hq, d), dtype=cd)])
     qb = q_pad[meta.q_rows].view(bs, q_width, hkv, group, d)
     sink = None if sinks is None else sinks.to(cd).view(1, hkv, group, 1)
@@ -421,8 +426,9 @@ def _attention(q, keys, vals, allowed, meta: _Metadata, layer, sinks, return_lse
         if sink is not None:
             denom = denom + torch.exp(sink - m)
         o = torch.einsum("bkgqw,bwkd->bqkgd", e, vals)
-        poisoned = sees_bad[:, :, c0:c1].permute(0, 2, 1)[:, :, :, None, None]  # [bs, q, Hkv, 1, 1]
-        o = o.masked_fill(poisoned, float("nan"))
+        if sees_bad is not None:
+            poisoned = sees_bad[:, :, c0:c1].permute(0, 2, 1)[:, :, :, None, None]  # [bs, q, Hkv, 1, 1]
+            o = o.masked_fill(poisoned, float("nan"))
         inv = torch.where(denom > 0, 1.0 / denom, torch.zeros_like(denom)).permute(0, 3, 1, 2)
         rows = meta.q_rows[:, c0:c1].reshape(-1)
         out.index_copy_(0, rows, (o * inv[..., None]).reshape(-1, hkv, group, dv))
