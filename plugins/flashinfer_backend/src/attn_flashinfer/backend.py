@@ -261,7 +261,7 @@ class FlashInferBackend(AttentionBackend[Union[Step, mixed.SplitStep]]):
         # the ragged kernel reads the new tokens' K/V from k and v: a non-finite value is cleaned there too
         # (K = NaN, V = 0, as the pool stores it), so a masked key adds nothing to the tokens before it
         if save_kv_cache:
-            pool = self.save_kv(k, v, layer, batch, clean_inputs=plan.ragged is not None)
+            pool = self.save_kv(k, v, layer, batch, clean_inputs=plan.reads_new_kv)
         else:
             pool = self.kv_pool(batch)
         k_cache, v_cache = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)

@@ -86,6 +86,11 @@ class MixedPlan:
     def path(self) -> str:
         return f"{self.decode.path} + {self.extend.path} (mixed split)"
 
+    @property
+    def reads_new_kv(self) -> bool:
+        """Whether `run` reads the new tokens' K/V from its k / v arguments (its extend part's ragged pass)."""
+        return self.extend.reads_new_kv
+
     def check_new_kv(self, k: Optional[torch.Tensor], mode_name: str) -> None:
         self.extend.check_new_kv(k, mode_name)
 

@@ -57,6 +57,11 @@ class Plan:
     ragged: Optional[BatchPrefillWithRaggedKVCacheWrapper] = None
     paged: Optional[BatchPrefillWithPagedKVCacheWrapper] = None
 
+    @property
+    def reads_new_kv(self) -> bool:
+        """Whether `run` reads the new tokens' K/V from its k / v arguments (the ragged pass), not the cache."""
+        return self.ragged is not None
+
     def check_new_kv(self, k: Optional[torch.Tensor], mode_name: str) -> None:
         """A typed error when the plan has a ragged pass (which reads the new tokens' K/V) and `k` is None."""
         if self.ragged is not None and k is None:
