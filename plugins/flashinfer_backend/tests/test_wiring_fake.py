@@ -202,3 +202,37 @@ def test_a_split_mixed_layer_reports_both_plans(factory):
     with debug_paths.recording() as calls:
         backend.forward(x["q"], x["k"], x["v"], layer, env.batch)
     assert [c.path for c in calls] == ["decode + ragged + paged prefix (mixed split)"]
+
+
+@pytest.mark.parametrize("mode", ["EXTEND", "DECODE"])
+def test_save_kv_cleans_the_inputs_its_ragged_pass_reads(factory, mode):
+    """The engine's pattern (`save_kv`, then `forward(..., save_kv_cache=False)` with the same k / v): where
+    the layer's plan reads the new K/V from k and v (the ragged pass of an extend), a token whose V is not
+    finite is cleaned there too, in place (K = NaN, V = 0, as the pool stores it); a decode reads the pool
+    only, and the inputs are left as given."""
+    import math
+
+    import torch
+
+    from attn_core.contract.layer import AttentionLayer
+    from attn_core.testing.harness import layer_inputs, make_env
+
+    reqs = [(0, 6), (5, 4)] if mode == "EXTEND" else [(6, 1), (9, 1)]
+    env = make_env(AttnCase(mode, reqs, page_size=4, **BASE))
+    backend = factory(env.ctx)
+    b = env.batch
+    b.attn_backend = backend
+    backend.init_forward_metadata(b)
+    inputs = layer_inputs(env, 0, torch.Generator().manual_seed(0), b, env.case.step_requests()[0])
+    k, v = inputs["k"], inputs["v"]
+    v[1, 1, 3] = float("inf")
+    k0, v0 = k.clone(), v.clone()
+    backend.save_kv(k, v, AttentionLayer(0, 4, 2, 64), b)
+    if mode == "EXTEND":
+        assert torch.isnan(k[1, 1]).all() and (v[1, 1] == 0).all()
+        k[1, 1], v[1, 1] = k0[1, 1], v0[1, 1]
+    assert torch.equal(k, k0) and torch.equal(v, v0)  # no other row touched (and a decode: none)
+    slot = int(b.out_cache_loc[1])
+    assert torch.isnan(env.kv_pool.get_key_buffer(0)[slot, 1]).all() and not math.isinf(
+        float(env.kv_pool.get_value_buffer(0)[slot, 1].abs().max())
+    )

@@ -254,6 +254,17 @@ class FlashInferBackend(AttentionBackend[Union[Step, mixed.SplitStep]]):
         step = self.forward_metadata
         return None if step is None else step.plan_of(layer).path
 
+    def save_kv(self, k, v, layer, forward_batch, *, clean_inputs=None):
+        """The core's write step (`AttentionBackend.save_kv`). `clean_inputs` None: this layer's plan in the
+        step decides: where its ragged pass reads the new tokens' K/V from k and v, the rows the write stores
+        as K = NaN, V = 0 (a value not finite) are cleaned in k and v too, in place, so a masked key adds
+        nothing there either. That covers `forward` (which writes through here) and an engine that calls
+        `save_kv` itself and then `forward(..., save_kv_cache=False)` with the same k and v."""
+        if clean_inputs is None:
+            step = self.forward_metadata
+            clean_inputs = k is not None and step is not None and step.plan_of(layer).reads_new_kv
+        return super().save_kv(k, v, layer, forward_batch, clean_inputs=clean_inputs)
+
     def _forward(self, q, k, v, layer, batch, save_kv_cache, return_lse=False):
         scales = kv_scales(layer, self.ctx.token_to_kv_pool)  # typed error for a bad scale, before any write
         plan = self.forward_metadata.plan_of(layer)
