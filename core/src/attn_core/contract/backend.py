@@ -669,7 +669,7 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
             slots = self._write_slots  # the common case first: the bound step's self-attention slots
             if slots is None or forward_batch is not self._metadata_for or layer.is_cross_attention:
                 slots = self.write_slots(forward_batch, layer)
-            if clean_inputs:
+            if clean_inputs:  # the keyword only when asked: an engine's own pool may not take it
                 pool.set_kv_buffer(layer, slots, k, v, layer.k_scale, layer.v_scale, clean_inputs=True)
             else:
                 pool.set_kv_buffer(layer, slots, k, v, layer.k_scale, layer.v_scale)

@@ -181,6 +181,15 @@ def clean_rows(k: torch.Tensor, v: Optional[torch.Tensor], bad: torch.Tensor, va
     return torch.where(bad, clean, k), None
 
 
+def nonfinite_rows(value: torch.Tensor) -> Optional[torch.Tensor]:
+    """bool `[T, H, 1]`: the (token, head) rows of `value` `[T, H, D]` (a 16/32-bit float dtype) holding an Inf or
+    NaN; None on the CPU when a finite sum shows there is none (no sync to avoid there; a sum that overflows
+    gives the mask). Example: value [[[1, 2]], [[inf, 7]]] -> [[[False]], [[True]]]."""
+    if value.device.type == "cpu" and bool(torch.isfinite(value.sum(dtype=torch.float32))):
+        return None
+    return ~torch.isfinite(value).all(-1, keepdim=True)
+
+
 def clean_nonfinite(k: torch.Tensor, v: Optional[torch.Tensor] = None, value_cols: int = 0) -> tuple:
     """(k, v) with every (token, head) row whose value holds an Inf or NaN stored as K = NaN, V = 0 (the
     module docstring says why). k `[T, H, DK]`, v `[T, H, DV]` of a 16/32-bit float dtype; v None: k is an MLA
@@ -189,10 +198,8 @@ def clean_nonfinite(k: torch.Tensor, v: Optional[torch.Tensor] = None, value_col
     [[0, 0]]]."""
     if v is None and value_cols <= 0:
         return k, v
-    value = v if v is not None else k[..., :value_cols]
-    if value.device.type == "cpu" and bool(torch.isfinite(value.sum(dtype=torch.float32))):
-        return k, v  # every value finite (a finite sum; no sync on the CPU): nothing to clean
-    return clean_rows(k, v, ~torch.isfinite(value).all(-1, keepdim=True), value_cols)
+    bad = nonfinite_rows(v if v is not None else k[..., :value_cols])
+    return (k, v) if bad is None else clean_rows(k, v, bad, value_cols)
 
 
 _FUSED: list = []
@@ -240,21 +247,22 @@ def write_kv_rows(
         return
     from attn_core.memory.fp8 import is_fp8, quantize_kv  # here: the memory package imports this module
 
-    if clean_inputs and v is not None:
-        bad = ~torch.isfinite(v).all(-1, keepdim=True)
-        k.masked_fill_(bad, float("nan"))
-        v.masked_fill_(bad, 0.0)
-    value = v if v is not None else (k[..., :value_cols] if value_cols > 0 else None)
+    k_in, v_in = k, v
     v_dtype = k_cache.dtype if v_cache is None else v_cache.dtype
-    if is_fp8(k_cache.dtype) or is_fp8(v_dtype):  # a stored NaN is an input NaN (x / s, saturated)
-        if value is not None:
-            k, v = clean_rows(k, v, torch.isnan(value).any(-1, keepdim=True), value_cols)
-        kq = quantize_kv(k, k_cache.dtype, k_scale)
-        vq = None if v is None else quantize_kv(v, v_dtype, v_scale)
-    else:
-        kq = quantize_kv(k, k_cache.dtype, k_scale)
-        vq = None if v is None else quantize_kv(v, v_dtype, v_scale)
-        kq, vq = clean_nonfinite(kq, vq, value_cols)
+    fp8 = is_fp8(k_cache.dtype) or is_fp8(v_dtype)
+    bad = None
+    if fp8 and (v is not None or value_cols > 0):  # e4m3 saturates Inf: a stored NaN is an input NaN (x / s)
+        bad = torch.isnan(v if v is not None else k[..., :value_cols]).any(-1, keepdim=True)
+        k, v = clean_rows(k, v, bad, value_cols)
+    kq = quantize_kv(k, k_cache.dtype, k_scale)
+    vq = None if v is None else quantize_kv(v, v_dtype, v_scale)
+    if not fp8 and (vq is not None or value_cols > 0):  # the values as stored
+        bad = nonfinite_rows(vq if vq is not None else kq[..., :value_cols])
+        if bad is not None:
+            kq, vq = clean_rows(kq, vq, bad, value_cols)
+    if clean_inputs and v_in is not None and bad is not None:  # the same rows, in the caller's k and v
+        k_in.masked_fill_(bad, float("nan"))
+        v_in.masked_fill_(bad, 0.0)
     scatter_rows(k_cache, slots, kq, layout, page_size)
     if v_cache is not None and vq is not None:
         scatter_rows(v_cache, slots, vq, layout, page_size)
@@ -309,6 +317,7 @@ __all__ = [
     "check_host_slots",
     "clean_nonfinite",
     "clean_rows",
+    "nonfinite_rows",
     "guard_slots",
     "num_cache_slots",
     "record_fault",
