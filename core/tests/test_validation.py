@@ -225,12 +225,12 @@ def test_graph_relocation_check_catches_stale_and_moved_graph_metadata():
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_host_length_stats_equal_a_plain_loop(dtype):
-    """Both sides of SMALL_HOST_BATCH (the list path and the numpy path), against a loop over the values;
+    """Both sides of HOST_STATS_LIST_MAX (the list path and the numpy path), against a loop over the values;
     int32 lengths whose sum passes 2**31 do not wrap."""
-    from attn_core.contract.validation import SMALL_HOST_BATCH, host_length_stats
+    from attn_core.contract.validation import HOST_STATS_LIST_MAX, host_length_stats
 
     gen = torch.Generator().manual_seed(3)
-    for bs in (1, 2, SMALL_HOST_BATCH - 1, SMALL_HOST_BATCH, SMALL_HOST_BATCH + 1, 40, 300):
+    for bs in (1, 2, 40, HOST_STATS_LIST_MAX - 1, HOST_STATS_LIST_MAX, HOST_STATS_LIST_MAX + 1, 1500):
         for high in (5, 2**31 - 1):
             t = torch.randint(0, high, (bs,), generator=gen, dtype=dtype)
             lo = hi = int(t[0])

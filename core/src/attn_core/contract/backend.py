@@ -386,17 +386,19 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
             expected = f"{tokens} tokens ({tokens // step.bs} per request), as captured"
             raise GraphShapeError("num_tokens", expected, step.num_tokens)
 
-    def replay_graph_step(self, step: CudaGraphStep) -> None:
+    def replay_graph_step(self, step: CudaGraphStep, *, snapshot_faults: bool = True) -> None:
         """Every graph replay's metadata goes through here (the graph runner, the draft wrapper, the kit,
         SGLang's `init_forward_metadata_replay_cuda_graph`): raise what the fault word's host copy holds
         (`DeviceFaultError`, no sync), refuse a shape that was not captured (`GraphShapeError`), refresh
         the graph buffers (`replay_cuda_graph_metadata`), then queue the fault word's host copy (no sync),
-        which the next replay or step reads."""
+        which the next replay or step reads. `snapshot_faults=False` leaves that copy to the caller, who
+        queues it after the replay (`CudaGraphRunner`: its graphs capture the copy, `DeviceFaultFlags.copy_to_host`)."""
         self.raise_pending_fault()
         self.check_graph_shape(step)
         self.step_count += 1
         self.replay_cuda_graph_metadata(step)
-        self.device_faults.snapshot(self.step_count)
+        if snapshot_faults:
+            self.device_faults.snapshot(self.step_count)
 
     def init_forward_metadata_capture_cuda_graph(
         self,

@@ -75,18 +75,24 @@ def effective_level(ctx) -> str:
 
 # the reductions of the host copies (ufunc.reduce skips the Python layers of ndarray.min/max/sum)
 _MIN, _MAX, _SUM, _ANY = np.minimum.reduce, np.maximum.reduce, np.add.reduce, np.logical_or.reduce
-#: batches of at most this many requests reduce their host lengths as a Python list (see `host_length_stats`)
+#: batches of at most this many requests run per-step host loops as Python lists, not numpy calls
+#: (`attn_core.ops.kv_indices.host_page_offsets`, whose loop writes into numpy, ~0.3 µs an entry)
 SMALL_HOST_BATCH = 16
+#: batches of at most this many requests get their host length statistics as a Python list
+#: (`host_length_stats`: builtins only, ~40 ns an entry)
+HOST_STATS_LIST_MAX = 512
 
 
 def host_length_stats(lengths: torch.Tensor) -> tuple[int, int, int]:
     """(min, max, sum) of a host int32/int64 tensor `[bs]` (bs >= 1) as Python ints; the sum does not wrap.
 
-    Per-step host time: up to `SMALL_HOST_BATCH` entries one `tolist()` and Python's min/max/sum (~0.6 µs
-    at bs 1 on a desktop core), above that a numpy view and three `ufunc.reduce` calls (~4 µs at any size,
-    where the list's cost grows ~40 ns an entry). Example: `host_length_stats(torch.tensor([5, 2, 9]))` is
-    `(2, 9, 16)`."""
-    if lengths.shape[0] <= SMALL_HOST_BATCH:
+    Per-step host time: up to `HOST_STATS_LIST_MAX` entries one `tolist()` and Python's min/max/sum, above
+    that a numpy view and three `ufunc.reduce` calls. Alone in a loop the numpy calls are cheaper from ~64
+    entries on (~3.5 µs against the list's ~10 µs at 256, H200 host); inside a graph step they were not:
+    at bs 256 the list path made `CudaGraphRunner.run` 0.84 × as long as the numpy path (H200, 2026-11-29,
+    docs/dev/perf-notebook.md "Host time of a graph step"), the numpy calls' cold code paths costing tens of µs
+    between the step's other work. Example: `host_length_stats(torch.tensor([5, 2, 9]))` is `(2, 9, 16)`."""
+    if lengths.shape[0] <= HOST_STATS_LIST_MAX:
         values = lengths.tolist()
         return min(values), max(values), sum(values)
     a = lengths.numpy()

@@ -18,9 +18,10 @@ work of the captured graph: the engine's `out_cache_loc`, copied into a raw slot
 `seq_lens_sum` reaches it through a one-element device buffer that `run` fills (`fill_`: the value travels
 as the kernel's argument, so a later step cannot overwrite it before the graph reads it). So a replay
 launches no check of its own (a Triton launch costs ~35-45 µs of host time), only two small copies; the
-fault word's host copy is queued after the replay, and its faults surface at the next replay or step as
-`DeviceFaultError` (no sync). A replay whose shape differs from the capture (batch size bucket, tokens per
-request, draft count, inputs) is refused with `GraphShapeError`.
+fault word's host copy is the graph's last captured work (a device-to-host copy into pinned memory, so no
+host call per replay), and its faults surface at the next replay or step as `DeviceFaultError` (no sync). A
+replay whose shape differs from the capture (batch size bucket, tokens per request, draft count, inputs) is
+refused with `GraphShapeError`.
 """
 
 from __future__ import annotations
@@ -266,6 +267,9 @@ class CudaGraphRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             out = self._checked_layers(batch, views)
+            # the fault word's host copy (pinned: a captured device-to-host copy), after the step check and
+            # the layers: each replay refreshes it with no host call of its own (`run` marks it taken)
+            self.backend.device_faults.copy_to_host()
         self._graphs[(mode, bs)] = (graph, out)
 
     # ---- replay --------------------------------------------------------------------------------------
@@ -346,16 +350,20 @@ class CudaGraphRunner:
             mask[:mask_end] = given_mask
             indptr[: bs + 1] = batch_field(given.mask_indptr, "spec_info.mask_indptr")
         self._write_padding(mode, pad, mask_end)
-        seq_cpu = torch.cat([b.seq_lens_cpu, torch.full((gbs - bs,), pad.seq_len, dtype=b.seq_lens_cpu.dtype)])
-        self.backend.replay_graph_step(self._graph_step(mode, gbs, seq_cpu))
+        seq_cpu = b.seq_lens_cpu  # padded with the padding rows' length when there are any
+        if gbs > bs:
+            seq_cpu = torch.cat([seq_cpu, torch.full((gbs - bs,), pad.seq_len, dtype=seq_cpu.dtype)])
+        # the fault word's host copy is queued after the layers (below), not after the metadata
+        self.backend.replay_graph_step(self._graph_step(mode, gbs, seq_cpu), snapshot_faults=False)
         graph, out = self._graphs[(mode, gbs)]
+        faults = self.backend.device_faults
         if graph is None:
             out = self._checked_layers(self._static_batch(mode, gbs, seq_cpu), self._views(gbs * per))
+            faults.snapshot(self.backend.step_count)
         else:
-            graph.replay()
+            graph.replay()  # its last work: the fault word's host copy (captured, `_capture`)
             assert out is not None, "a captured graph keeps the output it was captured with"
-        # the fault word's host copy, queued after the graph's step check (read by the next replay or step)
-        self.backend.device_faults.snapshot(self.backend.step_count)
+            faults.mark_snapshot(self.backend.step_count)  # read by the next replay or step
         if isinstance(out, tuple):
             return tuple(o[:tokens] for o in out)
         return out[:tokens]

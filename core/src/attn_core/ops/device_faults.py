@@ -194,6 +194,8 @@ class DeviceFaultFlags:
         self._host: Optional[torch.Tensor] = None  # the host copy (accelerators only)
         if self.device.type == "cuda":  # pinned now, not in a step: a truly asynchronous copy, no allocation per step
             self._host = torch.zeros(FAULT_WORDS, dtype=torch.int32, pin_memory=True)
+        self._host_view: Optional[memoryview] = None  # of `_host` (`_host_view_of`), made at the first read
+        self._host_view_of: Optional[torch.Tensor] = None
         self._host_step: Optional[int] = None  # the step the host copy's snapshot is blamed on
         self._host_valid = False  # a snapshot was queued since the last clear
 
@@ -231,13 +233,25 @@ class DeviceFaultFlags:
         """Queue a non-blocking copy of the word to pinned host memory after the kernels queued so far on
         the current stream (no sync; nothing to do on the CPU, where the word is host memory). `step`
         is what `read_snapshot` blames a fault on."""
-        self._host_step = step
-        self._host_valid = True
+        self.mark_snapshot(step)
+        self.copy_to_host()
+
+    def copy_to_host(self) -> None:
+        """Queue the non-blocking copy of the word into the pinned host copy, and nothing else: the device work
+        of `snapshot`, which a CUDA graph can capture (`CudaGraphRunner` does, so a replay makes the copy with
+        no host call); the host then calls `mark_snapshot` after each replay. Nothing to do on the CPU."""
         if self.on_host:
             return
         if self._host is None:  # pinned on CUDA (a truly asynchronous copy); other accelerators get plain memory
             self._host = torch.zeros(FAULT_WORDS, dtype=torch.int32, pin_memory=self.device.type == "cuda")
         self._host.copy_(self.buffer, non_blocking=True)
+
+    def mark_snapshot(self, step: Optional[int] = None) -> None:
+        """Record that a copy of the word to the host copy was queued (by `copy_to_host`, or by a replayed
+        graph that captured it) for `step`: `read_snapshot` then reads that copy and blames `step`. Host
+        bookkeeping only."""
+        self._host_step = step
+        self._host_valid = True
 
     def read_snapshot(self) -> Optional[DeviceFault]:
         """The fault in the last snapshot that has landed (None: none, or no snapshot since the last
@@ -248,6 +262,11 @@ class DeviceFaultFlags:
         elif self._host is None or not self._host_valid:
             return None  # nothing queued since the last clear (a copy still landing from before it is stale)
         else:
+            # the flags first, through a memoryview of the host copy (no torch or numpy call per step)
+            if self._host_view is None or self._host_view_of is not self._host:
+                self._host_view, self._host_view_of = memoryview(self._host.numpy()), self._host
+            if not any(self._host_view[:NUM_FAULT_KINDS]):
+                return None
             words = self._host.tolist()
         if not any(words[:NUM_FAULT_KINDS]):
             return None

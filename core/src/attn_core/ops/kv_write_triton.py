@@ -17,7 +17,6 @@ Importing this module imports Triton.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -106,11 +105,40 @@ def _cache_strides(cache: torch.Tensor, layout: str) -> tuple[int, int, int]:
     return (st[0], 0, st[1]) if layout == "NHD" else (st[0], st[2], st[1])
 
 
-@functools.lru_cache(maxsize=256)
 def _blocks(dk: int, dv: int, heads: int) -> tuple[int, int, int]:
     """(BLOCK_DK, BLOCK_DV, BLOCK_H): powers of two covering the dims, heads in blocks of <= 4096 elements."""
     block_dk, block_dv = triton.next_power_of_2(dk), triton.next_power_of_2(max(dv, 1))
     return block_dk, block_dv, max(1, min(triton.next_power_of_2(heads), 4096 // max(block_dk, block_dv)))
+
+
+#: the bound launches (`CachedLaunch.bind`) by (tokens, heads, DK, DV, PAGE, SHARED, CLEAN_INPUTS): a layer's
+#: write then passes its runtime arguments alone (the constexprs' keyword handling costs a few µs a call,
+#: 32+ calls a step); emptied when it reaches `_MAX_BOUND` entries (extend steps bring new token counts)
+_BOUND: dict[tuple, object] = {}
+_MAX_BOUND = 4096
+
+
+def _bound_launch(num_tokens: int, heads: int, dk: int, dv: int, page: int, shared: bool, clean: bool):
+    key = (num_tokens, heads, dk, dv, page, shared, clean)
+    bound = _BOUND.get(key)
+    if bound is None:
+        if len(_BOUND) >= _MAX_BOUND:
+            _BOUND.clear()
+        block_dk, block_dv, block_h = _blocks(dk, dv, heads)
+        bound = _BOUND[key] = _LAUNCH.bind(
+            (num_tokens,),
+            H=heads,
+            DK=dk,
+            DV=dv,
+            BLOCK_H=block_h,
+            BLOCK_DK=block_dk,
+            BLOCK_DV=block_dv,
+            PAGE=page,
+            SHARED=shared,
+            CLEAN_INPUTS=clean,
+            num_warps=4,
+        )
+    return bound
 
 
 def fused_write_fits(
@@ -124,14 +152,17 @@ def fused_write_fits(
     """Whether `write_kv_triton` takes this write: caches of one plain dtype (`PLAIN_DTYPES`) and scales of 1
     (nothing to quantize), K (and V) `[T, H, D]` inputs of a float dtype, every last dimension contiguous.
     Example: a bf16 pool and bf16 rows with scales 1.0 fit; an fp8 pool, or a scale of 0.5, does not."""
-    if k_scale != 1.0 or v_scale != 1.0 or k_cache.dtype not in PLAIN_DTYPES:
+    # one expression a tensor, no containers (called for every layer's write)
+    dtype = k_cache.dtype
+    if k_scale != 1.0 or v_scale != 1.0 or dtype not in PLAIN_DTYPES or k_cache.stride(-1) != 1:
         return False
-    tensors = [k_cache, k] + ([] if v_cache is None else [v_cache, v])
-    if any(x is None or not x.dtype.is_floating_point or x.stride(-1) != 1 for x in tensors):
+    if k is None or not k.dtype.is_floating_point or k.stride(-1) != 1 or k.dim() != 3:
         return False
-    if v_cache is not None and v_cache.dtype != k_cache.dtype:
+    if v_cache is None:
+        return v is None or v.dim() == 3
+    if v_cache.dtype != dtype or v_cache.stride(-1) != 1:
         return False
-    return k.dim() == 3 and (v is None or v.dim() == 3)
+    return v is not None and v.dtype.is_floating_point and v.stride(-1) == 1 and v.dim() == 3
 
 
 def write_kv_triton(
@@ -162,10 +193,10 @@ def write_kv_triton(
         assert v is not None and v_cache is not None, "a V cache needs the V rows"
         dv = v.shape[2]
         vcp, vcs, vch = _cache_strides(v_cache, layout)
-    block_dk, block_dv, block_h = _blocks(dk, dv, heads)
     kst, vst = k.stride(), v.stride()
-    _LAUNCH(
-        (num_tokens,),
+    page = page_size if layout == "HND" else 1
+    launch = _bound_launch(num_tokens, heads, dk, dv, page, shared, clean_inputs and not shared)
+    launch(
         k_cache,
         v_cache,
         slots,
@@ -182,16 +213,6 @@ def write_kv_triton(
         vcp,
         vcs,
         vch,
-        H=heads,
-        DK=dk,
-        DV=dv,
-        BLOCK_H=block_h,
-        BLOCK_DK=block_dk,
-        BLOCK_DV=block_dv,
-        PAGE=page_size if layout == "HND" else 1,
-        SHARED=shared,
-        CLEAN_INPUTS=clean_inputs and not shared,
-        num_warps=4,
     )
 
 
