@@ -9,7 +9,9 @@ Two numbers per shape (GQA 32 q / 8 kv heads, head_dim 128, bf16, page size 16):
   time with the K/V store is reported too.
 - host time of one step's `init_forward_metadata` (index building + plans; from the second step on the
   backend re-plans its wrappers lean, see attn_flashinfer/replan.py) against those FlashInfer plan calls
-  on the same, prebuilt, inputs; for decode also the CUDA-graph replay metadata (index launch into the
+  on the same, prebuilt, inputs, and against the same plan calls preceded by building the step's page ids
+  and offsets with attn-core's public index ops (what an engine driving FlashInfer alone does every step;
+  the three timed in turn); for decode also the CUDA-graph replay metadata (index launch into the
   graph's buffers + lean re-plan, and, on a backend made with `lean_replan=False`, FlashInfer's own plan).
 
 The backend is made with `attn_core.create_backend` and driven through the public contract only; every
@@ -153,6 +155,10 @@ def bench(name: str, mode: str, reqs, iters: int, rounds: int, validation: str =
         def fi_plan():
             w.plan(indptr, indices, last, HQ, HKV, D, PAGE, seq_lens=kv_lens, **common)
 
+        def fi_plan_with_pages():  # as an engine on FlashInfer alone: the step's page ids first
+            ip, ids, lp, kl = paged_inputs(batch, batch.seq_lens, batch.seq_lens_cpu)
+            w.plan(ip, ids, lp, HQ, HKV, D, PAGE, seq_lens=kl, **common)
+
         def direct():
             w.run(q3, pages)
     else:
@@ -164,6 +170,12 @@ def bench(name: str, mode: str, reqs, iters: int, rounds: int, validation: str =
         def fi_plan():
             wr.plan(qo, qo, HQ, HKV, D, causal=True, **common)
             wp.plan(qo, indptr, indices, last, HQ, HKV, D, PAGE, causal=False, seq_lens=kv_lens, **common)
+
+        def fi_plan_with_pages():  # as an engine on FlashInfer alone: the step's offsets and page ids first
+            q_off = page_indptr_from_lens(batch.extend_seq_lens_cpu, 1)
+            ip, ids, lp, kl = paged_inputs(batch, batch.extend_prefix_lens, batch.extend_prefix_lens_cpu)
+            wr.plan(q_off, q_off, HQ, HKV, D, causal=True, **common)
+            wp.plan(q_off, ip, ids, lp, HQ, HKV, D, PAGE, causal=False, seq_lens=kl, **common)
 
         def direct():
             o, s = wr.run(q3, k, v, return_lse=True)
@@ -184,13 +196,16 @@ def bench(name: str, mode: str, reqs, iters: int, rounds: int, validation: str =
     t_ours, t_direct = interleaved(ours, direct, rounds, lambda f: gpu_time_us(f, iters, 3))
     t_store = statistics.median(gpu_time_us(ours_with_store, iters, 3))
 
-    # host time of metadata: ours (index building + plans) vs FlashInfer's own plan calls, same inputs
+    # host time of metadata: ours (index building, checks, plans) vs FlashInfer's own plan calls on prebuilt page
+    # ids, and vs the same plan calls after building the step's page ids (what an engine without attn does per step)
     def ours_meta():
         backend.init_forward_metadata(batch)
 
-    for fn in (ours_meta, fi_plan):
+    candidates = {"ours": ours_meta, "plan": fi_plan, "plan_with_pages": fi_plan_with_pages}
+    for fn in candidates.values():
         fn()
-    h_ours, h_fi = interleaved(ours_meta, fi_plan, 40 * rounds, lambda f: host_time_us(f, 1))  # alternate call by call
+    host = interleave({k: (lambda f=f: host_time_us(f, 1)) for k, f in candidates.items()}, 40 * rounds, rotate=True)
+    h_ours, h_fi, h_fi_pages = (statistics.median(host[k]) for k in candidates)
     res = {
         "name": name,
         "forward_us": t_ours,
@@ -200,6 +215,8 @@ def bench(name: str, mode: str, reqs, iters: int, rounds: int, validation: str =
         "metadata_host_us": h_ours,
         "flashinfer_plan_host_us": h_fi,
         "metadata_over_plan": h_ours / h_fi,
+        "flashinfer_plan_with_page_ids_host_us": h_fi_pages,
+        "metadata_over_plan_with_page_ids": h_ours / h_fi_pages,
     }
     if decode:  # CUDA-graph replay metadata: index launch into the graph's buffers + re-plan
         bs = batch.batch_size
@@ -262,13 +279,14 @@ def main() -> None:
         bench(name, mode, reqs, args.iters, args.rounds, args.validation) for name, (mode, reqs) in SHAPES.items()
     ]
     head = f"{'shape':30} {'forward µs':>11} {'FI run µs':>10} {'ratio':>6} {'+KV store':>10}"
-    head += f" {'meta host µs':>13} {'FI plan µs':>11} {'ratio':>6}"
+    head += f" {'meta host µs':>13} {'FI plan µs':>11} {'ratio':>6} {'+page ids µs':>13} {'ratio':>6}"
     print(head)
     for r in results:
         print(
             f"{r['name']:30} {r['forward_us']:11.1f} {r['flashinfer_run_us']:10.1f} {r['forward_over_run']:6.3f} "
             f"{r['forward_with_kv_store_us']:10.1f} {r['metadata_host_us']:13.1f} {r['flashinfer_plan_host_us']:11.1f} "
-            f"{r['metadata_over_plan']:6.3f}"
+            f"{r['metadata_over_plan']:6.3f} {r['flashinfer_plan_with_page_ids_host_us']:13.1f} "
+            f"{r['metadata_over_plan_with_page_ids']:6.3f}"
         )
         if "graph_replay_metadata_host_us" in r:
             print(
