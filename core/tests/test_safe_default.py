@@ -168,13 +168,12 @@ def test_fault_flags_on_the_cpu_read_directly_and_clear():
 
 
 def test_fault_flags_host_copy_path_copy_mark_and_read():
-    """The accelerator path (a host copy of the word) on CPU tensors: `copy_to_host` moves the word,
-    `mark_snapshot` makes it readable and names the step, `read_snapshot` reports it once; a copy not marked is
-    not read, a mark without a new copy reads the last copy (what a replayed graph that captured the copy
-    leaves), a replaced host tensor is read, not the old one."""
+    """The accelerator path (a host copy of the word, made at the first copy) on CPU tensors: `copy_to_host`
+    moves the word, `mark_snapshot` makes it readable and names the step, `read_snapshot` reports it once; a
+    copy not marked is not read, a mark without a new copy reads the last copy (what a replayed graph that
+    captured the copy leaves), a later fault after a clear is read in turn."""
     flags = DeviceFaultFlags(torch.device("cpu"))
-    flags.device = torch.device("meta")  # not on the host: the snapshot path
-    flags._host = torch.zeros(FAULT_WORDS, dtype=torch.int32)  # the pinned copy of a GPU
+    flags.device = torch.device("meta")  # not on the host: the snapshot path (plain host memory for the copy)
     assert not flags.on_host and flags.read_snapshot() is None
     flags.buffer[int(DeviceFaultKind.SLOT)] = 1
     flags.copy_to_host()
@@ -185,8 +184,8 @@ def test_fault_flags_host_copy_path_copy_mark_and_read():
     assert flags.read_snapshot() is None and not flags.buffer.any() and not flags._host.any()
     flags.mark_snapshot(10)  # a replay whose copy found the word clean
     assert flags.read_snapshot() is None
-    flags._host = torch.zeros(FAULT_WORDS, dtype=torch.int32)
-    flags._host[int(DeviceFaultKind.LENGTH)] = 1
+    flags.buffer[int(DeviceFaultKind.LENGTH)] = 1
+    flags.copy_to_host()
     flags.mark_snapshot(11)
     fault = flags.read_snapshot()
     assert fault.kinds == (DeviceFaultKind.LENGTH,) and fault.step == 11

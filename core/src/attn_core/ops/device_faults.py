@@ -191,13 +191,19 @@ class DeviceFaultFlags:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self.buffer = torch.zeros(FAULT_WORDS, dtype=torch.int32, device=self.device)
-        self._host: Optional[torch.Tensor] = None  # the host copy (accelerators only)
+        self._host: Optional[torch.Tensor] = None  # the host copy (accelerators only), made by `_make_host`
+        self._host_view: Optional[memoryview] = None  # `_host`'s memory, read without a torch or numpy call
         if self.device.type == "cuda":  # pinned now, not in a step: a truly asynchronous copy, no allocation per step
-            self._host = torch.zeros(FAULT_WORDS, dtype=torch.int32, pin_memory=True)
-        self._host_view: Optional[memoryview] = None  # of `_host` (`_host_view_of`), made at the first read
-        self._host_view_of: Optional[torch.Tensor] = None
+            self._make_host()
         self._host_step: Optional[int] = None  # the step the host copy's snapshot is blamed on
         self._host_valid = False  # a snapshot was queued since the last clear
+
+    def _make_host(self) -> torch.Tensor:
+        """The host copy (pinned on CUDA: a truly asynchronous copy; plain memory on other accelerators) and
+        its memoryview."""
+        self._host = torch.zeros(FAULT_WORDS, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        self._host_view = memoryview(self._host.numpy())
+        return self._host
 
     @property
     def on_host(self) -> bool:
@@ -242,9 +248,8 @@ class DeviceFaultFlags:
         no host call); the host then calls `mark_snapshot` after each replay. Nothing to do on the CPU."""
         if self.on_host:
             return
-        if self._host is None:  # pinned on CUDA (a truly asynchronous copy); other accelerators get plain memory
-            self._host = torch.zeros(FAULT_WORDS, dtype=torch.int32, pin_memory=self.device.type == "cuda")
-        self._host.copy_(self.buffer, non_blocking=True)
+        host = self._host if self._host is not None else self._make_host()
+        host.copy_(self.buffer, non_blocking=True)
 
     def mark_snapshot(self, step: Optional[int] = None) -> None:
         """Record that a copy of the word to the host copy was queued (by `copy_to_host`, or by a replayed
@@ -259,17 +264,14 @@ class DeviceFaultFlags:
         stream-ordered), so it is reported once."""
         if self.on_host:
             words = self.buffer.tolist()
-        elif self._host is None or not self._host_valid:
-            return None  # nothing queued since the last clear (a copy still landing from before it is stale)
-        else:
-            # the flags first, through a memoryview of the host copy (no torch or numpy call per step)
-            if self._host_view is None or self._host_view_of is not self._host:
-                self._host_view, self._host_view_of = memoryview(self._host.numpy()), self._host
-            if not any(self._host_view[:NUM_FAULT_KINDS]):
+            if not any(words[:NUM_FAULT_KINDS]):
                 return None
-            words = self._host.tolist()
-        if not any(words[:NUM_FAULT_KINDS]):
+        elif self._host is None or self._host_view is None or not self._host_valid:
+            return None  # nothing queued since the last clear (a copy still landing from before it is stale)
+        elif not any(self._host_view[:NUM_FAULT_KINDS]):  # the flags, with no torch or numpy call per step
             return None
+        else:
+            words = self._host.tolist()
         fault = DeviceFault.from_words(words, self._host_step)
         self.clear()
         return fault

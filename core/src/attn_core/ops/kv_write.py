@@ -40,6 +40,7 @@ two refused, fault WRITE_SLOT recorded); on the CPU the same call raises `Invali
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -202,20 +203,15 @@ def clean_nonfinite(k: torch.Tensor, v: Optional[torch.Tensor] = None, value_col
     return (k, v) if bad is None else clean_rows(k, v, bad, value_cols)
 
 
-_FUSED: list = []
-
-
+@functools.cache
 def _fused_writer():
     """(`kv_write_triton.fused_write_fits`, `kv_write_triton.write_kv_triton`), or None without Triton
     (looked up once: this is per-layer code)."""
-    if not _FUSED:
-        try:
-            from attn_core.ops import kv_write_triton
-        except ImportError:
-            _FUSED.append(None)
-        else:
-            _FUSED.append((kv_write_triton.fused_write_fits, kv_write_triton.write_kv_triton))
-    return _FUSED[0]
+    try:
+        from attn_core.ops import kv_write_triton
+    except ImportError:
+        return None
+    return kv_write_triton.fused_write_fits, kv_write_triton.write_kv_triton
 
 
 def write_kv_rows(
